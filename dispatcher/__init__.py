@@ -1,0 +1,1 @@
+"""twogrid's dispatcher: configuration resolution, capture grids and plans, and O(1) step dispatch."""

@@ -1,0 +1,7 @@
+"""``python -m dispatcher``: the same CLI as ``twogrid``."""
+
+import sys
+
+from dispatcher.cli import main
+
+sys.exit(main())

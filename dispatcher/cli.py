@@ -1,0 +1,225 @@
+"""The ``twogrid`` command line. Subcommands import only what they need: ``plan`` never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from dispatcher.config import ConfigError, Platform, parse_json_arg, resolve
+from dispatcher.plan import CapturePlan, build_plan
+
+
+def detect_platform() -> Platform:
+    """sm100 when the first GPU's compute capability major is 10, else default. Asks nvidia-smi (not torch),
+    so that planning stays fast; no GPU or no nvidia-smi means default."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return Platform.DEFAULT
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return Platform.DEFAULT
+    return Platform.SM100 if out and out[0].split(".")[0] == "10" else Platform.DEFAULT
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every subcommand that resolves a configuration (vLLM's names)."""
+    g = parser.add_argument_group("engine configuration")
+    g.add_argument("--platform", default="auto", choices=["auto", "sm100", "default"],
+                   help="GPU family the plan is for; auto asks nvidia-smi (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=1024, help="requests per step (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 16384 on sm100, 8192 elsewhere)")
+    g.add_argument("--compilation-config", default=None, metavar="JSON",
+                   help="CUDA-graph fields as JSON, or @file.json")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding as JSON (method, num_speculative_tokens, "
+                        "num_speculative_tokens_per_batch_size, adaptive_verification), or @file.json")
+
+
+def config_from_args(args: argparse.Namespace):
+    platform = detect_platform() if args.platform == "auto" else Platform(args.platform)
+    return resolve(
+        parse_json_arg(args.compilation_config, "--compilation-config"),
+        parse_json_arg(args.speculative_config, "--speculative-config"),
+        platform=platform,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def compact_sizes(sizes: Sequence[int]) -> str:
+    """1, 2, 3, 4, 5, 6, 8, 10, 12 -> '1..6, 8..12/2': runs of three or more with one stride are folded."""
+    parts: list[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        if i + 2 < len(sizes):
+            stride = sizes[i + 1] - sizes[i]
+            while j + 1 < len(sizes) and sizes[j + 1] - sizes[j] == stride:
+                j += 1
+            if j - i < 2:
+                j = i
+        if j == i:
+            parts.append(str(sizes[i]))
+            i += 1
+        else:
+            stride = sizes[i + 1] - sizes[i]
+            parts.append(f"{sizes[i]}..{sizes[j]}" + (f"/{stride}" if stride != 1 else ""))
+            i = j + 1
+    return ", ".join(parts)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    right = right or [False] * len(headers)
+    lines = []
+    for r in cells:
+        lines.append("  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_plan(plan: CapturePlan) -> str:
+    cfg = plan.config
+    spec = "no speculative decoding"
+    if cfg.method:
+        spec = f"{cfg.method} K={cfg.num_speculative_tokens}"
+        if len(cfg.tiers) > 1:
+            spec += " tiers " + " / ".join(f"{t.min_batch}-{t.max_batch}:K={t.num_speculative_tokens}" for t in cfg.tiers)
+        if cfg.adaptive_verification:
+            spec += " + adaptive verification"
+    budget = cfg.max_decode_tokens if cfg.max_decode_tokens is not None else "none"
+    head = (
+        f"capture plan: platform {cfg.platform.value}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
+        f"{cfg.max_num_batched_tokens}, mode {cfg.cudagraph_mode.value}, {spec}, decode token budget {budget}"
+    )
+    rows = [
+        (g.runner, g.kind, g.unit, g.q, len(g.sizes), g.largest, compact_sizes(g.sizes) or "(disabled)")
+        for g in plan.graph_sets
+    ]
+    out = [head, ""]
+    if rows:
+        out.append(format_table(["runner", "kind", "unit", "q", "graphs", "largest", "sizes"], rows,
+                                [False, False, False, True, True, True, False]))
+    else:
+        out.append("no CUDA graphs: every step runs eagerly")
+    out += ["", f"total: {plan.num_graphs} graphs"]
+    out += [f"warning: {w}" for w in cfg.warnings]
+    return "\n".join(out)
+
+
+def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A diff side: a saved ``plan --json`` output, or a config file {platform, max_num_seqs,
+    max_num_batched_tokens, compilation_config, speculative_config} (missing keys take the command's flags)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--diff: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--diff: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--diff: {path!r} must hold a JSON object (a plan or a config)")
+    if "runners" in data:
+        return data
+    known = {"platform", "max_num_seqs", "max_num_batched_tokens", "compilation_config", "speculative_config"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--diff: {path!r} has unknown key {unknown[0]!r}; a config file holds {sorted(known)}")
+    platform = data.get("platform") or (detect_platform().value if args.platform == "auto" else args.platform)
+    cfg = resolve(
+        data.get("compilation_config") or {},
+        data.get("speculative_config") or {},
+        platform=platform,
+        max_num_seqs=data.get("max_num_seqs", args.max_num_seqs),
+        max_num_batched_tokens=data.get("max_num_batched_tokens", args.max_num_batched_tokens),
+    )
+    return build_plan(cfg).to_dict()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.matrix:
+        from dispatcher.plandiff import run_matrix
+
+        start = time.perf_counter()
+        result = run_matrix(tuple(args.methods.split(",")))
+        result["seconds"] = round(time.perf_counter() - start, 3)
+        if args.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        rows = [
+            (r["runner"], r["kind"], r["sets"], r["identical"], r["gains coverage"], r["loses coverage"],
+             r["same reach, other sizes"], r["graphs_before"], r["graphs_after"], f'{r["graph_delta"]:+d}')
+            for r in result["summary"]
+        ]
+        print(f"plan matrix: {result['configs']} configs (methods {', '.join(result['methods'])}) against the "
+              f"legacy shared-list baseline, {result['seconds']:.2f} s")
+        print(format_table(["runner", "kind", "sets", "identical", "gains", "loses", "regrid", "graphs main",
+                            "graphs here", "delta"], rows, [False, False] + [True] * 8))
+        if result["invalid_configs"]:
+            print(f"{result['invalid_configs']} configs were rejected by validation")
+        return 0
+    if args.diff:
+        from dispatcher.plandiff import diff_plans
+
+        a, b = (_load_plan_or_config(p, args) for p in args.diff)
+        diffs = diff_plans(a, b)
+        if args.json:
+            print(json.dumps([d.to_dict() for d in diffs], indent=2))
+            return 0
+        rows = [
+            (d.runner, d.kind, d.q, f"{len(d.before)} to {max(d.before, default=0)}",
+             f"{len(d.after)} to {max(d.after, default=0)}", f"{d.graph_delta:+d}", d.status)
+            for d in diffs
+        ]
+        print(f"plan diff: A = {args.diff[0]}, B = {args.diff[1]}")
+        print(format_table(["runner", "kind", "q", "A graphs", "B graphs", "delta", "B vs A"], rows,
+                           [False, False, True, True, True, True, False]))
+        return 0
+    plan = build_plan(config_from_args(args))
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2 if args.pretty else None))
+    else:
+        print(render_plan(plan))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twogrid", description="CUDA-graph serving backend with separate "
+                                     "prefill (tokens) and decode (requests) grids")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the capture plan (graphs per runner and kind) for a configuration",
+                       description="Print the capture plan: per runner and kind, the exact sizes captured.")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (SPEC section 4 schema)")
+    p.add_argument("--pretty", action="store_true", help="indent the JSON")
+    p.add_argument("--diff", nargs=2, metavar=("A", "B"),
+                   help="compare two plans per runner and kind; each file is a saved plan or a config")
+    p.add_argument("--matrix", action="store_true",
+                   help="sweep platforms x max_num_seqs x K x tiers x max_num_batched_tokens x sizing against the "
+                        "legacy shared-list baseline")
+    p.add_argument("--methods", default="eagle3", help="speculative methods swept by --matrix (comma-separated)")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"twogrid {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

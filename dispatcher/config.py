@@ -1,0 +1,540 @@
+"""Configuration: what the user asks for (compilation and speculative configs, engine limits) and what it
+resolves to (the exact size lists every capture plan is built from).
+
+Resolution follows SPEC section 2: set a cap to get the default grid up to it, or a list to choose sizes;
+``[]`` disables a kind; legacy fields initialize both kinds with a deprecation warning and must not be mixed
+with the new ones. Every error names the field, the value and the limit; unknown fields are errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from dispatcher import grids
+
+MAX_SPECULATIVE_TOKENS = 63
+"""Largest K accepted (q = 1 + K <= 64 tokens a request)."""
+SM100_MAX_PREFILL_TOKENS = 8192
+"""sm100 default PIECEWISE cap, before min(., max_num_batched_tokens)."""
+SM100_DECODE_TOKEN_BUDGET = 4096
+"""sm100 default for max_decode_cudagraph_capture_tokens (an interim memory safeguard)."""
+
+
+class ConfigError(ValueError):
+    """A configuration the engine refuses; the message names the field, the value and the limit."""
+
+
+class CUDAGraphMode(str, enum.Enum):
+    """vLLM's graph modes. FULL and PIECEWISE alone use the prefill grid for every batch."""
+
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_full_decode(self) -> bool:
+        """Whether uniform decode (and adaptive verification) get their own FULL graphs."""
+        return self in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+
+class Platform(str, enum.Enum):
+    SM100 = "sm100"
+    DEFAULT = "default"
+
+
+SPEC_METHODS = ("eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash", "ngram", "draft_model")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+"""A field the user did not set (distinct from ``None``, which for the decode token budget means 'no budget')."""
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """``--compilation-config``: the CUDA-graph fields, with vLLM's names. A field left UNSET takes its
+    platform default."""
+
+    cudagraph_mode: Any = UNSET
+    """One of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE (default)."""
+    max_prefill_cudagraph_capture_tokens: Any = UNSET
+    """Tokens. Cap on PIECEWISE graphs (every batch that is not a uniform decode, and uniform decodes no FULL
+    graph covers). Default: min(8192, max_num_batched_tokens) on sm100, else 512."""
+    prefill_cudagraph_capture_token_sizes: Any = UNSET
+    """Tokens. Exact token counts that get a PIECEWISE graph; ``[]`` disables PIECEWISE. Default: the prefill
+    grid (sm100) or the legacy list (elsewhere) up to the cap."""
+    max_decode_cudagraph_capture_requests: Any = UNSET
+    """Requests. Cap on FULL uniform-decode graphs. Default: max_num_seqs (sm100), else floor(512 / q)."""
+    decode_cudagraph_capture_request_sizes: Any = UNSET
+    """Requests. Exact request counts that get a FULL decode graph (n requests are captured as n * q tokens);
+    ``[]`` disables FULL decode. Default: the decode grid (sm100) or legacy request counts up to the cap."""
+    max_decode_cudagraph_capture_tokens: Any = UNSET
+    """Tokens. Capture uniform decode only when n * q <= this budget (q = 1 included); ``null`` means no
+    budget. Adaptive verification is exempt. Default: 4096 on sm100, none elsewhere."""
+    interactivity: Any = UNSET
+    """Bool. Adds every token count up to 32 to the prefill grid (65 sizes at 8192)."""
+    cudagraph_capture_sizes: Any = UNSET
+    """Deprecated. One token list for both kinds (decode: entries divisible by q, divided by q)."""
+    max_cudagraph_capture_size: Any = UNSET
+    """Deprecated. The legacy list up to this many tokens, for both kinds."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "CompilationConfig":
+        return cls(**_known_fields(cls, data, "--compilation-config"))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``: the drafter and how many tokens it proposes."""
+
+    method: Any = UNSET
+    """Drafter: eagle, eagle3, mtp, mtp_multi, dspark, dflash, ngram, draft_model."""
+    num_speculative_tokens: Any = UNSET
+    """K, drafts a request verifies per step (q = 1 + K). Default: the largest tier K when tiers are set."""
+    num_speculative_tokens_per_batch_size: Any = UNSET
+    """Dynamic SD tiers ``[[min_batch, K], ...]``: a uniform decode of n requests uses the K of the last
+    tier whose min_batch <= n. The first min_batch is 1; min_batch strictly increases; 1 <= K <= K_max."""
+    adaptive_verification: Any = UNSET
+    """Bool. Decode steps verify a per-request number of drafts (1..1 + K) on FULL varlen graphs."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "SpeculativeConfig":
+        return cls(**_known_fields(cls, data, "--speculative-config"))
+
+
+def _known_fields(cls: type, data: Any, flag: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {type(data).__name__}: {data!r}")
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{flag}: unknown field {key!r}{hint}; known fields: {', '.join(known)}")
+    return dict(data)
+
+
+def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
+    """Parse a ``--*-config`` value: inline JSON, or ``@path`` to a JSON file."""
+    if text is None or text == "":
+        return {}
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"{flag}: cannot read {text[1:]!r}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Resolved configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One dynamic-SD tier: uniform decodes of min_batch..max_batch requests draft K tokens."""
+
+    min_batch: int
+    max_batch: int
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every size list a capture plan needs, after defaults, caps and validation."""
+
+    platform: Platform
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    cudagraph_mode: CUDAGraphMode
+    method: str | None
+    """Speculative method, None without speculative decoding."""
+    num_speculative_tokens: int
+    """K_max (0 without speculative decoding)."""
+    tiers: tuple[Tier, ...]
+    """One tier per K in use, covering 1..max_num_seqs; a single tier under fixed K."""
+    adaptive_verification: bool
+    interactivity: bool
+    max_prefill_tokens: int
+    prefill_token_sizes: tuple[int, ...]
+    max_decode_requests: int
+    decode_request_sizes: tuple[int, ...] | None
+    """Request sizes shared by every q (sm100 defaults and explicit lists); None when decode sizes come from
+    ``decode_token_sizes`` instead."""
+    decode_token_sizes: tuple[int, ...] | None
+    """Legacy-derived: a token list whose entries divisible by q, over q, are the decode sizes at q."""
+    decode_request_limit: int
+    """Largest request count any decode list may hold: an explicit cap, else max_num_seqs."""
+    max_decode_tokens: int | None
+    """The decode capture budget in tokens (None: no budget)."""
+    legacy: bool
+    """Sized by the deprecated fields."""
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        """The uniform-decode q of each tier, widest batch last."""
+        return tuple(1 + t.num_speculative_tokens for t in self.tiers)
+
+    def decode_sizes(self, query_len: int) -> tuple[int, ...]:
+        """Uniform-decode request sizes at q tokens a request, before the token budget."""
+        if self.decode_request_sizes is not None:
+            return self.decode_request_sizes
+        assert self.decode_token_sizes is not None
+        cap = self.decode_request_limit
+        return tuple(n for n in grids.legacy_decode_sizes(self.decode_token_sizes, query_len) if n <= cap)
+
+    def decode_token_limit(self) -> int:
+        """Largest n * q a FULL uniform-decode graph may hold: the budget, else unbounded."""
+        return self.max_decode_tokens if self.max_decode_tokens is not None else 1 << 62
+
+    def av_cap_tokens(self) -> int:
+        """Adaptive-verification cap: min(decode cap * (1 + K), max_num_batched_tokens)."""
+        return min(self.max_decode_requests * (1 + self.num_speculative_tokens), self.max_num_batched_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved fields, as the plan's ``"config"``."""
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "cudagraph_mode": self.cudagraph_mode.value,
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_speculative_tokens_per_batch_size": [[t.min_batch, t.num_speculative_tokens] for t in self.tiers]
+            if len(self.tiers) > 1
+            else None,
+            "adaptive_verification": self.adaptive_verification,
+            "interactivity": self.interactivity,
+            "max_prefill_cudagraph_capture_tokens": self.max_prefill_tokens,
+            "prefill_cudagraph_capture_token_sizes": list(self.prefill_token_sizes),
+            "max_decode_cudagraph_capture_requests": self.max_decode_requests,
+            "decode_cudagraph_capture_request_sizes": list(self.decode_request_sizes)
+            if self.decode_request_sizes is not None
+            else {"per_q_from_tokens": list(self.decode_token_sizes or ())},
+            "max_decode_cudagraph_capture_tokens": self.max_decode_tokens,
+            "legacy_sizing": self.legacy,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation helpers: each error names the field, the value and the limit.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any, limit: int | None = None, limit_name: str = "") -> int:
+    if not _is_int(value):
+        raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+    if limit is not None and value > limit:
+        raise ConfigError(f"{name} = {value} exceeds {limit_name} = {limit}")
+    return value
+
+
+def _size_list(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{name} must be a list of positive integers, got {value!r}")
+    for i, v in enumerate(value):
+        if not _is_int(v):
+            raise ConfigError(f"{name}[{i}] must be an integer, got {v!r} ({type(v).__name__})")
+        if v < 1:
+            raise ConfigError(f"{name}[{i}] must be >= 1, got {v}")
+    return tuple(sorted(set(value)))
+
+
+def _bool(name: str, value: Any) -> bool:
+    if value is UNSET:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _drop_oversized(name: str, sizes: tuple[int, ...], limit: int, limit_name: str, warn: list[str]):
+    kept = tuple(s for s in sizes if s <= limit)
+    dropped = [s for s in sizes if s > limit]
+    if dropped:
+        shown = ", ".join(map(str, dropped[:8])) + (", ..." if len(dropped) > 8 else "")
+        warn.append(f"{name}: dropped {len(dropped)} size(s) above {limit_name} = {limit} ({shown})")
+    return kept
+
+
+NEW_SIZING_FIELDS = (
+    "max_prefill_cudagraph_capture_tokens",
+    "prefill_cudagraph_capture_token_sizes",
+    "max_decode_cudagraph_capture_requests",
+    "decode_cudagraph_capture_request_sizes",
+)
+LEGACY_FIELDS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def resolve(
+    compilation: CompilationConfig | dict | None = None,
+    speculative: SpeculativeConfig | dict | None = None,
+    *,
+    platform: Platform | str = Platform.DEFAULT,
+    max_num_seqs: int = 1024,
+    max_num_batched_tokens: int | None = None,
+) -> ResolvedConfig:
+    """Resolve user settings into exact size lists (SPEC section 2). Raises ConfigError on bad input."""
+    cc = compilation if isinstance(compilation, CompilationConfig) else CompilationConfig.from_dict(compilation or {})
+    sc = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig.from_dict(speculative or {})
+    try:
+        platform = Platform(platform)
+    except ValueError:
+        raise ConfigError(f"platform must be one of sm100, default; got {platform!r}") from None
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 16384 if platform is Platform.SM100 else 8192
+    max_num_seqs = _positive_int("max_num_seqs", max_num_seqs, 1 << 20, "the limit")
+    max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens, 1 << 24, "the limit")
+    warn: list[str] = []
+
+    # --- speculative decoding --------------------------------------------------------------------------
+    method, k_max, tiers, av = _resolve_speculative(sc, max_num_seqs, warn)
+
+    # --- graph mode ------------------------------------------------------------------------------------
+    mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    if cc.cudagraph_mode is not UNSET:
+        try:
+            mode = CUDAGraphMode(cc.cudagraph_mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in CUDAGraphMode)
+            raise ConfigError(f"cudagraph_mode must be one of {allowed}; got {cc.cudagraph_mode!r}") from None
+    interactivity = _bool("interactivity", cc.interactivity)
+
+    # --- legacy vs new sizing --------------------------------------------------------------------------
+    legacy_set = [f for f in LEGACY_FIELDS if getattr(cc, f) is not UNSET]
+    new_set = [f for f in NEW_SIZING_FIELDS if getattr(cc, f) is not UNSET]
+    if legacy_set and new_set:
+        raise ConfigError(
+            f"deprecated field {legacy_set[0]} cannot be mixed with {new_set[0]}: "
+            f"set the prefill/decode fields alone (or only the deprecated ones)"
+        )
+    budget = cc.max_decode_cudagraph_capture_tokens
+    if budget is UNSET:
+        budget = SM100_DECODE_TOKEN_BUDGET if platform is Platform.SM100 and not legacy_set else None
+    elif budget is not None:
+        budget = _positive_int("max_decode_cudagraph_capture_tokens", budget)
+
+    if legacy_set:
+        sizing = _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, warn)
+    else:
+        sizing = _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn)
+    dec = sizing.decode
+    q_max = 1 + k_max
+    if dec.request_cap is not None:
+        max_decode = dec.request_cap
+    else:
+        max_decode = min(max_num_seqs, max(dec.token_sizes or (0,)) // q_max)
+    prefill_sizes = sizing.prefill_token_sizes
+    decode_disabled = (dec.request_sizes or dec.token_sizes or ()) == ()
+    if not prefill_sizes and decode_disabled:
+        mode = CUDAGraphMode.NONE
+    if av and mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        why = "graphs are disabled" if mode is CUDAGraphMode.NONE else "cudagraph_mode is PIECEWISE"
+        raise ConfigError(
+            f"adaptive_verification needs FULL varlen graphs, but {why}: use cudagraph_mode "
+            f"FULL_AND_PIECEWISE, FULL_DECODE_ONLY or FULL, or set adaptive_verification to false"
+        )
+    if av and decode_disabled and mode is not CUDAGraphMode.FULL:
+        raise ConfigError(
+            "adaptive_verification needs FULL varlen graphs, capped at the decode cap times (1 + K), but "
+            "decode_cudagraph_capture_request_sizes is []: give it sizes or set adaptive_verification to false"
+        )
+    return ResolvedConfig(
+        platform=platform,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        cudagraph_mode=mode,
+        method=method,
+        num_speculative_tokens=k_max,
+        tiers=tiers,
+        adaptive_verification=av,
+        interactivity=interactivity,
+        max_prefill_tokens=sizing.max_prefill_tokens,
+        prefill_token_sizes=prefill_sizes,
+        max_decode_requests=max_decode,
+        decode_request_sizes=dec.request_sizes,
+        decode_token_sizes=dec.token_sizes,
+        decode_request_limit=min(max_num_seqs, dec.request_cap or max_num_seqs),
+        max_decode_tokens=budget,
+        legacy=bool(legacy_set),
+        warnings=tuple(warn),
+    )
+
+
+def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[str]):
+    given = {f.name for f in fields(sc) if getattr(sc, f.name) is not UNSET}
+    if not given:
+        return None, 0, (Tier(1, max_num_seqs, 0),), False
+    if sc.method is UNSET:
+        raise ConfigError(f"--speculative-config: method is required (one of {', '.join(SPEC_METHODS)})")
+    if sc.method not in SPEC_METHODS:
+        raise ConfigError(f"method must be one of {', '.join(SPEC_METHODS)}; got {sc.method!r}")
+    raw_tiers = sc.num_speculative_tokens_per_batch_size
+    k = sc.num_speculative_tokens
+    if k is not UNSET:
+        if not _is_int(k):
+            raise ConfigError(f"num_speculative_tokens must be an integer, got {k!r} ({type(k).__name__})")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    elif raw_tiers is UNSET:
+        raise ConfigError("num_speculative_tokens is required with a speculative method")
+    av = _bool("adaptive_verification", sc.adaptive_verification)
+    if raw_tiers is UNSET or raw_tiers is None:
+        return sc.method, k, (Tier(1, max_num_seqs, k),), av
+
+    name = "num_speculative_tokens_per_batch_size"
+    if not isinstance(raw_tiers, list) or not raw_tiers:
+        raise ConfigError(f"{name} must be a non-empty list of [min_batch, K] pairs, got {raw_tiers!r}")
+    pairs: list[tuple[int, int]] = []
+    for i, pair in enumerate(raw_tiers):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
+            raise ConfigError(f"{name}[{i}] must be a pair of integers [min_batch, K], got {pair!r}")
+        pairs.append((pair[0], pair[1]))
+    if pairs[0][0] != 1:
+        raise ConfigError(f"{name}[0] must start at min_batch 1, got {pairs[0][0]}")
+    k_limit = k if k is not UNSET else MAX_SPECULATIVE_TOKENS
+    for i, (lo, tk) in enumerate(pairs):
+        if i and lo <= pairs[i - 1][0]:
+            raise ConfigError(
+                f"{name}[{i}] min_batch {lo} must be greater than the previous tier's {pairs[i - 1][0]} "
+                f"(tiers sorted, not overlapping)"
+            )
+        if not 1 <= tk <= k_limit:
+            raise ConfigError(f"{name}[{i}] K = {tk} must be in 1..{k_limit} (num_speculative_tokens)")
+    k_max = k if k is not UNSET else max(tk for _, tk in pairs)
+    reachable = [(lo, tk) for lo, tk in pairs if lo <= max_num_seqs]
+    if len(reachable) < len(pairs):
+        warn.append(
+            f"{name}: {len(pairs) - len(reachable)} tier(s) start above max_num_seqs = {max_num_seqs} "
+            f"and are never used"
+        )
+    tiers = tuple(
+        Tier(lo, (reachable[i + 1][0] - 1) if i + 1 < len(reachable) else max_num_seqs, tk)
+        for i, (lo, tk) in enumerate(reachable)
+    )
+    return sc.method, k_max, tiers, av
+
+
+def _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, warn):
+    if cc.cudagraph_capture_sizes is not UNSET:
+        tokens = _size_list("cudagraph_capture_sizes", cc.cudagraph_capture_sizes)
+        if cc.max_cudagraph_capture_size is not UNSET:
+            cap = _positive_int("max_cudagraph_capture_size", cc.max_cudagraph_capture_size)
+            if tokens and tokens[-1] > cap:
+                raise ConfigError(
+                    f"cudagraph_capture_sizes has {tokens[-1]}, above max_cudagraph_capture_size = {cap}"
+                )
+        used = "cudagraph_capture_sizes"
+    else:
+        cap = _positive_int("max_cudagraph_capture_size", cc.max_cudagraph_capture_size)
+        tokens = grids.legacy_token_list(cap)
+        used = "max_cudagraph_capture_size"
+    warn.append(
+        f"{used} is deprecated: it sizes prefill (tokens) and decode (requests) alike; set "
+        f"max_prefill_cudagraph_capture_tokens / max_decode_cudagraph_capture_requests (or their size lists)"
+    )
+    tokens = _drop_oversized("cudagraph_capture_sizes", tokens, max_num_batched_tokens, "max_num_batched_tokens", warn)
+    prefill = tokens
+    if interactivity and prefill:
+        prefill = tuple(sorted(set(prefill) | set(range(1, min(32, prefill[-1]) + 1))))
+    return _Sizing(tokens[-1] if tokens else 0, prefill, _DecodeSizing(None, None, tokens))
+
+
+def _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn):
+    sm100 = platform is Platform.SM100
+    dense = grids.INTERACTIVITY_DENSE_THROUGH if interactivity else 1
+
+    # Prefill (tokens)
+    cap_field, list_field = "max_prefill_cudagraph_capture_tokens", "prefill_cudagraph_capture_token_sizes"
+    cap = cc.max_prefill_cudagraph_capture_tokens
+    sizes = cc.prefill_cudagraph_capture_token_sizes
+    if cap is not UNSET:
+        cap = _positive_int(cap_field, cap)
+        if cap > max_num_batched_tokens:
+            warn.append(f"{cap_field} = {cap} exceeds max_num_batched_tokens = {max_num_batched_tokens}; capped")
+            cap = max_num_batched_tokens
+    if sizes is not UNSET:
+        sizes = _size_list(list_field, sizes)
+        if cap is not UNSET and sizes and sizes[-1] > cap:
+            raise ConfigError(f"{list_field} has {sizes[-1]}, above {cap_field} = {cap}")
+        sizes = _drop_oversized(list_field, sizes, max_num_batched_tokens, "max_num_batched_tokens", warn)
+        if interactivity and sizes:
+            sizes = tuple(sorted(set(sizes) | set(range(1, min(32, sizes[-1]) + 1))))
+        prefill_cap = sizes[-1] if sizes else 0
+    else:
+        if cap is UNSET:
+            cap = min(SM100_MAX_PREFILL_TOKENS if sm100 else grids.LEGACY_DEFAULT_MAX_TOKENS, max_num_batched_tokens)
+        if sm100:
+            sizes = grids.prefill_grid(cap, dense_through=dense)
+        else:
+            sizes = grids.legacy_token_list(cap)
+            if interactivity:
+                sizes = tuple(sorted(set(sizes) | set(range(1, min(32, cap) + 1))))
+        prefill_cap = cap
+
+    # Decode (requests)
+    cap_field, list_field = "max_decode_cudagraph_capture_requests", "decode_cudagraph_capture_request_sizes"
+    dcap = cc.max_decode_cudagraph_capture_requests
+    dsizes = cc.decode_cudagraph_capture_request_sizes
+    if dcap is not UNSET:
+        dcap = _positive_int(cap_field, dcap)
+        if dcap > max_num_seqs:
+            warn.append(f"{cap_field} = {dcap} exceeds max_num_seqs = {max_num_seqs}; capped")
+            dcap = max_num_seqs
+    if dsizes is not UNSET:
+        dsizes = _size_list(list_field, dsizes)
+        if dcap is not UNSET and dsizes and dsizes[-1] > dcap:
+            raise ConfigError(f"{list_field} has {dsizes[-1]}, above {cap_field} = {dcap}")
+        dsizes = _drop_oversized(list_field, dsizes, max_num_seqs, "max_num_seqs", warn)
+        decode = _DecodeSizing(dsizes[-1] if dsizes else 0, dsizes, None)
+    elif sm100:
+        dcap = max_num_seqs if dcap is UNSET else dcap
+        decode = _DecodeSizing(dcap, grids.decode_grid(dcap), None)
+    elif dcap is UNSET:
+        # Off sm100, nothing set: the legacy request counts, reaching floor(512 / q).
+        tokens = grids.legacy_token_list(min(grids.LEGACY_DEFAULT_MAX_TOKENS, max_num_batched_tokens))
+        decode = _DecodeSizing(None, None, tokens)
+    else:
+        # Off sm100 with a cap: the legacy request counts up to the cap (at any q <= 64).
+        decode = _DecodeSizing(dcap, None, grids.legacy_token_list(dcap * (1 + MAX_SPECULATIVE_TOKENS)))
+    return _Sizing(prefill_cap, sizes, decode)
+
+
+@dataclass(frozen=True)
+class _DecodeSizing:
+    request_cap: int | None
+    """Explicit or default cap in requests; None: implied by the token list, floor(max token / q)."""
+    request_sizes: tuple[int, ...] | None
+    token_sizes: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    max_prefill_tokens: int
+    prefill_token_sizes: tuple[int, ...]
+    decode: _DecodeSizing

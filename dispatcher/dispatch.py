@@ -1,0 +1,187 @@
+"""Dispatch: which graph runs a step (SPEC section 5). The hot path is O(1): tables indexed by size.
+
+Each step the engine describes its batch by four numbers (tokens, requests, the longest query, whether
+every request is a decode) and gets back a frozen BatchDescriptor:
+
+- uniform decode (every request a decode with the same query length q): the FULL graph of the smallest
+  decode size n' >= n at that q (sizes already within the token budget); else PIECEWISE by tokens; else eager.
+- adaptive verification (a decode step whose requests verify different numbers of drafts): the FULL varlen
+  graph of the smallest size >= the step's tokens; else PIECEWISE by tokens; else eager.
+- mixed / prefill: the PIECEWISE graph of the smallest size >= tokens (FULL on the same grid in mode FULL);
+  else eager.
+
+Padding: padded rows write their KV to slot -1 and are never sampled; padded requests have sequence length 0.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
+
+# Modes a step runs in.
+MODE_FULL = "FULL"
+MODE_PIECEWISE = "PIECEWISE"
+MODE_EAGER = "NONE"
+# Batch kinds.
+UNIFORM_DECODE = "uniform_decode"
+ADAPTIVE_VERIFICATION = "adaptive_verification"
+MIXED = "mixed"
+BATCH_KINDS = (UNIFORM_DECODE, ADAPTIVE_VERIFICATION, MIXED)
+
+
+class GraphKey(NamedTuple):
+    """Names one captured graph of a runner."""
+
+    kind: str
+    """piecewise / full_decode / full_varlen / full."""
+    q: int | None
+    """Query length of a FULL decode graph; None for token-keyed graphs."""
+    size: int
+    """Requests for full_decode, else tokens."""
+
+
+class BatchDescriptor(NamedTuple):
+    """How one step runs. Immutable and hashable: usable as a key."""
+
+    mode: str
+    """FULL, PIECEWISE or NONE (eager)."""
+    kind: str
+    """uniform_decode, adaptive_verification or mixed."""
+    num_tokens: int
+    """Padded token count: the rows the forward runs (real rows first)."""
+    num_reqs: int
+    """Padded request count: request slots in the attention metadata (padded ones have sequence length 0)."""
+    q: int | None
+    """Query length a request of a uniform decode; None otherwise."""
+    graph: GraphKey | None
+    """The graph replayed; None when eager."""
+
+
+_new = tuple.__new__
+
+
+def _padding_table(sizes: Iterable[int], limit: int) -> list[int]:
+    """table[n] = smallest size >= n, or 0 where none covers n, for n in 0..limit."""
+    table = [0] * (limit + 1)
+    sizes = sorted(s for s in sizes if s >= 1)
+    j = 0
+    for n in range(1, limit + 1):
+        while j < len(sizes) and sizes[j] < n:
+            j += 1
+        table[n] = sizes[j] if j < len(sizes) else 0
+    return table
+
+
+class Dispatcher:
+    """O(1) dispatch for one runner's graph sets.
+
+    ``max_query_len`` bounds the uniform-decode q with precomputed rows (1 + K_max for the target); a larger
+    uniform q is still dispatched correctly, by tokens.
+    """
+
+    def __init__(
+        self,
+        graph_sets: Iterable[GraphSet],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_query_len: int = 1,
+    ):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        sets = list(graph_sets)
+        token_sets = [g for g in sets if g.kind in (PIECEWISE, FULL)]
+        assert len(token_sets) <= 1, "a runner has one token-keyed graph set"
+        self._token_kind = token_sets[0].kind if token_sets else None
+        token_sizes = token_sets[0].sizes if token_sets else ()
+        # Graphs can be wider than the batch limits (a budget-derived size); tables stop at the limits.
+        self._token_pad = _padding_table(token_sizes, max_num_batched_tokens)
+        self._token_mode = MODE_FULL if self._token_kind == FULL else MODE_PIECEWISE
+        self._token_keys = {s: GraphKey(self._token_kind, None, s) for s in token_sizes}
+        varlen = [g for g in sets if g.kind == FULL_VARLEN]
+        self._varlen: list[BatchDescriptor] | None = None
+        if varlen:
+            self._varlen = self._varlen_row(varlen[0].sizes, ADAPTIVE_VERIFICATION)
+        elif self._token_kind == FULL:
+            self._varlen = self._varlen_row(token_sizes, ADAPTIVE_VERIFICATION)
+        self._full_mixed = self._varlen_row(token_sizes, MIXED) if self._token_kind == FULL else None
+        decode_sizes = {g.q: g.sizes for g in sets if g.kind == FULL_DECODE}
+        self._uniform: dict[int, list[BatchDescriptor]] = {}
+        for q in sorted(set(range(1, max_query_len + 1)) | set(decode_sizes)):
+            self._uniform[q] = self._uniform_row(q, decode_sizes.get(q, ()))
+
+    # -- precomputation ----------------------------------------------------------------------------------
+    def _by_tokens(self, kind: str, num_tokens: int, num_reqs: int, q: int | None) -> BatchDescriptor:
+        """Token-keyed fallback: PIECEWISE (or FULL in mode FULL) when a graph covers, else eager."""
+        padded = self._token_pad[num_tokens] if num_tokens <= self.max_num_batched_tokens else 0
+        if not padded:
+            return _new(BatchDescriptor, (MODE_EAGER, kind, num_tokens, num_reqs, q, None))
+        if self._token_kind == FULL:
+            num_reqs = min(padded, self.max_num_seqs)
+        return _new(BatchDescriptor, (self._token_mode, kind, padded, num_reqs, q, self._token_keys[padded]))
+
+    def _uniform_row(self, q: int, sizes: tuple[int, ...]) -> list[BatchDescriptor]:
+        pad = _padding_table(sizes, self.max_num_seqs)
+        row = [self._by_tokens(UNIFORM_DECODE, 0, 0, q)]
+        for n in range(1, self.max_num_seqs + 1):
+            p = pad[n]
+            if p:
+                row.append(BatchDescriptor(MODE_FULL, UNIFORM_DECODE, p * q, p, q, GraphKey(FULL_DECODE, q, p)))
+            else:
+                row.append(self._by_tokens(UNIFORM_DECODE, n * q, n, q))
+        return row
+
+    def _varlen_row(self, sizes: tuple[int, ...], kind: str) -> list[BatchDescriptor | None]:
+        """FULL varlen descriptors by tokens; None where no graph covers (resolved per call)."""
+        pad = _padding_table(sizes, self.max_num_batched_tokens)
+        graph_kind = FULL_VARLEN if kind == ADAPTIVE_VERIFICATION and self._token_kind != FULL else FULL
+        return [
+            BatchDescriptor(MODE_FULL, kind, p, min(p, self.max_num_seqs), None, GraphKey(graph_kind, None, p))
+            if p
+            else None
+            for p in pad
+        ]
+
+    # -- hot path ----------------------------------------------------------------------------------------
+    def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int, is_decode: bool) -> BatchDescriptor:
+        """Classify a batch and pick its graph. ``is_decode``: no request is prefilling (every request's query
+        is its last sampled token plus its drafts)."""
+        if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_seqs or num_reqs < 1:
+            raise ValueError(
+                f"batch of {num_tokens} tokens / {num_reqs} requests is outside max_num_batched_tokens = "
+                f"{self.max_num_batched_tokens}, max_num_seqs = {self.max_num_seqs}"
+            )
+        if is_decode:
+            if num_tokens == num_reqs * max_query_len:
+                row = self._uniform.get(max_query_len)
+                if row is not None:
+                    return row[num_reqs]
+                return self._by_tokens(UNIFORM_DECODE, num_tokens, num_reqs, max_query_len)
+            if self._varlen is not None:
+                found = self._varlen[num_tokens]
+                if found is not None:
+                    return found
+            return self._by_tokens(ADAPTIVE_VERIFICATION, num_tokens, num_reqs, None)
+        if self._full_mixed is not None:
+            found = self._full_mixed[num_tokens]
+            if found is not None:
+                return found
+            return _new(BatchDescriptor, (MODE_EAGER, MIXED, num_tokens, num_reqs, None, None))
+        padded = self._token_pad[num_tokens]
+        if padded:
+            return _new(BatchDescriptor, (MODE_PIECEWISE, MIXED, padded, num_reqs, None, self._token_keys[padded]))
+        return _new(BatchDescriptor, (MODE_EAGER, MIXED, num_tokens, num_reqs, None, None))
+
+    def dispatch_query_lens(self, query_lens: list[int], is_decode: bool) -> BatchDescriptor:
+        """Convenience for tests and tools: dispatch from per-request query lengths."""
+        return self.dispatch(sum(query_lens), len(query_lens), max(query_lens), is_decode)
+
+
+def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
+    """One Dispatcher per runner of a CapturePlan."""
+    cfg = plan.config
+    q_max = 1 + cfg.num_speculative_tokens
+    return {
+        runner: Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)
+        for runner in plan.runners
+    } or {"target": Dispatcher((), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)}

@@ -1,0 +1,264 @@
+"""Capture plans: per runner and kind, the exact sizes captured (SPEC section 4).
+
+A plan is data. ``build_plan`` turns a ResolvedConfig into GraphSets; ``baseline_plan`` gives what the legacy
+shared token list ("main") would capture for the same engine, so that plans can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dispatcher import grids
+from dispatcher.config import CUDAGraphMode, ResolvedConfig, Tier
+
+# Graph kinds (the "kind" field of a plan entry).
+PIECEWISE = "piecewise"
+"""Tokens. The forward split at attention; every batch that is not a uniform decode, and uniform decodes no
+FULL graph covers."""
+FULL_DECODE = "full_decode"
+"""Requests at one q. The whole forward for a uniform decode (every request has q tokens)."""
+FULL_VARLEN = "full_varlen"
+"""Tokens. The whole forward for an adaptive-verification step (per-request query lengths 1..1 + K)."""
+FULL = "full"
+"""Tokens. cudagraph_mode FULL: the whole forward for every batch, on the prefill grid."""
+
+KIND_UNIT = {PIECEWISE: "tokens", FULL_DECODE: "requests", FULL_VARLEN: "tokens", FULL: "tokens"}
+EAGLE_LIKE = ("eagle", "eagle3", "mtp")
+"""Single-module drafters: step 0 mirrors the target, later steps run one token a request."""
+
+
+@dataclass(frozen=True)
+class GraphSet:
+    """The sizes one runner captures for one graph kind (and one q, for FULL decode)."""
+
+    runner: str
+    kind: str
+    q: int | None
+    sizes: tuple[int, ...]
+    serves: tuple[tuple[int, int], ...] | None = None
+    """Batch ranges (in the set's unit, inclusive) this set can ever be asked for; None: unknown. Not part of
+    the JSON schema; plan comparisons count coverage inside these ranges only."""
+
+    def coverage(self) -> int:
+        """How many batch sizes of ``serves`` get a graph (all n <= the largest size); without ``serves``,
+        the largest size."""
+        return coverage(self.sizes, self.serves)
+
+    @property
+    def unit(self) -> str:
+        return KIND_UNIT[self.kind]
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runner": self.runner, "kind": self.kind, "unit": self.unit, "q": self.q, "sizes": list(self.sizes)}
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    config: ResolvedConfig
+    graph_sets: tuple[GraphSet, ...]
+
+    @property
+    def runners(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g.runner for g in self.graph_sets))
+
+    def for_runner(self, runner: str) -> tuple[GraphSet, ...]:
+        return tuple(g for g in self.graph_sets if g.runner == runner)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(g.sizes) for g in self.graph_sets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.config.platform.value,
+            "config": self.config.to_dict(),
+            "runners": [g.to_dict() for g in self.graph_sets],
+            "warnings": list(self.config.warnings),
+        }
+
+
+def coverage(sizes: tuple[int, ...], serves: tuple[tuple[int, int], ...] | None) -> int:
+    """Batch sizes in ``serves`` that some size covers; the largest size when ``serves`` is None."""
+    largest = max(sizes, default=0)
+    if serves is None:
+        return largest
+    return sum(max(0, min(hi, largest) - lo + 1) for lo, hi in serves)
+
+
+def draft_runner_query_len(method: str, num_speculative_tokens: int) -> int:
+    """q of a drafter's FULL decode graphs: dspark proposes K tokens from K inputs (q = K); dflash and
+    mtp_multi run K + 1; eagle-like step 0 runs the target's 1 + K."""
+    return num_speculative_tokens if method == "dspark" else 1 + num_speculative_tokens
+
+
+def _tier_decode_sizes(cfg: ResolvedConfig, tier: Tier, query_len: int) -> tuple[int, ...]:
+    """Uniform-decode request sizes of one tier at q: within the token budget, from the first size at or above
+    the tier's smallest batch through the first size at or above its widest batch (the only sizes a batch of
+    this tier can be padded to)."""
+    budget = cfg.decode_token_limit()
+    sizes = tuple(n for n in cfg.decode_sizes(query_len) if n * query_len <= budget)
+    widest = min(tier.max_batch, cfg.max_num_batched_tokens // query_len)
+    if widest < 1:
+        return ()
+    reach = grids.up_to_first_covering(sizes, widest)
+    if len(cfg.tiers) == 1:
+        return reach
+    below = sum(1 for n in reach if n < tier.min_batch)
+    return reach[below:]
+
+
+def _decode_sets(cfg: ResolvedConfig, runner: str, q_of_tier) -> list[GraphSet]:
+    """One FULL decode set per distinct q over the tiers (tiers sharing a q share a set)."""
+    by_q: dict[int, set[int]] = {}
+    for tier in cfg.tiers:
+        q = q_of_tier(tier)
+        by_q.setdefault(q, set()).update(_tier_decode_sizes(cfg, tier, q))
+    return [GraphSet(runner, FULL_DECODE, q, tuple(sorted(s)), _decode_serves(cfg, q, q_of_tier)) for q, s in by_q.items()]
+
+
+def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier) -> tuple[tuple[int, int], ...]:
+    """Uniform decodes at q: the batch ranges of the tiers using q, within the token limit."""
+    top = cfg.max_num_batched_tokens // query_len
+    return tuple(
+        (t.min_batch, min(t.max_batch, top)) for t in cfg.tiers if q_of_tier(t) == query_len and t.min_batch <= top
+    )
+
+
+def _token_sets(cfg: ResolvedConfig, runner: str) -> list[GraphSet]:
+    """The prefill-grid set: PIECEWISE in the piecewise modes, FULL (tokens) in mode FULL."""
+    mode = cfg.cudagraph_mode
+    if mode.has_piecewise:
+        return [GraphSet(runner, PIECEWISE, None, cfg.prefill_token_sizes, ((1, cfg.max_num_batched_tokens),))]
+    if mode is CUDAGraphMode.FULL:
+        return [GraphSet(runner, FULL, None, cfg.prefill_token_sizes, ((1, cfg.max_num_batched_tokens),))]
+    return []
+
+
+def build_plan(cfg: ResolvedConfig) -> CapturePlan:
+    """Graph sets per runner (SPEC section 4 table). Empty sets are kept, so that a disabled kind shows."""
+    mode = cfg.cudagraph_mode
+    sets: list[GraphSet] = []
+    if mode is CUDAGraphMode.NONE:
+        return CapturePlan(cfg, ())
+    target_q = lambda t: 1 + t.num_speculative_tokens  # noqa: E731
+    # Target
+    sets += _token_sets(cfg, "target")
+    if mode.has_full_decode:
+        sets += _decode_sets(cfg, "target", target_q)
+        if cfg.adaptive_verification:
+            sets.append(GraphSet("target", FULL_VARLEN, None, grids.av_grid(cfg.av_cap_tokens()), _av_serves(cfg)))
+    # Drafters
+    method = cfg.method
+    if method in EAGLE_LIKE:
+        sets += _token_sets(cfg, method)
+        if mode.has_full_decode:
+            sets += _decode_sets(cfg, method, target_q)
+        multi_step = [t for t in cfg.tiers if t.num_speculative_tokens >= 2]
+        if multi_step:
+            sets += _one_token_draft_sets(cfg, f"{method}_next_steps", multi_step)
+    elif method in ("dspark", "dflash", "mtp_multi"):
+        if mode.has_full_decode:
+            q_of = (lambda t: t.num_speculative_tokens) if method == "dspark" else target_q
+            sets += _decode_sets(cfg, method, q_of)
+        else:
+            sets += _token_sets(cfg, method)
+    return CapturePlan(cfg, tuple(sets))
+
+
+def _av_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:
+    return ((1, min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)),)
+
+
+def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, multi_step: list[Tier]) -> list[GraphSet]:
+    """Draft steps 1..K-1 of a single-module drafter: q = 1 over its own request grid up to max_num_seqs,
+    within the budget, through the widest batch of any tier that drafts 2 or more tokens; ``[]`` for the
+    decode list disables them. In the prefill-grid modes they use the prefill grid."""
+    mode = cfg.cudagraph_mode
+    if not mode.has_full_decode:
+        return _token_sets(cfg, runner)
+    serves = _next_steps_serves(cfg)
+    if cfg.decode_request_sizes == () or cfg.decode_token_sizes == ():
+        return [GraphSet(runner, FULL_DECODE, 1, (), serves)]
+    own = tuple(n for n in grids.decode_grid(cfg.max_num_seqs) if n <= cfg.decode_token_limit())
+    return [GraphSet(runner, FULL_DECODE, 1, grids.up_to_first_covering(own, serves[-1][1]), serves)]
+
+
+def _next_steps_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:
+    """One-token draft steps run for the tiers drafting 2 or more tokens."""
+    top = cfg.max_num_batched_tokens
+    return tuple((t.min_batch, min(t.max_batch, top)) for t in cfg.tiers if t.num_speculative_tokens >= 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Baseline: the legacy shared token list ("main")
+# ----------------------------------------------------------------------------------------------------------
+
+
+def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
+    """What one shared token list captures for the same engine: PIECEWISE = the list; FULL decode at q =
+    entries divisible by q, over q (up to max_num_seqs); adaptive verification = the list up to
+    max_num_seqs * q; one-token drafts = the list up to max_num_seqs. The list is the config's own legacy
+    list when it uses the deprecated fields, else the legacy list up to 1024 (sm100) or 512 tokens."""
+    if cfg.legacy:
+        tokens = cfg.decode_token_sizes or ()
+    else:
+        default_max = 1024 if cfg.platform.value == "sm100" else grids.LEGACY_DEFAULT_MAX_TOKENS
+        tokens = grids.legacy_token_list(min(default_max, cfg.max_num_batched_tokens))
+    mode = cfg.cudagraph_mode
+    if mode is CUDAGraphMode.NONE:
+        return CapturePlan(cfg, ())
+    prefill = tokens
+    if cfg.interactivity and tokens:
+        prefill = tuple(sorted(set(tokens) | set(range(1, min(32, tokens[-1]) + 1))))
+
+    def token_sets(runner: str) -> list[GraphSet]:
+        if mode.has_piecewise:
+            return [GraphSet(runner, PIECEWISE, None, prefill, ((1, cfg.max_num_batched_tokens),))]
+        if mode is CUDAGraphMode.FULL:
+            return [GraphSet(runner, FULL, None, prefill, ((1, cfg.max_num_batched_tokens),))]
+        return []
+
+    def decode_sets(runner: str, q_of_tier) -> list[GraphSet]:
+        qs = dict.fromkeys(q_of_tier(t) for t in cfg.tiers)
+        return [
+            GraphSet(
+                runner,
+                FULL_DECODE,
+                q,
+                tuple(n for n in grids.legacy_decode_sizes(tokens, q) if n <= cfg.max_num_seqs),
+                _decode_serves(cfg, q, q_of_tier),
+            )
+            for q in qs
+        ]
+
+    target_q = lambda t: 1 + t.num_speculative_tokens  # noqa: E731
+    sets = token_sets("target")
+    if mode.has_full_decode:
+        sets += decode_sets("target", target_q)
+        if cfg.adaptive_verification:
+            cap = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)
+            sets.append(GraphSet("target", FULL_VARLEN, None, tuple(t for t in tokens if t <= cap), _av_serves(cfg)))
+    method = cfg.method
+    if method in EAGLE_LIKE:
+        sets += token_sets(method)
+        if mode.has_full_decode:
+            sets += decode_sets(method, target_q)
+        if any(t.num_speculative_tokens >= 2 for t in cfg.tiers):
+            runner = f"{method}_next_steps"
+            if mode.has_full_decode:
+                one = tuple(t for t in tokens if t <= cfg.max_num_seqs)
+                sets.append(GraphSet(runner, FULL_DECODE, 1, one, _next_steps_serves(cfg)))
+            else:
+                sets += token_sets(runner)
+    elif method in ("dspark", "dflash", "mtp_multi"):
+        if mode.has_full_decode:
+            q_of = (lambda t: t.num_speculative_tokens) if method == "dspark" else target_q
+            sets += decode_sets(method, q_of)
+        else:
+            sets += token_sets(method)
+    return CapturePlan(cfg, tuple(sets))
