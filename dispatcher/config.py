@@ -182,6 +182,8 @@ class ResolvedConfig:
     ``decode_token_sizes`` instead."""
     decode_token_sizes: tuple[int, ...] | None
     """Legacy-derived: a token list whose entries divisible by q, over q, are the decode sizes at q."""
+    decode_sizes_explicit: bool
+    """The user listed the decode sizes: they are captured as given (within the budget), reachable or not."""
     decode_request_limit: int
     """Largest request count any decode list may hold: an explicit cap, else max_num_seqs."""
     max_decode_tokens: int | None
@@ -354,7 +356,9 @@ def resolve(
     if not prefill_sizes and decode_disabled:
         mode = CUDAGraphMode.NONE
     if av and mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-        why = "graphs are disabled" if mode is CUDAGraphMode.NONE else "cudagraph_mode is PIECEWISE"
+        why = f"cudagraph_mode is {mode.value}"
+        if cc.cudagraph_mode is UNSET or CUDAGraphMode(cc.cudagraph_mode) is not mode:
+            why = "both size lists are [] (graphs disabled)"
         raise ConfigError(
             f"adaptive_verification needs FULL varlen graphs, but {why}: use cudagraph_mode "
             f"FULL_AND_PIECEWISE, FULL_DECODE_ONLY or FULL, or set adaptive_verification to false"
@@ -379,6 +383,7 @@ def resolve(
         max_decode_requests=max_decode,
         decode_request_sizes=dec.request_sizes,
         decode_token_sizes=dec.token_sizes,
+        decode_sizes_explicit=cc.decode_cudagraph_capture_request_sizes is not UNSET,
         decode_request_limit=min(max_num_seqs, dec.request_cap or max_num_seqs),
         max_decode_tokens=budget,
         legacy=bool(legacy_set),

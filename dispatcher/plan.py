@@ -99,9 +99,12 @@ def draft_runner_query_len(method: str, num_speculative_tokens: int) -> int:
 def _tier_decode_sizes(cfg: ResolvedConfig, tier: Tier, query_len: int) -> tuple[int, ...]:
     """Uniform-decode request sizes of one tier at q: within the token budget, from the first size at or above
     the tier's smallest batch through the first size at or above its widest batch (the only sizes a batch of
-    this tier can be padded to)."""
+    this tier can be padded to; the widest batch is also bounded by max_num_batched_tokens / q). An explicit
+    list without tiers is captured as given, within the budget."""
     budget = cfg.decode_token_limit()
     sizes = tuple(n for n in cfg.decode_sizes(query_len) if n * query_len <= budget)
+    if len(cfg.tiers) == 1 and cfg.decode_sizes_explicit:
+        return sizes
     widest = min(tier.max_batch, cfg.max_num_batched_tokens // query_len)
     if widest < 1:
         return ()

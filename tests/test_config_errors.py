@@ -1,0 +1,147 @@
+"""Bad configurations get one clear error each, naming the field, the value and the limit."""
+
+import pytest
+
+from dispatcher.config import ConfigError, resolve
+
+AV5 = {"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": True}
+
+
+def tiers(*pairs):
+    return {"method": "eagle3", "num_speculative_tokens": 7, "num_speculative_tokens_per_batch_size": list(pairs)}
+
+
+BAD = [
+    # mixing legacy and new fields
+    ({"max_cudagraph_capture_size": 1024, "max_prefill_cudagraph_capture_tokens": 2048}, None, {},
+     "deprecated field max_cudagraph_capture_size cannot be mixed with max_prefill_cudagraph_capture_tokens: "
+     "set the prefill/decode fields alone (or only the deprecated ones)"),
+    ({"cudagraph_capture_sizes": [1, 2], "decode_cudagraph_capture_request_sizes": [1]}, None, {},
+     "deprecated field cudagraph_capture_sizes cannot be mixed with decode_cudagraph_capture_request_sizes: "
+     "set the prefill/decode fields alone (or only the deprecated ones)"),
+    # a list above its cap
+    ({"max_prefill_cudagraph_capture_tokens": 1024, "prefill_cudagraph_capture_token_sizes": [1, 2048]}, None, {},
+     "prefill_cudagraph_capture_token_sizes has 2048, above max_prefill_cudagraph_capture_tokens = 1024"),
+    ({"max_decode_cudagraph_capture_requests": 64, "decode_cudagraph_capture_request_sizes": [1, 128]}, None, {},
+     "decode_cudagraph_capture_request_sizes has 128, above max_decode_cudagraph_capture_requests = 64"),
+    ({"cudagraph_capture_sizes": [1, 2, 4096], "max_cudagraph_capture_size": 1024}, None, {},
+     "cudagraph_capture_sizes has 4096, above max_cudagraph_capture_size = 1024"),
+    # negative, zero, non-integer sizes
+    ({"prefill_cudagraph_capture_token_sizes": [1, -4]}, None, {},
+     "prefill_cudagraph_capture_token_sizes[1] must be >= 1, got -4"),
+    ({"decode_cudagraph_capture_request_sizes": [0, 1]}, None, {},
+     "decode_cudagraph_capture_request_sizes[0] must be >= 1, got 0"),
+    ({"prefill_cudagraph_capture_token_sizes": [1, 2.5]}, None, {},
+     "prefill_cudagraph_capture_token_sizes[1] must be an integer, got 2.5 (float)"),
+    ({"decode_cudagraph_capture_request_sizes": [1, "8"]}, None, {},
+     "decode_cudagraph_capture_request_sizes[1] must be an integer, got '8' (str)"),
+    ({"prefill_cudagraph_capture_token_sizes": 512}, None, {},
+     "prefill_cudagraph_capture_token_sizes must be a list of positive integers, got 512"),
+    ({"max_prefill_cudagraph_capture_tokens": 0}, None, {}, "max_prefill_cudagraph_capture_tokens must be >= 1, got 0"),
+    ({"max_decode_cudagraph_capture_requests": -1}, None, {},
+     "max_decode_cudagraph_capture_requests must be >= 1, got -1"),
+    ({"max_decode_cudagraph_capture_tokens": 1.5}, None, {},
+     "max_decode_cudagraph_capture_tokens must be an integer, got 1.5 (float)"),
+    # unknown fields and bad enums
+    ({"max_prefill_cudagraph_capture_token": 1024}, None, {},
+     "--compilation-config: unknown field 'max_prefill_cudagraph_capture_token' (did you mean "
+     "'max_prefill_cudagraph_capture_tokens'?); known fields: cudagraph_mode, max_prefill_cudagraph_capture_tokens, "
+     "prefill_cudagraph_capture_token_sizes, max_decode_cudagraph_capture_requests, "
+     "decode_cudagraph_capture_request_sizes, max_decode_cudagraph_capture_tokens, interactivity, "
+     "cudagraph_capture_sizes, max_cudagraph_capture_size"),
+    ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
+     "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
+     "num_speculative_tokens_per_batch_size, adaptive_verification"),
+    ({"cudagraph_mode": "FULL_ONLY"}, None, {},
+     "cudagraph_mode must be one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; got 'FULL_ONLY'"),
+    ({"interactivity": "yes"}, None, {}, "interactivity must be true or false, got 'yes'"),
+    ([1, 2], None, {}, "--compilation-config must be a JSON object, got list: [1, 2]"),
+    # speculative decoding
+    ({}, {"method": "eagle3", "num_speculative_tokens": -1}, {}, "num_speculative_tokens must be in 1..63, got -1"),
+    ({}, {"method": "eagle3", "num_speculative_tokens": 100}, {}, "num_speculative_tokens must be in 1..63, got 100"),
+    ({}, {"method": "eagle3", "num_speculative_tokens": True}, {},
+     "num_speculative_tokens must be an integer, got True (bool)"),
+    ({}, {"method": "medusa", "num_speculative_tokens": 3}, {},
+     "method must be one of eagle, eagle3, mtp, mtp_multi, dspark, dflash, ngram, draft_model; got 'medusa'"),
+    ({}, {"num_speculative_tokens": 3}, {},
+     "--speculative-config: method is required (one of eagle, eagle3, mtp, mtp_multi, dspark, dflash, ngram, "
+     "draft_model)"),
+    ({}, {"method": "eagle3"}, {}, "num_speculative_tokens is required with a speculative method"),
+    # tiers: unsorted, overlapping, malformed, above K
+    ({}, tiers([1, 7], [65, 3], [32, 1]), {},
+     "num_speculative_tokens_per_batch_size[2] min_batch 32 must be greater than the previous tier's 65 "
+     "(tiers sorted, not overlapping)"),
+    ({}, tiers([1, 7], [65, 3], [65, 1]), {},
+     "num_speculative_tokens_per_batch_size[2] min_batch 65 must be greater than the previous tier's 65 "
+     "(tiers sorted, not overlapping)"),
+    ({}, tiers([2, 7], [65, 3]), {}, "num_speculative_tokens_per_batch_size[0] must start at min_batch 1, got 2"),
+    ({}, tiers([1, 7], [65]), {},
+     "num_speculative_tokens_per_batch_size[1] must be a pair of integers [min_batch, K], got [65]"),
+    ({}, {**tiers([1, 7], [65, 3]), "num_speculative_tokens": 3}, {},
+     "num_speculative_tokens_per_batch_size[0] K = 7 must be in 1..3 (num_speculative_tokens)"),
+    # adaptive verification without FULL graphs
+    ({"cudagraph_mode": "NONE"}, AV5, {},
+     "adaptive_verification needs FULL varlen graphs, but cudagraph_mode is NONE: use cudagraph_mode "
+     "FULL_AND_PIECEWISE, FULL_DECODE_ONLY or FULL, or set adaptive_verification to false"),
+    ({"prefill_cudagraph_capture_token_sizes": [], "decode_cudagraph_capture_request_sizes": []}, AV5, {},
+     "adaptive_verification needs FULL varlen graphs, but both size lists are [] (graphs disabled): use "
+     "cudagraph_mode FULL_AND_PIECEWISE, FULL_DECODE_ONLY or FULL, or set adaptive_verification to false"),
+    ({"cudagraph_mode": "PIECEWISE"}, AV5, {},
+     "adaptive_verification needs FULL varlen graphs, but cudagraph_mode is PIECEWISE: use cudagraph_mode "
+     "FULL_AND_PIECEWISE, FULL_DECODE_ONLY or FULL, or set adaptive_verification to false"),
+    ({"decode_cudagraph_capture_request_sizes": []}, AV5, {},
+     "adaptive_verification needs FULL varlen graphs, capped at the decode cap times (1 + K), but "
+     "decode_cudagraph_capture_request_sizes is []: give it sizes or set adaptive_verification to false"),
+    # engine limits
+    ({}, None, {"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+    ({}, None, {"max_num_batched_tokens": "8k"}, "max_num_batched_tokens must be an integer, got '8k' (str)"),
+    ({}, None, {"platform": "sm90"}, "platform must be one of sm100, default; got 'sm90'"),
+]
+
+
+@pytest.mark.parametrize("compilation,speculative,limits,message", BAD, ids=[m[:50] for *_, m in BAD])
+def test_bad_config_has_exact_message(compilation, speculative, limits, message):
+    with pytest.raises(ConfigError) as info:
+        resolve(compilation, speculative, **limits)
+    assert str(info.value) == message
+
+
+def test_at_least_twenty_bad_configs():
+    assert len(BAD) >= 20
+
+
+def test_oversized_entries_dropped_with_one_warning_per_kind():
+    cfg = resolve(
+        {"prefill_cudagraph_capture_token_sizes": [1, 2, 4096, 8192, 16384],
+         "decode_cudagraph_capture_request_sizes": [1, 64, 128, 256]},
+        None, platform="sm100", max_num_seqs=100, max_num_batched_tokens=4096,
+    )
+    assert cfg.prefill_token_sizes == (1, 2, 4096)
+    assert cfg.decode_request_sizes == (1, 64)
+    assert cfg.warnings == (
+        "prefill_cudagraph_capture_token_sizes: dropped 2 size(s) above max_num_batched_tokens = 4096 (8192, 16384)",
+        "decode_cudagraph_capture_request_sizes: dropped 2 size(s) above max_num_seqs = 100 (128, 256)",
+    )
+
+
+def test_caps_above_engine_limits_are_clamped_with_a_warning():
+    cfg = resolve({"max_prefill_cudagraph_capture_tokens": 32768, "max_decode_cudagraph_capture_requests": 4096},
+                  None, platform="sm100", max_num_seqs=512, max_num_batched_tokens=8192)
+    assert (cfg.max_prefill_tokens, cfg.max_decode_requests) == (8192, 512)
+    assert len(cfg.warnings) == 2 and "exceeds max_num_batched_tokens = 8192" in cfg.warnings[0]
+
+
+def test_empty_lists_disable_kinds_and_both_disable_graphs():
+    cfg = resolve({"prefill_cudagraph_capture_token_sizes": []}, None, platform="sm100")
+    assert cfg.cudagraph_mode.value == "FULL_AND_PIECEWISE" and cfg.prefill_token_sizes == ()
+    cfg = resolve({"prefill_cudagraph_capture_token_sizes": [], "decode_cudagraph_capture_request_sizes": []},
+                  None, platform="sm100")
+    assert cfg.cudagraph_mode.value == "NONE"
+
+
+def test_unreachable_tiers_warn():
+    cfg = resolve({}, tiers([1, 7], [65, 3], [257, 1]), platform="sm100", max_num_seqs=128)
+    assert [t.num_speculative_tokens for t in cfg.tiers] == [7, 3]
+    assert cfg.tiers[-1].max_batch == 128
+    assert cfg.warnings == (
+        "num_speculative_tokens_per_batch_size: 1 tier(s) start above max_num_seqs = 128 and are never used",)

@@ -1,0 +1,225 @@
+"""Property tests (hypothesis): over random configurations and batches, dispatch picks the smallest covering
+graph of the batch's kind, never a FULL graph for a mixed batch, and never a decode graph over the budget."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dispatcher.config import ConfigError, resolve
+from dispatcher.dispatch import ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatchers_for_plan
+from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
+
+METHODS = ["eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash", "ngram", "draft_model"]
+MODES = ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL", "NONE"]
+sorted_sizes = lambda hi: st.lists(st.integers(1, hi), min_size=0, max_size=12)  # noqa: E731
+
+
+@st.composite
+def configs(draw):
+    platform = draw(st.sampled_from(["sm100", "default"]))
+    max_num_seqs = draw(st.sampled_from([1, 3, 8, 50, 72, 128, 256, 300, 512, 1024]))
+    max_num_batched_tokens = draw(st.sampled_from([64, 512, 2048, 4000, 8192, 16384]))
+    k = draw(st.sampled_from([0, 1, 2, 3, 5, 7, 15]))
+    spec = None
+    if k:
+        spec = {"method": draw(st.sampled_from(METHODS)), "num_speculative_tokens": k}
+        if k >= 2 and draw(st.booleans()):
+            bounds = sorted(draw(st.sets(st.integers(2, 1200), min_size=1, max_size=3)))
+            ks = sorted(draw(st.lists(st.integers(1, k), min_size=len(bounds) + 1, max_size=len(bounds) + 1)),
+                        reverse=True)
+            spec["num_speculative_tokens_per_batch_size"] = [[1, ks[0]]] + [[b, kk] for b, kk in zip(bounds, ks[1:])]
+    cc: dict = {}
+    sizing = draw(st.sampled_from(["default", "caps", "lists", "legacy_max", "legacy_list", "empty"]))
+    if sizing == "caps":
+        cc["max_prefill_cudagraph_capture_tokens"] = draw(st.integers(1, 16384))
+        cc["max_decode_cudagraph_capture_requests"] = draw(st.integers(1, 1024))
+    elif sizing == "lists":
+        cc["prefill_cudagraph_capture_token_sizes"] = draw(sorted_sizes(16384))
+        cc["decode_cudagraph_capture_request_sizes"] = draw(sorted_sizes(1024))
+    elif sizing == "legacy_max":
+        cc["max_cudagraph_capture_size"] = draw(st.integers(1, 8192))
+    elif sizing == "legacy_list":
+        cc["cudagraph_capture_sizes"] = draw(sorted_sizes(8192))
+    elif sizing == "empty":
+        cc[draw(st.sampled_from(["prefill_cudagraph_capture_token_sizes", "decode_cudagraph_capture_request_sizes"]))] = []
+    budget = draw(st.sampled_from(["unset", None, 256, 4096]))
+    if budget != "unset":
+        cc["max_decode_cudagraph_capture_tokens"] = budget
+    mode = draw(st.sampled_from(MODES))
+    cc["cudagraph_mode"] = mode
+    if spec and mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY") and sizing != "empty" and draw(st.booleans()):
+        spec["adaptive_verification"] = True
+    limits = dict(platform=platform, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    try:
+        return resolve(cc, spec, **limits)
+    except ConfigError as exc:  # random lists can leave adaptive verification without graphs: a tested error
+        assert "adaptive_verification" in str(exc)
+        spec.pop("adaptive_verification")
+        return resolve(cc, spec, **limits)
+
+
+def smallest_at_least(sizes, n):
+    return min((s for s in sizes if s >= n), default=None)
+
+
+def sets_of(plan, runner="target"):
+    return {(g.kind, g.q): g.sizes for g in plan.for_runner(runner)}
+
+
+def expected_by_tokens(sets, mode_full, num_tokens, max_num_batched_tokens):
+    kind = FULL if mode_full else PIECEWISE
+    padded = smallest_at_least(sets.get((kind, None), ()), num_tokens) if num_tokens <= max_num_batched_tokens else None
+    return (kind, padded)
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(cfg=configs(), data=st.data())
+def test_uniform_decode_gets_smallest_covering_full_graph(cfg, data):
+    plan = build_plan(cfg)
+    sets = sets_of(plan)
+    d = dispatchers_for_plan(plan)["target"]
+    q = data.draw(st.integers(1, 1 + cfg.num_speculative_tokens + 1))
+    top = min(cfg.max_num_seqs, cfg.max_num_batched_tokens // q)
+    if top < 1:
+        return
+    n = data.draw(st.integers(1, top))
+    desc = d.dispatch(n * q, n, q, True)
+    assert desc.kind == UNIFORM_DECODE and desc.q == q
+    full = smallest_at_least(sets.get((FULL_DECODE, q), ()), n)
+    if full is not None:
+        assert (desc.mode, desc.num_reqs, desc.num_tokens) == ("FULL", full, full * q)
+        assert desc.graph == (FULL_DECODE, q, full)
+        assert full * q <= cfg.decode_token_limit()
+        return
+    kind, padded = expected_by_tokens(sets, cfg.cudagraph_mode.value == "FULL", n * q, cfg.max_num_batched_tokens)
+    if padded is None:
+        assert (desc.mode, desc.num_tokens, desc.num_reqs, desc.graph) == ("NONE", n * q, n, None)
+    else:
+        assert desc.graph == (kind, None, padded) and desc.num_tokens == padded
+
+
+@SETTINGS
+@given(cfg=configs(), data=st.data())
+def test_mixed_batch_never_gets_a_decode_graph(cfg, data):
+    plan = build_plan(cfg)
+    sets = sets_of(plan)
+    d = dispatchers_for_plan(plan)["target"]
+    num_tokens = data.draw(st.integers(1, cfg.max_num_batched_tokens))
+    num_reqs = data.draw(st.integers(1, min(num_tokens, cfg.max_num_seqs)))
+    desc = d.dispatch(num_tokens, num_reqs, num_tokens - num_reqs + 1, False)
+    assert desc.kind == MIXED
+    mode_full = cfg.cudagraph_mode.value == "FULL"
+    if not mode_full:
+        assert desc.mode != "FULL"
+    kind, padded = expected_by_tokens(sets, mode_full, num_tokens, cfg.max_num_batched_tokens)
+    if padded is None:
+        assert (desc.mode, desc.num_tokens, desc.num_reqs) == ("NONE", num_tokens, num_reqs)
+    else:
+        assert desc.graph == (kind, None, padded) and desc.num_tokens == padded
+        assert desc.num_reqs >= num_reqs
+
+
+@SETTINGS
+@given(cfg=configs(), data=st.data())
+def test_adaptive_verification_gets_smallest_varlen_graph(cfg, data):
+    if cfg.num_speculative_tokens == 0:
+        return
+    plan = build_plan(cfg)
+    sets = sets_of(plan)
+    d = dispatchers_for_plan(plan)["target"]
+    q_max = 1 + cfg.num_speculative_tokens
+    num_reqs = data.draw(st.integers(2, max(2, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // q_max))))
+    if num_reqs > cfg.max_num_seqs:
+        return
+    lens = data.draw(st.lists(st.integers(1, q_max), min_size=num_reqs, max_size=num_reqs))
+    if len(set(lens)) == 1:
+        return
+    desc = d.dispatch_query_lens(lens, True)
+    total = sum(lens)
+    assert desc.kind == ADAPTIVE_VERIFICATION
+    av = (FULL_VARLEN, None) if (FULL_VARLEN, None) in sets else (FULL, None)
+    padded = smallest_at_least(sets.get(av, ()), total)
+    if padded is not None:
+        assert desc.mode == "FULL" and desc.num_tokens == padded and desc.graph == (av[0], None, padded)
+        assert desc.num_reqs >= len(lens)
+    else:
+        assert desc.mode != "FULL"
+
+
+@SETTINGS
+@given(cfg=configs())
+def test_plan_invariants(cfg):
+    plan = build_plan(cfg)
+    for g in plan.graph_sets:
+        assert list(g.sizes) == sorted(set(g.sizes)) and all(s >= 1 for s in g.sizes)
+        if g.kind == FULL_DECODE:  # the budget binds every uniform-decode graph, q = 1 included
+            assert all(n * g.q <= cfg.decode_token_limit() for n in g.sizes)
+            assert all(n <= cfg.max_num_seqs for n in g.sizes)
+        if g.kind in (PIECEWISE, FULL):
+            assert all(t <= cfg.max_num_batched_tokens for t in g.sizes)
+    if cfg.cudagraph_mode.value == "NONE":
+        assert plan.graph_sets == ()
+
+
+@SETTINGS
+@given(cfg=configs())
+def test_each_tier_is_covered_by_its_own_q(cfg):
+    """A tier's batches run FULL at the tier's q up to the widest batch its q's sizes (within the budget) can
+    hold: no batch falls off while a wider graph exists."""
+    if len(cfg.tiers) < 2 or not cfg.cudagraph_mode.has_full_decode:
+        return
+    plan = build_plan(cfg)
+    d = dispatchers_for_plan(plan)["target"]
+    for tier in cfg.tiers:
+        q = 1 + tier.num_speculative_tokens
+        possible = [n for n in cfg.decode_sizes(q) if n * q <= cfg.decode_token_limit()]
+        for n in range(tier.min_batch, min(tier.max_batch, cfg.max_num_batched_tokens // q) + 1):
+            if any(s >= n for s in possible):
+                desc = d.dispatch(n * q, n, q, True)
+                assert desc.mode == "FULL" and desc.q == q, (tier, n)
+
+
+@SETTINGS
+@given(prefill=sorted_sizes(8192), decode=sorted_sizes(512), k=st.sampled_from([0, 1, 3, 7]))
+def test_explicit_lists_are_honoured_exactly(prefill, decode, k):
+    spec = {"method": "eagle3", "num_speculative_tokens": k} if k else None
+    cfg = resolve({"prefill_cudagraph_capture_token_sizes": prefill, "decode_cudagraph_capture_request_sizes": decode,
+                   "max_decode_cudagraph_capture_tokens": None}, spec, platform="sm100", max_num_seqs=512,
+                  max_num_batched_tokens=8192)
+    sets = sets_of(build_plan(cfg))
+    if not prefill and not decode:
+        assert sets == {}
+        return
+    assert sets[(PIECEWISE, None)] == tuple(sorted(set(prefill)))
+    assert sets[(FULL_DECODE, 1 + k)] == tuple(sorted(set(decode)))
+
+
+def test_empty_lists_disable_their_kind():
+    cfg = resolve({"decode_cudagraph_capture_request_sizes": []}, None, platform="sm100")
+    d = dispatchers_for_plan(build_plan(cfg))["target"]
+    assert d.dispatch(64, 64, 1, True).mode == "PIECEWISE"
+    cfg = resolve({"prefill_cudagraph_capture_token_sizes": []}, None, platform="sm100")
+    d = dispatchers_for_plan(build_plan(cfg))["target"]
+    assert d.dispatch(100, 3, 90, False).mode == "NONE"
+    assert d.dispatch(64, 64, 1, True).mode == "FULL"
+
+
+def test_full_decode_only_runs_mixed_steps_eagerly():
+    cfg = resolve({"cudagraph_mode": "FULL_DECODE_ONLY"}, None, platform="sm100")
+    d = dispatchers_for_plan(build_plan(cfg))["target"]
+    assert d.dispatch(100, 3, 90, False).mode == "NONE"
+    assert d.dispatch(7, 7, 1, True) == ("FULL", UNIFORM_DECODE, 8, 8, 1, (FULL_DECODE, 1, 8))
+
+
+def test_out_of_range_batch_is_a_clear_error():
+    d = Dispatcher((), max_num_seqs=8, max_num_batched_tokens=64)
+    try:
+        d.dispatch(65, 1, 65, False)
+    except ValueError as exc:
+        assert "max_num_batched_tokens = 64" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
