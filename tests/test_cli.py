@@ -1,0 +1,113 @@
+"""The ``twogrid plan`` command as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dispatcher.cli import compact_sizes, main
+
+SM100 = ["--platform", "sm100", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, "-m", "dispatcher", *args], capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_plan_table(capsys):
+    assert main(["plan", *SM100, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 7}']) == 0
+    out = capsys.readouterr().out
+    lines = {tuple(line.split()[:6]) for line in out.splitlines()}
+    assert ("target", "piecewise", "tokens", "-", "39", "8192") in lines
+    assert ("target", "full_decode", "requests", "8", "48", "512") in lines
+    assert ("eagle3_next_steps", "full_decode", "requests", "1", "64", "1024") in lines
+    assert "total: 238 graphs" in out
+
+
+def test_plan_json_is_the_spec_schema():
+    rc, out, _ = run("plan", *SM100, "--json")
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["platform"] == "sm100"
+    assert plan["runners"] == [
+        {"runner": "target", "kind": "piecewise", "unit": "tokens", "q": None, "sizes": plan["runners"][0]["sizes"]},
+        {"runner": "target", "kind": "full_decode", "unit": "requests", "q": 1, "sizes": plan["runners"][1]["sizes"]},
+    ]
+    assert len(plan["runners"][0]["sizes"]) == 39 and len(plan["runners"][1]["sizes"]) == 64
+
+
+def test_bad_config_exits_2_with_the_message():
+    rc, out, err = run("plan", "--compilation-config", '{"max_cudagraph_capture_size": 1024, '
+                       '"decode_cudagraph_capture_request_sizes": [1, 2]}')
+    assert rc == 2 and out == ""
+    assert err.strip() == ("twogrid plan: error: deprecated field max_cudagraph_capture_size cannot be mixed with "
+                           "decode_cudagraph_capture_request_sizes: set the prefill/decode fields alone (or only the "
+                           "deprecated ones)")
+    rc, _, err = run("plan", "--compilation-config", "{not json")
+    assert rc == 2 and "--compilation-config: invalid JSON" in err
+
+
+def test_warnings_are_shown(capsys):
+    main(["plan", "--platform", "sm100", "--max-num-batched-tokens", "4096",
+          "--compilation-config", '{"prefill_cudagraph_capture_token_sizes": [1, 8192]}'])
+    out = capsys.readouterr().out
+    assert "warning: prefill_cudagraph_capture_token_sizes: dropped 1 size(s) above max_num_batched_tokens = 4096" in out
+
+
+def test_diff_of_two_configs(tmp_path, capsys):
+    a, b = tmp_path / "main.json", tmp_path / "new.json"
+    spec = {"method": "eagle3", "num_speculative_tokens": 7}
+    a.write_text(json.dumps({"platform": "sm100", "compilation_config": {"max_cudagraph_capture_size": 1024},
+                             "speculative_config": spec}))
+    b.write_text(json.dumps({"platform": "sm100", "speculative_config": spec}))
+    assert main(["plan", "--diff", str(a), str(b), "--json"]) == 0
+    diffs = {(d["runner"], d["kind"], d["q"]): d for d in json.loads(capsys.readouterr().out)}
+    target = diffs[("target", "full_decode", 8)]
+    assert (target["graphs_before"], target["graphs_after"], target["status"]) == (80, 48, "gains coverage")
+    assert diffs[("target", "piecewise", None)]["covered_before"] == 1024
+
+
+def test_diff_of_a_saved_plan_against_itself(tmp_path, capsys):
+    main(["plan", *SM100, "--json"])
+    saved = tmp_path / "plan.json"
+    saved.write_text(capsys.readouterr().out)
+    main(["plan", "--diff", str(saved), str(saved)])
+    out = capsys.readouterr().out
+    assert out.count("identical") == 2
+
+
+def test_diff_names_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"compilation_config": {}, "max_num_seq": 3}')
+    rc, _, err = run("plan", "--diff", str(bad), str(bad))
+    assert rc == 2 and "unknown key 'max_num_seq'" in err
+
+
+def test_matrix_sweeps_the_issue_grid(capsys):
+    assert main(["plan", "--matrix", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["configs"] == 1680 and result["invalid_configs"] == 0
+    rows = {(r["runner"], r["kind"]): r for r in result["summary"]}
+    assert rows[("target", "piecewise")]["loses coverage"] == 0
+    assert rows[("target", "full_decode")]["loses coverage"] == 0
+    assert rows[("target", "full_decode")]["graph_delta"] < 0
+    assert result["seconds"] < 10
+
+
+def test_plan_does_not_import_torch():
+    code = ("import sys; from dispatcher.cli import main; main(['plan', '--platform', 'sm100', '--matrix']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("sizes,text", [
+    ((1, 2, 3, 4, 5, 6, 8, 10, 12), "1..6, 8..12/2"),
+    ((1, 2, 4, 8), "1, 2, 4, 8"),
+    ((), ""),
+    ((256, 512, 768, 1024, 8192), "256..1024/256, 8192"),
+])
+def test_compact_sizes(sizes, text):
+    assert compact_sizes(sizes) == text

@@ -1,0 +1,93 @@
+"""Capture plans per runner and speculative method (SPEC section 4)."""
+
+from dispatcher.config import resolve
+from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, baseline_plan, build_plan
+
+SM100 = dict(platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
+
+
+def summary(plan):
+    return {(g.runner, g.kind, g.q): (len(g.sizes), g.largest) for g in plan.graph_sets}
+
+
+def test_eagle3_k3_runners():
+    plan = build_plan(resolve({}, {"method": "eagle3", "num_speculative_tokens": 3}, **SM100))
+    assert summary(plan) == {
+        ("target", PIECEWISE, None): (39, 8192),
+        ("target", FULL_DECODE, 4): (64, 1024),
+        ("eagle3", PIECEWISE, None): (39, 8192),
+        ("eagle3", FULL_DECODE, 4): (64, 1024),
+        ("eagle3_next_steps", FULL_DECODE, 1): (64, 1024),
+    }
+
+
+def test_eagle_k1_has_no_later_steps():
+    plan = build_plan(resolve({}, {"method": "eagle", "num_speculative_tokens": 1}, **SM100))
+    assert "eagle_next_steps" not in plan.runners
+
+
+def test_block_drafters_use_their_own_q_within_budget():
+    dspark = summary(build_plan(resolve({}, {"method": "dspark", "num_speculative_tokens": 7}, **SM100)))
+    assert dspark[("dspark", FULL_DECODE, 7)] == (50, 576)  # n * 7 <= 4096
+    dflash = summary(build_plan(resolve({}, {"method": "dflash", "num_speculative_tokens": 7}, **SM100)))
+    assert dflash[("dflash", FULL_DECODE, 8)] == (48, 512)
+    multi = summary(build_plan(resolve({}, {"method": "mtp_multi", "num_speculative_tokens": 3}, **SM100)))
+    assert multi[("mtp_multi", FULL_DECODE, 4)] == multi[("target", FULL_DECODE, 4)] == (64, 1024)
+
+
+def test_ngram_and_draft_model_drafters_run_eagerly():
+    for method in ("ngram", "draft_model"):
+        plan = build_plan(resolve({}, {"method": method, "num_speculative_tokens": 3}, **SM100))
+        assert plan.runners == ("target",)
+
+
+def test_dynamic_tiers_hold_only_reachable_sizes():
+    spec = {"method": "eagle3", "num_speculative_tokens": 7,
+            "num_speculative_tokens_per_batch_size": [[1, 7], [65, 3], [257, 1]]}
+    plan = build_plan(resolve({}, spec, **SM100))
+    dec = {g.q: g.sizes for g in plan.for_runner("target") if g.kind == FULL_DECODE}
+    assert dec[8][0] == 1 and dec[8][-1] == 64          # K=7: batches 1..64
+    assert dec[4][0] == 72 and dec[4][-1] == 256        # K=3: 65..256, from the first size >= 65
+    assert dec[2][0] == 272 and dec[2][-1] == 1024      # K=1: 257..1024
+    assert sum(len(s) for s in dec.values()) == 64      # one grid split over the tiers
+    nxt = {g.q: g.sizes for g in plan.for_runner("eagle3_next_steps")}
+    assert nxt[1][-1] == 256                            # only tiers drafting 2+ tokens run later steps
+
+
+def test_adaptive_verification_is_exempt_from_the_budget():
+    spec = {"method": "dflash", "num_speculative_tokens": 7, "adaptive_verification": True}
+    plan = build_plan(resolve({}, spec, **SM100))
+    s = summary(plan)
+    assert s[("target", FULL_DECODE, 8)] == (48, 512)
+    assert s[("target", FULL_VARLEN, None)][1] == 8192  # min(1024 * 8, 16384) > the 4096 budget
+
+
+def test_modes():
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    pw = summary(build_plan(resolve({"cudagraph_mode": "PIECEWISE"}, spec, **SM100)))
+    assert {k for _, k, _ in pw} == {PIECEWISE}
+    full = summary(build_plan(resolve({"cudagraph_mode": "FULL"}, spec, **SM100)))
+    assert {k for _, k, _ in full} == {FULL} and full[("target", FULL, None)] == (39, 8192)
+    fdo = summary(build_plan(resolve({"cudagraph_mode": "FULL_DECODE_ONLY"}, spec, **SM100)))
+    assert {k for _, k, _ in fdo} == {FULL_DECODE}
+    assert build_plan(resolve({"cudagraph_mode": "NONE"}, spec, **SM100)).graph_sets == ()
+
+
+def test_plan_json_schema():
+    plan = build_plan(resolve({}, {"method": "eagle3", "num_speculative_tokens": 7}, **SM100)).to_dict()
+    assert set(plan) == {"platform", "config", "runners", "warnings"}
+    assert plan["platform"] == "sm100"
+    for entry in plan["runners"]:
+        assert set(entry) == {"runner", "kind", "unit", "q", "sizes"}
+        assert entry["unit"] == ("requests" if entry["kind"] == FULL_DECODE else "tokens")
+    assert plan["config"]["max_decode_cudagraph_capture_tokens"] == 4096
+    assert plan["config"]["prefill_cudagraph_capture_token_sizes"][-1] == 8192
+
+
+def test_sm100_defaults_capture_fewer_graphs_than_main_and_reach_further():
+    """The reference's headline: at K=7 the target decode reaches 512 requests (main 128) with fewer graphs."""
+    cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 7}, **SM100)
+    new, main = summary(build_plan(cfg)), summary(baseline_plan(cfg))
+    assert main[("target", FULL_DECODE, 8)] == (80, 128) and new[("target", FULL_DECODE, 8)] == (48, 512)
+    assert main[("target", PIECEWISE, None)] == (83, 1024) and new[("target", PIECEWISE, None)] == (39, 8192)
+    assert build_plan(cfg).num_graphs < baseline_plan(cfg).num_graphs
