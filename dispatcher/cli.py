@@ -193,6 +193,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dispatcher.simulate import simulate
+    from dispatcher.workload import make_prompts
+
+    cfg = config_from_args(args)
+    for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.acceptance_rate <= 1.0:
+        raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
+    try:
+        prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
+                      acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
+                      block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace)
+    s = result.summary
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    rows = [(kind, v["steps"], v["full"], v["piecewise"], v["eager"]) for kind, v in s["by_kind"].items()]
+    padded = s["padded_tokens"] / max(1, s["real_tokens"]) * 100
+    print(f"simulated {s['requests']} requests, concurrency {args.concurrency}, output {args.output_len} tokens, "
+          f"cost model {s['cost_model']} (target forward only)")
+    print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
+    print(f"eager steps {s['eager_steps']} of {s['steps']}; padded tokens {s['padded_tokens']} "
+          f"({padded:.2f}% of {s['real_tokens']} real)")
+    print(f"output {s['output_tokens_per_second']:.0f} tok/s over {s['simulated_seconds']:.2f} simulated s; "
+          f"mean TTFT {s['mean_ttft_ms']} ms, mean TPOT {s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
+          f"draft acceptance {s['draft_acceptance_rate']:.3f}")
+    print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
+    if args.step_trace:
+        print(f"step trace: {args.step_trace} ({s['steps']} records)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twogrid", description="CUDA-graph serving backend with separate "
                                      "prefill (tokens) and decode (requests) grids")
@@ -209,6 +246,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "legacy shared-list baseline")
     p.add_argument("--methods", default="eagle3", help="speculative methods swept by --matrix (comma-separated)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="run the real scheduler and dispatcher on a workload against a cost model",
+                       description="Drive the scheduler and dispatcher with a synthetic or ShareGPT workload; step "
+                                   "times come from a cost model, not a GPU.")
+    add_engine_args(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=256, help="requests in total (default: %(default)s)")
+    w.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default: %(default)s)")
+    w.add_argument("--dataset", default=None, metavar="SHAREGPT_JSON",
+                   help="ShareGPT JSON file for prompts (else synthetic lognormal lengths)")
+    w.add_argument("--input-len", type=int, default=230, help="mean synthetic prompt length (default: %(default)s)")
+    w.add_argument("--output-len", type=int, default=256, help="output tokens per request, EOS ignored "
+                                                                 "(default: %(default)s)")
+    w.add_argument("--acceptance-rate", type=float, default=0.7,
+                   help="probability a draft is right given the previous one was (default: %(default)s)")
+    w.add_argument("--seed", type=int, default=0)
+    k = p.add_argument_group("KV cache and cost")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    k.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache capacity in blocks (default: room for every slot's longest request)")
+    k.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"],
+                   help="H200 step-time curves from SPEC section 1 (default: %(default)s)")
+    p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -1,0 +1,198 @@
+"""``twogrid simulate``: the real scheduler and dispatcher, driven by a workload, against a cost model.
+
+A deterministic fake model stands in for the GPU: the greedy token at position p of a request is a hash of
+(request, p), so any token lost, repeated or reordered by the scheduler shows in the output. Its drafter
+proposes the right token with probability ``acceptance_rate`` (per draft, given the previous one was right),
+decided by a hash too, and reports a confidence that adaptive verification can use. Step time comes from the
+cost model at the dispatched mode and padded token count (the target forward only).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dispatcher.dispatch import BATCH_KINDS, dispatchers_for_plan
+from dispatcher.plan import build_plan
+from dispatcher.trace import TraceWriter, step_record
+from dispatcher.workload import PromptSpec
+from scheduler.cost import StepCostModel
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import ModelResult, Scheduler, SchedulerConfig, SchedulerOutput
+
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, elementwise on uint64."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M2
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M3
+    return x ^ (x >> np.uint64(31))
+
+
+def request_seed(request_id: str) -> int:
+    return zlib.crc32(request_id.encode())
+
+
+class FakeModel:
+    """Deterministic target and drafter, vectorized over a step."""
+
+    def __init__(self, vocab_size: int = 32000, acceptance_rate: float = 0.7, max_num_seqs: int = 1024):
+        self.vocab_size = vocab_size
+        self.acceptance_rate = acceptance_rate
+        self.slot_seed = np.zeros(max_num_seqs, np.uint64)
+
+    def token(self, seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        h = _mix(seeds * _M1 + positions.astype(np.uint64))
+        return (h % np.uint64(self.vocab_size)).astype(np.int64)
+
+    def _uniform(self, seeds: np.ndarray, positions: np.ndarray, salt: int) -> np.ndarray:
+        h = _mix(seeds * _M1 + positions.astype(np.uint64) + np.uint64((salt * 0xBF58476D1CE4E5B9) % (1 << 64)))
+        return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+    def greedy_reference(self, request_id: str, prompt_len: int, num_tokens: int) -> list[int]:
+        """The output a request must produce: the greedy tokens at positions prompt_len .. + num_tokens."""
+        seeds = np.full(num_tokens, request_seed(request_id), np.uint64)
+        return self.token(seeds, np.arange(prompt_len, prompt_len + num_tokens)).tolist()
+
+    def run(self, out: SchedulerOutput) -> ModelResult:
+        for req, slot in zip(out.new_requests, out.slots[len(out.slots) - len(out.new_requests):].tolist()):
+            self.slot_seed[slot] = request_seed(req.request_id)
+        n = len(out.slots)
+        k_max = out.draft_tokens.shape[1]
+        seeds = self.slot_seed[out.slots][:, None]
+        first = (out.num_computed + out.num_scheduled - out.num_drafts)[:, None]
+        target = self.token(seeds, first + np.arange(k_max + 1)[None, :])
+        match = (out.draft_tokens[:, :k_max] == target[:, :k_max]) & (np.arange(k_max)[None, :] < out.num_drafts[:, None])
+        accepted = np.where(match.all(axis=1), out.num_drafts, np.argmin(match, axis=1))
+        accepted = np.minimum(accepted, out.num_drafts)
+        k_new = out.num_new_drafts
+        drafts = conf = None
+        if k_new:
+            pos = first + accepted[:, None] + 1 + np.arange(k_new)[None, :]
+            right = self.token(seeds, pos)
+            u = self._uniform(seeds, pos, 1)
+            ok = u < self.acceptance_rate
+            drafts = np.where(ok, right, (right + 1) % self.vocab_size)
+            v = self._uniform(seeds, pos, 2)
+            conf = np.where(ok, 0.5 + 0.5 * v, 0.5 * v)
+        return ModelResult(target, accepted.astype(np.int64), drafts, conf)
+
+
+@dataclass
+class SimulationResult:
+    summary: dict[str, Any]
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+
+def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: int, acceptance_rate: float = 0.7,
+             num_kv_blocks: int | None = None, block_size: int = 16, cost_model: str = "bench-moe",
+             step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
+             vocab_size: int = 32000) -> SimulationResult:
+    """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop)."""
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {output_len}")
+    plan = build_plan(cfg)
+    dispatcher = dispatchers_for_plan(plan)["target"]
+    costs = StepCostModel.preset(cost_model)
+    max_prompt = max(p.num_tokens for p in prompts)
+    k_max = cfg.num_speculative_tokens
+    max_model_len = max_prompt + output_len
+    if num_kv_blocks is None:  # enough for every slot to hold the longest request: no preemption
+        num_kv_blocks = cfg.max_num_seqs * -(-(max_model_len + k_max + 1) // block_size)
+    sched_cfg = SchedulerConfig.from_resolved(cfg, num_kv_blocks, block_size, max_model_len,
+                                              step_ms=lambda t: costs.step_ms("FULL", t))
+    scheduler = Scheduler(sched_cfg)
+    model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs)
+    trace = TraceWriter(step_trace)
+    by_kind = {k: Counter() for k in BATCH_KINDS}
+    totals = Counter()
+    clock_ms = 0.0
+    host_ms_total = 0.0
+    submitted: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    finished_at: dict[str, float] = {}
+    out_tokens: dict[str, int] = defaultdict(int)
+    outputs: dict[str, list[int]] = {}
+    next_prompt = 0
+    wall = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal next_prompt
+        spec = prompts[next_prompt]
+        rid = f"req-{next_prompt}"
+        prompt_ids = FakeModel(vocab_size).token(np.full(spec.num_tokens, request_seed(rid) ^ 0xABCD, np.uint64),
+                                                np.arange(spec.num_tokens)).tolist()
+        scheduler.add_request(Request(rid, prompt_ids, SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos),
+                                      eos_token_id=0))
+        submitted[rid] = clock_ms
+        next_prompt += 1
+
+    try:
+        while next_prompt < len(prompts) or scheduler.has_unfinished():
+            while next_prompt < len(prompts) and len(scheduler.requests) < concurrency:
+                submit()
+            t0 = time.perf_counter()
+            step = scheduler.schedule()
+            if len(step.slots) == 0:
+                raise RuntimeError("the scheduler made no progress (KV cache too small for any request)")
+            s = step.shape
+            desc = dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+            host_ms = (time.perf_counter() - t0) * 1e3
+            device_ms = costs.step_ms(desc.mode, desc.num_tokens)
+            result = model.run(step)
+            clock_ms += device_ms
+            host_ms_total += host_ms
+            for o in scheduler.update(step, result):
+                if o.new_token_ids and o.request_id not in first_token:
+                    first_token[o.request_id] = clock_ms
+                out_tokens[o.request_id] += len(o.new_token_ids)
+                if keep_outputs:
+                    outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    finished_at[o.request_id] = clock_ms
+            row = by_kind[desc.kind]
+            row["steps"] += 1
+            row[{"FULL": "full", "PIECEWISE": "piecewise"}.get(desc.mode, "eager")] += 1
+            totals["padded_tokens"] += desc.num_tokens - s.num_tokens
+            totals["real_tokens"] += s.num_tokens
+            totals["device_ms_" + desc.mode] += device_ms
+            trace.write(step_record(step.step_id, step, desc, host_ms, device_ms))
+    finally:
+        trace.close()
+    steps = sum(r["steps"] for r in by_kind.values())
+    done = [r for r in finished_at]
+    ttft = [first_token[r] - submitted[r] for r in done]
+    tpot = [(finished_at[r] - first_token[r]) / (out_tokens[r] - 1) for r in done if out_tokens[r] > 1]
+    total_out = sum(out_tokens.values())
+    summary = {
+        "steps": steps,
+        "eager_steps": sum(r["eager"] for r in by_kind.values()),
+        "padded_tokens": totals["padded_tokens"],
+        "real_tokens": totals["real_tokens"],
+        "by_kind": {k: {"steps": v["steps"], "full": v["full"], "piecewise": v["piecewise"], "eager": v["eager"]}
+                    for k, v in by_kind.items()},
+        "requests": len(done),
+        "output_tokens": total_out,
+        "simulated_seconds": round(clock_ms / 1e3, 4),
+        "output_tokens_per_second": round(total_out / (clock_ms / 1e3), 1) if clock_ms else 0.0,
+        "mean_ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
+        "mean_tpot_ms": round(float(np.mean(tpot)), 3) if tpot else None,
+        "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in ("FULL", "PIECEWISE", "NONE")},
+        "preemptions": scheduler.stats.preemptions,
+        "draft_acceptance_rate": round(scheduler.stats.drafts_accepted / max(1, scheduler.stats.drafts_verified), 4),
+        "host_ms_per_step": round(host_ms_total / max(1, steps), 4),
+        "wall_seconds": round(time.perf_counter() - wall, 3),
+        "cost_model": cost_model,
+        "config": plan.to_dict()["config"],
+    }
+    return SimulationResult(summary, outputs)

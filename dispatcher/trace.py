@@ -1,0 +1,50 @@
+"""Step traces (``--step-trace FILE``): one JSON line per engine step (SPEC section 7)."""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Any
+
+
+def step_record(step_id: int, out, desc, host_ms: float, device_ms: float) -> dict[str, Any]:
+    """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
+    graph, host and device milliseconds."""
+    rec: dict[str, Any] = {
+        "step": step_id,
+        "kind": desc.kind,
+        "requests": out.shape.num_reqs,
+        "tokens": out.shape.num_tokens,
+        "is_decode": out.shape.is_decode,
+    }
+    if desc.q is not None:
+        rec["q"] = desc.q
+    else:
+        rec["query_len_hist"] = {str(k): v for k, v in out.query_len_histogram().items()}
+    rec.update(
+        mode=desc.mode,
+        padded_tokens=desc.num_tokens,
+        padded_requests=desc.num_reqs,
+        graph=list(desc.graph) if desc.graph is not None else None,
+        host_ms=round(host_ms, 4),
+        device_ms=round(device_ms, 4),
+    )
+    return rec
+
+
+class TraceWriter:
+    def __init__(self, path: str | None):
+        self._fh: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_trace(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,58 @@
+"""Workloads for ``simulate`` and ``bench``: ShareGPT prompts or a seeded synthetic length distribution."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+
+CHARS_PER_TOKEN = 4
+"""Prompt tokens are estimated as characters / 4 when no tokenizer is given (typical for BPE on English)."""
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    text: str | None
+    num_tokens: int
+
+
+def approx_num_tokens(text: str) -> int:
+    return max(1, round(len(text) / CHARS_PER_TOKEN))
+
+
+def load_sharegpt(path: str) -> list[str]:
+    """First human turn of each conversation in a ShareGPT JSON file (a list of {"conversations": [...]})."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"--dataset: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset: {path!r} must hold a JSON list of conversations")
+    prompts = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str) and turns[0]["value"]:
+            prompts.append(turns[0]["value"])
+    if not prompts:
+        raise ValueError(f"--dataset: {path!r} holds no conversation with a first human turn")
+    return prompts
+
+
+def make_prompts(num_prompts: int, seed: int, dataset: str | None = None, input_len_mean: int = 230,
+                 input_len_max: int = 4096) -> list[PromptSpec]:
+    """``num_prompts`` prompts: ShareGPT prompts in a seeded shuffle (cycled if too few), else lognormal lengths
+    (sigma 0.8) with the given mean, clipped to 1..input_len_max tokens."""
+    rng = random.Random(seed)
+    if dataset:
+        texts = load_sharegpt(dataset)
+        rng.shuffle(texts)
+        return [PromptSpec(t, min(approx_num_tokens(t), input_len_max))
+                for t in (texts[i % len(texts)] for i in range(num_prompts))]
+    sigma = 0.8
+    mu = math.log(max(input_len_mean, 1)) - sigma * sigma / 2
+    return [PromptSpec(None, int(min(max(1, round(rng.lognormvariate(mu, sigma))), input_len_max)))
+            for _ in range(num_prompts)]

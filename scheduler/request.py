@@ -1,0 +1,105 @@
+"""Requests and their state machine: WAITING -> RUNNING -> FINISHED, with RUNNING -> PREEMPTED -> RUNNING
+when KV blocks run out (preemption by recompute) and ABORTED from any live state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field, the value and the limit."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_live(self) -> bool:
+        return self in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    """max_tokens reached."""
+    STOP = "stop"
+    """A stop token id or EOS was sampled."""
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of generation. Sampling itself (temperature, top-k, top-p) runs in the worker."""
+
+    max_tokens: int = 16
+    """Output tokens at most."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these (kept in the output)."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS token (benchmarks use fixed output lengths)."""
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    """1 disables top-p."""
+    seed: int | None = None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise RequestError(f"stop_token_ids has {t!r}, outside the vocabulary 0..{(vocab_size or 1) - 1}")
+
+
+_arrival = itertools.count()
+
+
+class Request:
+    """One generation request. The scheduler owns its counters while it runs; the token lists live here."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_id", "status",
+        "finish_reason", "arrival", "num_preemptions",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 eos_token_id: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.arrival = next(_arrival)
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)}, "
+                f"output={len(self.output_token_ids)}, {self.status.value})")
