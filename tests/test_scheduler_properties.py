@@ -1,0 +1,214 @@
+"""Scheduler properties (hypothesis) over random arrivals, aborts and lengths, with a small KV cache so that
+preemption happens: budgets hold, no KV block leaks or is shared, outputs come out complete and in order
+(equal to the deterministic fake model's greedy tokens, preempted or not), and every step's kind matches the
+dispatcher's classification."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from dispatcher.config import resolve
+from dispatcher.dispatch import dispatchers_for_plan
+from dispatcher.plan import build_plan
+from dispatcher.simulate import FakeModel
+from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+
+
+@st.composite
+def setups(draw):
+    max_num_seqs = draw(st.integers(1, 8))
+    mnbt = draw(st.integers(max(8, max_num_seqs), 96))
+    k = draw(st.sampled_from([0, 0, 1, 3]))
+    spec = None
+    if k:
+        spec = {"method": "eagle3", "num_speculative_tokens": k}
+        if k == 3 and max_num_seqs >= 3 and draw(st.booleans()):
+            spec["num_speculative_tokens_per_batch_size"] = [[1, 3], [3, 1]]
+        elif draw(st.booleans()):
+            spec["adaptive_verification"] = True
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt)
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_prompt, max_out = 40, 24
+    per_request = -(-(max_prompt + max_out + k + 1) // block_size)
+    num_blocks = draw(st.integers(per_request, per_request * 3 // 2))
+    acceptance = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    add = st.tuples(st.just("add"), st.integers(1, max_prompt), st.integers(1, max_out), st.booleans())
+    ops = draw(st.lists(st.one_of(
+        add, add, st.tuples(st.just("step")), st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+    ), min_size=6, max_size=40))
+    return cfg, block_size, num_blocks, acceptance, ops
+
+
+def check_step(sched: Scheduler, out, dispatcher) -> None:
+    c = sched.config
+    assert out.shape.num_tokens <= c.max_num_batched_tokens
+    assert out.shape.num_reqs <= c.max_num_seqs
+    assert (out.num_scheduled >= 1).all() and int(out.num_scheduled.sum()) == out.shape.num_tokens
+    assert len(set(out.slots.tolist())) == len(out.slots)
+    desc = dispatcher.dispatch(out.shape.num_tokens, out.shape.num_reqs, out.shape.max_query_len, out.shape.is_decode)
+    assert desc.kind == out.kind
+    if desc.mode != "NONE":
+        assert desc.num_tokens >= out.shape.num_tokens and desc.num_reqs >= out.shape.num_reqs
+    # Every scheduled token has a KV slot.
+    held = sched.kv.num_held[out.slots]
+    assert (held * c.block_size >= out.num_computed + out.num_scheduled).all()
+
+
+def check_blocks(sched: Scheduler) -> None:
+    kv = sched.kv
+    live = [s for s in sched.order]
+    ids = np.concatenate([kv.block_table[s, : kv.num_held[s]] for s in live]) if live else np.zeros(0)
+    assert len(set(ids.tolist())) == len(ids), "a KV block is shared by two live requests"
+    assert (ids >= 0).all()
+    assert kv.num_free + len(ids) == kv.num_blocks, "KV blocks leaked"
+    free_slots = set(range(sched.config.max_num_seqs)) - set(live)
+    assert all(kv.num_held[s] == 0 for s in free_slots)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setups())
+def test_scheduler_invariants(setup):
+    cfg, block_size, num_blocks, acceptance, ops = setup
+    sc = SchedulerConfig.from_resolved(cfg, num_blocks, block_size, max_model_len=80)
+    sched = Scheduler(sc)
+    model = FakeModel(VOCAB, acceptance, cfg.max_num_seqs)
+    dispatcher = dispatchers_for_plan(build_plan(cfg))["target"]
+    requests: list[Request] = []
+    streamed: dict[str, list[int]] = {}
+
+    def step():
+        out = sched.schedule()
+        check_step(sched, out, dispatcher)
+        event(f"step kind {out.kind}")
+        for o in sched.update(out, model.run(out)):
+            assert not o.finished or o.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+        check_blocks(sched)
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, use_stop = op
+            rid = f"r{len(requests)}"
+            prompt = model.greedy_reference(rid + "p", 0, prompt_len)
+            stop = (model.greedy_reference(rid, prompt_len, max_tokens)[max_tokens // 2],) if use_stop else ()
+            req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, ignore_eos=True))
+            sched.add_request(req)
+            requests.append(req)
+        elif op[0] == "abort" and requests:
+            req = requests[op[1] % len(requests)]
+            was_live = req.status.is_live
+            assert sched.abort(req.request_id) == was_live
+            check_blocks(sched)
+        elif sched.has_unfinished():
+            step()
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        step()
+    assert not sched.has_unfinished()
+    event(f"preempted: {sched.stats.preemptions > 0}")
+    event(f"drafts accepted: {sched.stats.drafts_accepted > 0}")
+    assert sched.kv.num_free == num_blocks and sched.order == [] and not sched.waiting
+    for req in requests:
+        if req.status is RequestStatus.ABORTED:
+            continue
+        assert req.status is RequestStatus.FINISHED
+        ref = model.greedy_reference(req.request_id, len(req.prompt_token_ids), req.params.max_tokens)
+        if req.params.stop_token_ids:
+            stop_at = ref.index(req.params.stop_token_ids[0])
+            ref = ref[: stop_at + 1]
+        assert req.output_token_ids == ref, "output lost, repeated or reordered a token"
+        assert streamed.get(req.request_id, []) == req.output_token_ids
+        assert req.finish_reason == (FinishReason.STOP if len(ref) < req.params.max_tokens else FinishReason.LENGTH) \
+            or ref[-1] in req.params.stop_token_ids
+
+
+def run_to_end(sched, model, requests):
+    for req in requests:
+        sched.add_request(req)
+    for _ in range(5000):
+        if not sched.has_unfinished():
+            return
+        out = sched.schedule()
+        sched.update(out, model.run(out))
+    raise AssertionError("did not finish")
+
+
+def test_preempted_requests_produce_the_same_greedy_output():
+    """Four long requests in a cache that holds two: preemption by recompute must not change any output."""
+    model = FakeModel(VOCAB, 0.6, 4)
+
+    def make():
+        return [Request(f"q{i}", model.greedy_reference(f"q{i}p", 0, 30), SamplingParams(max_tokens=50))
+                for i in range(4)]
+
+    tight = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=2 * 21, block_size=4, max_model_len=80,
+                                      tiers=((1, 4, 3),)))
+    roomy = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=4 * 21, block_size=4, max_model_len=80,
+                                      tiers=((1, 4, 3),)))
+    a, b = make(), make()
+    run_to_end(tight, model, a)
+    run_to_end(roomy, model, b)
+    assert tight.stats.preemptions > 0 and roomy.stats.preemptions == 0
+    assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
+    assert all(len(r.output_token_ids) == 50 for r in a)
+
+
+def test_abort_frees_blocks_at_once():
+    sched = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=64, block_size=4, max_model_len=80))
+    model = FakeModel(VOCAB, 0.0, 4)
+    req = Request("a", list(range(30)), SamplingParams(max_tokens=40))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update(out, model.run(out))
+    assert sched.kv.num_free < 64
+    assert sched.abort("a") and req.status is RequestStatus.ABORTED
+    assert sched.kv.num_free == 64 and not sched.has_unfinished()
+    assert not sched.abort("a")
+
+
+def test_chunked_prefill_respects_the_budget_and_running_go_first():
+    sched = Scheduler(SchedulerConfig(4, 32, num_kv_blocks=100, block_size=4, max_model_len=120))
+    model = FakeModel(VOCAB, 0.0, 4)
+    sched.add_request(Request("long", list(range(70)), SamplingParams(max_tokens=4)))
+    sched.add_request(Request("short", list(range(5)), SamplingParams(max_tokens=4)))
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule()
+        chunks.append([(r.request_id, int(n)) for r, n in zip(out.requests, out.num_scheduled)])
+        sched.update(out, model.run(out))
+    assert chunks[0] == [("long", 32)]
+    assert chunks[1] == [("long", 32)]
+    assert chunks[2] == [("long", 6), ("short", 5)]  # the running request first, then the new one
+    assert chunks[3] == [("long", 1), ("short", 1)]  # both decoding
+
+
+def test_bad_requests_get_clear_errors():
+    import pytest
+
+    from scheduler.request import RequestError
+
+    sched = Scheduler(SchedulerConfig(4, 32, num_kv_blocks=10, block_size=4, max_model_len=64))
+    cases = [
+        (Request("a", [], SamplingParams()), "prompt must hold at least 1 token"),
+        (Request("b", [1] * 60, SamplingParams(max_tokens=10)),
+         "prompt (60 tokens) + max_tokens (10) = 70 exceeds max_model_len = 64"),
+        (Request("c", [1] * 40, SamplingParams(max_tokens=10)),
+         "prompt + max_tokens = 50 tokens needs 13 KV blocks, more than the cache holds (num_kv_blocks = 10)"),
+        (Request("d", [1], SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1, got 0"),
+        (Request("e", [1], SamplingParams(top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
+    ]
+    for req, message in cases:
+        with pytest.raises(RequestError) as info:
+            sched.add_request(req)
+        assert str(info.value) == message
+    sched.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=2)))
+    with pytest.raises(RequestError, match="already live"):
+        sched.add_request(Request("ok", [1], SamplingParams()))
+    assert sched.has_unfinished()
