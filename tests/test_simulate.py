@@ -1,0 +1,90 @@
+"""``twogrid simulate`` as a user runs it: the reference's decode coverage claims on the real scheduler and
+dispatcher, the JSON summary and the step trace."""
+
+import json
+import os
+
+import pytest
+
+from dispatcher.cli import main
+from dispatcher.config import resolve
+from dispatcher.simulate import simulate
+from dispatcher.trace import read_trace
+from dispatcher.workload import load_sharegpt, make_prompts
+
+SHAREGPT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json")
+K7 = {"method": "eagle3", "num_speculative_tokens": 7}
+
+
+def run_k7(compilation, tmp_path):
+    cfg = resolve(compilation, K7, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
+    trace = tmp_path / "trace.jsonl"
+    result = simulate(cfg, make_prompts(512, seed=1), concurrency=256, output_len=128, step_trace=str(trace))
+    return result.summary, read_trace(str(trace))
+
+
+def test_sm100_defaults_have_no_eager_decode_at_256(tmp_path):
+    summary, trace = run_k7({}, tmp_path)
+    decode = summary["by_kind"]["uniform_decode"]
+    assert decode["steps"] > 50 and decode["eager"] == 0 and decode["full"] == decode["steps"]
+    assert max(r["requests"] for r in trace if r["kind"] == "uniform_decode") == 256
+    assert all(r["q"] == 8 for r in trace if r["kind"] == "uniform_decode")
+
+
+def test_legacy_list_runs_decode_above_128_requests_eagerly(tmp_path):
+    summary, trace = run_k7({"max_cudagraph_capture_size": 1024}, tmp_path)
+    decode = [r for r in trace if r["kind"] == "uniform_decode"]
+    above = [r for r in decode if r["requests"] > 128]
+    below = [r for r in decode if r["requests"] <= 128]
+    assert above and all(r["mode"] == "NONE" for r in above)
+    assert all(r["mode"] == "FULL" for r in below)
+    assert summary["by_kind"]["uniform_decode"]["eager"] == len(above)
+
+
+def test_trace_records_have_the_spec_fields(tmp_path):
+    _, trace = run_k7({}, tmp_path)
+    fields = {"step", "kind", "requests", "tokens", "mode", "padded_tokens", "padded_requests", "host_ms", "device_ms"}
+    for rec in trace:
+        assert fields <= set(rec)
+        assert ("q" in rec) != ("query_len_hist" in rec)
+        assert rec["padded_tokens"] >= rec["tokens"] if rec["mode"] != "NONE" else rec["padded_tokens"] == rec["tokens"]
+    assert [r["step"] for r in trace] == list(range(1, len(trace) + 1))
+
+
+def test_simulate_json_summary(capsys):
+    rc = main(["simulate", "--platform", "sm100", "--num-prompts", "64", "--concurrency", "16", "--output-len", "32",
+               "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": true}',
+               "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert {"steps", "eager_steps", "padded_tokens", "real_tokens", "by_kind"} <= set(s)
+    assert set(s["by_kind"]) == {"uniform_decode", "mixed", "adaptive_verification"}
+    for v in s["by_kind"].values():
+        assert set(v) == {"steps", "full", "piecewise", "eager"} and v["steps"] == v["full"] + v["piecewise"] + v["eager"]
+    assert s["by_kind"]["adaptive_verification"]["full"] > 0
+    assert s["requests"] == 64 and s["output_tokens"] == 64 * 32
+
+
+def test_simulate_rejects_bad_flags(capsys):
+    assert main(["simulate", "--concurrency", "0"]) == 2
+    assert "--concurrency must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["simulate", "--dataset", "/nonexistent.json"]) == 2
+    assert "--dataset: cannot read '/nonexistent.json'" in capsys.readouterr().err
+
+
+def test_preemption_in_simulate_loses_no_request():
+    cfg = resolve({}, K7, platform="sm100", max_num_seqs=64, max_num_batched_tokens=2048)
+    result = simulate(cfg, make_prompts(128, seed=3), concurrency=64, output_len=64, num_kv_blocks=900,
+                      keep_outputs=True)
+    s = result.summary
+    assert s["preemptions"] > 0
+    assert s["requests"] == 128 and s["output_tokens"] == 128 * 64
+    assert all(len(tokens) == 64 for tokens in result.outputs.values())
+
+
+@pytest.mark.skipif(not os.path.exists(SHAREGPT), reason="shared ShareGPT data not present")
+def test_sharegpt_workload():
+    prompts = load_sharegpt(SHAREGPT)
+    assert len(prompts) == 500
+    specs = make_prompts(600, seed=0, dataset=SHAREGPT)
+    assert len(specs) == 600 and all(s.num_tokens >= 1 for s in specs)
