@@ -12,7 +12,6 @@ matrix sweep is timed 3 times; the median is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -20,7 +19,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import write_json  # noqa: E402  (puts the repository on sys.path)
 
 from dispatcher.config import resolve  # noqa: E402
 from dispatcher.dispatch import dispatchers_for_plan  # noqa: E402
@@ -113,10 +112,7 @@ def main() -> None:
         print(f"{row['config']:32s} {row['median_us_per_call']:22.3f} {row['loop_overhead_us']:17.3f} "
               f"{row['table_build_ms']:15.2f}")
     print(f"plan --matrix: {configs} configs in {result['matrix']['median_seconds']:.2f} s (median of 3)")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
-            fh.write("\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

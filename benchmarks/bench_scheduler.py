@@ -13,14 +13,13 @@ reported. Simulation: one run per configuration, wall-clock seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import write_json  # noqa: E402  (puts the repository on sys.path)
 
 from dispatcher.config import resolve  # noqa: E402
 from dispatcher.dispatch import dispatchers_for_plan  # noqa: E402
@@ -103,10 +102,7 @@ def main() -> None:
     print(f"{'simulate 1024/1024/1024':22s} {'wall s':>8s} {'steps':>8s} {'eager':>6s}")
     for name, r in sims.items():
         print(f"{name:22s} {r['wall_seconds']:8.2f} {r['steps']:8d} {r['eager_steps']:6d}")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
-            fh.write("\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

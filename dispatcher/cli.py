@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.config import ConfigError, Platform, parse_json_arg, resolve
+from dispatcher.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan import CapturePlan, build_plan
 
 
@@ -120,13 +120,7 @@ def render_plan(plan: CapturePlan) -> str:
 def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """A diff side: a saved ``plan --json`` output, or a config file {platform, max_num_seqs,
     max_num_batched_tokens, compilation_config, speculative_config} (missing keys take the command's flags)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"--diff: cannot read {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--diff: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    data = load_json_file(path, "--diff")
     if not isinstance(data, dict):
         raise ConfigError(f"--diff: {path!r} must hold a JSON object (a plan or a config)")
     if "runners" in data:
@@ -203,10 +197,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
-    try:
-        prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
     result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                       acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
                       block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace)

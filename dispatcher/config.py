@@ -128,16 +128,23 @@ def _known_fields(cls: type, data: Any, flag: str) -> dict[str, Any]:
     return dict(data)
 
 
+def load_json_file(path: str, flag: str) -> Any:
+    """A JSON file named by a flag; ConfigError naming the flag and the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag}: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+
+
 def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
     """Parse a ``--*-config`` value: inline JSON, or ``@path`` to a JSON file."""
     if text is None or text == "":
         return {}
     if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise ConfigError(f"{flag}: cannot read {text[1:]!r}: {exc.strerror}") from None
+        return load_json_file(text[1:], flag)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -464,58 +471,54 @@ def _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, war
         f"max_prefill_cudagraph_capture_tokens / max_decode_cudagraph_capture_requests (or their size lists)"
     )
     tokens = _drop_oversized("cudagraph_capture_sizes", tokens, max_num_batched_tokens, "max_num_batched_tokens", warn)
-    prefill = tokens
-    if interactivity and prefill:
-        prefill = tuple(sorted(set(prefill) | set(range(1, min(32, prefill[-1]) + 1))))
+    prefill = _with_interactivity(tokens, interactivity)
     return _Sizing(tokens[-1] if tokens else 0, prefill, _DecodeSizing(None, None, tokens))
 
 
-def _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn):
-    sm100 = platform is Platform.SM100
-    dense = grids.INTERACTIVITY_DENSE_THROUGH if interactivity else 1
+def _with_interactivity(sizes: tuple[int, ...], interactivity: bool) -> tuple[int, ...]:
+    """``interactivity`` adds every token count up to 32 (up to the largest size) to a prefill list."""
+    if not interactivity or not sizes:
+        return sizes
+    dense = range(1, min(grids.INTERACTIVITY_DENSE_THROUGH, sizes[-1]) + 1)
+    return tuple(sorted(set(sizes) | set(dense)))
 
-    # Prefill (tokens)
-    cap_field, list_field = "max_prefill_cudagraph_capture_tokens", "prefill_cudagraph_capture_token_sizes"
-    cap = cc.max_prefill_cudagraph_capture_tokens
-    sizes = cc.prefill_cudagraph_capture_token_sizes
+
+def _cap_and_list(cc, cap_field: str, list_field: str, limit: int, limit_name: str, warn: list[str]):
+    """Validate one kind's cap and size list: the cap is clamped to the engine limit (with a warning), the
+    list must fit within the cap, and list entries above the limit are dropped (one warning)."""
+    cap, sizes = getattr(cc, cap_field), getattr(cc, list_field)
     if cap is not UNSET:
         cap = _positive_int(cap_field, cap)
-        if cap > max_num_batched_tokens:
-            warn.append(f"{cap_field} = {cap} exceeds max_num_batched_tokens = {max_num_batched_tokens}; capped")
-            cap = max_num_batched_tokens
+        if cap > limit:
+            warn.append(f"{cap_field} = {cap} exceeds {limit_name} = {limit}; capped")
+            cap = limit
     if sizes is not UNSET:
         sizes = _size_list(list_field, sizes)
         if cap is not UNSET and sizes and sizes[-1] > cap:
             raise ConfigError(f"{list_field} has {sizes[-1]}, above {cap_field} = {cap}")
-        sizes = _drop_oversized(list_field, sizes, max_num_batched_tokens, "max_num_batched_tokens", warn)
-        if interactivity and sizes:
-            sizes = tuple(sorted(set(sizes) | set(range(1, min(32, sizes[-1]) + 1))))
+        sizes = _drop_oversized(list_field, sizes, limit, limit_name, warn)
+    return cap, sizes
+
+
+def _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn):
+    sm100 = platform is Platform.SM100
+
+    # Prefill (tokens)
+    cap, sizes = _cap_and_list(cc, "max_prefill_cudagraph_capture_tokens", "prefill_cudagraph_capture_token_sizes",
+                               max_num_batched_tokens, "max_num_batched_tokens", warn)
+    if sizes is not UNSET:
+        sizes = _with_interactivity(sizes, interactivity)
         prefill_cap = sizes[-1] if sizes else 0
     else:
         if cap is UNSET:
             cap = min(SM100_MAX_PREFILL_TOKENS if sm100 else grids.LEGACY_DEFAULT_MAX_TOKENS, max_num_batched_tokens)
-        if sm100:
-            sizes = grids.prefill_grid(cap, dense_through=dense)
-        else:
-            sizes = grids.legacy_token_list(cap)
-            if interactivity:
-                sizes = tuple(sorted(set(sizes) | set(range(1, min(32, cap) + 1))))
+        sizes = _with_interactivity(grids.prefill_grid(cap) if sm100 else grids.legacy_token_list(cap), interactivity)
         prefill_cap = cap
 
     # Decode (requests)
-    cap_field, list_field = "max_decode_cudagraph_capture_requests", "decode_cudagraph_capture_request_sizes"
-    dcap = cc.max_decode_cudagraph_capture_requests
-    dsizes = cc.decode_cudagraph_capture_request_sizes
-    if dcap is not UNSET:
-        dcap = _positive_int(cap_field, dcap)
-        if dcap > max_num_seqs:
-            warn.append(f"{cap_field} = {dcap} exceeds max_num_seqs = {max_num_seqs}; capped")
-            dcap = max_num_seqs
+    dcap, dsizes = _cap_and_list(cc, "max_decode_cudagraph_capture_requests", "decode_cudagraph_capture_request_sizes",
+                                 max_num_seqs, "max_num_seqs", warn)
     if dsizes is not UNSET:
-        dsizes = _size_list(list_field, dsizes)
-        if dcap is not UNSET and dsizes and dsizes[-1] > dcap:
-            raise ConfigError(f"{list_field} has {dsizes[-1]}, above {cap_field} = {dcap}")
-        dsizes = _drop_oversized(list_field, dsizes, max_num_seqs, "max_num_seqs", warn)
         decode = _DecodeSizing(dsizes[-1] if dsizes else 0, dsizes, None)
     elif sm100:
         dcap = max_num_seqs if dcap is UNSET else dcap

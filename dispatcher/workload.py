@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
+
+from dispatcher.config import ConfigError, load_json_file
 
 CHARS_PER_TOKEN = 4
 """Prompt tokens are estimated as characters / 4 when no tokenizer is given (typical for BPE on English)."""
@@ -23,22 +24,16 @@ def approx_num_tokens(text: str) -> int:
 
 def load_sharegpt(path: str) -> list[str]:
     """First human turn of each conversation in a ShareGPT JSON file (a list of {"conversations": [...]})."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"--dataset: cannot read {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--dataset: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    data = load_json_file(path, "--dataset")
     if not isinstance(data, list):
-        raise ValueError(f"--dataset: {path!r} must hold a JSON list of conversations")
+        raise ConfigError(f"--dataset: {path!r} must hold a JSON list of conversations")
     prompts = []
     for item in data:
         turns = item.get("conversations") if isinstance(item, dict) else None
         if turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str) and turns[0]["value"]:
             prompts.append(turns[0]["value"])
     if not prompts:
-        raise ValueError(f"--dataset: {path!r} holds no conversation with a first human turn")
+        raise ConfigError(f"--dataset: {path!r} holds no conversation with a first human turn")
     return prompts
 
 
