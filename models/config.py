@@ -1,0 +1,87 @@
+"""Model shapes and presets (random weights of real models' shapes, so that timings transfer)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer's shape."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    """Dense MLP width (ignored by MoE layers)."""
+    num_experts: int = 0
+    """0 for a dense model."""
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    eos_token_id: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def with_(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.is_moe and not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_token must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_token}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU test models: seconds to build and run.
+    "tiny-dense": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=16, intermediate_size=128, eos_token_id=2),
+    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128, num_experts=8, num_experts_per_token=2, moe_intermediate_size=32,
+                            eos_token_id=2),
+    # Granite-3.0-1B-A400M's shape: host-bound on an H200 (many small kernels), where graphs decide throughput.
+    "bench-moe": ModelConfig(vocab_size=49155, hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8,
+                             head_dim=64, intermediate_size=512, num_experts=32, num_experts_per_token=8,
+                             moe_intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=0),
+    # Qwen3-30B-A3B's layer shape with 24 layers: GPU-bound above a few hundred tokens.
+    "bench-moe-large": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=4,
+                                   head_dim=128, intermediate_size=768, num_experts=128, num_experts_per_token=8,
+                                   moe_intermediate_size=768, rope_theta=1000000.0, eos_token_id=151645),
+    # Llama-3.2-1B's shape.
+    "bench-dense": ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                               head_dim=64, intermediate_size=8192, rope_theta=500000.0, tie_word_embeddings=True,
+                               eos_token_id=128001),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"model must be one of {', '.join(PRESETS)} or a checkpoint directory; got {name!r}")
+    return PRESETS[name]

@@ -1,0 +1,105 @@
+"""Building blocks: RMSNorm (with fused residual add), rotary embeddings, SwiGLU MLP and a capturable MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return out if residual is None else (out, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embeddings from a precomputed cos/sin cache indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, heads, head_dim)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _grouped_mm_supported(a: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm") and (a.is_cuda or a.dtype == torch.float32)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """rows offs[e-1]:offs[e] of a (sorted by expert) times b[e]: one grouped GEMM, offsets on the device (no host
+    synchronization). Falls back to a loop over experts (eager only) where torch has no grouped GEMM."""
+    if _grouped_mm_supported(a):
+        return torch._grouped_mm(a, b, offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (Mixtral / Qwen-MoE): softmax over the top-k router logits. Tokens are sorted by
+    expert and run through two grouped GEMMs; combining is deterministic (no atomics), so replayed and eager
+    outputs match bit for bit."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        # Stored as Hugging Face keeps experts (out x in); used transposed.
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden = x.shape
+        k = self.top_k
+        logits = self.gate(x).float()
+        top_logits, top_ids = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1)
+        flat_ids = top_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // k
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = grouped_mm(x[tokens], self.w13.transpose(1, 2), offs)
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        y = grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs)
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(num_tokens, k, hidden).sum(dim=1)

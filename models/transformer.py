@@ -1,0 +1,105 @@
+"""A decoder-only transformer (Llama / Qwen2 dense, Mixtral / Qwen-MoE) over a paged KV cache.
+
+The forward is written as layers of two halves, ``pre_attention`` (norm, QKV, rotary) and ``post_attention``
+(output projection, norm, MLP or MoE), so that the graph runtime can capture the pieces between attention
+calls (PIECEWISE) or the whole forward (FULL) from the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import AttentionMetadata, paged_attention, write_kv
+from models.config import ModelConfig
+from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      rotary: RotaryEmbedding):
+        """-> q (tokens, heads, dim), k and v (tokens, kv_heads, dim), residual."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        c = self.cfg
+        q, k, v = self.qkv_proj(hidden).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        n = hidden.shape[0]
+        q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
+        k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
+        return q, k, v.view(n, c.num_kv_heads, c.head_dim), residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        hidden = self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    def attend(self, layer: int, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's K and V, then attend: the part PIECEWISE graphs leave out."""
+        write_kv(kv_caches[layer], k, v, meta.slot_mapping)
+        return paged_attention(q, kv_caches[layer], meta, self.scale)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states (tokens, hidden): the FULL path, and eager."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            q, k, v, residual = layer.pre_attention(hidden, residual, positions, self.rotary)
+            hidden, residual = layer.post_attention(self.attend(i, q, k, v, kv_caches, meta), residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    @torch.no_grad()
+    def init_random(self, seed: int, std: float = 0.02) -> "CausalLM":
+        """Random weights from a seed (norms at 1), generated on the model's device."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+        return self
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    with torch.device(device):
+        model = CausalLM(cfg).to(dtype)
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    return model.init_random(seed).eval().requires_grad_(False)

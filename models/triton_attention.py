@@ -1,0 +1,73 @@
+"""Triton paged attention: one program per (token, KV head), reading K and V straight from the paged cache
+with an online softmax. The grid depends only on the (padded) token count, so the kernel is capturable; a
+padded row (position -1) writes zeros and stops."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from models.attention import AttentionMetadata
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, block_table_ptr, token_req_ptr, token_pos_ptr,
+    stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head,
+    stride_ot, stride_oh, stride_bt, scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    pos = tl.load(token_pos_ptr + t)
+    if pos < 0:
+        tl.store(out_ptrs, tl.zeros([GROUP_PAD, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        return
+    req = tl.load(token_req_ptr + t).to(tl.int64)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, pos + 1, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n <= pos
+        block = tl.load(block_table_ptr + req * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        base = block * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot + kv_head * stride_kv_head
+        k = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv_kind + base[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    block_n = 64 if head_dim <= 64 else 32
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        q, kv_cache, out, meta.block_table, meta.token_req, meta.token_pos,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out.stride(0), out.stride(1), meta.block_table.stride(0), scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, num_warps=4,
+    )
+    return out
