@@ -1,0 +1,87 @@
+"""The engine core: scheduler -> dispatcher -> worker -> outputs, one step at a time, in one process.
+
+``twogrid serve`` wraps this loop in an engine process talking to worker processes; offline generation and
+the GPU tests use it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dispatcher.config import ResolvedConfig
+from dispatcher.dispatch import dispatchers_for_plan
+from dispatcher.plan import build_plan
+from dispatcher.trace import TraceWriter, step_record
+from dispatcher.worker import ModelWorker, WorkerConfig
+from models.config import ModelConfig
+from scheduler.request import Request, RequestError, SamplingParams
+from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: ModelConfig
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    """Default: bfloat16 on CUDA, float32 on the CPU."""
+    num_kv_blocks: int = 2048
+    block_size: int = 16
+    max_model_len: int = 2048
+    seed: int = 0
+    use_cuda_graphs: bool = True
+    step_trace: str | None = None
+
+
+class EngineCore:
+    def __init__(self, cfg: ResolvedConfig, args: EngineArgs, capture: bool = True, progress: bool = False):
+        self.cfg = cfg
+        self.args = args
+        self.plan = build_plan(cfg)
+        self.dispatcher = dispatchers_for_plan(self.plan)["target"]
+        dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+        self.scheduler = Scheduler(SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size,
+                                                                 args.max_model_len))
+        self.worker = ModelWorker(
+            WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
+                         cfg.max_num_seqs, cfg.max_num_batched_tokens, args.seed, args.use_cuda_graphs),
+            self.plan, cfg.method, cfg.num_speculative_tokens,
+        )
+        self.capture_report = self.worker.capture(progress=progress) if capture else None
+        self.trace = TraceWriter(args.step_trace)
+        self._next_id = 0
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        vocab = self.args.model.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]!r} is outside the vocabulary 0..{vocab - 1}")
+        params.validate(vocab)
+        rid = request_id or f"req-{self._next_id}"
+        self._next_id += 1
+        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.args.model.eos_token_id))
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if len(out.slots) == 0:
+            return []
+        s = out.shape
+        desc = self.dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+        t1 = time.perf_counter()
+        result = self.worker.execute(out, desc)
+        t2 = time.perf_counter()
+        self.trace.write(step_record(out.step_id, out, desc, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        return self.scheduler.update(out, result)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline: run every prompt to completion; outputs in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.scheduler.has_unfinished():
+            for o in self.step():
+                outputs[o.request_id].extend(o.new_token_ids)
+        return [outputs[rid] for rid in ids]

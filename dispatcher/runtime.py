@@ -1,0 +1,380 @@
+"""The graph runtime: capture every graph of a runner's plan and replay them (SPEC section 6).
+
+- Static buffers live in one place (``StaticBuffers``), sized for the widest graph; a graph of S tokens reads
+  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1),
+  replays, and returns a view of the real rows of the output.
+- FULL graphs hold the whole forward, attention included, over the metadata buffers: uniform decode (n
+  requests at q tokens each, S = n * q) and varlen (adaptive verification, or every batch in mode FULL).
+- PIECEWISE graphs are the pieces between attention calls: piece 0 is the embedding and layer 0 up to its
+  attention, piece i finishes layer i - 1 and prepares layer i, the last piece finishes the last layer.
+  Attention (KV write included) runs eagerly between them on the real rows only. Pieces exchange tensors
+  through the static buffers, so no piece output outlives its replay.
+- Capture: one memory pool per device shared by every runner and kind, largest size first, Python GC frozen,
+  a progress bar; per kind, graph count, seconds and measured memory are logged. Memory is estimated first
+  (the two largest sizes of each kind captured into a throwaway pool, extrapolated) and measured after.
+- CPU: no CUDA graphs; the same closures run eagerly on the same padded static buffers, so dispatch, padding
+  and output slicing are exercised identically in tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from dispatcher.dispatch import BatchDescriptor, GraphKey
+from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
+from models.attention import AttentionMetadata
+
+log = logging.getLogger("twogrid.runtime")
+
+CAP_FIELD = {
+    PIECEWISE: "max_prefill_cudagraph_capture_tokens",
+    FULL: "max_prefill_cudagraph_capture_tokens",
+    FULL_DECODE: "max_decode_cudagraph_capture_requests (or max_decode_cudagraph_capture_tokens)",
+    FULL_VARLEN: "max_decode_cudagraph_capture_requests (the adaptive-verification cap is it times 1 + K)",
+}
+_POOLS: dict[int, object] = {}
+
+
+class CaptureOOMError(RuntimeError):
+    """Out of GPU memory while capturing: names the graph and the cap to lower."""
+
+
+def shared_pool(device: torch.device):
+    """The one graph memory pool of a device, shared by every runner and kind."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
+
+
+@dataclass
+class StaticBuffers:
+    """Every tensor a graph reads or writes, sized for the widest graph."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_req: torch.Tensor
+    token_pos: torch.Tensor
+    block_table: torch.Tensor
+    """(max_num_reqs, max_blocks_per_seq): row = the scheduler's slot, updated by deltas."""
+    residual: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_out: torch.Tensor
+    hidden_out: torch.Tensor
+    staging: torch.Tensor
+    """(5, max_num_tokens) int64: the step's inputs arrive here in one copy."""
+
+    @classmethod
+    def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device):
+        t = max_num_tokens
+        z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        return cls(
+            input_ids=z(t, dt=torch.int64), positions=z(t, dt=torch.int64),
+            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device), token_req=z(t, dt=torch.int32),
+            token_pos=torch.full((t,), -1, dtype=torch.int32, device=device),
+            block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
+            residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim), k=z(t, cfg.num_kv_heads, cfg.head_dim),
+            v=z(t, cfg.num_kv_heads, cfg.head_dim), attn_out=z(t, cfg.num_heads, cfg.head_dim),
+            hidden_out=z(t, cfg.hidden_size), staging=z(5, t, dt=torch.int64),
+        )
+
+    def meta(self, num_tokens: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:num_tokens], self.token_req[:num_tokens],
+                                 self.token_pos[:num_tokens], self.block_table)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+class _Replayable:
+    """A captured CUDA graph, or (CPU, or capture disabled) the closure itself run eagerly."""
+
+    __slots__ = ("fn", "graph")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.graph = fn, None
+
+    def capture(self, pool, stream) -> None:
+        self.fn()  # warm-up: compiles kernels, creates handles; outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self.fn()
+        self.graph = graph
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+@dataclass
+class KindReport:
+    runner: str
+    kind: str
+    q: int | None
+    graphs: int
+    seconds: float
+    measured_gib: float
+    estimated_gib: float | None = None
+
+
+@dataclass
+class CaptureReport:
+    kinds: list[KindReport] = field(default_factory=list)
+    buffers_gib: float = 0.0
+    estimate_seconds: float = 0.0
+
+    @property
+    def measured_gib(self) -> float:
+        return sum(k.measured_gib for k in self.kinds)
+
+    @property
+    def estimated_gib(self) -> float:
+        return sum(k.estimated_gib or 0.0 for k in self.kinds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(k.seconds for k in self.kinds)
+
+
+def _graph_tokens(g: GraphSet, size: int) -> int:
+    return size * g.q if g.kind == FULL_DECODE else size
+
+
+class GraphRuntime:
+    """Runs one model (a runner) for any BatchDescriptor of its plan."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], graph_sets: Iterable[GraphSet], *, max_num_tokens: int,
+                 max_num_reqs: int, max_blocks_per_seq: int, runner: str = "target", use_cuda_graphs: bool = True):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.runner = runner
+        self.device = kv_caches[0].device
+        self.cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.graph_sets = [g for g in graph_sets if g.sizes]
+        widest = max((_graph_tokens(g, g.largest) for g in self.graph_sets), default=0)
+        self.max_num_tokens = max(max_num_tokens, widest)
+        self.max_num_reqs = max_num_reqs
+        self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
+                                           kv_caches[0].dtype, self.device)
+        self.graphs: dict[GraphKey, list[_Replayable]] = {}
+        self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
+        self._kind_estimates: dict[tuple[str, int | None], float] = {}
+        self._build_closures()
+
+    # -- closures over the static buffers --------------------------------------------------------------------
+    def _full(self, num_tokens: int) -> Callable[[], None]:
+        b, model = self.bufs, self.model
+
+        def run() -> None:
+            hidden = model(b.input_ids[:num_tokens], b.positions[:num_tokens], self.kv_caches, b.meta(num_tokens))
+            b.hidden_out[:num_tokens].copy_(hidden)
+
+        return run
+
+    def _piece(self, index: int, num_tokens: int) -> Callable[[], None]:
+        b, model, n = self.bufs, self.model, num_tokens
+        last = model.num_layers
+
+        def run() -> None:
+            if index == 0:
+                hidden, residual = model.embed_tokens(b.input_ids[:n]), None
+            else:
+                hidden, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n])
+            if index < last:
+                q, k, v, residual = model.layers[index].pre_attention(hidden, residual, b.positions[:n], model.rotary)
+                b.q[:n].copy_(q)
+                b.k[:n].copy_(k)
+                b.v[:n].copy_(v)
+                b.residual[:n].copy_(residual)
+            else:
+                hidden, _ = model.norm(hidden, residual)
+                b.hidden_out[:n].copy_(hidden)
+
+        return run
+
+    def _attention(self, layer: int, num_tokens: int) -> None:
+        b = self.bufs
+        b.attn_out[:num_tokens] = self.model.attend(layer, b.q[:num_tokens], b.k[:num_tokens], b.v[:num_tokens],
+                                                    self.kv_caches, b.meta(num_tokens))
+
+    def _build_closures(self) -> None:
+        for g in self.graph_sets:
+            for size in g.sizes:
+                key = GraphKey(g.kind, g.q, size)
+                tokens = _graph_tokens(g, size)
+                if g.kind == PIECEWISE:
+                    self.graphs[key] = [_Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
+                else:
+                    self.graphs[key] = [_Replayable(self._full(tokens))]
+
+    # -- capture ---------------------------------------------------------------------------------------------
+    def _reset_metadata(self) -> None:
+        """Safe contents for warm-up and capture: every row padded (writes go to the dummy block)."""
+        b = self.bufs
+        b.input_ids.zero_()
+        b.positions.zero_()
+        b.slot_mapping.fill_(-1)
+        b.token_req.zero_()
+        b.token_pos.fill_(-1)
+
+    def _capture_one(self, g: GraphSet, size: int, pool, stream) -> None:
+        tokens = _graph_tokens(g, size)
+        try:
+            for i, piece in enumerate(self.graphs[GraphKey(g.kind, g.q, size)]):
+                piece.capture(pool, stream)
+                if g.kind == PIECEWISE and i < self.model.num_layers:
+                    self._attention(i, tokens)
+        except torch.cuda.OutOfMemoryError:
+            unit = "requests" if g.kind == FULL_DECODE else "tokens"
+            q = f" at q = {g.q}" if g.q is not None else ""
+            raise CaptureOOMError(
+                f"out of GPU memory capturing the {self.runner} {g.kind} graph for {size} {unit}{q} ({tokens} "
+                f"tokens): lower {CAP_FIELD[g.kind]} (largest {g.kind} size now {g.largest}), or leave more memory "
+                f"(a smaller KV cache or max_num_seqs)"
+            ) from None
+
+    @contextmanager
+    def _frozen_gc(self):
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+
+    def estimate_memory(self) -> float:
+        """GiB the plan's graphs will take: the two largest sizes of each kind captured into a throwaway pool;
+        the first capture's growth plus (count - 1) times the second's."""
+        if not self.cuda_graphs:
+            return 0.0
+        start = time.perf_counter()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        saved = {}
+        est = 0.0
+        with self._frozen_gc():
+            for g in self.graph_sets:
+                steps = []
+                for size in sorted(g.sizes, reverse=True)[:2]:
+                    key = GraphKey(g.kind, g.q, size)
+                    saved[key] = [_Replayable(p.fn) for p in self.graphs[key]]
+                    torch.cuda.synchronize(self.device)
+                    free0 = torch.cuda.mem_get_info(self.device)[0]
+                    for i, piece in enumerate(saved[key]):
+                        piece.capture(pool, stream)
+                        if g.kind == PIECEWISE and i < self.model.num_layers:
+                            self._attention(i, _graph_tokens(g, size))
+                    torch.cuda.synchronize(self.device)
+                    steps.append(free0 - torch.cuda.mem_get_info(self.device)[0])
+                first, second = steps[0], (steps[1] if len(steps) > 1 else 0)
+                kind_est = (first + (len(g.sizes) - 1) * max(second, 0)) / 2**30
+                self._kind_estimates[(g.kind, g.q)] = kind_est
+                est += kind_est
+        del saved, pool
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.report.estimate_seconds = time.perf_counter() - start
+        return est
+
+    def capture(self, progress: bool = True, estimate: bool = True) -> CaptureReport:
+        """Capture every graph, largest first per kind; on the CPU this only readies the closures."""
+        self._reset_metadata()
+        if not self.cuda_graphs:
+            self.report.kinds = [KindReport(self.runner, g.kind, g.q, len(g.sizes), 0.0, 0.0) for g in self.graph_sets]
+            return self.report
+        if estimate:
+            self.estimate_memory()
+        pool, stream = shared_pool(self.device), torch.cuda.Stream(self.device)
+        total = sum(len(g.sizes) for g in self.graph_sets)
+        bar = _progress(total, f"capturing {self.runner} graphs", progress)
+        with self._frozen_gc():
+            for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
+                torch.cuda.synchronize(self.device)
+                free0 = torch.cuda.mem_get_info(self.device)[0]
+                start = time.perf_counter()
+                for size in sorted(g.sizes, reverse=True):
+                    self._capture_one(g, size, pool, stream)
+                    bar.update(1)
+                torch.cuda.synchronize(self.device)
+                used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+                kr = KindReport(self.runner, g.kind, g.q, len(g.sizes), time.perf_counter() - start, used,
+                                self._kind_estimates.get((g.kind, g.q)))
+                self.report.kinds.append(kr)
+                log.info("captured %d %s %s graphs%s in %.1f s, %.3f GiB (estimated %s)", kr.graphs, self.runner,
+                         g.kind, f" at q={g.q}" if g.q else "", kr.seconds, kr.measured_gib,
+                         f"{kr.estimated_gib:.3f} GiB" if kr.estimated_gib is not None else "-")
+        bar.close()
+        self._reset_metadata()
+        return self.report
+
+    # -- replay ----------------------------------------------------------------------------------------------
+    def load_inputs(self, host: np.ndarray, num_real: int, num_padded: int) -> None:
+        """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded
+        become padding (slot -1, position -1)."""
+        b = self.bufs
+        staged = np.empty((5, num_padded), dtype=np.int64)
+        staged[:4, :num_real] = host
+        staged[4, :num_real] = host[1]
+        staged[:, num_real:] = np.array([[0], [0], [-1], [0], [-1]])
+        src = torch.from_numpy(staged)
+        dst = b.staging[:, :num_padded]
+        dst.copy_(src, non_blocking=False)
+        b.input_ids[:num_padded].copy_(dst[0])
+        b.positions[:num_padded].copy_(dst[1])
+        b.slot_mapping[:num_padded].copy_(dst[2])
+        b.token_req[:num_padded].copy_(dst[3])
+        b.token_pos[:num_padded].copy_(dst[4])
+
+    def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+        if len(rows):
+            idx = (torch.from_numpy(np.asarray(rows, np.int64)).to(self.device),
+                   torch.from_numpy(np.asarray(cols, np.int64)).to(self.device))
+            self.bufs.block_table.index_put_(idx, torch.from_numpy(np.asarray(ids, np.int32)).to(self.device))
+
+    def execute(self, desc: BatchDescriptor, host: np.ndarray) -> torch.Tensor:
+        """Run a step: (4, num_real) host inputs -> final hidden states of the real rows (a view)."""
+        num_real = host.shape[1]
+        num = desc.num_tokens if desc.mode != "NONE" else num_real
+        self.load_inputs(host, num_real, num)
+        if desc.mode == "FULL":
+            self.graphs[desc.graph][0].replay()
+        elif desc.mode == "PIECEWISE":
+            pieces = self.graphs[desc.graph]
+            for i, piece in enumerate(pieces):
+                piece.replay()
+                if i < len(pieces) - 1:
+                    self._attention(i, num_real)
+        else:
+            self._full(num_real)()
+        return self.bufs.hidden_out[:num_real]
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="graph")
