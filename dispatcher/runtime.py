@@ -289,6 +289,7 @@ class GraphRuntime:
         self.report.estimate_seconds = time.perf_counter() - start
         return est
 
+    @torch.inference_mode()
     def capture(self, progress: bool = True, estimate: bool = True) -> CaptureReport:
         """Capture every graph, largest first per kind; on the CPU this only readies the closures."""
         self._reset_metadata()

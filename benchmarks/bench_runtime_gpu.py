@@ -1,0 +1,182 @@
+"""GPU benchmark of the graph runtime on one H200 (issue 3):
+
+1. Step time, eager vs replay, for PIECEWISE sizes 1..8192 tokens and FULL decode 1..1024 requests at q = 1, 4,
+   8, on bench-moe and bench-moe-large (bf16, random weights). Every batch is decode-shaped: requests of q
+   tokens over a 64-token context (PIECEWISE: q = 8), so attention stays small, as in SPEC section 1.
+   Eager runs the forward unpadded; replay runs the captured graph (PIECEWISE: pieces plus eager attention).
+   Each: 3 warm-up runs, then the median of 7 repetitions of 10 back-to-back steps timed with CUDA events.
+2. Kernel sum: one eager run of the same padded closures under torch.profiler; the sum of its CUDA kernel
+   durations against the replay time (launch gaps gone when replay is within 10% of it).
+3. Capture of the sm100 default plan (1024 requests, 16384 tokens: 39 PIECEWISE + 64 FULL at q = 1) on
+   bench-moe: seconds and pool GiB per kind, estimate vs measured.
+
+    PYTHONPATH=. python benchmarks/bench_runtime_gpu.py --out $OUT/runtime_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from _common import write_json  # noqa: F401  (puts the repository on sys.path)
+from dispatcher.config import resolve
+from dispatcher.dispatch import BatchDescriptor, GraphKey
+from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet, build_plan
+from dispatcher.runtime import GraphRuntime
+from models.attention import allocate_kv_cache
+from models.config import preset
+from models.transformer import build_model
+
+BLOCK = 16
+CTX = 64
+PW_SIZES = (1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
+DECODE_REQS = (1, 8, 64, 256, 512, 1024)
+DECODE_Q = (1, 4, 8)
+
+
+def decode_host(num_reqs: int, q: int, blocks_per_req: int) -> np.ndarray:
+    positions = (np.arange(q)[None, :] + CTX).repeat(num_reqs, 0).ravel()
+    reqs = np.repeat(np.arange(num_reqs), q)
+    slots = (reqs * blocks_per_req + positions // BLOCK) * BLOCK + positions % BLOCK
+    ids = np.random.default_rng(0).integers(3, 30000, size=num_reqs * q)
+    return np.stack([ids, positions, slots, reqs]).astype(np.int64)
+
+
+def time_steps(fn, reps: int = 7, inner: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def kernel_sum_ms(fn) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+    return total_us / 1e3
+
+
+def bench_model(name: str) -> dict:
+    cfg = preset(name)
+    t0 = time.perf_counter()
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    build_s = time.perf_counter() - t0
+    max_reqs = 1024
+    blocks_per_req = -(-(CTX + 8) // BLOCK)
+    num_blocks = max_reqs * blocks_per_req
+    kv = allocate_kv_cache(cfg.num_layers, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    rows = []
+    sets = [GraphSet("target", PIECEWISE, None, PW_SIZES)] + [
+        GraphSet("target", FULL_DECODE, q, tuple(n for n in DECODE_REQS if n * q <= 8192)) for q in DECODE_Q]
+    rt = GraphRuntime(model, kv, sets, max_num_tokens=8192, max_num_reqs=max_reqs, max_blocks_per_seq=blocks_per_req)
+    table = np.arange(max_reqs * blocks_per_req).reshape(max_reqs, blocks_per_req)
+    r, c = np.nonzero(np.ones_like(table))
+    rt.update_block_table(r, c, table[r, c])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        rt.capture(progress=False, estimate=False)
+        capture_s = time.perf_counter() - t0
+        cases = [(PIECEWISE, None, t, -(-t // 8), min(t, 8)) for t in PW_SIZES]
+        cases += [(FULL_DECODE, q, n, n, q) for q in DECODE_Q for n in DECODE_REQS if n * q <= 8192]
+        for kind, q, size, num_reqs, qlen in cases:
+            tokens = size * q if kind == FULL_DECODE else size
+            host = decode_host(num_reqs, qlen, blocks_per_req)[:, :tokens]
+            mode = "FULL" if kind == FULL_DECODE else "PIECEWISE"
+            desc = BatchDescriptor(mode, "bench", tokens, num_reqs, q, GraphKey(kind, q, size))
+            eager = BatchDescriptor("NONE", "bench", tokens, num_reqs, q, None)
+            eager_ms = time_steps(lambda: rt.execute(eager, host))
+            replay_ms = time_steps(lambda: rt.execute(desc, host))
+            pieces = rt.graphs[desc.graph]
+            saved = [p.graph for p in pieces]
+
+            def static_run():
+                for p in pieces:
+                    p.graph = None
+                try:
+                    rt.execute(desc, host)
+                finally:
+                    for p, g in zip(pieces, saved):
+                        p.graph = g
+
+            ksum = kernel_sum_ms(static_run)
+            rows.append({"kind": kind, "q": q, "size": size, "tokens": tokens, "eager_ms": round(eager_ms, 3),
+                         "replay_ms": round(replay_ms, 3), "speedup": round(eager_ms / replay_ms, 2),
+                         "kernel_sum_ms": round(ksum, 3), "replay_over_kernel_sum": round(replay_ms / ksum, 3)})
+            print(f"{name:16s} {kind:12s} q={q!s:4s} size={size:5d} tokens={tokens:5d} eager {eager_ms:8.3f} ms "
+                  f"replay {replay_ms:8.3f} ms x{eager_ms / replay_ms:5.2f} kernels {ksum:8.3f} ms", flush=True)
+    del rt, kv, model
+    torch.cuda.empty_cache()
+    return {"model": name, "build_seconds": round(build_s, 1), "bench_capture_seconds": round(capture_s, 1),
+            "steps": rows}
+
+
+def bench_default_plan(name: str = "bench-moe") -> dict:
+    """Capture the sm100 default plan (no SD): 39 PIECEWISE + 64 FULL decode at q = 1."""
+    cfg_model = preset(name)
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
+    plan = build_plan(cfg)
+    model = build_model(cfg_model, "cuda", torch.bfloat16, seed=0)
+    kv = allocate_kv_cache(cfg_model.num_layers, 4096, BLOCK, cfg_model.num_kv_heads, cfg_model.head_dim,
+                           torch.bfloat16, "cuda")
+    rt = GraphRuntime(model, kv, plan.for_runner("target"), max_num_tokens=16384, max_num_reqs=1024,
+                      max_blocks_per_seq=128)
+    t0 = time.perf_counter()
+    report = rt.capture(progress=True, estimate=True)
+    wall = time.perf_counter() - t0
+    kinds = [{"kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 2),
+              "measured_gib": round(k.measured_gib, 4),
+              "estimated_gib": round(k.estimated_gib, 4) if k.estimated_gib is not None else None} for k in report.kinds]
+    out = {"model": name, "plan": "sm100 defaults, 1024 seqs, 16384 tokens, no SD", "kinds": kinds,
+           "capture_seconds": round(report.seconds, 2), "estimate_seconds": round(report.estimate_seconds, 2),
+           "wall_seconds_with_estimate": round(wall, 2), "measured_gib": round(report.measured_gib, 4),
+           "estimated_gib": round(report.estimated_gib, 4),
+           "estimate_error": round(report.estimated_gib / report.measured_gib - 1, 4) if report.measured_gib else None,
+           "static_buffers_gib": round(report.buffers_gib, 4)}
+    print(out, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="graph runtime on the GPU")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--models", default="bench-moe,bench-moe-large")
+    parser.add_argument("--skip-plan", action="store_true")
+    args = parser.parse_args()
+    result = {
+        "command": "PYTHONPATH=. python benchmarks/bench_runtime_gpu.py --out $OUT/runtime_h200.json",
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "method": "decode-shaped batches over a 64-token context; median of 7 x 10 steps after 3 warm-ups (CUDA "
+                  "events); kernel sum from one profiled eager run of the same padded closures",
+    }
+    if not args.skip_plan:
+        result["default_plan_capture"] = bench_default_plan()
+        write_json(args.out, result)
+    result["models"] = []
+    for name in args.models.split(","):
+        result["models"].append(bench_model(name))
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
