@@ -70,10 +70,8 @@ def kernel_sum_ms(fn) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total_us = 0.0
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+    total_us = sum(evt.time_range.elapsed_us() for evt in prof.events()
+                   if evt.device_type == torch.autograd.DeviceType.CUDA)
     return total_us / 1e3
 
 
