@@ -40,7 +40,7 @@ CAP_FIELD = {
     FULL_DECODE: "max_decode_cudagraph_capture_requests (or max_decode_cudagraph_capture_tokens)",
     FULL_VARLEN: "max_decode_cudagraph_capture_requests (the adaptive-verification cap is it times 1 + K)",
 }
-_POOLS: dict[int, object] = {}
+_POOLS: dict[int, tuple[object, object]] = {}
 
 
 class CaptureOOMError(RuntimeError):
@@ -48,11 +48,24 @@ class CaptureOOMError(RuntimeError):
 
 
 def shared_pool(device: torch.device):
-    """The one graph memory pool of a device, shared by every runner and kind."""
+    """The one graph memory pool of a device, shared by every runner and kind for the life of the process.
+    A one-op keeper graph holds the pool, so that it survives runtimes whose graphs are all released."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+        pool = torch.cuda.graph_pool_handle()
+        scratch = torch.zeros(1, device=device)
+        keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=pool):
+            scratch.add_(1)
+        _POOLS[index] = (pool, keeper)
+    return _POOLS[index][0]
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free device memory once the caching allocator has returned its idle blocks (graph pools stay held)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 @dataclass
@@ -270,22 +283,19 @@ class GraphRuntime:
                 for size in sorted(g.sizes, reverse=True)[:2]:
                     key = GraphKey(g.kind, g.q, size)
                     saved[key] = [_Replayable(p.fn) for p in self.graphs[key]]
-                    torch.cuda.synchronize(self.device)
-                    free0 = torch.cuda.mem_get_info(self.device)[0]
+                    free0 = free_device_bytes(self.device)
                     for i, piece in enumerate(saved[key]):
                         piece.capture(pool, stream)
                         if g.kind == PIECEWISE and i < self.model.num_layers:
                             self._attention(i, _graph_tokens(g, size))
-                    torch.cuda.synchronize(self.device)
-                    steps.append(free0 - torch.cuda.mem_get_info(self.device)[0])
+                    steps.append(free0 - free_device_bytes(self.device))
                 first, second = steps[0], (steps[1] if len(steps) > 1 else 0)
                 kind_est = (first + (len(g.sizes) - 1) * max(second, 0)) / 2**30
                 self._kind_estimates[(g.kind, g.q)] = kind_est
                 est += kind_est
         del saved, pool
         gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        free_device_bytes(self.device)
         self.report.estimate_seconds = time.perf_counter() - start
         return est
 
@@ -303,14 +313,12 @@ class GraphRuntime:
         bar = _progress(total, f"capturing {self.runner} graphs", progress)
         with self._frozen_gc():
             for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
-                torch.cuda.synchronize(self.device)
-                free0 = torch.cuda.mem_get_info(self.device)[0]
+                free0 = free_device_bytes(self.device)
                 start = time.perf_counter()
                 for size in sorted(g.sizes, reverse=True):
                     self._capture_one(g, size, pool, stream)
                     bar.update(1)
-                torch.cuda.synchronize(self.device)
-                used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+                used = (free0 - free_device_bytes(self.device)) / 2**30
                 kr = KindReport(self.runner, g.kind, g.q, len(g.sizes), time.perf_counter() - start, used,
                                 self._kind_estimates.get((g.kind, g.q)))
                 self.report.kinds.append(kr)
