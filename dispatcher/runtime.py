@@ -141,6 +141,8 @@ class KindReport:
     seconds: float
     measured_gib: float
     estimated_gib: float | None = None
+    estimate_samples_gib: tuple[float, ...] = ()
+    """Growth from capturing the largest, then the second largest size, into the throwaway pool."""
 
 
 @dataclass
@@ -185,6 +187,7 @@ class GraphRuntime:
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
+        self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
@@ -292,6 +295,7 @@ class GraphRuntime:
                 first, second = steps[0], (steps[1] if len(steps) > 1 else 0)
                 kind_est = (first + (len(g.sizes) - 1) * max(second, 0)) / 2**30
                 self._kind_estimates[(g.kind, g.q)] = kind_est
+                self._estimate_samples[(g.kind, g.q)] = tuple(x / 2**30 for x in steps)
                 est += kind_est
         del saved, pool
         gc.collect()
@@ -320,7 +324,7 @@ class GraphRuntime:
                     bar.update(1)
                 used = (free0 - free_device_bytes(self.device)) / 2**30
                 kr = KindReport(self.runner, g.kind, g.q, len(g.sizes), time.perf_counter() - start, used,
-                                self._kind_estimates.get((g.kind, g.q)))
+                                self._kind_estimates.get((g.kind, g.q)), self._estimate_samples.get((g.kind, g.q), ()))
                 self.report.kinds.append(kr)
                 log.info("captured %d %s %s graphs%s in %.1f s, %.3f GiB (estimated %s)", kr.graphs, self.runner,
                          g.kind, f" at q={g.q}" if g.q else "", kr.seconds, kr.measured_gib,

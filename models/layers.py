@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from models.fused import moe_combine, rms_norm, rotary_torch, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -15,12 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-        return out if residual is None else (out, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -35,10 +31,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return rotary_torch(positions, x, self.cos, self.sin)
 
 
 class DenseMLP(nn.Module):
@@ -50,8 +43,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 def _grouped_mm_supported(a: torch.Tensor) -> bool:
@@ -85,7 +77,6 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens, hidden = x.shape
         k = self.top_k
         logits = self.gate(x).float()
         top_logits, top_ids = torch.topk(logits, k, dim=-1)
@@ -97,9 +88,5 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = grouped_mm(x[tokens], self.w13.transpose(1, 2), offs)
-        gate, up = h.split(self.intermediate_size, dim=-1)
-        y = grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs)
-        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
-        return unsorted.view(num_tokens, k, hidden).sum(dim=1)
+        y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
+        return moe_combine(y, order, weights)

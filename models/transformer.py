@@ -12,6 +12,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, write_kv
 from models.config import ModelConfig
+from models.fused import rotary_qk_
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
 
 
@@ -37,8 +38,14 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         c = self.cfg
-        q, k, v = self.qkv_proj(hidden).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
         n = hidden.shape[0]
+        if qkv.is_cuda:  # one in-place kernel for the query and key heads
+            rotary_qk_(qkv, positions, rotary.cos, rotary.sin, c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+                    v.view(n, c.num_kv_heads, c.head_dim), residual)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
         k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
         return q, k, v.view(n, c.num_kv_heads, c.head_dim), residual

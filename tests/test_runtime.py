@@ -200,3 +200,70 @@ def _next_logits(engine, tokens):
     with torch.inference_mode():
         hidden = model(torch.tensor(tokens, device="cuda"), pos, kv, meta)
         return model.compute_logits(hidden[-1:])[0]
+
+
+@pytest.mark.gpu
+def test_fused_kernels_match_torch():
+    import torch.nn.functional as F
+
+    from models import fused
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    x, r, w = (torch.randn(37, 1024, device=dev, dtype=bf) for _ in range(2)), None, None
+    x, r = list(x)
+    w = torch.randn(1024, device=dev, dtype=bf)
+    out, res = fused.rms_norm(x, w, 1e-6, r)
+    ref, ref_res = fused.rms_norm_torch(x, w, 1e-6, r)
+    torch.testing.assert_close(res, ref_res)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+    # rotary on 6 query + 2 key heads of 64, in place
+    from models.layers import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 4096, 10000.0).to(dev)
+    qkv = torch.randn(37, 12 * 64, device=dev, dtype=bf)
+    pos = torch.randint(0, 4000, (37,), device=dev)
+    ref = rotary_ref = fused.rotary_torch(pos, qkv[:, : 8 * 64].reshape(37, 8, 64), rot.cos, rot.sin)
+    fused.rotary_qk_(qkv, pos, rot.cos, rot.sin, 8, 64)
+    torch.testing.assert_close(qkv[:, : 8 * 64].reshape(37, 8, 64), rotary_ref, rtol=2e-2, atol=2e-2)
+    del ref
+    h = torch.randn(37, 2 * 768, device=dev, dtype=bf)
+    torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=2e-2, atol=2e-2)
+    # MoE combine: 5 tokens, top-3, against the torch path on the CPU
+    y = torch.randn(15, 256, device=dev, dtype=bf)
+    order = torch.randperm(15, device=dev)
+    wts = torch.softmax(torch.randn(5, 3, device=dev), -1)
+    torch.testing.assert_close(fused.moe_combine(y, order, wts).float().cpu(),
+                               fused.moe_combine(y.cpu().float(), order.cpu(), wts.cpu()), rtol=2e-2, atol=2e-2)
+    # KV write: slot -1 rows are skipped
+    kv = torch.zeros(2, 5, 4, 2, 64, device=dev, dtype=bf)
+    k, v = torch.randn(3, 2, 64, device=dev, dtype=bf), torch.randn(3, 2, 64, device=dev, dtype=bf)
+    fused.write_kv_gpu(kv, k, v, torch.tensor([5, -1, 0], device=dev))
+    assert torch.equal(kv[0, 1, 1], k[0]) and torch.equal(kv[1, 0, 0], v[2])
+    assert int((kv != 0).flatten(2).any(-1).sum()) == 4  # two slots, K and V
+
+
+@pytest.mark.gpu
+def test_capture_out_of_memory_is_a_clear_error():
+    """Capture with almost no memory left: an error naming the kind, the size and the cap, not a crash."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from dispatcher.runtime import CaptureOOMError
+from tests.test_runtime import make_runtime
+cfg, rt, _ = make_runtime("tiny-moe", "cuda", torch.bfloat16, {}, None, max_num_seqs=1024, mnbt=16384, graphs=False)
+rt.cuda_graphs = True
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 20)) / total)
+try:
+    rt.capture(progress=False, estimate=False)
+except CaptureOOMError as exc:
+    print("CAUGHT", exc)
+'''
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "CAUGHT out of GPU memory capturing the target piecewise graph for 8192 tokens" in proc.stdout, (
+        proc.stdout + proc.stderr)[-3000:]
+    assert "lower max_prefill_cudagraph_capture_tokens (largest piecewise size now 8192)" in proc.stdout

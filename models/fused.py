@@ -1,0 +1,180 @@
+"""Fused GPU kernels (Triton) for the small per-layer operations, with the torch code as the CPU path.
+
+A host-bound model spends its step on kernel launches and the gaps between them, even inside a CUDA graph, so
+each of these replaces a chain of elementwise torch kernels with one: RMSNorm with the residual add, rotary
+embeddings on Q and K in place, SiLU-and-multiply, the KV-cache write (padded rows skipped), and the MoE
+combine (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
+path rounds, so the two agree to bf16 precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def _gpu(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch paths
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_torch(x, weight, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def rotary_torch(positions, x, cos, sin):
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n,
+                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, HALF: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + t)
+        offs = tl.arange(0, HALF)
+        c = tl.load(cos_ptr + pos * HALF + offs)
+        s = tl.load(sin_ptr + pos * HALF + offs)
+        base = x_ptr + t * stride_t + h * stride_h
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        tl.store(base + offs, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty))
+        tl.store(base + HALF + offs, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+        a = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + cols, (a.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_k, stride_v, stride_kind, row: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK)
+            mask = offs < row
+            dst = kv_ptr + slot * row + offs
+            tl.store(dst, tl.load(k_ptr + t * stride_k + offs, mask=mask), mask=mask)
+            tl.store(dst + stride_kind, tl.load(v_ptr + t * stride_v + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, stride_y, stride_o, n, TOP_K: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            r = tl.load(inv_ptr + t * TOP_K + j)
+            w = tl.load(w_ptr + t * TOP_K + j)
+            acc += w * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """norm(x), or (norm(x + residual), x + residual)."""
+    if not _gpu(x) or x.shape[0] == 0:
+        return rms_norm_torch(x, weight, eps, residual)
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res_in = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), out.stride(0),
+                                    res_out.stride(0), n, eps, HAS_RES=residual is not None,
+                                    BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out if residual is None else (out, res_out)
+
+
+def rotary_qk_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               num_heads: int, head_dim: int) -> None:
+    """Rotate, in place, the first ``num_heads`` heads of each row of ``qk`` (query heads then key heads)."""
+    _rotary_kernel[(qk.shape[0], num_heads)](qk, positions, cos, sin, qk.stride(0), head_dim, HALF=head_dim // 2,
+                                             num_warps=1)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:]."""
+    n = x.shape[-1] // 2
+    if not _gpu(x) or x.shape[0] == 0:
+        gate, up = x.split(n, dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+def write_kv_gpu(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store K and V rows at their slots; rows with slot -1 are skipped."""
+    row = k.shape[1] * k.shape[2]
+    _write_kv_kernel[(k.shape[0],)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                                    row=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
+
+
+def moe_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y_sorted[position of (t, j) in the expert order]."""
+    num_tokens, top_k = weights.shape
+    hidden = y_sorted.shape[-1]
+    if not _gpu(y_sorted):
+        y = y_sorted * weights.flatten()[order].unsqueeze(1).to(y_sorted.dtype)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(num_tokens, top_k, hidden).sum(dim=1)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.shape[0], device=order.device)
+    out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y_sorted, inv, weights.contiguous(), out, y_sorted.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block)
+    return out
