@@ -43,6 +43,10 @@ CAP_FIELD = {
 _POOLS: dict[int, tuple[object, object]] = {}
 
 
+_PAD_ROWS = np.array([[0], [0], [-1], [0], [-1]], dtype=np.int64)
+"""Padding for the staged rows input_ids, positions, slot_mapping, token_req, token_pos."""
+
+
 class CaptureOOMError(RuntimeError):
     """Out of GPU memory while capturing: names the graph and the cap to lower."""
 
@@ -142,7 +146,7 @@ class KindReport:
     measured_gib: float
     estimated_gib: float | None = None
     estimate_samples_gib: tuple[float, ...] = ()
-    """Growth from capturing the largest, then the second largest size, into the throwaway pool."""
+    """(growth from the largest graph, per-graph growth of the second largest) in the throwaway pool."""
 
 
 @dataclass
@@ -188,6 +192,10 @@ class GraphRuntime:
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
+        if self.cuda_graphs:
+            self._pinned = [torch.empty(5, self.max_num_tokens, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._staging_done = [torch.cuda.Event(), torch.cuda.Event()]
+            self._staging_turn = 0
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
@@ -271,33 +279,47 @@ class GraphRuntime:
         finally:
             gc.unfreeze()
 
+    ESTIMATE_REPEATS = 8
+    """The second-largest graph is captured this many times, so that the per-graph growth is measured finer
+    than the driver's 2 MiB allocation granularity."""
+
+    def _capture_throwaway(self, g: GraphSet, size: int, pool, stream, keep: list) -> int:
+        """Capture one size into a throwaway pool; returns the device memory it took."""
+        free0 = free_device_bytes(self.device)
+        pieces = [_Replayable(p.fn) for p in self.graphs[GraphKey(g.kind, g.q, size)]]
+        for i, piece in enumerate(pieces):
+            piece.capture(pool, stream)
+            if g.kind == PIECEWISE and i < self.model.num_layers:
+                self._attention(i, _graph_tokens(g, size))
+        keep.append(pieces)
+        return free0 - free_device_bytes(self.device)
+
     def estimate_memory(self) -> float:
-        """GiB the plan's graphs will take: the two largest sizes of each kind captured into a throwaway pool;
-        the first capture's growth plus (count - 1) times the second's."""
+        """GiB the plan's graphs will take, from the two largest sizes of each kind captured into a throwaway
+        pool (kinds in capture order): the largest's growth, plus (count - 1) times the per-graph growth of
+        the second largest (captured ESTIMATE_REPEATS times)."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-        saved = {}
+        keep: list = []
         est = 0.0
         with self._frozen_gc():
-            for g in self.graph_sets:
-                steps = []
-                for size in sorted(g.sizes, reverse=True)[:2]:
-                    key = GraphKey(g.kind, g.q, size)
-                    saved[key] = [_Replayable(p.fn) for p in self.graphs[key]]
+            for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
+                sizes = sorted(g.sizes, reverse=True)
+                first = self._capture_throwaway(g, sizes[0], pool, stream, keep)
+                per_graph = 0.0
+                if len(sizes) > 1:
+                    repeats = min(self.ESTIMATE_REPEATS, len(sizes) - 1)
                     free0 = free_device_bytes(self.device)
-                    for i, piece in enumerate(saved[key]):
-                        piece.capture(pool, stream)
-                        if g.kind == PIECEWISE and i < self.model.num_layers:
-                            self._attention(i, _graph_tokens(g, size))
-                    steps.append(free0 - free_device_bytes(self.device))
-                first, second = steps[0], (steps[1] if len(steps) > 1 else 0)
-                kind_est = (first + (len(g.sizes) - 1) * max(second, 0)) / 2**30
+                    for _ in range(repeats):
+                        self._capture_throwaway(g, sizes[1], pool, stream, keep)
+                    per_graph = max(0, free0 - free_device_bytes(self.device)) / repeats
+                kind_est = (first + (len(sizes) - 1) * per_graph) / 2**30
                 self._kind_estimates[(g.kind, g.q)] = kind_est
-                self._estimate_samples[(g.kind, g.q)] = tuple(x / 2**30 for x in steps)
+                self._estimate_samples[(g.kind, g.q)] = (first / 2**30, per_graph / 2**30)
                 est += kind_est
-        del saved, pool
+        del keep, pool
         gc.collect()
         free_device_bytes(self.device)
         self.report.estimate_seconds = time.perf_counter() - start
@@ -338,18 +360,30 @@ class GraphRuntime:
         """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded
         become padding (slot -1, position -1)."""
         b = self.bufs
-        staged = np.empty((5, num_padded), dtype=np.int64)
+        src, staged = self._host_staging(num_padded)
         staged[:4, :num_real] = host
         staged[4, :num_real] = host[1]
-        staged[:, num_real:] = np.array([[0], [0], [-1], [0], [-1]])
-        src = torch.from_numpy(staged)
+        staged[:, num_real:] = _PAD_ROWS
         dst = b.staging[:, :num_padded]
-        dst.copy_(src, non_blocking=False)
+        dst.copy_(src, non_blocking=True)
+        if self.cuda_graphs:
+            self._staging_done[self._staging_turn].record()
         b.input_ids[:num_padded].copy_(dst[0])
         b.positions[:num_padded].copy_(dst[1])
         b.slot_mapping[:num_padded].copy_(dst[2])
         b.token_req[:num_padded].copy_(dst[3])
         b.token_pos[:num_padded].copy_(dst[4])
+
+    def _host_staging(self, num_padded: int) -> tuple[torch.Tensor, np.ndarray]:
+        """A host buffer for the step's inputs. On CUDA: two pinned buffers in turn, each reused only once
+        its previous copy has run, so that the copy never blocks the host."""
+        if not self.cuda_graphs:
+            arr = np.empty((5, num_padded), dtype=np.int64)
+            return torch.from_numpy(arr), arr
+        self._staging_turn ^= 1
+        self._staging_done[self._staging_turn].synchronize()
+        buf = self._pinned[self._staging_turn][:, :num_padded]
+        return buf, buf.numpy()
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         if len(rows):

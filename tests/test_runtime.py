@@ -252,12 +252,13 @@ def test_capture_out_of_memory_is_a_clear_error():
 
     code = r'''
 import torch
-from dispatcher.runtime import CaptureOOMError
+from dispatcher.runtime import CaptureOOMError, shared_pool
 from tests.test_runtime import make_runtime
-cfg, rt, _ = make_runtime("tiny-moe", "cuda", torch.bfloat16, {}, None, max_num_seqs=1024, mnbt=16384, graphs=False)
+cfg, rt, _ = make_runtime("bench-moe", "cuda", torch.bfloat16, {}, None, max_num_seqs=1024, mnbt=16384, graphs=False)
 rt.cuda_graphs = True
+shared_pool(rt.device)
 total = torch.cuda.get_device_properties(0).total_memory
-torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 20)) / total)
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (32 << 20)) / total)
 try:
     rt.capture(progress=False, estimate=False)
 except CaptureOOMError as exc:
