@@ -23,7 +23,8 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
 @dataclass
 class EngineArgs:
-    model: ModelConfig
+    model: ModelConfig | str
+    """A model shape, a preset name (random weights from ``seed``) or a checkpoint directory."""
     device: str = "cpu"
     dtype: torch.dtype | None = None
     """Default: bfloat16 on CUDA, float32 on the CPU."""
@@ -53,15 +54,19 @@ class EngineCore:
         self.trace = TraceWriter(args.step_trace)
         self._next_id = 0
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.worker.model.cfg
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        vocab = self.args.model.vocab_size
+        vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token {bad[0]!r} is outside the vocabulary 0..{vocab - 1}")
         params.validate(vocab)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
-        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.args.model.eos_token_id))
+        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.model_config.eos_token_id))
         return rid
 
     def step(self) -> list[RequestOutput]:

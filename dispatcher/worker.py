@@ -14,6 +14,7 @@ from dispatcher.runtime import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
 from models.drafters import NgramDrafter
+from models.loader import load_model
 from models.sampling import sample, target_probs, verify_greedy, verify_rejection
 from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
@@ -24,7 +25,8 @@ MODEL_DRAFTERS_PENDING = ("eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dfla
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: ModelConfig
+    model: ModelConfig | str
+    """A model shape (random weights from ``seed``), a preset name, or a checkpoint directory."""
     device: str
     dtype: torch.dtype
     num_kv_blocks: int
@@ -44,8 +46,11 @@ class ModelWorker:
                              f"use ngram (or simulate, which models any method)")
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
-        self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
-        cfg = wcfg.model
+        if isinstance(wcfg.model, str):
+            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+        else:
+            self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+        cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
         self.max_blocks = -(-(wcfg.max_model_len + num_speculative_tokens + 1) // wcfg.block_size)

@@ -22,6 +22,12 @@ class ModelConfig:
     """0 for a dense model."""
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights (Mixtral); False: softmax over all experts, then top-k (Qwen2-MoE)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert (with a sigmoid gate) beside the routed ones; 0 for none."""
+    attention_bias: bool = False
+    """Bias on the Q, K and V projections (Qwen2)."""
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False

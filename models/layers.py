@@ -68,10 +68,14 @@ class MoE(nn.Module):
     expert and run through two grouped GEMMs; combining is deterministic (no atomics), so replayed and eager
     outputs match bit for bit."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0):
         super().__init__()
         self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
+        self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         # Stored as Hugging Face keeps experts (out x in); used transposed.
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -79,8 +83,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.top_k
         logits = self.gate(x).float()
-        top_logits, top_ids = torch.topk(logits, k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1)
+        if self.norm_topk_prob:
+            top_logits, top_ids = torch.topk(logits, k, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        else:
+            weights, top_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
         flat_ids = top_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // k
@@ -89,4 +96,7 @@ class MoE(nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = grouped_mm(x[tokens], self.w13.transpose(1, 2), offs)
         y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
-        return moe_combine(y, order, weights)
+        out = moe_combine(y, order, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -21,11 +21,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
-            self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size)
+            self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
+                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -99,6 +100,8 @@ class CausalLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
         return self
