@@ -117,6 +117,51 @@ if triton is not None:
         tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _moe_route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, rank_ptr, stride_l, n_experts,
+                          TOP_K: tl.constexpr, E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
+        """Per token: top-k experts of the router logits, their weights, and a slot in each expert's segment."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, E_PAD)
+        x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, axis=0)
+        denom = tl.sum(tl.where(offs < n_experts, tl.exp(x - top), 0.0), axis=0)
+        if NORM_TOPK:
+            denom = 0.0
+        for j in tl.static_range(TOP_K):
+            m = tl.max(x, axis=0)
+            idx = tl.argmax(x, axis=0)
+            e = tl.exp(m - top)
+            if NORM_TOPK:
+                denom += e
+            tl.store(ids_ptr + t * TOP_K + j, idx)
+            tl.store(w_ptr + t * TOP_K + j, e)
+            tl.store(rank_ptr + t * TOP_K + j, tl.atomic_add(counts_ptr + idx, 1))
+            x = tl.where(offs == idx, float("-inf"), x)
+        for j in tl.static_range(TOP_K):
+            tl.store(w_ptr + t * TOP_K + j, tl.load(w_ptr + t * TOP_K + j) / denom)
+
+    @triton.jit
+    def _moe_scatter_kernel(x_ptr, ids_ptr, rank_ptr, counts_ptr, xs_ptr, inv_ptr, offs_ptr, stride_x, stride_xs,
+                            hidden, n_experts, TOP_K: tl.constexpr, E_PAD: tl.constexpr, H_PAD: tl.constexpr):
+        """Per (token, choice): its row in the expert-sorted order; copies the token's hidden state there."""
+        a = tl.program_id(0)
+        offs_e = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + offs_e, mask=offs_e < n_experts, other=0)
+        ends = tl.cumsum(counts, axis=0)
+        if a == 0:
+            tl.store(offs_ptr + offs_e, ends, mask=offs_e < n_experts)
+        e = tl.load(ids_ptr + a)
+        start = tl.sum(tl.where(offs_e == e, ends - counts, 0), axis=0)
+        row = start + tl.load(rank_ptr + a)
+        tl.store(inv_ptr + a, row)
+        cols = tl.arange(0, H_PAD)
+        mask = cols < hidden
+        tl.store(xs_ptr + row * stride_xs + cols, tl.load(x_ptr + (a // TOP_K) * stride_x + cols, mask=mask), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,17 +207,52 @@ def write_kv_gpu(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
                                     row=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
 
 
-def moe_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y_sorted[position of (t, j) in the expert order]."""
+def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Route tokens to experts without host synchronization. Returns (xs, offs, inv, weights): the tokens'
+    hidden states sorted by expert (one row per (token, choice)), each expert's cumulative end row (int32), the
+    sorted row of each (token, choice), and the routing weights (tokens, top_k) in float32.
+
+    GPU: two Triton kernels (per-token top-k and an atomic slot per expert; then the scatter). Rows within an
+    expert's segment come in atomic order, which changes no output: a grouped GEMM computes each row alone.
+    CPU: torch top-k and a stable sort by expert."""
+    num_tokens, num_experts = logits.shape
+    if not _gpu(x) or num_tokens == 0:
+        logits = logits.float()
+        if norm_topk_prob:
+            top_logits, top_ids = torch.topk(logits, top_k, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        else:
+            weights, top_ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        flat = top_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.shape[0], device=order.device)
+        return x[order // top_k], torch.cumsum(counts, 0, dtype=torch.int32), inv, weights
+    dev, n = x.device, num_tokens * top_k
+    ids = torch.empty(n, dtype=torch.int32, device=dev)
+    rank = torch.empty(n, dtype=torch.int32, device=dev)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts)
+    _moe_route_kernel[(num_tokens,)](logits, ids, weights, counts, rank, logits.stride(0), num_experts,
+                                     TOP_K=top_k, E_PAD=e_pad, NORM_TOPK=norm_topk_prob, num_warps=1)
+    xs = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
+    inv = torch.empty(n, dtype=torch.int64, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _moe_scatter_kernel[(n,)](x, ids, rank, counts, xs, inv, offs, x.stride(0), xs.stride(0), x.shape[1], num_experts,
+                              TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4)
+    return xs, offs, inv, weights
+
+
+def moe_combine(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y_sorted[inv[t * top_k + j]], summed in choice order."""
     num_tokens, top_k = weights.shape
     hidden = y_sorted.shape[-1]
     if not _gpu(y_sorted):
-        y = y_sorted * weights.flatten()[order].unsqueeze(1).to(y_sorted.dtype)
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
-        return unsorted.view(num_tokens, top_k, hidden).sum(dim=1)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.shape[0], device=order.device)
+        y = y_sorted[inv] * weights.flatten().unsqueeze(1).to(y_sorted.dtype)
+        return y.view(num_tokens, top_k, hidden).sum(dim=1)
     out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](

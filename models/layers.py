@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.fused import moe_combine, rms_norm, rotary_torch, silu_mul
+from models.fused import moe_combine, moe_route, rms_norm, rotary_torch, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -81,22 +81,10 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.top_k
-        logits = self.gate(x).float()
-        if self.norm_topk_prob:
-            top_logits, top_ids = torch.topk(logits, k, dim=-1)
-            weights = torch.softmax(top_logits, dim=-1)
-        else:
-            weights, top_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-        flat_ids = top_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        tokens = order // k
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = grouped_mm(x[tokens], self.w13.transpose(1, 2), offs)
+        xs, offs, inv, weights = moe_route(x, self.gate(x), self.top_k, self.norm_topk_prob)
+        h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
         y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
-        out = moe_combine(y, order, weights)
+        out = moe_combine(y, inv, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

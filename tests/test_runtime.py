@@ -230,12 +230,20 @@ def test_fused_kernels_match_torch():
     del ref
     h = torch.randn(37, 2 * 768, device=dev, dtype=bf)
     torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=2e-2, atol=2e-2)
-    # MoE combine: 5 tokens, top-3, against the torch path on the CPU
-    y = torch.randn(15, 256, device=dev, dtype=bf)
-    order = torch.randperm(15, device=dev)
-    wts = torch.softmax(torch.randn(5, 3, device=dev), -1)
-    torch.testing.assert_close(fused.moe_combine(y, order, wts).float().cpu(),
-                               fused.moe_combine(y.cpu().float(), order.cpu(), wts.cpu()), rtol=2e-2, atol=2e-2)
+    # MoE routing and combine: 300 tokens, 32 experts, top-8, against the torch path on the CPU
+    for norm in (True, False):
+        x = torch.randn(300, 256, device=dev, dtype=bf)
+        logits = torch.randn(300, 32, device=dev, dtype=bf)
+        xs, offs, inv, wts = fused.moe_route(x, logits, 8, norm)
+        xs_c, offs_c, inv_c, wts_c = fused.moe_route(x.cpu().float(), logits.cpu(), 8, norm)
+        assert torch.equal(offs.cpu(), offs_c)
+        torch.testing.assert_close(wts.cpu(), wts_c, rtol=1e-5, atol=1e-6)
+        assert torch.equal(xs[inv].cpu().float(), xs_c[inv_c])  # each (token, choice) row holds its token
+        y = torch.randn(2400, 256, device=dev, dtype=bf)
+        y_c = torch.empty(2400, 256)
+        y_c[inv_c] = y[inv].cpu().float()  # the same value for each (token, choice) in the CPU order
+        torch.testing.assert_close(fused.moe_combine(y, inv, wts).float().cpu(), fused.moe_combine(y_c, inv_c, wts_c),
+                                   rtol=2e-2, atol=2e-2)
     # KV write: slot -1 rows are skipped
     kv = torch.zeros(2, 5, 4, 2, 64, device=dev, dtype=bf)
     k, v = torch.randn(3, 2, 64, device=dev, dtype=bf), torch.randn(3, 2, 64, device=dev, dtype=bf)
