@@ -4,7 +4,9 @@ Each step the engine describes its batch by four numbers (tokens, requests, the 
 every request is a decode) and gets back a frozen BatchDescriptor:
 
 - uniform decode (every request a decode with the same query length q): the FULL graph of the smallest
-  decode size n' >= n at that q (sizes already within the token budget); else PIECEWISE by tokens; else eager.
+  decode size n' >= n at that q (sizes already within the token budget); else, with adaptive verification, the
+  FULL varlen graph of the smallest size >= n * q (it holds any decode batch, and is already captured); else
+  PIECEWISE by tokens; else eager.
 - adaptive verification (a decode step whose requests verify different numbers of drafts): the FULL varlen
   graph of the smallest size >= the step's tokens; else PIECEWISE by tokens; else eager.
 - mixed / prefill: the PIECEWISE graph of the smallest size >= tokens (FULL on the same grid in mode FULL);
@@ -106,6 +108,7 @@ class Dispatcher:
             self._varlen = self._varlen_row(token_sizes, ADAPTIVE_VERIFICATION)
         self._full_mixed = self._varlen_row(token_sizes, MIXED) if self._token_kind == FULL else None
         decode_sizes = {g.q: g.sizes for g in sets if g.kind == FULL_DECODE}
+        self._varlen_for_uniform = bool(varlen)
         self._uniform: dict[int, list[BatchDescriptor]] = {}
         for q in sorted(set(range(1, max_query_len + 1)) | set(decode_sizes)):
             self._uniform[q] = self._uniform_row(q, decode_sizes.get(q, ()))
@@ -128,8 +131,17 @@ class Dispatcher:
             if p:
                 row.append(BatchDescriptor(MODE_FULL, UNIFORM_DECODE, p * q, p, q, GraphKey(FULL_DECODE, q, p)))
             else:
-                row.append(self._by_tokens(UNIFORM_DECODE, n * q, n, q))
+                row.append(self._uncovered_uniform(n * q, n, q))
         return row
+
+    def _uncovered_uniform(self, num_tokens: int, num_reqs: int, q: int) -> BatchDescriptor:
+        """A uniform decode no FULL decode graph covers: an adaptive-verification graph (it holds any decode
+        batch), else by tokens."""
+        if self._varlen_for_uniform and num_tokens <= self.max_num_batched_tokens:
+            varlen = self._varlen[num_tokens]
+            if varlen is not None:
+                return varlen._replace(kind=UNIFORM_DECODE, q=q)
+        return self._by_tokens(UNIFORM_DECODE, num_tokens, num_reqs, q)
 
     def _varlen_row(self, sizes: tuple[int, ...], kind: str) -> list[BatchDescriptor | None]:
         """FULL varlen descriptors by tokens; None where no graph covers (resolved per call)."""
@@ -156,7 +168,7 @@ class Dispatcher:
                 row = self._uniform.get(max_query_len)
                 if row is not None:
                     return row[num_reqs]
-                return self._by_tokens(UNIFORM_DECODE, num_tokens, num_reqs, max_query_len)
+                return self._uncovered_uniform(num_tokens, num_reqs, max_query_len)
             if self._varlen is not None:
                 found = self._varlen[num_tokens]
                 if found is not None:
@@ -178,10 +190,13 @@ class Dispatcher:
 
 
 def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
-    """One Dispatcher per runner of a CapturePlan."""
+    """One Dispatcher per runner of a CapturePlan. Drafters' block forwards run n * q tokens, which may exceed
+    max_num_batched_tokens, so their tables reach max_num_seqs * (1 + K)."""
     cfg = plan.config
     q_max = 1 + cfg.num_speculative_tokens
-    return {
-        runner: Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)
-        for runner in plan.runners
-    } or {"target": Dispatcher((), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)}
+    out = {"target": Dispatcher(plan.for_runner("target"), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)}
+    widest = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * q_max)
+    for runner in plan.runners:
+        if runner != "target":
+            out[runner] = Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, widest, q_max)
+    return out

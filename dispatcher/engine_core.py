@@ -15,7 +15,7 @@ from dispatcher.config import ResolvedConfig
 from dispatcher.dispatch import dispatchers_for_plan
 from dispatcher.plan import build_plan
 from dispatcher.trace import TraceWriter, step_record
-from dispatcher.worker import ModelWorker, WorkerConfig
+from dispatcher.worker import BLOCK_DRAFTERS, EAGLE_LIKE, ModelWorker, StepDescriptors, WorkerConfig, block_query_len
 from models.config import ModelConfig
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -41,7 +41,8 @@ class EngineCore:
         self.cfg = cfg
         self.args = args
         self.plan = build_plan(cfg)
-        self.dispatcher = dispatchers_for_plan(self.plan)["target"]
+        self.dispatchers = dispatchers_for_plan(self.plan)
+        self.dispatcher = self.dispatchers["target"]
         dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
         self.scheduler = Scheduler(SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size,
                                                                  args.max_model_len))
@@ -76,11 +77,27 @@ class EngineCore:
             return []
         s = out.shape
         desc = self.dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+        descs = self._draft_descriptors(out, desc)
         t1 = time.perf_counter()
-        result = self.worker.execute(out, desc)
+        result = self.worker.execute(out, descs)
         t2 = time.perf_counter()
-        self.trace.write(step_record(out.step_id, out, desc, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        self.trace.write(step_record(out.step_id, out, desc, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                     (descs.draft, descs.draft_next)))
         return self.scheduler.update(out, result)
+
+    def _draft_descriptors(self, out, desc) -> StepDescriptors:
+        """Dispatch the drafter's forwards of this step too: their shapes are known before it runs."""
+        method, k = self.cfg.method, out.num_new_drafts
+        n_s = int(out.samples.sum())
+        if method not in EAGLE_LIKE + BLOCK_DRAFTERS or not k or not n_s:
+            return StepDescriptors(desc)
+        s = out.shape
+        if method in EAGLE_LIKE:
+            draft = self.dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+            nxt = self.dispatchers[f"{method}_next_steps"].dispatch(n_s, n_s, 1, True) if k >= 2 else None
+            return StepDescriptors(desc, draft, nxt)
+        q = block_query_len(method, k)
+        return StepDescriptors(desc, self.dispatchers[method].dispatch(n_s * q, n_s, q, True))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline: run every prompt to completion; outputs in prompt order."""

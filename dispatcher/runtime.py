@@ -89,11 +89,14 @@ class StaticBuffers:
     v: torch.Tensor
     attn_out: torch.Tensor
     hidden_out: torch.Tensor
+    aux: torch.Tensor | None
+    """(max_num_tokens, hidden): a drafter's second input (target features), None for a target."""
     staging: torch.Tensor
     """(5, max_num_tokens) int64: the step's inputs arrive here in one copy."""
 
     @classmethod
-    def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device):
+    def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
+                 with_aux: bool = False):
         t = max_num_tokens
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
@@ -103,7 +106,8 @@ class StaticBuffers:
             block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim), k=z(t, cfg.num_kv_heads, cfg.head_dim),
             v=z(t, cfg.num_kv_heads, cfg.head_dim), attn_out=z(t, cfg.num_heads, cfg.head_dim),
-            hidden_out=z(t, cfg.hidden_size), staging=z(5, t, dt=torch.int64),
+            hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
+            staging=z(5, t, dt=torch.int64),
         )
 
     def meta(self, num_tokens: int) -> AttentionMetadata:
@@ -111,7 +115,7 @@ class StaticBuffers:
                                  self.token_pos[:num_tokens], self.block_table)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
 
 
 class _Replayable:
@@ -187,7 +191,7 @@ class GraphRuntime:
         self.max_num_tokens = max(max_num_tokens, widest)
         self.max_num_reqs = max_num_reqs
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device)
+                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux)
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
@@ -203,7 +207,8 @@ class GraphRuntime:
         b, model = self.bufs, self.model
 
         def run() -> None:
-            hidden = model(b.input_ids[:num_tokens], b.positions[:num_tokens], self.kv_caches, b.meta(num_tokens))
+            aux = b.aux[:num_tokens] if b.aux is not None else None
+            hidden = model(b.input_ids[:num_tokens], b.positions[:num_tokens], self.kv_caches, b.meta(num_tokens), aux)
             b.hidden_out[:num_tokens].copy_(hidden)
 
         return run
@@ -214,7 +219,7 @@ class GraphRuntime:
 
         def run() -> None:
             if index == 0:
-                hidden, residual = model.embed_tokens(b.input_ids[:n]), None
+                hidden, residual = model.embed(b.input_ids[:n], b.aux[:n] if b.aux is not None else None), None
             else:
                 hidden, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n])
             if index < last:
@@ -391,11 +396,14 @@ class GraphRuntime:
                    torch.from_numpy(np.asarray(cols, np.int64)).to(self.device))
             self.bufs.block_table.index_put_(idx, torch.from_numpy(np.asarray(ids, np.int32)).to(self.device))
 
-    def execute(self, desc: BatchDescriptor, host: np.ndarray) -> torch.Tensor:
-        """Run a step: (4, num_real) host inputs -> final hidden states of the real rows (a view)."""
+    def execute(self, desc: BatchDescriptor, host: np.ndarray, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a step: (4, num_real) host inputs (and a drafter's (num_real, hidden) features) -> final hidden
+        states of the real rows (a view)."""
         num_real = host.shape[1]
         num = desc.num_tokens if desc.mode != "NONE" else num_real
         self.load_inputs(host, num_real, num)
+        if aux is not None:
+            self.bufs.aux[:num_real].copy_(aux)
         if desc.mode == "FULL":
             self.graphs[desc.graph][0].replay()
         elif desc.mode == "PIECEWISE":

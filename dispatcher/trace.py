@@ -6,9 +6,14 @@ import json
 from typing import IO, Any
 
 
-def step_record(step_id: int, out, desc, host_ms: float, device_ms: float) -> dict[str, Any]:
+def _brief(desc) -> dict[str, Any]:
+    return {"mode": desc.mode, "padded_tokens": desc.num_tokens, "padded_requests": desc.num_reqs,
+            "graph": list(desc.graph) if desc.graph is not None else None}
+
+
+def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=()) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
-    graph, host and device milliseconds."""
+    graph, host and device milliseconds; with a model drafter, its forwards' descriptors under "draft"."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -28,6 +33,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float) -> di
         host_ms=round(host_ms, 4),
         device_ms=round(device_ms, 4),
     )
+    if drafts:
+        rec["draft"] = [_brief(d) for d in drafts if d is not None]
     return rec
 
 

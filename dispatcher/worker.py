@@ -13,14 +13,31 @@ from dispatcher.dispatch import BatchDescriptor
 from dispatcher.runtime import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
-from models.drafters import NgramDrafter
+from models.drafters import NgramDrafter, build_draft_head
 from models.loader import load_model
 from models.sampling import sample, target_probs, verify_greedy, verify_rejection
 from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
 
 log = logging.getLogger("twogrid.worker")
-MODEL_DRAFTERS_PENDING = ("eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash", "draft_model")
+EAGLE_LIKE = ("eagle", "eagle3", "mtp")
+BLOCK_DRAFTERS = ("dspark", "dflash", "mtp_multi")
+
+
+def block_query_len(method: str, num_speculative_tokens: int) -> int:
+    """Rows a block drafter runs per request: dspark q = K, dflash and mtp_multi q = K + 1."""
+    return num_speculative_tokens if method == "dspark" else num_speculative_tokens + 1
+
+
+@dataclass(frozen=True)
+class StepDescriptors:
+    """The dispatcher's decisions for every forward of a step: the target's, and the drafter's."""
+
+    target: BatchDescriptor
+    draft: BatchDescriptor | None = None
+    """EAGLE step 0 (the target step's shape) or the block drafter's forward (n * q)."""
+    draft_next: BatchDescriptor | None = None
+    """EAGLE steps 1..K-1 (one token a request)."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +58,9 @@ class WorkerConfig:
 
 class ModelWorker:
     def __init__(self, wcfg: WorkerConfig, plan, speculative_method: str | None = None, num_speculative_tokens: int = 0):
-        if speculative_method in MODEL_DRAFTERS_PENDING:
-            raise ValueError(f"speculative method {speculative_method!r} has no drafter in the worker yet; "
-                             f"use ngram (or simulate, which models any method)")
+        if speculative_method == "draft_model":
+            raise ValueError("speculative method 'draft_model' (a separate draft LM) has no drafter in the worker yet; "
+                             "use ngram, an EAGLE-style method or a block drafter (or simulate, which models any method)")
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
         if isinstance(wcfg.model, str):
@@ -53,18 +70,37 @@ class ModelWorker:
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
-        self.max_blocks = -(-(wcfg.max_model_len + num_speculative_tokens + 1) // wcfg.block_size)
+        lookahead = num_speculative_tokens + 1 if speculative_method in EAGLE_LIKE + BLOCK_DRAFTERS else 0
+        self.max_blocks = -(-(wcfg.max_model_len + 2 * num_speculative_tokens + 2 + lookahead) // wcfg.block_size)
         self.block_table = np.zeros((wcfg.max_num_seqs, self.max_blocks), dtype=np.int64)
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
             max_blocks_per_seq=self.max_blocks, use_cuda_graphs=wcfg.use_cuda_graphs,
         )
+        self.method = speculative_method
         self.drafter = NgramDrafter(num_speculative_tokens) if speculative_method == "ngram" else None
+        self.draft_runtimes: list[GraphRuntime] = []
+        if speculative_method in EAGLE_LIKE + BLOCK_DRAFTERS:
+            self.draft_head = build_draft_head(self.model, wcfg.seed + 1)
+            self.draft_kv = allocate_kv_cache(1, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                              wcfg.dtype, self.device)
+            widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (num_speculative_tokens + 1))
+            runners = [speculative_method] + ([f"{speculative_method}_next_steps"]
+                                              if speculative_method in EAGLE_LIKE else [])
+            self.draft_runtimes = [
+                GraphRuntime(self.draft_head, self.draft_kv, plan.for_runner(r), max_num_tokens=widest,
+                             max_num_reqs=wcfg.max_num_seqs, max_blocks_per_seq=self.max_blocks, runner=r,
+                             use_cuda_graphs=wcfg.use_cuda_graphs)
+                for r in runners
+            ]
         self.generator = torch.Generator(device=self.device).manual_seed(wcfg.seed)
 
     def capture(self, progress: bool = True) -> CaptureReport:
-        return self.runtime.capture(progress=progress)
+        report = self.runtime.capture(progress=progress)
+        for rt in self.draft_runtimes:
+            report.kinds += rt.capture(progress=progress).kinds
+        return report
 
     # -- inputs ----------------------------------------------------------------------------------------------
     def _inputs(self, out: SchedulerOutput) -> np.ndarray:
@@ -92,13 +128,20 @@ class ModelWorker:
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, desc: BatchDescriptor) -> ModelResult:
+    def execute(self, out: SchedulerOutput, descs: StepDescriptors | BatchDescriptor) -> ModelResult:
+        if isinstance(descs, BatchDescriptor):
+            descs = StepDescriptors(descs)
         rows, cols, ids = out.block_updates
         if len(rows):
             self.block_table[rows, cols] = ids
-            self.runtime.update_block_table(rows, cols, ids)
-        hidden = self.runtime.execute(desc, self._inputs(out))
-        return self._sample(out, hidden)
+            for rt in [self.runtime, *self.draft_runtimes]:
+                rt.update_block_table(rows, cols, ids)
+        host = self._inputs(out)
+        hidden = self.runtime.execute(descs.target, host)
+        result = self._sample(out, hidden)
+        if self.draft_runtimes and out.num_new_drafts and out.samples.any():
+            self._draft(out, descs, host, hidden, result)
+        return result
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> ModelResult:
         n = len(out.slots)
@@ -155,3 +198,77 @@ class ModelWorker:
             target[r] = toks[0]
             acc[r] = a[0]
         return target, acc
+
+    # -- model-based drafting ----------------------------------------------------------------------------
+    def _slots_of(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        bs = self.wcfg.block_size
+        return self.block_table[rows, positions // bs] * bs + positions % bs
+
+    def _propose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
+        probs = torch.softmax(self.draft_head.compute_logits(hidden), dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+
+    def _draft(self, out: SchedulerOutput, descs: StepDescriptors, host: np.ndarray, hidden: torch.Tensor,
+               result: ModelResult) -> None:
+        """Drafts for the next step of every sampling request, into ``result``."""
+        k = out.num_new_drafts
+        sampling = np.nonzero(out.samples)[0]
+        n_s = len(sampling)
+        ends = np.cumsum(out.num_scheduled)
+        starts = ends - out.num_scheduled
+        first = out.num_computed + out.num_scheduled - out.num_drafts  # position of the first sampled token
+        accepted = result.num_accepted[sampling]
+        last_pos = first[sampling] + accepted  # position of the last new token
+        last_tok = result.sampled[sampling, accepted]
+        drafts = torch.zeros(n_s, k, dtype=torch.int64, device=self.device)
+        conf = torch.zeros(n_s, k, dtype=torch.float32, device=self.device)
+        dev = self.device
+        if self.method in EAGLE_LIKE:
+            # Step 0: the target's rows, one position on; sampling requests' verify rows read the sampled tokens.
+            ids, positions, _, rows = host
+            ids_d = np.empty_like(ids)
+            ids_d[:-1] = ids[1:]
+            nver = out.num_drafts + 1
+            for i in range(len(out.slots)):
+                s, e = starts[i], ends[i]
+                if out.samples[i]:
+                    ids_d[e - nver[i] : e] = result.sampled[i, : nver[i]]
+                else:  # mid-prefill: the next prompt token
+                    req = out.requests[i]
+                    nxt = int(out.num_computed[i] + out.num_scheduled[i])
+                    ids_d[e - 1] = (req.prompt_token_ids + req.output_token_ids)[nxt]
+            pos_d = positions + 1
+            host_d = np.stack([ids_d, pos_d, self._slots_of(rows, pos_d), rows])
+            h0 = self.draft_runtimes[0].execute(descs.draft, host_d, hidden)
+            sel = torch.from_numpy(ends[sampling] - nver[sampling] + accepted).to(dev)
+            feature = h0[sel]
+            tokens, c = self._propose(feature)
+            drafts[:, 0], conf[:, 0] = tokens, c
+            srows = out.slots[sampling]
+            for j in range(1, k):
+                pos = last_pos + j
+                host_j = np.stack([drafts[:, j - 1].cpu().numpy(), pos, self._slots_of(srows, pos), srows])
+                feature = self.draft_runtimes[1].execute(descs.draft_next, host_j, feature).clone()
+                tokens, c = self._propose(feature)
+                drafts[:, j], conf[:, j] = tokens, c
+        else:
+            # Block: the last new token then mask tokens, all reading the target's feature at the last token.
+            q = block_query_len(self.method, k)
+            feat_rows = torch.from_numpy(ends[sampling] - (out.num_drafts[sampling] + 1) + accepted).to(dev)
+            aux = hidden[feat_rows].repeat_interleave(q, dim=0)
+            ids_b = np.full((n_s, q), self.draft_head.mask_token_id, dtype=np.int64)
+            ids_b[:, 0] = last_tok
+            pos_b = (last_pos[:, None] + np.arange(q)[None, :]).ravel()
+            rows_b = np.repeat(out.slots[sampling], q)
+            host_b = np.stack([ids_b.ravel(), pos_b, self._slots_of(rows_b, pos_b), rows_b])
+            hb = self.draft_runtimes[0].execute(descs.draft, host_b, aux).view(n_s, q, -1)
+            tokens, c = self._propose(hb[:, :k].reshape(n_s * k, -1))
+            drafts[:], conf[:] = tokens.view(n_s, k), c.view(n_s, k)
+        full = np.zeros((len(out.slots), k), dtype=np.int64)
+        full_conf = np.zeros((len(out.slots), k), dtype=np.float64)
+        full[sampling] = drafts.cpu().numpy()
+        full_conf[sampling] = conf.cpu().numpy()
+        result.draft_tokens, result.draft_confidences = full, full_conf
+

@@ -78,10 +78,16 @@ class CausalLM(nn.Module):
         write_kv(kv_caches[layer], k, v, meta.slot_mapping)
         return paged_attention(q, kv_caches[layer], meta, self.scale)
 
+    needs_aux = False
+    """Whether the first piece reads a second input (a drafter's target features)."""
+
+    def embed(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, aux: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (tokens, hidden): the FULL path, and eager."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids, aux), None
         for i, layer in enumerate(self.layers):
             q, k, v, residual = layer.pre_attention(hidden, residual, positions, self.rotary)
             hidden, residual = layer.post_attention(self.attend(i, q, k, v, kv_caches, meta), residual)
@@ -97,7 +103,7 @@ class CausalLM(nn.Module):
         """Random weights from a seed (norms at 1), generated on the model's device."""
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters(remove_duplicate=True):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
             elif name.endswith(".bias"):

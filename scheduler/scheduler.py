@@ -46,6 +46,8 @@ class SchedulerConfig:
     """Captured adaptive-verification sizes (tokens) a step's total should land on."""
     step_ms: Callable[[int], float] | None = None
     """Step-cost curve for adaptive verification (ms for a FULL step of t tokens)."""
+    lookahead_tokens: int = 0
+    """KV slots held past a step's last token: a model drafter writes up to K + 1 positions ahead."""
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -59,8 +61,10 @@ class SchedulerConfig:
 
         tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers if t.num_speculative_tokens)
         av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
+        model_drafter = cfg.method in ("eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash")
         return cls(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len, tiers,
-                   cfg.adaptive_verification, tuple(av), step_ms)
+                   cfg.adaptive_verification, tuple(av), step_ms,
+                   cfg.num_speculative_tokens + 1 if model_drafter else 0)
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,9 @@ class Scheduler:
         c = self.config = config
         self.k_max = c.max_speculative_tokens
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
-        max_blocks = -(-(c.max_model_len + self.k_max + 1) // c.block_size)
+        self.extra_tokens = self.k_max + 1 + c.lookahead_tokens
+        """Tokens a request may hold beyond prompt + max_tokens: drafts being verified, and the lookahead."""
+        max_blocks = -(-(c.max_model_len + self.extra_tokens) // c.block_size)
         self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, max_blocks)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)
@@ -186,7 +192,7 @@ class Scheduler:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.params.max_tokens}) = "
                 f"{request.max_total_tokens} exceeds max_model_len = {c.max_model_len}"
             )
-        need = self.kv.blocks_for(request.max_total_tokens + self.k_max)
+        need = self.kv.blocks_for(request.max_total_tokens + self.extra_tokens)
         if need > c.num_kv_blocks:
             raise RequestError(
                 f"prompt + max_tokens = {request.max_total_tokens} tokens needs {need} KV blocks, more than the "
@@ -268,7 +274,7 @@ class Scheduler:
                     drafts[count] = left - 1
                 count += 1
             run_slots = slots[:count]
-            grown = self.kv.grow(run_slots, comp[:count] + sched)
+            grown = self.kv.grow(run_slots, comp[:count] + sched + c.lookahead_tokens)
             if grown is not None:
                 break
             self._preempt(self.order[-1])  # lowest priority first; retry the whole running set
@@ -285,7 +291,7 @@ class Scheduler:
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
             chunk = min(req.num_tokens, budget)
-            if self.kv.blocks_for(chunk) > self.kv.num_free:
+            if self.kv.blocks_for(chunk + c.lookahead_tokens) > self.kv.num_free:
                 break
             self.waiting.popleft()
             slot = self._free_slots.pop()
@@ -296,7 +302,7 @@ class Scheduler:
             self.num_drafts[slot] = 0
             self.order.append(slot)
             self._order_dirty = True
-            updates.append(self.kv.grow(np.array([slot]), np.array([chunk])))
+            updates.append(self.kv.grow(np.array([slot]), np.array([chunk + c.lookahead_tokens])))
             new.append(req)
             new_slots.append(slot)
             new_sched.append(chunk)

@@ -95,6 +95,10 @@ def test_uniform_decode_gets_smallest_covering_full_graph(cfg, data):
         assert desc.graph == (FULL_DECODE, q, full)
         assert full * q <= cfg.decode_token_limit()
         return
+    varlen = smallest_at_least(sets.get((FULL_VARLEN, None), ()), n * q)
+    if varlen is not None and n * q <= cfg.max_num_batched_tokens:  # adaptive verification's graphs hold it
+        assert desc.mode == "FULL" and desc.graph == (FULL_VARLEN, None, varlen) and desc.num_reqs >= n
+        return
     kind, padded = expected_by_tokens(sets, cfg.cudagraph_mode.value == "FULL", n * q, cfg.max_num_batched_tokens)
     if padded is None:
         assert (desc.mode, desc.num_tokens, desc.num_reqs, desc.graph) == ("NONE", n * q, n, None)
