@@ -4,7 +4,7 @@
    8, on bench-moe and bench-moe-large (bf16, random weights). Every batch is decode-shaped: requests of q
    tokens over a 64-token context (PIECEWISE: q = 8), so attention stays small, as in SPEC section 1.
    Eager runs the forward unpadded; replay runs the captured graph (PIECEWISE: pieces plus eager attention).
-   Each: 3 warm-up runs, then the median of 7 repetitions of 10 back-to-back steps timed with CUDA events.
+   Each: 5 warm-up runs, then the median of 15 repetitions of 10 back-to-back steps timed with CUDA events.
 2. Kernel sum: one eager run of the same padded closures under torch.profiler; the sum of its CUDA kernel
    durations against the replay time (launch gaps gone when replay is within 10% of it).
 3. Capture of the sm100 default plan (1024 requests, 16384 tokens: 39 PIECEWISE + 64 FULL at q = 1) on
@@ -46,7 +46,7 @@ def decode_host(num_reqs: int, q: int, blocks_per_req: int) -> np.ndarray:
     return np.stack([ids, positions, slots, reqs]).astype(np.int64)
 
 
-def time_steps(fn, reps: int = 7, inner: int = 10, warmup: int = 3) -> float:
+def time_steps(fn, reps: int = 15, inner: int = 10, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -165,7 +165,7 @@ def main() -> None:
     result = {
         "command": "PYTHONPATH=. python benchmarks/bench_runtime_gpu.py --out $OUT/runtime_h200.json",
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "method": "decode-shaped batches over a 64-token context; median of 7 x 10 steps after 3 warm-ups (CUDA "
+        "method": "decode-shaped batches over a 64-token context; median of 15 x 10 steps after 5 warm-ups (CUDA "
                   "events); kernel sum from one profiled eager run of the same padded closures",
     }
     if not args.skip_plan:
