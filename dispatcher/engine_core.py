@@ -74,6 +74,8 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if len(out.slots) == 0:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return []
         s = out.shape
         desc = self.dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)

@@ -67,6 +67,12 @@ def sets_of(plan, runner="target"):
     return {(g.kind, g.q): g.sizes for g in plan.for_runner(runner)}
 
 
+def target_of(cfg):
+    """The target's graph sets by (kind, q), and its dispatcher."""
+    plan = build_plan(cfg)
+    return sets_of(plan), dispatchers_for_plan(plan)["target"]
+
+
 def expected_by_tokens(sets, mode_full, num_tokens, max_num_batched_tokens):
     kind = FULL if mode_full else PIECEWISE
     padded = smallest_at_least(sets.get((kind, None), ()), num_tokens) if num_tokens <= max_num_batched_tokens else None
@@ -79,9 +85,7 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 @SETTINGS
 @given(cfg=configs(), data=st.data())
 def test_uniform_decode_gets_smallest_covering_full_graph(cfg, data):
-    plan = build_plan(cfg)
-    sets = sets_of(plan)
-    d = dispatchers_for_plan(plan)["target"]
+    sets, d = target_of(cfg)
     q = data.draw(st.integers(1, 1 + cfg.num_speculative_tokens + 1))
     top = min(cfg.max_num_seqs, cfg.max_num_batched_tokens // q)
     if top < 1:
@@ -109,9 +113,7 @@ def test_uniform_decode_gets_smallest_covering_full_graph(cfg, data):
 @SETTINGS
 @given(cfg=configs(), data=st.data())
 def test_mixed_batch_never_gets_a_decode_graph(cfg, data):
-    plan = build_plan(cfg)
-    sets = sets_of(plan)
-    d = dispatchers_for_plan(plan)["target"]
+    sets, d = target_of(cfg)
     num_tokens = data.draw(st.integers(1, cfg.max_num_batched_tokens))
     num_reqs = data.draw(st.integers(1, min(num_tokens, cfg.max_num_seqs)))
     desc = d.dispatch(num_tokens, num_reqs, num_tokens - num_reqs + 1, False)
@@ -132,9 +134,7 @@ def test_mixed_batch_never_gets_a_decode_graph(cfg, data):
 def test_adaptive_verification_gets_smallest_varlen_graph(cfg, data):
     if cfg.num_speculative_tokens == 0:
         return
-    plan = build_plan(cfg)
-    sets = sets_of(plan)
-    d = dispatchers_for_plan(plan)["target"]
+    sets, d = target_of(cfg)
     q_max = 1 + cfg.num_speculative_tokens
     num_reqs = data.draw(st.integers(2, max(2, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // q_max))))
     if num_reqs > cfg.max_num_seqs:
