@@ -13,9 +13,9 @@ import torch
 
 from dispatcher.config import ResolvedConfig
 from dispatcher.dispatch import dispatchers_for_plan
-from dispatcher.plan import build_plan
+from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len, build_plan
 from dispatcher.trace import TraceWriter, step_record
-from dispatcher.worker import BLOCK_DRAFTERS, EAGLE_LIKE, ModelWorker, StepDescriptors, WorkerConfig, block_query_len
+from dispatcher.worker import ModelWorker, StepDescriptors, WorkerConfig
 from models.config import ModelConfig
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig

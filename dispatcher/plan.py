@@ -90,9 +90,13 @@ def coverage(sizes: tuple[int, ...], serves: tuple[tuple[int, int], ...] | None)
     return sum(max(0, min(hi, largest) - lo + 1) for lo, hi in serves)
 
 
-def draft_runner_query_len(method: str, num_speculative_tokens: int) -> int:
-    """q of a drafter's FULL decode graphs: dspark proposes K tokens from K inputs (q = K); dflash and
-    mtp_multi run K + 1; eagle-like step 0 runs the target's 1 + K."""
+BLOCK_DRAFTERS = ("dspark", "dflash", "mtp_multi")
+"""Drafters that propose K tokens in one forward of q rows a request."""
+
+
+def block_query_len(method: str, num_speculative_tokens: int) -> int:
+    """Rows a block drafter runs per request: dspark proposes K tokens from K rows (q = K); dflash and
+    mtp_multi run K + 1."""
     return num_speculative_tokens if method == "dspark" else 1 + num_speculative_tokens
 
 
@@ -164,10 +168,9 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
         multi_step = [t for t in cfg.tiers if t.num_speculative_tokens >= 2]
         if multi_step:
             sets += _one_token_draft_sets(cfg, f"{method}_next_steps", multi_step)
-    elif method in ("dspark", "dflash", "mtp_multi"):
+    elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
-            q_of = (lambda t: t.num_speculative_tokens) if method == "dspark" else target_q
-            sets += _decode_sets(cfg, method, q_of)
+            sets += _decode_sets(cfg, method, lambda t: block_query_len(method, t.num_speculative_tokens))
         else:
             sets += _token_sets(cfg, method)
     return CapturePlan(cfg, tuple(sets))
@@ -258,10 +261,9 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
                 sets.append(GraphSet(runner, FULL_DECODE, 1, one, _next_steps_serves(cfg)))
             else:
                 sets += token_sets(runner)
-    elif method in ("dspark", "dflash", "mtp_multi"):
+    elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
-            q_of = (lambda t: t.num_speculative_tokens) if method == "dspark" else target_q
-            sets += decode_sets(method, q_of)
+            sets += decode_sets(method, lambda t: block_query_len(method, t.num_speculative_tokens))
         else:
             sets += token_sets(method)
     return CapturePlan(cfg, tuple(sets))

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from dispatcher.dispatch import BatchDescriptor
+from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len
 from dispatcher.runtime import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
@@ -20,14 +21,6 @@ from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
 
 log = logging.getLogger("twogrid.worker")
-EAGLE_LIKE = ("eagle", "eagle3", "mtp")
-BLOCK_DRAFTERS = ("dspark", "dflash", "mtp_multi")
-
-
-def block_query_len(method: str, num_speculative_tokens: int) -> int:
-    """Rows a block drafter runs per request: dspark q = K, dflash and mtp_multi q = K + 1."""
-    return num_speculative_tokens if method == "dspark" else num_speculative_tokens + 1
-
 
 @dataclass(frozen=True)
 class StepDescriptors:
@@ -115,7 +108,7 @@ class ModelWorker:
             elif c + known <= prompt_len:
                 ids.extend(req.prompt_token_ids[c : c + known])
             else:
-                ids.extend((req.prompt_token_ids + req.output_token_ids)[c : c + known])
+                ids.extend(req.all_token_ids[c : c + known])
             if drafts[i]:
                 ids.extend(out.draft_tokens[i, : drafts[i]].tolist())
         total = int(sched.sum())
@@ -177,7 +170,7 @@ class ModelWorker:
             for i in range(n):
                 req = out.requests[i]
                 new = sampled[i, : accepted[i] + 1].tolist() if out.samples[i] else []
-                histories.append(req.prompt_token_ids + req.output_token_ids + new)
+                histories.append(req.all_token_ids + new)
             draft_tokens, draft_conf = self.drafter.propose(histories, out.num_new_drafts)
         return ModelResult(sampled, accepted, draft_tokens, draft_conf)
 
@@ -238,7 +231,7 @@ class ModelWorker:
                 else:  # mid-prefill: the next prompt token
                     req = out.requests[i]
                     nxt = int(out.num_computed[i] + out.num_scheduled[i])
-                    ids_d[e - 1] = (req.prompt_token_ids + req.output_token_ids)[nxt]
+                    ids_d[e - 1] = req.all_token_ids[nxt]
             pos_d = positions + 1
             host_d = np.stack([ids_d, pos_d, self._slots_of(rows, pos_d), rows])
             h0 = self.draft_runtimes[0].execute(descs.draft, host_d, hidden)

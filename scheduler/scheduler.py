@@ -61,7 +61,9 @@ class SchedulerConfig:
 
         tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers if t.num_speculative_tokens)
         av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
-        model_drafter = cfg.method in ("eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash")
+        from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE
+
+        model_drafter = cfg.method in EAGLE_LIKE + BLOCK_DRAFTERS
         return cls(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len, tiers,
                    cfg.adaptive_verification, tuple(av), step_ms,
                    cfg.num_speculative_tokens + 1 if model_drafter else 0)
@@ -218,10 +220,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.order)
 
     def _slot_of(self, req: Request) -> int:
         return self.slot_request.index(req)
