@@ -357,7 +357,7 @@ class Scheduler:
         accepted = np.where(out.samples, np.minimum(result.num_accepted, out.num_drafts), 0)
         new_computed = out.num_computed + out.num_scheduled - out.num_drafts + accepted
         self.num_computed[slots] = new_computed
-        self.kv.shrink(slots, new_computed)
+        self.kv.shrink(slots, new_computed + self.config.lookahead_tokens)  # rejected drafts; keep the lookahead
         self.stats.drafts_verified += int(out.num_drafts.sum())
         self.stats.drafts_accepted += int(accepted.sum())
         outputs: list[RequestOutput] = []
