@@ -44,11 +44,12 @@ class EngineCore:
         self.dispatchers = dispatchers_for_plan(self.plan)
         self.dispatcher = self.dispatchers["target"]
         dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-        self.scheduler = Scheduler(SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size,
-                                                                 args.max_model_len))
+        sched_cfg = SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+        self.scheduler = Scheduler(sched_cfg)
         self.worker = ModelWorker(
             WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
-                         cfg.max_num_seqs, cfg.max_num_batched_tokens, args.seed, args.use_cuda_graphs),
+                         cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
+                         args.use_cuda_graphs),
             self.plan, cfg.method, cfg.num_speculative_tokens,
         )
         self.capture_report = self.worker.capture(progress=progress) if capture else None

@@ -3,7 +3,6 @@ its dispatch descriptor into sampled tokens, accepted-draft counts and next draf
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +18,6 @@ from models.loader import load_model
 from models.sampling import sample, target_probs, verify_greedy, verify_rejection
 from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
-
-log = logging.getLogger("twogrid.worker")
 
 @dataclass(frozen=True)
 class StepDescriptors:
@@ -44,6 +41,8 @@ class WorkerConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_blocks_per_seq: int
+    """Block-table width, the scheduler's (SchedulerConfig.max_blocks_per_seq)."""
     seed: int = 0
     use_cuda_graphs: bool = True
     """False: run every graph's closure eagerly on the padded static buffers (the CPU backend, on any device)."""
@@ -63,8 +62,7 @@ class ModelWorker:
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
-        lookahead = num_speculative_tokens + 1 if speculative_method in EAGLE_LIKE + BLOCK_DRAFTERS else 0
-        self.max_blocks = -(-(wcfg.max_model_len + 2 * num_speculative_tokens + 2 + lookahead) // wcfg.block_size)
+        self.max_blocks = wcfg.max_blocks_per_seq
         self.block_table = np.zeros((wcfg.max_num_seqs, self.max_blocks), dtype=np.int64)
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),

@@ -53,6 +53,12 @@ class SchedulerConfig:
     def max_speculative_tokens(self) -> int:
         return max((k for _, _, k in self.tiers), default=0)
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width: a request's prompt and output, the drafts it verifies, its last sampled token and
+        the drafter's lookahead."""
+        return -(-(self.max_model_len + self.max_speculative_tokens + 1 + self.lookahead_tokens) // self.block_size)
+
     @classmethod
     def from_resolved(cls, cfg, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 8192,
                       step_ms: Callable[[int], float] | None = None) -> "SchedulerConfig":
@@ -159,8 +165,7 @@ class Scheduler:
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
         self.extra_tokens = self.k_max + 1 + c.lookahead_tokens
         """Tokens a request may hold beyond prompt + max_tokens: drafts being verified, and the lookahead."""
-        max_blocks = -(-(c.max_model_len + self.extra_tokens) // c.block_size)
-        self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, max_blocks)
+        self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)
         self.num_tokens = np.zeros(n, np.int64)
