@@ -130,7 +130,7 @@ class ModelWorker:
         host = self._inputs(out)
         hidden = self.runtime.execute(descs.target, host)
         result = self._sample(out, hidden)
-        if self.draft_runtimes and out.num_new_drafts and out.samples.any():
+        if self.draft_runtimes and descs.draft is not None and out.num_new_drafts and out.samples.any():
             self._draft(out, descs, host, hidden, result)
         return result
 
@@ -208,7 +208,6 @@ class ModelWorker:
         sampling = np.nonzero(out.samples)[0]
         n_s = len(sampling)
         ends = np.cumsum(out.num_scheduled)
-        starts = ends - out.num_scheduled
         first = out.num_computed + out.num_scheduled - out.num_drafts  # position of the first sampled token
         accepted = result.num_accepted[sampling]
         last_pos = first[sampling] + accepted  # position of the last new token
@@ -222,8 +221,7 @@ class ModelWorker:
             ids_d = np.empty_like(ids)
             ids_d[:-1] = ids[1:]
             nver = out.num_drafts + 1
-            for i in range(len(out.slots)):
-                s, e = starts[i], ends[i]
+            for i, e in enumerate(ends.tolist()):
                 if out.samples[i]:
                     ids_d[e - nver[i] : e] = result.sampled[i, : nver[i]]
                 else:  # mid-prefill: the next prompt token
