@@ -145,7 +145,8 @@ def bench_default_plan(name: str = "bench-moe") -> dict:
     kinds = [{"kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 2),
               "measured_gib": round(k.measured_gib, 4),
               "estimated_gib": round(k.estimated_gib, 4) if k.estimated_gib is not None else None,
-              "estimate_samples_gib": [round(x, 4) for x in k.estimate_samples_gib]} for k in report.kinds]
+              "estimate_samples_gib": [round(x, 4) for x in k.estimate_samples_gib],
+              "pool_gib": round(k.pool_gib, 4) if k.pool_gib is not None else None} for k in report.kinds]
     out = {"model": name, "plan": "sm100 defaults, 1024 seqs, 16384 tokens, no SD", "kinds": kinds,
            "capture_seconds": round(report.seconds, 2), "estimate_seconds": round(report.estimate_seconds, 2),
            "wall_seconds_with_estimate": round(wall, 2), "measured_gib": round(report.measured_gib, 4),

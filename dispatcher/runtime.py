@@ -151,6 +151,9 @@ class KindReport:
     estimated_gib: float | None = None
     estimate_samples_gib: tuple[float, ...] = ()
     """(growth from the largest graph, per-graph growth of the second largest) in the throwaway pool."""
+    pool_gib: float | None = None
+    """Of measured_gib, what the caching allocator holds for the graph pool; the rest is the driver's (graph
+    executables)."""
 
 
 @dataclass
@@ -345,13 +348,16 @@ class GraphRuntime:
         with self._frozen_gc():
             for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
                 free0 = free_device_bytes(self.device)
+                reserved0 = torch.cuda.memory_reserved(self.device)
                 start = time.perf_counter()
                 for size in sorted(g.sizes, reverse=True):
                     self._capture_one(g, size, pool, stream)
                     bar.update(1)
                 used = (free0 - free_device_bytes(self.device)) / 2**30
+                pool_gib = (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30
                 kr = KindReport(self.runner, g.kind, g.q, len(g.sizes), time.perf_counter() - start, used,
-                                self._kind_estimates.get((g.kind, g.q)), self._estimate_samples.get((g.kind, g.q), ()))
+                                self._kind_estimates.get((g.kind, g.q)), self._estimate_samples.get((g.kind, g.q), ()),
+                                pool_gib)
                 self.report.kinds.append(kr)
                 log.info("captured %d %s %s graphs%s in %.1f s, %.3f GiB (estimated %s)", kr.graphs, self.runner,
                          g.kind, f" at q={g.q}" if g.q else "", kr.seconds, kr.measured_gib,
