@@ -221,6 +221,48 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from dispatcher.dispatch import dispatchers_for_plan
+    from dispatcher.replay import replay
+    from dispatcher.trace import TraceError, read_trace
+
+    try:
+        records = read_trace(args.trace)
+    except OSError as exc:
+        raise ConfigError(f"replay: cannot read {args.trace!r}: {exc.strerror}") from None
+    except TraceError as exc:
+        raise ConfigError(f"replay: {exc}") from None
+    needed = {"kind", "requests", "tokens", "mode", "padded_tokens"}
+    for i, rec in enumerate(records, 1):
+        missing = needed - set(rec) if isinstance(rec, dict) else needed
+        if missing or not ("q" in rec or "query_len_hist" in rec):
+            raise ConfigError(f"replay: record {i} of {args.trace!r} is not a step record (missing "
+                              f"{', '.join(sorted(missing)) or 'q / query_len_hist'})")
+    plan = build_plan(config_from_args(args))
+    result = replay(records, plan, dispatchers_for_plan(plan)["target"], args.cost_model)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rec, new = result["recorded"], result["replayed"]
+    rows = []
+    for kind in new["by_kind"]:
+        a, b = rec["by_kind"][kind], new["by_kind"][kind]
+        rows.append((kind, b["steps"], f"{a['full']} -> {b['full']}", f"{a['piecewise']} -> {b['piecewise']}",
+                     f"{a['eager']} -> {b['eager']}"))
+    print(f"replayed {result['steps']} steps of {args.trace} under the new configuration "
+          f"(cost model {result['cost_model']})")
+    print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
+    print(f"eager steps {rec['eager_steps']} -> {new['eager_steps']}; padded tokens {rec['padded_tokens']} -> "
+          f"{new['padded_tokens']}; estimated device time {rec['estimated_device_seconds']:.3f} s -> "
+          f"{new['estimated_device_seconds']:.3f} s")
+    if result["steps_over_new_limits"]:
+        print(f"{result['steps_over_new_limits']} steps exceed the new max_num_batched_tokens / max_num_seqs and "
+              f"were left out")
+    for r in result["eager_reasons"]:
+        print(f"eager, {r['steps']} steps of {r['min_tokens']}..{r['max_tokens']} tokens: {r['reason']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twogrid", description="CUDA-graph serving backend with separate "
                                      "prefill (tokens) and decode (requests) grids")
@@ -262,6 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("replay", help="re-dispatch a step trace under another configuration",
+                       description="Re-dispatch every step of a --step-trace file under the given configuration: "
+                                   "eager steps, padding and estimated device time, recorded vs replayed, and why "
+                                   "steps run eagerly.")
+    p.add_argument("trace", help="a step trace written with --step-trace")
+    add_engine_args(p)
+    p.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"])
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_replay)
     return parser
 
 

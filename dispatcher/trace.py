@@ -52,6 +52,18 @@ class TraceWriter:
             self._fh = None
 
 
+class TraceError(ValueError):
+    pass
+
+
 def read_trace(path: str) -> list[dict[str, Any]]:
+    """The records of a step trace; TraceError naming the line for one that is not JSON."""
+    records = []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{path!r} line {number}: not a JSON step record ({exc.msg})") from None
+    return records

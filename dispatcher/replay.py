@@ -1,0 +1,100 @@
+"""``twogrid replay TRACE``: re-dispatch a recorded step trace under another configuration.
+
+Each record's batch shape (tokens, requests, q or query-length histogram, decode or not) goes through the new
+configuration's dispatcher; the report counts eager steps and padding and estimates device time on a step-cost
+curve, for the recorded run and the new plan side by side, and says why each eager step was eager.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from dispatcher.dispatch import BATCH_KINDS, MIXED, UNIFORM_DECODE, BatchDescriptor, Dispatcher
+from dispatcher.plan import FULL_DECODE, PIECEWISE, CapturePlan
+from scheduler.cost import StepCostModel
+
+
+def record_shape(rec: dict[str, Any]) -> tuple[int, int, int, bool]:
+    """(num_tokens, num_reqs, max_query_len, is_decode) of a trace record."""
+    if "q" in rec:
+        max_q = int(rec["q"])
+    else:
+        max_q = max(int(k) for k in rec["query_len_hist"])
+    is_decode = rec.get("is_decode", rec["kind"] != MIXED)
+    return int(rec["tokens"]), int(rec["requests"]), max_q, bool(is_decode)
+
+
+def eager_reason(desc: BatchDescriptor, plan: CapturePlan) -> str:
+    """Why a step runs eagerly under ``plan``, in the terms a user tunes (steps of one cause share the text)."""
+    cfg = plan.config
+    mode = cfg.cudagraph_mode.value
+    if mode == "NONE":
+        return "cudagraph_mode is NONE (or both size lists are [])"
+    sets = {(g.kind, g.q): g for g in plan.for_runner("target")}
+    pw = sets.get((PIECEWISE, None))
+    pw_text = f"the largest PIECEWISE size {pw.largest}" if pw and pw.sizes else "no PIECEWISE graphs"
+    if desc.kind == MIXED:
+        if mode == "FULL_DECODE_ONLY":
+            return "cudagraph_mode FULL_DECODE_ONLY runs mixed steps eagerly"
+        return f"mixed steps above {pw_text}"
+    if desc.kind == UNIFORM_DECODE:
+        dec = sets.get((FULL_DECODE, desc.q))
+        if dec is None or not dec.sizes:
+            why = f"no FULL decode graphs at q = {desc.q}"
+        else:
+            why = f"beyond the FULL decode graphs at q = {desc.q} (largest {dec.largest} requests"
+            if cfg.max_decode_tokens is not None:
+                why += f", max_decode_cudagraph_capture_tokens = {cfg.max_decode_tokens}"
+            why += ")"
+        return f"uniform decodes {why}, and above {pw_text}"
+    av = sets.get(("full_varlen", None))
+    av_text = f"the largest varlen size {av.largest}" if av and av.sizes else "no varlen graphs"
+    return f"adaptive-verification steps above {av_text} and {pw_text}"
+
+
+def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatcher,
+           cost_model: str = "bench-moe") -> dict[str, Any]:
+    costs = StepCostModel.preset(cost_model)
+    cfg = plan.config
+    before = {k: Counter() for k in BATCH_KINDS}
+    after = {k: Counter() for k in BATCH_KINDS}
+    totals = Counter()
+    reasons: dict[str, list[int]] = {}
+    over_limit = 0
+    for rec in records:
+        tokens, reqs, max_q, is_decode = record_shape(rec)
+        if tokens > cfg.max_num_batched_tokens or reqs > cfg.max_num_seqs:
+            over_limit += 1
+            continue
+        desc = dispatcher.dispatch(tokens, reqs, max_q, is_decode)
+        kind = desc.kind
+        old_mode, old_padded = rec["mode"], int(rec["padded_tokens"])
+        for side, mode, padded in ((before, old_mode, old_padded), (after, desc.mode, desc.num_tokens)):
+            row = side[kind]
+            row["steps"] += 1
+            row[{"FULL": "full", "PIECEWISE": "piecewise"}.get(mode, "eager")] += 1
+            row["padded_tokens"] += padded - tokens
+        totals["ms_before"] += costs.step_ms(old_mode, old_padded)
+        totals["ms_after"] += costs.step_ms(desc.mode, desc.num_tokens)
+        totals["real_tokens"] += tokens
+        if desc.mode == "NONE":
+            reasons.setdefault(eager_reason(desc, plan), []).append(tokens)
+    def side_summary(side):
+        return {
+            "eager_steps": sum(r["eager"] for r in side.values()),
+            "padded_tokens": sum(r["padded_tokens"] for r in side.values()),
+            "by_kind": {k: {f: v[f] for f in ("steps", "full", "piecewise", "eager")} for k, v in side.items()},
+        }
+
+    return {
+        "steps": sum(r["steps"] for r in after.values()),
+        "steps_over_new_limits": over_limit,
+        "real_tokens": totals["real_tokens"],
+        "recorded": {**side_summary(before), "estimated_device_seconds": round(totals["ms_before"] / 1e3, 4)},
+        "replayed": {**side_summary(after), "estimated_device_seconds": round(totals["ms_after"] / 1e3, 4)},
+        "eager_reasons": [{"reason": r, "steps": len(t), "min_tokens": min(t), "max_tokens": max(t)}
+                          for r, t in sorted(reasons.items(), key=lambda kv: -len(kv[1]))],
+        "cost_model": cost_model,
+        "config": plan.to_dict()["config"],
+    }
