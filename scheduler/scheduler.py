@@ -170,6 +170,11 @@ class Scheduler:
         self.num_computed = np.zeros(n, np.int64)
         self.num_tokens = np.zeros(n, np.int64)
         self.num_drafts = np.zeros(n, np.int64)
+        self.prompt_len = np.zeros(n, np.int64)
+        self.max_output = np.zeros(n, np.int64)
+        """max_tokens of the request in each slot."""
+        self.checks_stop = np.zeros(n, bool)
+        """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
         self.draft_tokens = np.zeros((n, max(self.k_max, 1)), np.int64)
         self.draft_conf = np.ones((n, max(self.k_max, 1)), np.float64)
         self.slot_request: list[Request | None] = [None] * n
@@ -302,6 +307,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.num_computed[slot] = 0
             self.num_tokens[slot] = req.num_tokens
+            self.prompt_len[slot] = len(req.prompt_token_ids)
+            self.max_output[slot] = req.params.max_tokens
+            self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
+                req.eos_token_id is not None and not req.params.ignore_eos)
             self.num_drafts[slot] = 0
             self.order.append(slot)
             self._order_dirty = True
@@ -378,31 +387,31 @@ class Scheduler:
             self.num_drafts[slots[keep]] = k_new
         else:
             self.num_drafts[slots] = 0
+        sampled_slots = slots[sampling]
+        room = self.max_output[sampled_slots] - (self.num_tokens[sampled_slots] - self.prompt_len[sampled_slots])
+        take = np.minimum(counts, room)
+        self.num_tokens[sampled_slots] += take
         finished_slots = []
-        for row, count, toks in zip(sampling.tolist(), counts.tolist(), tokens):
+        length_done = (counts >= room).tolist()
+        check_stop = self.checks_stop[sampled_slots].tolist()
+        for i, (row, n, toks) in enumerate(zip(sampling.tolist(), take.tolist(), tokens)):
             req = out.requests[row]
-            new_tokens = toks[:count]
-            params = req.params
-            room = params.max_tokens - len(req.output_token_ids)
-            reason = None
-            if len(new_tokens) >= room:
-                new_tokens = new_tokens[:room]
-                reason = FinishReason.LENGTH
-            stops = params.stop_token_ids
-            eos = None if params.ignore_eos else req.eos_token_id
-            if stops or eos is not None:
-                for i, t in enumerate(new_tokens):
+            new_tokens = toks[:n]
+            reason = FinishReason.LENGTH if length_done[i] else None
+            if check_stop[i]:
+                stops = req.params.stop_token_ids
+                eos = None if req.params.ignore_eos else req.eos_token_id
+                for j, t in enumerate(new_tokens):
                     if t == eos or t in stops:
-                        new_tokens = new_tokens[: i + 1]
+                        self.num_tokens[sampled_slots[i]] -= len(new_tokens) - j - 1
+                        new_tokens = new_tokens[: j + 1]
                         reason = FinishReason.STOP
                         break
             req.output_token_ids.extend(new_tokens)
-            slot = int(slots[row])
-            self.num_tokens[slot] += len(new_tokens)
             if reason is not None:
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = reason
-                finished_slots.append(slot)
+                finished_slots.append(int(sampled_slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
             outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason))
