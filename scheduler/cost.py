@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 MODES = ("FULL", "PIECEWISE", "NONE")
 
 _TOKENS = (1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
@@ -43,8 +45,17 @@ class CostCurve:
         if list(self.tokens) != sorted(set(self.tokens)):
             raise ValueError("cost curve tokens must be strictly increasing")
 
-    def __call__(self, num_tokens: int) -> float:
+    def __call__(self, num_tokens):
+        """ms at ``num_tokens`` (an int, or a numpy array of them): linear between points, the first and last
+        segments extended beyond them, never below 0."""
         t, ms = self.tokens, self.ms
+        if isinstance(num_tokens, np.ndarray):
+            x = num_tokens.astype(np.float64)
+            y = np.interp(x, t, ms)
+            lo, hi = x < t[0], x > t[-1]
+            y[lo] = ms[0] + (ms[1] - ms[0]) * (x[lo] - t[0]) / (t[1] - t[0])
+            y[hi] = ms[-1] + (ms[-1] - ms[-2]) * (x[hi] - t[-1]) / (t[-1] - t[-2])
+            return np.maximum(y, 0.0)
         i = bisect.bisect_left(t, num_tokens)
         if i < len(t) and t[i] == num_tokens:
             return ms[i]
@@ -69,11 +80,12 @@ class StepCostModel:
         p = PRESETS[name]
         return cls(CostCurve(_TOKENS, p["FULL"]), CostCurve(_TOKENS, p["NONE"]))
 
-    def step_ms(self, mode: str, num_tokens: int) -> float:
+    def step_ms(self, mode: str, num_tokens):
+        """ms of a step (``num_tokens`` an int or a numpy array)."""
         if mode == "FULL":
             return self.full(num_tokens)
         if mode == "PIECEWISE":
             if self.piecewise is not None:
                 return self.piecewise(num_tokens)
             return self.full(num_tokens) + PIECEWISE_OVERHEAD_MS_PER_LAYER * self.num_layers
-        return max(self.eager(num_tokens), self.full(num_tokens))
+        return np.maximum(self.eager(num_tokens), self.full(num_tokens))

@@ -27,6 +27,11 @@ from scheduler.spec_policy import choose_verify_lengths, tier_table
 UNIFORM_DECODE, ADAPTIVE_VERIFICATION, MIXED = "uniform_decode", "adaptive_verification", "mixed"
 
 
+def _DEFAULT_STEP_MS(num_tokens: np.ndarray) -> np.ndarray:
+    """Without a measured curve: a fitted host-bound shape, flat below about 1K tokens, linear above."""
+    return 1.0 + num_tokens / 1024
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -44,8 +49,8 @@ class SchedulerConfig:
     adaptive_verification: bool = False
     av_sizes: tuple[int, ...] = ()
     """Captured adaptive-verification sizes (tokens) a step's total should land on."""
-    step_ms: Callable[[int], float] | None = None
-    """Step-cost curve for adaptive verification (ms for a FULL step of t tokens)."""
+    step_ms: Callable[[np.ndarray], np.ndarray] | None = None
+    """Step-cost curve for adaptive verification: ms of a FULL step, for an array of token counts."""
     lookahead_tokens: int = 0
     """KV slots held past a step's last token: a model drafter writes up to K + 1 positions ahead."""
 
@@ -333,7 +338,7 @@ class Scheduler:
         if is_decode and self.k_max:
             if c.adaptive_verification and len(self._av_sizes):
                 verify = choose_verify_lengths(self.draft_conf[all_slots, : self.k_max], drafts, self._av_sizes,
-                                               c.max_num_batched_tokens, c.step_ms or (lambda t: 1.0 + t / 1024))
+                                               c.max_num_batched_tokens, c.step_ms or _DEFAULT_STEP_MS)
                 sched = 1 + verify
                 drafts = verify
         if is_decode:
