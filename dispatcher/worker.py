@@ -97,6 +97,12 @@ class ModelWorker:
     def _inputs(self, out: SchedulerOutput) -> np.ndarray:
         """(4, tokens) int64: input ids, positions, KV slots, block-table rows of every scheduled token."""
         sched, drafts, computed = out.num_scheduled, out.num_drafts, out.num_computed
+        if out.shape.is_decode:  # every request: its last sampled token, then its drafts
+            grid = np.empty((len(sched), out.draft_tokens.shape[1] + 1), dtype=np.int64)
+            grid[:, 0] = [req.output_token_ids[-1] for req in out.requests]
+            grid[:, 1:] = out.draft_tokens
+            ids = grid[np.arange(grid.shape[1])[None, :] < sched[:, None]]
+            return self._with_positions(out, ids)
         ids: list[int] = []
         for i, req in enumerate(out.requests):
             c, known = int(computed[i]), int(sched[i] - drafts[i])
@@ -109,13 +115,17 @@ class ModelWorker:
                 ids.extend(req.all_token_ids[c : c + known])
             if drafts[i]:
                 ids.extend(out.draft_tokens[i, : drafts[i]].tolist())
+        return self._with_positions(out, np.asarray(ids, np.int64))
+
+    def _with_positions(self, out: SchedulerOutput, ids: np.ndarray) -> np.ndarray:
+        sched, computed = out.num_scheduled, out.num_computed
         total = int(sched.sum())
         starts = np.cumsum(sched) - sched
         positions = np.repeat(computed, sched) + (np.arange(total) - np.repeat(starts, sched))
         rows = np.repeat(out.slots, sched)
         bs = self.wcfg.block_size
         slots = self.block_table[rows, positions // bs] * bs + positions % bs
-        return np.stack([np.asarray(ids, np.int64), positions, slots, rows])
+        return np.stack([ids, positions, slots, rows])
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
