@@ -16,7 +16,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 
 from _common import write_json  # noqa: E402  (puts the repository on sys.path)

@@ -16,7 +16,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 
 from _common import write_json  # noqa: E402  (puts the repository on sys.path)

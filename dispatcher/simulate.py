@@ -65,7 +65,6 @@ class FakeModel:
     def run(self, out: SchedulerOutput) -> ModelResult:
         for req, slot in zip(out.new_requests, out.slots[len(out.slots) - len(out.new_requests):].tolist()):
             self.slot_seed[slot] = request_seed(req.request_id)
-        n = len(out.slots)
         k_max = out.draft_tokens.shape[1]
         seeds = self.slot_seed[out.slots][:, None]
         first = (out.num_computed + out.num_scheduled - out.num_drafts)[:, None]
