@@ -208,7 +208,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows = [(kind, v["steps"], v["full"], v["piecewise"], v["eager"]) for kind, v in s["by_kind"].items()]
     padded = s["padded_tokens"] / max(1, s["real_tokens"]) * 100
     print(f"simulated {s['requests']} requests, concurrency {args.concurrency}, output {args.output_len} tokens, "
-          f"cost model {s['cost_model']} (target forward only)")
+          f"cost model {s['cost_model']} (drafter forwards: {s['draft_device_ms'] / 1e3:.2f} s of the device time)")
     print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
     print(f"eager steps {s['eager_steps']} of {s['steps']}; padded tokens {s['padded_tokens']} "
           f"({padded:.2f}% of {s['real_tokens']} real)")

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Iterable, NamedTuple
 
-from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
+from dataclasses import dataclass
+
+from dispatcher.plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet,
+                             block_query_len)
 
 # Modes a step runs in.
 MODE_FULL = "FULL"
@@ -200,3 +203,35 @@ def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
         if runner != "target":
             out[runner] = Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, widest, q_max)
     return out
+
+
+@dataclass(frozen=True)
+class StepDescriptors:
+    """The dispatcher's decisions for every forward of a step: the target's, and the drafter's."""
+
+    target: BatchDescriptor
+    draft: BatchDescriptor | None = None
+    """EAGLE step 0 (the target step's shape) or the block drafter's forward (n * q tokens)."""
+    draft_next: BatchDescriptor | None = None
+    """EAGLE steps 1..K-1 (one token a request); None below K = 2."""
+
+    def drafts(self) -> tuple[BatchDescriptor, ...]:
+        return tuple(d for d in (self.draft, self.draft_next) if d is not None)
+
+
+def dispatch_step(dispatchers: dict[str, Dispatcher], method: str | None, out) -> StepDescriptors:
+    """Every forward of a scheduled step (a SchedulerOutput): the target's, and a model drafter's, whose shapes
+    are known before the step runs (the sampling requests, and the drafts each proposes)."""
+    s = out.shape
+    target = dispatchers["target"].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+    k = out.num_new_drafts
+    n_s = int(out.samples.sum())
+    if method not in EAGLE_LIKE + BLOCK_DRAFTERS or not k or not n_s:
+        return StepDescriptors(target)
+    if method in EAGLE_LIKE:
+        draft = dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+        nxt = dispatchers[f"{method}_next_steps"].dispatch(n_s, n_s, 1, True) if k >= 2 else None
+        return StepDescriptors(target, draft, nxt)
+    q = block_query_len(method, k)
+    return StepDescriptors(target, dispatchers[method].dispatch(n_s * q, n_s, q, True))
+

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from dispatcher.config import ResolvedConfig
-from dispatcher.dispatch import dispatchers_for_plan
-from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len, build_plan
+from dispatcher.dispatch import dispatch_step, dispatchers_for_plan
+from dispatcher.plan import build_plan
 from dispatcher.trace import TraceWriter, step_record
-from dispatcher.worker import ModelWorker, StepDescriptors, WorkerConfig
+from dispatcher.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -42,7 +42,6 @@ class EngineCore:
         self.args = args
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
-        self.dispatcher = self.dispatchers["target"]
         dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
         sched_cfg = SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
         self.scheduler = Scheduler(sched_cfg)
@@ -78,29 +77,13 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return []
-        s = out.shape
-        desc = self.dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
-        descs = self._draft_descriptors(out, desc)
+        descs = dispatch_step(self.dispatchers, self.cfg.method, out)
         t1 = time.perf_counter()
         result = self.worker.execute(out, descs)
         t2 = time.perf_counter()
-        self.trace.write(step_record(out.step_id, out, desc, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
-                                     (descs.draft, descs.draft_next)))
+        self.trace.write(step_record(out.step_id, out, descs.target, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                     descs.drafts()))
         return self.scheduler.update(out, result)
-
-    def _draft_descriptors(self, out, desc) -> StepDescriptors:
-        """Dispatch the drafter's forwards of this step too: their shapes are known before it runs."""
-        method, k = self.cfg.method, out.num_new_drafts
-        n_s = int(out.samples.sum())
-        if method not in EAGLE_LIKE + BLOCK_DRAFTERS or not k or not n_s:
-            return StepDescriptors(desc)
-        s = out.shape
-        if method in EAGLE_LIKE:
-            draft = self.dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
-            nxt = self.dispatchers[f"{method}_next_steps"].dispatch(n_s, n_s, 1, True) if k >= 2 else None
-            return StepDescriptors(desc, draft, nxt)
-        q = block_query_len(method, k)
-        return StepDescriptors(desc, self.dispatchers[method].dispatch(n_s * q, n_s, q, True))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline: run every prompt to completion; outputs in prompt order."""

@@ -4,7 +4,8 @@ A deterministic fake model stands in for the GPU: the greedy token at position p
 (request, p), so any token lost, repeated or reordered by the scheduler shows in the output. Its drafter
 proposes the right token with probability ``acceptance_rate`` (per draft, given the previous one was right),
 decided by a hash too, and reports a confidence that adaptive verification can use. Step time comes from the
-cost model at the dispatched mode and padded token count (the target forward only).
+cost model at the dispatched mode and padded token count: the target forward, plus a model drafter's forwards
+at one decoder layer's share each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dispatcher.dispatch import BATCH_KINDS, dispatchers_for_plan
+from dispatcher.dispatch import BATCH_KINDS, StepDescriptors, dispatch_step, dispatchers_for_plan
 from dispatcher.plan import build_plan
 from dispatcher.trace import TraceWriter, step_record
 from dispatcher.workload import PromptSpec
@@ -85,6 +86,17 @@ class FakeModel:
         return ModelResult(target, accepted.astype(np.int64), drafts, conf)
 
 
+def drafter_ms(costs: StepCostModel, descs: StepDescriptors, num_drafts: int) -> float:
+    """A model drafter's share of a step: one decoder layer of the cost model's stack per forward (EAGLE step 0,
+    then K - 1 one-token steps; or one block forward)."""
+    ms = 0.0
+    if descs.draft is not None:
+        ms += costs.step_ms(descs.draft.mode, descs.draft.num_tokens) / costs.num_layers
+    if descs.draft_next is not None:
+        ms += (num_drafts - 1) * costs.step_ms(descs.draft_next.mode, descs.draft_next.num_tokens) / costs.num_layers
+    return float(ms)
+
+
 @dataclass
 class SimulationResult:
     summary: dict[str, Any]
@@ -101,7 +113,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     if output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {output_len}")
     plan = build_plan(cfg)
-    dispatcher = dispatchers_for_plan(plan)["target"]
+    dispatchers = dispatchers_for_plan(plan)
     costs = StepCostModel.preset(cost_model)
     max_prompt = max(p.num_tokens for p in prompts)
     k_max = cfg.num_speculative_tokens
@@ -145,9 +157,12 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             if len(step.slots) == 0:
                 raise RuntimeError("the scheduler made no progress (KV cache too small for any request)")
             s = step.shape
-            desc = dispatcher.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+            descs = dispatch_step(dispatchers, cfg.method, step)
+            desc = descs.target
             host_ms = (time.perf_counter() - t0) * 1e3
-            device_ms = costs.step_ms(desc.mode, desc.num_tokens)
+            target_ms = costs.step_ms(desc.mode, desc.num_tokens)
+            draft_ms = drafter_ms(costs, descs, step.num_new_drafts)
+            device_ms = target_ms + draft_ms
             result = model.run(step)
             clock_ms += device_ms
             host_ms_total += host_ms
@@ -164,8 +179,9 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             row[{"FULL": "full", "PIECEWISE": "piecewise"}.get(desc.mode, "eager")] += 1
             totals["padded_tokens"] += desc.num_tokens - s.num_tokens
             totals["real_tokens"] += s.num_tokens
-            totals["device_ms_" + desc.mode] += device_ms
-            trace.write(step_record(step.step_id, step, desc, host_ms, device_ms))
+            totals["device_ms_" + desc.mode] += target_ms
+            totals["draft_ms"] += draft_ms
+            trace.write(step_record(step.step_id, step, desc, host_ms, device_ms, descs.drafts()))
     finally:
         trace.close()
     steps = sum(r["steps"] for r in by_kind.values())
@@ -187,6 +203,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "mean_ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
         "mean_tpot_ms": round(float(np.mean(tpot)), 3) if tpot else None,
         "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in ("FULL", "PIECEWISE", "NONE")},
+        "draft_device_ms": round(totals["draft_ms"], 1),
         "preemptions": scheduler.stats.preemptions,
         "draft_acceptance_rate": round(scheduler.stats.drafts_accepted / max(1, scheduler.stats.drafts_verified), 4),
         "host_ms_per_step": round(host_ms_total / max(1, steps), 4),

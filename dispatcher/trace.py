@@ -34,7 +34,7 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         device_ms=round(device_ms, 4),
     )
     if drafts:
-        rec["draft"] = [_brief(d) for d in drafts if d is not None]
+        rec["draft"] = [_brief(d) for d in drafts]
     return rec
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dispatcher.dispatch import BatchDescriptor
+from dispatcher.dispatch import BatchDescriptor, StepDescriptors
 from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len
 from dispatcher.runtime import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
@@ -18,17 +18,6 @@ from models.loader import load_model
 from models.sampling import sample, target_probs, verify_greedy, verify_rejection
 from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
-
-@dataclass(frozen=True)
-class StepDescriptors:
-    """The dispatcher's decisions for every forward of a step: the target's, and the drafter's."""
-
-    target: BatchDescriptor
-    draft: BatchDescriptor | None = None
-    """EAGLE step 0 (the target step's shape) or the block drafter's forward (n * q)."""
-    draft_next: BatchDescriptor | None = None
-    """EAGLE steps 1..K-1 (one token a request)."""
-
 
 @dataclass(frozen=True)
 class WorkerConfig:
