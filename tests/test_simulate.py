@@ -88,3 +88,16 @@ def test_sharegpt_workload():
     assert len(prompts) == 500
     specs = make_prompts(600, seed=0, dataset=SHAREGPT)
     assert len(specs) == 600 and all(s.num_tokens >= 1 for s in specs)
+
+
+def test_model_drafters_are_charged_and_traced(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    prompts = make_prompts(64, seed=4)
+    eagle = resolve({}, K7, platform="sm100", max_num_seqs=256, max_num_batched_tokens=4096)
+    s = simulate(eagle, prompts, concurrency=32, output_len=32, step_trace=str(trace)).summary
+    assert s["draft_device_ms"] > 0
+    decode = [r for r in read_trace(str(trace)) if r["kind"] == "uniform_decode"]
+    assert decode and all([d["graph"][0] for d in r["draft"]] == ["full_decode", "full_decode"] for r in decode)
+    ngram = resolve({}, {"method": "ngram", "num_speculative_tokens": 7}, platform="sm100", max_num_seqs=256,
+                    max_num_batched_tokens=4096)
+    assert simulate(ngram, prompts, concurrency=32, output_len=32).summary["draft_device_ms"] == 0
