@@ -262,10 +262,14 @@ class GraphRuntime:
         b.token_req.zero_()
         b.token_pos.fill_(-1)
 
-    def _capture_one(self, g: GraphSet, size: int, pool, stream) -> None:
+    def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
+        """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
+        runtime's own, or ``pieces`` (a throwaway copy for the estimate). Out of memory raises CaptureOOMError."""
         tokens = _graph_tokens(g, size)
+        if pieces is None:
+            pieces = self.graphs[GraphKey(g.kind, g.q, size)]
         try:
-            for i, piece in enumerate(self.graphs[GraphKey(g.kind, g.q, size)]):
+            for i, piece in enumerate(pieces):
                 piece.capture(pool, stream)
                 if g.kind == PIECEWISE and i < self.model.num_layers:
                     self._attention(i, tokens)
@@ -295,10 +299,7 @@ class GraphRuntime:
         """Capture one size into a throwaway pool; returns the device memory it took."""
         free0 = free_device_bytes(self.device)
         pieces = [_Replayable(p.fn) for p in self.graphs[GraphKey(g.kind, g.q, size)]]
-        for i, piece in enumerate(pieces):
-            piece.capture(pool, stream)
-            if g.kind == PIECEWISE and i < self.model.num_layers:
-                self._attention(i, _graph_tokens(g, size))
+        self._capture_one(g, size, pool, stream, pieces)
         keep.append(pieces)
         return free0 - free_device_bytes(self.device)
 
