@@ -1,4 +1,13 @@
+import os
+
 import pytest
+from hypothesis import settings
+
+# CI runs the same examples every time (a submission must not fail on a newly drawn example); set
+# HYPOTHESIS_PROFILE=explore (or run locally) to draw new ones.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "explore"))
 
 try:
     import torch
