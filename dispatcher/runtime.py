@@ -154,6 +154,8 @@ class KindReport:
     pool_gib: float | None = None
     """Of measured_gib, what the caching allocator holds for the graph pool; the rest is the driver's (graph
     executables)."""
+    size_growth_gib: tuple[float, ...] = ()
+    """With ``capture(trace_memory=True)``: device memory each size took, largest first (a diagnostic)."""
 
 
 @dataclass
@@ -335,7 +337,7 @@ class GraphRuntime:
         return est
 
     @torch.inference_mode()
-    def capture(self, progress: bool = True, estimate: bool = True) -> CaptureReport:
+    def capture(self, progress: bool = True, estimate: bool = True, trace_memory: bool = False) -> CaptureReport:
         """Capture every graph, largest first per kind; on the CPU this only readies the closures."""
         self._reset_metadata()
         if not self.cuda_graphs:
@@ -351,14 +353,18 @@ class GraphRuntime:
                 free0 = free_device_bytes(self.device)
                 reserved0 = torch.cuda.memory_reserved(self.device)
                 start = time.perf_counter()
+                growth = []
                 for size in sorted(g.sizes, reverse=True):
+                    before = free_device_bytes(self.device) if trace_memory else 0
                     self._capture_one(g, size, pool, stream)
+                    if trace_memory:
+                        growth.append((before - free_device_bytes(self.device)) / 2**30)
                     bar.update(1)
                 used = (free0 - free_device_bytes(self.device)) / 2**30
                 pool_gib = (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30
                 kr = KindReport(self.runner, g.kind, g.q, len(g.sizes), time.perf_counter() - start, used,
                                 self._kind_estimates.get((g.kind, g.q)), self._estimate_samples.get((g.kind, g.q), ()),
-                                pool_gib)
+                                pool_gib, tuple(growth))
                 self.report.kinds.append(kr)
                 log.info("captured %d %s %s graphs%s in %.1f s, %.3f GiB (estimated %s)", kr.graphs, self.runner,
                          g.kind, f" at q={g.q}" if g.q else "", kr.seconds, kr.measured_gib,
