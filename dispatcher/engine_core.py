@@ -51,6 +51,12 @@ class EngineCore:
                          args.use_cuda_graphs),
             self.plan, cfg.method, cfg.num_speculative_tokens,
         )
+        reach = args.max_model_len + self.scheduler.extra_tokens
+        if reach > self.worker.model.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len = {args.max_model_len} plus {self.scheduler.extra_tokens} positions for drafts and "
+                f"lookahead exceeds the model's max_position_embeddings = "
+                f"{self.worker.model.cfg.max_position_embeddings}: lower max_model_len")
         self.capture_report = self.worker.capture(progress=progress) if capture else None
         self.trace = TraceWriter(args.step_trace)
         self._next_id = 0

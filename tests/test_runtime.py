@@ -331,3 +331,9 @@ def test_step_trace_shows_drafter_forwards(tmp_path):
     decode = [r for r in read_trace(str(trace)) if r["kind"] == "uniform_decode"]
     assert decode and all(len(r["draft"]) == 2 for r in decode)  # step 0 and the one-token steps
     assert decode[0]["draft"][0]["graph"][0] == "full_decode" and decode[0]["draft"][1]["graph"][:2] == ["full_decode", 1]
+
+
+def test_max_model_len_beyond_the_model_positions_is_a_clear_error():
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings = 8192: lower max_model_len"):
+        EngineCore(resolve({}, DRAFTER_SPECS[0], platform="sm100", max_num_seqs=4, max_num_batched_tokens=64),
+                   EngineArgs(preset("tiny-dense"), num_kv_blocks=4096, block_size=8, max_model_len=8190))
