@@ -337,3 +337,46 @@ def test_max_model_len_beyond_the_model_positions_is_a_clear_error():
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings = 8192: lower max_model_len"):
         EngineCore(resolve({}, DRAFTER_SPECS[0], platform="sm100", max_num_seqs=4, max_num_batched_tokens=64),
                    EngineArgs(preset("tiny-dense"), num_kv_blocks=4096, block_size=8, max_model_len=8190))
+
+
+def _record_drafts(engine, log):
+    """Wrap the worker so that every proposal is logged as (request_id, position of its first draft) -> drafts."""
+    execute = engine.worker.execute
+
+    def wrapped(out, descs):
+        result = execute(out, descs)
+        if result.draft_tokens is not None:
+            first = out.num_computed + out.num_scheduled - out.num_drafts
+            for i, req in enumerate(out.requests):
+                if out.samples[i]:
+                    pos = int(first[i] + result.num_accepted[i] + 1)
+                    log[(req.request_id, pos)] = result.draft_tokens[i].tolist()
+        return result
+
+    engine.worker.execute = wrapped
+
+
+@pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[4]], ids=["eagle3", "dflash"])
+def test_drafts_do_not_depend_on_the_batch(spec):
+    """A request's drafts depend on its own tokens only: proposals made with 8 requests batched (padded graphs,
+    mixed prefill and decode steps) equal those made for each request alone. Catches KV rows, positions or
+    features mixed between requests."""
+    prompts = random_prompts(8, 7, vocab=300)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def engine():
+        cfg = resolve({}, spec, platform="sm100", max_num_seqs=16, max_num_batched_tokens=64)
+        return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=BLOCK, max_model_len=128))
+
+    batched, alone = {}, {}
+    e = engine()
+    _record_drafts(e, batched)
+    e.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        e = engine()
+        log = {}
+        _record_drafts(e, log)
+        e.generate([prompt], params)
+        alone.update({(f"req-{i}", pos): d for (_, pos), d in log.items()})
+    assert len(batched) > 8 * 3
+    assert batched == alone
