@@ -239,10 +239,17 @@ class GraphRuntime:
 
         return run
 
-    def _attention(self, layer: int, num_tokens: int) -> None:
+    def _attention_runner(self, num_tokens: int) -> Callable[[int], None]:
+        """Eager attention (KV write included) for the first ``num_tokens`` rows of each layer, between PIECEWISE
+        pieces; the row views and metadata are built once a step, and the output lands in ``attn_out``."""
         b = self.bufs
-        b.attn_out[:num_tokens] = self.model.attend(layer, b.q[:num_tokens], b.k[:num_tokens], b.v[:num_tokens],
-                                                    self.kv_caches, b.meta(num_tokens))
+        q, k, v, out = b.q[:num_tokens], b.k[:num_tokens], b.v[:num_tokens], b.attn_out[:num_tokens]
+        meta, attend, kv = b.meta(num_tokens), self.model.attend, self.kv_caches
+
+        def run(layer: int) -> None:
+            attend(layer, q, k, v, kv, meta, out)
+
+        return run
 
     def _build_closures(self) -> None:
         for g in self.graph_sets:
@@ -270,11 +277,12 @@ class GraphRuntime:
         tokens = _graph_tokens(g, size)
         if pieces is None:
             pieces = self.graphs[GraphKey(g.kind, g.q, size)]
+        attention = self._attention_runner(tokens)
         try:
             for i, piece in enumerate(pieces):
                 piece.capture(pool, stream)
                 if g.kind == PIECEWISE and i < self.model.num_layers:
-                    self._attention(i, tokens)
+                    attention(i)
         except torch.cuda.OutOfMemoryError:
             unit = "requests" if g.kind == FULL_DECODE else "tokens"
             q = f" at q = {g.q}" if g.q is not None else ""
@@ -421,10 +429,12 @@ class GraphRuntime:
             self.graphs[desc.graph][0].replay()
         elif desc.mode == "PIECEWISE":
             pieces = self.graphs[desc.graph]
+            attention = self._attention_runner(num_real)
+            last = len(pieces) - 1
             for i, piece in enumerate(pieces):
                 piece.replay()
-                if i < len(pieces) - 1:
-                    self._attention(i, num_real)
+                if i < last:
+                    attention(i)
         else:
             self._full(num_real)()
         return self.bufs.hidden_out[:num_real]

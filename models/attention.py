@@ -57,13 +57,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slots, v.reshape(v.shape[0], -1))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim)."""
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given."""
     if q.is_cuda:
         from models.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, kv_cache, meta, scale)
-    return reference_paged_attention(q, kv_cache, meta, scale)
+        return triton_paged_attention(q, kv_cache, meta, scale, out)
+    result = reference_paged_attention(q, kv_cache, meta, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -73,10 +73,11 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.cfg.num_layers
 
-    def attend(self, layer: int, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Write this step's K and V, then attend: the part PIECEWISE graphs leave out."""
+    def attend(self, layer: int, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this step's K and V, then attend (into ``out`` when given): the part PIECEWISE graphs leave out."""
         write_kv(kv_caches[layer], k, v, meta.slot_mapping)
-        return paged_attention(q, kv_caches[layer], meta, self.scale)
+        return paged_attention(q, kv_caches[layer], meta, self.scale, out)
 
     needs_aux = False
     """Whether the first piece reads a second input (a drafter's target features)."""

@@ -54,12 +54,13 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
+def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if num_tokens == 0:
         return out
     block_n = 64 if head_dim <= 64 else 32
