@@ -6,9 +6,9 @@
 - FULL graphs hold the whole forward, attention included, over the metadata buffers: uniform decode (n
   requests at q tokens each, S = n * q) and varlen (adaptive verification, or every batch in mode FULL).
 - PIECEWISE graphs are the pieces between attention calls: piece 0 is the embedding and layer 0 up to its
-  attention, piece i finishes layer i - 1 and prepares layer i, the last piece finishes the last layer.
-  Attention (KV write included) runs eagerly between them on the real rows only. Pieces exchange tensors
-  through the static buffers, so no piece output outlives its replay.
+  attention (its KV write included: padded rows have slot -1), piece i finishes layer i - 1 and prepares layer
+  i, the last piece finishes the last layer. Attention runs eagerly between them on the real rows only. Pieces
+  exchange tensors through the static buffers, so no piece output outlives its replay.
 - Capture: one memory pool per device shared by every runner and kind, largest size first, Python GC frozen,
   a progress bar; per kind, graph count, seconds and measured memory are logged. Memory is estimated first
   (the two largest sizes of each kind captured into a throwaway pool, extrapolated) and measured after.
@@ -30,7 +30,7 @@ import torch
 
 from dispatcher.dispatch import BatchDescriptor, GraphKey
 from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, write_kv
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -85,8 +85,6 @@ class StaticBuffers:
     """(max_num_reqs, max_blocks_per_seq): row = the scheduler's slot, updated by deltas."""
     residual: torch.Tensor
     q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
     attn_out: torch.Tensor
     hidden_out: torch.Tensor
     aux: torch.Tensor | None
@@ -104,8 +102,8 @@ class StaticBuffers:
             slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device), token_req=z(t, dt=torch.int32),
             token_pos=torch.full((t,), -1, dtype=torch.int32, device=device),
             block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
-            residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim), k=z(t, cfg.num_kv_heads, cfg.head_dim),
-            v=z(t, cfg.num_kv_heads, cfg.head_dim), attn_out=z(t, cfg.num_heads, cfg.head_dim),
+            residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
+            attn_out=z(t, cfg.num_heads, cfg.head_dim),
             hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
             staging=z(5, t, dt=torch.int64),
         )
@@ -229,9 +227,8 @@ class GraphRuntime:
                 hidden, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n])
             if index < last:
                 q, k, v, residual = model.layers[index].pre_attention(hidden, residual, b.positions[:n], model.rotary)
+                write_kv(self.kv_caches[index], k, v, b.slot_mapping[:n])  # padded rows: slot -1, no write
                 b.q[:n].copy_(q)
-                b.k[:n].copy_(k)
-                b.v[:n].copy_(v)
                 b.residual[:n].copy_(residual)
             else:
                 hidden, _ = model.norm(hidden, residual)
@@ -240,14 +237,15 @@ class GraphRuntime:
         return run
 
     def _attention_runner(self, num_tokens: int) -> Callable[[int], None]:
-        """Eager attention (KV write included) for the first ``num_tokens`` rows of each layer, between PIECEWISE
-        pieces; the row views and metadata are built once a step, and the output lands in ``attn_out``."""
+        """Eager attention for the first ``num_tokens`` rows of each layer, between PIECEWISE pieces (each piece
+        has already written its K and V); row views and metadata are built once a step, and the output lands in
+        ``attn_out``."""
         b = self.bufs
-        q, k, v, out = b.q[:num_tokens], b.k[:num_tokens], b.v[:num_tokens], b.attn_out[:num_tokens]
-        meta, attend, kv = b.meta(num_tokens), self.model.attend, self.kv_caches
+        q, out = b.q[:num_tokens], b.attn_out[:num_tokens]
+        meta, attention, kv = b.meta(num_tokens), self.model.attention, self.kv_caches
 
         def run(layer: int) -> None:
-            attend(layer, q, k, v, kv, meta, out)
+            attention(layer, q, kv, meta, out)
 
         return run
 

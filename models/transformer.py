@@ -75,8 +75,13 @@ class CausalLM(nn.Module):
 
     def attend(self, layer: int, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write this step's K and V, then attend (into ``out`` when given): the part PIECEWISE graphs leave out."""
+        """Write this step's K and V, then attend (into ``out`` when given)."""
         write_kv(kv_caches[layer], k, v, meta.slot_mapping)
+        return self.attention(layer, q, kv_caches, meta, out)
+
+    def attention(self, layer: int, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention alone, over K and V already in the cache: the part PIECEWISE graphs leave out."""
         return paged_attention(q, kv_caches[layer], meta, self.scale, out)
 
     needs_aux = False
