@@ -18,7 +18,8 @@ def main() -> None:
            f"Measured on one {d['device']}, torch {d['torch']}, bf16, random weights, with `bash scripts/gpu_check.sh "
            "bench` (it runs `PYTHONPATH=.:benchmarks python3 benchmarks/bench_runtime_gpu.py --out "
            "$OUT/runtime_h200.json`); full numbers in `docs/bench/runtime_h200.json`, this page by "
-           "`python benchmarks/render_runtime_doc.py`.", "",
+           "`python benchmarks/render_runtime_doc.py`." + (f" Measured at commit {d['commit']}." if d.get("commit") else ""),
+           "",
            "Method: " + d["method"] + ". Every batch is decode-shaped (requests of q tokens over a 64-token context; "
            "PIECEWISE rows are requests of 8 tokens), so attention stays small, as in SPEC section 1. Eager runs the "
            "forward unpadded, one launch per kernel; replay runs the captured graph (PIECEWISE: the pieces with eager "
