@@ -7,16 +7,17 @@ the GPU tests use it directly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dispatcher.config import ResolvedConfig
 from dispatcher.dispatch import dispatch_step, dispatchers_for_plan
-from dispatcher.plan import build_plan
+from dispatcher.plan import FULL_VARLEN, build_plan
 from dispatcher.trace import TraceWriter, step_record
 from dispatcher.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
+from scheduler.cost import CostCurve
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
@@ -44,13 +45,13 @@ class EngineCore:
         self.dispatchers = dispatchers_for_plan(self.plan)
         dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
         sched_cfg = SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
-        self.scheduler = Scheduler(sched_cfg)
         self.worker = ModelWorker(
             WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                          cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
                          args.use_cuda_graphs),
             self.plan, cfg.method, cfg.num_speculative_tokens,
         )
+        self.scheduler = Scheduler(sched_cfg)
         reach = args.max_model_len + self.scheduler.extra_tokens
         if reach > self.worker.model.cfg.max_position_embeddings:
             raise ValueError(
@@ -58,6 +59,11 @@ class EngineCore:
                 f"lookahead exceeds the model's max_position_embeddings = "
                 f"{self.worker.model.cfg.max_position_embeddings}: lower max_model_len")
         self.capture_report = self.worker.capture(progress=progress) if capture else None
+        if capture and cfg.adaptive_verification:
+            # Adaptive verification picks each step's size on this runtime's own replay times.
+            measured = self.worker.runtime.measure_step_ms(FULL_VARLEN)
+            if measured is not None:
+                self.scheduler = Scheduler(replace(sched_cfg, step_ms=CostCurve(*measured)))
         self.trace = TraceWriter(args.step_trace)
         self._next_id = 0
 

@@ -379,6 +379,36 @@ class GraphRuntime:
         self._reset_metadata()
         return self.report
 
+    @torch.inference_mode()
+    def measure_step_ms(self, kind: str, repeats: int = 5) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """The median replay time (ms) of every captured size of a token-keyed kind (adaptive verification's
+        cost curve), or None without such graphs. Every row is padding while it runs, so attention costs
+        nothing here: the curve is the step's cost without context."""
+        sets = [g for g in self.graph_sets if g.kind == kind and g.unit == "tokens" and len(g.sizes) >= 2]
+        if not sets:
+            return None
+        self._reset_metadata()
+        sizes, times = [], []
+        for size in sets[0].sizes:
+            graph = self.graphs[GraphKey(kind, sets[0].q, size)][0]
+            graph.replay()  # warm
+            runs = []
+            for _ in range(repeats):
+                if self.device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    runs.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    graph.replay()
+                    runs.append((time.perf_counter() - t0) * 1e3)
+            sizes.append(size)
+            times.append(sorted(runs)[len(runs) // 2])
+        return tuple(sizes), tuple(times)
+
     # -- replay ----------------------------------------------------------------------------------------------
     def load_inputs(self, host: np.ndarray, num_real: int, num_padded: int) -> None:
         """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded

@@ -380,3 +380,18 @@ def test_drafts_do_not_depend_on_the_batch(spec):
         alone.update({(f"req-{i}", pos): d for (_, pos), d in log.items()})
     assert len(batched) > 8 * 3
     assert batched == alone
+
+
+def test_adaptive_verification_uses_the_runtime_measured_cost_curve():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)
+    engine = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=200, block_size=BLOCK, max_model_len=128))
+    curve = engine.scheduler.config.step_ms
+    av = next(g for g in engine.plan.graph_sets if g.kind == "full_varlen")
+    assert curve.tokens == av.sizes and all(ms > 0 for ms in curve.ms)
+    prompts = random_prompts(6, 9, vocab=30)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    eager = EngineCore(resolve({"cudagraph_mode": "NONE"}, None, platform="sm100", max_num_seqs=16,
+                               max_num_batched_tokens=256),
+                       EngineArgs(preset("tiny-dense"), num_kv_blocks=200, block_size=BLOCK, max_model_len=128))
+    assert engine.generate(prompts, params) == eager.generate(prompts, params)
