@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from dispatcher.dispatch import BATCH_KINDS, MIXED, UNIFORM_DECODE, BatchDescriptor, Dispatcher
+from dispatcher.dispatch import MIXED, UNIFORM_DECODE, BatchDescriptor, Dispatcher
 from dispatcher.plan import FULL_DECODE, PIECEWISE, CapturePlan
+from dispatcher.trace import StepTally
 from scheduler.cost import StepCostModel
 
 
@@ -57,8 +58,7 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
            cost_model: str = "bench-moe") -> dict[str, Any]:
     costs = StepCostModel.preset(cost_model)
     cfg = plan.config
-    before = {k: Counter() for k in BATCH_KINDS}
-    after = {k: Counter() for k in BATCH_KINDS}
+    before, after = StepTally(), StepTally()
     totals = Counter()
     reasons: dict[str, list[int]] = {}
     over_limit = 0
@@ -68,31 +68,23 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
             over_limit += 1
             continue
         desc = dispatcher.dispatch(tokens, reqs, max_q, is_decode)
-        kind = desc.kind
         old_mode, old_padded = rec["mode"], int(rec["padded_tokens"])
-        for side, mode, padded in ((before, old_mode, old_padded), (after, desc.mode, desc.num_tokens)):
-            row = side[kind]
-            row["steps"] += 1
-            row[{"FULL": "full", "PIECEWISE": "piecewise"}.get(mode, "eager")] += 1
-            row["padded_tokens"] += padded - tokens
+        before.add(desc.kind, old_mode, tokens, old_padded)
+        after.add(desc.kind, desc.mode, tokens, desc.num_tokens)
         totals["ms_before"] += costs.step_ms(old_mode, old_padded)
         totals["ms_after"] += costs.step_ms(desc.mode, desc.num_tokens)
         totals["real_tokens"] += tokens
         if desc.mode == "NONE":
             reasons.setdefault(eager_reason(desc, plan), []).append(tokens)
-    def side_summary(side):
-        return {
-            "eager_steps": sum(r["eager"] for r in side.values()),
-            "padded_tokens": sum(r["padded_tokens"] for r in side.values()),
-            "by_kind": {k: {f: v[f] for f in ("steps", "full", "piecewise", "eager")} for k, v in side.items()},
-        }
-
+    recorded, replayed = before.summary(), after.summary()
+    steps = replayed.pop("steps")
+    recorded.pop("steps")
     return {
-        "steps": sum(r["steps"] for r in after.values()),
+        "steps": steps,
         "steps_over_new_limits": over_limit,
         "real_tokens": totals["real_tokens"],
-        "recorded": {**side_summary(before), "estimated_device_seconds": round(totals["ms_before"] / 1e3, 4)},
-        "replayed": {**side_summary(after), "estimated_device_seconds": round(totals["ms_after"] / 1e3, 4)},
+        "recorded": {**recorded, "estimated_device_seconds": round(totals["ms_before"] / 1e3, 4)},
+        "replayed": {**replayed, "estimated_device_seconds": round(totals["ms_after"] / 1e3, 4)},
         "eager_reasons": [{"reason": r, "steps": len(t), "min_tokens": min(t), "max_tokens": max(t)}
                           for r, t in sorted(reasons.items(), key=lambda kv: -len(kv[1]))],
         "cost_model": cost_model,

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from dispatcher.dispatch import BATCH_KINDS, StepDescriptors, dispatch_step, dispatchers_for_plan
+from dispatcher.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan
 from dispatcher.plan import build_plan
-from dispatcher.trace import TraceWriter, step_record
+from dispatcher.trace import StepTally, TraceWriter, step_record
 from dispatcher.workload import PromptSpec
 from scheduler.cost import StepCostModel
 from scheduler.request import Request, SamplingParams
@@ -125,7 +125,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     scheduler = Scheduler(sched_cfg)
     model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs)
     trace = TraceWriter(step_trace)
-    by_kind = {k: Counter() for k in BATCH_KINDS}
+    tally = StepTally()
     totals = Counter()
     clock_ms = 0.0
     host_ms_total = 0.0
@@ -174,28 +174,25 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
                     outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     finished_at[o.request_id] = clock_ms
-            row = by_kind[desc.kind]
-            row["steps"] += 1
-            row[{"FULL": "full", "PIECEWISE": "piecewise"}.get(desc.mode, "eager")] += 1
-            totals["padded_tokens"] += desc.num_tokens - s.num_tokens
+            tally.add(desc.kind, desc.mode, s.num_tokens, desc.num_tokens)
             totals["real_tokens"] += s.num_tokens
             totals["device_ms_" + desc.mode] += target_ms
             totals["draft_ms"] += draft_ms
             trace.write(step_record(step.step_id, step, desc, host_ms, device_ms, descs.drafts()))
     finally:
         trace.close()
-    steps = sum(r["steps"] for r in by_kind.values())
+    counts = tally.summary()
+    steps = counts["steps"]
     done = [r for r in finished_at]
     ttft = [first_token[r] - submitted[r] for r in done]
     tpot = [(finished_at[r] - first_token[r]) / (out_tokens[r] - 1) for r in done if out_tokens[r] > 1]
     total_out = sum(out_tokens.values())
     summary = {
         "steps": steps,
-        "eager_steps": sum(r["eager"] for r in by_kind.values()),
-        "padded_tokens": totals["padded_tokens"],
+        "eager_steps": counts["eager_steps"],
+        "padded_tokens": counts["padded_tokens"],
         "real_tokens": totals["real_tokens"],
-        "by_kind": {k: {"steps": v["steps"], "full": v["full"], "piecewise": v["piecewise"], "eager": v["eager"]}
-                    for k, v in by_kind.items()},
+        "by_kind": counts["by_kind"],
         "requests": len(done),
         "output_tokens": total_out,
         "simulated_seconds": round(clock_ms / 1e3, 4),

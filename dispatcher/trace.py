@@ -3,7 +3,34 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import IO, Any
+
+from dispatcher.dispatch import BATCH_KINDS
+
+_MODE_COLUMN = {"FULL": "full", "PIECEWISE": "piecewise", "NONE": "eager"}
+
+
+class StepTally:
+    """Steps per batch kind and mode, and their padding: the by_kind summary of simulate and replay."""
+
+    def __init__(self):
+        self.rows = {k: Counter() for k in BATCH_KINDS}
+
+    def add(self, kind: str, mode: str, real_tokens: int, padded_tokens: int) -> None:
+        row = self.rows[kind]
+        row["steps"] += 1
+        row[_MODE_COLUMN[mode]] += 1
+        row["padded_tokens"] += padded_tokens - real_tokens
+
+    def summary(self) -> dict[str, Any]:
+        rows = self.rows.values()
+        return {
+            "steps": sum(r["steps"] for r in rows),
+            "eager_steps": sum(r["eager"] for r in rows),
+            "padded_tokens": sum(r["padded_tokens"] for r in rows),
+            "by_kind": {k: {f: v[f] for f in ("steps", "full", "piecewise", "eager")} for k, v in self.rows.items()},
+        }
 
 
 def _brief(desc) -> dict[str, Any]:
