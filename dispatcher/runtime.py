@@ -260,6 +260,10 @@ class GraphRuntime:
                     self.graphs[key] = [_Replayable(self._full(tokens))]
 
     # -- capture ---------------------------------------------------------------------------------------------
+    def _capture_order(self) -> list[GraphSet]:
+        """Kinds widest first, so that narrower graphs reuse the pool the widest ones grew."""
+        return sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest))
+
     def _reset_metadata(self) -> None:
         """Safe contents for warm-up and capture: every row padded (writes go to the dummy block)."""
         b = self.bufs
@@ -322,7 +326,7 @@ class GraphRuntime:
         keep: list = []
         est = 0.0
         with self._frozen_gc():
-            for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
+            for g in self._capture_order():
                 sizes = sorted(g.sizes, reverse=True)
                 first = self._capture_throwaway(g, sizes[0], pool, stream, keep)
                 per_graph = 0.0
@@ -355,7 +359,7 @@ class GraphRuntime:
         total = sum(len(g.sizes) for g in self.graph_sets)
         bar = _progress(total, f"capturing {self.runner} graphs", progress)
         with self._frozen_gc():
-            for g in sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest)):
+            for g in self._capture_order():
                 free0 = free_device_bytes(self.device)
                 reserved0 = torch.cuda.memory_reserved(self.device)
                 start = time.perf_counter()

@@ -68,7 +68,7 @@ class FakeModel:
             self.slot_seed[slot] = request_seed(req.request_id)
         k_max = out.draft_tokens.shape[1]
         seeds = self.slot_seed[out.slots][:, None]
-        first = (out.num_computed + out.num_scheduled - out.num_drafts)[:, None]
+        first = out.first_sample_positions[:, None]
         target = self.token(seeds, first + np.arange(k_max + 1)[None, :])
         match = (out.draft_tokens[:, :k_max] == target[:, :k_max]) & (np.arange(k_max)[None, :] < out.num_drafts[:, None])
         accepted = np.where(match.all(axis=1), out.num_drafts, np.argmin(match, axis=1))

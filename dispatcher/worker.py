@@ -207,19 +207,20 @@ class ModelWorker:
         sampling = np.nonzero(out.samples)[0]
         n_s = len(sampling)
         ends = np.cumsum(out.num_scheduled)
-        first = out.num_computed + out.num_scheduled - out.num_drafts  # position of the first sampled token
+        first = out.first_sample_positions
         accepted = result.num_accepted[sampling]
         last_pos = first[sampling] + accepted  # position of the last new token
         last_tok = result.sampled[sampling, accepted]
+        nver = out.num_drafts + 1
+        # Each request's row whose target output is its last new token (the verify row of its accepted count).
+        last_row = torch.from_numpy(ends[sampling] - nver[sampling] + accepted).to(self.device)
         drafts = torch.zeros(n_s, k, dtype=torch.int64, device=self.device)
         conf = torch.zeros(n_s, k, dtype=torch.float32, device=self.device)
-        dev = self.device
         if self.method in EAGLE_LIKE:
             # Step 0: the target's rows, one position on; sampling requests' verify rows read the sampled tokens.
             ids, positions, _, rows = host
             ids_d = np.empty_like(ids)
             ids_d[:-1] = ids[1:]
-            nver = out.num_drafts + 1
             for i, e in enumerate(ends.tolist()):
                 if out.samples[i]:
                     ids_d[e - nver[i] : e] = result.sampled[i, : nver[i]]
@@ -230,8 +231,7 @@ class ModelWorker:
             pos_d = positions + 1
             host_d = np.stack([ids_d, pos_d, self._slots_of(rows, pos_d), rows])
             h0 = self.draft_runtimes[0].execute(descs.draft, host_d, hidden)
-            sel = torch.from_numpy(ends[sampling] - nver[sampling] + accepted).to(dev)
-            feature = h0[sel]
+            feature = h0[last_row]
             tokens, c = self._propose(feature)
             drafts[:, 0], conf[:, 0] = tokens, c
             srows = out.slots[sampling]
@@ -244,8 +244,7 @@ class ModelWorker:
         else:
             # Block: the last new token then mask tokens, all reading the target's feature at the last token.
             q = block_query_len(self.method, k)
-            feat_rows = torch.from_numpy(ends[sampling] - (out.num_drafts[sampling] + 1) + accepted).to(dev)
-            aux = hidden[feat_rows].repeat_interleave(q, dim=0)
+            aux = hidden[last_row].repeat_interleave(q, dim=0)
             ids_b = np.full((n_s, q), self.draft_head.mask_token_id, dtype=np.int64)
             ids_b[:, 0] = last_tok
             pos_b = (last_pos[:, None] + np.arange(q)[None, :]).ravel()

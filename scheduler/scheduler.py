@@ -126,6 +126,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return self.shape.num_tokens
 
+    @property
+    def first_sample_positions(self) -> np.ndarray:
+        """Per request, the position of the first token the step samples: its last known token's position + 1
+        (the drafts being verified come after the known tokens)."""
+        return self.num_computed + self.num_scheduled - self.num_drafts
+
     def query_len_histogram(self) -> dict[int, int]:
         values, counts = np.unique(self.num_scheduled, return_counts=True)
         return {int(v): int(c) for v, c in zip(values, counts)}
@@ -374,7 +380,7 @@ class Scheduler:
         if len(slots) == 0:
             return []
         accepted = np.where(out.samples, np.minimum(result.num_accepted, out.num_drafts), 0)
-        new_computed = out.num_computed + out.num_scheduled - out.num_drafts + accepted
+        new_computed = out.first_sample_positions + accepted
         self.num_computed[slots] = new_computed
         self.kv.shrink(slots, new_computed + self.config.lookahead_tokens)  # rejected drafts; keep the lookahead
         self.stats.drafts_verified += int(out.num_drafts.sum())

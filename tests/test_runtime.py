@@ -346,7 +346,7 @@ def _record_drafts(engine, log):
     def wrapped(out, descs):
         result = execute(out, descs)
         if result.draft_tokens is not None:
-            first = out.num_computed + out.num_scheduled - out.num_drafts
+            first = out.first_sample_positions
             for i, req in enumerate(out.requests):
                 if out.samples[i]:
                     pos = int(first[i] + result.num_accepted[i] + 1)
