@@ -136,14 +136,13 @@ def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier) -> tuple[tupl
     )
 
 
-def _token_sets(cfg: ResolvedConfig, runner: str) -> list[GraphSet]:
-    """The prefill-grid set: PIECEWISE in the piecewise modes, FULL (tokens) in mode FULL."""
+def _token_sets(cfg: ResolvedConfig, runner: str, sizes: tuple[int, ...] | None = None) -> list[GraphSet]:
+    """The token-keyed set (the config's prefill sizes unless given): PIECEWISE in the piecewise modes, FULL
+    (tokens) in mode FULL."""
     mode = cfg.cudagraph_mode
-    if mode.has_piecewise:
-        return [GraphSet(runner, PIECEWISE, None, cfg.prefill_token_sizes, ((1, cfg.max_num_batched_tokens),))]
-    if mode is CUDAGraphMode.FULL:
-        return [GraphSet(runner, FULL, None, cfg.prefill_token_sizes, ((1, cfg.max_num_batched_tokens),))]
-    return []
+    sizes = cfg.prefill_token_sizes if sizes is None else sizes
+    kind = PIECEWISE if mode.has_piecewise else FULL if mode is CUDAGraphMode.FULL else None
+    return [GraphSet(runner, kind, None, sizes, ((1, cfg.max_num_batched_tokens),))] if kind else []
 
 
 def build_plan(cfg: ResolvedConfig) -> CapturePlan:
@@ -223,11 +222,7 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
         prefill = tuple(sorted(set(tokens) | set(range(1, min(32, tokens[-1]) + 1))))
 
     def token_sets(runner: str) -> list[GraphSet]:
-        if mode.has_piecewise:
-            return [GraphSet(runner, PIECEWISE, None, prefill, ((1, cfg.max_num_batched_tokens),))]
-        if mode is CUDAGraphMode.FULL:
-            return [GraphSet(runner, FULL, None, prefill, ((1, cfg.max_num_batched_tokens),))]
-        return []
+        return _token_sets(cfg, runner, prefill)
 
     def decode_sets(runner: str, q_of_tier) -> list[GraphSet]:
         qs = dict.fromkeys(q_of_tier(t) for t in cfg.tiers)
