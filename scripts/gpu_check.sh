@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU session's one call: the GPU tests, then the runtime benchmark. Run from the repository root on the
 # device machine; results and logs go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_check.sh [tests|bench|all]
+#   bash scripts/gpu_check.sh [tests|bench|profile|all]   (profile: where one step's time goes, a diagnostic)
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
@@ -20,6 +20,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_runtime_gpu.py --out "$OUT/runtime_h200.json" 2>&1 | tee "$OUT/bench.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if [ "$what" = profile ] || [ "$what" = all ]; then
+  python3 benchmarks/profile_step.py --out "$OUT/profile_step.json" 2>&1 | tee "$OUT/profile.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 exit $rc
