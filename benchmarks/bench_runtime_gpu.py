@@ -6,7 +6,9 @@
    Eager runs the forward unpadded; replay runs the captured graph (PIECEWISE: pieces plus eager attention).
    Each: 5 warm-up runs, then the median of 15 repetitions of 10 back-to-back steps timed with CUDA events.
 2. Kernel sum: one eager run of the same padded closures under torch.profiler; the sum of its CUDA kernel
-   durations against the replay time (launch gaps gone when replay is within 10% of it).
+   durations against the replay time (launch gaps gone when replay is within 10% of it), and the gap that is
+   left per kernel (microseconds: the GPU's own latency between dependent graph nodes, when the host keeps up).
+   The kernels of a profiled replay are recorded too (a cross-check: the same kernels, timed inside the graph).
 3. Capture of the sm100 default plan (1024 requests, 16384 tokens: 39 PIECEWISE + 64 FULL at q = 1) on
    bench-moe: seconds and pool GiB per kind, estimate vs measured.
 
@@ -62,7 +64,8 @@ def time_steps(fn, reps: int = 15, inner: int = 10, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def kernel_sum_ms(fn) -> float:
+def kernel_sum_ms(fn) -> tuple[float, int]:
+    """(sum of the CUDA kernel and copy durations of one run of fn, their count), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -70,9 +73,9 @@ def kernel_sum_ms(fn) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total_us = sum(evt.time_range.elapsed_us() for evt in prof.events()
-                   if evt.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3
+    durations = [evt.time_range.elapsed_us() for evt in prof.events()
+                 if evt.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(durations) / 1e3, len(durations)
 
 
 def bench_model(name: str) -> dict:
@@ -117,12 +120,18 @@ def bench_model(name: str) -> dict:
                     for p, g in zip(pieces, saved):
                         p.graph = g
 
-            ksum = kernel_sum_ms(static_run)
+            ksum, nkern = kernel_sum_ms(static_run)
+            replay_ksum, replay_nkern = kernel_sum_ms(lambda: rt.execute(desc, host))
+            gap_us = (replay_ms - ksum) * 1e3 / nkern
             rows.append({"kind": kind, "q": q, "size": size, "tokens": tokens, "eager_ms": round(eager_ms, 3),
                          "replay_ms": round(replay_ms, 3), "speedup": round(eager_ms / replay_ms, 2),
-                         "kernel_sum_ms": round(ksum, 3), "replay_over_kernel_sum": round(replay_ms / ksum, 3)})
+                         "kernel_sum_ms": round(ksum, 3), "kernels": nkern,
+                         "replay_over_kernel_sum": round(replay_ms / ksum, 3), "gap_us_per_kernel": round(gap_us, 2),
+                         "replay_profiled_kernel_sum_ms": round(replay_ksum, 3),
+                         "replay_profiled_kernels": replay_nkern})
             print(f"{name:16s} {kind:12s} q={q!s:4s} size={size:5d} tokens={tokens:5d} eager {eager_ms:8.3f} ms "
-                  f"replay {replay_ms:8.3f} ms x{eager_ms / replay_ms:5.2f} kernels {ksum:8.3f} ms", flush=True)
+                  f"replay {replay_ms:8.3f} ms x{eager_ms / replay_ms:5.2f} kernels {ksum:8.3f} ms "
+                  f"({nkern}, gap {gap_us:.2f} us each; in replay {replay_ksum:.3f} ms, {replay_nkern})", flush=True)
     del rt, kv, model
     torch.cuda.empty_cache()
     return {"model": name, "build_seconds": round(build_s, 1), "bench_capture_seconds": round(capture_s, 1),

@@ -30,7 +30,7 @@ import torch
 
 from dispatcher.dispatch import BatchDescriptor, GraphKey
 from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata, write_kv
+from models.attention import AttentionMetadata
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -148,7 +148,7 @@ class KindReport:
     measured_gib: float
     estimated_gib: float | None = None
     estimate_samples_gib: tuple[float, ...] = ()
-    """(growth from the largest graph, per-graph growth of the second largest) in the throwaway pool."""
+    """(growth from the largest graph, per-graph growth of the median size) in the throwaway pool."""
     pool_gib: float | None = None
     """Of measured_gib, what the caching allocator holds for the graph pool; the rest is the driver's (graph
     executables)."""
@@ -226,8 +226,9 @@ class GraphRuntime:
             else:
                 hidden, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n])
             if index < last:
-                q, k, v, residual = model.layers[index].pre_attention(hidden, residual, b.positions[:n], model.rotary)
-                write_kv(self.kv_caches[index], k, v, b.slot_mapping[:n])  # padded rows: slot -1, no write
+                # the KV write happens here, inside the graph (padded rows: slot -1, nothing stored)
+                q, residual = model.layers[index].pre_attention(hidden, residual, b.positions[:n], model.rotary,
+                                                                self.kv_caches[index], b.slot_mapping[:n])
                 b.q[:n].copy_(q)
                 b.residual[:n].copy_(residual)
             else:
@@ -304,8 +305,8 @@ class GraphRuntime:
             gc.unfreeze()
 
     ESTIMATE_REPEATS = 8
-    """The second-largest graph is captured this many times, so that the per-graph growth is measured finer
-    than the driver's 2 MiB allocation granularity."""
+    """The median-size graph is captured this many times, so that the per-graph growth is measured finer than
+    the driver's 2 MiB allocation granularity."""
 
     def _capture_throwaway(self, g: GraphSet, size: int, pool, stream, keep: list) -> int:
         """Capture one size into a throwaway pool; returns the device memory it took."""
@@ -316,9 +317,11 @@ class GraphRuntime:
         return free0 - free_device_bytes(self.device)
 
     def estimate_memory(self) -> float:
-        """GiB the plan's graphs will take, from the two largest sizes of each kind captured into a throwaway
-        pool (kinds in capture order): the largest's growth, plus (count - 1) times the per-graph growth of
-        the second largest (captured ESTIMATE_REPEATS times)."""
+        """GiB the plan's graphs will take, from two sizes of each kind captured into a throwaway pool (kinds in
+        capture order): the largest's growth (it sizes the pool: smaller graphs reuse its blocks), plus
+        (count - 1) times the per-graph growth of the median size captured ESTIMATE_REPEATS times (what a graph
+        adds once the pool exists: mostly the driver's graph executable, which grows with the kernel count, not
+        with the size; the median stands for the many small sizes of a grid better than the second largest)."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
@@ -333,8 +336,9 @@ class GraphRuntime:
                 if len(sizes) > 1:
                     repeats = min(self.ESTIMATE_REPEATS, len(sizes) - 1)
                     free0 = free_device_bytes(self.device)
+                    median = sizes[1:][len(sizes[1:]) // 2]
                     for _ in range(repeats):
-                        self._capture_throwaway(g, sizes[1], pool, stream, keep)
+                        self._capture_throwaway(g, median, pool, stream, keep)
                     per_graph = max(0, free0 - free_device_bytes(self.device)) / repeats
                 kind_est = (first + (len(sizes) - 1) * per_graph) / 2**30
                 self._kind_estimates[(g.kind, g.q)] = kind_est

@@ -43,12 +43,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K and V at its slot; padded rows (slot -1) go to the dummy block (on the GPU, a
-    Triton kernel skips them)."""
-    if k.is_cuda and k.shape[0]:
-        from models.fused import write_kv_gpu
-
-        return write_kv_gpu(kv_cache, k, v, slot_mapping)
+    """Store each token's K and V at its slot; padded rows (slot -1) go to the dummy block. (The torch path: on the
+    GPU, ``models.fused.rotary_write_kv_`` stores K and V in the rotary kernel and skips padded rows.)"""
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     dummy = num_slots - kv_cache.shape[2]
     slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, dummy), slot_mapping)

@@ -2,8 +2,8 @@
 
 A host-bound model spends its step on kernel launches and the gaps between them, even inside a CUDA graph, so
 each of these replaces a chain of elementwise torch kernels with one: RMSNorm with the residual add, rotary
-embeddings on Q and K in place, SiLU-and-multiply, the KV-cache write (padded rows skipped), and the MoE
-combine (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
+embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the MoE routing (no memset), and
+the MoE combine (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
 path rounds, so the two agree to bf16 precision.
 """
 
@@ -67,18 +67,33 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, HALF: tl.constexpr):
+    def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, stride_t, stride_kind,
+                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Program (token, head) over the query heads then the key heads: rotate a query head in place; rotate
+        a key head into the cache and copy its value head beside it (rows with slot -1 write nothing)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
+        HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.load(pos_ptr + t)
         offs = tl.arange(0, HALF)
         c = tl.load(cos_ptr + pos * HALF + offs)
         s = tl.load(sin_ptr + pos * HALF + offs)
-        base = x_ptr + t * stride_t + h * stride_h
+        base = qkv_ptr + t * stride_t + h * HEAD_DIM
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HALF + offs).to(tl.float32)
-        tl.store(base + offs, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty))
-        tl.store(base + HALF + offs, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty))
+        r1 = (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty)
+        r2 = (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty)
+        if h < NUM_HEADS:
+            tl.store(base + offs, r1)
+            tl.store(base + HALF + offs, r2)
+        else:
+            slot = tl.load(slot_ptr + t)
+            if slot >= 0:
+                dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + (h - NUM_HEADS) * HEAD_DIM
+                tl.store(dst + offs, r1)
+                tl.store(dst + HALF + offs, r2)
+                dims = tl.arange(0, HEAD_DIM)
+                tl.store(dst + stride_kind + dims, tl.load(base + NUM_KV_HEADS * HEAD_DIM + dims))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
@@ -90,18 +105,6 @@ if triton is not None:
         a = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + cols, (a.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
                  mask=mask)
-
-    @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_k, stride_v, stride_kind, row: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        slot = tl.load(slot_ptr + t)
-        if slot >= 0:
-            offs = tl.arange(0, BLOCK)
-            mask = offs < row
-            dst = kv_ptr + slot * row + offs
-            tl.store(dst, tl.load(k_ptr + t * stride_k + offs, mask=mask), mask=mask)
-            tl.store(dst + stride_kind, tl.load(v_ptr + t * stride_v + offs, mask=mask), mask=mask)
 
     @triton.jit
     def _moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, stride_y, stride_o, n, TOP_K: tl.constexpr,
@@ -145,8 +148,10 @@ if triton is not None:
 
     @triton.jit
     def _moe_scatter_kernel(x_ptr, ids_ptr, rank_ptr, counts_ptr, xs_ptr, inv_ptr, offs_ptr, stride_x, stride_xs,
-                            hidden, n_experts, TOP_K: tl.constexpr, E_PAD: tl.constexpr, H_PAD: tl.constexpr):
-        """Per (token, choice): its row in the expert-sorted order; copies the token's hidden state there."""
+                            hidden, n_experts, n_choices, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                            H_PAD: tl.constexpr):
+        """Per (token, choice): its row in the expert-sorted order; copies the token's hidden state there. The
+        last program to finish (a ticket after the counts) zeroes the counts and the ticket for the next call."""
         a = tl.program_id(0)
         offs_e = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + offs_e, mask=offs_e < n_experts, other=0)
@@ -160,6 +165,10 @@ if triton is not None:
         cols = tl.arange(0, H_PAD)
         mask = cols < hidden
         tl.store(xs_ptr + row * stride_xs + cols, tl.load(x_ptr + (a // TOP_K) * stride_x + cols, mask=mask), mask=mask)
+        # acq_rel: every program's reads of the counts happen before its ticket, so the last one may zero them
+        if tl.atomic_add(counts_ptr + n_experts, 1) == n_choices - 1:
+            tl.store(counts_ptr + offs_e, tl.zeros([E_PAD], dtype=tl.int32), mask=offs_e < n_experts)
+            tl.store(counts_ptr + n_experts, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,11 +190,16 @@ def rms_norm(x, weight, eps, residual=None):
     return out if residual is None else (out, res_out)
 
 
-def rotary_qk_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               num_heads: int, head_dim: int) -> None:
-    """Rotate, in place, the first ``num_heads`` heads of each row of ``qk`` (query heads then key heads)."""
-    _rotary_kernel[(qk.shape[0], num_heads)](qk, positions, cos, sin, qk.stride(0), head_dim, HALF=head_dim // 2,
-                                             num_warps=1)
+def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> None:
+    """One kernel for a layer's QKV rows: rotate the query heads in place, and store the rotated key heads and the
+    value heads at each row's cache slot (slot -1: nothing stored). The key heads in ``qkv`` stay unrotated."""
+    if head_dim & (head_dim - 1) or kv_cache.stride(-1) != 1 or not kv_cache[0].is_contiguous():
+        raise ValueError(f"rotary_write_kv_ needs a power-of-two head_dim (got {head_dim}) and a contiguous cache")
+    _rotary_write_kv_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, kv_cache, slot_mapping, qkv.stride(0), kv_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, num_warps=1)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -200,11 +214,18 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_kv_gpu(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store K and V rows at their slots; rows with slot -1 are skipped."""
-    row = k.shape[1] * k.shape[2]
-    _write_kv_kernel[(k.shape[0],)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                                    row=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
+_EXPERT_COUNTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _expert_counts(device: torch.device, num_experts: int) -> torch.Tensor:
+    """Per device and expert count, one int32 buffer of the experts' token counts plus a ticket, zero between
+    calls: the route kernel counts into it and the scatter kernel zeroes it when done, so no memset kernel runs
+    per layer. Allocated once, outside any graph, and never freed (graphs hold its address). Every MoE layer of
+    the process uses it in stream order."""
+    key = (str(device), num_experts)
+    if key not in _EXPERT_COUNTS:
+        _EXPERT_COUNTS[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    return _EXPERT_COUNTS[key]
 
 
 def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -234,7 +255,7 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
     ids = torch.empty(n, dtype=torch.int32, device=dev)
     rank = torch.empty(n, dtype=torch.int32, device=dev)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    counts = _expert_counts(dev, num_experts)
     e_pad = triton.next_power_of_2(num_experts)
     _moe_route_kernel[(num_tokens,)](logits, ids, weights, counts, rank, logits.stride(0), num_experts,
                                      TOP_K=top_k, E_PAD=e_pad, NORM_TOPK=norm_topk_prob, num_warps=1)
@@ -242,7 +263,7 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _moe_scatter_kernel[(n,)](x, ids, rank, counts, xs, inv, offs, x.stride(0), xs.stride(0), x.shape[1], num_experts,
-                              TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4)
+                              n, TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4)
     return xs, offs, inv, weights
 
 

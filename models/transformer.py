@@ -1,6 +1,6 @@
 """A decoder-only transformer (Llama / Qwen2 dense, Mixtral / Qwen-MoE) over a paged KV cache.
 
-The forward is written as layers of two halves, ``pre_attention`` (norm, QKV, rotary) and ``post_attention``
+The forward is written as layers of two halves, ``pre_attention`` (norm, QKV, rotary, KV write) and ``post_attention``
 (output projection, norm, MLP or MoE), so that the graph runtime can capture the pieces between attention
 calls (PIECEWISE) or the whole forward (FULL) from the same code.
 """
@@ -12,7 +12,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, write_kv
 from models.config import ModelConfig
-from models.fused import rotary_qk_
+from models.fused import rotary_write_kv_
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
 
 
@@ -31,8 +31,9 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                      rotary: RotaryEmbedding):
-        """-> q (tokens, heads, dim), k and v (tokens, kv_heads, dim), residual."""
+                      rotary: RotaryEmbedding, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        """Norm, QKV, rotary, and this step's K and V into ``kv_cache`` at ``slot_mapping`` (slot -1: not stored).
+        -> q (tokens, heads, dim), residual. On the GPU, rotary and the KV write are one kernel."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -41,15 +42,15 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         qkv = self.qkv_proj(hidden)
         n = hidden.shape[0]
-        if qkv.is_cuda:  # one in-place kernel for the query and key heads
-            rotary_qk_(qkv, positions, rotary.cos, rotary.sin, c.num_heads + c.num_kv_heads, c.head_dim)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
-                    v.view(n, c.num_kv_heads, c.head_dim), residual)
+        if qkv.is_cuda and n:
+            rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
+                             c.num_kv_heads, c.head_dim)
+            return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim), residual
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
         k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
-        return q, k, v.view(n, c.num_kv_heads, c.head_dim), residual
+        write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
+        return q, residual
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
         hidden = self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
@@ -73,12 +74,6 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.cfg.num_layers
 
-    def attend(self, layer: int, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write this step's K and V, then attend (into ``out`` when given)."""
-        write_kv(kv_caches[layer], k, v, meta.slot_mapping)
-        return self.attention(layer, q, kv_caches, meta, out)
-
     def attention(self, layer: int, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention alone, over K and V already in the cache: the part PIECEWISE graphs leave out."""
@@ -95,8 +90,8 @@ class CausalLM(nn.Module):
         """Final hidden states (tokens, hidden): the FULL path, and eager."""
         hidden, residual = self.embed(input_ids, aux), None
         for i, layer in enumerate(self.layers):
-            q, k, v, residual = layer.pre_attention(hidden, residual, positions, self.rotary)
-            hidden, residual = layer.post_attention(self.attend(i, q, k, v, kv_caches, meta), residual)
+            q, residual = layer.pre_attention(hidden, residual, positions, self.rotary, kv_caches[i], meta.slot_mapping)
+            hidden, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

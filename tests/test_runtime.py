@@ -217,16 +217,25 @@ def test_fused_kernels_match_torch():
     torch.testing.assert_close(res, ref_res)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6), rtol=2e-2, atol=2e-2)
-    # rotary on 6 query + 2 key heads of 64, in place
+    # rotary on 6 query heads in place, and 2 key heads (rotated) + 2 value heads into the cache; slot -1 skipped
+    from models.attention import write_kv
     from models.layers import RotaryEmbedding
 
     rot = RotaryEmbedding(64, 4096, 10000.0).to(dev)
-    qkv = torch.randn(37, 12 * 64, device=dev, dtype=bf)
+    qkv = torch.randn(37, 10 * 64, device=dev, dtype=bf)
     pos = torch.randint(0, 4000, (37,), device=dev)
-    ref = rotary_ref = fused.rotary_torch(pos, qkv[:, : 8 * 64].reshape(37, 8, 64), rot.cos, rot.sin)
-    fused.rotary_qk_(qkv, pos, rot.cos, rot.sin, 8, 64)
-    torch.testing.assert_close(qkv[:, : 8 * 64].reshape(37, 8, 64), rotary_ref, rtol=2e-2, atol=2e-2)
-    del ref
+    slots = torch.randperm(80, device=dev)[:37]
+    slots[5] = slots[20] = -1
+    q_ref = fused.rotary_torch(pos, qkv[:, :6 * 64].reshape(37, 6, 64), rot.cos, rot.sin)
+    k_ref = fused.rotary_torch(pos, qkv[:, 6 * 64:8 * 64].reshape(37, 2, 64), rot.cos, rot.sin)
+    kv_ref = torch.zeros(2, 6, 16, 2, 64, device=dev, dtype=bf)  # 5 blocks of 16 slots + the dummy block
+    write_kv(kv_ref, k_ref, qkv[:, 8 * 64:].reshape(37, 2, 64), slots)
+    kv_ref[:, 5] = 0  # the torch path sends padded rows to the dummy block; the kernel stores nothing
+    kv = torch.zeros_like(kv_ref)
+    fused.rotary_write_kv_(qkv, pos, rot.cos, rot.sin, kv, slots, 6, 2, 64)
+    torch.testing.assert_close(qkv[:, :6 * 64].reshape(37, 6, 64), q_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv, kv_ref, rtol=2e-2, atol=2e-2)
+    assert int((kv != 0).flatten(3).any(-1).sum()) == 2 * 35  # K and V of the 35 real rows: nothing else
     h = torch.randn(37, 2 * 768, device=dev, dtype=bf)
     torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=2e-2, atol=2e-2)
     # MoE routing and combine: 300 tokens, 32 experts, top-8, against the torch path on the CPU
@@ -237,6 +246,7 @@ def test_fused_kernels_match_torch():
         xs, offs, inv, wts = fused.moe_route(x, logits, 8, norm)
         xs_c, offs_c, inv_c, wts_c = fused.moe_route(x.cpu().float(), logits.cpu(), 8, norm)
         assert torch.equal(offs.cpu(), offs_c)
+        assert not fused._expert_counts(x.device, 32).any()  # left zeroed (and the ticket) for the next layer
         torch.testing.assert_close(wts.cpu(), wts_c, rtol=1e-5, atol=1e-6)
         assert torch.equal(xs[inv].cpu().float(), xs_c[inv_c])  # each (token, choice) row holds its token
         y = torch.randn(2400, 256, device=dev, dtype=bf)
@@ -244,12 +254,6 @@ def test_fused_kernels_match_torch():
         y_c[inv_c] = y[inv].cpu().float()  # the same value for each (token, choice) in the CPU order
         torch.testing.assert_close(fused.moe_combine(y, inv, wts).float().cpu(), fused.moe_combine(y_c, inv_c, wts_c),
                                    rtol=2e-2, atol=2e-2)
-    # KV write: slot -1 rows are skipped
-    kv = torch.zeros(2, 5, 4, 2, 64, device=dev, dtype=bf)
-    k, v = torch.randn(3, 2, 64, device=dev, dtype=bf), torch.randn(3, 2, 64, device=dev, dtype=bf)
-    fused.write_kv_gpu(kv, k, v, torch.tensor([5, -1, 0], device=dev))
-    assert torch.equal(kv[0, 1, 1], k[0]) and torch.equal(kv[1, 0, 0], v[2])
-    assert int((kv != 0).flatten(2).any(-1).sum()) == 4  # two slots, K and V
 
 
 @pytest.mark.gpu
