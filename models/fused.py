@@ -73,25 +73,24 @@ if triton is not None:
         a key head into the cache and copy its value head beside it (rows with slot -1 write nothing)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
-        HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.load(pos_ptr + t)
-        offs = tl.arange(0, HALF)
-        c = tl.load(cos_ptr + pos * HALF + offs)
-        s = tl.load(sin_ptr + pos * HALF + offs)
+        offs = tl.arange(0, HEAD_DIM // 2)
+        c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + offs)
+        s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + offs)
         base = qkv_ptr + t * stride_t + h * HEAD_DIM
         x1 = tl.load(base + offs).to(tl.float32)
-        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        x2 = tl.load(base + HEAD_DIM // 2 + offs).to(tl.float32)
         r1 = (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty)
         r2 = (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty)
         if h < NUM_HEADS:
             tl.store(base + offs, r1)
-            tl.store(base + HALF + offs, r2)
+            tl.store(base + HEAD_DIM // 2 + offs, r2)
         else:
             slot = tl.load(slot_ptr + t)
             if slot >= 0:
                 dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + (h - NUM_HEADS) * HEAD_DIM
                 tl.store(dst + offs, r1)
-                tl.store(dst + HALF + offs, r2)
+                tl.store(dst + HEAD_DIM // 2 + offs, r2)
                 dims = tl.arange(0, HEAD_DIM)
                 tl.store(dst + stride_kind + dims, tl.load(base + NUM_KV_HEADS * HEAD_DIM + dims))
 
@@ -217,7 +216,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 _EXPERT_COUNTS: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def _expert_counts(device: torch.device, num_experts: int) -> torch.Tensor:
+def expert_counts(device: torch.device, num_experts: int) -> torch.Tensor:
     """Per device and expert count, one int32 buffer of the experts' token counts plus a ticket, zero between
     calls: the route kernel counts into it and the scatter kernel zeroes it when done, so no memset kernel runs
     per layer. Allocated once, outside any graph, and never freed (graphs hold its address). Every MoE layer of
@@ -226,6 +225,22 @@ def _expert_counts(device: torch.device, num_experts: int) -> torch.Tensor:
     if key not in _EXPERT_COUNTS:
         _EXPERT_COUNTS[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
     return _EXPERT_COUNTS[key]
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """GPU: each token's top-k experts (ids, flat int32), its slot within each expert's rows (rank, int32), the
+    routing weights (tokens, top_k) float32, and the experts' counts (``expert_counts``, to be zeroed by the
+    kernel that consumes them)."""
+    num_tokens, num_experts = logits.shape
+    dev, n = logits.device, num_tokens * top_k
+    ids = torch.empty(n, dtype=torch.int32, device=dev)
+    rank = torch.empty(n, dtype=torch.int32, device=dev)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+    counts = expert_counts(dev, num_experts)
+    _moe_route_kernel[(num_tokens,)](logits, ids, weights, counts, rank, logits.stride(0), num_experts,
+                                     TOP_K=top_k, E_PAD=triton.next_power_of_2(num_experts),
+                                     NORM_TOPK=norm_topk_prob, num_warps=1)
+    return ids, rank, weights, counts
 
 
 def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -251,14 +266,8 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.shape[0], device=order.device)
         return x[order // top_k], torch.cumsum(counts, 0, dtype=torch.int32), inv, weights
-    dev, n = x.device, num_tokens * top_k
-    ids = torch.empty(n, dtype=torch.int32, device=dev)
-    rank = torch.empty(n, dtype=torch.int32, device=dev)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-    counts = _expert_counts(dev, num_experts)
-    e_pad = triton.next_power_of_2(num_experts)
-    _moe_route_kernel[(num_tokens,)](logits, ids, weights, counts, rank, logits.stride(0), num_experts,
-                                     TOP_K=top_k, E_PAD=e_pad, NORM_TOPK=norm_topk_prob, num_warps=1)
+    dev, n, e_pad = x.device, num_tokens * top_k, triton.next_power_of_2(num_experts)
+    ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
     xs = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)

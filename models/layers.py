@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models import fused_moe
 from models.fused import moe_combine, moe_route, rms_norm, rotary_torch, silu_mul
 
 
@@ -65,8 +66,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 class MoE(nn.Module):
     """Top-k routed experts (Mixtral / Qwen-MoE): softmax over the top-k router logits. Tokens are sorted by
-    expert and run through two grouped GEMMs; combining is deterministic (no atomics), so replayed and eager
-    outputs match bit for bit."""
+    expert and run through two grouped GEMMs (small steps on the GPU: ``models.fused_moe``, two Triton GEMMs);
+    combining is deterministic (no atomics), so replayed and eager outputs of one shape match bit for bit."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool = True, shared_intermediate_size: int = 0):
@@ -81,10 +82,14 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xs, offs, inv, weights = moe_route(x, self.gate(x), self.top_k, self.norm_topk_prob)
-        h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
-        y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
-        out = moe_combine(y, inv, weights)
+        logits = self.gate(x)
+        if fused_moe.supported(x):  # small steps on the GPU: two Triton GEMMs, SiLU in the first's epilogue
+            out = fused_moe.fused_moe(x, logits, self.w13, self.w2, self.top_k, self.norm_topk_prob)
+        else:
+            xs, offs, inv, weights = moe_route(x, logits, self.top_k, self.norm_topk_prob)
+            h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
+            y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
+            out = moe_combine(y, inv, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

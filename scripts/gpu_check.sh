@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU session's one call: the GPU tests, then the runtime benchmark. Run from the repository root on the
 # device machine; results and logs go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_check.sh [tests|bench|profile|all]   (profile: where one step's time goes, a diagnostic)
+#   bash scripts/gpu_check.sh [tests] [bench] [moe] [profile]   (default: all of them)
+# (moe: one MoE layer, grouped GEMM vs Triton tiles; profile: where one step's time goes, a diagnostic)
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
@@ -10,19 +11,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-what=${1:-all}
+what=" ${*:-all} "
+want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   python3 -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if want bench; then
   python3 benchmarks/bench_runtime_gpu.py --out "$OUT/runtime_h200.json" 2>&1 | tee "$OUT/bench.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
-if [ "$what" = profile ] || [ "$what" = all ]; then
+if want moe; then
+  python3 benchmarks/bench_moe_gpu.py --out "$OUT/moe_h200.json" 2>&1 | tee "$OUT/moe.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want profile; then
   python3 benchmarks/profile_step.py --out "$OUT/profile_step.json" 2>&1 | tee "$OUT/profile.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi

@@ -246,7 +246,7 @@ def test_fused_kernels_match_torch():
         xs, offs, inv, wts = fused.moe_route(x, logits, 8, norm)
         xs_c, offs_c, inv_c, wts_c = fused.moe_route(x.cpu().float(), logits.cpu(), 8, norm)
         assert torch.equal(offs.cpu(), offs_c)
-        assert not fused._expert_counts(x.device, 32).any()  # left zeroed (and the ticket) for the next layer
+        assert not fused.expert_counts(x.device, 32).any()  # left zeroed (and the ticket) for the next layer
         torch.testing.assert_close(wts.cpu(), wts_c, rtol=1e-5, atol=1e-6)
         assert torch.equal(xs[inv].cpu().float(), xs_c[inv_c])  # each (token, choice) row holds its token
         y = torch.randn(2400, 256, device=dev, dtype=bf)
@@ -254,6 +254,37 @@ def test_fused_kernels_match_torch():
         y_c[inv_c] = y[inv].cpu().float()  # the same value for each (token, choice) in the CPU order
         torch.testing.assert_close(fused.moe_combine(y, inv, wts).float().cpu(), fused.moe_combine(y_c, inv_c, wts_c),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k,hidden,inter,norm", [(32, 8, 1024, 512, True), (128, 8, 512, 768, False),
+                                                                 (8, 2, 64, 32, True)])
+def test_triton_moe_matches_grouped_gemm(num_experts, top_k, hidden, inter, norm):
+    """The small-step Triton experts (models/fused_moe.py) give the grouped-GEMM path's output to bf16 precision,
+    at every tile height, and leave the shared expert counts zeroed."""
+    from models import fused, fused_moe
+    from models.layers import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(hidden, num_experts, top_k, inter, norm).to("cuda", torch.bfloat16).requires_grad_(False)
+    for p in moe.parameters():
+        p.normal_(0.0, 0.05)
+    saved = fused_moe.MAX_TOKENS
+    try:
+        for tokens in (1, 7, 64, 200):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            fused_moe.MAX_TOKENS = 0
+            ref = moe(x).float()
+            fused_moe.MAX_TOKENS = 1 << 20
+            out = moe(x).float()
+            torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
+            for block_m in (16, 32, 64):
+                tiles = fused_moe.MoETiles(block_m, 32, 64, 64, 32)
+                out = fused_moe.fused_moe(x, moe.gate(x), moe.w13, moe.w2, top_k, norm, tiles).float()
+                torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
+            assert not fused.expert_counts(x.device, num_experts).any()
+    finally:
+        fused_moe.MAX_TOKENS = saved
 
 
 @pytest.mark.gpu

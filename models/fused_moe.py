@@ -1,0 +1,185 @@
+"""The MoE experts in two Triton GEMMs, for small token counts (decode and small mixed steps).
+
+At a few tokens a step, torch's grouped GEMM costs two kernels a GEMM (one prepares the groups' pointers) and
+reads far more than the chosen experts' weights, and the SiLU-and-multiply between the GEMMs is a third kernel.
+Here one layer's experts are four kernels after the router: routing (top-k and an atomic slot per expert, shared
+with the grouped path), alignment (each expert's rows padded to a multiple of the tile height, so that a tile
+belongs to one expert), the gate/up GEMM with SiLU-and-multiply in its epilogue, and the down GEMM; then the
+usual combine. Every shape is static: the grid covers the most tiles any routing can need, and the tiles past the
+last expert's rows end at once, so the whole path is capturable.
+
+Rounding follows the grouped path (GEMM outputs rounded to the model dtype, then SiLU, then the product), so the
+two agree to bf16 precision; where a step uses which path depends only on its (padded) token count, so a graph and
+the eager run of the same padded shape take the same path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from models.fused import route_top_k, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from models.fused import _moe_combine_kernel
+
+
+class MoETiles(NamedTuple):
+    """Tile shapes of the two GEMMs (tokens per tile, then output columns and reduction step of each GEMM)."""
+
+    block_m: int
+    gate_up_n: int
+    gate_up_k: int
+    down_n: int
+    down_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+MAX_TOKENS = 256
+"""Steps of at most this many tokens take this path; above it, torch's grouped GEMM (set from the H200 benchmark
+``benchmarks/bench_moe_gpu.py``)."""
+
+
+def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoETiles:
+    """Tile height from the average rows per expert (the rest fixed): 16 up to 16 rows, 32 up to 48, else 64."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
+    return MoETiles(block_m, 64, 64, 64, 64)
+
+
+def supported(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and 0 < x.shape[0] <= MAX_TOKENS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_align_kernel(ids_ptr, rank_ptr, counts_ptr, sorted_ptr, inv_ptr, seg_ptr, n_experts, n_choices,
+                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per (token, choice): its row in the expert-sorted layout where each expert's segment is padded to a
+        multiple of BLOCK_M. Program 0 records the segments' padded ends and the counts; the last program to
+        finish zeroes the counts and the ticket for the next layer."""
+        a = tl.program_id(0)
+        offs_e = tl.arange(0, E_PAD)
+        emask = offs_e < n_experts
+        counts = tl.load(counts_ptr + offs_e, mask=emask, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        if a == 0:
+            tl.store(seg_ptr + offs_e, ends, mask=emask)
+            tl.store(seg_ptr + n_experts + offs_e, counts, mask=emask)
+        e = tl.load(ids_ptr + a)
+        row = tl.sum(tl.where(offs_e == e, ends - padded, 0), axis=0) + tl.load(rank_ptr + a)
+        tl.store(inv_ptr + a, row.to(tl.int64))
+        tl.store(sorted_ptr + row, a)
+        if tl.atomic_add(counts_ptr + n_experts, 1) == n_choices - 1:
+            tl.store(counts_ptr + offs_e, tl.zeros([E_PAD], dtype=tl.int32), mask=emask)
+            tl.store(counts_ptr + n_experts, 0)
+
+    @triton.jit
+    def _tile_rows(seg_ptr, n_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's tile: (expert, its rows, which rows hold a (token, choice)); expert == n_experts past
+        the last segment."""
+        offs_e = tl.arange(0, E_PAD)
+        emask = offs_e < n_experts
+        ends = tl.load(seg_ptr + offs_e, mask=emask, other=2**30)
+        row0 = tl.program_id(0) * BLOCK_M
+        e = tl.sum((ends <= row0).to(tl.int32), axis=0)
+        end_e = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+        count_e = tl.load(seg_ptr + n_experts + e, mask=e < n_experts, other=0)
+        start_e = end_e - (count_e + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        return e, rows, rows - start_e < count_e
+
+    @triton.jit
+    def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_ptr, seg_ptr, h_ptr, stride_x, stride_we, stride_wn, stride_h,
+                            hidden, inter, n_experts, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """h[row] = silu(x[token] @ w_gate[e].T) * (x[token] @ w_up[e].T) for the rows of one tile (one expert)."""
+        e, rows, valid = _tile_rows(seg_ptr, n_experts, E_PAD, BLOCK_M)
+        if e >= n_experts:
+            return
+        token = tl.load(sorted_ptr + rows, mask=valid, other=0) // TOP_K
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + token[:, None] * stride_x + offs_k[None, :]
+        g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_mask = offs_k < hidden - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc_g += tl.dot(a, tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0))
+            acc_u += tl.dot(a, tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0))
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        dt = h_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        tl.store(h_ptr + rows[:, None] * stride_h + offs_n[None, :], act.to(dt), mask=valid[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, w_ptr, seg_ptr, y_ptr, stride_h, stride_we, stride_wn, stride_y, hidden, inter,
+                         n_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """y[row] = h[row] @ w_down[e].T for the rows of one tile (one expert)."""
+        e, rows, valid = _tile_rows(seg_ptr, n_experts, E_PAD, BLOCK_M)
+        if e >= n_experts:
+            return
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_mask = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0))
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_mask[None, :])
+
+
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              norm_topk_prob: bool, tiles: MoETiles | None = None) -> torch.Tensor:
+    """The routed experts' output for x (tokens, hidden): w13 (experts, 2 * inter, hidden) holds gate then up,
+    w2 (experts, hidden, inter), as Hugging Face stores them. GPU only (see ``supported``)."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("fused_moe needs x and the expert weights contiguous in their last dimension")
+    t = tiles or tiles_for(num_tokens, top_k, num_experts)
+    dev, n = x.device, num_tokens * top_k
+    e_pad = triton.next_power_of_2(num_experts)
+    ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
+    max_tiles = triton.cdiv(n, t.block_m) + num_experts  # each expert adds at most one partly filled tile
+    max_rows = max_tiles * t.block_m
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    inv = torch.empty(n, dtype=torch.int64, device=dev)
+    seg = torch.empty(2 * num_experts, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
+                            BLOCK_M=t.block_m, num_warps=1)
+    h = torch.empty(max_rows, inter, dtype=x.dtype, device=dev)
+    _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter, t.gate_up_n))](
+        x, w13, sorted_ids, seg, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), hidden, inter,
+        num_experts, TOP_K=top_k, E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    y = torch.empty(max_rows, hidden, dtype=x.dtype, device=dev)
+    _moe_down_kernel[(max_tiles, triton.cdiv(hidden, t.down_n))](
+        h, w2, seg, y, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), hidden, inter, num_experts,
+        E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k, num_warps=t.num_warps,
+        num_stages=t.num_stages)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, inv, weights, out, y.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block)
+    return out
