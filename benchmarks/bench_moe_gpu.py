@@ -76,7 +76,7 @@ def main() -> None:
                 grouped = graph_us(lambda: moe(x))
                 ref = moe(x).float()
                 fused_moe.MAX_TOKENS = saved_max
-                base = fused_moe.tiles_for(t, cfg.num_experts_per_token, cfg.num_experts)
+                base = fused_moe.tiles_for(t, cfg.num_experts_per_token, cfg.num_experts, cfg.hidden_size)
                 row = {"tokens": t, "grouped_us": round(grouped, 2), "block_m": base.block_m, "triton_us": {},
                        "max_abs_err": {}}
                 logits = moe.gate(x)

@@ -39,15 +39,20 @@ class MoETiles(NamedTuple):
     num_stages: int = 3
 
 
-MAX_TOKENS = 256
-"""Steps of at most this many tokens take this path; above it, torch's grouped GEMM (set from the H200 benchmark
-``benchmarks/bench_moe_gpu.py``)."""
+MAX_TOKENS = 1024
+"""Steps of at most this many tokens take this path; above it, torch's grouped GEMM. On the H200
+(``benchmarks/bench_moe_gpu.py``, docs/bench/moe_h200.json) one layer here takes 0.62-0.80 of the grouped path's
+time up to 512 tokens and 0.92-0.97 at 1024, for both bench MoE shapes."""
 
 
-def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoETiles:
-    """Tile height from the average rows per expert (the rest fixed): 16 up to 16 rows, 32 up to 48, else 64."""
+def tiles_for(num_tokens: int, top_k: int, num_experts: int, hidden: int) -> MoETiles:
+    """Tile height from the average rows per expert: 16 up to 16 rows, 32 up to 48, else 64. Output tiles of 64
+    columns and a reduction step of 64, except at height 16 with a wide hidden size (>= 2048): narrower, deeper
+    tiles (32 columns, steps of 128) keep more programs streaming weights (the fastest shapes measured)."""
     rows_per_expert = num_tokens * top_k / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
+    if block_m == 16 and hidden >= 2048:
+        return MoETiles(block_m, 32, 128, 64, 128)
     return MoETiles(block_m, 64, 64, 64, 64)
 
 
@@ -157,7 +162,7 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
     num_experts, inter = w13.shape[0], w2.shape[2]
     if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("fused_moe needs x and the expert weights contiguous in their last dimension")
-    t = tiles or tiles_for(num_tokens, top_k, num_experts)
+    t = tiles or tiles_for(num_tokens, top_k, num_experts, hidden)
     dev, n = x.device, num_tokens * top_k
     e_pad = triton.next_power_of_2(num_experts)
     ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
