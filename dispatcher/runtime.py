@@ -41,6 +41,7 @@ CAP_FIELD = {
     FULL_VARLEN: "max_decode_cudagraph_capture_requests (the adaptive-verification cap is it times 1 + K)",
 }
 _POOLS: dict[int, tuple[object, object]] = {}
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 _PAD_ROWS = np.array([[0], [0], [-1], [0], [-1]], dtype=np.int64)
@@ -63,6 +64,16 @@ def shared_pool(device: torch.device):
             scratch.add_(1)
         _POOLS[index] = (pool, keeper)
     return _POOLS[index][0]
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one capture stream of a device, for every runtime, the estimate included. Libraries keep per-stream
+    state (cuBLAS a workspace of tens of MiB per stream); a new stream per capture would pay it again each time,
+    inside the graph pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[index]
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -148,7 +159,8 @@ class KindReport:
     measured_gib: float
     estimated_gib: float | None = None
     estimate_samples_gib: tuple[float, ...] = ()
-    """(growth from the largest graph, per-graph growth of the median size) in the throwaway pool."""
+    """(growth from the largest graph, per-graph growth of the median size, the allocator pool's part of that
+    per-graph growth) in the throwaway pool; the rest of a graph's growth is the driver's (its executable)."""
     pool_gib: float | None = None
     """Of measured_gib, what the caching allocator holds for the graph pool; the rest is the driver's (graph
     executables)."""
@@ -304,9 +316,21 @@ class GraphRuntime:
         finally:
             gc.unfreeze()
 
-    ESTIMATE_REPEATS = 8
+    ESTIMATE_REPEATS = 16
     """The median-size graph is captured this many times, so that the per-graph growth is measured finer than
     the driver's 2 MiB allocation granularity."""
+
+    def _prime_capture_stream(self, stream: torch.cuda.Stream) -> None:
+        """Run the smallest graph of each kind once, eagerly, on the capture stream, so that libraries create their
+        per-stream state (cuBLAS's workspace) here, in the ordinary allocator, not inside the first capture where
+        it would count as graph memory (and inflate the estimate's first sample)."""
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for g in self.graph_sets:
+                for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
+                    piece.fn()
+        current.wait_stream(stream)
 
     def _capture_throwaway(self, g: GraphSet, size: int, pool, stream, keep: list) -> int:
         """Capture one size into a throwaway pool; returns the device memory it took."""
@@ -325,24 +349,27 @@ class GraphRuntime:
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        pool, stream = torch.cuda.graph_pool_handle(), capture_stream(self.device)
+        self._prime_capture_stream(stream)
         keep: list = []
         est = 0.0
         with self._frozen_gc():
             for g in self._capture_order():
                 sizes = sorted(g.sizes, reverse=True)
                 first = self._capture_throwaway(g, sizes[0], pool, stream, keep)
-                per_graph = 0.0
+                per_graph = per_graph_pool = 0.0
                 if len(sizes) > 1:
                     repeats = min(self.ESTIMATE_REPEATS, len(sizes) - 1)
                     free0 = free_device_bytes(self.device)
+                    reserved0 = torch.cuda.memory_reserved(self.device)
                     median = sizes[1:][len(sizes[1:]) // 2]
                     for _ in range(repeats):
                         self._capture_throwaway(g, median, pool, stream, keep)
                     per_graph = max(0, free0 - free_device_bytes(self.device)) / repeats
+                    per_graph_pool = max(0, torch.cuda.memory_reserved(self.device) - reserved0) / repeats
                 kind_est = (first + (len(sizes) - 1) * per_graph) / 2**30
                 self._kind_estimates[(g.kind, g.q)] = kind_est
-                self._estimate_samples[(g.kind, g.q)] = (first / 2**30, per_graph / 2**30)
+                self._estimate_samples[(g.kind, g.q)] = (first / 2**30, per_graph / 2**30, per_graph_pool / 2**30)
                 est += kind_est
         del keep, pool
         gc.collect()
@@ -359,7 +386,8 @@ class GraphRuntime:
             return self.report
         if estimate:
             self.estimate_memory()
-        pool, stream = shared_pool(self.device), torch.cuda.Stream(self.device)
+        pool, stream = shared_pool(self.device), capture_stream(self.device)
+        self._prime_capture_stream(stream)
         total = sum(len(g.sizes) for g in self.graph_sets)
         bar = _progress(total, f"capturing {self.runner} graphs", progress)
         with self._frozen_gc():
