@@ -14,3 +14,17 @@ def write_json(path: str | None, result: dict) -> None:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
             fh.write("\n")
+
+
+def commit() -> str | None:
+    """The commit measured: $TWOGRID_COMMIT when set (a device machine's copy of .git can be older than the tree
+    sent to it), else the tree's git HEAD, else None."""
+    import subprocess
+
+    if os.environ.get("TWOGRID_COMMIT"):
+        return os.environ["TWOGRID_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from _common import write_json
+from _common import commit, write_json
 from models import fused_moe
 from models.config import preset
 from models.layers import MoE
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--models", default="bench-moe,bench-moe-large")
     args = parser.parse_args()
     result = {"command": "PYTHONPATH=. python benchmarks/bench_moe_gpu.py --out $OUT/moe_h200.json",
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
               "method": f"one MoE layer (router, experts, combine) inside a CUDA graph of {LAYERS} layers; "
                         "median of 10 replays after 3; microseconds per layer", "models": []}
     saved_max = fused_moe.MAX_TOKENS

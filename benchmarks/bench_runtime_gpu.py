@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from _common import write_json  # noqa: F401  (puts the repository on sys.path)
+from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 from dispatcher.config import resolve
 from dispatcher.dispatch import BatchDescriptor, GraphKey
 from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet, build_plan
@@ -168,17 +168,6 @@ def bench_default_plan(name: str = "bench-moe") -> dict:
     return out
 
 
-def _commit() -> str | None:
-    """The repository's commit, when the tree travelled with its .git (else None)."""
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="graph runtime on the GPU")
     parser.add_argument("--out", default=None)
@@ -187,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     result = {
         "command": "PYTHONPATH=. python benchmarks/bench_runtime_gpu.py --out $OUT/runtime_h200.json",
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": _commit(),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "method": "decode-shaped batches over a 64-token context; median of 15 x 10 steps after 5 warm-ups (CUDA "
                   "events); kernel sum from one profiled eager run of the same padded closures",
     }

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import write_json
+from _common import commit, write_json
 from bench_runtime_gpu import BLOCK, CTX, decode_host, time_steps
 from dispatcher.dispatch import BatchDescriptor, GraphKey
 from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet
@@ -71,7 +71,8 @@ def main() -> None:
     table = np.arange(64 * blocks_per_req).reshape(64, blocks_per_req)
     r, c = np.nonzero(np.ones_like(table))
     rt.update_block_table(r, c, table[r, c])
-    result = {"model": args.model, "full": [], "piecewise": []}
+    result = {"model": args.model, "device": torch.cuda.get_device_name(), "commit": commit(), "full": [],
+              "piecewise": []}
     with torch.inference_mode():
         rt.capture(progress=False, estimate=False)
         for n in FULL_REQS:

@@ -328,8 +328,15 @@ class GraphRuntime:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for g in self.graph_sets:
-                for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
-                    piece.fn()
+                try:
+                    for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
+                        piece.fn()
+                except torch.cuda.OutOfMemoryError:
+                    unit = "requests" if g.kind == FULL_DECODE else "tokens"
+                    raise CaptureOOMError(
+                        f"out of GPU memory preparing the {self.runner} graphs (the smallest {g.kind} graph, "
+                        f"{min(g.sizes)} {unit}, run once on the capture stream): no graph fits; leave more memory "
+                        f"(a smaller KV cache or max_num_seqs)") from None
         current.wait_stream(stream)
 
     def _capture_throwaway(self, g: GraphSet, size: int, pool, stream, keep: list) -> int:

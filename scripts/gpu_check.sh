@@ -3,6 +3,8 @@
 # device machine; results and logs go to $OUT (default ./gpu_out).
 #   bash scripts/gpu_check.sh [tests] [bench] [moe] [profile]   (default: all of them)
 # (moe: one MoE layer, grouped GEMM vs Triton tiles; profile: where one step's time goes, a diagnostic)
+# The device machine's copy of .git can be older than the tree sent: pass the commit, e.g.
+#   export OUT TWOGRID_COMMIT=<git rev-parse --short HEAD here>; bash scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
