@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.fused import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -56,7 +58,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given."""
-    if q.is_cuda:
+    if use_triton(q):
         from models.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, kv_cache, meta, scale, out)

@@ -9,6 +9,8 @@ path rounds, so the two agree to bf16 precision.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -19,8 +21,14 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-def _gpu(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter is on (set before the first import): the kernels run on CPU tensors too, in numpy, so that
+the CPU test suite checks them (tests/test_kernels_interpreted.py). Never a serving mode."""
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` take the Triton kernels: on the GPU, or anywhere under the interpreter."""
+    return triton is not None and (t.is_cuda or INTERPRETED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,7 +185,7 @@ if triton is not None:
 
 def rms_norm(x, weight, eps, residual=None):
     """norm(x), or (norm(x + residual), x + residual)."""
-    if not _gpu(x) or x.shape[0] == 0:
+    if not use_triton(x) or x.shape[0] == 0:
         return rms_norm_torch(x, weight, eps, residual)
     n = x.shape[-1]
     out = torch.empty_like(x)
@@ -204,7 +212,7 @@ def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :n]) * x[:, n:]."""
     n = x.shape[-1] // 2
-    if not _gpu(x) or x.shape[0] == 0:
+    if not use_triton(x) or x.shape[0] == 0:
         gate, up = x.split(n, dim=-1)
         return F.silu(gate) * up
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -252,7 +260,7 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
     expert's segment come in atomic order, which changes no output: a grouped GEMM computes each row alone.
     CPU: torch top-k and a stable sort by expert."""
     num_tokens, num_experts = logits.shape
-    if not _gpu(x) or num_tokens == 0:
+    if not use_triton(x) or num_tokens == 0:
         logits = logits.float()
         if norm_topk_prob:
             top_logits, top_ids = torch.topk(logits, top_k, dim=-1)
@@ -280,7 +288,7 @@ def moe_combine(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor
     """out[t] = sum_j weights[t, j] * y_sorted[inv[t * top_k + j]], summed in choice order."""
     num_tokens, top_k = weights.shape
     hidden = y_sorted.shape[-1]
-    if not _gpu(y_sorted):
+    if not use_triton(y_sorted):
         y = y_sorted[inv] * weights.flatten().unsqueeze(1).to(y_sorted.dtype)
         return y.view(num_tokens, top_k, hidden).sum(dim=1)
     out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from models.fused import route_top_k, triton
+from models.fused import route_top_k, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -57,7 +57,7 @@ def tiles_for(num_tokens: int, top_k: int, num_experts: int, hidden: int) -> MoE
 
 
 def supported(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and 0 < x.shape[0] <= MAX_TOKENS
+    return use_triton(x) and 0 < x.shape[0] <= MAX_TOKENS
 
 
 if triton is not None:

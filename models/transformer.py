@@ -12,7 +12,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, write_kv
 from models.config import ModelConfig
-from models.fused import rotary_write_kv_
+from models.fused import rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
 
 
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         qkv = self.qkv_proj(hidden)
         n = hidden.shape[0]
-        if qkv.is_cuda and n:
+        if use_triton(qkv) and n:
             rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
                              c.num_kv_heads, c.head_dim)
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim), residual

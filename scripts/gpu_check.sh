@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 rc=0
 if want tests; then
-  python3 -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest -m "gpu or kernels" -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if want bench; then

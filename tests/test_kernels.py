@@ -1,0 +1,181 @@
+"""The Triton kernels against their torch versions (marked ``kernels``): on a GPU in bf16, and on the CPU in float32
+under Triton's interpreter (tests/test_kernels_interpreted.py runs this file with TRITON_INTERPRET=1), so that
+the CPU suite checks the kernels' logic on every commit. Shapes are smaller under the interpreter (numpy is slow)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from models import fused, fused_moe  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+GPU = torch.cuda.is_available()
+DEV, DT = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
+TOL = 2e-2 if GPU else 1e-4
+"""bf16 kernels vs float32 torch references on the GPU; float32 against float32 under the interpreter."""
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Under the interpreter, make the entry points take their torch paths (the references)."""
+    saved = fused.INTERPRETED
+    fused.INTERPRETED = False
+    try:
+        yield
+    finally:
+        fused.INTERPRETED = saved
+
+
+def test_triton_attention_matches_reference():
+    from models.attention import AttentionMetadata, reference_paged_attention
+    from models.triton_attention import triton_paged_attention
+
+    torch.manual_seed(0)
+    for heads, kv_heads, dim in [(4, 2, 16), (16, 8, 64), (32, 4, 128)]:
+        kv = torch.randn(2, 33, 8, kv_heads, dim, device=DEV, dtype=DT)
+        bt = torch.randperm(32, device=DEV, dtype=torch.int32).view(4, 8)
+        lens = [1, 7, 40, 64]
+        pos = torch.tensor(sum(([n - 3 + j for j in range(3)] for n in lens), []) + [-1, -1], dtype=torch.int32,
+                           device=DEV).clamp(min=0)
+        pos[-2:] = -1
+        req = torch.tensor(sum(([r] * 3 for r in range(4)), []) + [0, 0], dtype=torch.int32, device=DEV)
+        meta = AttentionMetadata(torch.full_like(pos, -1, dtype=torch.int64), req, pos, bt)
+        q = torch.randn(len(pos), heads, dim, device=DEV, dtype=DT)
+        out = triton_paged_attention(q, kv, meta, dim ** -0.5).float()
+        ref = reference_paged_attention(q, kv, meta, dim ** -0.5).float()
+        assert (out[-2:] == 0).all()
+        rel = (out - ref).norm() / ref.norm()
+        assert rel < (1e-2 if GPU else 1e-5), rel
+
+
+def test_norm_rotary_kv_write_and_silu_match_torch():
+    import torch.nn.functional as F
+
+    from models.attention import write_kv
+    from models.layers import RotaryEmbedding
+
+    torch.manual_seed(0)
+    x, r = torch.randn(37, 1024, device=DEV, dtype=DT), torch.randn(37, 1024, device=DEV, dtype=DT)
+    w = torch.randn(1024, device=DEV, dtype=DT)
+    out, res = fused.rms_norm(x, w, 1e-6, r)
+    ref, ref_res = fused.rms_norm_torch(x, w, 1e-6, r)
+    torch.testing.assert_close(res, ref_res)
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm_torch(x, w, 1e-6), rtol=TOL, atol=TOL)
+    # rotary on 6 query heads in place, and 2 key heads (rotated) + 2 value heads into the cache; slot -1 skipped
+    rot = RotaryEmbedding(64, 4096, 10000.0).to(DEV)
+    qkv = torch.randn(37, 10 * 64, device=DEV, dtype=DT)
+    pos = torch.randint(0, 4000, (37,), device=DEV)
+    slots = torch.randperm(80, device=DEV)[:37]
+    slots[5] = slots[20] = -1
+    q_ref = fused.rotary_torch(pos, qkv[:, :6 * 64].reshape(37, 6, 64), rot.cos, rot.sin)
+    k_ref = fused.rotary_torch(pos, qkv[:, 6 * 64:8 * 64].reshape(37, 2, 64), rot.cos, rot.sin)
+    kv_ref = torch.zeros(2, 6, 16, 2, 64, device=DEV, dtype=DT)  # 5 blocks of 16 slots + the dummy block
+    write_kv(kv_ref, k_ref, qkv[:, 8 * 64:].reshape(37, 2, 64), slots)
+    kv_ref[:, 5] = 0  # the torch path sends padded rows to the dummy block; the kernel stores nothing
+    kv = torch.zeros_like(kv_ref)
+    fused.rotary_write_kv_(qkv, pos, rot.cos, rot.sin, kv, slots, 6, 2, 64)
+    torch.testing.assert_close(qkv[:, :6 * 64].reshape(37, 6, 64), q_ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(kv, kv_ref, rtol=TOL, atol=TOL)
+    assert int((kv != 0).flatten(3).any(-1).sum()) == 2 * 35  # K and V of the 35 real rows: nothing else
+    h = torch.randn(37, 2 * 768, device=DEV, dtype=DT)
+    torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_route_and_combine_match_torch(norm):
+    """300 tokens (60 interpreted), 32 experts, top-8: the same segments and weights as the torch path (on the CPU,
+    float32), each (token, choice) row holding its token, the combine equal, and the shared counts left zeroed."""
+    torch.manual_seed(0)
+    n = 300 if GPU else 60
+    x = torch.randn(n, 256, device=DEV, dtype=DT)
+    # distinct logits (ties would make the two top-k orders differ legitimately)
+    logits = torch.stack([torch.randperm(32) for _ in range(n)]).float().div(8).to(DEV, DT)
+    xs, offs, inv, wts = fused.moe_route(x, logits, 8, norm)
+    with torch_path():
+        xs_c, offs_c, inv_c, wts_c = fused.moe_route(x.cpu().float(), logits.cpu().float(), 8, norm)
+    assert torch.equal(offs.cpu(), offs_c)
+    assert not fused.expert_counts(x.device, 32).any()  # left zeroed (and the ticket) for the next layer
+    torch.testing.assert_close(wts.cpu(), wts_c, rtol=1e-5, atol=1e-6)
+    assert torch.equal(xs[inv].cpu().float(), xs_c[inv_c])
+    y = torch.randn(n * 8, 256, device=DEV, dtype=DT)
+    y_c = torch.empty(n * 8, 256)
+    y_c[inv_c] = y[inv].cpu().float()  # the same value for each (token, choice) in the CPU order
+    with torch_path():
+        ref = fused.moe_combine(y_c, inv_c, wts_c)
+    torch.testing.assert_close(fused.moe_combine(y, inv, wts).float().cpu(), ref, rtol=TOL, atol=TOL)
+
+
+MOE_SHAPES = ([(32, 8, 1024, 512, True), (128, 8, 512, 768, False), (8, 2, 64, 32, True)] if GPU else
+              [(32, 8, 128, 64, True), (16, 4, 64, 96, False), (8, 2, 64, 32, True)])
+
+
+@pytest.mark.parametrize("num_experts,top_k,hidden,inter,norm", MOE_SHAPES)
+def test_triton_moe_matches_grouped_gemm(num_experts, top_k, hidden, inter, norm):
+    """The small-step Triton experts (models/fused_moe.py) give the grouped-GEMM path's output (to bf16 precision
+    on the GPU), at every tile height, and leave the shared expert counts zeroed."""
+    from models.layers import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(hidden, num_experts, top_k, inter, norm).to(DEV, DT).requires_grad_(False)
+    for p in moe.parameters():
+        p.normal_(0.0, 0.05)
+    saved = fused_moe.MAX_TOKENS
+    try:
+        for tokens in (1, 7, 64, 200) if GPU else (1, 7, 24):
+            x = torch.randn(tokens, hidden, device=DEV, dtype=DT)
+            fused_moe.MAX_TOKENS = 0
+            with torch_path():
+                ref = moe(x).float()
+            fused_moe.MAX_TOKENS = 1 << 20
+            atol = 3 * TOL * float(ref.abs().max())
+            torch.testing.assert_close(moe(x).float(), ref, rtol=3 * TOL, atol=atol)
+            for block_m in (16, 32, 64):
+                tiles = fused_moe.MoETiles(block_m, 32, 64, 64, 32)
+                out = fused_moe.fused_moe(x, moe.gate(x), moe.w13, moe.w2, top_k, norm, tiles).float()
+                torch.testing.assert_close(out, ref, rtol=3 * TOL, atol=atol)
+            assert not fused.expert_counts(x.device, num_experts).any()
+    finally:
+        fused_moe.MAX_TOKENS = saved
+
+
+@pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
+def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
+    """The whole wiring: a forward over a paged cache (a prefill chunk, then a decode step with a padded row)
+    through the kernels equals the torch path's forward on the CPU in float32 (bf16 precision on the GPU), and
+    leaves the same K and V in the cache."""
+    from models.attention import AttentionMetadata, allocate_kv_cache
+    from models.config import preset
+    from models.transformer import build_model
+
+    cfg = preset(model_name)
+    runs = {}
+    for name, dev, dt in (("kernels", DEV, DT), ("torch", "cpu", torch.float32)):
+        ctx = torch_path() if name == "torch" else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            model = build_model(cfg, "cpu", torch.float32, seed=3).to(dev, dt)  # the same weights on every device
+            model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
+            kv = allocate_kv_cache(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+            table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=dev)
+            outs = []
+            # step 1: request 0 prefills 6 tokens, request 1 prefills 3
+            ids = torch.tensor([5, 9, 11, 3, 7, 8, 21, 22, 23], device=dev)
+            pos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2], device=dev)
+            req = torch.tensor([0] * 6 + [1] * 3, dtype=torch.int32, device=dev)
+            slots = table[req.long(), pos // 4].long() * 4 + pos % 4
+            outs.append(model(ids, pos, kv, AttentionMetadata(slots, req, pos.int(), table)).float().cpu())
+            # step 2: one decode token each, plus a padded row (slot -1, position -1)
+            ids, pos = torch.tensor([30, 31, 0], device=dev), torch.tensor([6, 3, 0], device=dev)
+            req = torch.tensor([0, 1, 0], dtype=torch.int32, device=dev)
+            slots = (table[req.long(), pos // 4].long() * 4 + pos % 4)
+            slots[2] = -1
+            tpos = pos.int().clone()
+            tpos[2] = -1
+            outs.append(model(ids, pos, kv, AttentionMetadata(slots, req, tpos, table)).float().cpu()[:2])
+            runs[name] = (outs, [c[:, :8].float().cpu() for c in kv])  # real blocks only (not the dummy)
+    for got, want in zip(runs["kernels"][0] + runs["kernels"][1], runs["torch"][0] + runs["torch"][1]):
+        torch.testing.assert_close(got, want, rtol=5 * TOL, atol=5 * TOL * max(1.0, float(want.abs().max())))
