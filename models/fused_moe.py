@@ -5,7 +5,7 @@ reads far more than the chosen experts' weights, and the SiLU-and-multiply betwe
 Here one layer's experts are four kernels after the router: routing (top-k and an atomic slot per expert, shared
 with the grouped path), alignment (each expert's rows padded to a multiple of the tile height, so that a tile
 belongs to one expert), the gate/up GEMM with SiLU-and-multiply in its epilogue, and the down GEMM; then the
-usual combine. Every shape is static: the grid covers the most tiles any routing can need, and the tiles past the
+usual combine. Small steps do routing and alignment in one program (``SINGLE_PROGRAM_MAX_CELLS``): three kernels. Every shape is static: the grid covers the most tiles any routing can need, and the tiles past the
 last expert's rows end at once, so the whole path is capturable.
 
 Rounding follows the grouped path (GEMM outputs rounded to the model dtype, then SiLU, then the product), so the
@@ -43,6 +43,13 @@ MAX_TOKENS = 1024
 """Steps of at most this many tokens take this path; above it, torch's grouped GEMM. On the H200
 (``benchmarks/bench_moe_gpu.py``, docs/bench/moe_h200.json) one layer here takes 0.62-0.80 of the grouped path's
 time up to 512 tokens and 0.92-0.97 at 1024, for both bench MoE shapes."""
+
+
+SINGLE_PROGRAM_MAX_CELLS = 16384
+"""Routing and alignment run as one program (no atomics, one kernel instead of two) while tokens x choices x
+experts (each padded to a power of two, tokens to at least 16) stays within this many cells: up to 64 tokens at
+top-8 of 32 experts, 16 tokens at top-8 of 128. Larger steps use the two-kernel path (atomic slots). Set to 0 to
+always use the two-kernel path."""
 
 
 def tiles_for(num_tokens: int, top_k: int, num_experts: int, hidden: int) -> MoETiles:
@@ -84,6 +91,56 @@ if triton is not None:
         if tl.atomic_add(counts_ptr + n_experts, 1) == n_choices - 1:
             tl.store(counts_ptr + offs_e, tl.zeros([E_PAD], dtype=tl.int32), mask=emask)
             tl.store(counts_ptr + n_experts, 0)
+
+    @triton.jit
+    def _moe_route_align_kernel(logits_ptr, w_ptr, sorted_ptr, inv_ptr, seg_ptr, stride_l, num_tokens, n_experts,
+                                TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                                BLOCK_M: tl.constexpr, NORM_TOPK: tl.constexpr):
+        """Routing and alignment of a small step in one program, without atomics: every token's top-k experts and
+        weights, then each (token, choice)'s row in the expert-padded layout (within an expert, in token order:
+        ranks are a running count per expert), the segments' padded ends and the counts."""
+        offs_t = tl.arange(0, T_PAD)
+        offs_e = tl.arange(0, E_PAD)
+        offs_k = tl.arange(0, K_PAD)
+        tmask = offs_t < num_tokens
+        emask = offs_e < n_experts
+        x = tl.load(logits_ptr + offs_t[:, None] * stride_l + offs_e[None, :], mask=tmask[:, None] & emask[None, :],
+                    other=float("-inf")).to(tl.float32)
+        x = tl.where(tmask[:, None], x, 0.0)  # rows past the step: finite, and never stored
+        top = tl.max(x, axis=1)
+        if NORM_TOPK:
+            denom = tl.zeros([T_PAD], dtype=tl.float32)
+        else:
+            denom = tl.sum(tl.where(emask[None, :], tl.exp(x - top[:, None]), 0.0), axis=1)
+        ids = tl.zeros([T_PAD, K_PAD], dtype=tl.int32)
+        wts = tl.zeros([T_PAD, K_PAD], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            m = tl.max(x, axis=1)
+            idx = tl.argmax(x, axis=1)
+            e = tl.exp(m - top)
+            if NORM_TOPK:
+                denom += e
+            ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
+            wts = tl.where(offs_k[None, :] == j, e[:, None], wts)
+            x = tl.where(offs_e[None, :] == idx[:, None], float("-inf"), x)
+        valid = tmask[:, None] & (offs_k < TOP_K)[None, :]
+        tl.store(w_ptr + offs_t[:, None] * TOP_K + offs_k[None, :], wts / denom[:, None], mask=valid)
+        # one row per (token, choice slot); the sentinel E_PAD matches no expert
+        flat_e = tl.reshape(tl.where(valid, ids, E_PAD), [T_PAD * K_PAD])
+        onehot = (flat_e[:, None] == offs_e[None, :]).to(tl.int32)
+        rank = tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1) - 1
+        counts = tl.sum(onehot, axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        row = tl.sum(onehot * (ends - padded)[None, :], axis=1) + rank
+        flat_t = tl.reshape(tl.broadcast_to(offs_t[:, None], [T_PAD, K_PAD]), [T_PAD * K_PAD])
+        flat_k = tl.reshape(tl.broadcast_to(offs_k[None, :], [T_PAD, K_PAD]), [T_PAD * K_PAD])
+        flat_valid = (flat_t < num_tokens) & (flat_k < TOP_K)
+        a = flat_t * TOP_K + flat_k
+        tl.store(inv_ptr + a, row.to(tl.int64), mask=flat_valid)
+        tl.store(sorted_ptr + row, a, mask=flat_valid)
+        tl.store(seg_ptr + offs_e, ends, mask=emask)
+        tl.store(seg_ptr + n_experts + offs_e, counts, mask=emask)
 
     @triton.jit
     def _tile_rows(seg_ptr, n_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -165,14 +222,21 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
     t = tiles or tiles_for(num_tokens, top_k, num_experts, hidden)
     dev, n = x.device, num_tokens * top_k
     e_pad = triton.next_power_of_2(num_experts)
-    ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
     max_tiles = triton.cdiv(n, t.block_m) + num_experts  # each expert adds at most one partly filled tile
     max_rows = max_tiles * t.block_m
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     seg = torch.empty(2 * num_experts, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
-                            BLOCK_M=t.block_m, num_warps=1)
+    t_pad, k_pad = max(16, triton.next_power_of_2(num_tokens)), triton.next_power_of_2(top_k)
+    if t_pad * k_pad * e_pad <= SINGLE_PROGRAM_MAX_CELLS:
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+        _moe_route_align_kernel[(1,)](logits, weights, sorted_ids, inv, seg, logits.stride(0), num_tokens,
+                                      num_experts, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad, E_PAD=e_pad,
+                                      BLOCK_M=t.block_m, NORM_TOPK=norm_topk_prob, num_warps=8)
+    else:
+        ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
+        _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
+                                BLOCK_M=t.block_m, num_warps=1)
     h = torch.empty(max_rows, inter, dtype=x.dtype, device=dev)
     _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter, t.gate_up_n))](
         x, w13, sorted_ids, seg, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), hidden, inter,

@@ -117,14 +117,15 @@ MOE_SHAPES = ([(32, 8, 1024, 512, True), (128, 8, 512, 768, False), (8, 2, 64, 3
 @pytest.mark.parametrize("num_experts,top_k,hidden,inter,norm", MOE_SHAPES)
 def test_triton_moe_matches_grouped_gemm(num_experts, top_k, hidden, inter, norm):
     """The small-step Triton experts (models/fused_moe.py) give the grouped-GEMM path's output (to bf16 precision
-    on the GPU), at every tile height, and leave the shared expert counts zeroed."""
+    on the GPU), at every tile height, with routing in one program or in two kernels (atomic slots), and leave the
+    shared expert counts zeroed."""
     from models.layers import MoE
 
     torch.manual_seed(0)
     moe = MoE(hidden, num_experts, top_k, inter, norm).to(DEV, DT).requires_grad_(False)
     for p in moe.parameters():
         p.normal_(0.0, 0.05)
-    saved = fused_moe.MAX_TOKENS
+    saved, saved_cells = fused_moe.MAX_TOKENS, fused_moe.SINGLE_PROGRAM_MAX_CELLS
     try:
         for tokens in (1, 7, 64, 200) if GPU else (1, 7, 24):
             x = torch.randn(tokens, hidden, device=DEV, dtype=DT)
@@ -134,13 +135,14 @@ def test_triton_moe_matches_grouped_gemm(num_experts, top_k, hidden, inter, norm
             fused_moe.MAX_TOKENS = 1 << 20
             atol = 3 * TOL * float(ref.abs().max())
             torch.testing.assert_close(moe(x).float(), ref, rtol=3 * TOL, atol=atol)
-            for block_m in (16, 32, 64):
+            for block_m, cells in [(16, saved_cells), (32, saved_cells), (64, saved_cells), (16, 0), (64, 0)]:
+                fused_moe.SINGLE_PROGRAM_MAX_CELLS = cells
                 tiles = fused_moe.MoETiles(block_m, 32, 64, 64, 32)
                 out = fused_moe.fused_moe(x, moe.gate(x), moe.w13, moe.w2, top_k, norm, tiles).float()
                 torch.testing.assert_close(out, ref, rtol=3 * TOL, atol=atol)
             assert not fused.expert_counts(x.device, num_experts).any()
     finally:
-        fused_moe.MAX_TOKENS = saved
+        fused_moe.MAX_TOKENS, fused_moe.SINGLE_PROGRAM_MAX_CELLS = saved, saved_cells
 
 
 @pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
