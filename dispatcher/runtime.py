@@ -234,18 +234,18 @@ class GraphRuntime:
 
         def run() -> None:
             if index == 0:
-                hidden, residual = model.embed(b.input_ids[:n], b.aux[:n] if b.aux is not None else None), None
+                x, residual = model.begin(b.input_ids[:n], b.aux[:n] if b.aux is not None else None)
             else:
-                hidden, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n])
+                x, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n],
+                                                                     model.next_norm(index - 1))
             if index < last:
                 # the KV write happens here, inside the graph (padded rows: slot -1, nothing stored)
-                q, residual = model.layers[index].pre_attention(hidden, residual, b.positions[:n], model.rotary,
-                                                                self.kv_caches[index], b.slot_mapping[:n])
+                q = model.layers[index].pre_attention(x, b.positions[:n], model.rotary, self.kv_caches[index],
+                                                      b.slot_mapping[:n])
                 b.q[:n].copy_(q)
                 b.residual[:n].copy_(residual)
             else:
-                hidden, _ = model.norm(hidden, residual)
-                b.hidden_out[:n].copy_(hidden)
+                b.hidden_out[:n].copy_(x)
 
         return run
 

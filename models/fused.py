@@ -3,7 +3,7 @@
 A host-bound model spends its step on kernel launches and the gaps between them, even inside a CUDA graph, so
 each of these replaces a chain of elementwise torch kernels with one: RMSNorm with the residual add, rotary
 embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the MoE routing (no memset), and
-the MoE combine (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
+the MoE combine (alone, or with the residual add and the next layer's input norm) (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
 path rounds, so the two agree to bf16 precision.
 """
 
@@ -125,6 +125,29 @@ if triton is not None:
             w = tl.load(w_ptr + t * TOP_K + j)
             acc += w * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _moe_combine_add_norm_kernel(y_ptr, inv_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, stride_y, stride_r,
+                                     stride_o, stride_ro, n, eps, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """One token's row: the MoE combine, the residual add and the next RMSNorm, rounded where the separate
+        combine and norm kernels round."""
+        t = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            r = tl.load(inv_ptr + t * TOP_K + j)
+            w = tl.load(w_ptr + t * TOP_K + j)
+            acc += w * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        x = acc.to(dt).to(tl.float32) + tl.load(res_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dt)
+        tl.store(res_out_ptr + t * stride_ro + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        y = normed.to(dt).to(tl.float32) * tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + cols, y.to(dt), mask=mask)
 
 
 if triton is not None:
@@ -282,6 +305,23 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
     _moe_scatter_kernel[(n,)](x, ids, rank, counts, xs, inv, offs, x.stride(0), xs.stride(0), x.shape[1], num_experts,
                               n, TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4)
     return xs, offs, inv, weights
+
+
+def moe_combine_add_norm(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(moe_combine(y_sorted, inv, weights), norm_weight, eps, residual) -> (normed, combine + residual):
+    one kernel on the GPU (a MoE layer's output, its residual add and the next layer's input norm)."""
+    if not use_triton(y_sorted) or weights.shape[0] == 0:
+        return rms_norm_torch(moe_combine(y_sorted, inv, weights), norm_weight, eps, residual)
+    num_tokens, top_k = weights.shape
+    hidden = y_sorted.shape[-1]
+    out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)
+    res_out = torch.empty_like(out)
+    _moe_combine_add_norm_kernel[(num_tokens,)](
+        y_sorted, inv, weights.contiguous(), residual, norm_weight, out, res_out, y_sorted.stride(0),
+        residual.stride(0), out.stride(0), res_out.stride(0), hidden, eps, TOP_K=top_k,
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4)
+    return out, res_out
 
 
 def moe_combine(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ reads far more than the chosen experts' weights, and the SiLU-and-multiply betwe
 Here one layer's experts are four kernels after the router: routing (top-k and an atomic slot per expert, shared
 with the grouped path), alignment (each expert's rows padded to a multiple of the tile height, so that a tile
 belongs to one expert), the gate/up GEMM with SiLU-and-multiply in its epilogue, and the down GEMM; then the
-usual combine. Small steps do routing and alignment in one program (``SINGLE_PROGRAM_MAX_CELLS``): three kernels. Every shape is static: the grid covers the most tiles any routing can need, and the tiles past the
-last expert's rows end at once, so the whole path is capturable.
+usual combine (in a decoder layer, fused with the residual add and the next norm). Small steps do routing and
+alignment in one program (``SINGLE_PROGRAM_MAX_CELLS``): three kernels. Every shape is static: the grid covers
+the most tiles any routing can need, and the tiles past the last expert's rows end at once, so the whole path is
+capturable.
 
 Rounding follows the grouped path (GEMM outputs rounded to the model dtype, then SiLU, then the product), so the
 two agree to bf16 precision; where a step uses which path depends only on its (padded) token count, so a graph and
@@ -19,12 +21,10 @@ from typing import NamedTuple
 
 import torch
 
-from models.fused import route_top_k, triton, use_triton
+from models.fused import moe_combine, route_top_k, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
-
-    from models.fused import _moe_combine_kernel
 
 
 class MoETiles(NamedTuple):
@@ -213,8 +213,15 @@ if triton is not None:
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               norm_topk_prob: bool, tiles: MoETiles | None = None) -> torch.Tensor:
-    """The routed experts' output for x (tokens, hidden): w13 (experts, 2 * inter, hidden) holds gate then up,
-    w2 (experts, hidden, inter), as Hugging Face stores them. GPU only (see ``supported``)."""
+    """The routed experts' combined output for x (tokens, hidden); see ``experts``."""
+    return moe_combine(*experts(x, logits, w13, w2, top_k, norm_topk_prob, tiles))
+
+
+def experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            norm_topk_prob: bool, tiles: MoETiles | None = None):
+    """The routed experts' outputs before the combine: (y, inv, weights) as ``moe_combine`` takes them, y one row
+    per (token, choice) in the expert-padded layout. w13 (experts, 2 * inter, hidden) holds gate then up, w2
+    (experts, hidden, inter), as Hugging Face stores them. GPU or interpreter only (see ``supported``)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1:
@@ -247,8 +254,4 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
         h, w2, seg, y, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), hidden, inter, num_experts,
         E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k, num_warps=t.num_warps,
         num_stages=t.num_stages)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, inv, weights, out, y.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block)
-    return out
+    return y, inv, weights

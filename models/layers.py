@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from models import fused_moe
-from models.fused import moe_combine, moe_route, rms_norm, rotary_torch, silu_mul
+from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +46,10 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+        """norm(self(x) + residual) -> (normed, self(x) + residual): the layer's output into the next norm."""
+        return norm(self(x), residual)
+
 
 def _grouped_mm_supported(a: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and (a.is_cuda or a.dtype == torch.float32)
@@ -81,15 +85,24 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor):
+        """The routed experts before the combine: (y, inv, weights) as ``moe_combine`` takes them."""
         logits = self.gate(x)
         if fused_moe.supported(x):  # small steps on the GPU: two Triton GEMMs, SiLU in the first's epilogue
-            out = fused_moe.fused_moe(x, logits, self.w13, self.w2, self.top_k, self.norm_topk_prob)
-        else:
-            xs, offs, inv, weights = moe_route(x, logits, self.top_k, self.norm_topk_prob)
-            h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
-            y = grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs)
-            out = moe_combine(y, inv, weights)
+            return fused_moe.experts(x, logits, self.w13, self.w2, self.top_k, self.norm_topk_prob)
+        xs, offs, inv, weights = moe_route(x, logits, self.top_k, self.norm_topk_prob)
+        h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
+        return grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs), inv, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = moe_combine(*self.routed(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+        """norm(self(x) + residual) -> (normed, self(x) + residual); without a shared expert, the combine, the add
+        and the norm are one kernel on the GPU."""
+        if self.shared_expert is not None:
+            return norm(self(x), residual)
+        return moe_combine_add_norm(*self.routed(x), residual, norm.weight, norm.eps)

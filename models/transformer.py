@@ -1,8 +1,9 @@
 """A decoder-only transformer (Llama / Qwen2 dense, Mixtral / Qwen-MoE) over a paged KV cache.
 
-The forward is written as layers of two halves, ``pre_attention`` (norm, QKV, rotary, KV write) and ``post_attention``
-(output projection, norm, MLP or MoE), so that the graph runtime can capture the pieces between attention
-calls (PIECEWISE) or the whole forward (FULL) from the same code.
+The forward is written as layers of two halves, ``pre_attention`` (QKV, rotary, KV write) and ``post_attention``
+(output projection, norm, MLP or MoE, then the residual add and the next layer's input norm, which the MoE
+combine kernel does too), so that the graph runtime can capture the pieces between attention calls (PIECEWISE)
+or the whole forward (FULL) from the same code.
 """
 
 from __future__ import annotations
@@ -30,32 +31,30 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                      rotary: RotaryEmbedding, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Norm, QKV, rotary, and this step's K and V into ``kv_cache`` at ``slot_mapping`` (slot -1: not stored).
-        -> q (tokens, heads, dim), residual. On the GPU, rotary and the KV write are one kernel."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+    def pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x: this layer's input, already normed (by the previous layer's ``post_attention``, or ``CausalLM.begin``).
+        QKV, rotary, and this step's K and V into ``kv_cache`` at ``slot_mapping`` (slot -1: not stored) -> q
+        (tokens, heads, dim). On the GPU, rotary and the KV write are one kernel."""
         c = self.cfg
-        qkv = self.qkv_proj(hidden)
-        n = hidden.shape[0]
+        qkv = self.qkv_proj(x)
+        n = x.shape[0]
         if use_triton(qkv) and n:
             rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
                              c.num_kv_heads, c.head_dim)
-            return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim), residual
+            return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
         k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
         write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
-        return q, residual
+        return q
 
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm):
+        """Output projection, norm, MLP or MoE, the residual add and ``next_norm`` (the next layer's input norm,
+        or the model's final norm) -> (the next input, normed; the residual)."""
         hidden = self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_add_norm(hidden, residual, next_norm)
 
 
 class CausalLM(nn.Module):
@@ -85,15 +84,23 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def begin(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None):
+        """The embedding -> (layer 0's input, normed; the residual)."""
+        hidden = self.embed(input_ids, aux)
+        return self.layers[0].input_layernorm(hidden), hidden
+
+    def next_norm(self, layer: int) -> RMSNorm:
+        """The norm that ends ``layer``: the next layer's input norm, or the final norm after the last layer."""
+        return self.layers[layer + 1].input_layernorm if layer + 1 < len(self.layers) else self.norm
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, aux: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (tokens, hidden): the FULL path, and eager."""
-        hidden, residual = self.embed(input_ids, aux), None
+        """Final hidden states (tokens, hidden), normed: the FULL path, and eager."""
+        x, residual = self.begin(input_ids, aux)
         for i, layer in enumerate(self.layers):
-            q, residual = layer.pre_attention(hidden, residual, positions, self.rotary, kv_caches[i], meta.slot_mapping)
-            hidden, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            q = layer.pre_attention(x, positions, self.rotary, kv_caches[i], meta.slot_mapping)
+            x, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual, self.next_norm(i))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -108,6 +108,17 @@ def test_moe_route_and_combine_match_torch(norm):
     with torch_path():
         ref = fused.moe_combine(y_c, inv_c, wts_c)
     torch.testing.assert_close(fused.moe_combine(y, inv, wts).float().cpu(), ref, rtol=TOL, atol=TOL)
+    # the combine fused with the residual add and the next norm: the separate kernels' result, and the torch path's
+    residual, norm_w = torch.randn(n, 256, device=DEV, dtype=DT), torch.randn(256, device=DEV, dtype=DT)
+    normed, res_out = fused.moe_combine_add_norm(y, inv, wts, residual, norm_w, 1e-6)
+    sep_normed, sep_res = fused.rms_norm(fused.moe_combine(y, inv, wts), norm_w, 1e-6, residual)
+    torch.testing.assert_close(res_out, sep_res, rtol=0, atol=0)
+    torch.testing.assert_close(normed, sep_normed, rtol=TOL / 10, atol=TOL / 10)
+    with torch_path():
+        ref_normed, ref_res = fused.moe_combine_add_norm(y_c, inv_c, wts_c, residual.cpu().float(),
+                                                         norm_w.cpu().float(), 1e-6)
+    torch.testing.assert_close(res_out.float().cpu(), ref_res, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(normed.float().cpu(), ref_normed, rtol=3 * TOL, atol=3 * TOL)
 
 
 MOE_SHAPES = ([(32, 8, 1024, 512, True), (128, 8, 512, 768, False), (8, 2, 64, 32, True)] if GPU else
