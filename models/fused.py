@@ -114,18 +114,23 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, stride_y, stride_o, n, TOP_K: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
+    def _combine_row(y_ptr, inv_ptr, w_ptr, stride_y, t, cols, mask, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """Token t's expert outputs at ``cols``, weighted and summed in float32, in choice order."""
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             r = tl.load(inv_ptr + t * TOP_K + j)
             w = tl.load(w_ptr + t * TOP_K + j)
             acc += w * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        return acc
 
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, stride_y, stride_o, n, TOP_K: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        acc = _combine_row(y_ptr, inv_ptr, w_ptr, stride_y, t, cols, mask, TOP_K, BLOCK)
+        tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _moe_combine_add_norm_kernel(y_ptr, inv_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, stride_y, stride_r,
@@ -135,11 +140,7 @@ if triton is not None:
         t = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            r = tl.load(inv_ptr + t * TOP_K + j)
-            w = tl.load(w_ptr + t * TOP_K + j)
-            acc += w * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = _combine_row(y_ptr, inv_ptr, w_ptr, stride_y, t, cols, mask, TOP_K, BLOCK)
         dt = out_ptr.dtype.element_ty
         x = acc.to(dt).to(tl.float32) + tl.load(res_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(dt)
