@@ -192,3 +192,32 @@ def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
             runs[name] = (outs, [c[:, :8].float().cpu() for c in kv])  # real blocks only (not the dummy)
     for got, want in zip(runs["kernels"][0] + runs["kernels"][1], runs["torch"][0] + runs["torch"][1]):
         torch.testing.assert_close(got, want, rtol=5 * TOL, atol=5 * TOL * max(1.0, float(want.abs().max())))
+
+
+@pytest.mark.skipif(GPU, reason="on a GPU, tests/test_runtime.py compares graph replay with this static path")
+@pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
+def test_static_padded_path_through_the_kernels_matches_eager(model_name):
+    """The runtime's padded static closures (FULL, PIECEWISE pieces, adaptive verification) through the kernels give
+    the unpadded eager forward's rows, and padded rows (slot -1) store nothing at all, not even in the dummy block."""
+    import numpy as np
+    from test_runtime import decode_batch, make_runtime, run_both
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
+    cfg, rt, disp = make_runtime(model_name, DEV, DT, {}, spec, graphs=False)
+    seen, padded = set(), 0
+    for num_reqs, q, decode in [(3, 4, True), (5, 1, True), (2, 8, False), (13, 4, True)]:
+        host = decode_batch(rt, num_reqs, q, ctx=11)
+        desc, replayed, eager = run_both(rt, disp, host, decode, q)
+        seen.add((desc.kind, desc.mode))
+        padded += desc.num_tokens > host.shape[1]
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+    assert {("uniform_decode", "FULL"), ("mixed", "PIECEWISE")} <= seen and padded >= 2
+    host = decode_batch(rt, 7, 1, ctx=20)  # 7 requests pad to an 8-request graph
+    desc = disp.dispatch(7, 7, 1, True)
+    before = [c.clone() for c in rt.kv_caches]
+    rt.execute(desc, host)
+    written = {int(s) // 8 for s in host[2]}
+    for c, b in zip(rt.kv_caches, before):
+        changed = {i for i in range(c.shape[1]) if not torch.equal(c[:, i], b[:, i])}
+        assert changed and changed <= written, (changed, written)
+    assert np.unique(host[2] // 8).size == len(written)
