@@ -79,13 +79,12 @@ def main() -> None:
                 base = fused_moe.tiles_for(t, cfg.num_experts_per_token, cfg.num_experts, cfg.hidden_size)
                 row = {"tokens": t, "grouped_us": round(grouped, 2), "block_m": base.block_m, "triton_us": {},
                        "max_abs_err": {}}
-                logits = moe.gate(x)
                 for tname, (n1, k1, n2, k2, warps, stages) in TILES.items():
                     tiles = fused_moe.MoETiles(base.block_m, n1, k1, n2, k2, warps, stages)
-                    run = lambda: fused_moe.fused_moe(x, moe.gate(x), moe.w13, moe.w2,  # noqa: E731
+                    run = lambda: fused_moe.fused_moe(x, moe.gate.weight, moe.w13, moe.w2,  # noqa: E731
                                                       cfg.num_experts_per_token, cfg.norm_topk_prob, tiles)
                     row["triton_us"][tname] = round(graph_us(run), 2)
-                    out = fused_moe.fused_moe(x, logits, moe.w13, moe.w2, cfg.num_experts_per_token,
+                    out = fused_moe.fused_moe(x, moe.gate.weight, moe.w13, moe.w2, cfg.num_experts_per_token,
                                               cfg.norm_topk_prob, tiles).float()
                     row["max_abs_err"][tname] = round(float((out - ref).abs().max()), 5)
                 best = min(row["triton_us"], key=row["triton_us"].get)

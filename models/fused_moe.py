@@ -5,8 +5,9 @@ reads far more than the chosen experts' weights, and the SiLU-and-multiply betwe
 Here one layer's experts are four kernels after the router: routing (top-k and an atomic slot per expert, shared
 with the grouped path), alignment (each expert's rows padded to a multiple of the tile height, so that a tile
 belongs to one expert), the gate/up GEMM with SiLU-and-multiply in its epilogue, and the down GEMM; then the
-usual combine (in a decoder layer, fused with the residual add and the next norm). Small steps do routing and
-alignment in one program (``SINGLE_PROGRAM_MAX_CELLS``): three kernels. Every shape is static: the grid covers
+usual combine (in a decoder layer, fused with the residual add and the next norm). Small steps do the router GEMM,
+routing and alignment in one program (``SINGLE_PROGRAM_MAX_CELLS``): three kernels where the grouped path has
+eight. Every shape is static: the grid covers
 the most tiles any routing can need, and the tiles past the last expert's rows end at once, so the whole path is
 capturable.
 
@@ -46,10 +47,10 @@ time up to 512 tokens and 0.92-0.97 at 1024, for both bench MoE shapes."""
 
 
 SINGLE_PROGRAM_MAX_CELLS = 16384
-"""Routing and alignment run as one program (no atomics, one kernel instead of two) while tokens x choices x
-experts (each padded to a power of two, tokens to at least 16) stays within this many cells: up to 64 tokens at
-top-8 of 32 experts, 16 tokens at top-8 of 128. Larger steps use the two-kernel path (atomic slots). Set to 0 to
-always use the two-kernel path."""
+"""The router GEMM, routing and alignment run as one program (no atomics; one kernel instead of three) while
+tokens x choices x experts (each padded to a power of two, tokens and experts to at least 16) stays within this
+many cells: up to 64 tokens at top-8 of 32 experts, 16 tokens at top-8 of 128. Larger steps use the router GEMM
+and the two-kernel path (atomic slots). Set to 0 to always use that path."""
 
 
 def tiles_for(num_tokens: int, top_k: int, num_experts: int, hidden: int) -> MoETiles:
@@ -93,19 +94,30 @@ if triton is not None:
             tl.store(counts_ptr + n_experts, 0)
 
     @triton.jit
-    def _moe_route_align_kernel(logits_ptr, w_ptr, sorted_ptr, inv_ptr, seg_ptr, stride_l, num_tokens, n_experts,
-                                TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                                BLOCK_M: tl.constexpr, NORM_TOPK: tl.constexpr):
-        """Routing and alignment of a small step in one program, without atomics: every token's top-k experts and
+    def _moe_route_align_kernel(x_ptr, wg_ptr, w_ptr, sorted_ptr, inv_ptr, seg_ptr, stride_x, stride_g, num_tokens,
+                                n_experts, hidden, TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr,
+                                E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                                NORM_TOPK: tl.constexpr):
+        """Router, routing and alignment of a small step in one program, without atomics: the router logits
+        (x @ wg.T, rounded to the model dtype like the router GEMM's output), every token's top-k experts and
         weights, then each (token, choice)'s row in the expert-padded layout (within an expert, in token order:
         ranks are a running count per expert), the segments' padded ends and the counts."""
         offs_t = tl.arange(0, T_PAD)
         offs_e = tl.arange(0, E_PAD)
         offs_k = tl.arange(0, K_PAD)
+        offs_h = tl.arange(0, BLOCK_H)
         tmask = offs_t < num_tokens
         emask = offs_e < n_experts
-        x = tl.load(logits_ptr + offs_t[:, None] * stride_l + offs_e[None, :], mask=tmask[:, None] & emask[None, :],
-                    other=float("-inf")).to(tl.float32)
+        acc = tl.zeros([T_PAD, E_PAD], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            hmask = offs_h < hidden - h0
+            xa = tl.load(x_ptr + offs_t[:, None] * stride_x + h0 + offs_h[None, :],
+                         mask=tmask[:, None] & hmask[None, :], other=0.0)
+            wb = tl.load(wg_ptr + offs_e[None, :] * stride_g + h0 + offs_h[:, None],
+                         mask=emask[None, :] & hmask[:, None], other=0.0)
+            acc += tl.dot(xa, wb)
+        x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.where(emask[None, :], x, float("-inf"))
         x = tl.where(tmask[:, None], x, 0.0)  # rows past the step: finite, and never stored
         top = tl.max(x, axis=1)
         if NORM_TOPK:
@@ -211,21 +223,22 @@ if triton is not None:
                  mask=valid[:, None] & n_mask[None, :])
 
 
-def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+def fused_moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               norm_topk_prob: bool, tiles: MoETiles | None = None) -> torch.Tensor:
     """The routed experts' combined output for x (tokens, hidden); see ``experts``."""
-    return moe_combine(*experts(x, logits, w13, w2, top_k, norm_topk_prob, tiles))
+    return moe_combine(*experts(x, router, w13, w2, top_k, norm_topk_prob, tiles))
 
 
-def experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+def experts(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             norm_topk_prob: bool, tiles: MoETiles | None = None):
     """The routed experts' outputs before the combine: (y, inv, weights) as ``moe_combine`` takes them, y one row
-    per (token, choice) in the expert-padded layout. w13 (experts, 2 * inter, hidden) holds gate then up, w2
-    (experts, hidden, inter), as Hugging Face stores them. GPU or interpreter only (see ``supported``)."""
+    per (token, choice) in the expert-padded layout. router (experts, hidden) is the router's weight; w13
+    (experts, 2 * inter, hidden) holds gate then up, w2 (experts, hidden, inter), as Hugging Face stores them.
+    GPU or interpreter only (see ``supported``)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError("fused_moe needs x and the expert weights contiguous in their last dimension")
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1 or router.stride(-1) != 1:
+        raise ValueError("fused_moe needs x and the router and expert weights contiguous in their last dimension")
     t = tiles or tiles_for(num_tokens, top_k, num_experts, hidden)
     dev, n = x.device, num_tokens * top_k
     e_pad = triton.next_power_of_2(num_experts)
@@ -234,13 +247,16 @@ def experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     seg = torch.empty(2 * num_experts, dtype=torch.int32, device=dev)
-    t_pad, k_pad = max(16, triton.next_power_of_2(num_tokens)), triton.next_power_of_2(top_k)
-    if t_pad * k_pad * e_pad <= SINGLE_PROGRAM_MAX_CELLS:
+    # one program: at least 16 rows and 16 experts (the router's tl.dot)
+    t_pad, k_pad, e16 = max(16, triton.next_power_of_2(num_tokens)), triton.next_power_of_2(top_k), max(16, e_pad)
+    if t_pad * k_pad * e16 <= SINGLE_PROGRAM_MAX_CELLS:
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-        _moe_route_align_kernel[(1,)](logits, weights, sorted_ids, inv, seg, logits.stride(0), num_tokens,
-                                      num_experts, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad, E_PAD=e_pad,
-                                      BLOCK_M=t.block_m, NORM_TOPK=norm_topk_prob, num_warps=8)
+        _moe_route_align_kernel[(1,)](x, router, weights, sorted_ids, inv, seg, x.stride(0), router.stride(0),
+                                      num_tokens, num_experts, hidden, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad,
+                                      E_PAD=e16, BLOCK_H=64, BLOCK_M=t.block_m, NORM_TOPK=norm_topk_prob,
+                                      num_warps=8)
     else:
+        logits = torch.nn.functional.linear(x, router)
         ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
         _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
                                 BLOCK_M=t.block_m, num_warps=1)

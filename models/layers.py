@@ -87,10 +87,9 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor):
         """The routed experts before the combine: (y, inv, weights) as ``moe_combine`` takes them."""
-        logits = self.gate(x)
         if fused_moe.supported(x):  # small steps on the GPU: two Triton GEMMs, SiLU in the first's epilogue
-            return fused_moe.experts(x, logits, self.w13, self.w2, self.top_k, self.norm_topk_prob)
-        xs, offs, inv, weights = moe_route(x, logits, self.top_k, self.norm_topk_prob)
+            return fused_moe.experts(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob)
+        xs, offs, inv, weights = moe_route(x, self.gate(x), self.top_k, self.norm_topk_prob)
         h = grouped_mm(xs, self.w13.transpose(1, 2), offs)
         return grouped_mm(silu_mul(h), self.w2.transpose(1, 2), offs), inv, weights
 

@@ -149,7 +149,7 @@ def test_triton_moe_matches_grouped_gemm(num_experts, top_k, hidden, inter, norm
             for block_m, cells in [(16, saved_cells), (32, saved_cells), (64, saved_cells), (16, 0), (64, 0)]:
                 fused_moe.SINGLE_PROGRAM_MAX_CELLS = cells
                 tiles = fused_moe.MoETiles(block_m, 32, 64, 64, 32)
-                out = fused_moe.fused_moe(x, moe.gate(x), moe.w13, moe.w2, top_k, norm, tiles).float()
+                out = fused_moe.fused_moe(x, moe.gate.weight, moe.w13, moe.w2, top_k, norm, tiles).float()
                 torch.testing.assert_close(out, ref, rtol=3 * TOL, atol=atol)
             assert not fused.expert_counts(x.device, num_experts).any()
     finally:
