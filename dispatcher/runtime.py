@@ -211,6 +211,7 @@ class GraphRuntime:
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
+        self._primed = False
         if self.cuda_graphs:
             self._pinned = [torch.empty(5, self.max_num_tokens, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._staging_done = [torch.cuda.Event(), torch.cuda.Event()]
@@ -299,10 +300,9 @@ class GraphRuntime:
                 if g.kind == PIECEWISE and i < self.model.num_layers:
                     attention(i)
         except torch.cuda.OutOfMemoryError:
-            unit = "requests" if g.kind == FULL_DECODE else "tokens"
             q = f" at q = {g.q}" if g.q is not None else ""
             raise CaptureOOMError(
-                f"out of GPU memory capturing the {self.runner} {g.kind} graph for {size} {unit}{q} ({tokens} "
+                f"out of GPU memory capturing the {self.runner} {g.kind} graph for {size} {g.unit}{q} ({tokens} "
                 f"tokens): lower {CAP_FIELD[g.kind]} (largest {g.kind} size now {g.largest}), or leave more memory "
                 f"(a smaller KV cache or max_num_seqs)"
             ) from None
@@ -323,7 +323,10 @@ class GraphRuntime:
     def _prime_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """Run the smallest graph of each kind once, eagerly, on the capture stream, so that libraries create their
         per-stream state (cuBLAS's workspace) here, in the ordinary allocator, not inside the first capture where
-        it would count as graph memory (and inflate the estimate's first sample)."""
+        it would count as graph memory (and inflate the estimate's first sample). Once per runtime."""
+        if self._primed:
+            return
+        self._primed = True
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -332,10 +335,9 @@ class GraphRuntime:
                     for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
                         piece.fn()
                 except torch.cuda.OutOfMemoryError:
-                    unit = "requests" if g.kind == FULL_DECODE else "tokens"
                     raise CaptureOOMError(
                         f"out of GPU memory preparing the {self.runner} graphs (the smallest {g.kind} graph, "
-                        f"{min(g.sizes)} {unit}, run once on the capture stream): no graph fits; leave more memory "
+                        f"{min(g.sizes)} {g.unit}, run once on the capture stream): no graph fits; leave more memory "
                         f"(a smaller KV cache or max_num_seqs)") from None
         current.wait_stream(stream)
 
