@@ -43,7 +43,7 @@ class MoETiles(NamedTuple):
 MAX_TOKENS = 1024
 """Steps of at most this many tokens take this path; above it, torch's grouped GEMM. On the H200
 (``benchmarks/bench_moe_gpu.py``, docs/bench/moe_h200.json) one layer here takes 0.62-0.80 of the grouped path's
-time up to 512 tokens and 0.92-0.97 at 1024, for both bench MoE shapes."""
+time up to 512 tokens and 0.91-0.97 at 1024, for both bench MoE shapes."""
 
 
 SINGLE_PROGRAM_MAX_CELLS = 16384
