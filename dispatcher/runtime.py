@@ -252,16 +252,11 @@ class GraphRuntime:
 
     def _attention_runner(self, num_tokens: int) -> Callable[[int], None]:
         """Eager attention for the first ``num_tokens`` rows of each layer, between PIECEWISE pieces (each piece
-        has already written its K and V); row views and metadata are built once a step, and the output lands in
-        ``attn_out``."""
+        has already written its K and V): prepared once a step (row views, metadata, launch arguments), so a
+        layer costs one launch; the output lands in ``attn_out``."""
         b = self.bufs
-        q, out = b.q[:num_tokens], b.attn_out[:num_tokens]
-        meta, attention, kv = b.meta(num_tokens), self.model.attention, self.kv_caches
-
-        def run(layer: int) -> None:
-            attention(layer, q, kv, meta, out)
-
-        return run
+        return self.model.prepare_attention(b.q[:num_tokens], self.kv_caches, b.meta(num_tokens),
+                                            b.attn_out[:num_tokens])
 
     def _build_closures(self) -> None:
         for g in self.graph_sets:

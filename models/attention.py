@@ -15,6 +15,7 @@ gathers each request's context.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,15 +59,21 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given."""
-    if use_triton(q):
-        from models.triton_attention import triton_paged_attention
-
-        return triton_paged_attention(q, kv_cache, meta, scale, out)
-    result = reference_paged_attention(q, kv_cache, meta, scale)
     if out is None:
-        return result
-    out.copy_(result)
+        out = torch.empty_like(q)
+    prepare_paged_attention(q, kv_cache, meta, scale, out)(kv_cache)
     return out
+
+
+def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            out: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A step's attention with everything but the layer's cache bound once: call it with each layer's cache (they
+    share shape and strides) to write ``out``. The Triton kernel on the GPU, the torch reference on the CPU."""
+    if use_triton(q):
+        from models.triton_attention import prepare_paged_attention as prepare_triton
+
+        return prepare_triton(q, kv_cache, meta, scale, out)
+    return lambda cache: out.copy_(reference_paged_attention(q, cache, meta, scale))
 
 
 def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

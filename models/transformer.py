@@ -8,10 +8,12 @@ or the whole forward (FULL) from the same code.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, paged_attention, write_kv
+from models.attention import AttentionMetadata, paged_attention, prepare_paged_attention, write_kv
 from models.config import ModelConfig
 from models.fused import rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
@@ -75,8 +77,15 @@ class CausalLM(nn.Module):
 
     def attention(self, layer: int, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention alone, over K and V already in the cache: the part PIECEWISE graphs leave out."""
+        """Attention alone, over K and V already in the cache."""
         return paged_attention(q, kv_caches[layer], meta, self.scale, out)
+
+    def prepare_attention(self, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                          out: torch.Tensor) -> Callable[[int], None]:
+        """A step's attention prepared once for every layer: call it with a layer index to write ``out``. The part
+        PIECEWISE graphs leave out, run eagerly between pieces."""
+        run = prepare_paged_attention(q, kv_caches[0], meta, self.scale, out)
+        return lambda layer: run(kv_caches[layer])
 
     needs_aux = False
     """Whether the first piece reads a second input (a drafter's target features)."""

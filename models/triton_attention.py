@@ -4,6 +4,8 @@ padded row (position -1) writes zeros and stops."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -54,21 +56,32 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            out: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """Every launch argument of a step's attention but the layer's cache, computed once: the returned call takes a
+    layer's cache (all of a model's caches share shape and strides) and writes ``out``. Between PIECEWISE pieces
+    this leaves only the kernel launch on the host's path, once a layer."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
+    if num_tokens == 0:
+        return lambda cache: None
+    launch = _paged_attention_kernel[(num_tokens, num_kv_heads)]
+    rest = (out, meta.block_table, meta.token_req, meta.token_pos, q.stride(0), q.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), out.stride(0), out.stride(1),
+            meta.block_table.stride(0), scale)
+    consts = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                  BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4)
+
+    def run(cache: torch.Tensor) -> None:
+        launch(q, cache, *rest, **consts)
+
+    return run
+
+
+def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    block_n = 64 if head_dim <= 64 else 32
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, kv_cache, out, meta.block_table, meta.token_req, meta.token_pos,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        out.stride(0), out.stride(1), meta.block_table.stride(0), scale,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, num_warps=4,
-    )
+    prepare_paged_attention(q, kv_cache, meta, scale, out)(kv_cache)
     return out
