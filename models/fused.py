@@ -3,8 +3,9 @@
 A host-bound model spends its step on kernel launches and the gaps between them, even inside a CUDA graph, so
 each of these replaces a chain of elementwise torch kernels with one: RMSNorm with the residual add, rotary
 embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the MoE routing (no memset), and
-the MoE combine (alone, or with the residual add and the next layer's input norm) (gather each token's expert outputs and sum them, weighted, in float32). Each rounds where the torch
-path rounds, so the two agree to bf16 precision.
+the MoE combine (each token's expert outputs gathered and summed, weighted, in float32; alone, or with the
+residual add and the next layer's input norm). Each rounds where the torch path rounds, so the two agree to bf16
+precision. Under TRITON_INTERPRET=1 the kernels also run on the CPU (tests only).
 """
 
 from __future__ import annotations
