@@ -229,6 +229,49 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torc
     return moe_combine(*experts(x, router, w13, w2, top_k, norm_topk_prob, tiles))
 
 
+class Routing(NamedTuple):
+    """A step's routing in the expert-padded layout: each expert's rows start at a multiple of the tile height."""
+
+    sorted_ids: torch.Tensor
+    """(max_rows,) int32: the (token, choice) index a = token * top_k + choice held by each row (rows past an
+    expert's count are never read)."""
+    inv: torch.Tensor
+    """(tokens * top_k,) int64: the row of each (token, choice)."""
+    seg: torch.Tensor
+    """(2 * experts,) int32: each expert's padded segment end, then each expert's count."""
+    weights: torch.Tensor
+    """(tokens, top_k) float32 routing weights."""
+    max_tiles: int
+    """Tiles the GEMM grids cover: enough for any routing of this step."""
+
+
+def route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                    block_m: int) -> Routing:
+    """Router logits, top-k and the expert-padded layout: one program for small steps (``SINGLE_PROGRAM_MAX_CELLS``),
+    else the router GEMM, the per-token route kernel (atomic slots) and the align kernel."""
+    num_tokens, hidden = x.shape
+    num_experts = router.shape[0]
+    dev, n = x.device, num_tokens * top_k
+    e_pad = triton.next_power_of_2(num_experts)
+    max_tiles = triton.cdiv(n, block_m) + num_experts  # each expert adds at most one partly filled tile
+    sorted_ids = torch.empty(max_tiles * block_m, dtype=torch.int32, device=dev)
+    inv = torch.empty(n, dtype=torch.int64, device=dev)
+    seg = torch.empty(2 * num_experts, dtype=torch.int32, device=dev)
+    # one program: at least 16 rows and 16 experts (the router's tl.dot)
+    t_pad, k_pad, e16 = max(16, triton.next_power_of_2(num_tokens)), triton.next_power_of_2(top_k), max(16, e_pad)
+    if t_pad * k_pad * e16 <= SINGLE_PROGRAM_MAX_CELLS:
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+        _moe_route_align_kernel[(1,)](x, router, weights, sorted_ids, inv, seg, x.stride(0), router.stride(0),
+                                      num_tokens, num_experts, hidden, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad,
+                                      E_PAD=e16, BLOCK_H=64, BLOCK_M=block_m, NORM_TOPK=norm_topk_prob,
+                                      num_warps=8)
+    else:
+        ids, rank, weights, counts = route_top_k(torch.nn.functional.linear(x, router), top_k, norm_topk_prob)
+        _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
+                                BLOCK_M=block_m, num_warps=1)
+    return Routing(sorted_ids, inv, seg, weights, max_tiles)
+
+
 def experts(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             norm_topk_prob: bool, tiles: MoETiles | None = None):
     """The routed experts' outputs before the combine: (y, inv, weights) as ``moe_combine`` takes them, y one row
@@ -240,34 +283,16 @@ def experts(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.
     if w13.stride(-1) != 1 or w2.stride(-1) != 1 or x.stride(-1) != 1 or router.stride(-1) != 1:
         raise ValueError("fused_moe needs x and the router and expert weights contiguous in their last dimension")
     t = tiles or tiles_for(num_tokens, top_k, num_experts, hidden)
-    dev, n = x.device, num_tokens * top_k
-    e_pad = triton.next_power_of_2(num_experts)
-    max_tiles = triton.cdiv(n, t.block_m) + num_experts  # each expert adds at most one partly filled tile
-    max_rows = max_tiles * t.block_m
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    inv = torch.empty(n, dtype=torch.int64, device=dev)
-    seg = torch.empty(2 * num_experts, dtype=torch.int32, device=dev)
-    # one program: at least 16 rows and 16 experts (the router's tl.dot)
-    t_pad, k_pad, e16 = max(16, triton.next_power_of_2(num_tokens)), triton.next_power_of_2(top_k), max(16, e_pad)
-    if t_pad * k_pad * e16 <= SINGLE_PROGRAM_MAX_CELLS:
-        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-        _moe_route_align_kernel[(1,)](x, router, weights, sorted_ids, inv, seg, x.stride(0), router.stride(0),
-                                      num_tokens, num_experts, hidden, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad,
-                                      E_PAD=e16, BLOCK_H=64, BLOCK_M=t.block_m, NORM_TOPK=norm_topk_prob,
-                                      num_warps=8)
-    else:
-        logits = torch.nn.functional.linear(x, router)
-        ids, rank, weights, counts = route_top_k(logits, top_k, norm_topk_prob)
-        _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
-                                BLOCK_M=t.block_m, num_warps=1)
-    h = torch.empty(max_rows, inter, dtype=x.dtype, device=dev)
-    _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter, t.gate_up_n))](
-        x, w13, sorted_ids, seg, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), hidden, inter,
+    r = route_and_align(x, router, top_k, norm_topk_prob, t.block_m)
+    e_pad, max_rows = triton.next_power_of_2(num_experts), r.sorted_ids.shape[0]
+    h = torch.empty(max_rows, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(r.max_tiles, triton.cdiv(inter, t.gate_up_n))](
+        x, w13, r.sorted_ids, r.seg, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), hidden, inter,
         num_experts, TOP_K=top_k, E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k,
         num_warps=t.num_warps, num_stages=t.num_stages)
-    y = torch.empty(max_rows, hidden, dtype=x.dtype, device=dev)
-    _moe_down_kernel[(max_tiles, triton.cdiv(hidden, t.down_n))](
-        h, w2, seg, y, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), hidden, inter, num_experts,
+    y = torch.empty(max_rows, hidden, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(r.max_tiles, triton.cdiv(hidden, t.down_n))](
+        h, w2, r.seg, y, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), hidden, inter, num_experts,
         E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k, num_warps=t.num_warps,
         num_stages=t.num_stages)
-    return y, inv, weights
+    return y, r.inv, r.weights

@@ -121,6 +121,44 @@ def test_moe_route_and_combine_match_torch(norm):
     torch.testing.assert_close(normed.float().cpu(), ref_normed, rtol=3 * TOL, atol=3 * TOL)
 
 
+@pytest.mark.parametrize("single_program", [True, False])
+def test_routing_layout_holds_every_choice_once_in_its_experts_segment(single_program):
+    """The expert-padded layout, on random steps: every (token, choice) has one row, inside its expert's segment
+    (segments start at multiples of the tile height, in expert order, sized by the counts), the row holds it back,
+    and each token's chosen experts are its top-k by router logit (the torch route's choice)."""
+    import numpy as np
+
+    saved = fused_moe.SINGLE_PROGRAM_MAX_CELLS
+    fused_moe.SINGLE_PROGRAM_MAX_CELLS = saved if single_program else 0
+    try:
+        rng = np.random.default_rng(7)
+        for _ in range(6):
+            experts, top_k = int(rng.choice([8, 16, 32])), int(rng.choice([1, 2, 4, 8]))
+            tokens, hidden, block_m = int(rng.integers(1, 49)), 64, int(rng.choice([16, 32, 64]))
+            top_k = min(top_k, experts)
+            x = torch.randn(tokens, hidden, device=DEV, dtype=DT)
+            router = torch.randn(experts, hidden, device=DEV, dtype=DT)
+            r = fused_moe.route_and_align(x, router, top_k, True, block_m)
+            with torch_path():
+                _, ref_ends, ref_inv, ref_weights = fused.moe_route(x.cpu().float(), (x @ router.t()).cpu().float(),
+                                                                     top_k, True)
+            ends, counts = r.seg[:experts].cpu().numpy(), r.seg[experts:].cpu().numpy()
+            padded = -(-counts // block_m) * block_m
+            assert (ends == np.cumsum(padded)).all() and counts.sum() == tokens * top_k
+            inv, sorted_ids = r.inv.cpu().numpy(), r.sorted_ids.cpu().numpy()
+            assert len(set(inv.tolist())) == tokens * top_k
+            assert (sorted_ids[inv] == np.arange(tokens * top_k)).all()
+            starts = ends - padded
+            chosen = np.searchsorted(ends, inv, side="right")  # the segment (expert) each row lies in
+            assert (inv - starts[chosen] < counts[chosen]).all()
+            # choice by choice, the experts of the torch route (unpadded segments there)
+            assert (chosen == np.searchsorted(ref_ends.numpy(), ref_inv.numpy(), side="right")).all()
+            torch.testing.assert_close(r.weights.cpu().float(), ref_weights, rtol=3 * TOL, atol=3 * TOL)
+        assert not fused.expert_counts(x.device, experts).any()
+    finally:
+        fused_moe.SINGLE_PROGRAM_MAX_CELLS = saved
+
+
 MOE_SHAPES = ([(32, 8, 1024, 512, True), (128, 8, 512, 768, False), (8, 2, 64, 32, True)] if GPU else
               [(32, 8, 128, 64, True), (16, 4, 64, 96, False), (8, 2, 64, 32, True)])
 
