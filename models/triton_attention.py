@@ -78,10 +78,3 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
 
     return run
 
-
-def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    if out is None:
-        out = torch.empty_like(q)
-    prepare_paged_attention(q, kv_cache, meta, scale, out)(kv_cache)
-    return out

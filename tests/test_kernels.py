@@ -31,8 +31,7 @@ def torch_path():
 
 
 def test_triton_attention_matches_reference():
-    from models.attention import AttentionMetadata, reference_paged_attention
-    from models.triton_attention import triton_paged_attention
+    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
 
     torch.manual_seed(0)
     for heads, kv_heads, dim in [(4, 2, 16), (16, 8, 64), (32, 4, 128)]:
@@ -45,7 +44,7 @@ def test_triton_attention_matches_reference():
         req = torch.tensor(sum(([r] * 3 for r in range(4)), []) + [0, 0], dtype=torch.int32, device=DEV)
         meta = AttentionMetadata(torch.full_like(pos, -1, dtype=torch.int64), req, pos, bt)
         q = torch.randn(len(pos), heads, dim, device=DEV, dtype=DT)
-        out = triton_paged_attention(q, kv, meta, dim ** -0.5).float()
+        out = paged_attention(q, kv, meta, dim ** -0.5).float()  # the Triton kernel (GPU or interpreter)
         ref = reference_paged_attention(q, kv, meta, dim ** -0.5).float()
         assert (out[-2:] == 0).all()
         rel = (out - ref).norm() / ref.norm()
