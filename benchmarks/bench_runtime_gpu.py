@@ -5,8 +5,9 @@
    tokens over a 64-token context (PIECEWISE: q = 8), so attention stays small, as in SPEC section 1.
    Eager runs the forward unpadded; replay runs the captured graph (PIECEWISE: pieces plus eager attention).
    Each: 5 warm-up runs, then the median of 15 repetitions of 10 back-to-back steps timed with CUDA events.
-2. Kernel sum: one eager run of the same padded closures under torch.profiler; the sum of its CUDA kernel
-   durations against the replay time (launch gaps gone when replay is within 10% of it), and the gap that is
+2. Kernel sum: one eager run of the same padded closures under torch.profiler, without programmatic dependent
+   launch (so that no kernel's time includes waiting for the one before); the sum of its CUDA kernel
+   durations against the replay time (graphs captured with PDL where the GPU has it: ``pdl`` in the JSON) (launch gaps gone when replay is within 10% of it), and the gap that is
    left per kernel (microseconds: the GPU's own latency between dependent graph nodes, when the host keeps up).
    The kernels of a profiled replay are recorded too (a cross-check: the same kernels, timed inside the graph).
 3. Capture of the sm100 default plan (1024 requests, 16384 tokens: 39 PIECEWISE + 64 FULL at q = 1) on
@@ -31,6 +32,7 @@ from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet, build_plan
 from dispatcher.runtime import GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import preset
+from models.fused import pdl_available, programmatic_launch
 from models.transformer import build_model
 
 BLOCK = 16
@@ -120,7 +122,8 @@ def bench_model(name: str) -> dict:
                     for p, g in zip(pieces, saved):
                         p.graph = g
 
-            ksum, nkern = kernel_sum_ms(static_run)
+            with programmatic_launch(False):
+                ksum, nkern = kernel_sum_ms(static_run)
             replay_ksum, replay_nkern = kernel_sum_ms(lambda: rt.execute(desc, host))
             gap_us = (replay_ms - ksum) * 1e3 / nkern
             rows.append({"kind": kind, "q": q, "size": size, "tokens": tokens, "eager_ms": round(eager_ms, 3),
@@ -178,7 +181,8 @@ def main() -> None:
         "command": "PYTHONPATH=. python benchmarks/bench_runtime_gpu.py --out $OUT/runtime_h200.json",
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "method": "decode-shaped batches over a 64-token context; median of 15 x 10 steps after 5 warm-ups (CUDA "
-                  "events); kernel sum from one profiled eager run of the same padded closures",
+                  "events); kernel sum from one profiled eager run of the same padded closures, without PDL",
+        "pdl": pdl_available(torch.device("cuda")),
     }
     if not args.skip_plan:
         result["default_plan_capture"] = bench_default_plan()

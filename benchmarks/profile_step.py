@@ -1,7 +1,8 @@
 """Where one step's time goes on the GPU (a diagnostic for the runtime's targets, not a benchmark table):
 
-- FULL decode at q = 1 for a few request counts: the CUDA kernels of one padded step in order (name, microseconds),
-  their count per layer, and replay time against their sum.
+- FULL decode at q = 1 for a few request counts: the CUDA kernels of one padded step in order (name, microseconds;
+  profiled eagerly without programmatic dependent launch), their count per layer, and replay time against their
+  sum, for graphs captured with PDL and, side by side in the same run, without it.
 - PIECEWISE at a few token counts: host time of one replayed step (no synchronization) split into input
   staging, graph replays and eager attention launches, against the step's GPU time.
 
@@ -25,6 +26,7 @@ from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet
 from dispatcher.runtime import GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import preset
+from models.fused import pdl_available, programmatic_launch
 from models.transformer import build_model
 
 FULL_REQS = (1, 8, 64)
@@ -65,33 +67,45 @@ def main() -> None:
     kv = allocate_kv_cache(cfg.num_layers, 64 * blocks_per_req, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                            torch.bfloat16, "cuda")
     sets = [GraphSet("target", PIECEWISE, None, PW_TOKENS), GraphSet("target", FULL_DECODE, 1, FULL_REQS)]
-    rt = GraphRuntime(model, kv, sets, max_num_tokens=max(PW_TOKENS), max_num_reqs=64, max_blocks_per_seq=blocks_per_req)
     import numpy as np
 
     table = np.arange(64 * blocks_per_req).reshape(64, blocks_per_req)
     r, c = np.nonzero(np.ones_like(table))
-    rt.update_block_table(r, c, table[r, c])
-    result = {"model": args.model, "device": torch.cuda.get_device_name(), "commit": commit(), "full": [],
-              "piecewise": []}
-    with torch.inference_mode():
+
+    def runtime(sets):
+        rt = GraphRuntime(model, kv, sets, max_num_tokens=max(PW_TOKENS), max_num_reqs=64,
+                          max_blocks_per_seq=blocks_per_req)
+        rt.update_block_table(r, c, table[r, c])
         rt.capture(progress=False, estimate=False)
+        return rt
+
+    pdl = pdl_available(torch.device("cuda"))
+    result = {"model": args.model, "device": torch.cuda.get_device_name(), "commit": commit(), "pdl": pdl,
+              "full": [], "piecewise": []}
+    with torch.inference_mode():
+        rt = runtime(sets)
+        with programmatic_launch(False):
+            rt_plain = runtime([s for s in sets if s.kind == FULL_DECODE])
         for n in FULL_REQS:
             host = decode_host(n, 1, blocks_per_req)
             desc = BatchDescriptor("FULL", "bench", n, n, 1, GraphKey(FULL_DECODE, 1, n))
             piece = rt.graphs[desc.graph][0]
-            kern = kernels_of(lambda: (rt.load_inputs(host, n, n), piece.fn()))
+            with programmatic_launch(False):
+                kern = kernels_of(lambda: (rt.load_inputs(host, n, n), piece.fn()))
             replay = time_steps(lambda: rt.execute(desc, host))
             only_graph = time_steps(piece.replay)
+            replay_plain = time_steps(lambda: rt_plain.execute(desc, host))
             names = Counter(name for name, _ in kern)
             ksum = sum(us for _, us in kern) / 1e3
             row = {"num_reqs": n, "kernels": len(kern), "kernels_per_layer": round(len(kern) / cfg.num_layers, 1),
                    "kernel_sum_ms": round(ksum, 3), "replay_ms": round(replay, 3),
-                   "graph_only_ms": round(only_graph, 3),
+                   "graph_only_ms": round(only_graph, 3), "replay_ms_without_pdl": round(replay_plain, 3),
                    "by_name_us": {k: round(sum(us for nm, us in kern if nm == k), 1) for k in names},
                    "count_by_name": dict(names)}
             result["full"].append(row)
             print(f"FULL q=1 n={n}: {len(kern)} kernels ({len(kern) / cfg.num_layers:.1f}/layer), sum {ksum:.3f} ms, "
-                  f"replay {replay:.3f} ms (graph alone {only_graph:.3f}), ratio {replay / ksum:.3f}")
+                  f"replay {replay:.3f} ms (graph alone {only_graph:.3f}), ratio {replay / ksum:.3f}; captured "
+                  f"without PDL: replay {replay_plain:.3f} ms, ratio {replay_plain / ksum:.3f} (PDL available: {pdl})")
             for k, cnt in names.most_common():
                 print(f"    {cnt:4d} x {sum(us for nm, us in kern if nm == k) / cnt:7.2f} us  {k[:110]}")
         for t in PW_TOKENS:

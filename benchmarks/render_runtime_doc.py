@@ -39,11 +39,15 @@ def _moe_section(m: dict) -> list[str]:
 def _profile_section(p: dict) -> list[str]:
     out = [f"## Where a step's time goes ({p['model']}, `python benchmarks/profile_step.py`, commit "
            f"{p.get('commit', '?')})", "",
-           "| FULL q = 1, requests | kernels | per layer | kernel sum ms | replay ms | graph alone ms |",
-           "|---|---|---|---|---|---|"]
+           f"Graphs captured with programmatic dependent launch: {p.get('pdl', False)}; the last column's were captured "
+           "without it, in the same run.", "",
+           "| FULL q = 1, requests | kernels | per layer | kernel sum ms | replay ms | graph alone ms | replay / kernel "
+           "sum | replay ms without PDL |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in p["full"]:
         out.append(f"| {r['num_reqs']} | {r['kernels']} | {r['kernels_per_layer']} | {r['kernel_sum_ms']:.3f} | "
-                   f"{r['replay_ms']:.3f} | {r['graph_only_ms']:.3f} |")
+                   f"{r['replay_ms']:.3f} | {r['graph_only_ms']:.3f} | {r['replay_ms'] / r['kernel_sum_ms']:.3f} | "
+                   f"{r.get('replay_ms_without_pdl', '-')} |")
     out += ["", "| PIECEWISE tokens | host ms per step | inputs | piece replays | attention launches | GPU ms per step |",
             "|---|---|---|---|---|---|"]
     for r in p["piecewise"]:
@@ -58,7 +62,8 @@ def main() -> None:
            f"Measured on one {d['device']}, torch {d['torch']}, bf16, random weights, with `bash scripts/gpu_check.sh "
            "bench` (it runs `PYTHONPATH=.:benchmarks python3 benchmarks/bench_runtime_gpu.py --out "
            "$OUT/runtime_h200.json`); full numbers in `docs/bench/runtime_h200.json`, this page by "
-           "`python benchmarks/render_runtime_doc.py`." + (f" Measured at commit {d['commit']}." if d.get("commit") else ""),
+           "`python benchmarks/render_runtime_doc.py`." + (f" Measured at commit {d['commit']}." if d.get("commit") else "")
+           + f" Graphs captured with programmatic dependent launch (PDL): {d.get('pdl', False)}.",
            "",
            "Method: " + d["method"] + ". Every batch is decode-shaped (requests of q tokens over a 64-token context; "
            "PIECEWISE rows are requests of 8 tokens), so attention stays small, as in SPEC section 1. Eager runs the "

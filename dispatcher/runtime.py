@@ -1,8 +1,9 @@
 """The graph runtime: capture every graph of a runner's plan and replay them (SPEC section 6).
 
 - Static buffers live in one place (``StaticBuffers``), sized for the widest graph; a graph of S tokens reads
-  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1),
-  replays, and returns a view of the real rows of the output.
+  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1), in one
+  host-to-device copy of the step's five input rows packed for S (``StaticBuffers.inputs``), replays, and
+  returns a view of the real rows of the output.
 - FULL graphs hold the whole forward, attention included, over the metadata buffers: uniform decode (n
   requests at q tokens each, S = n * q) and varlen (adaptive verification, or every batch in mode FULL).
 - PIECEWISE graphs are the pieces between attention calls: piece 0 is the embedding and layer 0 up to its
@@ -44,8 +45,10 @@ _POOLS: dict[int, tuple[object, object]] = {}
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+INPUT_ROWS = ("input_ids", "positions", "slot_mapping", "token_req", "token_pos")
+"""A step's per-token inputs, in their order in ``StaticBuffers.inputs``."""
 _PAD_ROWS = np.array([[0], [0], [-1], [0], [-1]], dtype=np.int64)
-"""Padding for the staged rows input_ids, positions, slot_mapping, token_req, token_pos."""
+"""Padding for each of INPUT_ROWS: slot -1 (no KV write), position -1 (attends to nothing)."""
 
 
 class CaptureOOMError(RuntimeError):
@@ -87,11 +90,10 @@ def free_device_bytes(device: torch.device) -> int:
 class StaticBuffers:
     """Every tensor a graph reads or writes, sized for the widest graph."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    token_req: torch.Tensor
-    token_pos: torch.Tensor
+    inputs: torch.Tensor
+    """(5 * max_num_tokens,) int64. A step padded to S rows packs its INPUT_ROWS at the start, five consecutive
+    runs of S (``rows(S)``), so that they arrive in one host-to-device copy and a graph of S rows reads them
+    where they land; nothing is copied on the device."""
     block_table: torch.Tensor
     """(max_num_reqs, max_blocks_per_seq): row = the scheduler's slot, updated by deltas."""
     residual: torch.Tensor
@@ -100,8 +102,6 @@ class StaticBuffers:
     hidden_out: torch.Tensor
     aux: torch.Tensor | None
     """(max_num_tokens, hidden): a drafter's second input (target features), None for a target."""
-    staging: torch.Tensor
-    """(5, max_num_tokens) int64: the step's inputs arrive here in one copy."""
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
@@ -109,19 +109,20 @@ class StaticBuffers:
         t = max_num_tokens
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
-            input_ids=z(t, dt=torch.int64), positions=z(t, dt=torch.int64),
-            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device), token_req=z(t, dt=torch.int32),
-            token_pos=torch.full((t,), -1, dtype=torch.int32, device=device),
+            inputs=z(len(INPUT_ROWS) * t, dt=torch.int64),
             block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
             hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
-            staging=z(5, t, dt=torch.int64),
         )
 
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        """(5, num_tokens) view: the INPUT_ROWS of a step padded to num_tokens."""
+        return self.inputs[:len(INPUT_ROWS) * num_tokens].view(len(INPUT_ROWS), num_tokens)
+
     def meta(self, num_tokens: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:num_tokens], self.token_req[:num_tokens],
-                                 self.token_pos[:num_tokens], self.block_table)
+        _, _, slots, token_req, token_pos = self.rows(num_tokens)
+        return AttentionMetadata(slots, token_req, token_pos, self.block_table)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
@@ -213,7 +214,8 @@ class GraphRuntime:
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._primed = False
         if self.cuda_graphs:
-            self._pinned = [torch.empty(5, self.max_num_tokens, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._pinned = [torch.empty(len(INPUT_ROWS) * self.max_num_tokens, dtype=torch.int64, pin_memory=True)
+                            for _ in range(2)]
             self._staging_done = [torch.cuda.Event(), torch.cuda.Event()]
             self._staging_turn = 0
         self._build_closures()
@@ -224,7 +226,8 @@ class GraphRuntime:
 
         def run() -> None:
             aux = b.aux[:num_tokens] if b.aux is not None else None
-            hidden = model(b.input_ids[:num_tokens], b.positions[:num_tokens], self.kv_caches, b.meta(num_tokens), aux)
+            input_ids, positions = b.rows(num_tokens)[:2]
+            hidden = model(input_ids, positions, self.kv_caches, b.meta(num_tokens), aux)
             b.hidden_out[:num_tokens].copy_(hidden)
 
         return run
@@ -234,15 +237,15 @@ class GraphRuntime:
         last = model.num_layers
 
         def run() -> None:
+            input_ids, positions, slots = b.rows(n)[:3]
             if index == 0:
-                x, residual = model.begin(b.input_ids[:n], b.aux[:n] if b.aux is not None else None)
+                x, residual = model.begin(input_ids, b.aux[:n] if b.aux is not None else None)
             else:
                 x, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n],
                                                                      model.next_norm(index - 1))
             if index < last:
                 # the KV write happens here, inside the graph (padded rows: slot -1, nothing stored)
-                q = model.layers[index].pre_attention(x, b.positions[:n], model.rotary, self.kv_caches[index],
-                                                      b.slot_mapping[:n])
+                q = model.layers[index].pre_attention(x, positions, model.rotary, self.kv_caches[index], slots)
                 b.q[:n].copy_(q)
                 b.residual[:n].copy_(residual)
             else:
@@ -250,13 +253,13 @@ class GraphRuntime:
 
         return run
 
-    def _attention_runner(self, num_tokens: int) -> Callable[[int], None]:
-        """Eager attention for the first ``num_tokens`` rows of each layer, between PIECEWISE pieces (each piece
-        has already written its K and V): prepared once a step (row views, metadata, launch arguments), so a
-        layer costs one launch; the output lands in ``attn_out``."""
-        b = self.bufs
-        return self.model.prepare_attention(b.q[:num_tokens], self.kv_caches, b.meta(num_tokens),
-                                            b.attn_out[:num_tokens])
+    def _attention_runner(self, num_tokens: int, num_real: int | None = None) -> Callable[[int], None]:
+        """Eager attention for the first ``num_real`` rows (default: all) of each layer of a step padded to
+        ``num_tokens`` rows, between PIECEWISE pieces (each piece has already written its K and V): prepared once
+        a step (row views, metadata, launch arguments), so a layer costs one launch; the output lands in
+        ``attn_out``."""
+        b, n = self.bufs, num_tokens if num_real is None else num_real
+        return self.model.prepare_attention(b.q[:n], self.kv_caches, b.meta(num_tokens).narrow(n), b.attn_out[:n])
 
     def _build_closures(self) -> None:
         for g in self.graph_sets:
@@ -273,14 +276,9 @@ class GraphRuntime:
         """Kinds widest first, so that narrower graphs reuse the pool the widest ones grew."""
         return sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest))
 
-    def _reset_metadata(self) -> None:
-        """Safe contents for warm-up and capture: every row padded (writes go to the dummy block)."""
-        b = self.bufs
-        b.input_ids.zero_()
-        b.positions.zero_()
-        b.slot_mapping.fill_(-1)
-        b.token_req.zero_()
-        b.token_pos.fill_(-1)
+    def _reset_metadata(self, num_tokens: int) -> None:
+        """Safe inputs for warm-up and capture of num_tokens rows: every row padded (no KV write, no attention)."""
+        self.bufs.rows(num_tokens).copy_(torch.from_numpy(_PAD_ROWS).expand(-1, num_tokens))
 
     def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
@@ -288,6 +286,7 @@ class GraphRuntime:
         tokens = _graph_tokens(g, size)
         if pieces is None:
             pieces = self.graphs[GraphKey(g.kind, g.q, size)]
+        self._reset_metadata(tokens)
         attention = self._attention_runner(tokens)
         try:
             for i, piece in enumerate(pieces):
@@ -326,6 +325,7 @@ class GraphRuntime:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for g in self.graph_sets:
+                self._reset_metadata(_graph_tokens(g, min(g.sizes)))
                 try:
                     for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
                         piece.fn()
@@ -384,7 +384,6 @@ class GraphRuntime:
     @torch.inference_mode()
     def capture(self, progress: bool = True, estimate: bool = True, trace_memory: bool = False) -> CaptureReport:
         """Capture every graph, largest first per kind; on the CPU this only readies the closures."""
-        self._reset_metadata()
         if not self.cuda_graphs:
             self.report.kinds = [KindReport(self.runner, g.kind, g.q, len(g.sizes), 0.0, 0.0) for g in self.graph_sets]
             return self.report
@@ -416,7 +415,6 @@ class GraphRuntime:
                          g.kind, f" at q={g.q}" if g.q else "", kr.seconds, kr.measured_gib,
                          f"{kr.estimated_gib:.3f} GiB" if kr.estimated_gib is not None else "-")
         bar.close()
-        self._reset_metadata()
         return self.report
 
     @torch.inference_mode()
@@ -427,9 +425,9 @@ class GraphRuntime:
         sets = [g for g in self.graph_sets if g.kind == kind and g.unit == "tokens" and len(g.sizes) >= 2]
         if not sets:
             return None
-        self._reset_metadata()
         sizes, times = [], []
         for size in sets[0].sizes:
+            self._reset_metadata(_graph_tokens(sets[0], size))
             graph = self.graphs[GraphKey(kind, sets[0].q, size)][0]
             graph.replay()  # warm
             runs = []
@@ -453,30 +451,25 @@ class GraphRuntime:
     def load_inputs(self, host: np.ndarray, num_real: int, num_padded: int) -> None:
         """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded
         become padding (slot -1, position -1)."""
-        b = self.bufs
         src, staged = self._host_staging(num_padded)
         staged[:4, :num_real] = host
         staged[4, :num_real] = host[1]
         staged[:, num_real:] = _PAD_ROWS
-        dst = b.staging[:, :num_padded]
-        dst.copy_(src, non_blocking=True)
+        self.bufs.rows(num_padded).copy_(src, non_blocking=True)
         if self.cuda_graphs:
             self._staging_done[self._staging_turn].record()
-        b.input_ids[:num_padded].copy_(dst[0])
-        b.positions[:num_padded].copy_(dst[1])
-        b.slot_mapping[:num_padded].copy_(dst[2])
-        b.token_req[:num_padded].copy_(dst[3])
-        b.token_pos[:num_padded].copy_(dst[4])
 
     def _host_staging(self, num_padded: int) -> tuple[torch.Tensor, np.ndarray]:
-        """A host buffer for the step's inputs. On CUDA: two pinned buffers in turn, each reused only once
-        its previous copy has run, so that the copy never blocks the host."""
+        """A (5, num_padded) host buffer for the step's inputs, laid out as ``StaticBuffers.rows``. On CUDA: two
+        pinned buffers in turn, each reused only once its previous copy has run, so that the copy never blocks
+        the host."""
+        rows = len(INPUT_ROWS)
         if not self.cuda_graphs:
-            arr = np.empty((5, num_padded), dtype=np.int64)
+            arr = np.empty((rows, num_padded), dtype=np.int64)
             return torch.from_numpy(arr), arr
         self._staging_turn ^= 1
         self._staging_done[self._staging_turn].synchronize()
-        buf = self._pinned[self._staging_turn][:, :num_padded]
+        buf = self._pinned[self._staging_turn][:rows * num_padded].view(rows, num_padded)
         return buf, buf.numpy()
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
@@ -497,7 +490,7 @@ class GraphRuntime:
             self.graphs[desc.graph][0].replay()
         elif desc.mode == "PIECEWISE":
             pieces = self.graphs[desc.graph]
-            attention = self._attention_runner(num_real)
+            attention = self._attention_runner(num, num_real)
             last = len(pieces) - 1
             for i, piece in enumerate(pieces):
                 piece.replay()

@@ -27,9 +27,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """(tokens,) int64."""
     token_req: torch.Tensor
-    """(tokens,) int32."""
+    """(tokens,) int32 or int64."""
     token_pos: torch.Tensor
-    """(tokens,) int32; -1 for padded rows."""
+    """(tokens,) int32 or int64; -1 for padded rows."""
     block_table: torch.Tensor
     """(rows, max_blocks_per_seq) int32."""
 

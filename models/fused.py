@@ -6,11 +6,19 @@ embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the
 the MoE combine (each token's expert outputs gathered and summed, weighted, in float32; alone, or with the
 residual add and the next layer's input norm). Each rounds where the torch path rounds, so the two agree to bf16
 precision. Under TRITON_INTERPRET=1 the kernels also run on the CPU (tests only).
+
+Programmatic dependent launch (Hopper and later): inside a CUDA graph the GPU still waits about half a
+microsecond between two dependent kernels, to retire one and start the next. Every Triton kernel here (and the
+MoE and attention kernels) starts with ``pdl_enter``: it waits for the kernels before it to finish (their writes
+visible) and lets the next kernel launch at once, so that the next one's launch overlaps this one's work.
+A kernel does nothing before that wait, so the order of reads and writes is the stream's, as without it.
+``launch_options`` turns it on per launch; TWOGRID_PDL=0 turns it off.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +38,53 @@ the CPU test suite checks them (tests/test_kernels_interpreted.py). Never a serv
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on ``t`` take the Triton kernels: on the GPU, or anywhere under the interpreter."""
     return triton is not None and (t.is_cuda or INTERPRETED)
+
+
+def _triton_has_pdl() -> bool:
+    """Triton's launcher takes ``launch_pdl`` and the language has the grid-dependency calls (Triton >= 3.4)."""
+    if triton is None or INTERPRETED:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_PDL_BY_DEVICE: dict[int, bool] = {}
+_PDL_FORCED: list[bool] = []
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_OFF = {"PDL": False}
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch on this device: an NVIDIA GPU of compute capability 9.0 or newer, a Triton
+    that has it, and TWOGRID_PDL not set to 0."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_BY_DEVICE:
+        _PDL_BY_DEVICE[index] = (os.environ.get("TWOGRID_PDL", "1") != "0" and _triton_has_pdl()
+                                 and torch.cuda.get_device_capability(index)[0] >= 9)
+    return _PDL_BY_DEVICE[index]
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """Keyword arguments for a Triton launch of an op on ``t``: the kernel's PDL switch, and the launcher's."""
+    enabled = _PDL_FORCED[-1] if _PDL_FORCED else True
+    return _PDL_ON if enabled and pdl_available(t.device) else _PDL_OFF
+
+
+@contextmanager
+def programmatic_launch(enabled: bool):
+    """Launches inside the block use (where available) or skip programmatic dependent launch; graphs keep what
+    they were captured with. For benchmarks and tests that compare the two."""
+    _PDL_FORCED.append(enabled)
+    try:
+        yield
+    finally:
+        _PDL_FORCED.pop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -57,10 +112,20 @@ def rotary_torch(positions, x, cos, sin):
 # ---------------------------------------------------------------------------------------------------------------
 
 if triton is not None:
+    if _triton_has_pdl():
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A kernel's first call: with PDL, wait for the kernels before it, then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n,
-                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -77,9 +142,11 @@ if triton is not None:
 
     @triton.jit
     def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, stride_t, stride_kind,
-                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                PDL: tl.constexpr):
         """Program (token, head) over the query heads then the key heads: rotate a query head in place; rotate
         a key head into the cache and copy its value head beside it (rows with slot -1 write nothing)."""
+        pdl_enter(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + t)
@@ -104,7 +171,8 @@ if triton is not None:
                 tl.store(dst + stride_kind + dims, tl.load(base + NUM_KV_HEADS * HEAD_DIM + dims))
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -126,7 +194,8 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, stride_y, stride_o, n, TOP_K: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -135,9 +204,11 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine_add_norm_kernel(y_ptr, inv_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, stride_y, stride_r,
-                                     stride_o, stride_ro, n, eps, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                                     stride_o, stride_ro, n, eps, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                                     PDL: tl.constexpr):
         """One token's row: the MoE combine, the residual add and the next RMSNorm, rounded where the separate
         combine and norm kernels round."""
+        pdl_enter(PDL)
         t = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -156,8 +227,9 @@ if triton is not None:
 
     @triton.jit
     def _moe_route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, rank_ptr, stride_l, n_experts,
-                          TOP_K: tl.constexpr, E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr):
+                          TOP_K: tl.constexpr, E_PAD: tl.constexpr, NORM_TOPK: tl.constexpr, PDL: tl.constexpr):
         """Per token: top-k experts of the router logits, their weights, and a slot in each expert's segment."""
+        pdl_enter(PDL)
         t = tl.program_id(0)
         offs = tl.arange(0, E_PAD)
         x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
@@ -181,9 +253,10 @@ if triton is not None:
     @triton.jit
     def _moe_scatter_kernel(x_ptr, ids_ptr, rank_ptr, counts_ptr, xs_ptr, inv_ptr, offs_ptr, stride_x, stride_xs,
                             hidden, n_experts, n_choices, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                            H_PAD: tl.constexpr):
+                            H_PAD: tl.constexpr, PDL: tl.constexpr):
         """Per (token, choice): its row in the expert-sorted order; copies the token's hidden state there. The
         last program to finish (a ticket after the counts) zeroes the counts and the ticket for the next call."""
+        pdl_enter(PDL)
         a = tl.program_id(0)
         offs_e = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + offs_e, mask=offs_e < n_experts, other=0)
@@ -218,7 +291,7 @@ def rms_norm(x, weight, eps, residual=None):
     res_in = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), out.stride(0),
                                     res_out.stride(0), n, eps, HAS_RES=residual is not None,
-                                    BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                    BLOCK=triton.next_power_of_2(n), num_warps=4, **launch_options(x))
     return out if residual is None else (out, res_out)
 
 
@@ -231,7 +304,7 @@ def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         raise ValueError(f"rotary_write_kv_ needs a power-of-two head_dim (got {head_dim}) and a contiguous cache")
     _rotary_write_kv_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
         qkv, positions, cos, sin, kv_cache, slot_mapping, qkv.stride(0), kv_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, num_warps=1)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, num_warps=1, **launch_options(qkv))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +315,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
+                                                        **launch_options(x))
     return out
 
 
@@ -272,7 +346,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     counts = expert_counts(dev, num_experts)
     _moe_route_kernel[(num_tokens,)](logits, ids, weights, counts, rank, logits.stride(0), num_experts,
                                      TOP_K=top_k, E_PAD=triton.next_power_of_2(num_experts),
-                                     NORM_TOPK=norm_topk_prob, num_warps=1)
+                                     NORM_TOPK=norm_topk_prob, num_warps=1, **launch_options(logits))
     return ids, rank, weights, counts
 
 
@@ -305,7 +379,8 @@ def moe_route(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob:
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _moe_scatter_kernel[(n,)](x, ids, rank, counts, xs, inv, offs, x.stride(0), xs.stride(0), x.shape[1], num_experts,
-                              n, TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4)
+                              n, TOP_K=top_k, E_PAD=e_pad, H_PAD=triton.next_power_of_2(x.shape[1]), num_warps=4,
+                              **launch_options(x))
     return xs, offs, inv, weights
 
 
@@ -322,7 +397,7 @@ def moe_combine_add_norm(y_sorted: torch.Tensor, inv: torch.Tensor, weights: tor
     _moe_combine_add_norm_kernel[(num_tokens,)](
         y_sorted, inv, weights.contiguous(), residual, norm_weight, out, res_out, y_sorted.stride(0),
         residual.stride(0), out.stride(0), res_out.stride(0), hidden, eps, TOP_K=top_k,
-        BLOCK=triton.next_power_of_2(hidden), num_warps=4)
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4, **launch_options(y_sorted))
     return out, res_out
 
 
@@ -336,5 +411,6 @@ def moe_combine(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor
     out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y_sorted, inv, weights.contiguous(), out, y_sorted.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block)
+        y_sorted, inv, weights.contiguous(), out, y_sorted.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block,
+        **launch_options(y_sorted))
     return out

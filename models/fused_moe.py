@@ -22,10 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from models.fused import moe_combine, route_top_k, triton, use_triton
+from models.fused import launch_options, moe_combine, route_top_k, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
+
+    from models.fused import pdl_enter
 
 
 class MoETiles(NamedTuple):
@@ -72,10 +74,11 @@ if triton is not None:
 
     @triton.jit
     def _moe_align_kernel(ids_ptr, rank_ptr, counts_ptr, sorted_ptr, inv_ptr, seg_ptr, n_experts, n_choices,
-                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         """Per (token, choice): its row in the expert-sorted layout where each expert's segment is padded to a
         multiple of BLOCK_M. Program 0 records the segments' padded ends and the counts; the last program to
         finish zeroes the counts and the ticket for the next layer."""
+        pdl_enter(PDL)
         a = tl.program_id(0)
         offs_e = tl.arange(0, E_PAD)
         emask = offs_e < n_experts
@@ -97,11 +100,12 @@ if triton is not None:
     def _moe_route_align_kernel(x_ptr, wg_ptr, w_ptr, sorted_ptr, inv_ptr, seg_ptr, stride_x, stride_g, num_tokens,
                                 n_experts, hidden, TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr,
                                 E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
-                                NORM_TOPK: tl.constexpr):
+                                NORM_TOPK: tl.constexpr, PDL: tl.constexpr):
         """Router, routing and alignment of a small step in one program, without atomics: the router logits
         (x @ wg.T, rounded to the model dtype like the router GEMM's output), every token's top-k experts and
         weights, then each (token, choice)'s row in the expert-padded layout (within an expert, in token order:
         ranks are a running count per expert), the segments' padded ends and the counts."""
+        pdl_enter(PDL)
         offs_t = tl.arange(0, T_PAD)
         offs_e = tl.arange(0, E_PAD)
         offs_k = tl.arange(0, K_PAD)
@@ -172,8 +176,10 @@ if triton is not None:
     @triton.jit
     def _moe_gate_up_kernel(x_ptr, w_ptr, sorted_ptr, seg_ptr, h_ptr, stride_x, stride_we, stride_wn, stride_h,
                             hidden, inter, n_experts, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
         """h[row] = silu(x[token] @ w_gate[e].T) * (x[token] @ w_up[e].T) for the rows of one tile (one expert)."""
+        pdl_enter(PDL)
         e, rows, valid = _tile_rows(seg_ptr, n_experts, E_PAD, BLOCK_M)
         if e >= n_experts:
             return
@@ -202,8 +208,9 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(h_ptr, w_ptr, seg_ptr, y_ptr, stride_h, stride_we, stride_wn, stride_y, hidden, inter,
                          n_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """y[row] = h[row] @ w_down[e].T for the rows of one tile (one expert)."""
+        pdl_enter(PDL)
         e, rows, valid = _tile_rows(seg_ptr, n_experts, E_PAD, BLOCK_M)
         if e >= n_experts:
             return
@@ -264,11 +271,11 @@ def route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk
         _moe_route_align_kernel[(1,)](x, router, weights, sorted_ids, inv, seg, x.stride(0), router.stride(0),
                                       num_tokens, num_experts, hidden, TOP_K=top_k, K_PAD=k_pad, T_PAD=t_pad,
                                       E_PAD=e16, BLOCK_H=64, BLOCK_M=block_m, NORM_TOPK=norm_topk_prob,
-                                      num_warps=8)
+                                      num_warps=8, **launch_options(x))
     else:
         ids, rank, weights, counts = route_top_k(torch.nn.functional.linear(x, router), top_k, norm_topk_prob)
         _moe_align_kernel[(n,)](ids, rank, counts, sorted_ids, inv, seg, num_experts, n, E_PAD=e_pad,
-                                BLOCK_M=block_m, num_warps=1)
+                                BLOCK_M=block_m, num_warps=1, **launch_options(x))
     return Routing(sorted_ids, inv, seg, weights, max_tiles)
 
 
@@ -289,10 +296,10 @@ def experts(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.
     _moe_gate_up_kernel[(r.max_tiles, triton.cdiv(inter, t.gate_up_n))](
         x, w13, r.sorted_ids, r.seg, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), hidden, inter,
         num_experts, TOP_K=top_k, E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.gate_up_n, BLOCK_K=t.gate_up_k,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(x))
     y = torch.empty(max_rows, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(r.max_tiles, triton.cdiv(hidden, t.down_n))](
         h, w2, r.seg, y, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), hidden, inter, num_experts,
         E_PAD=e_pad, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k, num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        num_stages=t.num_stages, **launch_options(x))
     return y, r.inv, r.weights

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from models.attention import AttentionMetadata
+from models.fused import launch_options, pdl_enter
 
 
 @triton.jit
@@ -19,8 +20,9 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head,
     stride_ot, stride_oh, stride_bt, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -71,7 +73,7 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), out.stride(0), out.stride(1),
             meta.block_table.stride(0), scale)
     consts = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                  BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4)
+                  BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4, **launch_options(q))
 
     def run(cache: torch.Tensor) -> None:
         launch(q, cache, *rest, **consts)
