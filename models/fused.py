@@ -12,7 +12,7 @@ microsecond between two dependent kernels, to retire one and start the next. Eve
 MoE and attention kernels) starts with ``pdl_enter``: it waits for the kernels before it to finish (their writes
 visible) and lets the next kernel launch at once, so that the next one's launch overlaps this one's work.
 A kernel does nothing before that wait, so the order of reads and writes is the stream's, as without it.
-``launch_options`` turns it on per launch; TWOGRID_PDL=0 turns it off.
+``launch_options`` turns it on per launch, for steps of up to PDL_MAX_TOKENS tokens; TWOGRID_PDL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -70,10 +70,19 @@ def pdl_available(device: torch.device) -> bool:
     return _PDL_BY_DEVICE[index]
 
 
-def launch_options(t: torch.Tensor) -> dict:
-    """Keyword arguments for a Triton launch of an op on ``t``: the kernel's PDL switch, and the launcher's."""
+PDL_MAX_TOKENS = 256
+"""Steps of at most this many tokens launch programmatically. On the H200 (docs/runtime.md) it brings a bench-moe
+FULL decode step from 1.04-1.09x to 1.01-1.03x its kernels' sum up to 256 tokens, and made steps of 512 tokens and
+more 4-11% slower: there the kernels are long and a launch's latency is already hidden behind them."""
+
+
+def launch_options(rows: torch.Tensor) -> dict:
+    """Keyword arguments for a Triton launch of an op of a step (``rows``: a tensor of the step whose first
+    dimension is its token count): the kernel's PDL switch, and the launcher's."""
     enabled = _PDL_FORCED[-1] if _PDL_FORCED else True
-    return _PDL_ON if enabled and pdl_available(t.device) else _PDL_OFF
+    if enabled and rows.shape[0] <= PDL_MAX_TOKENS and pdl_available(rows.device):
+        return _PDL_ON
+    return _PDL_OFF
 
 
 @contextmanager
@@ -397,7 +406,7 @@ def moe_combine_add_norm(y_sorted: torch.Tensor, inv: torch.Tensor, weights: tor
     _moe_combine_add_norm_kernel[(num_tokens,)](
         y_sorted, inv, weights.contiguous(), residual, norm_weight, out, res_out, y_sorted.stride(0),
         residual.stride(0), out.stride(0), res_out.stride(0), hidden, eps, TOP_K=top_k,
-        BLOCK=triton.next_power_of_2(hidden), num_warps=4, **launch_options(y_sorted))
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4, **launch_options(weights))
     return out, res_out
 
 
@@ -412,5 +421,5 @@ def moe_combine(y_sorted: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y_sorted, inv, weights.contiguous(), out, y_sorted.stride(0), out.stride(0), hidden, TOP_K=top_k, BLOCK=block,
-        **launch_options(y_sorted))
+        **launch_options(weights))
     return out
