@@ -8,7 +8,8 @@
 2. Kernel sum: one eager run of the same padded closures under torch.profiler, without programmatic dependent
    launch (so that no kernel's time includes waiting for the one before); the sum of its CUDA kernel
    durations against the replay time (launch gaps gone when replay is within 10% of it; the graphs use PDL
-   where the GPU has it, ``pdl`` in the JSON), and the gap that is left per kernel (microseconds: the GPU's own latency between dependent graph nodes, when the host keeps up).
+   where the GPU has it, ``pdl`` in the JSON), and the gap that is left per kernel (microseconds: the GPU's own
+   latency between dependent graph nodes, when the host keeps up).
    The kernels of a profiled replay are recorded too (a cross-check: the same kernels, timed inside the graph).
 3. Capture of the sm100 default plan (1024 requests, 16384 tokens: 39 PIECEWISE + 64 FULL at q = 1) on
    bench-moe: seconds and pool GiB per kind, estimate vs measured.
