@@ -61,19 +61,19 @@ _PDL_OFF = {"PDL": False}
 def pdl_available(device: torch.device) -> bool:
     """Programmatic dependent launch on this device: an NVIDIA GPU of compute capability 9.0 or newer, a Triton
     that has it, and TWOGRID_PDL not set to 0."""
-    if device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TWOGRID_PDL", "1") == "0":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL_BY_DEVICE:
-        _PDL_BY_DEVICE[index] = (os.environ.get("TWOGRID_PDL", "1") != "0" and _triton_has_pdl()
-                                 and torch.cuda.get_device_capability(index)[0] >= 9)
+        _PDL_BY_DEVICE[index] = _triton_has_pdl() and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_BY_DEVICE[index]
 
 
 PDL_MAX_TOKENS = 256
 """Steps of at most this many tokens launch programmatically. On the H200 (docs/runtime.md) it brings a bench-moe
-FULL decode step from 1.04-1.09x to 1.01-1.03x its kernels' sum up to 256 tokens, and made steps of 512 tokens and
-more 4-11% slower: there the kernels are long and a launch's latency is already hidden behind them."""
+FULL decode step from 1.04-1.10x to 1.00-1.03x its kernels' sum up to 256 tokens; at 512 tokens and more it made
+steps 2-10% slower against their kernels' sum (docs/bench/runtime_h200_f9fd88d_pdl_every_size.json), where the
+kernels are long and a launch's latency is already hidden behind them."""
 
 
 def launch_options(rows: torch.Tensor) -> dict:
