@@ -12,7 +12,8 @@
   exchange tensors through the static buffers, so no piece output outlives its replay.
 - Capture: one memory pool per device shared by every runner and kind, largest size first, Python GC frozen,
   a progress bar; per kind, graph count, seconds and measured memory are logged. Memory is estimated first
-  (the two largest sizes of each kind captured into a throwaway pool, extrapolated) and measured after.
+  (per kind, the largest size and the median size captured into a throwaway pool, extrapolated; see
+  ``estimate_memory``) and measured after.
 - CPU: no CUDA graphs; the same closures run eagerly on the same padded static buffers, so dispatch, padding
   and output slicing are exercised identically in tests.
 """
