@@ -20,10 +20,10 @@ import time
 
 from _common import write_json  # noqa: E402  (puts the repository on sys.path)
 
-from dispatcher.config import resolve  # noqa: E402
-from dispatcher.dispatch import dispatchers_for_plan  # noqa: E402
-from dispatcher.plan import build_plan  # noqa: E402
-from dispatcher.plandiff import run_matrix  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from dispatcher.plan.dispatch import dispatchers_for_plan  # noqa: E402
+from dispatcher.plan.capture_plan import build_plan  # noqa: E402
+from dispatcher.plan.plandiff import run_matrix  # noqa: E402
 
 CONFIGS = {
     "sm100, no SD": (None, {}),

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
-from dispatcher.config import resolve
-from dispatcher.dispatch import BatchDescriptor, GraphKey
-from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet, build_plan
-from dispatcher.runtime import GraphRuntime
+from dispatcher.plan.config import resolve
+from dispatcher.plan.dispatch import BatchDescriptor, GraphKey
+from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, GraphSet, build_plan
+from dispatcher.runtime.graphs import GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import preset
 from models.fused import pdl_available, programmatic_launch

@@ -20,12 +20,13 @@ import time
 
 from _common import write_json  # noqa: E402  (puts the repository on sys.path)
 
-from dispatcher.config import resolve  # noqa: E402
-from dispatcher.dispatch import dispatchers_for_plan  # noqa: E402
-from dispatcher.plan import build_plan  # noqa: E402
-from dispatcher.simulate import FakeModel, simulate  # noqa: E402
-from dispatcher.workload import make_prompts  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from dispatcher.plan.dispatch import dispatchers_for_plan  # noqa: E402
+from dispatcher.plan.capture_plan import build_plan  # noqa: E402
+from dispatcher.engine.simulate import FakeModel, simulate  # noqa: E402
+from dispatcher.engine.workload import make_prompts  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
+from dispatcher.engine.config import scheduler_config  # noqa: E402
 from scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 SPECS = {
@@ -39,7 +40,7 @@ SPECS = {
 
 def time_steps(spec, warm_steps: int = 10, timed_steps: int = 50) -> dict:
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
-    sched = Scheduler(SchedulerConfig.from_resolved(cfg, num_kv_blocks=1024 * 160, block_size=16, max_model_len=2048))
+    sched = Scheduler(scheduler_config(cfg, num_kv_blocks=1024 * 160, block_size=16, max_model_len=2048))
     dispatcher = dispatchers_for_plan(build_plan(cfg))["target"]
     model = FakeModel(32000, 0.7, 1024)
     for i in range(1024):

@@ -21,9 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import commit, write_json
 from bench_runtime_gpu import BLOCK, CTX, decode_host, time_steps
-from dispatcher.dispatch import BatchDescriptor, GraphKey
-from dispatcher.plan import FULL_DECODE, PIECEWISE, GraphSet
-from dispatcher.runtime import GraphRuntime
+from dispatcher.plan.dispatch import BatchDescriptor, GraphKey
+from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, GraphSet
+from dispatcher.runtime.graphs import GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import preset
 from models.fused import pdl_available, programmatic_launch

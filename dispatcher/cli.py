@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
-from dispatcher.plan import CapturePlan, build_plan
+from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
+from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
 
 def detect_platform() -> Platform:
@@ -142,7 +142,7 @@ def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.matrix:
-        from dispatcher.plandiff import run_matrix
+        from dispatcher.plan.plandiff import run_matrix
 
         start = time.perf_counter()
         result = run_matrix(tuple(args.methods.split(",")))
@@ -163,7 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"{result['invalid_configs']} configs were rejected by validation")
         return 0
     if args.diff:
-        from dispatcher.plandiff import diff_plans
+        from dispatcher.plan.plandiff import diff_plans
 
         a, b = (_load_plan_or_config(p, args) for p in args.diff)
         diffs = diff_plans(a, b)
@@ -188,8 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from dispatcher.simulate import simulate
-    from dispatcher.workload import make_prompts
+    from dispatcher.engine.simulate import simulate
+    from dispatcher.engine.workload import make_prompts
 
     cfg = config_from_args(args)
     for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size"):
@@ -222,9 +222,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from dispatcher.dispatch import dispatchers_for_plan
-    from dispatcher.replay import replay
-    from dispatcher.trace import TraceError, read_trace
+    from dispatcher.plan.dispatch import dispatchers_for_plan
+    from dispatcher.engine.replay import replay
+    from dispatcher.engine.trace import TraceError, read_trace
 
     try:
         records = read_trace(args.trace)

@@ -64,21 +64,6 @@ class SchedulerConfig:
         the drafter's lookahead."""
         return -(-(self.max_model_len + self.max_speculative_tokens + 1 + self.lookahead_tokens) // self.block_size)
 
-    @classmethod
-    def from_resolved(cls, cfg, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 8192,
-                      step_ms: Callable[[int], float] | None = None) -> "SchedulerConfig":
-        """From a dispatcher ResolvedConfig and its capture plan's adaptive-verification sizes."""
-        from dispatcher import grids
-
-        tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers if t.num_speculative_tokens)
-        av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
-        from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE
-
-        model_drafter = cfg.method in EAGLE_LIKE + BLOCK_DRAFTERS
-        return cls(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len, tiers,
-                   cfg.adaptive_verification, tuple(av), step_ms,
-                   cfg.num_speculative_tokens + 1 if model_drafter else 0)
-
 
 @dataclass(frozen=True)
 class BatchShape:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dispatcher.config import ConfigError, resolve
+from dispatcher.plan.config import ConfigError, resolve
 
 AV5 = {"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": True}
 

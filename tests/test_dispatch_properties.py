@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatcher.config import ConfigError, resolve
-from dispatcher.dispatch import ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatchers_for_plan
-from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
+from dispatcher.plan.config import ConfigError, resolve
+from dispatcher.plan.dispatch import ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatchers_for_plan
+from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
 
 METHODS = ["eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash", "ngram", "draft_model"]
 MODES = ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL", "NONE"]

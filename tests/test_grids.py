@@ -2,9 +2,9 @@
 
 import pytest
 
-from dispatcher import grids
-from dispatcher.config import resolve
-from dispatcher.plan import FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
+from dispatcher.plan import grids
+from dispatcher.plan.config import resolve
+from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
 
 SM100 = dict(platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
 

@@ -85,8 +85,8 @@ def test_bad_checkpoints(tmp_path):
 
 
 def test_engine_serves_a_checkpoint_directory(tmp_path):
-    from dispatcher.config import resolve
-    from dispatcher.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
     from scheduler.request import SamplingParams
 
     model = build_model(SHAPES["mixtral"], "cpu", torch.float32, seed=3)

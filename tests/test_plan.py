@@ -1,7 +1,7 @@
 """Capture plans per runner and speculative method (SPEC section 4)."""
 
-from dispatcher.config import resolve
-from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, baseline_plan, build_plan
+from dispatcher.plan.config import resolve
+from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, baseline_plan, build_plan
 
 SM100 = dict(platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
 

@@ -3,9 +3,9 @@
 import json
 
 from dispatcher.cli import main
-from dispatcher.config import resolve
-from dispatcher.simulate import simulate
-from dispatcher.workload import make_prompts
+from dispatcher.plan.config import resolve
+from dispatcher.engine.simulate import simulate
+from dispatcher.engine.workload import make_prompts
 
 K7 = '{"method": "eagle3", "num_speculative_tokens": 7}'
 LEGACY = '{"max_cudagraph_capture_size": 1024}'

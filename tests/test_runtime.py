@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dispatcher.config import resolve  # noqa: E402
-from dispatcher.dispatch import dispatchers_for_plan  # noqa: E402
-from dispatcher.engine_core import EngineArgs, EngineCore  # noqa: E402
-from dispatcher.plan import build_plan  # noqa: E402
-from dispatcher.runtime import GraphRuntime  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from dispatcher.plan.dispatch import dispatchers_for_plan  # noqa: E402
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.plan.capture_plan import build_plan  # noqa: E402
+from dispatcher.runtime.graphs import GraphRuntime  # noqa: E402
 from models.attention import allocate_kv_cache  # noqa: E402
 from models.config import preset  # noqa: E402
 from models.fused import programmatic_launch  # noqa: E402
@@ -191,7 +191,7 @@ def test_capture_out_of_memory_is_a_clear_error():
 
     code = r'''
 import torch
-from dispatcher.runtime import CaptureOOMError, shared_pool
+from dispatcher.runtime.graphs import CaptureOOMError, shared_pool
 from tests.test_runtime import make_runtime
 cfg, rt, _ = make_runtime("bench-moe", "cuda", torch.bfloat16, {}, None, max_num_seqs=1024, mnbt=16384, graphs=False)
 rt.cuda_graphs = True
@@ -252,7 +252,7 @@ def test_model_drafters_through_graphs_on_gpu(spec):
 
 
 def test_step_trace_shows_drafter_forwards(tmp_path):
-    from dispatcher.trace import read_trace
+    from dispatcher.engine.trace import read_trace
 
     trace = tmp_path / "t.jsonl"
     args = EngineArgs(preset("tiny-dense"), num_kv_blocks=200, block_size=BLOCK, max_model_len=128, step_trace=str(trace))

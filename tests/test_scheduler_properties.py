@@ -9,11 +9,12 @@ import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dispatcher.config import resolve
-from dispatcher.dispatch import dispatchers_for_plan
-from dispatcher.plan import build_plan
-from dispatcher.simulate import FakeModel
+from dispatcher.plan.config import resolve
+from dispatcher.plan.dispatch import dispatchers_for_plan
+from dispatcher.plan.capture_plan import build_plan
+from dispatcher.engine.simulate import FakeModel
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from dispatcher.engine.config import scheduler_config
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 1000
@@ -76,7 +77,7 @@ def check_blocks(sched: Scheduler) -> None:
 @given(setups())
 def test_scheduler_invariants(setup):
     cfg, block_size, num_blocks, acceptance, ops = setup
-    sc = SchedulerConfig.from_resolved(cfg, num_blocks, block_size, max_model_len=80)
+    sc = scheduler_config(cfg, num_blocks, block_size, max_model_len=80)
     sched = Scheduler(sc)
     model = FakeModel(VOCAB, acceptance, cfg.max_num_seqs)
     dispatcher = dispatchers_for_plan(build_plan(cfg))["target"]

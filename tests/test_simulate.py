@@ -7,10 +7,10 @@ import os
 import pytest
 
 from dispatcher.cli import main
-from dispatcher.config import resolve
-from dispatcher.simulate import simulate
-from dispatcher.trace import read_trace
-from dispatcher.workload import load_sharegpt, make_prompts
+from dispatcher.plan.config import resolve
+from dispatcher.engine.simulate import simulate
+from dispatcher.engine.trace import read_trace
+from dispatcher.engine.workload import load_sharegpt, make_prompts
 
 SHAREGPT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json")
 K7 = {"method": "eagle3", "num_speculative_tokens": 7}

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dispatcher.dispatch import BatchDescriptor, StepDescriptors
-from dispatcher.plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len
-from dispatcher.runtime import CaptureReport, GraphRuntime
+from dispatcher.plan.dispatch import BatchDescriptor, StepDescriptors
+from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len
+from dispatcher.runtime.graphs import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
 from models.drafters import NgramDrafter, build_draft_head

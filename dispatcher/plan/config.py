@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dispatcher import grids
+from dispatcher.plan import grids
 
 MAX_SPECULATIVE_TOKENS = 63
 """Largest K accepted (q = 1 + K <= 64 tokens a request)."""

@@ -6,9 +6,9 @@ import json
 from collections import Counter
 from typing import IO, Any
 
-from dispatcher.dispatch import BATCH_KINDS
+from dispatcher.plan.dispatch import BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
-_MODE_COLUMN = {"FULL": "full", "PIECEWISE": "piecewise", "NONE": "eager"}
+_MODE_COLUMN = {MODE_FULL: "full", MODE_PIECEWISE: "piecewise", MODE_EAGER: "eager"}
 
 
 class StepTally:

@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from dispatcher.config import ConfigError, load_json_file
+from dispatcher.plan.config import ConfigError, load_json_file
 
 CHARS_PER_TOKEN = 4
 """Prompt tokens are estimated as characters / 4 when no tokenizer is given (typical for BPE on English)."""

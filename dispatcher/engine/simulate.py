@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from dispatcher.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan
-from dispatcher.plan import build_plan
-from dispatcher.trace import StepTally, TraceWriter, step_record
-from dispatcher.workload import PromptSpec
-from scheduler.cost import StepCostModel
+from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step, dispatchers_for_plan
+from dispatcher.plan.capture_plan import build_plan
+from dispatcher.engine.trace import StepTally, TraceWriter, step_record
+from dispatcher.engine.workload import PromptSpec
+from dispatcher.engine.cost import StepCostModel
 from scheduler.request import Request, SamplingParams
+from dispatcher.engine.config import scheduler_config
 from scheduler.scheduler import ModelResult, Scheduler, SchedulerConfig, SchedulerOutput
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -120,8 +121,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     max_model_len = max_prompt + output_len
     if num_kv_blocks is None:  # enough for every slot to hold the longest request: no preemption
         num_kv_blocks = cfg.max_num_seqs * -(-(max_model_len + k_max + 1) // block_size)
-    sched_cfg = SchedulerConfig.from_resolved(cfg, num_kv_blocks, block_size, max_model_len,
-                                              step_ms=lambda t: costs.step_ms("FULL", t))
+    sched_cfg = scheduler_config(cfg, num_kv_blocks, block_size, max_model_len,
+                                              step_ms=lambda t: costs.step_ms(MODE_FULL, t))
     scheduler = Scheduler(sched_cfg)
     model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs)
     trace = TraceWriter(step_trace)
@@ -199,7 +200,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "output_tokens_per_second": round(total_out / (clock_ms / 1e3), 1) if clock_ms else 0.0,
         "mean_ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
         "mean_tpot_ms": round(float(np.mean(tpot)), 3) if tpot else None,
-        "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in ("FULL", "PIECEWISE", "NONE")},
+        "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)},
         "draft_device_ms": round(totals["draft_ms"], 1),
         "preemptions": scheduler.stats.preemptions,
         "draft_acceptance_rate": round(scheduler.stats.drafts_accepted / max(1, scheduler.stats.drafts_verified), 4),

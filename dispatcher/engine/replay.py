@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from dispatcher.dispatch import MIXED, UNIFORM_DECODE, BatchDescriptor, Dispatcher
-from dispatcher.plan import FULL_DECODE, PIECEWISE, CapturePlan
-from dispatcher.trace import StepTally
-from scheduler.cost import StepCostModel
+from dispatcher.plan.dispatch import MIXED, MODE_EAGER, UNIFORM_DECODE, BatchDescriptor, Dispatcher
+from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, CapturePlan
+from dispatcher.engine.trace import StepTally
+from dispatcher.engine.cost import StepCostModel
 
 
 def record_shape(rec: dict[str, Any]) -> tuple[int, int, int, bool]:
@@ -30,7 +30,7 @@ def eager_reason(desc: BatchDescriptor, plan: CapturePlan) -> str:
     """Why a step runs eagerly under ``plan``, in the terms a user tunes (steps of one cause share the text)."""
     cfg = plan.config
     mode = cfg.cudagraph_mode.value
-    if mode == "NONE":
+    if mode == MODE_EAGER:
         return "cudagraph_mode is NONE (or both size lists are [])"
     sets = {(g.kind, g.q): g for g in plan.for_runner("target")}
     pw = sets.get((PIECEWISE, None))
@@ -74,7 +74,7 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
         totals["ms_before"] += costs.step_ms(old_mode, old_padded)
         totals["ms_after"] += costs.step_ms(desc.mode, desc.num_tokens)
         totals["real_tokens"] += tokens
-        if desc.mode == "NONE":
+        if desc.mode == MODE_EAGER:
             reasons.setdefault(eager_reason(desc, plan), []).append(tokens)
     recorded, replayed = before.summary(), after.summary()
     steps = replayed.pop("steps")

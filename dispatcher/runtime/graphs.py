@@ -30,8 +30,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from dispatcher.dispatch import BatchDescriptor, GraphKey
-from dispatcher.plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
+from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
+from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
 from models.attention import AttentionMetadata
 
 log = logging.getLogger("twogrid.runtime")
@@ -483,13 +483,13 @@ class GraphRuntime:
         """Run a step: (4, num_real) host inputs (and a drafter's (num_real, hidden) features) -> final hidden
         states of the real rows (a view)."""
         num_real = host.shape[1]
-        num = desc.num_tokens if desc.mode != "NONE" else num_real
+        num = desc.num_tokens if desc.mode != MODE_EAGER else num_real
         self.load_inputs(host, num_real, num)
         if aux is not None:
             self.bufs.aux[:num_real].copy_(aux)
-        if desc.mode == "FULL":
+        if desc.mode == MODE_FULL:
             self.graphs[desc.graph][0].replay()
-        elif desc.mode == "PIECEWISE":
+        elif desc.mode == MODE_PIECEWISE:
             pieces = self.graphs[desc.graph]
             attention = self._attention_runner(num, num_real)
             last = len(pieces) - 1

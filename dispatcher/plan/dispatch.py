@@ -21,7 +21,7 @@ from typing import Iterable, NamedTuple
 
 from dataclasses import dataclass
 
-from dispatcher.plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet,
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet,
                              block_query_len)
 
 # Modes a step runs in.

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dispatcher import grids
-from dispatcher.config import CUDAGraphMode, ResolvedConfig, Tier
+from dispatcher.plan import grids
+from dispatcher.plan.config import CUDAGraphMode, ResolvedConfig, Tier
 
 # Graph kinds (the "kind" field of a plan entry).
 PIECEWISE = "piecewise"

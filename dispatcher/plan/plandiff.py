@@ -8,8 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dispatcher.config import ConfigError, resolve
-from dispatcher.plan import CapturePlan, GraphSet, baseline_plan, build_plan, coverage
+from dispatcher.plan.config import ConfigError, resolve
+from dispatcher.plan.capture_plan import CapturePlan, GraphSet, baseline_plan, build_plan, coverage
 
 IDENTICAL, GAINS, LOSES, REGRID = "identical", "gains coverage", "loses coverage", "same reach, other sizes"
 STATUSES = (IDENTICAL, GAINS, LOSES, REGRID)

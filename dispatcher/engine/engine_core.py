@@ -11,14 +11,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dispatcher.config import ResolvedConfig
-from dispatcher.dispatch import dispatch_step, dispatchers_for_plan
-from dispatcher.plan import FULL_VARLEN, build_plan
-from dispatcher.trace import TraceWriter, step_record
-from dispatcher.worker import ModelWorker, WorkerConfig
+from dispatcher.plan.config import ResolvedConfig
+from dispatcher.plan.dispatch import dispatch_step, dispatchers_for_plan
+from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
+from dispatcher.engine.trace import TraceWriter, step_record
+from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
-from scheduler.cost import CostCurve
+from dispatcher.engine.cost import CostCurve
 from scheduler.request import Request, RequestError, SamplingParams
+from dispatcher.engine.config import scheduler_config
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
 
@@ -44,7 +45,7 @@ class EngineCore:
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
         dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-        sched_cfg = SchedulerConfig.from_resolved(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
         self.worker = ModelWorker(
             WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                          cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,

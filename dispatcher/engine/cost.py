@@ -13,19 +13,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODES = ("FULL", "PIECEWISE", "NONE")
+from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
 _TOKENS = (1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
 PRESETS: dict[str, dict[str, tuple[float, ...]]] = {
     # Granite-1B-A400M-shaped MoE: host-bound up to ~2048 tokens.
     "bench-moe": {
-        "NONE": (22.3, 21.2, 20.8, 23.6, 20.7, 23.8, 23.6, 23.9, 40.9),
-        "FULL": (2.6, 3.4, 4.2, 4.8, 6.0, 8.9, 13.4, 21.8, 39.4),
+        MODE_EAGER: (22.3, 21.2, 20.8, 23.6, 20.7, 23.8, 23.6, 23.9, 40.9),
+        MODE_FULL: (2.6, 3.4, 4.2, 4.8, 6.0, 8.9, 13.4, 21.8, 39.4),
     },
     # Qwen3-30B-A3B-shaped MoE: GPU-bound above a few hundred tokens.
     "bench-moe-large": {
-        "NONE": (11.2, 10.5, 14.3, 15.7, 17.4, 22.1, 33.3, 51.8, 93.7),
-        "FULL": (3.5, 7.3, 13.3, 14.5, 16.1, 20.8, 32.1, 50.3, 92.5),
+        MODE_EAGER: (11.2, 10.5, 14.3, 15.7, 17.4, 22.1, 33.3, 51.8, 93.7),
+        MODE_FULL: (3.5, 7.3, 13.3, 14.5, 16.1, 20.8, 32.1, 50.3, 92.5),
     },
 }
 PIECEWISE_OVERHEAD_MS_PER_LAYER = 0.05
@@ -78,13 +78,13 @@ class StepCostModel:
         if name not in PRESETS:
             raise ValueError(f"cost model must be one of {', '.join(PRESETS)}; got {name!r}")
         p = PRESETS[name]
-        return cls(CostCurve(_TOKENS, p["FULL"]), CostCurve(_TOKENS, p["NONE"]))
+        return cls(CostCurve(_TOKENS, p[MODE_FULL]), CostCurve(_TOKENS, p[MODE_EAGER]))
 
     def step_ms(self, mode: str, num_tokens):
         """ms of a step (``num_tokens`` an int or a numpy array)."""
-        if mode == "FULL":
+        if mode == MODE_FULL:
             return self.full(num_tokens)
-        if mode == "PIECEWISE":
+        if mode == MODE_PIECEWISE:
             if self.piecewise is not None:
                 return self.piecewise(num_tokens)
             return self.full(num_tokens) + PIECEWISE_OVERHEAD_MS_PER_LAYER * self.num_layers
