@@ -189,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dispatcher.engine.simulate import simulate
+    from dispatcher.engine.trace import TraceError
     from dispatcher.engine.workload import make_prompts
 
     cfg = config_from_args(args)
@@ -198,9 +199,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not 0.0 <= args.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
     prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
-    result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
-                      acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
-                      block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace)
+    try:
+        result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
+                          acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
+                          block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace)
+    except TraceError as exc:
+        raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
     if args.json:
         print(json.dumps(s, indent=2))

@@ -39,13 +39,13 @@ class KVBlockManager:
         if total == 0:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, np.zeros(0, dtype=np.int32)
-        ids = self._free_stack[self.num_free - total : self.num_free][::-1].copy()
-        self.num_free -= total
         rows = np.repeat(slots, need)
         starts = np.repeat(np.cumsum(need) - need, need)
         cols = self.num_held[rows] + (np.arange(total) - starts)
         if int(cols.max()) >= self.max_blocks_per_seq:
             raise ValueError("a request outgrew max_blocks_per_seq (max_model_len); validate requests first")
+        ids = self._free_stack[self.num_free - total : self.num_free][::-1].copy()
+        self.num_free -= total
         self.block_table[rows, cols] = ids
         self.num_held[slots] += need
         return rows, cols, ids

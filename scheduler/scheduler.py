@@ -7,9 +7,13 @@ every scheduled request's query length and the batch shape the dispatcher classi
 padding.
 
 Token accounting per request: ``num_tokens`` = prompt + output tokens so far; ``num_computed`` = tokens whose
-KV is in the cache. A decode request has num_tokens - num_computed = 1 (its last sampled token) and verifies
-``d`` drafts: it schedules 1 + d tokens and, when a of them are accepted, advances num_computed by 1 + a and
-gains a + 1 tokens; the KV blocks of the rejected drafts are released (rolled back).
+KV is in the cache. A request is *decoding* once it has sampled a token and only that last token is uncomputed
+(a prompt's one-token tail is still a prefill). It verifies ``d`` drafts: it schedules 1 + d tokens and, when a of
+them are accepted, advances num_computed by 1 + a and gains a + 1 tokens; the KV blocks of the rejected drafts
+are released (rolled back).
+
+Batch kinds and graph modes are the dispatcher's (``dispatcher.plan.dispatch``): the scheduler says only whether
+every request of a step is decoding (``BatchShape.is_decode``).
 """
 
 from __future__ import annotations
@@ -23,9 +27,6 @@ import numpy as np
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import FinishReason, Request, RequestError, RequestStatus
 from scheduler.spec_policy import choose_verify_lengths, tier_table
-
-UNIFORM_DECODE, ADAPTIVE_VERIFICATION, MIXED = "uniform_decode", "adaptive_verification", "mixed"
-
 
 def _DEFAULT_STEP_MS(num_tokens: np.ndarray) -> np.ndarray:
     """Without a measured curve: a fitted host-bound shape, flat below about 1K tokens, linear above."""
@@ -103,8 +104,6 @@ class SchedulerOutput:
     freed_slots: list[int]
     """Slots whose requests left since the previous step (finished, aborted or preempted)."""
     shape: BatchShape
-    kind: str
-    """uniform_decode, adaptive_verification or mixed: the scheduler's view of the step."""
     num_preempted: int = 0
 
     @property
@@ -154,7 +153,22 @@ class SchedulerStats:
     drafts_accepted: int = 0
 
 
+@dataclass
+class _RunningPick:
+    """Stage 1's choice among running requests: rows into ``slots`` (priority order) and what each computes."""
+
+    slots: np.ndarray
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    num_drafts: np.ndarray
+    decoding: np.ndarray
+
+
 class Scheduler:
+    """Each step runs five stages, each a method: running requests under the budget (``_pick_running``), preemption
+    while their KV blocks do not fit (``_fit_running``), admission of waiting requests (``_admit``), per-request
+    verify lengths (``_verify_lengths``), and the step's output (``_output``)."""
+
     def __init__(self, config: SchedulerConfig):
         c = self.config = config
         self.k_max = c.max_speculative_tokens
@@ -171,6 +185,8 @@ class Scheduler:
         """max_tokens of the request in each slot."""
         self.checks_stop = np.zeros(n, bool)
         """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
+        self.waited = np.zeros(n, bool)
+        """The slot's request was running but left out of the last step (the budget was full): it goes first next."""
         self.draft_tokens = np.zeros((n, max(self.k_max, 1)), np.int64)
         self.draft_conf = np.ones((n, max(self.k_max, 1)), np.float64)
         self.slot_request: list[Request | None] = [None] * n
@@ -189,6 +205,13 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestError (naming the field and the limit) for one it can never serve."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """RequestError (naming the field and the limit) for a request this scheduler can never serve."""
         c = self.config
         if request.request_id in self.requests:
             raise RequestError(f"request_id {request.request_id!r} is already live")
@@ -206,12 +229,10 @@ class Scheduler:
                 f"prompt + max_tokens = {request.max_total_tokens} tokens needs {need} KV blocks, more than the "
                 f"cache holds (num_kv_blocks = {c.num_kv_blocks})"
             )
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request; its KV blocks are freed at once. False if it is not live."""
+        """Abort a live request; its KV blocks are freed at once. False if it is not live. Safe at any point of the
+        step cycle: ``update`` skips a request that left after its step was scheduled."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -243,6 +264,7 @@ class Scheduler:
         self._order_dirty = True
         self.slot_request[slot] = None
         self.num_drafts[slot] = 0
+        self.waited[slot] = False
         self._free_slots.append(slot)
         self._freed_slots.append(slot)
 
@@ -255,142 +277,188 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
+    def _start(self, req: Request) -> int:
+        """Give a waiting request a slot; it computes from token 0 (a preempted one recomputes its output too)."""
+        slot = self._free_slots.pop()
+        self.slot_request[slot] = req
+        req.status = RequestStatus.RUNNING
+        self.num_computed[slot] = 0
+        self.num_tokens[slot] = req.num_tokens
+        self.prompt_len[slot] = len(req.prompt_token_ids)
+        self.max_output[slot] = req.params.max_tokens
+        self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
+            req.eos_token_id is not None and not req.params.ignore_eos)
+        self.num_drafts[slot] = 0
+        self.order.append(slot)
+        self._order_dirty = True
+        return slot
+
     # -- scheduling ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        c = self.config
         preempted = 0
         while True:
-            slots = self._order_array()
-            comp = self.num_computed[slots]
-            uncomputed = self.num_tokens[slots] - comp
-            decoding = uncomputed == 1
-            k_step = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
-            drafts = np.where(decoding, np.minimum(self.num_drafts[slots], k_step), 0)
-            demand = uncomputed + drafts
-            cum = np.cumsum(demand)
-            count = int(np.searchsorted(cum, c.max_num_batched_tokens, side="right"))
-            sched = demand[:count]
-            left = c.max_num_batched_tokens - (int(cum[count - 1]) if count else 0)
-            if count < len(slots) and left > 0:  # one more, partially: a prefill chunk or fewer drafts
-                sched = np.append(sched, left)
-                if decoding[count]:
-                    drafts = drafts.copy()
-                    drafts[count] = left - 1
-                count += 1
-            run_slots = slots[:count]
-            grown = self.kv.grow(run_slots, comp[:count] + sched + c.lookahead_tokens)
+            pick = self._pick_running()
+            grown = self._fit_running(pick)
             if grown is not None:
                 break
-            self._preempt(self.order[-1])  # lowest priority first; retry the whole running set
+            self._preempt(self.order[-1])  # lowest priority first; then pick again
             preempted += 1
-        drafts = drafts[:count]
-        decoding = decoding[:count]
-        updates = [grown]
-        budget = c.max_num_batched_tokens - int(sched.sum())
+        budget = self.config.max_num_batched_tokens - int(pick.num_scheduled.sum())
+        # A step that preempted admits nothing: the blocks it freed go to the running requests first (vLLM's rule),
+        # so that a request is never preempted and re-admitted in one step.
+        new, new_slots, new_chunks, new_updates = self._admit(budget) if not preempted else ([], [], [], [])
+        return self._output(pick, new, new_slots, new_chunks, [grown, *new_updates], preempted)
 
-        # Admit waiting requests (chunked prefill) while tokens, slots and blocks last.
+    def _pick_running(self) -> _RunningPick:
+        """Stage 1: the running requests this step computes, under the token budget. Requests left out last step go
+        first, then arrival order. A decoding request (it has sampled a token and has exactly that one token
+        uncomputed) runs its last token and all its drafts, whole: when the next one does not fit, the step ends
+        there, a uniform decode of the requests that fit, and those left out go first next step. A prefilling
+        request that does not fit takes the budget left as a chunk."""
+        c = self.config
+        slots = self._order_array()
+        if self.waited[slots].any():
+            slots = slots[np.argsort(~self.waited[slots], kind="stable")]
+        computed = self.num_computed[slots]
+        uncomputed = self.num_tokens[slots] - computed
+        decoding = (uncomputed == 1) & (self.num_tokens[slots] > self.prompt_len[slots])
+        k_step = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
+        drafts = np.where(decoding, np.minimum(self.num_drafts[slots], k_step), 0)
+        demand = uncomputed + drafts
+        count = int(np.searchsorted(np.cumsum(demand), c.max_num_batched_tokens, side="right"))
+        sched = demand[:count]
+        left = c.max_num_batched_tokens - int(sched.sum())
+        if count < len(slots) and left > 0 and (not decoding[count] or count == 0):
+            sched = np.append(sched, left)  # a prefill chunk in the budget left
+            if decoding[count]:  # or a decode wider than the whole budget: it verifies fewer drafts
+                drafts = drafts.copy()
+                drafts[count] = left - 1
+            count += 1
+        self.waited[slots] = False
+        self.waited[slots[count:]] = True
+        return _RunningPick(slots[:count], sched, computed[:count], drafts[:count], decoding[:count])
+
+    def _fit_running(self, pick: _RunningPick):
+        """Stage 2: KV blocks for the picked requests' tokens (and the drafter's lookahead); None when the pool is
+        short (the caller preempts and picks again)."""
+        return self.kv.grow(pick.slots, pick.num_computed + pick.num_scheduled + self.config.lookahead_tokens)
+
+    def _admit(self, budget: int) -> tuple[list[Request], list[int], list[int], list]:
+        """Stage 3: waiting requests in order (preempted ones first), a prefill chunk each, while tokens, slots and
+        KV blocks last. Returns the requests, their slots, their chunks and their new block-table entries."""
+        c = self.config
         new: list[Request] = []
-        new_slots: list[int] = []
-        new_sched: list[int] = []
+        slots: list[int] = []
+        chunks: list[int] = []
+        updates = []
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
             chunk = min(req.num_tokens, budget)
             if self.kv.blocks_for(chunk + c.lookahead_tokens) > self.kv.num_free:
                 break
             self.waiting.popleft()
-            slot = self._free_slots.pop()
-            self.slot_request[slot] = req
-            req.status = RequestStatus.RUNNING
-            self.num_computed[slot] = 0
-            self.num_tokens[slot] = req.num_tokens
-            self.prompt_len[slot] = len(req.prompt_token_ids)
-            self.max_output[slot] = req.params.max_tokens
-            self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
-                req.eos_token_id is not None and not req.params.ignore_eos)
-            self.num_drafts[slot] = 0
-            self.order.append(slot)
-            self._order_dirty = True
+            slot = self._start(req)
             updates.append(self.kv.grow(np.array([slot]), np.array([chunk + c.lookahead_tokens])))
             new.append(req)
-            new_slots.append(slot)
-            new_sched.append(chunk)
+            slots.append(slot)
+            chunks.append(chunk)
             budget -= chunk
+        return new, slots, chunks, updates
 
-        if new:
-            all_slots = np.concatenate([run_slots, np.asarray(new_slots, np.int64)])
-            sched = np.concatenate([sched, np.asarray(new_sched, np.int64)])
-            drafts = np.concatenate([drafts, np.zeros(len(new), np.int64)])
-            computed = np.concatenate([comp[:count], np.zeros(len(new), np.int64)])
-        else:
-            all_slots, computed = run_slots, comp[:count]
-        n = len(all_slots)
-        is_decode = n > 0 and not new and bool(decoding.all())
-        kind = MIXED
-        if is_decode and self.k_max:
-            if c.adaptive_verification and len(self._av_sizes):
-                verify = choose_verify_lengths(self.draft_conf[all_slots, : self.k_max], drafts, self._av_sizes,
-                                               c.max_num_batched_tokens, c.step_ms or _DEFAULT_STEP_MS)
-                sched = 1 + verify
-                drafts = verify
-        if is_decode:
-            kind = UNIFORM_DECODE if bool((sched == sched[0]).all()) else ADAPTIVE_VERIFICATION
-        rows, cols, ids = (np.concatenate(parts) for parts in zip(*updates)) if updates else (np.zeros(0),) * 3
-        samples = computed + sched >= self.num_tokens[all_slots]
-        shape = BatchShape(int(sched.sum()), n, int(sched.max()) if n else 0, is_decode)
-        freed, self._freed_slots = self._freed_slots, []
-        self._step += 1
-        self.stats.steps += 1
+    def _verify_lengths(self, slots: np.ndarray, drafts: np.ndarray, is_decode: bool) -> np.ndarray:
+        """Stage 4: drafts each request verifies. A uniform decode keeps every request's drafts (its shape is what the
+        FULL graphs hold). Otherwise a request verifies no drafts past its max_tokens (a step yields at most drafts
+        + 1 tokens), and with adaptive verification the drafts of largest expected gain, so that the step lands on
+        a captured size."""
+        c = self.config
+        if not drafts.any():
+            return drafts
+        if c.adaptive_verification and len(self._av_sizes) and is_decode:
+            drafts = choose_verify_lengths(self.draft_conf[slots, : self.k_max], drafts, self._av_sizes,
+                                           c.max_num_batched_tokens, c.step_ms or _DEFAULT_STEP_MS)
+        elif is_decode and (drafts == drafts[0]).all():
+            return drafts
+        room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
+        return np.minimum(drafts, np.maximum(room - 1, 0))
+
+    def _output(self, pick: _RunningPick, new: list[Request], new_slots: list[int], new_chunks: list[int],
+                updates: list, preempted: int) -> SchedulerOutput:
+        """Stage 5: the step as the dispatcher and the worker see it."""
+        c = self.config
+        slots = np.concatenate([pick.slots, np.asarray(new_slots, np.int64)])
+        computed = np.concatenate([pick.num_computed, np.zeros(len(new), np.int64)])
+        drafts = np.concatenate([pick.num_drafts, np.zeros(len(new), np.int64)])
+        known = np.concatenate([pick.num_scheduled - pick.num_drafts, np.asarray(new_chunks, np.int64)])
+        is_decode = len(slots) > 0 and not new and bool(pick.decoding.all())
+        drafts = self._verify_lengths(slots, drafts, is_decode)
+        sched = known + drafts
+        rows, cols, ids = (np.concatenate(parts) for parts in zip(*updates))
+        n = len(slots)
+        if n:  # an empty step reaches no worker: it keeps the freed slots for the next
+            self._step += 1
+            self.stats.steps += 1
+        freed, self._freed_slots = (self._freed_slots, []) if n else ([], self._freed_slots)
         return SchedulerOutput(
             step_id=self._step,
-            slots=all_slots,
-            requests=[self.slot_request[s] for s in all_slots.tolist()],
+            slots=slots,
+            requests=[self.slot_request[s] for s in slots.tolist()],
             num_scheduled=sched,
             num_computed=computed,
             num_drafts=drafts,
-            draft_tokens=self.draft_tokens[all_slots],
-            samples=samples,
+            draft_tokens=self.draft_tokens[slots],
+            samples=computed + known >= self.num_tokens[slots],
             num_new_drafts=int(self._k_of_batch[min(n, c.max_num_seqs)]) if self.k_max else 0,
             new_requests=new,
             block_updates=(rows, cols, ids),
             freed_slots=freed,
-            shape=shape,
-            kind=kind,
+            shape=BatchShape(int(sched.sum()), n, int(sched.max()) if n else 0, is_decode),
             num_preempted=preempted,
         )
 
     # -- results -------------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: ModelResult) -> list[RequestOutput]:
-        """Apply a step's results: advance KV, roll back rejected drafts, append tokens, finish requests."""
-        slots = out.slots
-        if len(slots) == 0:
+        """Apply a step's results: advance KV, roll back rejected drafts, append tokens, finish requests. Rows of
+        requests that left after the step was scheduled (aborted) are skipped."""
+        live = np.fromiter((self.slot_request[s] is r for s, r in zip(out.slots.tolist(), out.requests)), bool,
+                           len(out.slots))
+        rows = np.nonzero(live)[0]
+        if len(rows) == 0:
             return []
-        accepted = np.where(out.samples, np.minimum(result.num_accepted, out.num_drafts), 0)
-        new_computed = out.first_sample_positions + accepted
+        slots, samples, drafts = out.slots[rows], out.samples[rows], out.num_drafts[rows]
+        accepted = np.where(samples, np.minimum(result.num_accepted[rows], drafts), 0)
+        new_computed = out.first_sample_positions[rows] + accepted
         self.num_computed[slots] = new_computed
         self.kv.shrink(slots, new_computed + self.config.lookahead_tokens)  # rejected drafts; keep the lookahead
-        self.stats.drafts_verified += int(out.num_drafts.sum())
+        self.stats.drafts_verified += int(drafts.sum())
         self.stats.drafts_accepted += int(accepted.sum())
-        outputs: list[RequestOutput] = []
-        sampling = np.nonzero(out.samples)[0]
-        counts = accepted[sampling] + 1
-        tokens = result.sampled[sampling].tolist()
+        self._take_drafts(out, result, rows, slots, samples)
+        return self._append_tokens(out, result, rows[samples], accepted[samples] + 1)
+
+    def _take_drafts(self, out: SchedulerOutput, result: ModelResult, rows, slots, samples) -> None:
+        """The drafts proposed for each sampling request's next step (none for a request mid-prefill)."""
         k_new = out.num_new_drafts
-        if k_new and result.draft_tokens is not None:
-            keep = sampling
-            self.draft_tokens[slots[keep], :k_new] = result.draft_tokens[keep, :k_new]
-            conf = result.draft_confidences
-            self.draft_conf[slots[keep], :k_new] = conf[keep, :k_new] if conf is not None else 1.0
-            self.num_drafts[slots[keep]] = k_new
-        else:
-            self.num_drafts[slots] = 0
-        sampled_slots = slots[sampling]
-        room = self.max_output[sampled_slots] - (self.num_tokens[sampled_slots] - self.prompt_len[sampled_slots])
+        self.num_drafts[slots] = 0
+        if not k_new or result.draft_tokens is None:
+            return
+        keep, rows_keep = slots[samples], rows[samples]
+        self.draft_tokens[keep, :k_new] = result.draft_tokens[rows_keep, :k_new]
+        conf = result.draft_confidences
+        self.draft_conf[keep, :k_new] = conf[rows_keep, :k_new] if conf is not None else 1.0
+        self.num_drafts[keep] = k_new
+
+    def _append_tokens(self, out: SchedulerOutput, result: ModelResult, rows: np.ndarray,
+                       counts: np.ndarray) -> list[RequestOutput]:
+        """Append each sampling row's new tokens (up to max_tokens, through the first stop token) and finish the
+        requests that are done."""
+        slots = out.slots[rows]
+        room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
         take = np.minimum(counts, room)
-        self.num_tokens[sampled_slots] += take
-        finished_slots = []
+        self.num_tokens[slots] += take
         length_done = (counts >= room).tolist()
-        check_stop = self.checks_stop[sampled_slots].tolist()
-        for i, (row, n, toks) in enumerate(zip(sampling.tolist(), take.tolist(), tokens)):
+        check_stop = self.checks_stop[slots].tolist()
+        outputs: list[RequestOutput] = []
+        finished_slots = []
+        for i, (row, n, toks) in enumerate(zip(rows.tolist(), take.tolist(), result.sampled[rows].tolist())):
             req = out.requests[row]
             new_tokens = toks[:n]
             reason = FinishReason.LENGTH if length_done[i] else None
@@ -399,7 +467,7 @@ class Scheduler:
                 eos = None if req.params.ignore_eos else req.eos_token_id
                 for j, t in enumerate(new_tokens):
                     if t == eos or t in stops:
-                        self.num_tokens[sampled_slots[i]] -= len(new_tokens) - j - 1
+                        self.num_tokens[slots[i]] -= len(new_tokens) - j - 1
                         new_tokens = new_tokens[: j + 1]
                         reason = FinishReason.STOP
                         break
@@ -407,7 +475,7 @@ class Scheduler:
             if reason is not None:
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = reason
-                finished_slots.append(int(sampled_slots[i]))
+                finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
             outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason))

@@ -19,7 +19,7 @@ sorted_sizes = lambda hi: st.lists(st.integers(1, hi), min_size=0, max_size=12) 
 def configs(draw):
     platform = draw(st.sampled_from(["sm100", "default"]))
     max_num_seqs = draw(st.sampled_from([1, 3, 8, 50, 72, 128, 256, 300, 512, 1024]))
-    max_num_batched_tokens = draw(st.sampled_from([64, 512, 2048, 4000, 8192, 16384]))
+    max_num_batched_tokens = draw(st.sampled_from([t for t in (64, 512, 2048, 4000, 8192, 16384) if t >= max_num_seqs]))
     k = draw(st.sampled_from([0, 1, 2, 3, 5, 7, 15]))
     spec = None
     if k:

@@ -5,24 +5,56 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from models.drafters import NgramDrafter  # noqa: E402
-from models.sampling import apply_top_k_top_p, sample, verify_greedy, verify_rejection  # noqa: E402
+from models.sampling import (RowParams, apply_top_k_top_p, sample_tokens, uniform, verify_greedy,  # noqa: E402
+                             verify_rejection)
 
 
-def test_top_k_and_top_p_masks():
-    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    assert torch.isfinite(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [[True, True, False, False, False]]
-    # top-p 0.6 keeps the smallest prefix reaching 0.6: 0.5 + 0.2
-    assert torch.isfinite(apply_top_k_top_p(logits, 0, 0.6)).tolist() == [[True, True, False, False, False]]
-    assert torch.isfinite(apply_top_k_top_p(logits, 0, 0.4)).tolist() == [[True, False, False, False, False]]
+def params(n, temperature=1.0, top_k=None, top_p=None, seed=7):
+    full = lambda v, dt: None if v is None else torch.full((n,), v, dtype=dt)  # noqa: E731
+    return RowParams(torch.full((n,), float(temperature)), full(top_k, torch.int64), full(top_p, torch.float32),
+                     torch.full((n,), seed, dtype=torch.int64))
 
 
-def test_greedy_and_seeded_sampling():
+def test_top_k_and_top_p_masks_per_row():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
+    kept = torch.isfinite(apply_top_k_top_p(logits, torch.tensor([2, 0, 0, 0]), torch.tensor([1.0, 0.6, 0.4, 1.0])))
+    # top-p keeps the smallest prefix whose mass reaches it: 0.6 -> 0.5 + 0.2
+    assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False],
+                             [True, False, False, False, False], [True] * 5]
+
+
+def test_uniform_depends_on_seed_position_and_salt_only():
+    seeds, pos = torch.tensor([1, 1, 2, 1]), torch.tensor([5, 5, 5, 6])
+    u = uniform(seeds, pos, 1)
+    assert u[0] == u[1] and u[0] != u[2] and u[0] != u[3]
+    assert ((u > 0) & (u < 1)).all()
+    assert uniform(seeds[:1], pos[:1], 1) == u[0] and uniform(seeds[:1], pos[:1], 2) != u[0]
+    grid = uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 1, 1000)
+    assert abs(grid.mean().item() - 0.5) < 0.01 and abs(grid.var().item() - 1 / 12) < 0.005
+
+
+def test_greedy_and_seeded_sampling_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    assert torch.equal(sample(logits), logits.argmax(-1))
-    a = sample(logits, 1.0, generator=torch.Generator().manual_seed(3))
-    b = sample(logits, 1.0, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(a, b)
-    assert torch.equal(sample(logits, 1.0, top_k=1), logits.argmax(-1))
+    positions = torch.tensor([3, 9, 9, 4])
+    assert torch.equal(sample_tokens(logits, params(4, 0.0), positions), logits.argmax(-1))
+    a = sample_tokens(logits, params(4), positions)
+    alone = torch.cat([sample_tokens(logits[i : i + 1], params(1), positions[i : i + 1]) for i in range(4)])
+    assert torch.equal(a, alone)
+    assert torch.equal(sample_tokens(logits, params(4, top_k=1), positions), logits.argmax(-1))
+    seeds_differ = RowParams(torch.ones(4), None, None, torch.tensor([1, 2, 3, 4]))
+    draws = torch.stack([sample_tokens(logits[:1].expand(4, -1), seeds_differ, torch.full((4,), p)) for p in range(50)])
+    assert len(set(draws.flatten().tolist())) > 5  # different seeds and positions draw different tokens
+
+
+def test_sampled_frequencies_follow_softmax_with_top_k_and_top_p():
+    vocab, n = 6, 20000
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.04, 0.01])).expand(n, vocab)
+    rp = RowParams(torch.ones(n), torch.full((n,), 4), torch.full((n,), 0.9), torch.arange(n))
+    freq = torch.bincount(sample_tokens(logits, rp, torch.zeros(n, dtype=torch.long)), minlength=vocab) / n
+    # top-k 4 keeps 0.4, 0.3, 0.15, 0.1; top-p 0.9 then keeps 0.4 + 0.3 + 0.15 (0.85 < 0.9 needs 0.1 too)
+    expect = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.0, 0.0]) / 0.95
+    assert (freq - expect).abs().max() < 0.015, freq
 
 
 def test_verify_greedy_counts_leading_matches():
@@ -45,12 +77,34 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q):
         drafts = torch.full((n, 1), 2)  # a deterministic drafter always proposes token 2
         q = None
     probs = p.expand(n, 2, vocab)
-    tokens, accepted = verify_rejection(probs, drafts, torch.ones(n, dtype=torch.long), q, gen)
-    first = tokens[:, 0]
-    freq = torch.bincount(first, minlength=vocab).float() / n
+    tokens, accepted = verify_rejection(probs, drafts, torch.ones(n, dtype=torch.long), torch.arange(n),
+                                        torch.zeros(n, dtype=torch.long), q)
+    freq = torch.bincount(tokens[:, 0], minlength=vocab).float() / n
     assert (freq - p).abs().max() < 0.01, (freq, p)
     if not with_q:
         assert abs(accepted.float().mean().item() - p[2].item()) < 0.01
+
+
+def test_rejection_without_drafts_draws_what_sample_tokens_draws():
+    torch.manual_seed(1)
+    logits = torch.randn(8, 30)
+    rp = params(8, 0.7, top_k=10)
+    pos = torch.arange(8) * 3
+    tokens, accepted = verify_rejection(rp.probs(logits[:, None]), torch.zeros(8, 0, dtype=torch.long),
+                                        torch.zeros(8, dtype=torch.long), rp.seeds, pos)
+    assert (accepted == 0).all() and torch.equal(tokens[:, 0], sample_tokens(logits, rp, pos))
+
+
+def test_greedy_rows_verify_by_argmax_in_rejection():
+    logits = torch.randn(3, 4, 20)
+    rp = params(3, 0.0)
+    target = logits.argmax(-1)
+    drafts = torch.stack([target[0, :3], torch.tensor([target[1, 0], (target[1, 1] + 1) % 20, 0]), target[2, :3]])
+    tokens, accepted = verify_rejection(rp.probs(logits), drafts, torch.tensor([3, 3, 2]), rp.seeds,
+                                        torch.zeros(3, dtype=torch.long))
+    assert accepted.tolist() == [3, 1, 2]
+    assert torch.equal(tokens[0], target[0]) and tokens[1, :2].tolist() == target[1, :2].tolist()
+    assert tokens[2, :3].tolist() == target[2, :3].tolist()
 
 
 def test_ngram_drafter_proposes_what_followed():

@@ -1,26 +1,36 @@
 """The engine core: scheduler -> dispatcher -> worker -> outputs, one step at a time, in one process.
 
 ``twogrid serve`` wraps this loop in an engine process talking to worker processes; offline generation and
-the GPU tests use it directly.
+the GPU tests use it directly. A step is three calls, so that a caller can interleave aborts anywhere in the cycle:
+``schedule()`` (the scheduler's step and the dispatcher's descriptors), ``execute(step)`` (the worker) and
+``update(step, result)`` (tokens appended, requests finished); ``step()`` runs the three.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import numbers
+import os
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from dispatcher.plan.config import ResolvedConfig
-from dispatcher.plan.dispatch import dispatch_step, dispatchers_for_plan
-from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
+from dispatcher.engine.config import scheduler_config
+from dispatcher.engine.cost import CostCurve
 from dispatcher.engine.trace import TraceWriter, step_record
+from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
+from dispatcher.plan.config import ResolvedConfig
+from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
-from dispatcher.engine.cost import CostCurve
 from scheduler.request import Request, RequestError, SamplingParams
-from dispatcher.engine.config import scheduler_config
-from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from scheduler.scheduler import ModelResult, RequestOutput, Scheduler, SchedulerOutput
+
+log = logging.getLogger("twogrid.engine")
 
 
 @dataclass
@@ -34,8 +44,23 @@ class EngineArgs:
     block_size: int = 16
     max_model_len: int = 2048
     seed: int = 0
+    """Random weights of presets, and the seeds of requests that bring none (so identical runs sample alike)."""
     use_cuda_graphs: bool = True
     step_trace: str | None = None
+    """Append one JSON record per step to this file."""
+    av_cost_table: str | None = None
+    """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
+    once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
+    the same verify lengths (and so sample the same tokens)."""
+
+
+@dataclass
+class ScheduledStep:
+    """One step between ``schedule`` and ``update``: the scheduler's output and every forward's descriptor."""
+
+    out: SchedulerOutput
+    descs: StepDescriptors
+    host_ms: float
 
 
 class EngineCore:
@@ -50,7 +75,7 @@ class EngineCore:
             WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                          cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
                          args.use_cuda_graphs),
-            self.plan, cfg.method, cfg.num_speculative_tokens,
+            self.plan,
         )
         self.scheduler = Scheduler(sched_cfg)
         reach = args.max_model_len + self.scheduler.extra_tokens
@@ -61,48 +86,135 @@ class EngineCore:
                 f"{self.worker.model.cfg.max_position_embeddings}: lower max_model_len")
         self.capture_report = self.worker.capture(progress=progress) if capture else None
         if capture and cfg.adaptive_verification:
-            # Adaptive verification picks each step's size on this runtime's own replay times.
-            measured = self.worker.runtime.measure_step_ms(FULL_VARLEN)
-            if measured is not None:
-                self.scheduler = Scheduler(replace(sched_cfg, step_ms=CostCurve(*measured)))
+            curve = self._av_cost_curve()
+            if curve is not None:
+                self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.trace = TraceWriter(args.step_trace)
         self._next_id = 0
+        self._seeds = np.random.default_rng(args.seed)
 
     @property
     def model_config(self) -> ModelConfig:
         return self.worker.model.cfg
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    # -- requests --------------------------------------------------------------------------------------------
+    def make_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> Request:
+        """A validated request (nothing queued yet): RequestError names the field and the limit."""
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token {bad[0]!r} is outside the vocabulary 0..{vocab - 1}")
+        ids = list(prompt_token_ids)
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise RequestError(f"prompt token {t!r} is not an integer token id")
+            if not 0 <= t < vocab:
+                raise RequestError(f"prompt token {t!r} is outside the vocabulary 0..{vocab - 1}")
         params.validate(vocab)
-        rid = request_id or f"req-{self._next_id}"
-        self._next_id += 1
-        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.model_config.eos_token_id))
-        return rid
+        rid = request_id if request_id is not None else f"req-{self._next_id}"
+        request = Request(rid, [int(t) for t in ids], params, self.model_config.eos_token_id)
+        self.scheduler.check_request(request)
+        return request
 
-    def step(self) -> list[RequestOutput]:
+    def add_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> str:
+        request = self.make_request(prompt_token_ids, params, request_id)
+        self._queue(request)
+        return request.request_id
+
+    def _queue(self, request: Request) -> None:
+        if request.params.seed is None:  # from the engine's seed: identical runs draw alike
+            request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+        self.scheduler.add_request(request)
+        self._next_id += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request at any point of the step cycle; False when it is not live."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- a step ----------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        """The next step and its descriptors; None when nothing is live."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if len(out.slots) == 0:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
-            return []
+            return None
         descs = dispatch_step(self.dispatchers, self.cfg.method, out)
-        t1 = time.perf_counter()
-        result = self.worker.execute(out, descs)
-        t2 = time.perf_counter()
-        self.trace.write(step_record(out.step_id, out, descs.target, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
-                                     descs.drafts()))
-        return self.scheduler.update(out, result)
+        return ScheduledStep(out, descs, (time.perf_counter() - t0) * 1e3)
+
+    def execute(self, step: ScheduledStep) -> ModelResult:
+        t0 = time.perf_counter()
+        result = self.worker.execute(step.out, step.descs)
+        device_ms = (time.perf_counter() - t0) * 1e3
+        self.trace.write(step_record(step.out.step_id, step.out, step.descs.target, step.host_ms, device_ms,
+                                     step.descs.drafts()))
+        return result
+
+    def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
+        return self.scheduler.update(step.out, result)
+
+    def step(self) -> list[RequestOutput]:
+        step = self.schedule()
+        if step is None:
+            return []
+        return self.update(step, self.execute(step))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Offline: run every prompt to completion; outputs in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
-        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        """Offline: run every prompt to completion; outputs in prompt order. Every prompt is validated before any
+        is queued: a bad one raises and leaves the engine as it was."""
+        requests = [self.make_request(p, params, f"req-{self._next_id + i}") for i, p in enumerate(prompts)]
+        for request in requests:
+            self._queue(request)
+        outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
         while self.scheduler.has_unfinished():
             for o in self.step():
-                outputs[o.request_id].extend(o.new_token_ids)
-        return [outputs[rid] for rid in ids]
+                if o.request_id in outputs:
+                    outputs[o.request_id].extend(o.new_token_ids)
+        return [outputs[r.request_id] for r in requests]
+
+    def close(self) -> None:
+        """Flush and close the step trace."""
+        self.trace.close()
+
+    def __enter__(self) -> "EngineCore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- adaptive verification's cost curve ---------------------------------------------------------------------
+    def _av_cost_curve(self) -> CostCurve | None:
+        """The curve adaptive verification steers by: from ``av_cost_table``, else measured on this runtime once
+        and kept in the cache, keyed by device, model, dtype and graph sizes (so that a rerun reuses it)."""
+        if self.args.av_cost_table:
+            return _read_curve(self.args.av_cost_table)
+        rt = self.worker.runtime
+        av_sizes = next((g.sizes for g in self.plan.for_runner("target") if g.kind == FULL_VARLEN), ())
+        device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+        key = json.dumps([device, str(self.model_config), str(rt.bufs.hidden_out.dtype), list(av_sizes)])
+        cache = os.path.join(os.environ.get("TWOGRID_CACHE", os.path.expanduser("~/.cache/twogrid")), "av_cost")
+        path = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+        if os.path.isfile(path):
+            return _read_curve(path)
+        measured = rt.measure_step_ms(FULL_VARLEN)
+        if measured is None:
+            return None
+        try:
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump({"tokens": list(measured[0]), "ms": list(measured[1]), "key": key}, fh)
+            log.info("adaptive verification: measured step costs saved to %s (reused by later runs)", path)
+        except OSError as exc:
+            log.warning("adaptive verification: cannot save the measured step costs to %s (%s)", path, exc)
+        return CostCurve(*measured)
+
+
+def _read_curve(path: str) -> CostCurve:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return CostCurve(tuple(int(t) for t in data["tokens"]), tuple(float(m) for m in data["ms"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"av_cost_table {path!r}: not a step-cost curve {{\"tokens\": [...], \"ms\": [...]}} "
+                         f"({exc})") from None

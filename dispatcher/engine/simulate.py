@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 import zlib
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step, dispatchers_for_plan
 from dispatcher.plan.capture_plan import build_plan
+from dispatcher.plan.config import ConfigError
 from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec
 from dispatcher.engine.cost import StepCostModel
@@ -109,20 +110,26 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop)."""
-    if concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-    if output_len < 1:
-        raise ValueError(f"--output-len must be >= 1, got {output_len}")
+    for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ConfigError(f"--num-kv-blocks must be >= 1, got {num_kv_blocks}")
     plan = build_plan(cfg)
     dispatchers = dispatchers_for_plan(plan)
     costs = StepCostModel.preset(cost_model)
-    max_prompt = max(p.num_tokens for p in prompts)
-    k_max = cfg.num_speculative_tokens
-    max_model_len = max_prompt + output_len
-    if num_kv_blocks is None:  # enough for every slot to hold the longest request: no preemption
-        num_kv_blocks = cfg.max_num_seqs * -(-(max_model_len + k_max + 1) // block_size)
-    sched_cfg = scheduler_config(cfg, num_kv_blocks, block_size, max_model_len,
-                                              step_ms=lambda t: costs.step_ms(MODE_FULL, t))
+    max_model_len = max(p.num_tokens for p in prompts) + output_len
+    sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
+                                 step_ms=lambda t: costs.step_ms(MODE_FULL, t))
+    # A request holds at most max_blocks_per_seq blocks (prompt, output, drafts being verified, the drafter's
+    # lookahead): by default every slot gets that many, so nothing is preempted.
+    per_request = sched_cfg.max_blocks_per_seq
+    if num_kv_blocks is None:
+        sched_cfg = replace(sched_cfg, num_kv_blocks=cfg.max_num_seqs * per_request)
+    elif num_kv_blocks < per_request:
+        raise ConfigError(f"--num-kv-blocks = {num_kv_blocks} cannot hold the longest request ({max_model_len} "
+                          f"tokens with drafts and lookahead: {per_request} blocks of {block_size} tokens); give at "
+                          f"least {per_request}")
     scheduler = Scheduler(sched_cfg)
     model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs)
     trace = TraceWriter(step_trace)

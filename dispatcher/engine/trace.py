@@ -65,9 +65,18 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     return rec
 
 
+class TraceError(ValueError):
+    pass
+
+
 class TraceWriter:
+    """Appends step records to a file (SPEC section 7: every step appends one record)."""
+
     def __init__(self, path: str | None):
-        self._fh: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
+        try:
+            self._fh: IO[str] | None = open(path, "a", encoding="utf-8") if path else None
+        except OSError as exc:
+            raise TraceError(f"step trace {path!r}: cannot open for appending ({exc.strerror})") from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
@@ -77,10 +86,6 @@ class TraceWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-
-
-class TraceError(ValueError):
-    pass
 
 
 def read_trace(path: str) -> list[dict[str, Any]]:

@@ -28,8 +28,14 @@ def load_sharegpt(path: str) -> list[str]:
     if not isinstance(data, list):
         raise ConfigError(f"--dataset: {path!r} must hold a JSON list of conversations")
     prompts = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ConfigError(f"--dataset: {path!r} item {i} must be an object with 'conversations', got "
+                              f"{type(item).__name__}")
+        turns = item.get("conversations")
+        if not isinstance(turns, list):
+            raise ConfigError(f"--dataset: {path!r} item {i}: 'conversations' must be a list of turns, got "
+                              f"{type(turns).__name__}")
         if turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str) and turns[0]["value"]:
             prompts.append(turns[0]["value"])
     if not prompts:

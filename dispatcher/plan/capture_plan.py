@@ -100,6 +100,18 @@ def block_query_len(method: str, num_speculative_tokens: int) -> int:
     return num_speculative_tokens if method == "dspark" else 1 + num_speculative_tokens
 
 
+def model_runners(cfg: ResolvedConfig) -> tuple[str, ...]:
+    """Every model forward a step of this configuration runs, whether or not it has graphs: the target, a model
+    drafter, and an EAGLE-style drafter's one-token steps when some tier drafts 2 or more tokens."""
+    method = cfg.method
+    if method in EAGLE_LIKE:
+        multi_step = any(t.num_speculative_tokens >= 2 for t in cfg.tiers)
+        return ("target", method) + ((f"{method}_next_steps",) if multi_step else ())
+    if method in BLOCK_DRAFTERS:
+        return ("target", method)
+    return ("target",)
+
+
 def _tier_decode_sizes(cfg: ResolvedConfig, tier: Tier, query_len: int) -> tuple[int, ...]:
     """Uniform-decode request sizes of one tier at q: within the token budget, from the first size at or above
     the tier's smallest batch through the first size at or above its widest batch (the only sizes a batch of

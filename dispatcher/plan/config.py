@@ -319,6 +319,10 @@ def resolve(
         max_num_batched_tokens = 16384 if platform is Platform.SM100 else 8192
     max_num_seqs = _positive_int("max_num_seqs", max_num_seqs, 1 << 20, "the limit")
     max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens, 1 << 24, "the limit")
+    if max_num_seqs > max_num_batched_tokens:
+        raise ConfigError(f"max_num_seqs = {max_num_seqs} exceeds max_num_batched_tokens = {max_num_batched_tokens}: "
+                          f"a step could never hold every running request's token; lower max_num_seqs or raise "
+                          f"max_num_batched_tokens")
     warn: list[str] = []
 
     # --- speculative decoding --------------------------------------------------------------------------

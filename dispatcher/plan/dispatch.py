@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 
 from dataclasses import dataclass
 
-from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet,
-                             block_query_len)
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE,
+                                          GraphSet, block_query_len, model_runners)
 
 # Modes a step runs in.
 MODE_FULL = "FULL"
@@ -193,15 +193,15 @@ class Dispatcher:
 
 
 def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
-    """One Dispatcher per runner of a CapturePlan. Drafters' block forwards run n * q tokens, which may exceed
-    max_num_batched_tokens, so their tables reach max_num_seqs * (1 + K)."""
+    """One Dispatcher per model runner of the configuration (``model_runners``), also for a runner the plan gives
+    no graphs (graphs off: it dispatches every step eagerly). Drafters' block forwards run n * q tokens, which may
+    exceed max_num_batched_tokens, so their tables reach max_num_seqs * (1 + K)."""
     cfg = plan.config
     q_max = 1 + cfg.num_speculative_tokens
     out = {"target": Dispatcher(plan.for_runner("target"), cfg.max_num_seqs, cfg.max_num_batched_tokens, q_max)}
     widest = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * q_max)
-    for runner in plan.runners:
-        if runner != "target":
-            out[runner] = Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, widest, q_max)
+    for runner in model_runners(cfg)[1:]:
+        out[runner] = Dispatcher(plan.for_runner(runner), cfg.max_num_seqs, widest, q_max)
     return out
 
 

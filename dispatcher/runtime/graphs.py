@@ -111,7 +111,7 @@ class StaticBuffers:
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
             inputs=z(len(INPUT_ROWS) * t, dt=torch.int64),
-            block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
+            block_table=torch.full((max_num_reqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
             hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
@@ -472,6 +472,10 @@ class GraphRuntime:
         self._staging_done[self._staging_turn].synchronize()
         buf = self._pinned[self._staging_turn][:rows * num_padded].view(rows, num_padded)
         return buf, buf.numpy()
+
+    def clear_block_rows(self, rows: np.ndarray) -> None:
+        """Forget the blocks of these block-table rows (slots whose requests left): -1 throughout."""
+        self.bufs.block_table[torch.from_numpy(np.asarray(rows, np.int64)).to(self.device)] = -1
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         if len(rows):

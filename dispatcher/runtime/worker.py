@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 from dispatcher.plan.dispatch import BatchDescriptor, StepDescriptors
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len
+from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len, model_runners
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
 from models.drafters import NgramDrafter, build_draft_head
 from models.loader import load_model
-from models.sampling import sample, target_probs, verify_greedy, verify_rejection
+from models.sampling import RowParams, verify_greedy, verify_rejection
 from models.transformer import build_model
 from scheduler.scheduler import ModelResult, SchedulerOutput
 
@@ -38,7 +38,9 @@ class WorkerConfig:
 
 
 class ModelWorker:
-    def __init__(self, wcfg: WorkerConfig, plan, speculative_method: str | None = None, num_speculative_tokens: int = 0):
+    def __init__(self, wcfg: WorkerConfig, plan):
+        """``plan``: the capture plan (its config names the speculative method and the model runners)."""
+        speculative_method, num_speculative_tokens = plan.config.method, plan.config.num_speculative_tokens
         if speculative_method == "draft_model":
             raise ValueError("speculative method 'draft_model' (a separate draft LM) has no drafter in the worker yet; "
                              "use ngram, an EAGLE-style method or a block drafter (or simulate, which models any method)")
@@ -52,7 +54,8 @@ class ModelWorker:
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
         self.max_blocks = wcfg.max_blocks_per_seq
-        self.block_table = np.zeros((wcfg.max_num_seqs, self.max_blocks), dtype=np.int64)
+        self.block_table = np.full((wcfg.max_num_seqs, self.max_blocks), -1, dtype=np.int64)
+        """The scheduler's block tables, mirrored: -1 where a slot holds no block."""
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
@@ -66,15 +69,18 @@ class ModelWorker:
             self.draft_kv = allocate_kv_cache(1, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads, cfg.head_dim,
                                               wcfg.dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (num_speculative_tokens + 1))
-            runners = [speculative_method] + ([f"{speculative_method}_next_steps"]
-                                              if speculative_method in EAGLE_LIKE else [])
+            runners = model_runners(plan.config)[1:]
             self.draft_runtimes = [
                 GraphRuntime(self.draft_head, self.draft_kv, plan.for_runner(r), max_num_tokens=widest,
                              max_num_reqs=wcfg.max_num_seqs, max_blocks_per_seq=self.max_blocks, runner=r,
                              use_cuda_graphs=wcfg.use_cuda_graphs)
                 for r in runners
             ]
-        self.generator = torch.Generator(device=self.device).manual_seed(wcfg.seed)
+        n = wcfg.max_num_seqs
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int64)
+        self.top_p = np.ones(n, np.float32)
+        self.seed = np.zeros(n, np.int64)
 
     def capture(self, progress: bool = True) -> CaptureReport:
         report = self.runtime.capture(progress=progress)
@@ -121,10 +127,17 @@ class ModelWorker:
     def execute(self, out: SchedulerOutput, descs: StepDescriptors | BatchDescriptor) -> ModelResult:
         if isinstance(descs, BatchDescriptor):
             descs = StepDescriptors(descs)
+        runtimes = [self.runtime, *self.draft_runtimes]
+        if out.freed_slots:  # first: a slot freed since the last step may be reused in this one
+            freed = np.asarray(out.freed_slots, np.int64)
+            self.block_table[freed] = -1
+            for rt in runtimes:
+                rt.clear_block_rows(freed)
+        self._admit(out)
         rows, cols, ids = out.block_updates
         if len(rows):
             self.block_table[rows, cols] = ids
-            for rt in [self.runtime, *self.draft_runtimes]:
+            for rt in runtimes:
                 rt.update_block_table(rows, cols, ids)
         host = self._inputs(out)
         hidden = self.runtime.execute(descs.target, host)
@@ -134,6 +147,8 @@ class ModelWorker:
         return result
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> ModelResult:
+        """Verify each sampling request's drafts and sample its next token, every row at its own parameters and seed
+        (models.sampling), vectorized over the step."""
         n = len(out.slots)
         k_max = out.draft_tokens.shape[1]
         sampled = np.zeros((n, k_max + 1), dtype=np.int64)
@@ -145,20 +160,19 @@ class ModelWorker:
             first = ends[sampling] - nver
             row_idx = np.repeat(first, nver) + (np.arange(nver.sum()) - np.repeat(np.cumsum(nver) - nver, nver))
             logits = self.model.compute_logits(hidden[torch.from_numpy(row_idx).to(hidden.device)])
-            # (requests, 1 + K) grid of logits rows; unused cells point at row 0 and are ignored.
-            grid = np.zeros((len(sampling), k_max + 1), dtype=np.int64)
+            # (requests, 1 + K) grid of logits rows; cells past a request's verified rows repeat its last row.
             offs = np.cumsum(nver) - nver
-            for j in range(k_max + 1):
-                grid[:, j] = offs + np.minimum(j, nver - 1)
+            grid = offs[:, None] + np.minimum(np.arange(k_max + 1)[None, :], nver[:, None] - 1)
             grid_t = torch.from_numpy(grid).to(logits.device)
             drafts = torch.from_numpy(out.draft_tokens[sampling, :k_max]).to(logits.device)
             nd = torch.from_numpy(out.num_drafts[sampling]).to(logits.device)
-            temps = [out.requests[i].params.temperature for i in sampling.tolist()]
-            if all(t == 0.0 for t in temps):
+            params = self._row_params(out.slots[sampling])
+            if bool((params.temperature == 0).all()):
                 target = logits.argmax(dim=-1)[grid_t]
                 acc = verify_greedy(target, drafts, nd)
             else:
-                target, acc = self._sample_stochastic(out, sampling, logits, grid_t, drafts, nd)
+                first_pos = torch.from_numpy(out.first_sample_positions[sampling]).to(logits.device)
+                target, acc = verify_rejection(params.probs(logits[grid_t]), drafts, nd, params.seeds, first_pos)
             sampled[sampling] = target.cpu().numpy()
             accepted[sampling] = acc.cpu().numpy()
         draft_tokens = draft_conf = None
@@ -171,23 +185,21 @@ class ModelWorker:
             draft_tokens, draft_conf = self.drafter.propose(histories, out.num_new_drafts)
         return ModelResult(sampled, accepted, draft_tokens, draft_conf)
 
-    def _sample_stochastic(self, out, sampling, logits, grid_t, drafts, nd):
-        """Per request: greedy rows verify by argmax; sampled rows by rejection sampling at their own params."""
-        target = logits.argmax(dim=-1)[grid_t]
-        acc = verify_greedy(target, drafts, nd)
-        for r, i in enumerate(sampling.tolist()):
-            p = out.requests[i].params
-            if p.temperature == 0.0:
-                continue
-            probs = target_probs(logits[grid_t[r]], p.temperature, p.top_k, p.top_p)
-            if int(nd[r]) == 0:
-                target[r, 0] = sample(logits[grid_t[r, :1]], p.temperature, p.top_k, p.top_p, self.generator)[0]
-                acc[r] = 0
-                continue
-            toks, a = verify_rejection(probs[None], drafts[r : r + 1], nd[r : r + 1], None, self.generator)
-            target[r] = toks[0]
-            acc[r] = a[0]
-        return target, acc
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Per-slot state of the requests this step admits: sampling parameters and seed."""
+        for req, slot in zip(out.new_requests, out.slots[len(out.slots) - len(out.new_requests):].tolist()):
+            p = req.params
+            self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
+            self.seed[slot] = p.seed if p.seed is not None else 0
+
+    def _row_params(self, slots: np.ndarray) -> RowParams:
+        """The sampling parameters of these slots, on the device (top-k / top-p None when no row uses them)."""
+        dev = self.device
+        top_k, top_p = self.top_k[slots], self.top_p[slots]
+        return RowParams(torch.from_numpy(self.temperature[slots]).to(dev),
+                         torch.from_numpy(top_k).to(dev) if top_k.any() else None,
+                         torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
+                         torch.from_numpy(self.seed[slots]).to(dev))
 
     # -- model-based drafting ----------------------------------------------------------------------------
     def _slots_of(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -1,0 +1,316 @@
+"""Regression tests for the scheduler and engine defects of issue 9, one (or more) per defect, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dispatcher.cli import main as cli_main  # noqa: E402
+from dispatcher.engine.config import scheduler_config  # noqa: E402
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.engine.simulate import FakeModel, simulate  # noqa: E402
+from dispatcher.engine.trace import read_trace  # noqa: E402
+from dispatcher.engine.workload import PromptSpec  # noqa: E402
+from dispatcher.plan.capture_plan import build_plan  # noqa: E402
+from dispatcher.plan.config import ConfigError, resolve  # noqa: E402
+from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE, dispatchers_for_plan  # noqa: E402
+from models.config import preset  # noqa: E402
+from scheduler.kv_blocks import KVBlockManager  # noqa: E402
+from scheduler.request import Request, RequestError, SamplingParams  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
+
+BLOCK = 8
+
+
+def engine(spec=None, cc=None, max_num_seqs=8, budget=32, num_blocks=200, **kw) -> EngineCore:
+    cfg = resolve(cc or {}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_blocks, block_size=BLOCK,
+                                      max_model_len=128, **kw))
+
+
+def prompts(n, seed=0, lo=4, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+# 1 -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, prompt_len", [(None, 32), ({"method": "ngram", "num_speculative_tokens": 3}, 29)])
+def test_a_one_token_prompt_tail_is_a_prefill_not_a_decode(spec, prompt_len):
+    """Beside a decoding request of q tokens, a prompt of budget - q + 1 tokens ends with a one-token chunk: a
+    prefill (the request has sampled nothing), so the step is not a decode and the worker never reads an output
+    token it does not have."""
+    e = engine(spec)
+    decoding = e.add_request([5, 6, 7] * 3, SamplingParams(max_tokens=20, ignore_eos=True))
+    first = e.step()  # the first request decodes from here on (ngram: 1 + 3 tokens a step)
+    tail = e.add_request(prompts(1, 2, prompt_len, prompt_len)[0], GREEDY)
+    tail_steps, outputs = 0, {decoding: first[0].new_token_ids, tail: []}
+    while e.has_unfinished():
+        step = e.schedule()
+        for req, n in zip(step.out.requests, step.out.num_scheduled.tolist()):
+            if req.request_id == tail and n == 1 and not req.output_token_ids:  # the prompt's one-token tail
+                tail_steps += 1
+                assert not step.out.shape.is_decode
+        for o in e.update(step, e.execute(step)):
+            outputs[o.request_id] += o.new_token_ids
+    assert tail_steps == 1
+    assert len(outputs[tail]) == 8 and len(outputs[decoding]) == 20
+
+
+def test_budget_plus_one_prompt_alone_generates_like_eager():
+    p = prompts(1, 3, 33, 33)
+    assert engine().generate(p, GREEDY) == engine(cc={"cudagraph_mode": "NONE"}).generate(p, GREEDY)
+
+
+# 2 -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [2, 6], ids=["would-finish", "would-go-on"])
+def test_abort_between_schedule_and_update_is_safe(max_tokens):
+    """Aborted while its step runs: the step's result for it is dropped (no KeyError when it would have finished,
+    no tokens, no output, no counters advanced), its blocks are free, the other request goes on."""
+    e = engine()
+    a = e.add_request(prompts(1, 4, 10, 10)[0], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    b = e.add_request(prompts(1, 5, 10, 10)[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    e.step()
+    step = e.schedule()
+    result = e.execute(step)
+    req_a = e.scheduler.requests[a]
+    tokens_before = list(req_a.output_token_ids)
+    assert e.abort(a)
+    outputs = e.update(step, result)
+    assert [o.request_id for o in outputs] == [b]
+    assert req_a.output_token_ids == tokens_before and req_a.finish_reason.value == "abort"
+    while e.has_unfinished():
+        e.step()
+    assert e.scheduler.kv.num_free == e.scheduler.config.num_kv_blocks
+    assert e.scheduler.stats.finished == 1 and e.scheduler.stats.aborted == 1
+
+
+def test_abort_after_schedule_before_execute_is_safe():
+    e = engine({"method": "eagle3", "num_speculative_tokens": 2})
+    ids = [e.add_request(p, GREEDY) for p in prompts(3, 6)]
+    e.step()
+    step = e.schedule()
+    e.abort(ids[1])
+    outputs = e.update(step, e.execute(step))
+    assert ids[1] not in {o.request_id for o in outputs}
+    while e.has_unfinished():
+        e.step()
+    assert e.scheduler.kv.num_free == e.scheduler.config.num_kv_blocks
+
+
+# 3 -------------------------------------------------------------------------------------------------------------
+def test_a_seeded_request_samples_alike_alone_beside_others_and_twice_in_a_batch():
+    p = prompts(2, 7)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine().generate([p[0]], seeded)[0]
+    beside = engine().generate([p[1], p[0]], seeded)[1]
+    twice = engine().generate([p[0], p[0]], seeded)
+    assert alone == beside == twice[0] == twice[1]
+    assert engine().generate([p[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))[0] \
+        != alone
+
+
+def test_sampled_generation_with_speculative_decoding_is_reproducible():
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
+    p = prompts(4, 8)
+    assert engine(spec).generate(p, params) == engine(spec).generate(p, params)
+
+
+# 4 -------------------------------------------------------------------------------------------------------------
+def test_adaptive_verification_runs_are_reproducible_whatever_the_timings(tmp_path, monkeypatch):
+    """Start-up timings move between runs; the cost curve they give is kept and reused, so two identical runs
+    verify the same drafts and sample the same tokens."""
+    from dispatcher.runtime.graphs import GraphRuntime
+
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path))
+    measure = GraphRuntime.measure_step_ms
+    rng = np.random.default_rng(0)
+
+    def noisy(self, kind, repeats=5):  # timings that differ from run to run
+        sizes, ms = measure(self, kind, repeats)
+        return sizes, tuple(m * float(rng.uniform(0.2, 5.0)) + float(rng.uniform(0, 3)) for m in ms)
+
+    monkeypatch.setattr(GraphRuntime, "measure_step_ms", noisy)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    p = [[5, 6, 7, 5, 6, 7, 5, 6] * 3] * 6
+    first, second = engine(spec, max_num_seqs=16, budget=256), engine(spec, max_num_seqs=16, budget=256)
+    assert first.scheduler.config.step_ms == second.scheduler.config.step_ms
+    assert first.generate(p, params) == second.generate(p, params)
+    assert list(tmp_path.glob("av_cost/*.json"))
+
+
+def test_av_cost_table_file_is_used_and_bad_ones_are_clear_errors(tmp_path):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
+    table = tmp_path / "curve.json"
+    table.write_text(json.dumps({"tokens": [1, 64, 256], "ms": [1.0, 2.0, 4.0]}))
+    e = engine(spec, max_num_seqs=16, budget=256, av_cost_table=str(table))
+    assert e.scheduler.config.step_ms.tokens == (1, 64, 256)
+    table.write_text('{"tokens": [1]}')
+    with pytest.raises(ValueError, match="not a step-cost curve"):
+        engine(spec, max_num_seqs=16, budget=256, av_cost_table=str(table))
+
+
+# 5 -------------------------------------------------------------------------------------------------------------
+def test_decodes_over_the_budget_run_the_uniform_decode_that_fits_on_full_graphs_fairly():
+    """q = 3, budget 256, 100 running requests: each steady-state decode step schedules the whole requests that
+    fit (85 at q = 3) and replays a FULL q = 3 graph; running requests left out go first next step, so none
+    waits 2 steps."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=128, max_num_batched_tokens=256)
+    sched = Scheduler(scheduler_config(cfg, num_kv_blocks=100 * 20, block_size=16, max_model_len=200))
+    target = dispatchers_for_plan(build_plan(cfg))["target"]
+    model = FakeModel(1000, 0.5, 128)
+    for i in range(100):
+        sched.add_request(Request(f"r{i}", [7, 8], SamplingParams(max_tokens=60, ignore_eos=True)))  # all admitted
+    decode_steps, waits = 0, {}
+    for _ in range(30):
+        out = sched.schedule()
+        s = out.shape
+        if s.is_decode and (out.num_drafts == 2).all():
+            decode_steps += 1
+            desc = target.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
+            assert desc.kind == UNIFORM_DECODE and desc.mode == MODE_FULL and desc.q == 3, desc
+            assert s.num_reqs == 85
+        scheduled = {r.request_id for r in out.requests}
+        for slot in sched.order:  # running requests left out wait at most one step
+            rid = sched.slot_request[slot].request_id
+            waits[rid] = 0 if rid in scheduled else waits.get(rid, 0) + 1
+            assert waits[rid] <= 1, f"{rid} waited {waits[rid]} steps"
+        sched.update(out, model.run(out))
+    assert decode_steps >= 10
+
+
+# 6 -------------------------------------------------------------------------------------------------------------
+def test_generate_is_atomic():
+    e = engine()
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        e.generate([[5, 6, 7], [8, 9], [10, 10**6]], GREEDY)
+    assert not e.has_unfinished() and not e.scheduler.waiting
+    assert e.generate([[5, 6, 7]], GREEDY) == engine().generate([[5, 6, 7]], GREEDY)
+
+
+# 7 -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--num-kv-blocks", "0"], "--num-kv-blocks must be >= 1, got 0"),
+    (["--num-kv-blocks", "-4"], "--num-kv-blocks must be >= 1, got -4"),
+    (["--num-kv-blocks", "3"], "--num-kv-blocks = 3 cannot hold the longest request"),
+    (["--step-trace", "/nonexistent/dir/trace.jsonl"], "--step-trace: step trace '/nonexistent/dir/trace.jsonl'"),
+    (["--dataset", "DATASET"], "'conversations' must be a list of turns, got str"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "max_num_seqs = 64 exceeds max_num_batched_tokens"),
+])
+def test_simulate_bad_inputs_are_one_line_errors(args, message, tmp_path, capsys):
+    dataset = tmp_path / "bad.json"
+    dataset.write_text('[{"conversations": "hello"}]')
+    args = [str(dataset) if a == "DATASET" else a for a in args]
+    assert cli_main(["simulate", "--platform", "sm100", "--num-prompts", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twogrid simulate: error: ") and message in err and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+# 8 -------------------------------------------------------------------------------------------------------------
+def test_simulate_default_kv_holds_the_drafter_lookahead():
+    cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 7}, platform="sm100", max_num_seqs=32)
+    same_length = [PromptSpec(None, 310)] * 64  # requests in lockstep: every slot reaches its longest together
+    result = simulate(cfg, same_length, concurrency=32, output_len=128, acceptance_rate=0.0)
+    assert result.summary["preemptions"] == 0
+
+
+# 9 -------------------------------------------------------------------------------------------------------------
+def test_a_step_that_preempts_admits_nothing():
+    model = FakeModel(1000, 0.6, 4)
+    sched = Scheduler(scheduler_config(resolve({}, {"method": "eagle3", "num_speculative_tokens": 3},
+                                               platform="sm100", max_num_seqs=4, max_num_batched_tokens=64),
+                                       num_kv_blocks=60, block_size=4, max_model_len=120))
+    for i in range(6):
+        sched.add_request(Request(f"q{i}", [3] * 30, SamplingParams(max_tokens=60, ignore_eos=True)))
+    preempting_steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        if out.num_preempted:
+            preempting_steps += 1
+            assert not out.new_requests
+        sched.update(out, model.run(out))
+    assert preempting_steps > 0 and sched.kv.num_free == 60
+
+
+# 10 ------------------------------------------------------------------------------------------------------------
+def test_token_ids_numpy_integers_pass_and_booleans_do_not():
+    e = engine()
+    rid = e.add_request(np.array([5, 6, 7], dtype=np.int32), GREEDY)
+    assert e.scheduler.requests[rid].prompt_token_ids == [5, 6, 7]
+    for bad, message in [([5, True], "prompt token True is not an integer token id"),
+                         ([5, 6.0], "prompt token 6.0 is not an integer token id"),
+                         ([5, -1], "prompt token -1 is outside the vocabulary 0..511")]:
+        with pytest.raises(RequestError) as info:
+            e.add_request(bad, GREEDY)
+        assert str(info.value) == message
+
+
+# 11 ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [{"method": "eagle3", "num_speculative_tokens": 3},
+                                  {"method": "dflash", "num_speculative_tokens": 2},
+                                  {"method": "ngram", "num_speculative_tokens": 2}], ids=lambda s: s["method"])
+def test_every_method_runs_with_graphs_off(spec):
+    p = prompts(5, 9)
+    eager = engine(spec, cc={"cudagraph_mode": "NONE"})
+    assert eager.generate(p, GREEDY) == engine(spec).generate(p, GREEDY) == engine().generate(p, GREEDY)
+    assert eager.scheduler.stats.drafts_verified > 0
+
+
+# smaller ones --------------------------------------------------------------------------------------------------
+def test_drafts_past_max_tokens_are_not_verified_in_mixed_steps():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(scheduler_config(cfg, num_kv_blocks=100, block_size=4, max_model_len=100))
+    model = FakeModel(1000, 1.0, 4)
+    sched.add_request(Request("short", [3] * 8, SamplingParams(max_tokens=3, ignore_eos=True)))
+    out = sched.schedule()
+    sched.update(out, model.run(out))  # 1 token; 2 left: at most 1 draft is useful
+    sched.add_request(Request("new", [4] * 8, SamplingParams(max_tokens=3, ignore_eos=True)))
+    out = sched.schedule()  # mixed: "short" decodes beside "new"'s prefill
+    assert not out.shape.is_decode and out.num_drafts[0] == 1 and out.num_scheduled[0] == 2
+
+
+def test_kv_grow_that_raises_changes_nothing():
+    kv = KVBlockManager(num_blocks=10, block_size=4, max_num_seqs=2, max_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="outgrew max_blocks_per_seq"):
+        kv.grow(np.array([0]), np.array([12]))
+    assert kv.num_free == 10 and (kv.block_table == -1).all()
+
+
+def test_max_num_seqs_above_the_token_budget_is_refused():
+    with pytest.raises(ConfigError, match="max_num_seqs = 64 exceeds max_num_batched_tokens = 32"):
+        resolve({}, None, platform="sm100", max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_step_trace_appends_and_engine_closes_it(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"step": 0, "note": "an earlier run"}\n')
+    with engine(step_trace=str(trace)) as e:
+        e.generate(prompts(2, 10), GREEDY)
+    records = read_trace(str(trace))
+    assert records[0]["note"] == "an earlier run" and len(records) > 2
+    assert e.trace._fh is None
+
+
+def test_worker_block_table_starts_empty_and_forgets_freed_slots():
+    e = engine()
+    worker = e.worker
+    assert (worker.block_table == -1).all()
+    assert (worker.runtime.bufs.block_table == -1).all()
+    e.generate(prompts(3, 11), GREEDY)
+    rid = e.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    e.step()  # this step carries the freed slots of the three finished requests
+    live = {int(s) for s in e.scheduler.order}
+    stale = [s for s in range(8) if s not in live and (worker.block_table[s] != -1).any()]
+    assert not stale and rid
