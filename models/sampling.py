@@ -6,19 +6,26 @@ CUDA graph (vLLM's Model Runner V2 samples the same way). Sampling from softmax(
 trick: the argmax of logits / T + Gumbel noise over the tokens top-k and top-p keep.
 
 - ``sample_tokens``: greedy rows (temperature 0) take the argmax; the others sample as above.
-- ``verify_greedy``: a request's drafts are accepted while they equal the target's argmax; the step yields the
-  accepted drafts plus the target's token after them.
-- ``verify_rejection``: probabilistic verification (speculative sampling): draft x is accepted with probability
-  min(1, p(x) / q(x)); at the first rejection a token is drawn from normalize(max(0, p - q)); if every draft is
-  accepted, a bonus token is drawn from p. This keeps the output distribution equal to the target's.
+- ``accepted_drafts``: verification. The target's token is drawn at every verified position (its argmax, or its
+  seeded sample), and a request's drafts are accepted while they equal those; the step yields the accepted drafts
+  and the target's token after them. For drafters that propose deterministically (every drafter here: greedy heads
+  and n-gram lookup, q one-hot) this is speculative sampling exactly: a draft x is accepted with probability p(x),
+  and a rejected position yields a token drawn from p without x. Because every draw is keyed by (seed, position),
+  a request's output tokens do not depend on its drafts at all: not on K, the drafter, adaptive verification or
+  the batch; only how many tokens a step yields does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Purposes of a random draw at one position (salts of the hash).
-SAMPLE, ACCEPT, RESIDUAL = 1, 2, 3
+SAMPLE = 1
+"""The token sampled at a position."""
+FIXED_ACCEPTANCE = 2
+"""Benchmarks' fixed-acceptance draws (dispatcher.runtime.worker)."""
 _M1, _M2, _M3 = 0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 """splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap the same way)."""
 
@@ -60,29 +67,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
+@dataclass
 class RowParams:
-    """Per-row sampling parameters on the device: temperature (0 = greedy), top_k (0 = off), top_p (1 = off),
-    seed. ``top_k`` / ``top_p`` are None when no row uses them (no sort at all)."""
+    """Per-row sampling parameters on the device, and what the host knows of them (so that choosing the sampler
+    reads nothing back from the device)."""
 
-    def __init__(self, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 seeds: torch.Tensor):
-        self.temperature, self.top_k, self.top_p, self.seeds = temperature, top_k, top_p, seeds
-
-    def take(self, index: torch.Tensor) -> "RowParams":
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return RowParams(self.temperature[index], pick(self.top_k), pick(self.top_p), self.seeds[index])
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """softmax(logits / T) over the tokens top-k and top-p keep, in float32; rows of temperature 0 are one-hot
-        at the argmax. logits (n, vocab) or (n, m, vocab), one parameter row per n."""
-        flat = logits.reshape(-1, logits.shape[-1]).float()
-        per = flat.shape[0] // self.temperature.shape[0]
-        rep = lambda t: None if t is None else t.repeat_interleave(per)  # noqa: E731
-        temp = self.temperature.repeat_interleave(per)
-        scaled = apply_top_k_top_p(flat / temp.clamp(min=1e-6)[:, None], rep(self.top_k), rep(self.top_p))
-        probs = torch.softmax(scaled, dim=-1)
-        greedy = torch.nn.functional.one_hot(flat.argmax(dim=-1), flat.shape[-1]).to(probs.dtype)
-        return torch.where((temp == 0)[:, None], greedy, probs).view(logits.shape)
+    temperature: torch.Tensor
+    """0 is greedy."""
+    top_k: torch.Tensor | None
+    """0: off; None when no row uses it (no sort at all)."""
+    top_p: torch.Tensor | None
+    """1: off; None when no row uses it."""
+    seeds: torch.Tensor
+    all_greedy: bool = False
+    """Every row has temperature 0: the argmax, and nothing else."""
 
 
 def gumbel_argmax(log_weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt) -> torch.Tensor:
@@ -94,7 +92,7 @@ def gumbel_argmax(log_weights: torch.Tensor, seeds: torch.Tensor, positions: tor
 def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> torch.Tensor:
     """logits (n, vocab) -> token ids (n,): argmax for temperature 0, else a seeded sample at ``positions``."""
     greedy = logits.argmax(dim=-1)
-    if not bool((params.temperature > 0).any()):
+    if params.all_greedy:
         return greedy
     scaled = apply_top_k_top_p(logits.float() / params.temperature.clamp(min=1e-6)[:, None], params.top_k,
                                params.top_p)
@@ -102,47 +100,13 @@ def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tens
     return torch.where(params.temperature > 0, drawn, greedy)
 
 
-def verify_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """target_tokens (n, 1 + K): argmax at each verified position; drafts (n, K). -> accepted drafts (n,)."""
+def accepted_drafts(target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted per request: the leading ones equal to the target's token at their position (its argmax, or
+    its seeded sample there). target_tokens (n, 1 + K); drafts (n, K); num_drafts (n,) -> (n,). The step yields the
+    accepted drafts and the target's token after them: target_tokens[:, :accepted + 1]."""
     k = drafts.shape[1]
     if k == 0:
         return torch.zeros(target_tokens.shape[0], dtype=torch.int64, device=target_tokens.device)
     valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
     match = (target_tokens[:, :k] == drafts) & valid
     return torch.cumprod(match.long(), dim=1).sum(dim=1)
-
-
-def verify_rejection(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, seeds: torch.Tensor,
-                     first_positions: torch.Tensor, q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """p (n, 1 + K, vocab) target probabilities at the verified positions; drafts (n, K); num_drafts (n,); q (n, K,
-    vocab) draft probabilities, or None for deterministic drafters (q one-hot); ``first_positions``: the position of
-    each row's first verified token. -> (tokens (n, 1 + K): accepted drafts then the next token, accepted (n,))."""
-    n, k = drafts.shape
-    dev = p.device
-    rows = torch.arange(n, device=dev)
-    cols = torch.arange(k, device=dev)
-    if k:
-        p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        u = uniform(seeds.repeat_interleave(k), (first_positions[:, None] + cols[None, :]).reshape(-1), ACCEPT)
-        ok = (u.view(n, k) * q_draft <= p_draft) & (cols[None, :] < num_drafts[:, None])
-        accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
-    else:
-        accepted = torch.zeros(n, dtype=torch.int64, device=dev)
-    p_next = p[rows, accepted]
-    rejected = accepted < num_drafts
-    if k:
-        at = accepted.clamp(max=k - 1)
-        if q is None:
-            q_at = torch.zeros_like(p_next)
-            q_at[rows, drafts[rows, at]] = 1.0
-        else:
-            q_at = q[rows, at]
-        residual = (p_next - q_at).clamp(min=0)
-        p_next = torch.where(rejected[:, None], residual, p_next)
-    # A bonus token is drawn as sample_tokens would draw it at that position; a residual one with its own salt.
-    salt = torch.where(rejected, RESIDUAL, SAMPLE)
-    nxt = gumbel_argmax(torch.log(p_next), seeds, first_positions + accepted, salt)
-    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
-    tokens[rows, accepted] = nxt
-    return tokens, accepted

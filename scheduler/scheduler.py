@@ -88,11 +88,11 @@ class SchedulerOutput:
     num_scheduled: np.ndarray
     """Query length of each scheduled request (tokens this step)."""
     num_computed: np.ndarray
-    """Tokens already in the KV cache before this step (the query's first position)."""
+    """Tokens in the KV cache before this step (the query's first position), as the scheduler sees them: exact,
+    except for a request whose previous step is still running (asynchronous scheduling), where it assumes that
+    step's drafts all accepted (an upper bound; the worker holds the exact count)."""
     num_drafts: np.ndarray
     """Drafts verified per request (the query's last tokens); 0 for prefill chunks."""
-    draft_tokens: np.ndarray
-    """(n, K_max) draft tokens being verified; row i holds num_drafts[i] valid entries."""
     samples: np.ndarray
     """Whether the step reaches the request's last known token and so samples."""
     num_new_drafts: int
@@ -129,8 +129,6 @@ class ModelResult:
     """(n, 1 + K_max) int: row i's first num_accepted[i] + 1 entries are its new tokens (sampling rows only)."""
     num_accepted: np.ndarray
     """Accepted drafts per request (0 for rows that verify none)."""
-    draft_tokens: np.ndarray | None = None
-    """(n, num_new_drafts) drafts proposed for the next step."""
     draft_confidences: np.ndarray | None = None
     """(n, num_new_drafts) the drafter's probabilities, for adaptive verification."""
 
@@ -187,8 +185,11 @@ class Scheduler:
         """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
         self.waited = np.zeros(n, bool)
         """The slot's request was running but left out of the last step (the budget was full): it goes first next."""
-        self.draft_tokens = np.zeros((n, max(self.k_max, 1)), np.int64)
+        self.pending_gain = np.zeros(n, np.int64)
+        """Tokens the slot's steps still running may add at most (1 + drafts each); 0 when none is in flight."""
         self.draft_conf = np.ones((n, max(self.k_max, 1)), np.float64)
+        """The drafter's confidence in each of the slot's drafts (adaptive verification's input; the drafts themselves
+        stay on the worker)."""
         self.slot_request: list[Request | None] = [None] * n
         self._free_slots = list(range(n - 1, -1, -1))
         self.order: list[int] = []
@@ -283,6 +284,7 @@ class Scheduler:
         self.slot_request[slot] = req
         req.status = RequestStatus.RUNNING
         self.num_computed[slot] = 0
+        self.pending_gain[slot] = 0
         self.num_tokens[slot] = req.num_tokens
         self.prompt_len[slot] = len(req.prompt_token_ids)
         self.max_output[slot] = req.params.max_tokens
@@ -319,9 +321,13 @@ class Scheduler:
         slots = self._order_array()
         if self.waited[slots].any():
             slots = slots[np.argsort(~self.waited[slots], kind="stable")]
+        if self.pending_gain[slots].any():  # a request whose running step surely ends it gets no further step
+            room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
+            slots = slots[(self.pending_gain[slots] == 0) | (room > 1)]
         computed = self.num_computed[slots]
-        uncomputed = self.num_tokens[slots] - computed
-        decoding = (uncomputed == 1) & (self.num_tokens[slots] > self.prompt_len[slots])
+        known = self.num_tokens[slots] + self.pending_gain[slots]
+        uncomputed = known - computed
+        decoding = (uncomputed == 1) & (known > self.prompt_len[slots])
         k_step = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
         drafts = np.where(decoding, np.minimum(self.num_drafts[slots], k_step), 0)
         demand = uncomputed + drafts
@@ -392,6 +398,13 @@ class Scheduler:
         is_decode = len(slots) > 0 and not new and bool(pick.decoding.all())
         drafts = self._verify_lengths(slots, drafts, is_decode)
         sched = known + drafts
+        samples = computed + known >= self.num_tokens[slots] + self.pending_gain[slots]
+        # The step's tokens count as computed from now on (its drafts as accepted, until ``update`` says otherwise),
+        # so that the next step can be scheduled before this one's result is back.
+        self.num_computed[slots] += sched
+        self.pending_gain[slots] += np.where(samples, 1 + drafts, 0)
+        num_new_drafts = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
+        self.num_drafts[slots] = np.where(samples, num_new_drafts, 0)  # what the drafter proposes after this step
         rows, cols, ids = (np.concatenate(parts) for parts in zip(*updates))
         n = len(slots)
         if n:  # an empty step reaches no worker: it keeps the freed slots for the next
@@ -405,9 +418,8 @@ class Scheduler:
             num_scheduled=sched,
             num_computed=computed,
             num_drafts=drafts,
-            draft_tokens=self.draft_tokens[slots],
-            samples=computed + known >= self.num_tokens[slots],
-            num_new_drafts=int(self._k_of_batch[min(n, c.max_num_seqs)]) if self.k_max else 0,
+            samples=samples,
+            num_new_drafts=num_new_drafts,
             new_requests=new,
             block_updates=(rows, cols, ids),
             freed_slots=freed,
@@ -426,25 +438,15 @@ class Scheduler:
             return []
         slots, samples, drafts = out.slots[rows], out.samples[rows], out.num_drafts[rows]
         accepted = np.where(samples, np.minimum(result.num_accepted[rows], drafts), 0)
-        new_computed = out.first_sample_positions[rows] + accepted
-        self.num_computed[slots] = new_computed
-        self.kv.shrink(slots, new_computed + self.config.lookahead_tokens)  # rejected drafts; keep the lookahead
+        self.num_computed[slots] -= drafts - accepted  # the rejected drafts' KV is rolled back
+        self.pending_gain[slots] -= np.where(samples, 1 + drafts, 0)
+        self.kv.shrink(slots, self.num_computed[slots] + self.config.lookahead_tokens)  # keep the lookahead
         self.stats.drafts_verified += int(drafts.sum())
         self.stats.drafts_accepted += int(accepted.sum())
-        self._take_drafts(out, result, rows, slots, samples)
+        k_new, conf = out.num_new_drafts, result.draft_confidences
+        if k_new and conf is not None:  # the drafts themselves stay on the worker
+            self.draft_conf[slots[samples], :k_new] = conf[rows[samples], :k_new]
         return self._append_tokens(out, result, rows[samples], accepted[samples] + 1)
-
-    def _take_drafts(self, out: SchedulerOutput, result: ModelResult, rows, slots, samples) -> None:
-        """The drafts proposed for each sampling request's next step (none for a request mid-prefill)."""
-        k_new = out.num_new_drafts
-        self.num_drafts[slots] = 0
-        if not k_new or result.draft_tokens is None:
-            return
-        keep, rows_keep = slots[samples], rows[samples]
-        self.draft_tokens[keep, :k_new] = result.draft_tokens[rows_keep, :k_new]
-        conf = result.draft_confidences
-        self.draft_conf[keep, :k_new] = conf[rows_keep, :k_new] if conf is not None else 1.0
-        self.num_drafts[keep] = k_new
 
     def _append_tokens(self, out: SchedulerOutput, result: ModelResult, rows: np.ndarray,
                        counts: np.ndarray) -> list[RequestOutput]:

@@ -145,7 +145,10 @@ def test_random_runs_match_eager_and_end_exactly(tmp_path_factory, workload):
             else:
                 assert reasons[rid] is FinishReason.STOP and not r["ignore_eos"] and out[-1] == EOS
                 assert len(out) <= r["max_tokens"] and EOS not in out[:-1]
-    for i in range(len(adds)):
+    # The eager run has no adaptive verification (it needs FULL graphs): it verifies other drafts, which leaves greedy
+    # tokens alone but not sampled ones (another acceptance path draws other random numbers).
+    av = bool(spec and spec.get("adaptive_verification"))
+    for i, r in enumerate(adds):
         rid = f"req-{i}"
-        if rid not in graphs[2] and rid not in eager[2]:
+        if rid not in graphs[2] and rid not in eager[2] and not (av and r["sampled"]):
             assert graphs[0][rid] == eager[0][rid], f"{rid}: graphs and eager disagree ({spec})"

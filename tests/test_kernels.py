@@ -263,6 +263,7 @@ def test_static_padded_path_through_the_kernels_matches_eager(model_name):
     """The runtime's padded static closures (FULL, PIECEWISE pieces, adaptive verification) through the kernels give
     the unpadded eager forward's rows, and padded rows (slot -1) store nothing at all, not even in the dummy block."""
     import numpy as np
+    from dispatcher.runtime.graphs import StepInputs
     from test_runtime import decode_batch, make_runtime, run_both
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
@@ -278,7 +279,7 @@ def test_static_padded_path_through_the_kernels_matches_eager(model_name):
     host = decode_batch(rt, 7, 1, ctx=20)  # 7 requests pad to an 8-request graph
     desc = disp.dispatch(7, 7, 1, True)
     before = [c.clone() for c in rt.kv_caches]
-    rt.execute(desc, host)
+    rt.execute(desc, StepInputs.from_host(host, rt.device))
     written = {int(s) // 8 for s in host[2]}
     for c, b in zip(rt.kv_caches, before):
         changed = {i for i in range(c.shape[1]) if not torch.equal(c[:, i], b[:, i])}

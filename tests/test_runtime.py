@@ -15,7 +15,7 @@ from dispatcher.plan.config import resolve  # noqa: E402
 from dispatcher.plan.dispatch import dispatchers_for_plan  # noqa: E402
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.capture_plan import build_plan  # noqa: E402
-from dispatcher.runtime.graphs import GraphRuntime  # noqa: E402
+from dispatcher.runtime.graphs import GraphRuntime, StepInputs  # noqa: E402
 from models.attention import allocate_kv_cache  # noqa: E402
 from models.config import preset  # noqa: E402
 from models.fused import programmatic_launch  # noqa: E402
@@ -56,10 +56,10 @@ def run_both(rt, dispatcher, host, is_decode, q):
     num_reqs = len(np.unique(host[3]))
     desc = dispatcher.dispatch(n, num_reqs, q, is_decode)
     saved = [c.clone() for c in rt.kv_caches]
-    replayed = rt.execute(desc, host).clone()
+    replayed = rt.execute(desc, StepInputs.from_host(host, rt.device)).clone()
     for c, s in zip(rt.kv_caches, saved):
         c.copy_(s)
-    eager = rt.execute(desc._replace(mode="NONE", graph=None), host).clone()
+    eager = rt.execute(desc._replace(mode="NONE", graph=None), StepInputs.from_host(host, rt.device)).clone()
     return desc, replayed, eager
 
 
@@ -89,7 +89,7 @@ def test_padded_rows_never_write_real_kv_blocks():
     desc = disp.dispatch(7, 7, 1, True)
     assert desc.mode == "FULL" and desc.num_reqs == 8
     before = [c.clone() for c in rt.kv_caches]
-    rt.execute(desc, host)
+    rt.execute(desc, StepInputs.from_host(host, rt.device))
     written = {int(s) // BLOCK for s in host[2]}
     for c, b in zip(rt.kv_caches, before):
         changed = {i for i in range(c.shape[1]) if not torch.equal(c[:, i], b[:, i])}
@@ -136,9 +136,9 @@ def test_replay_is_bitwise_equal_to_static_eager_on_gpu(model_name):
         decode_batch(static, num_reqs, q, ctx=11)
         desc = disp.dispatch(host.shape[1], num_reqs, q, decode)
         assert desc.mode != "NONE"
-        a = graphs.execute(desc, host).clone()
+        a = graphs.execute(desc, StepInputs.from_host(host, graphs.device)).clone()
         with programmatic_launch(False):
-            b = static.execute(desc, host).clone()
+            b = static.execute(desc, StepInputs.from_host(host, static.device)).clone()
         assert torch.equal(a, b), (desc, (a - b).abs().max())
 
 
@@ -273,20 +273,22 @@ def test_max_model_len_beyond_the_model_positions_is_a_clear_error():
 
 
 def _record_drafts(engine, log):
-    """Wrap the worker so that every proposal is logged as (request_id, position of its first draft) -> drafts."""
-    execute = engine.worker.execute
+    """Log every proposal as (request_id, position of its first draft) -> drafts, read from the worker's request
+    state right after each step (the engine runs synchronously, so no later step has overwritten them)."""
+    update = engine.update
 
-    def wrapped(out, descs):
-        result = execute(out, descs)
-        if result.draft_tokens is not None:
+    def wrapped(step, result):
+        out = step.out
+        k = out.num_new_drafts
+        if k:
             first = out.first_sample_positions
+            drafts = engine.worker.state.drafts[torch.from_numpy(out.slots), :k].tolist()
             for i, req in enumerate(out.requests):
                 if out.samples[i]:
-                    pos = int(first[i] + result.num_accepted[i] + 1)
-                    log[(req.request_id, pos)] = result.draft_tokens[i].tolist()
-        return result
+                    log[(req.request_id, int(first[i] + result.num_accepted[i] + 1))] = drafts[i]
+        return update(step, result)
 
-    engine.worker.execute = wrapped
+    engine.update = wrapped
 
 
 @pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[4]], ids=["eagle3", "dflash"])
@@ -299,7 +301,8 @@ def test_drafts_do_not_depend_on_the_batch(spec):
 
     def engine():
         cfg = resolve({}, spec, platform="sm100", max_num_seqs=16, max_num_batched_tokens=64)
-        return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=BLOCK, max_model_len=128))
+        return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=BLOCK, max_model_len=128,
+                                          async_scheduling=False))
 
     batched, alone = {}, {}
     e = engine()

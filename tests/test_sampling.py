@@ -5,8 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from models.drafters import NgramDrafter  # noqa: E402
-from models.sampling import (RowParams, apply_top_k_top_p, sample_tokens, uniform, verify_greedy,  # noqa: E402
-                             verify_rejection)
+from models.sampling import RowParams, accepted_drafts, apply_top_k_top_p, sample_tokens, uniform  # noqa: E402
 
 
 def params(n, temperature=1.0, top_k=None, top_p=None, seed=7):
@@ -57,54 +56,28 @@ def test_sampled_frequencies_follow_softmax_with_top_k_and_top_p():
     assert (freq - expect).abs().max() < 0.015, freq
 
 
-def test_verify_greedy_counts_leading_matches():
+def test_accepted_drafts_counts_leading_matches():
     target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [1, 2, 3, 4]])
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
-    assert verify_greedy(target, drafts, torch.tensor([3, 3, 2])).tolist() == [3, 1, 2]
+    assert accepted_drafts(target, drafts, torch.tensor([3, 3, 2])).tolist() == [3, 1, 2]
 
 
-@pytest.mark.parametrize("with_q", [False, True])
-def test_rejection_sampling_keeps_the_target_distribution(with_q):
-    """The first emitted token is distributed as the target's p, whatever the drafter proposed."""
-    gen = torch.Generator().manual_seed(0)
+def test_verification_by_seeded_sampling_is_speculative_sampling():
+    """A deterministic drafter proposes token 2 everywhere: it is accepted with probability p(2), the first emitted
+    token is distributed as p, and a rejected position yields p without the draft."""
     vocab, n = 6, 40000
-    p = torch.softmax(torch.randn(vocab, generator=gen), -1)
-    q_dist = torch.softmax(torch.randn(vocab, generator=gen), -1)
-    if with_q:
-        drafts = torch.multinomial(q_dist, n, replacement=True, generator=gen).view(n, 1)
-        q = q_dist.expand(n, 1, vocab)
-    else:
-        drafts = torch.full((n, 1), 2)  # a deterministic drafter always proposes token 2
-        q = None
-    probs = p.expand(n, 2, vocab)
-    tokens, accepted = verify_rejection(probs, drafts, torch.ones(n, dtype=torch.long), torch.arange(n),
-                                        torch.zeros(n, dtype=torch.long), q)
-    freq = torch.bincount(tokens[:, 0], minlength=vocab).float() / n
-    assert (freq - p).abs().max() < 0.01, (freq, p)
-    if not with_q:
-        assert abs(accepted.float().mean().item() - p[2].item()) < 0.01
-
-
-def test_rejection_without_drafts_draws_what_sample_tokens_draws():
-    torch.manual_seed(1)
-    logits = torch.randn(8, 30)
-    rp = params(8, 0.7, top_k=10)
-    pos = torch.arange(8) * 3
-    tokens, accepted = verify_rejection(rp.probs(logits[:, None]), torch.zeros(8, 0, dtype=torch.long),
-                                        torch.zeros(8, dtype=torch.long), rp.seeds, pos)
-    assert (accepted == 0).all() and torch.equal(tokens[:, 0], sample_tokens(logits, rp, pos))
-
-
-def test_greedy_rows_verify_by_argmax_in_rejection():
-    logits = torch.randn(3, 4, 20)
-    rp = params(3, 0.0)
-    target = logits.argmax(-1)
-    drafts = torch.stack([target[0, :3], torch.tensor([target[1, 0], (target[1, 1] + 1) % 20, 0]), target[2, :3]])
-    tokens, accepted = verify_rejection(rp.probs(logits), drafts, torch.tensor([3, 3, 2]), rp.seeds,
-                                        torch.zeros(3, dtype=torch.long))
-    assert accepted.tolist() == [3, 1, 2]
-    assert torch.equal(tokens[0], target[0]) and tokens[1, :2].tolist() == target[1, :2].tolist()
-    assert tokens[2, :3].tolist() == target[2, :3].tolist()
+    p = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(0)), -1)
+    logits = torch.log(p).expand(n, vocab)
+    rp = RowParams(torch.ones(n), None, None, torch.arange(n))
+    first = sample_tokens(logits, rp, torch.zeros(n, dtype=torch.long))
+    accepted = accepted_drafts(torch.stack([first, first], 1), torch.full((n, 1), 2), torch.ones(n, dtype=torch.long))
+    assert abs(accepted.float().mean().item() - p[2].item()) < 0.01
+    freq = torch.bincount(first, minlength=vocab).float() / n
+    assert (freq - p).abs().max() < 0.01
+    rejected = first[accepted == 0]
+    expect = p.clone()
+    expect[2] = 0
+    assert (torch.bincount(rejected, minlength=vocab).float() / len(rejected) - expect / expect.sum()).abs().max() < 0.01
 
 
 def test_ngram_drafter_proposes_what_followed():

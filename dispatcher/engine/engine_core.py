@@ -14,7 +14,9 @@ import logging
 import numbers
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ import torch
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import CostCurve
 from dispatcher.engine.trace import TraceWriter, step_record
+from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
 from dispatcher.plan.config import ResolvedConfig
 from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan
@@ -48,6 +51,10 @@ class EngineArgs:
     use_cuda_graphs: bool = True
     step_trace: str | None = None
     """Append one JSON record per step to this file."""
+    async_scheduling: bool | None = None
+    """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
+    fixed_acceptance: float | None = None
+    """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
     av_cost_table: str | None = None
     """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
     once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
@@ -56,11 +63,38 @@ class EngineArgs:
 
 @dataclass
 class ScheduledStep:
-    """One step between ``schedule`` and ``update``: the scheduler's output and every forward's descriptor."""
+    """One step between ``schedule`` and ``update``: the scheduler's output, every forward's descriptor, and the
+    message the worker gets."""
 
     out: SchedulerOutput
     descs: StepDescriptors
+    message: Step
     host_ms: float
+    pending: object = None
+    """The worker's handle while the step runs."""
+    submitted_at: float = 0.0
+
+
+def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
+    """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
+    new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
+    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
+                      SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
+                                   int(req.params.seed or 0)))
+           for req, slot in zip(out.new_requests, new_slots)]
+    return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
+                pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
+                pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
+                descs.target, descs.draft, descs.draft_next)
+
+
+def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
+    n = len(out.slots)
+    conf = None
+    if result.draft_confidences:
+        conf = unpack(result.draft_confidences, F32, (n, out.num_new_drafts))
+    return ModelResult(unpack(result.sampled, I32, (n, result.width)).astype(np.int64),
+                       unpack(result.num_accepted).astype(np.int64), conf)
 
 
 class EngineCore:
@@ -74,7 +108,7 @@ class EngineCore:
         self.worker = ModelWorker(
             WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                          cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                         args.use_cuda_graphs),
+                         args.use_cuda_graphs, args.fixed_acceptance),
             self.plan,
         )
         self.scheduler = Scheduler(sched_cfg)
@@ -132,33 +166,71 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- a step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
-        """The next step and its descriptors; None when nothing is live."""
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the next step is scheduled and submitted before the last one's result is back. Not with n-gram
+        drafting (its drafter runs on the host, after the result) or adaptive verification (it chooses verify
+        lengths from the drafter's confidences, after the result)."""
+        if self.args.async_scheduling is not None:
+            return self.args.async_scheduling and self._can_overlap
+        return self._can_overlap
+
+    @property
+    def _can_overlap(self) -> bool:
+        return self.cfg.method != "ngram" and not self.cfg.adaptive_verification
+
+    def schedule(self, in_flight: int = 0) -> ScheduledStep | None:
+        """The next step and its descriptors; None when nothing can be scheduled (nothing is live, or every live
+        request is in a step still running, ``in_flight`` of them)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if len(out.slots) == 0:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not in_flight:
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return None
         descs = dispatch_step(self.dispatchers, self.cfg.method, out)
-        return ScheduledStep(out, descs, (time.perf_counter() - t0) * 1e3)
+        return ScheduledStep(out, descs, step_message(out, descs), (time.perf_counter() - t0) * 1e3)
 
-    def execute(self, step: ScheduledStep) -> ModelResult:
-        t0 = time.perf_counter()
-        result = self.worker.execute(step.out, step.descs)
-        device_ms = (time.perf_counter() - t0) * 1e3
+    def submit(self, step: ScheduledStep) -> None:
+        """Queue a step on the worker (returns before it has run)."""
+        step.submitted_at = time.perf_counter()
+        step.pending = self.worker.submit(step.message)
+
+    def wait(self, step: ScheduledStep) -> ModelResult:
+        """The submitted step's result (waits for it)."""
+        result = self.worker.collect(step.pending)
+        device_ms = (time.perf_counter() - step.submitted_at) * 1e3
         self.trace.write(step_record(step.out.step_id, step.out, step.descs.target, step.host_ms, device_ms,
                                      step.descs.drafts()))
-        return result
+        return model_result(result, step.out)
+
+    def execute(self, step: ScheduledStep) -> ModelResult:
+        self.submit(step)
+        return self.wait(step)
 
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
         return self.scheduler.update(step.out, result)
 
     def step(self) -> list[RequestOutput]:
+        """One step, synchronously: schedule, run, update."""
         step = self.schedule()
         if step is None:
             return []
         return self.update(step, self.execute(step))
+
+    def run(self) -> Iterator[list[RequestOutput]]:
+        """Steps until nothing is live, each step's outputs as it completes. With asynchronous scheduling the next
+        step is submitted before the last one's result is waited for, so the device runs them back to back."""
+        depth = 2 if self.async_scheduling else 1
+        in_flight: deque[ScheduledStep] = deque()
+        while self.scheduler.has_unfinished() or in_flight:
+            step = self.schedule(len(in_flight)) if len(in_flight) < depth else None
+            if step is not None:
+                self.submit(step)
+                in_flight.append(step)
+            if in_flight and (len(in_flight) == depth or step is None):
+                done = in_flight.popleft()
+                yield self.update(done, self.wait(done))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline: run every prompt to completion; outputs in prompt order. Every prompt is validated before any
@@ -167,8 +239,8 @@ class EngineCore:
         for request in requests:
             self._queue(request)
         outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        while self.scheduler.has_unfinished():
-            for o in self.step():
+        for step_outputs in self.run():
+            for o in step_outputs:
                 if o.request_id in outputs:
                     outputs[o.request_id].extend(o.new_token_ids)
         return [outputs[r.request_id] for r in requests]

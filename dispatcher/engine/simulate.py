@@ -65,27 +65,28 @@ class FakeModel:
         seeds = np.full(num_tokens, request_seed(request_id), np.uint64)
         return self.token(seeds, np.arange(prompt_len, prompt_len + num_tokens)).tolist()
 
+    def draft(self, seeds: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The drafter's proposal for each position and its confidence: the right token with probability
+        ``acceptance_rate``, decided by a hash of (request, position)."""
+        right = self.token(seeds, positions)
+        ok = self._uniform(seeds, positions, 1) < self.acceptance_rate
+        v = self._uniform(seeds, positions, 2)
+        return np.where(ok, right, (right + 1) % self.vocab_size), np.where(ok, 0.5 + 0.5 * v, 0.5 * v)
+
     def run(self, out: SchedulerOutput) -> ModelResult:
         for req, slot in zip(out.new_requests, out.slots[len(out.slots) - len(out.new_requests):].tolist()):
             self.slot_seed[slot] = request_seed(req.request_id)
-        k_max = out.draft_tokens.shape[1]
+        k = int(out.num_drafts.max()) if len(out.num_drafts) else 0
         seeds = self.slot_seed[out.slots][:, None]
         first = out.first_sample_positions[:, None]
-        target = self.token(seeds, first + np.arange(k_max + 1)[None, :])
-        match = (out.draft_tokens[:, :k_max] == target[:, :k_max]) & (np.arange(k_max)[None, :] < out.num_drafts[:, None])
-        accepted = np.where(match.all(axis=1), out.num_drafts, np.argmin(match, axis=1))
-        accepted = np.minimum(accepted, out.num_drafts)
-        k_new = out.num_new_drafts
-        drafts = conf = None
-        if k_new:
-            pos = first + accepted[:, None] + 1 + np.arange(k_new)[None, :]
-            right = self.token(seeds, pos)
-            u = self._uniform(seeds, pos, 1)
-            ok = u < self.acceptance_rate
-            drafts = np.where(ok, right, (right + 1) % self.vocab_size)
-            v = self._uniform(seeds, pos, 2)
-            conf = np.where(ok, 0.5 + 0.5 * v, 0.5 * v)
-        return ModelResult(target, accepted.astype(np.int64), drafts, conf)
+        target = self.token(seeds, first + np.arange(k + 1)[None, :])
+        drafts = self.draft(seeds, first + np.arange(k)[None, :])[0]
+        match = (drafts == target[:, :k]) & (np.arange(k)[None, :] < out.num_drafts[:, None])
+        accepted = np.cumprod(match, axis=1).sum(axis=1)  # leading matches
+        conf = None
+        if out.num_new_drafts:  # what it proposes for the next step, after the new tokens
+            conf = self.draft(seeds, first + accepted[:, None] + 1 + np.arange(out.num_new_drafts)[None, :])[1]
+        return ModelResult(target, accepted.astype(np.int64), conf)
 
 
 def drafter_ms(costs: StepCostModel, descs: StepDescriptors, num_drafts: int) -> float:

@@ -214,11 +214,7 @@ class GraphRuntime:
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._primed = False
-        if self.cuda_graphs:
-            self._pinned = [torch.empty(len(INPUT_ROWS) * self.max_num_tokens, dtype=torch.int64, pin_memory=True)
-                            for _ in range(2)]
-            self._staging_done = [torch.cuda.Event(), torch.cuda.Event()]
-            self._staging_turn = 0
+        self._pad_rows = torch.from_numpy(_PAD_ROWS).to(self.device).expand(-1, self.max_num_tokens)
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
@@ -449,33 +445,26 @@ class GraphRuntime:
         return tuple(sizes), tuple(times)
 
     # -- replay ----------------------------------------------------------------------------------------------
-    def load_inputs(self, host: np.ndarray, num_real: int, num_padded: int) -> None:
-        """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded
-        become padding (slot -1, position -1)."""
-        src, staged = self._host_staging(num_padded)
-        staged[:4, :num_real] = host
-        staged[4, :num_real] = host[1]
-        staged[:, num_real:] = _PAD_ROWS
-        self.bufs.rows(num_padded).copy_(src, non_blocking=True)
-        if self.cuda_graphs:
-            self._staging_done[self._staging_turn].record()
+    def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
+               query_start: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor,
+               max_query_len: int) -> "StepInputs":
+        """A forward's inputs from device tensors: per token its id, position and block-table row (its KV slot is
+        looked up here); per request its query start, sequence length (context with this step's tokens) and
+        block-table row."""
+        bs = self.kv_caches[0].shape[2]
+        kv_slots = self.bufs.block_table[token_rows, positions // bs].long() * bs + positions % bs
+        return StepInputs(torch.stack([input_ids, positions, kv_slots, token_rows]), query_start, seq_lens, req_rows,
+                          max_query_len)
 
-    def _host_staging(self, num_padded: int) -> tuple[torch.Tensor, np.ndarray]:
-        """A (5, num_padded) host buffer for the step's inputs, laid out as ``StaticBuffers.rows``. On CUDA: two
-        pinned buffers in turn, each reused only once its previous copy has run, so that the copy never blocks
-        the host."""
-        rows = len(INPUT_ROWS)
-        if not self.cuda_graphs:
-            arr = np.empty((rows, num_padded), dtype=np.int64)
-            return torch.from_numpy(arr), arr
-        self._staging_turn ^= 1
-        self._staging_done[self._staging_turn].synchronize()
-        buf = self._pinned[self._staging_turn][:rows * num_padded].view(rows, num_padded)
-        return buf, buf.numpy()
-
-    def clear_block_rows(self, rows: np.ndarray) -> None:
-        """Forget the blocks of these block-table rows (slots whose requests left): -1 throughout."""
-        self.bufs.block_table[torch.from_numpy(np.asarray(rows, np.int64)).to(self.device)] = -1
+    def load_inputs(self, inputs: "StepInputs", num_padded: int) -> None:
+        """Copy a step's real rows into the static buffers; rows num_real..num_padded become padding (slot -1,
+        position -1)."""
+        n = inputs.num_tokens
+        rows = self.bufs.rows(num_padded)
+        rows[:4, :n].copy_(inputs.tokens)
+        rows[4, :n].copy_(inputs.tokens[1])
+        if num_padded > n:
+            rows[:, n:].copy_(self._pad_rows[:, : num_padded - n])
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         if len(rows):
@@ -483,12 +472,12 @@ class GraphRuntime:
                    torch.from_numpy(np.asarray(cols, np.int64)).to(self.device))
             self.bufs.block_table.index_put_(idx, torch.from_numpy(np.asarray(ids, np.int32)).to(self.device))
 
-    def execute(self, desc: BatchDescriptor, host: np.ndarray, aux: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a step: (4, num_real) host inputs (and a drafter's (num_real, hidden) features) -> final hidden
-        states of the real rows (a view)."""
-        num_real = host.shape[1]
+    def execute(self, desc: BatchDescriptor, inputs: "StepInputs", aux: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a step: its inputs (and a drafter's (num_real, hidden) features) -> final hidden states of the real
+        rows (a view of a static buffer, valid until the next execute)."""
+        num_real = inputs.num_tokens
         num = desc.num_tokens if desc.mode != MODE_EAGER else num_real
-        self.load_inputs(host, num_real, num)
+        self.load_inputs(inputs, num)
         if aux is not None:
             self.bufs.aux[:num_real].copy_(aux)
         if desc.mode == MODE_FULL:
@@ -504,6 +493,36 @@ class GraphRuntime:
         else:
             self._full(num_real)()
         return self.bufs.hidden_out[:num_real]
+
+
+@dataclass
+class StepInputs:
+    """One forward's real rows, on the device."""
+
+    tokens: torch.Tensor
+    """(4, num_tokens) int64: input ids, positions, KV slots, block-table rows (a request's tokens contiguous)."""
+    query_start: torch.Tensor
+    """(num_reqs + 1,) int64: where each request's query starts among the tokens."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int64: each request's context including this step's tokens."""
+    req_rows: torch.Tensor
+    """(num_reqs,) int64: each request's block-table row."""
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def from_host(cls, host: np.ndarray, device) -> "StepInputs":
+        """From host rows (4, n): input ids, positions, KV slots, block-table rows, a request's rows contiguous
+        (tests and benchmarks)."""
+        rows = host[3]
+        starts = np.concatenate([[0], np.nonzero(np.diff(rows))[0] + 1]) if len(rows) else np.zeros(0, np.int64)
+        ends = np.append(starts[1:], len(rows))
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
+        return cls(to(host), to(np.append(starts, len(rows))), to(host[1][ends - 1] + 1), to(rows[starts]),
+                   int((ends - starts).max()) if len(rows) else 0)
 
 
 class _NoBar:

@@ -1,5 +1,12 @@
-"""The model worker: owns the model, the KV cache and the graphs of one device; turns a scheduled step and
-its dispatch descriptor into sampled tokens, accepted-draft counts and next drafts (SPEC section 7)."""
+"""The model worker: owns the model, the KV cache, the graphs and every request's state on one device, and turns
+each ``messages.Step`` into a ``messages.StepResult`` (SPEC section 7).
+
+A step is ``submit`` then ``collect``. ``submit`` queues everything on the device without waiting for it: one
+host-to-device copy of the step's columns, the inputs built on the device from the request state (tokens, computed
+counts, drafts), the target forward, verification and sampling, the state update, the drafter's forwards, and one
+device-to-host copy of the sampled tokens. ``collect`` waits for that copy (the step's one synchronization). So the
+engine can submit step t + 1 before it collects step t, and the device never waits for the host in between.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dispatcher.plan.dispatch import BatchDescriptor, StepDescriptors
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, block_query_len, model_runners
-from dispatcher.runtime.graphs import CaptureReport, GraphRuntime
+from dispatcher.messages import F32, I32, Step, StepResult, pack, unpack
+from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, model_runners
+from dispatcher.runtime.drafting import BlockDrafter, EagleDrafter
+from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
+from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
 from models.drafters import NgramDrafter, build_draft_head
 from models.loader import load_model
-from models.sampling import RowParams, verify_greedy, verify_rejection
+from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
 from models.transformer import build_model
-from scheduler.scheduler import ModelResult, SchedulerOutput
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -35,13 +44,42 @@ class WorkerConfig:
     seed: int = 0
     use_cuda_graphs: bool = True
     """False: run every graph's closure eagerly on the padded static buffers (the CPU backend, on any device)."""
+    fixed_acceptance: float | None = None
+    """Benchmarks only: after verification, accept a seeded number of drafts per request so that the mean
+    acceptance length (tokens a verify step yields) is this value, whatever the drafter proposed. None: off."""
+
+
+class RequestState:
+    """Every slot's request on the device: its tokens by position, how many are computed, its drafts, and its
+    sampling parameters (with host copies of the parameters, to choose the sampler without a device read)."""
+
+    def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
+        z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        self.token_ids = z(max_num_seqs, max_len)
+        self.num_computed = z(max_num_seqs)
+        self.drafts = z(max_num_seqs, max(max_drafts, 1))
+        self.draft_conf = z(max_num_seqs, max(max_drafts, 1), dt=torch.float32)
+        self.temperature = z(max_num_seqs, dt=torch.float32)
+        self.top_k = z(max_num_seqs)
+        self.top_p = z(max_num_seqs, dt=torch.float32)
+        self.seed = z(max_num_seqs)
+        self.host_temperature = np.zeros(max_num_seqs, np.float64)
+        self.host_top_k = np.zeros(max_num_seqs, np.int64)
+        self.host_top_p = np.ones(max_num_seqs, np.float64)
+
+    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray) -> RowParams:
+        """Sampling parameters of these slots (top-k / top-p None when no row uses them: no sort at all)."""
+        return RowParams(self.temperature[slots],
+                         self.top_k[slots] if self.host_top_k[host_slots].any() else None,
+                         self.top_p[slots] if (self.host_top_p[host_slots] < 1).any() else None,
+                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any())
 
 
 class ModelWorker:
     def __init__(self, wcfg: WorkerConfig, plan):
         """``plan``: the capture plan (its config names the speculative method and the model runners)."""
-        speculative_method, num_speculative_tokens = plan.config.method, plan.config.num_speculative_tokens
-        if speculative_method == "draft_model":
+        method, k_max = plan.config.method, plan.config.num_speculative_tokens
+        if method == "draft_model":
             raise ValueError("speculative method 'draft_model' (a separate draft LM) has no drafter in the worker yet; "
                              "use ngram, an EAGLE-style method or a block drafter (or simulate, which models any method)")
         self.wcfg = wcfg
@@ -53,34 +91,35 @@ class ModelWorker:
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
-        self.max_blocks = wcfg.max_blocks_per_seq
-        self.block_table = np.full((wcfg.max_num_seqs, self.max_blocks), -1, dtype=np.int64)
-        """The scheduler's block tables, mirrored: -1 where a slot holds no block."""
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
-            max_blocks_per_seq=self.max_blocks, use_cuda_graphs=wcfg.use_cuda_graphs,
+            max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs,
         )
-        self.method = speculative_method
-        self.drafter = NgramDrafter(num_speculative_tokens) if speculative_method == "ngram" else None
+        self.method, self.k_max = method, k_max
+        self.ngram = NgramDrafter(k_max) if method == "ngram" else None
+        self.histories: dict[int, list[int]] = {}
+        """ngram only: each slot's tokens on the host (its drafter runs there)."""
+        self._ngram_drafts: dict[int, list[int]] = {}
+        """ngram only: drafts proposed since the last step, uploaded with the next."""
+        self.drafter: EagleDrafter | BlockDrafter | None = None
         self.draft_runtimes: list[GraphRuntime] = []
-        if speculative_method in EAGLE_LIKE + BLOCK_DRAFTERS:
-            self.draft_head = build_draft_head(self.model, wcfg.seed + 1)
-            self.draft_kv = allocate_kv_cache(1, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                              wcfg.dtype, self.device)
-            widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (num_speculative_tokens + 1))
-            runners = model_runners(plan.config)[1:]
+        if method in EAGLE_LIKE + BLOCK_DRAFTERS:
+            head = build_draft_head(self.model, wcfg.seed + 1)
+            draft_kv = allocate_kv_cache(1, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                         wcfg.dtype, self.device)
+            widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             self.draft_runtimes = [
-                GraphRuntime(self.draft_head, self.draft_kv, plan.for_runner(r), max_num_tokens=widest,
-                             max_num_reqs=wcfg.max_num_seqs, max_blocks_per_seq=self.max_blocks, runner=r,
-                             use_cuda_graphs=wcfg.use_cuda_graphs)
-                for r in runners
+                GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
+                             max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs)
+                for r in model_runners(plan.config)[1:]
             ]
-        n = wcfg.max_num_seqs
-        self.temperature = np.zeros(n, np.float32)
-        self.top_k = np.zeros(n, np.int64)
-        self.top_p = np.ones(n, np.float32)
-        self.seed = np.zeros(n, np.int64)
+            kind = EagleDrafter if method in EAGLE_LIKE else BlockDrafter
+            self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
+        max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
+        self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
+        self.upload, self.download = Upload(self.device), Download(self.device)
+        self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
 
     def capture(self, progress: bool = True) -> CaptureReport:
         report = self.runtime.capture(progress=progress)
@@ -88,186 +127,298 @@ class ModelWorker:
             report.kinds += rt.capture(progress=progress).kinds
         return report
 
-    # -- inputs ----------------------------------------------------------------------------------------------
-    def _inputs(self, out: SchedulerOutput) -> np.ndarray:
-        """(4, tokens) int64: input ids, positions, KV slots, block-table rows of every scheduled token."""
-        sched, drafts, computed = out.num_scheduled, out.num_drafts, out.num_computed
-        if out.shape.is_decode:  # every request: its last sampled token, then its drafts
-            grid = np.empty((len(sched), out.draft_tokens.shape[1] + 1), dtype=np.int64)
-            grid[:, 0] = [req.output_token_ids[-1] for req in out.requests]
-            grid[:, 1:] = out.draft_tokens
-            ids = grid[np.arange(grid.shape[1])[None, :] < sched[:, None]]
-            return self._with_positions(out, ids)
-        ids: list[int] = []
-        for i, req in enumerate(out.requests):
-            c, known = int(computed[i]), int(sched[i] - drafts[i])
-            prompt_len = len(req.prompt_token_ids)
-            if known == 1 and c >= prompt_len:
-                ids.append(req.output_token_ids[c - prompt_len])
-            elif c + known <= prompt_len:
-                ids.extend(req.prompt_token_ids[c : c + known])
-            else:
-                ids.extend(req.all_token_ids[c : c + known])
-            if drafts[i]:
-                ids.extend(out.draft_tokens[i, : drafts[i]].tolist())
-        return self._with_positions(out, np.asarray(ids, np.int64))
-
-    def _with_positions(self, out: SchedulerOutput, ids: np.ndarray) -> np.ndarray:
-        sched, computed = out.num_scheduled, out.num_computed
-        total = int(sched.sum())
-        starts = np.cumsum(sched) - sched
-        positions = np.repeat(computed, sched) + (np.arange(total) - np.repeat(starts, sched))
-        rows = np.repeat(out.slots, sched)
-        bs = self.wcfg.block_size
-        slots = self.block_table[rows, positions // bs] * bs + positions % bs
-        return np.stack([ids, positions, slots, rows])
+    @property
+    def runtimes(self) -> list[GraphRuntime]:
+        return [self.runtime, *self.draft_runtimes]
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, descs: StepDescriptors | BatchDescriptor) -> ModelResult:
-        if isinstance(descs, BatchDescriptor):
-            descs = StepDescriptors(descs)
-        runtimes = [self.runtime, *self.draft_runtimes]
-        if out.freed_slots:  # first: a slot freed since the last step may be reused in this one
-            freed = np.asarray(out.freed_slots, np.int64)
-            self.block_table[freed] = -1
-            for rt in runtimes:
-                rt.clear_block_rows(freed)
-        self._admit(out)
-        rows, cols, ids = out.block_updates
-        if len(rows):
-            self.block_table[rows, cols] = ids
-            for rt in runtimes:
-                rt.update_block_table(rows, cols, ids)
-        host = self._inputs(out)
-        hidden = self.runtime.execute(descs.target, host)
-        result = self._sample(out, hidden)
-        if self.draft_runtimes and descs.draft is not None and out.num_new_drafts and out.samples.any():
-            self._draft(out, descs, host, hidden, result)
-        return result
+    def submit(self, step: Step) -> "_Pending":
+        """Queue a step on the device; nothing here waits for the device."""
+        plan = _StepPlan.of(step, self.k_max)
+        dev = self._upload(step, plan)
+        self._apply_state_changes(step, plan, dev)
+        inputs = self._target_inputs(plan, dev)
+        hidden = self.runtime.execute(step.target, inputs)
+        tokens, accepted, first_pos = self._verify(plan, dev, hidden)
+        self._advance(plan, dev, tokens, accepted, first_pos)
+        if self.drafter is not None and step.num_new_drafts and plan.num_sampling:
+            self.drafter.propose(step, plan, dev, inputs, hidden, tokens, accepted, first_pos, self.state)
+        out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
+        if step.num_new_drafts and self.drafter is not None and plan.num_sampling:
+            out.append(self.state.draft_conf[dev.sampling_slots, : step.num_new_drafts].flatten().view(torch.int32))
+        return _Pending(step, plan, self.download.start(torch.cat(out)))
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> ModelResult:
-        """Verify each sampling request's drafts and sample its next token, every row at its own parameters and seed
-        (models.sampling), vectorized over the step."""
-        n = len(out.slots)
-        k_max = out.draft_tokens.shape[1]
-        sampled = np.zeros((n, k_max + 1), dtype=np.int64)
-        accepted = np.zeros(n, dtype=np.int64)
-        sampling = np.nonzero(out.samples)[0]
-        if len(sampling):
-            ends = np.cumsum(out.num_scheduled)
-            nver = out.num_drafts[sampling] + 1
-            first = ends[sampling] - nver
-            row_idx = np.repeat(first, nver) + (np.arange(nver.sum()) - np.repeat(np.cumsum(nver) - nver, nver))
-            logits = self.model.compute_logits(hidden[torch.from_numpy(row_idx).to(hidden.device)])
-            # (requests, 1 + K) grid of logits rows; cells past a request's verified rows repeat its last row.
-            offs = np.cumsum(nver) - nver
-            grid = offs[:, None] + np.minimum(np.arange(k_max + 1)[None, :], nver[:, None] - 1)
-            grid_t = torch.from_numpy(grid).to(logits.device)
-            drafts = torch.from_numpy(out.draft_tokens[sampling, :k_max]).to(logits.device)
-            nd = torch.from_numpy(out.num_drafts[sampling]).to(logits.device)
-            params = self._row_params(out.slots[sampling])
-            if bool((params.temperature == 0).all()):
-                target = logits.argmax(dim=-1)[grid_t]
-                acc = verify_greedy(target, drafts, nd)
-            else:
-                first_pos = torch.from_numpy(out.first_sample_positions[sampling]).to(logits.device)
-                target, acc = verify_rejection(params.probs(logits[grid_t]), drafts, nd, params.seeds, first_pos)
-            sampled[sampling] = target.cpu().numpy()
-            accepted[sampling] = acc.cpu().numpy()
-        draft_tokens = draft_conf = None
-        if out.num_new_drafts and self.drafter is not None:
-            histories = []
-            for i in range(n):
-                req = out.requests[i]
-                new = sampled[i, : accepted[i] + 1].tolist() if out.samples[i] else []
-                histories.append(req.all_token_ids + new)
-            draft_tokens, draft_conf = self.drafter.propose(histories, out.num_new_drafts)
-        return ModelResult(sampled, accepted, draft_tokens, draft_conf)
+    def collect(self, pending: "_Pending") -> StepResult:
+        """Wait for a submitted step's result (its one synchronization) and return it."""
+        step, plan = pending.step, pending.plan
+        flat = self.download.wait(pending.ticket)
+        m, width = plan.num_sampling, plan.width
+        accepted_s = flat[:m].astype(np.int32)
+        tokens_s = flat[m : m + m * width].reshape(m, width)
+        n = step.num_reqs
+        sampled = np.zeros((n, width), np.int32)
+        accepted = np.zeros(n, np.int32)
+        sampled[plan.sampling_rows] = tokens_s
+        accepted[plan.sampling_rows] = accepted_s
+        conf = b""
+        k_new = step.num_new_drafts
+        if len(flat) > m + m * width:
+            conf_s = flat[m + m * width :].view(np.float32).reshape(m, k_new)
+            full = np.zeros((n, k_new), np.float32)
+            full[plan.sampling_rows] = conf_s
+            conf = pack(full, F32)
+        elif self.ngram is not None and k_new:
+            conf = self._ngram_propose(plan, tokens_s, accepted_s, k_new, n)
+        return StepResult(step.step_id, pack(sampled), pack(accepted), width, conf)
 
-    def _admit(self, out: SchedulerOutput) -> None:
-        """Per-slot state of the requests this step admits: sampling parameters and seed."""
-        for req, slot in zip(out.new_requests, out.slots[len(out.slots) - len(out.new_requests):].tolist()):
-            p = req.params
-            self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
-            self.seed[slot] = p.seed if p.seed is not None else 0
+    def execute(self, step: Step) -> StepResult:
+        return self.collect(self.submit(step))
 
-    def _row_params(self, slots: np.ndarray) -> RowParams:
-        """The sampling parameters of these slots, on the device (top-k / top-p None when no row uses them)."""
-        dev = self.device
-        top_k, top_p = self.top_k[slots], self.top_p[slots]
-        return RowParams(torch.from_numpy(self.temperature[slots]).to(dev),
-                         torch.from_numpy(top_k).to(dev) if top_k.any() else None,
-                         torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
-                         torch.from_numpy(self.seed[slots]).to(dev))
+    # -- the step's columns on the device -------------------------------------------------------------------
+    def _upload(self, step: Step, plan: "_StepPlan") -> "_DeviceStep":
+        """Every host-side column of the step in one host-to-device copy."""
+        new = step.new_requests
+        new_tokens = [unpack(r.token_ids) for r in new]
+        lens = np.asarray([len(t) for t in new_tokens], np.int64)
+        sp = [r.sampling for r in new]
+        ngram_slots = np.asarray(list(self._ngram_drafts), np.int64)
+        ngram = np.asarray(list(self._ngram_drafts.values()), np.int64).reshape(-1)
+        self._ngram_drafts = {}
+        cols = self.upload(
+            plan.slots, plan.num_scheduled, plan.num_drafts, plan.token_slot, plan.token_offset, plan.token_draft,
+            plan.query_start, plan.sampling_rows, plan.prefill_rows, plan.logit_rows, plan.verify_cells,
+            plan.grid.reshape(-1), plan.last_rows,
+            unpack(step.freed_slots).astype(np.int64), unpack(step.block_updates).astype(np.int64),
+            np.asarray([r.slot for r in new], np.int64), lens,
+            np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
+            np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
+            np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
+            ngram_slots, ngram,
+        )
+        return _DeviceStep(*cols)
 
-    # -- model-based drafting ----------------------------------------------------------------------------
-    def _slots_of(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        bs = self.wcfg.block_size
-        return self.block_table[rows, positions // bs] * bs + positions % bs
+    def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
+        """Freed slots forgotten, admitted requests set up, new KV blocks entered, host-side drafts stored."""
+        st = self.state
+        if len(step.freed_slots):
+            for rt in self.runtimes:
+                rt.bufs.block_table[dev.freed_slots] = -1
+            for slot in unpack(step.freed_slots).tolist():
+                self.histories.pop(slot, None)
+        if step.new_requests:
+            slots, lens = dev.new_slots, dev.new_lens
+            rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
+            starts = torch.cumsum(lens, 0) - lens
+            cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
+                starts, lens, output_size=dev.new_tokens.numel())
+            st.token_ids[rows, cols] = dev.new_tokens
+            st.num_computed[slots] = 0
+            st.temperature[slots] = as_float(dev.new_temperature)
+            st.top_k[slots] = dev.new_top_k
+            st.top_p[slots] = as_float(dev.new_top_p)
+            st.seed[slots] = dev.new_seed
+            for r in step.new_requests:
+                s = r.sampling
+                st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, \
+                    s.top_p
+                if self.ngram is not None:
+                    self.histories[r.slot] = unpack(r.token_ids).tolist()
+        updates = dev.block_updates.view(3, -1)
+        if updates.shape[1]:
+            for rt in self.runtimes:
+                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+        if dev.ngram_slots.numel():
+            st.drafts[dev.ngram_slots] = dev.ngram_drafts.view(len(dev.ngram_slots), -1)
 
-    def _propose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
-        probs = torch.softmax(self.draft_head.compute_logits(hidden), dim=-1)
-        conf, tokens = probs.max(dim=-1)
-        return tokens, conf
+    def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
+        """The target's inputs from the request state: each request's query reads its tokens from position
+        num_computed on, then its drafts."""
+        st = self.state
+        slot_t = dev.token_slot
+        pos = st.num_computed[slot_t] + dev.token_offset
+        known = st.token_ids[slot_t, pos]
+        drafted = st.drafts[slot_t, dev.token_draft.clamp(min=0)]
+        ids = torch.where(dev.token_draft < 0, known, drafted)
+        seq_lens = st.num_computed[dev.slots] + dev.num_scheduled
+        return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len)
 
-    def _draft(self, out: SchedulerOutput, descs: StepDescriptors, host: np.ndarray, hidden: torch.Tensor,
-               result: ModelResult) -> None:
-        """Drafts for the next step of every sampling request, into ``result``."""
-        k = out.num_new_drafts
-        sampling = np.nonzero(out.samples)[0]
-        n_s = len(sampling)
-        ends = np.cumsum(out.num_scheduled)
-        first = out.first_sample_positions
-        accepted = result.num_accepted[sampling]
-        last_pos = first[sampling] + accepted  # position of the last new token
-        last_tok = result.sampled[sampling, accepted]
-        nver = out.num_drafts + 1
-        # Each request's row whose target output is its last new token (the verify row of its accepted count).
-        last_row = torch.from_numpy(ends[sampling] - nver[sampling] + accepted).to(self.device)
-        drafts = torch.zeros(n_s, k, dtype=torch.int64, device=self.device)
-        conf = torch.zeros(n_s, k, dtype=torch.float32, device=self.device)
-        if self.method in EAGLE_LIKE:
-            # Step 0: the target's rows, one position on; sampling requests' verify rows read the sampled tokens.
-            ids, positions, _, rows = host
-            ids_d = np.empty_like(ids)
-            ids_d[:-1] = ids[1:]
-            for i, e in enumerate(ends.tolist()):
-                if out.samples[i]:
-                    ids_d[e - nver[i] : e] = result.sampled[i, : nver[i]]
-                else:  # mid-prefill: the next prompt token
-                    req = out.requests[i]
-                    nxt = int(out.num_computed[i] + out.num_scheduled[i])
-                    ids_d[e - 1] = req.all_token_ids[nxt]
-            pos_d = positions + 1
-            host_d = np.stack([ids_d, pos_d, self._slots_of(rows, pos_d), rows])
-            h0 = self.draft_runtimes[0].execute(descs.draft, host_d, hidden)
-            feature = h0[last_row]
-            tokens, c = self._propose(feature)
-            drafts[:, 0], conf[:, 0] = tokens, c
-            srows = out.slots[sampling]
-            for j in range(1, k):
-                pos = last_pos + j
-                host_j = np.stack([drafts[:, j - 1].cpu().numpy(), pos, self._slots_of(srows, pos), srows])
-                feature = self.draft_runtimes[1].execute(descs.draft_next, host_j, feature).clone()
-                tokens, c = self._propose(feature)
-                drafts[:, j], conf[:, j] = tokens, c
+    # -- verification and sampling --------------------------------------------------------------------------
+    def _verify(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor):
+        """Per sampling request: the target's token drawn at each verified position (its argmax, or its seeded
+        sample there: models.sampling), and the drafts accepted while they equal those.
+        -> (tokens (m, 1 + K), accepted (m,), position of the first sampled token (m,))."""
+        st, m, width = self.state, plan.num_sampling, plan.width
+        slots_s = dev.sampling_slots
+        nd = dev.num_drafts[dev.sampling_rows]
+        first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows] - nd
+        if m == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty
+        logits = self.model.compute_logits(hidden[dev.logit_rows])
+        request = torch.div(dev.verify_cells, width, rounding_mode="floor")
+        positions = first_pos[request] + dev.verify_cells % width
+        params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
+        tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
+        drafts = st.drafts[slots_s, : width - 1]
+        if self._fixed_alpha is not None:
+            accepted = self._fixed_acceptance(slots_s, first_pos, nd, width - 1)
+            tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
+                                 torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
-            # Block: the last new token then mask tokens, all reading the target's feature at the last token.
-            q = block_query_len(self.method, k)
-            aux = hidden[last_row].repeat_interleave(q, dim=0)
-            ids_b = np.full((n_s, q), self.draft_head.mask_token_id, dtype=np.int64)
-            ids_b[:, 0] = last_tok
-            pos_b = (last_pos[:, None] + np.arange(q)[None, :]).ravel()
-            rows_b = np.repeat(out.slots[sampling], q)
-            host_b = np.stack([ids_b.ravel(), pos_b, self._slots_of(rows_b, pos_b), rows_b])
-            hb = self.draft_runtimes[0].execute(descs.draft, host_b, aux).view(n_s, q, -1)
-            tokens, c = self._propose(hb[:, :k].reshape(n_s * k, -1))
-            drafts[:], conf[:] = tokens.view(n_s, k), c.view(n_s, k)
-        full = np.zeros((len(out.slots), k), dtype=np.int64)
-        full_conf = np.zeros((len(out.slots), k), dtype=np.float64)
-        full[sampling] = drafts.cpu().numpy()
-        full_conf[sampling] = conf.cpu().numpy()
-        result.draft_tokens, result.draft_confidences = full, full_conf
+            accepted = accepted_drafts(tokens, drafts, nd)
+        return tokens, accepted, first_pos
 
+    def _fixed_acceptance(self, slots_s, first_pos, nd, k):
+        """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
+        whatever they are; the target's token follows them."""
+        u = uniform(self.state.seed[slots_s].repeat_interleave(k),
+                    (first_pos[:, None] + torch.arange(k, device=self.device)[None, :]).reshape(-1), FIXED_ACCEPTANCE)
+        ok = (u.view(-1, k) < self._fixed_alpha) & (torch.arange(k, device=self.device)[None, :] < nd[:, None])
+        return torch.cumprod(ok.long(), dim=1).sum(dim=1)
+
+    def _advance(self, plan: "_StepPlan", dev: "_DeviceStep", tokens, accepted, first_pos) -> None:
+        """The request state after the step: new tokens stored at their positions, computed counts advanced (a
+        sampling request by its known tokens and accepted drafts)."""
+        st = self.state
+        st.num_computed[dev.slots] += dev.num_scheduled
+        if plan.num_sampling == 0:
+            return
+        slots_s = dev.sampling_slots
+        st.num_computed[slots_s] -= dev.num_drafts[dev.sampling_rows] - accepted
+        cols = first_pos[:, None] + torch.arange(plan.width, device=self.device)[None, :]
+        rows = slots_s[:, None].expand_as(cols)
+        keep = torch.arange(plan.width, device=self.device)[None, :] <= accepted[:, None]
+        st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+
+    # -- n-gram drafting (on the host, after the step's copy) -------------------------------------------------
+    def _ngram_propose(self, plan: "_StepPlan", tokens_s: np.ndarray, accepted_s: np.ndarray, k_new: int,
+                       n: int) -> bytes:
+        histories = []
+        for row, toks, a in zip(plan.host_sampling_slots.tolist(), tokens_s.tolist(), accepted_s.tolist()):
+            hist = self.histories[row]
+            hist.extend(toks[: a + 1])
+            histories.append(hist)
+        drafts, conf = self.ngram.propose(histories, k_new)
+        for slot, d in zip(plan.host_sampling_slots.tolist(), drafts):
+            self._ngram_drafts[slot] = d.tolist()
+        full = np.zeros((n, k_new), np.float32)
+        full[plan.sampling_rows] = conf
+        return pack(full, F32)
+
+
+@dataclass
+class _Pending:
+    step: Step
+    plan: "_StepPlan"
+    ticket: tuple
+
+
+@dataclass
+class _StepPlan:
+    """A step's host-side columns, derived once from the message (numpy)."""
+
+    slots: np.ndarray
+    num_scheduled: np.ndarray
+    num_drafts: np.ndarray
+    token_slot: np.ndarray
+    """Per token: its request's slot."""
+    token_offset: np.ndarray
+    """Per token: its place in its request's query."""
+    token_draft: np.ndarray
+    """Per token: which draft it is (-1: a known token)."""
+    query_start: np.ndarray
+    sampling_rows: np.ndarray
+    """Rows (requests) of the step that sample."""
+    prefill_rows: np.ndarray
+    """Rows (requests) of the step that do not (mid-prefill)."""
+    logit_rows: np.ndarray
+    """Per sampling request, its verify rows (its last 1 + drafts tokens), concatenated."""
+    verify_cells: np.ndarray
+    """Per logit row, its cell in the (m, 1 + K) grid of sampled tokens (request * width + verify index)."""
+    grid: np.ndarray
+    """(m, 1 + K) indices into the logits rows: cell j of a request is its j-th verify row (its last one repeated)."""
+    last_rows: np.ndarray
+    """Per request, the row of its last token."""
+    width: int
+    max_query_len: int
+
+    @property
+    def num_sampling(self) -> int:
+        return len(self.sampling_rows)
+
+    @property
+    def host_sampling_slots(self) -> np.ndarray:
+        return self.slots[self.sampling_rows]
+
+    @classmethod
+    def of(cls, step: Step, k_max: int) -> "_StepPlan":
+        slots = unpack(step.slots).astype(np.int64)
+        sched = unpack(step.num_scheduled).astype(np.int64)
+        drafts = unpack(step.num_drafts).astype(np.int64)
+        samples = unpack(step.samples, np.uint8).astype(bool)
+        n, total = len(slots), int(sched.sum())
+        starts = np.cumsum(sched) - sched
+        req = np.repeat(np.arange(n), sched)
+        offset = np.arange(total) - starts[req]
+        known = sched - drafts
+        sampling = np.nonzero(samples)[0]
+        nver = drafts[sampling] + 1
+        ends = starts + sched
+        first = ends[sampling] - nver
+        logit_rows = np.repeat(first, nver) + (np.arange(nver.sum()) - np.repeat(np.cumsum(nver) - nver, nver))
+        width = 1 + max(k_max, int(drafts.max()) if n else 0)
+        grid = (np.cumsum(nver) - nver)[:, None] + np.minimum(np.arange(width)[None, :], nver[:, None] - 1)
+        cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
+        return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
+                   np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
+                   grid, ends - 1, width, int(sched.max()) if n else 0)
+
+
+@dataclass
+class _DeviceStep:
+    """The step's columns on the device (views of one upload), in ``ModelWorker._upload``'s order."""
+
+    slots: torch.Tensor
+    num_scheduled: torch.Tensor
+    num_drafts: torch.Tensor
+    token_slot: torch.Tensor
+    token_offset: torch.Tensor
+    token_draft: torch.Tensor
+    query_start: torch.Tensor
+    sampling_rows: torch.Tensor
+    prefill_rows: torch.Tensor
+    logit_rows: torch.Tensor
+    verify_cells: torch.Tensor
+    grid: torch.Tensor
+    last_rows: torch.Tensor
+    freed_slots: torch.Tensor
+    block_updates: torch.Tensor
+    new_slots: torch.Tensor
+    new_lens: torch.Tensor
+    new_tokens: torch.Tensor
+    new_temperature: torch.Tensor
+    new_top_k: torch.Tensor
+    new_top_p: torch.Tensor
+    new_seed: torch.Tensor
+    ngram_slots: torch.Tensor
+    ngram_drafts: torch.Tensor
+
+    @property
+    def sampling_slots(self) -> torch.Tensor:
+        return self.slots[self.sampling_rows]
+
+
+def _acceptance_rate_for(mean_length: float, k: int) -> float:
+    """The per-draft acceptance probability alpha (each draft accepted with alpha if the previous one was) whose
+    mean acceptance length 1 + sum_{j=1..k} alpha^j equals ``mean_length``; bisection."""
+    if not 1.0 <= mean_length <= 1.0 + k:
+        raise ValueError(f"fixed_acceptance = {mean_length} must be in [1, 1 + K] = [1, {1 + k}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 1.0 + sum(mid ** j for j in range(1, k + 1)) < mean_length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -1,0 +1,115 @@
+"""The engine <-> worker contract: the only things the two share (SPEC section 7).
+
+The engine sends each request once (``NewRequest``, with the step that admits it), then per step only what changed
+(``Step``): the scheduled slots, their query lengths and drafts, new KV blocks, slots freed since the last step,
+and the dispatcher's descriptors. The worker keeps every request's state on its device (tokens, computed count,
+drafts, sampling parameters) and answers each step with a ``StepResult``: sampled tokens and accepted-draft counts.
+It never sees a scheduler object. Columns of numbers travel as little-endian numpy bytes (int32 unless named);
+messages are msgspec Structs encoded as msgpack arrays (no field names on the wire, no pickle).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from dispatcher.plan.dispatch import BatchDescriptor
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+
+
+def pack(values, dtype=I32) -> bytes:
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def unpack(data: bytes, dtype=I32, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """A read-only view of a packed column (no copy)."""
+    arr = np.frombuffer(data, dtype=dtype)
+    return arr.reshape(shape) if shape is not None else arr
+
+
+class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
+    temperature: float
+    """0 is greedy."""
+    top_k: int
+    """0: off."""
+    top_p: float
+    """1: off."""
+    seed: int
+    """Every random draw of the request is a function of (seed, position): reproducible whatever the batch."""
+
+
+class NewRequest(msgspec.Struct, array_like=True, frozen=True):
+    slot: int
+    """The request's row in the block table and in the worker's state, until it leaves."""
+    token_ids: bytes
+    """int32: the prompt, then the output so far (a preempted request computes both again)."""
+    num_prompt_tokens: int
+    sampling: SamplingSpec
+
+
+class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
+    step_id: int
+    new_requests: list[NewRequest]
+    """Requests this step admits (set up before the step runs)."""
+    freed_slots: bytes
+    """Slots whose requests left since the previous step (finished, aborted, preempted): forgotten first."""
+    slots: bytes
+    """The scheduled requests' slots, in batch order (a request's query tokens are contiguous)."""
+    num_scheduled: bytes
+    """Query length per request: its known tokens, then the drafts it verifies."""
+    num_drafts: bytes
+    """Drafts each request verifies (the last tokens of its query)."""
+    samples: bytes
+    """uint8 per request: the query reaches the request's last token, so the step samples for it."""
+    num_new_drafts: int
+    """Drafts to propose for each sampling request, for its next step."""
+    block_updates: bytes
+    """int32 (3, m): new block-table entries (slot, block index, block id)."""
+    target: BatchDescriptor
+    draft: BatchDescriptor | None = None
+    """EAGLE step 0 (the target's shape) or a block drafter's forward."""
+    draft_next: BatchDescriptor | None = None
+    """EAGLE's one-token draft steps."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.slots) // I32.itemsize
+
+
+class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
+    step_id: int
+    sampled: bytes
+    """int32 (n, 1 + K): row i's first num_accepted[i] + 1 entries are its new tokens (sampling rows only)."""
+    num_accepted: bytes
+    """int32 (n,): drafts accepted per request."""
+    width: int
+    """1 + K: the row length of ``sampled``."""
+    draft_confidences: bytes = b""
+    """float32 (n, num_new_drafts): the drafter's probability of each draft (adaptive verification's input); empty
+    unless asked for."""
+
+
+class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
+    pass
+
+
+ToWorker = Step | Shutdown
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_to_engine = msgspec.msgpack.Decoder(StepResult)
+
+
+def encode(message: Step | StepResult | Shutdown) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_worker(data: bytes) -> Step | Shutdown:
+    """A message for the worker; msgspec.ValidationError / DecodeError on anything else (never pickle)."""
+    return _to_worker.decode(data)
+
+
+def decode_to_engine(data: bytes) -> StepResult:
+    return _to_engine.decode(data)

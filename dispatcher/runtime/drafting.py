@@ -1,0 +1,87 @@
+"""Model drafters on the device: their forwards read the target's step from device tensors and write the drafts into
+the request state, with no host round trip between them.
+
+- EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows one position on (each row reads the
+  token after it and the target's feature at it); the row of each request's last new token proposes draft 1. Steps
+  1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
+- Block (dspark, dflash, mtp_multi): one forward of q rows a request, its last new token then mask tokens, every row
+  reading the target's feature at the last new token; row i proposes draft i + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dispatcher.plan.capture_plan import block_query_len
+
+
+class _Drafter:
+    def __init__(self, head, runtimes, method: str, block_size: int):
+        self.head, self.runtimes, self.method, self.block_size = head, runtimes, method, block_size
+
+    def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
+        probs = torch.softmax(self.head.compute_logits(feature).float(), dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+
+    @staticmethod
+    def _last(dev, tokens, accepted, first_pos):
+        """Per sampling request: the row of the target's output that is its last new token, that token, and its
+        position."""
+        nd = dev.num_drafts[dev.sampling_rows]
+        last_row = dev.last_rows[dev.sampling_rows] - nd + accepted
+        last_tok = tokens.gather(1, accepted[:, None]).squeeze(1)
+        return last_row, last_tok, first_pos + accepted
+
+
+class EagleDrafter(_Drafter):
+    def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+        k, m = step.num_new_drafts, plan.num_sampling
+        slots_s = dev.sampling_slots
+        last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
+        feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state),
+                                           hidden)[last_row]
+        drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+        conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
+        drafts[:, 0], conf[:, 0] = self._propose(feature)
+        if k > 1:
+            one = torch.arange(m + 1, device=hidden.device)
+            rt = self.runtimes[1]
+            for j in range(1, k):
+                pos = last_pos + j
+                inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, one, pos + 1, slots_s, 1)
+                feature = rt.execute(step.draft_next, inputs_j, feature).clone()
+                drafts[:, j], conf[:, j] = self._propose(feature)
+        state.drafts[slots_s, :k] = drafts
+        state.draft_conf[slots_s, :k] = conf
+
+    def _step0_inputs(self, plan, dev, inputs, tokens, state):
+        """The target's rows one position on: each row reads the token after it (a sampling request's verify rows
+        the tokens the step produced there; a request mid-prefill its next prompt token)."""
+        ids, positions, _, rows = inputs.tokens
+        ids_d = torch.roll(ids, -1)
+        ends = dev.last_rows[dev.prefill_rows]
+        ids_d[ends] = state.token_ids[dev.slots[dev.prefill_rows], positions[ends] + 1]
+        ids_d[dev.logit_rows] = tokens.flatten()[dev.verify_cells]
+        return self.runtimes[0].inputs(ids_d, positions + 1, rows, inputs.query_start, inputs.seq_lens + 1,
+                                       inputs.req_rows, inputs.max_query_len)
+
+
+class BlockDrafter(_Drafter):
+    def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+        k, m = step.num_new_drafts, plan.num_sampling
+        q = block_query_len(self.method, k)
+        slots_s = dev.sampling_slots
+        last_row, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
+        ids = torch.full((m, q), self.head.mask_token_id, dtype=torch.int64, device=hidden.device)
+        ids[:, 0] = last_tok
+        pos = last_pos[:, None] + torch.arange(q, device=hidden.device)[None, :]
+        rows = slots_s.repeat_interleave(q)
+        starts = torch.arange(0, m * q + 1, q, device=hidden.device)
+        rt = self.runtimes[0]
+        block_inputs = rt.inputs(ids.flatten(), pos.flatten(), rows, starts, last_pos + q, slots_s, q)
+        out = rt.execute(step.draft, block_inputs, hidden[last_row].repeat_interleave(q, dim=0)).view(m, q, -1)
+        drafts, conf = self._propose(out[:, :k].reshape(m * k, -1))
+        state.drafts[slots_s, :k] = drafts.view(m, k)
+        state.draft_conf[slots_s, :k] = conf.view(m, k)

@@ -1,0 +1,142 @@
+"""The step pipeline (issue 11): the engine and the worker share only msgspec messages; the worker keeps request
+state on its device; asynchronous scheduling (step t + 1 submitted before step t's result is back) gives exactly
+the synchronous path's tokens; fixed acceptance for benchmarks; one synchronization a step on the GPU."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dispatcher import messages  # noqa: E402
+from dispatcher.engine.engine_core import EngineArgs, EngineCore, model_result  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from models.config import preset  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "dflash", "num_speculative_tokens": 2},
+         {"method": "eagle", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 4], [4, 2]]}]
+
+
+def engine(spec, device="cpu", model="tiny-dense", num_blocks=400, max_num_seqs=8, budget=64, **kw) -> EngineCore:
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return EngineCore(cfg, EngineArgs(preset(model), device=device, num_kv_blocks=num_blocks, block_size=8,
+                                      max_model_len=128, **kw))
+
+
+def prompts(n, seed, vocab=500):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 70))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["method"] if s else "none")
+def test_asynchronous_scheduling_gives_the_synchronous_tokens(spec):
+    """Greedy and seeded sampled requests, chunked prefills, a KV cache that preempts: the pipelined engine (one
+    step in flight while the next is scheduled) produces the synchronous engine's tokens exactly."""
+    p = prompts(10, 1)
+    greedy = SamplingParams(max_tokens=14, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=14, temperature=0.9, top_k=40, seed=17, ignore_eos=True)
+    runs = []
+    for overlap in (True, False):
+        e = engine(spec, num_blocks=30, async_scheduling=overlap)
+        assert e.async_scheduling is overlap
+        runs.append((e.generate(p, greedy), e.generate(p, sampled), e.scheduler.stats.preemptions))
+    assert runs[0][:2] == runs[1][:2]
+    assert runs[0][2] > 0  # the small cache did preempt
+    assert all(len(o) == 14 for o in runs[0][0] + runs[0][1])
+
+
+def test_n_gram_and_adaptive_verification_run_synchronously():
+    assert not engine({"method": "ngram", "num_speculative_tokens": 3}).async_scheduling
+    assert engine({"method": "eagle3", "num_speculative_tokens": 3}).async_scheduling
+    assert not engine({"method": "eagle3", "num_speculative_tokens": 3}, async_scheduling=False).async_scheduling
+
+
+def test_steps_round_trip_through_their_wire_format():
+    """Every step message and result survives msgpack encoding unchanged, and a worker fed decoded messages
+    produces the same results."""
+    e = engine(SPECS[1])
+    p = prompts(4, 2)
+    for prompt in p:
+        e.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = engine(SPECS[1])
+    while e.has_unfinished():
+        step = e.schedule()
+        wire = messages.encode(step.message)
+        decoded = messages.decode_to_worker(wire)
+        assert decoded == step.message
+        result = e.worker.execute(step.message)
+        assert twin.worker.execute(decoded) == result
+        assert messages.decode_to_engine(messages.encode(result)) == result
+        e.scheduler.update(step.out, model_result(result, step.out))
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x00", b"\xc1", messages.encode(messages.StepResult(1, b"", b"", 1)),
+                                   b"\x93\xa4step\x01\x02", b"\x81\xa3bad\x01" * 100])
+def test_malformed_frames_are_rejected(frame):
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        messages.decode_to_worker(frame)
+
+
+def test_the_worker_reads_no_scheduler_object():
+    import ast
+    import pathlib
+
+    for path in pathlib.Path("dispatcher/runtime").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m and m.startswith(("scheduler", "dispatcher.engine")) for m in imported), path
+
+
+def test_fixed_acceptance_hits_the_configured_mean():
+    """Random-weight heads accept almost nothing; fixed acceptance makes the mean acceptance length (tokens a
+    verify step yields) the configured one."""
+    e = engine({"method": "eagle3", "num_speculative_tokens": 7}, budget=128, fixed_acceptance=3.0)
+    e.generate([p[:20] for p in prompts(8, 3)], SamplingParams(max_tokens=90, ignore_eos=True))
+    stats = e.scheduler.stats
+    steps_verifying = stats.drafts_verified / 7
+    mean_length = 1 + stats.drafts_accepted / steps_verifying
+    assert 2.6 < mean_length < 3.4, mean_length
+    with pytest.raises(ValueError, match=r"fixed_acceptance = 9.0 must be in \[1, 1 \+ K\] = \[1, 8\]"):
+        engine({"method": "eagle3", "num_speculative_tokens": 7}, fixed_acceptance=9.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s["method"] if s else "none")
+def test_steady_state_steps_never_synchronize_implicitly(spec):
+    """With CUDA graphs, a decode step's only synchronization is the wait for its result: torch's sync debug mode
+    raises on any implicit one (.item(), .cpu(), a pageable copy, nonzero, ...)."""
+    e = engine(spec, device="cuda", model="tiny-moe", max_num_seqs=32, budget=256)
+    e.generate(prompts(8, 4), SamplingParams(max_tokens=4, ignore_eos=True))  # warm everything up
+    for prompt in prompts(24, 5):
+        e.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, ignore_eos=True))
+    steps = e.run()
+    for _ in range(6):  # prefills
+        next(steps)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            next(steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in steps:
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["method"] if s else "none")
+def test_gpu_asynchronous_equals_synchronous_and_graphs_equal_static(spec):
+    p = prompts(40, 6, vocab=preset("tiny-moe").vocab_size)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = [engine(spec, device="cuda", model="tiny-moe", max_num_seqs=64, budget=512, async_scheduling=a,
+                   use_cuda_graphs=g).generate(p, params) for a, g in ((True, True), (False, True), (False, False))]
+    assert outs[0] == outs[1] == outs[2]
