@@ -222,6 +222,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from dispatcher.engine.cost import PRESETS, StepCostModel, load_cost_table
     from dispatcher.plan.dispatch import dispatchers_for_plan
     from dispatcher.engine.replay import replay
     from dispatcher.engine.trace import TraceError, read_trace
@@ -232,14 +233,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"replay: cannot read {args.trace!r}: {exc.strerror}") from None
     except TraceError as exc:
         raise ConfigError(f"replay: {exc}") from None
+    if not args.cost_table and args.cost_model not in (None, *PRESETS):
+        raise ConfigError(f"--cost-model: {args.cost_model!r} is not a preset ({', '.join(PRESETS)}); a model of a "
+                          f"runtime benchmark's JSON is read with --cost-table")
     needed = {"kind", "requests", "tokens", "mode", "padded_tokens"}
     for i, rec in enumerate(records, 1):
         missing = needed - set(rec) if isinstance(rec, dict) else needed
         if missing or not ("q" in rec or "query_len_hist" in rec):
             raise ConfigError(f"replay: record {i} of {args.trace!r} is not a step record (missing "
                               f"{', '.join(sorted(missing)) or 'q / query_len_hist'})")
+    if args.cost_table:
+        costs = load_cost_table(args.cost_table, args.cost_model)
+    else:
+        costs = StepCostModel.preset(args.cost_model or "bench-moe")
     plan = build_plan(config_from_args(args))
-    result = replay(records, plan, dispatchers_for_plan(plan)["target"], args.cost_model)
+    result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -379,7 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "steps run eagerly.")
     p.add_argument("trace", help="a step trace written with --step-trace")
     add_engine_args(p)
-    p.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"])
+    p.add_argument("--cost-model", default=None,
+                   help="a preset of SPEC section 1's curves (bench-moe, bench-moe-large; default bench-moe), or with "
+                        "a runtime benchmark's --cost-table the model read from it (default: its only model, else "
+                        "bench-moe)")
+    p.add_argument("--cost-table", default=None, metavar="JSON",
+                   help="per-size step times measured on a GPU instead of the presets: a runtime benchmark's JSON "
+                        "(docs/bench/runtime_h200.json) or {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "
+                        "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vllm bench serve's flags)",
