@@ -208,11 +208,12 @@ def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
         {"id": "c", "conversations": [{"from": "human", "value": "second prompt"}]},
     ]))
     rc = bench("--base-url", fake.url, "--endpoint", "chat", "--dataset-path", str(data), "--num-prompts", "5",
-               "--sharegpt-output-len", "4", "--max-concurrency", "2", "--save-result", "--result-dir",
-               str(tmp_path / "r"))
+               "--sharegpt-output-len", "4", "--max-concurrency", "2", "--request-rate", "100", "--save-result",
+               "--result-dir", str(tmp_path / "r"))
     assert rc == 0
     (r,) = saved(tmp_path / "r")
-    assert r["backend"] == "openai-chat" and r["dataset_name"] == "sharegpt"
+    assert r["backend"] == "openai-chat" and r["dataset_name"] == "sharegpt" and r["request_rate"] == 100.0
+    assert r["duration"] >= arrival_offsets(5, 100.0, 0)[-1]
     assert r["completed"] == 5 and r["total_output_tokens"] == 5 * 4
     assert r["output_tokens_source"] == "chunks" and r["input_tokens_source"] == "estimate"
     assert r["mean_ttft_ms"] >= TTFT_S * 1e3  # the role-only event is not a token

@@ -314,7 +314,13 @@ def run(args: argparse.Namespace) -> int:
     raise_open_file_limit()
     gc.collect()
     gc.freeze()  # the prompts and the client's objects are long-lived: keep the collector off them (as vLLM)
-    results = asyncio.run(bench_all(args, requests, concurrencies))
+    try:
+        results = asyncio.run(bench_all(args, requests, concurrencies))
+    except KeyboardInterrupt:
+        print("twogrid bench: interrupted; nothing saved", file=sys.stderr)
+        return 130
+    finally:
+        gc.unfreeze()
     if args.save_result:
         save_results(args, results)
     if args.plot:
