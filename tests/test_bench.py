@@ -95,7 +95,8 @@ class FakeServer:
             if i:
                 await asyncio.sleep(GAP_S)
             piece = f" w{i}"
-            await send({"choices": [{"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}]})
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            await send({"choices": [choice]})
         await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         if self.usage and body.get("stream_options", {}).get("include_usage"):
             prompt = body["messages"][0]["content"] if chat else body["prompt"]
@@ -164,6 +165,9 @@ def test_two_concurrencies_against_a_server(serve, tmp_path, capsys):
                "--random-output-len", "6", "--num-prompts", "8", "--max-concurrency", "1,4", "--ignore-eos",
                "--save-result", "--result-dir", str(out_dir), "--label", "fake", "--plot", str(tmp_path / "p.png"))
     assert rc == 0
+    names = sorted(os.listdir(out_dir))
+    assert [n[: len("fake-infqps-concurrency1-fake-model-")] for n in names] == [
+        "fake-infqps-concurrency1-fake-model-", "fake-infqps-concurrency4-fake-model-"]
     results = sorted(saved(out_dir), key=lambda r: r["max_concurrency"])
     assert [r["max_concurrency"] for r in results] == [1, 4]
     for r in results:
@@ -232,8 +236,10 @@ def test_api_key_and_failed_requests(serve, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "HTTP 401" in err and "--api-key" in err
     rc = bench("--base-url", fake.url, "--api-key", "sekrit", "--num-prompts", "4", "--random-input-len", "4",
-               "--random-output-len", "3", "--save-result", "--result-dir", str(tmp_path))
+               "--random-output-len", "3", "--save-result", "--result-dir", str(tmp_path),
+               "--result-filename", "run-{concurrency}.json")
     assert rc == 1  # two of the four measured requests failed
+    assert os.listdir(tmp_path) == ["run-None.json"]
     (r,) = saved(tmp_path)
     assert r["completed"] == 2 and r["failed"] == 2 and r["max_concurrency"] is None
     assert all(h.get("Authorization") == "Bearer sekrit" for _, _, h in fake.requests[1:])
@@ -257,6 +263,7 @@ def free_port():
     (["--plot", "out.jpg"], "--plot: 'out.jpg' must end with"),
     (["--metadata", "novalue"], "--metadata: 'novalue' is not KEY=VALUE"),
     (["--base-url", "localhost:8000"], "--base-url must start with http://"),
+    (["--max-concurrency", "1,2", "--result-filename", "a.json"], "put {concurrency} in it"),
 ])
 def test_bad_flags_are_one_line(args, needle, capsys):
     base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]
