@@ -331,26 +331,33 @@ def test_poisson_arrivals():
 
 
 class FakeContent:
-    def __init__(self, lines):
-        self.lines = lines
+    """aiohttp's response.content as far as sse_events reads it: chunks as they arrived."""
 
-    def __aiter__(self):
-        return self._gen()
+    def __init__(self, chunks):
+        self.chunks = chunks
 
-    async def _gen(self):
-        for line in self.lines:
-            yield line
+    async def iter_any(self):
+        for chunk in self.chunks:
+            yield chunk
 
 
 def test_sse_parsing():
+    stream = (b": ping\n\ndata: {\"a\": 1}\r\n\r\nevent: x\ndata: {\"b\":\ndata: 2}\n\ndata:{\"c\": \"\xc3\xa9\"}\n\n"
+              b"data: [DONE]\n\ndata: {\"late\": 1}\n\n")
+
     class Response:
-        content = FakeContent([b": ping\n", b"data: {\"a\": 1}\r\n", b"\r\n", b"event: x\n", b"data: {\"b\":\n",
-                               b"data: 2}\n", b"\n", b"data: [DONE]\n", b"\n", b"data: {\"late\": 1}\n", b"\n"])
+        def __init__(self, chunks):
+            self.content = FakeContent(chunks)
 
-    async def collect():
-        return [json.loads(p) async for p in sse_events(Response())]
+    async def collect(chunks):
+        return [json.loads(p) async for p in sse_events(Response(chunks))]
 
-    assert asyncio.run(collect()) == [{"a": 1}, {"b": 2}]
+    expected = [{"a": 1}, {"b": 2}, {"c": "\u00e9"}]
+    assert asyncio.run(collect([stream])) == expected
+    # split anywhere, even inside a UTF-8 character, one byte at a time
+    assert asyncio.run(collect([stream[i:i + 1] for i in range(len(stream))])) == expected
+    # a last event without its blank line still counts
+    assert asyncio.run(collect([b"data: {\"x\": 1}\n\ndata: {\"y\": 2}"])) == [{"x": 1}, {"y": 2}]
 
 
 @pytest.mark.skipif(SHAREGPT is None, reason="shared ShareGPT data not present")

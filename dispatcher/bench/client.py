@@ -91,20 +91,27 @@ def event_text(kind: str, event: dict[str, Any]) -> str:
 
 
 async def sse_events(response: aiohttp.ClientResponse):
-    """The ``data`` payloads of a server-sent-event stream, one string per event, ``[DONE]`` ending it."""
-    data: list[str] = []
-    async for raw in response.content:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if not line:
-            if data:
-                payload, data = "\n".join(data), []
-                if payload == "[DONE]":
+    """The ``data`` payloads (bytes) of a server-sent-event stream, one per event, ``[DONE]`` ending it. Reads
+    whatever has arrived at once and splits it here (aiohttp's line reader costs more than the parsing)."""
+    pending = b""
+    data: list[bytes] = []
+    async for chunk in response.content.iter_any():
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif not line and data:
+                payload, data = b"\n".join(data), []
+                if payload == b"[DONE]":
                     return
                 yield payload
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data and "\n".join(data) != "[DONE]":
-        yield "\n".join(data)
+    if pending.startswith(b"data:"):
+        data.append(pending[6:] if pending.startswith(b"data: ") else pending[5:])
+    if data and b"\n".join(data) != b"[DONE]":
+        yield b"\n".join(data)
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -129,7 +136,8 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                 now = time.perf_counter()
                 event = json.loads(payload)
                 if not isinstance(event, dict):
-                    out.error = f"a stream event is not a JSON object: {one_line(payload, 100)}"
+                    shown = one_line(payload.decode(errors="replace"), 100)
+                    out.error = f"a stream event is not a JSON object: {shown}"
                     return out
                 if isinstance(event.get("error"), (dict, str)) and not event.get("choices"):
                     out.error = f"server error in the stream: {one_line(json.dumps(event['error']))}"

@@ -32,6 +32,8 @@ from dispatcher.bench.server_metrics import counter_deltas, scrape
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 """A request's limit, as vLLM's (long outputs at high concurrency take minutes)."""
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+CLIENT_BUSY = 0.9
+"""Above this share of a run's wall time spent on this process's CPU, the client is the bottleneck: warn."""
 
 
 def parse_concurrencies(text: str | None) -> list[int | None]:
@@ -247,13 +249,20 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                 warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
                 await run_requests(endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}", args.disable_tqdm)
             before = await scrape(probe, args.base_url, headers)
+            cpu_s = time.process_time()
             outputs, duration = await run_requests(endpoint, requests, cap, offsets, name, args.disable_tqdm)
+            cpu_s = time.process_time() - cpu_s
             after = await scrape(probe, args.base_url, headers)
             result = run_metadata(args, model, cap)
             result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,
                                          args.save_detailed))
+            result["client_cpu_fraction"] = cpu_s / duration
             result.update(counter_deltas(before, after))
             print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
+            if result["client_cpu_fraction"] > CLIENT_BUSY:
+                print(f"warning: this client was busy {result['client_cpu_fraction']:.0%} of the run, so its "
+                      f"timings include its own delays: split the load over several bench processes",
+                      file=sys.stderr)
             errors = [o.error for o in outputs if not o.success]
             for i, err in enumerate(errors[:10]):
                 print(f"failed request {i + 1} of {len(errors)}: {err}", file=sys.stderr)
