@@ -226,6 +226,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from dispatcher.engine.cost import PRESETS, StepCostModel, load_cost_table
     from dispatcher.plan.dispatch import dispatchers_for_plan
     from dispatcher.engine.replay import replay
     from dispatcher.engine.trace import TraceError, read_trace
@@ -236,14 +237,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"replay: cannot read {args.trace!r}: {exc.strerror}") from None
     except TraceError as exc:
         raise ConfigError(f"replay: {exc}") from None
+    if not args.cost_table and args.cost_model not in (None, *PRESETS):
+        raise ConfigError(f"--cost-model: {args.cost_model!r} is not a preset ({', '.join(PRESETS)}); a model of a "
+                          f"runtime benchmark's JSON is read with --cost-table")
     needed = {"kind", "requests", "tokens", "mode", "padded_tokens"}
     for i, rec in enumerate(records, 1):
         missing = needed - set(rec) if isinstance(rec, dict) else needed
         if missing or not ("q" in rec or "query_len_hist" in rec):
             raise ConfigError(f"replay: record {i} of {args.trace!r} is not a step record (missing "
                               f"{', '.join(sorted(missing)) or 'q / query_len_hist'})")
+    if args.cost_table:
+        costs = load_cost_table(args.cost_table, args.cost_model)
+    else:
+        costs = StepCostModel.preset(args.cost_model or "bench-moe")
     plan = build_plan(config_from_args(args))
-    result = replay(records, plan, dispatchers_for_plan(plan)["target"], args.cost_model)
+    result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -265,6 +273,74 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for r in result["eager_reasons"]:
         print(f"eager, {r['steps']} steps of {r['min_tokens']}..{r['max_tokens']} tokens: {r['reason']}")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from dispatcher.bench.runner import run
+    except ImportError as exc:
+        raise ConfigError(f"bench needs the package {exc.name!r}: pip install aiohttp prometheus-client matplotlib "
+                          f"(or pip install -e .)") from None
+    return run(args)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """``vllm bench serve``'s flags, where this tool has the same feature."""
+    p.add_argument("results", nargs="*", metavar="RESULT",
+                   help="saved result files or folders to plot with --plot, instead of running")
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    s.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   type=lambda text: {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(text, text),
+                   help="completions or chat: /v1/completions or /v1/chat/completions, which are also accepted "
+                        "(default: %(default)s)")
+    s.add_argument("--model", default=None, help="model name sent (default: the first the server's /v1/models lists)")
+    s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY when set)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default=None, choices=["sharegpt", "random"],
+                   help="sharegpt (needs --dataset-path) or random (default: sharegpt when --dataset-path is given, "
+                        "else random)")
+    d.add_argument("--dataset-path", default=None, metavar="JSON",
+                   help="ShareGPT JSON file: a list of {id, conversations: [{from, value}]}; the first human turn "
+                        "is the prompt")
+    d.add_argument("--num-prompts", type=int, default=1000, help="requests per run (default: %(default)s)")
+    d.add_argument("--random-input-len", type=int, default=1024,
+                   help="random dataset: prompt length in tokens, about (default: %(default)s)")
+    d.add_argument("--random-output-len", type=int, default=128,
+                   help="random dataset: max_tokens of every request (default: %(default)s)")
+    d.add_argument("--sharegpt-output-len", type=int, default=256,
+                   help="sharegpt dataset: max_tokens of every request (default: %(default)s)")
+    d.add_argument("--seed", type=int, default=0, help="prompt order, synthetic prompts and arrivals (default: 0)")
+    t = p.add_argument_group("load")
+    t.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
+                   help="requests in flight at most; a comma-separated list runs once per value, in turn "
+                        "(default: no cap)")
+    t.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    t.add_argument("--num-warmups", type=int, default=0,
+                   help="unmeasured requests before each run, with synthetic prompts of the dataset's shape "
+                        "(default: 0)")
+    t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
+    t.add_argument("--temperature", type=float, default=None, help="sampling temperature sent (default: the "
+                                                                  "server's)")
+    r = p.add_argument_group("results")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics whose percentiles are reported (default: %(default)s)")
+    r.add_argument("--metric-percentiles", default="50,90,99", help="percentiles reported (default: %(default)s)")
+    r.add_argument("--save-result", action="store_true", help="write one result JSON per concurrency")
+    r.add_argument("--save-detailed", action="store_true",
+                   help="also save per-request lists (input_lens, output_lens, ttfts, itls, latencies, errors, ...)")
+    r.add_argument("--result-dir", default=None, help="folder for the result files (default: the current one)")
+    r.add_argument("--result-filename", default=None,
+                   help="file name instead of vLLM's {label}-{rate}qps-concurrency{N}-{model}-{date}.json; "
+                        "'{concurrency}' in it is replaced")
+    r.add_argument("--label", default=None, help="names this server or policy in results and plots "
+                                                 "(default: openai, or openai-chat with --endpoint chat)")
+    r.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="extra fields saved in each result")
+    r.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="output tok/s and mean TPOT against concurrency, one line per label: of the RESULT files "
+                        "given, else of this run plus every result in --result-dir")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,9 +391,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "steps run eagerly.")
     p.add_argument("trace", help="a step trace written with --step-trace")
     add_engine_args(p)
-    p.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"])
+    p.add_argument("--cost-model", default=None,
+                   help="a preset of SPEC section 1's curves (bench-moe, bench-moe-large; default bench-moe), or with "
+                        "a runtime benchmark's --cost-table the model read from it (default: its only model, else "
+                        "bench-moe)")
+    p.add_argument("--cost-table", default=None, metavar="JSON",
+                   help="per-size step times measured on a GPU instead of the presets: a runtime benchmark's JSON "
+                        "(docs/bench/runtime_h200.json) or {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "
+                        "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vllm bench serve's flags)",
+                       description="Stream requests to an OpenAI-compatible server at one or more concurrencies and "
+                                   "report TTFT, TPOT, ITL, E2EL and throughput with vLLM's result fields, plus the "
+                                   "server's eager steps, padded tokens and graph steps when it exports them.")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,6 +1,10 @@
 """``twogrid replay``: a step trace re-dispatched under another configuration."""
 
 import json
+import os
+import statistics
+
+import pytest
 
 from dispatcher.cli import main
 from dispatcher.plan.config import resolve
@@ -63,3 +67,95 @@ def test_replay_rejects_a_file_that_is_not_a_trace(tmp_path, capsys):
     assert "line 2: not a JSON step record" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+RUNTIME_JSON = os.path.join(os.path.dirname(__file__), "..", "docs", "bench", "runtime_h200.json")
+
+
+def write_table(tmp_path, table, name="table.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
+def test_cost_table_prices_each_step_at_its_padded_size(tmp_path, capsys):
+    trace = make_trace(tmp_path, LEGACY)
+    # linear curves with a distinct slope per mode: a step's cost is slope(mode) x its padded tokens
+    slope = {"FULL": 0.001, "PIECEWISE": 0.002, "NONE": 0.01}
+    table = write_table(tmp_path, {mode: [[1, s], [16384, 16384 * s]] for mode, s in slope.items()})
+    r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7, "--compilation-config", LEGACY,
+                   "--cost-table", table)
+    records = [json.loads(line) for line in open(trace)]
+    expected_ms = sum(slope[rec["mode"]] * rec["padded_tokens"] for rec in records)
+    assert r["recorded"]["estimated_device_seconds"] == pytest.approx(expected_ms / 1e3, abs=1e-4)
+    assert r["replayed"]["estimated_device_seconds"] == r["recorded"]["estimated_device_seconds"]
+    assert r["cost_model"] == f"table {table}"
+    # flat curves: the estimate is steps x ms per mode, and separate grids trade eager steps for graph replays
+    flat = write_table(tmp_path, {"FULL": [[1, 1.0], [8192, 1.0]], "NONE": [[1, 10.0], [8192, 10.0]],
+                                  "PIECEWISE": [[1, 2.0], [8192, 2.0]]}, "flat.json")
+    r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7, "--cost-table", flat)
+    for side in ("recorded", "replayed"):
+        rows = r[side]["by_kind"].values()
+        ms = sum(1.0 * k["full"] + 2.0 * k["piecewise"] + 10.0 * k["eager"] for k in rows)
+        assert r[side]["estimated_device_seconds"] == pytest.approx(ms / 1e3, abs=1e-4)
+    assert r["replayed"]["estimated_device_seconds"] < r["recorded"]["estimated_device_seconds"]
+
+
+def test_cost_table_from_the_runtime_benchmark(tmp_path, capsys):
+    from dispatcher.engine.cost import load_cost_table
+
+    data = json.load(open(RUNTIME_JSON))
+    for entry in data["models"]:
+        costs = load_cost_table(RUNTIME_JSON, entry["model"])
+        for step in entry["steps"]:
+            same_tokens = [s for s in entry["steps"] if s["tokens"] == step["tokens"]]
+            eager = statistics.median(s["eager_ms"] for s in same_tokens)
+            assert costs.step_ms("NONE", step["tokens"]) == pytest.approx(max(eager, costs.full(step["tokens"])))
+            if step["kind"] == "piecewise":
+                assert costs.step_ms("PIECEWISE", step["tokens"]) == pytest.approx(step["replay_ms"])
+            else:
+                full = [s["replay_ms"] for s in same_tokens if s["kind"] != "piecewise"]
+                assert costs.step_ms("FULL", step["tokens"]) == pytest.approx(statistics.median(full))
+    trace = make_trace(tmp_path, LEGACY)
+    base = [trace, "--platform", "sm100", "--speculative-config", K7, "--cost-table", RUNTIME_JSON]
+    r = run_replay(capsys, *base)
+    assert r["cost_model"] == f"table {RUNTIME_JSON} (bench-moe)"
+    large = run_replay(capsys, *base, "--cost-model", "bench-moe-large")
+    assert large["cost_model"].endswith("(bench-moe-large)")
+    assert large["replayed"]["estimated_device_seconds"] != r["replayed"]["estimated_device_seconds"]
+
+
+@pytest.mark.parametrize("table, extra, needle", [
+    (None, [], "--cost-table: cannot read"),
+    ([[1, 2]], [], "holds a JSON list, not a table object"),
+    ({"FULL": [[1, 1.0], [8, 2.0]], "EAGER": [[1, 1.0], [8, 2.0]]}, [], "unknown key 'EAGER'"),
+    ({"FULL": [[1, 1.0]], "NONE": [[1, 1.0], [8, 2.0]]}, [], "FULL: needs a list of at least two"),
+    ({"FULL": [[1, 1.0], [0, 2.0]], "NONE": [[1, 1.0], [8, 2.0]]}, [], "FULL[1]: [0, 2.0] is not [tokens >= 1"),
+    ({"FULL": [[1, 1.0], [8, -2.0]], "NONE": [[1, 1.0], [8, 2.0]]}, [], "FULL[1]: [8, -2.0] is not"),
+    ({"FULL": [[8, 1.0], [8, 2.0]], "NONE": [[1, 1.0], [8, 2.0]]}, [], "FULL: 8 tokens appears more than once"),
+    ({"FULL": [[1, 1.0], [8, 2.0]]}, [], "has no NONE curve"),
+    ({"FULL": [[1, 1.0], [8, 2.0]], "NONE": [[1, 1.0], [8, 2.0]]}, ["--cost-model", "bench-moe"],
+     "--cost-model 'bench-moe' picks a model of a runtime benchmark's JSON"),
+    ("runtime", ["--cost-model", "bench-dense"], "--cost-model: '%s' holds no model 'bench-dense'; it holds "
+                                                 "bench-moe, bench-moe-large"),
+    ({"models": [{"model": "a", "steps": [{"kind": "piecewise", "tokens": 1}]}]}, [], "model 'a' step 0 is not"),
+    ({"models": [{"model": "a", "steps": []}, {"model": "b", "steps": []}]}, [], "holds models a, b: choose one"),
+])
+def test_bad_cost_tables_are_one_line(table, extra, needle, tmp_path, capsys):
+    trace = tmp_path / "one_step.jsonl"
+    trace.write_text(json.dumps({"step": 1, "kind": "mixed", "requests": 1, "tokens": 10, "is_decode": False,
+                                 "query_len_hist": {"10": 1}, "mode": "PIECEWISE", "padded_tokens": 16}) + "\n")
+    trace = str(trace)
+    if table == "runtime":
+        path = RUNTIME_JSON
+        needle = needle % RUNTIME_JSON
+    else:
+        path = write_table(tmp_path, table) if table is not None else str(tmp_path / "missing.json")
+    assert main(["replay", trace, "--platform", "sm100", "--cost-table", path, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_cost_model_without_a_table_must_be_a_preset(tmp_path, capsys):
+    assert main(["replay", make_trace(tmp_path, "{}"), "--cost-model", "bench-dense"]) == 2
+    assert "--cost-model: 'bench-dense' is not a preset (bench-moe, bench-moe-large)" in capsys.readouterr().err

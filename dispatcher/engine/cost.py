@@ -1,18 +1,22 @@
 """Step-cost curves: milliseconds a forward of t tokens takes, per execution mode.
 
-Used by adaptive verification to pick each step's verify budget, and by ``twogrid simulate`` as the GPU. A
-curve interpolates measured (tokens, ms) points linearly and extends the last segment beyond them. The presets
-are SPEC section 1's H200 measurements (bf16, random weights, grouped-GEMM MoE, 24 layers, attention left out);
-their PIECEWISE column is an estimate (FULL plus one eager attention launch a layer), not a measurement.
+Used by adaptive verification to pick each step's verify budget, and by ``twogrid simulate`` and ``replay`` as the
+GPU. A curve interpolates measured (tokens, ms) points linearly and extends the last segment beyond them. The
+presets are SPEC section 1's H200 measurements (bf16, random weights, grouped-GEMM MoE, 24 layers, attention left
+out); their PIECEWISE column is an estimate (FULL plus one eager attention launch a layer), not a measurement.
+``load_cost_table`` reads measured per-size step times instead (``replay --cost-table``).
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from dispatcher.plan.config import ConfigError, load_json_file
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
 _TOKENS = (1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
@@ -72,13 +76,15 @@ class StepCostModel:
     eager: CostCurve
     piecewise: CostCurve | None = None
     num_layers: int = 24
+    name: str = "custom"
+    """Where the curves come from: a preset's name, or the table file (and model) they were read from."""
 
     @classmethod
     def preset(cls, name: str) -> "StepCostModel":
         if name not in PRESETS:
             raise ValueError(f"cost model must be one of {', '.join(PRESETS)}; got {name!r}")
         p = PRESETS[name]
-        return cls(CostCurve(_TOKENS, p[MODE_FULL]), CostCurve(_TOKENS, p[MODE_EAGER]))
+        return cls(CostCurve(_TOKENS, p[MODE_FULL]), CostCurve(_TOKENS, p[MODE_EAGER]), name=name)
 
     def step_ms(self, mode: str, num_tokens):
         """ms of a step (``num_tokens`` an int or a numpy array)."""
@@ -89,3 +95,106 @@ class StepCostModel:
                 return self.piecewise(num_tokens)
             return self.full(num_tokens) + PIECEWISE_OVERHEAD_MS_PER_LAYER * self.num_layers
         return np.maximum(self.eager(num_tokens), self.full(num_tokens))
+
+
+TABLE_MODES = (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)
+DEFAULT_TABLE_MODEL = "bench-moe"
+
+
+def _median_curve(points: list[tuple[int, float]]) -> CostCurve:
+    """A curve through the median ms of each token count."""
+    by_tokens: dict[int, list[float]] = {}
+    for tokens, ms in points:
+        by_tokens.setdefault(tokens, []).append(ms)
+    tokens = tuple(sorted(by_tokens))
+    return CostCurve(tokens, tuple(float(statistics.median(by_tokens[t])) for t in tokens))
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _is_ms(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and x == x and x != float("inf")
+
+
+def _mode_table(data: dict[str, Any], path: str) -> StepCostModel:
+    """``{"FULL": [[tokens, ms], ...], "NONE": [...], "PIECEWISE": [...]}``; PIECEWISE may be left out."""
+    unknown = sorted(set(data) - set(TABLE_MODES))
+    if unknown:
+        raise ConfigError(f"--cost-table: {path!r} has unknown key {unknown[0]!r}; a table holds "
+                          f"{', '.join(TABLE_MODES)} (lists of [tokens, ms]) or is a runtime benchmark's JSON")
+    curves: dict[str, CostCurve] = {}
+    for mode, points in data.items():
+        where = f"--cost-table: {path!r} {mode}"
+        if not isinstance(points, list) or len(points) < 2:
+            raise ConfigError(f"{where}: needs a list of at least two [tokens, ms] points")
+        for i, point in enumerate(points):
+            if not (isinstance(point, list) and len(point) == 2 and _is_count(point[0]) and _is_ms(point[1])):
+                raise ConfigError(f"{where}[{i}]: {point!r} is not [tokens >= 1, ms >= 0]")
+        tokens = [p[0] for p in points]
+        repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+        if repeated:
+            raise ConfigError(f"{where}: {repeated[0]} tokens appears more than once")
+        points = sorted(points)
+        curves[mode] = CostCurve(tuple(p[0] for p in points), tuple(float(p[1]) for p in points))
+    for mode in (MODE_FULL, MODE_EAGER):
+        if mode not in curves:
+            raise ConfigError(f"--cost-table: {path!r} has no {mode} curve; a table holds FULL and NONE (eager) "
+                              f"[tokens, ms] lists, and PIECEWISE optionally")
+    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE), name=f"table {path}")
+
+
+def _runtime_table(data: dict[str, Any], path: str, model: str | None) -> StepCostModel:
+    """A runtime benchmark's JSON (benchmarks/bench_runtime_gpu.py): per model, steps {kind, tokens, eager_ms,
+    replay_ms}. FULL: the replay times of every FULL kind (all q, the median where token counts meet); PIECEWISE:
+    the piecewise replay times; NONE: every step's eager time (median per token count)."""
+    models = data["models"]
+    if not isinstance(models, list) or not all(isinstance(m, dict) and "model" in m for m in models):
+        raise ConfigError(f"--cost-table: {path!r} 'models' must be a list of {{model, steps}} objects")
+    names = [str(m["model"]) for m in models]
+    if model is None:
+        if len(names) == 1:
+            model = names[0]
+        elif DEFAULT_TABLE_MODEL in names:
+            model = DEFAULT_TABLE_MODEL
+        else:
+            raise ConfigError(f"--cost-table: {path!r} holds models {', '.join(names)}: choose one with --cost-model")
+    if model not in names:
+        raise ConfigError(f"--cost-model: {path!r} holds no model {model!r}; it holds {', '.join(names)}")
+    steps = models[names.index(model)].get("steps")
+    if not isinstance(steps, list):
+        raise ConfigError(f"--cost-table: {path!r} model {model!r} has no 'steps' list")
+    full, piecewise, eager = [], [], []
+    for i, step in enumerate(steps):
+        ok = (isinstance(step, dict) and isinstance(step.get("kind"), str) and _is_count(step.get("tokens"))
+              and _is_ms(step.get("eager_ms")) and _is_ms(step.get("replay_ms")))
+        if not ok:
+            raise ConfigError(f"--cost-table: {path!r} model {model!r} step {i} is not {{kind, tokens >= 1, "
+                              f"eager_ms >= 0, replay_ms >= 0}}")
+        (piecewise if step["kind"] == "piecewise" else full).append((step["tokens"], step["replay_ms"]))
+        eager.append((step["tokens"], step["eager_ms"]))
+    curves = {}
+    for mode, points in ((MODE_FULL, full), (MODE_PIECEWISE, piecewise), (MODE_EAGER, eager)):
+        if len({t for t, _ in points}) >= 2:
+            curves[mode] = _median_curve(points)
+        elif mode != MODE_PIECEWISE:
+            raise ConfigError(f"--cost-table: {path!r} model {model!r} has fewer than two token counts of "
+                              f"{mode} steps")
+    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE),
+                         name=f"table {path} ({model})")
+
+
+def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
+    """Step times measured on a GPU, from ``path``: a ``{"FULL", "PIECEWISE", "NONE"}`` table of [tokens, ms]
+    points, or a runtime benchmark's JSON, of which ``model`` (default: its only model, else bench-moe) is read.
+    ConfigError naming the file and the field for anything else."""
+    data = load_json_file(path, "--cost-table")
+    if isinstance(data, dict) and "models" in data:
+        return _runtime_table(data, path, model)
+    if not isinstance(data, dict):
+        raise ConfigError(f"--cost-table: {path!r} holds a JSON {type(data).__name__}, not a table object")
+    if model is not None:
+        raise ConfigError(f"--cost-model {model!r} picks a model of a runtime benchmark's JSON; {path!r} is a "
+                          f"per-mode table")
+    return _mode_table(data, path)

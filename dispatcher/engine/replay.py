@@ -1,8 +1,9 @@
 """``twogrid replay TRACE``: re-dispatch a recorded step trace under another configuration.
 
 Each record's batch shape (tokens, requests, q or query-length histogram, decode or not) goes through the new
-configuration's dispatcher; the report counts eager steps and padding and estimates device time on a step-cost
-curve, for the recorded run and the new plan side by side, and says why each eager step was eager.
+configuration's dispatcher; the report counts eager steps and padding and estimates device time on step-cost
+curves (a preset, or per-size times measured on a GPU: ``--cost-table``), for the recorded run and the new plan
+side by side, and says why each eager step was eager.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def eager_reason(desc: BatchDescriptor, plan: CapturePlan) -> str:
 
 
 def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatcher,
-           cost_model: str = "bench-moe") -> dict[str, Any]:
-    costs = StepCostModel.preset(cost_model)
+           costs: StepCostModel | str = "bench-moe") -> dict[str, Any]:
+    """Re-dispatch ``records`` under ``plan``; device time on ``costs`` (a StepCostModel, such as a measured
+    table from ``load_cost_table``, or a preset's name), for the recorded modes and sizes and for the new ones."""
+    if isinstance(costs, str):
+        costs = StepCostModel.preset(costs)
     cfg = plan.config
     before, after = StepTally(), StepTally()
     totals = Counter()
@@ -87,6 +91,6 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
         "replayed": {**replayed, "estimated_device_seconds": round(totals["ms_after"] / 1e3, 4)},
         "eager_reasons": [{"reason": r, "steps": len(t), "min_tokens": min(t), "max_tokens": max(t)}
                           for r, t in sorted(reasons.items(), key=lambda kv: -len(kv[1]))],
-        "cost_model": cost_model,
+        "cost_model": costs.name,
         "config": plan.to_dict()["config"],
     }

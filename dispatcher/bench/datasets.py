@@ -1,0 +1,80 @@
+"""The requests a bench run sends: ShareGPT prompts or seeded synthetic ones, each with a fixed output length.
+
+No tokenizer is at hand (the server's is not reachable over the OpenAI API), so prompt lengths here are estimates:
+characters / 4 for ShareGPT text, one token per word for synthetic prompts. The result counts input tokens from
+the server's ``usage`` when it reports it and says which count it used (``input_tokens_source``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+
+from dispatcher.bench import BenchError
+from dispatcher.engine.workload import approx_num_tokens
+from dispatcher.plan.config import load_json_file
+
+# Common English words that are one token each (with their leading space) in GPT-2, Llama and Qwen BPE
+# vocabularies, so that a prompt of n words is about n tokens.
+WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
+    "you were her she there one all we their been has when who will more no if out so said what up its about "
+    "into than them can only other new some could time these two may then do first any like now my over such "
+    "our man me even most made after also did many before must through back years where much your way well down "
+    "should because each just those people how too little state good very make world still own see men work long "
+    "get here between both life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three"
+).split()
+
+HUMAN_ROLES = ("human", "user")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    """Estimated prompt tokens (the server's ``usage.prompt_tokens`` replaces it when reported)."""
+    output_len: int
+    """``max_tokens`` sent with the request."""
+
+
+def first_human_turn(entry) -> str | None:
+    """The first human (or user) turn of a ShareGPT entry {id, conversations: [{from, value}, ...]}, else None."""
+    turns = entry.get("conversations") if isinstance(entry, dict) else None
+    if not isinstance(turns, list):
+        return None
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") in HUMAN_ROLES:
+            value = turn.get("value")
+            return value if isinstance(value, str) and value.strip() else None
+    return None
+
+
+def sharegpt_requests(path: str, num_prompts: int, output_len: int, seed: int) -> list[SampleRequest]:
+    """``num_prompts`` first human turns of a ShareGPT JSON file in a seeded shuffle (cycled when the file holds
+    fewer), each asking for ``output_len`` tokens. Entries without a human turn are skipped, with a note."""
+    data = load_json_file(path, "--dataset-path")
+    if not isinstance(data, list):
+        raise BenchError(f"--dataset-path: {path!r} holds a JSON {type(data).__name__}, not a list of ShareGPT "
+                         f"entries {{id, conversations: [{{from, value}}, ...]}}")
+    prompts = [p for p in map(first_human_turn, data) if p is not None]
+    if not prompts:
+        raise BenchError(f"--dataset-path: {path!r}: none of its {len(data)} entries has a conversation with a "
+                         f"non-empty human turn ({{conversations: [{{from: human, value: text}}]}})")
+    if len(prompts) < len(data):
+        print(f"note: {len(data) - len(prompts)} of {len(data)} entries in {path} have no human turn and were "
+              f"skipped", file=sys.stderr)
+    random.Random(seed).shuffle(prompts)
+    if len(prompts) < num_prompts:
+        print(f"note: {path} has {len(prompts)} prompts; --num-prompts {num_prompts} repeats them", file=sys.stderr)
+    picked = (prompts[i % len(prompts)] for i in range(num_prompts))
+    return [SampleRequest(p, approx_num_tokens(p), output_len) for p in picked]
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, seed: int) -> list[SampleRequest]:
+    """``num_prompts`` prompts of ``input_len`` words (about one token each), every word drawn on its own from a
+    seeded generator so that prompts share only chance prefixes, each asking for ``output_len`` tokens."""
+    rng = random.Random(seed)
+    return [SampleRequest(" ".join(rng.choices(WORDS, k=input_len)), input_len, output_len)
+            for _ in range(num_prompts)]

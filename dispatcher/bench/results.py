@@ -1,0 +1,143 @@
+"""A run's timed requests as ``vllm bench serve``'s result fields, and its printed summary.
+
+Same names and definitions as vLLM where the metric is the same: TTFT from sending to the first token event, TPOT
+per request (e2e latency - TTFT) / (output tokens - 1) over requests with more than one token, ITL every gap
+between token events, E2EL from sending to the last token event; throughputs over the run's wall time; the
+``mean_``, ``median_``, ``std_`` and ``pXX_`` statistics in milliseconds, with numpy's percentile (linear).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dispatcher.bench.client import RequestOutput
+
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+METRIC_NAMES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+                "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "generated_texts",
+                   "errors")
+"""Per-request lists, saved only with --save-detailed (vLLM's names)."""
+
+
+def percentile_word(p: float) -> str:
+    """99 -> '99', 99.9 -> '99.9' (vLLM's field suffix)."""
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def source(flags: Sequence[bool], yes: str, no: str) -> str | None:
+    if not flags:
+        return None
+    return yes if all(flags) else no if not any(flags) else "mixed"
+
+
+def peak_concurrency(outputs: Sequence[RequestOutput]) -> int:
+    """Most requests in flight at once (half-open [start, end) intervals)."""
+    events = sorted([(o.start_time, 1) for o in outputs] + [(o.start_time + o.latency, -1) for o in outputs])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def compute_result(outputs: Sequence[RequestOutput], duration_s: float, percentile_metrics: Sequence[str],
+                   percentiles: Sequence[float], detailed: bool = False) -> dict[str, Any]:
+    """The result fields of one run. mean/median/std are written for all four latency metrics, the ``pXX_`` ones
+    for ``percentile_metrics`` (vLLM writes all of them only for the selected metrics)."""
+    ok = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in ok)
+    total_output = sum(o.output_tokens for o in ok)
+    values = {
+        "ttft": [o.ttft for o in ok],
+        "tpot": [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1],
+        "itl": [x for o in ok for x in o.itl],
+        "e2el": [o.latency for o in ok],
+    }
+    result: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration_s,
+        "request_goodput": None,
+        "output_throughput": total_output / duration_s,
+        "total_token_throughput": (total_input + total_output) / duration_s,
+        "max_concurrent_requests": peak_concurrency(ok),
+        "input_tokens_source": source([o.prompt_len_from_usage for o in ok], "usage", "estimate"),
+        "output_tokens_source": source([o.output_tokens_from_usage for o in ok], "usage", "chunks"),
+    }
+    for metric in PERCENTILE_METRICS:
+        ms = np.asarray(values[metric] or [0.0]) * 1000.0
+        result[f"mean_{metric}_ms"] = float(np.mean(ms))
+        result[f"median_{metric}_ms"] = float(np.median(ms))
+        result[f"std_{metric}_ms"] = float(np.std(ms))
+        if metric in percentile_metrics:
+            for p in percentiles:
+                result[f"p{percentile_word(p)}_{metric}_ms"] = float(np.percentile(ms, p))
+    if detailed:
+        result.update(
+            input_lens=[o.prompt_len for o in outputs],
+            output_lens=[o.output_tokens if o.success else 0 for o in outputs],
+            ttfts=[o.ttft for o in outputs],
+            itls=[o.itl for o in outputs],
+            latencies=[o.latency for o in outputs],
+            start_times=[o.start_time for o in outputs],
+            generated_texts=[o.generated_text for o in outputs],
+            errors=[o.error for o in outputs],
+        )
+    return result
+
+
+def _row(name: str, value: Any, fmt: str = "") -> str:
+    return f"{name:<40} {value:{fmt}}"
+
+
+def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
+                  percentiles: Sequence[float]) -> list[str]:
+    """vLLM's printed summary of one run, then the server's counters when it exported them."""
+    lines = ["{:=^50}".format(" Serving Benchmark Result "),
+             _row("Successful requests:", result["completed"]),
+             _row("Failed requests:", result["failed"])]
+    if result.get("max_concurrency") is not None:
+        lines.append(_row("Maximum request concurrency:", result["max_concurrency"]))
+    if result.get("request_rate") not in (None, "inf"):
+        lines.append(_row("Request rate configured (RPS):", result["request_rate"], ".2f"))
+    in_note = {"usage": "", "estimate": " (estimated)", "mixed": " (partly estimated)"}.get(
+        result["input_tokens_source"], "")
+    out_note = {"usage": "", "chunks": " (stream events counted)", "mixed": " (partly events counted)"}.get(
+        result["output_tokens_source"], "")
+    lines += [_row("Benchmark duration (s):", result["duration"], ".2f"),
+              _row(f"Total input tokens{in_note}:", result["total_input_tokens"]),
+              _row(f"Total generated tokens{out_note}:", result["total_output_tokens"]),
+              _row("Request throughput (req/s):", result["request_throughput"], ".2f"),
+              _row("Output token throughput (tok/s):", result["output_throughput"], ".2f"),
+              _row("Peak concurrent requests:", result["max_concurrent_requests"]),
+              _row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")]
+    for metric in PERCENTILE_METRICS:
+        if metric not in percentile_metrics:
+            continue
+        short, header = METRIC_NAMES[metric]
+        lines += ["{:-^50}".format(header),
+                  _row(f"Mean {short} (ms):", result[f"mean_{metric}_ms"], ".2f"),
+                  _row(f"Median {short} (ms):", result[f"median_{metric}_ms"], ".2f")]
+        lines += [_row(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{metric}_ms"], ".2f")
+                  for p in percentiles]
+    if "eager_steps" in result or "cudagraph_steps" in result or "padded_tokens" in result:
+        lines.append("{:-^50}".format("Server CUDA-graph counters (this run)"))
+        if "cudagraph_steps" in result:
+            lines.append(_row("Graph steps:", result["cudagraph_steps"]))
+            for kind, modes in result.get("cudagraph_steps_by_kind_mode", {}).items():
+                for mode, steps in modes.items():
+                    lines.append(_row(f"  {kind} {mode}:", steps))
+        if "eager_steps" in result:
+            lines.append(_row("Eager steps:", result["eager_steps"]))
+            for reason, steps in result.get("eager_steps_by_reason", {}).items():
+                lines.append(_row(f"  {reason}:", steps))
+        if "padded_tokens" in result:
+            lines.append(_row("Padded tokens:", result["padded_tokens"]))
+    lines.append("=" * 50)
+    return lines

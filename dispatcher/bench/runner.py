@@ -1,0 +1,344 @@
+"""``twogrid bench``: runs at each ``--max-concurrency`` in turn against one server, then saves and plots.
+
+Per concurrency: ``--num-warmups`` requests (not measured), a scrape of the server's ``/metrics``, the measured
+run (every prompt once: Poisson arrivals at ``--request-rate``, at most ``--max-concurrency`` in flight), a second
+scrape, then vLLM's result fields plus the server's counter deltas. One test request goes first of all, so that a
+wrong model, endpoint or key fails at once with the server's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from typing import Any, Sequence
+
+import aiohttp
+import numpy as np
+
+from dispatcher.bench import BenchError
+from dispatcher.bench.client import (BACKEND_NAMES, ENDPOINT_PATHS, Endpoint, RequestOutput, auth_headers,
+                                     list_models, send_request)
+from dispatcher.bench.datasets import SampleRequest, random_requests, sharegpt_requests
+from dispatcher.bench.results import PERCENTILE_METRICS, compute_result, summary_lines
+from dispatcher.bench.server_metrics import counter_deltas, scrape
+
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
+"""A request's limit, as vLLM's (long outputs at high concurrency take minutes)."""
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+CLIENT_BUSY = 0.9
+"""Above this share of a run's wall time spent on this process's CPU, the client is the bottleneck: warn."""
+
+
+def parse_concurrencies(text: str | None) -> list[int | None]:
+    """'1,16,64' -> [1, 16, 64]; None -> [None] (no cap)."""
+    if text is None:
+        return [None]
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise BenchError(f"--max-concurrency: {part!r} is not a positive integer (give one value or a "
+                             f"comma-separated list, such as 1,16,64)")
+        values.append(int(part))
+    return values
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    metrics = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in metrics if m not in PERCENTILE_METRICS]
+    if bad or not metrics:
+        raise BenchError(f"--percentile-metrics: {bad[0] if bad else text!r} is not one of "
+                         f"{','.join(PERCENTILE_METRICS)}")
+    return metrics
+
+
+def parse_percentiles(text: str) -> list[float]:
+    values = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            p = math.nan
+        if not 0.0 < p <= 100.0:
+            raise BenchError(f"--metric-percentiles: {part.strip()!r} is not a percentile in (0, 100]")
+        values.append(p)
+    return values
+
+
+def validate(args: argparse.Namespace) -> None:
+    """One BenchError naming the flag and its limit for any bad flag (before the server is contacted). Fills in
+    --dataset-name: sharegpt when --dataset-path is given, else random."""
+    if args.dataset_name is None:
+        args.dataset_name = "sharegpt" if args.dataset_path else "random"
+    for flag in ("num_prompts", "random_input_len", "random_output_len", "sharegpt_output_len"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_warmups < 0:
+        raise BenchError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if not args.request_rate > 0:
+        raise BenchError(f"--request-rate must be > 0 requests/s (inf sends every request at once), got "
+                         f"{args.request_rate}")
+    if not args.base_url.startswith(("http://", "https://")):
+        raise BenchError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise BenchError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    if args.dataset_name == "random" and args.dataset_path:
+        raise BenchError("--dataset-path is for --dataset-name sharegpt; the random dataset reads no file")
+    if args.plot and not args.plot.lower().endswith(PLOT_SUFFIXES):
+        raise BenchError(f"--plot: {args.plot!r} must end with one of {', '.join(PLOT_SUFFIXES)}")
+    if args.temperature is not None and args.temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+    for item in args.metadata or []:
+        if "=" not in item or not item.partition("=")[0].strip():
+            raise BenchError(f"--metadata: {item!r} is not KEY=VALUE")
+
+
+def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
+    if args.dataset_name == "sharegpt":
+        return sharegpt_requests(args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)
+    return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.seed)
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> np.ndarray:
+    """Seconds after the start at which each request arrives: all at 0 for an infinite rate, else a Poisson
+    process (exponential gaps with mean 1 / rate) from a seeded generator."""
+    if math.isinf(request_rate):
+        return np.zeros(num_requests)
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def bench_commit() -> str | None:
+    """$TWOGRID_COMMIT, else this checkout's git HEAD, else None (as the benchmark scripts record it)."""
+    if os.environ.get("TWOGRID_COMMIT"):
+        return os.environ["TWOGRID_COMMIT"]
+    try:
+        return subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short",
+                               "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def raise_open_file_limit() -> None:
+    """Each in-flight request holds a socket: lift the soft open-file limit to the hard one (1024 concurrent
+    requests exceed the usual soft limit of 1024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+async def run_requests(endpoint: Endpoint, requests: Sequence[SampleRequest], max_concurrency: int | None,
+                       offsets: np.ndarray, desc: str, disable_tqdm: bool) -> tuple[list[RequestOutput], float]:
+    """Send every request at its arrival offset, at most ``max_concurrency`` in flight; outputs in request order
+    and the wall time from the first send to the last completion."""
+    from tqdm.asyncio import tqdm
+
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
+                                     read_bufsize=1 << 20) as session:
+        with tqdm(total=len(requests), desc=desc, disable=disable_tqdm, leave=False) as bar:
+            async def one(req: SampleRequest) -> RequestOutput:
+                if gate is None:
+                    out = await send_request(session, endpoint, req)
+                else:
+                    async with gate:
+                        out = await send_request(session, endpoint, req)
+                bar.update(1)
+                return out
+
+            start = time.perf_counter()
+            tasks = []
+            for req, offset in zip(requests, offsets):
+                wait = start + offset - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                tasks.append(asyncio.create_task(one(req)))
+            outputs = await asyncio.gather(*tasks)
+            return list(outputs), time.perf_counter() - start
+
+
+async def resolve_model(session: aiohttp.ClientSession, args: argparse.Namespace, headers: dict[str, str]) -> str:
+    """``--model``, else the first model the server lists; either way the server must answer."""
+    models = await list_models(session, args.base_url, headers)
+    if args.model:
+        return args.model
+    if models is None:
+        raise BenchError(f"--model: {args.base_url}/v1/models does not exist on this server; name the model")
+    if not models:
+        raise BenchError(f"--model: {args.base_url}/v1/models lists no model; name one")
+    print(f"model not given; using the server's first model: {models[0]}")
+    return models[0]
+
+
+def fresh_like(requests: Sequence[SampleRequest], count: int, seed: int) -> list[SampleRequest]:
+    """``count`` synthetic requests with the prompt and output lengths of the first ``count`` requests (cycled),
+    so that warm-ups leave nothing of the measured prompts in a server's prefix cache."""
+    shapes = [requests[i % len(requests)] for i in range(count)]
+    return [random_requests(1, max(1, r.prompt_len), r.output_len, seed + i)[0] for i, r in enumerate(shapes)]
+
+
+async def check_endpoint(endpoint: Endpoint, req: SampleRequest) -> None:
+    """One request before the runs: a wrong model, endpoint or key fails here with the server's answer."""
+    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+        out = await send_request(session, endpoint, req)
+    if not out.success:
+        raise BenchError(f"the test request to {endpoint.url} failed: {out.error}")
+
+
+def run_metadata(args: argparse.Namespace, model: str, max_concurrency: int | None) -> dict[str, Any]:
+    """The fields before the metrics (vLLM's order and names, then this tool's own)."""
+    meta = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": BACKEND_NAMES[args.endpoint],
+        "backend": BACKEND_NAMES[args.endpoint],
+        "label": args.label or BACKEND_NAMES[args.endpoint],
+        "model_id": model,
+        "tokenizer_id": None,
+        "num_prompts": args.num_prompts,
+    }
+    for item in args.metadata or []:
+        key, _, value = item.partition("=")
+        meta[key.strip()] = value.strip()
+    meta.update(
+        request_rate=args.request_rate if not math.isinf(args.request_rate) else "inf",
+        burstiness=1.0,
+        max_concurrency=max_concurrency,
+        base_url=args.base_url,
+        endpoint=ENDPOINT_PATHS[args.endpoint],
+        dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path,
+        random_input_len=args.random_input_len if args.dataset_name == "random" else None,
+        output_len=args.random_output_len if args.dataset_name == "random" else args.sharegpt_output_len,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        num_warmups=args.num_warmups,
+        commit=bench_commit(),
+    )
+    return meta
+
+
+async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
+                    concurrencies: list[int | None]) -> list[dict[str, Any]]:
+    headers = auth_headers(args.api_key)
+    extra = {"temperature": args.temperature} if args.temperature is not None else {}
+    async with aiohttp.ClientSession() as probe:
+        model = await resolve_model(probe, args, headers)
+        endpoint = Endpoint(args.endpoint, args.base_url, model, {**headers, "Content-Type": "application/json"},
+                            args.ignore_eos, extra)
+        test = requests[0]
+        await check_endpoint(endpoint, random_requests(1, 16, min(test.output_len, 16), args.seed + 10**6)[0])
+        offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+        results = []
+        for cap in concurrencies:
+            name = f"concurrency {cap}" if cap else "no concurrency cap"
+            if args.num_warmups:
+                warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
+                await run_requests(endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}", args.disable_tqdm)
+            before = await scrape(probe, args.base_url, headers)
+            cpu_s = time.process_time()
+            outputs, duration = await run_requests(endpoint, requests, cap, offsets, name, args.disable_tqdm)
+            cpu_s = time.process_time() - cpu_s
+            after = await scrape(probe, args.base_url, headers)
+            result = run_metadata(args, model, cap)
+            result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,
+                                         args.save_detailed))
+            result["client_cpu_fraction"] = cpu_s / duration
+            result.update(counter_deltas(before, after))
+            print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
+            if result["client_cpu_fraction"] > CLIENT_BUSY:
+                print(f"warning: this client was busy {result['client_cpu_fraction']:.0%} of the run, so its "
+                      f"timings include its own delays: split the load over several bench processes",
+                      file=sys.stderr)
+            errors = [o.error for o in outputs if not o.success]
+            for i, err in enumerate(errors[:10]):
+                print(f"failed request {i + 1} of {len(errors)}: {err}", file=sys.stderr)
+            results.append(result)
+        return results
+
+
+def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    """vLLM's file name, {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, or --result-filename (whose
+    '{concurrency}' is replaced), inside --result-dir."""
+    if args.result_filename:
+        name = args.result_filename.replace("{concurrency}", str(result["max_concurrency"]))
+    else:
+        cap = f"-concurrency{result['max_concurrency']}" if result["max_concurrency"] is not None else ""
+        name = (f"{result['label']}-{args.request_rate}qps{cap}-{result['model_id'].split('/')[-1]}-"
+                f"{result['date']}.json")
+    return os.path.join(args.result_dir, name) if args.result_dir else name
+
+
+def save_results(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[str]:
+    """One JSON file per concurrency (as vLLM writes one per run)."""
+    import json
+
+    if args.result_dir:
+        os.makedirs(args.result_dir, exist_ok=True)
+    paths = []
+    for result in results:
+        path = result_path(args, result)
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(result, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            raise BenchError(f"--save-result: cannot write {path!r}: {exc.strerror}") from None
+        paths.append(path)
+        print(f"saved {path}")
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``bench`` subcommand: plot saved results when RESULT files are given, else run, save and plot."""
+    from dispatcher.bench.plot import plot_results
+
+    if args.results:
+        if not args.plot:
+            raise BenchError("result files were given without --plot (they are only read to be plotted)")
+        validate(args)
+        plot_results(args.results, args.plot)
+        return 0
+    validate(args)
+    concurrencies = parse_concurrencies(args.max_concurrency)
+    args.percentile_metrics = parse_percentile_metrics(args.percentile_metrics)
+    args.metric_percentiles = parse_percentiles(args.metric_percentiles)
+    if args.result_filename and len(concurrencies) > 1 and "{concurrency}" not in args.result_filename:
+        raise BenchError(f"--result-filename {args.result_filename!r} would be written once per concurrency: put "
+                         f"{{concurrency}} in it")
+    requests = build_requests(args)
+    raise_open_file_limit()
+    gc.collect()
+    gc.freeze()  # the prompts and the client's objects are long-lived: keep the collector off them (as vLLM)
+    try:
+        results = asyncio.run(bench_all(args, requests, concurrencies))
+    except KeyboardInterrupt:
+        print("twogrid bench: interrupted; nothing saved", file=sys.stderr)
+        return 130
+    finally:
+        gc.unfreeze()
+    if args.save_result:
+        save_results(args, results)
+    if args.plot:
+        # every result in --result-dir, and this run's results where they were not saved there
+        in_dir = bool(args.result_dir) and os.path.isdir(args.result_dir)
+        plot_results([args.result_dir] if in_dir else [], args.plot,
+                     extra=[] if in_dir and args.save_result else results)
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        print(f"twogrid bench: {failed} of {sum(r['failed'] + r['completed'] for r in results)} requests failed",
+              file=sys.stderr)
+    return 1 if failed else 0

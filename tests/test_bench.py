@@ -1,0 +1,381 @@
+"""``twogrid bench`` against a fake OpenAI-compatible server started inside the test (loopback only).
+
+The fake streams ``max_tokens`` one-token events, the first after TTFT_S and the others GAP_S apart, counts the
+requests in flight, and exports twogrid's Prometheus counters, which each request moves by known amounts.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from dispatcher.bench.client import sse_events
+from dispatcher.bench.plot import plot_results
+from dispatcher.bench.runner import arrival_offsets
+from dispatcher.cli import main
+
+TTFT_S = 0.04
+GAP_S = 0.01
+MODEL = "fake-model"
+VLLM_FIELDS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "num_prompts", "request_rate", "burstiness",
+    "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests",
+    *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p50", "p90", "p99") for m in ("ttft", "tpot", "itl",
+                                                                                            "e2el")),
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAREGPT = next((p for p in (os.path.join(HERE, "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json"),
+                             os.path.join(HERE, "..", "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json"))
+                 if os.path.exists(p)), None)
+
+
+class FakeServer:
+    """An OpenAI-compatible streaming server with twogrid's counters; runs its own event loop in a thread."""
+
+    def __init__(self, usage=True, metrics=True, api_key=None, fail_after=None):
+        self.usage, self.metrics, self.api_key, self.fail_after = usage, metrics, api_key, fail_after
+        self.in_flight_at_arrival: list[int] = []
+        self.in_flight = 0
+        self.requests: list[tuple[str, dict, dict]] = []
+        self.registry = CollectorRegistry()
+        self.eager = Counter("twogrid:eager_steps", "eager steps", ["reason"], registry=self.registry)
+        self.padded = Counter("twogrid:padded_tokens", "padding", registry=self.registry)
+        self.graph = Counter("twogrid:cudagraph_steps", "graph steps", ["kind", "mode"], registry=self.registry)
+        self.other = Counter("vllm:other_thing", "a counter bench ignores", registry=self.registry)
+
+    def authorized(self, request):
+        return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
+
+    async def models(self, request):
+        if not self.authorized(request):
+            return web.json_response({"error": "no key"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def prometheus(self, request):
+        if not self.metrics:
+            raise web.HTTPNotFound()
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def generate(self, request):
+        body = await request.json()
+        self.requests.append((request.path, body, dict(request.headers)))
+        if not self.authorized(request):
+            return web.json_response({"error": "no key"}, status=401)
+        if self.fail_after is not None and len(self.requests) > self.fail_after:
+            return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
+        self.in_flight += 1
+        self.in_flight_at_arrival.append(self.in_flight)
+        try:
+            return await self.stream(request, body)
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request, body):
+        chat = request.path.endswith("/chat/completions")
+        num_tokens = body["max_completion_tokens"] if chat else body["max_tokens"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(event):
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        if chat:  # a role-only event at once, as OpenAI servers send: not a token
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        await asyncio.sleep(TTFT_S)
+        for i in range(num_tokens):
+            if i:
+                await asyncio.sleep(GAP_S)
+            piece = f" w{i}"
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            await send({"choices": [choice]})
+        await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            prompt = body["messages"][0]["content"] if chat else body["prompt"]
+            await send({"choices": [], "usage": {"prompt_tokens": len(prompt.split()),
+                                                 "completion_tokens": num_tokens}})
+        await resp.write(b"data: [DONE]\n\n")
+        self.graph.labels(kind="uniform_decode", mode="FULL").inc(num_tokens - 1)
+        self.graph.labels(kind="mixed", mode="PIECEWISE").inc(1)
+        self.eager.labels(reason="mixed_above_cap").inc(1)
+        self.padded.inc(3)
+        self.other.inc(1)
+        return resp
+
+
+@pytest.fixture
+def serve():
+    """serve(**options) starts a FakeServer on a free loopback port; every one is stopped after the test."""
+    started = []
+
+    def start(**options):
+        fake = FakeServer(**options)
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(loop)
+            app = web.Application()
+            app.router.add_get("/v1/models", fake.models)
+            app.router.add_get("/metrics", fake.prometheus)
+            app.router.add_post("/v1/completions", fake.generate)
+            app.router.add_post("/v1/chat/completions", fake.generate)
+            runner = web.AppRunner(app)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            loop.run_until_complete(site.start())
+            fake.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert ready.wait(10)
+        started.append((loop, thread))
+        return fake
+
+    yield start
+    for loop, thread in started:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def bench(*args):
+    return main(["bench", "--disable-tqdm", *args])
+
+
+def saved(result_dir):
+    files = sorted(os.listdir(result_dir))
+    return [json.load(open(os.path.join(result_dir, f))) for f in files]
+
+
+def test_two_concurrencies_against_a_server(serve, tmp_path, capsys):
+    fake = serve()
+    out_dir = tmp_path / "results"
+    rc = bench("--base-url", fake.url, "--dataset-name", "random", "--random-input-len", "12",
+               "--random-output-len", "6", "--num-prompts", "8", "--max-concurrency", "1,4", "--ignore-eos",
+               "--save-result", "--result-dir", str(out_dir), "--label", "fake", "--plot", str(tmp_path / "p.png"))
+    assert rc == 0
+    names = sorted(os.listdir(out_dir))
+    assert [n[: len("fake-infqps-concurrency1-fake-model-")] for n in names] == [
+        "fake-infqps-concurrency1-fake-model-", "fake-infqps-concurrency4-fake-model-"]
+    results = sorted(saved(out_dir), key=lambda r: r["max_concurrency"])
+    assert [r["max_concurrency"] for r in results] == [1, 4]
+    for r in results:
+        assert VLLM_FIELDS <= set(r)
+        assert r["model_id"] == MODEL and r["label"] == "fake" and r["request_rate"] == "inf"
+        assert r["completed"] == 8 and r["failed"] == 0
+        assert r["total_output_tokens"] == 8 * 6 and r["output_tokens_source"] == "usage"
+        assert r["total_input_tokens"] == 8 * 12 and r["input_tokens_source"] == "usage"
+        # timings: the server waits TTFT_S, then GAP_S between tokens
+        assert TTFT_S * 1e3 <= r["mean_ttft_ms"] < TTFT_S * 1e3 + 40
+        assert 0.8 * GAP_S * 1e3 <= r["mean_tpot_ms"] < GAP_S * 1e3 + 15
+        assert 0.8 * GAP_S * 1e3 <= r["mean_itl_ms"] < GAP_S * 1e3 + 15
+        assert r["mean_e2el_ms"] == pytest.approx(r["mean_ttft_ms"] + 5 * r["mean_tpot_ms"], rel=1e-6)
+        assert r["p50_ttft_ms"] <= r["p90_ttft_ms"] <= r["p99_ttft_ms"]
+        assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
+        # the server's counters moved by exactly this run's requests (not the test request)
+        assert r["eager_steps"] == 8 and r["eager_steps_by_reason"] == {"mixed_above_cap": 8}
+        assert r["padded_tokens"] == 8 * 3
+        assert r["cudagraph_steps"] == 8 * 6
+        assert r["cudagraph_steps_by_kind_mode"] == {"mixed": {"PIECEWISE": 8}, "uniform_decode": {"FULL": 8 * 5}}
+    assert results[0]["max_concurrent_requests"] == 1 and results[1]["max_concurrent_requests"] == 4
+    # the server saw one test request, then 8 requests one at a time, then 8 at most 4 at a time
+    assert fake.in_flight_at_arrival[:9] == [1] * 9
+    assert max(fake.in_flight_at_arrival[9:]) == 4
+    assert len(fake.requests) == 17
+    for path, body, _ in fake.requests[1:]:
+        assert path == "/v1/completions" and body["model"] == MODEL and body["max_tokens"] == 6
+        assert body["ignore_eos"] is True and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True} and len(body["prompt"].split()) == 12
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Eager steps:" in out
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
+    fake = serve(usage=False, metrics=False)
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "first prompt here"},
+                                      {"from": "gpt", "value": "an answer"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "second prompt"}]},
+    ]))
+    rc = bench("--base-url", fake.url, "--endpoint", "chat", "--dataset-path", str(data), "--num-prompts", "5",
+               "--sharegpt-output-len", "4", "--max-concurrency", "2", "--request-rate", "100", "--save-result",
+               "--result-dir", str(tmp_path / "r"))
+    assert rc == 0
+    (r,) = saved(tmp_path / "r")
+    assert r["backend"] == "openai-chat" and r["dataset_name"] == "sharegpt" and r["request_rate"] == 100.0
+    assert r["duration"] >= arrival_offsets(5, 100.0, 0)[-1]
+    assert r["completed"] == 5 and r["total_output_tokens"] == 5 * 4
+    assert r["output_tokens_source"] == "chunks" and r["input_tokens_source"] == "estimate"
+    assert r["mean_ttft_ms"] >= TTFT_S * 1e3  # the role-only event is not a token
+    assert not any(k.startswith(("eager_steps", "padded_tokens", "cudagraph_steps")) for k in r)
+    prompts = {body["messages"][0]["content"] for _, body, _ in fake.requests[1:]}
+    assert prompts == {"first prompt here", "second prompt"}
+    for path, body, _ in fake.requests[1:]:
+        assert path == "/v1/chat/completions" and body["max_completion_tokens"] == 4 and "ignore_eos" not in body
+    assert max(fake.in_flight_at_arrival) <= 2
+    assert "1 of 3 entries" in capsys.readouterr().err
+
+
+def test_api_key_and_failed_requests(serve, tmp_path, capsys):
+    fake = serve(api_key="sekrit", fail_after=3)
+    assert bench("--base-url", fake.url, "--num-prompts", "4") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HTTP 401" in err and "--api-key" in err
+    rc = bench("--base-url", fake.url, "--api-key", "sekrit", "--num-prompts", "4", "--random-input-len", "4",
+               "--random-output-len", "3", "--save-result", "--result-dir", str(tmp_path),
+               "--result-filename", "run-{concurrency}.json")
+    assert rc == 1  # two of the four measured requests failed
+    assert os.listdir(tmp_path) == ["run-None.json"]
+    (r,) = saved(tmp_path)
+    assert r["completed"] == 2 and r["failed"] == 2 and r["max_concurrency"] is None
+    assert all(h.get("Authorization") == "Bearer sekrit" for _, _, h in fake.requests[1:])
+    assert "HTTP 500: " in capsys.readouterr().err
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-concurrency", "0"], "--max-concurrency: '0' is not a positive integer"),
+    (["--max-concurrency", "4,x"], "--max-concurrency: 'x'"),
+    (["--metric-percentiles", "50,101"], "--metric-percentiles: '101'"),
+    (["--percentile-metrics", "ttft,latency"], "--percentile-metrics: 'latency'"),
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path"),
+    (["--plot", "out.jpg"], "--plot: 'out.jpg' must end with"),
+    (["--metadata", "novalue"], "--metadata: 'novalue' is not KEY=VALUE"),
+    (["--base-url", "localhost:8000"], "--base-url must start with http://"),
+    (["--max-concurrency", "1,2", "--result-filename", "a.json"], "put {concurrency} in it"),
+])
+def test_bad_flags_are_one_line(args, needle, capsys):
+    base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]
+    assert bench(*base, *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_unreachable_server_is_one_line(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert bench("--base-url", url, "--num-prompts", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"twogrid bench: error: cannot reach the server at {url} (Connection refused); is it running?"
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "cannot read"),
+    ("[{not json", "is not JSON"),
+    ('{"conversations": []}', "holds a JSON dict, not a list"),
+    ('[{"id": 1, "conversations": [{"from": "gpt", "value": "x"}]}, 3]', "none of its 2 entries"),
+])
+def test_bad_dataset_is_one_line(content, needle, tmp_path, capsys):
+    path = tmp_path / "data.json"
+    if content is not None:
+        path.write_text(content)
+    assert bench("--base-url", f"http://127.0.0.1:{free_port()}", "--dataset-path", str(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and str(path) in err and "--dataset-path" in err
+
+
+def result(label, concurrency, tok_s, tpot_ms):
+    return {"label": label, "max_concurrency": concurrency, "num_prompts": 64, "output_throughput": tok_s,
+            "mean_tpot_ms": tpot_ms}
+
+
+def test_plot_overlays_labels_from_saved_results(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for i, r in enumerate([result("separate", 16, 900.0, 10.0), result("separate", 64, 2000.0, 20.0),
+                           result("separate", 64, 2200.0, 22.0), result("separate", 64, 2100.0, 21.0),
+                           result("vllm-default", 16, 850.0, 11.0), result("vllm-default", None, 1500.0, 30.0)]):
+        (runs / f"{i}.json").write_text(json.dumps(r))
+    (runs / "notes.json").write_text('{"something": "else"}')
+    png = tmp_path / "plot.png"
+    lines = plot_results([str(runs)], str(png))
+    assert lines == {"separate": [(16, 900.0, 10.0), (64, 2100.0, 21.0)],
+                     "vllm-default": [(16, 850.0, 11.0), (64, 1500.0, 30.0)]}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "notes.json is not a bench result" in capsys.readouterr().err
+    assert main(["bench", "--plot", str(tmp_path / "again.png"), str(runs / "0.json"), str(runs / "4.json")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0
+    assert main(["bench", "--plot", str(png), str(runs / "notes.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a bench result (no label, max_concurrency" in err
+    assert main(["bench", str(runs / "0.json")]) == 2
+    assert "without --plot" in capsys.readouterr().err
+
+
+def test_poisson_arrivals():
+    assert not arrival_offsets(5, float("inf"), 0).any()
+    offsets = arrival_offsets(20000, 50.0, seed=3)
+    assert offsets[0] == 0 and np.all(np.diff(offsets) >= 0)
+    assert np.mean(np.diff(offsets)) == pytest.approx(1 / 50.0, rel=0.03)
+    assert np.array_equal(offsets, arrival_offsets(20000, 50.0, seed=3))
+
+
+class FakeContent:
+    """aiohttp's response.content as far as sse_events reads it: chunks as they arrived."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    async def iter_any(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+def test_sse_parsing():
+    stream = (b": ping\n\ndata: {\"a\": 1}\r\n\r\nevent: x\ndata: {\"b\":\ndata: 2}\n\ndata:{\"c\": \"\xc3\xa9\"}\n\n"
+              b"data: [DONE]\n\ndata: {\"late\": 1}\n\n")
+
+    class Response:
+        def __init__(self, chunks):
+            self.content = FakeContent(chunks)
+
+    async def collect(chunks):
+        return [json.loads(p) async for p in sse_events(Response(chunks))]
+
+    expected = [{"a": 1}, {"b": 2}, {"c": "\u00e9"}]
+    assert asyncio.run(collect([stream])) == expected
+    # split anywhere, even inside a UTF-8 character, one byte at a time
+    assert asyncio.run(collect([stream[i:i + 1] for i in range(len(stream))])) == expected
+    # a last event without its blank line still counts
+    assert asyncio.run(collect([b"data: {\"x\": 1}\n\ndata: {\"y\": 2}"])) == [{"x": 1}, {"y": 2}]
+
+
+@pytest.mark.skipif(SHAREGPT is None, reason="shared ShareGPT data not present")
+def test_real_sharegpt_file_loads():
+    from dispatcher.bench.datasets import sharegpt_requests
+
+    reqs = sharegpt_requests(SHAREGPT, 600, 256, seed=0)
+    assert len(reqs) == 600 and all(r.output_len == 256 and r.prompt_len >= 1 for r in reqs)
+    distinct = {c["conversations"][0]["value"] for c in json.load(open(SHAREGPT))}
+    assert {r.prompt for r in reqs} == distinct
+    assert [r.prompt for r in sharegpt_requests(SHAREGPT, 10, 256, seed=0)] == [r.prompt for r in reqs[:10]]
+
+
+def test_plan_does_not_import_the_bench_client():
+    code = ("import contextlib, io, sys; from dispatcher.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['plan', '--platform', 'sm100'])\n"
+            "print(sorted(m for m in ('aiohttp', 'matplotlib', 'prometheus_client', 'dispatcher.bench') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(HERE)).stdout
+    assert out.strip() == "[]"
