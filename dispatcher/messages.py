@@ -88,7 +88,9 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """1 + K: the row length of ``sampled``."""
     draft_confidences: bytes = b""
     """float32 (n, num_new_drafts): the drafter's probability of each draft (adaptive verification's input); empty
-    unless asked for."""
+    without a drafter."""
+    device_ms: float = 0.0
+    """The step's time on the device, from its first to its last operation (CUDA events; wall time on the CPU)."""
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):

@@ -62,6 +62,30 @@ class EngineArgs:
 
 
 @dataclass
+class EngineStats:
+    """Counters over the engine's life (benchmarks read and reset them)."""
+
+    steps: int = 0
+    device_ms: float = 0.0
+    """Sum of the steps' device times: the device's busy time."""
+    wait_s: float = 0.0
+    """Time the host spent waiting for step results."""
+    host_ms: float = 0.0
+    """Time the host spent scheduling and dispatching steps."""
+    eager_steps: int = 0
+    padded_tokens: int = 0
+
+    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float) -> None:
+        self.steps += 1
+        self.device_ms += device_ms
+        self.wait_s += wait_s
+        self.host_ms += step.host_ms
+        target = step.descs.target
+        self.eager_steps += target.graph is None
+        self.padded_tokens += target.num_tokens - step.out.shape.num_tokens
+
+
+@dataclass
 class ScheduledStep:
     """One step between ``schedule`` and ``update``: the scheduler's output, every forward's descriptor, and the
     message the worker gets."""
@@ -124,6 +148,7 @@ class EngineCore:
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.trace = TraceWriter(args.step_trace)
+        self.stats = EngineStats()
         self._next_id = 0
         self._seeds = np.random.default_rng(args.seed)
 
@@ -198,9 +223,10 @@ class EngineCore:
 
     def wait(self, step: ScheduledStep) -> ModelResult:
         """The submitted step's result (waits for it)."""
+        t0 = time.perf_counter()
         result = self.worker.collect(step.pending)
-        device_ms = (time.perf_counter() - step.submitted_at) * 1e3
-        self.trace.write(step_record(step.out.step_id, step.out, step.descs.target, step.host_ms, device_ms,
+        self.stats.record(step, result.device_ms, time.perf_counter() - t0)
+        self.trace.write(step_record(step.out.step_id, step.out, step.descs.target, step.host_ms, result.device_ms,
                                      step.descs.drafts()))
         return model_result(result, step.out)
 

@@ -10,6 +10,7 @@ engine can submit step t + 1 before it collects step t, and the device never wai
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,6 +136,7 @@ class ModelWorker:
     @torch.inference_mode()
     def submit(self, step: Step) -> "_Pending":
         """Queue a step on the device; nothing here waits for the device."""
+        clock = _Clock(self.device)
         plan = _StepPlan.of(step, self.k_max)
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
@@ -147,7 +149,8 @@ class ModelWorker:
         out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
         if step.num_new_drafts and self.drafter is not None and plan.num_sampling:
             out.append(self.state.draft_conf[dev.sampling_slots, : step.num_new_drafts].flatten().view(torch.int32))
-        return _Pending(step, plan, self.download.start(torch.cat(out)))
+        clock.stop()
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock)
 
     def collect(self, pending: "_Pending") -> StepResult:
         """Wait for a submitted step's result (its one synchronization) and return it."""
@@ -170,7 +173,7 @@ class ModelWorker:
             conf = pack(full, F32)
         elif self.ngram is not None and k_new:
             conf = self._ngram_propose(plan, tokens_s, accepted_s, k_new, n)
-        return StepResult(step.step_id, pack(sampled), pack(accepted), width, conf)
+        return StepResult(step.step_id, pack(sampled), pack(accepted), width, conf, pending.clock.ms())
 
     def execute(self, step: Step) -> StepResult:
         return self.collect(self.submit(step))
@@ -312,6 +315,28 @@ class _Pending:
     step: Step
     plan: "_StepPlan"
     ticket: tuple
+    clock: "_Clock"
+
+
+class _Clock:
+    """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start_s = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.elapsed = (time.perf_counter() - self.start_s) * 1e3
+
+    def ms(self) -> float:
+        return self.start.elapsed_time(self.end) if self.cuda else self.elapsed
 
 
 @dataclass
