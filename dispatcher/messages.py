@@ -15,6 +15,9 @@ import numpy as np
 
 from dispatcher.plan.dispatch import BatchDescriptor
 
+TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
+"""The two sockets' names in the engine's ipc directory: steps go to the worker on one, results come back on the
+other."""
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 
@@ -97,14 +100,65 @@ class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
     pass
 
 
+class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
+    """What a worker process starts from: the engine's configuration as the user gave it (the worker resolves it
+    the same way) and its own settings."""
+
+    model: str
+    """A preset name, a Hugging Face directory or a .gguf file."""
+    device: str
+    dtype: str
+    """"bfloat16", "float16" or "float32"."""
+    platform: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    compilation_config: dict
+    speculative_config: dict
+    block_size: int
+    max_model_len: int
+    max_blocks_per_seq: int
+    """The scheduler's block-table width."""
+    num_kv_blocks: int
+    """0: size the KV cache from free memory (``gpu_memory_utilization``)."""
+    gpu_memory_utilization: float
+    seed: int
+    use_cuda_graphs: bool
+    fixed_acceptance: float | None = None
+    measure_av_curve: bool = False
+    """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
+
+
+class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
+    """The worker's answer once its model is loaded and its graphs captured."""
+
+    model_config: dict
+    """models.config.ModelConfig's fields."""
+    num_kv_blocks: int
+    capture: list[dict]
+    """Per runner and graph kind: graphs, seconds, measured and estimated GiB."""
+    capture_seconds: float
+    device_name: str
+    av_curve: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+
+
+class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):
+    """A step (or the start-up) failed in the worker: the requests of that step fail, the worker goes on."""
+
+    step_id: int
+    """-1: start-up."""
+    message: str
+
+
 ToWorker = Step | Shutdown
+ToEngine = StepResult | WorkerReady | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
-_to_engine = msgspec.msgpack.Decoder(StepResult)
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_init = msgspec.msgpack.Decoder(WorkerInit)
 
 
-def encode(message: Step | StepResult | Shutdown) -> bytes:
+def encode(message: Step | StepResult | Shutdown | WorkerInit | WorkerReady | WorkerError) -> bytes:
     return _encoder.encode(message)
 
 
@@ -113,5 +167,9 @@ def decode_to_worker(data: bytes) -> Step | Shutdown:
     return _to_worker.decode(data)
 
 
-def decode_to_engine(data: bytes) -> StepResult:
+def decode_to_engine(data: bytes) -> StepResult | WorkerReady | WorkerError:
     return _to_engine.decode(data)
+
+
+def decode_init(data: bytes) -> WorkerInit:
+    return _init.decode(data)

@@ -122,27 +122,34 @@ def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
 
 
 class EngineCore:
-    def __init__(self, cfg: ResolvedConfig, args: EngineArgs, capture: bool = True, progress: bool = False):
+    """The step loop over a worker: an in-process ModelWorker (built here), or any object with the same ``submit``,
+    ``collect``, ``model_config``, ``device_name`` and ``measure_av_curve`` (the serving engine's worker process)."""
+
+    def __init__(self, cfg: ResolvedConfig, args: EngineArgs, capture: bool = True, progress: bool = False,
+                 worker=None):
         self.cfg = cfg
         self.args = args
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
-        dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
-        self.worker = ModelWorker(
-            WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
-                         cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                         args.use_cuda_graphs, args.fixed_acceptance),
-            self.plan,
-        )
+        self.capture_report = None
+        if worker is None:
+            dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+            worker = ModelWorker(
+                WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
+                             cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
+                             args.use_cuda_graphs, args.fixed_acceptance),
+                self.plan,
+            )
+            self.capture_report = worker.capture(progress=progress) if capture else None
+        self.worker = worker
         self.scheduler = Scheduler(sched_cfg)
         reach = args.max_model_len + self.scheduler.extra_tokens
-        if reach > self.worker.model.cfg.max_position_embeddings:
+        if reach > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len = {args.max_model_len} plus {self.scheduler.extra_tokens} positions for drafts and "
                 f"lookahead exceeds the model's max_position_embeddings = "
-                f"{self.worker.model.cfg.max_position_embeddings}: lower max_model_len")
-        self.capture_report = self.worker.capture(progress=progress) if capture else None
+                f"{self.model_config.max_position_embeddings}: lower max_model_len")
         if capture and cfg.adaptive_verification:
             curve = self._av_cost_curve()
             if curve is not None:
@@ -154,7 +161,7 @@ class EngineCore:
 
     @property
     def model_config(self) -> ModelConfig:
-        return self.worker.model.cfg
+        return self.worker.model_config
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -287,15 +294,13 @@ class EngineCore:
         and kept in the cache, keyed by device, model, dtype and graph sizes (so that a rerun reuses it)."""
         if self.args.av_cost_table:
             return _read_curve(self.args.av_cost_table)
-        rt = self.worker.runtime
         av_sizes = next((g.sizes for g in self.plan.for_runner("target") if g.kind == FULL_VARLEN), ())
-        device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
-        key = json.dumps([device, str(self.model_config), str(rt.bufs.hidden_out.dtype), list(av_sizes)])
+        key = json.dumps([self.worker.device_name, str(self.model_config), str(self.args.dtype), list(av_sizes)])
         cache = os.path.join(os.environ.get("TWOGRID_CACHE", os.path.expanduser("~/.cache/twogrid")), "av_cost")
         path = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
         if os.path.isfile(path):
             return _read_curve(path)
-        measured = rt.measure_step_ms(FULL_VARLEN)
+        measured = self.worker.measure_av_curve()
         if measured is None:
             return None
         try:

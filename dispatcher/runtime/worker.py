@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, I32, Step, StepResult, pack, unpack
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, model_runners
+from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, FULL_VARLEN, model_runners
 from dispatcher.runtime.drafting import BlockDrafter, EagleDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.staging import Download, Upload, as_float
@@ -77,15 +77,18 @@ class RequestState:
 
 
 class ModelWorker:
-    def __init__(self, wcfg: WorkerConfig, plan):
-        """``plan``: the capture plan (its config names the speculative method and the model runners)."""
+    def __init__(self, wcfg: WorkerConfig, plan, model=None):
+        """``plan``: the capture plan (its config names the speculative method and the model runners); ``model``: an
+        already loaded model (else loaded from ``wcfg.model``)."""
         method, k_max = plan.config.method, plan.config.num_speculative_tokens
         if method == "draft_model":
             raise ValueError("speculative method 'draft_model' (a separate draft LM) has no drafter in the worker yet; "
                              "use ngram, an EAGLE-style method or a block drafter (or simulate, which models any method)")
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
-        if isinstance(wcfg.model, str):
+        if model is not None:
+            self.model = model
+        elif isinstance(wcfg.model, str):
             self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
@@ -131,6 +134,18 @@ class ModelWorker:
     @property
     def runtimes(self) -> list[GraphRuntime]:
         return [self.runtime, *self.draft_runtimes]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def measure_av_curve(self) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """Replay times of the adaptive-verification graphs (its step-cost curve), or None without them."""
+        return self.runtime.measure_step_ms(FULL_VARLEN)
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,148 @@
+"""The worker process: ``python -m dispatcher.runtime.process IPC_DIR``. It connects to the engine's two ZeroMQ
+sockets in IPC_DIR, builds its ModelWorker from a ``WorkerInit`` (sizing the KV cache from free memory when asked),
+answers ``WorkerReady``, then runs steps until ``Shutdown``.
+
+Two threads: the main thread receives each step and submits it (queues its work on the device), a result thread
+waits for submitted steps in order and sends their results. So a step arriving while the last one runs is queued
+on the device at once, and a result leaves as soon as it is ready. Every frame is decoded into the message types of
+``dispatcher.messages`` (msgpack, no pickle); a frame that is not one is refused with a ``WorkerError`` and the
+worker goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import replace
+
+import msgspec
+import torch
+import zmq
+
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
+                                 decode_to_worker, encode)
+from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, FULL_VARLEN, build_plan
+from dispatcher.plan.config import resolve
+from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+from models.loader import load_model
+
+log = logging.getLogger("twogrid.worker")
+
+def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, draft_layers: int) -> int:
+    return (model_cfg.num_layers + draft_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * \
+        torch.tensor([], dtype=dtype).element_size()
+
+
+def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
+    """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs."""
+    cfg = resolve(init.compilation_config, init.speculative_config, platform=init.platform,
+                  max_num_seqs=init.max_num_seqs, max_num_batched_tokens=init.max_num_batched_tokens)
+    plan = build_plan(cfg)
+    dtype = getattr(torch, init.dtype)
+    device = torch.device(init.device)
+    start = time.perf_counter()
+    model = load_model(init.model, device, dtype, init.seed)
+    wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
+                        init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
+                        init.seed, init.use_cuda_graphs, init.fixed_acceptance)
+    if not init.num_kv_blocks:
+        wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
+    worker = ModelWorker(wcfg, plan, model=model)
+    report = worker.capture(progress=False)
+    av = worker.runtime.measure_step_ms(FULL_VARLEN) if init.measure_av_curve else None
+    capture = [{"runner": k.runner, "kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 3),
+                "measured_gib": round(k.measured_gib, 4),
+                "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in report.kinds]
+    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture, round(time.perf_counter() - start, 2),
+                        worker.device_name, av)
+    return worker, ready
+
+
+def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
+    """KV blocks that fit in ``utilization`` of the device's memory once the weights, the static buffers and the
+    graphs (estimated by capturing samples into a throwaway pool) are counted. On the CPU: enough for every slot's
+    longest request, capped at 4 GiB."""
+    draft_layers = 1 if plan.config.method in EAGLE_LIKE + BLOCK_DRAFTERS else 0
+    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype, draft_layers)
+    if wcfg.device.startswith("cpu"):
+        return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
+    probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
+    graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30 if wcfg.use_cuda_graphs else 0
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    blocks = int(budget // per_block)
+    if blocks < wcfg.max_blocks_per_seq:
+        raise RuntimeError(
+            f"gpu_memory_utilization = {utilization} leaves room for {max(blocks, 0)} KV blocks of {wcfg.block_size} "
+            f"tokens, fewer than one request of max_model_len = {wcfg.max_model_len} needs "
+            f"({wcfg.max_blocks_per_seq}); raise --gpu-memory-utilization or lower --max-model-len")
+    return blocks
+
+
+def serve(ipc_dir: str) -> int:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(f"ipc://{ipc_dir}/{TO_WORKER}")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
+    try:
+        init = decode_init(pull.recv())
+        worker, ready = build_worker(init)
+    except Exception as exc:  # the engine reports it and exits
+        push.send(encode(WorkerError(-1, f"{type(exc).__name__}: {exc}")))
+        log.error("worker start-up failed:\n%s", traceback.format_exc())
+        return 1
+    push.send(encode(ready))
+    push.close(linger=1000)
+    results: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
+    sender.start()
+    while True:
+        frame = pull.recv()
+        try:
+            message = decode_to_worker(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            results.put(WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+            continue
+        if isinstance(message, Shutdown):
+            results.put(None)
+            sender.join(timeout=30)
+            return 0
+        try:
+            results.put(worker.submit(message))
+        except Exception as exc:
+            log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
+            results.put(WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+
+
+def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str) -> None:
+    """In submission order: wait for each step's result and send it (errors as WorkerError). This thread's own
+    socket: ZeroMQ sockets are not shared between threads."""
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
+    while True:
+        item = results.get()
+        if item is None:
+            push.close(linger=1000)
+            return
+        if isinstance(item, WorkerError):
+            push.send(encode(item))
+            continue
+        try:
+            push.send(encode(worker.collect(item)))
+        except Exception as exc:
+            push.send(encode(WorkerError(item.step.step_id, f"{type(exc).__name__}: {exc}")))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    sys.exit(serve(sys.argv[1]))
