@@ -91,7 +91,7 @@ def main() -> None:
             desc = BatchDescriptor("FULL", "bench", n, n, 1, GraphKey(FULL_DECODE, 1, n))
             piece = rt.graphs[desc.graph][0]
             with programmatic_launch(False):
-                kern = kernels_of(lambda: (rt.load_inputs(host, n, n), piece.fn()))
+                kern = kernels_of(lambda: (rt.load_inputs(host, *rt.layouts[desc.graph]), piece.fn()))
             replay = time_steps(lambda: rt.execute(desc, host))
             only_graph = time_steps(piece.replay)
             replay_plain = time_steps(lambda: rt_plain.execute(desc, host))
@@ -113,9 +113,9 @@ def main() -> None:
             host = decode_host(nreq, min(t, 8), blocks_per_req)[:, :t]
             desc = BatchDescriptor("PIECEWISE", "bench", t, nreq, 8, GraphKey(PIECEWISE, None, t))
             pieces = rt.graphs[desc.graph]
-            attention = rt._attention_runner(t)
+            attention = rt._attention_runner(t, None, rt.load_inputs(host, t))
             step_host = host_ms(lambda: rt.execute(desc, host))
-            load = host_ms(lambda: rt.load_inputs(host, t, t))
+            load = host_ms(lambda: rt.load_inputs(host, t))
             replays = host_ms(lambda: [p.replay() for p in pieces])
             attn = host_ms(lambda: [attention(i) for i in range(cfg.num_layers)])
             gpu = time_steps(lambda: rt.execute(desc, host))

@@ -1,11 +1,14 @@
 """The graph runtime: capture every graph of a runner's plan and replay them (SPEC section 6).
 
 - Static buffers live in one place (``StaticBuffers``), sized for the widest graph; a graph of S tokens reads
-  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1), in one
-  host-to-device copy of the step's five input rows packed for S (``StaticBuffers.inputs``), replays, and
-  returns a view of the real rows of the output.
+  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1), derives
+  the per-request attention metadata from the rows on the host (``models.attention.pack_requests``: query starts,
+  sequence lengths, block-table rows), all in one host-to-device copy packed for S tokens and R requests
+  (``StaticBuffers.inputs``), replays, and returns a view of the real rows of the output.
 - FULL graphs hold the whole forward, attention included, over the metadata buffers: uniform decode (n
-  requests at q tokens each, S = n * q) and varlen (adaptive verification, or every batch in mode FULL).
+  requests at q tokens each, S = n * q, R = n) and varlen (adaptive verification, or every batch in mode FULL:
+  S tokens, R = min(S, max_num_reqs + 1), one slot more than a step can fill so that padded rows always have a
+  padded request to belong to). A graph's (S, R, query-length bound) is fixed, so are its attention launches.
 - PIECEWISE graphs are the pieces between attention calls: piece 0 is the embedding and layer 0 up to its
   attention (its KV write included: padded rows have slot -1), piece i finishes layer i - 1 and prepares layer
   i, the last piece finishes the last layer. Attention runs eagerly between them on the real rows only. Pieces
@@ -30,9 +33,9 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
+from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, RequestLayout, pack_requests
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -92,9 +95,12 @@ class StaticBuffers:
     """Every tensor a graph reads or writes, sized for the widest graph."""
 
     inputs: torch.Tensor
-    """(5 * max_num_tokens,) int64. A step padded to S rows packs its INPUT_ROWS at the start, five consecutive
-    runs of S (``rows(S)``), so that they arrive in one host-to-device copy and a graph of S rows reads them
-    where they land; nothing is copied on the device."""
+    """(5 * max_num_tokens + 3 * request_capacity + 1,) int64. A step padded to S rows and R requests packs its
+    INPUT_ROWS at the start, five consecutive runs of S (``rows(S)``), then its per-request attention metadata
+    (``requests(S, R)``: query starts (R + 1), sequence lengths (R), block-table rows (R)), so that everything
+    arrives in one host-to-device copy and a graph reads it where it lands; nothing is copied on the device."""
+    request_capacity: int
+    """The most requests a step's metadata can hold (a graph's request slots, padded ones included)."""
     block_table: torch.Tensor
     """(max_num_reqs, max_blocks_per_seq): row = the scheduler's slot, updated by deltas."""
     residual: torch.Tensor
@@ -106,11 +112,12 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
-                 with_aux: bool = False):
+                 with_aux: bool = False, request_capacity: int | None = None):
         t = max_num_tokens
+        capacity = request_capacity or max_num_reqs + 1
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
-            inputs=z(len(INPUT_ROWS) * t, dt=torch.int64),
+            inputs=z(input_length(t, capacity), dt=torch.int64), request_capacity=capacity,
             block_table=torch.zeros(max_num_reqs, max_blocks_per_seq, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
@@ -121,12 +128,26 @@ class StaticBuffers:
         """(5, num_tokens) view: the INPUT_ROWS of a step padded to num_tokens."""
         return self.inputs[:len(INPUT_ROWS) * num_tokens].view(len(INPUT_ROWS), num_tokens)
 
-    def meta(self, num_tokens: int) -> AttentionMetadata:
+    def requests(self, num_tokens: int, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of a step's per-request metadata (query starts, sequence lengths, block-table rows), packed after
+        the INPUT_ROWS of num_tokens rows."""
+        start = len(INPUT_ROWS) * num_tokens
+        flat = self.inputs[start:start + 3 * num_reqs + 1]
+        return flat[:num_reqs + 1], flat[num_reqs + 1:2 * num_reqs + 1], flat[2 * num_reqs + 1:]
+
+    def meta(self, num_tokens: int, num_reqs: int, max_query_len: int,
+             max_seq_len: int | None = None) -> AttentionMetadata:
         _, _, slots, token_req, token_pos = self.rows(num_tokens)
-        return AttentionMetadata(slots, token_req, token_pos, self.block_table)
+        return AttentionMetadata(slots, token_req, token_pos, self.block_table, *self.requests(num_tokens, num_reqs),
+                                 max_query_len, max_seq_len)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+def input_length(num_tokens: int, num_reqs: int) -> int:
+    """Entries of ``StaticBuffers.inputs`` a step of num_tokens rows and num_reqs requests fills."""
+    return len(INPUT_ROWS) * num_tokens + 3 * num_reqs + 1
 
 
 class _Replayable:
@@ -193,6 +214,20 @@ def _graph_tokens(g: GraphSet, size: int) -> int:
     return size * g.q if g.kind == FULL_DECODE else size
 
 
+Layout = tuple[int, int | None, int | None]
+"""A graph's (tokens, request slots, query-length bound); PIECEWISE: (tokens, None, None), its eager attention
+takes each step's own requests."""
+
+
+def _graph_layout(g: GraphSet, size: int, max_num_reqs: int) -> Layout:
+    tokens = _graph_tokens(g, size)
+    if g.kind == FULL_DECODE:
+        return tokens, size, g.q
+    if g.kind == PIECEWISE:
+        return tokens, None, None
+    return tokens, min(tokens, max_num_reqs + 1), tokens
+
+
 class GraphRuntime:
     """Runs one model (a runner) for any BatchDescriptor of its plan."""
 
@@ -207,28 +242,36 @@ class GraphRuntime:
         widest = max((_graph_tokens(g, g.largest) for g in self.graph_sets), default=0)
         self.max_num_tokens = max(max_num_tokens, widest)
         self.max_num_reqs = max_num_reqs
+        self.layouts = {GraphKey(g.kind, g.q, size): _graph_layout(g, size, max_num_reqs)
+                        for g in self.graph_sets for size in g.sizes}
+        capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux)
+                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux,
+                                           request_capacity=capacity)
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._primed = False
         if self.cuda_graphs:
-            self._pinned = [torch.empty(len(INPUT_ROWS) * self.max_num_tokens, dtype=torch.int64, pin_memory=True)
+            self._pinned = [torch.empty(self.bufs.inputs.shape[0], dtype=torch.int64, pin_memory=True)
                             for _ in range(2)]
             self._staging_done = [torch.cuda.Event(), torch.cuda.Event()]
             self._staging_turn = 0
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
-    def _full(self, num_tokens: int) -> Callable[[], None]:
+    def _full(self, num_tokens: int, num_reqs: int, max_query_len: int,
+              max_seq_len: int | None = None) -> Callable[[], None]:
+        """The whole forward over the static buffers' first num_tokens rows and num_reqs requests. A graph's
+        closure takes the graph's bounds (``max_seq_len`` None: the block table's width); eager, the step's own."""
         b, model = self.bufs, self.model
 
         def run() -> None:
             aux = b.aux[:num_tokens] if b.aux is not None else None
             input_ids, positions = b.rows(num_tokens)[:2]
-            hidden = model(input_ids, positions, self.kv_caches, b.meta(num_tokens), aux)
+            meta = b.meta(num_tokens, num_reqs, max_query_len, max_seq_len)
+            hidden = model(input_ids, positions, self.kv_caches, meta, aux)
             b.hidden_out[:num_tokens].copy_(hidden)
 
         return run
@@ -254,32 +297,36 @@ class GraphRuntime:
 
         return run
 
-    def _attention_runner(self, num_tokens: int, num_real: int | None = None) -> Callable[[int], None]:
-        """Eager attention for the first ``num_real`` rows (default: all) of each layer of a step padded to
-        ``num_tokens`` rows, between PIECEWISE pieces (each piece has already written its K and V): prepared once
-        a step (row views, metadata, launch arguments), so a layer costs one launch; the output lands in
-        ``attn_out``."""
+    def _attention_runner(self, num_tokens: int, num_real: int | None, layout: RequestLayout) -> Callable[[int], None]:
+        """Eager attention for the first ``num_real`` rows (None: all) of each layer of a step padded to
+        ``num_tokens`` rows, whose per-request metadata (``layout``) covers exactly those rows, between PIECEWISE
+        pieces (each piece has already written its K and V): prepared once a step (row views, metadata, launch
+        arguments; the step's own longest query and sequence pick tiles and splits), so a layer costs its launches
+        only; the output lands in ``attn_out``."""
         b, n = self.bufs, num_tokens if num_real is None else num_real
-        return self.model.prepare_attention(b.q[:n], self.kv_caches, b.meta(num_tokens).narrow(n), b.attn_out[:n])
+        meta = b.meta(num_tokens, layout.num_reqs, max(layout.max_query_len, 1), layout.max_seq_len or None).narrow(n)
+        return self.model.prepare_attention(b.q[:n], self.kv_caches, meta, b.attn_out[:n])
 
     def _build_closures(self) -> None:
         for g in self.graph_sets:
             for size in g.sizes:
                 key = GraphKey(g.kind, g.q, size)
-                tokens = _graph_tokens(g, size)
+                tokens, reqs, bound = self.layouts[key]
                 if g.kind == PIECEWISE:
                     self.graphs[key] = [_Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
                 else:
-                    self.graphs[key] = [_Replayable(self._full(tokens))]
+                    self.graphs[key] = [_Replayable(self._full(tokens, reqs, bound))]
 
     # -- capture ---------------------------------------------------------------------------------------------
     def _capture_order(self) -> list[GraphSet]:
         """Kinds widest first, so that narrower graphs reuse the pool the widest ones grew."""
         return sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest))
 
-    def _reset_metadata(self, num_tokens: int) -> None:
-        """Safe inputs for warm-up and capture of num_tokens rows: every row padded (no KV write, no attention)."""
-        self.bufs.rows(num_tokens).copy_(torch.from_numpy(_PAD_ROWS).expand(-1, num_tokens))
+    def _reset_metadata(self, key: GraphKey) -> RequestLayout:
+        """Safe inputs for warm-up and capture of a graph: every row padded (no KV write; attention writes zeros),
+        in the graph's layout (PIECEWISE: one padded request)."""
+        tokens, reqs, bound = self.layouts[key]
+        return self.load_inputs(np.zeros((4, 0), dtype=np.int64), tokens, reqs, bound)
 
     def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
@@ -287,8 +334,8 @@ class GraphRuntime:
         tokens = _graph_tokens(g, size)
         if pieces is None:
             pieces = self.graphs[GraphKey(g.kind, g.q, size)]
-        self._reset_metadata(tokens)
-        attention = self._attention_runner(tokens)
+        layout = self._reset_metadata(GraphKey(g.kind, g.q, size))
+        attention = self._attention_runner(tokens, None, layout) if g.kind == PIECEWISE else None
         try:
             for i, piece in enumerate(pieces):
                 piece.capture(pool, stream)
@@ -326,7 +373,7 @@ class GraphRuntime:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for g in self.graph_sets:
-                self._reset_metadata(_graph_tokens(g, min(g.sizes)))
+                self._reset_metadata(GraphKey(g.kind, g.q, min(g.sizes)))
                 try:
                     for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
                         piece.fn()
@@ -428,7 +475,7 @@ class GraphRuntime:
             return None
         sizes, times = [], []
         for size in sets[0].sizes:
-            self._reset_metadata(_graph_tokens(sets[0], size))
+            self._reset_metadata(GraphKey(kind, sets[0].q, size))
             graph = self.graphs[GraphKey(kind, sets[0].q, size)][0]
             graph.replay()  # warm
             runs = []
@@ -449,28 +496,38 @@ class GraphRuntime:
         return tuple(sizes), tuple(times)
 
     # -- replay ----------------------------------------------------------------------------------------------
-    def load_inputs(self, host: np.ndarray, num_real: int, num_padded: int) -> None:
-        """host: (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req. Rows num_real..num_padded
-        become padding (slot -1, position -1)."""
-        src, staged = self._host_staging(num_padded)
+    def load_inputs(self, host: np.ndarray, num_tokens: int, num_reqs: int | None = None,
+                    max_query_len: int | None = None) -> RequestLayout:
+        """Stage a step: host (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req (a request's
+        rows contiguous); rows num_real..num_tokens become padding (slot -1, position -1). The per-request
+        attention metadata follows them in the same copy: with ``num_reqs`` (a FULL graph's request slots and
+        query-length bound), over all num_tokens rows, padded rows in padded requests; without, exactly the real
+        requests over the real rows (eager attention). A step outside the layout raises ValueError
+        (``models.attention.pack_requests``)."""
+        num_real = host.shape[1]
+        rows = len(INPUT_ROWS)
+        src, flat = self._host_staging()
+        staged = flat[:rows * num_tokens].reshape(rows, num_tokens)
         staged[:4, :num_real] = host
         staged[4, :num_real] = host[1]
         staged[:, num_real:] = _PAD_ROWS
-        self.bufs.rows(num_padded).copy_(src, non_blocking=True)
+        covered = num_tokens if num_reqs is not None else num_real
+        layout = pack_requests(host[3], host[1], flat[rows * num_tokens:], covered, num_reqs, max_query_len)
+        length = input_length(num_tokens, layout.num_reqs)
+        self.bufs.inputs[:length].copy_(src[:length], non_blocking=True)
         if self.cuda_graphs:
             self._staging_done[self._staging_turn].record()
+        return layout
 
-    def _host_staging(self, num_padded: int) -> tuple[torch.Tensor, np.ndarray]:
-        """A (5, num_padded) host buffer for the step's inputs, laid out as ``StaticBuffers.rows``. On CUDA: two
-        pinned buffers in turn, each reused only once its previous copy has run, so that the copy never blocks
-        the host."""
-        rows = len(INPUT_ROWS)
+    def _host_staging(self) -> tuple[torch.Tensor, np.ndarray]:
+        """A host buffer laid out as ``StaticBuffers.inputs`` for the step's inputs. On CUDA: two pinned buffers in
+        turn, each reused only once its previous copy has run, so that the copy never blocks the host."""
         if not self.cuda_graphs:
-            arr = np.empty((rows, num_padded), dtype=np.int64)
+            arr = np.empty(self.bufs.inputs.shape[0], dtype=np.int64)
             return torch.from_numpy(arr), arr
         self._staging_turn ^= 1
         self._staging_done[self._staging_turn].synchronize()
-        buf = self._pinned[self._staging_turn][:rows * num_padded].view(rows, num_padded)
+        buf = self._pinned[self._staging_turn]
         return buf, buf.numpy()
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
@@ -483,22 +540,25 @@ class GraphRuntime:
         """Run a step: (4, num_real) host inputs (and a drafter's (num_real, hidden) features) -> final hidden
         states of the real rows (a view)."""
         num_real = host.shape[1]
-        num = desc.num_tokens if desc.mode != MODE_EAGER else num_real
-        self.load_inputs(host, num_real, num)
+        if desc.mode == MODE_FULL:
+            self.load_inputs(host, *self.layouts[desc.graph])
+        else:
+            num = desc.num_tokens if desc.mode == MODE_PIECEWISE else num_real
+            layout = self.load_inputs(host, num)
         if aux is not None:
             self.bufs.aux[:num_real].copy_(aux)
         if desc.mode == MODE_FULL:
             self.graphs[desc.graph][0].replay()
         elif desc.mode == MODE_PIECEWISE:
             pieces = self.graphs[desc.graph]
-            attention = self._attention_runner(num, num_real)
+            attention = self._attention_runner(num, num_real, layout)
             last = len(pieces) - 1
             for i, piece in enumerate(pieces):
                 piece.replay()
                 if i < last:
                     attention(i)
         else:
-            self._full(num_real)()
+            self._full(num_real, layout.num_reqs, layout.max_query_len, layout.max_seq_len)()
         return self.bufs.hidden_out[:num_real]
 
 
