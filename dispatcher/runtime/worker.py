@@ -195,8 +195,9 @@ class ModelWorker:
         return self.block_table[rows, positions // bs] * bs + positions % bs
 
     def _propose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
-        probs = torch.softmax(self.draft_head.compute_logits(hidden), dim=-1)
+        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence; the
+        softmax in float32 over the model-dtype logits)."""
+        probs = torch.softmax(self.draft_head.compute_logits(hidden), dim=-1, dtype=torch.float32)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
 
