@@ -13,7 +13,7 @@
   q sees keys 0..c - q + i. Tiles that every row sees in full skip the mask. Softmax in float32 with exp2.
 - Flash-decoding: when (query blocks x KV heads) are too few to fill the GPU, each program takes one of
   NUM_SPLITS slices of its context and writes its partial (unnormalized output, running max, sum); a second kernel
-  merges the slices. The split count depends only on static sizes (programs vs SMs, the block table's context
+  merges the slices, one program per output row loading all of its slices at once. The split count depends only on static sizes (programs vs SMs, the block table's context
   bound), never on data, so a captured graph's launches are fixed. Multi-token queries split too.
 - Padded requests (sequence length 0) write zeros to their rows; query blocks past a request's rows end at once.
 - Every launch argument depends only on shapes and the metadata's static fields: capturable.
@@ -41,6 +41,7 @@ SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
 """No split count that would leave a slice of the context bound shorter than this."""
 MAX_KV_SPLITS = 64
+MERGE_WARPS = 2
 DEFAULT_SM_COUNT = 132
 """The H200's SM count, assumed where there is no CUDA device (the interpreter)."""
 
@@ -193,7 +194,7 @@ def _paged_attention_kernel(
     tok = row_lo + offs_m // GROUP
     heads = kv_head * GROUP + offs_m % GROUP
     if seq_len == 0:
-        if NUM_SPLITS == 1:  # (split: the merge kernel writes the zeros)
+        if split == 0:
             _zero_rows(out_ptr, q_start, row_lo, q_len, heads, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_M,
                        ONE_QBLOCK)
         return
@@ -239,47 +240,34 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ONE_QBLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, ONE_QBLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program (query block, KV head): merge the partials of the context slices that had keys (the same slicing as
-    the attention kernel's) into the block's output rows; a padded request's rows get zeros."""
+    """Program (query block, KV head, tile row): the row's partials of every context slice that had keys (the
+    attention kernel's slicing), loaded at once and merged into its output row. Padded requests' rows were
+    written by the attention kernel's first slice."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    row = tl.program_id(2)
     req, q_start, q_len, row_lo, seq_len = _locate(qs_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q, ONE_QBLOCK)
-    if row_lo >= q_len:
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tok = row_lo + offs_m // GROUP
-    heads = kv_head * GROUP + offs_m % GROUP
-    if seq_len == 0:
-        _zero_rows(out_ptr, q_start, row_lo, q_len, heads, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_M,
-                   ONE_QBLOCK)
+    tok = row_lo + row // GROUP
+    if (row >= BLOCK_Q * GROUP) | (tok >= q_len) | (seq_len == 0):
         return
     kv_end, num_tiles, full_tiles = _context_tiles(seq_len, q_len, row_lo, BLOCK_Q, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    used = tl.cdiv(num_tiles, per_split)
-    first = ((pid * tl.num_programs(1) + kv_head) * NUM_SPLITS).to(tl.int64)
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, used):
-        part = first + s
-        m_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + offs_m)
-        l_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + offs_m)
-        acc_s = tl.load(part_acc_ptr + (part * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :])
-        m_new = tl.maximum(m, m_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        beta = tl.exp2(m_s - m_use)
-        l_sum = l_sum * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m = m_new
-    rows_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
-    out = acc / l_sum[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
+    used = tl.cdiv(num_tiles, tl.cdiv(num_tiles, NUM_SPLITS))
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    parts = ((pid * tl.num_programs(1) + kv_head) * NUM_SPLITS + offs_s).to(tl.int64)
+    live = offs_s < used
+    m_s = tl.load(part_ml_ptr + parts * 2 * BLOCK_M + row, mask=live, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + parts * 2 * BLOCK_M + BLOCK_M + row, mask=live, other=0.0)
+    acc_s = tl.load(part_acc_ptr + (parts * BLOCK_M + row)[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None],
+                    other=0.0)
+    weight = tl.exp2(m_s - tl.max(m_s, axis=0))  # the first slice always holds key 0: the max is finite
+    out = tl.sum(acc_s * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    head = kv_head * GROUP + row % GROUP
+    tl.store(out_ptr + (q_start + tok) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 class AttentionLaunch(NamedTuple):
@@ -352,11 +340,12 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
             attend(q, cache, *rest, **attend_consts)
 
         return run
-    merge = _merge_splits_kernel[(grid0, num_kv_heads)]
+    merge = _merge_splits_kernel[(grid0, num_kv_heads, tiles.block_m)]
     merge_args = (out, part_acc, part_ml, meta.query_start, meta.seq_lens, meta.num_reqs, out.stride(0), out.stride(1))
+    merge_consts = dict(consts, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=MERGE_WARPS)
 
     def run_split(cache: torch.Tensor) -> None:
         attend(q, cache, *rest, **attend_consts)
-        merge(*merge_args, **consts)
+        merge(*merge_args, **merge_consts)
 
     return run_split
