@@ -27,12 +27,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling probabilities in float32, from logits of any dtype (the model's: bf16 on the GPU)."""
     return torch.softmax(apply_top_k_top_p(logits.float() / temperature, top_k, top_p), dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (rows, vocab) -> token ids (rows,)."""
+    """logits (rows, vocab), any float dtype -> token ids (rows,): greedy reads them as they are, sampling converts
+    them to float32 (``target_probs``)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, temperature, top_k, top_p)

@@ -162,3 +162,22 @@ def test_one_captured_attention_serves_different_steps(splits):
         got = out.float()
         assert torch.equal(got[real * q_len:], torch.zeros_like(got[real * q_len:]))
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_full_mode_token_graphs_generate_as_eager():
+    """cudagraph_mode FULL: prefill and mixed steps run in token-keyed FULL graphs too (request slots
+    min(S, max_num_reqs + 1), the query bound S), and greedy generation equals eager."""
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from scheduler.request import SamplingParams
+    from test_runtime import random_prompts
+
+    args = EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=8, max_model_len=128)
+    cc = dict(platform="sm100", max_num_seqs=8, max_num_batched_tokens=128)
+    prompts = random_prompts(10, 4, vocab=300)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    full = EngineCore(resolve({"cudagraph_mode": "FULL"}, None, **cc), args)
+    assert any(k[0] == "full" for k in full.worker.runtime.layouts)
+    eager = EngineCore(resolve({"cudagraph_mode": "NONE"}, None, **cc), args)
+    assert full.generate(prompts, params) == eager.generate(prompts, params)
