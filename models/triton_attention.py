@@ -13,10 +13,12 @@
   q sees keys 0..c - q + i. Tiles that every row sees in full skip the mask. Softmax in float32 with exp2.
 - Flash-decoding: when (query blocks x KV heads) are too few to fill the GPU, each program takes one of
   NUM_SPLITS slices of its context and writes its partial (unnormalized output, running max, sum); a second kernel
-  merges the slices, one program per output row loading all of its slices at once. The split count depends only on static sizes (programs vs SMs, the block table's context
-  bound), never on data, so a captured graph's launches are fixed. Multi-token queries split too.
-- Padded requests (sequence length 0) write zeros to their rows; query blocks past a request's rows end at once.
-- Every launch argument depends only on shapes and the metadata's static fields: capturable.
+  merges the slices, one program per output row loading all of its slices at once. The split count depends only
+  on static sizes (programs vs SMs, the context bound: the block table's width in a graph), never on the
+  metadata's device values, so a captured graph's launches are fixed. Multi-token queries split too.
+- Padded requests (sequence length 0) get zeros in their rows; query blocks past a request's rows end at once.
+- Every launch argument depends only on shapes and the metadata's host-side bounds: capturable.
+Design notes, metadata and the benchmark: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MIN_SPLIT_TOKENS = 256
 """No split count that would leave a slice of the context bound shorter than this."""
 MAX_KV_SPLITS = 64
 MERGE_WARPS = 2
+"""Warps of a merge program (one output row: a (splits, head_dim) tile)."""
 DEFAULT_SM_COUNT = 132
 """The H200's SM count, assumed where there is no CUDA device (the interpreter)."""
 
