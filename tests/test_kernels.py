@@ -355,6 +355,13 @@ def test_static_padded_path_through_the_kernels_matches_eager(model_name):
         padded += desc.num_tokens > host.shape[1]
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
     assert {("uniform_decode", "FULL"), ("mixed", "PIECEWISE")} <= seen and padded >= 2
+    # capture's safe inputs (every row padded) for the widest graph of each kind: attention writes zeros
+    for kind in {key.kind for key in rt.graphs}:
+        key = max((k for k in rt.graphs if k.kind == kind), key=lambda k: rt.layouts[k][0])
+        tokens, layout = rt.layouts[key][0], rt._reset_metadata(key)
+        rt.bufs.attn_out.fill_(float("nan"))
+        rt._attention_runner(tokens, None, layout)(0)
+        assert rt.bufs.attn_out[:tokens].eq(0).all(), key
     host = decode_batch(rt, 7, 1, ctx=20)  # 7 requests pad to an 8-request graph
     desc = disp.dispatch(7, 7, 1, True)
     before = [c.clone() for c in rt.kv_caches]

@@ -324,9 +324,9 @@ class GraphRuntime:
 
     def _reset_metadata(self, key: GraphKey) -> RequestLayout:
         """Safe inputs for warm-up and capture of a graph: every row padded (no KV write; attention writes zeros),
-        in the graph's layout (PIECEWISE: one padded request)."""
+        in the graph's layout (PIECEWISE: one padded request holding every row)."""
         tokens, reqs, bound = self.layouts[key]
-        return self.load_inputs(np.zeros((4, 0), dtype=np.int64), tokens, reqs, bound)
+        return self.load_inputs(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens)
 
     def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
