@@ -326,7 +326,7 @@ class GraphRuntime:
         """Safe inputs for warm-up and capture of a graph: every row padded (no KV write; attention writes zeros),
         in the graph's layout (PIECEWISE: one padded request holding every row)."""
         tokens, reqs, bound = self.layouts[key]
-        return self.load_inputs(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens)
+        return self.load_inputs(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens, pinned=False)
 
     def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
@@ -497,16 +497,18 @@ class GraphRuntime:
 
     # -- replay ----------------------------------------------------------------------------------------------
     def load_inputs(self, host: np.ndarray, num_tokens: int, num_reqs: int | None = None,
-                    max_query_len: int | None = None) -> RequestLayout:
+                    max_query_len: int | None = None, pinned: bool = True) -> RequestLayout:
         """Stage a step: host (4, num_real) int64 rows input_ids, positions, slot_mapping, token_req (a request's
         rows contiguous); rows num_real..num_tokens become padding (slot -1, position -1). The per-request
         attention metadata follows them in the same copy: with ``num_reqs`` (a FULL graph's request slots and
         query-length bound), over all num_tokens rows, padded rows in padded requests; without, exactly the real
         requests over the real rows (eager attention). A step outside the layout raises ValueError
-        (``models.attention.pack_requests``)."""
+        (``models.attention.pack_requests``). ``pinned`` False: a plain host buffer, copied synchronously (capture's
+        safe inputs)."""
         num_real = host.shape[1]
         rows = len(INPUT_ROWS)
-        src, flat = self._host_staging()
+        pinned = pinned and self.cuda_graphs
+        src, flat = self._host_staging(pinned)
         staged = flat[:rows * num_tokens].reshape(rows, num_tokens)
         staged[:4, :num_real] = host
         staged[4, :num_real] = host[1]
@@ -514,15 +516,15 @@ class GraphRuntime:
         covered = num_tokens if num_reqs is not None else num_real
         layout = pack_requests(host[3], host[1], flat[rows * num_tokens:], covered, num_reqs, max_query_len)
         length = input_length(num_tokens, layout.num_reqs)
-        self.bufs.inputs[:length].copy_(src[:length], non_blocking=True)
-        if self.cuda_graphs:
+        self.bufs.inputs[:length].copy_(src[:length], non_blocking=pinned)
+        if pinned:
             self._staging_done[self._staging_turn].record()
         return layout
 
-    def _host_staging(self) -> tuple[torch.Tensor, np.ndarray]:
-        """A host buffer laid out as ``StaticBuffers.inputs`` for the step's inputs. On CUDA: two pinned buffers in
-        turn, each reused only once its previous copy has run, so that the copy never blocks the host."""
-        if not self.cuda_graphs:
+    def _host_staging(self, pinned: bool) -> tuple[torch.Tensor, np.ndarray]:
+        """A host buffer laid out as ``StaticBuffers.inputs`` for the step's inputs. Pinned (CUDA graphs): two
+        buffers in turn, each reused only once its previous copy has run, so that the copy never blocks the host."""
+        if not pinned:
             arr = np.empty(self.bufs.inputs.shape[0], dtype=np.int64)
             return torch.from_numpy(arr), arr
         self._staging_turn ^= 1
