@@ -11,8 +11,8 @@
 - Keys are tiled by BLOCK_N over the request's paged context (block table lookups per key); causal within the
   request's new tokens: query token i of a request with context length c (new tokens included) and query length
   q sees keys 0..c - q + i. Tiles that every row sees in full skip the mask. Softmax in float32 with exp2.
-- Flash-decoding: when (query blocks x KV heads) are too few to fill the GPU, each program takes one of
-  NUM_SPLITS slices of its context and writes its partial (unnormalized output, running max, sum); a second kernel
+- Flash-decoding: when (query blocks x KV heads) are too few to fill the GPU, each program takes one of the
+  grid's slices of its context and writes its partial (unnormalized output, running max, sum); a second kernel
   merges the slices, one program per output row loading all of its slices at once. The split count depends only
   on static sizes (programs vs SMs, the context bound: the block table's width in a graph), never on the
   metadata's device values, so a captured graph's launches are fixed. Multi-token queries split too.
@@ -180,11 +180,12 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_ot, stride_oh,
     stride_bt, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ONE_QBLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (query block, KV head, context slice). NUM_SPLITS == 1: the block's output rows; else the slice's
-    partial (unnormalized output, running max in log2 units, sum) for _merge_splits_kernel."""
+    """Program (query block, KV head, context slice of the grid's third axis). Without SPLIT: the block's output
+    rows; with: the slice's partial (unnormalized output, running max in log2 units, sum) for _merge_splits_kernel.
+    The slice count is the grid's, not a constant: one compiled kernel serves every count."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -204,8 +205,8 @@ def _paged_attention_kernel(
     kv_end, num_tiles, full_tiles = _context_tiles(seq_len, q_len, row_lo, BLOCK_Q, BLOCK_N)
     lo = 0
     hi = num_tiles
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, tl.num_programs(2))
         lo = split * per_split
         hi = tl.minimum(lo + per_split, num_tiles)
         if lo >= hi:
@@ -228,12 +229,12 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale,
                                      stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                      True)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
     else:
-        part = ((pid * tl.num_programs(1) + kv_head) * NUM_SPLITS + split).to(tl.int64)
+        part = ((pid * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split).to(tl.int64)
         tl.store(part_acc_ptr + (part * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + offs_m, m_i)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + offs_m, l_i)
@@ -241,10 +242,9 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, num_splits, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, ONE_QBLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, ONE_QBLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, KV head, tile row): the row's partials of every context slice that had keys (the
     attention kernel's slicing), loaded at once and merged into its output row. Padded requests' rows were
@@ -258,10 +258,10 @@ def _merge_splits_kernel(
     if (row >= BLOCK_Q * GROUP) | (tok >= q_len) | (seq_len == 0):
         return
     kv_end, num_tiles, full_tiles = _context_tiles(seq_len, q_len, row_lo, BLOCK_Q, BLOCK_N)
-    used = tl.cdiv(num_tiles, tl.cdiv(num_tiles, NUM_SPLITS))
+    used = tl.cdiv(num_tiles, tl.cdiv(num_tiles, num_splits))
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    parts = ((pid * tl.num_programs(1) + kv_head) * NUM_SPLITS + offs_s).to(tl.int64)
+    parts = ((pid * tl.num_programs(1) + kv_head) * num_splits + offs_s).to(tl.int64)
     live = offs_s < used
     m_s = tl.load(part_ml_ptr + parts * 2 * BLOCK_M + row, mask=live, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + parts * 2 * BLOCK_M + BLOCK_M + row, mask=live, other=0.0)
@@ -331,20 +331,20 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     else:
         part_acc = part_ml = out  # not read
     consts = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_Q=launch.block_q, BLOCK_M=tiles.block_m,
-                  BLOCK_N=tiles.block_n, NUM_SPLITS=splits, ONE_QBLOCK=launch.one_qblock, num_warps=tiles.num_warps,
-                  **launch_options(q))
+                  BLOCK_N=tiles.block_n, ONE_QBLOCK=launch.one_qblock, num_warps=tiles.num_warps, **launch_options(q))
     attend = _paged_attention_kernel[(grid0, num_kv_heads, splits)]
     rest = (out, part_acc, part_ml, meta.block_table, meta.query_start, meta.seq_lens, meta.req_rows, meta.num_reqs,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1), meta.block_table.stride(0), scale * LOG2E)
-    attend_consts = dict(consts, BLOCK_SIZE=block_size, num_stages=tiles.num_stages)
+    attend_consts = dict(consts, BLOCK_SIZE=block_size, SPLIT=splits > 1, num_stages=tiles.num_stages)
     if splits == 1:
         def run(cache: torch.Tensor) -> None:
             attend(q, cache, *rest, **attend_consts)
 
         return run
     merge = _merge_splits_kernel[(grid0, num_kv_heads, tiles.block_m)]
-    merge_args = (out, part_acc, part_ml, meta.query_start, meta.seq_lens, meta.num_reqs, out.stride(0), out.stride(1))
+    merge_args = (out, part_acc, part_ml, meta.query_start, meta.seq_lens, meta.num_reqs, splits, out.stride(0),
+                  out.stride(1))
     merge_consts = dict(consts, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=MERGE_WARPS)
 
     def run_split(cache: torch.Tensor) -> None:
