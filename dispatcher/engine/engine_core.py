@@ -112,6 +112,7 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
            for req, slot in zip(out.new_requests, new_slots)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
+                int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
                 descs.target, descs.draft, descs.draft_next)
 
