@@ -291,7 +291,7 @@ class ModelWorker:
     def _fixed_acceptance(self, slots_s, first_pos, nd, k):
         """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
         whatever they are; the target's token follows them."""
-        u = uniform(self.state.seed[slots_s].repeat_interleave(k),
+        u = uniform(self.state.seed[slots_s][:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
                     (first_pos[:, None] + torch.arange(k, device=self.device)[None, :]).reshape(-1), FIXED_ACCEPTANCE)
         ok = (u.view(-1, k) < self._fixed_alpha) & (torch.arange(k, device=self.device)[None, :] < nd[:, None])
         return torch.cumprod(ok.long(), dim=1).sum(dim=1)
