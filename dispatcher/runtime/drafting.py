@@ -21,7 +21,8 @@ class _Drafter:
 
     def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
-        probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
+        with torch.profiler.record_function("twogrid.draft_logits"):
+            probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
 

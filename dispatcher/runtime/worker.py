@@ -274,7 +274,8 @@ class ModelWorker:
         if m == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty
-        logits = self.model.compute_logits(hidden[dev.logit_rows])
+        with torch.profiler.record_function("twogrid.logits"):
+            logits = self.model.compute_logits(hidden[dev.logit_rows])
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
         params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
