@@ -15,7 +15,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, prepare_paged_attention, write_kv
 from models.config import ModelConfig
-from models.fused import rotary_write_kv_, use_triton
+from models.fused import rms_norm_torch, rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
 
 
@@ -26,6 +26,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
             self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
@@ -37,17 +39,23 @@ class DecoderLayer(nn.Module):
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """x: this layer's input, already normed (by the previous layer's ``post_attention``, or ``CausalLM.begin``).
         QKV, rotary, and this step's K and V into ``kv_cache`` at ``slot_mapping`` (slot -1: not stored) -> q
-        (tokens, heads, dim). On the GPU, rotary and the KV write are one kernel."""
+        (tokens, heads, dim). Qwen3's per-head q/k norms come before rotary. On the GPU, the norms, rotary and
+        the KV write are one kernel."""
         c = self.cfg
         qkv = self.qkv_proj(x)
         n = x.shape[0]
         if use_triton(qkv) and n:
+            norms = (self.q_norm.weight, self.k_norm.weight, c.rms_norm_eps) if c.qk_norm else None
             rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
-                             c.num_kv_heads, c.head_dim)
+                             c.num_kv_heads, c.head_dim, norms)
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
-        k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
+        q, k = q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm_torch(q, self.q_norm.weight, c.rms_norm_eps)
+            k = rms_norm_torch(k, self.k_norm.weight, c.rms_norm_eps)
+        q = rotary(positions, q)
+        k = rotary(positions, k)
         write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
         return q
 
@@ -68,7 +76,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim ** -0.5
 
     @property
@@ -121,7 +129,7 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters(remove_duplicate=True):
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -130,9 +138,14 @@ class CausalLM(nn.Module):
         return self
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0) -> CausalLM:
+    """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
+    one). Built on the meta device first, so no default initialization runs; the rotary tables stay float32."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
     with torch.device(device):
-        model = CausalLM(cfg).to(dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
-    return model.init_random(seed).eval().requires_grad_(False)
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    if seed is not None:
+        model.init_random(seed)
+    return model.eval().requires_grad_(False)

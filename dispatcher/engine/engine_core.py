@@ -80,7 +80,7 @@ class EngineCore:
         params.validate(vocab)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
-        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.model_config.eos_token_id))
+        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.model_config.eos_token_ids))
         return rid
 
     def step(self) -> list[RequestOutput]:
