@@ -18,6 +18,7 @@ safetensors path uses. The tokenizer and chat template in the metadata are read 
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -164,8 +165,21 @@ class GGUFFile:
                                   f"dequantize") from None
         return torch.from_numpy(values.reshape(info.shape)).to(dtype)
 
-    def close(self) -> None:
-        self._map.close()
+
+
+_OPENED: dict[tuple, GGUFFile] = {}
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """A parsed GGUFFile, shared by the config, tokenizer and weight readers of one load (the header of a 49K-token
+    vocabulary takes a while to parse); a file changed since (mtime, size) is parsed again."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _OPENED:
+        if len(_OPENED) >= 4:
+            _OPENED.pop(next(iter(_OPENED)))
+        _OPENED[key] = GGUFFile(path)
+    return _OPENED[key]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,22 +349,19 @@ class GGUFSource:
 
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
     """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (float32 on the CPU, bfloat16 on CUDA)."""
-    f = GGUFFile(path)
-    try:
-        kind, cfg = config_from_gguf(f)
-        dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-        model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
-        if "rope_freqs.weight" in f.tensors:  # llama.cpp's form of Llama 3 rope scaling: per-frequency divisors
-            factors = f.tensor("rope_freqs.weight")
-            if factors.shape != (cfg.head_dim // 2,):
-                raise CheckpointError(f"{path}: rope_freqs.weight has shape {tuple(factors.shape)}, expected "
-                                      f"({cfg.head_dim // 2},)")
-            with torch.device(device):
-                model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                               cfg.rope_scaling, factors)
-        return model
-    finally:
-        f.close()
+    f = open_gguf(path)
+    kind, cfg = config_from_gguf(f)
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
+    if "rope_freqs.weight" in f.tensors:  # llama.cpp's form of Llama 3 rope scaling: per-frequency divisors
+        factors = f.tensor("rope_freqs.weight")
+        if factors.shape != (cfg.head_dim // 2,):
+            raise CheckpointError(f"{path}: rope_freqs.weight has shape {tuple(factors.shape)}, expected "
+                                  f"({cfg.head_dim // 2},)")
+        with torch.device(device):
+            model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                           cfg.rope_scaling, factors)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,6 +384,7 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
     quant = gguf.GGMLQuantizationType[qtype]
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_layers)
+    w.add_vocab_size(cfg.vocab_size)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)

@@ -385,9 +385,9 @@ def read_model_config(name_or_path: str) -> ModelConfig:
     if kind == "hf":
         return read_hf_config(name_or_path)[1]
     if kind == "gguf":
-        from models.gguf_loader import GGUFFile, config_from_gguf
+        from models.gguf_loader import config_from_gguf, open_gguf
 
-        return config_from_gguf(GGUFFile(name_or_path))[1]
+        return config_from_gguf(open_gguf(name_or_path))[1]
     return preset(name_or_path)
 
 

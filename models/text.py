@@ -192,13 +192,9 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     if kind == "hf":
         return tokenizer_from_dir(model)
     if kind == "gguf":
-        from models.gguf_loader import GGUFFile
+        from models.gguf_loader import open_gguf
 
-        f = GGUFFile(model)
-        try:
-            return tokenizer_from_gguf_metadata(f.metadata, model)
-        finally:
-            f.close()
+        return tokenizer_from_gguf_metadata(open_gguf(model).metadata, model)
     return None
 
 

@@ -8,6 +8,7 @@ or the whole forward (FULL) from the same code.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -140,12 +141,22 @@ class CausalLM(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0) -> CausalLM:
     """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
-    one). Built on the meta device first, so no default initialization runs; the rotary tables stay float32."""
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    with torch.device(device):
+    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32."""
+    with torch.device(device), _no_default_init():
+        model = CausalLM(cfg).to(dtype)
         model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     if seed is not None:
         model.init_random(seed)
     return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def _no_default_init():
+    """nn.Linear and nn.Embedding constructed without their random initialization (as transformers'
+    no_init_weights does): it would cost seconds on a real model whose weights are all loaded after."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved

@@ -26,7 +26,7 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 @dataclass
 class EngineArgs:
     model: ModelConfig | str
-    """A model shape, a preset name (random weights from ``seed``) or a checkpoint directory."""
+    """A model shape, a preset name (random weights from ``seed``), a checkpoint directory or a .gguf file."""
     device: str = "cpu"
     dtype: torch.dtype | None = None
     """Default: bfloat16 on CUDA, float32 on the CPU."""
@@ -36,6 +36,8 @@ class EngineArgs:
     seed: int = 0
     use_cuda_graphs: bool = True
     step_trace: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
 
 
 class EngineCore:
@@ -67,6 +69,8 @@ class EngineCore:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=CostCurve(*measured)))
         self.trace = TraceWriter(args.step_trace)
         self._next_id = 0
+        self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
+                              else tuple(args.eos_token_ids))
 
     @property
     def model_config(self) -> ModelConfig:
@@ -80,7 +84,7 @@ class EngineCore:
         params.validate(vocab)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
-        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.model_config.eos_token_ids))
+        self.scheduler.add_request(Request(rid, prompt_token_ids, params, self.eos_token_ids))
         return rid
 
     def step(self) -> list[RequestOutput]:
