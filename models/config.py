@@ -113,6 +113,11 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+MODEL_FORMS = ("a Hugging Face checkpoint directory (config.json + *.safetensors), a .gguf file, or a preset name "
+               f"({', '.join(PRESETS)}: random weights, for benchmarks only)")
+"""What ``--model`` / ``model=`` accepts, for help texts and errors."""
+
+
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"model must be a Hugging Face checkpoint directory, a .gguf file or a preset "

@@ -17,15 +17,12 @@ from typing import Iterator, Protocol
 
 import torch
 
-from models.config import PRESETS, ModelConfig, RopeScaling, preset
+from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
 from models.transformer import CausalLM, build_model
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """Hugging Face ``model_type`` values this loader reads."""
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-MODEL_FORMS = ("a Hugging Face checkpoint directory (config.json + *.safetensors), a .gguf file, or a preset name "
-               f"({', '.join(PRESETS)}: random weights, for benchmarks only)")
-"""What ``--model`` / ``model=`` accepts, for help texts and errors."""
 
 
 class CheckpointError(ValueError):

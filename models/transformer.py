@@ -51,12 +51,14 @@ class DecoderLayer(nn.Module):
                              c.num_kv_heads, c.head_dim, norms)
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q, k = q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = rms_norm_torch(q, self.q_norm.weight, c.rms_norm_eps)
-            k = rms_norm_torch(k, self.k_norm.weight, c.rms_norm_eps)
-        q = rotary(positions, q)
-        k = rotary(positions, k)
+            q = rotary(positions, rms_norm_torch(q.view(n, c.num_heads, c.head_dim), self.q_norm.weight,
+                                                 c.rms_norm_eps))
+            k = rotary(positions, rms_norm_torch(k.view(n, c.num_kv_heads, c.head_dim), self.k_norm.weight,
+                                                 c.rms_norm_eps))
+        else:  # the query and key heads are adjacent in qkv: one rotary call for both
+            qk = rotary(positions, qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
         return q
 

@@ -158,3 +158,15 @@ def test_importing_dispatcher_stays_light():
             "print(SamplingParams(stop='x').stop)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "('x',)", proc.stderr
+
+
+def test_twogrid_generate_command(model_dir, capsys):
+    from dispatcher.cli import main
+
+    assert main(["generate", "--model", model_dir, "--max-tokens", "5", "--device", "cpu", "-v", "Hello there"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "[5 tokens, finish reason length]" in err
+    assert main(["generate", "--model", "tiny-dense", "--max-tokens", "3", "--device", "cpu", "5 6 7"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3
+    assert main(["generate", "--model", "no/such/dir", "hi"]) == 2
+    assert "no such directory or file, and not a preset" in capsys.readouterr().err
