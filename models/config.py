@@ -101,7 +101,8 @@ PRESETS: dict[str, ModelConfig] = {
     # Granite-3.0-1B-A400M's shape: host-bound on an H200 (many small kernels), where graphs decide throughput.
     "bench-moe": ModelConfig(vocab_size=49155, hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8,
                              head_dim=64, intermediate_size=512, num_experts=32, num_experts_per_token=8,
-                             moe_intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=True, eos_token_ids=(0,)),
+                             moe_intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=True,
+                             eos_token_ids=(0,)),
     # Qwen3-30B-A3B's layer shape with 24 layers: GPU-bound above a few hundred tokens.
     "bench-moe-large": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=4,
                                    head_dim=128, intermediate_size=768, num_experts=128, num_experts_per_token=8,

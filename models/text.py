@@ -231,6 +231,15 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
     if template is None and os.path.isfile(json_template):
         template = _read_json(json_template, "the chat template").get("chat_template")
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    bos = special["bos_token"]
+    bos_id = backend.token_to_id(bos) if bos else None
+    if cfg.get("add_bos_token") is True and bos_id is not None and backend.encode("a").ids[:1] != [bos_id]:
+        # tokenizer_config.json asks for BOS but tokenizer.json's post-processor does not add it (transformers'
+        # Llama-style tokenizers rebuild their post-processor from the flag)
+        from tokenizers import processors
+
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                               special_tokens=[(bos, bos_id)])
     return Tokenizer(backend, template if isinstance(template, str) else None,
                      {k: v for k, v in special.items() if v is not None}, path)
 

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from test_text import texts  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +46,7 @@ def test_default_model_resolution(gguf_path, tmp_path, monkeypatch):
     assert default_model.default_model_path(fetch=False) == str(tmp_path / default_model.GGUF_NAME)
 
 
-def test_tokenizer_matches_transformers_on_sharegpt(gguf_path, hf_tokenizer, texts):  # noqa: F811
+def test_tokenizer_matches_transformers_on_sharegpt(gguf_path, hf_tokenizer, texts):
     """transformers maps llama.cpp's 'smollm' pre-tokenizer to GPT-2's split; SmolLM2's own tokenizer.json (and
     llama.cpp) first split off every digit. With that one setting corrected, the two agree on every prompt."""
     from tokenizers import pre_tokenizers
@@ -68,7 +67,7 @@ def test_tokenizer_matches_transformers_on_sharegpt(gguf_path, hf_tokenizer, tex
                                                                       return_dict=False)
 
 
-def test_greedy_chat_answers_match_transformers(gguf_path, texts):  # noqa: F811
+def test_greedy_chat_answers_match_transformers(gguf_path, texts):
     from transformers import AutoModelForCausalLM
 
     from dispatcher import LLM, SamplingParams

@@ -19,14 +19,13 @@ transformers = pytest.importorskip("transformers")
 from dispatcher import LLM, SamplingParams  # noqa: E402
 from models.loader import CheckpointError  # noqa: E402
 from scheduler.request import RequestError  # noqa: E402
-from test_text import bpe, texts  # noqa: E402,F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256, block_size=8, max_model_len=480)
 
 
 @pytest.fixture(scope="module")
-def model_dir(bpe, tmp_path_factory):  # noqa: F811
+def model_dir(bpe, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llm")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(bpe, f), path / f)
@@ -44,7 +43,7 @@ def llm(model_dir):
     return LLM(model_dir, **OPTIONS)
 
 
-def test_generate_and_chat_return_text_token_ids_and_finish_reasons(llm, texts):  # noqa: F811
+def test_generate_and_chat_return_text_token_ids_and_finish_reasons(llm, texts):
     tok = llm.get_tokenizer()
     prompts = [texts[0], texts[4], "한국어 🙂"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -65,7 +64,7 @@ def test_generate_and_chat_return_text_token_ids_and_finish_reasons(llm, texts):
     assert not llm.engine.scheduler.has_unfinished()
 
 
-def test_streamed_chunks_concatenate_to_the_generated_text(llm, texts):  # noqa: F811
+def test_streamed_chunks_concatenate_to_the_generated_text(llm, texts):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for prompt in (texts[7], "Party 🎉 time"):
         full = llm.generate(prompt, params)[0].outputs[0]
@@ -91,7 +90,7 @@ def _split_stop(llm, prompt):
     pytest.skip("no two adjacent multi-character tokens in the free run")
 
 
-def test_a_stop_string_split_over_two_tokens_stops_generation_and_is_cut(llm, texts):  # noqa: F811
+def test_a_stop_string_split_over_two_tokens_stops_generation_and_is_cut(llm, texts):
     prompt = texts[11]
     free, stop, k, cut = _split_stop(llm, prompt)
     kv = llm.engine.scheduler.kv
@@ -109,7 +108,7 @@ def test_a_stop_string_split_over_two_tokens_stops_generation_and_is_cut(llm, te
     assert kept.text == free.text[:cut + len(stop)]
 
 
-def test_the_request_stops_in_the_scheduler_the_step_its_stop_string_appears(llm, texts):  # noqa: F811
+def test_the_request_stops_in_the_scheduler_the_step_its_stop_string_appears(llm, texts):
     prompt = texts[11]
     free, stop, k, cut = _split_stop(llm, prompt)
     rid = llm._add(prompt, SamplingParams(max_tokens=48, ignore_eos=True, stop=[stop]))
@@ -125,7 +124,7 @@ def test_the_request_stops_in_the_scheduler_the_step_its_stop_string_appears(llm
     assert rid not in llm.processor.requests
 
 
-def test_stop_token_ids_and_eos_are_left_out_of_the_text(llm, texts):  # noqa: F811
+def test_stop_token_ids_and_eos_are_left_out_of_the_text(llm, texts):
     free = llm.generate(texts[5], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]
     stop_id = free.token_ids[9]
     first = free.token_ids.index(stop_id)

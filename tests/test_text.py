@@ -17,46 +17,9 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from models.loader import CheckpointError  # noqa: E402
-from models.text import (IncrementalDetokenizer, TemplateError, _QWEN2_SPLIT, load_tokenizer,  # noqa: E402
-                         render_chat_template, tokenizer_from_dir)
-
-SHAREGPT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json")
-if not os.path.isfile(SHAREGPT):
-    SHAREGPT = "/work/shared/data/sharegpt_v3_filtered_500.json"
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-@pytest.fixture(scope="session")
-def texts() -> list[str]:
-    with open(SHAREGPT, encoding="utf-8") as fh:
-        data = json.load(fh)
-    out = [c["value"] for d in data for c in d["conversations"]]
-    assert len(out) == 500 and sum(any(ord(ch) > 0x3000 for ch in t) for t in out) >= 10  # Korean, Chinese, ...
-    # and characters of four UTF-8 bytes, which the prompts lack: emoji, a flag, combining marks
-    return out + ["Party 🎉🎉 time 👩‍💻 flag 🇰🇷 and e\u0301 or 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "🙂"]
-
-
-@pytest.fixture(scope="session")
-def bpe(texts, tmp_path_factory):
-    """A byte-level BPE trained on the prompts (Qwen2's split), saved as a Hugging Face tokenizer directory."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.train_from_iterator(texts[:300], trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path = tmp_path_factory.mktemp("bpe")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return str(path)
-
+from models.text import IncrementalDetokenizer, TemplateError, load_tokenizer, render_chat_template  # noqa: E402
+from models.text import tokenizer_from_dir  # noqa: E402
+from textdata import CHATML, SPECIALS  # noqa: E402
 
 def write_tokenizer_gguf(path: str, metadata: dict) -> str:
     """A GGUF holding only tokenizer metadata and one tensor (transformers' tokenizer loader reads such files)."""
@@ -151,7 +114,8 @@ def test_chat_templates_render_as_transformers_renders_them(bpe, texts):
     ours = tokenizer_from_dir(bpe)
     hf = transformers.AutoTokenizer.from_pretrained(bpe)
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[3]},
-            {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "한국어로 답해 주세요 🙂"}]
+            {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": "한국어로 답해 주세요 🙂"}]
     for gen in (True, False):
         assert ours.apply_chat_template(conv, gen) == hf.apply_chat_template(conv, tokenize=False,
                                                                             add_generation_prompt=gen)
