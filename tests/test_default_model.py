@@ -86,3 +86,18 @@ def test_greedy_chat_answers_match_transformers(gguf_path, texts):
         assert got.token_ids == want, (out.prompt, got.text)
         assert got.text.strip() and "\ufffd" not in got.text
     print(json.dumps([o.outputs[0].text for o in outs], ensure_ascii=False))
+
+
+@pytest.mark.gpu
+def test_default_model_on_the_gpu_answers_like_the_cpu(texts):
+    """bf16 with CUDA graphs on the GPU: sensible answers whose first greedy tokens are the float32 CPU's."""
+    from dispatcher import LLM, SamplingParams
+
+    convs = [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 200][:3]]
+    params = SamplingParams(max_tokens=16)
+    gpu = LLM(device="cuda", max_num_seqs=8, max_model_len=2048).chat(convs, params)
+    cpu = LLM(device="cpu", max_num_seqs=4, max_model_len=1024, enforce_eager=True).chat(convs, params)
+    for g, c in zip(gpu, cpu):
+        assert g.prompt_token_ids == c.prompt_token_ids
+        assert g.outputs[0].token_ids[:2] == c.outputs[0].token_ids[:2], (g.outputs[0].text, c.outputs[0].text)
+        assert g.outputs[0].text.strip() and "\ufffd" not in g.outputs[0].text
