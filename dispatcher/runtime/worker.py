@@ -244,8 +244,6 @@ class ModelWorker:
         if len(step.freed_slots):
             for rt in self.runtimes:
                 rt.bufs.block_table[dev.freed_slots] = -1
-            for slot in unpack(step.freed_slots).tolist():
-                self.histories.pop(slot, None)
         if step.new_requests:
             slots, lens = dev.new_slots, dev.new_lens
             rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
@@ -266,8 +264,11 @@ class ModelWorker:
             st.drafts[dev.ngram_slots] = dev.ngram_drafts.view(len(dev.ngram_slots), -1)
 
     def _note_requests(self, step: Step) -> None:
-        """The host's copies of the admitted requests' parameters (and, for n-gram drafting, their tokens)."""
+        """The host's copies of the admitted requests' parameters (and, for n-gram drafting, their tokens); freed
+        slots first, since a slot freed since the last step may be reused by this one."""
         st = self.state
+        for slot in unpack(step.freed_slots).tolist():
+            self.histories.pop(slot, None)
         for r in step.new_requests:
             s = r.sampling
             st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, s.top_p
