@@ -424,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("serve", help="the serving backend: an OpenAI-compatible HTTP API over the engine and a worker "
+                                     "process", description="Serve a model over an OpenAI-compatible API "
+                                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    add_engine_args(p)
+    from dispatcher.serve.launch import add_serve_args, cmd_serve
+
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vllm bench serve's flags)",
                        description="Stream requests to an OpenAI-compatible server at one or more concurrencies and "
                                    "report TTFT, TPOT, ITL, E2EL and throughput with vLLM's result fields, plus the "

@@ -24,7 +24,7 @@ from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
 from models.loader import model_kind, read_model_config
-from models.text import Tokenizer, load_tokenizer
+from models.text import Tokenizer, check_draft_tokenizer, load_tokenizer
 from scheduler.request import RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_GIB_CPU = 1.0
@@ -59,6 +59,11 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {model_cfg.vocab_size}")
+        if self.config.draft_model is not None:
+            try:
+                check_draft_tokenizer(self.tokenizer, self.config.draft_model)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         probe = scheduler_config(self.config, 1, block_size, 1)
         extra = probe.max_speculative_tokens + 1 + probe.lookahead_tokens
         limit = model_cfg.max_position_embeddings - extra
@@ -79,7 +84,7 @@ class LLM:
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
             eos_token_ids=tuple(dict.fromkeys(eos))), capture=not enforce_eager)
         self.processor = OutputProcessor(self.tokenizer, self.engine.scheduler.finish_request)
-        self.default_params = _generation_defaults(model)
+        self.default_params = generation_defaults(model)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -212,7 +217,7 @@ def _kv_blocks(cfg, device: str, dtype: torch.dtype, block_size: int, max_tokens
     return blocks
 
 
-def _generation_defaults(model: str) -> SamplingParams:
+def generation_defaults(model: str) -> SamplingParams:
     """SamplingParams from a checkpoint directory's generation_config.json, as vLLM reads it: the temperature,
     top_k, top_p and max_new_tokens it sets (do_sample = false: greedy); SamplingParams() otherwise."""
     if model_kind(model) != "hf":

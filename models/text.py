@@ -186,6 +186,21 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def check_draft_tokenizer(target: Tokenizer | None, draft_model: str) -> None:
+    """A draft model (speculative method draft_model) proposes token ids the target reads: both must have the same
+    vocabulary. ValueError saying so when they do not, or when only one of them has a tokenizer."""
+    draft = load_tokenizer(draft_model)
+    if target is None and draft is None:
+        return  # presets: random weights of one shape, token ids only
+    if target is None or draft is None:
+        which = "the draft model" if draft is None else "the target"
+        raise ValueError(f"speculative model {draft_model!r}: {which} has no tokenizer, so the two vocabularies cannot "
+                         f"be checked; a draft model must share the target's tokenizer")
+    if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(with_added_tokens=True):
+        raise ValueError(f"speculative model {draft_model!r}: its tokenizer ({draft.vocab_size} tokens) differs from "
+                         f"the target's ({target.vocab_size} tokens); a draft model must share the target's tokenizer")
+
+
 def load_tokenizer(model: str) -> Tokenizer | None:
     """The tokenizer of a checkpoint directory or GGUF file; None for a preset (random weights, token ids only)."""
     kind = model_kind(model)

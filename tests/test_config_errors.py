@@ -51,7 +51,7 @@ BAD = [
      "cudagraph_capture_sizes, max_cudagraph_capture_size"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
-     "num_speculative_tokens_per_batch_size, adaptive_verification"),
+     "num_speculative_tokens_per_batch_size, adaptive_verification, model"),
     ({"cudagraph_mode": "FULL_ONLY"}, None, {},
      "cudagraph_mode must be one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; got 'FULL_ONLY'"),
     ({"interactivity": "yes"}, None, {}, "interactivity must be true or false, got 'yes'"),

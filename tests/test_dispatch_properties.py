@@ -24,6 +24,8 @@ def configs(draw):
     spec = None
     if k:
         spec = {"method": draw(st.sampled_from(METHODS)), "num_speculative_tokens": k}
+        if spec["method"] == "draft_model":
+            spec["model"] = "tiny-dense"
         if k >= 2 and draw(st.booleans()):
             bounds = sorted(draw(st.sets(st.integers(2, 1200), min_size=1, max_size=3)))
             ks = sorted(draw(st.lists(st.integers(1, k), min_size=len(bounds) + 1, max_size=len(bounds) + 1)),

@@ -21,8 +21,10 @@ SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "df
          {"method": "eagle", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 4], [4, 2]]}]
 
 
-def engine(spec, device="cpu", model="tiny-dense", num_blocks=400, max_num_seqs=8, budget=64, **kw) -> EngineCore:
-    cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+def engine(spec, device="cpu", model="tiny-dense", num_blocks=400, max_num_seqs=8, budget=64, cc_none=False,
+           **kw) -> EngineCore:
+    cfg = resolve({"cudagraph_mode": "NONE"} if cc_none else {}, spec, platform="sm100", max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=budget)
     return EngineCore(cfg, EngineArgs(preset(model), device=device, num_kv_blocks=num_blocks, block_size=8,
                                       max_model_len=128, **kw))
 
@@ -166,3 +168,42 @@ def test_logprobs_of_each_new_token_and_the_top_n():
     top = torch.topk(ref, 3)
     assert got[ask][0] == pytest.approx({tokens[ask][0]: float(ref[tokens[ask][0]]),
                                          **{int(i): float(v) for i, v in zip(top.indices, top.values)}}, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# draft_model: a second LM as the drafter
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_draft_model_keeps_the_targets_greedy_output_and_a_twin_is_always_accepted(tmp_path):
+    from models.loader import save_checkpoint
+    from models.transformer import build_model
+
+    p = prompts(6, 21)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = engine(None).generate(p, params)
+    twin = engine({"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3})  # same weights
+    assert twin.generate(p, params) == alone
+    stats = twin.scheduler.stats
+    assert stats.drafts_verified > 0 and stats.drafts_accepted >= 0.9 * stats.drafts_verified
+    save_checkpoint(build_model(preset("tiny-dense"), "cpu", torch.float32, seed=9), str(tmp_path), "llama")
+    other = engine({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+    assert other.generate(p, params) == alone  # another model's drafts: other acceptance, the same tokens
+    assert other.scheduler.stats.drafts_accepted < other.scheduler.stats.drafts_verified
+    eager = engine({"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3},
+                   cc_none=True, async_scheduling=False)
+    assert eager.generate(p, params) == alone
+
+
+def test_draft_model_errors_are_clear(tmp_path):
+    from dispatcher.plan.config import ConfigError
+
+    with pytest.raises(ConfigError, match='method draft_model needs "model"'):
+        resolve({}, {"method": "draft_model", "num_speculative_tokens": 2}, platform="sm100")
+    with pytest.raises(ConfigError, match='"model" is for method draft_model, not \'eagle3\''):
+        resolve({}, {"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, platform="sm100")
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target 49155"):
+        cfg = resolve({}, {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 2},
+                      platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+        EngineCore(cfg, EngineArgs(preset("tiny-dense").with_(vocab_size=49155), num_kv_blocks=100, block_size=8,
+                                   max_model_len=64))

@@ -22,7 +22,7 @@ from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestO
 from dispatcher.messages import StepResult, WorkerError, WorkerReady, decode_to_engine, encode
 from dispatcher.plan.config import ResolvedConfig
 from models.config import ModelConfig
-from scheduler.request import FinishReason, RequestError, SamplingParams
+from scheduler.request import RequestError, SamplingParams
 
 log = logging.getLogger("twogrid.engine")
 
@@ -48,37 +48,43 @@ class _RemoteWorkerInfo:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, process: WorkerProcess, tokenizer, served_model_name: str,
-                 default_params: SamplingParams, metrics=None):
-        self.core = core
-        self.process = process
+    """Built at once (``ready`` False, so the HTTP server can answer /health with 503 while the worker starts);
+    ``start`` waits for the worker and starts the step task."""
+
+    def __init__(self, cfg: ResolvedConfig, args: EngineArgs, process: WorkerProcess, tokenizer,
+                 served_model_name: str, default_params: SamplingParams, metrics=None):
+        self.cfg, self.args, self.process = cfg, args, process
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
-        self.max_model_len = core.args.max_model_len
+        self.max_model_len = args.max_model_len
         self.default_params = default_params
         self.metrics = metrics
-        self.processor = OutputProcessor(tokenizer, core.scheduler.finish_request)
-        self.ready = True
+        self.core: EngineCore | None = None
+        self.processor: OutputProcessor | None = None
+        self.ready = False
         self.dead: str | None = None
+        self.capture: WorkerReady | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
-    @classmethod
-    async def start(cls, cfg: ResolvedConfig, args: EngineArgs, process: WorkerProcess, tokenizer,
-                    served_model_name: str, default_params: SamplingParams, metrics=None) -> "AsyncEngine":
-        """Start the worker (load, size the KV cache, capture), then the step task."""
-        ready = await _await_ready(process)
-        args = replace(args, num_kv_blocks=ready.num_kv_blocks)
-        core = EngineCore(cfg, args, worker=_RemoteWorkerInfo(ready))
-        engine = cls(core, process, tokenizer, served_model_name, default_params, metrics)
-        engine.capture = ready
-        if metrics is not None:
-            metrics.set_capture(ready.capture_seconds,
-                                int(sum(k["measured_gib"] for k in ready.capture) * 2**30))
-        engine._task = asyncio.get_running_loop().create_task(engine._run())
-        return engine
+    async def start(self) -> WorkerReady:
+        """Start the worker (load, size the KV cache, capture), then the step task. WorkerDied if it cannot."""
+        try:
+            ready = await _await_ready(self.process)
+        except WorkerDied as exc:
+            self.dead = str(exc)
+            raise
+        self.core = EngineCore(self.cfg, replace(self.args, num_kv_blocks=ready.num_kv_blocks),
+                               worker=_RemoteWorkerInfo(ready))
+        self.processor = OutputProcessor(self.tokenizer, self.core.scheduler.finish_request)
+        self.capture = ready
+        if self.metrics is not None:
+            self.metrics.set_capture(ready.capture_seconds, int(sum(k["measured_gib"] for k in ready.capture) * 2**30))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self.ready = True
+        return ready
 
     # -- requests --------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -88,6 +94,8 @@ class AsyncEngine:
             raise EngineError(f"the engine cannot serve: {self.dead}")
         if self._stopping:
             raise EngineError("the server is shutting down")
+        if not self.ready:
+            raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         request = self.core.make_request(prompt_token_ids, params, request_id)
         self.processor.add_request(request_id, prompt, request.prompt_token_ids, params)
         self.core.queue(request)
@@ -111,10 +119,8 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         queue = self._streams.pop(request_id, None)
-        if self.core.abort(request_id):
+        if self.core is not None and self.core.abort(request_id):
             final = self.processor.abort(request_id)
-            if self.metrics is not None:
-                self.metrics.on_request_finished(FinishReason.ABORT.value)
             if queue is not None and final is not None:
                 queue.put_nowait(final)
 
@@ -150,7 +156,10 @@ class AsyncEngine:
                     if isinstance(result, WorkerError):
                         self._fail([r.request_id for r in done.out.requests], f"step failed: {result.message}")
                         continue
-                    self._publish(core.update(done, core.finish(done, result)), done)
+                    accepted = core.scheduler.stats.drafts_accepted
+                    outputs = core.update(done, core.finish(done, result))
+                    self._record(done, core.scheduler.stats.drafts_accepted - accepted)
+                    self._publish(outputs)
                 await asyncio.sleep(0)  # let the loop run the handlers woken by this step's outputs
         except WorkerDied as exc:
             self.dead = str(exc)
@@ -175,22 +184,30 @@ class AsyncEngine:
             if not self.process.alive():
                 raise WorkerDied(f"the worker process {self.process.exit_description()}")
 
-    def _publish(self, step_outputs, step: ScheduledStep) -> None:
+    def _publish(self, step_outputs) -> None:
         for out in self.processor.process(step_outputs):
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
                 if out.finished:
                     del self._streams[out.request_id]
-        if self.metrics is not None:
-            self.metrics.on_step(self.core, step, step_outputs)
+
+    def _record(self, step: ScheduledStep, accepted_tokens: int) -> None:
+        """The step in the metrics: its kind and mode, why it ran eagerly, padding, accepted drafts, preemptions;
+        the queue after it."""
+        if self.metrics is None:
+            return
+        target, sched = step.descs.target, self.core.scheduler
+        self.metrics.on_step(target.kind, target.mode, step.eager_cause,
+                             target.num_tokens - step.out.shape.num_tokens, accepted_tokens, step.out.num_preempted)
+        self.metrics.set_queue(len(sched.order), len(sched.waiting), 1.0 - sched.kv.num_free / sched.kv.num_blocks)
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``timeout_s``, fail the rest, stop the worker."""
         self._stopping = True
         self._wake.set()
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except asyncio.TimeoutError:

@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from dispatcher.plan import grids
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE
+from dispatcher.plan.capture_plan import MODEL_DRAFTERS
 from dispatcher.plan.config import ResolvedConfig
 from scheduler.scheduler import SchedulerConfig
 
@@ -18,7 +18,7 @@ def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 
     and, for a model drafter, the KV lookahead (the drafter writes up to K + 1 positions past a step)."""
     tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers if t.num_speculative_tokens)
     av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
-    model_drafter = cfg.method in EAGLE_LIKE + BLOCK_DRAFTERS
+    model_drafter = cfg.method in MODEL_DRAFTERS
     return SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len,
                            tiers, cfg.adaptive_verification, tuple(av), step_ms,
                            cfg.num_speculative_tokens + 1 if model_drafter else 0)

@@ -103,6 +103,8 @@ class ScheduledStep:
     pending: object = None
     """The worker's handle while the step runs."""
     submitted_at: float = 0.0
+    eager_cause: str | None = None
+    """Why the target ran eagerly (dispatch.EAGER_CAUSES), set when the result is taken; None on a graph."""
 
 
 def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
@@ -254,7 +256,8 @@ class EngineCore:
         """A step's result as the scheduler takes it, counted in the stats and the step trace."""
         target = step.descs.target
         reason = eager_reason(target, self.plan) if target.graph is None else None
-        self.stats.record(step, result.device_ms, wait_s, reason[0] if reason else None)
+        step.eager_cause = reason[0] if reason else None
+        self.stats.record(step, result.device_ms, wait_s, step.eager_cause)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None))
         return model_result(result, step.out)

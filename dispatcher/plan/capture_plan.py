@@ -92,6 +92,11 @@ def coverage(sizes: tuple[int, ...], serves: tuple[tuple[int, int], ...] | None)
 
 BLOCK_DRAFTERS = ("dspark", "dflash", "mtp_multi")
 """Drafters that propose K tokens in one forward of q rows a request."""
+DRAFT_MODEL = "draft_model"
+"""A second, smaller LM: it reads the target's step (same tokens, same positions) into its own KV cache, then
+proposes K tokens one at a time. Eager (SPEC section 4: no graphs)."""
+MODEL_DRAFTERS = EAGLE_LIKE + BLOCK_DRAFTERS + (DRAFT_MODEL,)
+"""Drafters that run a model on the worker (their KV writes reach past a step: the scheduler's lookahead)."""
 
 
 def block_query_len(method: str, num_speculative_tokens: int) -> int:
@@ -107,7 +112,7 @@ def model_runners(cfg: ResolvedConfig) -> tuple[str, ...]:
     if method in EAGLE_LIKE:
         multi_step = any(t.num_speculative_tokens >= 2 for t in cfg.tiers)
         return ("target", method) + ((f"{method}_next_steps",) if multi_step else ())
-    if method in BLOCK_DRAFTERS:
+    if method in BLOCK_DRAFTERS or method == DRAFT_MODEL:
         return ("target", method)
     return ("target",)
 

@@ -110,6 +110,8 @@ class SpeculativeConfig:
     tier whose min_batch <= n. The first min_batch is 1; min_batch strictly increases; 1 <= K <= K_max."""
     adaptive_verification: Any = UNSET
     """Bool. Decode steps verify a per-request number of drafts (1..1 + K) on FULL varlen graphs."""
+    model: Any = UNSET
+    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
 
     @classmethod
     def from_dict(cls, data: Any) -> "SpeculativeConfig":
@@ -198,6 +200,8 @@ class ResolvedConfig:
     legacy: bool
     """Sized by the deprecated fields."""
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    draft_model: str | None = None
+    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -399,7 +403,20 @@ def resolve(
         max_decode_tokens=budget,
         legacy=bool(legacy_set),
         warnings=tuple(warn),
+        draft_model=_draft_model(sc, method),
     )
+
+
+def _draft_model(sc: SpeculativeConfig, method: str | None) -> str | None:
+    """The draft LM of method draft_model: required there, refused elsewhere."""
+    if method == "draft_model":
+        if sc.model is UNSET or not isinstance(sc.model, str) or not sc.model:
+            raise ConfigError("--speculative-config: method draft_model needs \"model\": the draft LM (a Hugging "
+                              "Face directory, a .gguf file or a preset name)")
+        return sc.model
+    if sc.model is not UNSET:
+        raise ConfigError(f"--speculative-config: \"model\" is for method draft_model, not {method!r}")
+    return None
 
 
 def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[str]):

