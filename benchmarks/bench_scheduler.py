@@ -27,7 +27,7 @@ from dispatcher.engine.simulate import FakeModel, simulate  # noqa: E402
 from dispatcher.engine.workload import make_prompts  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from dispatcher.engine.config import scheduler_config  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
 
 SPECS = {
     "no SD": None,

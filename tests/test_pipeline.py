@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import msgspec
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

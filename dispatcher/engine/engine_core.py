@@ -15,7 +15,7 @@ import numbers
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -27,7 +27,7 @@ from dispatcher.engine.trace import TraceWriter, step_record
 from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
 from dispatcher.plan.config import ResolvedConfig
-from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan
+from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from scheduler.request import Request, RequestError, SamplingParams
@@ -73,15 +73,19 @@ class EngineStats:
     host_ms: float = 0.0
     """Time the host spent scheduling and dispatching steps."""
     eager_steps: int = 0
+    eager_by_reason: dict[str, int] = field(default_factory=dict)
+    """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
     padded_tokens: int = 0
 
-    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float) -> None:
+    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
         self.steps += 1
         self.device_ms += device_ms
         self.wait_s += wait_s
         self.host_ms += step.host_ms
         target = step.descs.target
-        self.eager_steps += target.graph is None
+        if eager_cause is not None:
+            self.eager_steps += 1
+            self.eager_by_reason[eager_cause] = self.eager_by_reason.get(eager_cause, 0) + 1
         self.padded_tokens += target.num_tokens - step.out.shape.num_tokens
 
 
@@ -232,9 +236,15 @@ class EngineCore:
         """The submitted step's result (waits for it)."""
         t0 = time.perf_counter()
         result = self.worker.collect(step.pending)
-        self.stats.record(step, result.device_ms, time.perf_counter() - t0)
-        self.trace.write(step_record(step.out.step_id, step.out, step.descs.target, step.host_ms, result.device_ms,
-                                     step.descs.drafts()))
+        return self.finish(step, result, time.perf_counter() - t0)
+
+    def finish(self, step: ScheduledStep, result: StepResult, wait_s: float = 0.0) -> ModelResult:
+        """A step's result as the scheduler takes it, counted in the stats and the step trace."""
+        target = step.descs.target
+        reason = eager_reason(target, self.plan) if target.graph is None else None
+        self.stats.record(step, result.device_ms, wait_s, reason[0] if reason else None)
+        self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
+                                     step.descs.drafts(), reason[1] if reason else None))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from dispatcher.plan.dispatch import MIXED, MODE_EAGER, UNIFORM_DECODE, BatchDescriptor, Dispatcher
-from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, CapturePlan
+from dispatcher.plan.dispatch import MIXED, MODE_EAGER, Dispatcher, eager_reason
+from dispatcher.plan.capture_plan import CapturePlan
 from dispatcher.engine.trace import StepTally
 from dispatcher.engine.cost import StepCostModel
 
@@ -25,34 +25,6 @@ def record_shape(rec: dict[str, Any]) -> tuple[int, int, int, bool]:
         max_q = max(int(k) for k in rec["query_len_hist"])
     is_decode = rec.get("is_decode", rec["kind"] != MIXED)
     return int(rec["tokens"]), int(rec["requests"]), max_q, bool(is_decode)
-
-
-def eager_reason(desc: BatchDescriptor, plan: CapturePlan) -> str:
-    """Why a step runs eagerly under ``plan``, in the terms a user tunes (steps of one cause share the text)."""
-    cfg = plan.config
-    mode = cfg.cudagraph_mode.value
-    if mode == MODE_EAGER:
-        return "cudagraph_mode is NONE (or both size lists are [])"
-    sets = {(g.kind, g.q): g for g in plan.for_runner("target")}
-    pw = sets.get((PIECEWISE, None))
-    pw_text = f"the largest PIECEWISE size {pw.largest}" if pw and pw.sizes else "no PIECEWISE graphs"
-    if desc.kind == MIXED:
-        if mode == "FULL_DECODE_ONLY":
-            return "cudagraph_mode FULL_DECODE_ONLY runs mixed steps eagerly"
-        return f"mixed steps above {pw_text}"
-    if desc.kind == UNIFORM_DECODE:
-        dec = sets.get((FULL_DECODE, desc.q))
-        if dec is None or not dec.sizes:
-            why = f"no FULL decode graphs at q = {desc.q}"
-        else:
-            why = f"beyond the FULL decode graphs at q = {desc.q} (largest {dec.largest} requests"
-            if cfg.max_decode_tokens is not None:
-                why += f", max_decode_cudagraph_capture_tokens = {cfg.max_decode_tokens}"
-            why += ")"
-        return f"uniform decodes {why}, and above {pw_text}"
-    av = sets.get(("full_varlen", None))
-    av_text = f"the largest varlen size {av.largest}" if av and av.sizes else "no varlen graphs"
-    return f"adaptive-verification steps above {av_text} and {pw_text}"
 
 
 def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatcher,
@@ -79,7 +51,7 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
         totals["ms_after"] += costs.step_ms(desc.mode, desc.num_tokens)
         totals["real_tokens"] += tokens
         if desc.mode == MODE_EAGER:
-            reasons.setdefault(eager_reason(desc, plan), []).append(tokens)
+            reasons.setdefault(eager_reason(desc, plan)[1], []).append(tokens)
     recorded, replayed = before.summary(), after.summary()
     steps = replayed.pop("steps")
     recorded.pop("steps")

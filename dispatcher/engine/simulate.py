@@ -26,7 +26,7 @@ from dispatcher.engine.workload import PromptSpec
 from dispatcher.engine.cost import StepCostModel
 from scheduler.request import Request, SamplingParams
 from dispatcher.engine.config import scheduler_config
-from scheduler.scheduler import ModelResult, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.scheduler import ModelResult, Scheduler, SchedulerOutput
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 

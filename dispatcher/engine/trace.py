@@ -38,9 +38,11 @@ def _brief(desc) -> dict[str, Any]:
             "graph": list(desc.graph) if desc.graph is not None else None}
 
 
-def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=()) -> dict[str, Any]:
+def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
+                eager_reason: str | None = None) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
-    graph, host and device milliseconds; with a model drafter, its forwards' descriptors under "draft"."""
+    graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
+    descriptors under "draft"."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -60,6 +62,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         host_ms=round(host_ms, 4),
         device_ms=round(device_ms, 4),
     )
+    if eager_reason is not None:
+        rec["eager_reason"] = eager_reason
     if drafts:
         rec["draft"] = [_brief(d) for d in drafts]
     return rec

@@ -205,6 +205,39 @@ def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
     return out
 
 
+EAGER_CAUSES = ("graphs_off", "mixed_above_cap", "mixed_full_decode_only", "decode_above_cap", "av_above_cap")
+"""Why a step ran eagerly, as a short label (metrics: ``eager_steps_total{reason}``); ``eager_reason`` gives the
+sentence a user reads."""
+
+
+def eager_reason(desc: BatchDescriptor, plan) -> tuple[str, str]:
+    """Why a step runs eagerly under ``plan`` (a CapturePlan): (a label of EAGER_CAUSES, the sentence in the terms a
+    user tunes; steps of one cause share it). The one place that answers "why did this step run eagerly"."""
+    cfg = plan.config
+    if cfg.cudagraph_mode.value == MODE_EAGER:
+        return "graphs_off", "cudagraph_mode is NONE (or both size lists are [])"
+    sets = {(g.kind, g.q): g for g in plan.for_runner("target")}
+    pw = sets.get((PIECEWISE, None))
+    pw_text = f"the largest PIECEWISE size {pw.largest}" if pw and pw.sizes else "no PIECEWISE graphs"
+    if desc.kind == MIXED:
+        if cfg.cudagraph_mode.value == "FULL_DECODE_ONLY":
+            return "mixed_full_decode_only", "cudagraph_mode FULL_DECODE_ONLY runs mixed steps eagerly"
+        return "mixed_above_cap", f"mixed steps above {pw_text}"
+    if desc.kind == UNIFORM_DECODE:
+        dec = sets.get((FULL_DECODE, desc.q))
+        if dec is None or not dec.sizes:
+            why = f"no FULL decode graphs at q = {desc.q}"
+        else:
+            why = f"beyond the FULL decode graphs at q = {desc.q} (largest {dec.largest} requests"
+            if cfg.max_decode_tokens is not None:
+                why += f", max_decode_cudagraph_capture_tokens = {cfg.max_decode_tokens}"
+            why += ")"
+        return "decode_above_cap", f"uniform decodes {why}, and above {pw_text}"
+    av = sets.get((FULL_VARLEN, None))
+    av_text = f"the largest varlen size {av.largest}" if av and av.sizes else "no varlen graphs"
+    return "av_above_cap", f"adaptive-verification steps above {av_text} and {pw_text}"
+
+
 @dataclass(frozen=True)
 class StepDescriptors:
     """The dispatcher's decisions for every forward of a step: the target's, and the drafter's."""

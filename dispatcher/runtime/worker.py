@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, I32, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, Step, StepResult, pack, unpack
 from dispatcher.plan.capture_plan import BLOCK_DRAFTERS, EAGLE_LIKE, FULL_VARLEN, model_runners
 from dispatcher.runtime.drafting import BlockDrafter, EagleDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
