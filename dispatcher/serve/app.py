@@ -126,6 +126,8 @@ class Server:
             return await handler(request)
         except ApiError as exc:
             return _error_response(exc)
+        except ConnectionError:  # the client went away mid-response (its request is aborted already): aiohttp's
+            raise
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
