@@ -12,7 +12,9 @@ KV blocks at once: the server runs with aiohttp's handler cancellation on (``sta
 cancels its handler, and a failed write ends a stream. An engine failure ends the request with a 500 error (in a
 stream: an error event, then ``[DONE]``), never a silent cut.
 
-Request logs carry ids, token counts, finish reasons and times; the prompt text only with ``log_requests``.
+Request logs carry ids, token counts, finish reasons and times (at DEBUG; aborts, refusals and failures at INFO and
+up), never prompt text; with ``log_requests`` each request's prompt and sampling parameters and its result are
+logged at INFO.
 """
 
 from __future__ import annotations
@@ -257,7 +259,8 @@ class Server:
             temperature=d.temperature if req.temperature is None else req.temperature,
             top_p=d.top_p if req.top_p is None else req.top_p, top_k=top_k,
             seed=req.seed if req.seed is not None else d.seed, stop=P.stop_strings(req.stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()) or d.stop_token_ids, ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *d.stop_token_ids))),
+            ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             logprobs=_num_top_logprobs(req))
         try:
@@ -279,11 +282,9 @@ class Server:
         name, asked = "max_tokens", req.max_tokens
         if chat and req.max_completion_tokens is not None:
             name, asked = "max_completion_tokens", req.max_completion_tokens
-        if asked is None:
-            default = _server_max_tokens(self.engine.default_params)
-            if not chat:
-                default = DEFAULT_COMPLETION_MAX_TOKENS
-            return min(default or room, room)
+        if asked is None:  # completions: OpenAI's 16; chat: the checkpoint's max_new_tokens, else the room left
+            default = _server_max_tokens(self.engine.default_params) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+            return room if default is None else min(default, room)
         if asked > room:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the {where} has "
                                 f"{prompt_len} and '{name}' asks for {asked} more: '{name}' can be at most {room}",
@@ -397,9 +398,10 @@ class Server:
         return response
 
     def _finished(self, r: _Request, last) -> None:
-        r.timer.finish(last.finish_reason, time.perf_counter())
-        log.info("%s: %s, %d prompt + %d output tokens, %.3f s", r.request_id, last.finish_reason,
-                 len(r.prompt_token_ids), r.completion_tokens, time.perf_counter() - r.timer.arrival)
+        now = time.perf_counter()
+        r.timer.finish(last.finish_reason, now)
+        log.log(logging.INFO if self.log_requests else logging.DEBUG, "%s: %s, %d prompt + %d output tokens, %.3f s",
+                r.request_id, last.finish_reason, len(r.prompt_token_ids), r.completion_tokens, now - r.timer.arrival)
 
     # -- stream chunks ------------------------------------------------------------------------------------------
     def _chunk_usage(self, r: _Request) -> P.Usage | None:
