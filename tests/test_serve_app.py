@@ -761,3 +761,110 @@ def test_openai_client():
             await bad.close()
 
     run(go())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a real tokenizer and chat template (models/text.py), and hostile input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_real_tokenizer_chat_and_logprobs(bpe):
+    """The app over models.text.Tokenizer: the ChatML template renders the conversation, the prompt's ids are
+    encode_chat's, logprob tokens are decoded token texts."""
+    from models.text import tokenizer_from_dir
+
+    tok = tokenizer_from_dir(bpe)
+    engine = FakeEngine(max_model_len=4096)
+    engine.tokenizer = tok
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2? \U0001f642"}]
+
+    async def go():
+        async with served(engine) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "logprobs": True,
+                                                           "top_logprobs": 1})
+            body = await r.json()
+            assert r.status == 200, body
+            prompt, ids, _ = engine.requests[body["id"]]
+            assert prompt == tok.apply_chat_template(messages) and prompt.endswith("<|im_start|>assistant\n")
+            assert ids == tok.encode_chat(messages)
+            entry = body["choices"][0]["logprobs"]["content"][0]
+            assert entry["token"] == tok.decode([token_of(0)], skip_special_tokens=False)
+            r = await c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
+            assert engine.requests[(await r.json())["id"]][1] == tok.encode("Hello there")
+
+    run(go())
+
+
+def hostile_bodies():
+    """Request bodies a hostile or broken client sends: the schema's fields with values of any JSON type or at
+    the edges of their ranges, unknown fields, unicode edge cases, broken JSON and bytes."""
+    from hypothesis import strategies as st
+
+    text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
+        ["", "\x00", "\u202e\u200d", "\U0001f469\u200d\U0001f4bb", "a" * 5000, "<|im_end|>", "\\u0000"])
+    numbers = (st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+               | st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63) - 1, 1e308, -0.0, 0.5]))
+    scalar = st.none() | st.booleans() | numbers | text
+    json_value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4)
+                              | st.dictionaries(text, inner, max_size=4), max_leaves=12)
+    fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options",
+              "n", "echo", "user", "frequency_penalty", "presence_penalty", "logit_bias", "include_stop_str_in_output",
+              "skip_special_tokens", "suffix", "best_of"]
+    good = {
+        "prompt": st.just("hi") | st.lists(st.integers(-5, 5000), min_size=0, max_size=5),
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "x"]),
+                                                    "content": text | json_value}), max_size=3),
+        "max_tokens": st.integers(-3, 300) | numbers, "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_value,
+    }
+    field_values = st.sampled_from(fields).flatmap(lambda f: st.tuples(st.just(f), good.get(f, json_value)))
+    documents = st.builds(dict, st.lists(field_values, max_size=8)) | st.dictionaries(text, json_value, max_size=3)
+    as_json = documents.map(lambda d: json.dumps(d).encode())
+    raw = st.binary(max_size=64) | st.sampled_from([
+        b"{", b"null", b"[]", b'"x"', b"1e999", b'{"prompt": NaN}', b'{"prompt": "a", "max_tokens": Infinity}',
+        b'{"prompt": "\xc3\x28"}', b'{"prompt": "\\ud800"}', b"\xef\xbb\xbf{}", b'{"prompt": "a"}' * 2,
+        b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", b'{"prompt": "a", "x": ' + b"{\"a\":" * 30000 + b"1"
+        + b"}" * 30001, b'{"prompt": "' + b"a" * 70000 + b'"}'])
+    return st.one_of(as_json, raw)
+
+
+def test_hostile_requests_get_4xx_and_the_server_keeps_serving():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    loop = asyncio.new_event_loop()
+    engine = FakeEngine()
+    client = loop.run_until_complete(_start_client(engine, max_body_bytes=64 * 1024))
+    statuses: dict[int, int] = {}
+
+    async def send(path: str, body: bytes, content_type: str | None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = await client.post(path, data=body, headers=headers)
+        return r.status, await r.read()
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=hostile_bodies(),
+           content_type=st.sampled_from([None, "application/json", "text/plain", "application/json; charset=latin1"]))
+    def check(path, body, content_type):
+        status, payload = loop.run_until_complete(send(path, body, content_type))
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status == 200 or 400 <= status < 500, (status, payload[:300])
+        if status != 200:
+            error = json.loads(payload)["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", error
+
+    try:
+        check()
+        assert sum(v for k, v in statuses.items() if k >= 400) >= 200, statuses  # mostly refused, each with 4xx
+        ok, _ = loop.run_until_complete(send("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', None))
+        assert ok == 200 and not engine.live
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+
+
+async def _start_client(engine, **kwargs) -> TestClient:
+    client = TestClient(TestServer(build_app(engine, **kwargs)))
+    await client.start_server()
+    return client
