@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.bench.server_metrics import parse_counters
-from dispatcher.serve.app import build_app, start_http, stop_accepting
+from dispatcher.serve.app import SERVER_KEY, build_app, drain, start_http, stop_accepting
 from dispatcher.serve.metrics import EngineMetrics
 from dispatcher.serve.protocol import MAX_STOP_STRINGS
 from scheduler.request import RequestError, SamplingParams
@@ -91,6 +91,7 @@ class FakeEngine:
         self.metrics = EngineMetrics(MODEL)
         self.delay_s = delay_s
         self.fail_after = fail_after
+        self.abort_after: int | None = None
         self.requests: dict[str, tuple] = {}
         self.aborted: list[str] = []
         self.live: set[str] = set()
@@ -111,6 +112,9 @@ class FakeEngine:
                     return
                 if self.fail_after is not None and i == self.fail_after:
                     raise EngineError("the worker process died (SIGKILL)")
+                if self.abort_after is not None and i == self.abort_after:  # the engine's shutdown aborts it
+                    yield Delta(rid, prompt, ids, [Out(0, "", [], "abort")], True)
+                    return
                 tid = token_of(i)
                 lp = None
                 if params.logprobs is not None:
@@ -576,6 +580,51 @@ def test_stop_accepting():
             err = await error_of(await c.post("/v1/completions", json={"prompt": "hi"}), 503)
             assert "shutting down" in err["message"]
             assert (await c.get("/health")).status == 503
+
+    run(go())
+
+
+def test_drain():
+    """SIGTERM's drain: new requests are refused at once, requests in flight finish, drain returns when none is
+    left (or at its timeout, with the count still running)."""
+    async def go():
+        engine = FakeEngine(delay_s=0.01)
+        async with served(engine) as c:
+            running = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 20}))
+            await wait_for(lambda: engine.requests)
+            draining = asyncio.create_task(drain(c.server.app, timeout_s=5))
+            await asyncio.sleep(0.02)
+            err = await error_of(await c.post("/v1/completions", json={"prompt": "hi"}), 503)
+            assert "shutting down" in err["message"]
+            assert await draining == 0
+            r = await running
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 20
+            slow = FakeEngine(delay_s=1.0)
+            c.server.app[SERVER_KEY].engine = slow
+            c.server.app[SERVER_KEY].closing = None
+            late = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 20}))
+            await wait_for(lambda: slow.requests)
+            assert await drain(c.server.app, timeout_s=0.1) == 1
+            late.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await late
+
+    run(go())
+
+
+def test_requests_the_engine_aborts_get_an_error():
+    """At shutdown the engine ends what is left with finish reason 'abort': the client hears it, never silence."""
+    async def go():
+        engine = FakeEngine()
+        engine.abort_after = 2
+        async with served(engine) as c:
+            err = await error_of(await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}), 503)
+            assert "aborted" in err["message"]
+            events = await sse(await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                                     "stream": True}))
+            assert events[-1] == "[DONE]" and "aborted" in events[-2]["error"]["message"]
+            assert "".join(e["choices"][0]["text"] for e in events[:-2]) == text_of(2)
+            assert not engine.aborted  # the engine ended them itself: nothing to abort
 
     run(go())
 

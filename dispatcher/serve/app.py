@@ -72,6 +72,19 @@ def stop_accepting(app: web.Application, reason: str = "the server is shutting d
     app[SERVER_KEY].closing = reason
 
 
+async def drain(app: web.Application, timeout_s: float, reason: str = "the server is shutting down") -> int:
+    """SIGTERM's first half: stop accepting, then wait up to ``timeout_s`` for the requests in flight to finish.
+    Returns how many are still running. The caller then fails those in the engine (their outputs end with finish
+    reason 'abort', or their iterators raise EngineError: each client gets an error, in a stream an error event)
+    and only then stops the HTTP server (``runner.cleanup()``), which would otherwise cut their connections."""
+    server = app[SERVER_KEY]
+    server.closing = reason
+    deadline = time.monotonic() + timeout_s
+    while server.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return server.in_flight
+
+
 async def start_http(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
                      shutdown_timeout: float = 30.0) -> web.AppRunner:
     """Serve ``app`` on ``host:port`` with handler cancellation on (a client's disconnect cancels its handler, which
@@ -117,6 +130,8 @@ class Server:
         self.created = int(time.time())
         self.closing: str | None = None
         """Why new requests are refused (set by ``stop_accepting``), else None."""
+        self.in_flight = 0
+        """Generation requests past their checks and not yet answered."""
         self._token_text: dict[int, str] = {}
 
     # -- middlewares --------------------------------------------------------------------------------------------
@@ -201,12 +216,14 @@ class Server:
             shown = prompt if prompt is not None else str(ids)
             log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
         outputs = self._run(r)
+        self.in_flight += 1
         try:
             first = await anext(outputs)  # validation errors surface here, before the response starts
             if r.stream:
                 return await self._stream(request, r, first, outputs)
             return await self._collect(r, first, outputs)
         finally:
+            self.in_flight -= 1
             await self._end(r, outputs)
 
     async def _read_body(self, request: web.Request) -> bytes:
