@@ -81,7 +81,7 @@ def readme_serve_args() -> list[list[str]]:
     ``twogrid serve``, or the image name in a ``docker run``."""
     text = (DEPLOY / "README.md").read_text()
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
         for command in re.sub(r"\\\n", " ", block).splitlines():
             words = shlex.split(command, comments=True)
             if words[:2] == ["docker", "run"]:

@@ -25,12 +25,14 @@ import hmac
 import logging
 import re
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
 from dispatcher.serve import protocol as P
-from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, RequestTimer
+from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from dispatcher.serve.metrics import RequestTimer
 from dispatcher.serve.protocol import ApiError
 from scheduler.request import RequestError, SamplingParams
 
@@ -46,7 +48,7 @@ LOG_PROMPT_CHARS = 4096
 TOKENIZE_IN_THREAD_CHARS = 16384
 """Prompts longer than this are tokenized in a thread, so the event loop keeps streaming other requests."""
 
-SERVER_KEY: web.AppKey["Server"] = web.AppKey("twogrid_server")
+SERVER_KEY: web.AppKey[Server] = web.AppKey("twogrid_server")
 
 
 def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
