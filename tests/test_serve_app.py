@@ -120,7 +120,8 @@ class FakeEngine:
                 if params.logprobs is not None:
                     lp = [{tid: -0.25, **{token_of(100 + k): -1.0 - k for k in range(params.logprobs)}}]
                 done = "length" if i == params.max_tokens - 1 else None
-                self.metrics.on_step("uniform_decode", "FULL", None, 3, 0, 0)
+                if self.metrics is not None:
+                    self.metrics.on_step("uniform_decode", "FULL", None, 3, 0, 0)
                 yield Delta(rid, prompt, ids, [Out(0, WORDS[i % len(WORDS)], [tid], done, None, lp)], done is not None)
         finally:
             self.live.discard(rid)
@@ -550,6 +551,36 @@ def test_body_over_the_limit_is_413():
             err = await error_of(await c.post("/v1/completions", data=chunks()), 413)
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
             assert r.status == 200
+
+    run(go())
+
+
+def test_engine_refusing_at_generate_is_503():
+    """An EngineError from generate itself (dead, shutting down: nothing was queued) is 503, not a failure."""
+    async def go():
+        engine = FakeEngine()
+
+        def refuse(*args):
+            raise EngineError("the server is shutting down")
+
+        engine.generate = refuse
+        async with served(engine) as c:
+            err = await error_of(await c.post("/v1/completions", json={"prompt": "hi"}), 503)
+            assert "shutting down" in err["message"]
+            text = await (await c.get("/metrics")).text()
+            assert sum(parse_metric(text, "twogrid:request_success_total").values()) == 0
+
+    run(go())
+
+
+def test_engine_without_metrics():
+    async def go():
+        engine = FakeEngine()
+        engine.metrics = None
+        async with served(engine) as c:
+            assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200
+            text = await (await c.get("/metrics")).text()
+            assert parse_metric(text, "twogrid:request_success_total")[("length",)] == 1
 
     run(go())
 

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from dispatcher.serve import protocol as P
 from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from dispatcher.serve.metrics import RequestTimer
+from dispatcher.serve.metrics import EngineMetrics, RequestTimer
 from dispatcher.serve.protocol import ApiError
 from scheduler.request import RequestError, SamplingParams
 
@@ -64,7 +64,7 @@ def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
-    app.router.add_get("/metrics", server.metrics)
+    app.router.add_get("/metrics", server.metrics_text)
     return app
 
 
@@ -126,6 +126,8 @@ class Server:
 
     def __init__(self, engine, api_key: str | None, max_body_bytes: int, log_requests: bool):
         self.engine = engine
+        self.metrics = engine.metrics if engine.metrics is not None else EngineMetrics(engine.served_model_name)
+        """The engine's metrics (per-request ones are recorded here); a registry of its own for an engine without."""
         self._auth = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.log_requests = log_requests
@@ -183,8 +185,8 @@ class Server:
                                 content_type="application/json")
         return web.Response(status=200)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         card = P.ModelCard(self.engine.served_model_name, self.created, self.engine.max_model_len)
@@ -213,7 +215,7 @@ class Server:
                      prompt, ids, params, _num_top_logprobs(req), bool(req.stream),
                      bool(req.stream_options and req.stream_options.include_usage),
                      bool(req.stream_options and req.stream_options.continuous_usage_stats),
-                     RequestTimer(self.engine.metrics, len(ids), arrival))
+                     RequestTimer(self.metrics, len(ids), arrival))
         if self.log_requests:
             shown = prompt if prompt is not None else str(ids)
             log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
@@ -313,9 +315,17 @@ class Server:
     # -- running a request --------------------------------------------------------------------------------------
     async def _run(self, r: _Request) -> AsyncIterator[Any]:
         """The engine's outputs (CompletionOutput) for ``r``; engine refusals as 400, failures as 500."""
-        deltas = None
         try:
             deltas = self.engine.generate(r.request_id, r.prompt, r.prompt_token_ids, r.params)
+        except RequestError as exc:  # refused before it was queued: not a request that ran
+            r.finished = True
+            r.timer.discard()
+            raise _request_error(exc) from None
+        except Exception as exc:  # EngineError: dead, or shutting down
+            r.finished = True
+            r.timer.discard()
+            raise ApiError(503, str(exc), code="unavailable") from None
+        try:
             async for delta in deltas:
                 out = delta.outputs[0]
                 if out.finish_reason is not None:
@@ -326,7 +336,7 @@ class Server:
                 yield out
                 if r.finished:
                     return
-        except RequestError as exc:  # refused before it was queued: not a request that ran
+        except RequestError as exc:  # an engine that validates when iterated
             r.finished = True
             r.timer.discard()
             raise _request_error(exc) from None
@@ -336,7 +346,7 @@ class Server:
             r.finished = True
             log.error("%s: the engine failed: %s", r.request_id, exc, exc_info=not _is_engine_error(exc))
             raise ApiError(500, f"the engine failed: {exc}", code="engine_error") from None
-        finally:
+        finally:  # the engine's stream, closed early (a client gone) or not
             close = getattr(deltas, "aclose", None)
             if close is not None:
                 await close()
