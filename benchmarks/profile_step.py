@@ -23,7 +23,7 @@ from _common import commit, write_json
 from bench_runtime_gpu import BLOCK, CTX, decode_host, time_steps
 from dispatcher.plan.dispatch import BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, GraphSet
-from dispatcher.runtime.graphs import GraphRuntime
+from dispatcher.runtime.graphs import GraphRuntime, StepInputs
 from models.attention import allocate_kv_cache
 from models.config import preset
 from models.fused import pdl_available, programmatic_launch
@@ -87,11 +87,11 @@ def main() -> None:
         with programmatic_launch(False):
             rt_plain = runtime([s for s in sets if s.kind == FULL_DECODE])
         for n in FULL_REQS:
-            host = decode_host(n, 1, blocks_per_req)
+            host = StepInputs.from_host(decode_host(n, 1, blocks_per_req), "cuda")
             desc = BatchDescriptor("FULL", "bench", n, n, 1, GraphKey(FULL_DECODE, 1, n))
             piece = rt.graphs[desc.graph][0]
             with programmatic_launch(False):
-                kern = kernels_of(lambda: (rt.load_inputs(host, n, n), piece.fn()))
+                kern = kernels_of(lambda: (rt.load_inputs(host, *rt.layouts[desc.graph]), piece.fn()))
             replay = time_steps(lambda: rt.execute(desc, host))
             only_graph = time_steps(piece.replay)
             replay_plain = time_steps(lambda: rt_plain.execute(desc, host))
@@ -110,12 +110,12 @@ def main() -> None:
                 print(f"    {cnt:4d} x {sum(us for nm, us in kern if nm == k) / cnt:7.2f} us  {k[:110]}")
         for t in PW_TOKENS:
             nreq = -(-t // 8)
-            host = decode_host(nreq, min(t, 8), blocks_per_req)[:, :t]
+            host = StepInputs.from_host(decode_host(nreq, min(t, 8), blocks_per_req)[:, :t], "cuda")
             desc = BatchDescriptor("PIECEWISE", "bench", t, nreq, 8, GraphKey(PIECEWISE, None, t))
             pieces = rt.graphs[desc.graph]
-            attention = rt._attention_runner(t)
+            attention = rt._attention_runner(t, None, rt.load_inputs(host, t))
             step_host = host_ms(lambda: rt.execute(desc, host))
-            load = host_ms(lambda: rt.load_inputs(host, t, t))
+            load = host_ms(lambda: rt.load_inputs(host, t))
             replays = host_ms(lambda: [p.replay() for p in pieces])
             attn = host_ms(lambda: [attention(i) for i in range(cfg.num_layers)])
             gpu = time_steps(lambda: rt.execute(desc, host))

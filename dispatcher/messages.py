@@ -68,6 +68,9 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     """uint8 per request: the query reaches the request's last token, so the step samples for it."""
     num_new_drafts: int
     """Drafts to propose for each sampling request, for its next step."""
+    max_seq_len: int
+    """A bound on every scheduled request's context with this step's tokens (the engine's count, which assumes the
+    drafts of a step still running all accepted): eager attention chooses its splits by it."""
     block_updates: bytes
     """int32 (3, m): new block-table entries (slot, block index, block id)."""
     target: BatchDescriptor

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from models.config import ModelConfig, preset
-from models.transformer import CausalLM, build_model
+from models.transformer import VOCAB_PARAMS, CausalLM, build_model
 
 SUPPORTED = ("llama", "qwen2", "mixtral", "qwen2_moe")
 
@@ -96,9 +96,13 @@ def _hf_names(cfg: ModelConfig, kind: str) -> Iterator[tuple[str, list[str], int
 
 
 def _target(model: CausalLM, name: str) -> torch.Tensor:
+    """Our parameter (a view) that a checkpoint tensor fills: an expert's slice, or the vocabulary rows of the LM
+    head and embedding, which are stored padded (``models.transformer.padded_vocab``; the padding stays zero)."""
     if name.endswith("]"):
         base, index = name[:-1].split("[")
         return model.get_parameter(base)[int(index)]
+    if name in VOCAB_PARAMS:
+        return model.get_parameter(name)[:model.cfg.vocab_size]
     return model.get_parameter(name)
 
 

@@ -1,5 +1,9 @@
 """A decoder-only transformer (Llama / Qwen2 dense, Mixtral / Qwen-MoE) over a paged KV cache.
 
+The LM head (the embedding, when tied) is stored with its vocabulary padded to a multiple of VOCAB_ALIGN rows (zero
+rows past ``vocab_size``): cuBLAS has no fast kernel for an odd column count (bench-moe's 49,155), and the padded
+GEMM's extra columns are sliced off before anything reads them.
+
 The forward is written as layers of two halves, ``pre_attention`` (QKV, rotary, KV write) and ``post_attention``
 (output projection, norm, MLP or MoE, then the residual add and the next layer's input norm, which the MoE
 combine kernel does too), so that the graph runtime can capture the pieces between attention calls (PIECEWISE)
@@ -17,6 +21,15 @@ from models.attention import AttentionMetadata, paged_attention, prepare_paged_a
 from models.config import ModelConfig
 from models.fused import rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
+
+VOCAB_ALIGN = 64
+"""LM head rows are padded to a multiple of this (vLLM pads the same way)."""
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+"""Parameters stored with padded vocabulary rows (``padded_vocab``); the first vocab_size rows are the model's."""
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
 class DecoderLayer(nn.Module):
@@ -64,10 +77,11 @@ class CausalLM(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab_rows = padded_vocab(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.scale = cfg.head_dim ** -0.5
 
@@ -112,8 +126,11 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, vocab_size) logits in the model's dtype (bf16 on the GPU; the sampler converts the rows it does
+        math on): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
+        apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return (hidden @ weight.t())[:, :self.cfg.vocab_size]
 
     @torch.no_grad()
     def init_random(self, seed: int, std: float = 0.02) -> "CausalLM":
@@ -125,6 +142,9 @@ class CausalLM(nn.Module):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
+            elif name in VOCAB_PARAMS:  # the vocabulary's rows as unpadded (the same draws); padding rows zero
+                p[:self.cfg.vocab_size].normal_(0.0, std, generator=gen)
+                p[self.cfg.vocab_size:].zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
         return self

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU session's one call: the GPU tests, then the runtime benchmark. Run from the repository root on the
 # device machine; results and logs go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_check.sh [tests] [bench] [moe] [profile]   (default: all of them)
-# (moe: one MoE layer, grouped GEMM vs Triton tiles; profile: where one step's time goes, a diagnostic)
+#   bash scripts/gpu_check.sh [tests] [bench] [moe] [attention] [attention_sweep] [engine] [profile]   (default: all)
+# (moe: one MoE layer, grouped GEMM vs Triton tiles; attention: paged attention and logits at serving shapes;
+#  attention_sweep: the same plus forced split counts and tile shapes, for tuning models/triton_attention.py;
+#  engine: offline EngineCore throughput per capture policy, workload and concurrency, ENGINE_ARGS passed on;
+#  profile: where one step's time goes, a diagnostic)
+# The ShareGPT prompts travel in .gpu_data/sharegpt.json (an ignored folder named in the call's carry).
 # The device machine's copy of .git can be older than the tree sent: pass the commit, e.g.
 #   export OUT TWOGRID_COMMIT=<git rev-parse --short HEAD here>; bash scripts/gpu_check.sh
 set -uo pipefail
@@ -28,6 +32,20 @@ if want bench; then
 fi
 if want moe; then
   python3 benchmarks/bench_moe_gpu.py --out "$OUT/moe_h200.json" 2>&1 | tee "$OUT/moe.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want attention; then
+  python3 benchmarks/bench_attention_gpu.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want attention_sweep; then
+  python3 benchmarks/bench_attention_gpu.py --sweep --out "$OUT/attention_sweep_h200.json" 2>&1 \
+    | tee "$OUT/attention_sweep.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want engine; then
+  python3 benchmarks/bench_engine_gpu.py --data .gpu_data/sharegpt.json --out "$OUT/engine_h200.json" \
+    ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if want profile; then

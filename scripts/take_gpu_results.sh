@@ -3,10 +3,11 @@
 #   bash scripts/take_gpu_results.sh DIR      (DIR: where the run's $OUT files landed, e.g. /work/.device/N)
 # Files a run did not produce are left as they were; the README's GPU table is still edited by hand.
 set -euo pipefail
-src=${1:?usage: take_gpu_results.sh DIR (the folder holding runtime_h200.json / moe_h200.json / profile_step.json)}
+src=${1:?usage: take_gpu_results.sh DIR (the folder holding the run's *_h200.json and profile_step.json)}
 cd "$(dirname "$0")/.."
 copied=0
-for pair in runtime_h200.json:runtime_h200.json moe_h200.json:moe_h200.json profile_step.json:profile_step_h200.json; do
+for pair in runtime_h200.json:runtime_h200.json moe_h200.json:moe_h200.json profile_step.json:profile_step_h200.json \
+            attention_h200.json:attention_h200.json; do
   from=${pair%%:*}; to=${pair##*:}
   if [ -f "$src/$from" ]; then
     python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$src/$from"  # a cut-off run leaves bad JSON

@@ -32,7 +32,7 @@ def logits(model, tokens):
     n = len(tokens)
     kv = allocate_kv_cache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     pos = torch.arange(n)
-    meta = AttentionMetadata(pos.clone(), torch.zeros(n, dtype=torch.int32), pos.int(),
+    meta = AttentionMetadata.from_tokens(pos.clone(), torch.zeros(n, dtype=torch.int32), pos.int(),
                              torch.arange(4, dtype=torch.int32)[None])
     return model.compute_logits(model(torch.tensor(tokens), pos, kv, meta))
 

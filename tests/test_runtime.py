@@ -177,7 +177,7 @@ def _next_logits(engine, tokens):
     kv = allocate_kv_cache(cfg.num_layers, -(-n // 16), 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
     bt = torch.arange(-(-n // 16), dtype=torch.int32, device="cuda")[None]
     pos = torch.arange(n, device="cuda")
-    meta = AttentionMetadata(pos.clone(), torch.zeros(n, dtype=torch.int32, device="cuda"), pos.int(), bt)
+    meta = AttentionMetadata.from_tokens(pos.clone(), torch.zeros(n, dtype=torch.int32, device="cuda"), pos.int(), bt)
     with torch.inference_mode():
         hidden = model(torch.tensor(tokens, device="cuda"), pos, kv, meta)
         return model.compute_logits(hidden[-1:])[0]

@@ -112,6 +112,7 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
            for req, slot in zip(out.new_requests, new_slots)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
+                int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
                 descs.target, descs.draft, descs.draft_next)
 
@@ -185,10 +186,11 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> str:
         request = self.make_request(prompt_token_ids, params, request_id)
-        self._queue(request)
+        self.queue(request)
         return request.request_id
 
-    def _queue(self, request: Request) -> None:
+    def queue(self, request: Request) -> None:
+        """Queue a request made by ``make_request``."""
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         self.scheduler.add_request(request)
@@ -280,7 +282,7 @@ class EngineCore:
         is queued: a bad one raises and leaves the engine as it was."""
         requests = [self.make_request(p, params, f"req-{self._next_id + i}") for i, p in enumerate(prompts)]
         for request in requests:
-            self._queue(request)
+            self.queue(request)
         outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
         for step_outputs in self.run():
             for o in step_outputs:

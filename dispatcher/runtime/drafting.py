@@ -21,7 +21,7 @@ class _Drafter:
 
     def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
-        probs = torch.softmax(self.head.compute_logits(feature).float(), dim=-1)
+        probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
 
@@ -50,7 +50,8 @@ class EagleDrafter(_Drafter):
             rt = self.runtimes[1]
             for j in range(1, k):
                 pos = last_pos + j
-                inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, one, pos + 1, slots_s, 1)
+                inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, one, pos + 1, slots_s, 1,
+                                     plan.max_seq_len + j + 1)
                 feature = rt.execute(step.draft_next, inputs_j, feature).clone()
                 drafts[:, j], conf[:, j] = self._propose(feature)
         state.drafts[slots_s, :k] = drafts
@@ -65,7 +66,7 @@ class EagleDrafter(_Drafter):
         ids_d[ends] = state.token_ids[dev.slots[dev.prefill_rows], positions[ends] + 1]
         ids_d[dev.logit_rows] = tokens.flatten()[dev.verify_cells]
         return self.runtimes[0].inputs(ids_d, positions + 1, rows, inputs.query_start, inputs.seq_lens + 1,
-                                       inputs.req_rows, inputs.max_query_len)
+                                       inputs.req_rows, inputs.max_query_len, inputs.max_seq_len + 1)
 
 
 class BlockDrafter(_Drafter):
@@ -80,7 +81,8 @@ class BlockDrafter(_Drafter):
         rows = slots_s.repeat_interleave(q)
         starts = torch.arange(0, m * q + 1, q, device=hidden.device)
         rt = self.runtimes[0]
-        block_inputs = rt.inputs(ids.flatten(), pos.flatten(), rows, starts, last_pos + q, slots_s, q)
+        block_inputs = rt.inputs(ids.flatten(), pos.flatten(), rows, starts, last_pos + q, slots_s, q,
+                                 plan.max_seq_len + q)
         out = rt.execute(step.draft, block_inputs, hidden[last_row].repeat_interleave(q, dim=0)).view(m, q, -1)
         drafts, conf = self._propose(out[:, :k].reshape(m * k, -1))
         state.drafts[slots_s, :k] = drafts.view(m, k)

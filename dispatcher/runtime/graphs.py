@@ -1,11 +1,14 @@
 """The graph runtime: capture every graph of a runner's plan and replay them (SPEC section 6).
 
 - Static buffers live in one place (``StaticBuffers``), sized for the widest graph; a graph of S tokens reads
-  and writes their first S rows. Replay copies the real rows in, pads the rest (slot -1, position -1), in one
-  host-to-device copy of the step's five input rows packed for S (``StaticBuffers.inputs``), replays, and
-  returns a view of the real rows of the output.
+  and writes their first S rows. Replay copies the step's real rows in from the device (the worker builds them
+  there), pads the rest (slot -1, position -1), lays out the per-request attention metadata (query starts,
+  sequence lengths, block-table rows) for S tokens and R requests after them (``StaticBuffers.inputs``), replays,
+  and returns a view of the real rows of the output.
 - FULL graphs hold the whole forward, attention included, over the metadata buffers: uniform decode (n
-  requests at q tokens each, S = n * q) and varlen (adaptive verification, or every batch in mode FULL).
+  requests at q tokens each, S = n * q, R = n) and varlen (adaptive verification, or every batch in mode FULL:
+  S tokens, R = min(S, max_num_reqs + 1), one slot more than a step can fill so that padded rows always have a
+  padded request to belong to). A graph's (S, R, query-length bound) is fixed, so are its attention launches.
 - PIECEWISE graphs are the pieces between attention calls: piece 0 is the embedding and layer 0 up to its
   attention (its KV write included: padded rows have slot -1), piece i finishes layer i - 1 and prepares layer
   i, the last piece finishes the last layer. Attention runs eagerly between them on the real rows only. Pieces
@@ -30,9 +33,9 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
+from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, RequestLayout, pack_requests
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -92,9 +95,12 @@ class StaticBuffers:
     """Every tensor a graph reads or writes, sized for the widest graph."""
 
     inputs: torch.Tensor
-    """(5 * max_num_tokens,) int64. A step padded to S rows packs its INPUT_ROWS at the start, five consecutive
-    runs of S (``rows(S)``), so that they arrive in one host-to-device copy and a graph of S rows reads them
-    where they land; nothing is copied on the device."""
+    """(5 * max_num_tokens + 3 * request_capacity + 1,) int64. A step padded to S rows and R requests packs its
+    INPUT_ROWS at the start, five consecutive runs of S (``rows(S)``), then its per-request attention metadata
+    (``requests(S, R)``: query starts (R + 1), sequence lengths (R), block-table rows (R)), so that everything
+    arrives in one host-to-device copy and a graph reads it where it lands; nothing is copied on the device."""
+    request_capacity: int
+    """The most requests a step's metadata can hold (a graph's request slots, padded ones included)."""
     block_table: torch.Tensor
     """(max_num_reqs, max_blocks_per_seq): row = the scheduler's slot, updated by deltas."""
     residual: torch.Tensor
@@ -106,11 +112,12 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
-                 with_aux: bool = False):
+                 with_aux: bool = False, request_capacity: int | None = None):
         t = max_num_tokens
+        capacity = request_capacity or max_num_reqs + 1
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
-            inputs=z(len(INPUT_ROWS) * t, dt=torch.int64),
+            inputs=z(input_length(t, capacity), dt=torch.int64), request_capacity=capacity,
             block_table=torch.full((max_num_reqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
@@ -121,12 +128,26 @@ class StaticBuffers:
         """(5, num_tokens) view: the INPUT_ROWS of a step padded to num_tokens."""
         return self.inputs[:len(INPUT_ROWS) * num_tokens].view(len(INPUT_ROWS), num_tokens)
 
-    def meta(self, num_tokens: int) -> AttentionMetadata:
+    def requests(self, num_tokens: int, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of a step's per-request metadata (query starts, sequence lengths, block-table rows), packed after
+        the INPUT_ROWS of num_tokens rows."""
+        start = len(INPUT_ROWS) * num_tokens
+        flat = self.inputs[start:start + 3 * num_reqs + 1]
+        return flat[:num_reqs + 1], flat[num_reqs + 1:2 * num_reqs + 1], flat[2 * num_reqs + 1:]
+
+    def meta(self, num_tokens: int, num_reqs: int, max_query_len: int,
+             max_seq_len: int | None = None) -> AttentionMetadata:
         _, _, slots, token_req, token_pos = self.rows(num_tokens)
-        return AttentionMetadata(slots, token_req, token_pos, self.block_table)
+        return AttentionMetadata(slots, token_req, token_pos, self.block_table, *self.requests(num_tokens, num_reqs),
+                                 max_query_len, max_seq_len)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+def input_length(num_tokens: int, num_reqs: int) -> int:
+    """Entries of ``StaticBuffers.inputs`` a step of num_tokens rows and num_reqs requests fills."""
+    return len(INPUT_ROWS) * num_tokens + 3 * num_reqs + 1
 
 
 class _Replayable:
@@ -193,6 +214,20 @@ def _graph_tokens(g: GraphSet, size: int) -> int:
     return size * g.q if g.kind == FULL_DECODE else size
 
 
+Layout = tuple[int, int | None, int | None]
+"""A graph's (tokens, request slots, query-length bound); PIECEWISE: (tokens, None, None), its eager attention
+takes each step's own requests."""
+
+
+def _graph_layout(g: GraphSet, size: int, max_num_reqs: int) -> Layout:
+    tokens = _graph_tokens(g, size)
+    if g.kind == FULL_DECODE:
+        return tokens, size, g.q
+    if g.kind == PIECEWISE:
+        return tokens, None, None
+    return tokens, min(tokens, max_num_reqs + 1), tokens
+
+
 class GraphRuntime:
     """Runs one model (a runner) for any BatchDescriptor of its plan."""
 
@@ -207,24 +242,33 @@ class GraphRuntime:
         widest = max((_graph_tokens(g, g.largest) for g in self.graph_sets), default=0)
         self.max_num_tokens = max(max_num_tokens, widest)
         self.max_num_reqs = max_num_reqs
+        self.layouts = {GraphKey(g.kind, g.q, size): _graph_layout(g, size, max_num_reqs)
+                        for g in self.graph_sets for size in g.sizes}
+        capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux)
+                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux,
+                                           request_capacity=capacity)
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._primed = False
         self._pad_rows = torch.from_numpy(_PAD_ROWS).to(self.device).expand(-1, self.max_num_tokens)
+        self._counts = torch.arange(capacity + 1, device=self.device)
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
-    def _full(self, num_tokens: int) -> Callable[[], None]:
+    def _full(self, num_tokens: int, num_reqs: int, max_query_len: int,
+              max_seq_len: int | None = None) -> Callable[[], None]:
+        """The whole forward over the static buffers' first num_tokens rows and num_reqs requests. A graph's
+        closure takes the graph's bounds (``max_seq_len`` None: the block table's width); eager, the step's own."""
         b, model = self.bufs, self.model
 
         def run() -> None:
             aux = b.aux[:num_tokens] if b.aux is not None else None
             input_ids, positions = b.rows(num_tokens)[:2]
-            hidden = model(input_ids, positions, self.kv_caches, b.meta(num_tokens), aux)
+            meta = b.meta(num_tokens, num_reqs, max_query_len, max_seq_len)
+            hidden = model(input_ids, positions, self.kv_caches, meta, aux)
             b.hidden_out[:num_tokens].copy_(hidden)
 
         return run
@@ -250,32 +294,36 @@ class GraphRuntime:
 
         return run
 
-    def _attention_runner(self, num_tokens: int, num_real: int | None = None) -> Callable[[int], None]:
-        """Eager attention for the first ``num_real`` rows (default: all) of each layer of a step padded to
-        ``num_tokens`` rows, between PIECEWISE pieces (each piece has already written its K and V): prepared once
-        a step (row views, metadata, launch arguments), so a layer costs one launch; the output lands in
-        ``attn_out``."""
+    def _attention_runner(self, num_tokens: int, num_real: int | None, layout: RequestLayout) -> Callable[[int], None]:
+        """Eager attention for the first ``num_real`` rows (None: all) of each layer of a step padded to
+        ``num_tokens`` rows, whose per-request metadata (``layout``) covers exactly those rows, between PIECEWISE
+        pieces (each piece has already written its K and V): prepared once a step (row views, metadata, launch
+        arguments; the step's own longest query and sequence pick tiles and splits), so a layer costs its launches
+        only; the output lands in ``attn_out``."""
         b, n = self.bufs, num_tokens if num_real is None else num_real
-        return self.model.prepare_attention(b.q[:n], self.kv_caches, b.meta(num_tokens).narrow(n), b.attn_out[:n])
+        meta = b.meta(num_tokens, layout.num_reqs, max(layout.max_query_len, 1), layout.max_seq_len or None).narrow(n)
+        return self.model.prepare_attention(b.q[:n], self.kv_caches, meta, b.attn_out[:n])
 
     def _build_closures(self) -> None:
         for g in self.graph_sets:
             for size in g.sizes:
                 key = GraphKey(g.kind, g.q, size)
-                tokens = _graph_tokens(g, size)
+                tokens, reqs, bound = self.layouts[key]
                 if g.kind == PIECEWISE:
                     self.graphs[key] = [_Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
                 else:
-                    self.graphs[key] = [_Replayable(self._full(tokens))]
+                    self.graphs[key] = [_Replayable(self._full(tokens, reqs, bound))]
 
     # -- capture ---------------------------------------------------------------------------------------------
     def _capture_order(self) -> list[GraphSet]:
         """Kinds widest first, so that narrower graphs reuse the pool the widest ones grew."""
         return sorted(self.graph_sets, key=lambda s: -_graph_tokens(s, s.largest))
 
-    def _reset_metadata(self, num_tokens: int) -> None:
-        """Safe inputs for warm-up and capture of num_tokens rows: every row padded (no KV write, no attention)."""
-        self.bufs.rows(num_tokens).copy_(torch.from_numpy(_PAD_ROWS).expand(-1, num_tokens))
+    def _reset_metadata(self, key: GraphKey) -> RequestLayout:
+        """Safe inputs for warm-up and capture of a graph: every row padded (no KV write; attention writes zeros),
+        in the graph's layout (PIECEWISE: one padded request holding every row)."""
+        tokens, reqs, bound = self.layouts[key]
+        return self._load_host(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens)
 
     def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
@@ -283,8 +331,8 @@ class GraphRuntime:
         tokens = _graph_tokens(g, size)
         if pieces is None:
             pieces = self.graphs[GraphKey(g.kind, g.q, size)]
-        self._reset_metadata(tokens)
-        attention = self._attention_runner(tokens)
+        layout = self._reset_metadata(GraphKey(g.kind, g.q, size))
+        attention = self._attention_runner(tokens, None, layout) if g.kind == PIECEWISE else None
         try:
             for i, piece in enumerate(pieces):
                 piece.capture(pool, stream)
@@ -322,7 +370,7 @@ class GraphRuntime:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for g in self.graph_sets:
-                self._reset_metadata(_graph_tokens(g, min(g.sizes)))
+                self._reset_metadata(GraphKey(g.kind, g.q, min(g.sizes)))
                 try:
                     for piece in self.graphs[GraphKey(g.kind, g.q, min(g.sizes))]:
                         piece.fn()
@@ -424,7 +472,7 @@ class GraphRuntime:
             return None
         sizes, times = [], []
         for size in sets[0].sizes:
-            self._reset_metadata(_graph_tokens(sets[0], size))
+            self._reset_metadata(GraphKey(kind, sets[0].q, size))
             graph = self.graphs[GraphKey(kind, sets[0].q, size)][0]
             graph.replay()  # warm
             runs = []
@@ -446,25 +494,61 @@ class GraphRuntime:
 
     # -- replay ----------------------------------------------------------------------------------------------
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
-               query_start: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor,
-               max_query_len: int) -> "StepInputs":
+               query_start: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor, max_query_len: int,
+               max_seq_len: int) -> "StepInputs":
         """A forward's inputs from device tensors: per token its id, position and block-table row (its KV slot is
         looked up here); per request its query start, sequence length (context with this step's tokens) and
-        block-table row."""
+        block-table row; host-side bounds on the query and sequence lengths."""
         bs = self.kv_caches[0].shape[2]
         kv_slots = self.bufs.block_table[token_rows, positions // bs].long() * bs + positions % bs
         return StepInputs(torch.stack([input_ids, positions, kv_slots, token_rows]), query_start, seq_lens, req_rows,
-                          max_query_len)
+                          max_query_len, max_seq_len)
 
-    def load_inputs(self, inputs: "StepInputs", num_padded: int) -> None:
-        """Copy a step's real rows into the static buffers; rows num_real..num_padded become padding (slot -1,
-        position -1)."""
-        n = inputs.num_tokens
-        rows = self.bufs.rows(num_padded)
+    def load_inputs(self, inputs: "StepInputs", num_tokens: int, num_reqs: int | None = None,
+                    max_query_len: int | None = None) -> RequestLayout:
+        """Copy a step's inputs into the static buffers, on the device. Rows num_real..num_tokens become padding
+        (slot -1, position -1). With ``num_reqs`` (a FULL graph's request slots and query-length bound) the
+        per-request metadata covers all num_tokens rows: padded rows in padded requests (sequence length 0), in
+        runs of at most ``max_query_len`` rows, the last taking the rest (as ``models.attention.pack_requests``
+        lays them out); without, exactly the real requests over the real rows (eager attention)."""
+        n, r = inputs.num_tokens, inputs.num_reqs
+        rows = self.bufs.rows(num_tokens)
         rows[:4, :n].copy_(inputs.tokens)
         rows[4, :n].copy_(inputs.tokens[1])
-        if num_padded > n:
-            rows[:, n:].copy_(self._pad_rows[:, : num_padded - n])
+        if num_tokens > n:
+            rows[:, n:].copy_(self._pad_rows[:, : num_tokens - n])
+        reqs = r if num_reqs is None else num_reqs
+        if r + (num_tokens > n and num_reqs is not None) > reqs:
+            raise ValueError(f"num_reqs: the step's {r} requests and {num_tokens - n} padded rows (which need a "
+                             f"padded request) do not fit the graph's {reqs} request slots")
+        query_start, seq_lens, req_rows = self.bufs.requests(num_tokens, reqs)
+        query_start[: r + 1].copy_(inputs.query_start)
+        seq_lens[:r].copy_(inputs.seq_lens)
+        req_rows[:r].copy_(inputs.req_rows)
+        if reqs > r:
+            torch.clamp(self._counts[1 : reqs - r + 1] * max_query_len + n, max=num_tokens, out=query_start[r + 1 :])
+            query_start[reqs].fill_(num_tokens)
+            seq_lens[r:].zero_()
+            req_rows[r:].zero_()
+        return RequestLayout(reqs, r, inputs.max_query_len, inputs.max_seq_len)
+
+    def _load_host(self, host: np.ndarray, num_tokens: int, num_reqs: int | None = None,
+                   max_query_len: int | None = None) -> RequestLayout:
+        """``load_inputs`` from host rows (4, num_real) int64 (input ids, positions, KV slots, block-table rows; a
+        request's rows contiguous), laid out on the host (``pack_requests``) and copied synchronously: capture's
+        safe inputs."""
+        num_real = host.shape[1]
+        rows = len(INPUT_ROWS)
+        flat = np.empty(self.bufs.inputs.shape[0], dtype=np.int64)
+        staged = flat[:rows * num_tokens].reshape(rows, num_tokens)
+        staged[:4, :num_real] = host
+        staged[4, :num_real] = host[1]
+        staged[:, num_real:] = _PAD_ROWS
+        covered = num_tokens if num_reqs is not None else num_real
+        layout = pack_requests(host[3], host[1], flat[rows * num_tokens:], covered, num_reqs, max_query_len)
+        length = input_length(num_tokens, layout.num_reqs)
+        self.bufs.inputs[:length].copy_(torch.from_numpy(flat[:length]))
+        return layout
 
     def update_block_table(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         if len(rows):
@@ -476,22 +560,25 @@ class GraphRuntime:
         """Run a step: its inputs (and a drafter's (num_real, hidden) features) -> final hidden states of the real
         rows (a view of a static buffer, valid until the next execute)."""
         num_real = inputs.num_tokens
-        num = desc.num_tokens if desc.mode != MODE_EAGER else num_real
-        self.load_inputs(inputs, num)
+        if desc.mode == MODE_FULL:
+            self.load_inputs(inputs, *self.layouts[desc.graph])
+        else:
+            num = desc.num_tokens if desc.mode == MODE_PIECEWISE else num_real
+            layout = self.load_inputs(inputs, num)
         if aux is not None:
             self.bufs.aux[:num_real].copy_(aux)
         if desc.mode == MODE_FULL:
             self.graphs[desc.graph][0].replay()
         elif desc.mode == MODE_PIECEWISE:
             pieces = self.graphs[desc.graph]
-            attention = self._attention_runner(num, num_real)
+            attention = self._attention_runner(num, num_real, layout)
             last = len(pieces) - 1
             for i, piece in enumerate(pieces):
                 piece.replay()
                 if i < last:
                     attention(i)
         else:
-            self._full(num_real)()
+            self._full(num_real, layout.num_reqs, layout.max_query_len, layout.max_seq_len)()
         return self.bufs.hidden_out[:num_real]
 
 
@@ -508,21 +595,28 @@ class StepInputs:
     req_rows: torch.Tensor
     """(num_reqs,) int64: each request's block-table row."""
     max_query_len: int
+    """The longest query (host-side, exact)."""
+    max_seq_len: int
+    """A host-side bound on the longest sequence (eager attention chooses its splits by it)."""
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
     @classmethod
     def from_host(cls, host: np.ndarray, device) -> "StepInputs":
         """From host rows (4, n): input ids, positions, KV slots, block-table rows, a request's rows contiguous
         (tests and benchmarks)."""
-        rows = host[3]
-        starts = np.concatenate([[0], np.nonzero(np.diff(rows))[0] + 1]) if len(rows) else np.zeros(0, np.int64)
-        ends = np.append(starts[1:], len(rows))
+        buf = np.empty(3 * (host.shape[1] + 1) + 1, dtype=np.int64)
+        layout = pack_requests(host[3], host[1], buf, host.shape[1])
+        r = layout.num_reqs
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
-        return cls(to(host), to(np.append(starts, len(rows))), to(host[1][ends - 1] + 1), to(rows[starts]),
-                   int((ends - starts).max()) if len(rows) else 0)
+        return cls(to(host), to(buf[: r + 1]), to(buf[r + 1 : 2 * r + 1]), to(buf[2 * r + 1 : 3 * r + 1]),
+                   max(layout.max_query_len, 1), layout.max_seq_len)
 
 
 class _NoBar:

@@ -259,7 +259,8 @@ class ModelWorker:
         drafted = st.drafts[slot_t, dev.token_draft.clamp(min=0)]
         ids = torch.where(dev.token_draft < 0, known, drafted)
         seq_lens = st.num_computed[dev.slots] + dev.num_scheduled
-        return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len)
+        return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len,
+                                   plan.max_seq_len)
 
     # -- verification and sampling --------------------------------------------------------------------------
     def _verify(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor):
@@ -382,6 +383,7 @@ class _StepPlan:
     """Per request, the row of its last token."""
     width: int
     max_query_len: int
+    max_seq_len: int
 
     @property
     def num_sampling(self) -> int:
@@ -412,7 +414,7 @@ class _StepPlan:
         cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len)
 
 
 @dataclass

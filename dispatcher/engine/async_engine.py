@@ -1,0 +1,216 @@
+"""The serving engine: EngineCore's scheduler and dispatcher driven by an asyncio loop, the worker in its own process.
+
+One task runs the steps. It submits step t + 1 before it awaits step t's result (where the method allows), and
+while it awaits, the event loop serves HTTP: new requests, streamed text, aborts. Each request's outputs reach its
+stream through an asyncio queue; a stream that is closed early (a client gone) aborts its request, which frees its
+KV blocks at once. A failed step fails the requests in it, the server goes on; a dead worker fails every request,
+turns ``dead`` into the reason, and ends the step task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+from typing import AsyncIterator
+
+from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
+from dispatcher.engine.ipc import WorkerDied, WorkerProcess
+from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
+from dispatcher.messages import StepResult, WorkerError, WorkerReady, decode_to_engine, encode
+from dispatcher.plan.config import ResolvedConfig
+from models.config import ModelConfig
+from scheduler.request import FinishReason, RequestError, SamplingParams
+
+log = logging.getLogger("twogrid.engine")
+
+LIVENESS_S = 0.5
+"""How often the engine checks that the worker process is alive while it waits for it."""
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request (its step failed, or the worker died)."""
+
+
+class _RemoteWorkerInfo:
+    """What EngineCore asks of its worker, from the worker process's WorkerReady (steps travel separately)."""
+
+    def __init__(self, ready: WorkerReady):
+        self.ready = ready
+        self.model_config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                           for k, v in ready.model_config.items()})
+        self.device_name = ready.device_name
+
+    def measure_av_curve(self):
+        return self.ready.av_curve
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, process: WorkerProcess, tokenizer, served_model_name: str,
+                 default_params: SamplingParams, metrics=None):
+        self.core = core
+        self.process = process
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = core.args.max_model_len
+        self.default_params = default_params
+        self.metrics = metrics
+        self.processor = OutputProcessor(tokenizer, core.scheduler.finish_request)
+        self.ready = True
+        self.dead: str | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    @classmethod
+    async def start(cls, cfg: ResolvedConfig, args: EngineArgs, process: WorkerProcess, tokenizer,
+                    served_model_name: str, default_params: SamplingParams, metrics=None) -> "AsyncEngine":
+        """Start the worker (load, size the KV cache, capture), then the step task."""
+        ready = await _await_ready(process)
+        args = replace(args, num_kv_blocks=ready.num_kv_blocks)
+        core = EngineCore(cfg, args, worker=_RemoteWorkerInfo(ready))
+        engine = cls(core, process, tokenizer, served_model_name, default_params, metrics)
+        engine.capture = ready
+        if metrics is not None:
+            metrics.set_capture(ready.capture_seconds,
+                                int(sum(k["measured_gib"] for k in ready.capture) * 2**30))
+        engine._task = asyncio.get_running_loop().create_task(engine._run())
+        return engine
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request (validated now: RequestError names the field and the limit) and stream its outputs."""
+        if self.dead is not None:
+            raise EngineError(f"the engine cannot serve: {self.dead}")
+        if self._stopping:
+            raise EngineError("the server is shutting down")
+        request = self.core.make_request(prompt_token_ids, params, request_id)
+        self.processor.add_request(request_id, prompt, request.prompt_token_ids, params)
+        self.core.queue(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:  # the consumer stopped early (a client gone): the request ends here
+            if request_id in self._streams:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._streams.pop(request_id, None)
+        if self.core.abort(request_id):
+            final = self.processor.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.on_request_finished(FinishReason.ABORT.value)
+            if queue is not None and final is not None:
+                queue.put_nowait(final)
+
+    def _fail(self, request_ids, message: str) -> None:
+        for rid in request_ids:
+            queue = self._streams.pop(rid, None)
+            self.core.abort(rid)
+            self.processor.abort(rid)
+            if queue is not None:
+                queue.put_nowait(EngineError(message))
+
+    # -- the step task ---------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        core = self.core
+        depth = 2 if core.async_scheduling else 1
+        in_flight: deque[ScheduledStep] = deque()
+        try:
+            while not self._stopping or in_flight or core.has_unfinished():
+                if not core.has_unfinished() and not in_flight:
+                    if self._stopping:
+                        break
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
+                if step is not None:
+                    step.submitted_at = time.perf_counter()
+                    await self.process.to_worker.send(encode(step.message))
+                    in_flight.append(step)
+                if in_flight and (len(in_flight) == depth or step is None):
+                    done = in_flight.popleft()
+                    result = await self._receive(done)
+                    if isinstance(result, WorkerError):
+                        self._fail([r.request_id for r in done.out.requests], f"step failed: {result.message}")
+                        continue
+                    self._publish(core.update(done, core.finish(done, result)), done)
+                await asyncio.sleep(0)  # let the loop run the handlers woken by this step's outputs
+        except WorkerDied as exc:
+            self.dead = str(exc)
+            log.error("engine stopped: %s", exc)
+            self._fail(list(self._streams), str(exc))
+        except Exception as exc:  # a bug: fail everything rather than hang every client
+            self.dead = f"{type(exc).__name__}: {exc}"
+            log.exception("engine step task failed")
+            self._fail(list(self._streams), self.dead)
+
+    async def _receive(self, step: ScheduledStep) -> StepResult | WorkerError:
+        sock = self.process.to_engine
+        while True:
+            if await sock.poll(LIVENESS_S * 1000):
+                msg = decode_to_engine(await sock.recv())
+                if isinstance(msg, WorkerError) and msg.step_id < 0:
+                    log.warning("worker: %s", msg.message)  # a refused frame: not this step's
+                    continue
+                if isinstance(msg, (StepResult, WorkerError)) and msg.step_id == step.out.step_id:
+                    return msg
+                raise WorkerDied(f"expected the result of step {step.out.step_id}, got {type(msg).__name__}")
+            if not self.process.alive():
+                raise WorkerDied(f"the worker process {self.process.exit_description()}")
+
+    def _publish(self, step_outputs, step: ScheduledStep) -> None:
+        for out in self.processor.process(step_outputs):
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        if self.metrics is not None:
+            self.metrics.on_step(self.core, step, step_outputs)
+
+    # -- shutdown ----------------------------------------------------------------------------------------------
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``timeout_s``, fail the rest, stop the worker."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except asyncio.TimeoutError:
+                self._fail(list(self._streams), f"the server shut down before the request finished ({timeout_s} s)")
+                self._task.cancel()
+        self.process.close()
+
+
+async def _await_ready(process: WorkerProcess) -> WorkerReady:
+    await process.to_worker.send(encode(process.init))
+    while True:
+        if await process.to_engine.poll(LIVENESS_S * 1000):
+            msg = decode_to_engine(await process.to_engine.recv())
+            if isinstance(msg, WorkerReady):
+                process.ready = msg
+                return msg
+            if isinstance(msg, WorkerError):
+                raise WorkerDied(f"the worker failed to start: {msg.message}")
+        if not process.alive():
+            raise WorkerDied(f"the worker process {process.exit_description()} while starting")
+
+
+__all__ = ["AsyncEngine", "EngineError", "CompletionOutput", "RequestOutput", "RequestError"]
