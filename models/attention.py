@@ -20,17 +20,19 @@ adaptive verification and mixed batches.
 The KV cache of a layer is one tensor (2, num_blocks + 1, block_size, num_kv_heads, head_dim); the last block
 is the dummy that padded rows of the torch path write to, and no block table references it. On CUDA (and under
 Triton's interpreter) attention reads the paged cache directly (``models.triton_attention``: one program per
-(request's query block, KV head), split across programs for long contexts); on the CPU a torch reference gathers
-each request's context.
+(request's query block, KV head), split across programs for long contexts); on the CPU the step's requests are
+gathered into one padded batch for scaled_dot_product_attention (``reference_paged_attention`` is the plain
+per-request reference the tests compare against).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from models.fused import use_triton
 
@@ -57,6 +59,9 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     """Host-side bound on any request's sequence length, for eager calls (it decides whether contexts are split
     across programs); None: the block table's width in tokens, the only bound a CUDA graph may assume."""
+    cpu_plan: "_CPUPlan | None" = field(default=None, repr=False, compare=False)
+    """The CPU path's gather plan, built by the first layer's attention and reused by the others (a step's
+    metadata is not changed once built: each step builds its own)."""
 
     @property
     def num_reqs(self) -> int:
@@ -191,7 +196,76 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
         from models.triton_attention import prepare_paged_attention as prepare_triton
 
         return prepare_triton(q, kv_cache, meta, scale, out, **kernel_options)
-    return lambda cache: out.copy_(reference_paged_attention(q, cache, meta, scale))
+    if meta.cpu_plan is None:
+        meta.cpu_plan = _CPUPlan.build(meta, kv_cache.shape[2])
+    return lambda cache: meta.cpu_plan.run(q, cache, scale, out)
+
+
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass
+class _CPUPlan:
+    """The CPU path: the step's requests as a padded batch (requests x queries, requests x context), gathered
+    from the paged cache in one indexing per layer and run through one scaled_dot_product_attention call (the
+    per-request Python loop of ``reference_paged_attention`` costs about a millisecond a layer)."""
+
+    q_index: torch.Tensor
+    """(requests, max queries) rows of q; padding repeats a real row."""
+    q_valid: torch.Tensor
+    """(requests, max queries) bool."""
+    rows: torch.Tensor
+    """The real rows, in (request, query) order: where q_valid's outputs go."""
+    pad_rows: torch.Tensor
+    """Rows with position -1: zeros."""
+    k_slots: torch.Tensor
+    """(requests, max context) cache slots of each request's context (padding: slot 0, masked)."""
+    mask: torch.Tensor
+    """(requests, 1, max queries, max context) bool: key position <= query position."""
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
+        pos, reqs = meta.token_pos.long(), meta.token_req.long()
+        live = pos >= 0
+        rows = torch.nonzero(live).flatten()
+        pad_rows = torch.nonzero(~live).flatten()
+        if rows.numel() == 0:
+            return cls(*(torch.zeros(0, dtype=torch.long),) * 2, rows, pad_rows, torch.zeros(0, dtype=torch.long),
+                       torch.zeros(0, dtype=torch.bool))
+        uniq, inverse, counts = torch.unique(reqs[rows], return_inverse=True, return_counts=True)
+        order = torch.argsort(inverse, stable=True)
+        rows, inverse = rows[order], inverse[order]
+        col = torch.arange(rows.numel()) - (torch.cumsum(counts, 0) - counts)[inverse]
+        num_reqs, max_q = uniq.numel(), int(counts.max())
+        q_index = torch.full((num_reqs, max_q), int(rows[0]), dtype=torch.long)
+        q_index[inverse, col] = rows
+        q_pos = torch.full((num_reqs, max_q), -1, dtype=torch.long)
+        q_pos[inverse, col] = pos[rows]
+        ctx = q_pos.max(dim=1).values + 1
+        key_pos = torch.arange(int(ctx.max()))
+        blocks = meta.block_table[uniq].long()[:, key_pos // block_size]
+        k_slots = blocks * block_size + key_pos % block_size
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        mask[:, :, 0] |= q_pos < 0  # padded queries see one key (no all-masked row), their output is dropped
+        return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None])
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        if self.pad_rows.numel():
+            out.index_fill_(0, self.pad_rows, 0)
+        if self.rows.numel() == 0:
+            return out
+        flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+        k, v = flat[0][self.k_slots].transpose(1, 2), flat[1][self.k_slots].transpose(1, 2)
+        qb = q[self.q_index].transpose(1, 2)
+        if _SDPA_GQA:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=self.mask, scale=scale,
+                                               enable_gqa=k.shape[1] != qb.shape[1])
+        else:
+            group = qb.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(qb, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                               attn_mask=self.mask, scale=scale)
+        out.index_copy_(0, self.rows, o.transpose(1, 2)[self.q_valid].to(out.dtype))
+        return out
 
 
 def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

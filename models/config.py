@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling (Hugging Face's ``rope_scaling`` / ``rope_parameters``): ``linear`` divides every
+    frequency by ``factor``; ``llama3`` (Llama 3.1+) divides the low frequencies by ``factor``, keeps the high ones
+    and blends between ``low_freq_factor`` and ``high_freq_factor`` wavelengths."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -28,11 +43,16 @@ class ModelConfig:
     """Qwen2-MoE's shared expert (with a sigmoid gate) beside the routed ones; 0 for none."""
     attention_bias: bool = False
     """Bias on the Q, K and V projections (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of the queries and keys before rotary embeddings (Qwen3)."""
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """Every token id that ends generation (a checkpoint may have several: Llama 3's <|eot_id|> and
+    <|end_of_text|>; ``generation_config.json`` adds its own)."""
 
     @property
     def is_moe(self) -> bool:
@@ -63,31 +83,44 @@ class ModelConfig:
                              f"got {self.num_experts_per_token}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids has {bad_eos[0]}, outside the vocabulary 0..{self.vocab_size - 1}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported (one of "
+                             f"{', '.join(ROPE_TYPES)})")
 
 
 PRESETS: dict[str, ModelConfig] = {
     # CPU test models: seconds to build and run.
     "tiny-dense": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                              head_dim=16, intermediate_size=128, eos_token_id=2),
+                              head_dim=16, intermediate_size=128, eos_token_ids=(2,)),
     "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                             intermediate_size=128, num_experts=8, num_experts_per_token=2, moe_intermediate_size=32,
-                            eos_token_id=2),
+                            eos_token_ids=(2,)),
     # Granite-3.0-1B-A400M's shape: host-bound on an H200 (many small kernels), where graphs decide throughput.
     "bench-moe": ModelConfig(vocab_size=49155, hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8,
                              head_dim=64, intermediate_size=512, num_experts=32, num_experts_per_token=8,
-                             moe_intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=0),
+                             moe_intermediate_size=512, rope_theta=10000.0, tie_word_embeddings=True,
+                             eos_token_ids=(0,)),
     # Qwen3-30B-A3B's layer shape with 24 layers: GPU-bound above a few hundred tokens.
     "bench-moe-large": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=4,
                                    head_dim=128, intermediate_size=768, num_experts=128, num_experts_per_token=8,
-                                   moe_intermediate_size=768, rope_theta=1000000.0, eos_token_id=151645),
+                                   moe_intermediate_size=768, rope_theta=1000000.0, eos_token_ids=(151645,)),
     # Llama-3.2-1B's shape.
     "bench-dense": ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                                head_dim=64, intermediate_size=8192, rope_theta=500000.0, tie_word_embeddings=True,
-                               eos_token_id=128001),
+                               eos_token_ids=(128001,)),
 }
+
+
+MODEL_FORMS = ("a Hugging Face checkpoint directory (config.json + *.safetensors), a .gguf file, or a preset name "
+               f"({', '.join(PRESETS)}: random weights, for benchmarks only)")
+"""What ``--model`` / ``model=`` accepts, for help texts and errors."""
 
 
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"model must be one of {', '.join(PRESETS)} or a checkpoint directory; got {name!r}")
+        raise ValueError(f"model must be a Hugging Face checkpoint directory, a .gguf file or a preset "
+                         f"({', '.join(PRESETS)}); got {name!r}")
     return PRESETS[name]

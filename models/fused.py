@@ -105,6 +105,9 @@ def rms_norm_torch(x, weight, eps, residual=None):
     if residual is not None:
         x = x + residual
         residual = x
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op, the same values (the CPU path)
+        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return out if residual is None else (out, residual)
     xf = x.float()
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return out if residual is None else (out, residual)
@@ -150,10 +153,11 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, stride_t, stride_kind,
-                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                PDL: tl.constexpr):
-        """Program (token, head) over the query heads then the key heads: rotate a query head in place; rotate
+    def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, qn_ptr, kn_ptr, eps, stride_t,
+                                stride_kind, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        """Program (token, head) over the query heads then the key heads: (QK_NORM: RMS-normalize the head with
+        its q or k norm weight, rounded where the torch path rounds, then) rotate a query head in place; rotate
         a key head into the cache and copy its value head beside it (rows with slot -1 write nothing)."""
         pdl_enter(PDL)
         t = tl.program_id(0)
@@ -165,6 +169,17 @@ if triton is not None:
         base = qkv_ptr + t * stride_t + h * HEAD_DIM
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HEAD_DIM // 2 + offs).to(tl.float32)
+        if QK_NORM:
+            dt = qkv_ptr.dtype.element_ty
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+            if h < NUM_HEADS:
+                w1 = tl.load(qn_ptr + offs).to(tl.float32)
+                w2 = tl.load(qn_ptr + HEAD_DIM // 2 + offs).to(tl.float32)
+            else:
+                w1 = tl.load(kn_ptr + offs).to(tl.float32)
+                w2 = tl.load(kn_ptr + HEAD_DIM // 2 + offs).to(tl.float32)
+            x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+            x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
         r1 = (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty)
         r2 = (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty)
         if h < NUM_HEADS:
@@ -306,14 +321,17 @@ def rms_norm(x, weight, eps, residual=None):
 
 def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> None:
+                     head_dim: int, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """One kernel for a layer's QKV rows: rotate the query heads in place, and store the rotated key heads and the
-    value heads at each row's cache slot (slot -1: nothing stored). The key heads in ``qkv`` stay unrotated."""
+    value heads at each row's cache slot (slot -1: nothing stored). The key heads in ``qkv`` stay unrotated.
+    ``qk_norms`` = (q norm weight, k norm weight, eps): each query and key head is RMS-normalized first (Qwen3)."""
     if head_dim & (head_dim - 1) or kv_cache.stride(-1) != 1 or not kv_cache[0].is_contiguous():
         raise ValueError(f"rotary_write_kv_ needs a power-of-two head_dim (got {head_dim}) and a contiguous cache")
+    q_norm, k_norm, eps = qk_norms if qk_norms is not None else (cos, cos, 0.0)
     _rotary_write_kv_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
-        qkv, positions, cos, sin, kv_cache, slot_mapping, qkv.stride(0), kv_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, num_warps=1, **launch_options(qkv))
+        qkv, positions, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, qkv.stride(0), kv_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norms is not None,
+        num_warps=1, **launch_options(qkv))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from models import fused_moe
+from models.config import RopeScaling
 from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, silu_mul
 
 
@@ -23,9 +26,12 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embeddings from a precomputed cos/sin cache indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None,
+                 freq_factors: torch.Tensor | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if freq_factors is not None:  # a GGUF's rope_freqs tensor: llama.cpp's form of Llama 3 scaling
+            inv_freq = inv_freq / freq_factors.to(torch.float64)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
@@ -33,6 +39,23 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
         return rotary_torch(positions, x, self.cos, self.sin)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The rotary frequencies (head_dim / 2,) in float64, scaled as ``scaling`` says (see RopeScaling)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by ``factor``, short ones kept, the band between interpolated
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * slowed / scaling.factor + smooth * slowed
+    medium = (wavelen >= old_len / scaling.high_freq_factor) & (wavelen <= old_len / scaling.low_freq_factor)
+    return torch.where(medium, blended, slowed)
 
 
 class DenseMLP(nn.Module):

@@ -1,59 +1,123 @@
-"""Hugging Face-format checkpoints: ``config.json`` plus ``*.safetensors`` in a local directory, for Llama and
-Qwen2 (dense) and Mixtral and Qwen2-MoE. Separate Q/K/V and gate/up projections are concatenated into the
-fused layouts; expert weights are stacked. Every problem is a CheckpointError naming the file, the tensor and
-the expected shape. ``save_checkpoint`` writes the same format (for tests and tools)."""
+"""Checkpoints: a Hugging Face directory (``config.json``, ``*.safetensors`` single or sharded with
+``model.safetensors.index.json``, ``generation_config.json``), a ``.gguf`` file (``models.gguf_loader``), or a
+preset name (random weights, for benchmarks and tests only).
+
+Architectures: Llama / Mistral, Qwen2, Qwen3 (per-head q/k norms), Mixtral, Qwen2-MoE, Qwen3-MoE. Separate Q/K/V
+and gate/up projections are concatenated into the fused layouts; expert weights are stacked. Every problem is a
+CheckpointError naming the file, the tensor and the expected shape. ``save_checkpoint`` writes the Hugging Face
+format (for tests and tools).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+import struct
+from typing import Iterator, Protocol
 
 import torch
 
-from models.config import ModelConfig, preset
+from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
 from models.transformer import VOCAB_PARAMS, CausalLM, build_model
 
-SUPPORTED = ("llama", "qwen2", "mixtral", "qwen2_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""Hugging Face ``model_type`` values this loader reads."""
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class CheckpointError(ValueError):
-    pass
+    """A checkpoint that cannot be loaded; the message names the file, the field or tensor, and the expectation."""
 
 
-def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
+# ---------------------------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    """The union of eos_token_id values (an int, a list of ints or None), in first-seen order."""
+    out: list[int] = []
+    for v in values:
+        for t in ([] if v is None else v if isinstance(v, list) else [v]):
+            if isinstance(t, int) and not isinstance(t, bool) and t not in out:
+                out.append(t)
+    return tuple(out)
+
+
+def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and scaling from ``rope_theta`` / ``rope_scaling`` or (transformers 5) ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear or llama3)")
+    try:
+        if kind == "linear":
+            return theta, RopeScaling("linear", float(scaling["factor"]))
+        return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                  float(scaling["high_freq_factor"]),
+                                  int(scaling["original_max_position_embeddings"]))
+    except KeyError as exc:
+        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {exc.args[0]!r}") from None
+
+
+def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None = None) -> ModelConfig:
+    """A ModelConfig from a ``config.json`` dict (and ``generation_config.json``'s, for its EOS ids)."""
     kind = hf.get("model_type")
-    if kind not in SUPPORTED:
-        raise CheckpointError(f"{path}: model_type {kind!r} is not supported (one of {', '.join(SUPPORTED)})")
+    if kind not in ARCHITECTURES:
+        arch = (hf.get("architectures") or [None])[0]
+        named = f"model_type {kind!r}" + (f" ({arch})" if arch else "")
+        raise CheckpointError(f"{path}: {named} is not supported; supported model types: {', '.join(ARCHITECTURES)}")
 
-    def need(key):
-        if key not in hf:
-            raise CheckpointError(f"{path}: missing {key!r} (needed for model_type {kind})")
-        return hf[key]
+    def need(key, *alternatives):
+        for k in (key, *alternatives):
+            if hf.get(k) is not None:
+                return hf[k]
+        raise CheckpointError(f"{path}: missing {key!r} (needed for model_type {kind})")
 
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    eos = hf.get("eos_token_id")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias = true is not supported")
+    if hf.get("attention_bias") and kind not in ("qwen2", "qwen2_moe"):
+        raise CheckpointError(f"{path}: attention_bias = true is not supported for model_type {kind} (its output "
+                              f"projection would need a bias)")
+    if kind in MOE_TYPES and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        raise CheckpointError(f"{path}: decoder_sparse_step {hf.get('decoder_sparse_step')} / mlp_only_layers "
+                              f"{hf.get('mlp_only_layers')}: only models whose every layer is MoE are supported")
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
+    theta, scaling = _rope(hf, path)
+    max_pos = int(hf.get("max_position_embeddings", 8192))
+    window = hf.get("sliding_window")
+    if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")) and window < max_pos:
+        max_pos = int(window)  # full attention is exact up to the window: serve no further
     cfg = dict(
         vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"), num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads", heads), head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=need("intermediate_size"), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos, attention_bias=kind in ("qwen2", "qwen2_moe"),
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
+        intermediate_size=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
+            "eos_token_id")),
+        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),
     )
     if kind == "mixtral":
         cfg.update(num_experts=need("num_local_experts"), num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
-    elif kind == "qwen2_moe":
-        cfg.update(num_experts=need("num_experts"), num_experts_per_token=need("num_experts_per_tok"),
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        cfg.update(num_experts=need("num_experts", "num_local_experts"),
+                   num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("moe_intermediate_size"),
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)))
-    out = ModelConfig(**cfg)
+                   shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                   if kind == "qwen2_moe" else 0)
     try:
+        out = ModelConfig(**cfg)
         out.validate()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     return out
 
@@ -71,6 +135,9 @@ def _hf_names(cfg: ModelConfig, kind: str) -> Iterator[tuple[str, list[str], int
         yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"], 0
         if cfg.attention_bias:
             yield f"{ours}.qkv_proj.bias", [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], 0
+        if cfg.qk_norm:
+            yield f"{ours}.q_norm.weight", [f"{p}.self_attn.q_norm.weight"], 0
+            yield f"{ours}.k_norm.weight", [f"{p}.self_attn.k_norm.weight"], 0
         yield f"{ours}.o_proj.weight", [f"{p}.self_attn.o_proj.weight"], 0
         if not cfg.is_moe:
             yield f"{ours}.mlp.gate_up_proj.weight", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], 0
@@ -106,51 +173,152 @@ def _target(model: CausalLM, name: str) -> torch.Tensor:
     return model.get_parameter(name)
 
 
-def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    from safetensors import safe_open
+class TensorSource(Protocol):
+    """Where a loader reads tensors by their Hugging Face names (a safetensors directory, a GGUF file)."""
 
+    where: str
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor (raises CheckpointError naming it when it is missing)."""
+
+    def describe(self, name: str) -> str:
+        """How the checkpoint itself names ``name`` (for errors)."""
+
+
+def fill_model(model: CausalLM, kind: str, source: TensorSource) -> CausalLM:
+    """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error."""
+    cfg = model.cfg
+    done: set[str] = set()
+    with torch.no_grad():
+        for ours, theirs, dim in _hf_names(cfg, kind):
+            parts = [source.get(key) for key in theirs]
+            target = _target(model, ours)
+            shapes = [tuple(p.shape) for p in parts]
+            if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
+                    s[0] for s in shapes) != target.shape[0]:
+                names = " + ".join(source.describe(k) for k in theirs)
+                got = " + ".join(str(s) for s in shapes)
+                raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} "
+                                      f"for {ours}")
+            start = 0
+            for part in parts:  # straight into the fused parameter's rows (no concatenated copy)
+                target.narrow(dim, start, part.shape[dim]).copy_(part)
+                start += part.shape[dim]
+            done.add(ours.split("[")[0])
+    unset = [n for n, _ in model.named_parameters() if n not in done]
+    if unset:
+        raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face directories
+# ---------------------------------------------------------------------------------------------------------------
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object")
+    return data
+
+
+def safetensors_keys(path: str) -> list[str]:
+    """The tensor names of a safetensors file, after checking that its header parses and that the file holds
+    every byte the header points at (a truncated download fails here, not inside a read)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"its header claims {header_len} bytes")
+            header = json.loads(fh.read(header_len))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file: its header places tensor data up to byte "
+                              f"{8 + header_len + end}, the file has {size} bytes")
+    return [k for k in header if k != "__metadata__"]
+
+
+class SafetensorsDir:
+    """A Hugging Face checkpoint's tensors: the shards its index names, or every ``*.safetensors`` file."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.where = path
+        index_path = os.path.join(path, INDEX_FILE)
+        if os.path.isfile(index_path):
+            weight_map = _read_json(index_path, "the shard index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index_path}: no 'weight_map' object naming each tensor's shard")
+            files = sorted(set(weight_map.values()))
+            for f in files:
+                if not os.path.isfile(os.path.join(path, f)):
+                    raise CheckpointError(f"{index_path}: names shard {f!r}, which is not in {path}")
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files")
+        self.file_of: dict[str, str] = {}
+        for f in files:
+            for key in safetensors_keys(os.path.join(path, f)):
+                self.file_of[key] = f
+        self._handles = {}
+        self._open = lambda f: safe_open(os.path.join(path, f), framework="pt")
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.file_of.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.where}: tensor {name!r} is missing")
+        if f not in self._handles:
+            try:
+                self._handles[f] = self._open(f)
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{os.path.join(self.where, f)}: unreadable safetensors file ({exc})") from None
+        return self._handles[f].get_tensor(name)
+
+    def describe(self, name: str) -> str:
+        return name
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def read_hf_config(path: str) -> tuple[dict, ModelConfig]:
+    """(config.json as a dict, the ModelConfig) of a checkpoint directory, with generation_config.json's EOS ids."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face-format checkpoint directory)")
-    try:
-        with open(cfg_path, encoding="utf-8") as fh:
-            hf = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    cfg = config_from_hf(hf, cfg_path)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files")
-    where: dict[str, str] = {}
-    for f in files:
-        try:
-            with safe_open(os.path.join(path, f), framework="pt") as st:
-                for key in st.keys():
-                    where[key] = f
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{os.path.join(path, f)}: unreadable safetensors file ({exc})") from None
+    hf = _read_json(cfg_path, "the model config")
+    return hf, config_from_hf(hf, cfg_path, generation_config(path))
+
+
+def generation_config(path: str) -> dict:
+    """``generation_config.json`` of a checkpoint directory ({} when it has none)."""
+    gen_path = os.path.join(path, "generation_config.json")
+    return _read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
+
+
+def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
+    """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default)."""
+    hf, cfg = read_hf_config(path)
+    source = SafetensorsDir(path)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-    model = build_model(cfg, device, dtype, seed=0)
-    handles: dict[str, object] = {}
     try:
-        for ours, theirs, dim in _hf_names(cfg, hf["model_type"]):
-            parts = []
-            for key in theirs:
-                if key not in where:
-                    raise CheckpointError(f"{path}: tensor {key!r} is missing (needed for {ours})")
-                if where[key] not in handles:
-                    handles[where[key]] = safe_open(os.path.join(path, where[key]), framework="pt")
-                parts.append(handles[where[key]].get_tensor(key))
-            tensor = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
-            target = _target(model, ours)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"{path}: {' + '.join(theirs)} has shape {tuple(tensor.shape)}, expected "
-                                      f"{tuple(target.shape)} for {ours}")
-            with torch.no_grad():
-                target.copy_(tensor.to(target.dtype))
+        return fill_model(build_model(cfg, device, dtype, seed=None), hf["model_type"], source)
     finally:
-        handles.clear()
-    return model
+        source.close()
 
 
 def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
@@ -177,10 +345,13 @@ def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
           "intermediate_size": cfg.moe_intermediate_size if model_type == "mixtral" else cfg.intermediate_size,
           "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
           "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
-          "eos_token_id": cfg.eos_token_id}
+          "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else
+          (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)}
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = {k: v for k, v in vars(cfg.rope_scaling).items()}
     if model_type == "mixtral":
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_token)
-    elif model_type == "qwen2_moe":
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
         hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_token,
                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
@@ -188,8 +359,47 @@ def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
         json.dump(hf, fh, indent=2)
 
 
-def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A preset name (random weights from ``seed``) or a checkpoint directory."""
+# ---------------------------------------------------------------------------------------------------------------
+# --model: a directory, a .gguf file or a preset
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_kind(name_or_path: str) -> str:
+    """'hf' (a checkpoint directory), 'gguf' (a .gguf file) or 'preset'; CheckpointError for anything else."""
     if os.path.isdir(name_or_path):
+        return "hf"
+    if os.path.isfile(name_or_path):
+        with open(name_or_path, "rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            return "gguf"
+        raise CheckpointError(f"{name_or_path}: not a GGUF file (it does not start with the GGUF magic bytes); "
+                              f"--model takes {MODEL_FORMS}")
+    if name_or_path in PRESETS:
+        return "preset"
+    raise CheckpointError(f"model {name_or_path!r}: no such directory or file, and not a preset; --model takes "
+                          f"{MODEL_FORMS}")
+
+
+def read_model_config(name_or_path: str) -> ModelConfig:
+    """The model's shape without loading its weights."""
+    kind = model_kind(name_or_path)
+    if kind == "hf":
+        return read_hf_config(name_or_path)[1]
+    if kind == "gguf":
+        from models.gguf_loader import config_from_gguf, open_gguf
+
+        return config_from_gguf(open_gguf(name_or_path))[1]
+    return preset(name_or_path)
+
+
+def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``)."""
+    kind = model_kind(name_or_path)
+    if kind == "hf":
         return load_checkpoint(name_or_path, device, dtype)
+    if kind == "gguf":
+        from models.gguf_loader import load_gguf
+
+        return load_gguf(name_or_path, device, dtype)
     return build_model(preset(name_or_path), device, dtype, seed)

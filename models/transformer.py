@@ -12,6 +12,7 @@ or the whole forward (FULL) from the same code.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, prepare_paged_attention, write_kv
 from models.config import ModelConfig
-from models.fused import rotary_write_kv_, use_triton
+from models.fused import rms_norm_torch, rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
 
 VOCAB_ALIGN = 64
@@ -39,6 +40,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
             self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
@@ -50,17 +53,25 @@ class DecoderLayer(nn.Module):
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """x: this layer's input, already normed (by the previous layer's ``post_attention``, or ``CausalLM.begin``).
         QKV, rotary, and this step's K and V into ``kv_cache`` at ``slot_mapping`` (slot -1: not stored) -> q
-        (tokens, heads, dim). On the GPU, rotary and the KV write are one kernel."""
+        (tokens, heads, dim). Qwen3's per-head q/k norms come before rotary. On the GPU, the norms, rotary and
+        the KV write are one kernel."""
         c = self.cfg
         qkv = self.qkv_proj(x)
         n = x.shape[0]
         if use_triton(qkv) and n:
+            norms = (self.q_norm.weight, self.k_norm.weight, c.rms_norm_eps) if c.qk_norm else None
             rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
-                             c.num_kv_heads, c.head_dim)
+                             c.num_kv_heads, c.head_dim, norms)
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = rotary(positions, q.view(n, c.num_heads, c.head_dim))
-        k = rotary(positions, k.view(n, c.num_kv_heads, c.head_dim))
+        if c.qk_norm:
+            q = rotary(positions, rms_norm_torch(q.view(n, c.num_heads, c.head_dim), self.q_norm.weight,
+                                                 c.rms_norm_eps))
+            k = rotary(positions, rms_norm_torch(k.view(n, c.num_kv_heads, c.head_dim), self.k_norm.weight,
+                                                 c.rms_norm_eps))
+        else:  # the query and key heads are adjacent in qkv: one rotary call for both
+            qk = rotary(positions, qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
         return q
 
@@ -82,7 +93,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim ** -0.5
 
     @property
@@ -138,7 +149,7 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters(remove_duplicate=True):
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -150,9 +161,29 @@ class CausalLM(nn.Module):
         return self
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    with torch.device(device):
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0) -> CausalLM:
+    """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
+    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32."""
+    with torch.device(device), _no_default_init():
         model = CausalLM(cfg).to(dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
-    return model.init_random(seed).eval().requires_grad_(False)
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    if seed is not None:
+        model.init_random(seed)
+    else:  # a loader sets the vocabulary's rows; the padding rows stay zero (their logits are sliced off)
+        with torch.no_grad():
+            for name in VOCAB_PARAMS:
+                if name != "lm_head.weight" or model.lm_head is not None:
+                    model.get_parameter(name)[cfg.vocab_size:].zero_()
+    return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def _no_default_init():
+    """nn.Linear and nn.Embedding constructed without their random initialization (as transformers'
+    no_init_weights does): it would cost seconds on a real model whose weights are all loaded after."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved

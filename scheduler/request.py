@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
+from typing import Iterable
 
 
 class RequestError(ValueError):
@@ -28,7 +29,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     """max_tokens reached."""
     STOP = "stop"
-    """A stop token id or EOS was sampled."""
+    """A stop token id or EOS was sampled, or the text reached a stop string."""
     ABORT = "abort"
 
 
@@ -49,6 +50,21 @@ class SamplingParams:
     top_p: float = 1.0
     """1 disables top-p."""
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation stops when the output text contains one (matched across token boundaries by the
+    engine's output processor); the text is cut before it."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (<|im_end|>, ...) out of the output text."""
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self, vocab_size: int | None = None) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -62,6 +78,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise RequestError(f"stop_token_ids has {t!r}, outside the vocabulary 0..{(vocab_size or 1) - 1}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 _arrival = itertools.count()
@@ -71,17 +92,19 @@ class Request:
     """One generation request. The scheduler owns its counters while it runs; the token lists live here."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_id", "status",
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "status",
         "finish_reason", "arrival", "num_preemptions",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | Iterable[int] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params or SamplingParams()
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
+        """The model's EOS ids (any of them ends the request unless ignore_eos)."""
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = next(_arrival)

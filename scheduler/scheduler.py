@@ -246,6 +246,23 @@ class Scheduler:
         self.stats.aborted += 1
         return True
 
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Finish a live request from outside the step loop (its text reached a stop string); its KV blocks are
+        freed at once, as ``abort`` frees them, but it counts as finished. False if it is not live."""
+        if reason is FinishReason.ABORT:
+            return self.abort(request_id)
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self._remove_running(self._slot_of(req))
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.stats.finished += 1
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -289,7 +306,7 @@ class Scheduler:
         self.prompt_len[slot] = len(req.prompt_token_ids)
         self.max_output[slot] = req.params.max_tokens
         self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
-            req.eos_token_id is not None and not req.params.ignore_eos)
+            bool(req.eos_token_ids) and not req.params.ignore_eos)
         self.num_drafts[slot] = 0
         self.order.append(slot)
         self._order_dirty = True
@@ -466,9 +483,9 @@ class Scheduler:
             reason = FinishReason.LENGTH if length_done[i] else None
             if check_stop[i]:
                 stops = req.params.stop_token_ids
-                eos = None if req.params.ignore_eos else req.eos_token_id
+                eos = () if req.params.ignore_eos else req.eos_token_ids
                 for j, t in enumerate(new_tokens):
-                    if t == eos or t in stops:
+                    if t in eos or t in stops:
                         self.num_tokens[slots[i]] -= len(new_tokens) - j - 1
                         new_tokens = new_tokens[: j + 1]
                         reason = FinishReason.STOP

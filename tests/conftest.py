@@ -31,3 +31,45 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif "kernels" in item.keywords and not INTERPRETED:
             item.add_marker(skip_kernels)
+
+
+@pytest.fixture(scope="session")
+def texts() -> list[str]:
+    """The 500 ShareGPT prompts, and two strings of four-byte UTF-8 characters (which the prompts lack)."""
+    import json
+
+    from textdata import SHAREGPT
+
+    with open(SHAREGPT, encoding="utf-8") as fh:
+        data = json.load(fh)
+    out = [c["value"] for d in data for c in d["conversations"]]
+    assert len(out) == 500 and sum(any(ord(ch) > 0x3000 for ch in t) for t in out) >= 10  # Korean, Chinese, ...
+    return out + ["Party \U0001f389\U0001f389 time \U0001f469\u200d\U0001f4bb flag \U0001f1f0\U0001f1f7 and "
+                  "e\u0301 or \U0001d518\U0001d52b\U0001d526", "\U0001f642"]
+
+
+@pytest.fixture(scope="session")
+def bpe(texts, tmp_path_factory):
+    """A byte-level BPE trained on the prompts (Qwen2's split), saved as a Hugging Face tokenizer directory
+    (tokenizer.json and a tokenizer_config.json with a ChatML template)."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from models.text import GGUF_PRE_SPLITS
+    from textdata import CHATML, SPECIALS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GGUF_PRE_SPLITS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.train_from_iterator(texts[:300], trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("bpe")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return str(path)

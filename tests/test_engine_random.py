@@ -34,7 +34,7 @@ SPECS = [
 PHASES = ("before_schedule", "after_schedule", "after_execute")
 BLOCK = 4
 MAX_MODEL_LEN = 64
-EOS = preset("tiny-dense").eos_token_id
+EOS = preset("tiny-dense").eos_token_ids[0]
 
 
 @st.composite

@@ -160,6 +160,20 @@ def test_norm_rotary_kv_write_and_silu_match_torch():
     torch.testing.assert_close(qkv[:, :6 * 64].reshape(37, 6, 64), q_ref, rtol=TOL, atol=TOL)
     torch.testing.assert_close(kv, kv_ref, rtol=TOL, atol=TOL)
     assert int((kv != 0).flatten(3).any(-1).sum()) == 2 * 35  # K and V of the 35 real rows: nothing else
+    # Qwen3: each query and key head RMS-normalized with its own weights before rotary, in the same kernel
+    qkv = torch.randn(37, 10 * 64, device=DEV, dtype=DT) * 3
+    qw, kw = torch.rand(64, device=DEV, dtype=DT) + 0.5, torch.rand(64, device=DEV, dtype=DT) + 0.5
+    q_ref = fused.rotary_torch(pos, fused.rms_norm_torch(qkv[:, :6 * 64].reshape(37, 6, 64), qw, 1e-6), rot.cos,
+                               rot.sin)
+    k_ref = fused.rotary_torch(pos, fused.rms_norm_torch(qkv[:, 6 * 64:8 * 64].reshape(37, 2, 64), kw, 1e-6),
+                               rot.cos, rot.sin)
+    kv_ref.zero_()
+    write_kv(kv_ref, k_ref, qkv[:, 8 * 64:].reshape(37, 2, 64), slots)
+    kv_ref[:, 5] = 0
+    kv.zero_()
+    fused.rotary_write_kv_(qkv, pos, rot.cos, rot.sin, kv, slots, 6, 2, 64, (qw, kw, 1e-6))
+    torch.testing.assert_close(qkv[:, :6 * 64].reshape(37, 6, 64), q_ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(kv, kv_ref, rtol=TOL, atol=TOL)
     h = torch.randn(37, 2 * 768, device=DEV, dtype=DT)
     torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=TOL, atol=TOL)
 
@@ -298,21 +312,28 @@ def test_triton_moe_matches_the_grouped_path_and_a_reference(num_experts, top_k,
         fused_moe.MAX_TOKENS, fused_moe.SINGLE_PROGRAM_MAX_CELLS = saved, saved_cells
 
 
-@pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe", "tiny-dense+qk_norm"])
 def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
     """The whole wiring: a forward over a paged cache (a prefill chunk, then a decode step with a padded row)
     through the kernels equals the torch path's forward on the CPU in float32 (bf16 precision on the GPU), and
-    leaves the same K and V in the cache."""
+    leaves the same K and V in the cache. ``+qk_norm``: Qwen3's per-head q/k norms (random weights)."""
     from models.attention import AttentionMetadata, allocate_kv_cache
     from models.config import preset
     from models.transformer import build_model
 
-    cfg = preset(model_name)
+    base, _, extra = model_name.partition("+")
+    cfg = preset(base).with_(qk_norm=extra == "qk_norm")
     runs = {}
     for name, dev, dt in (("kernels", DEV, DT), ("torch", "cpu", torch.float32)):
         ctx = torch_path() if name == "torch" else contextlib.nullcontext()
         with ctx, torch.inference_mode():
-            model = build_model(cfg, "cpu", torch.float32, seed=3).to(dev, dt)  # the same weights on every device
+            model = build_model(cfg, "cpu", torch.float32, seed=3)
+            if cfg.qk_norm:
+                gen = torch.Generator().manual_seed(5)
+                for layer in model.layers:
+                    layer.q_norm.weight.copy_(torch.rand(cfg.head_dim, generator=gen) + 0.5)
+                    layer.k_norm.weight.copy_(torch.rand(cfg.head_dim, generator=gen) + 0.5)
+            model = model.to(dev, dt)  # the same weights on every device
             model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
             kv = allocate_kv_cache(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, dt, dev)
             table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=dev)

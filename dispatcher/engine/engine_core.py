@@ -39,7 +39,7 @@ log = logging.getLogger("twogrid.engine")
 @dataclass
 class EngineArgs:
     model: ModelConfig | str
-    """A model shape, a preset name (random weights from ``seed``) or a checkpoint directory."""
+    """A model shape, a preset name (random weights from ``seed``), a checkpoint directory or a .gguf file."""
     device: str = "cpu"
     dtype: torch.dtype | None = None
     """Default: bfloat16 on CUDA, float32 on the CPU."""
@@ -55,6 +55,8 @@ class EngineArgs:
     """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
     fixed_acceptance: float | None = None
     """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
     av_cost_table: str | None = None
     """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
     once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
@@ -163,6 +165,8 @@ class EngineCore:
         self.stats = EngineStats()
         self._next_id = 0
         self._seeds = np.random.default_rng(args.seed)
+        self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
+                              else tuple(args.eos_token_ids))
 
     @property
     def model_config(self) -> ModelConfig:
@@ -180,7 +184,7 @@ class EngineCore:
                 raise RequestError(f"prompt token {t!r} is outside the vocabulary 0..{vocab - 1}")
         params.validate(vocab)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
-        request = Request(rid, [int(t) for t in ids], params, self.model_config.eos_token_id)
+        request = Request(rid, [int(t) for t in ids], params, self.eos_token_ids)
         self.scheduler.check_request(request)
         return request
 

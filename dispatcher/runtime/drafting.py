@@ -21,7 +21,8 @@ class _Drafter:
 
     def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
-        probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
+        with torch.profiler.record_function("twogrid.draft_logits"):
+            probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
 
@@ -78,12 +79,13 @@ class BlockDrafter(_Drafter):
         ids = torch.full((m, q), self.head.mask_token_id, dtype=torch.int64, device=hidden.device)
         ids[:, 0] = last_tok
         pos = last_pos[:, None] + torch.arange(q, device=hidden.device)[None, :]
-        rows = slots_s.repeat_interleave(q)
+        rows = slots_s[:, None].expand(m, q).reshape(-1)  # (no repeat_interleave: it synchronizes)
         starts = torch.arange(0, m * q + 1, q, device=hidden.device)
         rt = self.runtimes[0]
         block_inputs = rt.inputs(ids.flatten(), pos.flatten(), rows, starts, last_pos + q, slots_s, q,
                                  plan.max_seq_len + q)
-        out = rt.execute(step.draft, block_inputs, hidden[last_row].repeat_interleave(q, dim=0)).view(m, q, -1)
+        aux = hidden[last_row][:, None].expand(m, q, hidden.shape[-1]).reshape(m * q, -1)
+        out = rt.execute(step.draft, block_inputs, aux).view(m, q, -1)
         drafts, conf = self._propose(out[:, :k].reshape(m * k, -1))
         state.drafts[slots_s, :k] = drafts.view(m, k)
         state.draft_conf[slots_s, :k] = conf.view(m, k)

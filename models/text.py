@@ -1,0 +1,442 @@
+"""Text: tokenizers and chat templates of a checkpoint, and incremental detokenization with stop strings.
+
+- ``load_tokenizer(model)``: a Hugging Face directory's ``tokenizer.json`` (with ``tokenizer_config.json`` and
+  ``chat_template.jinja``), or the tokenizer a GGUF file describes in its metadata, rebuilt with the
+  ``tokenizers`` library: byte-level BPE (``tokenizer.ggml.model == "gpt2"``, with the pre-tokenizer split its
+  ``tokenizer.ggml.pre`` names) or SentencePiece-style BPE with byte fallback (``"llama"``, merges recovered from
+  the scores when the file has none). Presets have no tokenizer (None).
+- Chat templates come from checkpoints, so they are untrusted code: they render in jinja2's
+  ImmutableSandboxedEnvironment with the helpers Hugging Face templates use (``raise_exception``, ``tojson``
+  without HTML escaping, ``strftime_now``, the ``{% generation %}`` tag). Any failure is one TemplateError.
+- ``IncrementalDetokenizer``: a request's output text as tokens arrive, never splitting a UTF-8 character
+  (``tokenizers``' DecodeStream holds a token back until its bytes complete a character), with stop strings
+  matched across token boundaries and held back while the text could still be the start of one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Sequence
+
+from models.loader import CheckpointError, _read_json, model_kind
+
+log = logging.getLogger("twogrid.text")
+
+
+class TemplateError(ValueError):
+    """A chat template that does not parse, or raised while rendering (the message says which and why)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with the checkpoint's special tokens and chat template."""
+
+    backend: Any
+    """The ``tokenizers.Tokenizer``."""
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    """bos_token, eos_token, unk_token, pad_token as strings (what chat templates read)."""
+    source: str = ""
+    """Where it was loaded from (for errors)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.special_tokens.get("eos_token"))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """The conversation rendered as the prompt text (the template's BOS included, as it writes it)."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise TemplateError(f"{self.source}: the model has no chat template (tokenizer_config.json "
+                                f"'chat_template', chat_template.jinja, or a GGUF's tokenizer.chat_template); pass "
+                                f"chat_template= or use generate() with a plain prompt")
+        return render_chat_template(template, _plain_messages(messages), add_generation_prompt=add_generation_prompt,
+                                    **{**self.special_tokens, **kwargs})
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Token ids of the rendered conversation (special tokens come from the template only, as in
+        transformers' ``apply_chat_template(tokenize=True)``)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
+
+
+def _plain_messages(messages: list[dict]) -> list[dict]:
+    """Check the messages' shape; OpenAI-style content parts of type text become one string."""
+    if not isinstance(messages, list) or not messages:
+        raise TemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TemplateError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise TemplateError(f"messages[{i}].content: only text parts are supported, got {part!r}")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise TemplateError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
+        out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat templates
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant text with it): renders its
+        body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    class SafeNamespace(jinja2.utils.Namespace):
+        """``namespace()`` that refuses underscore-prefixed attributes."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                SafeNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            SafeNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       namespace=SafeNamespace)
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """Render an (untrusted) chat template in the sandbox; every failure is a TemplateError."""
+    import jinja2
+
+    try:
+        compiled = _compile(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from None
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as exc:  # raise_exception(), undefined names, sandbox violations
+        raise TemplateError(f"chat template raised: {exc.message or type(exc).__name__}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory or GGUF file; None for a preset (random weights, token ids only)."""
+    kind = model_kind(model)
+    if kind == "hf":
+        return tokenizer_from_dir(model)
+    if kind == "gguf":
+        from models.gguf_loader import open_gguf
+
+        return tokenizer_from_gguf_metadata(open_gguf(model).metadata, model)
+    return None
+
+
+def _token_text(value) -> str | None:
+    """A special token in tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_from_dir(path: str) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise CheckpointError(f"{path}: no tokenizer.json (a sentencepiece tokenizer.model alone is not supported; "
+                              f"save the tokenizer with transformers to get tokenizer.json)")
+    try:
+        backend = Backend.from_file(tok_path)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    cfg = _read_json(cfg_path, "the tokenizer config") if os.path.isfile(cfg_path) else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    for name in ("chat_template.jinja",):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as fh:
+                template = fh.read()
+    json_template = os.path.join(path, "chat_template.json")
+    if template is None and os.path.isfile(json_template):
+        template = _read_json(json_template, "the chat template").get("chat_template")
+    special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    bos = special["bos_token"]
+    bos_id = backend.token_to_id(bos) if bos else None
+    if cfg.get("add_bos_token") is True and bos_id is not None and backend.encode("a").ids[:1] != [bos_id]:
+        # tokenizer_config.json asks for BOS but tokenizer.json's post-processor does not add it (transformers'
+        # Llama-style tokenizers rebuild their post-processor from the flag)
+        from tokenizers import processors
+
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                               special_tokens=[(bos, bos_id)])
+    return Tokenizer(backend, template if isinstance(template, str) else None,
+                     {k: v for k, v in special.items() if v is not None}, path)
+
+
+# GGUF byte-level pre-tokenizers, by tokenizer.ggml.pre (llama.cpp's names): the split each vocabulary's merges
+# were learned with. Unknown names fall back to GPT-2's split.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                   "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                   "deepseek-r1-qwen": _QWEN2_SPLIT}
+GGUF_GPT2_PRE = ("default", "gpt2", "gpt-2", "starcoder", "refact", "smollm")
+"""Pre-tokenizer names that split as GPT-2 does (smollm also splits every digit)."""
+CONTROL, USER_DEFINED = 3, 4
+"""tokenizer.ggml.token_type values: control tokens are special; user-defined ones are matched whole."""
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character map, in which byte-level vocabularies are spelled: printable bytes stand for
+    themselves, the others for characters from U+0100 on, in byte order."""
+    out = {b: chr(b) for b in [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]}
+    rest = [b for b in range(256) if b not in out]
+    out.update({b: chr(256 + n) for n, b in enumerate(rest)})
+    return out
+
+
+def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes, built with ``tokenizers``."""
+    from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+
+    kind = md.get("tokenizer.ggml.model")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise CheckpointError(f"{path}: metadata tokenizer.ggml.tokens is missing")
+    types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    if kind == "gpt2":
+        alphabet = _byte_alphabet()
+        chars = set(alphabet.values())
+        # a token spelled outside the byte alphabet (rare; a converter's plain-text special token) is respelled
+        vocab = {(t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+                 for i, t in enumerate(tokens)}
+        merges = md.get("tokenizer.ggml.merges")
+        if not isinstance(merges, list):
+            raise CheckpointError(f"{path}: metadata tokenizer.ggml.merges is missing (needed for a gpt2 tokenizer)")
+        backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        pre = md.get("tokenizer.ggml.pre", "default")
+        if pre in GGUF_PRE_SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(GGUF_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            if pre not in GGUF_GPT2_PRE:
+                log.warning("%s: tokenizer.ggml.pre %r is not known here; splitting text as GPT-2 does", path, pre)
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                              byte_level]) if pre == "smollm" else byte_level)
+        backend.decoder = decoders.ByteLevel()
+        add_bos_default = False
+    elif kind == "llama":
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = md.get("tokenizer.ggml.merges")
+        merges = ([tuple(m.split(" ", 1)) for m in merges] if isinstance(merges, list) else
+                  merges_from_scores(tokens, md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)))
+        unk_id = md.get("tokenizer.ggml.unknown_token_id", 0)
+        backend = Backend(models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True))
+        prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                         prepend_scheme="first" if prefix else "never")
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        add_bos_default = True
+    else:
+        raise CheckpointError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (gpt2 or llama)")
+    inverse = {i: t for t, i in vocab.items()}
+    added = [AddedToken(inverse[i], special=t == CONTROL, normalized=False)
+             for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED) and i in inverse]
+    backend.add_special_tokens([a for a in added if a.special])
+    backend.add_tokens([a for a in added if not a.special])
+
+    def named(key):
+        i = md.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    special = {"bos_token": named("bos"), "eos_token": named("eos"), "unk_token": named("unknown"),
+               "pad_token": named("padding")}
+    bos = special["bos_token"]
+    if md.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                               special_tokens=[(bos, vocab[bos])])
+    elif kind == "gpt2":
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return Tokenizer(backend, md.get("tokenizer.chat_template"), {k: v for k, v in special.items() if v}, path)
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a token into two vocabulary pieces, the
+    token's score its priority (higher merges first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# incremental detokenization and stop strings
+# ---------------------------------------------------------------------------------------------------------------
+
+PROMPT_CONTEXT_TOKENS = 6
+"""Prompt tokens the decoder is seeded with, so that the first output token decodes as it does after them (a
+leading space, a character whose bytes began in the prompt)."""
+
+
+class IncrementalDetokenizer:
+    """One request's output text, token by token.
+
+    ``add(token_id)`` returns the text that became final: complete UTF-8 characters only, and nothing that could
+    still be the start of a stop string. When a stop string appears, ``stopped`` is set, the text is cut before
+    it (or after it, with ``include_stop``) and later tokens are ignored; ``finish()`` releases the held-back
+    rest once the request ends otherwise. The concatenation of everything returned is ``text``."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop: bool = False):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []
+        """Tokens the stream holds (an incomplete character), with the tokens decoded before them."""
+        self._context = context
+        self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        """Everything decoded so far (up to the cut, once stopped)."""
+        self.emitted = 0
+        """Characters of ``text`` already returned."""
+        self.stopped: str | None = None
+        """The stop string that ended the text."""
+        self.num_tokens = 0
+        """Tokens consumed (the rest, after a stop, are not part of the output)."""
+
+    def add(self, token_id: int) -> str:
+        if self.stopped is not None:
+            return ""
+        self.num_tokens += 1
+        chunk = self._stream.step(self.tokenizer.backend, token_id)
+        if chunk is None:
+            self._pending.append(token_id)
+            return ""
+        self._context = (self._context + self._pending + [token_id])[-PROMPT_CONTEXT_TOKENS:]
+        self._pending = []
+        return self._append(chunk)
+
+    def _append(self, chunk: str) -> str:
+        start = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += chunk
+        if self.stop:
+            hit = min(((i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0), default=None)
+            if hit is not None:
+                i, s = hit
+                self.text = self.text[:i + len(s) if self.include_stop else i]
+                self.stopped = s
+                return self._release(len(self.text))
+        return self._release(len(self.text) - self._held_back())
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that begin some stop string (they may complete it)."""
+        for k in range(min(len(self.text) - self.emitted, self._longest_stop - 1), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.emitted:upto]
+        self.emitted = max(self.emitted, upto)
+        return out
+
+    def finish(self) -> str:
+        """The request ended (EOS, length, abort): the held-back text, and an incomplete character's bytes as
+        the decoder renders them (U+FFFD), as a full decode of the output would."""
+        out = ""
+        if self.stopped is None and self._pending:
+            ctx = self.tokenizer.decode(self._context, self.skip_special_tokens)
+            full = self.tokenizer.decode(self._context + self._pending, self.skip_special_tokens)
+            self._pending = []
+            tail = full[len(ctx):] if full.startswith(ctx) else full
+            out = self._append(tail) if tail else ""
+        return out + self._release(len(self.text))

@@ -1,0 +1,204 @@
+"""GGUF checkpoints: tiny models written with gguf.GGUFWriter (llama.cpp's layout: Llama-family Q/K rows permuted,
+experts stacked) load to the same weights as their safetensors copy, exactly in F32 and within each type's
+rounding error when quantized; transformers' own GGUF loader agrees on the logits (an independent check of the
+name map and the Q/K unpermutation); K-quant tensors dequantize as transformers' torch kernels do; bad files get
+one clear error each."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from models.config import preset  # noqa: E402
+from models.gguf_loader import GGUFFile, load_gguf, permute_qk, unpermute_qk, write_gguf  # noqa: E402
+from models.loader import CheckpointError, load_checkpoint, load_model, save_checkpoint  # noqa: E402
+from models.transformer import build_model  # noqa: E402
+from test_models_real import PROMPTS, ragged_logits  # noqa: E402
+
+DENSE = preset("tiny-dense").with_(max_position_embeddings=512)
+MOE = preset("tiny-moe").with_(max_position_embeddings=512, intermediate_size=32)
+SHAPES = {
+    "llama": DENSE,
+    "qwen2": DENSE.with_(attention_bias=True, tie_word_embeddings=True),
+    "qwen3": DENSE.with_(qk_norm=True, head_dim=128),  # transformers reads Qwen3 GGUFs at head_dim 128 only
+    "mixtral": MOE.with_(moe_intermediate_size=32),
+    "qwen2_moe": MOE.with_(attention_bias=True, norm_topk_prob=False, shared_expert_intermediate_size=64),
+    "qwen3_moe": MOE.with_(qk_norm=True),
+}
+ERROR = {"Q8_0": 1 / 200, "Q4_0": 1 / 7.5, "Q4_1": 1 / 14}
+"""Worst rounding error per 32-value block, as a fraction of the block's largest magnitude: half a step (Q4_0: a
+whole step, for the clipped extreme) of 1/127, 1/8 and 1/15 of the range, plus the fp16 rounding of the scales."""
+
+
+def random_model(model_type: str, seed: int = 5):
+    model = build_model(SHAPES[model_type], "cpu", torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # norms and biases away from their init values, so that loading them wrong shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.mul_(4)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def pair(request, tmp_path_factory):
+    """(model type, the safetensors copy loaded, the directory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    model = random_model(request.param)
+    save_checkpoint(model, str(path / "hf"), request.param)
+    return request.param, load_checkpoint(str(path / "hf")), model, path
+
+
+def test_f32_gguf_loads_exactly_the_safetensors_weights(pair):
+    model_type, from_st, model, path = pair
+    write_gguf(model, str(path / "f32.gguf"), model_type)
+    from_gguf = load_gguf(str(path / "f32.gguf"))
+    assert from_gguf.cfg.rms_norm_eps == pytest.approx(from_st.cfg.rms_norm_eps, rel=1e-6)  # stored as float32
+    assert from_gguf.cfg == from_st.cfg.with_(rms_norm_eps=from_gguf.cfg.rms_norm_eps)
+    for (name, a), (_, b) in zip(from_st.named_parameters(), from_gguf.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_is_within_the_types_error(pair, qtype):
+    model_type, from_st, model, path = pair
+    file = str(path / f"{qtype}.gguf")
+    write_gguf(model, file, model_type, qtype)
+    from_gguf = load_model(file, "cpu", torch.float32)
+    quantized = 0
+    for (name, a), (_, b) in zip(from_st.named_parameters(), from_gguf.named_parameters()):
+        if a.dim() == 1 or name.endswith("mlp.gate.weight"):  # norms, biases and routers stay F32
+            assert torch.equal(a, b), name
+            continue
+        blocks = a.reshape(-1, 32)
+        bound = blocks.abs().amax(dim=1, keepdim=True) * ERROR[qtype] + 1e-7
+        assert ((b.reshape(-1, 32) - blocks).abs() <= bound).all(), name
+        quantized += not torch.equal(a, b)
+    assert quantized >= 5
+    if qtype == "Q8_0" and not from_st.cfg.is_moe:  # close enough to serve: the logits move a little (MoE routing
+        # amplifies small changes into other experts, so only dense models are compared)
+        ref, got = ragged_logits(from_st, PROMPTS), ragged_logits(from_gguf, PROMPTS)
+        assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+def test_qk_permutation_round_trips():
+    w = torch.arange(4 * 16 * 3, dtype=torch.float32).reshape(4 * 16, 3)
+    assert torch.equal(unpermute_qk(permute_qk(w, 4), 4), w)
+    assert not torch.equal(permute_qk(w, 4), w)
+    # llama.cpp interleaves each head's halves: row 1 of a permuted head is row 8 (the second half's first)
+    assert torch.equal(permute_qk(w, 4)[1], w[8])
+
+
+@pytest.mark.parametrize("model_type,qtype", [("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "F32")])
+def test_transformers_reads_our_gguf_as_we_do(tmp_path, model_type, qtype):
+    """transformers' GGUF loader (its own name map, dequantization and Q/K unpermutation) gives the logits ours
+    gives for the same file."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    model = random_model(model_type, seed=9)
+    write_gguf(model, str(tmp_path / "m.gguf"), model_type, qtype)
+    ours = ragged_logits(load_gguf(str(tmp_path / "m.gguf")), PROMPTS)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+
+
+def _k_quant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Random K-quant blocks with finite fp16 scales (random bytes there can be NaN or inf)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scale_bytes = {gguf.GGMLQuantizationType.Q4_K: [0, 2], gguf.GGMLQuantizationType.Q6_K: [size - 2]}[qtype]
+    for at in scale_bytes:
+        raw[:, at:at + 2] = (rng.random((raw.shape[0], 1)) * 0.05).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, cols // block * size)
+
+
+def test_k_quants_dequantize_as_transformers_does(tmp_path):
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    raws = {}
+    for qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        raws[qtype.name] = _k_quant_bytes(qtype, 6, 512, rng)
+        w.add_tensor(qtype.name, raws[qtype.name], raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(str(tmp_path / "k.gguf"))
+    for name, raw in raws.items():
+        got = f.tensor(name)
+        want = hf_dequantize(torch.from_numpy(raw.copy()), int(gguf.GGMLQuantizationType[name])).reshape(6, 512)
+        assert got.shape == (6, 512) and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.bfloat16().shape == (6, 512)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write(path, model_type="llama", edit=None, drop=()):
+    """A GGUF of the tiny llama, optionally with metadata replaced (``edit``) or tensors left out."""
+    model = random_model(model_type)
+    write_gguf(model, str(path) + ".full", model_type)
+    full = GGUFFile(str(path) + ".full")
+    w = gguf.GGUFWriter(str(path), (edit or {}).get("general.architecture", full.metadata["general.architecture"]))
+    for key, value in full.metadata.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+            continue
+        value = (edit or {}).get(key, value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+    for name in full.tensors:
+        if name not in drop:
+            w.add_tensor(name, full.tensor(name).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_bad_gguf_files_get_one_clear_error_each(tmp_path):
+    good = _write(tmp_path / "good.gguf")
+    load_gguf(good)
+    data = open(good, "rb").read()
+    (tmp_path / "cut_data.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"truncated GGUF file: tensor '.*' ends at byte \d+, the file has"):
+        load_model(str(tmp_path / "cut_data.gguf"), "cpu", torch.float32)
+    (tmp_path / "cut_header.gguf").write_bytes(data[:300])
+    with pytest.raises(CheckpointError, match="truncated or corrupt GGUF header"):
+        load_model(str(tmp_path / "cut_header.gguf"), "cpu", torch.float32)
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        load_model(str(tmp_path / "not.gguf"), "cpu", torch.float32)
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'phi3' is not supported; supported: llama, qwen2"):
+        load_gguf(_write(tmp_path / "phi3.gguf", edit={"general.architecture": "phi3"}))
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.1.ffn_up.weight' is missing \(needed for "
+                                              r"model.layers.1.mlp.up_proj.weight\)"):
+        load_gguf(_write(tmp_path / "missing.gguf", drop={"blk.1.ffn_up.weight"}))
+    with pytest.raises(CheckpointError, match=r"token_embd.weight has shape \(512, 64\), expected \(512, 96\)"):
+        load_gguf(_write(tmp_path / "shape.gguf", edit={"llama.embedding_length": 96}))
+    with pytest.raises(CheckpointError, match="metadata llama.block_count is missing"):
+        load_gguf(_write(tmp_path / "nolayers.gguf", edit={"llama.block_count": None}))
+    with pytest.raises(CheckpointError, match="no such directory or file, and not a preset"):
+        load_model(str(tmp_path / "absent.gguf"), "cpu", torch.float32)
+    assert not os.path.exists(tmp_path / "absent.gguf")

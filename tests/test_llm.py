@@ -1,0 +1,171 @@
+"""The offline API (``from dispatcher import LLM, SamplingParams``) on a tiny random Llama with a real byte-level BPE
+tokenizer and chat template: outputs carry text, token ids and finish reasons in prompt order; streamed chunks
+concatenate to the generated text; a stop string split over two tokens stops generation (finish reason 'stop',
+KV freed at once) and is cut from the text; stop token ids and EOS are left out of the text; presets take token
+ids only. Importing the package stays light."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dispatcher import LLM, SamplingParams  # noqa: E402
+from models.loader import CheckpointError  # noqa: E402
+from scheduler.request import RequestError  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256, block_size=8, max_model_len=480)
+
+
+@pytest.fixture(scope="module")
+def model_dir(bpe, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llm")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(bpe, f), path / f)
+    vocab = transformers.AutoTokenizer.from_pretrained(bpe).vocab_size
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.1, eos_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, **OPTIONS)
+
+
+def test_generate_and_chat_return_text_token_ids_and_finish_reasons(llm, texts):
+    tok = llm.get_tokenizer()
+    prompts = [texts[0], texts[4], "한국어 🙂"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.prompt for o in outs] == prompts
+    for o, p in zip(outs, prompts):
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason == "length" and len(c.token_ids) == 12
+        assert o.prompt_token_ids == tok.encode(p)
+        assert c.text == tok.decode(o.prompt_token_ids + c.token_ids)[len(tok.decode(o.prompt_token_ids)):]
+    # the same prompt alone gives the same tokens (batching changes nothing under greedy sampling)
+    alone = llm.generate({"prompt_token_ids": outs[1].prompt_token_ids}, SamplingParams(max_tokens=12,
+                                                                                         ignore_eos=True))
+    assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids and alone[0].prompt is None
+    chat = llm.chat([{"role": "user", "content": texts[2]}], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert chat.prompt.endswith("<|im_start|>assistant\n") and len(chat.outputs[0].token_ids) == 5
+    assert chat.prompt_token_ids == tok.encode_chat([{"role": "user", "content": texts[2]}])
+    assert llm.engine.eos_token_ids == (tok.token_id("<|im_end|>"),)  # tokenizer_config.json's eos_token
+    assert not llm.engine.scheduler.has_unfinished()
+
+
+def test_streamed_chunks_concatenate_to_the_generated_text(llm, texts):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in (texts[7], "Party 🎉 time"):
+        full = llm.generate(prompt, params)[0].outputs[0]
+        chunks = list(llm.stream(prompt, params))
+        assert "".join(c.text for c in chunks) == full.text
+        assert [t for c in chunks for t in c.token_ids] == full.token_ids
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def _split_stop(llm, prompt):
+    """From a free run: a stop string made of the last two characters of one output token and the first two of
+    the next, the token index where it completes, and where the text is cut."""
+    free = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    p_ids = tok.encode(prompt)
+    texts_upto = [tok.decode(p_ids + free.token_ids[:i])[len(tok.decode(p_ids)):] for i in range(49)]
+    for k in range(1, 47):
+        a, b = texts_upto[k][len(texts_upto[k - 1]):], texts_upto[k + 1][len(texts_upto[k]):]
+        if len(a) >= 2 and len(b) >= 2 and not (a + b).isspace():
+            stop = a[-2:] + b[:2]
+            if texts_upto[k + 1].index(stop) == len(texts_upto[k]) - 2:  # its first occurrence
+                return free, stop, k, len(texts_upto[k]) - 2
+    pytest.skip("no two adjacent multi-character tokens in the free run")
+
+
+def test_a_stop_string_split_over_two_tokens_stops_generation_and_is_cut(llm, texts):
+    prompt = texts[11]
+    free, stop, k, cut = _split_stop(llm, prompt)
+    kv = llm.engine.scheduler.kv
+    free_blocks = kv.num_free
+    outs = llm.generate([prompt, texts[12]], [SamplingParams(max_tokens=48, ignore_eos=True, stop=[stop]),
+                                              SamplingParams(max_tokens=20, ignore_eos=True)])
+    got = outs[0].outputs[0]
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.text == free.text[:cut] and stop not in got.text
+    assert got.token_ids == free.token_ids[:k + 1]  # up to the token that completed the stop string
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 20
+    assert kv.num_free == free_blocks and not llm.engine.scheduler.has_unfinished()
+    kept = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True, stop=stop,
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free.text[:cut + len(stop)]
+
+
+def test_the_request_stops_in_the_scheduler_the_step_its_stop_string_appears(llm, texts):
+    prompt = texts[11]
+    free, stop, k, cut = _split_stop(llm, prompt)
+    rid = llm._add(prompt, SamplingParams(max_tokens=48, ignore_eos=True, stop=[stop]))
+    steps = 0
+    while llm.engine.scheduler.has_unfinished():
+        outs = llm.processor.process(llm.engine.step())
+        steps += 1
+        if any(o.finished for o in outs):
+            break
+    prefill_steps = -(-len(llm.get_tokenizer().encode(prompt)) // OPTIONS["max_num_batched_tokens"])
+    # output token k (0-based) comes from step prefill_steps + k: the request ends there, not at max_tokens
+    assert steps == prefill_steps + k and not llm.engine.scheduler.has_unfinished()
+    assert rid not in llm.processor.requests
+
+
+def test_stop_token_ids_and_eos_are_left_out_of_the_text(llm, texts):
+    free = llm.generate(texts[5], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[9]
+    first = free.token_ids.index(stop_id)
+    got = llm.generate(texts[5], SamplingParams(max_tokens=30, stop_token_ids=[stop_id]))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    p_ids = tok.encode(texts[5])
+    assert got.token_ids == free.token_ids[:first + 1] and got.finish_reason == "stop"
+    assert got.stop_reason == stop_id
+    assert got.text == tok.decode(p_ids + free.token_ids[:first])[len(tok.decode(p_ids)):]
+
+
+def test_presets_take_token_ids_only_and_bad_models_fail_clearly(tmp_path):
+    llm = LLM("tiny-dense", **OPTIONS)
+    out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4] and out[0].outputs[0].text == ""
+    with pytest.raises(RequestError, match="has no tokenizer"):
+        llm.generate("text", SamplingParams())
+    with pytest.raises(RequestError, match="stop strings need the model's tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]))
+    assert not llm.engine.scheduler.has_unfinished()
+    with pytest.raises(CheckpointError, match="no such directory or file, and not a preset"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(RequestError, match="stop must be a string or a list of non-empty strings"):
+        SamplingParams(stop=["ok", ""]).validate()
+
+
+def test_importing_dispatcher_stays_light():
+    code = ("import sys, dispatcher; from dispatcher import SamplingParams; "
+            "assert 'torch' not in sys.modules and 'dispatcher.llm' not in sys.modules, sorted(sys.modules); "
+            "print(SamplingParams(stop='x').stop)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "('x',)", proc.stderr
+
+
+def test_twogrid_generate_command(model_dir, capsys):
+    from dispatcher.cli import main
+
+    assert main(["generate", "--model", model_dir, "--max-tokens", "5", "--device", "cpu", "-v", "Hello there"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "[5 tokens, finish reason length]" in err
+    assert main(["generate", "--model", "tiny-dense", "--max-tokens", "3", "--device", "cpu", "5 6 7"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3
+    assert main(["generate", "--model", "no/such/dir", "hi"]) == 2
+    assert "no such directory or file, and not a preset" in capsys.readouterr().err

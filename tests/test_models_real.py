@@ -1,0 +1,170 @@
+"""Every supported architecture against transformers: a tiny random model built and saved by transformers loads,
+its logits on a ragged batch (three prompts in one step) match transformers' within float32 tolerance, and 32
+greedy tokens through EngineCore (the CPU static-shape path, chunked prefill) equal transformers' generate."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from models.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from models.loader import CheckpointError, load_checkpoint, read_hf_config  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # head_dim != hidden / heads
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
+}
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [300, 2, 1]]
+
+
+def hf_model(name: str, seed: int = 0):
+    cfg_cls, model_cls, extra = ARCHS[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra}, attn_implementation="eager")
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms off 1 and biases off 0, so that loading them wrong shows
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.7, 1.3)
+            elif n.endswith(".bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def saved(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = hf_model(request.param)
+    model.save_pretrained(path)
+    return request.param, str(path), model
+
+
+def ragged_logits(model, prompts, device="cpu"):
+    """Our forward over every prompt in one step (one request per prompt, its own KV blocks)."""
+    cfg = model.cfg
+    ids, pos, req = [], [], []
+    for r, p in enumerate(prompts):
+        ids += p
+        pos += list(range(len(p)))
+        req += [r] * len(p)
+    pos_t, req_t = torch.tensor(pos, device=device), torch.tensor(req, dtype=torch.int32, device=device)
+    table = torch.arange(len(prompts) * 4, dtype=torch.int32, device=device).view(len(prompts), 4)
+    dtype = next(model.parameters()).dtype
+    kv = allocate_kv_cache(cfg.num_layers, len(prompts) * 4, 8, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    slots = table[req_t.long(), pos_t // 8].long() * 8 + pos_t % 8
+    meta = AttentionMetadata.from_tokens(slots, req_t, pos_t.int(), table)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids, device=device), pos_t, kv, meta)).float().cpu()
+
+
+def test_logits_on_a_ragged_batch_match_transformers(saved):
+    name, path, hf = saved
+    ours = load_checkpoint(path, "cpu", torch.float32)
+    got = ragged_logits(ours, PROMPTS)
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale)
+    assert scale > 1.0  # logits that say something (not all near zero)
+
+
+def test_greedy_tokens_through_the_engine_match_transformers(saved):
+    name, path, hf = saved
+    cfg = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=16)
+    engine = EngineCore(cfg, EngineArgs(path, num_kv_blocks=64, block_size=8, max_model_len=128,
+                                        use_cuda_graphs=False))
+    ours = engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, got in zip(PROMPTS, ours):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == want, name
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_through_the_kernels_and_graphs(saved):
+    """On the GPU in bf16 (Triton attention, fused rotary with Qwen3's q/k norms, MoE kernels): the logits stay
+    within bf16 error of transformers' float32, and greedy tokens through captured graphs equal the same closures
+    run eagerly on the same padded buffers."""
+    name, path, hf = saved
+    got = ragged_logits(load_checkpoint(path, "cuda", torch.bfloat16), PROMPTS, "cuda")
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert float((got - want).norm() / want.norm()) < 3e-2, name
+    cfg = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=64)
+    args = dict(device="cuda", num_kv_blocks=64, block_size=8, max_model_len=128)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    graphs = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=True, **args)).generate(PROMPTS, params)
+    eager = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=False, **args)).generate(PROMPTS, params)
+    assert graphs == eager, name
+
+
+def test_config_reads_what_the_checkpoint_says(saved):
+    name, path, hf = saved
+    _, cfg = read_hf_config(path)
+    c = hf.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads)
+    assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    assert cfg.qk_norm == name.startswith("qwen3") and cfg.attention_bias == name.startswith("qwen2")
+    assert cfg.is_moe == (name in ("mixtral", "qwen2_moe", "qwen3_moe"))
+    assert (cfg.rope_scaling is not None) == (name == "llama3-rope")
+
+
+def test_sharded_checkpoint_with_an_index_loads_the_same(tmp_path):
+    model = hf_model("qwen3_moe", seed=3)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    files = os.listdir(tmp_path / "sharded")
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    one = load_checkpoint(str(tmp_path / "one"))
+    sharded = load_checkpoint(str(tmp_path / "sharded"))
+    for (n, a), (_, b) in zip(one.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), n
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    missing = sorted(set(index["weight_map"].values()))[0]
+    os.remove(tmp_path / "sharded" / missing)
+    with pytest.raises(CheckpointError, match=f"names shard '{missing}', which is not in"):
+        load_checkpoint(str(tmp_path / "sharded"))
+
+
+def test_generation_config_eos_ids_are_all_used(tmp_path):
+    """config.json's EOS and every id of generation_config.json's list end generation: the second id of the list
+    (a token the free-running output reaches) stops it there."""
+    model = hf_model("llama", seed=1)
+    model.save_pretrained(tmp_path)
+    args = dict(num_kv_blocks=64, block_size=8, max_model_len=128, use_cuda_graphs=False)
+    sched = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=64)
+    free = EngineCore(sched, EngineArgs(str(tmp_path), **args)).generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    stop_at = next(i for i in range(5, 32) if free[i] not in free[:i])
+    unused = [t for t in range(COMMON["vocab_size"]) if t not in free]
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": unused[0]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused[1], free[stop_at]]}))
+    _, cfg = read_hf_config(str(tmp_path))
+    assert cfg.eos_token_ids == (unused[0], unused[1], free[stop_at])
+    engine = EngineCore(sched, EngineArgs(str(tmp_path), **args))
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=32))[0]
+    assert out == free[:stop_at + 1]

@@ -1,0 +1,195 @@
+"""Tokenizers, chat templates and incremental detokenization against transformers, on the 500 real ShareGPT
+prompts (Korean, Chinese, emoji, code): a byte-level BPE tokenizer (tokenizer.json, and the same vocabulary as a
+GGUF's metadata) and a SentencePiece-style one with byte fallback (a GGUF) encode and decode as transformers'
+tokenizers do; streamed text never splits a character and concatenates to the full decode; stop strings are
+matched across token boundaries; chat templates render as transformers renders them and fail in one clear
+error when they raise or reach outside the sandbox."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from models.loader import CheckpointError  # noqa: E402
+from models.text import IncrementalDetokenizer, TemplateError, load_tokenizer, render_chat_template  # noqa: E402
+from models.text import tokenizer_from_dir  # noqa: E402
+from textdata import CHATML, SPECIALS  # noqa: E402
+
+def write_tokenizer_gguf(path: str, metadata: dict) -> str:
+    """A GGUF holding only tokenizer metadata and one tensor (transformers' tokenizer loader reads such files)."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((len(metadata["tokenizer.ggml.tokens"]), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def bpe_gguf(bpe, tmp_path_factory):
+    """The same vocabulary as a GGUF's metadata, the way llama.cpp's converter writes it (pre-tokenizer 'qwen2')."""
+    spec = json.loads(open(os.path.join(bpe, "tokenizer.json"), encoding="utf-8").read())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    path = str(tmp_path_factory.mktemp("bpe_gguf") / "tok.gguf")
+    return write_tokenizer_gguf(path, {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens], "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"], "tokenizer.ggml.padding_token_id": vocab["<|endoftext|>"],
+        "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML})
+
+
+@pytest.fixture(scope="session")
+def spm_gguf(texts, tmp_path_factory):
+    """A SentencePiece-style vocabulary (pieces with scores, 256 byte tokens for byte fallback, no merges: they
+    are recovered from the scores) as a GGUF, like llama.cpp's converter writes Llama-2-style tokenizers."""
+    from tokenizers.implementations import SentencePieceBPETokenizer
+
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(texts[:300], vocab_size=900, limit_alphabet=200, show_progress=False)
+    pieces = sorted(trained.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    tokens += [p for p, _ in pieces if p not in tokens]
+    types += [1] * (len(tokens) - len(types))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    path = str(tmp_path_factory.mktemp("spm_gguf") / "spm.gguf")
+    return write_tokenizer_gguf(path, {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0})
+
+
+def hf_gguf_tokenizer(path: str):
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.mark.parametrize("source", ["dir", "gguf", "spm_gguf"])
+def test_encode_and_decode_match_transformers_on_sharegpt(source, texts, bpe, bpe_gguf, spm_gguf):
+    path = {"dir": bpe, "gguf": bpe_gguf, "spm_gguf": spm_gguf}[source]
+    ours = load_tokenizer(path)
+    hf = transformers.AutoTokenizer.from_pretrained(path) if source == "dir" else hf_gguf_tokenizer(path)
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text), text[:80]
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text[:80]
+        if source != "spm_gguf":  # byte-level BPE is lossless (SentencePiece normalizes leading spaces)
+            assert ours.decode(ids) == text
+    if source == "spm_gguf":
+        assert ours.encode("hi")[0] == 1  # add_bos_token defaults to true for SentencePiece files
+    special = "<|im_start|>user\nhi<|im_end|>"
+    if source != "spm_gguf":
+        ids = ours.encode(special)
+        assert ids == hf.encode(special) and ids[0] == ours.token_id("<|im_start|>")
+        assert ours.decode(ids) == "user\nhi" and ours.decode(ids, skip_special_tokens=False) == special
+
+
+def test_gguf_and_directory_forms_of_one_vocabulary_agree(texts, bpe, bpe_gguf):
+    a, b = load_tokenizer(bpe), load_tokenizer(bpe_gguf)
+    assert a.vocab_size == b.vocab_size and a.eos_token_id == b.eos_token_id
+    for text in texts[:100]:
+        assert a.encode(text) == b.encode(text)
+
+
+def test_chat_templates_render_as_transformers_renders_them(bpe, texts):
+    ours = tokenizer_from_dir(bpe)
+    hf = transformers.AutoTokenizer.from_pretrained(bpe)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[3]},
+            {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": "한국어로 답해 주세요 🙂"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(conv, gen) == hf.apply_chat_template(conv, tokenize=False,
+                                                                            add_generation_prompt=gen)
+        assert ours.encode_chat(conv, gen) == hf.apply_chat_template(conv, add_generation_prompt=gen,
+                                                                     return_dict=False)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert ours.apply_chat_template(parts).endswith("<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n")
+    # Hugging Face templates' helpers: tojson without HTML escaping, the generation tag, loop controls
+    tmpl = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}"
+            "{{ m | tojson }}{% endgeneration %}{% endfor %}")
+    assert render_chat_template(tmpl, [{"role": "user", "content": "<b>é</b>"}, {}]) == \
+        '{"role": "user", "content": "<b>é</b>"}'
+
+
+def test_bad_templates_and_tokenizers_give_one_clear_error(bpe, tmp_path):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(TemplateError, match="chat template raised: Only user and assistant roles are supported"):
+        render_chat_template("{{ raise_exception('Only user and assistant roles are supported') }}", msgs)
+    with pytest.raises(TemplateError, match=r"chat template does not parse: .* \(line 1\)"):
+        render_chat_template("{% for m in messages %}{{ m }", msgs)
+    with pytest.raises(TemplateError, match="chat template raised"):  # the sandbox: no Python internals
+        render_chat_template("{{ messages.__class__.__mro__[1].__subclasses__() }}", msgs)
+    with pytest.raises(TemplateError, match="chat template raised"):
+        render_chat_template("{% set ns = namespace() %}{% set ns._x = 1 %}", msgs)
+    with pytest.raises(TemplateError, match="chat template failed: TypeError"):
+        render_chat_template("{{ messages[0]['content'] + 1 }}", msgs)
+    with pytest.raises(TemplateError, match=r"messages\[0\] must be a dict with a string 'role'"):
+        tokenizer_from_dir(bpe).apply_chat_template([{"content": "no role"}])
+    no_template = tokenizer_from_dir(bpe)
+    no_template.chat_template = None
+    with pytest.raises(TemplateError, match="the model has no chat template"):
+        no_template.apply_chat_template(msgs)
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        tokenizer_from_dir(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable tokenizer"):
+        tokenizer_from_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("source", ["dir", "spm_gguf"])
+def test_streamed_chunks_concatenate_to_the_full_text_and_never_split_a_character(source, texts, bpe, spm_gguf):
+    tok = load_tokenizer(bpe if source == "dir" else spm_gguf)
+    prompt = tok.encode("Answer:")
+    split_somewhere = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt)
+        chunks = [detok.add(t) for t in ids] + [detok.finish()]
+        full = "".join(chunks)
+        assert full == detok.text
+        want = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+        assert full == want, text[:80]
+        assert not any("\ufffd" in c for c in chunks) or "\ufffd" in want
+        split_somewhere += chunks.count("") > 1  # some token ended inside a character and was held back
+    assert split_somewhere > 10
+
+
+def test_stop_strings_across_token_boundaries(bpe):
+    tok = load_tokenizer(bpe)
+    text = "The quick brown fox jumps over the lazy dog. END of story, and more text."
+    ids = tok.encode(text)
+    pieces = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    # a stop string that begins inside one token and ends inside the next
+    k = next(i for i in range(1, len(ids)) if len(pieces[i]) - len(pieces[i - 1]) >= 3 and pieces[i - 1][-1] != " ")
+    stop = pieces[k - 1][-2:] + pieces[k][len(pieces[k - 1]):][:2]
+    cut = pieces[k].index(stop)
+    for include in (False, True):
+        detok = IncrementalDetokenizer(tok, [], stop=[stop, "zzz-never"], include_stop=include)
+        out = [detok.add(t) for t in ids]
+        assert detok.stopped == stop and detok.num_tokens == k + 1
+        assert "".join(out) + detok.finish() == pieces[k][:cut + (len(stop) if include else 0)]
+        # the first part of the stop string was held back, never streamed and then taken back
+        assert "".join(out[:k]) == pieces[k - 1][:cut]
+    # a prefix that never completes is released at the end
+    detok = IncrementalDetokenizer(tok, [], stop=["dog. END!"])
+    out = "".join(detok.add(t) for t in ids)
+    assert detok.stopped is None and out + detok.finish() == text
