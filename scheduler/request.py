@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 
+MAX_LOGPROBS = 20
+"""Top log-probabilities per output token at most (vLLM's default max_logprobs, OpenAI's limit)."""
+
+
 class RequestError(ValueError):
     """A request the engine refuses; the message names the field, the value and the limit."""
 
@@ -57,6 +61,9 @@ class SamplingParams:
     """Keep the matched stop string at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (<|im_end|>, ...) out of the output text."""
+    logprobs: int | None = None
+    """Return each output token's log-probability and those of the top ``logprobs`` tokens at its position
+    (0..MAX_LOGPROBS); None returns none."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
@@ -80,6 +87,9 @@ class SamplingParams:
                 raise RequestError(f"stop_token_ids has {t!r}, outside the vocabulary 0..{(vocab_size or 1) - 1}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or None, got {self.logprobs!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -404,6 +404,15 @@ def test_engine_metrics_hooks():
     assert counters["twogrid:cudagraph_steps_total"] == {("mixed", "NONE"): 1.0, ("uniform_decode", "FULL"): 1.0}
 
 
+def test_sampling_params_logprobs():
+    SamplingParams(logprobs=None).validate()
+    SamplingParams(logprobs=0).validate()
+    SamplingParams(logprobs=20).validate()
+    for bad in (-1, 21, True, 1.5, "3"):
+        with pytest.raises(RequestError, match="logprobs must be an integer in 0..20"):
+            SamplingParams(logprobs=bad).validate()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------------------------

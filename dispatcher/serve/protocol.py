@@ -20,9 +20,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-MAX_LOGPROBS = 20
-"""Top log-probabilities per token at most (``logprobs`` of completions, ``top_logprobs`` of chat): vLLM's default
-``max_logprobs`` and OpenAI's limit."""
+from scheduler.request import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 """Stop strings per request at most. OpenAI documents 4 and vLLM sets no limit; the bound keeps the per-token stop
 matching cheap while leaving room for clients ported from vLLM."""
