@@ -72,7 +72,7 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def systemd_exec_start() -> list[str]:
     text = re.sub(r"\\\n", " ", (DEPLOY / "systemd" / "twogrid.service").read_text())
-    line = next(v for k, _, v in (l.partition("=") for l in text.splitlines()) if k.strip() == "ExecStart")
+    line = next(v for k, _, v in (line.partition("=") for line in text.splitlines()) if k.strip() == "ExecStart")
     return shlex.split(line)
 
 
