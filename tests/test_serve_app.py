@@ -92,6 +92,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.fail_after = fail_after
         self.abort_after: int | None = None
+        self.without_logprobs = False
         self.requests: dict[str, tuple] = {}
         self.aborted: list[str] = []
         self.live: set[str] = set()
@@ -117,7 +118,7 @@ class FakeEngine:
                     return
                 tid = token_of(i)
                 lp = None
-                if params.logprobs is not None:
+                if params.logprobs is not None and not self.without_logprobs:
                     lp = [{tid: -0.25, **{token_of(100 + k): -1.0 - k for k in range(params.logprobs)}}]
                 done = "length" if i == params.max_tokens - 1 else None
                 if self.metrics is not None:
@@ -665,6 +666,18 @@ def test_requests_the_engine_aborts_get_an_error():
             assert events[-1] == "[DONE]" and "aborted" in events[-2]["error"]["message"]
             assert "".join(e["choices"][0]["text"] for e in events[:-2]) == text_of(2)
             assert not engine.aborted  # the engine ended them itself: nothing to abort
+
+    run(go())
+
+
+def test_logprobs_the_engine_does_not_return_are_an_error():
+    async def go():
+        engine = FakeEngine()
+        engine.without_logprobs = True
+        async with served(engine) as c:
+            err = await error_of(await c.post("/v1/completions", json={"prompt": "hi", "logprobs": 1}), 500)
+            assert "no logprobs" in err["message"]
+            assert engine.aborted == list(engine.requests) and not engine.live
 
     run(go())
 

@@ -20,6 +20,7 @@ logged at INFO.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -333,6 +334,10 @@ class Server:
                     if out.finish_reason == "abort":  # the engine dropped it (a shutdown): an error, not a result
                         r.timer.finish("abort", time.perf_counter())
                         raise ApiError(503, "the server aborted the request (it is shutting down)", code="aborted")
+                if r.num_top_logprobs is not None and out.token_ids and getattr(out, "logprobs", None) is None:
+                    r.finished = True
+                    await self.engine.abort(r.request_id)
+                    raise ApiError(500, "the engine returned no logprobs for this request", code="engine_error")
                 yield out
                 if r.finished:
                     return
@@ -349,7 +354,10 @@ class Server:
         finally:  # the engine's stream, closed early (a client gone) or not
             close = getattr(deltas, "aclose", None)
             if close is not None:
-                await close()
+                try:
+                    await close()
+                except Exception:  # the request is over for the client either way
+                    log.exception("%s: closing the engine's stream failed", r.request_id)
         r.finished = True
         raise ApiError(500, "the engine ended the request without a finish reason", code="engine_error")
 
@@ -414,9 +422,10 @@ class Server:
                     break
                 out = await anext(outputs)
         except ApiError as exc:  # the engine failed mid-stream: say so, then end the stream
-            await response.write(P.sse(P.ErrorResponse(P.ErrorInfo(exc.message, exc.type, exc.param, exc.code)))
-                                 + P.SSE_DONE)
-            await response.write_eof()
+            with contextlib.suppress(ConnectionError):  # unless the client is gone already
+                await response.write(P.sse(P.ErrorResponse(P.ErrorInfo(exc.message, exc.type, exc.param, exc.code)))
+                                     + P.SSE_DONE)
+                await response.write_eof()
             return response
         self._finished(r, out)
         tail = P.SSE_DONE
