@@ -145,7 +145,7 @@ async def one_run(args, engine: StepEngine, port: int) -> dict:
     steady = busy[len(busy) // 10: -len(busy) // 10 or None]
     period = statistics.median(steady) if steady else float("nan")
     return {"wall_s": wall_s, "output_tokens": tokens, "output_tok_s": tokens / wall_s,
-            "steps": engine.steps - steps0, "median_step_period_ms": period * 1e3,
+            "steps": engine.steps - steps0, "step_period_ms": period * 1e3,
             "step_efficiency": args.step_ms / (period * 1e3), "server_cpu_s": cpu_s,
             "server_cpu_us_per_token": cpu_s / tokens * 1e6}
 
@@ -159,13 +159,13 @@ async def main_async(args) -> dict:
         for i in range(args.warmup + args.repeat):
             r = await one_run(args, engine, port)
             print(f"{'warm-up' if i < args.warmup else 'run'} {i}: {r['output_tok_s']:.0f} tok/s, step period "
-                  f"{r['median_step_period_ms']:.2f} ms (target {args.step_ms}), "
+                  f"{r['step_period_ms']:.2f} ms (target {args.step_ms}), "
                   f"{r['server_cpu_us_per_token']:.1f} us CPU/token", file=sys.stderr)
             if i >= args.warmup:
                 runs.append(r)
     finally:
         await runner.cleanup()
-    keys = ("output_tok_s", "median_step_period_ms", "step_efficiency", "server_cpu_us_per_token")
+    keys = ("output_tok_s", "step_period_ms", "step_efficiency", "server_cpu_us_per_token")
     return {"benchmark": "serve_frontend", "commit": commit(), "concurrency": args.concurrency,
             "output_len": args.output_len, "step_ms": args.step_ms, "ideal_output_tok_s":
             args.concurrency * 1e3 / args.step_ms, "event_loop": type(asyncio.get_running_loop()).__module__,
