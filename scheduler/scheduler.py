@@ -131,6 +131,10 @@ class ModelResult:
     """Accepted drafts per request (0 for rows that verify none)."""
     draft_confidences: np.ndarray | None = None
     """(n, num_new_drafts) the drafter's probabilities, for adaptive verification."""
+    logprobs: np.ndarray | None = None
+    """(n, 1 + K, 1 + N) float: per verified position, the produced token's log-probability, then the top N."""
+    logprob_ids: np.ndarray | None = None
+    """(n, 1 + K, N) int: the top N tokens' ids."""
 
 
 @dataclass
@@ -139,6 +143,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: list[dict[int, float]] | None = None
+    """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
 
 
 @dataclass
@@ -491,13 +497,23 @@ class Scheduler:
                         reason = FinishReason.STOP
                         break
             req.output_token_ids.extend(new_tokens)
+            logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs)
             if reason is not None:
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = reason
                 finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
-            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason))
+            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs))
         for slot in finished_slots:
             self._remove_running(slot)
         return outputs
+
+
+def _token_logprobs(result: ModelResult, row: int, tokens: list[int], top: int | None) -> list[dict[int, float]] | None:
+    """{token: log-probability} per new token of a row: the produced token's, then the top ``top`` others'."""
+    if top is None or result.logprobs is None:
+        return None
+    values, ids = result.logprobs[row], result.logprob_ids[row]
+    return [{t: float(values[j, 0]), **{int(i): float(v) for i, v in zip(ids[j, :top], values[j, 1 : 1 + top])}}
+            for j, t in enumerate(tokens)]

@@ -140,3 +140,29 @@ def test_gpu_asynchronous_equals_synchronous_and_graphs_equal_static(spec):
     outs = [engine(spec, device="cuda", model="tiny-moe", max_num_seqs=64, budget=512, async_scheduling=a,
                    use_cuda_graphs=g).generate(p, params) for a, g in ((True, True), (False, True), (False, False))]
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_logprobs_of_each_new_token_and_the_top_n():
+    """A request asking for logprobs gets, per new token, its own log-probability (the model's distribution) and the
+    top N others; greedy tokens are the most likely; requests not asking get none; speculative steps too."""
+    e = engine({"method": "eagle3", "num_speculative_tokens": 2}, async_scheduling=False)
+    ask = e.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))
+    plain = e.add_request([9, 10, 11], SamplingParams(max_tokens=6, ignore_eos=True))
+    got: dict[str, list] = {ask: [], plain: []}
+    tokens: dict[str, list] = {ask: [], plain: []}
+    while e.has_unfinished():
+        for o in e.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.logprobs is not None:
+                got[o.request_id] += o.logprobs
+    assert not got[plain] and len(got[ask]) == len(tokens[ask]) == 6
+    for token, lp in zip(tokens[ask], got[ask]):
+        assert token in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+        assert lp[token] == pytest.approx(max(lp.values()))  # greedy: the produced token is the most likely
+    # the first token's numbers are a plain log_softmax over the model's logits at the prompt's last position
+    from test_models_real import ragged_logits
+
+    ref = torch.log_softmax(ragged_logits(e.worker.model, [[5, 6, 7, 8]])[-1], -1)
+    top = torch.topk(ref, 3)
+    assert got[ask][0] == pytest.approx({tokens[ask][0]: float(ref[tokens[ask][0]]),
+                                         **{int(i): float(v) for i, v in zip(top.indices, top.values)}}, abs=1e-4)

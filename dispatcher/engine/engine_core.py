@@ -110,7 +110,8 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
     new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
                       SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
-                                   int(req.params.seed or 0)))
+                                   int(req.params.seed or 0),
+                                   -1 if req.params.logprobs is None else int(req.params.logprobs)))
            for req, slot in zip(out.new_requests, new_slots)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
@@ -124,8 +125,13 @@ def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
     conf = None
     if result.draft_confidences:
         conf = unpack(result.draft_confidences, F32, (n, out.num_new_drafts))
+    logprobs = ids = None
+    if result.logprobs:
+        top = result.num_top_logprobs
+        logprobs = unpack(result.logprobs, F32, (n, result.width, 1 + top))
+        ids = unpack(result.logprob_ids, I32, (n, result.width, top))
     return ModelResult(unpack(result.sampled, I32, (n, result.width)).astype(np.int64),
-                       unpack(result.num_accepted).astype(np.int64), conf)
+                       unpack(result.num_accepted).astype(np.int64), conf, logprobs, ids)
 
 
 class EngineCore:

@@ -29,6 +29,9 @@ class CompletionOutput:
     """'stop' (EOS, a stop token id or a stop string), 'length' (max_tokens), 'abort'; None while running."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request (None for EOS and length)."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per token of ``token_ids`` (requests asking for logprobs): {token id: log-probability}, the token's own and
+    the top ``SamplingParams.logprobs`` others'."""
 
     @property
     def finished(self) -> bool:
@@ -104,8 +107,9 @@ class OutputProcessor:
                 text += req.detok.finish()
         if reason is not None:
             del self.requests[rid]
+        logprobs = so.logprobs[:len(tokens)] if so.logprobs is not None else None
         return RequestOutput(rid, req.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, text, tokens, reason, stop_reason)], reason is not None)
+                             [CompletionOutput(0, text, tokens, reason, stop_reason, logprobs)], reason is not None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget an aborted request; its final output (text so far, finish reason 'abort')."""
@@ -121,6 +125,7 @@ def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
     """One request's streamed deltas as its final output (text and token ids concatenated)."""
     last = deltas[-1]
     done = [d.outputs[0] for d in deltas]
+    logprobs = None if done[0].logprobs is None else [lp for c in done for lp in (c.logprobs or [])]
     merged = CompletionOutput(0, "".join(c.text for c in done), [t for c in done for t in c.token_ids],
-                              last.outputs[0].finish_reason, last.outputs[0].stop_reason)
+                              last.outputs[0].finish_reason, last.outputs[0].stop_reason, logprobs)
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [merged], last.finished)
