@@ -36,9 +36,9 @@ def test_block_drafters_use_their_own_q_within_budget():
 
 
 def test_ngram_and_draft_model_drafters_run_eagerly():
-    for method in ("ngram", "draft_model"):
-        plan = build_plan(resolve({}, {"method": method, "num_speculative_tokens": 3}, **SM100))
-        assert plan.runners == ("target",)
+    for spec in ({"method": "ngram"}, {"method": "draft_model", "model": "tiny-dense"}):
+        plan = build_plan(resolve({}, {**spec, "num_speculative_tokens": 3}, **SM100))
+        assert plan.runners == ("target",)  # no graphs but the target's
 
 
 def test_dynamic_tiers_hold_only_reachable_sizes():

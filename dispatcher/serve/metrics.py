@@ -1,0 +1,176 @@
+"""The server's Prometheus metrics: vLLM's names with a ``twogrid:`` prefix, plus the graph counters no other engine
+exports. Free of aiohttp, so the engine process imports it without the HTTP stack.
+
+Who records what:
+
+- the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding, accepted
+  draft tokens, preemptions), ``set_queue`` after each schedule (running, waiting, KV usage) and ``set_capture``
+  once after capture;
+- the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
+  sees each request from arrival to its last byte: TTFT, inter-token latency and end-to-end latency are measured
+  where the client feels them, and prompt / generation token totals are counted once per request. The engine does
+  not call these (that would count requests twice).
+
+Every series carries a ``model_name`` label, as vLLM's do. ``twogrid bench`` reads ``eager_steps_total{reason}``,
+``padded_tokens_total`` and ``cudagraph_steps_total{kind,mode}`` (dispatcher/bench/server_metrics.py): those names
+and labels are an interface.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "twogrid:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The Content-Type of ``render()``'s text (Prometheus text format 0.0.4)."""
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""``request_success_total``'s finished_reason values: the engine's three, and ``error`` for a request the engine
+failed (worker death, step error)."""
+
+
+class EngineMetrics:
+    """The metrics of one served model, on their own ``CollectorRegistry`` (``render()`` gives the /metrics text)."""
+
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ("model_name",)
+
+        def gauge(name: str, doc: str, labels=()):
+            return Gauge(PREFIX + name, doc, m + tuple(labels), registry=r)
+
+        def counter(name: str, doc: str, labels=()):
+            return Counter(PREFIX + name, doc, m + tuple(labels), registry=r)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
+
+        # scheduler state (the engine sets these)
+        self._running = gauge("num_requests_running", "Requests in the running batch.").labels(model_name)
+        self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(model_name)
+        self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is used.").labels(
+            model_name)
+        self._preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.").labels(model_name)
+        # tokens and requests (the HTTP layer records these)
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token."
+                                      ).labels(model_name)
+        self._generation_tokens = counter("generation_tokens", "Output tokens sent to clients.").labels(model_name)
+        self._ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+                               TTFT_BUCKETS_S).labels(model_name)
+        self._itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request (one "
+                              "observation per output, which may carry several tokens under speculative decoding).",
+                              ITL_BUCKETS_S).labels(model_name)
+        self._e2e = histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last output.",
+                              E2E_BUCKETS_S).labels(model_name)
+        self._success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        for reason in FINISH_REASONS:  # every reason shows from the start, at 0
+            self._success.labels(model_name, reason)
+        # the dispatcher (the engine records these)
+        self._graph_steps = counter("cudagraph_steps", "Steps by batch kind and graph mode (FULL, PIECEWISE, "
+                                    "NONE = eager).", ("kind", "mode"))
+        self._eager_steps = counter("eager_steps", "Steps run without a graph, by reason.", ("reason",))
+        self._padded_tokens = counter("padded_tokens", "Tokens added to steps to reach a captured size."
+                                      ).labels(model_name)
+        self._accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
+                                 ).labels(model_name)
+        self._capture_s = gauge("capture_seconds", "Wall time of CUDA-graph capture at start-up.").labels(model_name)
+        self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs.").labels(
+            model_name)
+
+    # -- engine hooks -------------------------------------------------------------------------------------------
+    def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
+                accepted_tokens: int = 0, preemptions: int = 0) -> None:
+        """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
+        eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it."""
+        self._graph_steps.labels(self.model_name, kind, mode).inc()
+        if eager_reason is not None:
+            self._eager_steps.labels(self.model_name, eager_reason).inc()
+        if padded_tokens:
+            self._padded_tokens.inc(padded_tokens)
+        if accepted_tokens:
+            self._accepted.inc(accepted_tokens)
+        if preemptions:
+            self._preemptions.inc(preemptions)
+
+    def set_queue(self, running: int, waiting: int, kv_usage: float) -> None:
+        """The scheduler's state now: requests running and waiting, KV-cache usage as a fraction in [0, 1]."""
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv_usage.set(kv_usage)
+
+    def set_capture(self, seconds: float, memory_bytes: int) -> None:
+        """What capture took: wall seconds and the graphs' device memory."""
+        self._capture_s.set(seconds)
+        self._graph_bytes.set(memory_bytes)
+
+    # -- request hooks (the HTTP layer) ----------------------------------------------------------------------------
+    def on_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self._ttft.observe(ttft_s)
+        self._prompt_tokens.inc(prompt_tokens)
+
+    def on_tokens(self, num_tokens: int, itl_s: float | None) -> None:
+        """An output of ``num_tokens`` tokens reached the client, ``itl_s`` after the request's previous one (None
+        for its first output)."""
+        self._generation_tokens.inc(num_tokens)
+        if itl_s is not None:
+            self._itl.observe(itl_s)
+
+    def on_request_finished(self, finish_reason: str, e2e_s: float) -> None:
+        """A request ended: ``finish_reason`` in FINISH_REASONS, ``e2e_s`` from arrival to its last output."""
+        self._success.labels(self.model_name, finish_reason).inc()
+        self._e2e.observe(e2e_s)
+
+    # -- exposition ---------------------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies as its outputs reach the client, recorded into ``EngineMetrics``: TTFT and the
+    prompt tokens at its first output, an inter-token latency at each later one, e2e latency and finish reason
+    when it ends. Times from ``time.perf_counter``."""
+
+    __slots__ = ("metrics", "arrival", "last", "prompt_tokens", "generation_tokens", "done")
+
+    def __init__(self, metrics: EngineMetrics, prompt_tokens: int, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last: float | None = None
+        """When the previous output was sent (None before the first)."""
+        self.prompt_tokens = prompt_tokens
+        self.generation_tokens = 0
+        self.done = False
+
+    def output(self, num_tokens: int, now: float) -> None:
+        """An output carrying ``num_tokens`` new tokens was sent (outputs without tokens are not timed)."""
+        if num_tokens <= 0:
+            return
+        if self.last is None:
+            self.metrics.on_first_token(now - self.arrival, self.prompt_tokens)
+            self.metrics.on_tokens(num_tokens, None)
+        else:
+            self.metrics.on_tokens(num_tokens, now - self.last)
+        self.last = now
+        self.generation_tokens += num_tokens
+
+    def discard(self) -> None:
+        """The request was refused before it ran: record nothing for it."""
+        self.done = True
+
+    def finish(self, finish_reason: str, now: float) -> None:
+        """The request ended at ``now`` (its last output sent, or it was aborted or failed); once, later calls do
+        nothing."""
+        if not self.done:
+            self.done = True
+            self.metrics.on_request_finished(finish_reason, now - self.arrival)

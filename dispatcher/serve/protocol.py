@@ -1,0 +1,420 @@
+"""OpenAI's request and response types for ``/v1/completions`` and ``/v1/chat/completions``, as msgspec Structs.
+
+Requests decode with a strict schema: an unknown field, a wrong type or a value out of range is one ``ApiError``
+(HTTP 400) whose message and ``param`` name the field and the limit. OpenAI fields this server does not implement
+are accepted only at their neutral value (``n`` = 1, ``echo`` false, zero penalties, no ``logit_bias``); vLLM's
+sampling extensions it does implement are accepted too (``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.continuous_usage_stats``).
+
+Responses have OpenAI's shape: ids ``cmpl-...`` / ``chatcmpl-...``, ``object``, ``created``, ``model``,
+``choices``, ``usage``; streamed chunks are ``text_completion`` / ``chat.completion.chunk`` objects, and errors are
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from scheduler.request import MAX_LOGPROBS
+
+MAX_STOP_STRINGS = 16
+"""Stop strings per request at most. OpenAI documents 4 and vLLM sets no limit; the bound keeps the per-token stop
+matching cheap while leaving room for clients ported from vLLM."""
+MAX_STOP_STRING_CHARS = 1024
+"""Characters per stop string at most (the output processor holds back text while it may still start one)."""
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities below this (-inf included) are sent as this value: JSON has no infinities (vLLM does the same)."""
+
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class ApiError(Exception):
+    """A request the server refuses, with its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    """A last chunk with ``usage`` and no choices (every other chunk has ``usage: null``)."""
+    continuous_usage_stats: bool = False
+    """vLLM's extension: ``usage`` so far on every chunk."""
+
+
+class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    """The served model name; None (left out) means the one this server serves."""
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    """vLLM's extension; -1 and 0 disable it."""
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    seed: Int64 | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None
+    """Ignored (OpenAI's abuse-monitoring id)."""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    prompt: str | list[int | str]
+    """Text, token ids, or a list of one text (one prompt per request: n = 1)."""
+    logprobs: TopLogprobs | None = None
+    """Top log-probabilities per output token (0..20); None for none."""
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served (other kinds are refused
+    by ``chat_messages`` with a message naming the part)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """OpenAI's current name for ``max_tokens``; wins when both are given."""
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = None
+
+
+_DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatCompletionRequest)}
+_AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+_MISSING = re.compile(r"Object missing required field `([^`]*)`")
+
+
+def decode_request(body: bytes, cls: type[CompletionRequest] | type[ChatCompletionRequest]):
+    """The body as a request of type ``cls``, checked; ApiError (400) naming the field otherwise."""
+    if not body:
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        req = _DECODERS[cls].decode(body)
+    except msgspec.ValidationError as exc:
+        raise _schema_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+    _check_common(req)
+    return req
+
+
+def _schema_error(text: str) -> ApiError:
+    at = _AT_PATH.search(text)
+    path = at.group(1) if at else ""
+    message = text[:at.start()] if at else text
+    if (m := _UNKNOWN.match(message)) is not None:
+        field = f"{path}.{m.group(1)}" if path else m.group(1)
+        return ApiError(400, f"unknown field '{field}'; this server does not support it", param=field,
+                        code="unknown_field")
+    if (m := _MISSING.match(message)) is not None:
+        field = f"{path}.{m.group(1)}" if path else m.group(1)
+        return ApiError(400, f"'{field}' is required", param=field, code="missing_field")
+    if not path:
+        return ApiError(400, f"the request body must be a JSON object ({message})", code="invalid_type")
+    return ApiError(400, f"'{path}': {message}", param=path, code="invalid_value")
+
+
+def _check_common(req: _SamplingRequest) -> None:
+    if req.n not in (None, 1):
+        raise ApiError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0.0):
+            raise ApiError(400, f"'{name}' is not supported; only 0 is accepted, got {getattr(req, name)}", param=name)
+    if req.logit_bias:
+        raise ApiError(400, "'logit_bias' is not supported; only an empty object or null is accepted",
+                       param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    stops = stop_strings(req.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+    for i, s in enumerate(stops):
+        if not s:
+            raise ApiError(400, f"'stop[{i}]' is empty; stop strings must be non-empty", param="stop")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ApiError(400, f"'stop[{i}]' has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
+                           param="stop")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise ApiError(400, "'echo' is not supported; only false is accepted", param="echo")
+        if req.suffix:
+            raise ApiError(400, "'suffix' is not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, f"'best_of' must be 1, got {req.best_of}", param="best_of")
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: its text or its token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        if not p:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        return p
+    if p and all(isinstance(t, int) for t in p):
+        bad = next((t for t in p if t < 0), None)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' has token id {bad}; token ids are >= 0", param="prompt")
+        return p  # type: ignore[return-value]
+    if len(p) == 1 and isinstance(p[0], str):
+        return completion_prompt(CompletionRequest(prompt=p[0]))
+    if not p:
+        raise ApiError(400, "'prompt' is an empty list", param="prompt")
+    raise ApiError(400, f"'prompt' must be a string, a list of token ids or a list of one string (one prompt per "
+                        f"request); got a list of {len(p)} items", param="prompt")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template reads them: text parts joined by newlines."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"'messages[{i}].content[{j}]': only text parts are supported, got type "
+                                        f"{part.type!r}", param=f"messages[{i}].content[{j}]")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    """vLLM's extension: the stop string or stop token id that ended the request."""
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    object: str = "text_completion"
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "twogrid"
+    root: str | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_ENCODER = msgspec.json.Encoder()
+encode = _ENCODER.encode
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + _ENCODER.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# log-probabilities
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _floor(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) become the floor
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text,
+                        text_offset: int) -> CompletionLogprobs:
+    """OpenAI's completion ``logprobs`` for output tokens: ``entries[i]`` maps token ids to log-probabilities (the
+    top ones and the sampled one); ``token_text(id)`` is a token's text; offsets start at ``text_offset``."""
+    out = CompletionLogprobs([], [], [], [])
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        out.tokens.append(text)
+        lp = entry.get(tid)
+        out.token_logprobs.append(None if lp is None else _floor(lp))
+        top = {token_text(t): _floor(v) for t, v in _top(entry, num_top)}
+        if lp is not None:
+            top.setdefault(text, _floor(lp))
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs.content`` for output tokens (``entries`` as in ``completion_logprobs``)."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        top = [TopLogprob(token_text(t), _floor(v), list(token_text(t).encode())) for t, v in _top(entry, num_top)]
+        content.append(ChatTokenLogprob(text, _floor(entry.get(tid, LOGPROB_FLOOR)), list(text.encode()), top))
+    return ChatLogprobs(content)
