@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerProcess
-from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
+from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.messages import StepResult, WorkerError, WorkerReady, decode_to_engine, encode
 from dispatcher.plan.config import ResolvedConfig
 from models.config import ModelConfig
@@ -105,14 +105,21 @@ class AsyncEngine:
         return self._stream(request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; the deltas that queued up while its consumer was busy come as one (so a loaded
+        server writes fewer, larger chunks instead of falling further behind)."""
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+                deltas = [await queue.get()]
+                while not queue.empty() and not isinstance(deltas[-1], Exception) and not deltas[-1].finished:
+                    deltas.append(queue.get_nowait())
+                error = deltas.pop() if isinstance(deltas[-1], Exception) else None
+                if deltas:
+                    item = deltas[0] if len(deltas) == 1 else merge_outputs(deltas)
+                    yield item
+                    if item.finished:
+                        return
+                if error is not None:
+                    raise error
         finally:  # the consumer stopped early (a client gone): the request ends here
             if request_id in self._streams:
                 await self.abort(request_id)

@@ -1,0 +1,206 @@
+"""``twogrid serve`` as users run it: the real server in a subprocess (the default model, SmolLM2-135M-Instruct, in
+a CPU worker process), driven by the official ``openai`` client and raw HTTP: answers, streams, 64 concurrent
+streams, disconnects that free their KV blocks, /metrics, bad requests answered with 4xx while the server keeps
+serving, and SIGTERM: exit 0, no ipc directory left (issue 13)."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+
+KEY = "sk-e2e"
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    from models.default_model import DefaultModelError, default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelError as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    port = _free_port()
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*")))
+    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "serve", "--device", "cpu", "--port", str(port),
+                             "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len", "512",
+                             "--api-key", KEY, "--served-model-name", "smol", "--shutdown-timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if _get(base + "/health", None)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the server did not become healthy within 180 s")
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+    leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*"))) - before
+    assert not leftover, leftover
+
+
+def _client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metric(base: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = _get(base + "/metrics")
+    assert status == 200
+    total = 0.0
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
+
+
+def test_answers_streams_and_chat(server):
+    _, base = server
+
+    async def go():
+        client = _client(base)
+        try:
+            r = await client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24)
+            assert "Paris" in r.choices[0].message.content and r.usage.completion_tokens <= 24
+            stream = await client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": "Name a primary color."}], max_tokens=12,
+                stream=True, stream_options={"include_usage": True})
+            text, usage = "", None
+            async for chunk in stream:
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+                usage = chunk.usage or usage
+            assert text.strip() and usage.completion_tokens <= 12
+            r = await client.completions.create(model="smol", prompt="The capital of France is", max_tokens=6,
+                                                extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 6 and "Paris" in r.choices[0].text
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_64_concurrent_streams_complete_and_disconnects_free_their_blocks(server):
+    _, base = server
+
+    async def one(client, i: int) -> int:
+        stream = await client.completions.create(model="smol", prompt=f"Story number {i}:", max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def abandon(client) -> None:
+        stream = await client.completions.create(model="smol", prompt="Count to a thousand:", max_tokens=400,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.close()
+
+    async def go():
+        client = _client(base)
+        try:
+            counts = await asyncio.gather(*(one(client, i) for i in range(64)), abandon(client), abandon(client))
+            assert counts[:64] == [8] * 64
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+    for _ in range(100):
+        if _metric(base, "twogrid:kv_cache_usage_perc") == 0.0 and _metric(base, "twogrid:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(base, "twogrid:kv_cache_usage_perc") == 0.0
+    assert _metric(base, "twogrid:num_requests_running") == 0
+    assert _metric(base, "twogrid:cudagraph_steps_total") > 0  # CPU: every step counted as mode NONE
+    assert _metric(base, "twogrid:request_success_total") >= 66
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "JSON"),
+    (json.dumps({"model": "smol", "prompt": "hi", "max_tokens": "many"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "smol", "prompt": "hi", "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "smol", "prompt": "hi", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "smol", "prompt": "word " * 600, "max_tokens": 4}).encode(), 400, "512"),
+    (json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404, "nope"),
+    (json.dumps({"model": "smol", "prompt": "hi", "unknown_field": 1}).encode(), 400, "unknown_field"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, needle):
+    _, base = server
+    got, payload = _post(base + "/v1/completions", body)
+    assert got == status and needle in payload["error"]["message"], payload
+    assert set(payload["error"]) >= {"message", "type", "param", "code"}
+    ok, answer = _post(base + "/v1/completions", json.dumps({"model": "smol", "prompt": "Hi", "max_tokens": 2}).encode())
+    assert ok == 200 and answer["usage"]["completion_tokens"] <= 2
+
+
+def test_api_key_is_required_except_on_health(server):
+    _, base = server
+    assert _get(base + "/health", None)[0] == 200
+    assert _get(base + "/v1/models", None)[0] == 401
+    assert _get(base + "/v1/models", "wrong")[0] == 401
+    status, body = _get(base + "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "smol"
+
+
+def test_sigterm_stops_cleanly(server):
+    proc, base = server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    output = proc.stdout.read()
+    assert "capture plan" in output and "stopped" in output, output[-2000:]
