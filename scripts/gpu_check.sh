@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU session's one call: the GPU tests, then the runtime benchmark. Run from the repository root on the
 # device machine; results and logs go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_check.sh [tests] [bench] [moe] [attention] [attention_sweep] [engine] [profile_engine] [profile]   (default: all)
+#   bash scripts/gpu_check.sh [tests] [bench] [moe] [attention] [attention_sweep] [engine] [headline] [profile_engine] [profile]   (default: all)
 # (moe: one MoE layer, grouped GEMM vs Triton tiles; attention: paged attention and logits at serving shapes;
 #  attention_sweep: the same plus forced split counts and tile shapes, for tuning models/triton_attention.py;
 #  engine: offline EngineCore throughput per capture policy, workload and concurrency, ENGINE_ARGS passed on;
+#  headline: twogrid serve per capture policy driven by twogrid bench (HEADLINE_ARGS passed on; needs
+#  .gpu_data/smollm2-tokenizer, SmolLM2's tokenizer saved as a directory);
 #  profile_engine: where a decode step's GPU time goes through EngineCore (attention, logits, graphs);
 #  profile: where one step's time goes, a diagnostic)
 # The ShareGPT prompts travel in .gpu_data/sharegpt.json (an ignored folder named in the call's carry).
@@ -47,6 +49,11 @@ fi
 if want engine; then
   python3 benchmarks/bench_engine_gpu.py --data .gpu_data/sharegpt.json --out "$OUT/engine_h200.json" \
     ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want headline; then
+  python3 benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
+    --out "$OUT/headline_h200.json" ${HEADLINE_ARGS:-} 2>&1 | tee "$OUT/headline.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if want profile_engine; then

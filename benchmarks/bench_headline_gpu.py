@@ -1,0 +1,227 @@
+"""The headline benchmark (issue 14): ``twogrid serve`` per capture policy, driven by ``twogrid bench`` with the
+ShareGPT prompts, 256 output tokens each with EOS ignored, at several concurrencies; and (issue 13) the serving
+path's overhead against the offline engine on the same prompts.
+
+The model is the bench-moe preset (random weights, Granite-3.0-1B-A400M's shape) given SmolLM2's tokenizer
+(``--tokenizer``: the two vocabularies match) so that it serves text. Per policy and workload one server is
+started (capture included) and every concurrency runs against it, each a wave of ``concurrency`` requests after
+warm-ups. Policies (``--compilation-config`` each, every other flag equal):
+
+  vllm-default  the shared token list at vLLM's default cap on Hopper (max_cudagraph_capture_size 512)
+  legacy-1024   the shared token list to 1024
+  separate      separate grids (this project's sm100 defaults)
+  sglang        SGLang's decode and prefill lists under speculative decoding (H200, TP < 4)
+  trtllm        TensorRT-LLM's decode list (1, 2, 4, 8..128 step 8), no prefill graphs
+
+Per row: the bench's output tok/s, TPOT and TTFT, and from the server's /metrics (deltas over the run): eager
+steps, padded tokens, steps, and the steps' device time; ``gpu_busy`` is that over the run's duration and
+``bound_ratio`` is vllm-default's device time for the same workload and concurrency over this policy's (what the
+graphs alone would give). ``serve_overhead`` rows compare the server's tok/s with the offline EngineCore's on the
+same tokenized prompts (separate grids).
+
+    PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json \\
+        --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/headline_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+
+OUTPUT_LEN = 256
+POLICIES = {
+    "vllm-default": {"max_cudagraph_capture_size": 512},
+    "legacy-1024": {"max_cudagraph_capture_size": 1024},
+    "separate": {},
+    "sglang": {"decode_cudagraph_capture_request_sizes": list(range(1, 9)) + list(range(10, 33, 2))
+               + list(range(40, 65, 4)) + list(range(72, 257, 8)),
+               "prefill_cudagraph_capture_token_sizes": list(range(4, 33, 4)) + list(range(48, 257, 16))
+               + list(range(288, 513, 32)) + list(range(576, 1025, 64)) + list(range(1280, 4097, 256))
+               + list(range(4608, 8193, 512)),
+               "max_decode_cudagraph_capture_tokens": None},
+    "trtllm": {"decode_cudagraph_capture_request_sizes": [1, 2, 4] + list(range(8, 129, 8)),
+               "prefill_cudagraph_capture_token_sizes": [], "max_decode_cudagraph_capture_tokens": None},
+}
+WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
+             "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3}}
+COUNTERS = {"eager_steps": "twogrid:eager_steps_total", "padded_tokens": "twogrid:padded_tokens_total",
+            "steps": "twogrid:cudagraph_steps_total", "device_s": "twogrid:step_device_seconds_total"}
+
+
+def scrape(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for key, name in COUNTERS.items():
+                if s.name == name:
+                    out[key] += s.value
+    return out
+
+
+def start_server(policy: str, spec, fixed: float | None, port: int, args, log_path: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
+           "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
+           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
+           "bench-moe", "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy])]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if fixed:
+        cmd += ["--fixed-acceptance", str(fixed)]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{policy}: the server exited with {proc.returncode} (log {log_path})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"{policy}: the server did not start within 300 s")
+
+
+def run_bench(base: str, conc: int, label: str, result_dir: str, args) -> dict:
+    os.makedirs(result_dir, exist_ok=True)
+    name = f"{label}-c{conc}.json"
+    cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
+           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(conc),
+           "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
+           "--num-warmups", str(min(conc, 16)), "--save-result", "--result-dir", result_dir,
+           "--result-filename", name, "--label", label, "--disable-tqdm"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(result_dir, name), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def offline_tok_s(spec, fixed: float | None, args, conc: int) -> float:
+    """The offline EngineCore's output tok/s on the same tokenized prompts (separate grids)."""
+    import torch
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.engine.workload import load_sharegpt
+    from dispatcher.plan.config import resolve
+    from models.text import load_tokenizer
+    from scheduler.request import SamplingParams
+
+    tok = load_tokenizer(args.tokenizer)
+    texts = load_sharegpt(args.data)
+    random.Random(0).shuffle(texts)
+    prompts = [tok.encode(t)[:2048] for t in texts[:conc]]
+    k = spec["num_speculative_tokens"] if spec else 0
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
+    blocks = sum(-(-(len(p) + OUTPUT_LEN + 2 * (k + 1)) // 16) for p in prompts) + 64
+    engine = EngineCore(cfg, EngineArgs(args.model, device=args.device, num_kv_blocks=blocks, block_size=16,
+                                        max_model_len=args.max_model_len, fixed_acceptance=fixed))
+    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+    engine.generate(prompts[:8], params)  # warm-up
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return sum(len(o) for o in out) / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the headline: twogrid serve per policy, twogrid bench per "
+                                                 "concurrency")
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--policies", default="vllm-default,separate,sglang,trtllm")
+    parser.add_argument("--workloads", default="eagle3-k7")
+    parser.add_argument("--fixed-acceptance", type=float, default=3.0, help="0: real acceptance")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--overhead-at", type=int, default=256, help="concurrency of the serve_overhead rows (0: none)")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+    out_dir = os.path.dirname(args.out) if args.out else "."
+    os.makedirs(out_dir or ".", exist_ok=True)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json "
+                         f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
+                         f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
+                         f"{args.concurrency} --out $OUT/headline_h200.json", "commit": commit(),
+              "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
+              "serve_overhead": []}
+    for workload in args.workloads.split(","):
+        spec = WORKLOADS[workload]
+        fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
+        acceptance = f"fixed-{fixed}" if fixed else "real"
+        for policy in args.policies.split(","):
+            log_path = os.path.join(out_dir, f"server-{workload}-{policy}.log")
+            proc = start_server(policy, spec, fixed, args.port, args, log_path)
+            base = f"http://127.0.0.1:{args.port}"
+            try:
+                for conc in concurrencies:
+                    before = scrape(base)
+                    bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args)
+                    after = scrape(base)
+                    delta = {k: after[k] - before[k] for k in COUNTERS}
+                    row = {"policy": policy, "model": "bench-moe", "workload": workload, "acceptance": acceptance,
+                           "concurrency": conc, "output_tok_s": round(bench["output_throughput"], 1),
+                           "tpot_ms_mean": round(bench["mean_tpot_ms"], 3),
+                           "tpot_ms_p99": round(bench.get("p99_tpot_ms", float("nan")), 3),
+                           "ttft_ms_mean": round(bench["mean_ttft_ms"], 3),
+                           "eager_steps": int(delta["eager_steps"]), "padded_tokens": int(delta["padded_tokens"]),
+                           "steps": int(delta["steps"]), "device_s": round(delta["device_s"], 3),
+                           "gpu_busy": round(delta["device_s"] / bench["duration"], 3),
+                           "completed": bench["completed"], "failed": bench.get("failed", 0)}
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                    write_json(args.out, result)
+            finally:
+                proc.terminate()
+                proc.wait(60)
+        if args.overhead_at:
+            offline = offline_tok_s(spec, fixed, args, args.overhead_at)
+            served = next((r for r in result["rows"] if r["workload"] == workload and r["policy"] == "separate"
+                           and r["concurrency"] == args.overhead_at), None)
+            if served:
+                result["serve_overhead"].append({
+                    "workload": workload, "acceptance": acceptance, "concurrency": args.overhead_at,
+                    "offline_tok_s": round(offline, 1), "served_tok_s": served["output_tok_s"],
+                    "served_over_offline": round(served["output_tok_s"] / offline, 3),
+                    "served_gpu_busy": served["gpu_busy"]})
+                print(json.dumps(result["serve_overhead"][-1]), flush=True)
+    rows = {(r["workload"], r["concurrency"], r["policy"]): r for r in result["rows"]}
+    for r in result["rows"]:
+        base = rows.get((r["workload"], r["concurrency"], "vllm-default"))
+        if base and r["device_s"]:
+            r["bound_ratio"] = round(base["device_s"] / r["device_s"], 3)
+            r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+    write_json(args.out, result)
+    print(f"{'workload':10s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
+          f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
+    for r in result["rows"]:
+        print(f"{r['workload']:10s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
+              f"{r['tpot_ms_mean']:7.2f} {r['ttft_ms_mean']:8.1f} {r['eager_steps']:5d} {r['gpu_busy']:5.2f} "
+              f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio', 0):6.2f}")
+    for o in result["serve_overhead"]:
+        print(f"serve vs offline ({o['workload']}, {o['concurrency']}): {o['served_tok_s']:.0f} / "
+              f"{o['offline_tok_s']:.0f} tok/s = {o['served_over_offline']:.2f}; GPU busy {o['served_gpu_busy']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
