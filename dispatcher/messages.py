@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from dispatcher.plan.config import ResolvedConfig, resolve
 from dispatcher.plan.dispatch import BatchDescriptor
 
 TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
@@ -137,6 +138,13 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     fixed_acceptance: float | None = None
     measure_av_curve: bool = False
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
+
+
+def resolve_init(init: WorkerInit) -> ResolvedConfig:
+    """The configuration a ``WorkerInit`` carries, resolved (the worker and the engine process both do this, so
+    they agree on every size list)."""
+    return resolve(init.compilation_config, init.speculative_config, platform=init.platform,
+                   max_num_seqs=init.max_num_seqs, max_num_batched_tokens=init.max_num_batched_tokens)
 
 
 class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):

@@ -1,5 +1,5 @@
-"""The HTTP front end over the real serving engine: AsyncEngine with the default model (SmolLM2-135M-Instruct) in a
-CPU worker process, driven by the official ``openai`` client: sensible answers, streams with usage, logprobs, a
+"""The HTTP front end over the real serving engine: the engine process (and its CPU worker process) with the default model
+(SmolLM2-135M-Instruct), driven by the official ``openai`` client: sensible answers, streams with usage, logprobs, a
 refused request while serving, and a client that disconnects mid-stream freeing its KV blocks (about 30 s: marked
 slow)."""
 
@@ -16,11 +16,9 @@ NAME = "smol"
 
 
 async def start_engine():
-    from dispatcher.engine.async_engine import AsyncEngine
-    from dispatcher.engine.engine_core import EngineArgs
-    from dispatcher.engine.ipc import WorkerProcess
+    from dispatcher.engine.protocol import EngineInit
     from dispatcher.messages import WorkerInit
-    from dispatcher.plan.config import resolve
+    from dispatcher.serve.client import EngineClient
     from dispatcher.serve.metrics import EngineMetrics
     from models.default_model import DefaultModelError, default_model_path
     from models.text import load_tokenizer
@@ -31,14 +29,10 @@ async def start_engine():
     except DefaultModelError as exc:
         pytest.skip(f"the default model is not available: {exc}")
     max_model_len, blocks = 1024, 512
-    cfg = resolve(None, None, platform="default", max_num_seqs=16, max_num_batched_tokens=512)
     init = WorkerInit(model, "cpu", "float32", "default", 16, 512, {}, {}, 16, max_model_len, max_model_len // 16,
                       blocks, 0.9, 0, False)
     tok = load_tokenizer(model)
-    process = WorkerProcess(init, asyncio=True)
-    engine = AsyncEngine(cfg, EngineArgs(model, max_model_len=max_model_len, num_kv_blocks=blocks,
-                                         use_cuda_graphs=False, eos_token_ids=(tok.eos_token_id,)),
-                         process, tok, NAME, SamplingParams(), EngineMetrics(NAME))
+    engine = EngineClient(EngineInit(init, [tok.eos_token_id]), tok, NAME, SamplingParams(), EngineMetrics(NAME))
     await engine.start()
     return engine, blocks
 
@@ -84,12 +78,15 @@ def test_openai_client_against_the_real_engine():
                 if seen == 3:
                     break
             await stream.close()  # the client goes away mid-stream
-            for _ in range(200):
-                if not engine.core.scheduler.has_unfinished():
+            def gauge(name):
+                return engine.metrics.registry.get_sample_value(f"twogrid:{name}", {"model_name": NAME})
+
+            for _ in range(200):  # the engine process reports its queue after the abort
+                if gauge("num_requests_running") == 0 and gauge("kv_cache_usage_perc") == 0.0:
                     break
                 await asyncio.sleep(0.05)
-            assert not engine.core.scheduler.has_unfinished()
-            assert engine.core.scheduler.kv.num_free == blocks  # every KV block is back
+            assert gauge("num_requests_running") == 0 and gauge("num_requests_waiting") == 0
+            assert gauge("kv_cache_usage_perc") == 0.0  # every KV block is back
         finally:
             await client.close()
             await runner.cleanup()

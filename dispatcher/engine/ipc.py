@@ -31,21 +31,26 @@ class WorkerDied(RuntimeError):
     """The worker process exited or failed; the message says how."""
 
 
-class WorkerProcess:
-    """One worker process and its sockets. ``asyncio=True`` makes the sockets awaitable (the serving engine)."""
+class ChildProcess:
+    """A child process (``python -m MODULE DIR``) and two sockets bound in a private ipc directory (mode 0700,
+    removed on close): ``to_child`` (PUSH) and ``from_child`` (PULL). The child dies with this process (its
+    parent-death signal, ``set_parent_death_signal``). ``asyncio=True`` makes the sockets awaitable."""
 
-    def __init__(self, init: WorkerInit, asyncio: bool = False, env: dict | None = None):
-        self.init = init
-        self.dir = tempfile.mkdtemp(prefix="twogrid-ipc-")  # mode 0700: only this user can reach the sockets
+    def __init__(self, module: str, to_child: str, from_child: str, asyncio: bool = False, env: dict | None = None,
+                 parent_dir: str | None = None):
+        # mode 0700: only this user can reach the sockets; inside ``parent_dir`` (the engine's worker, in the front
+        # end's directory) it goes when that one does, even if this process is killed
+        self.dir = tempfile.mkdtemp(prefix="twogrid-ipc-", dir=parent_dir)
         os.chmod(self.dir, 0o700)
         self.ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
-        self.to_worker = self.ctx.socket(zmq.PUSH)
-        self.to_worker.bind(f"ipc://{self.dir}/{TO_WORKER}")
-        self.to_engine = self.ctx.socket(zmq.PULL)
-        self.to_engine.bind(f"ipc://{self.dir}/{TO_ENGINE}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dispatcher.runtime.process", self.dir],
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        self.ready: WorkerReady | None = None
+        self.to_child = self.ctx.socket(zmq.PUSH)
+        self.to_child.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: a send never blocks or drops
+        self.to_child.bind(f"ipc://{self.dir}/{to_child}")
+        self.from_child = self.ctx.socket(zmq.PULL)
+        self.from_child.setsockopt(zmq.RCVHWM, 0)
+        self.from_child.bind(f"ipc://{self.dir}/{from_child}")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, self.dir], env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self._closed = False
 
     @property
@@ -62,6 +67,42 @@ class WorkerProcess:
         if code < 0:
             return f"killed by signal {signal.Signals(-code).name}"
         return f"exited with code {code}"
+
+    def close(self, goodbye: bytes | None = None, timeout_s: float = 10.0) -> None:
+        """Send ``goodbye`` (the child's cue to exit), wait ``timeout_s``, SIGKILL its process group if it is still
+        there, close the sockets, remove the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.alive():
+            if goodbye is not None:
+                try:
+                    self.to_child.send(goodbye, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.to_child.close(linger=0)
+        self.from_child.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class WorkerProcess(ChildProcess):
+    """One worker process (``dispatcher.runtime.process``): steps go out on ``to_worker``, results come back on
+    ``to_engine``."""
+
+    def __init__(self, init: WorkerInit, asyncio: bool = False, env: dict | None = None,
+                 parent_dir: str | None = None):
+        super().__init__("dispatcher.runtime.process", TO_WORKER, TO_ENGINE, asyncio, env, parent_dir)
+        self.init = init
+        self.to_worker, self.to_engine = self.to_child, self.from_child
+        self.ready: WorkerReady | None = None
 
     def start(self, timeout_s: float = 3600.0) -> WorkerReady:
         """Send the init and wait for the worker to load, size its KV cache and capture (blocking; not for asyncio)."""
@@ -82,23 +123,7 @@ class WorkerProcess:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (Shutdown, then SIGKILL after ``timeout_s``), close the sockets, remove the directory."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.alive():
-            try:
-                self.to_worker.send(encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.to_worker.close(linger=0)
-        self.to_engine.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().close(encode(Shutdown()), timeout_s)
 
 
 class RemoteWorker:

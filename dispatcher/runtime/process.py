@@ -24,10 +24,10 @@ import msgspec
 import torch
 import zmq
 
+from dispatcher.child import set_parent_death_signal
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
-                                 decode_to_worker, encode)
+                                 decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
-from dispatcher.plan.config import resolve
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.loader import load_model, read_model_config
 
@@ -42,8 +42,7 @@ def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layer
 
 def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs."""
-    cfg = resolve(init.compilation_config, init.speculative_config, platform=init.platform,
-                  max_num_seqs=init.max_num_seqs, max_num_batched_tokens=init.max_num_batched_tokens)
+    cfg = resolve_init(init)
     plan = build_plan(cfg)
     dtype = getattr(torch, init.dtype)
     device = torch.device(init.device)
@@ -95,6 +94,7 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
 
 
 def serve(ipc_dir: str) -> int:
+    set_parent_death_signal()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(f"ipc://{ipc_dir}/{TO_WORKER}")

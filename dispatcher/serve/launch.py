@@ -1,13 +1,16 @@
 """``twogrid serve``: the serving backend process.
 
-This process runs one asyncio loop (uvloop) holding the HTTP server (``dispatcher.serve.app``) and the engine
-(``dispatcher.engine.async_engine``: scheduler, dispatcher, output processing). The model, its KV cache and its
-graphs live in a worker process (``dispatcher.runtime.process``) reached over ZeroMQ in a private ipc directory.
+Three processes. This one runs the HTTP server (``dispatcher.serve.app``) on an asyncio loop (uvloop), with
+tokenization, detokenization, stop strings and metrics (``dispatcher.serve.client``). The engine process
+(``dispatcher.engine.service``) runs the scheduler and the dispatcher; its worker process
+(``dispatcher.runtime.process``) the model, its KV cache and its graphs. They talk over ZeroMQ in a private ipc
+directory (``dispatcher.engine.protocol`` and ``dispatcher.messages``: msgspec, no pickle), so that streaming to
+many clients never holds up a step.
 Start-up: the HTTP server answers at once (/health 503 while the worker loads the model, sizes its KV cache from
 free memory and captures); the capture plan is logged before, the capture result after. SIGINT / SIGTERM: stop
 accepting, let requests in flight finish for ``--shutdown-timeout`` seconds, fail the rest with an error, stop the
-worker, remove the ipc directory, exit 0. A worker that dies fails every request in flight and ends the server
-with exit code 1, so that a supervisor restarts it.
+engine and its worker, remove the ipc directory, exit 0. A worker or engine process that dies fails every request
+in flight and ends the server with exit code 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -161,14 +164,14 @@ def _model_name(model: str) -> str:
 
 
 async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int:
-    from dispatcher.engine.async_engine import AsyncEngine
-    from dispatcher.engine.ipc import WorkerDied, WorkerProcess
+    from dispatcher.engine.protocol import EngineInit
     from dispatcher.serve.app import build_app, drain, start_http
+    from dispatcher.serve.client import EngineClient, EngineError
     from dispatcher.serve.metrics import EngineMetrics
 
     metrics = EngineMetrics(name)
-    process = WorkerProcess(init, asyncio=True)
-    engine = AsyncEngine(cfg, engine_args, process, tokenizer, name, defaults, metrics)
+    engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace), tokenizer, name,
+                          defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
     runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
@@ -193,7 +196,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
                 code = 1
         else:
             started.cancel()
-    except WorkerDied as exc:
+    except EngineError as exc:
         log.error("%s", exc)
         code = 1
     finally:
@@ -201,9 +204,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         if left:
             log.warning("%d requests did not finish within --shutdown-timeout %.0f s: failing them", left,
                         args.shutdown_timeout)
-        await engine.shutdown(0.0 if code else 5.0)
-        if engine.core is not None:
-            engine.core.close()
+        await engine.shutdown(0.0 if code or left else 5.0)
         await runner.cleanup()
         log.info("stopped")
     return code
@@ -213,12 +214,13 @@ async def _watch(engine, cudagraph_metrics: bool) -> None:
     """Returns when the engine dies; with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
     last = time.monotonic()
     while engine.dead is None:
-        await asyncio.sleep(0.5)
-        if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S and engine.core is not None:
+        await asyncio.sleep(0.25)
+        if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S:
             last = time.monotonic()
-            s = engine.core.stats
-            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens", s.steps, s.eager_steps,
-                     ", ".join(f"{k} {v}" for k, v in sorted(s.eager_by_reason.items())) or "none", s.padded_tokens)
+            s = engine.stats
+            eager = {k.removeprefix("eager:"): v for k, v in s.items() if k.startswith("eager:")}
+            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens", s["steps"], sum(eager.values()),
+                     ", ".join(f"{k} {v}" for k, v in sorted(eager.items())) or "none", s["padded_tokens"])
 
 
 def _log_capture(ready) -> None:

@@ -1,0 +1,122 @@
+"""The serve <-> engine contract: the only things the HTTP front end and the engine process share.
+
+The front end (``twogrid serve``'s own process: HTTP, tokenization, detokenization, stop strings, metrics) sends
+each request once (``AddRequest``) and ``Abort`` for clients that left or requests a stop string ended; ``Drain``
+asks the engine to finish what it has and exit. The engine process (scheduler and dispatcher; the worker is its
+child) answers ``EngineStarted`` once the worker has captured, then one ``Outputs`` per step: every request's new
+token ids, the step's record for the metrics, the queue after it. Refusals and failed steps travel in the same
+message. ``EngineDead`` is its last word when its worker dies. msgspec Structs as msgpack, no pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dispatcher.messages import WorkerInit, WorkerReady
+from scheduler.request import SamplingParams
+
+TO_CORE, TO_FRONT = "to_core", "to_front"
+"""The sockets' names in the front end's ipc directory (requests in, outputs out)."""
+
+
+class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
+    """What the engine process starts from: the worker's init (the engine resolves the configuration from it
+    exactly as the worker does) and the engine's own settings."""
+
+    worker: WorkerInit
+    eos_token_ids: list[int]
+    step_trace: str | None = None
+
+
+class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
+    request_ids: list[str]
+    finish_reason: str = "abort"
+    """"abort" (the client left) or "stop" (the front end matched a stop string: the request is done)."""
+
+
+class Drain(msgspec.Struct, array_like=True, frozen=True, tag="drain"):
+    """Take no more requests; finish those in flight, then exit (the front end fails what is left first)."""
+
+
+class Delta(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    """'stop', 'length' or 'abort' on a request's last delta."""
+    logprobs: list[dict[int, float]] | None = None
+
+
+class StepRecord(msgspec.Struct, array_like=True, frozen=True):
+    """A step for the metrics: its batch kind and graph mode, why it ran eagerly, padding, drafts accepted,
+    requests preempted while scheduling it, its device time."""
+
+    kind: str
+    mode: str
+    eager_cause: str | None
+    padded_tokens: int
+    accepted_tokens: int
+    num_preempted: int
+    device_s: float
+
+
+class QueueState(msgspec.Struct, array_like=True, frozen=True):
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    """Fraction of the KV blocks in use, in [0, 1]."""
+
+
+class Refusal(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    message: str
+    """The engine's RequestError (it names the field and the limit), or why it takes no requests."""
+
+
+class Failure(msgspec.Struct, array_like=True, frozen=True):
+    request_ids: list[str]
+    message: str
+    """Why their step failed (the worker's error): they end with a server error; the engine goes on."""
+
+
+class Outputs(msgspec.Struct, array_like=True, frozen=True, tag="outputs"):
+    deltas: list[Delta] = []
+    steps: list[StepRecord] = []
+    queue: QueueState | None = None
+    refused: list[Refusal] = []
+    failed: list[Failure] = []
+
+
+class EngineStarted(msgspec.Struct, array_like=True, frozen=True, tag="started"):
+    worker: WorkerReady
+    async_scheduling: bool
+
+
+class EngineDead(msgspec.Struct, array_like=True, frozen=True, tag="dead"):
+    message: str
+
+
+ToCore = EngineInit | AddRequest | Abort | Drain
+ToFront = Outputs | EngineStarted | EngineDead
+
+_encoder = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(ToCore)
+_to_front = msgspec.msgpack.Decoder(ToFront)
+
+
+def encode(message: ToCore | ToFront) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_core(data: bytes) -> ToCore:
+    """A message for the engine; msgspec.DecodeError / ValidationError on anything else (never pickle)."""
+    return _to_core.decode(data)
+
+
+def decode_to_front(data: bytes) -> ToFront:
+    return _to_front.decode(data)

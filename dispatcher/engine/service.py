@@ -1,0 +1,237 @@
+"""The engine process: ``python -m dispatcher.engine.service IPC_DIR``, started by ``twogrid serve``'s front end.
+
+It owns EngineCore's scheduler and dispatcher and drives them from an asyncio loop (uvloop where installed); its
+child, the worker process, owns the model, the KV cache and the graphs. One task runs the steps: it submits step
+t + 1 before it awaits step t's result (where the method allows), and per step it sends the front end one
+``Outputs`` (every request's new token ids, the step's record, the queue after it). Another task takes the front
+end's requests and aborts as they come. Detokenization, stop strings and HTTP are the front end's, in its own
+process, so that streaming to thousands of clients never holds up a step.
+
+A failed step fails the requests in it, the engine goes on; a dead worker ends the engine: ``EngineDead`` to the
+front end, exit code 1. The engine dies with the front end (its parent-death signal), and its worker with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections import deque
+from dataclasses import replace
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dispatcher.child import set_parent_death_signal
+from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
+from dispatcher.engine.ipc import WorkerDied, WorkerProcess
+from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
+                                        EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
+                                        decode_to_core, encode)
+from dispatcher.messages import StepResult, WorkerError, WorkerReady, decode_to_engine, resolve_init
+from dispatcher.messages import encode as encode_step
+from models.config import ModelConfig
+from scheduler.request import FinishReason, RequestError
+
+log = logging.getLogger("twogrid.engine")
+
+LIVENESS_S = 0.25
+"""How often the engine checks that the worker process is alive while it waits for it (a dead worker is noticed
+within this)."""
+
+
+class _RemoteWorkerInfo:
+    """What EngineCore asks of its worker, from the worker process's WorkerReady (steps travel separately)."""
+
+    def __init__(self, ready: WorkerReady):
+        self.ready = ready
+        self.model_config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                           for k, v in ready.model_config.items()})
+        self.device_name = ready.device_name
+
+    def measure_av_curve(self):
+        return self.ready.av_curve
+
+
+class EngineService:
+    """The scheduler's side of ``twogrid serve``: requests from ``inbox``, one ``Outputs`` per step to ``outbox``."""
+
+    def __init__(self, init: EngineInit, process: WorkerProcess, inbox, outbox):
+        self.init, self.process, self.inbox, self.outbox = init, process, inbox, outbox
+        self.core: EngineCore | None = None
+        self._wake = asyncio.Event()
+        self._draining = False
+        self._in_flight: deque[ScheduledStep] = deque()
+
+    async def start(self) -> WorkerReady:
+        """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
+        ready = await _await_ready(self.process)
+        w = self.init.worker
+        args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
+                          max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
+                          fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
+        self.core = EngineCore(resolve_init(w), args, worker=_RemoteWorkerInfo(ready))
+        await self.outbox.send(encode(EngineStarted(ready, self.core.async_scheduling)))
+        return ready
+
+    # -- the front end's messages --------------------------------------------------------------------------------
+    async def receive(self) -> None:
+        """Take requests and aborts as they come (a frame that is not one is logged and dropped)."""
+        while True:
+            frame = await self.inbox.recv()
+            try:
+                msg = decode_to_core(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("refused a malformed frame of %d bytes from the front end: %s", len(frame), exc)
+                continue
+            if isinstance(msg, AddRequest):
+                await self._add(msg)
+            elif isinstance(msg, Abort):
+                await self._abort(msg)
+            elif isinstance(msg, Drain):
+                self._draining = True
+                self._wake.set()
+
+    async def _add(self, msg: AddRequest) -> None:
+        try:
+            if self._draining:
+                raise RequestError("the server is shutting down")
+            self.core.queue(self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id))
+            self._wake.set()
+        except RequestError as exc:  # checked again here, before the request costs any device time
+            await self.outbox.send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+
+    async def _abort(self, msg: Abort) -> None:
+        for rid in msg.request_ids:
+            if msg.finish_reason == FinishReason.STOP.value:
+                self.core.scheduler.finish_request(rid, FinishReason.STOP)
+            else:
+                self.core.abort(rid)
+        if not self._in_flight:  # no step will report the freed blocks soon: report them now
+            await self.outbox.send(encode(Outputs(queue=self._queue_state())))
+
+    # -- the step task ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Steps until drained (or the worker dies: WorkerDied)."""
+        core, in_flight = self.core, self._in_flight
+        depth = 2 if core.async_scheduling else 1
+        while not self._draining or in_flight or core.has_unfinished():
+            if not core.has_unfinished() and not in_flight:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
+            if step is not None:
+                await self.process.to_worker.send(encode_step(step.message))
+                in_flight.append(step)
+            if in_flight and (len(in_flight) == depth or step is None):
+                await self._finish(in_flight.popleft())
+
+    async def _finish(self, step: ScheduledStep) -> None:
+        """Take a step's result: the scheduler's update, then one Outputs to the front end."""
+        core = self.core
+        result = await self._receive(step)
+        if isinstance(result, WorkerError):
+            ids = [r.request_id for r in step.out.requests]
+            for rid in ids:
+                core.abort(rid)
+            await self.outbox.send(encode(Outputs(queue=self._queue_state(),
+                                                  failed=[Failure(ids, f"step failed: {result.message}")])))
+            return
+        accepted = core.scheduler.stats.drafts_accepted
+        outputs = core.update(step, core.finish(step, result))
+        target = step.descs.target
+        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
+                            core.scheduler.stats.drafts_accepted - accepted, step.out.num_preempted,
+                            result.device_ms / 1e3)
+        deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
+                        o.logprobs) for o in outputs]
+        await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
+
+    def _queue_state(self) -> QueueState:
+        sched = self.core.scheduler
+        return QueueState(len(sched.order), len(sched.waiting), 1.0 - sched.kv.num_free / sched.kv.num_blocks)
+
+    async def _receive(self, step: ScheduledStep) -> StepResult | WorkerError:
+        sock = self.process.to_engine
+        while True:
+            if await sock.poll(LIVENESS_S * 1000):
+                msg = decode_to_engine(await sock.recv())
+                if isinstance(msg, WorkerError) and msg.step_id < 0:
+                    log.warning("worker: %s", msg.message)  # a refused frame: not this step's
+                    continue
+                if isinstance(msg, (StepResult, WorkerError)) and msg.step_id == step.out.step_id:
+                    return msg
+                raise WorkerDied(f"expected the result of step {step.out.step_id}, got {type(msg).__name__}")
+            if not self.process.alive():
+                raise WorkerDied(f"the worker process {self.process.exit_description()}")
+
+
+async def _await_ready(process: WorkerProcess) -> WorkerReady:
+    await process.to_worker.send(encode_step(process.init))
+    while True:
+        if await process.to_engine.poll(LIVENESS_S * 1000):
+            msg = decode_to_engine(await process.to_engine.recv())
+            if isinstance(msg, WorkerReady):
+                process.ready = msg
+                return msg
+            if isinstance(msg, WorkerError):
+                raise WorkerDied(f"the worker failed to start: {msg.message}")
+        if not process.alive():
+            raise WorkerDied(f"the worker process {process.exit_description()} while starting")
+
+
+async def serve(ipc_dir: str) -> int:
+    ctx = zmq.asyncio.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(f"ipc://{ipc_dir}/{TO_CORE}")
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
+    outbox.connect(f"ipc://{ipc_dir}/{TO_FRONT}")
+    init = decode_to_core(await inbox.recv())
+    if not isinstance(init, EngineInit):
+        log.error("expected EngineInit first, got %s", type(init).__name__)
+        return 1
+    process = WorkerProcess(init.worker, asyncio=True, parent_dir=ipc_dir)
+    service = EngineService(init, process, inbox, outbox)
+    code = 0
+    try:
+        await service.start()
+        receiver = asyncio.get_running_loop().create_task(service.receive())
+        await service.run()
+        receiver.cancel()
+    except WorkerDied as exc:
+        log.error("%s", exc)
+        await outbox.send(encode(EngineDead(str(exc))))
+        code = 1
+    except Exception as exc:  # a defect: say so, rather than leave every client hanging
+        log.exception("the engine failed")
+        await outbox.send(encode(EngineDead(f"{type(exc).__name__}: {exc}")))
+        code = 1
+    finally:
+        if service.core is not None:
+            service.core.close()
+        process.close(timeout_s=5.0)
+        outbox.close(linger=2000)
+        inbox.close(linger=0)
+        ctx.term()
+    return code
+
+
+def main() -> int:
+    set_parent_death_signal()
+    logging.basicConfig(level=os.environ.get("TWOGRID_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
+        runner = asyncio.run
+    return runner(serve(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The front end's handle on the engine process (``dispatcher.engine.service``): what the HTTP app calls.
+
+``generate`` sends a request once and returns its stream of ``RequestOutput``s; ``abort`` ends it. One task
+receives the engine's per-step ``Outputs``: it turns token ids into text (``OutputProcessor``: detokenization and
+stop strings, here in the front end's process, so that the engine never waits on streaming), feeds each request's
+queue and records the step in the metrics. A stop string that matches sends ``Abort(finish_reason='stop')`` so
+that the engine frees the request's KV blocks at once. The engine process's death (or its ``EngineDead``, when its
+worker died) fails every request in flight and sets ``dead``, which /health reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import AsyncIterator
+
+from dispatcher.engine.ipc import ChildProcess
+from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
+from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
+                                        EngineStarted, Outputs, decode_to_front, encode)
+from dispatcher.messages import WorkerReady
+from scheduler.request import FinishReason, RequestError, SamplingParams
+from scheduler.scheduler import RequestOutput as StepOutput
+
+log = logging.getLogger("twogrid.serve")
+
+LIVENESS_S = 0.25
+"""How often the front end checks that the engine process is alive while no output comes."""
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request (its step failed, or the engine or its worker died)."""
+
+
+class EngineClient:
+    """Built at once (``ready`` False, so that /health answers 503 while the engine starts); ``start`` starts the
+    engine process and waits until its worker has captured."""
+
+    def __init__(self, init: EngineInit, tokenizer, served_model_name: str, default_params: SamplingParams,
+                 metrics=None, log_level: str = "info"):
+        self.init = init
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = init.worker.max_model_len
+        self.default_params = default_params
+        self.metrics = metrics
+        self.log_level = log_level
+        self.processor = OutputProcessor(tokenizer, self._stopped)
+        self.process: ChildProcess | None = None
+        self.capture: WorkerReady | None = None
+        self.ready = False
+        self.dead: str | None = None
+        self.stats: Counter = Counter()
+        """Steps, eager steps (``eager:<cause>``) and padded tokens so far (for --cudagraph-metrics)."""
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> WorkerReady:
+        """Start the engine process and wait for its worker (load, KV cache, capture). EngineError if it cannot."""
+        self.process = ChildProcess("dispatcher.engine.service", TO_CORE, TO_FRONT, asyncio=True,
+                                    env={"TWOGRID_LOG_LEVEL": self.log_level})
+        self._send(self.init)
+        while True:
+            if await self.process.from_child.poll(LIVENESS_S * 1000):
+                msg = decode_to_front(await self.process.from_child.recv())
+                if isinstance(msg, EngineStarted):
+                    break
+                if isinstance(msg, EngineDead):
+                    self.dead = msg.message
+                    raise EngineError(msg.message)
+            elif not self.process.alive():
+                self.dead = f"the engine process {self.process.exit_description()} while starting"
+                raise EngineError(self.dead)
+        self.capture = msg.worker
+        if self.metrics is not None:
+            self.metrics.set_capture(self.capture.capture_seconds,
+                                     int(sum(k["measured_gib"] for k in self.capture.capture) * 2**30))
+        self._task = asyncio.get_running_loop().create_task(self._receive())
+        self.ready = True
+        return self.capture
+
+    def _send(self, message) -> None:
+        """Queue a message for the engine, in order (an asyncio socket without a high-water mark: it leaves as soon
+        as the engine is connected, and nothing here waits for it)."""
+        self.process.to_child.send(encode(message))
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Send a request and stream its outputs. The engine checks it before it costs device time: a refusal
+        (RequestError, naming the field and the limit) is raised by the stream."""
+        if self.dead is not None:
+            raise EngineError(f"the engine cannot serve: {self.dead}")
+        if self._stopping:
+            raise EngineError("the server is shutting down")
+        if not self.ready:
+            raise EngineError("the engine is still starting (loading the model, capturing graphs)")
+        self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._send(AddRequest(request_id, list(prompt_token_ids), params))
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; the deltas that queued up while its consumer was busy come as one (so a loaded
+        server writes fewer, larger chunks instead of falling further behind)."""
+        try:
+            while True:
+                deltas = [await queue.get()]
+                while not queue.empty() and not isinstance(deltas[-1], Exception) and not deltas[-1].finished:
+                    deltas.append(queue.get_nowait())
+                error = deltas.pop() if isinstance(deltas[-1], Exception) else None
+                if deltas:
+                    item = deltas[0] if len(deltas) == 1 else merge_outputs(deltas)
+                    yield item
+                    if item.finished:
+                        return
+                if error is not None:
+                    raise error
+        finally:  # the consumer stopped early (a client gone): the request ends here
+            if request_id in self._streams:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._streams.pop(request_id, None)
+        final = self.processor.abort(request_id)
+        if final is not None:  # still running in the engine
+            if self.dead is None and self.process is not None:
+                self._send(Abort([request_id]))
+            if queue is not None:
+                queue.put_nowait(final)
+
+    def _stopped(self, request_id: str, reason: FinishReason) -> None:
+        """A stop string matched (the output processor's call): the engine ends the request now."""
+        self._send(Abort([request_id], reason.value))
+
+    def _fail(self, request_ids, error: Exception) -> None:
+        for rid in request_ids:
+            queue = self._streams.pop(rid, None)
+            self.processor.abort(rid)
+            if queue is not None:
+                queue.put_nowait(error)
+
+    # -- the engine's outputs ----------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        sock = self.process.from_child
+        try:
+            while True:
+                if not await sock.poll(LIVENESS_S * 1000):
+                    if not self.process.alive():
+                        raise EngineError(f"the engine process {self.process.exit_description()}")
+                    continue
+                msg = decode_to_front(await sock.recv())
+                if isinstance(msg, EngineDead):
+                    raise EngineError(msg.message)
+                if isinstance(msg, Outputs):
+                    self._take(msg)
+        except EngineError as exc:
+            self.dead = str(exc)
+            log.error("the engine stopped: %s", exc)
+        except Exception as exc:  # a defect: fail everything rather than hang every client
+            self.dead = f"{type(exc).__name__}: {exc}"
+            log.exception("the front end's output task failed")
+        self._fail(list(self._streams), EngineError(self.dead))
+
+    def _take(self, msg: Outputs) -> None:
+        for r in msg.refused:
+            self._fail([r.request_id], RequestError(r.message))
+        for f in msg.failed:
+            self._fail(f.request_ids, EngineError(f.message))
+        steps = [StepOutput(d.request_id, d.new_token_ids, d.finish_reason is not None,
+                            FinishReason(d.finish_reason) if d.finish_reason else None, d.logprobs) for d in msg.deltas]
+        for out in self.processor.process(steps):
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        for s in msg.steps:
+            self.stats["steps"] += 1
+            self.stats["padded_tokens"] += s.padded_tokens
+            if s.eager_cause is not None:
+                self.stats["eager:" + s.eager_cause] += 1
+            if self.metrics is not None:
+                self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
+                                     s.num_preempted, s.device_s)
+        if msg.queue is not None and self.metrics is not None:
+            q = msg.queue
+            self.metrics.set_queue(q.num_running, q.num_waiting, q.kv_usage)
+
+    # -- shutdown ----------------------------------------------------------------------------------------------
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests; the engine finishes those in flight for up to ``timeout_s`` (their outputs keep
+        coming), then the rest fail with an error and the engine process (and its worker) are stopped."""
+        self._stopping = True
+        if self.process is None:
+            return
+        if self.ready and self.dead is None:
+            self._send(Drain())
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while self.process.alive() and self._streams and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        left = list(self._streams)
+        if left and self.dead is None:
+            self._send(Abort(left))  # the engine ends them too, and exits once nothing is left
+        self._fail(left, EngineError(f"the server shut down before the request finished ({timeout_s:.0f} s)"))
+        if self._task is not None:
+            self._task.cancel()
+        self.process.close(None, 5.0)
+
+
+__all__ = ["EngineClient", "EngineError", "CompletionOutput", "RequestOutput", "RequestError"]
