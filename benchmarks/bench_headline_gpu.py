@@ -52,24 +52,6 @@ POLICIES = {
 }
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3}}
-COUNTERS = {"eager_steps": "twogrid:eager_steps_total", "padded_tokens": "twogrid:padded_tokens_total",
-            "steps": "twogrid:cudagraph_steps_total", "device_s": "twogrid:step_device_seconds_total"}
-
-
-def scrape(base: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            for key, name in COUNTERS.items():
-                if s.name == name:
-                    out[key] += s.value
-    return out
-
-
 def start_server(policy: str, spec, fixed: float | None, port: int, args, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
@@ -174,11 +156,10 @@ def main() -> None:
             proc = start_server(policy, spec, fixed, args.port, args, log_path)
             base = f"http://127.0.0.1:{args.port}"
             try:
-                for conc in concurrencies:
-                    before = scrape(base)
+                for conc in concurrencies:  # (twogrid bench reads the server's counters after its warm-ups)
                     bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args)
-                    after = scrape(base)
-                    delta = {k: after[k] - before[k] for k in COUNTERS}
+                    delta = {"eager_steps": bench["eager_steps"], "padded_tokens": bench["padded_tokens"],
+                             "steps": bench["cudagraph_steps"], "device_s": bench["step_device_seconds"]}
                     row = {"policy": policy, "model": "bench-moe", "workload": workload, "acceptance": acceptance,
                            "concurrency": conc, "output_tok_s": round(bench["output_throughput"], 1),
                            "tpot_ms_mean": round(bench["mean_tpot_ms"], 3),

@@ -1,4 +1,5 @@
-"""The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode.
+"""The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode,
+the steps' device time (over the run's duration: how busy the GPU was).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -17,6 +18,7 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "eager_steps": ("twogrid:eager_steps_total", ("reason",)),
     "padded_tokens": ("twogrid:padded_tokens_total", ()),
     "cudagraph_steps": ("twogrid:cudagraph_steps_total", ("kind", "mode")),
+    "step_device_seconds": ("twogrid:step_device_seconds_total", ()),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 
@@ -71,7 +73,7 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
             continue
         old = before.get(name, {})
         moved = {key: value - old.get(key, 0.0) for key, value in after[name].items()}
-        out[field] = _number(sum(moved.values()))
+        out[field] = _number(round(sum(moved.values()), 6))
         if labels:
             nested: dict[str, Any] = {}
             for key, value in sorted(moved.items()):

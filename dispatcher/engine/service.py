@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections import deque
-from dataclasses import replace
 
 import msgspec
 import zmq

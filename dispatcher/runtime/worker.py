@@ -162,11 +162,11 @@ class ModelWorker:
     @torch.inference_mode()
     def submit(self, step: Step) -> "_Pending":
         """Queue a step on the device; nothing here waits for the device."""
-        clock = _Clock(self.device)
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
             plan.num_logprobs = int(self.state.host_num_logprobs[plan.host_sampling_slots].max())
+        clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
         inputs = self._target_inputs(plan, dev)
