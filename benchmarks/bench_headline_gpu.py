@@ -158,7 +158,7 @@ def main() -> None:
             try:
                 for conc in concurrencies:  # (twogrid bench reads the server's counters after its warm-ups)
                     bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args)
-                    delta = {"eager_steps": bench["eager_steps"], "padded_tokens": bench["padded_tokens"],
+                    delta = {"eager_steps": bench.get("eager_steps", 0), "padded_tokens": bench["padded_tokens"],
                              "steps": bench["cudagraph_steps"], "device_s": bench["step_device_seconds"]}
                     row = {"policy": policy, "model": "bench-moe", "workload": workload, "acceptance": acceptance,
                            "concurrency": conc, "output_tok_s": round(bench["output_throughput"], 1),

@@ -2,8 +2,7 @@
 eagle3 K = 7 with fixed acceptance 3.0, 256 requests with ShareGPT prompt lengths, 256 output tokens. After the
 prefills, a window of steady decode steps runs under torch.profiler; every CUDA kernel's time is summed by what it
 does: paged attention (the attention and split-merge kernels, inside the graphs), the target's logits and the
-drafter's (the GEMMs under the ``twogrid.logits`` / ``twogrid.draft_logits`` ranges), everything else. Also the
-share of kernel time launched by CUDA graph replays (the rest ran outside graphs).
+drafter's (the GEMMs under the ``twogrid.logits`` / ``twogrid.draft_logits`` ranges), everything else.
 
     PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json --out $OUT/profile_engine.json
 """
@@ -61,7 +60,6 @@ def main() -> None:
         return sum(e.device_time_total for e in events if e.name == name)
 
     logits_us, draft_logits_us = range_us("twogrid.logits"), range_us("twogrid.draft_logits")
-    graph_us = sum(sum(k.duration for k in e.kernels) for e in events if e.name == "cudaGraphLaunch")
     by_name: dict[str, float] = {}
     for k in kernels:
         by_name[k.name] = by_name.get(k.name, 0.0) + k.time_range.elapsed_us()
@@ -76,7 +74,6 @@ def main() -> None:
         "attention_share": round(attention_us / total_us, 4),
         "logits_share": round(logits_us / total_us, 4),
         "draft_logits_share": round(draft_logits_us / total_us, 4),
-        "in_graphs_share": round(graph_us / total_us, 4) if graph_us else None,
         "top_kernels_ms_per_step": [(name, round(us / 1e3 / args.steps, 4)) for name, us in top],
     }
     write_json(args.out, result)
