@@ -16,7 +16,7 @@ from collections import Counter
 from typing import AsyncIterator
 
 from dispatcher.engine.ipc import ChildProcess
-from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
+from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Outputs, decode_to_front, encode)
 from dispatcher.messages import WorkerReady
@@ -53,7 +53,7 @@ class EngineClient:
         self.dead: str | None = None
         self.stats: Counter = Counter()
         """Steps, eager steps (``eager:<cause>``) and padded tokens so far (for --cudagraph-metrics)."""
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._task: asyncio.Task | None = None
 
@@ -98,24 +98,24 @@ class EngineClient:
         if not self.ready:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream = self._streams[request_id] = _Stream()
         self._send(AddRequest(request_id, list(prompt_token_ids), params))
-        return self._stream(request_id, queue)
+        return self._stream(request_id, stream)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; the deltas that queued up while its consumer was busy come as one (so a loaded
-        server writes fewer, larger chunks instead of falling further behind)."""
+    async def _stream(self, request_id: str, stream: "_Stream") -> AsyncIterator[RequestOutput]:
+        """The request's outputs. Whatever arrived while its consumer was busy becomes one output, detokenized
+        here, once: a loaded server writes fewer, larger chunks (and decodes fewer times) instead of falling
+        further behind."""
         try:
             while True:
-                deltas = [await queue.get()]
-                while not queue.empty() and not isinstance(deltas[-1], Exception) and not deltas[-1].finished:
-                    deltas.append(queue.get_nowait())
-                error = deltas.pop() if isinstance(deltas[-1], Exception) else None
-                if deltas:
-                    item = deltas[0] if len(deltas) == 1 else merge_outputs(deltas)
-                    yield item
-                    if item.finished:
+                await stream.ready.wait()
+                stream.ready.clear()
+                items, stream.items = stream.items, []
+                out, error = self._collect(request_id, items)
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        self._streams.pop(request_id, None)
                         return
                 if error is not None:
                     raise error
@@ -123,14 +123,36 @@ class EngineClient:
             if request_id in self._streams:
                 await self.abort(request_id)
 
+    def _collect(self, request_id: str, items: list) -> tuple[RequestOutput | None, Exception | None]:
+        """The engine's deltas that queued up, as one output (through the output processor: text, stop strings);
+        then the error that ended the request, if one did."""
+        deltas = []
+        for item in items:
+            if isinstance(item, RequestOutput):  # the final output of an abort
+                return item, None
+            if isinstance(item, Exception):
+                return self._merge(request_id, deltas), item
+            deltas.append(item)
+        return self._merge(request_id, deltas), None
+
+    def _merge(self, request_id: str, deltas: list) -> RequestOutput | None:
+        if not deltas:
+            return None
+        last = deltas[-1]
+        tokens = [t for d in deltas for t in d.new_token_ids] if len(deltas) > 1 else last.new_token_ids
+        logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+        reason = FinishReason(last.finish_reason) if last.finish_reason else None
+        outs = self.processor.process([StepOutput(request_id, tokens, reason is not None, reason, logprobs)])
+        return outs[0] if outs else None
+
     async def abort(self, request_id: str) -> None:
-        queue = self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
         final = self.processor.abort(request_id)
         if final is not None:  # still running in the engine
             if self.dead is None and self.process is not None:
                 self._send(Abort([request_id]))
-            if queue is not None:
-                queue.put_nowait(final)
+            if stream is not None:
+                stream.put(final)
 
     def _stopped(self, request_id: str, reason: FinishReason) -> None:
         """A stop string matched (the output processor's call): the engine ends the request now."""
@@ -138,10 +160,10 @@ class EngineClient:
 
     def _fail(self, request_ids, error: Exception) -> None:
         for rid in request_ids:
-            queue = self._streams.pop(rid, None)
+            stream = self._streams.pop(rid, None)
             self.processor.abort(rid)
-            if queue is not None:
-                queue.put_nowait(error)
+            if stream is not None:
+                stream.put(error)
 
     # -- the engine's outputs ----------------------------------------------------------------------------------
     async def _receive(self) -> None:
@@ -170,14 +192,11 @@ class EngineClient:
             self._fail([r.request_id], RequestError(r.message))
         for f in msg.failed:
             self._fail(f.request_ids, EngineError(f.message))
-        steps = [StepOutput(d.request_id, d.new_token_ids, d.finish_reason is not None,
-                            FinishReason(d.finish_reason) if d.finish_reason else None, d.logprobs) for d in msg.deltas]
-        for out in self.processor.process(steps):
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
-                if out.finished:
-                    del self._streams[out.request_id]
+        streams = self._streams
+        for d in msg.deltas:  # (per delta only a list append: the text is made when the consumer takes them)
+            stream = streams.get(d.request_id)
+            if stream is not None:
+                stream.put(d)
         for s in msg.steps:
             self.stats["steps"] += 1
             self.stats["padded_tokens"] += s.padded_tokens
@@ -210,6 +229,21 @@ class EngineClient:
         if self._task is not None:
             self._task.cancel()
         self.process.close(None, 5.0)
+
+
+class _Stream:
+    """A request's undelivered items (the engine's deltas, an abort's final output, an error) and the event that
+    wakes its consumer."""
+
+    __slots__ = ("items", "ready")
+
+    def __init__(self):
+        self.items: list = []
+        self.ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.ready.set()
 
 
 __all__ = ["EngineClient", "EngineError", "CompletionOutput", "RequestOutput", "RequestError"]
