@@ -23,7 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dispatcher.child import set_parent_death_signal
+from dispatcher.child import profiled, set_parent_death_signal
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
@@ -229,7 +229,7 @@ def main() -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
         runner = asyncio.run
-    return runner(serve(sys.argv[1]))
+    return profiled("engine", runner, serve(sys.argv[1]))
 
 
 if __name__ == "__main__":

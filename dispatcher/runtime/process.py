@@ -24,7 +24,7 @@ import msgspec
 import torch
 import zmq
 
-from dispatcher.child import set_parent_death_signal
+from dispatcher.child import profiled, set_parent_death_signal
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
                                  decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
@@ -151,4 +151,4 @@ def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, i
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    sys.exit(serve(sys.argv[1]))
+    sys.exit(profiled("worker", serve, sys.argv[1]))

@@ -78,7 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
         runner = asyncio.run
-    return runner(_serve(args, *setup))
+    from dispatcher.child import profiled
+
+    return profiled("serve", runner, _serve(args, *setup))
 
 
 def _setup(args: argparse.Namespace):
