@@ -36,7 +36,7 @@ import urllib.request
 
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 
-OUTPUT_LEN = 256
+OUTPUT_LEN = int(os.environ.get("HEADLINE_OUTPUT_LEN", "256"))  # (a CPU dry run sets it lower)
 POLICIES = {
     "vllm-default": {"max_cudagraph_capture_size": 512},
     "legacy-1024": {"max_cudagraph_capture_size": 1024},
@@ -90,8 +90,9 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args) -> dict:
         return json.load(fh)
 
 
-def offline_tok_s(spec, fixed: float | None, args, conc: int) -> float:
-    """The offline EngineCore's output tok/s on the same tokenized prompts (separate grids)."""
+def offline_tok_s(spec, fixed: float | None, args, conc: int, worker_process: bool = False) -> float:
+    """The offline EngineCore's output tok/s on the same tokenized prompts (separate grids); with
+    ``worker_process``, its worker in a worker process as the server's is."""
     import torch
 
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
@@ -107,8 +108,19 @@ def offline_tok_s(spec, fixed: float | None, args, conc: int) -> float:
     k = spec["num_speculative_tokens"] if spec else 0
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
     blocks = sum(-(-(len(p) + OUTPUT_LEN + 2 * (k + 1)) // 16) for p in prompts) + 64
+    worker = None
+    if worker_process:  # the serving path's worker, without the engine process and the HTTP front end
+        from dispatcher.engine.config import scheduler_config
+        from dispatcher.engine.ipc import RemoteWorker, WorkerProcess
+        from dispatcher.messages import WorkerInit
+
+        width = scheduler_config(cfg, blocks, 16, args.max_model_len).max_blocks_per_seq
+        init = WorkerInit(args.model, args.device, "bfloat16" if args.device == "cuda" else "float32", "sm100",
+                          1024, 16384, {}, spec or {}, 16, args.max_model_len, width, blocks, 0.9, 0, True,
+                          fixed_acceptance=fixed)
+        worker = RemoteWorker(WorkerProcess(init))
     engine = EngineCore(cfg, EngineArgs(args.model, device=args.device, num_kv_blocks=blocks, block_size=16,
-                                        max_model_len=args.max_model_len, fixed_acceptance=fixed))
+                                        max_model_len=args.max_model_len, fixed_acceptance=fixed), worker=worker)
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
     engine.generate(prompts[:8], params)  # warm-up
     if args.device == "cuda":
@@ -116,6 +128,8 @@ def offline_tok_s(spec, fixed: float | None, args, conc: int) -> float:
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
+    if worker is not None:
+        worker.close()
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -177,12 +191,14 @@ def main() -> None:
                 proc.wait(60)
         if args.overhead_at:
             offline = offline_tok_s(spec, fixed, args, args.overhead_at)
+            offline_remote = offline_tok_s(spec, fixed, args, args.overhead_at, worker_process=True)
             served = next((r for r in result["rows"] if r["workload"] == workload and r["policy"] == "separate"
                            and r["concurrency"] == args.overhead_at), None)
             if served:
                 result["serve_overhead"].append({
                     "workload": workload, "acceptance": acceptance, "concurrency": args.overhead_at,
-                    "offline_tok_s": round(offline, 1), "served_tok_s": served["output_tok_s"],
+                    "offline_tok_s": round(offline, 1), "offline_worker_process_tok_s": round(offline_remote, 1),
+                    "served_tok_s": served["output_tok_s"],
                     "served_over_offline": round(served["output_tok_s"] / offline, 3),
                     "served_gpu_busy": served["gpu_busy"]})
                 print(json.dumps(result["serve_overhead"][-1]), flush=True)

@@ -128,6 +128,8 @@ def _setup(args: argparse.Namespace):
             check_draft_tokenizer(tokenizer, cfg.draft_model)
     except CheckpointError as exc:
         raise ConfigError(f"--model: {exc}") from None
+    except ConfigError:  # (a ValueError that already names its flag)
+        raise
     except ValueError as exc:
         raise ConfigError(f"--speculative-config: {exc}") from None
     probe = scheduler_config(cfg, 1, args.block_size, 1)
