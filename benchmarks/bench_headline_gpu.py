@@ -5,7 +5,8 @@ path's overhead against the offline engine on the same prompts.
 The model is the bench-moe preset (random weights, Granite-3.0-1B-A400M's shape) given SmolLM2's tokenizer
 (``--tokenizer``: the two vocabularies match) so that it serves text. Per policy and workload one server is
 started (capture included) and every concurrency runs against it, each a wave of ``concurrency`` requests after
-warm-ups. Policies (``--compilation-config`` each, every other flag equal):
+a warm-up wave of as many (synthetic prompts of the same lengths: a server's first steps at a new size compile
+Triton kernels, which a single measured wave would count). Policies (``--compilation-config`` each, every other flag equal):
 
   vllm-default  the shared token list at vLLM's default cap on Hopper (max_cudagraph_capture_size 512)
   legacy-1024   the shared token list to 1024
@@ -83,7 +84,7 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args) -> dict:
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
            "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(conc),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
-           "--num-warmups", str(min(conc, 16)), "--save-result", "--result-dir", result_dir,
+           "--num-warmups", str(conc), "--save-result", "--result-dir", result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(result_dir, name), encoding="utf-8") as fh:
