@@ -4,7 +4,8 @@ One task runs the steps. It submits step t + 1 before it awaits step t's result 
 while it awaits, the event loop serves HTTP: new requests, streamed text, aborts. Each request's outputs reach its
 stream through an asyncio queue; a stream that is closed early (a client gone) aborts its request, which frees its
 KV blocks at once. A failed step fails the requests in it, the server goes on; a dead worker fails every request,
-turns ``dead`` into the reason, and ends the step task.
+turns ``dead`` into the reason, and ends the step task. A second task watches the worker process (its pidfd): an
+exit is noticed within milliseconds, idle or not, even while the step task is blocked sending to the dead worker.
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
         self._stopping = False
 
     async def start(self) -> WorkerReady:
         """Start the worker (load, size the KV cache, capture), then the step task. WorkerDied if it cannot."""
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_worker())
         try:
             ready = await _await_ready(self.process)
         except WorkerDied as exc:
@@ -132,6 +135,8 @@ class AsyncEngine:
                 queue.put_nowait(final)
 
     def _fail(self, request_ids, message: str) -> None:
+        if self.core is None:  # not started: no request was taken
+            return
         for rid in request_ids:
             queue = self._streams.pop(rid, None)
             self.core.abort(rid)
@@ -169,13 +174,26 @@ class AsyncEngine:
                     self._publish(outputs)
                 await asyncio.sleep(0)  # let the loop run the handlers woken by this step's outputs
         except WorkerDied as exc:
-            self.dead = str(exc)
-            log.error("engine stopped: %s", exc)
-            self._fail(list(self._streams), str(exc))
+            self._die(str(exc))
         except Exception as exc:  # a bug: fail everything rather than hang every client
-            self.dead = f"{type(exc).__name__}: {exc}"
             log.exception("engine step task failed")
-            self._fail(list(self._streams), self.dead)
+            self._die(f"{type(exc).__name__}: {exc}")
+
+    async def _watch_worker(self) -> None:
+        """The worker process's sentinel: its exit, unless ``shutdown`` stopped it, ends the engine."""
+        await self.process.wait_exit()
+        if not self.process.stopping:
+            self._die(f"the worker process {self.process.exit_description()}")
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot go on: ``dead`` says why, the step task stops (it may be blocked on the dead worker's
+        socket), every request in flight fails with ``reason``."""
+        if self.dead is None:
+            self.dead = reason
+            log.error("engine stopped: %s", reason)
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        self._fail(list(self._streams), reason)
 
     async def _receive(self, step: ScheduledStep) -> StepResult | WorkerError:
         sock = self.process.to_engine
@@ -219,9 +237,11 @@ class AsyncEngine:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except asyncio.TimeoutError:
-                self._fail(list(self._streams), f"the server shut down before the request finished ({timeout_s} s)")
+                self._fail(list(self._streams), "the server shut down before the request finished")
                 self._task.cancel()
-        self.process.close()
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await self.process.aclose()
 
 
 async def _await_ready(process: WorkerProcess) -> WorkerReady:

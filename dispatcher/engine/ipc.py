@@ -9,6 +9,7 @@ uses the same process with asyncio sockets.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -46,6 +47,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "dispatcher.runtime.process", self.dir],
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self.ready: WorkerReady | None = None
+        self.stopping = False
+        """``close`` or ``aclose`` was called: the process is being stopped on purpose."""
         self._closed = False
 
     @property
@@ -54,6 +57,26 @@ class WorkerProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    async def wait_exit(self, poll_s: float = 0.5) -> None:
+        """Return when the process has exited, reaped (no zombie left): at once through a pidfd (Linux 5.3 and
+        later; the event loop wakes when the process ends), else by polling every ``poll_s`` seconds."""
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # no pidfd here, or the process is gone (reaped) already
+            while self.alive():
+                await asyncio.sleep(poll_s)
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            if self.alive():
+                await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self.proc.wait()
 
     def exit_description(self) -> str:
         code = self.proc.poll()
@@ -84,7 +107,7 @@ class WorkerProcess:
         """Stop the worker (Shutdown, then SIGKILL after ``timeout_s``), close the sockets, remove the directory."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.stopping = True
         if self.alive():
             try:
                 self.to_worker.send(encode(Shutdown()), zmq.NOBLOCK)
@@ -99,6 +122,23 @@ class WorkerProcess:
         self.to_engine.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """``close`` for the serving engine's event loop, which goes on (streams get their last events) while the
+        worker finishes its step and exits."""
+        if self._closed:
+            return
+        self.stopping = True
+        if self.alive():
+            try:
+                await self.to_worker.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            try:
+                await asyncio.wait_for(self.wait_exit(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        self.close(0.0)
 
 
 class RemoteWorker:
