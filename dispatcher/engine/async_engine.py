@@ -6,6 +6,7 @@ stream through an asyncio queue; a stream that is closed early (a client gone) a
 KV blocks at once. A failed step fails the requests in it, the server goes on; a dead worker fails every request,
 turns ``dead`` into the reason, and ends the step task. A second task watches the worker process (its pidfd): an
 exit is noticed within milliseconds, idle or not, even while the step task is blocked sending to the dead worker.
+Frames on the engine's socket that are not messages are refused with a warning, never decoded further.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from collections import deque
 from dataclasses import replace
 from typing import AsyncIterator
+
+import msgspec
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerProcess
@@ -199,7 +202,9 @@ class AsyncEngine:
         sock = self.process.to_engine
         while True:
             if await sock.poll(LIVENESS_S * 1000):
-                msg = decode_to_engine(await sock.recv())
+                msg = _decode(await sock.recv())
+                if msg is None:
+                    continue
                 if isinstance(msg, WorkerError) and msg.step_id < 0:
                     log.warning("worker: %s", msg.message)  # a refused frame: not this step's
                     continue
@@ -248,7 +253,7 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
     await process.to_worker.send(encode(process.init))
     while True:
         if await process.to_engine.poll(LIVENESS_S * 1000):
-            msg = decode_to_engine(await process.to_engine.recv())
+            msg = _decode(await process.to_engine.recv())
             if isinstance(msg, WorkerReady):
                 process.ready = msg
                 return msg
@@ -256,6 +261,17 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
                 raise WorkerDied(f"the worker failed to start: {msg.message}")
         if not process.alive():
             raise WorkerDied(f"the worker process {process.exit_description()} while starting")
+
+
+def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
+    """A message from the worker; None (with a warning) for a frame that is not one, which is dropped: only the
+    worker and processes of this user reach the socket (its directory is private), and a dropped frame costs a
+    wait, where an exception would cost every request in flight."""
+    try:
+        return decode_to_engine(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("refused a malformed frame of %d bytes on the engine's socket: %s", len(frame), exc)
+        return None
 
 
 __all__ = ["AsyncEngine", "EngineError", "CompletionOutput", "RequestOutput", "RequestError"]

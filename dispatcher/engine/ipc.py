@@ -164,6 +164,9 @@ class RemoteWorker:
         while True:
             if self.process.to_engine.poll(500):
                 msg = decode_to_engine(self.process.to_engine.recv())
+                if isinstance(msg, WorkerError) and msg.step_id < 0:
+                    log.warning("worker: %s", msg.message)  # a frame it refused: not this step's
+                    continue
                 if isinstance(msg, WorkerError):
                     raise WorkerDied(f"step {msg.step_id} failed in the worker: {msg.message}")
                 if not isinstance(msg, StepResult) or msg.step_id != step_id:
