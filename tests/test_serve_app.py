@@ -405,6 +405,26 @@ def test_engine_metrics_hooks():
     assert counters["twogrid:cudagraph_steps_total"] == {("mixed", "NONE"): 1.0, ("uniform_decode", "FULL"): 1.0}
 
 
+def test_queue_gauges_read_the_scheduler_at_each_scrape():
+    """track_queue: running, waiting and free KV blocks as they are when /metrics is read (also after aborts that
+    no step followed), the usage from them."""
+    m = EngineMetrics("m")
+    state = {"running": 2, "waiting": 1, "free": 30}
+    m.track_queue(lambda: state["running"], lambda: state["waiting"], lambda: state["free"], 40)
+
+    def scrape():
+        return {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+    first = scrape()
+    assert (first["twogrid:num_requests_running"], first["twogrid:num_requests_waiting"]) == (2, 1)
+    assert (first["twogrid:kv_cache_free_blocks"], first["twogrid:kv_cache_blocks"]) == (30, 40)
+    assert first["twogrid:kv_cache_usage_perc"] == 0.25
+    state.update(running=0, waiting=0, free=40)
+    later = scrape()
+    assert (later["twogrid:num_requests_running"], later["twogrid:kv_cache_free_blocks"]) == (0, 40)
+    assert later["twogrid:kv_cache_usage_perc"] == 0.0
+
+
 def test_sampling_params_logprobs():
     SamplingParams(logprobs=None).validate()
     SamplingParams(logprobs=0).validate()

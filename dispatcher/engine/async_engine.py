@@ -88,6 +88,9 @@ class AsyncEngine:
         self.capture = ready
         if self.metrics is not None:
             self.metrics.set_capture(ready.capture_seconds, int(sum(k["measured_gib"] for k in ready.capture) * 2**30))
+            sched = self.core.scheduler
+            self.metrics.track_queue(lambda: len(sched.order), lambda: len(sched.waiting), lambda: sched.kv.num_free,
+                                     sched.kv.num_blocks)
         self._task = asyncio.get_running_loop().create_task(self._run())
         self.ready = True
         return ready
@@ -223,15 +226,14 @@ class AsyncEngine:
                     del self._streams[out.request_id]
 
     def _record(self, step: ScheduledStep, accepted_tokens: int, device_ms: float) -> None:
-        """The step in the metrics: its kind and mode, why it ran eagerly, padding, accepted drafts, preemptions;
-        the queue after it."""
+        """The step in the metrics: its kind and mode, why it ran eagerly, padding, accepted drafts, preemptions
+        (the queue's gauges read the scheduler at each scrape)."""
         if self.metrics is None:
             return
-        target, sched = step.descs.target, self.core.scheduler
+        target = step.descs.target
         self.metrics.on_step(target.kind, target.mode, step.eager_cause,
                              target.num_tokens - step.out.shape.num_tokens, accepted_tokens, step.out.num_preempted,
                              device_ms / 1e3)
-        self.metrics.set_queue(len(sched.order), len(sched.waiting), 1.0 - sched.kv.num_free / sched.kv.num_blocks)
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 30.0) -> None:

@@ -4,8 +4,9 @@ exports. Free of aiohttp, so the engine process imports it without the HTTP stac
 Who records what:
 
 - the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding, accepted
-  draft tokens, preemptions), ``set_queue`` after each schedule (running, waiting, KV usage) and ``set_capture``
-  once after capture;
+  draft tokens, preemptions) and ``set_capture`` once after capture; it hands ``track_queue`` the scheduler's
+  counts (running, waiting, free KV blocks), read at each scrape, so that they are current also when no step runs
+  (after aborts); ``set_queue`` sets them by hand instead;
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
   sees each request from arrival to its last byte: TTFT, inter-token latency and end-to-end latency are measured
   where the client feels them, and prompt / generation token totals are counted once per request. The engine does
@@ -17,6 +18,8 @@ and labels are an interface.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -60,6 +63,9 @@ class EngineMetrics:
         self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(model_name)
         self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is used.").labels(
             model_name)
+        self._kv_free = gauge("kv_cache_free_blocks", "KV blocks free now: the cache's size when nothing runs.").labels(
+            model_name)
+        self._kv_blocks = gauge("kv_cache_blocks", "KV blocks in the cache.").labels(model_name)
         self._preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.").labels(model_name)
         # tokens and requests (the HTTP layer records these)
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token."
@@ -111,6 +117,16 @@ class EngineMetrics:
         self._running.set(running)
         self._waiting.set(waiting)
         self._kv_usage.set(kv_usage)
+
+    def track_queue(self, running: Callable[[], int], waiting: Callable[[], int], kv_free_blocks: Callable[[], int],
+                    kv_blocks: int) -> None:
+        """Read the running and waiting counts and the free KV blocks from these callables at each scrape (the
+        usage follows from ``kv_blocks``, the cache's size)."""
+        self._running.set_function(running)
+        self._waiting.set_function(waiting)
+        self._kv_free.set_function(kv_free_blocks)
+        self._kv_blocks.set(kv_blocks)
+        self._kv_usage.set_function(lambda: 1.0 - kv_free_blocks() / kv_blocks)
 
     def set_capture(self, seconds: float, memory_bytes: int) -> None:
         """What capture took: wall seconds and the graphs' device memory."""
