@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import sys
 import threading
@@ -32,6 +33,9 @@ from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
+
+FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
+"""A test hook, off unless set: comma-separated step ids that fail in the worker (``ModelWorker.fail_steps``)."""
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""
@@ -94,6 +98,19 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     return blocks
 
 
+def fail_steps_from_env() -> frozenset[int]:
+    """$TWOGRID_FAIL_STEPS as step ids (empty when unset); ValueError names a malformed one."""
+    text = os.environ.get(FAIL_STEPS_ENV, "").strip()
+    if not text:
+        return frozenset()
+    try:
+        steps = frozenset(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"${FAIL_STEPS_ENV} must be comma-separated step ids, got {text!r}") from None
+    log.warning("TEST HOOK: steps %s will fail on purpose ($%s)", sorted(steps), FAIL_STEPS_ENV)
+    return steps
+
+
 def serve(ipc_dir: str) -> int:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -103,6 +120,7 @@ def serve(ipc_dir: str) -> int:
     try:
         init = decode_init(pull.recv())
         worker, ready = build_worker(init)
+        worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
         push.send(encode(WorkerError(-1, f"{type(exc).__name__}: {exc}")))
         log.error("worker start-up failed:\n%s", traceback.format_exc())
