@@ -296,6 +296,11 @@ def run_streams(base: str, bodies: list[dict], key: str | None = None, leave: li
     return streams, time.perf_counter() - t0
 
 
+def finished_requests(m: dict[str, float]) -> float:
+    """Requests the server has counted as ended, whatever the reason (``request_success_total``)."""
+    return m["twogrid:request_success_total"]
+
+
 def wait_idle(server: Server, timeout_s: float = 10) -> dict[str, float]:
     """/metrics once no request runs or waits (aborts are processed asynchronously)."""
     deadline = time.monotonic() + timeout_s

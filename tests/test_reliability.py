@@ -38,8 +38,9 @@ import pytest
 pytest.importorskip("torch")
 aiohttp = pytest.importorskip("aiohttp")
 
-from serverutil import (REPO, OfflineReference, Server, Stream, count_round, http_get, http_post,  # noqa: E402
-                        process_state, raw_http, request_body, rss_bytes, run_streams, token_prompts, wait_idle)
+from serverutil import (REPO, OfflineReference, Server, Stream, count_round, finished_requests, http_get,  # noqa: E402
+                        http_post, process_state, raw_http, request_body, rss_bytes, run_streams, token_prompts,
+                        wait_idle)
 
 MODEL, VOCAB = "tiny-dense", 512
 KEY = "sk-rel-15"
@@ -158,14 +159,17 @@ def test_soak_every_stream_exactly_once_and_the_cache_whole_after_each_round(tok
         streams, wall_s = run_streams(server.base, bodies)
         figures = count_round(streams, ref, wall_s)
         end = wait_idle(server)
-        rounds.append({**asdict(figures), "kv_free_blocks_start": start["twogrid:kv_cache_free_blocks"],
+        rounds.append({**asdict(figures), "server_counted_ended": finished_requests(end) - finished_requests(start),
+                       "kv_free_blocks_start": start["twogrid:kv_cache_free_blocks"],
                        "kv_free_blocks_end": end["twogrid:kv_cache_free_blocks"], "kv_blocks": blocks,
                        "kv_usage_end": end["twogrid:kv_cache_usage_perc"],
                        "server_rss_mib": mib(rss_bytes(server.proc.pid)),
                        "worker_rss_mib": mib(rss_bytes(server.worker_pid()))})
+        start = end
     record("soak", streams=len(bodies), max_tokens=16, rounds=rounds)
     for r in rounds:
         assert (r["completed"], r["failed"], r["lost"], r["duplicated_chunks"]) == (len(bodies), 0, 0, 0), r
+        assert r["server_counted_ended"] == len(bodies), r  # each request ended once, by the server's count too
         assert r["kv_free_blocks_end"] == blocks and r["kv_usage_end"] == 0.0, r
     for key in ("server_rss_mib", "worker_rss_mib"):  # flat: the second round holds no more than the first did
         assert rounds[-1][key] <= rounds[0][key] * 1.05 + 16, rounds
@@ -344,7 +348,8 @@ def test_a_failing_step_fails_its_requests_not_the_server(faulty_server, referen
     b = count_round(streams, ref_during, wall_s)
     c = count_round(run_streams(server.base, later)[0], ref_later)
     end = wait_idle(server)
-    record("step_failure", sent=len(first) + len(during) + len(later), completed=a.completed + b.completed + c.completed,
+    record("step_failure", sent=len(first) + len(during) + len(later),
+           completed=a.completed + b.completed + c.completed,
            failed=a.failed + b.failed + c.failed, lost=a.lost + b.lost + c.lost, failed_step=FAIL_STEP,
            requests_in_the_step=b.failed, waiting_then_completed=b.completed,
            kv_free_blocks_start=start["twogrid:kv_cache_free_blocks"],
