@@ -18,6 +18,9 @@ from dispatcher.plan.dispatch import BatchDescriptor
 TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
 """The two sockets' names in the engine's ipc directory: steps go to the worker on one, results come back on the
 other."""
+ENGINE_PID_ENV = "TWOGRID_ENGINE_PID"
+"""The engine's process id, in its worker's environment: a worker whose parent is no longer that process has been
+orphaned (its engine was killed) and exits."""
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 

@@ -22,8 +22,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, Step, StepResult, WorkerError, WorkerInit,
-                                 WorkerReady, decode_to_engine, encode)
+from dispatcher.messages import (ENGINE_PID_ENV, TO_ENGINE, TO_WORKER, Shutdown, Step, StepResult, WorkerError,
+                                 WorkerInit, WorkerReady, decode_to_engine, encode)
 from models.config import ModelConfig
 
 log = logging.getLogger("twogrid.engine")
@@ -45,7 +45,8 @@ class WorkerProcess:
         self.to_engine = self.ctx.socket(zmq.PULL)
         self.to_engine.bind(f"ipc://{self.dir}/{TO_ENGINE}")
         self.proc = subprocess.Popen([sys.executable, "-m", "dispatcher.runtime.process", self.dir],
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, ENGINE_PID_ENV: str(os.getpid()), **(env or {})},
+                                     start_new_session=True)
         self.ready: WorkerReady | None = None
         self.stopping = False
         """``close`` or ``aclose`` was called: the process is being stopped on purpose."""

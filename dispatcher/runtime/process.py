@@ -6,7 +6,8 @@ Two threads: the main thread receives each step and submits it (queues its work 
 waits for submitted steps in order and sends their results. So a step arriving while the last one runs is queued
 on the device at once, and a result leaves as soon as it is ready. Every frame is decoded into the message types of
 ``dispatcher.messages`` (msgpack, no pickle); a frame that is not one is refused with a ``WorkerError`` and the
-worker goes on.
+worker goes on. The engine owns the worker's life: the worker ignores SIGTERM (the engine sends ``Shutdown`` once
+it has drained) and exits by itself, removing the ipc directory, when its engine process is gone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
+import signal
 import queue
 import sys
 import threading
@@ -25,8 +28,8 @@ import msgspec
 import torch
 import zmq
 
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
-                                 decode_to_worker, encode)
+from dispatcher.messages import (ENGINE_PID_ENV, TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit,
+                                 WorkerReady, decode_init, decode_to_worker, encode)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
 from dispatcher.plan.config import resolve
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
@@ -34,6 +37,8 @@ from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
 
+ENGINE_CHECK_S = 1.0
+"""How often a worker waiting for its next message checks that its engine is alive."""
 FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
 """A test hook, off unless set: comma-separated step ids that fail in the worker (``ModelWorker.fail_steps``)."""
 
@@ -112,13 +117,17 @@ def fail_steps_from_env() -> frozenset[int]:
 
 
 def serve(ipc_dir: str) -> int:
+    # The engine decides when its worker stops (Shutdown, once it has drained): a SIGTERM sent to every process of
+    # the service (systemd's default KillMode) must not end the worker under the requests being drained.
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM ignored: the engine stops its worker"))
+    engine_pid = int(os.environ.get(ENGINE_PID_ENV) or os.getppid())
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(f"ipc://{ipc_dir}/{TO_WORKER}")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
     try:
-        init = decode_init(pull.recv())
+        init = decode_init(_receive(pull, engine_pid, ipc_dir))
         worker, ready = build_worker(init)
         worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
@@ -131,7 +140,7 @@ def serve(ipc_dir: str) -> int:
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
     sender.start()
     while True:
-        frame = pull.recv()
+        frame = _receive(pull, engine_pid, ipc_dir)
         try:
             message = decode_to_worker(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -146,6 +155,18 @@ def serve(ipc_dir: str) -> int:
         except Exception as exc:
             log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
             results.put(WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+
+
+def _receive(pull: zmq.Socket, engine_pid: int, ipc_dir: str) -> bytes:
+    """The next frame from the engine. An engine that died without stopping its worker (SIGKILL, the OOM killer)
+    leaves it orphaned: within ENGINE_CHECK_S the worker removes the ipc directory and exits, instead of holding
+    its memory and device forever."""
+    while not pull.poll(ENGINE_CHECK_S * 1000):
+        if os.getppid() != engine_pid:
+            log.error("the engine process %d is gone: exiting", engine_pid)
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            os._exit(1)
+    return pull.recv()
 
 
 def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str) -> None:
