@@ -78,7 +78,7 @@ def main() -> int:
     finally:
         server.signal()
         code = server.wait(60)
-        server.kill()
+        server.stop()
     problems = _problems(rounds, args.streams)
     result = {
         "commit": commit(), "machine": {"cpu": platform.machine(), "cores": os.cpu_count(),

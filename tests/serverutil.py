@@ -103,7 +103,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.2)
-        self.kill()
+        self.stop()
         raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s:\n{self.log()[-3000:]}")
 
     def log(self) -> str:
@@ -132,10 +132,15 @@ class Server:
     def wait(self, timeout_s: float = 60) -> int:
         return self.proc.wait(timeout_s)
 
-    def kill(self) -> None:
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM, SIGKILL if it has not exited within ``timeout_s`` (its worker then exits by itself)."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self._log.close()
 
 

@@ -79,7 +79,7 @@ def _serve(tmp_path_factory, name: str, args: list[str], key: str | None = None,
     try:
         yield server
     finally:
-        server.kill()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +406,45 @@ def test_a_killed_worker_fails_every_stream_and_the_server_exits_nonzero(faulty_
     assert process_state(worker) is None
 
 
+ENGINE_SCRIPT = """
+import time
+from dispatcher.engine.ipc import WorkerProcess
+from dispatcher.messages import WorkerInit
+p = WorkerProcess(WorkerInit("tiny-dense", "cpu", "float32", "default", 4, 64, {}, {}, 16, 64, 5, 32, 0.9, 0, False))
+p.start(120)
+print(p.pid, p.dir, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_engine_takes_its_worker_along():
+    """The engine process itself is SIGKILLed (the OOM killer: nothing of it runs again): its orphaned worker
+    notices within ENGINE_CHECK_S, removes the ipc directory and exits, instead of holding its memory (on a GPU,
+    the device) forever."""
+    import subprocess
+    import sys
+
+    from dispatcher.runtime.process import ENGINE_CHECK_S
+
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = engine.stdout.readline().split()
+        assert len(line) == 2, f"the engine did not start its worker (exit {engine.poll()})"
+        worker, ipc = int(line[0]), line[1]
+        assert process_state(worker) not in (None, "Z") and os.path.isdir(ipc)
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.wait()
+        killed_at = time.monotonic()
+        wait_until(lambda: process_state(worker) in (None, "Z") and not os.path.exists(ipc), timeout_s=10,
+                   what="the orphaned worker to exit")
+        gone_s = time.monotonic() - killed_at
+    finally:
+        engine.kill()
+        engine.wait()
+    record("engine_sigkill", worker_exited_s=round(gone_s, 3), ipc_dir_left=os.path.exists(ipc))
+    assert gone_s <= 2 * ENGINE_CHECK_S + 1.0, gone_s
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # hostile input
 # ---------------------------------------------------------------------------------------------------------------
@@ -706,9 +745,10 @@ cache (no preemption)."""
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference):
-    """SIGTERM with 6 streams in flight: /health and new requests get 503 at once; the 4 short streams finish within
-    --shutdown-timeout with their exact tokens; the 2 long ones end with an error event right at the timeout (never
-    a cut or a hang); the server exits 0, the worker reaped, the ipc directory removed."""
+    """SIGTERM (to the server and to its worker) with 6 streams in flight: /health and new requests get 503 at
+    once; the 4 short streams finish within --shutdown-timeout with their exact tokens; the 2 long ones end with an
+    error event right at the timeout (never a cut or a hang); the server exits 0, the worker reaped, the ipc
+    directory removed."""
     server = tokens_server
     worker, ipc = server.worker_pid(), server.ipc_dir()
     prompts = token_prompts(6, VOCAB, 4, 16, seed=9)
@@ -721,6 +761,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference)
     wait_until(lambda: all(s.tokens for s in streams) or running.done(), what="every stream under way")
     term_at = time.monotonic()
     server.signal(signal.SIGTERM)
+    os.kill(worker, signal.SIGTERM)  # as systemd's default KillMode (control-group) does: the worker must go on
     wait_until(lambda: http_get(server.base + "/health")[0] == 503, timeout_s=SHUTDOWN_TIMEOUT_S, what="draining")
     refused, answer = http_post(server.base + "/v1/completions", b'{"prompt": [5, 6], "max_tokens": 2}')
     running.result(timeout=60)

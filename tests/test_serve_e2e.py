@@ -48,7 +48,7 @@ def server(tmp_path_factory):
     except RuntimeError as exc:
         pytest.fail(str(exc))
     yield srv, srv.base
-    srv.kill()
+    srv.stop()
     leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*"))) - before
     assert not leftover, leftover
 
