@@ -758,7 +758,10 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference)
     wait_idle(server)
     streams = [Stream() for _ in short + long]
     running = in_background(run_streams, server.base, short + long, outs=streams)
-    wait_until(lambda: all(s.tokens for s in streams) or running.done(), what="every stream under way")
+    # SIGTERM once the short streams are nearly done (they need a few more steps however slow the machine is) and
+    # the long ones are under way
+    wait_until(lambda: all(len(s.tokens) >= 12 for s in streams[:4]) and all(s.tokens for s in streams[4:])
+               or running.done(), what="every stream under way")
     term_at = time.monotonic()
     server.signal(signal.SIGTERM)
     os.kill(worker, signal.SIGTERM)  # as systemd's default KillMode (control-group) does: the worker must go on
@@ -779,5 +782,5 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference)
     assert len(long_errors) == 2 and all("shut down" in s.error and len(s.tokens) < LONG_TOKENS for s in long_errors)
     assert all(SHUTDOWN_TIMEOUT_S * 0.9 <= t <= SHUTDOWN_TIMEOUT_S + 2 for t in told_s), told_s  # their time, no more
     assert code == 0
-    assert SHUTDOWN_TIMEOUT_S <= exit_s <= SHUTDOWN_TIMEOUT_S + 10, exit_s
+    assert SHUTDOWN_TIMEOUT_S <= exit_s <= SHUTDOWN_TIMEOUT_S + 20, exit_s
     assert not os.path.exists(ipc) and process_state(worker) is None
