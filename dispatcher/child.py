@@ -1,24 +1,27 @@
-"""What every child process of ``twogrid serve`` (the engine process, the worker) does first."""
+"""What the child processes of ``twogrid serve`` (the engine process, its worker) share: how they notice that
+their parent is gone, their stop signals, a profiling switch."""
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
 
-def set_parent_death_signal() -> None:
-    """Linux: SIGKILL this process when its parent exits, so that no child outlives the server (even one that was
-    SIGKILLed). Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+PARENT_PID_ENV = "TWOGRID_PARENT_PID"
+"""The parent's process id, in each child's environment: a child whose parent is no longer that process has been
+orphaned (its parent was killed) and exits."""
 
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent exited before the call took effect
-        os._exit(1)
+
+def parent_gone() -> bool:
+    """This process's parent (the one that started it, named in $TWOGRID_PARENT_PID) has exited."""
+    return os.getppid() != int(os.environ.get(PARENT_PID_ENV) or os.getppid())
+
+
+def ignore_stop_signals() -> None:
+    """A child's parent decides when it stops (a message, once drained): a SIGTERM sent to every process of the
+    service (systemd's default KillMode) or a terminal's SIGINT must not end it under the requests being drained."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def profiled(role: str, fn, *args):

@@ -52,24 +52,7 @@ def texts() -> list[str]:
 def bpe(texts, tmp_path_factory):
     """A byte-level BPE trained on the prompts (Qwen2's split), saved as a Hugging Face tokenizer directory
     (tokenizer.json and a tokenizer_config.json with a ChatML template)."""
-    import json
+    from textdata import train_bpe
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    return train_bpe(texts[:300], str(tmp_path_factory.mktemp("bpe")), vocab_size=700)
 
-    from models.text import GGUF_PRE_SPLITS
-    from textdata import CHATML, SPECIALS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GGUF_PRE_SPLITS["qwen2"]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.train_from_iterator(texts[:300], trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path = tmp_path_factory.mktemp("bpe")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return str(path)

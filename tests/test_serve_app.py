@@ -389,7 +389,7 @@ def test_engine_metrics_hooks():
     m = EngineMetrics("m")
     m.on_step("mixed", "NONE", "mixed_above_cap", padded_tokens=0, accepted_tokens=5, preemptions=2)
     m.on_step("uniform_decode", "FULL", None, padded_tokens=7)
-    m.set_queue(running=3, waiting=4, kv_usage=0.5)
+    m.set_queue(running=3, waiting=4, kv_free_blocks=20, kv_blocks=40)
     m.set_capture(12.5, 3 * 2**30)
     samples = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
                if s.labels.get("reason", "mixed_above_cap") == "mixed_above_cap"}
@@ -399,6 +399,7 @@ def test_engine_metrics_hooks():
     assert samples["twogrid:num_preemptions_total"] == 2
     assert (samples["twogrid:num_requests_running"], samples["twogrid:num_requests_waiting"]) == (3, 4)
     assert samples["twogrid:kv_cache_usage_perc"] == 0.5
+    assert (samples["twogrid:kv_cache_free_blocks"], samples["twogrid:kv_cache_blocks"]) == (20, 40)
     assert samples["twogrid:capture_seconds"] == 12.5 and samples["twogrid:cudagraph_memory_bytes"] == 3 * 2**30
     counters = parse_counters(m.render().decode())
     assert counters["twogrid:eager_steps_total"] == {("mixed_above_cap",): 1.0}
@@ -897,43 +898,11 @@ def test_real_tokenizer_chat_and_logprobs(bpe):
     run(go())
 
 
-def hostile_bodies():
-    """Request bodies a hostile or broken client sends: the schema's fields with values of any JSON type or at
-    the edges of their ranges, unknown fields, unicode edge cases, broken JSON and bytes."""
-    from hypothesis import strategies as st
-
-    text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
-        ["", "\x00", "\u202e\u200d", "\U0001f469\u200d\U0001f4bb", "a" * 5000, "<|im_end|>", "\\u0000"])
-    numbers = (st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-               | st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63) - 1, 1e308, -0.0, 0.5]))
-    scalar = st.none() | st.booleans() | numbers | text
-    json_value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4)
-                              | st.dictionaries(text, inner, max_size=4), max_leaves=12)
-    fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-              "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options",
-              "n", "echo", "user", "frequency_penalty", "presence_penalty", "logit_bias", "include_stop_str_in_output",
-              "skip_special_tokens", "suffix", "best_of"]
-    good = {
-        "prompt": st.just("hi") | st.lists(st.integers(-5, 5000), min_size=0, max_size=5),
-        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "x"]),
-                                                    "content": text | json_value}), max_size=3),
-        "max_tokens": st.integers(-3, 300) | numbers, "stream": st.booleans(),
-        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_value,
-    }
-    field_values = st.sampled_from(fields).flatmap(lambda f: st.tuples(st.just(f), good.get(f, json_value)))
-    documents = st.builds(dict, st.lists(field_values, max_size=8)) | st.dictionaries(text, json_value, max_size=3)
-    as_json = documents.map(lambda d: json.dumps(d).encode())
-    raw = st.binary(max_size=64) | st.sampled_from([
-        b"{", b"null", b"[]", b'"x"', b"1e999", b'{"prompt": NaN}', b'{"prompt": "a", "max_tokens": Infinity}',
-        b'{"prompt": "\xc3\x28"}', b'{"prompt": "\\ud800"}', b"\xef\xbb\xbf{}", b'{"prompt": "a"}' * 2,
-        b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", b'{"prompt": "a", "x": ' + b"{\"a\":" * 30000 + b"1"
-        + b"}" * 30001, b'{"prompt": "' + b"a" * 70000 + b'"}'])
-    return st.one_of(as_json, raw)
-
-
 def test_hostile_requests_get_4xx_and_the_server_keeps_serving():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
+
+    from serverutil import hostile_bodies
 
     loop = asyncio.new_event_loop()
     engine = FakeEngine()

@@ -10,15 +10,11 @@ import glob
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 import pytest
+from serverutil import Server, http_get, http_post, metrics
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
@@ -27,62 +23,32 @@ KEY = "sk-e2e"
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    return http_get(url, key)
 
 
 def _post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_post(url, body, key)
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     from models.default_model import DefaultModelError, default_model_path
 
     try:
         default_model_path()
     except DefaultModelError as exc:
         pytest.skip(f"the default model is not available: {exc}")
-    port = _free_port()
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*")))
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "serve", "--device", "cpu", "--port", str(port),
-                             "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len", "512",
-                             "--api-key", KEY, "--served-model-name", "smol", "--shutdown-timeout", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if _get(base + "/health", None)[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the server did not become healthy within 180 s")
-    yield proc, base
-    if proc.poll() is None:
-        proc.kill()
+    srv = Server(["--device", "cpu", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len",
+                  "512", "--served-model-name", "smol", "--shutdown-timeout", "5"],
+                 str(tmp_path_factory.mktemp("e2e") / "server.log"), key=KEY)
+    try:
+        srv.wait_healthy(180)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield srv, srv.base
+    srv.stop()
     leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*"))) - before
     assert not leftover, leftover
 
@@ -92,16 +58,7 @@ def _client(base: str) -> openai.AsyncOpenAI:
 
 
 def _metric(base: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, body = _get(base + "/metrics")
-    assert status == 200
-    total = 0.0
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-    return total
+    return metrics(base, KEY)[name]
 
 
 def test_answers_streams_and_chat(server):
@@ -199,8 +156,8 @@ def test_api_key_is_required_except_on_health(server):
 
 
 def test_sigterm_stops_cleanly(server):
-    proc, base = server
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    output = proc.stdout.read()
+    srv, _ = server
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(60) == 0
+    output = srv.log()
     assert "capture plan" in output and "stopped" in output, output[-2000:]

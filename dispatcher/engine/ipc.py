@@ -9,6 +9,7 @@ uses the same process with asyncio sockets.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -21,8 +22,9 @@ import time
 import zmq
 import zmq.asyncio
 
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, Step, StepResult, WorkerError, WorkerInit,
-                                 WorkerReady, decode_to_engine, encode)
+from dispatcher.child import PARENT_PID_ENV
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, Step, StepResult, WorkerError,
+                                 WorkerInit, WorkerReady, decode_to_engine, encode)
 from models.config import ModelConfig
 
 log = logging.getLogger("twogrid.engine")
@@ -49,8 +51,11 @@ class ChildProcess:
         self.from_child = self.ctx.socket(zmq.PULL)
         self.from_child.setsockopt(zmq.RCVHWM, 0)
         self.from_child.bind(f"ipc://{self.dir}/{from_child}")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, self.dir], env={**os.environ, **(env or {})},
+        self.proc = subprocess.Popen([sys.executable, "-m", module, self.dir],
+                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **(env or {})},
                                      start_new_session=True)
+        self.stopping = False
+        """``close`` or ``aclose`` was called: the process is being stopped on purpose."""
         self._closed = False
 
     @property
@@ -59,6 +64,26 @@ class ChildProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    async def wait_exit(self, poll_s: float = 0.5) -> None:
+        """Return when the process has exited, reaped (no zombie left): at once through a pidfd (Linux 5.3 and
+        later; the event loop wakes when the process ends), else by polling every ``poll_s`` seconds."""
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # no pidfd here, or the process is gone (reaped) already
+            while self.alive():
+                await asyncio.sleep(poll_s)
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            if self.alive():
+                await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self.proc.wait()
 
     def exit_description(self) -> str:
         code = self.proc.poll()
@@ -73,7 +98,7 @@ class ChildProcess:
         there, close the sockets, remove the directory."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.stopping = True
         if self.alive():
             if goodbye is not None:
                 try:
@@ -91,6 +116,24 @@ class ChildProcess:
         self.from_child.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+    async def aclose_with(self, goodbye: bytes | None, timeout_s: float) -> None:
+        """``close`` without blocking the event loop: send ``goodbye``, await the exit for up to ``timeout_s``."""
+        if self._closed:
+            return
+        self.stopping = True
+        if self.alive():
+            if goodbye is not None:
+                try:
+                    await self.to_child.send(goodbye, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            try:
+                await asyncio.wait_for(self.wait_exit(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        ChildProcess.close(self, None, 0.0)
 
 
 class WorkerProcess(ChildProcess):
@@ -125,6 +168,11 @@ class WorkerProcess(ChildProcess):
         """Stop the worker (Shutdown, then SIGKILL after ``timeout_s``), close the sockets, remove the directory."""
         super().close(encode(Shutdown()), timeout_s)
 
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """``close`` for an event loop, which goes on (streams get their last events) while the worker finishes its
+        step and exits."""
+        await self.aclose_with(encode(Shutdown()), timeout_s)
+
 
 class RemoteWorker:
     """EngineCore's worker interface over a worker process (blocking sockets): ``submit`` sends a step, ``collect``
@@ -149,6 +197,9 @@ class RemoteWorker:
         while True:
             if self.process.to_engine.poll(500):
                 msg = decode_to_engine(self.process.to_engine.recv())
+                if isinstance(msg, WorkerError) and msg.step_id < 0:
+                    log.warning("worker: %s", msg.message)  # a frame it refused: not this step's
+                    continue
                 if isinstance(msg, WorkerError):
                     raise WorkerDied(f"step {msg.step_id} failed in the worker: {msg.message}")
                 if not isinstance(msg, StepResult) or msg.step_id != step_id:

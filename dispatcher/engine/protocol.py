@@ -68,8 +68,9 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
 class QueueState(msgspec.Struct, array_like=True, frozen=True):
     num_running: int
     num_waiting: int
-    kv_usage: float
-    """Fraction of the KV blocks in use, in [0, 1]."""
+    num_free_blocks: int
+    num_blocks: int
+    """The KV cache's size in blocks."""
 
 
 class Refusal(msgspec.Struct, array_like=True, frozen=True):

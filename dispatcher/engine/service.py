@@ -8,7 +8,8 @@ end's requests and aborts as they come. Detokenization, stop strings and HTTP ar
 process, so that streaming to thousands of clients never holds up a step.
 
 A failed step fails the requests in it, the engine goes on; a dead worker ends the engine: ``EngineDead`` to the
-front end, exit code 1. The engine dies with the front end (its parent-death signal), and its worker with it.
+front end, exit code 1, noticed at once (through a pidfd) whether a step was running or not. A killed front end
+leaves its engine orphaned: within a second it stops its worker, removes the ipc directory and exits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import signal
 import sys
 from collections import deque
 
@@ -23,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dispatcher.child import profiled, set_parent_death_signal
+from dispatcher.child import ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
@@ -151,13 +154,15 @@ class EngineService:
 
     def _queue_state(self) -> QueueState:
         sched = self.core.scheduler
-        return QueueState(len(sched.order), len(sched.waiting), 1.0 - sched.kv.num_free / sched.kv.num_blocks)
+        return QueueState(len(sched.order), len(sched.waiting), sched.kv.num_free, sched.kv.num_blocks)
 
     async def _receive(self, step: ScheduledStep) -> StepResult | WorkerError:
         sock = self.process.to_engine
         while True:
             if await sock.poll(LIVENESS_S * 1000):
-                msg = decode_to_engine(await sock.recv())
+                msg = _decode(await sock.recv())
+                if msg is None:
+                    continue
                 if isinstance(msg, WorkerError) and msg.step_id < 0:
                     log.warning("worker: %s", msg.message)  # a refused frame: not this step's
                     continue
@@ -172,7 +177,7 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
     await process.to_worker.send(encode_step(process.init))
     while True:
         if await process.to_engine.poll(LIVENESS_S * 1000):
-            msg = decode_to_engine(await process.to_engine.recv())
+            msg = _decode(await process.to_engine.recv())
             if isinstance(msg, WorkerReady):
                 process.ready = msg
                 return msg
@@ -182,6 +187,17 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
             raise WorkerDied(f"the worker process {process.exit_description()} while starting")
 
 
+def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
+    """A message from the worker; None (with a warning) for a frame that is not one, which is dropped: only the
+    worker and processes of this user reach the socket (its directory is private), and a dropped frame costs a
+    wait, where an exception would cost every request in flight."""
+    try:
+        return decode_to_engine(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("refused a malformed frame of %d bytes on the engine's socket: %s", len(frame), exc)
+        return None
+
+
 async def serve(ipc_dir: str) -> int:
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -189,17 +205,16 @@ async def serve(ipc_dir: str) -> int:
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
     outbox.connect(f"ipc://{ipc_dir}/{TO_FRONT}")
-    init = decode_to_core(await inbox.recv())
-    if not isinstance(init, EngineInit):
-        log.error("expected EngineInit first, got %s", type(init).__name__)
-        return 1
+    init = await _first_message(inbox, ipc_dir)
     process = WorkerProcess(init.worker, asyncio=True, parent_dir=ipc_dir)
     service = EngineService(init, process, inbox, outbox)
+    loop = asyncio.get_running_loop()
+    watchers = [loop.create_task(_worker_exit(process)), loop.create_task(_front_end_exit(process, ipc_dir))]
     code = 0
     try:
-        await service.start()
-        receiver = asyncio.get_running_loop().create_task(service.receive())
-        await service.run()
+        await _first_done(service.start(), *watchers)
+        receiver = loop.create_task(service.receive())
+        await _first_done(service.run(), *watchers)
         receiver.cancel()
     except WorkerDied as exc:
         log.error("%s", exc)
@@ -210,17 +225,62 @@ async def serve(ipc_dir: str) -> int:
         await outbox.send(encode(EngineDead(f"{type(exc).__name__}: {exc}")))
         code = 1
     finally:
+        for task in watchers:
+            task.cancel()
         if service.core is not None:
             service.core.close()
-        process.close(timeout_s=5.0)
+        await process.aclose(5.0)
         outbox.close(linger=2000)
         inbox.close(linger=0)
         ctx.term()
     return code
 
 
+async def _first_done(work, *watchers) -> None:
+    """Run ``work`` until it ends or a watcher does (a watcher raises why the engine must stop)."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        for w in done:
+            w.result()  # raises
+    task.result()
+
+
+async def _worker_exit(process: WorkerProcess) -> None:
+    """Raise WorkerDied as soon as the worker exits unasked (at once through a pidfd), busy or idle."""
+    await process.wait_exit()
+    if not process.stopping:
+        raise WorkerDied(f"the worker process {process.exit_description()}")
+    await asyncio.Event().wait()  # stopped on purpose: nothing to report
+
+
+async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
+    """A front end killed without stopping its engine leaves it orphaned: stop the worker, remove the front end's
+    ipc directory (the worker's is inside it) and exit, within a second."""
+    while not parent_gone():
+        await asyncio.sleep(1.0)
+    log.error("the front end is gone: stopping the worker and exiting")
+    if process.alive():
+        os.killpg(process.pid, signal.SIGKILL)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(1)
+
+
+async def _first_message(inbox, ipc_dir: str) -> EngineInit:
+    while True:
+        try:
+            msg = decode_to_core(await inbox.recv())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("refused a malformed frame before EngineInit: %s", exc)
+            continue
+        if isinstance(msg, EngineInit):
+            return msg
+        log.warning("expected EngineInit first, got %s: dropped", type(msg).__name__)
+
+
 def main() -> int:
-    set_parent_death_signal()
+    ignore_stop_signals()  # the front end stops its engine (Drain), once it has drained
     logging.basicConfig(level=os.environ.get("TWOGRID_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -6,13 +6,16 @@ Two threads: the main thread receives each step and submits it (queues its work 
 waits for submitted steps in order and sends their results. So a step arriving while the last one runs is queued
 on the device at once, and a result leaves as soon as it is ready. Every frame is decoded into the message types of
 ``dispatcher.messages`` (msgpack, no pickle); a frame that is not one is refused with a ``WorkerError`` and the
-worker goes on.
+worker goes on. The engine owns the worker's life: the worker ignores SIGTERM (the engine sends ``Shutdown`` once
+it has drained) and exits by itself, removing the ipc directory, when its engine process is gone.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
+import shutil
 import queue
 import sys
 import threading
@@ -24,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from dispatcher.child import profiled, set_parent_death_signal
+from dispatcher.child import ignore_stop_signals, parent_gone, profiled
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
                                  decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
@@ -32,6 +35,11 @@ from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
+
+ENGINE_CHECK_S = 1.0
+"""How often a worker waiting for its next message checks that its engine is alive."""
+FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
+"""A test hook, off unless set: comma-separated step ids that fail in the worker (``ModelWorker.fail_steps``)."""
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""
@@ -93,16 +101,30 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     return blocks
 
 
+def fail_steps_from_env() -> frozenset[int]:
+    """$TWOGRID_FAIL_STEPS as step ids (empty when unset); ValueError names a malformed one."""
+    text = os.environ.get(FAIL_STEPS_ENV, "").strip()
+    if not text:
+        return frozenset()
+    try:
+        steps = frozenset(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"${FAIL_STEPS_ENV} must be comma-separated step ids, got {text!r}") from None
+    log.warning("TEST HOOK: steps %s will fail on purpose ($%s)", sorted(steps), FAIL_STEPS_ENV)
+    return steps
+
+
 def serve(ipc_dir: str) -> int:
-    set_parent_death_signal()
+    ignore_stop_signals()  # the engine stops its worker (Shutdown), once it has drained
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(f"ipc://{ipc_dir}/{TO_WORKER}")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
     try:
-        init = decode_init(pull.recv())
+        init = decode_init(_receive(pull, ipc_dir))
         worker, ready = build_worker(init)
+        worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
         push.send(encode(WorkerError(-1, f"{type(exc).__name__}: {exc}")))
         log.error("worker start-up failed:\n%s", traceback.format_exc())
@@ -113,7 +135,7 @@ def serve(ipc_dir: str) -> int:
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
     sender.start()
     while True:
-        frame = pull.recv()
+        frame = _receive(pull, ipc_dir)
         try:
             message = decode_to_worker(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -128,6 +150,18 @@ def serve(ipc_dir: str) -> int:
         except Exception as exc:
             log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
             results.put(WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+
+
+def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:
+    """The next frame from the engine. An engine that died without stopping its worker (SIGKILL, the OOM killer)
+    leaves it orphaned: within ENGINE_CHECK_S the worker removes the ipc directory and exits, instead of holding
+    its memory and device forever."""
+    while not pull.poll(ENGINE_CHECK_S * 1000):
+        if parent_gone():
+            log.error("the engine process is gone: exiting")
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            os._exit(1)
+    return pull.recv()
 
 
 def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str) -> None:

@@ -29,6 +29,10 @@ from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample
 from models.transformer import build_model
 
 
+class InjectedFault(RuntimeError):
+    """A step failure injected by a test (``ModelWorker.fail_steps``)."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig | str
@@ -123,6 +127,10 @@ class ModelWorker:
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
         self.upload, self.download = Upload(self.device), Download(self.device)
         self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
+        self.fail_steps: frozenset[int] = frozenset()
+        """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
+        InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
+        does to the requests in it and to the rest."""
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
@@ -169,6 +177,8 @@ class ModelWorker:
         clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
+        if step.step_id in self.fail_steps:
+            raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
         inputs = self._target_inputs(plan, dev)
         hidden = self.runtime.execute(step.target, inputs)
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)

@@ -15,6 +15,8 @@ import logging
 from collections import Counter
 from typing import AsyncIterator
 
+import msgspec
+
 from dispatcher.engine.ipc import ChildProcess
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
@@ -77,6 +79,8 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.set_capture(self.capture.capture_seconds,
                                      int(sum(k["measured_gib"] for k in self.capture.capture) * 2**30))
+            blocks = self.capture.num_kv_blocks
+            self.metrics.set_queue(0, 0, blocks, blocks)  # an empty cache, until the engine reports its queue
         self._task = asyncio.get_running_loop().create_task(self._receive())
         self.ready = True
         return self.capture
@@ -174,7 +178,12 @@ class EngineClient:
                     if not self.process.alive():
                         raise EngineError(f"the engine process {self.process.exit_description()}")
                     continue
-                msg = decode_to_front(await sock.recv())
+                frame = await sock.recv()
+                try:
+                    msg = decode_to_front(frame)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("refused a malformed frame of %d bytes on the engine's socket: %s", len(frame), exc)
+                    continue
                 if isinstance(msg, EngineDead):
                     raise EngineError(msg.message)
                 if isinstance(msg, Outputs):
@@ -207,7 +216,7 @@ class EngineClient:
                                      s.num_preempted, s.device_s)
         if msg.queue is not None and self.metrics is not None:
             q = msg.queue
-            self.metrics.set_queue(q.num_running, q.num_waiting, q.kv_usage)
+            self.metrics.set_queue(q.num_running, q.num_waiting, q.num_free_blocks, q.num_blocks)
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -228,7 +237,7 @@ class EngineClient:
         self._fail(left, EngineError(f"the server shut down before the request finished ({timeout_s:.0f} s)"))
         if self._task is not None:
             self._task.cancel()
-        self.process.close(None, 5.0)
+        await self.process.aclose_with(None, 5.0)  # (the engine exits by itself once drained)
 
 
 class _Stream:

@@ -206,9 +206,9 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     finally:
         left = await drain(app, args.shutdown_timeout if code == 0 else 0.0)
         if left:
-            log.warning("%d requests did not finish within --shutdown-timeout %.0f s: failing them", left,
+            log.warning("%d requests did not finish within --shutdown-timeout %g s: failing them", left,
                         args.shutdown_timeout)
-        await engine.shutdown(0.0 if code or left else 5.0)
+        await engine.shutdown(0.0)  # the drain had the time: what is left fails now
         await runner.cleanup()
         log.info("stopped")
     return code

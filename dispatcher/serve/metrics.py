@@ -4,8 +4,9 @@ exports. Free of aiohttp, so the engine process imports it without the HTTP stac
 Who records what:
 
 - the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding, accepted
-  draft tokens, preemptions), ``set_queue`` after each schedule (running, waiting, KV usage) and ``set_capture``
-  once after capture;
+  draft tokens, preemptions), ``set_queue`` with the queue after each step and after aborts that no step follows
+  (running, waiting, free KV blocks), and ``set_capture`` once after capture (the engine process sends these to
+  the front end, which records them);
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
   sees each request from arrival to its last byte: TTFT, inter-token latency and end-to-end latency are measured
   where the client feels them, and prompt / generation token totals are counted once per request. The engine does
@@ -60,6 +61,9 @@ class EngineMetrics:
         self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(model_name)
         self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is used.").labels(
             model_name)
+        self._kv_free = gauge("kv_cache_free_blocks", "KV blocks free now: the cache's size when nothing runs.").labels(
+            model_name)
+        self._kv_blocks = gauge("kv_cache_blocks", "KV blocks in the cache.").labels(model_name)
         self._preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.").labels(model_name)
         # tokens and requests (the HTTP layer records these)
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token."
@@ -106,11 +110,13 @@ class EngineMetrics:
         if preemptions:
             self._preemptions.inc(preemptions)
 
-    def set_queue(self, running: int, waiting: int, kv_usage: float) -> None:
-        """The scheduler's state now: requests running and waiting, KV-cache usage as a fraction in [0, 1]."""
+    def set_queue(self, running: int, waiting: int, kv_free_blocks: int, kv_blocks: int) -> None:
+        """The scheduler's state now: requests running and waiting, KV blocks free and in all (the usage follows)."""
         self._running.set(running)
         self._waiting.set(waiting)
-        self._kv_usage.set(kv_usage)
+        self._kv_free.set(kv_free_blocks)
+        self._kv_blocks.set(kv_blocks)
+        self._kv_usage.set(1.0 - kv_free_blocks / kv_blocks if kv_blocks else 0.0)
 
     def set_capture(self, seconds: float, memory_bytes: int) -> None:
         """What capture took: wall seconds and the graphs' device memory."""
