@@ -192,3 +192,14 @@ def decode_to_engine(data: bytes) -> StepResult | WorkerReady | WorkerError:
 
 def decode_init(data: bytes) -> WorkerInit:
     return _init.decode(data)
+
+
+def decode_or_refuse(decode, frame: bytes, log, where: str):
+    """``decode(frame)``, or None with a warning naming ``where`` for a frame that is not a message: it is dropped
+    (only our processes and this user's reach the sockets, whose directory is private; a dropped frame costs a
+    wait, where an exception would cost every request in flight)."""
+    try:
+        return decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("refused a malformed frame of %d bytes on %s: %s", len(frame), where, exc)
+        return None

@@ -433,3 +433,13 @@ async def _read_response(reader) -> bytes:
         if name.strip().lower() == b"content-length":
             length = int(value.strip())
     return head + await reader.readexactly(length)
+
+
+def assert_ok_or_4xx(status: int, payload: bytes) -> None:
+    """A hostile request's answer: 200, or a 4xx with a message in OpenAI's error shape (never a 5xx)."""
+    import json as _json
+
+    assert status == 200 or 400 <= status < 500, (status, payload[:300])
+    if status != 200:
+        error = _json.loads(payload)["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", error

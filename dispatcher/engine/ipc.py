@@ -174,13 +174,10 @@ class WorkerProcess(ChildProcess):
         await self.aclose_with(encode(Shutdown()), timeout_s)
 
 
-class RemoteWorker:
-    """EngineCore's worker interface over a worker process (blocking sockets): ``submit`` sends a step, ``collect``
-    waits for its result, checking every half second that the process is alive."""
+class WorkerInfo:
+    """What EngineCore asks of its worker besides steps, from a worker process's WorkerReady."""
 
-    def __init__(self, process: WorkerProcess):
-        self.process = process
-        ready = process.ready or process.start()
+    def __init__(self, ready: WorkerReady):
         self.ready = ready
         self.model_config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
                                            for k, v in ready.model_config.items()})
@@ -188,6 +185,15 @@ class RemoteWorker:
 
     def measure_av_curve(self):
         return self.ready.av_curve
+
+
+class RemoteWorker(WorkerInfo):
+    """EngineCore's worker interface over a worker process (blocking sockets): ``submit`` sends a step, ``collect``
+    waits for its result, checking every half second that the process is alive."""
+
+    def __init__(self, process: WorkerProcess):
+        self.process = process
+        super().__init__(process.ready or process.start())
 
     def submit(self, step: Step) -> int:
         self.process.to_worker.send(encode(step))

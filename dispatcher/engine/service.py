@@ -22,19 +22,18 @@ import signal
 import sys
 from collections import deque
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from dispatcher.child import ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
-from dispatcher.engine.ipc import WorkerDied, WorkerProcess
+from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode)
-from dispatcher.messages import StepResult, WorkerError, WorkerReady, decode_to_engine, resolve_init
+from dispatcher.messages import (StepResult, WorkerError, WorkerReady, decode_or_refuse, decode_to_engine,
+                                 resolve_init)
 from dispatcher.messages import encode as encode_step
-from models.config import ModelConfig
 from scheduler.request import FinishReason, RequestError
 
 log = logging.getLogger("twogrid.engine")
@@ -42,19 +41,6 @@ log = logging.getLogger("twogrid.engine")
 LIVENESS_S = 0.25
 """How often the engine checks that the worker process is alive while it waits for it (a dead worker is noticed
 within this)."""
-
-
-class _RemoteWorkerInfo:
-    """What EngineCore asks of its worker, from the worker process's WorkerReady (steps travel separately)."""
-
-    def __init__(self, ready: WorkerReady):
-        self.ready = ready
-        self.model_config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                           for k, v in ready.model_config.items()})
-        self.device_name = ready.device_name
-
-    def measure_av_curve(self):
-        return self.ready.av_curve
 
 
 class EngineService:
@@ -74,7 +60,7 @@ class EngineService:
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
-        self.core = EngineCore(resolve_init(w), args, worker=_RemoteWorkerInfo(ready))
+        self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         await self.outbox.send(encode(EngineStarted(ready, self.core.async_scheduling)))
         return ready
 
@@ -82,12 +68,7 @@ class EngineService:
     async def receive(self) -> None:
         """Take requests and aborts as they come (a frame that is not one is logged and dropped)."""
         while True:
-            frame = await self.inbox.recv()
-            try:
-                msg = decode_to_core(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("refused a malformed frame of %d bytes from the front end: %s", len(frame), exc)
-                continue
+            msg = decode_or_refuse(decode_to_core, await self.inbox.recv(), log, "the engine's request socket")
             if isinstance(msg, AddRequest):
                 await self._add(msg)
             elif isinstance(msg, Abort):
@@ -188,14 +169,7 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
 
 
 def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
-    """A message from the worker; None (with a warning) for a frame that is not one, which is dropped: only the
-    worker and processes of this user reach the socket (its directory is private), and a dropped frame costs a
-    wait, where an exception would cost every request in flight."""
-    try:
-        return decode_to_engine(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        log.warning("refused a malformed frame of %d bytes on the engine's socket: %s", len(frame), exc)
-        return None
+    return decode_or_refuse(decode_to_engine, frame, log, "the engine's socket")
 
 
 async def serve(ipc_dir: str) -> int:
@@ -269,14 +243,11 @@ async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
 
 async def _first_message(inbox, ipc_dir: str) -> EngineInit:
     while True:
-        try:
-            msg = decode_to_core(await inbox.recv())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("refused a malformed frame before EngineInit: %s", exc)
-            continue
+        msg = decode_or_refuse(decode_to_core, await inbox.recv(), log, "the engine's request socket")
         if isinstance(msg, EngineInit):
             return msg
-        log.warning("expected EngineInit first, got %s: dropped", type(msg).__name__)
+        if msg is not None:
+            log.warning("expected EngineInit first, got %s: dropped", type(msg).__name__)
 
 
 def main() -> int:

@@ -15,13 +15,11 @@ import logging
 from collections import Counter
 from typing import AsyncIterator
 
-import msgspec
-
 from dispatcher.engine.ipc import ChildProcess
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Outputs, decode_to_front, encode)
-from dispatcher.messages import WorkerReady
+from dispatcher.messages import WorkerReady, decode_or_refuse
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
 
@@ -178,12 +176,7 @@ class EngineClient:
                     if not self.process.alive():
                         raise EngineError(f"the engine process {self.process.exit_description()}")
                     continue
-                frame = await sock.recv()
-                try:
-                    msg = decode_to_front(frame)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("refused a malformed frame of %d bytes on the engine's socket: %s", len(frame), exc)
-                    continue
+                msg = decode_or_refuse(decode_to_front, await sock.recv(), log, "the front end's socket")
                 if isinstance(msg, EngineDead):
                     raise EngineError(msg.message)
                 if isinstance(msg, Outputs):
