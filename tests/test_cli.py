@@ -111,3 +111,14 @@ def test_plan_does_not_import_torch():
 ])
 def test_compact_sizes(sizes, text):
     assert compact_sizes(sizes) == text
+
+
+def test_platform_auto_gives_hopper_and_blackwell_the_separate_grids_defaults():
+    from dispatcher.cli import platform_for_compute_capability
+    from dispatcher.plan.config import Platform
+
+    assert platform_for_compute_capability("9.0") is Platform.SM100  # H100 / H200: measured, docs/headline.md
+    assert platform_for_compute_capability("10.0") is Platform.SM100
+    assert platform_for_compute_capability("8.9") is Platform.DEFAULT
+    assert platform_for_compute_capability("8.0") is Platform.DEFAULT
+    assert platform_for_compute_capability("") is Platform.DEFAULT  # no GPU, or no nvidia-smi
