@@ -240,23 +240,16 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Abort a live request; its KV blocks are freed at once. False if it is not live. Safe at any point of the
         step cycle: ``update`` skips a request that left after its step was scheduled."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        if req.status is RequestStatus.RUNNING:
-            self._remove_running(self._slot_of(req))
-        else:
-            self.waiting.remove(req)
-        req.status = RequestStatus.ABORTED
-        req.finish_reason = FinishReason.ABORT
-        self.stats.aborted += 1
-        return True
+        return self._end(request_id, RequestStatus.ABORTED, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
         """Finish a live request from outside the step loop (its text reached a stop string); its KV blocks are
         freed at once, as ``abort`` frees them, but it counts as finished. False if it is not live."""
         if reason is FinishReason.ABORT:
             return self.abort(request_id)
+        return self._end(request_id, RequestStatus.FINISHED, reason)
+
+    def _end(self, request_id: str, status: RequestStatus, reason: FinishReason) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -264,9 +257,11 @@ class Scheduler:
             self._remove_running(self._slot_of(req))
         else:
             self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.stats.finished += 1
+        req.status, req.finish_reason = status, reason
+        if status is RequestStatus.ABORTED:
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
         return True
 
     def has_unfinished(self) -> bool:
