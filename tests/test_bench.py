@@ -379,3 +379,22 @@ def test_plan_does_not_import_the_bench_client():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(HERE)).stdout
     assert out.strip() == "[]"
+
+
+def test_a_twogrid_server_without_eager_steps_reports_zero():
+    """A labelled counter nothing incremented exports no sample; a twogrid server's result still says 0 eager steps
+    (and a server without twogrid's counters gets no such fields)."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    registry = CollectorRegistry()
+    Counter("twogrid:eager_steps", "eager steps", ["reason"], registry=registry)
+    padded = Counter("twogrid:padded_tokens", "padding", registry=registry)
+    before = parse_counters(generate_latest(registry).decode())
+    padded.inc(5)
+    deltas = counter_deltas(before, parse_counters(generate_latest(registry).decode()))
+    assert deltas["eager_steps"] == 0 and deltas["eager_steps_by_reason"] == {}
+    assert deltas["padded_tokens"] == 5
+    other = CollectorRegistry()
+    Counter("vllm:num_preemptions", "x", registry=other)
+    text = generate_latest(other).decode()
+    assert counter_deltas(parse_counters(text), parse_counters(text)) == {}

@@ -68,8 +68,13 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}
+    if not any(name in after for name, _ in TRACKED.values()):
+        return out  # not a twogrid server
     for field, (name, labels) in TRACKED.items():
-        if name not in after:
+        if name not in after:  # a labelled counter nothing has incremented yet exports no sample: zero
+            out[field] = 0
+            if labels:
+                out[f"{field}_by_{'_'.join(labels)}"] = {}
             continue
         old = before.get(name, {})
         moved = {key: value - old.get(key, 0.0) for key, value in after[name].items()}
