@@ -137,6 +137,16 @@ def offline_tok_s(spec, fixed: float | None, args, conc: int, worker_process: bo
     return sum(len(o) for o in out) / wall
 
 
+def plot_headline(result: dict, path: str) -> None:
+    """Output tok/s and mean TPOT against concurrency, one line per policy and workload (twogrid bench's plot)."""
+    from dispatcher.bench.plot import draw, series
+
+    rows = [{"label": f"{r['policy']} ({r['workload']})", "max_concurrency": r["concurrency"],
+             "num_prompts": r["concurrency"], "output_throughput": r["output_tok_s"], "mean_tpot_ms": r["tpot_ms_mean"]}
+            for r in result["rows"]]
+    draw(series(rows), path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="the headline: twogrid serve per policy, twogrid bench per "
                                                  "concurrency")
@@ -210,6 +220,8 @@ def main() -> None:
             r["bound_ratio"] = round(base["device_s"] / r["device_s"], 3)
             r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
     write_json(args.out, result)
+    if args.out:
+        plot_headline(result, args.out.removesuffix(".json") + ".png")
     print(f"{'workload':10s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
           f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
     for r in result["rows"]:
