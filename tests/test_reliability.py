@@ -243,12 +243,15 @@ def _garbage_frames(marker: str) -> list[bytes]:
             *(bytes(rng.randrange(256) for _ in range(rng.randint(1, 200))) for _ in range(20))]
 
 
-def test_foreign_frames_on_the_engines_socket_are_refused(tokens_server, reference, tmp_path):
-    """A process of the server's user pushes malformed, truncated, random and pickled frames into the engine's
-    socket while 32 streams run: each frame is refused with a warning, none is unpickled, every stream is exact."""
+@pytest.mark.parametrize("socket", ["to_engine", "to_front"])
+def test_foreign_frames_on_the_engines_socket_are_refused(tokens_server, reference, tmp_path, socket):
+    """A process of the server's user pushes malformed, truncated, random and pickled frames into a socket the
+    server reads (the engine's from its worker, the front end's from the engine) while 32 streams run: each frame is
+    refused with a warning, none is unpickled, every stream is exact."""
     import zmq
 
     server = tokens_server
+    address = f"{server.worker_ipc_dir()}/to_engine" if socket == "to_engine" else f"{server.ipc_dir()}/to_front"
     marker = str(tmp_path / "unpickled")
     frames = _garbage_frames(marker)
     bodies = [request_body(p, 24, seed=2000 + i) for i, p in enumerate(token_prompts(32, VOCAB, 4, 32, seed=3))]
@@ -257,7 +260,7 @@ def test_foreign_frames_on_the_engines_socket_are_refused(tokens_server, referen
     running = in_background(run_streams, server.base, bodies)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.connect(f"ipc://{server.worker_ipc_dir()}/to_engine")
+    push.connect(f"ipc://{address}")
     try:
         wait_until(lambda: server.metrics()["twogrid:generation_tokens_total"] > 0 or running.done(), what="tokens")
         for frame in frames:
@@ -270,7 +273,7 @@ def test_foreign_frames_on_the_engines_socket_are_refused(tokens_server, referen
     figures = count_round(streams, ref, wall_s)
     wait_until(lambda: server.log().count("refused a malformed frame") - refused_before >= len(frames) + 2,
                timeout_s=10, what="every frame refused")
-    record("engine_socket_frames", frames_sent=len(frames) + 2,
+    record(f"{socket}_socket_frames", frames_sent=len(frames) + 2,
            frames_refused=server.log().count("refused a malformed frame") - refused_before, **asdict(figures),
            unpickled=os.path.exists(marker), server_alive=http_get(server.base + "/health")[0] == 200)
     assert figures.completed == len(bodies) and figures.lost == 0, figures
