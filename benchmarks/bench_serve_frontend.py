@@ -49,7 +49,7 @@ class Delta:
 
 
 class StepEngine:
-    """AsyncEngine's interface over a step loop: every ``step_s`` each running request gets one token."""
+    """EngineClient's interface over a step loop: every ``step_s`` each running request gets one token."""
 
     served_model_name = "stub"
     tokenizer = None

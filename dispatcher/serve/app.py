@@ -54,7 +54,7 @@ SERVER_KEY: web.AppKey[Server] = web.AppKey("twogrid_server")
 
 def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               log_requests: bool = False) -> web.Application:
-    """The application over ``engine`` (an AsyncEngine, or any object with its attributes and methods). Serve it
+    """The application over ``engine`` (an EngineClient, or any object with its attributes and methods). Serve it
     with ``start_http`` (or an AppRunner with ``handler_cancellation=True``: disconnects abort requests)."""
     if max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes = {max_body_bytes} is below 1024; no request would fit")
