@@ -1,10 +1,11 @@
-"""The engine's side of the process boundary: a worker process, its private ipc directory and its two sockets.
+"""Child processes and their sockets: ``ChildProcess`` (the front end's engine process, the engine's worker) and
+``WorkerProcess``, the worker.
 
-The engine binds two ZeroMQ sockets in a directory only its user can enter (mode 0700, removed on close), starts
-``python -m dispatcher.runtime.process DIR``, sends it a ``WorkerInit`` and waits for ``WorkerReady``. Steps go
-out on one socket, results come back on the other, as ``dispatcher.messages`` (msgpack; nothing else is decoded,
-so nothing can be unpickled). ``RemoteWorker`` gives EngineCore the worker interface over it; the serving engine
-uses the same process with asyncio sockets.
+A parent binds two ZeroMQ sockets in a directory only its user can enter (mode 0700, removed on close) and starts
+``python -m MODULE DIR``. For the worker (``dispatcher.runtime.process``) it sends a ``WorkerInit`` and waits for
+``WorkerReady``; steps go out on one socket, results come back on the other, as ``dispatcher.messages`` (msgpack;
+nothing else is decoded, so nothing can be unpickled). ``RemoteWorker`` gives EngineCore the worker interface over
+it (blocking sockets); the engine process (``dispatcher.engine.service``) uses asyncio sockets.
 """
 
 from __future__ import annotations
