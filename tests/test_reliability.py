@@ -448,6 +448,42 @@ def test_a_killed_engine_takes_its_worker_along():
     assert gone_s <= 2 * ENGINE_CHECK_S + 1.0, gone_s
 
 
+@pytest.mark.parametrize("victim", ["engine", "front_end"])
+def test_a_killed_server_process_leaves_nothing_behind(tmp_path, victim):
+    """The real server's processes SIGKILLed. The engine process: the front end notices within DETECT_LIMIT_S
+    (/health 503), exits 1 and removes the ipc directory; the orphaned worker exits. The front end (the server
+    itself): its orphaned engine stops the worker, removes the ipc directory and exits."""
+    server = Server(["--model", MODEL, "--device", "cpu", "--max-model-len", "128"], str(tmp_path / "server.log"))
+    server.wait_healthy()
+    try:
+        engine, worker, ipc = server.engine_pid(), server.worker_pid(), server.ipc_dir()
+        killed_at = time.monotonic()
+        if victim == "engine":
+            os.kill(engine, signal.SIGKILL)
+            status = 200
+            while status == 200 and time.monotonic() - killed_at < 10:
+                time.sleep(0.01)
+                try:
+                    status = http_get(server.base + "/health", timeout_s=2)[0]
+                except OSError:  # it noticed and has already exited
+                    status = "gone"
+            detect_s = time.monotonic() - killed_at
+            code = server.wait(30)
+        else:
+            server.proc.kill()
+            code, status, detect_s = server.wait(30), None, None
+        wait_until(lambda: all(process_state(p) in (None, "Z") for p in (engine, worker)) and not os.path.exists(ipc),
+                   timeout_s=10, what="the other processes to exit and the ipc directory to go")
+        gone_s = time.monotonic() - killed_at
+    finally:
+        server.stop()
+    record(f"server_{victim}_sigkill", detect_s=None if detect_s is None else round(detect_s, 3), health=status,
+           exit_code=code, others_gone_s=round(gone_s, 3), ipc_dir_left=os.path.exists(ipc))
+    if victim == "engine":
+        assert status in (503, "gone") and detect_s <= DETECT_LIMIT_S and code == 1, (status, detect_s, code)
+    assert gone_s <= 5.0, gone_s
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # hostile input
 # ---------------------------------------------------------------------------------------------------------------
