@@ -20,32 +20,13 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 from _common import commit, write_json
 
+from dispatcher.engine.output import CompletionOutput, RequestOutput
 from dispatcher.serve.app import build_app, start_http
 from dispatcher.serve.metrics import EngineMetrics
 from scheduler.request import SamplingParams
-
-
-@dataclass
-class Out:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-    logprobs: list | None = None
-
-
-@dataclass
-class Delta:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[Out]
-    finished: bool
 
 
 class StepEngine:
@@ -96,7 +77,8 @@ class StepEngine:
                 queue, left, ids = state
                 state[1] = left - 1
                 done = "length" if left == 1 else None
-                queue.put_nowait(Delta(rid, None, ids, [Out(0, " tok", [7], done)], done is not None))
+                out = CompletionOutput(0, " tok", [7], done)
+                queue.put_nowait(RequestOutput(rid, None, ids, [out], done is not None))
                 if done:
                     del self.running[rid]
 

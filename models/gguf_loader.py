@@ -369,6 +369,20 @@ def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def add_metadata(writer, metadata: dict) -> None:
+    """GGUF key-value metadata (tokenizer fields and the like) onto a ``gguf.GGUFWriter``: bools, ints as uint32,
+    strings, everything else as an array."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+
+
 def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
                tokenizer_metadata: dict | None = None) -> None:
     """Write ``model`` as a GGUF file the way llama.cpp's converter lays it out (Llama-family Q/K rows
@@ -402,15 +416,7 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    for key, value in (tokenizer_metadata or {}).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+    add_metadata(w, tokenizer_metadata or {})
     tensors: dict[str, np.ndarray] = {}
     stacks: dict[str, list[np.ndarray]] = {}
     for ours, theirs, dim in _hf_names(cfg, model_type):

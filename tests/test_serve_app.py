@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.bench.server_metrics import parse_counters
+from dispatcher.engine.output import CompletionOutput, RequestOutput
 from dispatcher.serve.app import SERVER_KEY, build_app, drain, start_http, stop_accepting
 from dispatcher.serve.metrics import EngineMetrics
 from dispatcher.serve.protocol import MAX_STOP_STRINGS
@@ -27,25 +27,6 @@ KEY = "sk-test-123"
 # ---------------------------------------------------------------------------------------------------------------
 # the fake engine: EngineClient's interface, canned outputs
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Out:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class Delta:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[Out]
-    finished: bool
 
 
 class EngineError(RuntimeError):
@@ -114,7 +95,7 @@ class FakeEngine:
                 if self.fail_after is not None and i == self.fail_after:
                     raise EngineError("the worker process died (SIGKILL)")
                 if self.abort_after is not None and i == self.abort_after:  # the engine's shutdown aborts it
-                    yield Delta(rid, prompt, ids, [Out(0, "", [], "abort")], True)
+                    yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [], "abort")], True)
                     return
                 tid = token_of(i)
                 lp = None
@@ -123,7 +104,8 @@ class FakeEngine:
                 done = "length" if i == params.max_tokens - 1 else None
                 if self.metrics is not None:
                     self.metrics.on_step("uniform_decode", "FULL", None, 3, 0, 0)
-                yield Delta(rid, prompt, ids, [Out(0, WORDS[i % len(WORDS)], [tid], done, None, lp)], done is not None)
+                out = CompletionOutput(0, WORDS[i % len(WORDS)], [tid], done, None, lp)
+                yield RequestOutput(rid, prompt, ids, [out], done is not None)
         finally:
             self.live.discard(rid)
 

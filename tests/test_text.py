@@ -25,16 +25,10 @@ def write_tokenizer_gguf(path: str, metadata: dict) -> str:
     """A GGUF holding only tokenizer metadata and one tensor (transformers' tokenizer loader reads such files)."""
     import numpy as np
 
+    from models.gguf_loader import add_metadata
+
     w = gguf.GGUFWriter(path, "llama")
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+    add_metadata(w, metadata)
     w.add_tensor("token_embd.weight", np.zeros((len(metadata["tokenizer.ggml.tokens"]), 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
