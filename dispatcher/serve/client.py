@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from typing import AsyncIterator
 
 from dispatcher.engine.ipc import ChildProcess
@@ -51,8 +50,6 @@ class EngineClient:
         self.capture: WorkerReady | None = None
         self.ready = False
         self.dead: str | None = None
-        self.stats: Counter = Counter()
-        """Steps, eager steps (``eager:<cause>``) and padded tokens so far (for --cudagraph-metrics)."""
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -200,10 +197,6 @@ class EngineClient:
             if stream is not None:
                 stream.put(d)
         for s in msg.steps:
-            self.stats["steps"] += 1
-            self.stats["padded_tokens"] += s.padded_tokens
-            if s.eager_cause is not None:
-                self.stats["eager:" + s.eager_cause] += 1
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
                                      s.num_preempted, s.device_s)

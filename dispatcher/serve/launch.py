@@ -216,15 +216,19 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
 
 async def _watch(engine, cudagraph_metrics: bool) -> None:
     """Returns when the engine dies; with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
+    from dispatcher.bench.server_metrics import parse_counters
+
     last = time.monotonic()
     while engine.dead is None:
         await asyncio.sleep(0.25)
         if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S:
             last = time.monotonic()
-            s = engine.stats
-            eager = {k.removeprefix("eager:"): v for k, v in s.items() if k.startswith("eager:")}
-            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens", s["steps"], sum(eager.values()),
-                     ", ".join(f"{k} {v}" for k, v in sorted(eager.items())) or "none", s["padded_tokens"])
+            c = parse_counters(engine.metrics.render().decode())  # (the counters /metrics serves)
+            eager = {key[0]: int(v) for key, v in c.get("twogrid:eager_steps_total", {}).items()}
+            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens",
+                     sum(c.get("twogrid:cudagraph_steps_total", {}).values()), sum(eager.values()),
+                     ", ".join(f"{k} {v}" for k, v in sorted(eager.items())) or "none",
+                     sum(c.get("twogrid:padded_tokens_total", {}).values()))
 
 
 def _log_capture(ready) -> None:
