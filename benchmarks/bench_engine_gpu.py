@@ -23,8 +23,10 @@ if the host cost nothing, and output tok/s ratios are judged against it (issue 1
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -88,7 +90,9 @@ def run_wave(engine: EngineCore, lengths: list[int], vocab: int, seed: int, k: i
             wall = time.perf_counter() - t0
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    implicit = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    implicit = len(syncs)
+    where = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in syncs)
     s = engine.stats
     tokens = sum(len(o) for o in outputs)
     verify_rows = (spec.drafts_verified - verified0) / k if k else 0
@@ -96,6 +100,7 @@ def run_wave(engine: EngineCore, lengths: list[int], vocab: int, seed: int, k: i
             "steps": s.steps, "device_ms": round(s.device_ms, 1), "gpu_busy": round(s.device_ms / 1e3 / wall, 3),
             "host_ms_per_step": round(s.host_ms / max(1, s.steps), 3),
             "syncs_per_step": round((s.steps + implicit) / max(1, s.steps), 3),
+            "implicit_syncs": dict(where.most_common(5)),  # where they happen (file:line of the Python caller)
             "eager_steps": s.eager_steps, "padded_tokens": s.padded_tokens,
             "mean_acceptance_length": round(1 + (spec.drafts_accepted - accepted0) / verify_rows, 3)
             if verify_rows else None}

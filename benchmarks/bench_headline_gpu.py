@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import resource
 import subprocess
 import sys
 import time
@@ -78,37 +78,79 @@ def start_server(policy: str, spec, fixed: float | None, port: int, args, log_pa
     raise RuntimeError(f"{policy}: the server did not start within 300 s")
 
 
-def run_bench(base: str, conc: int, label: str, result_dir: str, args) -> dict:
+def process_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root_pid`` and its descendants, by role: the server's front end
+    (the root), its engine process and its worker (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmdline)
+    out, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid not in stats:
+            continue
+        _, cpu, cmdline = stats[pid]
+        role = ("front_end" if pid == root_pid else "engine" if "dispatcher.engine.service" in cmdline
+                else "worker" if "dispatcher.runtime.process" in cmdline else "other")
+        out[role] = out.get(role, 0.0) + cpu
+        todo += [child for child, (ppid, _, _) in stats.items() if ppid == pid]
+    return out
+
+
+def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None) -> dict:
+    """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``) and its result; with
+    ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
+    the whole bench command (warm-ups included)."""
     os.makedirs(result_dir, exist_ok=True)
     name = f"{label}-c{conc}.json"
+    before = process_cpu_s(server_pid) if server_pid else {}
+    client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
-           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(conc),
+           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(conc * args.waves),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
            "--num-warmups", str(conc), "--save-result", "--result-dir", result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(os.path.join(result_dir, name), encoding="utf-8") as fh:
-        return json.load(fh)
+        result = json.load(fh)
+    if server_pid:
+        after = process_cpu_s(server_pid)
+        share = {role: round((after[role] - before.get(role, 0.0)) / wall, 3) for role in after}
+        share["bench_client"] = round((client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime)
+                                      / wall, 3)
+        result["cpu_core_share"] = share
+    return result
 
 
 def offline_tok_s(spec, fixed: float | None, args, conc: int, worker_process: bool = False) -> float:
-    """The offline EngineCore's output tok/s on the same tokenized prompts (separate grids); with
-    ``worker_process``, its worker in a worker process as the server's is."""
+    """The offline EngineCore's output tok/s on the bench's prompts (``--waves`` x ``conc`` of them, tokenized as
+    the server does, kept ``conc`` in flight: a finished request's place goes to the next at once), separate
+    grids; with ``worker_process``, its worker in a worker process as the server's is."""
     import torch
 
+    from dispatcher.bench.datasets import sharegpt_requests
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
-    from dispatcher.engine.workload import load_sharegpt
     from dispatcher.plan.config import resolve
     from models.text import load_tokenizer
     from scheduler.request import SamplingParams
 
     tok = load_tokenizer(args.tokenizer)
-    texts = load_sharegpt(args.data)
-    random.Random(0).shuffle(texts)
-    prompts = [tok.encode(t)[:2048] for t in texts[:conc]]
+    prompts = [tok.encode(r.prompt) for r in sharegpt_requests(args.data, conc * args.waves, OUTPUT_LEN, 0)]
     k = spec["num_speculative_tokens"] if spec else 0
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
-    blocks = sum(-(-(len(p) + OUTPUT_LEN + 2 * (k + 1)) // 16) for p in prompts) + 64
+    blocks = sum(sorted((-(-(len(p) + OUTPUT_LEN + 2 * (k + 1)) // 16) for p in prompts), reverse=True)[:conc]) + 64
     worker = None
     if worker_process:  # the serving path's worker, without the engine process and the HTTP front end
         from dispatcher.engine.config import scheduler_config
@@ -127,14 +169,28 @@ def offline_tok_s(spec, fixed: float | None, args, conc: int, worker_process: bo
     if args.device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
+    tokens = closed_loop(engine, prompts, params, conc)
     wall = time.perf_counter() - t0
     if worker is not None:
         worker.close()
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return sum(len(o) for o in out) / wall
+    return tokens / wall
+
+
+def closed_loop(engine, prompts: list[list[int]], params, conc: int) -> int:
+    """Run ``prompts`` with at most ``conc`` in flight, as a closed-loop client does; the output tokens."""
+    waiting = list(reversed(prompts))
+    for _ in range(min(conc, len(waiting))):
+        engine.queue(engine.make_request(waiting.pop(), params))
+    tokens = 0
+    for outputs in engine.run():
+        for o in outputs:
+            tokens += len(o.new_token_ids)
+            if o.finished and waiting:
+                engine.queue(engine.make_request(waiting.pop(), params))
+    return tokens
 
 
 def plot_headline(result: dict, path: str) -> None:
@@ -158,6 +214,8 @@ def main() -> None:
     parser.add_argument("--fixed-acceptance", type=float, default=3.0, help="0: real acceptance")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--overhead-at", type=int, default=256, help="concurrency of the serve_overhead rows (0: none)")
+    parser.add_argument("--waves", type=int, default=1, help="prompts per run = waves x concurrency (the served and "
+                        "the offline runs alike)")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
     parser.add_argument("--device", default="cuda")
@@ -169,7 +227,7 @@ def main() -> None:
     result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json "
                          f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
-                         f"{args.concurrency} --out $OUT/headline_h200.json", "commit": commit(),
+                         f"{args.concurrency} --waves {args.waves} --out $OUT/headline_h200.json", "commit": commit(),
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
     for workload in args.workloads.split(","):
@@ -182,7 +240,8 @@ def main() -> None:
             base = f"http://127.0.0.1:{args.port}"
             try:
                 for conc in concurrencies:  # (twogrid bench reads the server's counters after its warm-ups)
-                    bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args)
+                    bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args,
+                                      proc.pid)
                     delta = {"eager_steps": bench.get("eager_steps", 0), "padded_tokens": bench["padded_tokens"],
                              "steps": bench["cudagraph_steps"], "device_s": bench["step_device_seconds"]}
                     row = {"policy": policy, "model": "bench-moe", "workload": workload, "acceptance": acceptance,
@@ -193,7 +252,8 @@ def main() -> None:
                            "eager_steps": int(delta["eager_steps"]), "padded_tokens": int(delta["padded_tokens"]),
                            "steps": int(delta["steps"]), "device_s": round(delta["device_s"], 3),
                            "gpu_busy": round(delta["device_s"] / bench["duration"], 3),
-                           "completed": bench["completed"], "failed": bench.get("failed", 0)}
+                           "completed": bench["completed"], "failed": bench.get("failed", 0),
+                           "waves": args.waves, "cpu_core_share": bench.get("cpu_core_share")}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     write_json(args.out, result)
@@ -211,7 +271,8 @@ def main() -> None:
                     "offline_tok_s": round(offline, 1), "offline_worker_process_tok_s": round(offline_remote, 1),
                     "served_tok_s": served["output_tok_s"],
                     "served_over_offline": round(served["output_tok_s"] / offline, 3),
-                    "served_gpu_busy": served["gpu_busy"]})
+                    "served_gpu_busy": served["gpu_busy"], "waves": args.waves,
+                    "cpu_core_share": served["cpu_core_share"]})
                 print(json.dumps(result["serve_overhead"][-1]), flush=True)
     rows = {(r["workload"], r["concurrency"], r["policy"]): r for r in result["rows"]}
     for r in result["rows"]:

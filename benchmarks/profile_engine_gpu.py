@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,6 +23,30 @@ from models.config import preset
 from scheduler.request import SamplingParams
 
 ATTENTION_KERNELS = ("_paged_attention_kernel", "_merge_splits_kernel")
+
+
+def graph_split(prof) -> dict:
+    """How much kernel time ran inside CUDA-graph replays: in the exported trace, a kernel's ``correlation`` is
+    the id of the runtime call that launched it, and a replayed kernel's is its ``cudaGraphLaunch``'s."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        events = json.load(open(fh.name, encoding="utf-8"))["traceEvents"]
+    launches = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e["name"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    in_graph, outside = 0.0, {}
+    for k in kernels:
+        launcher = launches.get(k.get("args", {}).get("correlation"), "?")
+        if launcher.startswith("cudaGraphLaunch"):
+            in_graph += k["dur"]
+        else:
+            outside[k["name"]] = outside.get(k["name"], 0.0) + k["dur"]
+    total = in_graph + sum(outside.values())
+    return {"in_graph_share": round(in_graph / total, 4) if total else None,
+            "outside_graph_share": round(1 - in_graph / total, 4) if total else None,
+            "outside_graph_top_us": sorted(((n, round(us, 1)) for n, us in outside.items()), key=lambda x: -x[1])[:12]}
 
 
 def main() -> None:
@@ -64,6 +89,7 @@ def main() -> None:
     for k in kernels:
         by_name[k.name] = by_name.get(k.name, 0.0) + k.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    graphs = graph_split(prof)
     result = {
         "command": "PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json "
                    "--out $OUT/profile_engine.json",
@@ -75,6 +101,7 @@ def main() -> None:
         "logits_share": round(logits_us / total_us, 4),
         "draft_logits_share": round(draft_logits_us / total_us, 4),
         "top_kernels_ms_per_step": [(name, round(us / 1e3 / args.steps, 4)) for name, us in top],
+        **graphs,
     }
     write_json(args.out, result)
     print(json.dumps(result, indent=1))

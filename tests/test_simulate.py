@@ -43,12 +43,15 @@ def test_legacy_list_runs_decode_above_128_requests_eagerly(tmp_path):
 
 def test_trace_records_have_the_spec_fields(tmp_path):
     _, trace = run_k7({}, tmp_path)
-    fields = {"step", "kind", "requests", "tokens", "mode", "padded_tokens", "padded_requests", "host_ms", "device_ms"}
+    fields = {"step", "kind", "requests", "tokens", "mode", "padded_tokens", "padded_requests", "host_ms", "device_ms",
+              "t_s"}
     for rec in trace:
         assert fields <= set(rec)
         assert ("q" in rec) != ("query_len_hist" in rec)
         assert rec["padded_tokens"] >= rec["tokens"] if rec["mode"] != "NONE" else rec["padded_tokens"] == rec["tokens"]
     assert [r["step"] for r in trace] == list(range(1, len(trace) + 1))
+    times = [r["t_s"] for r in trace]  # a timeline: gaps between steps are visible
+    assert times == sorted(times) and times[0] >= 0
 
 
 def test_simulate_json_summary(capsys):
