@@ -62,6 +62,10 @@ def start_server(policy: str, spec, fixed: float | None, port: int, args, log_pa
         cmd += ["--speculative-config", json.dumps(spec)]
     if fixed:
         cmd += ["--fixed-acceptance", str(fixed)]
+    if args.step_trace_dir:
+        os.makedirs(args.step_trace_dir, exist_ok=True)
+        name = f"trace-{policy}-{'no-sd' if not spec else 'k%d' % spec['num_speculative_tokens']}.jsonl"
+        cmd += ["--step-trace", os.path.join(args.step_trace_dir, name)]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -216,6 +220,7 @@ def main() -> None:
     parser.add_argument("--overhead-at", type=int, default=256, help="concurrency of the serve_overhead rows (0: none)")
     parser.add_argument("--waves", type=int, default=1, help="prompts per run = waves x concurrency (the served and "
                         "the offline runs alike)")
+    parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
     parser.add_argument("--device", default="cuda")
