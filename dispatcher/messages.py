@@ -106,6 +106,10 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     logprob_ids: bytes = b""
     """int32 (n, 1 + K, N): the ids of those N tokens."""
     num_top_logprobs: int = 0
+    jit_compiles: int = 0
+    """Triton kernel variants compiled while the step was launched (each one stalls the step)."""
+    jit_ms: float = 0.0
+    """The host time those compiles took."""
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):

@@ -274,7 +274,7 @@ if triton is not None:
         for j in tl.static_range(TOP_K):
             tl.store(w_ptr + t * TOP_K + j, tl.load(w_ptr + t * TOP_K + j) / denom)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_choices"])  # (the step's token count: no variant per value)
     def _moe_scatter_kernel(x_ptr, ids_ptr, rank_ptr, counts_ptr, xs_ptr, inv_ptr, offs_ptr, stride_x, stride_xs,
                             hidden, n_experts, n_choices, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
                             H_PAD: tl.constexpr, PDL: tl.constexpr):

@@ -72,7 +72,7 @@ def supported(x: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_choices"])  # (the step's token count: no variant per value)
     def _moe_align_kernel(ids_ptr, rank_ptr, counts_ptr, sorted_ptr, inv_ptr, seg_ptr, n_experts, n_choices,
                           E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         """Per (token, choice): its row in the expert-sorted layout where each expert's segment is padded to a
@@ -96,7 +96,7 @@ if triton is not None:
             tl.store(counts_ptr + offs_e, tl.zeros([E_PAD], dtype=tl.int32), mask=emask)
             tl.store(counts_ptr + n_experts, 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _moe_route_align_kernel(x_ptr, wg_ptr, w_ptr, sorted_ptr, inv_ptr, seg_ptr, stride_x, stride_g, num_tokens,
                                 n_experts, hidden, TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr,
                                 E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,

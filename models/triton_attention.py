@@ -47,6 +47,10 @@ MERGE_WARPS = 2
 """Warps of a merge program (one output row: a (splits, head_dim) tile)."""
 DEFAULT_SM_COUNT = 132
 """The H200's SM count, assumed where there is no CUDA device (the interpreter)."""
+NO_SPECIALIZE = ["num_reqs", "qs_ptr", "seq_lens_ptr"]
+"""Arguments Triton must not specialize on (by default it compiles a variant per integer that is 1, a multiple of
+16 or neither, and per pointer's 16-byte alignment): they change from one eager step to the next (the request count,
+views into the packed metadata), and each new variant would stall a step for its compile (~0.5 s)."""
 
 
 class AttentionTiles(NamedTuple):
@@ -174,7 +178,7 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE + ["rows_ptr"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_table_ptr, qs_ptr, seq_lens_ptr, rows_ptr, num_reqs,
     stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_ot, stride_oh,
@@ -240,7 +244,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + offs_m, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE + ["num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, num_splits, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -307,6 +311,22 @@ def plan_launch(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: in
     grid0 = num_reqs if one_qblock else num_tokens // block_q + num_reqs
     splits = num_kv_splits or choose_kv_splits(grid0 * num_kv_heads, max_context, sms)
     return AttentionLaunch(tiles, block_q, one_qblock, grid0, splits)
+
+
+def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_num_tokens: int, max_context: int,
+                        sms: int) -> list[tuple[int, int]]:
+    """(query-length bound, split count) pairs that together launch every compiled variant eager attention can
+    need on this model (tile shape, one query block or not, split or not, the merge's padded split count), for a
+    warm-up before serving: a variant met first while serving stalls its step for the compile."""
+    group = num_heads // num_kv_heads
+    by_tiles: dict[tuple[AttentionTiles, bool], int] = {}
+    for max_query_len in list(range(1, MAX_DECODE_QUERY_LEN + 2)) + [PREFILL_BLOCK_M // group + 1]:
+        if max_query_len <= max_num_tokens:
+            tiles = attention_tiles(group, head_dim, max_query_len)
+            by_tiles.setdefault((tiles, max_query_len <= tiles.block_m // group), max_query_len)
+    most = min(triton.cdiv(sms * SPLIT_PROGRAMS_PER_SM, 1), max_context // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
+    splits = [1] + [p for p in (2, 4, 8, 16, 32, 64) if p // 2 < most]  # one count per padded count the merge takes
+    return [(max_query_len, min(p, most)) for max_query_len in by_tiles.values() for p in splits]
 
 
 def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

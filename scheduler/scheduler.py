@@ -60,10 +60,17 @@ class SchedulerConfig:
         return max((k for _, _, k in self.tiers), default=0)
 
     @property
+    def extra_tokens(self) -> int:
+        """Positions a request may hold past prompt + max_tokens: with drafts, those of two steps in flight (its last
+        sampled token and K drafts each: asynchronous scheduling plans a step before the last one's result), else
+        one; and the drafter's lookahead."""
+        k = self.max_speculative_tokens
+        return (2 * (k + 1) if k else 1) + self.lookahead_tokens
+
+    @property
     def max_blocks_per_seq(self) -> int:
-        """Block-table width: a request's prompt and output, the drafts it verifies, its last sampled token and
-        the drafter's lookahead."""
-        return -(-(self.max_model_len + self.max_speculative_tokens + 1 + self.lookahead_tokens) // self.block_size)
+        """Block-table width: a request's prompt and output and its ``extra_tokens``."""
+        return -(-(self.max_model_len + self.extra_tokens) // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -177,8 +184,7 @@ class Scheduler:
         c = self.config = config
         self.k_max = c.max_speculative_tokens
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
-        self.extra_tokens = self.k_max + 1 + c.lookahead_tokens
-        """Tokens a request may hold beyond prompt + max_tokens: drafts being verified, and the lookahead."""
+        self.extra_tokens = c.extra_tokens
         self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)

@@ -314,3 +314,20 @@ def test_worker_block_table_starts_empty_and_forgets_freed_slots():
     for t in tables:
         stale = [s for s in range(8) if s not in live and (t[s] != -1).any()]
         assert not stale and rid
+
+
+# found at stop 18 on the H200 (1024 ShareGPT requests, K = 7) ---------------------------------------------------
+@pytest.mark.parametrize("fixed", [3.0, 8.0])
+def test_requests_at_max_model_len_fit_their_block_table_with_two_steps_in_flight(fixed):
+    """With asynchronous scheduling a request holds the positions of two steps in flight (1 + K each) beyond its
+    known tokens, so one whose prompt + max_tokens is exactly max_model_len reaches past max_model_len + K + 1
+    near its end: the block table must be that wide ("a request outgrew max_blocks_per_seq" was an engine crash)."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 7}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=128)
+    e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=400, block_size=BLOCK, max_model_len=64,
+                                   fixed_acceptance=fixed))
+    assert e.async_scheduling
+    batch = [p[: 64 - 24] for p in prompts(8, seed=5, lo=40, hi=40)]
+    outputs = e.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [len(o) for o in outputs] == [24] * 8
+    assert e.scheduler.kv.num_free == 400

@@ -259,7 +259,8 @@ class EngineCore:
         step.eager_cause = reason[0] if reason else None
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
-                                     step.descs.drafts(), reason[1] if reason else None))
+                                     step.descs.drafts(), reason[1] if reason else None,
+                                     result.jit_compiles, result.jit_ms))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:

@@ -40,10 +40,10 @@ def _brief(desc) -> dict[str, Any]:
 
 
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
-                eager_reason: str | None = None) -> dict[str, Any]:
+                eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
-    descriptors under "draft"."""
+    descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -67,6 +67,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec["eager_reason"] = eager_reason
     if drafts:
         rec["draft"] = [_brief(d) for d in drafts]
+    if jit_compiles:
+        rec.update(jit_compiles=jit_compiles, jit_ms=round(jit_ms, 1))
     return rec
 
 

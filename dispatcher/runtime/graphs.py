@@ -463,6 +463,28 @@ class GraphRuntime:
         return self.report
 
     @torch.inference_mode()
+    def warm_up_eager_attention(self) -> int:
+        """Launch, over padded rows, every variant of the attention kernels that eager attention (between
+        PIECEWISE pieces, or in an eager step) can need (``eager_launch_shapes``), so that Triton compiles them
+        now: a variant first met while serving stalls its step for the compile (~0.5 s). Later starts load them
+        from Triton's disk cache. The number of launches (0 without Triton on a GPU)."""
+        if self.device.type != "cuda":
+            return 0
+        from models.triton_attention import eager_launch_shapes, prepare_paged_attention, sm_count
+
+        cfg, b = self.model.cfg, self.bufs
+        max_context = b.block_table.shape[1] * self.kv_caches[0].shape[2]
+        shapes = eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_num_tokens, max_context,
+                                     sm_count(self.device))
+        for max_query_len, splits in shapes:
+            layout = self._load_host(np.zeros((4, 0), dtype=np.int64), max_query_len, 1, max_query_len)
+            meta = b.meta(max_query_len, layout.num_reqs, max_query_len, max_context)
+            prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
+                                    b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
+        torch.cuda.synchronize(self.device)
+        return len(shapes)
+
+    @torch.inference_mode()
     def measure_step_ms(self, kind: str, repeats: int = 5) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
         """The median replay time (ms) of every captured size of a token-keyed kind (adaptive verification's
         cost curve), or None without such graphs. Every row is padding while it runs, so attention costs

@@ -10,6 +10,7 @@ engine can submit step t + 1 before it collects step t, and the device never wai
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from dispatcher.messages import F32, Step, StepResult, pack, unpack
 from dispatcher.plan.capture_plan import DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, model_runners
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
+from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
@@ -27,6 +29,8 @@ from models.drafters import NgramDrafter, build_draft_head
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
 from models.transformer import build_model
+
+log = logging.getLogger("twogrid.worker")
 
 
 class InjectedFault(RuntimeError):
@@ -128,6 +132,7 @@ class ModelWorker:
         self.upload, self.download = Upload(self.device), Download(self.device)
         self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
         self.fail_steps: frozenset[int] = frozenset()
+        self.jit = JitWatch() if self.device.type == "cuda" else None
         """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
         InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
         does to the requests in it and to the rest."""
@@ -145,9 +150,17 @@ class ModelWorker:
         return draft
 
     def capture(self, progress: bool = True) -> CaptureReport:
+        """Capture every runner's graphs, then compile the eager attention variants (``warm_up_eager_attention``)
+        so that serving meets no Triton compile."""
         report = self.runtime.capture(progress=progress)
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
+        t0 = time.perf_counter()
+        launches = sum(rt.warm_up_eager_attention() for rt in self.runtimes)
+        if launches and self.jit is not None:
+            count, _, _ = self.jit.take()
+            log.info("warmed up eager attention: %d launch shapes, %d Triton compiles (cached on disk after the "
+                     "first start), %.1f s", launches, count, time.perf_counter() - t0)
         return report
 
     @property
@@ -195,7 +208,17 @@ class ModelWorker:
             values, ids = self._logprobs(plan, dev, logits, tokens)
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
         clock.stop()
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts))
+        jit = self._jit_compiles(step.step_id)
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit)
+
+    def _jit_compiles(self, step_id: int) -> tuple[int, float]:
+        """Triton compiles during this step's launches (count, ms), logged with the kernels that needed them."""
+        if self.jit is None or not self.jit.count:
+            return 0, 0.0
+        count, seconds, kernels = self.jit.take()
+        log.warning("step %d waited %.2f s for %d Triton compile(s) of kernel variants not met at warm-up: %s",
+                    step_id, seconds, count, "; ".join(kernels))
+        return count, seconds * 1e3
 
     def collect(self, pending: "_Pending") -> StepResult:
         """Wait for a submitted step's result (its one synchronization) and return it."""
@@ -217,7 +240,7 @@ class ModelWorker:
                                    plan, n), F32)
             lp_ids = pack(_per_request(sections.take(m * width * top).reshape(m, width, top), plan, n))
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
-                          width, conf, pending.clock.ms(), lp, lp_ids, top)
+                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms)
 
     def _logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", logits: torch.Tensor, tokens: torch.Tensor):
         """Per verified position: the log-probability of the token produced there (the model's distribution, before
@@ -380,6 +403,8 @@ class _Pending:
     clock: "_Clock"
     drafted: bool
     """The step's download holds draft confidences."""
+    jit_compiles: int = 0
+    jit_ms: float = 0.0
 
 
 class _Sections:
