@@ -152,7 +152,7 @@ if triton is not None:
         y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # (views at a step's row offsets)
     def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, qn_ptr, kn_ptr, eps, stride_t,
                                 stride_kind, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):

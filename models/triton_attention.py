@@ -47,10 +47,11 @@ MERGE_WARPS = 2
 """Warps of a merge program (one output row: a (splits, head_dim) tile)."""
 DEFAULT_SM_COUNT = 132
 """The H200's SM count, assumed where there is no CUDA device (the interpreter)."""
-NO_SPECIALIZE = ["num_reqs", "qs_ptr", "seq_lens_ptr"]
+NO_SPECIALIZE = dict(do_not_specialize=["num_reqs"], do_not_specialize_on_alignment=["qs_ptr", "seq_lens_ptr"])
 """Arguments Triton must not specialize on (by default it compiles a variant per integer that is 1, a multiple of
-16 or neither, and per pointer's 16-byte alignment): they change from one eager step to the next (the request count,
-views into the packed metadata), and each new variant would stall a step for its compile (~0.5 s)."""
+16 or neither, and per pointer that is 16-byte aligned or not): they change from one eager step to the next (the
+request count; views into the packed metadata, whose offsets follow the step's token and request counts), and each
+new variant would stall a step for its compile (~0.5 s)."""
 
 
 class AttentionTiles(NamedTuple):
@@ -178,7 +179,8 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=NO_SPECIALIZE + ["rows_ptr"])
+@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"],
+            do_not_specialize_on_alignment=NO_SPECIALIZE["do_not_specialize_on_alignment"] + ["rows_ptr"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_table_ptr, qs_ptr, seq_lens_ptr, rows_ptr, num_reqs,
     stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_ot, stride_oh,
@@ -244,7 +246,8 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + offs_m, l_i)
 
 
-@triton.jit(do_not_specialize=NO_SPECIALIZE + ["num_splits"])
+@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"] + ["num_splits"],
+            do_not_specialize_on_alignment=NO_SPECIALIZE["do_not_specialize_on_alignment"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, num_splits, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -39,6 +39,11 @@ from models.attention import AttentionMetadata, RequestLayout, pack_requests
 
 log = logging.getLogger("twogrid.runtime")
 
+EAGER_WARM_UP_TOKENS = (1, 17, 33, 65, 193, 257, 1025)
+"""Token counts of the warm-up's eager forwards: past each size at which a kernel's launch choice changes (the MoE
+router's padded token count at 16 / 32 / 64, its tile height at 16 / 48 rows an expert for 8-of-32 routing,
+programmatic launches at 256 tokens, the fused MoE's limit of 1024), and the step budget."""
+
 CAP_FIELD = {
     PIECEWISE: "max_prefill_cudagraph_capture_tokens",
     FULL: "max_prefill_cudagraph_capture_tokens",
@@ -463,11 +468,12 @@ class GraphRuntime:
         return self.report
 
     @torch.inference_mode()
-    def warm_up_eager_attention(self) -> int:
-        """Launch, over padded rows, every variant of the attention kernels that eager attention (between
-        PIECEWISE pieces, or in an eager step) can need (``eager_launch_shapes``), so that Triton compiles them
-        now: a variant first met while serving stalls its step for the compile (~0.5 s). Later starts load them
-        from Triton's disk cache. The number of launches (0 without Triton on a GPU)."""
+    def warm_up_eager(self) -> int:
+        """Launch, over padded rows, what eager steps can launch, so that Triton compiles it now rather than stall
+        a served step (~0.5 s a kernel variant): every variant of eager attention (between PIECEWISE pieces, or in
+        an eager step: ``eager_launch_shapes``), and whole eager forwards at token counts on each side of every
+        size threshold of the other kernels' launch choices (``EAGER_WARM_UP_TOKENS``). Later starts load the
+        kernels from Triton's disk cache. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
         from models.triton_attention import eager_launch_shapes, prepare_paged_attention, sm_count
@@ -481,8 +487,12 @@ class GraphRuntime:
             meta = b.meta(max_query_len, layout.num_reqs, max_query_len, max_context)
             prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
                                     b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
+        forwards = sorted({min(n, self.max_num_tokens) for n in EAGER_WARM_UP_TOKENS + (self.max_num_tokens,)})
+        for num_tokens in forwards:
+            layout = self._load_host(np.zeros((4, 0), dtype=np.int64), num_tokens, 1, num_tokens)
+            self._full(num_tokens, layout.num_reqs, num_tokens)()
         torch.cuda.synchronize(self.device)
-        return len(shapes)
+        return len(shapes) + len(forwards)
 
     @torch.inference_mode()
     def measure_step_ms(self, kind: str, repeats: int = 5) -> tuple[tuple[int, ...], tuple[float, ...]] | None:

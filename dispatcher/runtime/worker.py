@@ -150,17 +150,17 @@ class ModelWorker:
         return draft
 
     def capture(self, progress: bool = True) -> CaptureReport:
-        """Capture every runner's graphs, then compile the eager attention variants (``warm_up_eager_attention``)
-        so that serving meets no Triton compile."""
+        """Capture every runner's graphs, then compile what eager steps launch (``GraphRuntime.warm_up_eager``), so
+        that serving meets no Triton compile."""
         report = self.runtime.capture(progress=progress)
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
         t0 = time.perf_counter()
-        launches = sum(rt.warm_up_eager_attention() for rt in self.runtimes)
+        launches = sum(rt.warm_up_eager() for rt in self.runtimes)
         if launches and self.jit is not None:
             count, _, _ = self.jit.take()
-            log.info("warmed up eager attention: %d launch shapes, %d Triton compiles (cached on disk after the "
-                     "first start), %.1f s", launches, count, time.perf_counter() - t0)
+            log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
+                     "cache, %.1f s", launches, count, time.perf_counter() - t0)
         return report
 
     @property
