@@ -7,6 +7,7 @@ Inert where Triton (or its hooks) is missing.
 
 from __future__ import annotations
 
+import collections
 import time
 
 
@@ -15,6 +16,9 @@ class JitWatch:
         self.count = 0
         self.seconds = 0.0
         self.kernels: list[str] = []
+        self.history: collections.deque[str] = collections.deque(maxlen=256)
+        """Triton's description of every compile (the kernel, its launch options and each argument's
+        specialization), newest last: what tells two variants with the same constants apart."""
         self._t0 = time.perf_counter()
         self.available = self._install()
 
@@ -34,7 +38,8 @@ class JitWatch:
         self._t0 = time.perf_counter()
         return False  # (True would skip the compile)
 
-    def _after(self, fn=None, compile=None, **kwargs) -> bool:
+    def _after(self, fn=None, compile=None, repr=None, **kwargs) -> bool:
+        self.history.append(str(repr))
         self.count += 1
         self.seconds += time.perf_counter() - self._t0
         self.kernels.append(_describe(fn, (compile or {}).get("constants") or {}))
