@@ -286,7 +286,7 @@ class ModelWorker:
         st = self.state
         if len(step.freed_slots):
             for rt in self.runtimes:
-                rt.bufs.block_table[dev.freed_slots] = -1
+                rt.bufs.block_table.index_fill_(0, dev.freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
         if step.new_requests:
             slots, lens = dev.new_slots, dev.new_lens
             rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
@@ -294,7 +294,7 @@ class ModelWorker:
             cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
                 starts, lens, output_size=dev.new_tokens.numel())
             st.token_ids[rows, cols] = dev.new_tokens
-            st.num_computed[slots] = 0
+            st.num_computed.index_fill_(0, slots, 0)
             st.temperature[slots] = as_float(dev.new_temperature)
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
