@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dispatcher.engine.config import scheduler_config
+from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
@@ -64,9 +64,7 @@ class LLM:
                 check_draft_tokenizer(self.tokenizer, self.config.draft_model)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        probe = scheduler_config(self.config, 1, block_size, 1)
-        extra = probe.max_speculative_tokens + 1 + probe.lookahead_tokens
-        limit = model_cfg.max_position_embeddings - extra
+        limit, extra = max_model_len_limit(self.config, model_cfg.max_position_embeddings, block_size)
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len > limit:

@@ -22,3 +22,10 @@ def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 
     return SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len,
                            tiers, cfg.adaptive_verification, tuple(av), step_ms,
                            cfg.num_speculative_tokens + 1 if model_drafter else 0)
+
+
+def max_model_len_limit(cfg: ResolvedConfig, max_position_embeddings: int, block_size: int = 16) -> tuple[int, int]:
+    """(the longest max_model_len the model's positions allow, the positions past it a request may hold: drafts of
+    two steps in flight and the drafter's lookahead, ``SchedulerConfig.extra_tokens``)."""
+    extra = scheduler_config(cfg, 1, block_size, 1).extra_tokens
+    return max_position_embeddings - extra, extra

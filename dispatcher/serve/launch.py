@@ -89,7 +89,7 @@ def _setup(args: argparse.Namespace):
     import torch
 
     from dispatcher.cli import config_from_args, render_plan
-    from dispatcher.engine.config import scheduler_config
+    from dispatcher.engine.config import max_model_len_limit, scheduler_config
     from dispatcher.engine.engine_core import EngineArgs
     from dispatcher.llm import generation_defaults
     from dispatcher.messages import WorkerInit
@@ -132,9 +132,7 @@ def _setup(args: argparse.Namespace):
         raise
     except ValueError as exc:
         raise ConfigError(f"--speculative-config: {exc}") from None
-    probe = scheduler_config(cfg, 1, args.block_size, 1)
-    extra = probe.max_speculative_tokens + 1 + probe.lookahead_tokens
-    limit = model_cfg.max_position_embeddings - extra
+    limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size)
     max_model_len = args.max_model_len or limit
     if not 1 <= max_model_len <= limit:
         raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
