@@ -259,6 +259,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         costs = StepCostModel.preset(args.cost_model or "bench-moe")
     plan = build_plan(config_from_args(args))
     result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs)
+    if args.execute:
+        result["executed"] = execute_replay(args, records, plan, dispatchers_for_plan(plan)["target"])
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -279,7 +281,39 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"were left out")
     for r in result["eager_reasons"]:
         print(f"eager, {r['steps']} steps of {r['min_tokens']}..{r['max_tokens']} tokens: {r['reason']}")
+    if args.execute:
+        x = result["executed"]
+        recorded = (f"; the trace recorded {x['recorded_device_seconds']:.3f} s"
+                    if x["recorded_device_seconds"] is not None else "")
+        print(f"executed on {x['device']} ({x['model']}, {x['distinct_shapes']} distinct shapes, contexts of "
+              f"{x['context_len']} tokens): {x['executed_device_seconds']:.3f} s of device time{recorded}")
+        for mode, m in sorted(x["by_mode"].items()):
+            print(f"  {mode}: {m['steps']} steps, {m['seconds']:.3f} s")
     return 0
+
+
+def execute_replay(args: argparse.Namespace, records, plan, dispatcher) -> dict:
+    """``replay --execute``: the flags checked, then ``dispatcher.engine.execute.execute_trace``."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("--execute needs torch") from None
+    from dispatcher.engine.execute import execute_trace
+
+    if args.context_len < 0:
+        raise ConfigError(f"--context-len must be >= 0, got {args.context_len}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device must be cuda or cpu, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (use --device cpu to run eagerly)")
+    try:
+        return execute_trace(records, plan, dispatcher, args.model, device, args.context_len, args.repeats,
+                             progress=not args.json)
+    except ValueError as exc:  # a model that cannot be loaded
+        raise ConfigError(f"--model: {exc}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -429,6 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-size step times measured on a GPU instead of the presets: a runtime benchmark's JSON "
                         "(docs/bench/runtime_h200.json) or {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "
                         "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate)")
+    x = p.add_argument_group("execution (--execute)")
+    x.add_argument("--execute", action="store_true",
+                   help="also run every recorded step shape, with dummy data, through the new configuration's graphs "
+                        "and time it (on a GPU; the CPU runs it eagerly): measured device time beside the estimate")
+    x.add_argument("--model", default="bench-moe",
+                   help="the model to execute: a preset (random weights), a checkpoint directory or a .gguf file "
+                        "(default: %(default)s)")
+    x.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    x.add_argument("--context-len", type=int, default=512,
+                   help="cached tokens before each decode query (a trace does not record contexts; default: "
+                        "%(default)s)")
+    x.add_argument("--repeats", type=int, default=3, help="timed runs per distinct shape (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("serve", help="the serving backend: an OpenAI-compatible HTTP API over the engine and a worker "

@@ -159,3 +159,52 @@ def test_bad_cost_tables_are_one_line(table, extra, needle, tmp_path, capsys):
 def test_cost_model_without_a_table_must_be_a_preset(tmp_path, capsys):
     assert main(["replay", make_trace(tmp_path, "{}"), "--cost-model", "bench-dense"]) == 2
     assert "--cost-model: 'bench-dense' is not a preset (bench-moe, bench-moe-large)" in capsys.readouterr().err
+
+
+def engine_trace(tmp_path):
+    """A step trace written by the engine itself (tiny-dense on the CPU, eagle3 K = 3): mixed and decode steps."""
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from models.config import preset
+    from scheduler.request import SamplingParams
+
+    cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 3}, platform="sm100", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    path = tmp_path / "engine_trace.jsonl"
+    with EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=200, block_size=8, max_model_len=128,
+                                    step_trace=str(path))) as e:
+        e.generate([[5 + i] * (10 + 7 * i) for i in range(6)], SamplingParams(max_tokens=12, ignore_eos=True))
+    return str(path)
+
+
+def test_replay_execute_times_every_recorded_shape(tmp_path, capsys):
+    trace = engine_trace(tmp_path)
+    flags = ["--platform", "sm100", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}',
+             "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    r = run_replay(capsys, trace, *flags, "--execute", "--model", "tiny-dense", "--device", "cpu",
+                   "--context-len", "32", "--repeats", "2")
+    x = r["executed"]
+    assert x["steps"] == r["steps"] > 0 and 0 < x["distinct_shapes"] <= x["steps"]
+    assert x["executed_device_seconds"] > 0 and x["recorded_device_seconds"] > 0
+    assert sum(m["steps"] for m in x["by_mode"].values()) == x["steps"]
+    replayed = r["replayed"]["by_kind"]
+    modes = {"FULL": sum(k["full"] for k in replayed.values()), "PIECEWISE": sum(k["piecewise"] for k in
+             replayed.values()), "NONE": sum(k["eager"] for k in replayed.values())}
+    assert {m: v["steps"] for m, v in x["by_mode"].items()} == {m: n for m, n in modes.items() if n}
+    assert main(["replay", trace, *flags, "--execute", "--device", "cpu", "--context-len", "-1"]) == 2
+    assert "--context-len must be >= 0, got -1" in capsys.readouterr().err
+    assert main(["replay", trace, *flags, "--execute", "--device", "cpu", "--model", "no-such-model"]) == 2
+    assert "--model: " in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_replay_execute_on_the_gpu_replays_graphs(tmp_path, capsys):
+    """On a GPU the recorded shapes replay the new plan's CUDA graphs: the FULL decodes take less time a step than
+    the eager ones of a plan without graphs, measured the same way."""
+    trace = engine_trace(tmp_path)
+    flags = [trace, "--platform", "sm100", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}',
+             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--execute", "--model", "tiny-moe",
+             "--device", "cuda"]
+    graphs = run_replay(capsys, *flags)["executed"]
+    eager = run_replay(capsys, *flags, "--compilation-config", '{"cudagraph_mode": "NONE"}')["executed"]
+    assert set(graphs["by_mode"]) <= {"FULL", "PIECEWISE"} and set(eager["by_mode"]) == {"NONE"}
+    assert graphs["executed_device_seconds"] < eager["executed_device_seconds"]
