@@ -23,7 +23,7 @@ from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
-from models.loader import model_kind, read_model_config
+from models.loader import default_dtype, model_kind, read_model_config
 from models.text import Tokenizer, check_draft_tokenizer, load_tokenizer
 from scheduler.request import RequestError, SamplingParams
 
@@ -70,7 +70,7 @@ class LLM:
         elif max_model_len > limit:
             raise ConfigError(f"max_model_len = {max_model_len} exceeds the model's max_position_embeddings "
                               f"({model_cfg.max_position_embeddings}) less {extra} positions for drafts and lookahead")
-        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        dtype = dtype or default_dtype(model, device)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(model_cfg, device, dtype, block_size, max_model_len + extra, max_num_seqs,
                                        kv_cache_memory_gib)

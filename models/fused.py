@@ -105,7 +105,8 @@ def rms_norm_torch(x, weight, eps, residual=None):
     if residual is not None:
         x = x + residual
         residual = x
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op, the same values (the CPU path)
+    if x.device.type == "cpu" or (x.dtype == torch.float32 and weight.dtype == torch.float32):  # one op (the CPU
+        # path; in float32 the same values, in bfloat16 normalized in float32 and rounded once)
         out = F.rms_norm(x, (x.shape[-1],), weight, eps)
         return out if residual is None else (out, residual)
     xf = x.float()
@@ -114,7 +115,12 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 def rotary_torch(positions, x, cos, sin):
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return rotate(x, cos[positions], sin[positions])
+
+
+def rotate(x, cos_rows, sin_rows):
+    """Neox rotary of x (tokens, heads, head_dim) by each token's (head_dim / 2,) cos and sin rows."""
+    c, s = cos_rows.unsqueeze(1), sin_rows.unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 

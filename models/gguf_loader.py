@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig, RopeScaling
-from models.loader import CheckpointError, fill_model
+from models.loader import CheckpointError, default_dtype, fill_model
 from models.layers import RotaryEmbedding
 from models.transformer import CausalLM, build_model
 
@@ -347,11 +347,21 @@ class GGUFSource:
         return t
 
 
+def is_4bit(f: GGUFFile) -> bool:
+    """Whether the file's first layer's attention projections are all 4-bit (Q4_0, Q4_1, Q4_K): how a 4-bit file
+    (dense or MoE) is made."""
+    from gguf.constants import GGMLQuantizationType
+
+    names = [f"blk.0.{t}.weight" for t in ("attn_q", "attn_k", "attn_v", "attn_output")]
+    infos = [f.tensors.get(n) for n in names]
+    return all(i is not None and GGMLQuantizationType(i.ggml_type).name in ("Q4_0", "Q4_1", "Q4_K") for i in infos)
+
+
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (float32 on the CPU, bfloat16 on CUDA)."""
+    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.loader.default_dtype``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
-    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(path, device)
     model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
     if "rope_freqs.weight" in f.tensors:  # llama.cpp's form of Llama 3 rope scaling: per-frequency divisors
         factors = f.tensor("rope_freqs.weight")

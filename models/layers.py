@@ -9,7 +9,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, silu_mul
+from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotate, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -35,10 +35,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._rows: tuple | None = None
+        """(positions, its version, cos rows, sin rows) of the last call: every layer of a forward passes the same
+        positions, so the lookup is done once a step (the torch path)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
-        return rotary_torch(positions, x, self.cos, self.sin)
+        last = self._rows
+        if last is None or last[0] is not positions or last[1] != positions._version:
+            last = self._rows = (positions, positions._version, self.cos[positions], self.sin[positions])
+        return rotate(x, last[2], last[3])
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -393,6 +393,21 @@ def read_model_config(name_or_path: str) -> ModelConfig:
     return preset(name_or_path)
 
 
+def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> torch.dtype:
+    """The serving dtype when none is given: bfloat16 on CUDA; on the CPU bfloat16 for a GGUF file whose
+    projections are 4-bit (its weights hold less than bfloat16 does, and decode is bound by memory bandwidth: the
+    default model decodes 1.8x as fast as in float32 on a 2-core AVX2 CPU), float32 for everything else (presets,
+    Hugging Face checkpoints, 8-bit and wider GGUFs)."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    if isinstance(model, str) and model_kind(model) == "gguf":
+        from models.gguf_loader import is_4bit, open_gguf
+
+        if is_4bit(open_gguf(model)):
+            return torch.bfloat16
+    return torch.float32
+
+
 def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``)."""
     kind = model_kind(name_or_path)

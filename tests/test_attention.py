@@ -182,3 +182,24 @@ def test_full_mode_token_graphs_generate_as_eager():
     assert any(k[0] == "full" for k in full.worker.runtime.layouts)
     eager = EngineCore(resolve({"cudagraph_mode": "NONE"}, None, **cc), args)
     assert full.generate(prompts, params) == eager.generate(prompts, params)
+
+
+@pytest.mark.parametrize("contexts, rows", [((37, 37, 37), [0, 1, 2]), ((37, 37), [1, 0]), ((12, 30), [0, 1]),
+                                            ((20, 20, -1), [0, 1, 0])])
+def test_cpu_attention_matches_the_reference(contexts, rows):
+    """The CPU path's shortcuts (one-token queries over equal contexts: no mask; in request order with no padding:
+    no gather or scatter) give the reference's output, as its general path does (unequal contexts, requests out
+    of row order, a padded row)."""
+    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
+
+    block, heads, kv_heads, dim = 8, 6, 2, 16
+    kv = torch.randn(2, 40, block, kv_heads, dim)
+    table = torch.randperm(40)[:24].reshape(3, 8).int()
+    pos = torch.tensor([c - 1 for c in contexts])
+    req = torch.tensor(rows)
+    q = torch.randn(len(contexts), heads, dim)
+    slots = torch.where(pos >= 0, table[req, pos.clamp(min=0) // block].long() * block + pos.clamp(min=0) % block, -1)
+    meta = AttentionMetadata.from_tokens(slots, req, pos, table)
+    got = paged_attention(q, kv, meta, dim ** -0.5)
+    ref = reference_paged_attention(q, kv, meta, dim ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -73,7 +73,7 @@ def test_greedy_chat_answers_match_transformers(gguf_path, texts):
     from dispatcher import LLM, SamplingParams
 
     short = [t for t in texts if len(t) < 200][:3]
-    llm = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True)
+    llm = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True, dtype=torch.float32)
     outs = llm.chat([[{"role": "user", "content": t}] for t in short], SamplingParams(max_tokens=16))
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
                                               dtype=torch.float32).eval()
@@ -88,6 +88,23 @@ def test_greedy_chat_answers_match_transformers(gguf_path, texts):
     print(json.dumps([o.outputs[0].text for o in outs], ensure_ascii=False))
 
 
+def test_default_cpu_dtype_is_bfloat16_and_answers_like_float32(texts):
+    """With no dtype the CPU serves the 4-bit default model in bfloat16 (1.8x the float32 decode speed on a 2-core
+    CPU): sensible answers whose first greedy tokens are the float32 ones, and Paris is France's capital."""
+    from dispatcher import LLM, SamplingParams
+
+    convs = [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 200][:3]]
+    params = SamplingParams(max_tokens=16)
+    fast = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True)
+    assert fast.engine.worker.model.embed_tokens.weight.dtype == torch.bfloat16
+    exact = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True, dtype=torch.float32)
+    for f, e in zip(fast.chat(convs, params), exact.chat(convs, params)):
+        assert f.outputs[0].token_ids[:2] == e.outputs[0].token_ids[:2], (f.outputs[0].text, e.outputs[0].text)
+        assert f.outputs[0].text.strip() and "\ufffd" not in f.outputs[0].text
+    france = fast.chat([{"role": "user", "content": "What is the capital of France?"}], params)[0].outputs[0].text
+    assert "Paris" in france, france
+
+
 @pytest.mark.gpu
 def test_default_model_on_the_gpu_answers_like_the_cpu(texts):
     """bf16 with CUDA graphs on the GPU: sensible answers whose first greedy tokens are the float32 CPU's."""
@@ -96,7 +113,8 @@ def test_default_model_on_the_gpu_answers_like_the_cpu(texts):
     convs = [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 200][:3]]
     params = SamplingParams(max_tokens=16)
     gpu = LLM(device="cuda", max_num_seqs=8, max_model_len=2048).chat(convs, params)
-    cpu = LLM(device="cpu", max_num_seqs=4, max_model_len=1024, enforce_eager=True).chat(convs, params)
+    cpu = LLM(device="cpu", max_num_seqs=4, max_model_len=1024, enforce_eager=True,
+              dtype=torch.float32).chat(convs, params)
     for g, c in zip(gpu, cpu):
         assert g.prompt_token_ids == c.prompt_token_ids
         assert g.outputs[0].token_ids[:2] == c.outputs[0].token_ids[:2], (g.outputs[0].text, c.outputs[0].text)

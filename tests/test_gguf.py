@@ -90,6 +90,20 @@ def test_quantized_gguf_is_within_the_types_error(pair, qtype):
         assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
 
 
+def test_default_dtype_follows_the_weights(pair, tmp_path):
+    """On the CPU a 4-bit GGUF serves in bfloat16 (its weights hold less than that), an 8-bit one, a checkpoint
+    directory and a preset in float32; on CUDA everything in bfloat16."""
+    from models.loader import default_dtype
+
+    model_type, from_st, model, path = pair
+    for qtype, want in (("Q4_0", torch.bfloat16), ("Q4_1", torch.bfloat16), ("Q8_0", torch.float32)):
+        file = str(path / f"dtype-{qtype}.gguf")
+        write_gguf(model, file, model_type, qtype)
+        assert default_dtype(file, "cpu") == want, qtype
+        assert default_dtype(file, "cuda") == torch.bfloat16
+    assert default_dtype("tiny-dense", "cpu") == torch.float32
+
+
 def test_qk_permutation_round_trips():
     w = torch.arange(4 * 16 * 3, dtype=torch.float32).reshape(4 * 16, 3)
     assert torch.equal(unpermute_qk(permute_qk(w, 4), 4), w)

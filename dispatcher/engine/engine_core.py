@@ -30,6 +30,7 @@ from dispatcher.plan.config import ResolvedConfig
 from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
+from models.loader import default_dtype
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import ModelResult, RequestOutput, Scheduler, SchedulerOutput
 
@@ -42,7 +43,8 @@ class EngineArgs:
     """A model shape, a preset name (random weights from ``seed``), a checkpoint directory or a .gguf file."""
     device: str = "cpu"
     dtype: torch.dtype | None = None
-    """Default: bfloat16 on CUDA, float32 on the CPU."""
+    """Default: ``models.loader.default_dtype`` (bfloat16 on CUDA; on the CPU bfloat16 for a 4-bit GGUF, else
+    float32)."""
     num_kv_blocks: int = 2048
     block_size: int = 16
     max_model_len: int = 2048
@@ -149,7 +151,7 @@ class EngineCore:
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
         self.capture_report = None
         if worker is None:
-            dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+            dtype = args.dtype or default_dtype(args.model, args.device)
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,

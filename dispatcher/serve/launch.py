@@ -95,7 +95,7 @@ def _setup(args: argparse.Namespace):
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
-    from models.loader import CheckpointError, model_kind, read_model_config
+    from models.loader import CheckpointError, default_dtype, model_kind, read_model_config
     from models.text import check_draft_tokenizer, load_tokenizer
 
     for flag in ("port", "block_size"):
@@ -138,7 +138,7 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
                           f"positions less {extra} for drafts and lookahead), got {max_model_len}")
     sched = scheduler_config(cfg, 1, args.block_size, max_model_len)
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size, max_model_len, sched.max_blocks_per_seq,
                       args.num_kv_blocks or 0, args.gpu_memory_utilization, args.seed, not args.enforce_eager,
