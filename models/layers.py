@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -35,16 +36,30 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
-        self._rows: tuple | None = None
-        """(positions, its version, cos rows, sin rows) of the last call: every layer of a forward passes the same
-        positions, so the lookup is done once a step (the torch path)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
-        last = self._rows
-        if last is None or last[0] is not positions or last[1] != positions._version:
-            last = self._rows = (positions, positions._version, self.cos[positions], self.sin[positions])
-        return rotate(x, last[2], last[3])
+        return rotate(x, self.cos[positions], self.sin[positions])
+
+    def at(self, positions: torch.Tensor) -> "RotaryRows":
+        """This rotary with ``positions``' cos and sin rows looked up once, for every layer of one forward."""
+        return RotaryRows(self.cos, self.sin, positions, self.cos[positions], self.sin[positions])
+
+
+class RotaryRows(NamedTuple):
+    """A RotaryEmbedding for one forward's positions: called like it (with those positions), the rows looked up
+    once; ``cos`` / ``sin`` are the whole tables, as the fused GPU kernel reads them."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    cos_rows: torch.Tensor
+    sin_rows: torch.Tensor
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if positions is not self.positions:
+            return rotate(x, self.cos[positions], self.sin[positions])
+        return rotate(x, self.cos_rows, self.sin_rows)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

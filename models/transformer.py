@@ -131,8 +131,9 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata, aux: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (tokens, hidden), normed: the FULL path, and eager."""
         x, residual = self.begin(input_ids, aux)
+        rotary = self.rotary if use_triton(x) else self.rotary.at(positions)  # (the torch path: rows looked up once)
         for i, layer in enumerate(self.layers):
-            q = layer.pre_attention(x, positions, self.rotary, kv_caches[i], meta.slot_mapping)
+            q = layer.pre_attention(x, positions, rotary, kv_caches[i], meta.slot_mapping)
             x, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual, self.next_norm(i))
         return x
 

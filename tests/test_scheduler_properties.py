@@ -35,8 +35,8 @@ def setups(draw):
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt)
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_prompt, max_out = 40, 24
-    lookahead = k + 1 if k else 0  # eagle3 drafts with a model: K + 1 KV slots ahead
-    per_request = -(-(max_prompt + max_out + k + 1 + lookahead) // block_size)
+    per_request = -(-(max_prompt + max_out + scheduler_config(cfg, 1).extra_tokens) // block_size)  # the most one
+    # request holds: drafts of two steps in flight and the drafter's lookahead past prompt + max_tokens
     num_blocks = draw(st.integers(per_request, per_request * 3 // 2))
     acceptance = draw(st.sampled_from([0.0, 0.5, 1.0]))
     add = st.tuples(st.just("add"), st.integers(1, max_prompt), st.integers(1, max_out), st.booleans())

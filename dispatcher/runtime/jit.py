@@ -38,8 +38,8 @@ class JitWatch:
         self._t0 = time.perf_counter()
         return False  # (True would skip the compile)
 
-    def _after(self, fn=None, compile=None, repr=None, **kwargs) -> bool:
-        self.history.append(str(repr))
+    def _after(self, fn=None, compile=None, repr=None, key=None, **kwargs) -> bool:
+        self.history.append(f"{repr} key={key!r}")  # (the key tells apart variants with the same constants)
         self.count += 1
         self.seconds += time.perf_counter() - self._t0
         self.kernels.append(_describe(fn, (compile or {}).get("constants") or {}))
