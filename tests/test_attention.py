@@ -229,4 +229,3 @@ def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_head
             for context in (16, 300, 1000, 4096, width):
                 seen.add(variant(plan_launch(tokens, heads, kv_heads, head_dim, reqs, max_q, context, sms)))
     assert seen <= warmed, seen - warmed
-
