@@ -53,7 +53,8 @@ POLICIES = {
 }
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3}}
-def start_server(policy: str, spec, fixed: float | None, port: int, args, log_path: str) -> subprocess.Popen:
+def start_server(policy: str, spec, fixed: float | None, port: int, args, log_path: str,
+                 trace: bool = True) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
@@ -62,7 +63,7 @@ def start_server(policy: str, spec, fixed: float | None, port: int, args, log_pa
         cmd += ["--speculative-config", json.dumps(spec)]
     if fixed:
         cmd += ["--fixed-acceptance", str(fixed)]
-    if args.step_trace_dir:
+    if args.step_trace_dir and trace:
         os.makedirs(args.step_trace_dir, exist_ok=True)
         name = f"trace-{policy}-{'no-sd' if not spec else 'k%d' % spec['num_speculative_tokens']}.jsonl"
         cmd += ["--step-trace", os.path.join(args.step_trace_dir, name)]
@@ -197,6 +198,24 @@ def closed_loop(engine, prompts: list[list[int]], params, conc: int) -> int:
     return tokens
 
 
+def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
+    """One unmeasured server (the first policy and workload) through every concurrency, so that kernel variants
+    Triton compiles while serving land in its disk cache before any measured server: otherwise the first policy
+    measured pays compile stalls (0.3-1.6 s a step, in the step trace's jit_ms) that the later ones load in
+    milliseconds."""
+    workload = args.workloads.split(",")[0]
+    spec = WORKLOADS[workload]
+    fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
+    policy = args.policies.split(",")[0]
+    proc = start_server(policy, spec, fixed, args.port, args, os.path.join(out_dir, "server-prime.log"), trace=False)
+    try:
+        for conc in concurrencies:
+            run_bench(f"http://127.0.0.1:{args.port}", conc, "prime", os.path.join(out_dir, "prime"), args)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def plot_headline(result: dict, path: str) -> None:
     """Output tok/s and mean TPOT against concurrency, one line per policy and workload (twogrid bench's plot)."""
     from dispatcher.bench.plot import draw, series
@@ -221,6 +240,8 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=1, help="prompts per run = waves x concurrency (the served and "
                         "the offline runs alike)")
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
+    parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false",
+                        help="skip the unmeasured first server that fills Triton's disk cache")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
     parser.add_argument("--device", default="cuda")
@@ -235,6 +256,8 @@ def main() -> None:
                          f"{args.concurrency} --waves {args.waves} --out $OUT/headline_h200.json", "commit": commit(),
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
+    if args.prime_cache:
+        prime_triton_cache(args, concurrencies, out_dir)
     for workload in args.workloads.split(","):
         spec = WORKLOADS[workload]
         fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
