@@ -364,3 +364,26 @@ def test_adaptive_verification_uses_the_runtime_measured_cost_curve():
                                max_num_batched_tokens=256),
                        EngineArgs(preset("tiny-dense"), num_kv_blocks=200, block_size=BLOCK, max_model_len=128))
     assert engine.generate(prompts, params) == eager.generate(prompts, params)
+
+
+def test_jit_watch_reports_each_compile_once_with_its_constants():
+    """What the worker logs and the step trace counts when Triton compiles inside a step: each compile once (take()
+    empties it), the kernel's name with its compile-time constants by parameter name, Triton's key kept."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from dispatcher.runtime.jit import JitWatch
+    from models.triton_attention import _merge_splits_kernel
+
+    watch = JitWatch()
+    if not watch.available:
+        pytest.skip("this Triton has no compile hooks")
+    params = _merge_splits_kernel.params
+    index = {p.name: i for i, p in enumerate(params)}
+    fn = SimpleNamespace(name="_merge_splits_kernel", jit_function=_merge_splits_kernel)
+    assert watch._before() is False  # (True would make Triton skip the compile)
+    assert watch._after(fn=fn, compile={"constants": {(index["SPLITS_PAD"],): 4, (index["num_splits"],): 3}},
+                        repr="r", key=("k",)) is False
+    count, seconds, kernels = watch.take()
+    assert count == 1 and seconds >= 0 and kernels == ["_merge_splits_kernel(SPLITS_PAD=4)"]
+    assert watch.take() == (0, 0.0, []) and watch.history[-1] == "r key=('k',)"
