@@ -142,24 +142,12 @@ class StaticBuffers:
 
     def meta(self, num_tokens: int, num_reqs: int, max_query_len: int,
              max_seq_len: int | None = None) -> AttentionMetadata:
-        """The step's attention metadata: views of the buffers while a graph is captured; in an eager call, with
-        the per-request fields copied where their view is not 16-byte aligned (``aligned``)."""
         _, _, slots, token_req, token_pos = self.rows(num_tokens)
-        per_request = self.requests(num_tokens, num_reqs)
-        if self.block_table.is_cuda and not torch.cuda.is_current_stream_capturing():
-            per_request = tuple(map(aligned, per_request))
-        return AttentionMetadata(slots, token_req, token_pos, self.block_table, *per_request, max_query_len,
-                                 max_seq_len)
+        return AttentionMetadata(slots, token_req, token_pos, self.block_table, *self.requests(num_tokens, num_reqs),
+                                 max_query_len, max_seq_len)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
-
-
-def aligned(view: torch.Tensor) -> torch.Tensor:
-    """``view``, or a copy of it where its address is not a multiple of 16 bytes. Triton compiles a kernel variant
-    per pointer alignment: views into the packed inputs start at offsets that follow a step's token and request
-    counts, so an eager step passing them as they are could meet a variant first while serving (a ~0.5 s stall)."""
-    return view if view.data_ptr() % 16 == 0 else view.clone()
 
 
 def input_length(num_tokens: int, num_reqs: int) -> int:
@@ -284,8 +272,6 @@ class GraphRuntime:
         def run() -> None:
             aux = b.aux[:num_tokens] if b.aux is not None else None
             input_ids, positions = b.rows(num_tokens)[:2]
-            if positions.is_cuda and not torch.cuda.is_current_stream_capturing():
-                positions = aligned(positions)  # (see ``aligned``)
             meta = b.meta(num_tokens, num_reqs, max_query_len, max_seq_len)
             hidden = model(input_ids, positions, self.kv_caches, meta, aux)
             b.hidden_out[:num_tokens].copy_(hidden)
