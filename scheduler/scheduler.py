@@ -184,7 +184,6 @@ class Scheduler:
         c = self.config = config
         self.k_max = c.max_speculative_tokens
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
-        self.extra_tokens = c.extra_tokens
         self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)
@@ -236,7 +235,7 @@ class Scheduler:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.params.max_tokens}) = "
                 f"{request.max_total_tokens} exceeds max_model_len = {c.max_model_len}"
             )
-        need = self.kv.blocks_for(request.max_total_tokens + self.extra_tokens)
+        need = self.kv.blocks_for(request.max_total_tokens + c.extra_tokens)
         if need > c.num_kv_blocks:
             raise RequestError(
                 f"prompt + max_tokens = {request.max_total_tokens} tokens needs {need} KV blocks, more than the "

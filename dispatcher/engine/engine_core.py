@@ -161,10 +161,10 @@ class EngineCore:
             self.capture_report = worker.capture(progress=progress) if capture else None
         self.worker = worker
         self.scheduler = Scheduler(sched_cfg)
-        reach = args.max_model_len + self.scheduler.extra_tokens
+        reach = args.max_model_len + sched_cfg.extra_tokens
         if reach > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len = {args.max_model_len} plus {self.scheduler.extra_tokens} positions for drafts and "
+                f"max_model_len = {args.max_model_len} plus {sched_cfg.extra_tokens} positions for drafts and "
                 f"lookahead exceeds the model's max_position_embeddings = "
                 f"{self.model_config.max_position_embeddings}: lower max_model_len")
         if capture and cfg.adaptive_verification:
