@@ -33,15 +33,20 @@ def query_lens(rec: dict[str, Any]) -> list[int]:
     return [int(q) for q, n in sorted(rec["query_len_hist"].items(), key=lambda kv: int(kv[0])) for _ in range(n)]
 
 
+def _context(query_len: int, context_len: int) -> int:
+    """Cached tokens before a query: ``context_len`` for a decode or a verification, none for a prefill chunk."""
+    return context_len if query_len <= MAX_DECODE_QUERY_LEN else 0
+
+
 def dummy_rows(lens: list[int], context_len: int, block_size: int, num_blocks: int, vocab: int,
                seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(host rows (4, tokens): ids, positions, KV slots, block-table rows; the block table (requests, width)) for
     requests of these query lengths, request r in block-table row r, its blocks numbered on from the previous
     request's (modulo ``num_blocks``)."""
-    contexts = [context_len if q <= MAX_DECODE_QUERY_LEN else 0 for q in lens]
+    contexts = [_context(q, context_len) for q in lens]
     width = max(-(-(c + q) // block_size) for c, q in zip(contexts, lens))
     table = np.zeros((len(lens), width), dtype=np.int64)
-    ids, positions, slots, rows = [], [], [], []
+    positions, slots, rows = [], [], []
     next_block = 0
     for r, (ctx, q) in enumerate(zip(contexts, lens)):
         need = -(-(ctx + q) // block_size)
@@ -68,24 +73,22 @@ def execute_trace(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: 
 
     from dispatcher.runtime.graphs import GraphRuntime, StepInputs
     from models.attention import allocate_kv_cache
-    from models.loader import load_model
+    from models.loader import default_dtype, load_model
 
     cfg = plan.config
     shapes: Counter = Counter()
-    examples: dict[tuple, dict[str, Any]] = {}
     for rec in records:
-        tokens, reqs, _, _ = record_shape(rec)
-        if tokens > cfg.max_num_batched_tokens or reqs > cfg.max_num_seqs:
+        shape = record_shape(rec)
+        if shape[0] > cfg.max_num_batched_tokens or shape[1] > cfg.max_num_seqs:
             continue
-        key = (record_shape(rec), tuple(query_lens(rec)))
+        key = (shape, tuple(query_lens(rec)))
         shapes[key] += 1
-        examples.setdefault(key, rec)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = default_dtype(model, device)
     net = load_model(model, device, dtype)
     mcfg = net.cfg
     width = -(-(context_len + cfg.max_num_batched_tokens) // block_size)
-    need = max((sum(-(-((context_len if q <= MAX_DECODE_QUERY_LEN else 0) + q) // block_size) for q in lens)
-                for (_, lens) in shapes), default=1)
+    need = max((sum(-(-(_context(q, context_len) + q) // block_size) for q in lens) for (_, lens) in shapes),
+               default=1)
     num_blocks = max(1, min(need, max_kv_blocks))
     kv = allocate_kv_cache(mcfg.num_layers, num_blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
     runtime = GraphRuntime(net, kv, plan.for_runner("target"), max_num_tokens=cfg.max_num_batched_tokens,
