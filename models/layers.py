@@ -10,7 +10,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotate, silu_mul
+from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +39,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
-        return rotate(x, self.cos[positions], self.sin[positions])
+        return rotary_torch(positions, x, self.cos, self.sin)
 
     def at(self, positions: torch.Tensor) -> "RotaryRows":
         """This rotary with ``positions``' cos and sin rows looked up once, for every layer of one forward."""
@@ -58,7 +58,7 @@ class RotaryRows(NamedTuple):
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if positions is not self.positions:
-            return rotate(x, self.cos[positions], self.sin[positions])
+            return rotary_torch(positions, x, self.cos, self.sin)
         return rotate(x, self.cos_rows, self.sin_rows)
 
 

@@ -327,7 +327,7 @@ def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_nu
         if max_query_len <= max_num_tokens:
             tiles = attention_tiles(group, head_dim, max_query_len)
             by_tiles.setdefault((tiles, max_query_len <= tiles.block_m // group), max_query_len)
-    most = min(triton.cdiv(sms * SPLIT_PROGRAMS_PER_SM, 1), max_context // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
+    most = choose_kv_splits(1, max_context, sms)  # the most any launch splits: one program pair
     splits = [1] + [p for p in (2, 4, 8, 16, 32, 64) if p // 2 < most]  # one count per padded count the merge takes
     return [(max_query_len, min(p, most)) for max_query_len in by_tiles.values() for p in splits]
 
