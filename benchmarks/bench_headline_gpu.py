@@ -4,9 +4,10 @@ path's overhead against the offline engine on the same prompts.
 
 The model is the bench-moe preset (random weights, Granite-3.0-1B-A400M's shape) given SmolLM2's tokenizer
 (``--tokenizer``: the two vocabularies match) so that it serves text. Per policy and workload one server is
-started (capture included) and every concurrency runs against it, each a wave of ``concurrency`` requests after
-a warm-up wave of as many (synthetic prompts of the same lengths: a server's first steps at a new size compile
-Triton kernels, which a single measured wave would count). Policies (``--compilation-config`` each, every other flag equal):
+started (capture included) and every concurrency runs against it, each ``--waves`` x ``concurrency`` requests
+kept ``concurrency`` in flight, after a warm-up wave of as many (synthetic prompts of the same lengths: a server's
+first steps at a new size compile Triton kernels, which a single measured wave would count). Policies
+(``--compilation-config`` each, every other flag equal):
 
   vllm-default  the shared token list at vLLM's default cap on Hopper (max_cudagraph_capture_size 512)
   legacy-1024   the shared token list to 1024
@@ -161,9 +162,11 @@ def offline_tok_s(spec, fixed: float | None, args, conc: int, worker_process: bo
         from dispatcher.engine.config import scheduler_config
         from dispatcher.engine.ipc import RemoteWorker, WorkerProcess
         from dispatcher.messages import WorkerInit
+        from models.loader import default_dtype
 
         width = scheduler_config(cfg, blocks, 16, args.max_model_len).max_blocks_per_seq
-        init = WorkerInit(args.model, args.device, "bfloat16" if args.device == "cuda" else "float32", "sm100",
+        dtype = str(default_dtype(args.model, args.device)).removeprefix("torch.")  # (the server's)
+        init = WorkerInit(args.model, args.device, dtype, "sm100",
                           1024, 16384, {}, spec or {}, 16, args.max_model_len, width, blocks, 0.9, 0, True,
                           fixed_acceptance=fixed)
         worker = RemoteWorker(WorkerProcess(init))

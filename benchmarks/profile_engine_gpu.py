@@ -30,7 +30,8 @@ def graph_split(prof) -> dict:
     the id of the runtime call that launched it, and a replayed kernel's is its ``cudaGraphLaunch``'s."""
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         prof.export_chrome_trace(fh.name)
-        events = json.load(open(fh.name, encoding="utf-8"))["traceEvents"]
+        with open(fh.name, encoding="utf-8") as trace:
+            events = json.load(trace)["traceEvents"]
     launches = {}
     for e in events:
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
