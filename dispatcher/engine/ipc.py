@@ -118,7 +118,6 @@ class ChildProcess:
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-
     async def aclose_with(self, goodbye: bytes | None, timeout_s: float) -> None:
         """``close`` without blocking the event loop: send ``goodbye``, await the exit for up to ``timeout_s``."""
         if self._closed:

@@ -179,7 +179,7 @@ async def serve(ipc_dir: str) -> int:
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
     outbox.connect(f"ipc://{ipc_dir}/{TO_FRONT}")
-    init = await _first_message(inbox, ipc_dir)
+    init = await _first_message(inbox)
     process = WorkerProcess(init.worker, asyncio=True, parent_dir=ipc_dir)
     service = EngineService(init, process, inbox, outbox)
     loop = asyncio.get_running_loop()
@@ -241,7 +241,7 @@ async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
     os._exit(1)
 
 
-async def _first_message(inbox, ipc_dir: str) -> EngineInit:
+async def _first_message(inbox) -> EngineInit:
     while True:
         msg = decode_or_refuse(decode_to_core, await inbox.recv(), log, "the engine's request socket")
         if isinstance(msg, EngineInit):

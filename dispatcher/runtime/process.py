@@ -15,8 +15,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -40,6 +40,7 @@ ENGINE_CHECK_S = 1.0
 """How often a worker waiting for its next message checks that its engine is alive."""
 FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
 """A test hook, off unless set: comma-separated step ids that fail in the worker (``ModelWorker.fail_steps``)."""
+
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""

@@ -132,10 +132,11 @@ class ModelWorker:
         self.upload, self.download = Upload(self.device), Download(self.device)
         self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
         self.fail_steps: frozenset[int] = frozenset()
-        self.jit = JitWatch() if self.device.type == "cuda" else None
         """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
         InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
         does to the requests in it and to the rest."""
+        self.jit = JitWatch() if self.device.type == "cuda" else None
+        """Triton compiles while this worker serves (each step reports its own)."""
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
