@@ -158,47 +158,56 @@ if triton is not None:
         y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _rope_heads(ptr, heads, c, s, w_ptr, eps, NUM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    QK_NORM: tl.constexpr):
+        """The NUM heads at ``ptr`` ((HEADS_PAD, HEAD_DIM / 2) tiles, padded heads masked): (QK_NORM: RMS-normalized
+        with the norm weight at ``w_ptr``, rounded where the torch path rounds, then) rotated; both halves, float32."""
+        offs = tl.arange(0, HEAD_DIM // 2)[None, :]
+        mask = heads < NUM
+        x1 = tl.load(ptr + heads * HEAD_DIM + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + heads * HEAD_DIM + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            dt = ptr.dtype.element_ty
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            w1 = tl.load(w_ptr + offs).to(tl.float32)
+            w2 = tl.load(w_ptr + HEAD_DIM // 2 + offs).to(tl.float32)
+            x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+            x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
     @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # (views at a step's row offsets)
     def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, qn_ptr, kn_ptr, eps, stride_t,
                                 stride_kind, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Program (token, head) over the query heads then the key heads: (QK_NORM: RMS-normalize the head with
-        its q or k norm weight, rounded where the torch path rounds, then) rotate a query head in place; rotate
-        a key head into the cache and copy its value head beside it (rows with slot -1 write nothing)."""
+                                HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        """Program per token, every head of it at once: rotate its query heads in place; rotate its key heads into
+        the cache and copy its value heads beside them (a row with slot -1 writes nothing; position -1, a padded
+        row, reads position 0's angles)."""
         pdl_enter(PDL)
         t = tl.program_id(0)
-        h = tl.program_id(1)
-        pos = tl.load(pos_ptr + t)
-        offs = tl.arange(0, HEAD_DIM // 2)
+        pos = tl.maximum(tl.load(pos_ptr + t), 0)
+        offs = tl.arange(0, HEAD_DIM // 2)[None, :]
         c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + offs)
         s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + offs)
-        base = qkv_ptr + t * stride_t + h * HEAD_DIM
-        x1 = tl.load(base + offs).to(tl.float32)
-        x2 = tl.load(base + HEAD_DIM // 2 + offs).to(tl.float32)
-        if QK_NORM:
-            dt = qkv_ptr.dtype.element_ty
-            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-            if h < NUM_HEADS:
-                w1 = tl.load(qn_ptr + offs).to(tl.float32)
-                w2 = tl.load(qn_ptr + HEAD_DIM // 2 + offs).to(tl.float32)
-            else:
-                w1 = tl.load(kn_ptr + offs).to(tl.float32)
-                w2 = tl.load(kn_ptr + HEAD_DIM // 2 + offs).to(tl.float32)
-            x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-            x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-        r1 = (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty)
-        r2 = (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty)
-        if h < NUM_HEADS:
-            tl.store(base + offs, r1)
-            tl.store(base + HEAD_DIM // 2 + offs, r2)
-        else:
-            slot = tl.load(slot_ptr + t)
-            if slot >= 0:
-                dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + (h - NUM_HEADS) * HEAD_DIM
-                tl.store(dst + offs, r1)
-                tl.store(dst + HEAD_DIM // 2 + offs, r2)
-                dims = tl.arange(0, HEAD_DIM)
-                tl.store(dst + stride_kind + dims, tl.load(base + NUM_KV_HEADS * HEAD_DIM + dims))
+        base = qkv_ptr + t.to(tl.int64) * stride_t
+        dt = qkv_ptr.dtype.element_ty
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        r1, r2 = _rope_heads(base, heads, c, s, qn_ptr, eps, NUM_HEADS, HEADS_PAD, HEAD_DIM, QK_NORM)
+        tl.store(base + heads * HEAD_DIM + offs, r1.to(dt), mask=heads < NUM_HEADS)
+        tl.store(base + heads * HEAD_DIM + HEAD_DIM // 2 + offs, r2.to(dt), mask=heads < NUM_HEADS)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            kv = tl.arange(0, KV_HEADS_PAD)[:, None]
+            k_base = base + NUM_HEADS * HEAD_DIM
+            r1, r2 = _rope_heads(k_base, kv, c, s, kn_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HEAD_DIM, QK_NORM)
+            dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv * HEAD_DIM
+            mask = kv < NUM_KV_HEADS
+            tl.store(dst + offs, r1.to(dt), mask=mask)
+            tl.store(dst + HEAD_DIM // 2 + offs, r2.to(dt), mask=mask)
+            dims = tl.arange(0, HEAD_DIM)[None, :]
+            v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + kv * HEAD_DIM + dims, mask=mask)
+            tl.store(dst + stride_kind + dims, v, mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -306,9 +315,52 @@ if triton is not None:
             tl.store(counts_ptr + n_experts, 0)
 
 
+    @triton.jit
+    def _argmax_prob_kernel(x_ptr, ids_ptr, prob_ptr, stride_x, n, BLOCK: tl.constexpr, WITH_PROB: tl.constexpr):
+        """Program per row: the first index of the row's largest value and (WITH_PROB) that value's softmax
+        probability, in one pass over the row (an online log-sum-exp in float32)."""
+        row = tl.program_id(0)
+        base = x_ptr + row.to(tl.int64) * stride_x
+        cols = tl.arange(0, BLOCK)
+        best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        best_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        for start in range(0, n, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, axis=0)
+            if WITH_PROB:
+                new = tl.maximum(best, m)
+                total = total * tl.exp(best - new) + tl.sum(tl.exp(x - new), axis=0)
+            i = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+            best_i = tl.where(m > best, i, best_i)  # (strictly greater: an earlier equal value keeps its index)
+            best = tl.maximum(best, m)
+        tl.store(ids_ptr + row, best_i)
+        if WITH_PROB:
+            tl.store(prob_ptr + row, 1.0 / total)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def argmax_prob(logits: torch.Tensor, with_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of (rows, vocab) logits: the argmax (int64, the first of equal values, as torch.argmax) and, with
+    ``with_prob``, its softmax probability (float32). On the GPU one kernel reads each row once, in its own dtype
+    (the torch path converts the rows to float32, takes a softmax and two reductions)."""
+    if not use_triton(logits) or logits.shape[0] == 0:
+        if not with_prob:
+            return logits.argmax(dim=-1), None
+        prob, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).max(dim=-1)
+        return ids, prob
+    rows, n = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    prob = torch.empty(rows, dtype=torch.float32, device=logits.device) if with_prob else ids
+    _argmax_prob_kernel[(rows,)](logits, ids, prob, logits.stride(0), n, BLOCK=min(4096, triton.next_power_of_2(n)),
+                                 WITH_PROB=with_prob, num_warps=8)
+    return ids, prob if with_prob else None
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -334,10 +386,11 @@ def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if head_dim & (head_dim - 1) or kv_cache.stride(-1) != 1 or not kv_cache[0].is_contiguous():
         raise ValueError(f"rotary_write_kv_ needs a power-of-two head_dim (got {head_dim}) and a contiguous cache")
     q_norm, k_norm, eps = qk_norms if qk_norms is not None else (cos, cos, 0.0)
-    _rotary_write_kv_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
+    _rotary_write_kv_kernel[(qkv.shape[0],)](
         qkv, positions, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, qkv.stride(0), kv_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norms is not None,
-        num_warps=1, **launch_options(qkv))
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QK_NORM=qk_norms is not None,
+        num_warps=4 if num_heads * head_dim >= 2048 else 2, **launch_options(qkv))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.fused import argmax_prob
+
 # Purposes of a random draw at one position (salts of the hash).
 SAMPLE = 1
 """The token sampled at a position."""
@@ -91,7 +93,7 @@ def gumbel_argmax(log_weights: torch.Tensor, seeds: torch.Tensor, positions: tor
 
 def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> torch.Tensor:
     """logits (n, vocab) -> token ids (n,): argmax for temperature 0, else a seeded sample at ``positions``."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_prob(logits, with_prob=False)[0]
     if params.all_greedy:
         return greedy
     scaled = apply_top_k_top_p(logits.float() / params.temperature.clamp(min=1e-6)[:, None], params.top_k,

@@ -178,6 +178,26 @@ def test_norm_rotary_kv_write_and_silu_match_torch():
     torch.testing.assert_close(fused.silu_mul(h), F.silu(h[:, :768]) * h[:, 768:], rtol=TOL, atol=TOL)
 
 
+def test_argmax_and_its_probability_match_torch_in_one_pass():
+    """Greedy sampling and the drafters' proposals: per row the first index of the largest logit (ties go to the
+    earliest, as torch.argmax) and its softmax probability, over a vocabulary wider than one tile and not a
+    multiple of it, read from a view of padded rows (compute_logits slices the padded LM head's columns off)."""
+    torch.manual_seed(0)
+    rows, vocab = (300, 49155) if GPU else (6, 9000)
+    padded = torch.randn(rows, vocab + 13, device=DEV, dtype=DT) * 4
+    logits = padded[:, :vocab]
+    logits[1, 5000] = logits[1, 8999] = logits[1, 7] = 40.0  # a tie across tiles: the first wins
+    logits[2, :] = 0.0  # every value equal: index 0, probability 1 / vocab
+    logits[3, vocab - 1] = 50.0  # the last column, in the last, partial tile
+    ids, prob = fused.argmax_prob(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    assert ids[1] == 7 and ids[2] == 0 and ids[3] == vocab - 1
+    ref = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+    torch.testing.assert_close(prob, ref, rtol=1e-4, atol=1e-6)
+    only_ids, none = fused.argmax_prob(logits, with_prob=False)
+    assert none is None and torch.equal(only_ids, ids)
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_moe_route_and_combine_match_torch(norm):
     """300 tokens (60 interpreted), 32 experts, top-8: the same segments and weights as the torch path (on the CPU,

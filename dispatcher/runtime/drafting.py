@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dispatcher.plan.capture_plan import block_query_len
+from models.fused import argmax_prob
 
 
 class _Drafter:
@@ -24,9 +25,7 @@ class _Drafter:
     def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
         with torch.profiler.record_function("twogrid.draft_logits"):
-            probs = torch.softmax(self.head.compute_logits(feature), dim=-1, dtype=torch.float32)
-        conf, tokens = probs.max(dim=-1)
-        return tokens, conf
+            return argmax_prob(self.head.compute_logits(feature))
 
     @staticmethod
     def _last(dev, tokens, accepted, first_pos):
