@@ -344,20 +344,31 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def argmax_prob(logits: torch.Tensor, with_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of (rows, vocab) logits: the argmax (int64, the first of equal values, as torch.argmax) and, with
-    ``with_prob``, its softmax probability (float32). On the GPU one kernel reads each row once, in its own dtype
-    (the torch path converts the rows to float32, takes a softmax and two reductions)."""
-    if not use_triton(logits) or logits.shape[0] == 0:
-        if not with_prob:
-            return logits.argmax(dim=-1), None
-        prob, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).max(dim=-1)
-        return ids, prob
+    ``with_prob``, its softmax probability (float32), into ``out`` (ids, probs) if given. On the GPU one kernel
+    reads each row once, in its own dtype (the torch path converts the rows to float32, takes a softmax and two
+    reductions)."""
     rows, n = logits.shape
+    if not use_triton(logits) or rows == 0:
+        if not with_prob:
+            ids, prob = logits.argmax(dim=-1), None
+        else:
+            prob, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).max(dim=-1)
+        if out is None:
+            return ids, prob
+        out[0].copy_(ids)
+        if with_prob:
+            out[1].copy_(prob)
+        return out[0], out[1] if with_prob else None
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    prob = torch.empty(rows, dtype=torch.float32, device=logits.device) if with_prob else ids
+    if out is not None:
+        ids, prob = out
+    else:
+        ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        prob = torch.empty(rows, dtype=torch.float32, device=logits.device) if with_prob else ids
     _argmax_prob_kernel[(rows,)](logits, ids, prob, logits.stride(0), n, BLOCK=min(4096, triton.next_power_of_2(n)),
                                  WITH_PROB=with_prob, num_warps=8)
     return ids, prob if with_prob else None

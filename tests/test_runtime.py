@@ -26,14 +26,15 @@ from scheduler.request import SamplingParams  # noqa: E402
 BLOCK = 8
 
 
-def make_runtime(model_name, device, dtype, cc, spec=None, max_num_seqs=16, mnbt=256, num_blocks=128, graphs=True):
+def make_runtime(model_name, device, dtype, cc, spec=None, max_num_seqs=16, mnbt=256, num_blocks=128, graphs=True,
+                 proposes=False):
     cfg = resolve(cc, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt)
     plan = build_plan(cfg)
     mcfg = preset(model_name)
     model = build_model(mcfg, device, dtype, seed=1)
     kv = allocate_kv_cache(mcfg.num_layers, num_blocks, BLOCK, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
     rt = GraphRuntime(model, kv, plan.for_runner("target"), max_num_tokens=mnbt, max_num_reqs=max_num_seqs,
-                      max_blocks_per_seq=16, use_cuda_graphs=graphs)
+                      max_blocks_per_seq=16, use_cuda_graphs=graphs, proposes=proposes)
     rt.capture(progress=False)
     return cfg, rt, dispatchers_for_plan(plan)["target"]
 
@@ -82,6 +83,28 @@ def test_every_kind_matches_eager_on_cpu(model_name):
     seen.add((desc.kind, desc.mode))
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     assert {("uniform_decode", "FULL"), ("mixed", "PIECEWISE"), ("adaptive_verification", "FULL")} <= seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_proposing_runtime_takes_each_rows_greedy_token_and_probability_in_its_graph(device):
+    """An EAGLE drafter's one-token steps take their drafts inside the graph: after a FULL replay, a PIECEWISE
+    replay or an eager forward, ``proposals`` hold each real row's argmax of the logits of the hidden state the
+    step returned and that token's softmax probability (stale rows of an earlier, wider step never show)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cfg, rt, disp = make_runtime("tiny-dense", device, dtype, {}, proposes=True)
+    seen = set()
+    for num_reqs, q, decode, eager in [(9, 1, True, False), (2, 8, False, False), (3, 1, True, True), (5, 1, True, False)]:
+        host = decode_batch(rt, num_reqs, q, ctx=11, seed=num_reqs)
+        desc = disp.dispatch(num_reqs * q, num_reqs, q, decode)
+        if eager:
+            desc = desc._replace(mode="NONE", graph=None)
+        seen.add(desc.mode)
+        hidden = rt.execute(desc, StepInputs.from_host(host, rt.device)).clone()
+        ids, probs = rt.proposals(num_reqs * q)
+        probs_ref = torch.softmax(rt.model.compute_logits(hidden).float(), dim=-1)
+        assert torch.equal(ids, rt.model.compute_logits(hidden).argmax(dim=-1))
+        torch.testing.assert_close(probs, probs_ref.gather(1, ids[:, None]).squeeze(1), rtol=1e-3, atol=1e-6)
+    assert seen == {"FULL", "PIECEWISE", "NONE"}
 
 
 def test_padded_rows_never_write_real_kv_blocks():

@@ -105,13 +105,22 @@ def block_query_len(method: str, num_speculative_tokens: int) -> int:
     return num_speculative_tokens if method == "dspark" else 1 + num_speculative_tokens
 
 
+def next_steps_runner(method: str) -> str:
+    """The runner of an EAGLE-style drafter's one-token steps (every row of its forwards proposes a draft)."""
+    return f"{method}_next_steps"
+
+
+def is_next_steps(runner: str) -> bool:
+    return runner.endswith("_next_steps")
+
+
 def model_runners(cfg: ResolvedConfig) -> tuple[str, ...]:
     """Every model forward a step of this configuration runs, whether or not it has graphs: the target, a model
     drafter, and an EAGLE-style drafter's one-token steps when some tier drafts 2 or more tokens."""
     method = cfg.method
     if method in EAGLE_LIKE:
         multi_step = any(t.num_speculative_tokens >= 2 for t in cfg.tiers)
-        return ("target", method) + ((f"{method}_next_steps",) if multi_step else ())
+        return ("target", method) + ((next_steps_runner(method),) if multi_step else ())
     if method in BLOCK_DRAFTERS or method == DRAFT_MODEL:
         return ("target", method)
     return ("target",)
@@ -183,7 +192,7 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
             sets += _decode_sets(cfg, method, target_q)
         multi_step = [t for t in cfg.tiers if t.num_speculative_tokens >= 2]
         if multi_step:
-            sets += _one_token_draft_sets(cfg, f"{method}_next_steps", multi_step)
+            sets += _one_token_draft_sets(cfg, next_steps_runner(method), multi_step)
     elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, lambda t: block_query_len(method, t.num_speculative_tokens))
@@ -267,7 +276,7 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
         if mode.has_full_decode:
             sets += decode_sets(method, target_q)
         if any(t.num_speculative_tokens >= 2 for t in cfg.tiers):
-            runner = f"{method}_next_steps"
+            runner = next_steps_runner(method)
             if mode.has_full_decode:
                 one = tuple(t for t in tokens if t <= cfg.max_num_seqs)
                 sets.append(GraphSet(runner, FULL_DECODE, 1, one, _next_steps_serves(cfg)))

@@ -22,7 +22,8 @@ from typing import Iterable, NamedTuple
 from dataclasses import dataclass
 
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS,
-                                          PIECEWISE, GraphSet, block_query_len, model_runners)
+                                          PIECEWISE, GraphSet, block_query_len, model_runners,
+                                          next_steps_runner)
 
 # Modes a step runs in.
 MODE_FULL = "FULL"
@@ -267,7 +268,7 @@ def dispatch_step(dispatchers: dict[str, Dispatcher], method: str | None, out) -
                                d.dispatch(n_s, n_s, 1, True))
     if method in EAGLE_LIKE:
         draft = dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
-        nxt = dispatchers[f"{method}_next_steps"].dispatch(n_s, n_s, 1, True) if k >= 2 else None
+        nxt = dispatchers[next_steps_runner(method)].dispatch(n_s, n_s, 1, True) if k >= 2 else None
         return StepDescriptors(target, draft, nxt)
     q = block_query_len(method, k)
     return StepDescriptors(target, dispatchers[method].dispatch(n_s * q, n_s, q, True))

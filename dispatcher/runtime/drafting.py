@@ -55,7 +55,7 @@ class EagleDrafter(_Drafter):
                 inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, one, pos + 1, slots_s, 1,
                                      plan.max_seq_len + j + 1)
                 feature = rt.execute(step.draft_next, inputs_j, feature).clone()
-                drafts[:, j], conf[:, j] = self._propose(feature)
+                drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
 

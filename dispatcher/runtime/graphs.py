@@ -36,6 +36,7 @@ import torch
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
 from models.attention import AttentionMetadata, RequestLayout, pack_requests
+from models.fused import argmax_prob
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -114,10 +115,13 @@ class StaticBuffers:
     hidden_out: torch.Tensor
     aux: torch.Tensor | None
     """(max_num_tokens, hidden): a drafter's second input (target features), None for a target."""
+    proposals: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A runtime that proposes (``GraphRuntime(proposes=True)``): per row, its greedy token (int64) and that
+    token's probability (float32), written inside the graph after the forward."""
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
-                 with_aux: bool = False, request_capacity: int | None = None):
+                 with_aux: bool = False, request_capacity: int | None = None, proposes: bool = False):
         t = max_num_tokens
         capacity = request_capacity or max_num_reqs + 1
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
@@ -127,6 +131,7 @@ class StaticBuffers:
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
             hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
+            proposals=(z(t, dt=torch.int64), z(t, dt=torch.float32)) if proposes else None,
         )
 
     def rows(self, num_tokens: int) -> torch.Tensor:
@@ -147,7 +152,8 @@ class StaticBuffers:
                                  max_query_len, max_seq_len)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        tensors = [t for t in vars(self).values() if isinstance(t, torch.Tensor)] + list(self.proposals or ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def input_length(num_tokens: int, num_reqs: int) -> int:
@@ -237,7 +243,10 @@ class GraphRuntime:
     """Runs one model (a runner) for any BatchDescriptor of its plan."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], graph_sets: Iterable[GraphSet], *, max_num_tokens: int,
-                 max_num_reqs: int, max_blocks_per_seq: int, runner: str = "target", use_cuda_graphs: bool = True):
+                 max_num_reqs: int, max_blocks_per_seq: int, runner: str = "target", use_cuda_graphs: bool = True,
+                 proposes: bool = False):
+        """``proposes``: every forward also takes each row's greedy token and its probability from the model's
+        logits, inside the graph (``proposals``): an EAGLE drafter's one-token steps, whose every row proposes."""
         self.model = model
         self.kv_caches = kv_caches
         self.runner = runner
@@ -252,7 +261,7 @@ class GraphRuntime:
         capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
                                            kv_caches[0].dtype, self.device, with_aux=model.needs_aux,
-                                           request_capacity=capacity)
+                                           request_capacity=capacity, proposes=proposes)
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
@@ -275,8 +284,22 @@ class GraphRuntime:
             meta = b.meta(num_tokens, num_reqs, max_query_len, max_seq_len)
             hidden = model(input_ids, positions, self.kv_caches, meta, aux)
             b.hidden_out[:num_tokens].copy_(hidden)
+            self._propose(num_tokens)
 
         return run
+
+    def _propose(self, num_tokens: int) -> None:
+        """A proposing runtime's greedy tokens and their probabilities for the first num_tokens rows."""
+        if self.bufs.proposals is not None:
+            ids, probs = self.bufs.proposals
+            argmax_prob(self.model.compute_logits(self.bufs.hidden_out[:num_tokens]),
+                        out=(ids[:num_tokens], probs[:num_tokens]))
+
+    def proposals(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last execute's proposals (greedy tokens, their probabilities) for its num_tokens real rows (views of
+        static buffers, valid until the next execute)."""
+        ids, probs = self.bufs.proposals
+        return ids[:num_tokens], probs[:num_tokens]
 
     def _piece(self, index: int, num_tokens: int) -> Callable[[], None]:
         b, model, n = self.bufs, self.model, num_tokens
@@ -296,6 +319,7 @@ class GraphRuntime:
                 b.residual[:n].copy_(residual)
             else:
                 b.hidden_out[:n].copy_(x)
+                self._propose(n)
 
         return run
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
-from dispatcher.plan.capture_plan import DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, model_runners
+from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
+                                          model_runners)
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
@@ -122,7 +123,8 @@ class ModelWorker:
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             self.draft_runtimes = [
                 GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
-                             max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs)
+                             max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs,
+                             proposes=is_next_steps(r))
                 for r in model_runners(plan.config)[1:]
             ]
             kind = EagleDrafter if method in EAGLE_LIKE else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter
