@@ -200,11 +200,11 @@ if triton is not None:
         if slot >= 0:
             kv = tl.arange(0, KV_HEADS_PAD)[:, None]
             k_base = base + NUM_HEADS * HEAD_DIM
-            r1, r2 = _rope_heads(k_base, kv, c, s, kn_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HEAD_DIM, QK_NORM)
+            k1, k2 = _rope_heads(k_base, kv, c, s, kn_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HEAD_DIM, QK_NORM)
             dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv * HEAD_DIM
             mask = kv < NUM_KV_HEADS
-            tl.store(dst + offs, r1.to(dt), mask=mask)
-            tl.store(dst + HEAD_DIM // 2 + offs, r2.to(dt), mask=mask)
+            tl.store(dst + offs, k1.to(dt), mask=mask)
+            tl.store(dst + HEAD_DIM // 2 + offs, k2.to(dt), mask=mask)
             dims = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + kv * HEAD_DIM + dims, mask=mask)
             tl.store(dst + stride_kind + dims, v, mask=mask)

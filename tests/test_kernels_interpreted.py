@@ -23,3 +23,57 @@ def test_triton_kernels_pass_in_the_interpreter():
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 16 and "skipped" not in proc.stdout, tail  # every kernel test ran
+
+
+FUSED_KERNELS = {
+    # kernel: (pointer types in order, constexpr variants): what the entry points in models/fused.py launch
+    "_rms_norm_kernel": ("bf16 bf16 bf16 bf16 bf16", [dict(HAS_RES=r, BLOCK=1024, PDL=p) for r in (0, 1)
+                                                      for p in (0, 1)]),
+    "_rotary_write_kv_kernel": ("bf16 i64 fp32 fp32 bf16 i64 bf16 bf16",
+                                [dict(NUM_HEADS=h, NUM_KV_HEADS=kv, HEADS_PAD=pad, KV_HEADS_PAD=kv, HEAD_DIM=d,
+                                      QK_NORM=qk, PDL=p) for h, kv, pad, d in ((16, 8, 16, 64), (14, 2, 16, 64),
+                                                                               (32, 4, 32, 128))
+                                 for qk in (0, 1) for p in (0, 1)]),
+    "_silu_mul_kernel": ("bf16 bf16", [dict(BLOCK=1024, PDL=p) for p in (0, 1)]),
+    "_moe_combine_kernel": ("bf16 i32 fp32 bf16", [dict(TOP_K=8, BLOCK=1024, PDL=0)]),
+    "_moe_combine_add_norm_kernel": ("bf16 i32 fp32 bf16 bf16 bf16 bf16", [dict(TOP_K=8, BLOCK=1024, PDL=1)]),
+    "_moe_route_kernel": ("bf16 i32 fp32 i32 i32", [dict(TOP_K=8, E_PAD=32, NORM_TOPK=n, PDL=0) for n in (0, 1)]),
+    "_moe_scatter_kernel": ("bf16 i32 i32 i32 bf16 i32 i32", [dict(TOP_K=8, E_PAD=32, H_PAD=1024, PDL=1)]),
+    "_argmax_prob_kernel": ("bf16 i64 fp32", [dict(BLOCK=4096, WITH_PROB=w) for w in (0, 1)]),
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("name", sorted(FUSED_KERNELS))
+def test_fused_kernels_build_for_hopper_on_the_cpu(name):
+    """The interpreter runs kernels as Python, so it accepts what the compiler rejects (a variable whose shape
+    changes across an ``if``, a type mismatch in a loop). Each fused kernel's Triton IR is built here for sm90,
+    without a GPU, in the launch's variants: a kernel that does not compile fails on the CPU, not at the
+    first GPU capture."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    from models import fused
+
+    fn = getattr(fused, name)
+    pointers, variants = FUSED_KERNELS[name]
+    kinds = iter(pointers.split())
+    signature = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            continue
+        arg = param.name
+        signature[arg] = ("*" + next(kinds) if arg.endswith("_ptr") else "i64" if arg.startswith("stride")
+                          else "fp32" if arg == "eps" else "i32")
+    target = GPUTarget("cuda", 90, 32)
+    backend = nvidia.CUDABackend(target)
+    options = backend.parse_options({})
+    for constexprs in variants:
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        src = triton.compiler.ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+                                        constexprs=constexprs)
+        src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
