@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from models.attention import AttentionMetadata
-from models.fused import launch_options, pdl_enter
+from models.fused import PDL_MAX_TOKENS, launch_options, pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -317,10 +317,11 @@ def plan_launch(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_num_tokens: int, max_context: int,
-                        sms: int) -> list[tuple[int, int]]:
-    """(query-length bound, split count) pairs that together launch every compiled variant eager attention can
-    need on this model (tile shape, one query block or not, split or not, the merge's padded split count), for a
-    warm-up before serving: a variant met first while serving stalls its step for the compile."""
+                        sms: int) -> list[tuple[int, int, bool]]:
+    """(query-length bound, split count, programmatic launch) that together launch every compiled variant eager
+    attention can need on this model (tile shape, one query block or not, split or not, the merge's padded split
+    count, PDL on for steps of up to PDL_MAX_TOKENS rows and off above), for a warm-up before serving: a variant
+    met first while serving stalls its step for the compile."""
     group = num_heads // num_kv_heads
     by_tiles: dict[tuple[AttentionTiles, bool], int] = {}
     for max_query_len in list(range(1, MAX_DECODE_QUERY_LEN + 2)) + [PREFILL_BLOCK_M // group + 1]:
@@ -329,7 +330,8 @@ def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_nu
             by_tiles.setdefault((tiles, max_query_len <= tiles.block_m // group), max_query_len)
     most = choose_kv_splits(1, max_context, sms)  # the most any launch splits: one program pair
     splits = [1] + [p for p in (2, 4, 8, 16, 32, 64) if p // 2 < most]  # one count per padded count the merge takes
-    return [(max_query_len, min(p, most)) for max_query_len in by_tiles.values() for p in splits]
+    pdl = [True] + ([False] if max_num_tokens > PDL_MAX_TOKENS else [])
+    return [(max_query_len, min(p, most), on) for max_query_len in by_tiles.values() for p in splits for on in pdl]
 
 
 def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

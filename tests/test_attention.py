@@ -208,18 +208,20 @@ def test_cpu_attention_matches_the_reference(contexts, rows):
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(16, 8, 64), (32, 4, 128), (9, 3, 64), (6, 2, 16)])
 def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_heads, head_dim):
     """Every compiled variant of the attention kernels (tiles, one query block or not, split or not, the merge's
-    padded split count) that some eager step's sizes produce is among those ``eager_launch_shapes`` launches at
-    start-up: a variant met first while serving stalls its step for Triton's compile."""
+    padded split count, programmatic launch or not) that some eager step's sizes produce is among those
+    ``eager_launch_shapes`` launches at start-up: a variant met first while serving stalls its step for Triton's
+    compile."""
     import triton
 
+    from models.fused import PDL_MAX_TOKENS
     from models.triton_attention import eager_launch_shapes
 
-    def variant(launch):
-        return launch.tiles, launch.one_qblock, launch.splits > 1, triton.next_power_of_2(launch.splits)
+    def variant(launch, pdl):
+        return launch.tiles, launch.one_qblock, launch.splits > 1, triton.next_power_of_2(launch.splits), pdl
 
     sms, max_tokens, width = 132, 2048, 4096 + 32
-    warmed = {variant(plan_launch(q, heads, kv_heads, head_dim, 1, q, width, sms, num_kv_splits=s))
-              for q, s in eager_launch_shapes(heads, kv_heads, head_dim, max_tokens, width, sms)}
+    warmed = {variant(plan_launch(q, heads, kv_heads, head_dim, 1, q, width, sms, num_kv_splits=s), pdl)
+              for q, s, pdl in eager_launch_shapes(heads, kv_heads, head_dim, max_tokens, width, sms)}
     seen = set()
     for max_q in (1, 2, 3, 5, 8, 9, 12, 16, 17, 33, 64, 65, 100, 512, 2048):
         for reqs in (1, 2, 7, 64, 255):
@@ -227,5 +229,6 @@ def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_head
             if tokens < max_q:
                 continue
             for context in (16, 300, 1000, 4096, width):
-                seen.add(variant(plan_launch(tokens, heads, kv_heads, head_dim, reqs, max_q, context, sms)))
+                seen.add(variant(plan_launch(tokens, heads, kv_heads, head_dim, reqs, max_q, context, sms),
+                                 tokens <= PDL_MAX_TOKENS))
     assert seen <= warmed, seen - warmed

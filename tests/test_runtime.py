@@ -193,10 +193,6 @@ def test_greedy_generation_through_graphs_on_gpu(model_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="known (stop 18): after the warm-up, 2-3 eager attention variants with the "
-                   "same compile-time constants as warmed ones still compile while serving; the difference in "
-                   "Triton's specialization key is not found yet (per-step arguments are unspecialized, by value "
-                   "and by alignment)")
 def test_serving_after_startup_compiles_no_triton_kernel(tmp_path):
     """Requests arriving one by one (prefill chunks beside decodes of every size: PIECEWISE steps whose attention
     runs eagerly with each step's own request count, query length and split count) meet no kernel variant that

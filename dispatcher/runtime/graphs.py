@@ -36,7 +36,7 @@ import torch
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
 from models.attention import AttentionMetadata, RequestLayout, pack_requests
-from models.fused import argmax_prob
+from models.fused import argmax_prob, programmatic_launch
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -506,11 +506,12 @@ class GraphRuntime:
         max_context = b.block_table.shape[1] * self.kv_caches[0].shape[2]
         shapes = eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_num_tokens, max_context,
                                      sm_count(self.device))
-        for max_query_len, splits in shapes:
+        for max_query_len, splits, pdl in shapes:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), max_query_len, 1, max_query_len)
             meta = b.meta(max_query_len, layout.num_reqs, max_query_len, max_context)
-            prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
-                                    b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
+            with programmatic_launch(pdl):
+                prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
+                                        b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
         forwards = sorted({min(n, self.max_num_tokens) for n in EAGER_WARM_UP_TOKENS + (self.max_num_tokens,)})
         for num_tokens in forwards:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), num_tokens, 1, num_tokens)
