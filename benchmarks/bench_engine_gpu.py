@@ -2,7 +2,8 @@
 concurrency, with the per-step bound measured in the same run.
 
 Workload: bench-moe (random weights, bf16), ShareGPT prompts (their lengths: characters / 4 tokens, random ids),
-256 output tokens each with EOS ignored; one wave of ``concurrency`` requests per row, after a warm-up.
+256 output tokens each with EOS ignored; ``--repeats`` waves of ``concurrency`` requests per row (the same prompts
+each time), after a warm-up wave of 8; a row is the median wave by output tok/s, every wave's tok/s beside it.
 Policies (``--compilation-config`` each, every other limit equal: 1024 seqs, 16384 batched tokens):
   eager         graphs off
   vllm-default  the shared token list at vLLM's default cap for Hopper (max_cudagraph_capture_size 512)
@@ -61,14 +62,15 @@ def prompt_lengths(path: str | None, n: int, seed: int = 0) -> list[int]:
     return [max(1, min(2048, int(rng.lognormvariate(4.3, 0.9)))) for _ in range(n)]
 
 
-def make_engine(policy: str, k: int, fixed: float | None, lengths: list[int]) -> EngineCore:
+def make_engine(policy: str, k: int, fixed: float | None, lengths: list[int], step_trace: str | None = None) -> EngineCore:
     """An engine with KV blocks for the widest wave (every request's prompt, output, drafts and lookahead)."""
     spec = {"method": "eagle3", "num_speculative_tokens": k} if k else None
     cfg = resolve(POLICIES[policy], spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
     blocks = sum(-(-(n + OUTPUT_LEN + 2 * (k + 1)) // BLOCK) for n in lengths) + 64
     max_len = max(lengths) + OUTPUT_LEN
     return EngineCore(cfg, EngineArgs(preset("bench-moe"), device="cuda", num_kv_blocks=blocks, block_size=BLOCK,
-                                      max_model_len=max_len, fixed_acceptance=fixed), progress=False)
+                                      max_model_len=max_len, fixed_acceptance=fixed, step_trace=step_trace),
+                      progress=False)
 
 
 def run_wave(engine: EngineCore, lengths: list[int], vocab: int, seed: int, k: int) -> dict:
@@ -115,12 +117,17 @@ def main() -> None:
     parser.add_argument("--acceptance", default="real,fixed", help="real and/or fixed (K > 0 only)")
     parser.add_argument("--fixed-acceptance", type=float, default=3.0)
     parser.add_argument("--concurrency", default="1,16,64,256,512,1024")
+    parser.add_argument("--repeats", type=int, default=3, help="waves per row; the row is the median wave")
+    parser.add_argument("--step-trace-dir", default=None,
+                        help="write each engine's step trace here (WORKLOAD-ACCEPTANCE-POLICY.jsonl, every wave)")
     args = parser.parse_args()
+    if args.step_trace_dir:
+        os.makedirs(args.step_trace_dir, exist_ok=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     lengths = prompt_lengths(args.data, max(concurrencies))
     result = {"command": "PYTHONPATH=. python benchmarks/bench_engine_gpu.py --data .gpu_data/sharegpt.json "
                          f"--policies {args.policies} --workloads {args.workloads} --acceptance {args.acceptance} "
-                         f"--concurrency {args.concurrency} --out $OUT/engine_h200.json",
+                         f"--concurrency {args.concurrency} --repeats {args.repeats} --out $OUT/engine_h200.json",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
               "model": "bench-moe", "output_len": OUTPUT_LEN,
               "prompt_tokens_mean": round(statistics.mean(lengths), 1), "rows": []}
@@ -132,12 +139,17 @@ def main() -> None:
             label = f"fixed-{fixed}" if fixed else "real"
             for policy in args.policies.split(","):
                 t0 = time.perf_counter()
-                engine = make_engine(policy, k, fixed, lengths)
+                trace = (os.path.join(args.step_trace_dir, f"{workload}-{label}-{policy}.jsonl")
+                         if args.step_trace_dir else None)
+                engine = make_engine(policy, k, fixed, lengths, trace)
                 capture_s = time.perf_counter() - t0
                 run_wave(engine, lengths[:8], vocab, 99, k)  # warm-up: compiles the eager kernels too
                 for conc in concurrencies:
+                    waves = sorted((run_wave(engine, lengths[:conc], vocab, conc, k) for _ in range(args.repeats)),
+                                   key=lambda w: w["output_tok_s"])
                     row = {"policy": policy, "workload": workload, "acceptance": label, "concurrency": conc,
-                           "capture_s": round(capture_s, 1), **run_wave(engine, lengths[:conc], vocab, conc, k)}
+                           "capture_s": round(capture_s, 1), **waves[len(waves) // 2],
+                           "waves_tok_s": [w["output_tok_s"] for w in waves]}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     write_json(args.out, result)
