@@ -27,6 +27,7 @@ from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
 from models.drafters import NgramDrafter, build_draft_head
+from models.fused import argmax_prob
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
 from models.transformer import build_model
@@ -159,12 +160,25 @@ class ModelWorker:
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
         t0 = time.perf_counter()
-        launches = sum(rt.warm_up_eager() for rt in self.runtimes)
+        launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
         if launches and self.jit is not None:
             count, _, _ = self.jit.take()
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
                      "cache, %.1f s", launches, count, time.perf_counter() - t0)
         return report
+
+    @torch.inference_mode()
+    def _warm_up_sampling(self) -> int:
+        """Compile the greedy sampler and the drafters' proposal kernel (``argmax_prob``, with and without the
+        probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        heads = [self.model] + ([self.drafter.head] if self.drafter is not None else [])
+        for head in heads:
+            hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
+            for with_prob in (False, True):
+                argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
+        return 2 * len(heads)
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
