@@ -371,6 +371,50 @@ def test_drafts_do_not_depend_on_the_batch(spec):
     assert batched == alone
 
 
+def _one_step_at_a_time(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+    """EagleDrafter.propose as plainly as it can be written: each one-token step's inputs built on its own, the
+    proposals taken from the head's logits outside the graph."""
+    k, m, slots_s = step.num_new_drafts, plan.num_sampling, dev.sampling_slots
+    last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
+    feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state), hidden)
+    feature = feature[last_row]
+    drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+    drafts[:, 0] = self.head.compute_logits(feature).argmax(dim=-1)
+    for j in range(1, k):
+        rt, pos = self.runtimes[1], last_pos + j
+        inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, torch.arange(m + 1), pos + 1, slots_s, 1,
+                             plan.max_seq_len + j + 1)
+        feature = rt.execute(step.draft_next, inputs_j, feature).clone()
+        drafts[:, j] = self.head.compute_logits(feature).argmax(dim=-1)
+    state.drafts[slots_s, :k] = drafts
+
+
+def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch):
+    """The EAGLE draft loop's batched inputs (every one-token step's positions and KV slots at once) and in-graph
+    proposals give the drafts of the plainest loop: a wrong KV slot or position in a later draft step changes the
+    drafts after it (the tokens would stay right: they do not depend on the drafts)."""
+    from dispatcher.runtime.drafting import EagleDrafter
+
+    prompts = random_prompts(6, 3, vocab=300)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def drafts_of_run():
+        cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 5}, platform="sm100", max_num_seqs=16,
+                      max_num_batched_tokens=64)
+        e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=BLOCK, max_model_len=128,
+                                       async_scheduling=False))
+        log = {}
+        _record_drafts(e, log)
+        e.generate(prompts, params)
+        return log
+
+    batched = drafts_of_run()
+    monkeypatch.setattr(EagleDrafter, "propose", _one_step_at_a_time)
+    plain = drafts_of_run()
+    assert len(batched) > 6 * 3
+    assert batched == plain
+
+
 def test_adaptive_verification_uses_the_runtime_measured_cost_curve():
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dispatcher.plan.capture_plan import block_query_len
+from dispatcher.runtime.graphs import StepInputs
 from models.fused import argmax_prob
 
 
@@ -48,13 +49,15 @@ class EagleDrafter(_Drafter):
         conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
         drafts[:, 0], conf[:, 0] = self._propose(feature)
         if k > 1:
-            one = torch.arange(m + 1, device=hidden.device)
-            rt = self.runtimes[1]
+            # every one-token step's positions and KV slots at once; each step then only stacks its column
+            rt, one = self.runtimes[1], torch.arange(m + 1, device=hidden.device)
+            pos = (last_pos[:, None] + torch.arange(1, k, device=hidden.device)[None, :]).t()  # (k - 1, m)
+            kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
             for j in range(1, k):
-                pos = last_pos + j
-                inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, one, pos + 1, slots_s, 1,
-                                     plan.max_seq_len + j + 1)
-                feature = rt.execute(step.draft_next, inputs_j, feature).clone()
+                tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
+                inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j + 1)
+                # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
+                feature = rt.execute(step.draft_next, inputs_j, feature)
                 drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf

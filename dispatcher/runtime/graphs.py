@@ -556,10 +556,13 @@ class GraphRuntime:
         """A forward's inputs from device tensors: per token its id, position and block-table row (its KV slot is
         looked up here); per request its query start, sequence length (context with this step's tokens) and
         block-table row; host-side bounds on the query and sequence lengths."""
+        return StepInputs(torch.stack([input_ids, positions, self.kv_slots(token_rows, positions), token_rows]),
+                          query_start, seq_lens, req_rows, max_query_len, max_seq_len)
+
+    def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The KV-cache slot of each (block-table row, position), any shape."""
         bs = self.kv_caches[0].shape[2]
-        kv_slots = self.bufs.block_table[token_rows, positions // bs].long() * bs + positions % bs
-        return StepInputs(torch.stack([input_ids, positions, kv_slots, token_rows]), query_start, seq_lens, req_rows,
-                          max_query_len, max_seq_len)
+        return self.bufs.block_table[token_rows, positions // bs].long() * bs + positions % bs
 
     def load_inputs(self, inputs: "StepInputs", num_tokens: int, num_reqs: int | None = None,
                     max_query_len: int | None = None) -> RequestLayout:
