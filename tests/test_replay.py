@@ -49,6 +49,22 @@ def test_replay_legacy_trace_under_separate_grids(tmp_path, capsys):
     assert decode in reasons and reasons[decode]["min_tokens"] > 1024
 
 
+TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "bench", "traces")
+
+
+def test_a_served_trace_under_vllms_list_predicts_the_separate_servers_eager_steps(capsys):
+    """The H200 headline at 186936d, 256 streams (warm-up wave and two measured ones): the vllm-default server's
+    trace replayed under separate grids predicts exactly the eager steps the separate server ran live (none; its
+    trace is committed beside it)."""
+    k7 = json.dumps({"method": "eagle3", "num_speculative_tokens": 7})
+    r = run_replay(capsys, os.path.join(TRACES, "headline_186936d_vllm-default_256.jsonl"), "--platform", "sm100",
+                   "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384", "--speculative-config", k7)
+    with open(os.path.join(TRACES, "headline_186936d_separate_256.jsonl"), encoding="utf-8") as fh:
+        live = [json.loads(line) for line in fh]
+    assert sum(v["eager"] for v in r["recorded"]["by_kind"].values()) == 284
+    assert sum(v["eager"] for v in r["replayed"]["by_kind"].values()) == sum(x["mode"] == "NONE" for x in live) == 0
+
+
 def test_replay_reports_steps_over_new_limits(tmp_path, capsys):
     trace = make_trace(tmp_path, "{}")
     r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7, "--max-num-seqs", "64",
