@@ -382,17 +382,19 @@ def _one_step_at_a_time(self, step, plan, dev, inputs, hidden, tokens, accepted,
     drafts[:, 0] = self.head.compute_logits(feature).argmax(dim=-1)
     for j in range(1, k):
         rt, pos = self.runtimes[1], last_pos + j
-        inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, torch.arange(m + 1), pos + 1, slots_s, 1,
-                             plan.max_seq_len + j + 1)
+        inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, torch.arange(m + 1, device=pos.device), pos + 1,
+                             slots_s, 1, plan.max_seq_len + j + 1)
         feature = rt.execute(step.draft_next, inputs_j, feature).clone()
         drafts[:, j] = self.head.compute_logits(feature).argmax(dim=-1)
     state.drafts[slots_s, :k] = drafts
 
 
-def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch):
-    """The EAGLE draft loop's batched inputs (every one-token step's positions and KV slots at once) and in-graph
-    proposals give the drafts of the plainest loop: a wrong KV slot or position in a later draft step changes the
-    drafts after it (the tokens would stay right: they do not depend on the drafts)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch, device):
+    """The EAGLE draft loop's batched inputs (every one-token step's positions and KV slots at once), its steps
+    2..K-1 that rewrite only what moves (``execute_next``) and in-graph proposals give the drafts of the plainest
+    loop: a wrong KV slot, position or (GPU: CPU attention reads positions only) sequence length in a later draft
+    step changes the drafts after it (the tokens would stay right: they do not depend on the drafts)."""
     from dispatcher.runtime.drafting import EagleDrafter
 
     prompts = random_prompts(6, 3, vocab=300)
@@ -401,8 +403,8 @@ def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch):
     def drafts_of_run():
         cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 5}, platform="sm100", max_num_seqs=16,
                       max_num_batched_tokens=64)
-        e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=BLOCK, max_model_len=128,
-                                       async_scheduling=False))
+        e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=300, block_size=BLOCK,
+                                       max_model_len=128, async_scheduling=False))
         log = {}
         _record_drafts(e, log)
         e.generate(prompts, params)
@@ -412,7 +414,13 @@ def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch):
     monkeypatch.setattr(EagleDrafter, "propose", _one_step_at_a_time)
     plain = drafts_of_run()
     assert len(batched) > 6 * 3
-    assert batched == plain
+    if device == "cpu":
+        assert batched == plain
+    else:  # bf16 logits of padded graph rows against unpadded eager rows may break a near-tie differently (and
+        # an acceptance it changes moves the later proposals' positions)
+        common = batched.keys() & plain.keys()
+        same = sum(a == b for key in common for a, b in zip(batched[key], plain[key]))
+        assert len(common) >= 0.9 * len(batched) and same >= 0.95 * sum(len(batched[key]) for key in common)
 
 
 def test_adaptive_verification_uses_the_runtime_measured_cost_curve():

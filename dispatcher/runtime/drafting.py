@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dispatcher.plan.capture_plan import block_query_len
+from dispatcher.plan.dispatch import MODE_FULL
 from dispatcher.runtime.graphs import StepInputs
 from models.fused import argmax_prob
 
@@ -54,10 +55,13 @@ class EagleDrafter(_Drafter):
             pos = (last_pos[:, None] + torch.arange(1, k, device=hidden.device)[None, :]).t()  # (k - 1, m)
             kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
             for j in range(1, k):
-                tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
-                inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j + 1)
-                # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
-                feature = rt.execute(step.draft_next, inputs_j, feature)
+                if j >= 2 and step.draft_next.mode == MODE_FULL:  # the same graph again: only what moves is written
+                    rt.execute_next(step.draft_next, pos[j - 1], kv_slots[j - 1], seq_lens[j - 1])
+                else:
+                    tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
+                    inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j + 1)
+                    # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
+                    feature = rt.execute(step.draft_next, inputs_j, feature)
                 drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf

@@ -642,6 +642,25 @@ class GraphRuntime:
         return self.bufs.hidden_out[:num_real]
 
 
+    def execute_next(self, desc: BatchDescriptor, positions: torch.Tensor, kv_slots: torch.Tensor,
+                     seq_lens: torch.Tensor) -> torch.Tensor:
+        """The next one-token step of the requests the last ``execute`` ran through ``desc``'s FULL graph, in a
+        proposing runtime (an EAGLE drafter's steps 2..K-1): each request's input token is the one its last step
+        proposed, its feature that step's output, and everything else loaded stays (request rows, query starts,
+        padding); only positions, KV slots and sequence lengths are written. Six copies and the replay, against
+        ``execute``'s dozen copies on freshly built inputs."""
+        n, b = positions.shape[0], self.bufs
+        tokens, reqs, _ = self.layouts[desc.graph]
+        rows = b.rows(tokens)
+        rows[0, :n].copy_(b.proposals[0][:n])
+        rows[1::3, :n].copy_(positions.expand(2, n))  # positions and token positions (INPUT_ROWS 1 and 4)
+        rows[2, :n].copy_(kv_slots)
+        b.requests(tokens, reqs)[1][:n].copy_(seq_lens)
+        b.aux[:n].copy_(b.hidden_out[:n])
+        self.graphs[desc.graph][0].replay()
+        return b.hidden_out[:n]
+
+
 @dataclass
 class StepInputs:
     """One forward's real rows, on the device."""
