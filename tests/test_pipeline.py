@@ -120,8 +120,9 @@ VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "as_strided", "expand", "
 def test_a_decode_step_launches_few_kernels_outside_its_graphs():
     """At small batches a GPU step waits for its host to enqueue the eager work around the graphs (input build,
     verification, state update, the draft loop's glue: docs/engine.md), so that work is counted: every torch op
-    that is not a view, outside graph replays, in steady-state EAGLE K = 7 decode steps of 16 requests. 226 a
-    step at a921274 (243 before the draft loop rewrote only what moves); the bound catches a regression."""
+    that is not a view, outside graph replays, in steady-state EAGLE K = 7 decode steps of 16 requests. 221 a
+    step at this commit (243 before the draft loop rewrote only what moves, 227 before KV slots took one op less);
+    the bound catches a regression."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dispatcher.runtime import graphs

@@ -562,7 +562,7 @@ class GraphRuntime:
     def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The KV-cache slot of each (block-table row, position), any shape."""
         bs = self.kv_caches[0].shape[2]
-        return self.bufs.block_table[token_rows, positions // bs].long() * bs + positions % bs
+        return torch.add(positions % bs, self.bufs.block_table[token_rows, positions // bs], alpha=bs)  # (int64)
 
     def load_inputs(self, inputs: "StepInputs", num_tokens: int, num_reqs: int | None = None,
                     max_query_len: int | None = None) -> RequestLayout:
