@@ -55,8 +55,8 @@ class EagleDrafter(_Drafter):
             pos = (last_pos[:, None] + torch.arange(1, k, device=hidden.device)[None, :]).t()  # (k - 1, m)
             kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
             for j in range(1, k):
-                if j >= 2 and step.draft_next.mode == MODE_FULL:  # the same graph again: only what moves is written
-                    rt.execute_next(step.draft_next, pos[j - 1], kv_slots[j - 1], seq_lens[j - 1])
+                if j >= 2 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
+                    rt.execute_next(step.draft_next, m)
                 else:
                     tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
                     inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j + 1)

@@ -272,11 +272,13 @@ class GraphRuntime:
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
-    def _full(self, num_tokens: int, num_reqs: int, max_query_len: int,
-              max_seq_len: int | None = None) -> Callable[[], None]:
+    def _full(self, num_tokens: int, num_reqs: int, max_query_len: int, max_seq_len: int | None = None,
+              graph: bool = False) -> Callable[[], None]:
         """The whole forward over the static buffers' first num_tokens rows and num_reqs requests. A graph's
-        closure takes the graph's bounds (``max_seq_len`` None: the block table's width); eager, the step's own."""
+        closure (``graph``) takes the graph's bounds (``max_seq_len`` None: the block table's width); eager, the
+        step's own. A proposing runtime's graph then also proposes and advances its inputs to the next step."""
         b, model = self.bufs, self.model
+        advance = graph and b.proposals is not None
 
         def run() -> None:
             aux = b.aux[:num_tokens] if b.aux is not None else None
@@ -285,8 +287,27 @@ class GraphRuntime:
             hidden = model(input_ids, positions, self.kv_caches, meta, aux)
             b.hidden_out[:num_tokens].copy_(hidden)
             self._propose(num_tokens)
+            if advance:
+                self._advance_inputs(num_tokens, num_reqs)
 
         return run
+
+    def _advance_inputs(self, num_tokens: int, num_reqs: int) -> None:
+        """Inside a proposing runtime's FULL graph, after its proposals: its inputs become the next one-token step
+        of the same requests (``execute_next``): each row's token is its proposal and its feature this step's
+        output; real rows move one position on (their KV slot looked up again), real requests one token longer;
+        padded rows and requests (position -1, slot -1, sequence length 0) stay padded."""
+        b = self.bufs
+        rows = b.rows(num_tokens)
+        rows[0].copy_(b.proposals[0][:num_tokens])
+        live = rows[1] >= 0
+        positions = torch.where(live, rows[1] + 1, rows[1])
+        rows[2].copy_(torch.where(live & (rows[2] >= 0), self.kv_slots(rows[3], positions.clamp(min=0)), -1))
+        rows[1::3].copy_(positions.expand(2, num_tokens))  # positions and token positions (INPUT_ROWS 1 and 4)
+        seq_lens = b.requests(num_tokens, num_reqs)[1]
+        seq_lens.copy_(torch.where(seq_lens > 0, seq_lens + 1, seq_lens))
+        if b.aux is not None:
+            b.aux[:num_tokens].copy_(b.hidden_out[:num_tokens])
 
     def _propose(self, num_tokens: int) -> None:
         """A proposing runtime's greedy tokens and their probabilities for the first num_tokens rows."""
@@ -341,7 +362,7 @@ class GraphRuntime:
                 if g.kind == PIECEWISE:
                     self.graphs[key] = [_Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
                 else:
-                    self.graphs[key] = [_Replayable(self._full(tokens, reqs, bound))]
+                    self.graphs[key] = [_Replayable(self._full(tokens, reqs, bound, graph=True))]
 
     # -- capture ---------------------------------------------------------------------------------------------
     def _capture_order(self) -> list[GraphSet]:
@@ -642,23 +663,13 @@ class GraphRuntime:
         return self.bufs.hidden_out[:num_real]
 
 
-    def execute_next(self, desc: BatchDescriptor, positions: torch.Tensor, kv_slots: torch.Tensor,
-                     seq_lens: torch.Tensor) -> torch.Tensor:
+    def execute_next(self, desc: BatchDescriptor, num_real: int) -> torch.Tensor:
         """The next one-token step of the requests the last ``execute`` ran through ``desc``'s FULL graph, in a
-        proposing runtime (an EAGLE drafter's steps 2..K-1): each request's input token is the one its last step
-        proposed, its feature that step's output, and everything else loaded stays (request rows, query starts,
-        padding); only positions, KV slots and sequence lengths are written. Six copies and the replay, against
-        ``execute``'s dozen copies on freshly built inputs."""
-        n, b = positions.shape[0], self.bufs
-        tokens, reqs, _ = self.layouts[desc.graph]
-        rows = b.rows(tokens)
-        rows[0, :n].copy_(b.proposals[0][:n])
-        rows[1::3, :n].copy_(positions.expand(2, n))  # positions and token positions (INPUT_ROWS 1 and 4)
-        rows[2, :n].copy_(kv_slots)
-        b.requests(tokens, reqs)[1][:n].copy_(seq_lens)
-        b.aux[:n].copy_(b.hidden_out[:n])
+        proposing runtime (an EAGLE drafter's steps 2..K-1): that graph left its inputs advanced
+        (``_advance_inputs``: each row's proposal as its token, its output as its feature, one position on), so
+        this is the replay alone, with no copy from the host's side."""
         self.graphs[desc.graph][0].replay()
-        return b.hidden_out[:n]
+        return self.bufs.hidden_out[:num_real]
 
 
 @dataclass
