@@ -327,12 +327,12 @@ if triton is not None:
         total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         for start in range(0, n, BLOCK):
             x = tl.load(base + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
-            m = tl.max(x, axis=0)
+            m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
             if WITH_PROB:
                 new = tl.maximum(best, m)
-                total = total * tl.exp(best - new) + tl.sum(tl.exp(x - new), axis=0)
-            i = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
-            best_i = tl.where(m > best, i, best_i)  # (strictly greater: an earlier equal value keeps its index)
+                shift = tl.where(new == float("-inf"), 0.0, new)  # (no -inf - -inf while every value so far is -inf)
+                total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first max stays)
             best = tl.maximum(best, m)
         tl.store(ids_ptr + row, best_i)
         if WITH_PROB:
@@ -352,10 +352,9 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
     reductions)."""
     rows, n = logits.shape
     if not use_triton(logits) or rows == 0:
-        if not with_prob:
-            ids, prob = logits.argmax(dim=-1), None
-        else:
-            prob, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).max(dim=-1)
+        ids, prob = logits.argmax(dim=-1), None
+        if with_prob:
+            prob = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, ids[:, None]).squeeze(1)
         if out is None:
             return ids, prob
         out[0].copy_(ids)

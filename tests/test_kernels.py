@@ -189,6 +189,7 @@ def test_argmax_and_its_probability_match_torch_in_one_pass():
     logits[1, 5000] = logits[1, 8999] = logits[1, 7] = 40.0  # a tie across tiles: the first wins
     logits[2, :] = 0.0  # every value equal: index 0, probability 1 / vocab
     logits[3, vocab - 1] = 50.0  # the last column, in the last, partial tile
+    logits[4, : vocab // 2 + 1] = float("-inf")  # a first tile all -inf (masked tokens): still a probability
     ids, prob = fused.argmax_prob(logits)
     assert torch.equal(ids, logits.argmax(dim=-1))
     assert ids[1] == 7 and ids[2] == 0 and ids[3] == vocab - 1

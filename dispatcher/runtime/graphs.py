@@ -533,7 +533,9 @@ class GraphRuntime:
             with programmatic_launch(pdl):
                 prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
                                         b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
-        forwards = sorted({min(n, self.max_num_tokens) for n in EAGER_WARM_UP_TOKENS + (self.max_num_tokens,)})
+        # a proposing runtime (one row a request) never runs more rows than requests, and its forwards take logits
+        widest = self.max_num_reqs if self.bufs.proposals is not None else self.max_num_tokens
+        forwards = sorted({min(n, widest) for n in EAGER_WARM_UP_TOKENS + (widest,)})
         for num_tokens in forwards:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), num_tokens, 1, num_tokens)
             self._full(num_tokens, layout.num_reqs, num_tokens)()
