@@ -208,10 +208,11 @@ def _av_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:
 def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, multi_step: list[Tier]) -> list[GraphSet]:
     """Draft steps 1..K-1 of a single-module drafter: q = 1 over its own request grid up to max_num_seqs,
     within the budget, through the widest batch of any tier that drafts 2 or more tokens; ``[]`` for the
-    decode list disables them. In the prefill-grid modes they use the prefill grid."""
+    decode list disables them. In the prefill-grid modes they use the prefill grid up to its first size covering
+    max_num_seqs (a one-token step has a row a request; these graphs also hold the drafter's logits)."""
     mode = cfg.cudagraph_mode
     if not mode.has_full_decode:
-        return _token_sets(cfg, runner)
+        return _token_sets(cfg, runner, grids.up_to_first_covering(cfg.prefill_token_sizes, cfg.max_num_seqs))
     serves = _next_steps_serves(cfg)
     if cfg.decode_request_sizes == () or cfg.decode_token_sizes == ():
         return [GraphSet(runner, FULL_DECODE, 1, (), serves)]
