@@ -4,7 +4,8 @@ A host-bound model spends its step on kernel launches and the gaps between them,
 each of these replaces a chain of elementwise torch kernels with one: RMSNorm with the residual add, rotary
 embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the MoE routing (no memset), and
 the MoE combine (each token's expert outputs gathered and summed, weighted, in float32; alone, or with the
-residual add and the next layer's input norm). Each rounds where the torch path rounds, so the two agree to bf16
+residual add and the next layer's input norm). Beside them, ``argmax_prob``: a row's argmax and its softmax
+probability in one pass over the logits (greedy sampling and draft proposals). Each rounds where the torch path rounds, so the two agree to bf16
 precision. Under TRITON_INTERPRET=1 the kernels also run on the CPU (tests only).
 
 Programmatic dependent launch (Hopper and later): inside a CUDA graph the GPU still waits about half a
@@ -313,7 +314,6 @@ if triton is not None:
         if tl.atomic_add(counts_ptr + n_experts, 1) == n_choices - 1:
             tl.store(counts_ptr + offs_e, tl.zeros([E_PAD], dtype=tl.int32), mask=offs_e < n_experts)
             tl.store(counts_ptr + n_experts, 0)
-
 
     @triton.jit
     def _argmax_prob_kernel(x_ptr, ids_ptr, prob_ptr, stride_x, n, BLOCK: tl.constexpr, WITH_PROB: tl.constexpr):

@@ -664,7 +664,6 @@ class GraphRuntime:
             self._full(num_real, layout.num_reqs, layout.max_query_len, layout.max_seq_len)()
         return self.bufs.hidden_out[:num_real]
 
-
     def execute_next(self, desc: BatchDescriptor, num_real: int) -> torch.Tensor:
         """The next one-token step of the requests the last ``execute`` ran through ``desc``'s FULL graph, in a
         proposing runtime (an EAGLE drafter's steps 2..K-1): that graph left its inputs advanced
