@@ -106,13 +106,29 @@ def rms_norm_torch(x, weight, eps, residual=None):
     if residual is not None:
         x = x + residual
         residual = x
-    if x.device.type == "cpu" or (x.dtype == torch.float32 and weight.dtype == torch.float32):  # one op (the CPU
-        # path; in float32 the same values, in bfloat16 normalized in float32 and rounded once)
+    if x.device.type == "cpu":
+        out = _rms_norm_cpu(x, weight, eps)
+        return out if residual is None else (out, residual)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op: the same values
         out = F.rms_norm(x, (x.shape[-1],), weight, eps)
         return out if residual is None else (out, residual)
     xf = x.float()
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return out if residual is None else (out, residual)
+
+
+def _rms_norm_cpu(x, weight, eps):
+    """F.rms_norm's values (to the dtype's rounding; in bfloat16 almost all bit for bit) in half its time on the
+    CPU, where rms_norm is a chain of about ten small ops (38 us for one 576-wide row on a 2-core AVX2 CPU; a
+    decode step of SmolLM2 calls it 61 times) and layer_norm one kernel: [x, -x] has mean 0 and variance
+    mean(x^2), so the first half of its layer norm (weight [w, w], kept on the weight and rebuilt when the weight
+    changes) is rms_norm(x)."""
+    n = x.shape[-1]
+    doubled = getattr(weight, "_doubled", None)
+    if doubled is None or doubled[0] != weight._version or doubled[1].dtype != x.dtype:
+        doubled = (weight._version, torch.cat([weight, weight]).to(x.dtype))
+        weight._doubled = doubled
+    return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), doubled[1], None, eps)[..., :n]
 
 
 def rotary_torch(positions, x, cos, sin):

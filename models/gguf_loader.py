@@ -1,6 +1,7 @@
 """GGUF checkpoints: Llama-family (Llama, Mistral, SmolLM, Mixtral), Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE
 tensors in any type the ``gguf`` package dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, the K-quants, ...),
-dequantized at load to the serving dtype.
+dequantized at load to the serving dtype; on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit
+(``keep_int4``: the int4 CPU GEMM reads a quarter of the bytes).
 
 The header (metadata and tensor table) is parsed here with ``struct`` over a memory map: the ``gguf`` package's
 GGUFReader builds a numpy view per metadata string and takes about 7 s on the 49K-token vocabulary of
@@ -23,13 +24,19 @@ import re
 import struct
 from dataclasses import dataclass
 
+import logging
+
 import numpy as np
 import torch
+from torch import nn
 
 from models.config import ModelConfig, RopeScaling
+from models.int4 import INT4_TYPES, Int4Linear, ggml_int4_groups, int4_available
 from models.loader import CheckpointError, default_dtype, fill_model
 from models.layers import RotaryEmbedding
 from models.transformer import CausalLM, build_model
+
+log = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                       "qwen3moe": "qwen3_moe"}
@@ -165,6 +172,16 @@ class GGUFFile:
                                   f"dequantize") from None
         return torch.from_numpy(values.reshape(info.shape)).to(dtype)
 
+    def int4_groups(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A Q4_0 / Q4_1 matrix as (codes, scale, zero) (``models.int4.ggml_int4_groups``); None for other types."""
+        from gguf.constants import GGMLQuantizationType
+
+        info = self.tensors[name]
+        type_name = GGMLQuantizationType(info.ggml_type).name
+        if type_name not in INT4_TYPES or len(info.shape) != 2:
+            return None
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return tuple(torch.from_numpy(a) for a in ggml_int4_groups(raw, type_name, info.shape))
 
 
 _OPENED: dict[tuple, GGUFFile] = {}
@@ -357,12 +374,49 @@ def is_4bit(f: GGUFFile) -> bool:
     return all(i is not None and GGMLQuantizationType(i.ggml_type).name in ("Q4_0", "Q4_1", "Q4_K") for i in infos)
 
 
+_INT4_PROJECTIONS = (("qkv_proj", ("attn_q", "attn_k", "attn_v")), ("o_proj", ("attn_output",)),
+                     ("mlp.gate_up_proj", ("ffn_gate", "ffn_up")), ("mlp.down_proj", ("ffn_down",)))
+"""Our dense projections and the GGUF tensors each concatenates (MoE experts stay dequantized)."""
+
+
+def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
+    """Replace each projection whose GGUF tensors are all Q4_0 / Q4_1 by an ``Int4Linear`` read from the file's
+    blocks (Llama-family Q and K rows unpermuted like the dequantized ones); its dequantized copy is dropped.
+    Returns how many were replaced."""
+    cfg, dtype, count = model.cfg, model.embed_tokens.weight.dtype, 0
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    for i, layer in enumerate(model.layers):
+        for attr, sources in _INT4_PROJECTIONS:
+            parent, _, leaf = attr.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            dense = getattr(owner, leaf, None)
+            names = [f"blk.{i}.{t}.weight" for t in sources]
+            if not isinstance(dense, nn.Linear) or not Int4Linear.fits(*dense.weight.shape) or any(
+                    n not in f.tensors for n in names):
+                continue
+            groups = [f.int4_groups(n) for n in names]
+            if any(g is None for g in groups):
+                continue
+            if kind in ("llama", "mixtral"):
+                groups = [tuple(unpermute_qk(a, heads[t]) for a in g) if t in heads else g
+                          for t, g in zip(sources, groups)]
+            codes, scale, zero = (torch.cat(parts) for parts in zip(*groups))
+            setattr(owner, leaf, Int4Linear(codes, scale, zero, dense.bias, dtype))
+            count += 1
+    return count
+
+
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.loader.default_dtype``)."""
+    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.loader.default_dtype``);
+    on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
     dtype = dtype or default_dtype(path, device)
     model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
+    if int4_available(device, dtype):
+        kept = keep_int4(model, f, kind)
+        if kept:
+            log.info("%s: %d projections kept 4-bit (int4 CPU GEMM)", os.path.basename(path), kept)
     if "rope_freqs.weight" in f.tensors:  # llama.cpp's form of Llama 3 rope scaling: per-frequency divisors
         factors = f.tensor("rope_freqs.weight")
         if factors.shape != (cfg.head_dim // 2,):

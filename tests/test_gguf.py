@@ -104,6 +104,45 @@ def test_default_dtype_follows_the_weights(pair, tmp_path):
     assert default_dtype("tiny-dense", "cpu") == torch.float32
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_4bit_projections_stay_4bit_on_the_cpu_in_bfloat16(pair, qtype, monkeypatch):
+    """On the CPU in bfloat16, a Q4_0 / Q4_1 file's projections are served 4-bit (``Int4Linear`` over the file's
+    own codes and scales, Q/K rows unpermuted): the weights they hold are the float32 dequantization's, and the
+    served model's logits are the bfloat16-dequantized model's within bfloat16 rounding."""
+    from models import gguf_loader
+    from models.gguf_loader import config_from_gguf, keep_int4, open_gguf
+    from models.int4 import Int4Linear, int4_available
+
+    if not int4_available("cpu", torch.bfloat16):
+        pytest.skip("this torch has no int4 CPU GEMM (torch >= 2.6)")
+    model_type, _, model, path = pair
+    file = str(path / f"int4-{qtype}.gguf")
+    write_gguf(model, file, model_type, qtype)
+    kind, cfg = config_from_gguf(open_gguf(file))
+    dense = load_gguf(file, "cpu", torch.float32)
+    exact = load_gguf(file, "cpu", torch.float32)  # float32 scales: the int4 layout's weights, unrounded
+    assert keep_int4(exact, open_gguf(file), kind) == cfg.num_layers * (2 if cfg.is_moe else 4)
+    for layer, want in zip(exact.layers, dense.layers):
+        projections = [("qkv_proj", layer.qkv_proj, want.qkv_proj), ("o_proj", layer.o_proj, want.o_proj)]
+        if not cfg.is_moe:
+            projections += [("gate_up", layer.mlp.gate_up_proj, want.mlp.gate_up_proj),
+                            ("down", layer.mlp.down_proj, want.mlp.down_proj)]
+        for name, int4, linear in projections:
+            assert isinstance(int4, Int4Linear), name
+            scale = float(linear.weight.abs().max())
+            torch.testing.assert_close(int4.dequantized(), linear.weight, rtol=0, atol=1e-6 * scale, msg=name)
+    served = load_gguf(file, "cpu", torch.bfloat16)
+    assert isinstance(served.layers[0].qkv_proj, Int4Linear)
+    monkeypatch.setattr(gguf_loader, "int4_available", lambda device, dtype: False)
+    dequantized = load_gguf(file, "cpu", torch.bfloat16)
+    assert isinstance(dequantized.layers[0].qkv_proj, torch.nn.Linear)
+    got, ref = ragged_logits(served, PROMPTS), ragged_logits(dequantized, PROMPTS)
+    exact_logits = ragged_logits(dense, PROMPTS)
+    scale = float(exact_logits.abs().max())
+    assert float((got - exact_logits).abs().max()) < 0.05 * scale
+    assert float((got - ref).abs().max()) < 0.05 * scale
+
+
 def test_qk_permutation_round_trips():
     w = torch.arange(4 * 16 * 3, dtype=torch.float32).reshape(4 * 16, 3)
     assert torch.equal(unpermute_qk(permute_qk(w, 4), 4), w)

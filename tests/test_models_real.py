@@ -168,3 +168,28 @@ def test_generation_config_eos_ids_are_all_used(tmp_path):
     engine = EngineCore(sched, EngineArgs(str(tmp_path), **args))
     out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=32))[0]
     assert out == free[:stop_at + 1]
+
+
+def test_the_cpu_rms_norm_is_torchs():
+    """The CPU path's RMSNorm (a layer norm of [x, -x], for speed) gives F.rms_norm's values to the dtype's rounding
+    (in bfloat16 almost all bit for bit), with the residual add, and follows a weight changed in place (it keeps a
+    doubled copy)."""
+    import torch.nn.functional as F
+
+    from models.fused import rms_norm_torch
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ((1, 576), (37, 96), (5, 9, 64), (0, 64)):
+            x = (torch.randn(shape, generator=gen) * 4 + 1).to(dtype)
+            r = torch.randn(shape, generator=gen).to(dtype)
+            w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+            for _ in range(2):
+                want = F.rms_norm(x + r, (shape[-1],), w, 1e-6)
+                got, residual = rms_norm_torch(x, w, 1e-6, r)
+                assert torch.equal(residual, x + r)
+                rtol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+                torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6)
+                if dtype == torch.bfloat16:
+                    assert (got != want).sum() <= max(1, want.numel() // 1000), shape
+                w.mul_(-2)  # in place: the next round must use the new weight
