@@ -6,6 +6,8 @@ SHAREGPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", 
                         "sharegpt_v3_filtered_500.json")
 if not os.path.isfile(SHAREGPT):  # a worktree beside the shared folder's parent
     SHAREGPT = "/work/shared/data/sharegpt_v3_filtered_500.json"
+if not os.path.isfile(SHAREGPT):  # the GPU machine: the copy carried in the ignored .gpu_data folder
+    SHAREGPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".gpu_data", "sharegpt.json")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
