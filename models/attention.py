@@ -167,14 +167,12 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K and V at its slot; padded rows (slot -1) go to the dummy block. (The torch path: on the
-    GPU, ``models.fused.rotary_write_kv_`` stores K and V in the rotary kernel and skips padded rows.)"""
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    dummy = num_slots - kv_cache.shape[2]
-    slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, dummy), slot_mapping)
-    flat = kv_cache.view(2, num_slots, -1)
-    flat[0].index_copy_(0, slots, k.reshape(k.shape[0], -1))
-    flat[1].index_copy_(0, slots, v.reshape(v.shape[0], -1))
+    """Store each token's K and V at its slot; padded rows (slot -1) go to the dummy block: indexing wraps -1 to the
+    last slot, which is the dummy's. (The torch path: on the GPU, ``models.fused.rotary_write_kv_`` stores K and V
+    in the rotary kernel and skips padded rows.)"""
+    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1)
+    flat[0].index_put_((slot_mapping,), k.reshape(k.shape[0], -1))
+    flat[1].index_put_((slot_mapping,), v.reshape(v.shape[0], -1))
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -10,7 +10,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate, silu_mul
+from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -43,12 +43,14 @@ class RotaryEmbedding(nn.Module):
 
     def at(self, positions: torch.Tensor) -> "RotaryRows":
         """This rotary with ``positions``' cos and sin rows looked up once, for every layer of one forward."""
-        return RotaryRows(self.cos, self.sin, positions, self.cos[positions], self.sin[positions])
+        c, s = self.cos[positions], self.sin[positions]
+        return RotaryRows(self.cos, self.sin, positions, torch.cat([c, c], -1)[:, None], torch.cat([-s, s], -1)[:, None])
 
 
 class RotaryRows(NamedTuple):
     """A RotaryEmbedding for one forward's positions: called like it (with those positions), the rows looked up
-    once; ``cos`` / ``sin`` are the whole tables, as the fused GPU kernel reads them."""
+    once (as ``rotate_prepared`` takes them); ``cos`` / ``sin`` are the whole tables, as the fused GPU kernel reads
+    them."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -59,7 +61,7 @@ class RotaryRows(NamedTuple):
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if positions is not self.positions:
             return rotary_torch(positions, x, self.cos, self.sin)
-        return rotate(x, self.cos_rows, self.sin_rows)
+        return rotate_prepared(x, self.cos_rows, self.sin_rows)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

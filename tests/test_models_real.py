@@ -193,3 +193,16 @@ def test_the_cpu_rms_norm_is_torchs():
                 if dtype == torch.bfloat16:
                     assert (got != want).sum() <= max(1, want.numel() // 1000), shape
                 w.mul_(-2)  # in place: the next round must use the new weight
+
+
+def test_the_cpu_rotary_rows_are_the_reference_rotation():
+    """The CPU forward's rotary (rows prepared once a forward: [c, c] and [-s, s], halves swapped by a roll) gives
+    the plain rotation's values bit for bit, in bfloat16 and float32."""
+    from models.fused import rotary_torch
+    from models.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(37, 12, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+        assert torch.equal(rotary.at(positions)(positions, x), rotary_torch(positions, x, rotary.cos, rotary.sin))
