@@ -53,9 +53,13 @@ POLICIES = {
                "prefill_cudagraph_capture_token_sizes": [], "max_decode_cudagraph_capture_tokens": None},
 }
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
-             "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3}}
-def start_server(policy: str, spec, fixed: float | None, port: int, args, log_path: str,
+             "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
+             "eagle3-tiers-7-3-1": {"method": "eagle3", "num_speculative_tokens": 7,
+                                    "num_speculative_tokens_per_batch_size": [[1, 7], [65, 3], [257, 1]]}}
+"""Speculative configs; the tiers: K = 7 up to 64 requests, 3 up to 256, 1 above (SPEC.md's example)."""
+def start_server(policy: str, workload: str, fixed: float | None, port: int, args, log_path: str,
                  trace: bool = True) -> subprocess.Popen:
+    spec = WORKLOADS[workload]
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
@@ -66,7 +70,7 @@ def start_server(policy: str, spec, fixed: float | None, port: int, args, log_pa
         cmd += ["--fixed-acceptance", str(fixed)]
     if args.step_trace_dir and trace:
         os.makedirs(args.step_trace_dir, exist_ok=True)
-        name = f"trace-{policy}-{'no-sd' if not spec else 'k%d' % spec['num_speculative_tokens']}.jsonl"
+        name = f"trace-{policy}-{workload}.jsonl"
         cmd += ["--step-trace", os.path.join(args.step_trace_dir, name)]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -113,7 +117,8 @@ def process_cpu_s(root_pid: int) -> dict[str, float]:
 
 
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None) -> dict:
-    """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``) and its result; with
+    """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
+    ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result; with
     ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
     the whole bench command (warm-ups included)."""
     os.makedirs(result_dir, exist_ok=True)
@@ -122,7 +127,7 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
-           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(conc * args.waves),
+           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
            "--num-warmups", str(conc), "--save-result", "--result-dir", result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm"]
@@ -210,7 +215,8 @@ def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
     spec = WORKLOADS[workload]
     fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
     policy = args.policies.split(",")[0]
-    proc = start_server(policy, spec, fixed, args.port, args, os.path.join(out_dir, "server-prime.log"), trace=False)
+    proc = start_server(policy, workload, fixed, args.port, args, os.path.join(out_dir, "server-prime.log"),
+                        trace=False)
     try:
         for conc in concurrencies:
             run_bench(f"http://127.0.0.1:{args.port}", conc, "prime", os.path.join(out_dir, "prime"), args)
@@ -242,6 +248,8 @@ def main() -> None:
     parser.add_argument("--overhead-at", type=int, default=256, help="concurrency of the serve_overhead rows (0: none)")
     parser.add_argument("--waves", type=int, default=1, help="prompts per run = waves x concurrency (the served and "
                         "the offline runs alike)")
+    parser.add_argument("--min-prompts", type=int, default=16, help="prompts per run at least (small concurrencies "
+                        "run more waves)")
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
     parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false",
                         help="skip the unmeasured first server that fills Triton's disk cache")
@@ -256,7 +264,7 @@ def main() -> None:
     result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json "
                          f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
-                         f"{args.concurrency} --waves {args.waves} --out $OUT/headline_h200.json", "commit": commit(),
+                         f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} --out $OUT/headline_h200.json", "commit": commit(),
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
     if args.prime_cache:
@@ -267,7 +275,7 @@ def main() -> None:
         acceptance = f"fixed-{fixed}" if fixed else "real"
         for policy in args.policies.split(","):
             log_path = os.path.join(out_dir, f"server-{workload}-{policy}.log")
-            proc = start_server(policy, spec, fixed, args.port, args, log_path)
+            proc = start_server(policy, workload, fixed, args.port, args, log_path)
             base = f"http://127.0.0.1:{args.port}"
             try:
                 for conc in concurrencies:  # (twogrid bench reads the server's counters after its warm-ups)
@@ -284,7 +292,8 @@ def main() -> None:
                            "steps": int(delta["steps"]), "device_s": round(delta["device_s"], 3),
                            "gpu_busy": round(delta["device_s"] / bench["duration"], 3),
                            "completed": bench["completed"], "failed": bench.get("failed", 0),
-                           "waves": args.waves, "cpu_core_share": bench.get("cpu_core_share")}
+                           "waves": args.waves, "num_prompts": bench["completed"] + bench.get("failed", 0),
+                           "cpu_core_share": bench.get("cpu_core_share")}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     write_json(args.out, result)
@@ -314,10 +323,10 @@ def main() -> None:
     write_json(args.out, result)
     if args.out:
         plot_headline(result, args.out.removesuffix(".json") + ".png")
-    print(f"{'workload':10s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
+    print(f"{'workload':18s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
           f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
     for r in result["rows"]:
-        print(f"{r['workload']:10s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
+        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
               f"{r['tpot_ms_mean']:7.2f} {r['ttft_ms_mean']:8.1f} {r['eager_steps']:5d} {r['gpu_busy']:5.2f} "
               f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio', 0):6.2f}")
     for o in result["serve_overhead"]:
