@@ -91,9 +91,12 @@ def bench_generation(threads: int, dtype_name: str, max_tokens: int, repeats: in
         decode.append((len(times) - 1) / (times[-1] - times[0]))
         text = out.text
     model = llm.engine.worker.model
-    # every decode step reads each weight matrix once (the tied embedding as the LM head; the lookup is one row)
+    # every decode step reads each weight matrix once (the tied embedding as the LM head; the lookup is one row),
+    # 4-bit projections as their packed codes and scales (buffers of models.int4.Int4Linear)
     streamed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 2
                    and (n != "embed_tokens.weight" or model.lm_head is None))
+    streamed += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                    if n.endswith(".packed") or n.endswith(".scale_zero"))
     decode_median = statistics.median(decode)
     return {"threads": threads, "dtype": dtype_name, "prompt_tokens": len(prompt_ids), "output_tokens": max_tokens,
             "weight_bytes_per_token": streamed,

@@ -257,7 +257,8 @@ class _CPUPlan:
         ctx = q_pos.max(dim=1).values + 1
         key_pos = torch.arange(int(ctx.max()))
         blocks = meta.block_table[uniq].long()[:, key_pos // block_size]
-        k_slots = blocks * block_size + key_pos % block_size
+        k_slots = (blocks * block_size + key_pos % block_size).clamp(min=0)  # (past a context: masked; a table's
+        # unused entries hold -1)
         if max_q == 1 and bool((ctx == ctx[0]).all()):  # one-token queries over equal contexts see every key
             in_order = pad_rows.numel() == 0 and bool((q_index[:, 0] == torch.arange(num_reqs)).all())
             return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, None, in_order)
@@ -265,9 +266,18 @@ class _CPUPlan:
         mask[:, :, 0] |= q_pos < 0  # padded queries see one key (no all-masked row), their output is dropped
         return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None])
 
+    def gather_kv(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every request's context, K and V at once, in float32: (2, requests, kv_heads, context, head_dim). One
+        index_select and one conversion of a contiguous block (a quarter faster than indexing and converting K
+        and V apart: this is most of a CPU decode layer's attention)."""
+        reqs, ctx = self.k_slots.shape
+        heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+        kv = kv_cache.view(2, -1, heads, dim).index_select(1, self.k_slots.flatten()).float()
+        return kv.view(2, reqs, ctx, heads, dim).transpose(2, 3)
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-        if self.in_order:  # decode: no gather of q, no scatter of the output, K and V gathered at once
-            kv = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])[:, self.k_slots].transpose(2, 3)
+        if self.in_order:  # decode: no gather of q, no scatter of the output
+            kv = self.gather_kv(kv_cache)
             qb = q.view(q.shape[0], 1, *q.shape[1:]).transpose(1, 2)
             o = _sdpa(qb, kv[0], kv[1], None, scale)
             out.copy_(o.transpose(1, 2).reshape(out.shape))
@@ -276,9 +286,8 @@ class _CPUPlan:
             out.index_fill_(0, self.pad_rows, 0)
         if self.rows.numel() == 0:
             return out
-        flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-        k, v = flat[0][self.k_slots].transpose(1, 2), flat[1][self.k_slots].transpose(1, 2)
-        o = _sdpa(q[self.q_index].transpose(1, 2), k, v, self.mask, scale)
+        kv = self.gather_kv(kv_cache)
+        o = _sdpa(q[self.q_index].transpose(1, 2), kv[0], kv[1], self.mask, scale)
         out.index_copy_(0, self.rows, o.transpose(1, 2)[self.q_valid].to(out.dtype))
         return out
 
