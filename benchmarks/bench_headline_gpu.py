@@ -116,6 +116,12 @@ def process_cpu_s(root_pid: int) -> dict[str, float]:
     return out
 
 
+def num_clients(conc: int) -> int:
+    """Bench client processes at a concurrency: one Python client saturates near 50K stream events a second (at
+    256 fast streams one was busy 80% of the run), so one per 64 streams, at most 8."""
+    return min(8, max(1, conc // 64))
+
+
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None) -> dict:
     """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
     ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result; with
@@ -129,7 +135,8 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
            "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
-           "--num-warmups", str(conc), "--save-result", "--result-dir", result_dir,
+           "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--result-dir",
+           result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -293,6 +300,8 @@ def main() -> None:
                            "gpu_busy": round(delta["device_s"] / bench["duration"], 3),
                            "completed": bench["completed"], "failed": bench.get("failed", 0),
                            "waves": args.waves, "num_prompts": bench["completed"] + bench.get("failed", 0),
+                           "num_clients": bench.get("num_clients", 1),
+                           "client_cpu_fraction": round(bench.get("client_cpu_fraction", 0.0), 3),
                            "cpu_core_share": bench.get("cpu_core_share")}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)

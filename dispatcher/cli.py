@@ -361,6 +361,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--num-warmups", type=int, default=0,
                    help="unmeasured requests before each run, with synthetic prompts of the dataset's shape "
                         "(default: 0)")
+    t.add_argument("--num-clients", type=int, default=1,
+                   help="client processes sharing the load (requests dealt round robin, the concurrency cap "
+                        "split): one Python client parses about 50K stream events a second, so hundreds of fast "
+                        "streams need several, or the client is what is measured (default: 1)")
     t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
     t.add_argument("--temperature", type=float, default=None, help="sampling temperature sent (default: the "
                                                                   "server's)")

@@ -202,6 +202,32 @@ def test_two_concurrencies_against_a_server(serve, tmp_path, capsys):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_several_client_processes_share_the_load(serve, tmp_path, capsys):
+    """--num-clients 3: the same requests (saved in request order), every one completed, the concurrency cap split
+    between the processes (4 = 2 + 1 + 1) and never exceeded, the timings those of one client."""
+    fake = serve()
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": "w " * (3 + 2 * i)}]}
+                                for i in range(9)]))
+    runs = {}
+    for clients in (1, 3):
+        out_dir = tmp_path / f"c{clients}"
+        rc = bench("--base-url", fake.url, "--dataset-path", str(data), "--sharegpt-output-len", "6",
+                   "--num-prompts", "9", "--max-concurrency", "4", "--ignore-eos", "--num-clients", str(clients),
+                   "--save-result", "--save-detailed", "--result-dir", str(out_dir))
+        assert rc == 0
+        runs[clients] = saved(out_dir)[0]
+    one, three = runs[1], runs[3]
+    assert three["completed"] == 9 and three["failed"] == 0 and three["num_clients"] == 3
+    assert three["total_output_tokens"] == 9 * 6
+    assert three["input_lens"] == one["input_lens"] and len(set(one["input_lens"])) == 9
+    assert 1 <= three["max_concurrent_requests"] <= 4
+    assert max(fake.in_flight_at_arrival[-9:]) <= 4
+    assert TTFT_S * 1e3 <= three["mean_ttft_ms"] < TTFT_S * 1e3 + 40
+    assert 0.8 * GAP_S * 1e3 <= three["mean_tpot_ms"] < GAP_S * 1e3 + 15
+    assert 0 < three["client_cpu_fraction"] < 1
+
+
 def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
     fake = serve(usage=False, metrics=False)
     data = tmp_path / "sharegpt.json"
@@ -264,6 +290,7 @@ def free_port():
     (["--metadata", "novalue"], "--metadata: 'novalue' is not KEY=VALUE"),
     (["--base-url", "localhost:8000"], "--base-url must start with http://"),
     (["--max-concurrency", "1,2", "--result-filename", "a.json"], "put {concurrency} in it"),
+    (["--num-clients", "0"], "--num-clients must be >= 1"),
 ])
 def test_bad_flags_are_one_line(args, needle, capsys):
     base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]

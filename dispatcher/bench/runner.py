@@ -13,6 +13,7 @@ import asyncio
 import gc
 import math
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -80,6 +81,8 @@ def validate(args: argparse.Namespace) -> None:
     for flag in ("num_prompts", "random_input_len", "random_output_len", "sharegpt_output_len"):
         if getattr(args, flag) < 1:
             raise BenchError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_clients < 1:
+        raise BenchError(f"--num-clients must be >= 1, got {args.num_clients}")
     if args.num_warmups < 0:
         raise BenchError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if not args.request_rate > 0:
@@ -171,6 +174,86 @@ async def run_requests(endpoint: Endpoint, requests: Sequence[SampleRequest], ma
             return list(outputs), time.perf_counter() - start
 
 
+def split_load(requests: Sequence[SampleRequest], offsets: np.ndarray, max_concurrency: int | None,
+               num_clients: int) -> list[tuple[list[SampleRequest], np.ndarray, int | None]]:
+    """Each client's share: requests (and arrival offsets) dealt round robin, the concurrency cap split as evenly
+    as it goes (every client keeps at least one in flight); clients past the number of requests get none."""
+    clients = max(1, min(num_clients, len(requests), max_concurrency or num_clients))
+    shares = []
+    for i in range(clients):
+        cap = None if max_concurrency is None else max_concurrency // clients + (i < max_concurrency % clients)
+        shares.append((list(requests[i::clients]), offsets[i::clients], cap))
+    return shares
+
+
+def _client_process(index: int, endpoint: Endpoint, share: list[SampleRequest], offsets: np.ndarray,
+                    cap: int | None, ready, go, results) -> None:
+    """Client process ``index``: says it is ready, waits for the common start, runs its share and sends back
+    (index, outputs, first send, last completion (perf_counter: one system-wide clock), CPU seconds)."""
+    raise_open_file_limit()
+    ready.put(index)
+    go.wait()
+    try:
+        cpu = time.process_time()
+        start = time.perf_counter()
+        outputs, duration = asyncio.run(run_requests(endpoint, share, cap, offsets, "", True))
+        results.put((index, outputs, start, start + duration, time.process_time() - cpu))
+    except BaseException as exc:  # (the parent turns it into one clear error)
+        results.put((index, None, f"{type(exc).__name__}: {exc}", 0.0, 0.0))
+
+
+async def run_split(endpoint: Endpoint, requests: Sequence[SampleRequest], max_concurrency: int | None,
+                    offsets: np.ndarray, desc: str, disable_tqdm: bool,
+                    num_clients: int = 1) -> tuple[list[RequestOutput], float, float]:
+    """``run_requests`` over ``num_clients`` processes started together: outputs in request order, the wall time
+    from the first send to the last completion, and the busiest client's CPU time over that wall time."""
+    if num_clients <= 1:
+        cpu = time.process_time()
+        outputs, duration = await run_requests(endpoint, requests, max_concurrency, offsets, desc, disable_tqdm)
+        return outputs, duration, (time.process_time() - cpu) / max(duration, 1e-9)
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    shares = split_load(requests, offsets, max_concurrency, num_clients)
+    procs = [ctx.Process(target=_client_process, args=(i, endpoint, reqs, offs, cap, ready, go, results),
+                         daemon=True) for i, (reqs, offs, cap) in enumerate(shares)]
+    loop = asyncio.get_running_loop()
+    done = {}
+    try:
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            await loop.run_in_executor(None, ready.get, True, 120)
+        go.set()
+        from tqdm import tqdm
+
+        with tqdm(total=len(requests), desc=f"{desc} ({len(procs)} clients)", disable=disable_tqdm,
+                  leave=False) as bar:
+            while len(done) < len(procs):
+                try:
+                    index, *rest = await loop.run_in_executor(None, results.get, True, 1.0)
+                except queue.Empty:
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise BenchError(f"--num-clients: a client process died (exit code {dead[0]})") from None
+                    continue
+                if rest[0] is None:
+                    raise BenchError(f"--num-clients: client {index} failed: {rest[1]}")
+                done[index] = rest
+                bar.update(len(shares[index][0]))
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    outputs: list[RequestOutput] = [RequestOutput()] * len(requests)
+    for i, (outs, _, _, _) in done.items():  # client i held requests i, i + n, i + 2n, ...
+        outputs[i::len(shares)] = outs
+    start, end = min(d[1] for d in done.values()), max(d[2] for d in done.values())
+    return outputs, end - start, max(d[3] for d in done.values()) / max(end - start, 1e-9)
+
+
 async def resolve_model(session: aiohttp.ClientSession, args: argparse.Namespace, headers: dict[str, str]) -> str:
     """``--model``, else the first model the server lists; either way the server must answer."""
     models = await list_models(session, args.base_url, headers)
@@ -249,19 +332,19 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                 warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
                 await run_requests(endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}", args.disable_tqdm)
             before = await scrape(probe, args.base_url, headers)
-            cpu_s = time.process_time()
-            outputs, duration = await run_requests(endpoint, requests, cap, offsets, name, args.disable_tqdm)
-            cpu_s = time.process_time() - cpu_s
+            outputs, duration, client_busy = await run_split(endpoint, requests, cap, offsets, name,
+                                                             args.disable_tqdm, args.num_clients)
             after = await scrape(probe, args.base_url, headers)
             result = run_metadata(args, model, cap)
             result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,
                                          args.save_detailed))
-            result["client_cpu_fraction"] = cpu_s / duration
+            result["client_cpu_fraction"] = client_busy  # (the busiest client process's)
+            result["num_clients"] = args.num_clients
             result.update(counter_deltas(before, after))
             print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
             if result["client_cpu_fraction"] > CLIENT_BUSY:
-                print(f"warning: this client was busy {result['client_cpu_fraction']:.0%} of the run, so its "
-                      f"timings include its own delays: split the load over several bench processes",
+                print(f"warning: a client process was busy {result['client_cpu_fraction']:.0%} of the run, so its "
+                      f"timings include its own delays: split the load over more (--num-clients)",
                       file=sys.stderr)
             errors = [o.error for o in outputs if not o.success]
             for i, err in enumerate(errors[:10]):
