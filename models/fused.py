@@ -124,10 +124,13 @@ def _rms_norm_cpu(x, weight, eps):
     mean(x^2), so the first half of its layer norm (weight [w, w], kept on the weight and rebuilt when the weight
     changes) is rms_norm(x)."""
     n = x.shape[-1]
+    # an inference tensor keeps no version counter: its doubled weight is built every call
+    version = None if weight.is_inference() else weight._version
     doubled = getattr(weight, "_doubled", None)
-    if doubled is None or doubled[0] != weight._version or doubled[1].dtype != x.dtype:
-        doubled = (weight._version, torch.cat([weight, weight]).to(x.dtype))
-        weight._doubled = doubled
+    if version is None or doubled is None or doubled[0] != version or doubled[1].dtype != x.dtype:
+        doubled = (version, torch.cat([weight, weight]).to(x.dtype))
+        if version is not None:
+            weight._doubled = doubled
     return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), doubled[1], None, eps)[..., :n]
 
 

@@ -193,6 +193,11 @@ def test_the_cpu_rms_norm_is_torchs():
                 if dtype == torch.bfloat16:
                     assert (got != want).sum() <= max(1, want.numel() // 1000), shape
                 w.mul_(-2)  # in place: the next round must use the new weight
+    with torch.inference_mode():  # inference tensors keep no version counter
+        x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+        for _ in range(2):
+            torch.testing.assert_close(rms_norm_torch(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6), rtol=1e-6, atol=1e-6)
+            w.mul_(-2)
 
 
 def test_the_cpu_rotary_rows_are_the_reference_rotation():
