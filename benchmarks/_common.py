@@ -10,10 +10,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_json(path: str | None, result: dict) -> None:
+    """Write ``result`` whole or not at all (a temporary file renamed over ``path``): scripts rewrite their JSON
+    after every row and may be stopped by a time limit at any moment."""
     if path:
-        with open(path, "w", encoding="utf-8") as fh:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
             fh.write("\n")
+        os.replace(tmp, path)
 
 
 def commit() -> str | None:

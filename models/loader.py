@@ -170,6 +170,11 @@ def _target(model: CausalLM, name: str) -> torch.Tensor:
         return model.get_parameter(base)[int(index)]
     if name in VOCAB_PARAMS:
         return model.get_parameter(name)[:model.cfg.vocab_size]
+    from models.int4 import Int4Linear
+
+    if isinstance(model.get_submodule(name.rpartition(".")[0]), Int4Linear):
+        raise CheckpointError(f"{name}: this model holds it 4-bit (a GGUF's Q4 projection, loaded on the CPU in "
+                              f"bfloat16); load the file in float32 to save or convert it")
     return model.get_parameter(name)
 
 

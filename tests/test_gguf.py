@@ -136,6 +136,8 @@ def test_4bit_projections_stay_4bit_on_the_cpu_in_bfloat16(pair, qtype, monkeypa
     monkeypatch.setattr(gguf_loader, "int4_available", lambda device, dtype: False)
     dequantized = load_gguf(file, "cpu", torch.bfloat16)
     assert isinstance(dequantized.layers[0].qkv_proj, torch.nn.Linear)
+    with pytest.raises(CheckpointError, match="4-bit"):  # saving needs the dense weights
+        write_gguf(served, str(path / "resaved.gguf"), model_type)
     got, ref = ragged_logits(served, PROMPTS), ragged_logits(dequantized, PROMPTS)
     exact_logits = ragged_logits(dense, PROMPTS)
     scale = float(exact_logits.abs().max())

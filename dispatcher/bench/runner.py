@@ -188,30 +188,36 @@ def split_load(requests: Sequence[SampleRequest], offsets: np.ndarray, max_concu
 
 def _client_process(index: int, endpoint: Endpoint, share: list[SampleRequest], offsets: np.ndarray,
                     cap: int | None, ready, go, results) -> None:
-    """Client process ``index``: says it is ready, waits for the common start, runs its share and sends back
-    (index, outputs, first send, last completion (perf_counter: one system-wide clock), CPU seconds)."""
+    """Client process ``index``: imports what it runs with, says it is ready, waits for the common start, runs its
+    share and sends back (index, outputs, first send, last completion (perf_counter: one system-wide clock), CPU
+    seconds of the run)."""
+    import tqdm.asyncio  # noqa: F401  (before the clocks start)
+
     raise_open_file_limit()
     ready.put(index)
     go.wait()
     try:
         cpu = time.process_time()
-        start = time.perf_counter()
         outputs, duration = asyncio.run(run_requests(endpoint, share, cap, offsets, "", True))
-        results.put((index, outputs, start, start + duration, time.process_time() - cpu))
+        end = time.perf_counter()
+        results.put((index, outputs, end - duration, end, time.process_time() - cpu))
     except BaseException as exc:  # (the parent turns it into one clear error)
         results.put((index, None, f"{type(exc).__name__}: {exc}", 0.0, 0.0))
 
 
 async def run_split(endpoint: Endpoint, requests: Sequence[SampleRequest], max_concurrency: int | None,
                     offsets: np.ndarray, desc: str, disable_tqdm: bool,
-                    num_clients: int = 1) -> tuple[list[RequestOutput], float, float]:
+                    num_clients: int = 1) -> tuple[list[RequestOutput], float, float, int]:
     """``run_requests`` over ``num_clients`` processes started together: outputs in request order, the wall time
-    from the first send to the last completion, and the busiest client's CPU time over that wall time."""
+    from the first send to the last completion, the busiest client's CPU time over that wall time, and the number
+    of clients that ran (no more than the requests or the concurrency cap)."""
     if num_clients <= 1:
         cpu = time.process_time()
         outputs, duration = await run_requests(endpoint, requests, max_concurrency, offsets, desc, disable_tqdm)
-        return outputs, duration, (time.process_time() - cpu) / max(duration, 1e-9)
+        return outputs, duration, (time.process_time() - cpu) / max(duration, 1e-9), 1
     import multiprocessing as mp
+
+    from tqdm import tqdm
 
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -219,30 +225,42 @@ async def run_split(endpoint: Endpoint, requests: Sequence[SampleRequest], max_c
     procs = [ctx.Process(target=_client_process, args=(i, endpoint, reqs, offs, cap, ready, go, results),
                          daemon=True) for i, (reqs, offs, cap) in enumerate(shares)]
     loop = asyncio.get_running_loop()
+
+    async def take(source, limit_s: float | None):
+        """The next item from a client, polling each second so that a client that died is noticed at once."""
+        waited = 0.0
+        while True:
+            try:
+                return await loop.run_in_executor(None, source.get, True, 1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise BenchError(f"--num-clients: a client process died (exit code {dead[0]})") from None
+                waited += 1.0
+                if limit_s is not None and waited >= limit_s:
+                    raise BenchError(f"--num-clients: the client processes did not start within {limit_s:.0f} s") \
+                        from None
+
     done = {}
     try:
         for proc in procs:
             proc.start()
         for _ in procs:
-            await loop.run_in_executor(None, ready.get, True, 120)
+            await take(ready, 120.0)
         go.set()
-        from tqdm import tqdm
-
         with tqdm(total=len(requests), desc=f"{desc} ({len(procs)} clients)", disable=disable_tqdm,
                   leave=False) as bar:
             while len(done) < len(procs):
-                try:
-                    index, *rest = await loop.run_in_executor(None, results.get, True, 1.0)
-                except queue.Empty:
-                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise BenchError(f"--num-clients: a client process died (exit code {dead[0]})") from None
-                    continue
+                index, *rest = await take(results, None)
                 if rest[0] is None:
                     raise BenchError(f"--num-clients: client {index} failed: {rest[1]}")
                 done[index] = rest
                 bar.update(len(shares[index][0]))
     finally:
+        if len(done) < len(procs):  # an error: stop the others at once rather than wait for their shares
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
         for proc in procs:
             proc.join(5)
             if proc.is_alive():
@@ -251,7 +269,7 @@ async def run_split(endpoint: Endpoint, requests: Sequence[SampleRequest], max_c
     for i, (outs, _, _, _) in done.items():  # client i held requests i, i + n, i + 2n, ...
         outputs[i::len(shares)] = outs
     start, end = min(d[1] for d in done.values()), max(d[2] for d in done.values())
-    return outputs, end - start, max(d[3] for d in done.values()) / max(end - start, 1e-9)
+    return outputs, end - start, max(d[3] for d in done.values()) / max(end - start, 1e-9), len(shares)
 
 
 async def resolve_model(session: aiohttp.ClientSession, args: argparse.Namespace, headers: dict[str, str]) -> str:
@@ -332,14 +350,14 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                 warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
                 await run_requests(endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}", args.disable_tqdm)
             before = await scrape(probe, args.base_url, headers)
-            outputs, duration, client_busy = await run_split(endpoint, requests, cap, offsets, name,
-                                                             args.disable_tqdm, args.num_clients)
+            outputs, duration, client_busy, clients = await run_split(endpoint, requests, cap, offsets, name,
+                                                                      args.disable_tqdm, args.num_clients)
             after = await scrape(probe, args.base_url, headers)
             result = run_metadata(args, model, cap)
             result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,
                                          args.save_detailed))
             result["client_cpu_fraction"] = client_busy  # (the busiest client process's)
-            result["num_clients"] = args.num_clients
+            result["num_clients"] = clients
             result.update(counter_deltas(before, after))
             print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
             if result["client_cpu_fraction"] > CLIENT_BUSY:
