@@ -134,7 +134,8 @@ def main() -> None:
     lengths = prompt_lengths(args.data, max(concurrencies))
     result = {"command": "PYTHONPATH=. python benchmarks/bench_engine_gpu.py --data .gpu_data/sharegpt.json "
                          f"--policies {args.policies} --workloads {args.workloads} --acceptance {args.acceptance} "
-                         f"--concurrency {args.concurrency} --repeats {args.repeats} --min-requests {args.min_requests} "
+                         f"--concurrency {args.concurrency} --repeats {args.repeats} "
+                         f"--min-requests {args.min_requests} "
                          "--out $OUT/engine_h200.json",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
               "model": "bench-moe", "output_len": OUTPUT_LEN,

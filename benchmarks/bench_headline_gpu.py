@@ -133,7 +133,8 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
-           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts", str(max(conc * args.waves, args.min_prompts)),
+           "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts",
+           str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
            "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--result-dir",
            result_dir,
@@ -232,6 +233,17 @@ def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
         proc.wait(60)
 
 
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's ``bound_ratio`` (vllm-default's step device time over this policy's, same workload and
+    concurrency) and ``tok_s_ratio``, in place; rows must come from one run (one GPU)."""
+    base = {(r["workload"], r["concurrency"]): r for r in rows if r["policy"] == "vllm-default"}
+    for r in rows:
+        b = base.get((r["workload"], r["concurrency"]))
+        if b and r["device_s"]:
+            r["bound_ratio"] = round(b["device_s"] / r["device_s"], 3)
+            r["tok_s_ratio"] = round(r["output_tok_s"] / b["output_tok_s"], 3)
+
+
 def plot_headline(result: dict, path: str) -> None:
     """Output tok/s and mean TPOT against concurrency, one line per policy and workload (twogrid bench's plot)."""
     from dispatcher.bench.plot import draw, series
@@ -271,7 +283,8 @@ def main() -> None:
     result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json "
                          f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
-                         f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} --out $OUT/headline_h200.json", "commit": commit(),
+                         f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} "
+                         "--out $OUT/headline_h200.json", "commit": commit(),
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
     if args.prime_cache:
@@ -323,12 +336,7 @@ def main() -> None:
                     "served_gpu_busy": served["gpu_busy"], "waves": args.waves,
                     "cpu_core_share": served["cpu_core_share"]})
                 print(json.dumps(result["serve_overhead"][-1]), flush=True)
-    rows = {(r["workload"], r["concurrency"], r["policy"]): r for r in result["rows"]}
-    for r in result["rows"]:
-        base = rows.get((r["workload"], r["concurrency"], "vllm-default"))
-        if base and r["device_s"]:
-            r["bound_ratio"] = round(base["device_s"] / r["device_s"], 3)
-            r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+    add_ratios(result["rows"])
     write_json(args.out, result)
     if args.out:
         plot_headline(result, args.out.removesuffix(".json") + ".png")

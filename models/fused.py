@@ -5,8 +5,8 @@ each of these replaces a chain of elementwise torch kernels with one: RMSNorm wi
 embeddings with the KV-cache write (padded rows skipped), SiLU-and-multiply, the MoE routing (no memset), and
 the MoE combine (each token's expert outputs gathered and summed, weighted, in float32; alone, or with the
 residual add and the next layer's input norm). Beside them, ``argmax_prob``: a row's argmax and its softmax
-probability in one pass over the logits (greedy sampling and draft proposals). Each rounds where the torch path rounds, so the two agree to bf16
-precision. Under TRITON_INTERPRET=1 the kernels also run on the CPU (tests only).
+probability in one pass over the logits (greedy sampling and draft proposals). Each rounds where the torch path
+rounds, so the two agree to bf16 precision. Under TRITON_INTERPRET=1 the kernels also run on the CPU (tests only).
 
 Programmatic dependent launch (Hopper and later): inside a CUDA graph the GPU still waits about half a
 microsecond between two dependent kernels, to retire one and start the next. Every Triton kernel here (and the

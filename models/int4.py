@@ -52,15 +52,16 @@ class Int4Linear(nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        if self.out_features % 16 or self.in_features % GROUP_SIZE:
+        if not self.fits(self.out_features, self.in_features):
             raise ValueError(f"Int4Linear: a ({self.out_features}, {self.in_features}) weight; the int4 GEMM needs "
                              f"output rows in multiples of 16 and inputs in multiples of {GROUP_SIZE}")
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
         self.register_buffer("scale_zero", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
-    @classmethod
-    def fits(cls, out_features: int, in_features: int) -> bool:
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        """Whether the int4 GEMM takes a (out_features, in_features) weight."""
         return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
 
     def dequantized(self) -> torch.Tensor:

@@ -10,7 +10,8 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fused import moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared, silu_mul
+from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
+                          silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +45,8 @@ class RotaryEmbedding(nn.Module):
     def at(self, positions: torch.Tensor) -> "RotaryRows":
         """This rotary with ``positions``' cos and sin rows looked up once, for every layer of one forward."""
         c, s = self.cos[positions], self.sin[positions]
-        return RotaryRows(self.cos, self.sin, positions, torch.cat([c, c], -1)[:, None], torch.cat([-s, s], -1)[:, None])
+        return RotaryRows(self.cos, self.sin, positions, torch.cat([c, c], -1)[:, None],
+                          torch.cat([-s, s], -1)[:, None])
 
 
 class RotaryRows(NamedTuple):

@@ -15,11 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=.:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "$0")/gpu_env.sh"
 what=" ${*:-all} "
 want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia_smi.txt"

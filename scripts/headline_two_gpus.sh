@@ -9,11 +9,7 @@ set -uo pipefail
 OUT=${OUT:-./gpu_out}
 LIMIT=${HEADLINE_LIMIT_S:-540}
 CONC=${HEADLINE_CONC:-1,16,64,128,256,512,1024}
-export PYTHONPATH=.:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$OUT/k7" "$OUT/other"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
 common=(--data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer --fixed-acceptance 3.0

@@ -16,21 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
-from bench_headline_gpu import plot_headline  # noqa: E402
+from bench_headline_gpu import add_ratios, plot_headline  # noqa: E402
 from _common import write_json  # noqa: E402
-
-
-def with_ratios(rows: list[dict], gpu: int) -> list[dict]:
-    base = {(r["workload"], r["concurrency"]): r for r in rows if r["policy"] == "vllm-default"}
-    out = []
-    for r in rows:
-        r = dict(r, gpu=gpu)
-        b = base.get((r["workload"], r["concurrency"]))
-        if b and r["device_s"]:
-            r["bound_ratio"] = round(b["device_s"] / r["device_s"], 3)
-            r["tok_s_ratio"] = round(r["output_tok_s"] / b["output_tok_s"], 3)
-        out.append(r)
-    return out
 
 
 def main() -> None:
@@ -48,13 +35,16 @@ def main() -> None:
             if half.get(key) != merged[key]:
                 raise SystemExit(f"{path}: {key} {half.get(key)!r} differs from the first half's {merged[key]!r}")
         merged["commands"].append(half["command"])
-        merged["rows"] += with_ratios(half["rows"], gpu)
+        rows = [dict(r, gpu=gpu) for r in half["rows"]]
+        add_ratios(rows)  # (again: a half stopped by its time limit never computed them)
+        merged["rows"] += rows
         merged["serve_overhead"] += half.get("serve_overhead", [])
     write_json(args.out, merged)
     plot_headline(merged, args.out.removesuffix(".json") + ".png")
     for r in merged["rows"]:
         print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
-              f"eager {r['eager_steps']:4d}  vs vllm {r.get('tok_s_ratio', 0):5.2f}  bound {r.get('bound_ratio', 0):5.2f}")
+              f"eager {r['eager_steps']:4d}  vs vllm {r.get('tok_s_ratio', 0):5.2f}  "
+              f"bound {r.get('bound_ratio', 0):5.2f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ def test_triton_kernels_pass_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     halves = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "kernels", "-k", k,
                                 "tests/test_kernels.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for k in ("triton_moe or routing_layout", "not (triton_moe or routing_layout)")]
+                               stderr=subprocess.STDOUT, text=True)
+              for k in ("triton_moe or routing_layout", "not (triton_moe or routing_layout)")]
     total = 0
     for proc in halves:
         out = proc.communicate(timeout=900)[0]
