@@ -254,6 +254,19 @@ def plot_headline(result: dict, path: str) -> None:
     draw(series(rows), path)
 
 
+def print_table(result: dict) -> None:
+    """The rows (ratios where computed) and the serving-overhead lines, one line each."""
+    print(f"{'workload':18s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
+          f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
+    for r in result["rows"]:
+        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
+              f"{r['tpot_ms_mean']:7.2f} {r['ttft_ms_mean']:8.1f} {r['eager_steps']:5d} {r['gpu_busy']:5.2f} "
+              f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio', 0):6.2f}")
+    for o in result["serve_overhead"]:
+        print(f"serve vs offline ({o['workload']}, {o['concurrency']}): {o['served_tok_s']:.0f} / "
+              f"{o['offline_tok_s']:.0f} tok/s = {o['served_over_offline']:.2f}; GPU busy {o['served_gpu_busy']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="the headline: twogrid serve per policy, twogrid bench per "
                                                  "concurrency")
@@ -340,16 +353,7 @@ def main() -> None:
     write_json(args.out, result)
     if args.out:
         plot_headline(result, args.out.removesuffix(".json") + ".png")
-    print(f"{'workload':18s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
-          f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
-    for r in result["rows"]:
-        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
-              f"{r['tpot_ms_mean']:7.2f} {r['ttft_ms_mean']:8.1f} {r['eager_steps']:5d} {r['gpu_busy']:5.2f} "
-              f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio', 0):6.2f}")
-    for o in result["serve_overhead"]:
-        print(f"serve vs offline ({o['workload']}, {o['concurrency']}): {o['served_tok_s']:.0f} / "
-              f"{o['offline_tok_s']:.0f} tok/s = {o['served_over_offline']:.2f}; GPU busy {o['served_gpu_busy']:.2f}")
-
+    print_table(result)
 
 if __name__ == "__main__":
     main()

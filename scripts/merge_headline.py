@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
-from bench_headline_gpu import add_ratios, plot_headline  # noqa: E402
+from bench_headline_gpu import add_ratios, plot_headline, print_table  # noqa: E402
 from _common import write_json  # noqa: E402
 
 
@@ -41,10 +41,7 @@ def main() -> None:
         merged["serve_overhead"] += half.get("serve_overhead", [])
     write_json(args.out, merged)
     plot_headline(merged, args.out.removesuffix(".json") + ".png")
-    for r in merged["rows"]:
-        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
-              f"eager {r['eager_steps']:4d}  vs vllm {r.get('tok_s_ratio', 0):5.2f}  "
-              f"bound {r.get('bound_ratio', 0):5.2f}")
+    print_table(merged)
 
 
 if __name__ == "__main__":
