@@ -46,6 +46,9 @@ class FakeServer:
         self.in_flight_at_arrival: list[int] = []
         self.in_flight = 0
         self.requests: list[tuple[str, dict, dict]] = []
+        self.health_peers: set = set()
+        """The client ends (address, port) of the connections that asked for /health."""
+        self.generate_peers: list = []
         self.registry = CollectorRegistry()
         self.eager = Counter("twogrid:eager_steps", "eager steps", ["reason"], registry=self.registry)
         self.padded = Counter("twogrid:padded_tokens", "padding", registry=self.registry)
@@ -65,8 +68,13 @@ class FakeServer:
             raise web.HTTPNotFound()
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
+    async def health(self, request):
+        self.health_peers.add(request.transport.get_extra_info("peername"))
+        return web.Response(text="ok")
+
     async def generate(self, request):
         body = await request.json()
+        self.generate_peers.append(request.transport.get_extra_info("peername"))
         self.requests.append((request.path, body, dict(request.headers)))
         if not self.authorized(request):
             return web.json_response({"error": "no key"}, status=401)
@@ -126,6 +134,7 @@ def serve():
             app = web.Application()
             app.router.add_get("/v1/models", fake.models)
             app.router.add_get("/metrics", fake.prometheus)
+            app.router.add_get("/health", fake.health)
             app.router.add_post("/v1/completions", fake.generate)
             app.router.add_post("/v1/chat/completions", fake.generate)
             runner = web.AppRunner(app)
@@ -226,6 +235,20 @@ def test_several_client_processes_share_the_load(serve, tmp_path, capsys):
     assert TTFT_S * 1e3 <= three["mean_ttft_ms"] < TTFT_S * 1e3 + 40
     assert 0.8 * GAP_S * 1e3 <= three["mean_tpot_ms"] < GAP_S * 1e3 + 15
     assert 0 < three["client_cpu_fraction"] < 1
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+def test_measured_requests_reuse_connections_opened_before_the_clock(serve, tmp_path, clients):
+    """The pool is filled to the concurrency cap before the measured run starts: every measured request goes over
+    a connection that was open (and asked for /health) before it, never more connections than the cap."""
+    fake = serve()
+    rc = bench("--base-url", fake.url, "--dataset-name", "random", "--random-input-len", "8",
+               "--random-output-len", "3", "--num-prompts", "12", "--max-concurrency", "4", "--num-warmups", "0",
+               "--num-clients", str(clients))
+    assert rc == 0
+    measured = fake.generate_peers[-12:]
+    assert set(measured) <= fake.health_peers
+    assert len(set(measured)) <= 4
 
 
 def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):

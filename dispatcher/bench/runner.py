@@ -1,9 +1,10 @@
 """``twogrid bench``: runs at each ``--max-concurrency`` in turn against one server, then saves and plots.
 
-Per concurrency: ``--num-warmups`` requests (not measured), a scrape of the server's ``/metrics``, the measured
-run (every prompt once: Poisson arrivals at ``--request-rate``, at most ``--max-concurrency`` in flight), a second
-scrape, then vLLM's result fields plus the server's counter deltas. One test request goes first of all, so that a
-wrong model, endpoint or key fails at once with the server's answer.
+Per concurrency, on one pool of kept-alive connections: ``--num-warmups`` requests (not measured), a scrape of the
+server's ``/metrics``, the pool filled to the concurrency cap (so that no measured request waits on a TCP
+handshake), the measured run (every prompt once: Poisson arrivals at ``--request-rate``, at most
+``--max-concurrency`` in flight), a second scrape, then vLLM's result fields plus the server's counter deltas. One
+test request goes first of all, so that a wrong model, endpoint or key fails at once with the server's answer.
 """
 
 from __future__ import annotations
@@ -143,35 +144,61 @@ def raise_open_file_limit() -> None:
         pass
 
 
-async def run_requests(endpoint: Endpoint, requests: Sequence[SampleRequest], max_concurrency: int | None,
-                       offsets: np.ndarray, desc: str, disable_tqdm: bool) -> tuple[list[RequestOutput], float]:
+def open_session(max_concurrency: int | None) -> aiohttp.ClientSession:
+    """One client's session: at most ``max_concurrency`` connections, kept alive between requests (the warm-up's
+    connections carry the measured run's requests, as a real client's pool does)."""
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT, read_bufsize=1 << 20)
+
+
+async def prime_connections(session: aiohttp.ClientSession, endpoint: Endpoint, count: int) -> None:
+    """Open ``count`` connections before the clock starts (concurrent ``GET /health``, read to the end so that each
+    connection goes back to the pool), so that the measured run's first requests do not each pay a TCP handshake:
+    256 fresh connections stretched the admission of a wave of 256 over ~0.4 s on the H200's host. A server without
+    /health still answers (404): the connection is kept either way; one that cannot be reached is the measured
+    run's error to report, not this one's."""
+    async def one() -> None:
+        try:
+            async with session.get(endpoint.base_url + "/health", headers=endpoint.headers) as response:
+                await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, requests: Sequence[SampleRequest],
+                       max_concurrency: int | None, offsets: np.ndarray, desc: str,
+                       disable_tqdm: bool) -> tuple[list[RequestOutput], float]:
     """Send every request at its arrival offset, at most ``max_concurrency`` in flight; outputs in request order
     and the wall time from the first send to the last completion."""
     from tqdm.asyncio import tqdm
 
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
-                                     read_bufsize=1 << 20) as session:
-        with tqdm(total=len(requests), desc=desc, disable=disable_tqdm, leave=False) as bar:
-            async def one(req: SampleRequest) -> RequestOutput:
-                if gate is None:
+    with tqdm(total=len(requests), desc=desc, disable=disable_tqdm, leave=False) as bar:
+        async def one(req: SampleRequest) -> RequestOutput:
+            if gate is None:
+                out = await send_request(session, endpoint, req)
+            else:
+                async with gate:
                     out = await send_request(session, endpoint, req)
-                else:
-                    async with gate:
-                        out = await send_request(session, endpoint, req)
-                bar.update(1)
-                return out
+            bar.update(1)
+            return out
 
-            start = time.perf_counter()
-            tasks = []
-            for req, offset in zip(requests, offsets):
-                wait = start + offset - time.perf_counter()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                tasks.append(asyncio.create_task(one(req)))
-            outputs = await asyncio.gather(*tasks)
-            return list(outputs), time.perf_counter() - start
+        start = time.perf_counter()
+        tasks = []
+        for req, offset in zip(requests, offsets):
+            wait = start + offset - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = await asyncio.gather(*tasks)
+        return list(outputs), time.perf_counter() - start
+
+
+def pool_size(num_requests: int, max_concurrency: int | None) -> int:
+    """The connections a run can use at once: its concurrency cap, or one per request without a cap."""
+    return min(num_requests, max_concurrency or num_requests)
 
 
 def split_load(requests: Sequence[SampleRequest], offsets: np.ndarray, max_concurrency: int | None,
@@ -188,32 +215,41 @@ def split_load(requests: Sequence[SampleRequest], offsets: np.ndarray, max_concu
 
 def _client_process(index: int, endpoint: Endpoint, share: list[SampleRequest], offsets: np.ndarray,
                     cap: int | None, ready, go, results) -> None:
-    """Client process ``index``: imports what it runs with, says it is ready, waits for the common start, runs its
-    share and sends back (index, outputs, first send, last completion (perf_counter: one system-wide clock), CPU
-    seconds of the run)."""
+    """Client process ``index``: imports what it runs with, opens its share's connections, says it is ready, waits
+    for the common start, runs its share and sends back (index, outputs, first send, last completion
+    (perf_counter: one system-wide clock), CPU seconds of the run)."""
     import tqdm.asyncio  # noqa: F401  (before the clocks start)
 
     raise_open_file_limit()
-    ready.put(index)
-    go.wait()
+
+    async def main():
+        async with open_session(cap) as session:
+            await prime_connections(session, endpoint, pool_size(len(share), cap))
+            ready.put(index)
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            cpu = time.process_time()
+            outputs, duration = await run_requests(session, endpoint, share, cap, offsets, "", True)
+            end = time.perf_counter()
+            return outputs, end - duration, end, time.process_time() - cpu
+
     try:
-        cpu = time.process_time()
-        outputs, duration = asyncio.run(run_requests(endpoint, share, cap, offsets, "", True))
-        end = time.perf_counter()
-        results.put((index, outputs, end - duration, end, time.process_time() - cpu))
+        results.put((index, *asyncio.run(main())))
     except BaseException as exc:  # (the parent turns it into one clear error)
         results.put((index, None, f"{type(exc).__name__}: {exc}", 0.0, 0.0))
 
 
-async def run_split(endpoint: Endpoint, requests: Sequence[SampleRequest], max_concurrency: int | None,
-                    offsets: np.ndarray, desc: str, disable_tqdm: bool,
+async def run_split(session: aiohttp.ClientSession, endpoint: Endpoint, requests: Sequence[SampleRequest],
+                    max_concurrency: int | None, offsets: np.ndarray, desc: str, disable_tqdm: bool,
                     num_clients: int = 1) -> tuple[list[RequestOutput], float, float, int]:
     """``run_requests`` over ``num_clients`` processes started together: outputs in request order, the wall time
     from the first send to the last completion, the busiest client's CPU time over that wall time, and the number
-    of clients that ran (no more than the requests or the concurrency cap)."""
+    of clients that ran (no more than the requests or the concurrency cap). One client runs here, on ``session``
+    (its pool primed first); more open their own sessions, primed, before the common start."""
     if num_clients <= 1:
+        await prime_connections(session, endpoint, pool_size(len(requests), max_concurrency))
         cpu = time.process_time()
-        outputs, duration = await run_requests(endpoint, requests, max_concurrency, offsets, desc, disable_tqdm)
+        outputs, duration = await run_requests(session, endpoint, requests, max_concurrency, offsets, desc,
+                                               disable_tqdm)
         return outputs, duration, (time.process_time() - cpu) / max(duration, 1e-9), 1
     import multiprocessing as mp
 
@@ -346,12 +382,14 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
         results = []
         for cap in concurrencies:
             name = f"concurrency {cap}" if cap else "no concurrency cap"
-            if args.num_warmups:
-                warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
-                await run_requests(endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}", args.disable_tqdm)
-            before = await scrape(probe, args.base_url, headers)
-            outputs, duration, client_busy, clients = await run_split(endpoint, requests, cap, offsets, name,
-                                                                      args.disable_tqdm, args.num_clients)
+            async with open_session(cap) as session:
+                if args.num_warmups:
+                    warm = fresh_like(requests, args.num_warmups, args.seed + 2 * 10**6)
+                    await run_requests(session, endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}",
+                                       args.disable_tqdm)
+                before = await scrape(probe, args.base_url, headers)
+                outputs, duration, client_busy, clients = await run_split(session, endpoint, requests, cap, offsets,
+                                                                          name, args.disable_tqdm, args.num_clients)
             after = await scrape(probe, args.base_url, headers)
             result = run_metadata(args, model, cap)
             result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,

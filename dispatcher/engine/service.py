@@ -25,7 +25,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from dispatcher.child import ignore_stop_signals, parent_gone, profiled
+from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
@@ -61,6 +61,7 @@ class EngineService:
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
+        freeze_startup_heap()
         await self.outbox.send(encode(EngineStarted(ready, self.core.async_scheduling)))
         return ready
 

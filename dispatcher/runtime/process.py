@@ -27,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from dispatcher.child import ignore_stop_signals, parent_gone, profiled
+from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
                                  decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
@@ -132,6 +132,7 @@ def serve(ipc_dir: str) -> int:
         return 1
     push.send(encode(ready))
     push.close(linger=1000)
+    freeze_startup_heap()
     results: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
     sender.start()

@@ -21,6 +21,8 @@ import json
 import logging
 import signal
 import time
+
+from dispatcher.child import freeze_startup_heap
 from dispatcher.plan.config import ConfigError, parse_json_arg
 
 log = logging.getLogger("twogrid.serve")
@@ -140,7 +142,8 @@ def _setup(args: argparse.Namespace):
     sched = scheduler_config(cfg, 1, args.block_size, max_model_len)
     dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                      compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size, max_model_len, sched.max_blocks_per_seq,
+                      compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size,
+                      max_model_len, sched.max_blocks_per_seq,
                       args.num_kv_blocks or 0, args.gpu_memory_utilization, args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification)
     if args.fixed_acceptance is not None:
@@ -190,6 +193,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         if started in done:
             ready = started.result()
             _log_capture(ready)
+            freeze_startup_heap()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
             if engine.dead is not None:
