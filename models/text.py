@@ -392,9 +392,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._pending: list[int] = []
-        """Tokens the stream holds (an incomplete character), with the tokens decoded before them."""
-        self._context = context
+        self._ids = context
+        """The prompt's last tokens, then every token added."""
+        self._num_pending = 0
+        """The last tokens of ``_ids`` that the stream holds (an incomplete character)."""
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self._longest_stop = max((len(s) for s in self.stop), default=0)
@@ -410,14 +411,29 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         if self.stopped is not None:
             return ""
+        chunk = self._step(token_id)
+        return self._append(chunk) if chunk is not None else ""
+
+    def add_tokens(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """``add`` for each of ``token_ids``: the text that became final, and how many of the tokens were consumed
+        (all, unless a stop string completed at one: up to and including it)."""
+        if self.stop:  # a stop string can complete at any token: one at a time
+            parts = []
+            for i, t in enumerate(token_ids):
+                parts.append(self.add(t))
+                if self.stopped is not None:
+                    return "".join(parts), i + 1
+            return "".join(parts), len(token_ids)
+        chunks = [c for c in map(self._step, token_ids) if c is not None]
+        return (self._append("".join(chunks)) if chunks else ""), len(token_ids)
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream's text for one more token (None while a character is incomplete)."""
         self.num_tokens += 1
+        self._ids.append(token_id)
         chunk = self._stream.step(self.tokenizer.backend, token_id)
-        if chunk is None:
-            self._pending.append(token_id)
-            return ""
-        self._context = (self._context + self._pending + [token_id])[-PROMPT_CONTEXT_TOKENS:]
-        self._pending = []
-        return self._append(chunk)
+        self._num_pending = self._num_pending + 1 if chunk is None else 0
+        return chunk
 
     def _append(self, chunk: str) -> str:
         start = max(0, len(self.text) - self._longest_stop + 1)
@@ -448,10 +464,12 @@ class IncrementalDetokenizer:
         """The request ended (EOS, length, abort): the held-back text, and an incomplete character's bytes as
         the decoder renders them (U+FFFD), as a full decode of the output would."""
         out = ""
-        if self.stopped is None and self._pending:
-            ctx = self.tokenizer.decode(self._context, self.skip_special_tokens)
-            full = self.tokenizer.decode(self._context + self._pending, self.skip_special_tokens)
-            self._pending = []
+        if self.stopped is None and self._num_pending:
+            held = self._ids[-self._num_pending:]
+            context = self._ids[:-self._num_pending][-PROMPT_CONTEXT_TOKENS:]
+            self._num_pending = 0
+            ctx = self.tokenizer.decode(context, self.skip_special_tokens)
+            full = self.tokenizer.decode(context + held, self.skip_special_tokens)
             tail = full[len(ctx):] if full.startswith(ctx) else full
             out = self._append(tail) if tail else ""
         return out + self._release(len(self.text))

@@ -95,14 +95,12 @@ class OutputProcessor:
             # EOS / a stop token id ends the text before it (unless the stop string is to be kept)
             drop_last = so.finish_reason is FinishReason.STOP and not req.params.include_stop_str_in_output
             visible = tokens[:-1] if drop_last and tokens else tokens
-            for i, t in enumerate(visible):
-                text += req.detok.add(t)
-                if req.detok.stopped is not None:
-                    tokens = tokens[:i + 1]
-                    reason, stop_reason = FinishReason.STOP.value, req.detok.stopped
-                    if so.finish_reason is None:  # the scheduler still runs it: end it now, freeing its KV
-                        self.finish(rid, FinishReason.STOP)
-                    break
+            text, consumed = req.detok.add_tokens(visible)
+            if req.detok.stopped is not None:
+                tokens = tokens[:consumed]
+                reason, stop_reason = FinishReason.STOP.value, req.detok.stopped
+                if so.finish_reason is None:  # the scheduler still runs it: end it now, freeing its KV
+                    self.finish(rid, FinishReason.STOP)
             if reason is not None:
                 text += req.detok.finish()
         if reason is not None:
