@@ -63,7 +63,8 @@ def start_server(policy: str, workload: str, fixed: float | None, port: int, arg
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
-           "bench-moe", "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy])]
+           "bench-moe", "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy]),
+           "--api-server-count", str(args.api_server_count)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     if fixed:
@@ -89,8 +90,8 @@ def start_server(policy: str, workload: str, fixed: float | None, port: int, arg
 
 
 def process_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root_pid`` and its descendants, by role: the server's front end
-    (the root), its engine process and its worker (Linux /proc)."""
+    """CPU seconds (user + system) so far of ``root_pid`` and its descendants, by role: the server's front ends
+    (the root and the processes of ``--api-server-count``), its engine process and its worker (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     stats = {}
     for entry in os.listdir("/proc"):
@@ -109,7 +110,8 @@ def process_cpu_s(root_pid: int) -> dict[str, float]:
         if pid not in stats:
             continue
         _, cpu, cmdline = stats[pid]
-        role = ("front_end" if pid == root_pid else "engine" if "dispatcher.engine.service" in cmdline
+        role = ("front_end" if pid == root_pid or "dispatcher.serve.frontend" in cmdline
+                else "engine" if "dispatcher.engine.service" in cmdline
                 else "worker" if "dispatcher.runtime.process" in cmdline else "other")
         out[role] = out.get(role, 0.0) + cpu
         todo += [child for child, (ppid, _, _) in stats.items() if ppid == pid]
@@ -286,6 +288,8 @@ def main() -> None:
     parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false",
                         help="skip the unmeasured first server that fills Triton's disk cache")
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes (one "
+                        "streams ~15-20K events a second: fewer than the GPU makes at 256+ streams)")
     parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -297,7 +301,8 @@ def main() -> None:
                          f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
                          f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} "
-                         "--out $OUT/headline_h200.json", "commit": commit(),
+                         f"--api-server-count {args.api_server_count} --out $OUT/headline_h200.json",
+              "commit": commit(), "api_server_count": args.api_server_count,
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
     if args.prime_cache:

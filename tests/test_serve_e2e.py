@@ -161,3 +161,73 @@ def test_sigterm_stops_cleanly(server):
     assert srv.wait(60) == 0
     output = srv.log()
     assert "capture plan" in output and "stopped" in output, output[-2000:]
+
+
+def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
+    """--api-server-count 3: two more front-end processes serve the same port through the one engine; 48 concurrent
+    requests (streamed and not, many connections, so the kernel spreads them) all complete with their token
+    counts; every /metrics scrape, whichever process answers it, shows the whole server's totals and the queue
+    back at 0; a disconnect frees its blocks; SIGTERM ends every process and leaves no ipc or metrics directory."""
+    import aiohttp
+
+    from models.default_model import DefaultModelError, default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelError as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    tmp = tempfile.gettempdir()
+    before = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+    srv = Server(["--device", "cpu", "--max-num-seqs", "64", "--max-model-len", "512", "--served-model-name", "smol",
+                  "--shutdown-timeout", "5", "--api-server-count", "3"], str(tmp_path / "server.log"), key=KEY)
+    try:
+        srv.wait_healthy(180)
+        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children", encoding="ascii") as fh:
+            assert len(fh.read().split()) == 3  # the engine and two front ends
+
+        async def one(session, i: int) -> int:
+            body = {"model": "smol", "prompt": f"Story number {i}:", "max_tokens": 6, "ignore_eos": True}
+            if i % 2:
+                body.update(stream=True, stream_options={"include_usage": True})
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with session.post(srv.base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                if not i % 2:
+                    return (await r.json())["usage"]["completion_tokens"]
+                usage = None
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage
+                return usage["completion_tokens"]
+
+        async def leave(session) -> None:
+            body = {"model": "smol", "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
+            async with session.post(srv.base + "/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {KEY}"}) as r:
+                async for _ in r.content:
+                    break
+
+        async def go():
+            connector = aiohttp.TCPConnector(force_close=True)  # a connection per request
+            async with aiohttp.ClientSession(connector=connector) as session:
+                counts = await asyncio.gather(*(one(session, i) for i in range(48)), leave(session))
+            assert counts[:48] == [6] * 48
+
+        asyncio.run(go())
+        for _ in range(100):
+            m = metrics(srv.base, KEY)
+            if m["twogrid:num_requests_running"] == 0 and m["twogrid:kv_cache_usage_perc"] == 0.0:
+                break
+            time.sleep(0.1)
+        for _ in range(6):  # new connections each: they land on any of the three processes
+            m = metrics(srv.base, KEY)
+            assert m["twogrid:generation_tokens_total"] >= 48 * 6
+            assert m["twogrid:request_success_total"] == 49
+            assert m["twogrid:num_requests_running"] == 0 and m["twogrid:kv_cache_usage_perc"] == 0.0
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(60) == 0
+    finally:
+        srv.stop()
+    after = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+    assert not after - before

@@ -19,6 +19,12 @@ TO_CORE, TO_FRONT = "to_core", "to_front"
 """The sockets' names in the front end's ipc directory (requests in, outputs out)."""
 
 
+def front_end_sockets(index: int) -> tuple[str, str]:
+    """Front end ``index``'s two sockets (``--api-server-count``: each front-end process binds its own pair in the
+    first one's ipc directory; the engine connects to every pair)."""
+    return (TO_CORE, TO_FRONT) if index == 0 else (f"{TO_CORE}.{index}", f"{TO_FRONT}.{index}")
+
+
 class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """What the engine process starts from: the worker's init (the engine resolves the configuration from it
     exactly as the worker does) and the engine's own settings."""
@@ -26,12 +32,16 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     worker: WorkerInit
     eos_token_ids: list[int]
     step_trace: str | None = None
+    num_front_ends: int = 1
+    """Front-end processes (``--api-server-count``); the first one also gets every step's record and the queue."""
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    front_end: int = 0
+    """The front-end process that sent it: its outputs go back there."""
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

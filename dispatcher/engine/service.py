@@ -4,7 +4,9 @@ It owns EngineCore's scheduler and dispatcher and drives them from an asyncio lo
 child, the worker process, owns the model, the KV cache and the graphs. One task runs the steps: it submits step
 t + 1 before it awaits step t's result (where the method allows), and per step it sends the front end one
 ``Outputs`` (every request's new token ids, the step's record, the queue after it). Another task takes the front
-end's requests and aborts as they come. Detokenization, stop strings and HTTP are the front end's, in its own
+end's requests and aborts as they come. With several front-end processes (``--api-server-count``) each request's
+outputs go back to the one that sent it, and the step records and queue to the first (its metrics are the
+server's). Detokenization, stop strings and HTTP are the front end's, in its own
 process, so that streaming to thousands of clients never holds up a step.
 
 A failed step fails the requests in it, the engine goes on; a dead worker ends the engine: ``EngineDead`` to the
@@ -28,9 +30,9 @@ import zmq.asyncio
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
-from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
+from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
-                                        decode_to_core, encode)
+                                        decode_to_core, encode, front_end_sockets)
 from dispatcher.messages import (StepResult, WorkerError, WorkerReady, decode_or_refuse, decode_to_engine,
                                  resolve_init)
 from dispatcher.messages import encode as encode_step
@@ -44,10 +46,14 @@ within this)."""
 
 
 class EngineService:
-    """The scheduler's side of ``twogrid serve``: requests from ``inbox``, one ``Outputs`` per step to ``outbox``."""
+    """The scheduler's side of ``twogrid serve``: requests from ``inbox``, per step one ``Outputs`` to each front
+    end in ``outboxes`` that has requests in it (and always to the first, with the step's record)."""
 
-    def __init__(self, init: EngineInit, process: WorkerProcess, inbox, outbox):
-        self.init, self.process, self.inbox, self.outbox = init, process, inbox, outbox
+    def __init__(self, init: EngineInit, process: WorkerProcess, inbox, outboxes: list):
+        self.init, self.process, self.inbox, self.outboxes = init, process, inbox, outboxes
+        self.outbox = outboxes[0]
+        self._front_end: dict[str, int] = {}
+        """Each running request's front end (only with several)."""
         self.core: EngineCore | None = None
         self._wake = asyncio.Event()
         self._draining = False
@@ -79,16 +85,23 @@ class EngineService:
                 self._wake.set()
 
     async def _add(self, msg: AddRequest) -> None:
+        if not 0 <= msg.front_end < len(self.outboxes):
+            log.warning("request %s names front end %d of %d: dropped", msg.request_id, msg.front_end,
+                        len(self.outboxes))
+            return
         try:
             if self._draining:
                 raise RequestError("the server is shutting down")
             self.core.queue(self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id))
+            if len(self.outboxes) > 1:
+                self._front_end[msg.request_id] = msg.front_end
             self._wake.set()
         except RequestError as exc:  # checked again here, before the request costs any device time
-            await self.outbox.send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+            await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
 
     async def _abort(self, msg: Abort) -> None:
         for rid in msg.request_ids:
+            self._front_end.pop(rid, None)
             if msg.finish_reason == FinishReason.STOP.value:
                 self.core.scheduler.finish_request(rid, FinishReason.STOP)
             else:
@@ -121,8 +134,11 @@ class EngineService:
             ids = [r.request_id for r in step.out.requests]
             for rid in ids:
                 core.abort(rid)
-            await self.outbox.send(encode(Outputs(queue=self._queue_state(),
-                                                  failed=[Failure(ids, f"step failed: {result.message}")])))
+            message = f"step failed: {result.message}"
+            await self._send_by_front_end(ids, lambda fe_ids: Outputs(failed=[Failure(fe_ids, message)]),
+                                          Outputs(queue=self._queue_state()))
+            for rid in ids:
+                self._front_end.pop(rid, None)
             return
         accepted = core.scheduler.stats.drafts_accepted
         outputs = core.update(step, core.finish(step, result))
@@ -132,7 +148,29 @@ class EngineService:
                             result.device_ms / 1e3)
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
                         o.logprobs) for o in outputs]
-        await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
+        if len(self.outboxes) == 1:
+            await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
+            return
+        by_id = {d.request_id: d for d in deltas}
+        await self._send_by_front_end(list(by_id), lambda fe_ids: Outputs([by_id[i] for i in fe_ids]),
+                                      Outputs(steps=[record], queue=self._queue_state()))
+        for d in deltas:
+            if d.finish_reason is not None:
+                self._front_end.pop(d.request_id, None)
+
+    async def _send_by_front_end(self, request_ids: list[str], per_front_end, first: Outputs) -> None:
+        """``per_front_end(ids)`` to each front end with requests among ``request_ids``, merged with ``first``
+        (the step's record and queue) for the first front end, which gets ``first`` alone otherwise."""
+        groups: dict[int, list[str]] = {}
+        for rid in request_ids:
+            groups.setdefault(self._front_end.get(rid, 0), []).append(rid)
+        for index, ids in sorted(groups.items()):
+            out = per_front_end(ids)
+            if index == 0:
+                out = Outputs(out.deltas, first.steps, first.queue, out.refused, out.failed)
+            await self.outboxes[index].send(encode(out))
+        if 0 not in groups:
+            await self.outbox.send(encode(first))
 
     def _queue_state(self) -> QueueState:
         sched = self.core.scheduler
@@ -177,12 +215,18 @@ async def serve(ipc_dir: str) -> int:
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(f"ipc://{ipc_dir}/{TO_CORE}")
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
-    outbox.connect(f"ipc://{ipc_dir}/{TO_FRONT}")
     init = await _first_message(inbox)
+    outboxes = []
+    for index in range(max(1, init.num_front_ends)):
+        to_core, to_front = front_end_sockets(index)
+        if index:  # (the first front end's socket is connected already)
+            inbox.connect(f"ipc://{ipc_dir}/{to_core}")
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
+        outbox.connect(f"ipc://{ipc_dir}/{to_front}")
+        outboxes.append(outbox)
     process = WorkerProcess(init.worker, asyncio=True, parent_dir=ipc_dir)
-    service = EngineService(init, process, inbox, outbox)
+    service = EngineService(init, process, inbox, outboxes)
     loop = asyncio.get_running_loop()
     watchers = [loop.create_task(_worker_exit(process)), loop.create_task(_front_end_exit(process, ipc_dir))]
     code = 0
@@ -193,11 +237,11 @@ async def serve(ipc_dir: str) -> int:
         receiver.cancel()
     except WorkerDied as exc:
         log.error("%s", exc)
-        await outbox.send(encode(EngineDead(str(exc))))
+        await _tell_all(outboxes, EngineDead(str(exc)))
         code = 1
     except Exception as exc:  # a defect: say so, rather than leave every client hanging
         log.exception("the engine failed")
-        await outbox.send(encode(EngineDead(f"{type(exc).__name__}: {exc}")))
+        await _tell_all(outboxes, EngineDead(f"{type(exc).__name__}: {exc}"))
         code = 1
     finally:
         for task in watchers:
@@ -205,10 +249,16 @@ async def serve(ipc_dir: str) -> int:
         if service.core is not None:
             service.core.close()
         await process.aclose(5.0)
-        outbox.close(linger=2000)
+        for outbox in outboxes:
+            outbox.close(linger=2000)
         inbox.close(linger=0)
         ctx.term()
     return code
+
+
+async def _tell_all(outboxes: list, message) -> None:
+    for outbox in outboxes:
+        await outbox.send(encode(message))
 
 
 async def _first_done(work, *watchers) -> None:

@@ -14,10 +14,14 @@ import asyncio
 import logging
 from typing import AsyncIterator
 
+import zmq
+import zmq.asyncio
+
+from dispatcher.child import parent_gone
 from dispatcher.engine.ipc import ChildProcess
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
-                                        EngineStarted, Outputs, decode_to_front, encode)
+                                        EngineStarted, Outputs, decode_to_front, encode, front_end_sockets)
 from dispatcher.messages import WorkerReady, decode_or_refuse
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
@@ -37,8 +41,10 @@ class EngineClient:
     engine process and waits until its worker has captured."""
 
     def __init__(self, init: EngineInit, tokenizer, served_model_name: str, default_params: SamplingParams,
-                 metrics=None, log_level: str = "info"):
+                 metrics=None, log_level: str = "info", front_end: int = 0):
         self.init = init
+        self.front_end = front_end
+        """This front-end process's index (``--api-server-count``): 0 starts the engine, the others ``attach``."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = init.worker.max_model_len
@@ -80,6 +86,13 @@ class EngineClient:
         self.ready = True
         return self.capture
 
+    def attach(self, ipc_dir: str) -> None:
+        """Serve through the engine that front end 0 started (its ipc directory): bind this front end's sockets,
+        to which the engine connects, and take outputs at once."""
+        self.process = _AttachedEngine(ipc_dir, self.front_end)
+        self._task = asyncio.get_running_loop().create_task(self._receive())
+        self.ready = True
+
     def _send(self, message) -> None:
         """Queue a message for the engine, in order (an asyncio socket without a high-water mark: it leaves as soon
         as the engine is connected, and nothing here waits for it)."""
@@ -98,7 +111,7 @@ class EngineClient:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = self._streams[request_id] = _Stream()
-        self._send(AddRequest(request_id, list(prompt_token_ids), params))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, self.front_end))
         return self._stream(request_id, stream)
 
     async def _stream(self, request_id: str, stream: "_Stream") -> AsyncIterator[RequestOutput]:
@@ -211,7 +224,7 @@ class EngineClient:
         self._stopping = True
         if self.process is None:
             return
-        if self.ready and self.dead is None:
+        if self.ready and self.dead is None and self.front_end == 0:  # (front end 0 ends the engine, last)
             self._send(Drain())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
@@ -224,6 +237,33 @@ class EngineClient:
         if self._task is not None:
             self._task.cancel()
         await self.process.aclose_with(None, 5.0)  # (the engine exits by itself once drained)
+
+
+class _AttachedEngine:
+    """A front end's link to an engine it did not start (front ends 1.. of ``--api-server-count``): its own pair
+    of sockets in front end 0's ipc directory. The engine counts as alive while front end 0, which runs it and is
+    this process's parent, is (it stops its children before it exits)."""
+
+    def __init__(self, ipc_dir: str, index: int):
+        to_core, to_front = front_end_sockets(index)
+        self.ctx = zmq.asyncio.Context()
+        self.to_child = self.ctx.socket(zmq.PUSH)
+        self.to_child.setsockopt(zmq.SNDHWM, 0)
+        self.to_child.bind(f"ipc://{ipc_dir}/{to_core}")
+        self.from_child = self.ctx.socket(zmq.PULL)
+        self.from_child.setsockopt(zmq.RCVHWM, 0)
+        self.from_child.bind(f"ipc://{ipc_dir}/{to_front}")
+
+    def alive(self) -> bool:
+        return not parent_gone()
+
+    def exit_description(self) -> str:
+        return "is gone with front end 0, which ran it"
+
+    async def aclose_with(self, goodbye: bytes | None, timeout_s: float) -> None:
+        self.to_child.close(linger=1000)  # (an Abort for what was left still leaves)
+        self.from_child.close(linger=0)
+        self.ctx.term()
 
 
 class _Stream:

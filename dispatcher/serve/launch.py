@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import signal
 import time
 
@@ -28,6 +29,7 @@ from dispatcher.plan.config import ConfigError, parse_json_arg
 log = logging.getLogger("twogrid.serve")
 
 CUDAGRAPH_METRICS_PERIOD_S = 10.0
+MAX_API_SERVERS = 64
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     h.add_argument("--api-key", default=None, help="bearer token required on every route but /health")
+    h.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="front-end processes (HTTP, tokenization, detokenization) sharing the port, as vLLM's flag: "
+                        "one Python process streams ~15-20K events a second, so more keep the GPU fed at hundreds "
+                        "of concurrent streams (default: %(default)s)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets requests in flight finish (default: %(default)s)")
     o = p.add_argument_group("observability")
@@ -73,6 +79,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 1 <= args.api_server_count <= MAX_API_SERVERS:
+        raise ConfigError(f"--api-server-count must be in 1..{MAX_API_SERVERS}, got {args.api_server_count}")
+    if args.api_server_count > 1:  # before anything imports prometheus-client, which reads it once
+        from dispatcher.serve.frontend import multiprocess_metrics_dir
+
+        metrics_dir = multiprocess_metrics_dir()
+    try:
+        return _cmd_serve(args)
+    finally:
+        if args.api_server_count > 1:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
     setup = _setup(args)
     try:
         import uvloop
@@ -172,15 +192,18 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.engine.protocol import EngineInit
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient, EngineError
+    from dispatcher.serve.frontend import FrontEnds, listening_socket, tokenizer_path
     from dispatcher.serve.metrics import EngineMetrics
 
     metrics = EngineMetrics(name)
-    engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace), tokenizer, name,
-                          defaults, metrics, args.log_level)
+    engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
+                                     args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
-    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    sock = listening_socket(args.host, args.port) if args.api_server_count > 1 else None
+    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, sock=sock)
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
              args.port)
+    front_ends = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -193,6 +216,9 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         if started in done:
             ready = started.result()
             _log_capture(ready)
+            if sock is not None:  # (this one serves meanwhile; each other takes connections once it is up)
+                front_ends = FrontEnds(args, engine, sock, tokenizer_path(args), defaults)
+                await front_ends.start()
             freeze_startup_heap()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -206,7 +232,11 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         log.error("%s", exc)
         code = 1
     finally:
+        if front_ends is not None:
+            front_ends.stop()  # they drain their own requests meanwhile
         left = await drain(app, args.shutdown_timeout if code == 0 else 0.0)
+        if front_ends is not None:
+            await front_ends.wait(args.shutdown_timeout + 5.0)
         if left:
             log.warning("%d requests did not finish within --shutdown-timeout %g s: failing them", left,
                         args.shutdown_timeout)

@@ -12,6 +12,11 @@ Who records what:
   where the client feels them, and prompt / generation token totals are counted once per request. The engine does
   not call these (that would count requests twice).
 
+With several front-end processes (``--api-server-count``) the metrics are prometheus-client's multiprocess ones
+(``$PROMETHEUS_MULTIPROC_DIR``, set by ``twogrid serve`` before anything imports prometheus-client): each process
+records its own requests, front end 0 the steps and the queue, and every process's /metrics shows the sum (gauges:
+the largest value, which is front end 0's).
+
 Every series carries a ``model_name`` label, as vLLM's do. ``twogrid bench`` reads ``eager_steps_total{reason}``,
 ``padded_tokens_total`` and ``cudagraph_steps_total{kind,mode}`` (dispatcher/bench/server_metrics.py): those names
 and labels are an interface.
@@ -19,8 +24,12 @@ and labels are an interface.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from dispatcher.serve.frontend import MULTIPROC_ENV
 
 PREFIX = "twogrid:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -48,7 +57,7 @@ class EngineMetrics:
         r, m = self.registry, ("model_name",)
 
         def gauge(name: str, doc: str, labels=()):
-            return Gauge(PREFIX + name, doc, m + tuple(labels), registry=r)
+            return Gauge(PREFIX + name, doc, m + tuple(labels), registry=r, multiprocess_mode="max")
 
         def counter(name: str, doc: str, labels=()):
             return Counter(PREFIX + name, doc, m + tuple(labels), registry=r)
@@ -142,7 +151,13 @@ class EngineMetrics:
 
     # -- exposition ---------------------------------------------------------------------------------------------
     def render(self) -> bytes:
-        """The registry in Prometheus' text format."""
+        """The registry in Prometheus' text format (every front-end process's, summed, in multiprocess mode)."""
+        if os.environ.get(MULTIPROC_ENV):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

@@ -1,0 +1,188 @@
+"""More front-end processes (``twogrid serve --api-server-count N``): HTTP, tokenization and detokenization spread
+over N processes that share one listening socket (the kernel hands each new connection to one of them) and one
+engine.
+
+One Python process streams about 15-20K events a second; at hundreds of concurrent streams under speculative
+decoding that is less than the GPU produces, and a saturated front end also admits new requests late. Front end 0
+(``twogrid serve`` itself) starts the engine as with one; once the engine is ready it starts front ends 1..N-1
+(``python -m dispatcher.serve.frontend IPC_DIR INDEX FD``: the listening socket's descriptor is inherited). Each
+binds its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their
+front end's index and their outputs come back to it. The metrics are prometheus-client's multiprocess ones (a
+private directory, removed on exit). SIGTERM or SIGINT make a front end stop accepting and drain its own requests;
+front end 0 stops the others first, waits for them, then ends the engine. A front end whose parent (front end 0)
+is gone fails what it has and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+
+from dispatcher.child import PARENT_PID_ENV, freeze_startup_heap
+from dispatcher.engine.protocol import EngineInit
+from scheduler.request import SamplingParams
+
+log = logging.getLogger("twogrid.serve")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's multiprocess mode: a directory where every process writes its values (read once, when
+prometheus-client is imported: this module does not import it)."""
+
+INIT_FILE = "front_end.init"
+"""Front ends 1..N-1 read their ``FrontEndInit`` from this file in the ipc directory (mode 0700: it holds the key)."""
+READY_S = 120.0
+"""How long front end 0 waits for the others to serve."""
+
+
+class FrontEndInit(msgspec.Struct, array_like=True, frozen=True):
+    """What front ends 1..N-1 start from (front end 0's settings)."""
+
+    engine: EngineInit
+    tokenizer: str | None
+    served_model_name: str
+    defaults: SamplingParams
+    api_key: str | None
+    log_requests: bool
+    log_level: str
+    shutdown_timeout: float
+
+
+def multiprocess_metrics_dir() -> str:
+    """A fresh private directory for prometheus-client's multiprocess values, in $PROMETHEUS_MULTIPROC_DIR (which
+    the child processes inherit). Call before anything imports prometheus-client."""
+    path = tempfile.mkdtemp(prefix="twogrid-metrics-")
+    os.chmod(path, 0o700)
+    os.environ[MULTIPROC_ENV] = path
+    return path
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that child processes inherit."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+def tokenizer_path(args) -> str | None:
+    """Where front end 0 loaded its tokenizer from (``load_tokenizer`` of it gives the same one, or None)."""
+    from models.default_model import default_model_path
+
+    return args.tokenizer or args.model or default_model_path()
+
+
+class FrontEnds:
+    """Front end 0's handle on front ends 1..N-1."""
+
+    def __init__(self, args, engine, sock: socket.socket, tokenizer: str | None, defaults: SamplingParams):
+        self.args, self.engine, self.sock = args, engine, sock
+        self.init = FrontEndInit(engine.init, tokenizer, engine.served_model_name, defaults, args.api_key,
+                                 args.log_requests, args.log_level, args.shutdown_timeout)
+        self.procs: list[subprocess.Popen] = []
+
+    async def start(self) -> None:
+        """Start them and wait until each serves (its ready file); RuntimeError if one exits or is late."""
+        ipc_dir = self.engine.process.dir
+        with open(os.path.join(ipc_dir, INIT_FILE), "wb") as fh:
+            fh.write(msgspec.msgpack.encode(self.init))
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        for index in range(1, self.args.api_server_count):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dispatcher.serve.frontend", ipc_dir, str(index), str(self.sock.fileno())],
+                env=env, pass_fds=(self.sock.fileno(),)))
+        deadline = time.monotonic() + READY_S
+        for index, proc in enumerate(self.procs, 1):
+            while not os.path.exists(_ready_file(ipc_dir, index)):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"front end {index} exited with code {proc.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"front end {index} did not start within {READY_S:.0f} s")
+                await asyncio.sleep(0.05)
+        log.info("%d front-end processes serve the port", len(self.procs) + 1)
+
+    def stop(self) -> None:
+        """Ask each to drain and exit (SIGTERM)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for them to exit; SIGKILL the rest."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for proc in self.procs:
+            if proc.poll() is None:
+                log.warning("front end %d did not exit within %.0f s: killed", proc.pid, timeout_s)
+                proc.kill()
+            proc.wait()
+
+
+def _ready_file(ipc_dir: str, index: int) -> str:
+    return os.path.join(ipc_dir, f"front_end.{index}.ready")
+
+
+async def serve(ipc_dir: str, index: int, fd: int) -> int:
+    from dispatcher.serve.app import build_app, drain, start_http
+    from dispatcher.serve.client import EngineClient
+    from dispatcher.serve.metrics import EngineMetrics
+    from models.text import load_tokenizer
+
+    with open(os.path.join(ipc_dir, INIT_FILE), "rb") as fh:
+        init = msgspec.msgpack.decode(fh.read(), type=FrontEndInit)
+    logging.getLogger().setLevel(init.log_level.upper())
+    tokenizer = load_tokenizer(init.tokenizer) if init.tokenizer else None
+    name = init.served_model_name
+    engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name), init.log_level, index)
+    engine.attach(ipc_dir)
+    app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests)
+    runner = await start_http(app, shutdown_timeout=init.shutdown_timeout, sock=socket.socket(fileno=fd))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()
+    open(_ready_file(ipc_dir, index), "w").close()
+    while not stop.is_set() and engine.dead is None:  # (dead: the engine died, or front end 0 is gone)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+    code = 0 if engine.dead is None else 1
+    left = await drain(app, init.shutdown_timeout if code == 0 else 0.0)
+    if left:
+        log.warning("front end %d: %d requests did not finish within --shutdown-timeout: failing them", index, left)
+    await engine.shutdown(0.0)
+    await runner.cleanup()
+    return code
+
+
+def main() -> int:
+    ipc_dir, index, fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s front end {index} %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    from dispatcher.child import profiled
+
+    return profiled(f"front_end_{index}", runner, serve(ipc_dir, index, fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
