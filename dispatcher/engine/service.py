@@ -68,7 +68,7 @@ class EngineService:
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         freeze_startup_heap()
-        await self.outbox.send(encode(EngineStarted(ready, self.core.async_scheduling)))
+        await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling))
         return ready
 
     # -- the front end's messages --------------------------------------------------------------------------------

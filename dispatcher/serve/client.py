@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import AsyncIterator
 
 import zmq
@@ -54,7 +55,9 @@ class EngineClient:
         self.processor = OutputProcessor(tokenizer, self._stopped)
         self.process: ChildProcess | None = None
         self.capture: WorkerReady | None = None
-        self.ready = False
+        self._ready = False
+        self.gate: str | None = None
+        """With several front ends: a file that exists once every one of them serves (none is ready before)."""
         self.dead: str | None = None
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
@@ -86,12 +89,23 @@ class EngineClient:
         self.ready = True
         return self.capture
 
+    @property
+    def ready(self) -> bool:
+        """The engine has captured (and, with a ``gate``, every front end serves)."""
+        if self._ready and self.gate is not None and os.path.exists(self.gate):
+            self.gate = None
+        return self._ready and self.gate is None
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
     def attach(self, ipc_dir: str) -> None:
-        """Serve through the engine that front end 0 started (its ipc directory): bind this front end's sockets,
-        to which the engine connects, and take outputs at once."""
+        """Serve through the engine that front end 0 starts (its ipc directory): bind this front end's sockets, to
+        which the engine connects; ready when the engine says it started (``EngineStarted`` goes to every front
+        end)."""
         self.process = _AttachedEngine(ipc_dir, self.front_end)
         self._task = asyncio.get_running_loop().create_task(self._receive())
-        self.ready = True
 
     def _send(self, message) -> None:
         """Queue a message for the engine, in order (an asyncio socket without a high-water mark: it leaves as soon
@@ -191,6 +205,8 @@ class EngineClient:
                     raise EngineError(msg.message)
                 if isinstance(msg, Outputs):
                     self._take(msg)
+                elif isinstance(msg, EngineStarted):  # (front ends 1..: front end 0 waits for it in start)
+                    self.capture, self.ready = msg.worker, True
         except EngineError as exc:
             self.dead = str(exc)
             log.error("the engine stopped: %s", exc)
@@ -224,7 +240,7 @@ class EngineClient:
         self._stopping = True
         if self.process is None:
             return
-        if self.ready and self.dead is None and self.front_end == 0:  # (front end 0 ends the engine, last)
+        if self._ready and self.dead is None and self.front_end == 0:  # (front end 0 ends the engine, last)
             self._send(Drain())
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s

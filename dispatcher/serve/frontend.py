@@ -85,17 +85,21 @@ def tokenizer_path(args) -> str | None:
 
 
 class FrontEnds:
-    """Front end 0's handle on front ends 1..N-1."""
+    """Front end 0's handle on front ends 1..N-1. They start with the engine (``spawn``), each says it is ready once
+    it serves and has heard the engine start (a file), and ``open_gate`` then makes every front end ready at once
+    (each one's ``EngineClient.gate``): no front end answers /health with 200 while another would refuse."""
 
     def __init__(self, args, engine, sock: socket.socket, tokenizer: str | None, defaults: SamplingParams):
         self.args, self.engine, self.sock = args, engine, sock
         self.init = FrontEndInit(engine.init, tokenizer, engine.served_model_name, defaults, args.api_key,
                                  args.log_requests, args.log_level, args.shutdown_timeout)
         self.procs: list[subprocess.Popen] = []
+        self.ipc_dir: str | None = None
 
-    async def start(self) -> None:
-        """Start them and wait until each serves (its ready file); RuntimeError if one exits or is late."""
-        ipc_dir = self.engine.process.dir
+    def spawn(self, ipc_dir: str) -> None:
+        """Start them (front end 0's ipc directory exists: the engine process is starting)."""
+        self.ipc_dir = ipc_dir
+        self.engine.gate = gate_file(ipc_dir)
         with open(os.path.join(ipc_dir, INIT_FILE), "wb") as fh:
             fh.write(msgspec.msgpack.encode(self.init))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
@@ -103,14 +107,18 @@ class FrontEnds:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "dispatcher.serve.frontend", ipc_dir, str(index), str(self.sock.fileno())],
                 env=env, pass_fds=(self.sock.fileno(),)))
+
+    async def open_gate(self) -> None:
+        """Wait until each serves (its ready file), then make all ready; RuntimeError if one exits or is late."""
         deadline = time.monotonic() + READY_S
         for index, proc in enumerate(self.procs, 1):
-            while not os.path.exists(_ready_file(ipc_dir, index)):
+            while not os.path.exists(_ready_file(self.ipc_dir, index)):
                 if proc.poll() is not None:
                     raise RuntimeError(f"front end {index} exited with code {proc.returncode} while starting")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"front end {index} did not start within {READY_S:.0f} s")
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
+        open(gate_file(self.ipc_dir), "w").close()
         log.info("%d front-end processes serve the port", len(self.procs) + 1)
 
     def stop(self) -> None:
@@ -131,6 +139,10 @@ class FrontEnds:
             proc.wait()
 
 
+def gate_file(ipc_dir: str) -> str:
+    return os.path.join(ipc_dir, "front_end.serving")
+
+
 def _ready_file(ipc_dir: str, index: int) -> str:
     return os.path.join(ipc_dir, f"front_end.{index}.ready")
 
@@ -147,6 +159,7 @@ async def serve(ipc_dir: str, index: int, fd: int) -> int:
     tokenizer = load_tokenizer(init.tokenizer) if init.tokenizer else None
     name = init.served_model_name
     engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name), init.log_level, index)
+    engine.gate = gate_file(ipc_dir)
     engine.attach(ipc_dir)
     app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests)
     runner = await start_http(app, shutdown_timeout=init.shutdown_timeout, sock=socket.socket(fileno=fd))
@@ -154,11 +167,14 @@ async def serve(ipc_dir: str, index: int, fd: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    freeze_startup_heap()
-    open(_ready_file(ipc_dir, index), "w").close()
+    said_ready = False
     while not stop.is_set() and engine.dead is None:  # (dead: the engine died, or front end 0 is gone)
+        if not said_ready and engine.capture is not None:  # serving, and the engine has started
+            freeze_startup_heap()
+            open(_ready_file(ipc_dir, index), "w").close()
+            said_ready = True
         try:
-            await asyncio.wait_for(stop.wait(), 0.25)
+            await asyncio.wait_for(stop.wait(), 0.02 if not said_ready else 0.25)
         except asyncio.TimeoutError:
             pass
     code = 0 if engine.dead is None else 1

@@ -204,6 +204,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
              args.port)
     front_ends = None
+    if sock is not None:
+        front_ends = FrontEnds(args, engine, sock, tokenizer_path(args), defaults)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,13 +214,17 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     try:
         started = loop.create_task(engine.start())
         stopped = loop.create_task(stop.wait())
+        if front_ends is not None:  # they start with the engine (in its ipc directory, once it exists)
+            while engine.process is None and not started.done():
+                await asyncio.sleep(0.01)
+            if engine.process is not None:
+                front_ends.spawn(engine.process.dir)
         done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             ready = started.result()
             _log_capture(ready)
-            if sock is not None:  # (this one serves meanwhile; each other takes connections once it is up)
-                front_ends = FrontEnds(args, engine, sock, tokenizer_path(args), defaults)
-                await front_ends.start()
+            if front_ends is not None:
+                await front_ends.open_gate()
             freeze_startup_heap()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -228,7 +234,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
                 code = 1
         else:
             started.cancel()
-    except EngineError as exc:
+    except (EngineError, RuntimeError) as exc:  # (RuntimeError: a front end that did not start)
         log.error("%s", exc)
         code = 1
     finally:
