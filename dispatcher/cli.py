@@ -463,10 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset of SPEC section 1's curves (bench-moe, bench-moe-large; default bench-moe), or with "
                         "a runtime benchmark's --cost-table the model read from it (default: its only model, else "
                         "bench-moe)")
-    p.add_argument("--cost-table", default=None, metavar="JSON",
+    p.add_argument("--cost-table", default=None, metavar="FILE",
                    help="per-size step times measured on a GPU instead of the presets: a runtime benchmark's JSON "
-                        "(docs/bench/runtime_h200.json) or {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "
-                        "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate)")
+                        "(docs/bench/runtime_h200.json), {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "
+                        "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate), or step "
+                        "traces of a real run (.jsonl, several joined with commas: each mode's median device time "
+                        "per padded size)")
     x = p.add_argument_group("execution (--execute)")
     x.add_argument("--execute", action="store_true",
                    help="also run every recorded step shape, with dummy data, through the new configuration's graphs "

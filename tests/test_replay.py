@@ -224,3 +224,57 @@ def test_replay_execute_on_the_gpu_replays_graphs(tmp_path, capsys):
     eager = run_replay(capsys, *flags, "--compilation-config", '{"cudagraph_mode": "NONE"}')["executed"]
     assert set(graphs["by_mode"]) <= {"FULL", "PIECEWISE"} and set(eager["by_mode"]) == {"NONE"}
     assert graphs["executed_device_seconds"] < eager["executed_device_seconds"]
+
+
+def write_trace(tmp_path, records, name="costs.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def step(mode, padded, ms, kind="uniform_decode"):
+    return {"step": 0, "kind": kind, "requests": 1, "tokens": padded, "q": 8, "mode": mode, "padded_tokens": padded,
+            "device_ms": ms}
+
+
+def test_cost_table_from_step_traces_is_each_modes_median_per_padded_size(tmp_path, capsys):
+    from dispatcher.engine.cost import load_cost_table
+    from dispatcher.plan.config import ConfigError
+
+    a = write_trace(tmp_path, [step("FULL", 8, 1.0), step("FULL", 8, 3.0), step("FULL", 8, 2.5), step("FULL", 64, 4.0),
+                               step("PIECEWISE", 16, 5.0), step("PIECEWISE", 32, 6.0)], "a.jsonl")
+    b = write_trace(tmp_path, [step("NONE", 16, 20.0), step("NONE", 9000, 90.0),
+                               {"mode": "FULL", "padded_tokens": 64}], "b.jsonl")  # (no device time: skipped)
+    costs = load_cost_table(f"{a},{b}")
+    assert costs.step_ms("FULL", 8) == 2.5 and costs.step_ms("FULL", 64) == 4.0
+    assert costs.step_ms("FULL", 36) == pytest.approx(3.25)  # interpolated
+    assert costs.step_ms("PIECEWISE", 32) == 6.0 and costs.step_ms("NONE", 16) == 20.0
+    trace = make_trace(tmp_path, LEGACY)
+    r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7, "--cost-table", f"{a},{b}")
+    assert r["cost_model"] == f"step traces {a},{b}" and r["replayed"]["estimated_device_seconds"] > 0
+    with pytest.raises(ConfigError, match="fewer than two token counts of NONE"):
+        load_cost_table(a)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cost_table(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="line 2"):
+        load_cost_table(_broken(tmp_path))
+
+
+def _broken(tmp_path) -> str:
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(step("FULL", 8, 1.0)) + "\n{not json\n")
+    return str(path)
+
+
+def test_replay_of_the_h200_trace_predicts_the_live_separate_server(capsys):
+    """docs/headline.md's claim: vLLM's list's trace at 256 streams (e818375), replayed under separate grids with
+    step times from the separate server's other concurrencies of the same run, predicts the live separate server's
+    eager steps exactly and its device time within 15%."""
+    traces = os.path.join(os.path.dirname(RUNTIME_JSON), "traces")
+    live = [json.loads(line) for line in open(os.path.join(traces, "headline_e818375_separate_256.jsonl"))]
+    r = run_replay(capsys, os.path.join(traces, "headline_e818375_vllm-default_256.jsonl"), "--platform", "sm100",
+                   "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384", "--speculative-config", K7,
+                   "--cost-table", os.path.join(traces, "headline_e818375_separate_not256.jsonl"))
+    assert r["replayed"]["eager_steps"] == sum(rec["mode"] == "NONE" for rec in live) == 1
+    live_s = sum(rec["device_ms"] for rec in live) / 1e3
+    assert abs(r["replayed"]["estimated_device_seconds"] / live_s - 1) < 0.15

@@ -4,7 +4,8 @@ Used by adaptive verification to pick each step's verify budget, and by ``twogri
 GPU. A curve interpolates measured (tokens, ms) points linearly and extends the last segment beyond them. The
 presets are SPEC section 1's H200 measurements (bf16, random weights, grouped-GEMM MoE, 24 layers, attention left
 out); their PIECEWISE column is an estimate (FULL plus one eager attention launch a layer), not a measurement.
-``load_cost_table`` reads measured per-size step times instead (``replay --cost-table``).
+``load_cost_table`` reads measured per-size step times instead (``replay --cost-table``): a table, a runtime
+benchmark's JSON, or the step traces of a real run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dispatcher.engine.trace import TraceError, read_trace
 from dispatcher.plan.config import ConfigError, load_json_file
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
@@ -185,10 +187,44 @@ def _runtime_table(data: dict[str, Any], path: str, model: str | None) -> StepCo
                          name=f"table {path} ({model})")
 
 
+def trace_table(records: list[Any], path: str) -> StepCostModel:
+    """Step times from step traces (``--step-trace`` records of a real run): per mode, the median ``device_ms`` of
+    each padded token count (drafter forwards included, as the trace records them). Records without a device time
+    (a trace of ``simulate``) are skipped; ConfigError when FULL or NONE has fewer than two token counts."""
+    points: dict[str, list[tuple[int, float]]] = {mode: [] for mode in TABLE_MODES}
+    for rec in records:
+        if (isinstance(rec, dict) and rec.get("mode") in points and _is_count(rec.get("padded_tokens"))
+                and _is_ms(rec.get("device_ms"))):
+            points[rec["mode"]].append((rec["padded_tokens"], float(rec["device_ms"])))
+    curves = {}
+    for mode, pts in points.items():
+        if len({t for t, _ in pts}) >= 2:
+            curves[mode] = _median_curve(pts)
+        elif mode != MODE_PIECEWISE:
+            raise ConfigError(f"--cost-table: the step traces {path} have fewer than two token counts of {mode} "
+                              f"steps with a device time: add a trace that has them (a run under another policy)")
+    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE),
+                         name=f"step traces {path}")
+
+
 def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
     """Step times measured on a GPU, from ``path``: a ``{"FULL", "PIECEWISE", "NONE"}`` table of [tokens, ms]
-    points, or a runtime benchmark's JSON, of which ``model`` (default: its only model, else bench-moe) is read.
-    ConfigError naming the file and the field for anything else."""
+    points, a runtime benchmark's JSON, of which ``model`` (default: its only model, else bench-moe) is read, or
+    step traces (``.jsonl``; several joined with commas: ``trace_table``). ConfigError naming the file and the
+    field for anything else."""
+    if path.endswith(".jsonl"):
+        if model is not None:
+            raise ConfigError(f"--cost-model {model!r} picks a model of a runtime benchmark's JSON; {path!r} are "
+                              f"step traces")
+        records = []
+        for one in path.split(","):
+            try:
+                records += read_trace(one)
+            except OSError as exc:
+                raise ConfigError(f"--cost-table: cannot read {one!r}: {exc.strerror}") from None
+            except TraceError as exc:
+                raise ConfigError(f"--cost-table: {exc}") from None
+        return trace_table(records, path)
     data = load_json_file(path, "--cost-table")
     if isinstance(data, dict) and "models" in data:
         return _runtime_table(data, path, model)
