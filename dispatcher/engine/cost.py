@@ -176,15 +176,21 @@ def _runtime_table(data: dict[str, Any], path: str, model: str | None) -> StepCo
                               f"eager_ms >= 0, replay_ms >= 0}}")
         (piecewise if step["kind"] == "piecewise" else full).append((step["tokens"], step["replay_ms"]))
         eager.append((step["tokens"], step["eager_ms"]))
+    return _median_model({MODE_FULL: full, MODE_PIECEWISE: piecewise, MODE_EAGER: eager},
+                         f"--cost-table: {path!r} model {model!r} has fewer than two token counts of {{mode}} steps",
+                         f"table {path} ({model})")
+
+
+def _median_model(points: dict[str, list[tuple[int, float]]], missing: str, name: str) -> StepCostModel:
+    """Each mode's median curve through its (tokens, ms) points; ConfigError ``missing`` (with ``{mode}``) when
+    FULL or NONE has fewer than two token counts (PIECEWISE may be left out)."""
     curves = {}
-    for mode, points in ((MODE_FULL, full), (MODE_PIECEWISE, piecewise), (MODE_EAGER, eager)):
-        if len({t for t, _ in points}) >= 2:
-            curves[mode] = _median_curve(points)
+    for mode, pts in points.items():
+        if len({t for t, _ in pts}) >= 2:
+            curves[mode] = _median_curve(pts)
         elif mode != MODE_PIECEWISE:
-            raise ConfigError(f"--cost-table: {path!r} model {model!r} has fewer than two token counts of "
-                              f"{mode} steps")
-    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE),
-                         name=f"table {path} ({model})")
+            raise ConfigError(missing.replace("{mode}", mode))
+    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE), name=name)
 
 
 def trace_table(records: list[Any], path: str) -> StepCostModel:
@@ -196,15 +202,9 @@ def trace_table(records: list[Any], path: str) -> StepCostModel:
         if (isinstance(rec, dict) and rec.get("mode") in points and _is_count(rec.get("padded_tokens"))
                 and _is_ms(rec.get("device_ms"))):
             points[rec["mode"]].append((rec["padded_tokens"], float(rec["device_ms"])))
-    curves = {}
-    for mode, pts in points.items():
-        if len({t for t, _ in pts}) >= 2:
-            curves[mode] = _median_curve(pts)
-        elif mode != MODE_PIECEWISE:
-            raise ConfigError(f"--cost-table: the step traces {path} have fewer than two token counts of {mode} "
-                              f"steps with a device time: add a trace that has them (a run under another policy)")
-    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE),
-                         name=f"step traces {path}")
+    return _median_model(points, f"--cost-table: the step traces {path} have fewer than two token counts of {{mode}} "
+                                 f"steps with a device time: add a trace that has them (a run under another policy)",
+                         f"step traces {path}")
 
 
 def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
