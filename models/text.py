@@ -393,7 +393,7 @@ class IncrementalDetokenizer:
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._ids = context
-        """The prompt's last tokens, then every token added."""
+        """The last tokens: the prompt's, then those added (trimmed to PROMPT_CONTEXT_TOKENS now and then)."""
         self._num_pending = 0
         """The last tokens of ``_ids`` that the stream holds (an incomplete character)."""
         self.stop = tuple(stop)
@@ -433,6 +433,8 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         chunk = self._stream.step(self.tokenizer.backend, token_id)
         self._num_pending = self._num_pending + 1 if chunk is None else 0
+        if chunk is not None and len(self._ids) > 2 * PROMPT_CONTEXT_TOKENS:  # (``finish`` needs the last few)
+            del self._ids[:-PROMPT_CONTEXT_TOKENS]
         return chunk
 
     def _append(self, chunk: str) -> str:

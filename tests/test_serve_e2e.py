@@ -231,3 +231,59 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
         srv.stop()
     after = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
     assert not after - before
+
+
+@pytest.mark.parametrize("victim", ["engine", "front end"])
+def test_several_front_ends_fail_fast_when_the_engine_or_a_front_end_dies(tmp_path, victim):
+    """--api-server-count 2 with 8 long streams in flight: SIGKILL the engine process, or front end 1. The server
+    exits with code 1 within seconds (not after --shutdown-timeout 60), every stream ends (none hangs), and no ipc
+    or metrics directory is left."""
+    import aiohttp
+
+    from models.default_model import DefaultModelError, default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelError as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    tmp = tempfile.gettempdir()
+    before = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+    srv = Server(["--device", "cpu", "--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "smol",
+                  "--shutdown-timeout", "60", "--api-server-count", "2"], str(tmp_path / "server.log"), key=KEY)
+    try:
+        srv.wait_healthy(180)
+        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children", encoding="ascii") as fh:
+            kids = [int(p) for p in fh.read().split()]
+        cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read() for pid in kids}
+        engine = next(pid for pid, c in cmdlines.items() if b"dispatcher.engine.service" in c)
+        front_end = next(pid for pid, c in cmdlines.items() if b"dispatcher.serve.frontend" in c)
+
+        async def one(session) -> str:
+            body = {"model": "smol", "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
+            try:
+                async with session.post(srv.base + "/v1/completions", json=body,
+                                        headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    async for _ in r.content:
+                        pass
+                return "ended"
+            except aiohttp.ClientError:
+                return "ended"
+
+        async def go():
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                tasks = [asyncio.create_task(one(session)) for _ in range(8)]
+                await asyncio.sleep(3.0)
+                os.kill(engine if victim == "engine" else front_end, signal.SIGKILL)
+                t0 = time.monotonic()
+                ends = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                return ends, time.monotonic() - t0
+
+        ends, took = asyncio.run(go())
+        assert ends == ["ended"] * 8 and took < 20
+        assert srv.wait(20) == 1
+    finally:
+        srv.stop()
+    after = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+    assert not after - before

@@ -157,6 +157,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                         out.output_tokens, out.output_tokens_from_usage = usage["completion_tokens"], True
                     if isinstance(usage.get("prompt_tokens"), int):
                         out.prompt_len, out.prompt_len_from_usage = usage["prompt_tokens"], True
+            await response.read()  # the rest after [DONE] (the chunked end): the connection goes back to the pool
     except json.JSONDecodeError as exc:
         out.error = f"a stream event is not JSON ({exc.msg})"
         return out

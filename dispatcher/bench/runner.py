@@ -197,8 +197,9 @@ async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, reque
 
 
 def pool_size(num_requests: int, max_concurrency: int | None) -> int:
-    """The connections a run can use at once: its concurrency cap, or one per request without a cap."""
-    return min(num_requests, max_concurrency or num_requests)
+    """The connections to open before a run: as many as its concurrency cap lets it use at once (none without a
+    cap: it could be one per request)."""
+    return min(num_requests, max_concurrency) if max_concurrency else 0
 
 
 def split_load(requests: Sequence[SampleRequest], offsets: np.ndarray, max_concurrency: int | None,

@@ -100,11 +100,11 @@ class EngineClient:
     def ready(self, value: bool) -> None:
         self._ready = value
 
-    def attach(self, ipc_dir: str) -> None:
+    def attach(self, ipc_dir: str, engine_pid: int) -> None:
         """Serve through the engine that front end 0 starts (its ipc directory): bind this front end's sockets, to
         which the engine connects; ready when the engine says it started (``EngineStarted`` goes to every front
         end)."""
-        self.process = _AttachedEngine(ipc_dir, self.front_end)
+        self.process = _AttachedEngine(ipc_dir, self.front_end, engine_pid)
         self._task = asyncio.get_running_loop().create_task(self._receive())
 
     def _send(self, message) -> None:
@@ -257,10 +257,11 @@ class EngineClient:
 
 class _AttachedEngine:
     """A front end's link to an engine it did not start (front ends 1.. of ``--api-server-count``): its own pair
-    of sockets in front end 0's ipc directory. The engine counts as alive while front end 0, which runs it and is
-    this process's parent, is (it stops its children before it exits)."""
+    of sockets in front end 0's ipc directory. The engine counts as alive while its process and front end 0 (this
+    process's parent, which runs it) are."""
 
-    def __init__(self, ipc_dir: str, index: int):
+    def __init__(self, ipc_dir: str, index: int, engine_pid: int):
+        self.engine_pid = engine_pid
         to_core, to_front = front_end_sockets(index)
         self.ctx = zmq.asyncio.Context()
         self.to_child = self.ctx.socket(zmq.PUSH)
@@ -271,10 +272,10 @@ class _AttachedEngine:
         self.from_child.bind(f"ipc://{ipc_dir}/{to_front}")
 
     def alive(self) -> bool:
-        return not parent_gone()
+        return not parent_gone() and os.path.exists(f"/proc/{self.engine_pid}")
 
     def exit_description(self) -> str:
-        return "is gone with front end 0, which ran it"
+        return "is gone (or front end 0, which ran it, is)"
 
     async def aclose_with(self, goodbye: bytes | None, timeout_s: float) -> None:
         self.to_child.close(linger=1000)  # (an Abort for what was left still leaves)

@@ -9,8 +9,9 @@ decoding that is less than the GPU produces, and a saturated front end also admi
 binds its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their
 front end's index and their outputs come back to it. The metrics are prometheus-client's multiprocess ones (a
 private directory, removed on exit). SIGTERM or SIGINT make a front end stop accepting and drain its own requests;
-front end 0 stops the others first, waits for them, then ends the engine. A front end whose parent (front end 0)
-is gone fails what it has and exits.
+front end 0 stops the others first, waits for them, then ends the engine. A front end whose engine or parent
+(front end 0) is gone fails what it has at once and exits; a front end that exits unasked ends the server with
+code 1 (its clients' requests would otherwise run on unseen), so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class FrontEndInit(msgspec.Struct, array_like=True, frozen=True):
     log_requests: bool
     log_level: str
     shutdown_timeout: float
+    engine_pid: int
+    """The engine process: a front end whose engine is gone (killed, no last word) fails its requests at once."""
 
 
 def multiprocess_metrics_dir() -> str:
@@ -91,8 +94,8 @@ class FrontEnds:
 
     def __init__(self, args, engine, sock: socket.socket, tokenizer: str | None, defaults: SamplingParams):
         self.args, self.engine, self.sock = args, engine, sock
-        self.init = FrontEndInit(engine.init, tokenizer, engine.served_model_name, defaults, args.api_key,
-                                 args.log_requests, args.log_level, args.shutdown_timeout)
+        self.settings = (engine.init, tokenizer, engine.served_model_name, defaults, args.api_key, args.log_requests,
+                         args.log_level, args.shutdown_timeout)
         self.procs: list[subprocess.Popen] = []
         self.ipc_dir: str | None = None
 
@@ -101,7 +104,7 @@ class FrontEnds:
         self.ipc_dir = ipc_dir
         self.engine.gate = gate_file(ipc_dir)
         with open(os.path.join(ipc_dir, INIT_FILE), "wb") as fh:
-            fh.write(msgspec.msgpack.encode(self.init))
+            fh.write(msgspec.msgpack.encode(FrontEndInit(*self.settings, self.engine.process.pid)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         for index in range(1, self.args.api_server_count):
             self.procs.append(subprocess.Popen(
@@ -120,6 +123,13 @@ class FrontEnds:
                 await asyncio.sleep(0.02)
         open(gate_file(self.ipc_dir), "w").close()
         log.info("%d front-end processes serve the port", len(self.procs) + 1)
+
+    def exited(self) -> str | None:
+        """How a front end that exited unasked ended (None while all run)."""
+        for index, proc in enumerate(self.procs, 1):
+            if proc.poll() is not None:
+                return f"front end {index} exited with code {proc.returncode}"
+        return None
 
     def stop(self) -> None:
         """Ask each to drain and exit (SIGTERM)."""
@@ -158,9 +168,10 @@ async def serve(ipc_dir: str, index: int, fd: int) -> int:
     logging.getLogger().setLevel(init.log_level.upper())
     tokenizer = load_tokenizer(init.tokenizer) if init.tokenizer else None
     name = init.served_model_name
-    engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name), init.log_level, index)
+    engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name, multiprocess=True),
+                          init.log_level, index)
     engine.gate = gate_file(ipc_dir)
-    engine.attach(ipc_dir)
+    engine.attach(ipc_dir, init.engine_pid)
     app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests)
     runner = await start_http(app, shutdown_timeout=init.shutdown_timeout, sock=socket.socket(fileno=fd))
     stop = asyncio.Event()

@@ -195,7 +195,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.serve.frontend import FrontEnds, listening_socket, tokenizer_path
     from dispatcher.serve.metrics import EngineMetrics
 
-    metrics = EngineMetrics(name)
+    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
@@ -226,8 +226,11 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
             if front_ends is not None:
                 await front_ends.open_gate()
             freeze_startup_heap()
-            watch = loop.create_task(_watch(engine, args.cudagraph_metrics))
+            watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if front_ends is not None and engine.dead is None and front_ends.exited():
+                log.error("%s; exiting with code 1 so that a supervisor restarts the server", front_ends.exited())
+                code = 1
             if engine.dead is not None:
                 log.error("the engine died: %s; exiting with code 1 so that a supervisor restarts the server",
                           engine.dead)
@@ -252,12 +255,13 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     return code
 
 
-async def _watch(engine, cudagraph_metrics: bool) -> None:
-    """Returns when the engine dies; with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
+async def _watch(engine, cudagraph_metrics: bool, front_ends=None) -> None:
+    """Returns when the engine dies or another front end exits (its clients' requests would run on unseen);
+    with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
     from dispatcher.bench.server_metrics import parse_counters
 
     last = time.monotonic()
-    while engine.dead is None:
+    while engine.dead is None and (front_ends is None or front_ends.exited() is None):
         await asyncio.sleep(0.25)
         if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S:
             last = time.monotonic()

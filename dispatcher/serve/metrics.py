@@ -24,12 +24,8 @@ and labels are an interface.
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from dispatcher.serve.frontend import MULTIPROC_ENV
 
 PREFIX = "twogrid:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -51,8 +47,10 @@ failed (worker death, step error)."""
 class EngineMetrics:
     """The metrics of one served model, on their own ``CollectorRegistry`` (``render()`` gives the /metrics text)."""
 
-    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None, multiprocess: bool = False):
         self.model_name = model_name
+        self.multiprocess = multiprocess
+        """Render every front-end process's values (``--api-server-count`` > 1), not this process's alone."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r, m = self.registry, ("model_name",)
 
@@ -152,7 +150,7 @@ class EngineMetrics:
     # -- exposition ---------------------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The registry in Prometheus' text format (every front-end process's, summed, in multiprocess mode)."""
-        if os.environ.get(MULTIPROC_ENV):
+        if self.multiprocess:
             from prometheus_client import multiprocess
 
             registry = CollectorRegistry()
