@@ -89,14 +89,15 @@ async def drain(app: web.Application, timeout_s: float, reason: str = "the serve
 
 
 async def start_http(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-                     shutdown_timeout: float = 30.0, sock=None) -> web.AppRunner:
-    """Serve ``app`` on ``host:port`` (or on the listening socket ``sock``, which several front-end processes
+                     shutdown_timeout: float = 30.0, socks=None) -> web.AppRunner:
+    """Serve ``app`` on ``host:port`` (or on the listening sockets ``socks``, which several front-end processes
     share) with handler cancellation on (a client's disconnect cancels its handler, which aborts its request).
     ``await runner.cleanup()`` stops it, waiting up to ``shutdown_timeout`` seconds for requests in flight."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
-    await site.start()
+    sites = [web.SockSite(runner, sock) for sock in socks] if socks else [web.TCPSite(runner, host, port)]
+    for site in sites:
+        await site.start()
     return runner
 
 

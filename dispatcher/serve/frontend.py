@@ -1,11 +1,11 @@
 """More front-end processes (``twogrid serve --api-server-count N``): HTTP, tokenization and detokenization spread
-over N processes that share one listening socket (the kernel hands each new connection to one of them) and one
+over N processes that share the listening sockets (the kernel hands each new connection to one of them) and one
 engine.
 
 One Python process streams about 15-20K events a second; at hundreds of concurrent streams under speculative
 decoding that is less than the GPU produces, and a saturated front end also admits new requests late. Front end 0
 (``twogrid serve`` itself) starts the engine as with one; once the engine is ready it starts front ends 1..N-1
-(``python -m dispatcher.serve.frontend IPC_DIR INDEX FD``: the listening socket's descriptor is inherited). Each
+(``python -m dispatcher.serve.frontend IPC_DIR INDEX FD[,FD]``: the listening sockets' descriptors are inherited). Each
 binds its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their
 front end's index and their outputs come back to it. The metrics are prometheus-client's multiprocess ones (a
 private directory, removed on exit). SIGTERM or SIGINT make a front end stop accepting and drain its own requests;
@@ -68,16 +68,24 @@ def multiprocess_metrics_dir() -> str:
     return path
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that child processes inherit."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.listen(4096)
-    sock.set_inheritable(True)
-    return sock
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets on every address ``host`` resolves to (``localhost``: IPv4 and IPv6 where both are
+    configured, as aiohttp's own sites bind), which child processes inherit."""
+    socks, seen = [], set()
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        if (family, address) in seen:
+            continue
+        seen.add((family, address))
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # (so that "::" and "0.0.0.0" can both be bound, as asyncio does)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(4096)
+        sock.set_inheritable(True)
+        socks.append(sock)
+    return socks
 
 
 def tokenizer_path(args) -> str | None:
@@ -92,8 +100,8 @@ class FrontEnds:
     it serves and has heard the engine start (a file), and ``open_gate`` then makes every front end ready at once
     (each one's ``EngineClient.gate``): no front end answers /health with 200 while another would refuse."""
 
-    def __init__(self, args, engine, sock: socket.socket, tokenizer: str | None, defaults: SamplingParams):
-        self.args, self.engine, self.sock = args, engine, sock
+    def __init__(self, args, engine, socks: list[socket.socket], tokenizer: str | None, defaults: SamplingParams):
+        self.args, self.engine, self.socks = args, engine, socks
         self.settings = (engine.init, tokenizer, engine.served_model_name, defaults, args.api_key, args.log_requests,
                          args.log_level, args.shutdown_timeout)
         self.procs: list[subprocess.Popen] = []
@@ -106,10 +114,11 @@ class FrontEnds:
         with open(os.path.join(ipc_dir, INIT_FILE), "wb") as fh:
             fh.write(msgspec.msgpack.encode(FrontEndInit(*self.settings, self.engine.process.pid)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        fds = tuple(sock.fileno() for sock in self.socks)
         for index in range(1, self.args.api_server_count):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dispatcher.serve.frontend", ipc_dir, str(index), str(self.sock.fileno())],
-                env=env, pass_fds=(self.sock.fileno(),)))
+                [sys.executable, "-m", "dispatcher.serve.frontend", ipc_dir, str(index), ",".join(map(str, fds))],
+                env=env, pass_fds=fds))
 
     async def open_gate(self) -> None:
         """Wait until each serves (its ready file), then make all ready; RuntimeError if one exits or is late."""
@@ -157,7 +166,7 @@ def _ready_file(ipc_dir: str, index: int) -> str:
     return os.path.join(ipc_dir, f"front_end.{index}.ready")
 
 
-async def serve(ipc_dir: str, index: int, fd: int) -> int:
+async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient
     from dispatcher.serve.metrics import EngineMetrics
@@ -173,7 +182,8 @@ async def serve(ipc_dir: str, index: int, fd: int) -> int:
     engine.gate = gate_file(ipc_dir)
     engine.attach(ipc_dir, init.engine_pid)
     app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests)
-    runner = await start_http(app, shutdown_timeout=init.shutdown_timeout, sock=socket.socket(fileno=fd))
+    runner = await start_http(app, shutdown_timeout=init.shutdown_timeout,
+                              socks=[socket.socket(fileno=fd) for fd in fds])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -198,7 +208,7 @@ async def serve(ipc_dir: str, index: int, fd: int) -> int:
 
 
 def main() -> int:
-    ipc_dir, index, fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ipc_dir, index, fds = sys.argv[1], int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s front end {index} %(levelname)s %(message)s")
     try:
         import uvloop
@@ -208,7 +218,7 @@ def main() -> int:
         runner = asyncio.run
     from dispatcher.child import profiled
 
-    return profiled(f"front_end_{index}", runner, serve(ipc_dir, index, fd))
+    return profiled(f"front_end_{index}", runner, serve(ipc_dir, index, fds))
 
 
 if __name__ == "__main__":

@@ -192,20 +192,20 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.engine.protocol import EngineInit
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient, EngineError
-    from dispatcher.serve.frontend import FrontEnds, listening_socket, tokenizer_path
+    from dispatcher.serve.frontend import FrontEnds, listening_sockets, tokenizer_path
     from dispatcher.serve.metrics import EngineMetrics
 
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
-    sock = listening_socket(args.host, args.port) if args.api_server_count > 1 else None
-    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, sock=sock)
+    socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
+    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
              args.port)
     front_ends = None
-    if sock is not None:
-        front_ends = FrontEnds(args, engine, sock, tokenizer_path(args), defaults)
+    if socks is not None:
+        front_ends = FrontEnds(args, engine, socks, tokenizer_path(args), defaults)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
