@@ -223,8 +223,13 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         if started in done:
             ready = started.result()
             _log_capture(ready)
-            if front_ends is not None:
-                await front_ends.open_gate()
+            if front_ends is not None:  # (a SIGTERM meanwhile stops the wait: the server stops, as when starting)
+                gate = loop.create_task(front_ends.open_gate())
+                await asyncio.wait({gate, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not gate.done():
+                    gate.cancel()
+                else:
+                    gate.result()
             freeze_startup_heap()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
