@@ -170,20 +170,10 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
     back at 0; a disconnect frees its blocks; SIGTERM ends every process and leaves no ipc or metrics directory."""
     import aiohttp
 
-    from models.default_model import DefaultModelError, default_model_path
-
+    before = _leftovers()
+    srv = _multi_front_end_server(tmp_path, 3, "--max-num-seqs", "64", "--shutdown-timeout", "5")
     try:
-        default_model_path()
-    except DefaultModelError as exc:
-        pytest.skip(f"the default model is not available: {exc}")
-    tmp = tempfile.gettempdir()
-    before = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
-    srv = Server(["--device", "cpu", "--max-num-seqs", "64", "--max-model-len", "512", "--served-model-name", "smol",
-                  "--shutdown-timeout", "5", "--api-server-count", "3"], str(tmp_path / "server.log"), key=KEY)
-    try:
-        srv.wait_healthy(180)
-        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children", encoding="ascii") as fh:
-            assert len(fh.read().split()) == 3  # the engine and two front ends
+        assert len(_children(srv)) == 3  # the engine and two front ends
 
         async def one(session, i: int) -> int:
             body = {"model": "smol", "prompt": f"Story number {i}:", "max_tokens": 6, "ignore_eos": True}
@@ -229,8 +219,7 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
         assert srv.wait(60) == 0
     finally:
         srv.stop()
-    after = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
-    assert not after - before
+    assert not _leftovers() - before
 
 
 @pytest.mark.parametrize("victim", ["engine", "front end"])
@@ -240,21 +229,10 @@ def test_several_front_ends_fail_fast_when_the_engine_or_a_front_end_dies(tmp_pa
     or metrics directory is left."""
     import aiohttp
 
-    from models.default_model import DefaultModelError, default_model_path
-
+    before = _leftovers()
+    srv = _multi_front_end_server(tmp_path, 2, "--max-num-seqs", "16", "--shutdown-timeout", "60")
     try:
-        default_model_path()
-    except DefaultModelError as exc:
-        pytest.skip(f"the default model is not available: {exc}")
-    tmp = tempfile.gettempdir()
-    before = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
-    srv = Server(["--device", "cpu", "--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "smol",
-                  "--shutdown-timeout", "60", "--api-server-count", "2"], str(tmp_path / "server.log"), key=KEY)
-    try:
-        srv.wait_healthy(180)
-        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children", encoding="ascii") as fh:
-            kids = [int(p) for p in fh.read().split()]
-        cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read() for pid in kids}
+        cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read() for pid in _children(srv)}
         engine = next(pid for pid, c in cmdlines.items() if b"dispatcher.engine.service" in c)
         front_end = next(pid for pid, c in cmdlines.items() if b"dispatcher.serve.frontend" in c)
 
@@ -285,5 +263,31 @@ def test_several_front_ends_fail_fast_when_the_engine_or_a_front_end_dies(tmp_pa
         assert srv.wait(20) == 1
     finally:
         srv.stop()
-    after = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
-    assert not after - before
+    assert not _leftovers() - before
+
+
+def _leftovers() -> set[str]:
+    """The server's private directories in the temporary directory (ipc, multiprocess metrics)."""
+    tmp = tempfile.gettempdir()
+    return set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+
+
+def _multi_front_end_server(tmp_path, count: int, *args: str) -> Server:
+    """The default model on the CPU behind ``count`` front-end processes, healthy (skips without the model)."""
+    from models.default_model import DefaultModelError, default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelError as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    srv = Server(["--device", "cpu", "--max-model-len", "512", "--served-model-name", "smol", "--api-server-count",
+                  str(count), *args], str(tmp_path / "server.log"), key=KEY)
+    try:
+        return srv.wait_healthy(180)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+
+def _children(srv: Server) -> list[int]:
+    with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children", encoding="ascii") as fh:
+        return [int(p) for p in fh.read().split()]
