@@ -1,14 +1,16 @@
-"""What the HTTP front end costs the engine's event loop: N concurrent streams through dispatcher/serve/app.py over
-an engine stub that steps every ``--step-ms`` (one token for every running request a step, as a decode-only
-engine does), with the client in another process.
+"""What one front-end process of ``twogrid serve`` costs per streamed event, on this machine's CPU.
 
-The stub's step loop shares the event loop with the HTTP handlers, as the engine's does in ``twogrid serve``:
-whatever time the front end takes between two steps delays the next one. So ``step_efficiency`` = target step
-period / achieved step period is the fraction of the engine's throughput the front end leaves (the issue's target:
-output tok/s through HTTP at least 90% of the offline engine's), and ``server_cpu_us_per_token`` is the front end's
-own cost per streamed token. Repetitions after a warm-up; the median is reported.
+The real front end (dispatcher/serve/app.py over ``EngineClient``: HTTP, tokenization, detokenization, SSE
+chunks, metrics) with the engine process replaced by a step loop in the same process: every ``--step-ms`` it hands
+``EngineClient`` one ``Outputs`` message (msgpack-encoded and decoded, as from the engine) with ``--tokens-per-step``
+new token ids for every running request (3 is K = 7 at a mean acceptance length of 3). Clients in other processes
+stream ShareGPT prompts as text, ``--concurrency`` at a time in a closed loop, over connections opened before the
+clock starts. Reported: the front end's CPU per streamed event and per token, the events a second one process
+could stream at that cost, and whether it kept up (the achieved step period against ``--step-ms``: a saturated
+front end delays the step loop that shares its event loop). Median of ``--repeat`` runs after ``--warmup``.
 
-    python benchmarks/bench_serve_frontend.py --concurrency 256 --output-len 256 --step-ms 20 --out result.json
+    python benchmarks/bench_serve_frontend.py --tokenizer .gpu_data/smollm2-tokenizer --data sharegpt.json \\
+        --concurrency 256 --step-ms 40 --out result.json
 """
 
 from __future__ import annotations
@@ -20,160 +22,175 @@ import os
 import statistics
 import sys
 import time
+import types
 
 from _common import commit, write_json
 
-from dispatcher.engine.output import CompletionOutput, RequestOutput
-from dispatcher.serve.app import build_app, start_http
+from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Outputs, QueueState, StepRecord, decode_to_front,
+                                        encode)
+from dispatcher.serve.client import EngineClient
 from dispatcher.serve.metrics import EngineMetrics
 from scheduler.request import SamplingParams
 
 
-class StepEngine:
-    """EngineClient's interface over a step loop: every ``step_s`` each running request gets one token."""
+class SimulatedEngine(EngineClient):
+    """``EngineClient`` with its engine process replaced by a step loop here: requests are taken where they would
+    be sent, and every step feeds ``_take`` the message the engine would send."""
 
-    served_model_name = "stub"
-    tokenizer = None
-    max_model_len = 1 << 20
-    default_params = SamplingParams()
-    ready = True
-    dead = None
+    def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int]):
+        init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=1 << 20))
+        super().__init__(init, tokenizer, "bench-moe", SamplingParams(), EngineMetrics("bench-moe"))
+        self.ready = True
+        self.step_s, self.tokens_per_step, self.token_ids = step_s, tokens_per_step, token_ids
+        self.running: dict[str, list[int]] = {}
+        self.step_times: list[tuple[float, int]] = []
 
-    def __init__(self, step_s: float):
-        self.metrics = EngineMetrics("stub")
-        self.step_s = step_s
-        self.running: dict[str, list] = {}
-        self.steps = 0
-        self.step_times: list[float] = []
+    def _send(self, message) -> None:
+        if isinstance(message, AddRequest):
+            self.running[message.request_id] = [message.params.max_tokens, 0]
+        elif isinstance(message, Abort):
+            for rid in message.request_ids:
+                self.running.pop(rid, None)
 
-    def generate(self, request_id, prompt, prompt_token_ids, params):
-        params.validate()
-        queue: asyncio.Queue = asyncio.Queue()
-        self.running[request_id] = [queue, params.max_tokens, prompt_token_ids]
-        return self._outputs(request_id, queue)
-
-    async def _outputs(self, rid, queue):
-        while True:
-            delta = await queue.get()
-            yield delta
-            if delta.finished:
-                return
-
-    async def abort(self, request_id):
-        self.running.pop(request_id, None)
-
-    async def loop(self, stop: asyncio.Event):
-        """Steps back to back: a step's "device time" is a sleep until its deadline, as a GPU step would run while
-        the host is free; a late start (the loop was busy) delays every step after it."""
+    async def loop(self, stop: asyncio.Event) -> None:
         next_at = time.perf_counter()
         while not stop.is_set():
             next_at = max(next_at + self.step_s, time.perf_counter())
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            self.step_times.append(time.perf_counter())
-            if not self.running:
-                continue
-            self.steps += 1
-            for rid, state in list(self.running.items()):
-                queue, left, ids = state
-                state[1] = left - 1
-                done = "length" if left == 1 else None
-                out = CompletionOutput(0, " tok", [7], done)
-                queue.put_nowait(RequestOutput(rid, None, ids, [out], done is not None))
-                if done:
-                    del self.running[rid]
+            self.step_times.append((time.perf_counter(), len(self.running)))
+            if self.running:
+                self._take(decode_to_front(encode(self._step())))
+
+    def _step(self) -> Outputs:
+        deltas = []
+        for rid, state in list(self.running.items()):
+            n = min(self.tokens_per_step, state[0])
+            start = state[1] % (len(self.token_ids) - n)
+            state[0] -= n
+            state[1] += n
+            done = state[0] == 0
+            deltas.append(Delta(rid, self.token_ids[start:start + n], "length" if done else None))
+            if done:
+                del self.running[rid]
+        record = StepRecord("uniform_decode", "FULL", None, 0, len(deltas), 0, self.step_s)
+        return Outputs(deltas, [record], QueueState(len(self.running), 0, 1000, 1000))
 
 
-def client(port: int, concurrency: int, output_len: int, result: mp.Queue) -> None:
-    """Runs in another process: ``concurrency`` streams at once, each for ``output_len`` tokens."""
+def client(port: int, prompts: list[str], cap: int, output_len: int, ready, go, results) -> None:
+    """One client process: its prompts, ``cap`` at a time, on connections opened before the start."""
     import aiohttp
 
-    async def one(session):
-        body = {"prompt": [1, 2, 3, 4], "max_tokens": output_len, "ignore_eos": True, "stream": True}
-        events = 0
-        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            async for chunk in r.content.iter_any():
-                events += chunk.count(b"data: ")
-        return events - 1  # [DONE]
-
     async def main():
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cap)) as session:
+            async def health():
+                async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                    await r.read()
+
+            await asyncio.gather(*(health() for _ in range(cap)))
+            ready.put(1)
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            gate = asyncio.Semaphore(cap)
+
+            async def one(prompt: str):
+                async with gate:
+                    body = {"model": "bench-moe", "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                        await r.read()
+
             start = time.perf_counter()
-            counts = await asyncio.gather(*(one(session) for _ in range(concurrency)))
-            result.put((time.perf_counter() - start, sum(counts)))
+            await asyncio.gather(*(one(p) for p in prompts))
+            results.put((start, time.perf_counter()))
 
     asyncio.run(main())
 
 
-async def one_run(args, engine: StepEngine, port: int) -> dict:
+async def one_run(args, engine: SimulatedEngine, port: int, prompts: list[str]) -> dict:
     ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    stop = asyncio.Event()
-    loop_task = asyncio.create_task(engine.loop(stop))
-    cpu0, steps0, n0 = time.process_time(), engine.steps, len(engine.step_times)
-    proc = ctx.Process(target=client, args=(port, args.concurrency, args.output_len, result))
-    proc.start()
-    while proc.is_alive() and result.empty():
-        await asyncio.sleep(0.05)
-    wall_s, tokens = result.get()
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    shares = [prompts[i::args.clients] for i in range(args.clients)]
+    procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, args.output_len, ready,
+                                              go, results)) for share in shares]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        while ready.empty():
+            await asyncio.sleep(0.02)
+        ready.get()
+    n0, cpu0 = len(engine.step_times), time.process_time()
+    go.set()
+    spans = []
+    while len(spans) < len(procs):
+        while results.empty():
+            await asyncio.sleep(0.02)
+        spans.append(results.get())
     cpu_s = time.process_time() - cpu0
-    stop.set()
-    await loop_task
-    proc.join()
-    times = engine.step_times[n0:]
-    busy = [b - a for a, b in zip(times, times[1:])]
-    # the steady part: every stream running (leave out the ramp-up and the drain)
-    steady = busy[len(busy) // 10: -len(busy) // 10 or None]
-    period = statistics.median(steady) if steady else float("nan")
-    return {"wall_s": wall_s, "output_tokens": tokens, "output_tok_s": tokens / wall_s,
-            "steps": engine.steps - steps0, "step_period_ms": period * 1e3,
-            "step_efficiency": args.step_ms / (period * 1e3), "server_cpu_s": cpu_s,
-            "server_cpu_us_per_token": cpu_s / tokens * 1e6}
+    for proc in procs:
+        proc.join()
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    tokens = len(prompts) * args.output_len
+    events = tokens / args.tokens_per_step
+    steps = [t for t in engine.step_times[n0:] if start <= t[0] <= end]
+    full = sorted(b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[1] >= 0.9 * args.concurrency)
+    period_ms = statistics.median(full) * 1e3 if full else float("nan")
+    return {"wall_s": round(end - start, 3), "output_tok_s": round(tokens / (end - start)),
+            "front_end_cpu_cores": round(cpu_s / (end - start), 3), "cpu_us_per_event": round(cpu_s / events * 1e6, 1),
+            "cpu_us_per_token": round(cpu_s / tokens * 1e6, 1), "step_period_ms": round(period_ms, 2),
+            "step_efficiency": round(args.step_ms / period_ms, 3)}
 
 
 async def main_async(args) -> dict:
-    engine = StepEngine(args.step_ms / 1e3)
+    from dispatcher.bench.datasets import sharegpt_requests
+    from dispatcher.serve.app import build_app, start_http
+    from models.text import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    prompts = [r.prompt for r in sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)]
+    token_ids = tokenizer.encode(" ".join(prompts[:50]), False)
+    engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(engine.loop(stop))
+    runs = []
     try:
-        runs = []
         for i in range(args.warmup + args.repeat):
-            r = await one_run(args, engine, port)
-            print(f"{'warm-up' if i < args.warmup else 'run'} {i}: {r['output_tok_s']:.0f} tok/s, step period "
-                  f"{r['step_period_ms']:.2f} ms (target {args.step_ms}), "
-                  f"{r['server_cpu_us_per_token']:.1f} us CPU/token", file=sys.stderr)
+            r = await one_run(args, engine, port, prompts)
+            print(f"{'warm-up' if i < args.warmup else 'run'} {i}: {r}", file=sys.stderr)
             if i >= args.warmup:
                 runs.append(r)
     finally:
+        stop.set()
+        await loop_task
         await runner.cleanup()
-    keys = ("output_tok_s", "step_period_ms", "step_efficiency", "server_cpu_us_per_token")
-    return {"benchmark": "serve_frontend", "commit": commit(), "concurrency": args.concurrency,
-            "output_len": args.output_len, "step_ms": args.step_ms, "ideal_output_tok_s":
-            args.concurrency * 1e3 / args.step_ms, "event_loop": type(asyncio.get_running_loop()).__module__,
-            "cpus": os.cpu_count(), **{f"median_{k}": statistics.median(r[k] for r in runs) for k in keys},
-            "runs": runs}
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"benchmark": "serve_frontend", "commit": commit(), "command": " ".join(["python", *sys.argv]),
+            "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
+            "tokens_per_step": args.tokens_per_step, "output_len": args.output_len, "clients": args.clients,
+            "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", required=True, help="a tokenizer directory or .gguf (SmolLM2's for bench-moe)")
+    p.add_argument("--data", required=True, help="ShareGPT JSON")
     p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--step-ms", type=float, default=20.0, help="the stub engine's step period")
+    p.add_argument("--step-ms", type=float, default=40.0, help="the simulated engine's step period")
+    p.add_argument("--tokens-per-step", type=int, default=3, help="new tokens per request a step")
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--waves", type=int, default=2, help="prompts = waves x concurrency")
+    p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-uvloop", action="store_true", help="the default asyncio loop instead of uvloop")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args()
-    if args.no_uvloop:
-        result = asyncio.run(main_async(args))
-    else:
-        import uvloop
+    import uvloop
 
-        result = uvloop.run(main_async(args))
-    print(f"median: {result['median_output_tok_s']:.0f} tok/s of {result['ideal_output_tok_s']:.0f} ideal, step "
-          f"efficiency {result['median_step_efficiency']:.3f}, {result['median_server_cpu_us_per_token']:.1f} us "
-          f"server CPU per token")
+    result = uvloop.run(main_async(args))
+    m = result["median"]
+    print(f"median: {m['cpu_us_per_event']:.0f} us of front-end CPU per streamed event ({m['cpu_us_per_token']:.0f} "
+          f"per token): one process streams ~{result['events_per_s_at_one_core']} events/s at one core; "
+          f"{m['front_end_cpu_cores']:.2f} cores used here, step efficiency {m['step_efficiency']:.2f}")
     write_json(args.out, result)
 
 
