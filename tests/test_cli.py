@@ -122,3 +122,11 @@ def test_platform_auto_gives_hopper_and_blackwell_the_separate_grids_defaults():
     assert platform_for_compute_capability("8.9") is Platform.DEFAULT
     assert platform_for_compute_capability("8.0") is Platform.DEFAULT
     assert platform_for_compute_capability("") is Platform.DEFAULT  # no GPU, or no nvidia-smi
+
+
+@pytest.mark.parametrize("count", ["0", "65"])
+def test_serve_refuses_an_api_server_count_out_of_range(count):
+    """Before anything starts: one line naming the flag and its range, exit code 2."""
+    rc, out, err = run("serve", "--api-server-count", count, "--device", "cpu")
+    assert rc == 2 and out == ""
+    assert err.strip() == f"twogrid serve: error: --api-server-count must be in 1..64, got {count}"
