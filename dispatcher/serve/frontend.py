@@ -8,7 +8,8 @@ decoding that is less than the GPU produces, and a saturated front end also admi
 (``python -m dispatcher.serve.frontend IPC_DIR INDEX FD[,FD]``: the listening sockets' descriptors are inherited). Each
 binds its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their
 front end's index and their outputs come back to it. The metrics are prometheus-client's multiprocess ones (a
-private directory, removed on exit). SIGTERM or SIGINT make a front end stop accepting and drain its own requests;
+private directory, removed on exit). SIGTERM makes a front end stop accepting and drain its own requests (SIGINT is
+front end 0's);
 front end 0 stops the others first, waits for them, then ends the engine. A front end whose engine or parent
 (front end 0) is gone fails what it has at once and exits; a front end that exits unasked ends the server with
 code 1 (its clients' requests would otherwise run on unseen), so that a supervisor restarts it.
@@ -153,7 +154,7 @@ class FrontEnds:
             await asyncio.sleep(0.05)
         for proc in self.procs:
             if proc.poll() is None:
-                log.warning("front end %d did not exit within %.0f s: killed", proc.pid, timeout_s)
+                log.warning("front-end process %d did not exit within %.0f s: killed", proc.pid, timeout_s)
                 proc.kill()
             proc.wait()
 
@@ -167,6 +168,8 @@ def _ready_file(ipc_dir: str, index: int) -> str:
 
 
 async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
+    """Front end ``index``: serve HTTP on the inherited sockets ``fds`` through front end 0's engine until SIGTERM
+    (exit 0, its requests drained) or the engine's or front end 0's end (exit 1, its requests failed)."""
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient
     from dispatcher.serve.metrics import EngineMetrics
@@ -185,9 +188,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     runner = await start_http(app, shutdown_timeout=init.shutdown_timeout,
                               socks=[socket.socket(fileno=fd) for fd in fds])
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     said_ready = False
     while not stop.is_set() and engine.dead is None:  # (dead: the engine died, or front end 0 is gone)
         if not said_ready and engine.capture is not None:  # serving, and the engine has started
@@ -208,6 +209,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches front end 0 too: it stops us (SIGTERM)
     ipc_dir, index, fds = sys.argv[1], int(sys.argv[2]), [int(fd) for fd in sys.argv[3].split(",")]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s front end {index} %(levelname)s %(message)s")
     try:
