@@ -4,15 +4,15 @@ engine.
 
 One Python process streams about 15-20K events a second; at hundreds of concurrent streams under speculative
 decoding that is less than the GPU produces, and a saturated front end also admits new requests late. Front end 0
-(``twogrid serve`` itself) starts the engine as with one; once the engine is ready it starts front ends 1..N-1
-(``python -m dispatcher.serve.frontend IPC_DIR INDEX FD[,FD]``: the listening sockets' descriptors are inherited). Each
-binds its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their
-front end's index and their outputs come back to it. The metrics are prometheus-client's multiprocess ones (a
-private directory, removed on exit). SIGTERM makes a front end stop accepting and drain its own requests (SIGINT is
-front end 0's);
-front end 0 stops the others first, waits for them, then ends the engine. A front end whose engine or parent
-(front end 0) is gone fails what it has at once and exits; a front end that exits unasked ends the server with
-code 1 (its clients' requests would otherwise run on unseen), so that a supervisor restarts it.
+(``twogrid serve`` itself) starts the engine as with one, and front ends 1..N-1 with it (``python -m
+dispatcher.serve.frontend IPC_DIR INDEX FD[,FD]``: the listening sockets' descriptors are inherited). Each binds
+its own pair of sockets in front end 0's ipc directory, to which the engine connects; requests carry their front
+end's index and their outputs come back to it. None is ready before all are (a gate file). The metrics are
+prometheus-client's multiprocess ones (a private directory, removed on exit). SIGTERM makes a front end stop
+accepting and drain its own requests; SIGINT is front end 0's, which stops the others first, waits for them, then
+ends the engine. A front end whose engine or parent (front end 0) is gone fails what it has at once and exits; a
+front end that exits unasked ends the server with code 1 (its clients' requests would otherwise run on unseen), so
+that a supervisor restarts it.
 """
 
 from __future__ import annotations
