@@ -4,10 +4,11 @@ The real front end (dispatcher/serve/app.py over ``EngineClient``: HTTP, tokeniz
 chunks, metrics) with the engine process replaced by a step loop in the same process: every ``--step-ms`` it hands
 ``EngineClient`` one ``Outputs`` message (msgpack-encoded and decoded, as from the engine) with ``--tokens-per-step``
 new token ids for every running request (3 is K = 7 at a mean acceptance length of 3). Clients in other processes
-stream ShareGPT prompts as text, ``--concurrency`` at a time in a closed loop, over connections opened before the
-clock starts. Reported: the front end's CPU per streamed event and per token, the events a second one process
-could stream at that cost, and whether it kept up (the achieved step period against ``--step-ms``: a saturated
-front end delays the step loop that shares its event loop). Median of ``--repeat`` runs after ``--warmup``.
+(``twogrid bench``'s client) stream ShareGPT prompts as text, ``--concurrency`` at a time in a closed loop, over
+connections opened before the clock starts. Reported: the front end's CPU per streamed event and per token, the
+events a second one process could stream at that cost, and whether it kept up (the achieved step period against
+``--step-ms``: a saturated front end delays the step loop that shares its event loop). Median of ``--repeat`` runs
+after ``--warmup``.
 
     python benchmarks/bench_serve_frontend.py --tokenizer .gpu_data/smollm2-tokenizer --data sharegpt.json \\
         --concurrency 256 --step-ms 40 --out result.json
@@ -24,6 +25,7 @@ import sys
 import time
 import types
 
+import numpy as np
 from _common import commit, write_json
 
 from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Outputs, QueueState, StepRecord, decode_to_front,
@@ -76,41 +78,34 @@ class SimulatedEngine(EngineClient):
         return Outputs(deltas, [record], QueueState(len(self.running), 0, 1000, 1000))
 
 
-def client(port: int, prompts: list[str], cap: int, output_len: int, ready, go, results) -> None:
-    """One client process: its prompts, ``cap`` at a time, on connections opened before the start."""
-    import aiohttp
+def client(port: int, requests: list, cap: int, ready, go, results) -> None:
+    """One client process: ``twogrid bench``'s client (its session, pool priming and closed loop) on its requests,
+    ``cap`` at a time."""
+    from dispatcher.bench.client import Endpoint
+    from dispatcher.bench.runner import open_session, prime_connections, run_requests
+
+    endpoint = Endpoint("completions", f"http://127.0.0.1:{port}", "bench-moe", {}, ignore_eos=True)
 
     async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cap)) as session:
-            async def health():
-                async with session.get(f"http://127.0.0.1:{port}/health") as r:
-                    await r.read()
-
-            await asyncio.gather(*(health() for _ in range(cap)))
+        async with open_session(cap) as session:
+            await prime_connections(session, endpoint, cap)
             ready.put(1)
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
-            gate = asyncio.Semaphore(cap)
-
-            async def one(prompt: str):
-                async with gate:
-                    body = {"model": "bench-moe", "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-                            "stream": True, "stream_options": {"include_usage": True}}
-                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
-                        await r.read()
-
-            start = time.perf_counter()
-            await asyncio.gather(*(one(p) for p in prompts))
-            results.put((start, time.perf_counter()))
+            outputs, duration = await run_requests(session, endpoint, requests, cap, np.zeros(len(requests)), "",
+                                                   True)
+            end = time.perf_counter()
+            assert all(o.success for o in outputs), next(o.error for o in outputs if not o.success)
+            results.put((end - duration, end))
 
     asyncio.run(main())
 
 
-async def one_run(args, engine: SimulatedEngine, port: int, prompts: list[str]) -> dict:
+async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> dict:
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    shares = [prompts[i::args.clients] for i in range(args.clients)]
-    procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, args.output_len, ready,
-                                              go, results)) for share in shares]
+    shares = [requests[i::args.clients] for i in range(args.clients)]
+    procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, ready, go, results))
+             for share in shares]
     for proc in procs:
         proc.start()
     for _ in procs:
@@ -128,7 +123,7 @@ async def one_run(args, engine: SimulatedEngine, port: int, prompts: list[str]) 
     for proc in procs:
         proc.join()
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
-    tokens = len(prompts) * args.output_len
+    tokens = len(requests) * args.output_len
     events = tokens / args.tokens_per_step
     steps = [t for t in engine.step_times[n0:] if start <= t[0] <= end]
     full = sorted(b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[1] >= 0.9 * args.concurrency)
@@ -145,8 +140,8 @@ async def main_async(args) -> dict:
     from models.text import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    prompts = [r.prompt for r in sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)]
-    token_ids = tokenizer.encode(" ".join(prompts[:50]), False)
+    requests = sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)
+    token_ids = tokenizer.encode(" ".join(r.prompt for r in requests[:50]), False)
     engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
@@ -155,7 +150,7 @@ async def main_async(args) -> dict:
     runs = []
     try:
         for i in range(args.warmup + args.repeat):
-            r = await one_run(args, engine, port, prompts)
+            r = await one_run(args, engine, port, requests)
             print(f"{'warm-up' if i < args.warmup else 'run'} {i}: {r}", file=sys.stderr)
             if i >= args.warmup:
                 runs.append(r)

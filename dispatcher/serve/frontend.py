@@ -89,22 +89,15 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def tokenizer_path(args) -> str | None:
-    """Where front end 0 loaded its tokenizer from (``load_tokenizer`` of it gives the same one, or None)."""
-    from models.default_model import default_model_path
-
-    return args.tokenizer or args.model or default_model_path()
-
-
 class FrontEnds:
     """Front end 0's handle on front ends 1..N-1. They start with the engine (``spawn``), each says it is ready once
     it serves and has heard the engine start (a file), and ``open_gate`` then makes every front end ready at once
     (each one's ``EngineClient.gate``): no front end answers /health with 200 while another would refuse."""
 
     def __init__(self, args, engine, socks: list[socket.socket], tokenizer: str | None, defaults: SamplingParams):
+        """``tokenizer``: where front end 0 loaded its tokenizer from (``load_tokenizer`` of it gives the same)."""
         self.args, self.engine, self.socks = args, engine, socks
-        self.settings = (engine.init, tokenizer, engine.served_model_name, defaults, args.api_key, args.log_requests,
-                         args.log_level, args.shutdown_timeout)
+        self.tokenizer, self.defaults = tokenizer, defaults
         self.procs: list[subprocess.Popen] = []
         self.ipc_dir: str | None = None
 
@@ -113,7 +106,11 @@ class FrontEnds:
         self.ipc_dir = ipc_dir
         self.engine.gate = gate_file(ipc_dir)
         with open(os.path.join(ipc_dir, INIT_FILE), "wb") as fh:
-            fh.write(msgspec.msgpack.encode(FrontEndInit(*self.settings, self.engine.process.pid)))
+            fh.write(msgspec.msgpack.encode(FrontEndInit(
+                engine=self.engine.init, tokenizer=self.tokenizer, served_model_name=self.engine.served_model_name,
+                defaults=self.defaults, api_key=self.args.api_key, log_requests=self.args.log_requests,
+                log_level=self.args.log_level, shutdown_timeout=self.args.shutdown_timeout,
+                engine_pid=self.engine.process.pid)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         fds = tuple(sock.fileno() for sock in self.socks)
         for index in range(1, self.args.api_server_count):

@@ -163,8 +163,8 @@ def _setup(args: argparse.Namespace):
     dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size,
-                      max_model_len, sched.max_blocks_per_seq,
-                      args.num_kv_blocks or 0, args.gpu_memory_utilization, args.seed, not args.enforce_eager,
+                      max_model_len, sched.max_blocks_per_seq, args.num_kv_blocks or 0, args.gpu_memory_utilization,
+                      args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
@@ -192,7 +192,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.engine.protocol import EngineInit
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient, EngineError
-    from dispatcher.serve.frontend import FrontEnds, listening_sockets, tokenizer_path
+    from dispatcher.serve.frontend import FrontEnds, listening_sockets
     from dispatcher.serve.metrics import EngineMetrics
 
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1)
@@ -205,7 +205,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
              args.port)
     front_ends = None
     if socks is not None:
-        front_ends = FrontEnds(args, engine, socks, tokenizer_path(args), defaults)
+        front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults)  # (_setup's tokenizer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,8 +233,9 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
             freeze_startup_heap()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if front_ends is not None and engine.dead is None and front_ends.exited():
-                log.error("%s; exiting with code 1 so that a supervisor restarts the server", front_ends.exited())
+            gone = front_ends.exited() if front_ends is not None and engine.dead is None else None
+            if gone is not None:
+                log.error("%s; exiting with code 1 so that a supervisor restarts the server", gone)
                 code = 1
             if engine.dead is not None:
                 log.error("the engine died: %s; exiting with code 1 so that a supervisor restarts the server",
