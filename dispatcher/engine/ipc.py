@@ -30,6 +30,19 @@ from models.config import ModelConfig
 
 log = logging.getLogger("twogrid.engine")
 
+
+def bind_pair(ctx, ipc_dir: str, push_name: str, pull_name: str) -> tuple:
+    """A PUSH and a PULL socket bound as ``ipc_dir/push_name`` and ``ipc_dir/pull_name``, neither with a high-water
+    mark (a send never blocks or drops)."""
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.bind(f"ipc://{ipc_dir}/{push_name}")
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind(f"ipc://{ipc_dir}/{pull_name}")
+    return push, pull
+
+
 class WorkerDied(RuntimeError):
     """The worker process exited or failed; the message says how."""
 
@@ -46,12 +59,7 @@ class ChildProcess:
         self.dir = tempfile.mkdtemp(prefix="twogrid-ipc-", dir=parent_dir)
         os.chmod(self.dir, 0o700)
         self.ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
-        self.to_child = self.ctx.socket(zmq.PUSH)
-        self.to_child.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: a send never blocks or drops
-        self.to_child.bind(f"ipc://{self.dir}/{to_child}")
-        self.from_child = self.ctx.socket(zmq.PULL)
-        self.from_child.setsockopt(zmq.RCVHWM, 0)
-        self.from_child.bind(f"ipc://{self.dir}/{from_child}")
+        self.to_child, self.from_child = bind_pair(self.ctx, self.dir, to_child, from_child)
         self.proc = subprocess.Popen([sys.executable, "-m", module, self.dir],
                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **(env or {})},
                                      start_new_session=True)

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import parent_gone
-from dispatcher.engine.ipc import ChildProcess
+from dispatcher.engine.ipc import ChildProcess, bind_pair
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Outputs, decode_to_front, encode, front_end_sockets)
@@ -262,14 +262,8 @@ class _AttachedEngine:
 
     def __init__(self, ipc_dir: str, index: int, engine_pid: int):
         self.engine_pid = engine_pid
-        to_core, to_front = front_end_sockets(index)
         self.ctx = zmq.asyncio.Context()
-        self.to_child = self.ctx.socket(zmq.PUSH)
-        self.to_child.setsockopt(zmq.SNDHWM, 0)
-        self.to_child.bind(f"ipc://{ipc_dir}/{to_core}")
-        self.from_child = self.ctx.socket(zmq.PULL)
-        self.from_child.setsockopt(zmq.RCVHWM, 0)
-        self.from_child.bind(f"ipc://{ipc_dir}/{to_front}")
+        self.to_child, self.from_child = bind_pair(self.ctx, ipc_dir, *front_end_sockets(index))
 
     def alive(self) -> bool:
         return not parent_gone() and os.path.exists(f"/proc/{self.engine_pid}")
