@@ -66,12 +66,14 @@ def prompt_lengths(path: str | None, n: int, seed: int = 0) -> list[int]:
     return [max(1, min(2048, int(rng.lognormvariate(4.3, 0.9)))) for _ in range(n)]
 
 
-def make_engine(policy: str, k: int, fixed: float | None, lengths: list[int], step_trace: str | None = None) -> EngineCore:
-    """An engine with KV blocks for the widest wave (every request's prompt, output, drafts and lookahead)."""
+def make_engine(policy: str, k: int, fixed: float | None, lengths: list[int], step_trace: str | None = None,
+                max_model_len: int | None = None) -> EngineCore:
+    """An engine with KV blocks for the widest wave (every request's prompt, output, drafts and lookahead);
+    ``max_model_len`` defaults to the longest prompt plus the output (it sets the block table's width)."""
     spec = {"method": "eagle3", "num_speculative_tokens": k} if k else None
     cfg = resolve(POLICIES[policy], spec, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
     blocks = sum(-(-(n + OUTPUT_LEN + 2 * (k + 1)) // BLOCK) for n in lengths) + 64
-    max_len = max(lengths) + OUTPUT_LEN
+    max_len = max_model_len or max(lengths) + OUTPUT_LEN
     return EngineCore(cfg, EngineArgs(preset("bench-moe"), device="cuda", num_kv_blocks=blocks, block_size=BLOCK,
                                       max_model_len=max_len, fixed_acceptance=fixed, step_trace=step_trace),
                       progress=False)

@@ -19,10 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 from bench_engine_gpu import OUTPUT_LEN, make_engine, prompt_lengths
+from models import triton_attention
 from models.config import preset
 from scheduler.request import SamplingParams
 
 ATTENTION_KERNELS = ("_paged_attention_kernel", "_merge_splits_kernel")
+DEFAULT_MAX_KV_SPLITS = triton_attention.MAX_KV_SPLITS
 
 
 def graph_split(prof) -> dict:
@@ -50,18 +52,12 @@ def graph_split(prof) -> dict:
             "outside_graph_top_us": sorted(((n, round(us, 1)) for n, us in outside.items()), key=lambda x: -x[1])[:12]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--concurrency", type=int, default=256)
-    parser.add_argument("--k", type=int, default=7)
-    parser.add_argument("--policy", default="separate")
-    parser.add_argument("--warm-steps", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+def profile_run(args, policy: str, max_kv_splits: int | None) -> dict:
+    """One engine: warm steps, then ``args.steps`` steps under the profiler; kernel time per step by kind."""
+    if max_kv_splits:
+        triton_attention.MAX_KV_SPLITS = max_kv_splits
     lengths = prompt_lengths(args.data, args.concurrency)
-    engine = make_engine(args.policy, args.k, 3.0 if args.k else None, lengths)
+    engine = make_engine(policy, args.k, 3.0 if args.k else None, lengths, max_model_len=args.max_model_len)
     vocab = preset("bench-moe").vocab_size
     rng = random.Random(0)
     for n in lengths:
@@ -86,23 +82,54 @@ def main() -> None:
         return sum(e.device_time_total for e in events if e.name == name)
 
     logits_us, draft_logits_us = range_us("twogrid.logits"), range_us("twogrid.draft_logits")
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     for k in kernels:
-        by_name[k.name] = by_name.get(k.name, 0.0) + k.time_range.elapsed_us()
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-    graphs = graph_split(prof)
+        by_name.setdefault(k.name, []).append(k.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]
+    first, last = min(k.time_range.start for k in kernels), max(k.time_range.end for k in kernels)
+    triton_attention.MAX_KV_SPLITS = DEFAULT_MAX_KV_SPLITS
+    return {
+        "policy": policy, "max_model_len": engine.args.max_model_len, "max_kv_splits": max_kv_splits,
+        "steps": args.steps,
+        "gpu_ms_per_step": round(total_us / 1e3 / args.steps, 3),
+        "span_ms_per_step": round((last - first) / 1e3 / args.steps, 3),
+        "kernels_per_step": round(len(kernels) / args.steps, 1),
+        "attention_share": round(attention_us / total_us, 4),
+        "logits_share": round(logits_us / total_us, 4),
+        "draft_logits_share": round(draft_logits_us / total_us, 4),
+        # (name, ms a step, launches a step)
+        "top_kernels_ms_per_step": [(name[:90], round(sum(us) / 1e3 / args.steps, 4), round(len(us) / args.steps, 1))
+                                    for name, us in top],
+        **graph_split(prof),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--policy", default="separate",
+                        help="one policy or a comma-separated list, profiled in turn (each its own engine)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engines' max_model_len (the block table's width); default: longest prompt + output")
+    parser.add_argument("--max-kv-splits", default="0",
+                        help="comma-separated caps on attention's context splits, one engine each per policy "
+                             "(0: the default cap)")
+    parser.add_argument("--warm-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    runs = [profile_run(args, policy, int(cap) or None)
+            for policy in args.policy.split(",") for cap in args.max_kv_splits.split(",")]
     result = {
         "command": "PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json "
                    "--out $OUT/profile_engine.json",
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
-        "model": "bench-moe", "policy": args.policy, "workload": f"eagle3-k{args.k}" if args.k else "no-sd",
-        "acceptance": "fixed-3.0" if args.k else "real", "concurrency": args.concurrency, "steps": args.steps,
-        "gpu_ms_per_step": round(total_us / 1e3 / args.steps, 3),
-        "attention_share": round(attention_us / total_us, 4),
-        "logits_share": round(logits_us / total_us, 4),
-        "draft_logits_share": round(draft_logits_us / total_us, 4),
-        "top_kernels_ms_per_step": [(name, round(us / 1e3 / args.steps, 4)) for name, us in top],
-        **graphs,
+        "model": "bench-moe", "workload": f"eagle3-k{args.k}" if args.k else "no-sd",
+        "acceptance": "fixed-3.0" if args.k else "real", "concurrency": args.concurrency,
+        **(runs[0] if len(runs) == 1 else {"runs": runs}),
     }
     write_json(args.out, result)
     print(json.dumps(result, indent=1))
