@@ -64,12 +64,11 @@ def profile_run(args, policy: str, max_kv_splits: int | None) -> dict:
         engine.add_request([rng.randrange(3, vocab) for _ in range(n)],
                            SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True))
     steps = engine.run()
-    for _ in range(args.warm_steps):
-        next(steps)
+    for _ in zip(range(args.warm_steps), steps):
+        pass
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            next(steps)
+        num_steps = sum(1 for _ in zip(range(args.steps), steps))  # fewer if the requests finish first
         torch.cuda.synchronize()
     for _ in steps:
         pass
@@ -90,15 +89,15 @@ def profile_run(args, policy: str, max_kv_splits: int | None) -> dict:
     triton_attention.MAX_KV_SPLITS = DEFAULT_MAX_KV_SPLITS
     return {
         "policy": policy, "max_model_len": engine.args.max_model_len, "max_kv_splits": max_kv_splits,
-        "steps": args.steps,
-        "gpu_ms_per_step": round(total_us / 1e3 / args.steps, 3),
-        "span_ms_per_step": round((last - first) / 1e3 / args.steps, 3),
-        "kernels_per_step": round(len(kernels) / args.steps, 1),
+        "steps": num_steps,
+        "gpu_ms_per_step": round(total_us / 1e3 / num_steps, 3),
+        "span_ms_per_step": round((last - first) / 1e3 / num_steps, 3),
+        "kernels_per_step": round(len(kernels) / num_steps, 1),
         "attention_share": round(attention_us / total_us, 4),
         "logits_share": round(logits_us / total_us, 4),
         "draft_logits_share": round(draft_logits_us / total_us, 4),
         # (name, ms a step, launches a step)
-        "top_kernels_ms_per_step": [(name[:90], round(sum(us) / 1e3 / args.steps, 4), round(len(us) / args.steps, 1))
+        "top_kernels_ms_per_step": [(name[:90], round(sum(us) / 1e3 / num_steps, 4), round(len(us) / num_steps, 1))
                                     for name, us in top],
         **graph_split(prof),
     }
