@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +59,9 @@ WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_t
                                     "num_speculative_tokens_per_batch_size": [[1, 7], [65, 3], [257, 1]]}}
 """Speculative configs; the tiers: K = 7 up to 64 requests, 3 up to 256, 1 above (SPEC.md's example)."""
 def start_server(policy: str, workload: str, fixed: float | None, port: int, args, log_path: str,
-                 trace: bool = True) -> subprocess.Popen:
+                 trace: bool = True, num_kv_blocks: int = 0, wait: bool = True) -> subprocess.Popen:
+    """``twogrid serve`` for a policy and workload, its KV cache sized by ``--gpu-memory-utilization`` 0.8 or
+    ``num_kv_blocks``; ready to serve unless ``wait`` is false (then ``wait_healthy``)."""
     spec = WORKLOADS[workload]
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
@@ -73,15 +76,24 @@ def start_server(policy: str, workload: str, fixed: float | None, port: int, arg
         os.makedirs(args.step_trace_dir, exist_ok=True)
         name = f"trace-{policy}-{workload}.jsonl"
         cmd += ["--step-trace", os.path.join(args.step_trace_dir, name)]
+    if num_kv_blocks:
+        cmd += ["--num-kv-blocks", str(num_kv_blocks)]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    proc.log_path = log_path
+    if wait:
+        wait_healthy(proc, policy, port)
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, policy: str, port: int) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{policy}: the server exited with {proc.returncode} (log {log_path})")
+            raise RuntimeError(f"{policy}: the server exited with {proc.returncode} (log {proc.log_path})")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             pass
         time.sleep(1)
@@ -216,6 +228,68 @@ def closed_loop(engine, prompts: list[list[int]], params, conc: int) -> int:
     return tokens
 
 
+def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: list[dict], args) -> dict:
+    """A result row from one or more ``twogrid bench`` results of one server at one concurrency (interleaved
+    rounds): tok/s, TPOT and TTFT are the rounds' medians, each round's tok/s beside them; the server's counters
+    (eager steps, padded tokens, steps, device time) are summed, and GPU busy is their device time over the runs'
+    durations."""
+    def median(key: str) -> float:
+        return statistics.median(b.get(key, float("nan")) for b in benches)
+
+    device_s = sum(b["step_device_seconds"] for b in benches)
+    completed = sum(b["completed"] for b in benches)
+    failed = sum(b.get("failed", 0) for b in benches)
+    row = {"policy": policy, "model": os.path.basename(args.model), "workload": workload, "acceptance": acceptance,
+           "concurrency": conc, "output_tok_s": round(median("output_throughput"), 1),
+           "tpot_ms_mean": round(median("mean_tpot_ms"), 3), "tpot_ms_p99": round(median("p99_tpot_ms"), 3),
+           "ttft_ms_mean": round(median("mean_ttft_ms"), 3),
+           "eager_steps": int(sum(b.get("eager_steps", 0) for b in benches)),
+           "padded_tokens": int(sum(b["padded_tokens"] for b in benches)),
+           "steps": int(sum(b["cudagraph_steps"] for b in benches)), "device_s": round(device_s, 3),
+           "gpu_busy": round(device_s / sum(b["duration"] for b in benches), 3),
+           "completed": completed, "failed": failed, "waves": args.waves, "num_prompts": completed + failed,
+           "num_clients": benches[0].get("num_clients", 1),
+           "client_cpu_fraction": round(median("client_cpu_fraction"), 3),
+           "cpu_core_share": benches[0].get("cpu_core_share")}
+    if len(benches) > 1:
+        row["rounds"] = len(benches)
+        row["round_tok_s"] = [round(b["output_throughput"], 1) for b in benches]
+    return row
+
+
+def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concurrencies: list[int], args,
+                     out_dir: str) -> list[dict]:
+    """Every policy's server up at once (each with a KV cache for the largest concurrency), and at each
+    concurrency ``--interleave`` rounds of one bench run per policy, in alternating order (A B, B A, ...): a drift
+    of the host's speed reaches every policy alike. At small batches a step waits on the host, and the same
+    policy's sequential runs differ by more than the policies do."""
+    policies = args.policies.split(",")
+    blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
+    procs = {p: start_server(p, workload, fixed, args.port + i, args,
+                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
+             for i, p in enumerate(policies)}
+    rows = []
+    try:
+        for i, p in enumerate(policies):
+            wait_healthy(procs[p], p, args.port + i)
+        for conc in concurrencies:
+            benches: dict[str, list[dict]] = {p: [] for p in policies}
+            for r in range(args.interleave):
+                for p in (policies if r % 2 == 0 else policies[::-1]):
+                    base = f"http://127.0.0.1:{args.port + policies.index(p)}"
+                    benches[p].append(run_bench(base, conc, f"{p}-{workload}-r{r}", os.path.join(out_dir, "bench"),
+                                                args, procs[p].pid))
+            for p in policies:
+                rows.append(make_row(p, workload, acceptance, conc, benches[p], args))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(60)
+    return rows
+
+
 def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
     """One unmeasured server (the first policy and workload) through every concurrency, so that kernel variants
     Triton compiles while serving land in its disk cache before any measured server: otherwise the first policy
@@ -287,7 +361,11 @@ def main() -> None:
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
     parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false",
                         help="skip the unmeasured first server that fills Triton's disk cache")
-    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="run every policy's server at once and alternate bench runs between them, ROUNDS per "
+                        "concurrency (for small concurrencies, where host drift between sequential servers "
+                        "exceeds the difference measured; 0: one server at a time)")
+    parser.add_argument("--port", type=int, default=8123, help="(the first server's; interleaved ones count up)")
     parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes (one "
                         "streams ~15-20K events a second: fewer than the GPU makes at 256+ streams)")
     parser.add_argument("--model", default="bench-moe", help="(a CPU dry run can give the default model's GGUF)")
@@ -301,7 +379,8 @@ def main() -> None:
                          f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
                          f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} "
-                         f"--api-server-count {args.api_server_count} --out $OUT/headline_h200.json",
+                         f"--api-server-count {args.api_server_count} --interleave {args.interleave} "
+                         "--out $OUT/headline_h200.json",
               "commit": commit(), "api_server_count": args.api_server_count,
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
@@ -311,7 +390,10 @@ def main() -> None:
         spec = WORKLOADS[workload]
         fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
         acceptance = f"fixed-{fixed}" if fixed else "real"
-        for policy in args.policies.split(","):
+        if args.interleave:
+            result["rows"] += interleaved_rows(workload, fixed, acceptance, concurrencies, args, out_dir)
+            write_json(args.out, result)
+        for policy in ([] if args.interleave else args.policies.split(",")):
             log_path = os.path.join(out_dir, f"server-{workload}-{policy}.log")
             proc = start_server(policy, workload, fixed, args.port, args, log_path)
             base = f"http://127.0.0.1:{args.port}"
@@ -319,21 +401,7 @@ def main() -> None:
                 for conc in concurrencies:  # (twogrid bench reads the server's counters after its warm-ups)
                     bench = run_bench(base, conc, f"{policy}-{workload}", os.path.join(out_dir, "bench"), args,
                                       proc.pid)
-                    delta = {"eager_steps": bench.get("eager_steps", 0), "padded_tokens": bench["padded_tokens"],
-                             "steps": bench["cudagraph_steps"], "device_s": bench["step_device_seconds"]}
-                    row = {"policy": policy, "model": "bench-moe", "workload": workload, "acceptance": acceptance,
-                           "concurrency": conc, "output_tok_s": round(bench["output_throughput"], 1),
-                           "tpot_ms_mean": round(bench["mean_tpot_ms"], 3),
-                           "tpot_ms_p99": round(bench.get("p99_tpot_ms", float("nan")), 3),
-                           "ttft_ms_mean": round(bench["mean_ttft_ms"], 3),
-                           "eager_steps": int(delta["eager_steps"]), "padded_tokens": int(delta["padded_tokens"]),
-                           "steps": int(delta["steps"]), "device_s": round(delta["device_s"], 3),
-                           "gpu_busy": round(delta["device_s"] / bench["duration"], 3),
-                           "completed": bench["completed"], "failed": bench.get("failed", 0),
-                           "waves": args.waves, "num_prompts": bench["completed"] + bench.get("failed", 0),
-                           "num_clients": bench.get("num_clients", 1),
-                           "client_cpu_fraction": round(bench.get("client_cpu_fraction", 0.0), 3),
-                           "cpu_core_share": bench.get("cpu_core_share")}
+                    row = make_row(policy, workload, acceptance, conc, [bench], args)
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     write_json(args.out, result)
