@@ -230,9 +230,9 @@ def closed_loop(engine, prompts: list[list[int]], params, conc: int) -> int:
 
 def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: list[dict], args) -> dict:
     """A result row from one or more ``twogrid bench`` results of one server at one concurrency (interleaved
-    rounds): tok/s, TPOT and TTFT are the rounds' medians, each round's tok/s beside them; the server's counters
-    (eager steps, padded tokens, steps, device time) are summed, and GPU busy is their device time over the runs'
-    durations."""
+    rounds): output tok/s is all rounds' tokens over their summed durations (each round's tok/s beside it), TPOT
+    and TTFT are the rounds' medians; the server's counters (eager steps, padded tokens, steps, device time) are
+    summed, and GPU busy is their device time over the runs' durations."""
     def median(key: str) -> float:
         return statistics.median(b.get(key, float("nan")) for b in benches)
 
@@ -240,7 +240,9 @@ def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: li
     completed = sum(b["completed"] for b in benches)
     failed = sum(b.get("failed", 0) for b in benches)
     row = {"policy": policy, "model": os.path.basename(args.model), "workload": workload, "acceptance": acceptance,
-           "concurrency": conc, "output_tok_s": round(median("output_throughput"), 1),
+           "concurrency": conc,
+           "output_tok_s": round(sum(b["total_output_tokens"] for b in benches) / sum(b["duration"] for b in benches),
+                                 1),
            "tpot_ms_mean": round(median("mean_tpot_ms"), 3), "tpot_ms_p99": round(median("p99_tpot_ms"), 3),
            "ttft_ms_mean": round(median("mean_ttft_ms"), 3),
            "eager_steps": int(sum(b.get("eager_steps", 0) for b in benches)),
