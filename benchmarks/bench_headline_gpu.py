@@ -292,6 +292,78 @@ def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concur
     return rows
 
 
+def alternating_rows(workload: str, fixed: float | None, acceptance: str, concurrencies: list[int], args,
+                     out_dir: str) -> list[dict]:
+    """Every policy's server up at once; at each concurrency, ``--alternate`` slots a policy, each slot one batch
+    of ``concurrency`` ShareGPT requests (the same prompts for every policy in a slot) kept in flight until all
+    finish, and the policies take turns slot by slot (A B, B A, ...). The client is ``twogrid bench``'s (its
+    session, connection priming and closed loop), in this process: no process start between slots, so a slot is
+    a third of a second at one stream and the policies' samples are that close in time. At one stream the same
+    graphs' step time drifts by up to 40% over seconds (the host's and the GPU's clocks), more than the policies
+    differ; runs of whole bench commands, each a few seconds, left that drift in the ratio."""
+    import asyncio
+
+    import numpy as np
+
+    from dispatcher.bench.client import Endpoint
+    from dispatcher.bench.datasets import sharegpt_requests
+    from dispatcher.bench.results import compute_result
+    from dispatcher.bench.runner import open_session, prime_connections, run_requests
+    from dispatcher.bench.server_metrics import counter_deltas, scrape
+
+    policies = args.policies.split(",")
+    blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
+    procs = {p: start_server(p, workload, fixed, args.port + i, args,
+                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
+             for i, p in enumerate(policies)}
+    endpoints = {p: Endpoint("completions", f"http://127.0.0.1:{args.port + i}", "bench-moe", {}, ignore_eos=True)
+                 for i, p in enumerate(policies)}
+
+    async def one_concurrency(conc: int) -> list[dict]:
+        prompts = sharegpt_requests(args.data, conc * (args.alternate + 1), OUTPUT_LEN, 0)
+        slots = [prompts[i * conc:(i + 1) * conc] for i in range(args.alternate + 1)]  # slot 0: the warm-up
+        sessions = {p: open_session(conc) for p in policies}
+        outputs: dict[str, list] = {p: [] for p in policies}
+        seconds = {p: [] for p in policies}
+        try:
+            for p in policies:
+                await prime_connections(sessions[p], endpoints[p], conc)
+                await run_requests(sessions[p], endpoints[p], slots[0], conc, np.zeros(conc), "", True)
+            before = {p: await scrape(sessions[p], endpoints[p].base_url, {}) for p in policies}
+            for i, slot in enumerate(slots[1:]):
+                for p in (policies if i % 2 == 0 else policies[::-1]):
+                    out, duration = await run_requests(sessions[p], endpoints[p], slot, conc, np.zeros(conc), "", True)
+                    outputs[p] += out
+                    seconds[p].append(duration)
+            after = {p: await scrape(sessions[p], endpoints[p].base_url, {}) for p in policies}
+        finally:
+            for session in sessions.values():
+                await session.close()
+        rows = []
+        for p in policies:
+            bench = compute_result(outputs[p], sum(seconds[p]), ["ttft", "tpot"], [99])
+            bench.update(counter_deltas(before[p], after[p]))
+            row = make_row(p, workload, acceptance, conc, [bench], args)
+            row.update(client_cpu_fraction=None, slots=args.alternate, slot_seconds=[round(t, 4) for t in seconds[p]])
+            rows.append(row)
+        return rows
+
+    rows = []
+    try:
+        for i, p in enumerate(policies):
+            wait_healthy(procs[p], p, args.port + i)
+        for conc in concurrencies:
+            rows += asyncio.run(one_concurrency(conc))
+            for row in rows[-len(policies):]:
+                print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(60)
+    return rows
+
+
 def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
     """One unmeasured server (the first policy and workload) through every concurrency, so that kernel variants
     Triton compiles while serving land in its disk cache before any measured server: otherwise the first policy
@@ -320,6 +392,9 @@ def add_ratios(rows: list[dict]) -> None:
         if b and r["device_s"]:
             r["bound_ratio"] = round(b["device_s"] / r["device_s"], 3)
             r["tok_s_ratio"] = round(r["output_tok_s"] / b["output_tok_s"], 3)
+        if b and len(r.get("slot_seconds", ())) == len(b.get("slot_seconds", ())) > 0:  # slot by slot (--alternate)
+            r["paired_ratio_median"] = round(statistics.median(
+                base_s / this_s for base_s, this_s in zip(b["slot_seconds"], r["slot_seconds"])), 3)
 
 
 def plot_headline(result: dict, path: str) -> None:
@@ -367,6 +442,10 @@ def main() -> None:
                         help="run every policy's server at once and alternate bench runs between them, ROUNDS per "
                         "concurrency (for small concurrencies, where host drift between sequential servers "
                         "exceeds the difference measured; 0: one server at a time)")
+    parser.add_argument("--alternate", type=int, default=0, metavar="SLOTS",
+                        help="every policy's server at once, and the policies take turns batch by batch (one batch of "
+                        "`concurrency` requests a turn, SLOTS a policy), the client in this process: for 1-16 "
+                        "streams, where the step time drifts within seconds (0: off)")
     parser.add_argument("--port", type=int, default=8123, help="(the first server's; interleaved ones count up)")
     parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes (one "
                         "streams ~15-20K events a second: fewer than the GPU makes at 256+ streams)")
@@ -382,6 +461,7 @@ def main() -> None:
                          f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
                          f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} "
                          f"--api-server-count {args.api_server_count} --interleave {args.interleave} "
+                         f"--alternate {args.alternate} "
                          "--out $OUT/headline_h200.json",
               "commit": commit(), "api_server_count": args.api_server_count,
               "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
@@ -392,10 +472,11 @@ def main() -> None:
         spec = WORKLOADS[workload]
         fixed = args.fixed_acceptance if spec and args.fixed_acceptance else None
         acceptance = f"fixed-{fixed}" if fixed else "real"
-        if args.interleave:
-            result["rows"] += interleaved_rows(workload, fixed, acceptance, concurrencies, args, out_dir)
+        if args.interleave or args.alternate:
+            rows_of = alternating_rows if args.alternate else interleaved_rows
+            result["rows"] += rows_of(workload, fixed, acceptance, concurrencies, args, out_dir)
             write_json(args.out, result)
-        for policy in ([] if args.interleave else args.policies.split(",")):
+        for policy in ([] if args.interleave or args.alternate else args.policies.split(",")):
             log_path = os.path.join(out_dir, f"server-{workload}-{policy}.log")
             proc = start_server(policy, workload, fixed, args.port, args, log_path)
             base = f"http://127.0.0.1:{args.port}"
