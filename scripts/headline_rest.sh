@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The headline cells not yet measured with four front ends, on one H200, one part a device call (each about
+# 5-9 minutes; every part's ratios are taken within its own run):
+#   workloads  K = 3, tiers 7/3/1 and no-sd; vllm-default and separate; 64-1024 streams
+#   lists      K = 7; vllm-default, separate, SGLang's and TensorRT-LLM's lists; 64-1024 streams
+#   models     K = 7 on bench-moe-large and bench-dense; vllm-default and separate; 256 and 512 streams
+# (1 and 16 streams: bench_headline_gpu.py --alternate, as in docs/headline.md.)
+#   export OUT TWOGRID_COMMIT=<sha>; bash scripts/headline_rest.sh workloads
+# Each part stops at HEADLINE_LIMIT_S seconds (default 560; models: half each run) so that what it measured comes back; results go to
+# $OUT/<part>/ (headline_h200.json, or one file per model).
+set -uo pipefail
+OUT=${OUT:-./gpu_out}
+LIMIT=${HEADLINE_LIMIT_S:-560}
+CONC=${HEADLINE_CONC:-64,128,256,512,1024}
+part=${1:?"name a part: workloads, lists or models"}
+source "$(dirname "$0")/gpu_env.sh"
+mkdir -p "$OUT/$part"
+common=(--data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer --fixed-acceptance 3.0 --waves 2
+        --min-prompts 16 --overhead-at 0 --no-prime-cache)
+run() {  # run <out name> <args...>: one bench_headline_gpu.py, its log beside its JSON
+  local name=$1
+  shift
+  timeout "$LIMIT" python3 benchmarks/bench_headline_gpu.py "${common[@]}" "$@" \
+    --out "$OUT/$part/$name.json" >"$OUT/$part/$name.log" 2>&1
+  local rc=$?
+  tail -n 20 "$OUT/$part/$name.log"
+  return $rc
+}
+case $part in
+  workloads)
+    run headline_h200 --policies vllm-default,separate --workloads eagle3-k3,eagle3-tiers-7-3-1,no-sd \
+      --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces" ;;
+  lists)
+    run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" ;;
+  models)
+    LIMIT=$(( LIMIT / 2 ))  # two runs in one call
+    run headline_h200_bench-moe-large --model bench-moe-large --policies vllm-default,separate \
+      --workloads eagle3-k7 --concurrency 256,512
+    rc=$?
+    run headline_h200_bench-dense --model bench-dense --policies vllm-default,separate --workloads eagle3-k7 \
+      --concurrency 256,512
+    exit $(( rc || $? )) ;;
+  *)
+    echo "unknown part: $part (workloads, lists or models)" >&2
+    exit 2 ;;
+esac
