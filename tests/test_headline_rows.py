@@ -1,0 +1,50 @@
+"""The headline benchmark's rows from several runs of one server (``--interleave`` rounds, ``--alternate``
+batches): throughput is all tokens over all the runs' time, the server's counters add up, and the paired ratio
+compares batch with batch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture
+def headline(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    return importlib.import_module("bench_headline_gpu")
+
+
+def bench_result(tokens: int, duration: float, device_s: float, eager: int = 0) -> dict:
+    """The fields of a ``twogrid bench`` result that a headline row reads."""
+    return {"total_output_tokens": tokens, "duration": duration, "output_throughput": tokens / duration,
+            "mean_tpot_ms": 1000 * duration / tokens, "p99_tpot_ms": 2000 * duration / tokens,
+            "mean_ttft_ms": 10.0, "eager_steps": eager, "padded_tokens": 5, "cudagraph_steps": 100,
+            "step_device_seconds": device_s, "completed": 4, "failed": 0}
+
+
+def test_rounds_give_tokens_over_time_and_summed_counters(headline):
+    args = argparse.Namespace(model="bench-moe", waves=1)
+    fast, slow = bench_result(1000, 1.0, 0.9, eager=2), bench_result(1000, 4.0, 3.8, eager=1)
+    row = headline.make_row("separate", "eagle3-k7", "fixed-3.0", 16, [fast, slow, fast], args)
+    assert row["output_tok_s"] == pytest.approx(3000 / 6.0, abs=0.1)  # not the median round's 1000 tok/s
+    assert row["round_tok_s"] == [1000.0, 250.0, 1000.0] and row["rounds"] == 3
+    assert (row["eager_steps"], row["padded_tokens"], row["steps"], row["completed"]) == (5, 15, 300, 12)
+    assert row["gpu_busy"] == pytest.approx(5.6 / 6.0, abs=1e-3)
+    assert row["tpot_ms_mean"] == pytest.approx(1.0)  # the rounds' median
+
+
+def test_paired_ratio_compares_each_batch_with_the_same_batch(headline):
+    rows = [{"policy": "vllm-default", "workload": "eagle3-k7", "concurrency": 1, "device_s": 4.0,
+             "output_tok_s": 100.0, "slot_seconds": [1.0, 2.0, 1.0]},
+            {"policy": "separate", "workload": "eagle3-k7", "concurrency": 1, "device_s": 5.0,
+             "output_tok_s": 80.0, "slot_seconds": [0.5, 4.0, 1.0]}]
+    headline.add_ratios(rows)
+    separate = rows[1]
+    assert separate["bound_ratio"] == 0.8 and separate["tok_s_ratio"] == 0.8
+    assert separate["paired_ratio_median"] == 1.0  # batch ratios 2.0, 0.5, 1.0
+    assert rows[0]["paired_ratio_median"] == 1.0
