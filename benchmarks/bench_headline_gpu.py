@@ -21,6 +21,11 @@ steps, padded tokens, steps, and the steps' device time; ``gpu_busy`` is that ov
 graphs alone would give). ``serve_overhead`` rows compare the server's tok/s with the offline EngineCore's on the
 same tokenized prompts (separate grids).
 
+Small concurrencies (1-16 streams) measure the host as much as the graphs: a step's time drifts by up to 40% over
+seconds. There, ``--alternate SLOTS`` runs every policy's server at once and lets the policies take turns batch by
+batch (the rows add each batch's seconds and ``paired_ratio_median``); ``--interleave ROUNDS`` does the same with
+whole ``twogrid bench`` runs, which proved too coarse (docs/headline.md).
+
     PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/headline_h200.json
 """
@@ -28,6 +33,7 @@ same tokenized prompts (separate grids).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -259,6 +265,26 @@ def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: li
     return row
 
 
+@contextlib.contextmanager
+def policy_servers(workload: str, fixed: float | None, concurrencies: list[int], args, out_dir: str):
+    """Every policy's server up at once, the i-th on ``--port`` + i, each with a KV cache for the largest
+    concurrency; yields {policy: its process}, and stops them all on the way out."""
+    policies = args.policies.split(",")
+    blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
+    procs = {p: start_server(p, workload, fixed, args.port + i, args,
+                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
+             for i, p in enumerate(policies)}
+    try:
+        for i, p in enumerate(policies):
+            wait_healthy(procs[p], p, args.port + i)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(60)
+
+
 def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concurrencies: list[int], args,
                      out_dir: str) -> list[dict]:
     """Every policy's server up at once (each with a KV cache for the largest concurrency), and at each
@@ -266,14 +292,8 @@ def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concur
     of the host's speed reaches every policy alike. At small batches a step waits on the host, and the same
     policy's sequential runs differ by more than the policies do."""
     policies = args.policies.split(",")
-    blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
-    procs = {p: start_server(p, workload, fixed, args.port + i, args,
-                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
-             for i, p in enumerate(policies)}
     rows = []
-    try:
-        for i, p in enumerate(policies):
-            wait_healthy(procs[p], p, args.port + i)
+    with policy_servers(workload, fixed, concurrencies, args, out_dir) as procs:
         for conc in concurrencies:
             benches: dict[str, list[dict]] = {p: [] for p in policies}
             for r in range(args.interleave):
@@ -284,11 +304,6 @@ def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concur
             for p in policies:
                 rows.append(make_row(p, workload, acceptance, conc, benches[p], args))
                 print(json.dumps(rows[-1]), flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(60)
     return rows
 
 
@@ -312,10 +327,6 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
     from dispatcher.bench.server_metrics import counter_deltas, scrape
 
     policies = args.policies.split(",")
-    blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
-    procs = {p: start_server(p, workload, fixed, args.port + i, args,
-                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
-             for i, p in enumerate(policies)}
     endpoints = {p: Endpoint("completions", f"http://127.0.0.1:{args.port + i}", "bench-moe", {}, ignore_eos=True)
                  for i, p in enumerate(policies)}
 
@@ -349,18 +360,11 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
         return rows
 
     rows = []
-    try:
-        for i, p in enumerate(policies):
-            wait_healthy(procs[p], p, args.port + i)
+    with policy_servers(workload, fixed, concurrencies, args, out_dir):
         for conc in concurrencies:
             rows += asyncio.run(one_concurrency(conc))
             for row in rows[-len(policies):]:
                 print(json.dumps(row), flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(60)
     return rows
 
 
