@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 
 import torch
@@ -123,8 +124,7 @@ def main() -> None:
     runs = [profile_run(args, policy, int(cap) or None)
             for policy in args.policy.split(",") for cap in args.max_kv_splits.split(",")]
     result = {
-        "command": "PYTHONPATH=. python benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json "
-                   "--out $OUT/profile_engine.json",
+        "command": "PYTHONPATH=. python benchmarks/profile_engine_gpu.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "model": "bench-moe", "workload": f"eagle3-k{args.k}" if args.k else "no-sd",
         "acceptance": "fixed-3.0" if args.k else "real", "concurrency": args.concurrency,
