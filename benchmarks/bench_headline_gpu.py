@@ -21,10 +21,11 @@ steps, padded tokens, steps, and the steps' device time; ``gpu_busy`` is that ov
 graphs alone would give). ``serve_overhead`` rows compare the server's tok/s with the offline EngineCore's on the
 same tokenized prompts (separate grids).
 
-Small concurrencies (1-16 streams) measure the host as much as the graphs: a step's time drifts by up to 40% over
-seconds. There, ``--alternate SLOTS`` runs every policy's server at once and lets the policies take turns batch by
-batch (the rows add each batch's seconds and ``paired_ratio_median``); ``--interleave ROUNDS`` does the same with
-whole ``twogrid bench`` runs, which proved too coarse (docs/headline.md).
+Small concurrencies (1-16 streams) measure the host as much as the graphs: the same step's time varies by up to 40%
+from one span of requests to the next. There, ``--alternate SLOTS`` runs every policy's server at once and lets the
+policies take turns batch by batch (the rows add each batch's seconds and ``paired_ratio_median``);
+``--interleave ROUNDS`` does the same with whole ``twogrid bench`` runs, which proved too coarse
+(docs/headline.md).
 
     PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/headline_h200.json
@@ -37,13 +38,17 @@ import contextlib
 import json
 import os
 import resource
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+from models.config import PRESETS
 
 OUTPUT_LEN = int(os.environ.get("HEADLINE_OUTPUT_LEN", "256"))  # (a CPU dry run sets it lower)
 POLICIES = {
@@ -64,6 +69,11 @@ WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_t
              "eagle3-tiers-7-3-1": {"method": "eagle3", "num_speculative_tokens": 7,
                                     "num_speculative_tokens_per_batch_size": [[1, 7], [65, 3], [257, 1]]}}
 """Speculative configs; the tiers: K = 7 up to 64 requests, 3 up to 256, 1 above (SPEC.md's example)."""
+MAX_SIDE_BY_SIDE = 64
+"""The largest concurrency --interleave / --alternate take: four bench-moe servers with KV caches for 64 requests of
+4096 tokens hold about 54 GB of KV; at 256 they would need about 216 GB."""
+
+
 def start_server(policy: str, workload: str, fixed: float | None, port: int, args, log_path: str,
                  trace: bool = True, num_kv_blocks: int = 0, wait: bool = True) -> subprocess.Popen:
     """``twogrid serve`` for a policy and workload, its KV cache sized by ``--gpu-memory-utilization`` 0.8 or
@@ -268,31 +278,35 @@ def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: li
 @contextlib.contextmanager
 def policy_servers(workload: str, fixed: float | None, concurrencies: list[int], args, out_dir: str):
     """Every policy's server up at once, the i-th on ``--port`` + i, each with a KV cache for the largest
-    concurrency; yields {policy: its process}, and stops them all on the way out."""
-    policies = args.policies.split(",")
+    concurrency; yields {policy: its process}, and stops every one started, whatever happens."""
     blocks = max(concurrencies) * -(-args.max_model_len // 16) + 64
-    procs = {p: start_server(p, workload, fixed, args.port + i, args,
-                             os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks, wait=False)
-             for i, p in enumerate(policies)}
+    procs: dict[str, subprocess.Popen] = {}
     try:
-        for i, p in enumerate(policies):
-            wait_healthy(procs[p], p, args.port + i)
+        for i, p in enumerate(args.policies.split(",")):
+            procs[p] = start_server(p, workload, fixed, args.port + i, args,
+                                    os.path.join(out_dir, f"server-{workload}-{p}.log"), num_kv_blocks=blocks,
+                                    wait=False)
+        for i, (p, proc) in enumerate(procs.items()):
+            wait_healthy(proc, p, args.port + i)
         yield procs
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concurrencies: list[int], args,
-                     out_dir: str) -> list[dict]:
+                     out_dir: str) -> Iterator[list[dict]]:
     """Every policy's server up at once (each with a KV cache for the largest concurrency), and at each
     concurrency ``--interleave`` rounds of one bench run per policy, in alternating order (A B, B A, ...): a drift
     of the host's speed reaches every policy alike. At small batches a step waits on the host, and the same
     policy's sequential runs differ by more than the policies do."""
     policies = args.policies.split(",")
-    rows = []
     with policy_servers(workload, fixed, concurrencies, args, out_dir) as procs:
         for conc in concurrencies:
             benches: dict[str, list[dict]] = {p: [] for p in policies}
@@ -301,21 +315,19 @@ def interleaved_rows(workload: str, fixed: float | None, acceptance: str, concur
                     base = f"http://127.0.0.1:{args.port + policies.index(p)}"
                     benches[p].append(run_bench(base, conc, f"{p}-{workload}-r{r}", os.path.join(out_dir, "bench"),
                                                 args, procs[p].pid))
-            for p in policies:
-                rows.append(make_row(p, workload, acceptance, conc, benches[p], args))
-                print(json.dumps(rows[-1]), flush=True)
-    return rows
+            yield [make_row(p, workload, acceptance, conc, benches[p], args) for p in policies]
 
 
 def alternating_rows(workload: str, fixed: float | None, acceptance: str, concurrencies: list[int], args,
-                     out_dir: str) -> list[dict]:
-    """Every policy's server up at once; at each concurrency, ``--alternate`` slots a policy, each slot one batch
-    of ``concurrency`` ShareGPT requests (the same prompts for every policy in a slot) kept in flight until all
-    finish, and the policies take turns slot by slot (A B, B A, ...). The client is ``twogrid bench``'s (its
-    session, connection priming and closed loop), in this process: no process start between slots, so a slot is
-    a third of a second at one stream and the policies' samples are that close in time. At one stream the same
-    graphs' step time drifts by up to 40% over seconds (the host's and the GPU's clocks), more than the policies
-    differ; runs of whole bench commands, each a few seconds, left that drift in the ratio."""
+                     out_dir: str) -> Iterator[list[dict]]:
+    """Every policy's server up at once; at each concurrency, ``--alternate`` batches a policy, each batch
+    ``concurrency`` ShareGPT requests sent at once and run to completion (the same prompts for every policy in a
+    batch; no refill, so a batch's tail runs below ``concurrency`` streams), and the policies take turns batch by
+    batch (A B, B A, ...) after one unmeasured batch each. The client is ``twogrid bench``'s (its session,
+    connection priming and request loop), in this process: no process start between batches, so a batch is a
+    third of a second at one stream and the policies' samples are that close in time. At one stream the same
+    graphs' step time varies by up to 40% between spans of requests, more than the policies differ; whole bench
+    commands of a few seconds each (``--interleave``) left that in the ratio. A failed request stops the run."""
     import asyncio
 
     import numpy as np
@@ -330,6 +342,13 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
     endpoints = {p: Endpoint("completions", f"http://127.0.0.1:{args.port + i}", "bench-moe", {}, ignore_eos=True)
                  for i, p in enumerate(policies)}
 
+    def check(policy: str, outputs: list) -> list:
+        """A batch's outputs, or an error naming the first failed request (a failure would shorten its batch)."""
+        failed = [o for o in outputs if not o.success]
+        if failed:
+            raise RuntimeError(f"{policy}: {len(failed)} of {len(outputs)} requests failed: {failed[0].error}")
+        return outputs
+
     async def one_concurrency(conc: int) -> list[dict]:
         prompts = sharegpt_requests(args.data, conc * (args.alternate + 1), OUTPUT_LEN, 0)
         slots = [prompts[i * conc:(i + 1) * conc] for i in range(args.alternate + 1)]  # slot 0: the warm-up
@@ -339,12 +358,12 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
         try:
             for p in policies:
                 await prime_connections(sessions[p], endpoints[p], conc)
-                await run_requests(sessions[p], endpoints[p], slots[0], conc, np.zeros(conc), "", True)
+                check(p, (await run_requests(sessions[p], endpoints[p], slots[0], conc, np.zeros(conc), "", True))[0])
             before = {p: await scrape(sessions[p], endpoints[p].base_url, {}) for p in policies}
             for i, slot in enumerate(slots[1:]):
                 for p in (policies if i % 2 == 0 else policies[::-1]):
                     out, duration = await run_requests(sessions[p], endpoints[p], slot, conc, np.zeros(conc), "", True)
-                    outputs[p] += out
+                    outputs[p] += check(p, out)
                     seconds[p].append(duration)
             after = {p: await scrape(sessions[p], endpoints[p].base_url, {}) for p in policies}
         finally:
@@ -359,13 +378,9 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
             rows.append(row)
         return rows
 
-    rows = []
     with policy_servers(workload, fixed, concurrencies, args, out_dir):
         for conc in concurrencies:
-            rows += asyncio.run(one_concurrency(conc))
-            for row in rows[-len(policies):]:
-                print(json.dumps(row), flush=True)
-    return rows
+            yield asyncio.run(one_concurrency(conc))
 
 
 def prime_triton_cache(args, concurrencies: list[int], out_dir: str) -> None:
@@ -449,7 +464,7 @@ def main() -> None:
     parser.add_argument("--alternate", type=int, default=0, metavar="SLOTS",
                         help="every policy's server at once, and the policies take turns batch by batch (one batch of "
                         "`concurrency` requests a turn, SLOTS a policy), the client in this process: for 1-16 "
-                        "streams, where the step time drifts within seconds (0: off)")
+                        "streams, where the same step's time varies by up to 40%% (0: off)")
     parser.add_argument("--port", type=int, default=8123, help="(the first server's; interleaved ones count up)")
     parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes (one "
                         "streams ~15-20K events a second: fewer than the GPU makes at 256+ streams)")
@@ -457,19 +472,28 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     args = parser.parse_args()
+    if args.interleave and args.alternate:
+        parser.error("--interleave and --alternate are two ways of doing one thing: give one")
+    if unknown := set(args.policies.split(",")) - set(POLICIES):
+        parser.error(f"--policies: unknown {', '.join(sorted(unknown))} (known: {', '.join(POLICIES)})")
+    if (args.interleave or args.alternate) and max(int(c) for c in args.concurrency.split(",")) > MAX_SIDE_BY_SIDE:
+        parser.error(f"--interleave / --alternate keep every policy's server up, each with a KV cache for the largest "
+                     f"concurrency at --max-model-len: give concurrencies up to {MAX_SIDE_BY_SIDE}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a timeout's SIGTERM: stop the servers on the way out)
     out_dir = os.path.dirname(args.out) if args.out else "."
     os.makedirs(out_dir or ".", exist_ok=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json "
-                         f"--tokenizer .gpu_data/smollm2-tokenizer --policies {args.policies} --workloads "
-                         f"{args.workloads} --fixed-acceptance {args.fixed_acceptance} --concurrency "
-                         f"{args.concurrency} --waves {args.waves} --min-prompts {args.min_prompts} "
-                         f"--api-server-count {args.api_server_count} --interleave {args.interleave} "
-                         f"--alternate {args.alternate} "
-                         "--out $OUT/headline_h200.json",
+    result = {"command": "PYTHONPATH=. python benchmarks/bench_headline_gpu.py " + shlex.join(sys.argv[1:]),
               "commit": commit(), "api_server_count": args.api_server_count,
-              "model": "bench-moe (random weights) with SmolLM2's tokenizer", "output_len": OUTPUT_LEN, "rows": [],
+              "model": (f"{args.model} (random weights) with SmolLM2's tokenizer" if args.model in PRESETS
+                        else args.model),
+              "output_len": OUTPUT_LEN, "rows": [],
               "serve_overhead": []}
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured, with its ratios
+        add_ratios(result["rows"])
+        write_json(args.out, result)
+
     if args.prime_cache:
         prime_triton_cache(args, concurrencies, out_dir)
     for workload in args.workloads.split(","):
@@ -478,8 +502,11 @@ def main() -> None:
         acceptance = f"fixed-{fixed}" if fixed else "real"
         if args.interleave or args.alternate:
             rows_of = alternating_rows if args.alternate else interleaved_rows
-            result["rows"] += rows_of(workload, fixed, acceptance, concurrencies, args, out_dir)
-            write_json(args.out, result)
+            for rows in rows_of(workload, fixed, acceptance, concurrencies, args, out_dir):
+                result["rows"] += rows
+                for row in rows:
+                    print(json.dumps(row), flush=True)
+                save()
         for policy in ([] if args.interleave or args.alternate else args.policies.split(",")):
             log_path = os.path.join(out_dir, f"server-{workload}-{policy}.log")
             proc = start_server(policy, workload, fixed, args.port, args, log_path)
@@ -491,7 +518,7 @@ def main() -> None:
                     row = make_row(policy, workload, acceptance, conc, [bench], args)
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                    write_json(args.out, result)
+                    save()
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -509,8 +536,7 @@ def main() -> None:
                     "served_gpu_busy": served["gpu_busy"], "waves": args.waves,
                     "cpu_core_share": served["cpu_core_share"]})
                 print(json.dumps(result["serve_overhead"][-1]), flush=True)
-    add_ratios(result["rows"])
-    write_json(args.out, result)
+    save()
     if args.out:
         plot_headline(result, args.out.removesuffix(".json") + ".png")
     print_table(result)

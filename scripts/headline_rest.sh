@@ -13,14 +13,16 @@ OUT=${OUT:-./gpu_out}
 LIMIT=${HEADLINE_LIMIT_S:-560}
 CONC=${HEADLINE_CONC:-64,128,256,512,1024}
 part=${1:?"name a part: workloads, lists or models"}
+case $part in workloads|lists|models) ;; *) echo "unknown part: $part (workloads, lists or models)" >&2; exit 2 ;; esac
 source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$OUT/$part"
 common=(--data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer --fixed-acceptance 3.0 --waves 2
         --min-prompts 16 --overhead-at 0 --no-prime-cache)
-run() {  # run <out name> <args...>: one bench_headline_gpu.py, its log beside its JSON
+run() {  # run <out name> <args...>: one bench_headline_gpu.py, its log beside its JSON (on timeout's SIGTERM it
+  # stops its servers before it exits; -k: killed 60 s later if not)
   local name=$1
   shift
-  timeout "$LIMIT" python3 benchmarks/bench_headline_gpu.py "${common[@]}" "$@" \
+  timeout -k 60 "$LIMIT" python3 benchmarks/bench_headline_gpu.py "${common[@]}" "$@" \
     --out "$OUT/$part/$name.json" >"$OUT/$part/$name.log" 2>&1
   local rc=$?
   tail -n 20 "$OUT/$part/$name.log"
@@ -39,8 +41,6 @@ case $part in
     rc=$?
     run headline_h200_bench-dense --model bench-dense --policies vllm-default,separate --workloads eagle3-k7 \
       --concurrency 256,512
-    exit $(( rc || $? )) ;;
-  *)
-    echo "unknown part: $part (workloads, lists or models)" >&2
-    exit 2 ;;
+    rc2=$?
+    exit $(( rc ? rc : rc2 )) ;;
 esac

@@ -38,13 +38,26 @@ def test_rounds_give_tokens_over_time_and_summed_counters(headline):
     assert row["tpot_ms_mean"] == pytest.approx(1.0)  # the rounds' median
 
 
+def test_one_run_is_that_run(headline):
+    args = argparse.Namespace(model="/models/x.gguf", waves=2)
+    bench = bench_result(1000, 2.0, 1.5, eager=3)
+    bench["failed"] = 1
+    row = headline.make_row("separate", "no-sd", "real", 64, [bench], args)
+    assert row["output_tok_s"] == bench["output_throughput"] == 500.0
+    assert "rounds" not in row and row["model"] == "x.gguf"
+    assert (row["completed"], row["failed"], row["num_prompts"], row["eager_steps"]) == (4, 1, 5, 3)
+
+
 def test_paired_ratio_compares_each_batch_with_the_same_batch(headline):
     rows = [{"policy": "vllm-default", "workload": "eagle3-k7", "concurrency": 1, "device_s": 4.0,
              "output_tok_s": 100.0, "slot_seconds": [1.0, 2.0, 1.0]},
             {"policy": "separate", "workload": "eagle3-k7", "concurrency": 1, "device_s": 5.0,
-             "output_tok_s": 80.0, "slot_seconds": [0.5, 4.0, 1.0]}]
+             "output_tok_s": 80.0, "slot_seconds": [0.5, 4.0, 0.8]},
+            {"policy": "sglang", "workload": "eagle3-k7", "concurrency": 1, "device_s": 4.0,
+             "output_tok_s": 100.0, "slot_seconds": [1.0, 1.0]}]
     headline.add_ratios(rows)
     separate = rows[1]
     assert separate["bound_ratio"] == 0.8 and separate["tok_s_ratio"] == 0.8
-    assert separate["paired_ratio_median"] == 1.0  # batch ratios 2.0, 0.5, 1.0
+    assert separate["paired_ratio_median"] == 1.25  # vllm-default's time over ours, batch by batch: 2.0, 0.5, 1.25
     assert rows[0]["paired_ratio_median"] == 1.0
+    assert "paired_ratio_median" not in rows[2]  # batches that do not pair up are not compared
