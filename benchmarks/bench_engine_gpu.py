@@ -4,9 +4,11 @@ concurrency, with the per-step bound measured in the same run.
 Workload: bench-moe (random weights, bf16), ShareGPT prompts (their lengths: characters / 4 tokens, random ids),
 256 output tokens each with EOS ignored; ``--repeats`` waves of ``concurrency`` requests per row (the same prompts
 each time; at small concurrencies enough waves for ``--min-requests``), after a warm-up wave of 8; a row is the
-median wave by output tok/s, every wave's tok/s beside it. Every policy's engine is built first and their waves
-alternate (A B B A ...), so that a drift of the host's speed during the run reaches every policy alike: at small
-batches a step waits on the host, and separate runs of identical graphs differed by up to 25%. (Engines for four
+median wave by output tok/s, every wave's tok/s beside it. Every policy's engine is built (captured) once per
+workload, real and fixed acceptance run on the same captures, and the policies' waves alternate (A B B A ...), so
+that a drift of the host's speed during the run reaches every policy alike: at small batches a step waits on the
+host, and separate runs of identical graphs differed by up to 25% (``tok_s_ratio_paired`` takes each ratio within
+one such pair). (Engines for four
 policies at 1024 requests need about 30 GB of KV cache each.)
 Policies (``--compilation-config`` each, every other limit equal: 1024 seqs, 16384 batched tokens):
   eager         graphs off
@@ -33,7 +35,9 @@ import gc
 import json
 import os
 import random
+import shlex
 import statistics
+import sys
 import time
 import warnings
 
@@ -114,6 +118,21 @@ def run_wave(engine: EngineCore, lengths: list[int], vocab: int, seed: int, k: i
             if verify_rows else None}
 
 
+def add_ratios(rows: list[dict]) -> None:
+    """Each row against vllm-default's row of the same workload, acceptance and concurrency: ``bound_ratio`` (summed
+    step device time, theirs over ours), ``tok_s_ratio`` (median waves' output tok/s) and ``tok_s_ratio_paired``
+    (the median over repetitions of the two policies' waves run back to back: a host drifting over the run moves
+    both waves of a pair alike, which matters at 1 and 16 requests, where a step waits on the host)."""
+    by_key = {(r["workload"], r["acceptance"], r["concurrency"], r["policy"]): r for r in rows}
+    for r in rows:
+        base = by_key.get((r["workload"], r["acceptance"], r["concurrency"], "vllm-default"))
+        if base:
+            r["bound_ratio"] = round(base["device_ms"] / r["device_ms"], 3) if r["device_ms"] else None
+            r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+            pairs = [a / b for a, b in zip(r["waves_tok_s"], base["waves_tok_s"]) if b]
+            r["tok_s_ratio_paired"] = round(statistics.median(pairs), 3) if pairs else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="offline engine throughput per policy, workload and concurrency")
     parser.add_argument("--data", default=None, help="ShareGPT JSON (prompt lengths); default: lognormal lengths")
@@ -127,35 +146,32 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16, help="requests per row at least: small concurrencies "
                         "run more waves (a one-request wave lasts a third of a second)")
     parser.add_argument("--step-trace-dir", default=None,
-                        help="write each engine's step trace here (WORKLOAD-ACCEPTANCE-POLICY.jsonl, every wave)")
+                        help="write each engine's step trace here (WORKLOAD-POLICY.jsonl: every acceptance and wave)")
     args = parser.parse_args()
     if args.step_trace_dir:
         os.makedirs(args.step_trace_dir, exist_ok=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
     lengths = prompt_lengths(args.data, max(concurrencies))
-    result = {"command": "PYTHONPATH=. python benchmarks/bench_engine_gpu.py --data .gpu_data/sharegpt.json "
-                         f"--policies {args.policies} --workloads {args.workloads} --acceptance {args.acceptance} "
-                         f"--concurrency {args.concurrency} --repeats {args.repeats} "
-                         f"--min-requests {args.min_requests} "
-                         "--out $OUT/engine_h200.json",
+    result = {"command": "PYTHONPATH=. " + shlex.join(["python", "benchmarks/bench_engine_gpu.py", *sys.argv[1:]]),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
               "model": "bench-moe", "output_len": OUTPUT_LEN,
               "prompt_tokens_mean": round(statistics.mean(lengths), 1), "rows": []}
     vocab = preset("bench-moe").vocab_size
     for workload in args.workloads.split(","):
         k = WORKLOADS[workload]
+        engines, capture_s = {}, {}
+        for policy in policies:  # every policy's engine at once, so that their waves can alternate
+            t0 = time.perf_counter()
+            trace = os.path.join(args.step_trace_dir, f"{workload}-{policy}.jsonl") if args.step_trace_dir else None
+            engines[policy] = make_engine(policy, k, None, lengths, trace)
+            capture_s[policy] = time.perf_counter() - t0
+            run_wave(engines[policy], lengths[:8], vocab, 99, k)  # warm-up: compiles the eager kernels too
         for acceptance in (args.acceptance.split(",") if k else ["real"]):
             fixed = args.fixed_acceptance if acceptance == "fixed" else None
             label = f"fixed-{fixed}" if fixed else "real"
-            engines, capture_s = {}, {}
-            for policy in policies:  # every policy's engine at once, so that their waves can alternate
-                t0 = time.perf_counter()
-                trace = (os.path.join(args.step_trace_dir, f"{workload}-{label}-{policy}.jsonl")
-                         if args.step_trace_dir else None)
-                engines[policy] = make_engine(policy, k, fixed, lengths, trace)
-                capture_s[policy] = time.perf_counter() - t0
-                run_wave(engines[policy], lengths[:8], vocab, 99, k)  # warm-up: compiles the eager kernels too
+            for engine in engines.values():  # after the graphs: the same captures serve both
+                engine.worker.set_fixed_acceptance(fixed)
             for conc in concurrencies:
                 waves: dict[str, list[dict]] = {policy: [] for policy in policies}
                 for rep in range(max(args.repeats, -(-args.min_requests // conc))):
@@ -168,23 +184,18 @@ def main() -> None:
                            "waves_tok_s": [w["output_tok_s"] for w in waves[policy]]}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                write_json(args.out, result)
-            del engines
-            gc.collect()
-            torch.cuda.empty_cache()
-    by_key = {(r["workload"], r["acceptance"], r["concurrency"], r["policy"]): r for r in result["rows"]}
-    for r in result["rows"]:
-        base = by_key.get((r["workload"], r["acceptance"], r["concurrency"], "vllm-default"))
-        if base:
-            r["bound_ratio"] = round(base["device_ms"] / r["device_ms"], 3) if r["device_ms"] else None
-            r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
-    write_json(args.out, result)
+                add_ratios(result["rows"])
+                write_json(args.out, result)  # after every concurrency: a run cut short keeps what it measured
+        del engines
+        gc.collect()
+        torch.cuda.empty_cache()
     print(f"{'workload':10s} {'accept':9s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'busy':>5s} "
-          f"{'host ms':>7s} {'eager':>5s} {'vs vllm':>7s} {'bound':>6s}")
+          f"{'host ms':>7s} {'eager':>5s} {'vs vllm':>7s} {'paired':>6s} {'bound':>6s}")
     for r in result["rows"]:
         print(f"{r['workload']:10s} {r['acceptance']:9s} {r['concurrency']:5d} {r['policy']:13s} "
               f"{r['output_tok_s']:9.0f} {r['gpu_busy']:5.2f} {r['host_ms_per_step']:7.2f} {r['eager_steps']:5d} "
-              f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio') or 0:6.2f}")
+              f"{r.get('tok_s_ratio', 0):7.2f} {r.get('tok_s_ratio_paired') or 0:6.2f} "
+              f"{r.get('bound_ratio') or 0:6.2f}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,24 @@ def test_fixed_acceptance_hits_the_configured_mean():
         engine({"method": "eagle3", "num_speculative_tokens": 7}, fixed_acceptance=9.0)
 
 
+def test_fixed_acceptance_switches_on_a_captured_engine():
+    """The engine benchmark measures real and fixed acceptance on one captured engine: switching it off gives the
+    model's own tokens back (the same as an engine built without it), switching it on gives the configured mean."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 7}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    batch = [p[:20] for p in prompts(6, 5)]
+    e = engine(spec, budget=128, fixed_acceptance=3.0)
+    e.worker.set_fixed_acceptance(None)
+    assert e.generate(batch, params) == engine(spec, budget=128).generate(batch, params)
+    e.worker.set_fixed_acceptance(4.0)
+    before = (e.scheduler.stats.drafts_verified, e.scheduler.stats.drafts_accepted)
+    e.generate(batch, SamplingParams(max_tokens=90, ignore_eos=True))
+    verified, accepted = (e.scheduler.stats.drafts_verified - before[0], e.scheduler.stats.drafts_accepted - before[1])
+    assert 3.5 < 1 + accepted / (verified / 7) < 4.5
+    with pytest.raises(ValueError, match="needs speculative decoding"):
+        engine(None).worker.set_fixed_acceptance(3.0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------

@@ -128,18 +128,27 @@ class ModelWorker:
                              proposes=is_next_steps(r))
                 for r in model_runners(plan.config)[1:]
             ]
-            kind = EagleDrafter if method in EAGLE_LIKE else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter
+            kind = (EagleDrafter if method in EAGLE_LIKE
+                    else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter)
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
         self.upload, self.download = Upload(self.device), Download(self.device)
-        self._fixed_alpha = _acceptance_rate_for(wcfg.fixed_acceptance, k_max) if wcfg.fixed_acceptance else None
+        self._fixed_alpha: float | None = None
+        self.set_fixed_acceptance(wcfg.fixed_acceptance)
         self.fail_steps: frozenset[int] = frozenset()
         """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
         InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
         does to the requests in it and to the rest."""
         self.jit = JitWatch() if self.device.type == "cuda" else None
         """Triton compiles while this worker serves (each step reports its own)."""
+
+    def set_fixed_acceptance(self, mean_length: float | None) -> None:
+        """Benchmarks' fixed acceptance on or off (None: the model's own verification). It acts after the graphs,
+        so the same captured engine measures real and fixed acceptance."""
+        if mean_length is not None and not self.k_max:
+            raise ValueError("fixed_acceptance needs speculative decoding (num_speculative_tokens > 0)")
+        self._fixed_alpha = None if mean_length is None else _acceptance_rate_for(mean_length, self.k_max)
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
