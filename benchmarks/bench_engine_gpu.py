@@ -1,15 +1,14 @@
 """Offline engine throughput on the GPU (issue 11): EngineCore end to end, per capture policy, workload and
 concurrency, with the per-step bound measured in the same run.
 
-Workload: bench-moe (random weights, bf16), ShareGPT prompts (their lengths: characters / 4 tokens, random ids),
-256 output tokens each with EOS ignored; ``--repeats`` waves of ``concurrency`` requests per row (the same prompts
-each time; at small concurrencies enough waves for ``--min-requests``, except eager: ``--repeats``), after a warm-up wave of 8; a row is the
-median wave by output tok/s, every wave's tok/s beside it. Every policy's engine is built (captured) once per
-workload, real and fixed acceptance run on the same captures, and the policies' waves alternate (A B B A ...), so
-that a drift of the host's speed during the run reaches every policy alike: at small batches a step waits on the
-host, and separate runs of identical graphs differed by up to 25% (``tok_s_ratio_paired`` takes each ratio within
-one such pair). (Engines for four
-policies at 1024 requests need about 30 GB of KV cache each.)
+Workload: bench-moe (random weights, bf16), ShareGPT prompts (their lengths: characters / 4 tokens, random ids), 256
+output tokens each with EOS ignored; ``--repeats`` waves of ``concurrency`` requests per row (the same prompts each
+time; at small concurrencies enough waves for ``--min-requests``, except eager: ``--repeats``), after a warm-up wave
+of 8; a row is the median wave by output tok/s, every wave's tok/s beside it. Every policy's engine is built
+(captured) once per workload, real and fixed acceptance run on the same captures, and the policies' waves alternate (A
+B B A ...), so that a drift of the host's speed during the run reaches every policy alike: at small batches a step
+waits on the host, and separate runs of identical graphs differed by up to 25% (``tok_s_ratio_paired`` takes each
+ratio within one such pair). (Engines for four policies at 1024 requests need about 30 GB of KV cache each.)
 Policies (``--compilation-config`` each, every other limit equal: 1024 seqs, 16384 batched tokens):
   eager         graphs off
   vllm-default  the shared token list at vLLM's default cap for Hopper (max_cudagraph_capture_size 512)
