@@ -175,6 +175,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_put_((slot_mapping,), v.reshape(v.shape[0], -1))
 
 
+def write_kv_rows(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` for K and V side by side in each token's row, kv (tokens, 2 * kv_heads * head_dim): one indexed
+    store for both (the cache's K and V planes seen as one (slots, 2, row) tensor)."""
+    planes = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1).transpose(0, 1)
+    planes.index_put_((slot_mapping,), kv.view(kv.shape[0], 2, -1))
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None, **kernel_options) -> torch.Tensor:
     """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given. ``kernel_options``
@@ -235,6 +242,9 @@ class _CPUPlan:
     token and every context as long (nothing to mask: SDPA's unmasked path)."""
     in_order: bool = False
     """Row r is request r's one query and no row is padding: q and the output need no gather or scatter."""
+    first_slot: int | None = None
+    """One request whose context fills consecutive cache slots from this one on (the block pool hands a lone
+    request ascending blocks): its K and V are a slice of the cache, no gather."""
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
@@ -261,7 +271,7 @@ class _CPUPlan:
         # unused entries hold -1)
         if max_q == 1 and bool((ctx == ctx[0]).all()):  # one-token queries over equal contexts see every key
             in_order = pad_rows.numel() == 0 and bool((q_index[:, 0] == torch.arange(num_reqs)).all())
-            return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, None, in_order)
+            return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, None, in_order, _first_of_run(k_slots))
         mask = key_pos[None, None, :] <= q_pos[:, :, None]
         mask[:, :, 0] |= q_pos < 0  # padded queries see one key (no all-masked row), their output is dropped
         return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None])
@@ -272,7 +282,10 @@ class _CPUPlan:
         and V apart: this is most of a CPU decode layer's attention)."""
         reqs, ctx = self.k_slots.shape
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-        kv = kv_cache.view(2, -1, heads, dim).index_select(1, self.k_slots.flatten()).float()
+        if self.first_slot is not None:
+            kv = kv_cache.view(2, -1, heads, dim)[:, self.first_slot:self.first_slot + ctx].float()
+        else:
+            kv = kv_cache.view(2, -1, heads, dim).index_select(1, self.k_slots.flatten()).float()
         return kv.view(2, reqs, ctx, heads, dim).transpose(2, 3)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
@@ -290,6 +303,14 @@ class _CPUPlan:
         o = _sdpa(q[self.q_index].transpose(1, 2), kv[0], kv[1], self.mask, scale)
         out.index_copy_(0, self.rows, o.transpose(1, 2)[self.q_valid].to(out.dtype))
         return out
+
+
+def _first_of_run(k_slots: torch.Tensor) -> int | None:
+    """k_slots (1, context) consecutive slots -> the first; otherwise (or for several requests) None."""
+    if k_slots.shape[0] != 1:
+        return None
+    first = int(k_slots[0, 0])
+    return first if bool((k_slots[0] == torch.arange(first, first + k_slots.shape[1])).all()) else None
 
 
 def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -103,12 +103,11 @@ def programmatic_launch(enabled: bool):
 
 
 def rms_norm_torch(x, weight, eps, residual=None):
+    if x.device.type == "cpu":
+        return _rms_norm_cpu(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         residual = x
-    if x.device.type == "cpu":
-        out = _rms_norm_cpu(x, weight, eps)
-        return out if residual is None else (out, residual)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op: the same values
         out = F.rms_norm(x, (x.shape[-1],), weight, eps)
         return out if residual is None else (out, residual)
@@ -117,12 +116,13 @@ def rms_norm_torch(x, weight, eps, residual=None):
     return out if residual is None else (out, residual)
 
 
-def _rms_norm_cpu(x, weight, eps):
-    """F.rms_norm's values (to the dtype's rounding; in bfloat16 almost all bit for bit) in half its time on the
-    CPU, where rms_norm is a chain of about ten small ops (38 us for one 576-wide row on a 2-core AVX2 CPU; a
-    decode step of SmolLM2 calls it 61 times) and layer_norm one kernel: [x, -x] has mean 0 and variance
+def _rms_norm_cpu(x, weight, eps, residual=None):
+    """rms_norm_torch on the CPU: F.rms_norm's values (to the dtype's rounding; in bfloat16 almost all bit for bit)
+    in half its time, where rms_norm is a chain of about ten small ops (38 us for one 576-wide row on a 2-core AVX2
+    CPU; a decode step of SmolLM2 calls it 61 times) and layer_norm one kernel: [x, -x] has mean 0 and variance
     mean(x^2), so the first half of its layer norm (weight [w, w], kept on the weight and rebuilt when the weight
-    changes) is rms_norm(x)."""
+    changes) is rms_norm(x). With a residual, x + residual is written straight into the first half (the residual
+    returned is that half: a view)."""
     n = x.shape[-1]
     # an inference tensor keeps no version counter: its doubled weight is built every call
     version = None if weight.is_inference() else weight._version
@@ -131,19 +131,27 @@ def _rms_norm_cpu(x, weight, eps):
         doubled = (version, torch.cat([weight, weight]).to(x.dtype))
         if version is not None:
             weight._doubled = doubled
-    return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), doubled[1], None, eps)[..., :n]
+    if residual is None:
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), doubled[1], None, eps)[..., :n]
+    both = x.new_empty(*x.shape[:-1], 2 * n)
+    summed = torch.add(x, residual, out=both[..., :n])
+    torch.neg(summed, out=both[..., n:])
+    return F.layer_norm(both, (2 * n,), doubled[1], None, eps)[..., :n], summed
 
 
 def rotary_torch(positions, x, cos, sin):
     return rotate(x, cos[positions], sin[positions])
 
 
-def rotate_prepared(x, cos2, sin2):
+def rotate_prepared(x, cos2, sin2, out=None):
     """``rotate`` with its rows prepared once a forward (``RotaryRows``): cos2 = [c, c] and sin2 = [-s, s], each
     (tokens, 1, head_dim) in float32; x * cos2 + (x with its halves swapped) * sin2 is rotate's values bit for bit
-    in six ops instead of eleven (a CPU decode step rotates in every layer)."""
+    in six ops instead of eleven (a CPU decode step rotates in every layer). ``out`` (x itself may be it): the
+    rotation is written there, in its dtype (one op fewer than a new tensor and a conversion)."""
     xf = x.float()
-    return (xf * cos2 + xf.roll(x.shape[-1] // 2, -1) * sin2).to(x.dtype)
+    if out is None:
+        return (xf * cos2 + xf.roll(x.shape[-1] // 2, -1) * sin2).to(x.dtype)
+    return torch.add(xf * cos2, xf.roll(x.shape[-1] // 2, -1) * sin2, out=out)
 
 
 def rotate(x, cos_rows, sin_rows):

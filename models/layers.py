@@ -65,6 +65,10 @@ class RotaryRows(NamedTuple):
             return rotary_torch(positions, x, self.cos, self.sin)
         return rotate_prepared(x, self.cos_rows, self.sin_rows)
 
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """x (this forward's tokens, heads, head_dim) rotated in place, the same values as calling this."""
+        return rotate_prepared(x, self.cos_rows, self.sin_rows, out=x)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """The rotary frequencies (head_dim / 2,) in float64, scaled as ``scaling`` says (see RopeScaling)."""

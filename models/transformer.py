@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, paged_attention, prepare_paged_attention, write_kv
+from models.attention import (AttentionMetadata, paged_attention, prepare_paged_attention, write_kv,
+                              write_kv_rows)
 from models.config import ModelConfig
 from models.fused import rms_norm_torch, rotary_write_kv_, use_triton
-from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding
+from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows
 
 VOCAB_ALIGN = 64
 """LM head rows are padded to a multiple of this (vLLM pads the same way)."""
@@ -69,6 +70,11 @@ class DecoderLayer(nn.Module):
                                                  c.rms_norm_eps))
             k = rotary(positions, rms_norm_torch(k.view(n, c.num_kv_heads, c.head_dim), self.k_norm.weight,
                                                  c.rms_norm_eps))
+        elif isinstance(rotary, RotaryRows) and positions is rotary.positions:  # the CPU forward: in place, then
+            # K and V (adjacent in qkv) stored in one op
+            rotary.rotate_(qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
+            write_kv_rows(kv_cache, qkv[:, c.q_size:], slot_mapping)
+            return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         else:  # the query and key heads are adjacent in qkv: one rotary call for both
             qk = rotary(positions, qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)

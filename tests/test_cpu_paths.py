@@ -1,0 +1,55 @@
+"""The CPU forward's shortcuts give the general path's values: rotary in place, K and V stored in one op, attention
+over a lone request's consecutive cache slots read as a slice."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def test_rotary_in_place_is_the_rotary_call():
+    from models.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(1))
+    rows = rotary.at(positions)
+    for dtype in (torch.bfloat16, torch.float32):
+        qkv = torch.randn(7, 16 * 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+        heads = qkv[:, :12 * 64].view(7, 12, 64)  # a view of the rows, as a forward's q and k are
+        want = rows(positions, heads)
+        rows.rotate_(heads)
+        assert torch.equal(heads, want)
+
+
+def test_kv_rows_are_stored_as_write_kv_stores_them():
+    from models.attention import write_kv, write_kv_rows
+
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(5, 2 * 2 * 16, generator=gen).to(torch.bfloat16)  # (tokens, K then V of 2 heads of 16)
+    slots = torch.tensor([3, 17, -1, 0, 9])  # -1: a padded row, sent to the dummy block's last slot
+    want = torch.zeros(2, 4, 8, 2, 16, dtype=torch.bfloat16)
+    write_kv(want, kv[:, :32].view(5, 2, 16), kv[:, 32:].view(5, 2, 16), slots)
+    got = torch.zeros_like(want)
+    write_kv_rows(got, kv, slots)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_a_lone_requests_consecutive_slots_are_read_as_a_slice(consecutive):
+    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
+
+    block, heads, kv_heads, dim, context = 8, 6, 2, 16, 29
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(2, 17, block, kv_heads, dim, generator=gen)
+    blocks = torch.arange(3, 7) if consecutive else torch.tensor([5, 2, 9, 4])
+    table = torch.full((2, 6), -1, dtype=torch.int32)
+    table[1, :4] = blocks.int()
+    pos = torch.tensor([context - 1])
+    slots = blocks[pos // block] * block + pos % block
+    meta = AttentionMetadata.from_tokens(slots, torch.tensor([1]), pos, table)
+    q = torch.randn(1, heads, dim, generator=gen)
+    got = paged_attention(q, kv, meta, dim ** -0.5)
+    assert (meta.cpu_plan.first_slot is not None) == consecutive
+    torch.testing.assert_close(got, reference_paged_attention(q, kv, meta, dim ** -0.5), rtol=1e-5, atol=1e-5)
+
