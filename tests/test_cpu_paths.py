@@ -1,5 +1,6 @@
 """The CPU forward's shortcuts give the general path's values: rotary in place, K and V stored in one op, attention
-over a lone request's consecutive cache slots read as a slice."""
+over a lone request's consecutive cache slots read as a slice, and the argmax over bfloat16 logits taken in
+float32."""
 
 from __future__ import annotations
 
@@ -53,3 +54,12 @@ def test_a_lone_requests_consecutive_slots_are_read_as_a_slice(consecutive):
     assert (meta.cpu_plan.first_slot is not None) == consecutive
     torch.testing.assert_close(got, reference_paged_attention(q, kv, meta, dim ** -0.5), rtol=1e-5, atol=1e-5)
 
+
+def test_the_cpu_argmax_is_torchs_on_bfloat16():
+    from models.fused import argmax_prob
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    logits[1, 10] = logits[1, 700] = 50.0  # a tie: the first one wins, as torch.argmax has it
+    ids, prob = argmax_prob(logits[:, :999])  # a view with rows apart, as the LM head's sliced logits are
+    assert torch.equal(ids, logits[:, :999].argmax(dim=-1)) and int(ids[1]) == 10
+    torch.testing.assert_close(prob, torch.softmax(logits[:, :999].float(), -1).max(-1).values)
