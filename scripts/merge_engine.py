@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -27,7 +28,7 @@ def cell(row: dict) -> tuple:
     return row["workload"], row["acceptance"], row["concurrency"]
 
 
-def merge(paths: list[str]) -> dict:
+def merge(paths: list[str], out: str) -> dict:
     runs, cells, superseded = [], {}, []
     for path in paths:
         with open(path) as fh:
@@ -45,7 +46,7 @@ def merge(paths: list[str]) -> dict:
             cells[key] = rows
     order = {"no-sd": 0, "eagle3-k3": 1, "eagle3-k7": 2}
     rows = [r for key in sorted(cells, key=lambda k: (order.get(k[0], 9), k[1], k[2])) for r in cells[key]]
-    return {"command": "python scripts/merge_engine.py " + " ".join(paths) + " --out docs/bench/engine_h200.json",
+    return {"command": shlex.join(["python", "scripts/merge_engine.py", *paths, "--out", out]),
             **{k: runs[0][k] for k in SHARED}, "runs": runs, "rows": rows, "superseded_rows": superseded}
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--markdown", action="store_true", help="also print the tables for docs/engine.md")
     args = parser.parse_args()
-    merged = merge(args.parts)
+    merged = merge(args.parts, args.out)
     write_json(args.out, merged)
     print("\n".join(check(merged["rows"])))
     if args.markdown:

@@ -32,15 +32,16 @@ def test_a_rerun_replaces_whole_cells_and_the_check_flags_misses(tmp_path):
         row("vllm-default", 1, 100, 1.0, 1.0), row("separate", 1, 83, 0.83, 0.85),
         row("vllm-default", 256, 100, 1.0, 1.0), row("separate", 256, 150, 1.5, 2.0)])
     rerun = part(tmp_path, "b.json", "bbb", [row("vllm-default", 1, 100, 1.0, 1.0), row("separate", 1, 101, 1.01, 1.0)])
-    merged = merge([first, rerun])
+    merged = merge([first, rerun], "table.json")
     assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"]
+    assert merged["command"].endswith("b.json --out table.json")
     one = [r for r in merged["rows"] if r["concurrency"] == 1]
     assert {r["run"] for r in one} == {1} and {r["output_tok_s"] for r in one} == {100, 101}
     assert [r["output_tok_s"] for r in merged["superseded_rows"]] == [100, 83]
     verdicts = {line.split()[2]: line.split("  ")[-1] for line in check(merged["rows"])[1:]}
     assert verdicts == {"1": "ok", "256": "< 90% of bound"}
     floor = merge([part(tmp_path, "c.json", "ccc", [row("vllm-default", 16, 100, 1.0, 1.0),
-                                                     row("separate", 16, 97, 0.97, 0.97)])])
+                                                     row("separate", 16, 97, 0.97, 0.97)])], "table.json")
     assert check(floor["rows"])[1].endswith("< 0.98x")
 
 
