@@ -119,6 +119,10 @@ class EngineService:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            # Let receive() take what the front ends sent. Nothing else here need yield: when the worker keeps
+            # up, its result is ready before it is awaited, and a request arriving while others run would wait
+            # for all of them to finish.
+            await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
                 await self.process.to_worker.send(encode_step(step.message))
