@@ -41,8 +41,10 @@ SHAREGPT = next((p for p in (os.path.join(HERE, "..", "..", "shared", "data", "s
 class FakeServer:
     """An OpenAI-compatible streaming server with twogrid's counters; runs its own event loop in a thread."""
 
-    def __init__(self, usage=True, metrics=True, api_key=None, fail_after=None):
+    def __init__(self, usage=True, metrics=True, api_key=None, fail_after=None, silent=False):
         self.usage, self.metrics, self.api_key, self.fail_after = usage, metrics, api_key, fail_after
+        self.silent = silent
+        """Tokens without text (a server holds such events back): the finish event alone, then the usage."""
         self.in_flight_at_arrival: list[int] = []
         self.in_flight = 0
         self.requests: list[tuple[str, dict, dict]] = []
@@ -102,6 +104,8 @@ class FakeServer:
         for i in range(num_tokens):
             if i:
                 await asyncio.sleep(GAP_S)
+            if self.silent:
+                continue
             piece = f" w{i}"
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             await send({"choices": [choice]})
@@ -293,6 +297,23 @@ def test_api_key_and_failed_requests(serve, tmp_path, capsys):
     assert r["completed"] == 2 and r["failed"] == 2 and r["max_concurrency"] is None
     assert all(h.get("Authorization") == "Bearer sekrit" for _, _, h in fake.requests[1:])
     assert "HTTP 500: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_a_stream_of_tokens_without_text_counts_when_the_usage_does(serve, tmp_path, usage, capsys):
+    """A random model can emit only tokens whose text is empty (skipped special tokens): the server sends the
+    finish event and the usage alone. That request ran, and counts with the usage's tokens, timed to its finish
+    event (as vLLM's client counts its first chunk); without a usage it has nothing to count and fails."""
+    fake = serve(silent=True, usage=usage)
+    rc = bench("--base-url", fake.url, "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "5",
+               "--save-result", "--result-dir", str(tmp_path))
+    err = capsys.readouterr().err
+    if usage:
+        (r,) = saved(tmp_path)
+        assert rc == 0 and r["completed"] == 3 and r["total_output_tokens"] == 15
+        assert r["mean_ttft_ms"] >= (TTFT_S + 4 * GAP_S) * 1e3
+    else:
+        assert rc != 0 and "the stream ended without a token" in err
 
 
 def free_port():

@@ -90,6 +90,14 @@ def event_text(kind: str, event: dict[str, Any]) -> str:
     return choices[0].get("text") or ""
 
 
+def finish_reason(event: dict[str, Any]) -> str | None:
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return None
+    reason = choices[0].get("finish_reason")
+    return reason if isinstance(reason, str) else None
+
+
 async def sse_events(response: aiohttp.ClientResponse):
     """The ``data`` payloads (bytes) of a server-sent-event stream, one per event, ``[DONE]`` ending it. Reads
     whatever has arrived at once and splits it here (aiohttp's line reader costs more than the parsing)."""
@@ -124,6 +132,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
     out = RequestOutput(prompt_len=req.prompt_len)
     body = request_body(endpoint, req)
     token_events = 0
+    finished_at = None
     text: list[str] = []
     start = last = time.perf_counter()
     out.start_time = start
@@ -143,6 +152,8 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                     out.error = f"server error in the stream: {one_line(json.dumps(event['error']))}"
                     return out
                 piece = event_text(endpoint.kind, event)
+                if finished_at is None and finish_reason(event) is not None:
+                    finished_at = now
                 if piece:
                     if token_events == 0:
                         out.ttft = now - start
@@ -165,6 +176,10 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
         kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
         out.error = one_line(f"{kind}: {exc}")
         return out
+    if token_events == 0 and finished_at is not None and out.output_tokens_from_usage and out.output_tokens:
+        # Tokens whose text is empty (special tokens skipped, a random model's byte pieces): a request that ran,
+        # timed to its finish event as vLLM's client times it to its first chunk
+        out.ttft, token_events, last = finished_at - start, 1, finished_at
     if token_events == 0:
         out.error = "the stream ended without a token"
         return out
