@@ -32,3 +32,79 @@ def commit() -> str | None:
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def join_runs(parts: list[tuple[str, dict]], cell, shared: tuple[str, ...],
+              run_fields: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], list[dict]]:
+    """Join benchmark runs (``(path, result)`` pairs, each with ``command``, ``commit`` and ``rows``) into
+    ``(runs, rows, superseded_rows)``. A cell (``cell(row)``) keeps every row from one run, so that each ratio
+    is taken within that run; a later part that measured the same cell replaces it whole, the replaced rows kept
+    apart. Each row names its run (``run``: an index into ``runs``, which keeps every run's file, command,
+    commit and ``run_fields``). SystemExit when a part differs from the first in a ``shared`` field."""
+    runs, cells, superseded = [], {}, []
+    for path, part in parts:
+        if runs and any(part.get(k) != runs[0].get(k) for k in shared):
+            raise SystemExit(f"{path}: {', '.join(shared)} differ from {runs[0]['file']}'s")
+        run = len(runs)
+        runs.append({"file": os.path.basename(path), "command": part["command"], "commit": part["commit"],
+                     **{k: part.get(k) for k in (*shared, *run_fields)}})
+        measured: dict[tuple, list[dict]] = {}
+        for row in part["rows"]:
+            measured.setdefault(cell(row), []).append({**row, "run": run})
+        for key, rows in measured.items():
+            superseded += cells.get(key, [])
+            cells[key] = rows
+    return runs, [r for rows in cells.values() for r in rows], superseded
+
+
+def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] = ()) -> list[str]:
+    """Separate grids against vllm-default (issues 11 and 14), one line per cell (``label(row)`` names it under
+    ``header``), misses named: under 90% of the bound, under 0.98x at 1 and 16, under a ``rivals`` policy's
+    ratio in the same run and cell."""
+    lines = [f"{header} {'conc':>5s} {'ratio':>6s} {'paired':>6s} {'bound':>6s} {'of bound':>8s}  verdict"]
+    for r in rows:
+        if r["policy"] != "separate" or "tok_s_ratio" not in r:
+            continue
+        ratio, bound = r["tok_s_ratio"], r["bound_ratio"]
+        paired = r.get("tok_s_ratio_paired", r.get("paired_ratio_median"))
+        misses = []
+        if ratio < 0.9 * bound:
+            misses.append("< 90% of bound")
+        if r["concurrency"] in (1, 16) and ratio < 0.98:
+            misses.append("< 0.98x")
+        for o in rows:
+            if (o["policy"] in rivals and o["run"] == r["run"] and label(o) == label(r)
+                    and o["concurrency"] == r["concurrency"] and o.get("tok_s_ratio", 0) > ratio):
+                misses.append(f"< {o['policy']} ({o['tok_s_ratio']:.2f})")
+        lines.append(f"{label(r)} {r['concurrency']:5d} {ratio:6.3f} {paired or 0:6.3f} {bound:6.3f} "
+                     f"{ratio / bound:8.2f}  {'; '.join(misses) or 'ok'}")
+    return lines
+
+
+def markdown_tables(rows: list[dict], group) -> str:
+    """One table per ``group(row)`` (a tuple of names): output tok/s per policy and concurrency; other policies
+    than vllm-default show (ratio to it / bound); eager steps where there were more than one."""
+    out, groups = [], {}
+    for r in rows:
+        groups.setdefault(group(r), []).append(r)
+    for names, rows_of in groups.items():
+        concs = sorted({r["concurrency"] for r in rows_of})
+        out += [f"| {', '.join(names)} | " + " | ".join(map(str, concs)) + " |", "|---" * (len(concs) + 1) + "|"]
+        for policy in dict.fromkeys(r["policy"] for r in rows_of):
+            by_conc = {r["concurrency"]: r for r in rows_of if r["policy"] == policy}
+            cells = []
+            for c in concs:
+                r = by_conc.get(c)
+                if r is None:
+                    cells.append("")
+                    continue
+                text = f"{r['output_tok_s']:.0f}"
+                if policy != "vllm-default" and "tok_s_ratio" in r:
+                    text += f" ({r['tok_s_ratio']:.2f}x / {r['bound_ratio']:.2f})"
+                if r["eager_steps"] > 1 and policy != "eager":
+                    text += f", {r['eager_steps']} eager"
+                cells.append(text)
+            name = f"**{policy}**" if policy == "separate" else policy
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)

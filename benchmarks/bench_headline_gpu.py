@@ -417,10 +417,13 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def plot_headline(result: dict, path: str) -> None:
-    """Output tok/s and mean TPOT against concurrency, one line per policy and workload (twogrid bench's plot)."""
+    """Output tok/s and mean TPOT against concurrency, one line per policy and workload (and model, where the rows
+    have several: twogrid bench's plot)."""
     from dispatcher.bench.plot import draw, series
 
-    rows = [{"label": f"{r['policy']} ({r['workload']})", "max_concurrency": r["concurrency"],
+    models = {r["model"] for r in result["rows"]}
+    rows = [{"label": f"{r['policy']} ({r['workload']}" + (f", {r['model']})" if len(models) > 1 else ")"),
+             "max_concurrency": r["concurrency"],
              "num_prompts": r["concurrency"], "output_throughput": r["output_tok_s"], "mean_tpot_ms": r["tpot_ms_mean"]}
             for r in result["rows"]]
     draw(series(rows), path)
