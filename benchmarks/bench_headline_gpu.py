@@ -154,7 +154,8 @@ def num_clients(conc: int) -> int:
 
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None) -> dict:
     """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
-    ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result; with
+    ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result, saved
+    with each request's send time, TTFT and latency (``--save-detailed``: where a run's wall time went); with
     ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
     the whole bench command (warm-ups included)."""
     os.makedirs(result_dir, exist_ok=True)
@@ -166,7 +167,8 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
            "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts",
            str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
-           "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--result-dir",
+           "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--save-detailed",
+           "--result-dir",
            result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
