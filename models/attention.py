@@ -248,6 +248,10 @@ class _CPUPlan:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
+        if meta.token_pos.shape[0] == 1:  # one request's decode step: its plan without the sorting (0.2 of 0.3 ms)
+            plan = cls._lone_token(meta, block_size)
+            if plan is not None:
+                return plan
         pos, reqs = meta.token_pos.long(), meta.token_req.long()
         live = pos >= 0
         rows = torch.nonzero(live).flatten()
@@ -276,6 +280,19 @@ class _CPUPlan:
         mask[:, :, 0] |= q_pos < 0  # padded queries see one key (no all-masked row), their output is dropped
         return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None])
 
+    @classmethod
+    def _lone_token(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
+        """``build``'s plan for a step of one real token (None for one padded row): the same fields."""
+        pos = int(meta.token_pos[0])
+        if pos < 0:
+            return None
+        key_pos = torch.arange(pos + 1)
+        blocks = meta.block_table[int(meta.token_req[0])].long()[key_pos // block_size]
+        k_slots = (blocks * block_size + key_pos % block_size).clamp(min=0)[None]
+        zero = torch.zeros(1, dtype=torch.long)
+        return cls(zero[:, None], torch.ones(1, 1, dtype=torch.bool), zero, torch.zeros(0, dtype=torch.long), k_slots,
+                   None, True, _first_of_run(k_slots))
+
     def gather_kv(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every request's context, K and V at once, in float32: (2, requests, kv_heads, context, head_dim). One
         index_select and one conversion of a contiguous block (a quarter faster than indexing and converting K
@@ -289,6 +306,14 @@ class _CPUPlan:
         return kv.view(2, reqs, ctx, heads, dim).transpose(2, 3)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        if self.in_order and self.first_slot is not None:  # a lone request's decode: K and V a slice, q and the
+            # output as they are (one query a head: (1, heads, dim) is (1, heads, 1, dim)), fewest ops
+            n, heads, dim = q.shape
+            ctx, kv_heads = self.k_slots.shape[1], kv_cache.shape[3]
+            kv = kv_cache.view(2, -1, kv_heads, dim)[:, self.first_slot:self.first_slot + ctx].float()
+            k, v = kv.view(2, n, ctx, kv_heads, dim).transpose(2, 3).unbind(0)
+            out.copy_(_sdpa(q.view(n, heads, 1, dim), k, v, None, scale).view(out.shape))
+            return out
         if self.in_order:  # decode: no gather of q, no scatter of the output
             kv = self.gather_kv(kv_cache)
             qb = q.view(q.shape[0], 1, *q.shape[1:]).transpose(1, 2)

@@ -63,3 +63,31 @@ def test_the_cpu_argmax_is_torchs_on_bfloat16():
     ids, prob = argmax_prob(logits[:, :999])  # a view with rows apart, as the LM head's sliced logits are
     assert torch.equal(ids, logits[:, :999].argmax(dim=-1)) and int(ids[1]) == 10
     torch.testing.assert_close(prob, torch.softmax(logits[:, :999].float(), -1).max(-1).values)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_a_lone_tokens_plan_is_the_general_plan(consecutive, monkeypatch):
+    from models.attention import AttentionMetadata, _CPUPlan, paged_attention
+
+    block, context = 8, 21
+    blocks = torch.tensor([7, 8, 9]) if consecutive else torch.tensor([4, 1, 6])
+    table = torch.full((3, 5), -1, dtype=torch.int32)
+    table[2, :3] = blocks.int()
+    pos = torch.tensor([context - 1])
+    meta = AttentionMetadata.from_tokens(blocks[pos // block] * block + pos % block, torch.tensor([2]), pos, table)
+    got = _CPUPlan.build(meta, block)
+    monkeypatch.setattr(_CPUPlan, "_lone_token", classmethod(lambda cls, meta, block_size: None))
+    want = _CPUPlan.build(meta, block)
+    for name in ("q_index", "q_valid", "rows", "pad_rows", "k_slots"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got.mask, got.in_order, got.first_slot) == (want.mask, want.in_order, want.first_slot)
+    assert (got.first_slot is not None) == consecutive
+    # and the decode path's output is the general in-order path's, in bfloat16 as served
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(2, 11, block, 2, 16, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, 6, 16, generator=gen).to(torch.bfloat16)
+    meta.cpu_plan = got
+    fast = paged_attention(q, kv, meta, 0.25)
+    got.first_slot = None  # the gathered path
+    assert torch.equal(fast, paged_attention(q, kv, meta, 0.25))
