@@ -96,11 +96,11 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # (.forward: no hook checks)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         """norm(self(x) + residual) -> (normed, self(x) + residual): the layer's output into the next norm."""
-        return norm(self(x), residual)
+        return norm.forward(self.forward(x), residual)
 
 
 def _grouped_mm_supported(a: torch.Tensor) -> bool:
