@@ -70,8 +70,10 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scale_zero).t().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and self.bias is None and x.is_contiguous():  # a forward's rows: the GEMM alone
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zero)
+        if x.dim() == 2 and self.bias is None and x.is_contiguous():  # a forward's rows: the GEMM alone (buffers
+            # read from their dict: nn.Module's attribute fallback costs a microsecond, 8 a layer)
+            buffers = self._buffers
+            return torch._weight_int4pack_mm_for_cpu(x, buffers["packed"], GROUP_SIZE, buffers["scale_zero"])
         y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).contiguous(), self.packed, GROUP_SIZE,
                                               self.scale_zero)
         if self.bias is not None:
