@@ -63,6 +63,10 @@ def test_the_cpu_argmax_is_torchs_on_bfloat16():
     ids, prob = argmax_prob(logits[:, :999])  # a view with rows apart, as the LM head's sliced logits are
     assert torch.equal(ids, logits[:, :999].argmax(dim=-1)) and int(ids[1]) == 10
     torch.testing.assert_close(prob, torch.softmax(logits[:, :999].float(), -1).max(-1).values)
+    logits[2, 20] = logits[2, 30] = float("nan")  # NaN counts as a maximum, the first one
+    logits[0] = float("-inf")
+    ids, _ = argmax_prob(logits, with_prob=False)
+    assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(dim=-1)) and ids.tolist() == [0, 10, 20]
 
 
 @pytest.mark.parametrize("consecutive", [True, False])
