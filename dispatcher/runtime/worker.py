@@ -351,9 +351,10 @@ class ModelWorker:
         st = self.state
         slot_t = dev.token_slot
         pos = st.num_computed[slot_t] + dev.token_offset
-        known = st.token_ids[slot_t, pos]
-        drafted = st.drafts[slot_t, dev.token_draft.clamp(min=0)]
-        ids = torch.where(dev.token_draft < 0, known, drafted)
+        ids = st.token_ids[slot_t, pos]
+        if plan.width > 1:  # (width 1: no drafts anywhere, every token a known one)
+            drafted = st.drafts[slot_t, dev.token_draft.clamp(min=0)]
+            ids = torch.where(dev.token_draft < 0, ids, drafted)
         seq_lens = st.num_computed[dev.slots] + dev.num_scheduled
         return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len,
                                    plan.max_seq_len)
@@ -365,6 +366,9 @@ class ModelWorker:
         -> (tokens (m, 1 + K), accepted (m,), position of the first sampled token (m,))."""
         st, m, width = self.state, plan.num_sampling, plan.width
         slots_s = dev.sampling_slots
+        if width == 1:  # no speculative decoding: a request's one logit row, no drafts (fewer small ops: each
+            # costs a CPU decode step tens of microseconds)
+            return self._verify_one(plan, dev, hidden, slots_s)
         nd = dev.num_drafts[dev.sampling_rows]
         first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows] - nd
         if m == 0:
@@ -385,6 +389,23 @@ class ModelWorker:
             accepted = accepted_drafts(tokens, drafts, nd)
         return tokens, accepted, first_pos, logits
 
+    def _verify_one(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor, slots_s: torch.Tensor):
+        """``_verify`` at width 1: logit row r is sampling request r's (the grid and the verify cells are the
+        identity), its token drawn at first_pos, nothing accepted."""
+        m, st = plan.num_sampling, self.state
+        first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows]
+        accepted = torch.zeros(m, dtype=torch.int64, device=self.device)
+        if m == 0:
+            return torch.zeros(0, 1, dtype=torch.int64, device=self.device), accepted, accepted, None
+        with torch.profiler.record_function("twogrid.logits"):
+            logits = self.model.compute_logits(hidden[dev.logit_rows])
+        host_slots = plan.host_sampling_slots
+        if (st.host_temperature[host_slots] > 0).any():
+            tokens = sample_tokens(logits, st.row_params(slots_s, host_slots), first_pos)
+        else:  # all greedy: the argmax alone (sample_tokens' greedy path, without gathering unused parameters)
+            tokens = argmax_prob(logits, with_prob=False)[0]
+        return tokens.view(m, 1), accepted, first_pos, logits
+
     def _fixed_acceptance(self, slots_s, first_pos, nd, k):
         """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
         whatever they are; the target's token follows them."""
@@ -401,6 +422,9 @@ class ModelWorker:
         if plan.num_sampling == 0:
             return
         slots_s = dev.sampling_slots
+        if plan.width == 1:  # no drafts: each request's one token stored, no count to take back
+            st.token_ids.index_put_((slots_s, first_pos), tokens.view(-1))
+            return
         st.num_computed[slots_s] -= dev.num_drafts[dev.sampling_rows] - accepted
         cols = first_pos[:, None] + torch.arange(plan.width, device=self.device)[None, :]
         rows = slots_s[:, None].expand_as(cols)
