@@ -138,7 +138,9 @@ def main() -> int:
     generation = [bench_generation(t, d, args.max_tokens, args.repeats, args.device)
                   for d in args.dtypes.split(",") for t in threads]
     load_s = statistics.median(r["load_s"] for r in loads)
-    default = next((g for g in generation if g["dtype"].endswith("(default)")), generation[0])
+    # The default: the default dtype at torch's default thread count (one per core), or the most threads measured
+    defaults = [g for g in generation if g["dtype"].endswith("(default)")] or generation
+    default = next((g for g in defaults if g["threads"] == os.cpu_count()), max(defaults, key=lambda g: g["threads"]))
     best = max(generation, key=lambda g: g["tok_per_s_median"])
     result = {
         "commit": commit(), "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
