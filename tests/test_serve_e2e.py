@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 
@@ -142,7 +143,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
     got, payload = _post(base + "/v1/completions", body)
     assert got == status and needle in payload["error"]["message"], payload
     assert set(payload["error"]) >= {"message", "type", "param", "code"}
-    ok, answer = _post(base + "/v1/completions", json.dumps({"model": "smol", "prompt": "Hi", "max_tokens": 2}).encode())
+    body = json.dumps({"model": "smol", "prompt": "Hi", "max_tokens": 2}).encode()
+    ok, answer = _post(base + "/v1/completions", body)
     assert ok == 200 and answer["usage"]["completion_tokens"] <= 2
 
 
@@ -220,6 +222,43 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
     finally:
         srv.stop()
     assert not _leftovers() - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balancing is Linux's")
+def test_front_ends_get_even_shares_of_a_burst_of_connections_and_the_port_is_theirs(tmp_path):
+    """--api-server-count 4 and 512 connections opened at once (as `twogrid bench` primes its pool): each front end
+    accepts close to a quarter (each its own socket of one SO_REUSEPORT group; on one shared socket the first to
+    wake took up to a hundred at a time: 153 / 185 / 53 / 122 here). A second server on the same port is refused
+    with one line, rather than silently taking a share of the first one's connections."""
+    import subprocess
+
+    import aiohttp
+
+    srv = _multi_front_end_server(tmp_path, 4)
+    try:
+        before = len(srv.log().splitlines())
+
+        async def burst():
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as session:
+                async def one():
+                    async with session.get(srv.base + "/health?burst") as r:  # (named apart in the access log)
+                        await r.read()
+                await asyncio.gather(*(one() for _ in range(512)))
+
+        asyncio.run(burst())
+        time.sleep(0.5)  # (the access log lines)
+        lines = [line for line in srv.log().splitlines()[before:] if '"GET /health?burst' in line]
+        shares = {name: sum(name in line for line in lines) for name in
+                  ("aiohttp.access", "front end 1", "front end 2", "front end 3")}
+        assert sum(shares.values()) == 512 and min(shares.values()) >= 90, shares
+        second = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--port", str(srv.port), "--device",
+                                 "cpu", "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"twogrid serve: error: --host/--port: cannot listen on 127.0.0.1:{srv.port}: address already in use "
+            f"(another server there? give another --port)")
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("victim", ["engine", "front end"])

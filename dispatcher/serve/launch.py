@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import time
@@ -183,8 +184,6 @@ def _setup(args: argparse.Namespace):
 
 
 def _model_name(model: str) -> str:
-    import os
-
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
@@ -199,8 +198,13 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
-    socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
-    runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
+    try:
+        socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
+        runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
+    except OSError as exc:  # (the port taken, the host not this machine's)
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
+                          f"server there? give another --port)") from None
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
              args.port)
     front_ends = None
