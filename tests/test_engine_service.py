@@ -8,7 +8,7 @@ import asyncio
 from collections import deque
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
-from dispatcher.engine.protocol import AddRequest, Outputs, decode_to_front
+from dispatcher.engine.protocol import AddRequest, Drain, Outputs, decode_to_front
 from dispatcher.engine.protocol import encode as encode_core
 from dispatcher.engine.service import EngineService
 from dispatcher.messages import decode_to_worker
@@ -92,8 +92,7 @@ def test_a_request_arriving_mid_run_joins_the_running_ones_at_once():
         sent_when_queued = len(outbox.sent)
         while len(tokens_of("second")) < 48:
             await asyncio.sleep(0)
-        service._draining = True
-        service._wake.set()
+        inbox.queue.put_nowait(encode_core(Drain()))  # (as the front end stops it: the step task ends)
         await asyncio.wait_for(runner, 30)
         receiver.cancel()
         return sent_when_queued
