@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU session's one call: the GPU tests, then the runtime benchmark. Run from the repository root on the
 # device machine; results and logs go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_check.sh [tests] [bench] [moe] [attention] [attention_sweep] [engine] [headline] [profile_engine] [profile]   (default: all)
+#   bash scripts/gpu_check.sh [tests] [bench] [moe] [attention] [attention_sweep] [engine] [headline] [replay]
+#     [profile_engine] [profile]   (default: all)
 # (moe: one MoE layer, grouped GEMM vs Triton tiles; attention: paged attention and logits at serving shapes;
 #  attention_sweep: the same plus forced split counts and tile shapes, for tuning models/triton_attention.py;
 #  engine: offline EngineCore throughput per capture policy, workload and concurrency, ENGINE_ARGS passed on;
 #  headline: twogrid serve per capture policy driven by twogrid bench (HEADLINE_ARGS passed on; needs
 #  .gpu_data/smollm2-tokenizer, SmolLM2's tokenizer saved as a directory);
+#  replay: twogrid replay --execute of vLLM's list's 256-stream headline trace under separate grids, each recorded
+#  step shape re-run on the GPU and timed, against the live separate server's device time (docs/headline.md);
 #  profile_engine: where a decode step's GPU time goes through EngineCore (attention, logits, graphs);
 #  profile: where one step's time goes, a diagnostic)
 # The ShareGPT prompts travel in .gpu_data/sharegpt.json (an ignored folder named in the call's carry).
@@ -51,6 +54,13 @@ if want headline; then
   python3 benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
     --out "$OUT/headline_h200.json" ${HEADLINE_ARGS:-} 2>&1 | tee "$OUT/headline.log"
   rc=$(( rc || PIPESTATUS[0] ))
+fi
+if want replay; then
+  python3 -m dispatcher replay docs/bench/traces/headline_e818375_vllm-default_256.jsonl --platform sm100 \
+    --max-num-seqs 1024 --max-num-batched-tokens 16384 \
+    --speculative-config '{"method": "eagle3", "num_speculative_tokens": 7}' --execute --model bench-moe --json \
+    >"$OUT/replay_execute_h200.json" 2>"$OUT/replay.log"
+  rc=$(( rc || $? ))
 fi
 if want profile_engine; then
   python3 benchmarks/profile_engine_gpu.py --data .gpu_data/sharegpt.json --out "$OUT/profile_engine_h200.json" \
