@@ -119,9 +119,9 @@ class EngineService:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # Let receive() take what the front ends sent. Nothing else here need yield: when the worker keeps
-            # up, its result is ready before it is awaited, and a request arriving while others run would wait
-            # for all of them to finish.
+            # Let receive() take what the front ends sent, once a step, whatever the sockets do: pyzmq's poll
+            # yields even with a result waiting, but a socket whose await resolves at once would leave requests
+            # that arrive mid-run waiting for the running ones to finish.
             await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
