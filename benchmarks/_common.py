@@ -52,6 +52,10 @@ def join_runs(parts: list[tuple[str, dict]], cell, shared: tuple[str, ...],
         for row in part["rows"]:
             measured.setdefault(cell(row), []).append({**row, "run": run})
         for key, rows in measured.items():
+            lost = {r["policy"] for r in cells.get(key, [])} - {r["policy"] for r in rows}
+            if lost:  # (a rerun cut short: replacing the cell would drop those policies' rows unseen)
+                raise SystemExit(f"{path}: cell {key} lacks {', '.join(sorted(lost))}, which an earlier file "
+                                 f"measured: a rerun replaces a whole cell (leave that file out, or rerun those)")
             superseded += cells.get(key, [])
             cells[key] = rows
     return runs, [r for rows in cells.values() for r in rows], superseded
@@ -63,7 +67,10 @@ def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] 
     ratio in the same run and cell."""
     lines = [f"{header} {'conc':>5s} {'ratio':>6s} {'paired':>6s} {'bound':>6s} {'of bound':>8s}  verdict"]
     for r in rows:
-        if r["policy"] != "separate" or "tok_s_ratio" not in r:
+        if r["policy"] != "separate":
+            continue
+        if "tok_s_ratio" not in r:
+            lines.append(f"{label(r)} {r['concurrency']:5d}  no ratio: vllm-default not measured in this run")
             continue
         ratio, bound = r["tok_s_ratio"], r["bound_ratio"]
         paired = r.get("tok_s_ratio_paired", r.get("paired_ratio_median"))
@@ -76,7 +83,8 @@ def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] 
             if (o["policy"] in rivals and o["run"] == r["run"] and label(o) == label(r)
                     and o["concurrency"] == r["concurrency"] and o.get("tok_s_ratio", 0) > ratio):
                 misses.append(f"< {o['policy']} ({o['tok_s_ratio']:.2f})")
-        lines.append(f"{label(r)} {r['concurrency']:5d} {ratio:6.3f} {paired or 0:6.3f} {bound:6.3f} "
+        paired = "-" if paired is None else f"{paired:.3f}"
+        lines.append(f"{label(r)} {r['concurrency']:5d} {ratio:6.3f} {paired:>6s} {bound:6.3f} "
                      f"{ratio / bound:8.2f}  {'; '.join(misses) or 'ok'}")
     return lines
 

@@ -1,6 +1,7 @@
-"""The serving engine's step loop (``dispatcher.engine.service.EngineService``) against a worker that keeps up: each
-step's result is ready the moment the engine looks for it, as on a GPU running small graphs. A request that arrives
-while others run must join them within a step or two, not wait until they finish."""
+"""The serving engine's step loop (``dispatcher.engine.service.EngineService``) against a worker that keeps up, behind
+sockets whose awaits resolve at once when a frame is waiting (a stub: pyzmq's poll yields even then, so this is the
+worst case the loop must survive). A request that arrives while others run must join them within a step or two,
+not wait until they finish."""
 
 from __future__ import annotations
 

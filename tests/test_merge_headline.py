@@ -57,3 +57,13 @@ def test_the_command_line_writes_the_table_and_both_plots(tmp_path):
     assert "< 0.98x" in proc.stdout and "| **separate** | 97 (0.97x / 1.00) |" in proc.stdout
     assert json.loads(out.read_text())["rows"][1]["tok_s_ratio"] == 0.97
     assert (tmp_path / "headline.png").stat().st_size and (tmp_path / "headline_eagle3-k7.png").stat().st_size
+
+
+def test_a_rerun_cut_short_does_not_drop_the_policies_it_lacks(tmp_path):
+    full = run_file(tmp_path, "full.json", "aaa", [row("vllm-default", 512, 100, 2.0), row("separate", 512, 120, 1.0)])
+    cut = run_file(tmp_path, "cut.json", "bbb", [row("vllm-default", 512, 90, 2.0)])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "merge_headline.py"), full, cut, "--out",
+                           str(tmp_path / "out.json")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "lacks separate" in proc.stderr
+    alone = merge([run_file(tmp_path, "sep.json", "ccc", [row("separate", 64, 50, 1.0)])], "t.json")
+    assert check(alone["rows"])[1].endswith("no ratio: vllm-default not measured in this run")

@@ -152,7 +152,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                     out.error = f"server error in the stream: {one_line(json.dumps(event['error']))}"
                     return out
                 piece = event_text(endpoint.kind, event)
-                if finished_at is None and finish_reason(event) is not None:
+                if finished_at is None and finish_reason(event) in ("stop", "length"):
                     finished_at = now
                 if piece:
                     if token_events == 0:

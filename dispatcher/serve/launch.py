@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import time
 
 from dispatcher.child import freeze_startup_heap
@@ -201,8 +203,11 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     try:
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
         runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
-    except OSError as exc:  # (the port taken, the host not this machine's)
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+    except OSError as exc:  # (the port taken, the host unknown or not this machine's)
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host: cannot listen on {args.host!r}: {(exc.strerror or str(exc)).lower()} (give "
+                              f"an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)") from None
+        reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
         raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
                           f"server there? give another --port)") from None
     log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
