@@ -35,7 +35,8 @@ case $part in
     run headline_h200 --policies vllm-default,separate --workloads eagle3-k3,eagle3-tiers-7-3-1,no-sd \
       --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces" ;;
   lists)
-    run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" ;;
+    run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" \
+      --step-trace-dir "$OUT/$part/traces" ;;
   small)
     run headline_h200_small --policies vllm-default,separate --workloads eagle3-k3,eagle3-tiers-7-3-1,no-sd \
       --concurrency 1,16 --waves 1 --interleave 0 --alternate 40 ;;
