@@ -79,23 +79,19 @@ def request_body(endpoint: Endpoint, req: SampleRequest) -> dict[str, Any]:
     return body
 
 
+def first_choice(event: dict[str, Any]) -> dict[str, Any]:
+    """A stream event's first choice ({} for usage-only events and malformed ones)."""
+    choices = event.get("choices") or []
+    return choices[0] if choices and isinstance(choices[0], dict) else {}
+
+
 def event_text(kind: str, event: dict[str, Any]) -> str:
     """The text a stream event carries ('' for role-only, usage-only and finish events)."""
-    choices = event.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return ""
+    choice = first_choice(event)
     if kind == "chat":
-        delta = choices[0].get("delta") or {}
+        delta = choice.get("delta") or {}
         return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-    return choices[0].get("text") or ""
-
-
-def finish_reason(event: dict[str, Any]) -> str | None:
-    choices = event.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return None
-    reason = choices[0].get("finish_reason")
-    return reason if isinstance(reason, str) else None
+    return choice.get("text") or ""
 
 
 async def sse_events(response: aiohttp.ClientResponse):
@@ -152,7 +148,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                     out.error = f"server error in the stream: {one_line(json.dumps(event['error']))}"
                     return out
                 piece = event_text(endpoint.kind, event)
-                if finished_at is None and finish_reason(event) in ("stop", "length"):
+                if finished_at is None and first_choice(event).get("finish_reason") in ("stop", "length"):
                     finished_at = now
                 if piece:
                     if token_events == 0:
