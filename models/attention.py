@@ -309,9 +309,7 @@ class _CPUPlan:
         if self.in_order and self.first_slot is not None:  # a lone request's decode: K and V a slice, q and the
             # output as they are (one query a head: (1, heads, dim) is (1, heads, 1, dim)), fewest ops
             n, heads, dim = q.shape
-            ctx, kv_heads = self.k_slots.shape[1], kv_cache.shape[3]
-            kv = kv_cache.view(2, -1, kv_heads, dim)[:, self.first_slot:self.first_slot + ctx].float()
-            k, v = kv.view(2, n, ctx, kv_heads, dim).transpose(2, 3).unbind(0)
+            k, v = self.gather_kv(kv_cache).unbind(0)  # (the slice: first_slot)
             out.copy_(_sdpa(q.view(n, heads, 1, dim), k, v, None, scale).view(out.shape))
             return out
         if self.in_order:  # decode: no gather of q, no scatter of the output
