@@ -31,6 +31,10 @@ log = logging.getLogger("twogrid.serve")
 
 LIVENESS_S = 0.25
 """How often the front end checks that the engine process is alive while no output comes."""
+MAX_QUEUED_STEPS = 64
+"""At most this many of the engine's messages that queued up are taken at once, before the streams run: a front end
+behind the engine then writes each request one chunk for all those steps (and decodes its text once), where taking
+them one by one wrote a chunk a step and fell further behind (1024 single-token streams on the H200)."""
 
 
 class EngineError(RuntimeError):
@@ -200,13 +204,14 @@ class EngineClient:
                     if not self.process.alive():
                         raise EngineError(f"the engine process {self.process.exit_description()}")
                     continue
-                msg = decode_or_refuse(decode_to_front, await sock.recv(), log, "the front end's socket")
-                if isinstance(msg, EngineDead):
-                    raise EngineError(msg.message)
-                if isinstance(msg, Outputs):
-                    self._take(msg)
-                elif isinstance(msg, EngineStarted):  # (front ends 1..: front end 0 waits for it in start)
-                    self.capture, self.ready = msg.worker, True
+                for raw in await _queued(sock, MAX_QUEUED_STEPS):
+                    msg = decode_or_refuse(decode_to_front, raw, log, "the front end's socket")
+                    if isinstance(msg, EngineDead):
+                        raise EngineError(msg.message)
+                    if isinstance(msg, Outputs):
+                        self._take(msg)
+                    elif isinstance(msg, EngineStarted):  # (front ends 1..: front end 0 waits for it in start)
+                        self.capture, self.ready = msg.worker, True
         except EngineError as exc:
             self.dead = str(exc)
             log.error("the engine stopped: %s", exc)
@@ -253,6 +258,18 @@ class EngineClient:
         if self._task is not None:
             self._task.cancel()
         await self.process.aclose_with(None, 5.0)  # (the engine exits by itself once drained)
+
+
+async def _queued(sock, limit: int) -> list[bytes]:
+    """The messages waiting on ``sock``: at least one (waited for), at most ``limit``, the rest taken without
+    yielding to the event loop, so that every delta they hold is in its stream before the streams run."""
+    messages = [await sock.recv()]
+    while len(messages) < limit:
+        try:
+            messages.append(await sock.recv(zmq.NOBLOCK))  # (a done future: no yield)
+        except zmq.Again:
+            break
+    return messages
 
 
 class _AttachedEngine:

@@ -1,0 +1,69 @@
+"""The front end's handle on the engine (dispatcher.serve.client.EngineClient), over a real zmq socket: what a front
+end does with the engine's per-step outputs when it is behind."""
+
+import asyncio
+from types import SimpleNamespace
+
+import zmq
+import zmq.asyncio
+
+from dispatcher.engine.protocol import Delta, Outputs, encode
+from dispatcher.serve import client as C
+from scheduler.request import SamplingParams
+
+
+class _Engine:
+    """The engine's side of the front end's sockets: outputs arrive on a real PAIR socket; what the front end sends
+    is kept."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str):
+        self.from_child = ctx.socket(zmq.PAIR)
+        self.from_child.bind(f"inproc://{name}")
+        self.engine_side = ctx.socket(zmq.PAIR)
+        self.engine_side.connect(f"inproc://{name}")
+        self.sent: list[bytes] = []
+        self.to_child = SimpleNamespace(send=self.sent.append)
+
+    def alive(self) -> bool:
+        return True
+
+
+def _client(engine: _Engine) -> C.EngineClient:
+    client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
+                            SamplingParams(max_tokens=8))
+    client.process, client.ready = engine, True
+    return client
+
+
+async def _outputs_after(num_queued_steps: int, limit: int | None = None) -> list[list[int]]:
+    """One request; ``num_queued_steps`` single-token steps reach the socket before the front end reads any (its
+    last one finishes the request); the token ids of each output its consumer gets."""
+    ctx = zmq.asyncio.Context()
+    engine = _Engine(ctx, f"steps{num_queued_steps}-{limit}")
+    client = _client(engine)
+    stream = client.generate("r", None, [1, 2, 3], SamplingParams(max_tokens=num_queued_steps))
+    for i in range(num_queued_steps):
+        last = i == num_queued_steps - 1
+        await engine.engine_side.send(encode(Outputs([Delta("r", [100 + i], "length" if last else None)])))
+    task = asyncio.get_running_loop().create_task(client._receive())
+    try:
+        return [list(out.outputs[0].token_ids) async for out in stream]
+    finally:
+        task.cancel()
+        engine.from_child.close(0)
+        engine.engine_side.close(0)
+        ctx.term()
+
+
+def test_steps_queued_behind_a_busy_front_end_reach_the_client_as_one_output():
+    # A front end that fell behind the engine finds several steps waiting: it takes them all before the request's
+    # stream runs, so the client gets one chunk with every token (one write, one decode) instead of one per step.
+    outs = asyncio.run(_outputs_after(5))
+    assert outs == [[100, 101, 102, 103, 104]]
+
+
+def test_at_most_max_queued_steps_are_taken_at_once(monkeypatch):
+    # The front end does not read the socket dry forever: after MAX_QUEUED_STEPS messages the streams run.
+    monkeypatch.setattr(C, "MAX_QUEUED_STEPS", 2)
+    outs = asyncio.run(_outputs_after(5))
+    assert outs == [[100, 101], [102, 103], [104]]
