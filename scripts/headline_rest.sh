@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The headline cells not yet measured with four front ends, on one H200, one part a device call (each about
+# The headline table in parts, on one H200, one part a device call (each about
 # 5-9 minutes; every part's ratios are taken within its own run):
 #   workloads  K = 3, tiers 7/3/1 and no-sd; vllm-default and separate; 64-1024 streams
 #   lists      K = 7; vllm-default, separate, SGLang's and TensorRT-LLM's lists; 64-1024 streams
 #   models     K = 7 on bench-moe-large and bench-dense; vllm-default and separate; 256 and 512 streams
 #   small      K = 3, tiers 7/3/1 and no-sd at 1 and 16 streams; vllm-default and separate taking turns batch by
-#              batch (--alternate 40, as the K = 7 cells at 57d0e86 in docs/headline.md)
+#              batch (--alternate HEADLINE_SLOTS, default 40, as the K = 7 cells at 57d0e86 in docs/headline.md;
+#              HEADLINE_WORKLOADS and HEADLINE_SMALL_CONC narrow it, e.g. one workload at 1 stream with more slots)
 #   export OUT TWOGRID_COMMIT=<sha>; bash scripts/headline_rest.sh workloads
 # Each part stops at HEADLINE_LIMIT_S seconds (default 560; models: half each run) so that what it measured comes back; results go to
 # $OUT/<part>/ (headline_h200.json, or one file per model).
@@ -13,6 +14,7 @@ set -uo pipefail
 OUT=${OUT:-./gpu_out}
 LIMIT=${HEADLINE_LIMIT_S:-560}
 CONC=${HEADLINE_CONC:-64,128,256,512,1024}
+SLOTS=${HEADLINE_SLOTS:-40}
 part=${1:?"name a part: workloads, lists, models or small"}
 case $part in workloads|lists|models|small) ;; *) echo "unknown part: $part (workloads, lists, models or small)" >&2
   exit 2 ;; esac
@@ -38,8 +40,9 @@ case $part in
     run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" \
       --step-trace-dir "$OUT/$part/traces" ;;
   small)
-    run headline_h200_small --policies vllm-default,separate --workloads eagle3-k3,eagle3-tiers-7-3-1,no-sd \
-      --concurrency 1,16 --waves 1 --interleave 0 --alternate 40 ;;
+    run headline_h200_small --policies vllm-default,separate \
+      --workloads "${HEADLINE_WORKLOADS:-eagle3-k3,eagle3-tiers-7-3-1,no-sd}" --concurrency "${HEADLINE_SMALL_CONC:-1,16}" \
+      --waves 1 --interleave 0 --alternate "$SLOTS" ;;
   models)
     LIMIT=$(( LIMIT / 2 ))  # two runs in one call
     run headline_h200_bench-moe-large --model bench-moe-large --policies vllm-default,separate \
