@@ -28,19 +28,19 @@ class _Engine:
         return True
 
 
-def _client(engine: _Engine) -> C.EngineClient:
+def _client(engine: _Engine, metrics=None) -> C.EngineClient:
     client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
-                            SamplingParams(max_tokens=8))
+                            SamplingParams(max_tokens=8), metrics=metrics)
     client.process, client.ready = engine, True
     return client
 
 
-async def _outputs_after(num_queued_steps: int, limit: int | None = None) -> list[list[int]]:
+async def _outputs_after(num_queued_steps: int, metrics=None) -> list[list[int]]:
     """One request; ``num_queued_steps`` single-token steps reach the socket before the front end reads any (its
     last one finishes the request); the token ids of each output its consumer gets."""
     ctx = zmq.asyncio.Context()
-    engine = _Engine(ctx, f"steps{num_queued_steps}-{limit}")
-    client = _client(engine)
+    engine = _Engine(ctx, f"steps{num_queued_steps}")
+    client = _client(engine, metrics)
     stream = client.generate("r", None, [1, 2, 3], SamplingParams(max_tokens=num_queued_steps))
     for i in range(num_queued_steps):
         last = i == num_queued_steps - 1
@@ -67,3 +67,21 @@ def test_at_most_max_queued_steps_are_taken_at_once(monkeypatch):
     monkeypatch.setattr(C, "MAX_QUEUED_STEPS", 2)
     outs = asyncio.run(_outputs_after(5))
     assert outs == [[100, 101], [102, 103], [104]]
+
+
+def test_the_backlog_is_counted_and_twogrid_bench_reports_it():
+    # The steps a front end found waiting beyond the one it read are counted on /metrics, and `twogrid bench` reports
+    # them (the serving path, not the GPU, was the limit); a front end that keeps up counts none.
+    from prometheus_client import CollectorRegistry
+
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+    from dispatcher.serve.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m", CollectorRegistry())
+    before = parse_counters(metrics.render().decode())
+    asyncio.run(_outputs_after(5, metrics=metrics))
+    assert counter_deltas(before, parse_counters(metrics.render().decode()))["front_end_backlog_steps"] == 4
+    kept_up = EngineMetrics("m", CollectorRegistry())
+    before = parse_counters(kept_up.render().decode())
+    asyncio.run(_outputs_after(1, metrics=kept_up))
+    assert counter_deltas(before, parse_counters(kept_up.render().decode()))["front_end_backlog_steps"] == 0

@@ -139,5 +139,7 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
                 lines.append(_row(f"  {reason}:", steps))
         if "padded_tokens" in result:
             lines.append(_row("Padded tokens:", result["padded_tokens"]))
+        if result.get("front_end_backlog_steps"):
+            lines.append(_row("Front-end backlog steps:", result["front_end_backlog_steps"]))
     lines.append("=" * 50)
     return lines

@@ -1,5 +1,6 @@
 """The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode,
-the steps' device time (over the run's duration: how busy the GPU was).
+the steps' device time (over the run's duration: how busy the GPU was), and the engine steps that reached a front
+end while it was behind (its outputs merged: the serving path, not the GPU, was the limit).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -19,6 +20,7 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "padded_tokens": ("twogrid:padded_tokens_total", ()),
     "cudagraph_steps": ("twogrid:cudagraph_steps_total", ("kind", "mode")),
     "step_device_seconds": ("twogrid:step_device_seconds_total", ()),
+    "front_end_backlog_steps": ("twogrid:front_end_backlog_steps_total", ()),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 

@@ -204,7 +204,10 @@ class EngineClient:
                     if not self.process.alive():
                         raise EngineError(f"the engine process {self.process.exit_description()}")
                     continue
-                for raw in await _queued(sock, MAX_QUEUED_STEPS):
+                batch = await _queued(sock, MAX_QUEUED_STEPS)
+                if len(batch) > 1 and self.metrics is not None:
+                    self.metrics.on_backlog(len(batch) - 1)
+                for raw in batch:
                     msg = decode_or_refuse(decode_to_front, raw, log, "the front end's socket")
                     if isinstance(msg, EngineDead):
                         raise EngineError(msg.message)

@@ -96,6 +96,11 @@ class EngineMetrics:
                                  ).labels(model_name)
         self._device_s = counter("step_device_seconds", "Device time of the steps (first to last operation of each, "
                                  "CUDA events): over wall time, how busy the GPU was.").labels(model_name)
+        # the serving path (each front end records its own)
+        self._backlog = counter("front_end_backlog_steps", "Engine steps whose outputs reached a front end while it "
+                                "was still behind on earlier ones, and went out merged with them (several tokens a "
+                                "chunk). Growing with load: the front ends, not the GPU, limit throughput.").labels(
+            model_name)
         self._capture_s = gauge("capture_seconds", "Wall time of CUDA-graph capture at start-up.").labels(model_name)
         self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs.").labels(
             model_name)
@@ -116,6 +121,10 @@ class EngineMetrics:
             self._accepted.inc(accepted_tokens)
         if preemptions:
             self._preemptions.inc(preemptions)
+
+    def on_backlog(self, num_steps: int) -> None:
+        """A front end found ``num_steps`` more engine steps' outputs waiting than the one it was reading."""
+        self._backlog.inc(num_steps)
 
     def set_queue(self, running: int, waiting: int, kv_free_blocks: int, kv_blocks: int) -> None:
         """The scheduler's state now: requests running and waiting, KV blocks free and in all (the usage follows)."""
