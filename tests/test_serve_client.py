@@ -4,10 +4,11 @@ end does with the engine's per-step outputs when it is behind."""
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 import zmq
 import zmq.asyncio
 
-from dispatcher.engine.protocol import Delta, Outputs, encode
+from dispatcher.engine.protocol import Delta, EngineDead, Failure, Outputs, encode
 from dispatcher.serve import client as C
 from scheduler.request import SamplingParams
 
@@ -85,3 +86,46 @@ def test_the_backlog_is_counted_and_twogrid_bench_reports_it():
     before = parse_counters(kept_up.render().decode())
     asyncio.run(_outputs_after(1, metrics=kept_up))
     assert counter_deltas(before, parse_counters(kept_up.render().decode()))["front_end_backlog_steps"] == 0
+
+
+async def _outputs_then(messages: list, max_tokens: int) -> list:
+    """One request; ``messages`` (the engine's) reach the socket before the front end reads any; what the client
+    gets: each output's token ids and finish reason, then the error that ended the stream, if one did."""
+    ctx = zmq.asyncio.Context()
+    engine = _Engine(ctx, f"then{len(messages)}-{max_tokens}")
+    client = _client(engine)
+    stream = client.generate("r", None, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    for message in messages:
+        await engine.engine_side.send(encode(message))
+    task = asyncio.get_running_loop().create_task(client._receive())
+    got = []
+    try:
+        async for out in stream:
+            got.append((list(out.outputs[0].token_ids), out.outputs[0].finish_reason))
+    except Exception as exc:
+        got.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        task.cancel()
+        engine.from_child.close(0)
+        engine.engine_side.close(0)
+        ctx.term()
+    assert "r" not in client.processor.requests  # nothing left behind in the output processor
+    return got
+
+
+@pytest.mark.parametrize("limit", [1, 64])
+def test_a_request_that_finished_just_before_the_engine_died_gets_its_output(monkeypatch, limit):
+    # Its last delta and the engine's death were read together (a front end behind): the client still gets the
+    # completed output, not an error.
+    monkeypatch.setattr(C, "MAX_QUEUED_STEPS", limit)
+    got = asyncio.run(_outputs_then([Outputs([Delta("r", [100, 101], "length")]), EngineDead("the worker died")], 2))
+    assert got == [([100, 101], "length")]
+
+
+@pytest.mark.parametrize("limit", [1, 64])
+def test_tokens_before_a_failed_step_reach_the_client_before_its_error(monkeypatch, limit):
+    monkeypatch.setattr(C, "MAX_QUEUED_STEPS", limit)
+    got = asyncio.run(_outputs_then([Outputs([Delta("r", [100])]), Outputs([Delta("r", [101])]),
+                                     Outputs(failed=[Failure(["r"], "step failed: boom")])], 8))
+    assert [t for ids, _ in got[:-1] for t in ids] == [100, 101]
+    assert got[-1] == "EngineError: step failed: boom"

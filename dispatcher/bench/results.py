@@ -127,7 +127,7 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
         lines += [_row(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{metric}_ms"], ".2f")
                   for p in percentiles]
     if "eager_steps" in result or "cudagraph_steps" in result or "padded_tokens" in result:
-        lines.append("{:-^50}".format("Server CUDA-graph counters (this run)"))
+        lines.append("{:-^50}".format("Server counters (this run)"))
         if "cudagraph_steps" in result:
             lines.append(_row("Graph steps:", result["cudagraph_steps"]))
             for kind, modes in result.get("cudagraph_steps_by_kind_mode", {}).items():

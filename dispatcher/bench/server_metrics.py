@@ -66,7 +66,8 @@ def _number(x: float) -> int | float:
 
 def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, Any]:
     """Result fields for the counters present in both scrapes: ``eager_steps`` and ``eager_steps_by_reason``,
-    ``padded_tokens``, ``cudagraph_steps`` and ``cudagraph_steps_by_kind_mode`` ({kind: {mode: steps}})."""
+    ``padded_tokens``, ``cudagraph_steps`` and ``cudagraph_steps_by_kind_mode`` ({kind: {mode: steps}}),
+    ``step_device_seconds`` and ``front_end_backlog_steps``."""
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}

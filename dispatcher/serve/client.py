@@ -152,6 +152,8 @@ class EngineClient:
         finally:  # the consumer stopped early (a client gone): the request ends here
             if request_id in self._streams:
                 await self.abort(request_id)
+            else:  # (ended, or failed with deltas this consumer never took: nothing is left behind)
+                self.processor.abort(request_id)
 
     def _collect(self, request_id: str, items: list) -> tuple[RequestOutput | None, Exception | None]:
         """The engine's deltas that queued up, as one output (through the output processor: text, stop strings);
@@ -160,8 +162,10 @@ class EngineClient:
         for item in items:
             if isinstance(item, RequestOutput):  # the final output of an abort
                 return item, None
-            if isinstance(item, Exception):
-                return self._merge(request_id, deltas), item
+            if isinstance(item, Exception):  # (``_fail`` left the request to be dropped here, after its deltas)
+                out = self._merge(request_id, deltas)
+                self.processor.abort(request_id)
+                return out, item
             deltas.append(item)
         return self._merge(request_id, deltas), None
 
@@ -189,9 +193,13 @@ class EngineClient:
         self._send(Abort([request_id], reason.value))
 
     def _fail(self, request_ids, error: Exception) -> None:
+        """End requests with ``error``. Deltas that reached a stream before the error still go to its client
+        first (a request that finished just before its engine died gets its output): the consumer merges them,
+        then drops the request from the output processor."""
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
-            self.processor.abort(rid)
+            if stream is None or not stream.items:
+                self.processor.abort(rid)
             if stream is not None:
                 stream.put(error)
 
@@ -204,17 +212,18 @@ class EngineClient:
                     if not self.process.alive():
                         raise EngineError(f"the engine process {self.process.exit_description()}")
                     continue
-                batch = await _queued(sock, MAX_QUEUED_STEPS)
-                if len(batch) > 1 and self.metrics is not None:
-                    self.metrics.on_backlog(len(batch) - 1)
-                for raw in batch:
+                with_deltas = 0
+                for raw in await _queued(sock, MAX_QUEUED_STEPS):
                     msg = decode_or_refuse(decode_to_front, raw, log, "the front end's socket")
                     if isinstance(msg, EngineDead):
                         raise EngineError(msg.message)
                     if isinstance(msg, Outputs):
                         self._take(msg)
+                        with_deltas += bool(msg.deltas)
                     elif isinstance(msg, EngineStarted):  # (front ends 1..: front end 0 waits for it in start)
                         self.capture, self.ready = msg.worker, True
+                if with_deltas > 1 and self.metrics is not None:  # (steps whose deltas go out merged)
+                    self.metrics.on_backlog(with_deltas - 1)
         except EngineError as exc:
             self.dead = str(exc)
             log.error("the engine stopped: %s", exc)

@@ -10,7 +10,8 @@ Who records what:
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
   sees each request from arrival to its last byte: TTFT, inter-token latency and end-to-end latency are measured
   where the client feels them, and prompt / generation token totals are counted once per request. The engine does
-  not call these (that would count requests twice).
+  not call these (that would count requests twice);
+- each front end calls ``on_backlog`` when it reads several steps' deltas at once (it fell behind the engine).
 
 With several front-end processes (``--api-server-count``) the metrics are prometheus-client's multiprocess ones
 (``$PROMETHEUS_MULTIPROC_DIR``, set by ``twogrid serve`` before anything imports prometheus-client): each process
@@ -18,8 +19,8 @@ records its own requests, front end 0 the steps and the queue, and every process
 the largest value, which is front end 0's).
 
 Every series carries a ``model_name`` label, as vLLM's do. ``twogrid bench`` reads ``eager_steps_total{reason}``,
-``padded_tokens_total`` and ``cudagraph_steps_total{kind,mode}`` (dispatcher/bench/server_metrics.py): those names
-and labels are an interface.
+``padded_tokens_total``, ``cudagraph_steps_total{kind,mode}``, ``step_device_seconds_total`` and
+``front_end_backlog_steps_total`` (dispatcher/bench/server_metrics.py): those names and labels are an interface.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class EngineMetrics:
         self._ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
                                TTFT_BUCKETS_S).labels(model_name)
         self._itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request (one "
-                              "observation per output, which may carry several tokens under speculative decoding).",
-                              ITL_BUCKETS_S).labels(model_name)
+                              "observation per output, which may carry several tokens: speculative decoding, or "
+                              "a front end behind the engine).", ITL_BUCKETS_S).labels(model_name)
         self._e2e = histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last output.",
                               E2E_BUCKETS_S).labels(model_name)
         self._success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
