@@ -14,6 +14,9 @@ first steps at a new size compile Triton kernels, which a single measured wave w
   separate      separate grids (this project's sm100 defaults)
   sglang        SGLang's decode and prefill lists under speculative decoding (H200, TP < 4)
   trtllm        TensorRT-LLM's decode list (1, 2, 4, 8..128 step 8), no prefill graphs
+  vllm-default-twin  a second server of vllm-default: an A/A control, whose ratio to vllm-default is the run's
+                noise between server instances (with --alternate, at 1-16 streams, where all lists replay the
+                same graphs)
 
 Per row: the bench's output tok/s, TPOT and TTFT, and from the server's /metrics (deltas over the run): eager
 steps, padded tokens, steps, and the steps' device time; ``gpu_busy`` is that over the run's duration and
@@ -64,6 +67,7 @@ POLICIES = {
     "trtllm": {"decode_cudagraph_capture_request_sizes": [1, 2, 4] + list(range(8, 129, 8)),
                "prefill_cudagraph_capture_token_sizes": [], "max_decode_cudagraph_capture_tokens": None},
 }
+POLICIES["vllm-default-twin"] = dict(POLICIES["vllm-default"])
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
              "eagle3-tiers-7-3-1": {"method": "eagle3", "num_speculative_tokens": 7,
@@ -435,10 +439,10 @@ def plot_headline(result: dict, path: str) -> None:
 
 def print_table(result: dict) -> None:
     """The rows (ratios where computed) and the serving-overhead lines, one line each."""
-    print(f"{'workload':18s} {'conc':>5s} {'policy':13s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
+    print(f"{'workload':18s} {'conc':>5s} {'policy':17s} {'tok/s':>9s} {'tpot':>7s} {'ttft':>8s} {'eager':>5s} "
           f"{'busy':>5s} {'vs vllm':>7s} {'bound':>6s}")
     for r in result["rows"]:
-        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:13s} {r['output_tok_s']:9.0f} "
+        print(f"{r['workload']:18s} {r['concurrency']:5d} {r['policy']:17s} {r['output_tok_s']:9.0f} "
               f"{r['tpot_ms_mean']:7.2f} {r['ttft_ms_mean']:8.1f} {r['eager_steps']:5d} {r['gpu_busy']:5.2f} "
               f"{r.get('tok_s_ratio', 0):7.2f} {r.get('bound_ratio', 0):6.2f}")
     for o in result["serve_overhead"]:

@@ -6,7 +6,9 @@
 #   models     K = 7 on bench-moe-large and bench-dense; vllm-default and separate; 256 and 512 streams
 #   small      K = 3, tiers 7/3/1 and no-sd at 1 and 16 streams; vllm-default and separate taking turns batch by
 #              batch (--alternate HEADLINE_SLOTS, default 40, as the K = 7 cells at 57d0e86 in docs/headline.md;
-#              HEADLINE_WORKLOADS and HEADLINE_SMALL_CONC narrow it, e.g. one workload at 1 stream with more slots)
+#              HEADLINE_WORKLOADS and HEADLINE_SMALL_CONC narrow it, e.g. one workload at 1 stream with more slots;
+#              HEADLINE_POLICIES=vllm-default,separate,vllm-default-twin adds an A/A control: the noise between
+#              two servers of one policy)
 #   export OUT TWOGRID_COMMIT=<sha>; bash scripts/headline_rest.sh workloads
 # Each part stops at HEADLINE_LIMIT_S seconds (default 560; models: half each run) so that what it measured comes back; results go to
 # $OUT/<part>/ (headline_h200.json, or one file per model).
@@ -40,7 +42,7 @@ case $part in
     run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" \
       --step-trace-dir "$OUT/$part/traces" ;;
   small)
-    run headline_h200_small --policies vllm-default,separate \
+    run headline_h200_small --policies "${HEADLINE_POLICIES:-vllm-default,separate}" \
       --workloads "${HEADLINE_WORKLOADS:-eagle3-k3,eagle3-tiers-7-3-1,no-sd}" --concurrency "${HEADLINE_SMALL_CONC:-1,16}" \
       --waves 1 --interleave 0 --alternate "$SLOTS" ;;
   models)
