@@ -10,8 +10,9 @@
 #              HEADLINE_POLICIES=vllm-default,separate,vllm-default-twin adds an A/A control: the noise between
 #              two servers of one policy)
 #   export OUT TWOGRID_COMMIT=<sha>; bash scripts/headline_rest.sh workloads
-# Each part stops at HEADLINE_LIMIT_S seconds (default 560; models: half each run) so that what it measured comes back; results go to
-# $OUT/<part>/ (headline_h200.json, or one file per model).
+# Each part stops at HEADLINE_LIMIT_S seconds (default 560; models: half each run) so that what it measured comes
+# back; results go to $OUT/<part>/ (headline_h200.json, or one file per model), with the bench results, step traces
+# and server logs packed into bench.tgz, traces.tgz and logs.tgz (scripts/pack_gpu_out.py).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}
 LIMIT=${HEADLINE_LIMIT_S:-560}
@@ -37,14 +38,17 @@ run() {  # run <out name> <args...>: one bench_headline_gpu.py, its log beside i
 case $part in
   workloads)
     run headline_h200 --policies vllm-default,separate --workloads eagle3-k3,eagle3-tiers-7-3-1,no-sd \
-      --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces" ;;
+      --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces"
+    rc=$? ;;
   lists)
     run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" \
-      --step-trace-dir "$OUT/$part/traces" ;;
+      --step-trace-dir "$OUT/$part/traces"
+    rc=$? ;;
   small)
     run headline_h200_small --policies "${HEADLINE_POLICIES:-vllm-default,separate}" \
       --workloads "${HEADLINE_WORKLOADS:-eagle3-k3,eagle3-tiers-7-3-1,no-sd}" --concurrency "${HEADLINE_SMALL_CONC:-1,16}" \
-      --waves 1 --interleave 0 --alternate "$SLOTS" ;;
+      --waves 1 --interleave 0 --alternate "$SLOTS"
+    rc=$? ;;
   models)
     LIMIT=$(( LIMIT / 2 ))  # two runs in one call
     run headline_h200_bench-moe-large --model bench-moe-large --policies vllm-default,separate \
@@ -53,5 +57,8 @@ case $part in
     run headline_h200_bench-dense --model bench-dense --policies vllm-default,separate --workloads eagle3-k7 \
       --concurrency 256,512
     rc2=$?
-    exit $(( rc ? rc : rc2 )) ;;
+    rc=$(( rc ? rc : rc2 )) ;;
 esac
+rc=${rc:-0}
+python3 scripts/pack_gpu_out.py "$OUT/$part"  # (bench/, traces/ and the servers' logs as archives: few files)
+exit $rc
