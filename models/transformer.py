@@ -130,18 +130,17 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids, aux)
         return self.layers[0].input_layernorm(hidden), hidden
 
-    def next_norm(self, layer: int) -> RMSNorm:
-        """The norm that ends ``layer``: the next layer's input norm, or the final norm after the last layer."""
-        return self.layers[layer + 1].input_layernorm if layer + 1 < len(self.layers) else self.norm
+    def next_norms(self) -> list[RMSNorm]:
+        """The norm that ends each layer: the next layer's input norm, the final norm after the last layer."""
+        return [layer.input_layernorm for layer in list(self.layers)[1:]] + [self.norm]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, aux: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (tokens, hidden), normed: the FULL path, and eager."""
         x, residual = self.begin(input_ids, aux)
         rotary = self.rotary if use_triton(x) else self.rotary.at(positions)  # (the torch path: rows looked up once)
-        layers = list(self.layers)  # (next_norm's ModuleList indexing costs a CPU decode step 0.1 ms)
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        for i, (layer, next_norm) in enumerate(zip(layers, norms)):
+        # (lists, not ModuleList indexing a layer: that costs a CPU decode step 0.1 ms)
+        for i, (layer, next_norm) in enumerate(zip(list(self.layers), self.next_norms())):
             q = layer.pre_attention(x, positions, rotary, kv_caches[i], meta.slot_mapping)
             x, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual, next_norm)
         return x

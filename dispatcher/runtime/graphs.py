@@ -325,14 +325,14 @@ class GraphRuntime:
     def _piece(self, index: int, num_tokens: int) -> Callable[[], None]:
         b, model, n = self.bufs, self.model, num_tokens
         last = model.num_layers
+        norm = model.next_norms()[index - 1] if index else None  # (the norm that ends the previous layer)
 
         def run() -> None:
             input_ids, positions, slots = b.rows(n)[:3]
             if index == 0:
                 x, residual = model.begin(input_ids, b.aux[:n] if b.aux is not None else None)
             else:
-                x, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n],
-                                                                     model.next_norm(index - 1))
+                x, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n], norm)
             if index < last:
                 # the KV write happens here, inside the graph (padded rows: slot -1, nothing stored)
                 q = model.layers[index].pre_attention(x, positions, model.rotary, self.kv_caches[index], slots)
