@@ -56,35 +56,38 @@ def _write(directory: str, name: str, data: bytes) -> list[str]:
     return paths
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _slim_json(path: str) -> bytes:
+    with open(path) as f:
+        return json.dumps(slim(json.load(f))).encode()
+
+
+def _pack_files(directory: str, name: str, paths: list[str], prefix: str, read) -> list[str]:
+    """``paths`` (each as ``prefix`` + its file name, its bytes from ``read``) into the archive ``name``, then
+    removed; the files written (none without paths)."""
+    if not paths:
+        return []
+    written = _write(directory, name, _archive([(prefix + os.path.basename(p), read(p)) for p in paths]))
+    for path in paths:
+        os.remove(path)
+    return written
+
+
 def pack(directory: str) -> list[str]:
     """Pack ``directory`` in place (see the module's doc); the files written."""
-    written: list[str] = []
-    bench = os.path.join(directory, "bench")
-    if os.path.isdir(bench):
-        members = []
-        for path in sorted(glob.glob(os.path.join(bench, "*.json"))):
-            with open(path) as f:
-                result = json.load(f)
-            members.append((f"bench/{os.path.basename(path)}", json.dumps(slim(result)).encode()))
-        written += _write(directory, "bench.tgz", _archive(members))
-        shutil.rmtree(bench)
-    traces = os.path.join(directory, "traces")
-    if os.path.isdir(traces):
-        members = []
-        for path in sorted(glob.glob(os.path.join(traces, "*"))):
-            with open(path, "rb") as f:
-                members.append((f"traces/{os.path.basename(path)}", f.read()))
-        written += _write(directory, "traces.tgz", _archive(members))
-        shutil.rmtree(traces)
-    logs = sorted(glob.glob(os.path.join(directory, "server-*.log")))
-    if logs:
-        members = []
-        for path in logs:
-            with open(path, "rb") as f:
-                members.append((os.path.basename(path), f.read()))
-        written += _write(directory, "logs.tgz", _archive(members))
-        for path in logs:
-            os.remove(path)
+    def inside(folder: str, pattern: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(directory, folder, pattern)))
+
+    written = _pack_files(directory, "bench.tgz", inside("bench", "*.json"), "bench/", _slim_json)
+    written += _pack_files(directory, "traces.tgz", inside("traces", "*"), "traces/", _read)
+    written += _pack_files(directory, "logs.tgz", inside("", "server-*.log"), "", _read)
+    for folder in ("bench", "traces"):
+        if os.path.isdir(os.path.join(directory, folder)):
+            shutil.rmtree(os.path.join(directory, folder))
     return written
 
 
