@@ -17,6 +17,9 @@ first steps at a new size compile Triton kernels, which a single measured wave w
   vllm-default-twin  a second server of vllm-default: an A/A control, whose ratio to vllm-default is the run's
                 noise between server instances (with --alternate, at 1-16 streams, where all lists replay the
                 same graphs)
+  separate-sglang-prefill  separate grids' decode grid with SGLang's prefill token list (58 sizes, 32-64 apart
+                between 256 and 1024 tokens, where the prefill grid's are 256 apart): what a finer prefill list
+                is worth
 
 Per row: the bench's output tok/s, TPOT and TTFT, and from the server's /metrics (deltas over the run): eager
 steps, padded tokens, steps, and the steps' device time; ``gpu_busy`` is that over the run's duration and
@@ -68,6 +71,8 @@ POLICIES = {
                "prefill_cudagraph_capture_token_sizes": [], "max_decode_cudagraph_capture_tokens": None},
 }
 POLICIES["vllm-default-twin"] = dict(POLICIES["vllm-default"])
+POLICIES["separate-sglang-prefill"] = {"prefill_cudagraph_capture_token_sizes":
+                                       POLICIES["sglang"]["prefill_cudagraph_capture_token_sizes"]}
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
              "eagle3-tiers-7-3-1": {"method": "eagle3", "num_speculative_tokens": 7,

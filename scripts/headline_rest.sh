@@ -2,7 +2,8 @@
 # The headline table in parts, on one H200, one part a device call (each about
 # 5-9 minutes; every part's ratios are taken within its own run):
 #   workloads  K = 3, tiers 7/3/1 and no-sd; vllm-default and separate; 64-1024 streams
-#   lists      K = 7; vllm-default, separate, SGLang's and TensorRT-LLM's lists; 64-1024 streams
+#   lists      K = 7; vllm-default, separate, SGLang's and TensorRT-LLM's lists (HEADLINE_POLICIES overrides); 64-1024
+#              streams
 #   models     K = 7 on bench-moe-large and bench-dense; vllm-default and separate; 256 and 512 streams
 #   small      K = 3, tiers 7/3/1 and no-sd at 1 and 16 streams; vllm-default and separate taking turns batch by
 #              batch (--alternate HEADLINE_SLOTS, default 40, as the K = 7 cells at 57d0e86 in docs/headline.md;
@@ -41,8 +42,8 @@ case $part in
       --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces"
     rc=$? ;;
   lists)
-    run headline_h200 --policies vllm-default,separate,sglang,trtllm --workloads eagle3-k7 --concurrency "$CONC" \
-      --step-trace-dir "$OUT/$part/traces"
+    run headline_h200 --policies "${HEADLINE_POLICIES:-vllm-default,separate,sglang,trtllm}" --workloads eagle3-k7 \
+      --concurrency "$CONC" --step-trace-dir "$OUT/$part/traces"
     rc=$? ;;
   small)
     run headline_h200_small --policies "${HEADLINE_POLICIES:-vllm-default,separate}" \
