@@ -44,8 +44,26 @@ def test_reruns_replace_cells_ratios_stay_within_runs_and_rivals_are_checked(tmp
     assert at512["bench-dense", "separate"]["tok_s_ratio"] == 1.0  # its own cell, not the rerun's
     assert sorted(r["output_tok_s"] for r in merged["superseded_rows"]) == [100, 120]
     verdicts = {(line.split()[0], line.split()[3]): line.split("  ")[-1] for line in check(merged["rows"])[1:]}
-    assert verdicts == {("bench-moe", "64"): "< sglang (1.70)", ("bench-moe", "512"): "ok",
+    assert verdicts == {("bench-moe", "64"): "< sglang (0.882)", ("bench-moe", "512"): "ok",
                         ("bench-dense", "512"): "ok"}
+
+
+def test_repeats_settle_the_rival_check_by_the_median_and_stay_out_of_the_table(tmp_path):
+    table = run_file(tmp_path, "lists.json", "aaa", [
+        row("vllm-default", 64, 100, 2.0), row("separate", 64, 94, 2.0), row("sglang", 64, 100, 1.2),
+        row("vllm-default", 256, 100, 2.0), row("separate", 256, 98, 2.0), row("sglang", 256, 100, 1.2)])
+    again = run_file(tmp_path, "again.json", "bbb", [row("vllm-default", 64, 90, 2.0), row("separate", 64, 103, 1.3),
+                                                     row("sglang", 64, 100, 1.2), row("separate", 256, 99, 1.3),
+                                                     row("sglang", 256, 100, 1.2)])
+    order = run_file(tmp_path, "order.json", "bbb", [row("sglang", 64, 100, 1.2), row("separate", 64, 101, 1.3),
+                                                     row("separate", 256, 101, 1.3)])  # (no sglang at 256)
+    merged = merge([table], "t.json", [again, order])
+    assert [r["commit"] for r in merged["repeat_runs"]] == ["bbb", "bbb"]
+    assert {(r["run"], r["output_tok_s"]) for r in merged["rows"] if r["policy"] == "separate"} == {(0, 94), (0, 98)}
+    verdicts = {line.split()[3]: line.split("  ")[-1] for line in check(merged["rows"], merged["repeat_rows"])[1:]}
+    assert verdicts["64"] == "ok (sglang 1.010 median of 3 runs: 0.940, 1.030, 1.010)"
+    assert verdicts["256"] == "< sglang (0.985 median of 2 runs: 0.980, 0.990)"
+    assert check(merged["rows"])[1].endswith("< sglang (0.940)")  # (the table's run alone)
 
 
 def test_the_command_line_writes_the_table_and_both_plots(tmp_path):
@@ -55,6 +73,11 @@ def test_the_command_line_writes_the_table_and_both_plots(tmp_path):
                            "--markdown"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "< 0.98x" in proc.stdout and "| **separate** | 97 (0.97x / 1.00) |" in proc.stdout
+    again = run_file(tmp_path, "b.json", "bbb", [row("vllm-default", 16, 100, 1.0), row("separate", 16, 99, 1.0)])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "merge_headline.py"), a, "--out", str(out),
+                           "--repeats", again], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["repeat_runs"][0]["file"] == "b.json"
     assert json.loads(out.read_text())["rows"][1]["tok_s_ratio"] == 0.97
     assert (tmp_path / "headline.png").stat().st_size and (tmp_path / "headline_eagle3-k7.png").stat().st_size
 
