@@ -55,6 +55,9 @@ def merge(paths: list[str], out: str, repeats: list[str] = ()) -> dict:
     repeat_runs, repeat_rows = [], []
     for i, path in enumerate(repeats):
         part = load(path)
+        if part.get("output_len") != runs[0]["output_len"]:
+            raise SystemExit(f"{path}: output_len {part.get('output_len')} differs from the table's "
+                             f"{runs[0]['output_len']}")
         repeat_runs.append({"file": os.path.basename(path), "command": part["command"], "commit": part["commit"]})
         repeat_rows += [{**r, "run": f"repeat {i}"} for r in part["rows"]]
     command = ["python", "scripts/merge_headline.py", *paths, "--out", out]

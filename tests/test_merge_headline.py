@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -64,6 +66,10 @@ def test_repeats_settle_the_rival_check_by_the_median_and_stay_out_of_the_table(
     assert verdicts["64"] == "ok (sglang 1.010 median of 3 runs: 0.940, 1.030, 1.010)"
     assert verdicts["256"] == "< sglang (0.985 median of 2 runs: 0.980, 0.990)"
     assert check(merged["rows"])[1].endswith("< sglang (0.940)")  # (the table's run alone)
+    longer = tmp_path / "longer.json"
+    longer.write_text(json.dumps({**json.loads(open(again).read()), "output_len": 512}))
+    with pytest.raises(SystemExit, match="output_len 512 differs from the table's 256"):
+        merge([table], "t.json", [str(longer)])
 
 
 def test_the_command_line_writes_the_table_and_both_plots(tmp_path):
