@@ -430,16 +430,49 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def plot_headline(result: dict, path: str) -> None:
-    """Output tok/s and mean TPOT against concurrency, one line per policy and workload (and model, where the rows
-    have several: twogrid bench's plot)."""
+    """Output tok/s against concurrency, one line per policy. Rows of one workload and model: tok/s and mean TPOT
+    side by side (twogrid bench's plot); rows of several: one tok/s panel per workload and model, each policy in
+    the same colour in every panel."""
     from dispatcher.bench.plot import draw, series
 
-    models = {r["model"] for r in result["rows"]}
-    rows = [{"label": f"{r['policy']} ({r['workload']}" + (f", {r['model']})" if len(models) > 1 else ")"),
-             "max_concurrency": r["concurrency"],
-             "num_prompts": r["concurrency"], "output_throughput": r["output_tok_s"], "mean_tpot_ms": r["tpot_ms_mean"]}
-            for r in result["rows"]]
-    draw(series(rows), path)
+    groups: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        groups.setdefault(f"{r['model']}, {r['workload']}", []).append(
+            {"label": r["policy"], "max_concurrency": r["concurrency"], "num_prompts": r["concurrency"],
+             "output_throughput": r["output_tok_s"], "mean_tpot_ms": r["tpot_ms_mean"]})
+    if len(groups) == 1:
+        draw(series(next(iter(groups.values()))), path)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(r["policy"] for r in result["rows"]))
+    colours = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(policies)}
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False, constrained_layout=True)
+    for ax, (name, points) in zip(axes.flat, sorted(groups.items())):
+        lines = series(points)
+        for policy, pts in lines.items():
+            ax.plot([c for c, _, _ in pts], [t for _, t, _ in pts], marker="o", color=colours[policy], label=policy)
+        ticks = sorted({c for pts in lines.values() for c, _, _ in pts})
+        if len(ticks) > 1 and ticks[-1] / ticks[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_title(f"{name}: output tok/s", fontsize=10)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    fig.legend(handles=[plt.Line2D([], [], color=colours[p], marker="o", label=p) for p in policies],
+               loc="outside lower center", ncols=min(len(policies), 6))
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def print_table(result: dict) -> None:

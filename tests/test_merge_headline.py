@@ -73,7 +73,8 @@ def test_repeats_settle_the_rival_check_by_the_median_and_stay_out_of_the_table(
 
 
 def test_the_command_line_writes_the_table_and_both_plots(tmp_path):
-    a = run_file(tmp_path, "a.json", "aaa", [row("vllm-default", 16, 100, 1.0), row("separate", 16, 97, 1.0)])
+    a = run_file(tmp_path, "a.json", "aaa", [row("vllm-default", 16, 100, 1.0), row("separate", 16, 97, 1.0),
+                                             row("vllm-default", 16, 90, 1.0, workload="no-sd")])  # (two panels)
     out = tmp_path / "headline.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "merge_headline.py"), a, "--out", str(out),
                            "--markdown"], capture_output=True, text=True)
