@@ -391,6 +391,9 @@ def test_plot_overlays_labels_from_saved_results(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "is not a bench result (no label, max_concurrency" in err
     assert main(["bench", str(runs / "0.json")]) == 2
     assert "without --plot" in capsys.readouterr().err
+    many = [result(f"policy-{i}", c, 100.0 * i + c, 1.0 + i) for i in range(12) for c in (16, 64)]
+    lines = plot_results([], str(tmp_path / "many.png"), many)  # (12 labels: the legend goes below the panels)
+    assert len(lines) == 12 and (tmp_path / "many.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_poisson_arrivals():

@@ -77,12 +77,15 @@ def draw(lines: dict[str, list[tuple[int, float, float]]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tok, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    fig, (ax_tok, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.25 * max(0, len(lines) - 6)),
+                                          constrained_layout=True)
     ticks = sorted({c for pts in lines.values() for c, _, _ in pts})
-    for label, pts in lines.items():
+    cmap = plt.get_cmap("tab10" if len(lines) <= 10 else "tab20")  # (distinct colours up to 20 labels)
+    for i, (label, pts) in enumerate(lines.items()):
         xs = [c for c, _, _ in pts]
-        ax_tok.plot(xs, [t for _, t, _ in pts], marker="o", label=label)
-        ax_tpot.plot(xs, [m for _, _, m in pts], marker="o", label=label)
+        style = {"marker": "o", "color": cmap(i % cmap.N), "label": label}
+        ax_tok.plot(xs, [t for _, t, _ in pts], **style)
+        ax_tpot.plot(xs, [m for _, _, m in pts], **style)
     for ax, title in ((ax_tok, "output throughput (tok/s)"), (ax_tpot, "mean TPOT (ms)")):
         ax.set_title(title)
         ax.set_xlabel("concurrency (requests in flight, at most)")
@@ -91,7 +94,10 @@ def draw(lines: dict[str, list[tuple[int, float, float]]], path: str) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
-    ax_tok.legend(title="label")
+    if len(lines) <= 6:
+        ax_tok.legend(title="label")
+    else:  # (more would cover the data: below both panels)
+        fig.legend(*ax_tok.get_legend_handles_labels(), title="label", loc="outside lower center", ncols=3)
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:
