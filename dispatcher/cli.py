@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -528,6 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"twogrid {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # (`twogrid plan | head`: the reader left; no traceback, as other Unix tools)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
+        return 141
 
 
 if __name__ == "__main__":

@@ -103,6 +103,16 @@ def test_plan_does_not_import_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`twogrid plan | head -1`: the pipe closes before the table is written; the command ends quietly (exit 141,
+    as a shell reports SIGPIPE) instead of printing a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "plan", *SM100], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("sizes,text", [
     ((1, 2, 3, 4, 5, 6, 8, 10, 12), "1..6, 8..12/2"),
     ((1, 2, 4, 8), "1, 2, 4, 8"),
