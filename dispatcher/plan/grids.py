@@ -126,6 +126,7 @@ def legacy_token_list(max_tokens: int) -> tuple[int, ...]:
     return tuple(s for s in ladder if s <= max_tokens)
 
 
+@lru_cache(maxsize=256)  # (plan --matrix asks for the same few lists thousands of times)
 def legacy_decode_sizes(token_sizes: tuple[int, ...], query_len: int) -> tuple[int, ...]:
     """Request counts the legacy shared list gives uniform decode at q tokens a request: entries divisible
     by q, divided by q. Decode reach at 1024 tokens: 1024 / 512 / 336 / 256 / 168 / 128 requests for
