@@ -433,7 +433,7 @@ def plot_headline(result: dict, path: str) -> None:
     """Output tok/s against concurrency, one line per policy. Rows of one workload and model: tok/s and mean TPOT
     side by side (twogrid bench's plot); rows of several: one tok/s panel per workload and model, each policy in
     the same colour in every panel."""
-    from dispatcher.bench.plot import draw, series
+    from dispatcher.bench.plot import concurrency_axis, draw, pyplot, series
 
     groups: dict[str, list[dict]] = {}
     for r in result["rows"]:
@@ -443,11 +443,7 @@ def plot_headline(result: dict, path: str) -> None:
     if len(groups) == 1:
         draw(series(next(iter(groups.values()))), path)
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     policies = list(dict.fromkeys(r["policy"] for r in result["rows"]))
     colours = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(policies)}
     cols = min(3, len(groups))
@@ -457,14 +453,8 @@ def plot_headline(result: dict, path: str) -> None:
         lines = series(points)
         for policy, pts in lines.items():
             ax.plot([c for c, _, _ in pts], [t for _, t, _ in pts], marker="o", color=colours[policy], label=policy)
-        ticks = sorted({c for pts in lines.values() for c, _, _ in pts})
-        if len(ticks) > 1 and ticks[-1] / ticks[0] >= 8:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_title(f"{name}: output tok/s", fontsize=10)
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
+        concurrency_axis(ax, sorted({c for pts in lines.values() for c, _, _ in pts}), "concurrent streams")
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
     fig.legend(handles=[plt.Line2D([], [], color=colours[p], marker="o", label=p) for p in policies],

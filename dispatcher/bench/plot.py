@@ -71,12 +71,29 @@ def series(results: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float
             for label, by_c in sorted(points.items())}
 
 
-def draw(lines: dict[str, list[tuple[int, float, float]]], path: str) -> None:
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def concurrency_axis(ax, ticks: Sequence[int], xlabel: str = "concurrency (requests in flight, at most)") -> None:
+    """A panel against concurrency: the measured concurrencies as ticks (a log scale when they span 8x or more),
+    a grid, the y axis from 0."""
+    ax.set_xlabel(xlabel)
+    if len(ticks) > 1 and ticks[-1] / ticks[0] >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.grid(True, alpha=0.3)
+    ax.set_ylim(bottom=0)
+
+
+def draw(lines: dict[str, list[tuple[int, float, float]]], path: str) -> None:
+    plt = pyplot()
     fig, (ax_tok, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.25 * max(0, len(lines) - 6)),
                                           constrained_layout=True)
     ticks = sorted({c for pts in lines.values() for c, _, _ in pts})
@@ -88,12 +105,7 @@ def draw(lines: dict[str, list[tuple[int, float, float]]], path: str) -> None:
         ax_tpot.plot(xs, [m for _, _, m in pts], **style)
     for ax, title in ((ax_tok, "output throughput (tok/s)"), (ax_tpot, "mean TPOT (ms)")):
         ax.set_title(title)
-        ax.set_xlabel("concurrency (requests in flight, at most)")
-        if len(ticks) > 1 and ticks[-1] / ticks[0] >= 8:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+        concurrency_axis(ax, ticks)
     if len(lines) <= 6:
         ax_tok.legend(title="label")
     else:  # (more would cover the data: below both panels)
