@@ -70,9 +70,9 @@ def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] 
     table's run and any ``repeat_rows`` runs (rows measured again only to settle that comparison; their ``run``
     keys differ from the table's); the median decides, and every run's ratio is shown when there are several."""
     lines = [f"{header} {'conc':>5s} {'ratio':>6s} {'paired':>6s} {'bound':>6s} {'of bound':>8s}  verdict"]
-    by_run: dict[tuple, dict] = {}
+    runs_of: dict[tuple, dict] = {}  # (label, concurrency) -> {run: {policy: row}}
     for o in (*rows, *repeat_rows):
-        by_run[label(o), o["concurrency"], o["policy"], o["run"]] = o
+        runs_of.setdefault((label(o), o["concurrency"]), {}).setdefault(o["run"], {})[o["policy"]] = o
     for r in rows:
         if r["policy"] != "separate":
             continue
@@ -86,11 +86,10 @@ def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] 
             misses.append("< 90% of bound")
         if r["concurrency"] in (1, 16) and ratio < 0.98:
             misses.append("< 0.98x")
+        runs = runs_of[label(r), r["concurrency"]].values()
         for rival in rivals:
-            ratios = [sep["output_tok_s"] / by_run[key]["output_tok_s"]
-                      for (lab, conc, policy, run), sep in by_run.items()
-                      if (lab, conc, policy) == (label(r), r["concurrency"], "separate")
-                      and (key := (lab, conc, rival, run)) in by_run]
+            ratios = [run["separate"]["output_tok_s"] / run[rival]["output_tok_s"] for run in runs
+                      if "separate" in run and rival in run]
             if not ratios:
                 continue
             median = statistics.median(ratios)
