@@ -5,6 +5,7 @@ import pytest
 from dispatcher.plan.config import ConfigError, resolve
 
 AV5 = {"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": True}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def tiers(*pairs):
@@ -51,7 +52,7 @@ BAD = [
      "cudagraph_capture_sizes, max_cudagraph_capture_size"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
-     "num_speculative_tokens_per_batch_size, adaptive_verification, model"),
+     "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max"),
     ({"cudagraph_mode": "FULL_ONLY"}, None, {},
      "cudagraph_mode must be one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; got 'FULL_ONLY'"),
     ({"interactivity": "yes"}, None, {}, "interactivity must be true or false, got 'yes'"),
@@ -67,6 +68,19 @@ BAD = [
      "--speculative-config: method is required (one of eagle, eagle3, mtp, mtp_multi, dspark, dflash, ngram, "
      "draft_model)"),
     ({}, {"method": "eagle3"}, {}, "num_speculative_tokens is required with a speculative method"),
+    # n-gram lengths
+    ({}, {**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, {},
+     "prompt_lookup_min = 4 exceeds prompt_lookup_max = 2"),
+    ({}, {**NGRAM, "prompt_lookup_min": 0}, {}, "prompt_lookup_min must be >= 1, got 0"),
+    ({}, {**NGRAM, "prompt_lookup_max": -2}, {}, "prompt_lookup_max must be >= 1, got -2"),
+    ({}, {**NGRAM, "prompt_lookup_max": 65}, {}, "prompt_lookup_max = 65 exceeds the limit = 64"),
+    ({}, {**NGRAM, "prompt_lookup_min": 2.0}, {}, "prompt_lookup_min must be an integer, got 2.0 (float)"),
+    ({}, {**NGRAM, "prompt_lookup_max": "3"}, {}, "prompt_lookup_max must be an integer, got '3' (str)"),
+    ({}, {**NGRAM, "prompt_lookup_min": True}, {}, "prompt_lookup_min must be an integer, got True (bool)"),
+    ({}, {"method": "eagle3", "num_speculative_tokens": 3, "prompt_lookup_max": 3}, {},
+     "--speculative-config: \"prompt_lookup_max\" is for method ngram, not 'eagle3'"),
+    ({}, {"method": "draft_model", "num_speculative_tokens": 3, "model": "tiny-dense", "prompt_lookup_min": 1}, {},
+     "--speculative-config: \"prompt_lookup_min\" is for method ngram, not 'draft_model'"),
     # tiers: unsorted, overlapping, malformed, above K
     ({}, tiers([1, 7], [65, 3], [32, 1]), {},
      "num_speculative_tokens_per_batch_size[2] min_batch 32 must be greater than the previous tier's 65 "
@@ -145,3 +159,15 @@ def test_unreachable_tiers_warn():
     assert cfg.tiers[-1].max_batch == 128
     assert cfg.warnings == (
         "num_speculative_tokens_per_batch_size: 1 tier(s) start above max_num_seqs = 128 and are never used",)
+
+
+@pytest.mark.parametrize("given, resolved", [({}, (1, 3)), ({"prompt_lookup_max": 5}, (5, 5)),
+                                             ({"prompt_lookup_min": 2}, (2, 2)),
+                                             ({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, (2, 4))])
+def test_prompt_lookup_lengths_resolve_as_vllm_does(given, resolved):
+    """One given sets the other (vLLM's rule); neither: 1..3 (vLLM's default is 5..5). Other methods: None."""
+    cfg = resolve({}, {**NGRAM, **given})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == resolved
+    assert (cfg.to_dict()["prompt_lookup_min"], cfg.to_dict()["prompt_lookup_max"]) == resolved
+    eagle = resolve({}, {"method": "eagle3", "num_speculative_tokens": 3})
+    assert (eagle.prompt_lookup_min, eagle.prompt_lookup_max) == (None, None)

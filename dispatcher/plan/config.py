@@ -18,6 +18,10 @@ from dispatcher.plan import grids
 
 MAX_SPECULATIVE_TOKENS = 63
 """Largest K accepted (q = 1 + K <= 64 tokens a request)."""
+MAX_PROMPT_LOOKUP = 64
+"""Largest n-gram length (prompt_lookup_max) accepted: each n costs the n-gram drafter a pass over the histories."""
+NGRAM_DEFAULT_PROMPT_LOOKUP = (1, 3)
+"""(prompt_lookup_min, prompt_lookup_max) when neither is given (vLLM's default is 5, 5)."""
 SM100_MAX_PREFILL_TOKENS = 8192
 """sm100 default PIECEWISE cap, before min(., max_num_batched_tokens)."""
 SM100_DECODE_TOKEN_BUDGET = 4096
@@ -112,6 +116,12 @@ class SpeculativeConfig:
     """Bool. Decode steps verify a per-request number of drafts (1..1 + K) on FULL varlen graphs."""
     model: Any = UNSET
     """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
+    prompt_lookup_min: Any = UNSET
+    """method ngram: the shortest n-gram (1..prompt_lookup_max) the drafter looks up. Default: prompt_lookup_max
+    when that alone is given, else 1."""
+    prompt_lookup_max: Any = UNSET
+    """method ngram: the longest n-gram (prompt_lookup_min..64) the drafter looks up, tried first. Default:
+    prompt_lookup_min when that alone is given, else 3."""
 
     @classmethod
     def from_dict(cls, data: Any) -> "SpeculativeConfig":
@@ -202,6 +212,10 @@ class ResolvedConfig:
     warnings: tuple[str, ...] = field(default=(), compare=False)
     draft_model: str | None = None
     """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
+    prompt_lookup_min: int | None = None
+    """method ngram: the shortest n-gram looked up (None for the other methods)."""
+    prompt_lookup_max: int | None = None
+    """method ngram: the longest n-gram looked up, tried first (None for the other methods)."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -245,6 +259,8 @@ class ResolvedConfig:
             else {"per_q_from_tokens": list(self.decode_token_sizes or ())},
             "max_decode_cudagraph_capture_tokens": self.max_decode_tokens,
             "legacy_sizing": self.legacy,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            "prompt_lookup_max": self.prompt_lookup_max,
         }
 
 
@@ -404,6 +420,7 @@ def resolve(
         legacy=bool(legacy_set),
         warnings=tuple(warn),
         draft_model=_draft_model(sc, method),
+        **_prompt_lookup(sc, method),
     )
 
 
@@ -417,6 +434,27 @@ def _draft_model(sc: SpeculativeConfig, method: str | None) -> str | None:
     if sc.model is not UNSET:
         raise ConfigError(f"--speculative-config: \"model\" is for method draft_model, not {method!r}")
     return None
+
+
+def _prompt_lookup(sc: SpeculativeConfig, method: str | None) -> dict[str, int | None]:
+    """method ngram's n-gram lengths, as vLLM resolves them: one given sets the other; refused for other methods."""
+    lo, hi = sc.prompt_lookup_min, sc.prompt_lookup_max
+    if method != "ngram":
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(sc, name) is not UNSET:
+                raise ConfigError(f"--speculative-config: \"{name}\" is for method ngram, not {method!r}")
+        return {}
+    if lo is not UNSET:
+        lo = _positive_int("prompt_lookup_min", lo, MAX_PROMPT_LOOKUP, "the limit")
+    if hi is not UNSET:
+        hi = _positive_int("prompt_lookup_max", hi, MAX_PROMPT_LOOKUP, "the limit")
+    if lo is UNSET and hi is UNSET:
+        lo, hi = NGRAM_DEFAULT_PROMPT_LOOKUP
+    lo = hi if lo is UNSET else lo
+    hi = lo if hi is UNSET else hi
+    if lo > hi:
+        raise ConfigError(f"prompt_lookup_min = {lo} exceeds prompt_lookup_max = {hi}")
+    return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
 def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[str]):
