@@ -1,55 +1,63 @@
 """Drafters that propose K tokens per request for the next step.
 
-``NgramDrafter`` (prompt lookup): find the most recent earlier occurrence of the request's last n tokens
-(n from ``max_n`` down to ``min_n``) and propose the tokens that followed it. A request always gets exactly K
-proposals, so that uniform batches stay uniform; positions with no match repeat the last token with
-confidence 0, which adaptive verification then leaves unverified.
+``propose_ngram`` (prompt lookup), batched on the device: for each request, find an earlier occurrence of its last
+n tokens (n from ``max_n`` down to ``min_n``; among the occurrences of the longest n, the most recent) and propose
+the tokens that followed it. A request always gets exactly K proposals, so that uniform batches stay uniform;
+positions with no match, or past the end of the history, repeat the last token with confidence 0, which adaptive
+verification then leaves unverified.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import torch
+from torch import nn
+
+from models.layers import RMSNorm
+from models.transformer import CausalLM, DecoderLayer
+
+NGRAM_MATCH_CONFIDENCE = 0.8
+"""The confidence of an n-gram proposal that a match found (adaptive verification's input)."""
 
 
-class NgramDrafter:
-    def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3, match_confidence: float = 0.8):
-        self.k = num_speculative_tokens
-        self.min_n, self.max_n = min_n, max_n
-        self.match_confidence = match_confidence
+def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: int, max_n: int,
+                  match_confidence: float = NGRAM_MATCH_CONFIDENCE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt-lookup drafts for m requests at once, with no host synchronization and no per-request loop.
 
-    def propose_one(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
-        arr = np.asarray(tokens, dtype=np.int64)
-        length = len(arr)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            tail = arr[length - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
-            hits = np.nonzero((windows == tail).all(axis=1))[0]
-            if len(hits):
-                start = int(hits[-1]) + n
-                found = arr[start : start + k].tolist()
-                conf = [self.match_confidence] * len(found)
-                return found + [tokens[-1]] * (k - len(found)), conf + [0.0] * (k - len(found))
-        return [tokens[-1]] * k, [0.0] * k
+    ``history``: (m, L) tokens by position, request i's valid through ``last_pos[i]`` (<= L - 1; the token there is
+    the last one, and whatever lies past it is ignored). An occurrence of the last n tokens must end before
+    ``last_pos`` (it may overlap the tail itself). The longest n in ``min_n..max_n`` with an occurrence wins; among
+    its occurrences the most recent (vLLM's prompt lookup takes the earliest among the longest). The K tokens after
+    it are proposed with ``match_confidence``; positions with no match or past ``last_pos`` repeat the last token
+    with confidence 0. -> (drafts (m, K) int64, confidences (m, K) float32).
 
-    def propose(self, histories: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray]:
-        drafts = np.zeros((len(histories), k), dtype=np.int64)
-        conf = np.zeros((len(histories), k), dtype=np.float64)
-        for i, tokens in enumerate(histories):
-            d, c = self.propose_one(tokens, k)
-            drafts[i], conf[i] = d, c
-        return drafts, conf
+    One pass of four elementwise ops over (m, L) per n: ``match[i, e]`` says the n tokens ending at e equal the last
+    n, and ``count[i, e]`` how many n >= ``min_n`` matched there (matches of n + 1 tokens are matches of n)."""
+    m, length = history.shape
+    device = history.device
+    last_pos = last_pos.to(torch.int64)
+    ends = torch.arange(length, device=device)
+    back = (last_pos[:, None] - torch.arange(max_n, device=device)[None, :]).clamp(min=0)
+    tail = history.gather(1, back)  # tail[:, i]: the token i before the last
+    match = ends[None, :] < last_pos[:, None]  # an earlier occurrence ends before the last token
+    count = torch.zeros(m, length, dtype=torch.int32, device=device)
+    for i in range(min(max_n, length - 1)):  # n = i + 1 (no window of length tokens ends before the last one)
+        if i:
+            match[:, i - 1].fill_(False)  # no window of i + 1 tokens ends at position i - 1
+        match[:, i:] &= history[:, : length - i] == tail[:, i : i + 1]
+        if i + 1 >= min_n:
+            count += match
+    score = torch.where(count > 0, count * length + ends[None, :], -1)  # longest n first, then the latest end
+    best = score.amax(dim=1)
+    follow = best[:, None] % length + 1 + torch.arange(k, device=device)[None, :]
+    found = (best[:, None] >= 0) & (follow <= last_pos[:, None])
+    last = history.gather(1, last_pos[:, None])
+    drafts = torch.where(found, history.gather(1, follow.clamp(max=length - 1)), last)
+    return drafts, found.to(torch.float32) * match_confidence
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model-based drafters
 # ---------------------------------------------------------------------------------------------------------------
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from models.transformer import CausalLM, DecoderLayer  # noqa: E402
-from models.layers import RMSNorm  # noqa: E402
-
 
 class DraftHead(CausalLM):
     """An EAGLE-style head: one dense decoder layer over fc(cat(token embedding, feature)), with its own KV

@@ -152,3 +152,39 @@ def test_random_runs_match_eager_and_end_exactly(tmp_path_factory, workload):
         rid = f"req-{i}"
         if rid not in graphs[2] and rid not in eager[2] and not (av and r["sampled"]):
             assert graphs[0][rid] == eager[0][rid], f"{rid}: graphs and eager disagree ({spec})"
+
+
+@st.composite
+def ngram_workloads(draw):
+    """Greedy prompts that repeat themselves (a random period), a random K (or tiers) and n-gram range, a token
+    budget that chunks and a KV cache that may preempt."""
+    k = draw(st.integers(1, 4))
+    lo = draw(st.integers(1, 3))
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
+            "prompt_lookup_max": draw(st.integers(lo, 4))}
+    if k > 1 and draw(st.booleans()):
+        spec["num_speculative_tokens_per_batch_size"] = [[1, k], [3, 1]]
+    prompts = []
+    for _ in range(draw(st.integers(1, 6))):
+        base = draw(st.lists(st.integers(3, 499), min_size=1, max_size=6))
+        prompts.append([base[i % len(base)] for i in range(draw(st.integers(1, 30)))])
+    per_request = -(-(MAX_MODEL_LEN + 4 + 4) // BLOCK)
+    return (spec, draw(st.sampled_from([16, 32])), draw(st.integers(per_request, 3 * per_request)), prompts,
+            draw(st.integers(1, 30)))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ngram_workloads())
+def test_ngram_greedy_equals_no_speculation_with_async_scheduling(workload):
+    """n-gram drafting on the device, with step t + 1 submitted before step t's result is back: greedy tokens are
+    exactly those of no speculation (the drafts only change how many tokens a step yields)."""
+    spec, budget, num_blocks, prompts, max_tokens = workload
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs = []
+    for s in (spec, None):
+        engine = make_engine(s, budget, num_blocks, True, "")
+        assert engine.async_scheduling
+        outputs.append(engine.generate(prompts, params))
+        assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
+    assert outputs[0] == outputs[1]
+    assert all(len(o) == max_tokens for o in outputs[0])

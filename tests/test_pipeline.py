@@ -18,7 +18,8 @@ from models.config import preset  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "dflash", "num_speculative_tokens": 2},
-         {"method": "eagle", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 4], [4, 2]]}]
+         {"method": "eagle", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 4], [4, 2]]},
+         {"method": "ngram", "num_speculative_tokens": 3}]
 
 
 def engine(spec, device="cpu", model="tiny-dense", num_blocks=400, max_num_seqs=8, budget=64, cc_none=False,
@@ -51,8 +52,9 @@ def test_asynchronous_scheduling_gives_the_synchronous_tokens(spec):
     assert all(len(o) == 14 for o in runs[0][0] + runs[0][1])
 
 
-def test_n_gram_and_adaptive_verification_run_synchronously():
-    assert not engine({"method": "ngram", "num_speculative_tokens": 3}).async_scheduling
+def test_only_adaptive_verification_runs_synchronously():
+    assert engine({"method": "ngram", "num_speculative_tokens": 3}).async_scheduling  # its drafter is on the device
+    assert not engine({"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}).async_scheduling
     assert engine({"method": "eagle3", "num_speculative_tokens": 3}).async_scheduling
     assert not engine({"method": "eagle3", "num_speculative_tokens": 3}, async_scheduling=False).async_scheduling
 
@@ -184,7 +186,7 @@ def test_a_decode_step_launches_few_kernels_outside_its_graphs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s["method"] if s else "none")
+@pytest.mark.parametrize("spec", SPECS[:3] + SPECS[-1:], ids=lambda s: s["method"] if s else "none")
 def test_steady_state_steps_never_synchronize_implicitly(spec):
     """With CUDA graphs, a decode step's only synchronization is the wait for its result: torch's sync debug mode
     raises on any implicit one (.item(), .cpu(), a pageable copy, nonzero, ...)."""

@@ -1,10 +1,12 @@
 """Sampling, verification and the n-gram drafter."""
 
+import random
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from models.drafters import NgramDrafter  # noqa: E402
+from models.drafters import NGRAM_MATCH_CONFIDENCE, propose_ngram  # noqa: E402
 from models.sampling import RowParams, accepted_drafts, apply_top_k_top_p, sample_tokens, uniform  # noqa: E402
 
 
@@ -80,8 +82,60 @@ def test_verification_by_seeded_sampling_is_speculative_sampling():
     assert (torch.bincount(rejected, minlength=vocab).float() / len(rejected) - expect / expect.sum()).abs().max() < 0.01
 
 
+def reference_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], list[float]]:
+    """Prompt lookup in plain Python, one request: the longest n first, then the most recent occurrence of the last
+    n tokens that ends before the last token; the K tokens after it, the last token repeated past the end."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = [s for s in range(length - n) if tokens[s : s + n] == tokens[length - n :]]
+        if hits:
+            found = tokens[hits[-1] + n : hits[-1] + n + k]
+            pad = k - len(found)
+            return found + [tokens[-1]] * pad, [NGRAM_MATCH_CONFIDENCE] * len(found) + [0.0] * pad
+    return [tokens[-1]] * k, [0.0] * k
+
+
+def batched(histories: list[list[int]], width: int, k: int, min_n: int, max_n: int, rng: random.Random):
+    """propose_ngram over the histories padded to ``width`` with junk past each one's last token."""
+    rows = [h + [rng.randrange(0, 6) for _ in range(width - len(h))] for h in histories]
+    drafts, conf = propose_ngram(torch.tensor(rows), torch.tensor([len(h) - 1 for h in histories]), k, min_n, max_n)
+    assert drafts.dtype == torch.int64 and conf.dtype == torch.float32 and drafts.shape == conf.shape == (len(rows), k)
+    return drafts.tolist(), conf.tolist()
+
+
+def test_ngram_drafter_matches_the_reference():
+    """Random histories over a few tokens (many matches and ties), each with a planted repeat of one of its earlier
+    segments at its end, a few shorter than n, every (min_n, max_n) in 1..5, K past the history's end."""
+    rng = random.Random(5)
+    for trial in range(60):
+        histories = []
+        for _ in range(rng.randint(1, 12)):
+            h = [rng.randrange(0, rng.choice([3, 6, 50])) for _ in range(rng.randint(1, 30))]
+            if len(h) > 2 and rng.random() < 0.7:
+                start = rng.randrange(len(h) - 1)
+                h += h[start : start + rng.randint(1, 6)]
+            histories.append(h)
+        width = max(map(len, histories)) + rng.randint(0, 4)
+        k = rng.randint(1, 8)
+        for min_n in range(1, 6):
+            for max_n in range(min_n, 6):
+                drafts, conf = batched(histories, width, k, min_n, max_n, rng)
+                for h, d, c in zip(histories, drafts, conf):
+                    want_d, want_c = reference_ngram(h, k, min_n, max_n)
+                    assert d == want_d and c == pytest.approx(want_c), (trial, h, k, min_n, max_n)
+
+
 def test_ngram_drafter_proposes_what_followed():
-    drafter = NgramDrafter(3)
-    drafts, conf = drafter.propose([[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9]], 3)
-    assert drafts[0].tolist() == [4, 5, 1] and conf[0].tolist() == [0.8, 0.8, 0.8]
-    assert drafts[1].tolist() == [9, 9, 9] and conf[1].tolist() == [0.0, 0.0, 0.0]  # no match: repeat, confidence 0
+    rng = random.Random(0)
+    drafts, conf = batched([[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [4]], 9, 3, 1, 3, rng)
+    assert drafts[0] == [4, 5, 1] and conf[0] == pytest.approx([0.8] * 3)
+    assert drafts[1] == [9, 9, 9] and conf[1] == [0.0] * 3  # no match: the last token, confidence 0
+    assert drafts[2] == [4, 4, 4] and conf[2] == [0.0] * 3  # one token: nothing earlier
+    # ties: the most recent occurrence of the longest n (vLLM's takes the earliest: 9, 1, 2)
+    drafts, _ = batched([[1, 2, 9, 1, 2, 7, 1, 2]], 8, 3, 2, 2, rng)
+    assert drafts[0] == [7, 1, 2]
+    # the longest n wins over a more recent shorter one; K runs past the end: the last token, confidence 0
+    drafts, conf = batched([[5, 6, 7, 8, 0, 7, 3, 6, 7]], 10, 4, 1, 3, rng)
+    assert drafts[0] == [8, 0, 7, 3] and conf[0] == pytest.approx([0.8] * 4)
+    drafts, conf = batched([[5, 6, 7, 5, 6]], 5, 4, 1, 3, rng)
+    assert drafts[0] == [7, 5, 6, 6] and conf[0] == pytest.approx([0.8, 0.8, 0.8, 0.0])

@@ -220,16 +220,16 @@ class EngineCore:
     # -- a step ----------------------------------------------------------------------------------------------
     @property
     def async_scheduling(self) -> bool:
-        """Whether the next step is scheduled and submitted before the last one's result is back. Not with n-gram
-        drafting (its drafter runs on the host, after the result) or adaptive verification (it chooses verify
-        lengths from the drafter's confidences, after the result)."""
+        """Whether the next step is scheduled and submitted before the last one's result is back. Not with adaptive
+        verification (it chooses verify lengths from the drafter's confidences, after the result); every drafter,
+        n-gram included, runs on the device inside the step."""
         if self.args.async_scheduling is not None:
             return self.args.async_scheduling and self._can_overlap
         return self._can_overlap
 
     @property
     def _can_overlap(self) -> bool:
-        return self.cfg.method != "ngram" and not self.cfg.adaptive_verification
+        return not self.cfg.adaptive_verification
 
     def schedule(self, in_flight: int = 0) -> ScheduledStep | None:
         """The next step and its descriptors; None when nothing can be scheduled (nothing is live, or every live

@@ -1,5 +1,8 @@
-"""Model drafters on the device: their forwards read the target's step from device tensors and write the drafts into
-the request state, with no host round trip between them.
+"""Drafters on the device: they read the target's step from device tensors and write the drafts (and their
+confidences) into the request state, with no host round trip between them.
+
+- n-gram prompt lookup (ngram): no model; a batched search of each request's token history on the device
+  (``models.drafters.propose_ngram``), right after the step's new tokens are stored.
 
 - EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows one position on (each row reads the
   token after it and the target's feature at it); the row of each request's last new token proposes draft 1. Steps
@@ -17,6 +20,7 @@ import torch
 from dispatcher.plan.capture_plan import block_query_len
 from dispatcher.plan.dispatch import MODE_FULL
 from dispatcher.runtime.graphs import StepInputs
+from models.drafters import propose_ngram
 from models.fused import argmax_prob
 
 
@@ -118,5 +122,22 @@ class DraftModelDrafter(_Drafter):
                                                         plan.max_seq_len + j + 1))
             drafts[:, j], conf[:, j] = self._propose(out)
             token = drafts[:, j]
+        state.drafts[slots_s, :k] = drafts
+        state.draft_conf[slots_s, :k] = conf
+
+
+class NgramDrafter(_Drafter):
+    """Prompt lookup over ``RequestState.token_ids``: each sampling request's tokens at positions 0..last_pos (the
+    token just produced last), through the step's bound on their length (``plan.max_seq_len``)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        super().__init__(None, [], "ngram", 0)
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+        k, slots_s = step.num_new_drafts, dev.sampling_slots
+        length = min(plan.max_seq_len + 1, state.token_ids.shape[1])  # last_pos <= the step's sequence length
+        history = state.token_ids[:, :length].index_select(0, slots_s)
+        drafts, conf = propose_ngram(history, first_pos + accepted, k, self.min_n, self.max_n)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf

@@ -3,8 +3,8 @@ each ``messages.Step`` into a ``messages.StepResult`` (SPEC section 7).
 
 A step is ``submit`` then ``collect``. ``submit`` queues everything on the device without waiting for it: one
 host-to-device copy of the step's columns, the inputs built on the device from the request state (tokens, computed
-counts, drafts), the target forward, verification and sampling, the state update, the drafter's forwards, and one
-device-to-host copy of the sampled tokens. ``collect`` waits for that copy (the step's one synchronization). So the
+counts, drafts), the target forward, verification and sampling, the state update, the drafter (its forwards, or the
+n-gram lookup over the token history), and one device-to-host copy of the sampled tokens (and draft confidences). ``collect`` waits for that copy (the step's one synchronization). So the
 engine can submit step t + 1 before it collects step t, and the device never waits for the host in between.
 """
 
@@ -20,13 +20,13 @@ import torch
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
                                           model_runners)
-from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter
+from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import ModelConfig
-from models.drafters import NgramDrafter, build_draft_head
+from models.drafters import build_draft_head
 from models.fused import argmax_prob
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
@@ -109,14 +109,11 @@ class ModelWorker:
             max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs,
         )
         self.method, self.k_max = method, k_max
-        self.ngram = NgramDrafter(k_max) if method == "ngram" else None
-        self.histories: dict[int, list[int]] = {}
-        """ngram only: each slot's tokens on the host (its drafter runs there)."""
-        self._ngram_drafts: dict[int, list[int]] = {}
-        """ngram only: drafts proposed since the last step, uploaded with the next."""
-        self.drafter: EagleDrafter | BlockDrafter | DraftModelDrafter | None = None
+        self.drafter: EagleDrafter | BlockDrafter | DraftModelDrafter | NgramDrafter | None = None
         self.draft_runtimes: list[GraphRuntime] = []
-        if method in MODEL_DRAFTERS:
+        if method == "ngram":
+            self.drafter = NgramDrafter(plan.config.prompt_lookup_min, plan.config.prompt_lookup_max)
+        elif method in MODEL_DRAFTERS:
             head = self._draft_model(plan.config.draft_model) if method == DRAFT_MODEL else \
                 build_draft_head(self.model, wcfg.seed + 1)
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
@@ -182,7 +179,7 @@ class ModelWorker:
         probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
-        heads = [self.model] + ([self.drafter.head] if self.drafter is not None else [])
+        heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head else [])
         for head in heads:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
@@ -257,8 +254,6 @@ class ModelWorker:
         conf = b""
         if pending.drafted:
             conf = pack(_per_request(sections.take(m * k_new).view(np.float32).reshape(m, k_new), plan, n), F32)
-        elif self.ngram is not None and k_new:
-            conf = self._ngram_propose(plan, tokens_s, accepted_s, k_new, n)
         lp = lp_ids = b""
         top = max(plan.num_logprobs, 0)
         if plan.num_logprobs >= 0 and m:
@@ -291,9 +286,6 @@ class ModelWorker:
         new_tokens = [unpack(r.token_ids) for r in new]
         lens = np.asarray([len(t) for t in new_tokens], np.int64)
         sp = [r.sampling for r in new]
-        ngram_slots = np.asarray(list(self._ngram_drafts), np.int64)
-        ngram = np.asarray(list(self._ngram_drafts.values()), np.int64).reshape(-1)
-        self._ngram_drafts = {}
         cols = self.upload(
             plan.slots, plan.num_scheduled, plan.num_drafts, plan.token_slot, plan.token_offset, plan.token_draft,
             plan.query_start, plan.sampling_rows, plan.prefill_rows, plan.logit_rows, plan.verify_cells,
@@ -303,12 +295,11 @@ class ModelWorker:
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
-            ngram_slots, ngram,
         )
         return _DeviceStep(*cols)
 
     def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
-        """Freed slots forgotten, admitted requests set up, new KV blocks entered, host-side drafts stored."""
+        """Freed slots forgotten, admitted requests set up, new KV blocks entered."""
         st = self.state
         if len(step.freed_slots):
             for rt in self.runtimes:
@@ -329,21 +320,14 @@ class ModelWorker:
         if updates.shape[1]:
             for rt in self.runtimes:
                 rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
-        if dev.ngram_slots.numel():
-            st.drafts[dev.ngram_slots] = dev.ngram_drafts.view(len(dev.ngram_slots), -1)
 
     def _note_requests(self, step: Step) -> None:
-        """The host's copies of the admitted requests' parameters (and, for n-gram drafting, their tokens); freed
-        slots first, since a slot freed since the last step may be reused by this one."""
+        """The host's copies of the admitted requests' parameters."""
         st = self.state
-        for slot in unpack(step.freed_slots).tolist():
-            self.histories.pop(slot, None)
         for r in step.new_requests:
             s = r.sampling
             st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, s.top_p
             st.host_num_logprobs[r.slot] = s.num_logprobs
-            if self.ngram is not None:
-                self.histories[r.slot] = unpack(r.token_ids).tolist()
 
     def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
         """The target's inputs from the request state: each request's query reads its tokens from position
@@ -430,19 +414,6 @@ class ModelWorker:
         rows = slots_s[:, None].expand_as(cols)
         keep = torch.arange(plan.width, device=self.device)[None, :] <= accepted[:, None]
         st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
-
-    # -- n-gram drafting (on the host, after the step's copy) -------------------------------------------------
-    def _ngram_propose(self, plan: "_StepPlan", tokens_s: np.ndarray, accepted_s: np.ndarray, k_new: int,
-                       n: int) -> bytes:
-        histories = []
-        for row, toks, a in zip(plan.host_sampling_slots.tolist(), tokens_s.tolist(), accepted_s.tolist()):
-            hist = self.histories[row]
-            hist.extend(toks[: a + 1])
-            histories.append(hist)
-        drafts, conf = self.ngram.propose(histories, k_new)
-        for slot, d in zip(plan.host_sampling_slots.tolist(), drafts):
-            self._ngram_drafts[slot] = d.tolist()
-        return pack(_per_request(conf.astype(np.float32), plan, n), F32)
 
 
 @dataclass
@@ -587,8 +558,6 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
-    ngram_slots: torch.Tensor
-    ngram_drafts: torch.Tensor
 
     @property
     def sampling_slots(self) -> torch.Tensor:
