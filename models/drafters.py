@@ -30,29 +30,31 @@ def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: 
     it are proposed with ``match_confidence``; positions with no match or past ``last_pos`` repeat the last token
     with confidence 0. -> (drafts (m, K) int64, confidences (m, K) float32).
 
-    One pass of four elementwise ops over (m, L) per n: ``match[i, e]`` says the n tokens ending at e equal the last
-    n, and ``count[i, e]`` how many n >= ``min_n`` matched there (matches of n + 1 tokens are matches of n)."""
+    Three elementwise ops over (m, L) per n (about 30 launches in all at max_n = 3): at n, ``match`` (over the ends
+    e = n - 1..L - 1) says the n tokens ending at e equal the last n (a match of n + 1 tokens is one of n), and
+    ``score[:, e]`` gains L for every n >= ``min_n`` that matched there, over a base of e - L: the largest score is
+    the longest n's latest end, and a request with no match scores -1, which places its proposals past the
+    history."""
     m, length = history.shape
     device = history.device
     last_pos = last_pos.to(torch.int64)
-    ends = torch.arange(length, device=device)
+    ends = torch.arange(length, dtype=torch.int32, device=device)
     back = (last_pos[:, None] - torch.arange(max_n, device=device)[None, :]).clamp(min=0)
     tail = history.gather(1, back)  # tail[:, i]: the token i before the last
-    match = ends[None, :] < last_pos[:, None]  # an earlier occurrence ends before the last token
-    count = torch.zeros(m, length, dtype=torch.int32, device=device)
-    for i in range(min(max_n, length - 1)):  # n = i + 1 (no window of length tokens ends before the last one)
+    match = ends[None, :] < last_pos[:, None]  # an occurrence ends before the last token
+    score = (ends - length).repeat(m, 1)
+    for i in range(min(max_n, length - 1)):  # n = i + 1 (no window of L tokens ends before the last one)
         if i:
-            match[:, i - 1].fill_(False)  # no window of i + 1 tokens ends at position i - 1
-        match[:, i:] &= history[:, : length - i] == tail[:, i : i + 1]
+            match = match[:, 1:]  # a window of i + 1 tokens ends at i or later
+        match = match & (history[:, : length - i] == tail[:, i : i + 1])
         if i + 1 >= min_n:
-            count += match
-    score = torch.where(count > 0, count * length + ends[None, :], -1)  # longest n first, then the latest end
+            score[:, i:].add_(match, alpha=length)
     best = score.amax(dim=1)
-    follow = best[:, None] % length + 1 + torch.arange(k, device=device)[None, :]
-    found = (best[:, None] >= 0) & (follow <= last_pos[:, None])
+    follow = best[:, None] % length + torch.arange(1, k + 1, device=device)[None, :]
+    found = follow <= last_pos[:, None]
     last = history.gather(1, last_pos[:, None])
     drafts = torch.where(found, history.gather(1, follow.clamp(max=length - 1)), last)
-    return drafts, found.to(torch.float32) * match_confidence
+    return drafts, torch.where(found, match_confidence, 0.0).to(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------

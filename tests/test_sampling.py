@@ -139,3 +139,28 @@ def test_ngram_drafter_proposes_what_followed():
     assert drafts[0] == [8, 0, 7, 3] and conf[0] == pytest.approx([0.8] * 4)
     drafts, conf = batched([[5, 6, 7, 5, 6]], 5, 4, 1, 3, rng)
     assert drafts[0] == [7, 5, 6, 6] and conf[0] == pytest.approx([0.8, 0.8, 0.8, 0.0])
+
+
+def test_ngram_drafter_launches_the_same_few_ops_at_any_batch():
+    """No per-request loop and no work that grows with the history on the host: the same ops (three per n-gram
+    length) for 2 requests of 20 tokens and 256 of 2000, each a handful of device kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in ("slice", "select", "view", "expand", "unsqueeze", "alias"):
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for m, length, max_n in ((2, 20, 3), (256, 2000, 3), (256, 2000, 5)):
+        history = torch.randint(0, 9, (m, length), generator=torch.Generator().manual_seed(m))
+        with Count() as c:
+            propose_ngram(history, torch.full((m,), length - 1), 4, 1, max_n)
+        counts.append(len(c.ops))
+    assert counts[0] == counts[1] and counts[2] == counts[1] + 2 * 3, counts  # (eq, and, add per n)
+    assert counts[1] <= 30, counts

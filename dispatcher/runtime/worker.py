@@ -4,8 +4,9 @@ each ``messages.Step`` into a ``messages.StepResult`` (SPEC section 7).
 A step is ``submit`` then ``collect``. ``submit`` queues everything on the device without waiting for it: one
 host-to-device copy of the step's columns, the inputs built on the device from the request state (tokens, computed
 counts, drafts), the target forward, verification and sampling, the state update, the drafter (its forwards, or the
-n-gram lookup over the token history), and one device-to-host copy of the sampled tokens (and draft confidences). ``collect`` waits for that copy (the step's one synchronization). So the
-engine can submit step t + 1 before it collects step t, and the device never waits for the host in between.
+n-gram lookup over the token histories), and one device-to-host copy of the sampled tokens (and the drafts'
+confidences). ``collect`` waits for that copy (the step's one synchronization). So the engine can submit step t + 1
+before it collects step t, and the device never waits for the host in between.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class ModelWorker:
         probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
-        heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head else [])
+        heads = [self.model] + [d.head for d in (self.drafter,) if d is not None and d.head is not None]
         for head in heads:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
