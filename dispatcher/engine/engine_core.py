@@ -32,7 +32,8 @@ from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
 from scheduler.request import Request, RequestError, SamplingParams
-from scheduler.scheduler import ModelResult, RequestOutput, Scheduler, SchedulerOutput
+from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
+                                 acceptance_rate_per_pos, mean_acceptance_length)
 
 log = logging.getLogger("twogrid.engine")
 
@@ -80,6 +81,35 @@ class EngineStats:
     eager_by_reason: dict[str, int] = field(default_factory=dict)
     """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
     padded_tokens: int = 0
+    num_drafts: int = 0
+    """Speculative decoding, as vLLM counts it: verify events (a request in a step that verified >= 1 draft)."""
+    num_draft_tokens: int = 0
+    """Drafts verified."""
+    num_accepted_tokens: int = 0
+    """Drafts accepted."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Per draft position j: verify events that accepted more than j drafts (K_max entries once drafts ran)."""
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / drafts (tokens a verify event yields); None without drafts."""
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
+
+    def record_drafts(self, spec: SpecDecodeStep) -> None:
+        """A step's verification (the scheduler's ``last_spec_decode``)."""
+        if not spec.num_drafts:
+            return
+        self.num_drafts += spec.num_drafts
+        self.num_draft_tokens += spec.num_draft_tokens
+        self.num_accepted_tokens += spec.num_accepted_tokens
+        per_pos = self.accepted_per_pos
+        per_pos.extend([0] * (len(spec.accepted_per_pos) - len(per_pos)))
+        for j, n in enumerate(spec.accepted_per_pos):
+            per_pos[j] += n
 
     def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
         self.steps += 1
@@ -172,7 +202,7 @@ class EngineCore:
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.trace = TraceWriter(args.step_trace)
-        self.stats = EngineStats()
+        self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
@@ -270,7 +300,9 @@ class EngineCore:
         return self.wait(step)
 
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
-        return self.scheduler.update(step.out, result)
+        outputs = self.scheduler.update(step.out, result)
+        self.stats.record_drafts(self.scheduler.last_spec_decode)
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         """One step, synchronously: schedule, run, update."""
