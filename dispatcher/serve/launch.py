@@ -196,7 +196,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.serve.frontend import FrontEnds, listening_sockets
     from dispatcher.serve.metrics import EngineMetrics
 
-    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1)
+    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
+                            num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
