@@ -416,6 +416,27 @@ def test_spec_decode_metrics_as_vllm_names_them():
     assert not any(name.startswith(per_pos) for name, _ in spec_decode_samples(EngineMetrics("m")))  # no K: none
 
 
+def test_the_cudagraph_metrics_line_reports_acceptance():
+    """--cudagraph-metrics' periodic line: graph and eager steps, padding, and with speculative decoding the
+    totals, vLLM's mean acceptance length (1 + accepted / drafts) and per-position acceptance rates."""
+    from dispatcher.serve.launch import cudagraph_metrics_line
+
+    m = EngineMetrics("m", num_speculative_tokens=2)
+    line = cudagraph_metrics_line(m.render().decode())
+    assert line == ("cudagraph metrics: 0 steps, 0 eager (none), 0 padded tokens; spec decode: 0 drafts, 0 draft "
+                    "tokens, 0 accepted, mean acceptance length n/a, per-position acceptance rate n/a")
+    m.on_step("uniform_decode", "FULL", padded_tokens=3, accepted_tokens=5, num_drafts=4, draft_tokens=8,
+              accepted_per_pos=[3, 2])
+    m.on_step("mixed", "NONE", "mixed_above_cap")
+    assert cudagraph_metrics_line(m.render().decode()) == (
+        "cudagraph metrics: 2 steps, 1 eager (mixed_above_cap 1), 3 padded tokens; spec decode: 4 drafts, 8 draft "
+        "tokens, 5 accepted, mean acceptance length 2.25, per-position acceptance rate 0.750, 0.500")
+    plain = EngineMetrics("m")
+    plain.on_step("uniform_decode", "FULL")
+    assert cudagraph_metrics_line(plain.render().decode()) == (
+        "cudagraph metrics: 1 steps, 0 eager (none), 0 padded tokens")
+
+
 def test_sampling_params_logprobs():
     SamplingParams(logprobs=None).validate()
     SamplingParams(logprobs=0).validate()
