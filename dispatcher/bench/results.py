@@ -142,7 +142,7 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
             lines.append(_row("Padded tokens:", result["padded_tokens"]))
         if result.get("front_end_backlog_steps"):
             lines.append(_row("Front-end backlog steps:", result["front_end_backlog_steps"]))
-    if result.get("spec_decode_num_drafts"):  # vLLM's speculative-decoding section, from the server's counters
+    if result.get("spec_decode_num_drafts"):  # from the server's speculative-decoding counters
         drafts = result["spec_decode_num_drafts"]
         lines += ["{:-^50}".format("Speculative Decoding"),
                   _row("Acceptance rate (%):", 100 * result["spec_decode_num_accepted_tokens"]
