@@ -192,8 +192,8 @@ class SchedulerStats:
     """Draft tokens accepted (vLLM's ``num_accepted_tokens``)."""
     num_drafts: int = 0
     """Verify events: a request in a step that verified at least one draft (vLLM's ``num_drafts``)."""
-    accepted_per_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    """(K_max,): at position j, the verify events that accepted more than j drafts (vLLM's
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """K_max entries: at position j, the verify events that accepted more than j drafts (vLLM's
     ``num_accepted_tokens_per_pos``); they sum to ``drafts_accepted``."""
 
     @property
@@ -202,23 +202,33 @@ class SchedulerStats:
 
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
-        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos.tolist())
+        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
 
     def observe_drafts(self, drafts: np.ndarray, accepted: np.ndarray) -> SpecDecodeStep:
         """Count a step's verification: drafts verified and accepted per request (accepted <= drafts <= K_max).
-        Returns what it added."""
-        if not drafts.any():
+        Returns what it added. (Every step with drafts runs this: a few numpy calls, the rest on K Python ints.)"""
+        num_draft_tokens = int(drafts.sum())
+        if not num_draft_tokens:
             return NO_DRAFTS
         k = len(self.accepted_per_pos)
-        # position j: requests that accepted more than j drafts (a reverse cumulative count of the accepted)
-        per_pos = np.bincount(accepted, minlength=k + 1)[k:0:-1].cumsum()[::-1]
-        step = SpecDecodeStep(int(np.count_nonzero(drafts)), int(drafts.sum()), int(accepted.sum()),
-                              tuple(per_pos.tolist()))
+        counts = np.bincount(accepted, minlength=k + 1).tolist()
+        per_pos, more = [0] * k, 0
+        for j in range(k, 0, -1):  # position j - 1: the requests that accepted j drafts or more
+            more += counts[j]
+            per_pos[j - 1] = more
+        step = SpecDecodeStep(int(np.count_nonzero(drafts)), num_draft_tokens, sum(per_pos), tuple(per_pos))
         self.num_drafts += step.num_drafts
-        self.drafts_verified += step.num_draft_tokens
+        self.drafts_verified += num_draft_tokens
         self.drafts_accepted += step.num_accepted_tokens
-        self.accepted_per_pos += per_pos
+        add_per_pos(self.accepted_per_pos, per_pos)
         return step
+
+
+def add_per_pos(total: list[int], per_pos) -> None:
+    """Add one step's per-position counts into a running total (grown to their length)."""
+    total.extend([0] * (len(per_pos) - len(total)))
+    for j, n in enumerate(per_pos):
+        total[j] += n
 
 
 @dataclass
@@ -268,7 +278,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
         self._step = 0
-        self.stats = SchedulerStats(accepted_per_pos=np.zeros(self.k_max, np.int64))
+        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max)
         self.last_spec_decode = NO_DRAFTS
         """What the last ``update`` added to the speculative-decoding counters (the step's share, for metrics)."""
         self._av_sizes = np.asarray(c.av_sizes, dtype=np.int64)

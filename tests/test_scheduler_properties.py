@@ -138,7 +138,7 @@ def test_scheduler_invariants(setup):
     event(f"preempted: {sched.stats.preemptions > 0}")
     event(f"drafts accepted: {sched.stats.drafts_accepted > 0}")
     stats = sched.stats
-    assert len(stats.accepted_per_pos) == sched.k_max and stats.accepted_per_pos.sum() == stats.drafts_accepted
+    assert len(stats.accepted_per_pos) == sched.k_max and sum(stats.accepted_per_pos) == stats.drafts_accepted
     assert stats.num_drafts <= stats.drafts_verified <= sched.k_max * stats.num_drafts
     assert sched.kv.num_free == num_blocks and sched.order == [] and not sched.waiting
     for req in requests:

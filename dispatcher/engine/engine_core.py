@@ -33,7 +33,7 @@ from models.config import ModelConfig
 from models.loader import default_dtype
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
-                                 acceptance_rate_per_pos, mean_acceptance_length)
+                                 acceptance_rate_per_pos, add_per_pos, mean_acceptance_length)
 
 log = logging.getLogger("twogrid.engine")
 
@@ -106,10 +106,7 @@ class EngineStats:
         self.num_drafts += spec.num_drafts
         self.num_draft_tokens += spec.num_draft_tokens
         self.num_accepted_tokens += spec.num_accepted_tokens
-        per_pos = self.accepted_per_pos
-        per_pos.extend([0] * (len(spec.accepted_per_pos) - len(per_pos)))
-        for j, n in enumerate(spec.accepted_per_pos):
-            per_pos[j] += n
+        add_per_pos(self.accepted_per_pos, spec.accepted_per_pos)
 
     def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
         self.steps += 1
