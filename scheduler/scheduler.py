@@ -180,8 +180,25 @@ def acceptance_rate_per_pos(num_drafts: int, accepted_per_pos) -> list[float]:
     return [n / num_drafts for n in accepted_per_pos] if num_drafts else []
 
 
+class SpecDecodeSummary:
+    """vLLM's summary of speculative-decoding counters, for a class with ``num_drafts``, ``num_accepted_tokens``
+    and ``accepted_per_pos``."""
+
+    num_drafts: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
+
+
 @dataclass
-class SchedulerStats:
+class SchedulerStats(SpecDecodeSummary):
     steps: int = 0
     preemptions: int = 0
     aborted: int = 0
@@ -197,12 +214,9 @@ class SchedulerStats:
     ``num_accepted_tokens_per_pos``); they sum to ``drafts_accepted``."""
 
     @property
-    def mean_acceptance_length(self) -> float | None:
-        return mean_acceptance_length(self.num_drafts, self.drafts_accepted)
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
+    def num_accepted_tokens(self) -> int:
+        """``drafts_accepted`` by vLLM's name."""
+        return self.drafts_accepted
 
     def observe_drafts(self, drafts: np.ndarray, accepted: np.ndarray) -> SpecDecodeStep:
         """Count a step's verification: drafts verified and accepted per request (accepted <= drafts <= K_max).

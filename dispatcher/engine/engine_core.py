@@ -33,7 +33,7 @@ from models.config import ModelConfig
 from models.loader import default_dtype
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
-                                 acceptance_rate_per_pos, add_per_pos, mean_acceptance_length)
+                                 SpecDecodeSummary, add_per_pos)
 
 log = logging.getLogger("twogrid.engine")
 
@@ -67,8 +67,9 @@ class EngineArgs:
 
 
 @dataclass
-class EngineStats:
-    """Counters over the engine's life (benchmarks read and reset them)."""
+class EngineStats(SpecDecodeSummary):
+    """Counters over the engine's life (benchmarks read and reset them); ``mean_acceptance_length`` and
+    ``acceptance_rate_per_pos`` follow from the speculative-decoding ones."""
 
     steps: int = 0
     device_ms: float = 0.0
@@ -89,15 +90,6 @@ class EngineStats:
     """Drafts accepted."""
     accepted_per_pos: list[int] = field(default_factory=list)
     """Per draft position j: verify events that accepted more than j drafts (K_max entries once drafts ran)."""
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """1 + accepted / drafts (tokens a verify event yields); None without drafts."""
-        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
 
     def record_drafts(self, spec: SpecDecodeStep) -> None:
         """A step's verification (the scheduler's ``last_spec_decode``)."""
