@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from dispatcher.engine.config import max_model_len_limit
-from dispatcher.engine.engine_core import EngineArgs, EngineCore
+from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
 from models.loader import default_dtype, model_kind, read_model_config
@@ -87,6 +87,13 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters since it was built: steps, device time, eager steps, padding, and speculative
+        decoding as vLLM counts it (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+        ``accepted_per_pos``; ``mean_acceptance_length``, ``acceptance_rate_per_pos``)."""
+        return self.engine.stats
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (temperature, top_k, top_p, max_new_tokens), else

@@ -19,8 +19,8 @@ every request of a step is decoding (``BatchShape.is_decode``).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -154,14 +154,95 @@ class RequestOutput:
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
 
 
+class SpecDecodeStep(NamedTuple):
+    """What one step's verification added to the speculative-decoding counters (vLLM's ``SpecDecodingStats`` of a
+    step): verify events (requests that verified at least one draft), drafts verified, drafts accepted, and per
+    draft position j the verify events that accepted more than j drafts (empty when no draft was verified)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+NO_DRAFTS = SpecDecodeStep()
+
+
+def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float | None:
+    """vLLM's mean acceptance length: the tokens a verify event yields, 1 + accepted / drafts (the target's own
+    token counted); None without drafts."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else None
+
+
+def acceptance_rate_per_pos(num_drafts: int, accepted_per_pos) -> list[float]:
+    """vLLM's per-position acceptance rates: per draft position, the share of verify events that accepted it
+    ([] without drafts)."""
+    return [n / num_drafts for n in accepted_per_pos] if num_drafts else []
+
+
+class SpecDecodeSummary:
+    """vLLM's summary of speculative-decoding counters, for a class with ``num_drafts``, ``num_accepted_tokens``
+    and ``accepted_per_pos``."""
+
+    num_drafts: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return acceptance_rate_per_pos(self.num_drafts, self.accepted_per_pos)
+
+
 @dataclass
-class SchedulerStats:
+class SchedulerStats(SpecDecodeSummary):
     steps: int = 0
     preemptions: int = 0
     aborted: int = 0
     finished: int = 0
     drafts_verified: int = 0
+    """Draft tokens verified (vLLM's ``num_draft_tokens``)."""
     drafts_accepted: int = 0
+    """Draft tokens accepted (vLLM's ``num_accepted_tokens``)."""
+    num_drafts: int = 0
+    """Verify events: a request in a step that verified at least one draft (vLLM's ``num_drafts``)."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """K_max entries: at position j, the verify events that accepted more than j drafts (vLLM's
+    ``num_accepted_tokens_per_pos``); they sum to ``drafts_accepted``."""
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """``drafts_accepted`` by vLLM's name."""
+        return self.drafts_accepted
+
+    def observe_drafts(self, drafts: np.ndarray, accepted: np.ndarray) -> SpecDecodeStep:
+        """Count a step's verification: drafts verified and accepted per request (accepted <= drafts <= K_max).
+        Returns what it added. (Every step with drafts runs this: a few numpy calls, the rest on K Python ints.)"""
+        num_draft_tokens = int(drafts.sum())
+        if not num_draft_tokens:
+            return NO_DRAFTS
+        k = len(self.accepted_per_pos)
+        counts = np.bincount(accepted, minlength=k + 1).tolist()
+        per_pos, more = [0] * k, 0
+        for j in range(k, 0, -1):  # position j - 1: the requests that accepted j drafts or more
+            more += counts[j]
+            per_pos[j - 1] = more
+        step = SpecDecodeStep(int(np.count_nonzero(drafts)), num_draft_tokens, sum(per_pos), tuple(per_pos))
+        self.num_drafts += step.num_drafts
+        self.drafts_verified += num_draft_tokens
+        self.drafts_accepted += step.num_accepted_tokens
+        add_per_pos(self.accepted_per_pos, per_pos)
+        return step
+
+
+def add_per_pos(total: list[int], per_pos) -> None:
+    """Add one step's per-position counts into a running total (grown to their length)."""
+    total.extend([0] * (len(per_pos) - len(total)))
+    for j, n in enumerate(per_pos):
+        total[j] += n
 
 
 @dataclass
@@ -211,7 +292,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
         self._step = 0
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max)
+        self.last_spec_decode = NO_DRAFTS
+        """What the last ``update`` added to the speculative-decoding counters (the step's share, for metrics)."""
         self._av_sizes = np.asarray(c.av_sizes, dtype=np.int64)
 
     # -- requests ------------------------------------------------------------------------------------------
@@ -458,14 +541,14 @@ class Scheduler:
                            len(out.slots))
         rows = np.nonzero(live)[0]
         if len(rows) == 0:
+            self.last_spec_decode = NO_DRAFTS
             return []
         slots, samples, drafts = out.slots[rows], out.samples[rows], out.num_drafts[rows]
         accepted = np.where(samples, np.minimum(result.num_accepted[rows], drafts), 0)
         self.num_computed[slots] -= drafts - accepted  # the rejected drafts' KV is rolled back
         self.pending_gain[slots] -= np.where(samples, 1 + drafts, 0)
         self.kv.shrink(slots, self.num_computed[slots] + self.config.lookahead_tokens)  # keep the lookahead
-        self.stats.drafts_verified += int(drafts.sum())
-        self.stats.drafts_accepted += int(accepted.sum())
+        self.last_spec_decode = self.stats.observe_drafts(drafts, accepted)
         k_new, conf = out.num_new_drafts, result.draft_confidences
         if k_new and conf is not None:  # the drafts themselves stay on the worker
             self.draft_conf[slots[samples], :k_new] = conf[rows[samples], :k_new]

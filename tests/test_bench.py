@@ -56,6 +56,13 @@ class FakeServer:
         self.padded = Counter("twogrid:padded_tokens", "padding", registry=self.registry)
         self.graph = Counter("twogrid:cudagraph_steps", "graph steps", ["kind", "mode"], registry=self.registry)
         self.other = Counter("vllm:other_thing", "a counter bench ignores", registry=self.registry)
+        self.drafts = Counter("twogrid:spec_decode_num_drafts", "verify events", registry=self.registry)
+        self.draft_tokens = Counter("twogrid:spec_decode_num_draft_tokens", "drafts", registry=self.registry)
+        self.accepted = Counter("twogrid:spec_decode_num_accepted_tokens", "accepted", registry=self.registry)
+        self.per_pos = Counter("twogrid:spec_decode_num_accepted_tokens_per_pos", "accepted per position",
+                               ["position"], registry=self.registry)
+        for position in "012":  # K = 3: every position from the start
+            self.per_pos.labels(position=position)
 
     def authorized(self, request):
         return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
@@ -120,6 +127,12 @@ class FakeServer:
         self.eager.labels(reason="mixed_above_cap").inc(1)
         self.padded.inc(3)
         self.other.inc(1)
+        # two verify events of K = 3 drafts: one accepts 2, one 1
+        self.drafts.inc(2)
+        self.draft_tokens.inc(6)
+        self.accepted.inc(3)
+        self.per_pos.labels(position="0").inc(2)
+        self.per_pos.labels(position="1").inc(1)
         return resp
 
 
@@ -201,6 +214,9 @@ def test_two_concurrencies_against_a_server(serve, tmp_path, capsys):
         assert r["padded_tokens"] == 8 * 3
         assert r["cudagraph_steps"] == 8 * 6
         assert r["cudagraph_steps_by_kind_mode"] == {"mixed": {"PIECEWISE": 8}, "uniform_decode": {"FULL": 8 * 5}}
+        assert (r["spec_decode_num_drafts"], r["spec_decode_num_draft_tokens"], r["spec_decode_num_accepted_tokens"],
+                r["spec_decode_accepted_per_pos"]) == (8 * 2, 8 * 6, 8 * 3, [8 * 2, 8, 0])
+        assert r["mean_acceptance_length"] == 2.5  # 1 + accepted / drafts
     assert results[0]["max_concurrent_requests"] == 1 and results[1]["max_concurrent_requests"] == 4
     # the server saw one test request, then 8 requests one at a time, then 8 at most 4 at a time
     assert fake.in_flight_at_arrival[:9] == [1] * 9
@@ -212,6 +228,7 @@ def test_two_concurrencies_against_a_server(serve, tmp_path, capsys):
         assert body["stream_options"] == {"include_usage": True} and len(body["prompt"].split()) == 12
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "Eager steps:" in out
+    assert "Acceptance length:                       2.50" in out and "Position 1:" in out
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -274,7 +291,8 @@ def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
     assert r["completed"] == 5 and r["total_output_tokens"] == 5 * 4
     assert r["output_tokens_source"] == "chunks" and r["input_tokens_source"] == "estimate"
     assert r["mean_ttft_ms"] >= TTFT_S * 1e3  # the role-only event is not a token
-    assert not any(k.startswith(("eager_steps", "padded_tokens", "cudagraph_steps")) for k in r)
+    assert not any(k.startswith(("eager_steps", "padded_tokens", "cudagraph_steps", "spec_decode")) for k in r)
+    assert "mean_acceptance_length" not in r
     prompts = {body["messages"][0]["content"] for _, body, _ in fake.requests[1:]}
     assert prompts == {"first prompt here", "second prompt"}
     for path, body, _ in fake.requests[1:]:
@@ -472,3 +490,42 @@ def test_a_twogrid_server_without_eager_steps_reports_zero():
     Counter("vllm:num_preemptions", "x", registry=other)
     text = generate_latest(other).decode()
     assert counter_deltas(parse_counters(text), parse_counters(text)) == {}
+
+
+def test_spec_decode_fields_from_the_counters():
+    """The speculative-decoding fields as deltas of a server's counters: the per-position list in position order,
+    the mean acceptance length null without drafts; an older twogrid server without num_drafts gets none of them."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    registry = CollectorRegistry()
+    drafts = Counter("twogrid:spec_decode_num_drafts", "x", ["model_name"], registry=registry).labels("m")
+    tokens = Counter("twogrid:spec_decode_num_draft_tokens", "x", ["model_name"], registry=registry).labels("m")
+    accepted = Counter("twogrid:spec_decode_num_accepted_tokens", "x", ["model_name"], registry=registry).labels("m")
+    per_pos = Counter("twogrid:spec_decode_num_accepted_tokens_per_pos", "x", ["model_name", "position"],
+                      registry=registry)
+    for position in ("1", "0", "2", "3"):
+        per_pos.labels("m", position)
+    scrape = lambda: parse_counters(generate_latest(registry).decode())  # noqa: E731
+    drafts.inc(5)  # before the run: not counted
+    per_pos.labels("m", "0").inc(5)
+    before = scrape()
+    idle = counter_deltas(before, scrape())
+    assert (idle["spec_decode_num_drafts"], idle["spec_decode_num_draft_tokens"], idle["spec_decode_accepted_per_pos"],
+            idle["mean_acceptance_length"]) == (0, 0, [0, 0, 0, 0], None)
+    drafts.inc(3)
+    tokens.inc(12)
+    accepted.inc(4)
+    for position, n in (("0", 2), ("1", 1), ("2", 1)):
+        per_pos.labels("m", position).inc(n)
+    run = counter_deltas(before, scrape())
+    assert (run["spec_decode_num_drafts"], run["spec_decode_num_draft_tokens"], run["spec_decode_num_accepted_tokens"],
+            run["spec_decode_accepted_per_pos"]) == (3, 12, 4, [2, 1, 1, 0])
+    assert run["mean_acceptance_length"] == round(1 + 4 / 3, 4)
+    assert counter_deltas({}, scrape())["spec_decode_accepted_per_pos"] == [7, 1, 1, 0]  # totals since start
+    older = CollectorRegistry()
+    Counter("twogrid:spec_decode_num_accepted_tokens", "x", registry=older).inc(3)
+    Counter("twogrid:padded_tokens", "x", registry=older)
+    text = generate_latest(older).decode()
+    deltas = counter_deltas(parse_counters(text), parse_counters(text))
+    assert deltas["padded_tokens"] == 0 and not any(k.startswith("spec_decode") or k == "mean_acceptance_length"
+                                                    for k in deltas)

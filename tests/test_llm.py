@@ -136,6 +136,20 @@ def test_stop_token_ids_and_eos_are_left_out_of_the_text(llm, texts):
     assert got.text == tok.decode(p_ids + free.token_ids[:first])[len(tok.decode(p_ids)):]
 
 
+def test_stats_count_speculative_decoding_as_vllm_does():
+    """``LLM.stats``: verify events, drafts verified and accepted, per position, and the mean acceptance length
+    (random draft heads accept little, but every decode step verifies K drafts per request)."""
+    llm = LLM("tiny-dense", speculative_config={"method": "eagle3", "num_speculative_tokens": 3}, **OPTIONS)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
+    s = llm.stats
+    assert s.num_drafts > 0 and s.num_draft_tokens == 3 * s.num_drafts
+    assert len(s.accepted_per_pos) == 3 and sum(s.accepted_per_pos) == s.num_accepted_tokens
+    assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
+    plain = LLM("tiny-dense", **OPTIONS)
+    plain.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert plain.stats.num_drafts == 0 and plain.stats.mean_acceptance_length is None
+
+
 def test_presets_take_token_ids_only_and_bad_models_fail_clearly(tmp_path):
     llm = LLM("tiny-dense", **OPTIONS)
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))

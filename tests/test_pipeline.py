@@ -127,6 +127,48 @@ def test_fixed_acceptance_switches_on_a_captured_engine():
         engine(None).worker.set_fixed_acceptance(3.0)
 
 
+def test_spec_decode_counters_add_up_as_vllm_counts_them():
+    """Fixed K = 3 and fixed acceptance (a seeded number of drafts accepted): the engine's verify events, drafts
+    and per-position acceptances agree with the worker's per-row results, with the scheduler's totals and with the
+    tokens the verify steps produced (accepted + 1 each, fewer only in a request's last step, cut at max_tokens)."""
+    k, max_tokens = 3, 40
+    e = engine({"method": "eagle3", "num_speculative_tokens": k}, budget=128, fixed_acceptance=2.5)
+    batch = [p[:20] for p in prompts(6, 7)]
+    for p in batch:  # (all admitted in the first step: every later step is a uniform decode of K drafts each)
+        e.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    verify_events, accepted, produced = 0, [], 0
+    while e.has_unfinished():
+        step = e.schedule()
+        result = e.execute(step)
+        outputs = {o.request_id: o for o in e.update(step, result)}
+        out = step.out
+        for i, req in enumerate(out.requests):
+            if out.num_drafts[i] == 0:
+                continue
+            assert out.num_drafts[i] == k
+            verify_events += 1
+            a = min(int(result.num_accepted[i]), k)
+            accepted.append(a)
+            got = len(outputs[req.request_id].new_token_ids)
+            produced += got
+            assert got == a + 1 if not outputs[req.request_id].finished else 1 <= got <= a + 1
+    s = e.stats
+    assert s.num_drafts == verify_events == e.scheduler.stats.num_drafts > 0
+    assert s.num_draft_tokens == k * s.num_drafts == e.scheduler.stats.drafts_verified
+    assert s.num_accepted_tokens == sum(accepted) == e.scheduler.stats.drafts_accepted
+    assert s.accepted_per_pos == [sum(a > j for a in accepted) for j in range(k)]
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+    assert s.acceptance_rate_per_pos == [n / s.num_drafts for n in s.accepted_per_pos]
+    # every output token but each request's first (its prefill's) came from a verify event
+    assert produced == len(batch) * (max_tokens - 1)
+    assert produced <= s.num_accepted_tokens + s.num_drafts <= produced + k * len(batch)
+    assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
+    assert 2.0 < s.mean_acceptance_length < 3.0  # fixed_acceptance = 2.5, over about a hundred verify events
+    none = engine(None)
+    none.generate(batch[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert (none.stats.num_drafts, none.stats.accepted_per_pos, none.stats.mean_acceptance_length) == (0, [], None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------

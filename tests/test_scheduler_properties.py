@@ -72,6 +72,27 @@ def check_blocks(sched: Scheduler) -> None:
     assert all(kv.num_held[s] == 0 for s in free_slots)
 
 
+def check_spec_decode(spec, out, outputs, k_max: int) -> None:
+    """A step's speculative-decoding counters, as vLLM counts them: verify events are the requests that verified
+    a draft, position j counts those that accepted more than j (so the positions sum to the accepted drafts and
+    never grow with j), and a verify event yields its accepted drafts and one token of the target's own (fewer
+    only for a request that ended in the step)."""
+    verifying = out.num_drafts > 0
+    assert spec.num_drafts == int(verifying.sum()) and spec.num_draft_tokens == int(out.num_drafts.sum())
+    if not spec.num_drafts:
+        assert spec.num_accepted_tokens == 0 and spec.accepted_per_pos == ()
+        return
+    per_pos = spec.accepted_per_pos
+    assert len(per_pos) == k_max and sum(per_pos) == spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert spec.num_drafts >= per_pos[0] and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    ids = {r.request_id for r, v in zip(out.requests, verifying.tolist()) if v}
+    produced = sum(len(o.new_token_ids) for o in outputs if o.request_id in ids)
+    if any(o.finished for o in outputs if o.request_id in ids):
+        assert produced <= spec.num_accepted_tokens + spec.num_drafts
+    else:
+        assert produced == spec.num_accepted_tokens + spec.num_drafts
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_scheduler_invariants(setup):
@@ -86,9 +107,11 @@ def test_scheduler_invariants(setup):
     def step():
         out = sched.schedule()
         check_step(sched, out, dispatcher)
-        for o in sched.update(out, model.run(out)):
+        outputs = sched.update(out, model.run(out))
+        for o in outputs:
             assert not o.finished or o.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
             streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+        check_spec_decode(sched.last_spec_decode, out, outputs, sched.k_max)
         check_blocks(sched)
 
     for op in ops:
@@ -114,6 +137,9 @@ def test_scheduler_invariants(setup):
     assert not sched.has_unfinished()
     event(f"preempted: {sched.stats.preemptions > 0}")
     event(f"drafts accepted: {sched.stats.drafts_accepted > 0}")
+    stats = sched.stats
+    assert len(stats.accepted_per_pos) == sched.k_max and sum(stats.accepted_per_pos) == stats.drafts_accepted
+    assert stats.num_drafts <= stats.drafts_verified <= sched.k_max * stats.num_drafts
     assert sched.kv.num_free == num_blocks and sched.order == [] and not sched.waiting
     for req in requests:
         if req.status is RequestStatus.ABORTED:

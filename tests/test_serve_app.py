@@ -388,6 +388,55 @@ def test_engine_metrics_hooks():
     assert counters["twogrid:cudagraph_steps_total"] == {("mixed", "NONE"): 1.0, ("uniform_decode", "FULL"): 1.0}
 
 
+def spec_decode_samples(m: EngineMetrics) -> dict:
+    """{(sample name, position label or None): value} of the spec_decode_* series."""
+    return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(m.render().decode())
+            for s in f.samples if s.name.startswith("twogrid:spec_decode_") and s.name.endswith("_total")}
+
+
+def test_spec_decode_metrics_as_vllm_names_them():
+    """Verify events, drafts verified, accepted, and accepted per draft position (every position 0..K-1 from the
+    start, at 0), with the model_name label; a step's per-position counts add to its accepted drafts."""
+    m = EngineMetrics("m", num_speculative_tokens=3)
+    per_pos = "twogrid:spec_decode_num_accepted_tokens_per_pos_total"
+    assert spec_decode_samples(m) == {("twogrid:spec_decode_num_drafts_total", None): 0,
+                                      ("twogrid:spec_decode_num_draft_tokens_total", None): 0,
+                                      ("twogrid:spec_decode_num_accepted_tokens_total", None): 0,
+                                      (per_pos, "0"): 0, (per_pos, "1"): 0, (per_pos, "2"): 0}
+    # two requests verify 3 drafts each, accepting 2 and 0; then one accepts all 3
+    m.on_step("uniform_decode", "FULL", accepted_tokens=2, num_drafts=2, draft_tokens=6, accepted_per_pos=[1, 1, 0])
+    m.on_step("uniform_decode", "FULL", accepted_tokens=3, num_drafts=1, draft_tokens=3, accepted_per_pos=[1, 1, 1])
+    m.on_step("mixed", "NONE", "mixed_above_cap")  # a step without drafts moves none of them
+    got = spec_decode_samples(m)
+    assert got[("twogrid:spec_decode_num_drafts_total", None)] == 3
+    assert got[("twogrid:spec_decode_num_draft_tokens_total", None)] == 9
+    assert got[("twogrid:spec_decode_num_accepted_tokens_total", None)] == 5
+    assert [got[(per_pos, str(j))] for j in range(3)] == [2, 2, 1]
+    assert m.registry.get_sample_value(per_pos, {"model_name": "m", "position": "2"}) == 1
+    assert not any(name.startswith(per_pos) for name, _ in spec_decode_samples(EngineMetrics("m")))  # no K: none
+
+
+def test_the_cudagraph_metrics_line_reports_acceptance():
+    """--cudagraph-metrics' periodic line: graph and eager steps, padding, and with speculative decoding the
+    totals, vLLM's mean acceptance length (1 + accepted / drafts) and per-position acceptance rates."""
+    from dispatcher.serve.launch import cudagraph_metrics_line
+
+    m = EngineMetrics("m", num_speculative_tokens=2)
+    line = cudagraph_metrics_line(m.render().decode())
+    assert line == ("cudagraph metrics: 0 steps, 0 eager (none), 0 padded tokens; spec decode: 0 drafts, 0 draft "
+                    "tokens, 0 accepted, mean acceptance length n/a, per-position acceptance rate n/a")
+    m.on_step("uniform_decode", "FULL", padded_tokens=3, accepted_tokens=5, num_drafts=4, draft_tokens=8,
+              accepted_per_pos=[3, 2])
+    m.on_step("mixed", "NONE", "mixed_above_cap")
+    assert cudagraph_metrics_line(m.render().decode()) == (
+        "cudagraph metrics: 2 steps, 1 eager (mixed_above_cap 1), 3 padded tokens; spec decode: 4 drafts, 8 draft "
+        "tokens, 5 accepted, mean acceptance length 2.25, per-position acceptance rate 0.750, 0.500")
+    plain = EngineMetrics("m")
+    plain.on_step("uniform_decode", "FULL")
+    assert cudagraph_metrics_line(plain.render().decode()) == (
+        "cudagraph metrics: 1 steps, 0 eager (none), 0 padded tokens")
+
+
 def test_sampling_params_logprobs():
     SamplingParams(logprobs=None).validate()
     SamplingParams(logprobs=0).validate()

@@ -1,13 +1,17 @@
 """The HTTP front end over the real serving engine: the engine process (and its CPU worker process) with the default model
 (SmolLM2-135M-Instruct), driven by the official ``openai`` client: sensible answers, streams with usage, logprobs, a
 refused request while serving, and a client that disconnects mid-stream freeing its KV blocks (about 30 s: marked
-slow)."""
+slow). Then ``twogrid serve`` on a random preset with speculative decoding and fixed acceptance: its
+``spec_decode_*`` counters agree with each other and with the tokens served (about 15 s)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import pytest
+from serverutil import Server, http_get, http_post
 
 openai = pytest.importorskip("openai")
 
@@ -93,3 +97,47 @@ def test_openai_client_against_the_real_engine():
             await engine.shutdown(5)
 
     asyncio.run(go())
+
+
+def test_spec_decode_counters_of_a_served_run_agree_with_the_tokens(tmp_path):
+    """tiny-dense, eagle3 with K = 3 and --fixed-acceptance 2.5 (a seeded number of drafts accepted): every draft
+    position's series is there from the start at 0, with the model_name label; after requests served one at a time
+    (each alone in its steps after its prefill, so each verify event verifies K drafts) the counters, as the bench
+    reads them, agree: K drafts per verify event, positions summing to the accepted drafts, and one token of the
+    target's own plus the accepted drafts per verify event (fewer only in a request's last step, cut at
+    max_tokens)."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    k, n, max_tokens = 3, 4, 30
+    spec = json.dumps({"method": "eagle3", "num_speculative_tokens": k})
+    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "128", "--num-kv-blocks", "256", "--speculative-config", spec,
+                  "--fixed-acceptance", "2.5"], str(tmp_path / "server.log"))
+    try:
+        srv.wait_healthy()
+        text = http_get(srv.base + "/metrics")[1].decode()
+        for j in range(k):
+            assert re.search(r'^twogrid:spec_decode_num_accepted_tokens_per_pos_total\{model_name="tiny-dense",'
+                             rf'position="{j}"\}} 0\.0$', text, re.M), j
+        before = parse_counters(text)
+        start = counter_deltas({}, before)
+        assert (start["spec_decode_num_drafts"], start["spec_decode_accepted_per_pos"],
+                start["mean_acceptance_length"]) == (0, [0] * k, None)
+        served = 0
+        for i in range(n):
+            status, body = http_post(srv.base + "/v1/completions", json.dumps(
+                {"prompt": [5, 6, 7, 8 + i], "max_tokens": max_tokens, "ignore_eos": True}).encode())
+            assert status == 200, body
+            served += body["usage"]["completion_tokens"]
+        run = counter_deltas(before, parse_counters(http_get(srv.base + "/metrics")[1].decode()))
+    finally:
+        srv.stop()
+    assert served == n * max_tokens
+    drafts, accepted, per_pos = (run["spec_decode_num_drafts"], run["spec_decode_num_accepted_tokens"],
+                                 run["spec_decode_accepted_per_pos"])
+    assert drafts > 0 and run["spec_decode_num_draft_tokens"] == k * drafts
+    assert len(per_pos) == k and sum(per_pos) == accepted and drafts >= per_pos[0] >= per_pos[1] >= per_pos[2]
+    from_verify = served - n  # each request's first token came from its prefill, the others from verify events
+    assert from_verify <= accepted + drafts <= from_verify + k * n
+    assert run["mean_acceptance_length"] == round(1 + accepted / drafts, 4)
+    assert 1.8 < run["mean_acceptance_length"] < 3.2

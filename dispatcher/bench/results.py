@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dispatcher.bench.client import RequestOutput
+from scheduler.scheduler import acceptance_rate_per_pos
 
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
@@ -141,5 +142,17 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
             lines.append(_row("Padded tokens:", result["padded_tokens"]))
         if result.get("front_end_backlog_steps"):
             lines.append(_row("Front-end backlog steps:", result["front_end_backlog_steps"]))
+    if result.get("spec_decode_num_drafts"):  # from the server's speculative-decoding counters
+        drafts = result["spec_decode_num_drafts"]
+        lines += ["{:-^50}".format("Speculative Decoding"),
+                  _row("Acceptance rate (%):", 100 * result["spec_decode_num_accepted_tokens"]
+                       / max(1, result["spec_decode_num_draft_tokens"]), ".2f"),
+                  _row("Acceptance length:", result["mean_acceptance_length"], ".2f"),
+                  _row("Drafts:", drafts),
+                  _row("Draft tokens:", result["spec_decode_num_draft_tokens"]),
+                  _row("Accepted tokens:", result["spec_decode_num_accepted_tokens"]),
+                  "Per-position acceptance (%):"]
+        lines += [_row(f"  Position {j}:", 100 * rate, ".2f")
+                  for j, rate in enumerate(acceptance_rate_per_pos(drafts, result["spec_decode_accepted_per_pos"]))]
     lines.append("=" * 50)
     return lines

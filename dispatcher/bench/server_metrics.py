@@ -1,6 +1,8 @@
 """The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode,
-the steps' device time (over the run's duration: how busy the GPU was), and the engine steps that reached a front
-end while it was behind (its outputs merged: the serving path, not the GPU, was the limit).
+the steps' device time (over the run's duration: how busy the GPU was), the engine steps that reached a front
+end while it was behind (its outputs merged: the serving path, not the GPU, was the limit), and speculative
+decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and per position; the mean
+acceptance length follows).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -15,14 +17,22 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.scheduler import mean_acceptance_length
+
 TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "eager_steps": ("twogrid:eager_steps_total", ("reason",)),
     "padded_tokens": ("twogrid:padded_tokens_total", ()),
     "cudagraph_steps": ("twogrid:cudagraph_steps_total", ("kind", "mode")),
     "step_device_seconds": ("twogrid:step_device_seconds_total", ()),
     "front_end_backlog_steps": ("twogrid:front_end_backlog_steps_total", ()),
+    "spec_decode_num_drafts": ("twogrid:spec_decode_num_drafts_total", ()),
+    "spec_decode_num_draft_tokens": ("twogrid:spec_decode_num_draft_tokens_total", ()),
+    "spec_decode_num_accepted_tokens": ("twogrid:spec_decode_num_accepted_tokens_total", ()),
+    "spec_decode_accepted_per_pos": ("twogrid:spec_decode_num_accepted_tokens_per_pos_total", ("position",)),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
+PER_POSITION = "spec_decode_accepted_per_pos"
+"""The field that is a list by draft position (0..K-1), not a total and a breakdown."""
 
 Samples = dict[str, dict[tuple[str, ...], float]]
 """Sample name -> values summed by the tracked labels' values."""
@@ -67,13 +77,18 @@ def _number(x: float) -> int | float:
 def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, Any]:
     """Result fields for the counters present in both scrapes: ``eager_steps`` and ``eager_steps_by_reason``,
     ``padded_tokens``, ``cudagraph_steps`` and ``cudagraph_steps_by_kind_mode`` ({kind: {mode: steps}}),
-    ``step_device_seconds`` and ``front_end_backlog_steps``."""
+    ``step_device_seconds``, ``front_end_backlog_steps``, and with a server that counts verify events
+    ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
+    ``spec_decode_accepted_per_pos`` ([accepted at position 0, 1, ...]) and ``mean_acceptance_length`` (1 +
+    accepted / drafts; None without drafts). ``before`` = {} gives the totals since the server started."""
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}
     if not any(name in after for name, _ in TRACKED.values()):
         return out  # not a twogrid server
     for field, (name, labels) in TRACKED.items():
+        if field == PER_POSITION:
+            continue
         if name not in after:  # a labelled counter nothing has incremented yet exports no sample: zero
             out[field] = 0
             if labels:
@@ -90,4 +105,23 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
                     node = node.setdefault(part, {})
                 node[key[-1]] = _number(value)
             out[f"{field}_by_{'_'.join(labels)}"] = nested
+    _spec_decode_fields(out, before, after)
     return out
+
+
+def _spec_decode_fields(out: dict[str, Any], before: Samples, after: Samples) -> None:
+    """The per-position list and the mean acceptance length; no speculative-decoding fields at all from a server
+    that does not count verify events (one older than these counters)."""
+    if TRACKED["spec_decode_num_drafts"][0] not in after:
+        for field in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            out.pop(field, None)
+        return
+    name = TRACKED[PER_POSITION][0]
+    old = before.get(name, {})
+    moved = {int(key[0]): value - old.get(key, 0.0) for key, value in after.get(name, {}).items()}
+    per_pos = [0] * (max(moved) + 1 if moved else 0)
+    for position, value in moved.items():
+        per_pos[position] = _number(value)
+    out[PER_POSITION] = per_pos
+    length = mean_acceptance_length(out["spec_decode_num_drafts"], out["spec_decode_num_accepted_tokens"])
+    out["mean_acceptance_length"] = None if length is None else round(length, 4)

@@ -32,7 +32,8 @@ from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
 from scheduler.request import Request, RequestError, SamplingParams
-from scheduler.scheduler import ModelResult, RequestOutput, Scheduler, SchedulerOutput
+from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
+                                 SpecDecodeSummary, add_per_pos)
 
 log = logging.getLogger("twogrid.engine")
 
@@ -66,8 +67,9 @@ class EngineArgs:
 
 
 @dataclass
-class EngineStats:
-    """Counters over the engine's life (benchmarks read and reset them)."""
+class EngineStats(SpecDecodeSummary):
+    """Counters over the engine's life (benchmarks read and reset them); ``mean_acceptance_length`` and
+    ``acceptance_rate_per_pos`` follow from the speculative-decoding ones."""
 
     steps: int = 0
     device_ms: float = 0.0
@@ -80,6 +82,23 @@ class EngineStats:
     eager_by_reason: dict[str, int] = field(default_factory=dict)
     """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
     padded_tokens: int = 0
+    num_drafts: int = 0
+    """Speculative decoding, as vLLM counts it: verify events (a request in a step that verified >= 1 draft)."""
+    num_draft_tokens: int = 0
+    """Drafts verified."""
+    num_accepted_tokens: int = 0
+    """Drafts accepted."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Per draft position j: verify events that accepted more than j drafts (K_max entries once drafts ran)."""
+
+    def record_drafts(self, spec: SpecDecodeStep) -> None:
+        """A step's verification (the scheduler's ``last_spec_decode``)."""
+        if not spec.num_drafts:
+            return
+        self.num_drafts += spec.num_drafts
+        self.num_draft_tokens += spec.num_draft_tokens
+        self.num_accepted_tokens += spec.num_accepted_tokens
+        add_per_pos(self.accepted_per_pos, spec.accepted_per_pos)
 
     def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
         self.steps += 1
@@ -172,7 +191,7 @@ class EngineCore:
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.trace = TraceWriter(args.step_trace)
-        self.stats = EngineStats()
+        self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
@@ -270,7 +289,9 @@ class EngineCore:
         return self.wait(step)
 
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
-        return self.scheduler.update(step.out, result)
+        outputs = self.scheduler.update(step.out, result)
+        self.stats.record_drafts(self.scheduler.last_spec_decode)
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         """One step, synchronously: schedule, run, update."""

@@ -144,12 +144,11 @@ class EngineService:
             for rid in ids:
                 self._front_end.pop(rid, None)
             return
-        accepted = core.scheduler.stats.drafts_accepted
         outputs = core.update(step, core.finish(step, result))
-        target = step.descs.target
+        target, spec = step.descs.target, core.scheduler.last_spec_decode
         record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
-                            core.scheduler.stats.drafts_accepted - accepted, step.out.num_preempted,
-                            result.device_ms / 1e3)
+                            spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
+                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos))
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
                         o.logprobs) for o in outputs]
         if len(self.outboxes) == 1:

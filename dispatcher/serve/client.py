@@ -245,7 +245,7 @@ class EngineClient:
         for s in msg.steps:
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
-                                     s.num_preempted, s.device_s)
+                                     s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos)
         if msg.queue is not None and self.metrics is not None:
             q = msg.queue
             self.metrics.set_queue(q.num_running, q.num_waiting, q.num_free_blocks, q.num_blocks)

@@ -70,7 +70,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("observability")
     o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
     o.add_argument("--cudagraph-metrics", action="store_true",
-                   help=f"log graph hits, eager steps and padding every {CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
+                   help=f"log graph hits, eager steps, padding and speculative decoding's acceptance (mean "
+                        f"acceptance length, per-position rates) every {CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
     o.add_argument("--log-requests", action="store_true", help="log each request (prompt text included)")
     o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     b = p.add_argument_group("benchmarking only")
@@ -196,7 +197,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     from dispatcher.serve.frontend import FrontEnds, listening_sockets
     from dispatcher.serve.metrics import EngineMetrics
 
-    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1)
+    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
+                            num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
@@ -272,20 +274,36 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
 
 async def _watch(engine, cudagraph_metrics: bool, front_ends=None) -> None:
     """Returns when the engine dies or another front end exits (its clients' requests would run on unseen);
-    with ``cudagraph_metrics``, logs graph hits, eager steps and padding."""
-    from dispatcher.bench.server_metrics import parse_counters
-
+    with ``cudagraph_metrics``, logs ``cudagraph_metrics_line`` every CUDAGRAPH_METRICS_PERIOD_S."""
     last = time.monotonic()
     while engine.dead is None and (front_ends is None or front_ends.exited() is None):
         await asyncio.sleep(0.25)
         if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S:
             last = time.monotonic()
-            c = parse_counters(engine.metrics.render().decode())  # (the counters /metrics serves)
-            eager = {key[0]: int(v) for key, v in c.get("twogrid:eager_steps_total", {}).items()}
-            log.info("cudagraph metrics: %d steps, %d eager (%s), %d padded tokens",
-                     sum(c.get("twogrid:cudagraph_steps_total", {}).values()), sum(eager.values()),
-                     ", ".join(f"{k} {v}" for k, v in sorted(eager.items())) or "none",
-                     sum(c.get("twogrid:padded_tokens_total", {}).values()))
+            log.info("%s", cudagraph_metrics_line(engine.metrics.render().decode()))
+
+
+def cudagraph_metrics_line(metrics_text: str) -> str:
+    """``--cudagraph-metrics``' periodic line from the counters /metrics serves, totals since start: graph steps,
+    eager steps by reason, padded tokens and, with speculative decoding, drafts and acceptance (vLLM's mean
+    acceptance length and per-position acceptance rates)."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+    from scheduler.scheduler import acceptance_rate_per_pos
+
+    c = counter_deltas({}, parse_counters(metrics_text))
+    eager = c.get("eager_steps_by_reason", {})
+    line = (f"cudagraph metrics: {c.get('cudagraph_steps', 0)} steps, {c.get('eager_steps', 0)} eager "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(eager.items())) or 'none'}), "
+            f"{c.get('padded_tokens', 0)} padded tokens")
+    per_pos = c.get("spec_decode_accepted_per_pos")
+    if per_pos:  # (positions exist only with speculative decoding)
+        drafts, length = c["spec_decode_num_drafts"], c["mean_acceptance_length"]
+        rates = acceptance_rate_per_pos(drafts, per_pos)
+        line += (f"; spec decode: {drafts} drafts, {c['spec_decode_num_draft_tokens']} draft tokens, "
+                 f"{c['spec_decode_num_accepted_tokens']} accepted, mean acceptance length "
+                 f"{'n/a' if length is None else f'{length:.2f}'}, per-position acceptance rate "
+                 f"{', '.join(f'{r:.3f}' for r in rates) or 'n/a'}")
+    return line
 
 
 def _log_capture(ready) -> None:

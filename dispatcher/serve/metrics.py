@@ -3,8 +3,8 @@ exports. Free of aiohttp, so the engine process imports it without the HTTP stac
 
 Who records what:
 
-- the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding, accepted
-  draft tokens, preemptions), ``set_queue`` with the queue after each step and after aborts that no step follows
+- the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding,
+  speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions), ``set_queue`` with the queue after each step and after aborts that no step follows
   (running, waiting, free KV blocks), and ``set_capture`` once after capture (the engine process sends these to
   the front end, which records them);
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
@@ -19,11 +19,14 @@ records its own requests, front end 0 the steps and the queue, and every process
 the largest value, which is front end 0's).
 
 Every series carries a ``model_name`` label, as vLLM's do. ``twogrid bench`` reads ``eager_steps_total{reason}``,
-``padded_tokens_total``, ``cudagraph_steps_total{kind,mode}``, ``step_device_seconds_total`` and
-``front_end_backlog_steps_total`` (dispatcher/bench/server_metrics.py): those names and labels are an interface.
+``padded_tokens_total``, ``cudagraph_steps_total{kind,mode}``, ``step_device_seconds_total``,
+``front_end_backlog_steps_total`` and the ``spec_decode_*`` counters (dispatcher/bench/server_metrics.py; so does
+``--cudagraph-metrics``' periodic log line): those names and labels are an interface.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -48,7 +51,10 @@ failed (worker death, step error)."""
 class EngineMetrics:
     """The metrics of one served model, on their own ``CollectorRegistry`` (``render()`` gives the /metrics text)."""
 
-    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None, multiprocess: bool = False):
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None, multiprocess: bool = False,
+                 num_speculative_tokens: int = 0):
+        """``num_speculative_tokens``: K_max, the draft positions whose ``spec_decode_num_accepted_tokens_per_pos``
+        series show from the start (at 0)."""
         self.model_name = model_name
         self.multiprocess = multiprocess
         """Render every front-end process's values (``--api-server-count`` > 1), not this process's alone."""
@@ -93,8 +99,17 @@ class EngineMetrics:
         self._eager_steps = counter("eager_steps", "Steps run without a graph, by reason.", ("reason",))
         self._padded_tokens = counter("padded_tokens", "Tokens added to steps to reach a captured size."
                                       ).labels(model_name)
+        # speculative decoding, as vLLM's v1 counts it (vllm/v1/spec_decode/metrics.py)
+        self._drafts = counter("spec_decode_num_drafts", "Verify events: a request in a step that verified at least "
+                               "one draft.").labels(model_name)
+        self._draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(model_name)
         self._accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
                                  ).labels(model_name)
+        self._accepted_per_pos_family = counter("spec_decode_num_accepted_tokens_per_pos", "Verify events that "
+                                                "accepted the draft at each position (0: the first draft).",
+                                                ("position",))
+        self._accepted_per_pos = [self._accepted_per_pos_family.labels(model_name, str(j))
+                                  for j in range(num_speculative_tokens)]
         self._device_s = counter("step_device_seconds", "Device time of the steps (first to last operation of each, "
                                  "CUDA events): over wall time, how busy the GPU was.").labels(model_name)
         # the serving path (each front end records its own)
@@ -108,10 +123,12 @@ class EngineMetrics:
 
     # -- engine hooks -------------------------------------------------------------------------------------------
     def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
-                accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0) -> None:
+                accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0, num_drafts: int = 0,
+                draft_tokens: int = 0, accepted_per_pos: Sequence[int] = ()) -> None:
         """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
         eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
-        device time."""
+        device time; verify events, draft tokens verified and, per draft position, the verify events that accepted
+        it."""
         self._graph_steps.labels(self.model_name, kind, mode).inc()
         self._device_s.inc(device_seconds)
         if eager_reason is not None:
@@ -120,6 +137,15 @@ class EngineMetrics:
             self._padded_tokens.inc(padded_tokens)
         if accepted_tokens:
             self._accepted.inc(accepted_tokens)
+        if num_drafts:
+            self._drafts.inc(num_drafts)
+            self._draft_tokens.inc(draft_tokens)
+            per_pos = self._accepted_per_pos
+            for j, n in enumerate(accepted_per_pos):
+                if j == len(per_pos):  # (a K past the one given at start)
+                    per_pos.append(self._accepted_per_pos_family.labels(self.model_name, str(j)))
+                if n:
+                    per_pos[j].inc(n)
         if preemptions:
             self._preemptions.inc(preemptions)
 
