@@ -35,6 +35,18 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_BYTES = 98362432
 
 
+SHIPPED_HEADS = {("eagle3", GGUF_NAME): os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads",
+                                                    "smollm2-135m-instruct-eagle3")}
+"""Draft heads that ship with twogrid, by (method, the target's file name): the default model's EAGLE-3 head, trained
+by ``scripts/train_eagle3.py`` (its README.md says on what and how)."""
+
+
+def shipped_head(model: str, method: str) -> str | None:
+    """The directory of the head shipped for this target and method, or None."""
+    path = SHIPPED_HEADS.get((method, os.path.basename(model)))
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
 class DefaultModelError(CheckpointError):
     """The default model is not installed, not cached and could not be fetched."""
 

@@ -10,10 +10,7 @@ verification then leaves unverified.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from models.layers import RMSNorm
-from models.transformer import CausalLM, DecoderLayer
 
 NGRAM_MATCH_CONFIDENCE = 0.8
 """The confidence of an n-gram proposal that a match found (adaptive verification's input)."""
@@ -55,58 +52,3 @@ def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: 
     last = history.gather(1, last_pos[:, None])
     drafts = torch.where(found, history.gather(1, follow.clamp(max=length - 1)), last)
     return drafts, torch.where(found, match_confidence, 0.0).to(torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model-based drafters
-# ---------------------------------------------------------------------------------------------------------------
-
-class DraftHead(CausalLM):
-    """An EAGLE-style head: one dense decoder layer over fc(cat(token embedding, feature)), with its own KV
-    cache (one layer) and the target's embedding and LM head.
-
-    - EAGLE step 0 (eagle, eagle3, mtp): run over the target step's rows shifted by one position: the row at
-      position p + 1 reads the token at p + 1 and the target's final hidden state at p. It catches the head's KV
-      up to the accepted tokens, and the row of the last accepted token proposes draft 1.
-    - EAGLE steps 1..K-1: one token a request, reading the previous draft and the head's own output feature.
-    - Block drafting (dspark q = K, dflash and mtp_multi q = K + 1): one forward over the last accepted token and
-      q - 1 mask tokens, every row reading the target's feature at the last accepted token; row i proposes draft
-      i + 1. The head's KV for earlier positions is what earlier blocks wrote (a simplification of DFlash, which
-      conditions on target features).
-    """
-
-    needs_aux = True
-
-    def __init__(self, target: CausalLM):
-        t = target.cfg
-        cfg = t.with_(num_layers=1, num_experts=0, num_experts_per_token=0, moe_intermediate_size=0,
-                      shared_expert_intermediate_size=0, intermediate_size=t.intermediate_size or 4 * t.hidden_size)
-        nn.Module.__init__(self)
-        cfg.validate()
-        self.cfg = cfg
-        self._target = [target]  # not a submodule: its weights stay the target's
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None
-        self.rotary = target.rotary
-        self.scale = cfg.head_dim ** -0.5
-        self.mask_token_id = cfg.vocab_size - 1
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self._target[0].embed_tokens
-
-    def embed(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fc(torch.cat([self.embed_tokens(input_ids), aux], dim=-1))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target[0].compute_logits(hidden)
-
-
-def build_draft_head(target: CausalLM, seed: int) -> DraftHead:
-    device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
-    with torch.device(device):
-        head = DraftHead(target).to(dtype)
-    return head.init_random(seed).eval().requires_grad_(False)

@@ -21,7 +21,7 @@ from torch import nn
 from models.attention import (AttentionMetadata, paged_attention, prepare_paged_attention, write_kv,
                               write_kv_rows)
 from models.config import ModelConfig
-from models.fused import rms_norm_torch, rotary_write_kv_, use_triton
+from models.fused import argmax_prob, rms_norm_torch, rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows
 
 VOCAB_ALIGN = 64
@@ -103,6 +103,18 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim ** -0.5
 
+    aux_layers: tuple[int, ...] = ()
+    """Layer boundaries whose residual stream a forward also writes out (``aux_out``): what an EAGLE-3 head reads.
+    Boundary i is the input to layer i (0: the embedding; num_layers: the last layer's output, before the norm), as
+    vLLM numbers them."""
+
+    def keep_aux(self, aux_out: torch.Tensor | None, boundary: int, residual: torch.Tensor) -> None:
+        """The residual stream at ``boundary`` into its columns of ``aux_out`` (when the boundary is kept)."""
+        if aux_out is not None and boundary in self.aux_layers:
+            h = self.cfg.hidden_size
+            j = self.aux_layers.index(boundary)
+            aux_out[:, j * h:(j + 1) * h].copy_(residual)
+
     @property
     def num_layers(self) -> int:
         return self.cfg.num_layers
@@ -135,14 +147,18 @@ class CausalLM(nn.Module):
         return [layer.input_layernorm for layer in list(self.layers)[1:]] + [self.norm]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, aux: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (tokens, hidden), normed: the FULL path, and eager."""
+                meta: AttentionMetadata, aux: torch.Tensor | None = None,
+                aux_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (tokens, hidden), normed: the FULL path, and eager. With ``aux_out``, the residual
+        stream at each of ``aux_layers`` is written there too."""
         x, residual = self.begin(input_ids, aux)
         rotary = self.rotary if use_triton(x) else self.rotary.at(positions)  # (the torch path: rows looked up once)
         # (lists, not ModuleList indexing a layer: that costs a CPU decode step 0.1 ms)
         for i, (layer, next_norm) in enumerate(zip(list(self.layers), self.next_norms())):
+            self.keep_aux(aux_out, i, residual)
             q = layer.pre_attention(x, positions, rotary, kv_caches[i], meta.slot_mapping)
             x, residual = layer.post_attention(self.attention(i, q, kv_caches, meta), residual, next_norm)
+        self.keep_aux(aux_out, self.num_layers, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -151,6 +167,11 @@ class CausalLM(nn.Module):
         apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (hidden @ weight.t())[:, :self.cfg.vocab_size]
+
+    def propose(self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Greedy proposals from output rows: (token ids in the target's vocabulary, their probabilities), into
+        ``out`` if given (a drafter's; an EAGLE head maps its own vocabulary's ids)."""
+        return argmax_prob(self.compute_logits(hidden), out=out)
 
     @torch.no_grad()
     def init_random(self, seed: int, std: float = 0.02) -> "CausalLM":

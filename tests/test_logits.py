@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from models.config import preset  # noqa: E402
-from models.drafters import build_draft_head  # noqa: E402
+from models.eagle import build_draft_head  # noqa: E402
 from models.sampling import RowParams, sample_tokens  # noqa: E402
 from models.transformer import VOCAB_ALIGN, build_model, padded_vocab  # noqa: E402
 

@@ -315,8 +315,10 @@ def test_draft_model_errors_are_clear(tmp_path):
 
     with pytest.raises(ConfigError, match='method draft_model needs "model"'):
         resolve({}, {"method": "draft_model", "num_speculative_tokens": 2}, platform="sm100")
-    with pytest.raises(ConfigError, match='"model" is for method draft_model, not \'eagle3\''):
-        resolve({}, {"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, platform="sm100")
+    with pytest.raises(ConfigError, match='"model" is for methods draft_model, eagle, eagle3, not \'dspark\''):
+        resolve({}, {"method": "dspark", "model": "x", "num_speculative_tokens": 2}, platform="sm100")
+    with pytest.raises(ConfigError, match='"model" must be a path'):
+        resolve({}, {"method": "eagle3", "model": 3, "num_speculative_tokens": 2}, platform="sm100")
     with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target 49155"):
         cfg = resolve({}, {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 2},
                       platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)

@@ -115,7 +115,8 @@ class SpeculativeConfig:
     adaptive_verification: Any = UNSET
     """Bool. Decode steps verify a per-request number of drafts (1..1 + K) on FULL varlen graphs."""
     model: Any = UNSET
-    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
+    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name); eagle, eagle3: an
+    EAGLE-1/2 or EAGLE-3 head's directory (config.json + safetensors)."""
     prompt_lookup_min: Any = UNSET
     """method ngram: the shortest n-gram (1..prompt_lookup_max) the drafter looks up. Default: prompt_lookup_max
     when that alone is given, else 1."""
@@ -211,7 +212,8 @@ class ResolvedConfig:
     """Sized by the deprecated fields."""
     warnings: tuple[str, ...] = field(default=(), compare=False)
     draft_model: str | None = None
-    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name)."""
+    """method draft_model: the draft LM (a Hugging Face directory, a .gguf file or a preset name); eagle, eagle3:
+    the draft head's directory (None: the head shipped for the target, else random on a preset)."""
     prompt_lookup_min: int | None = None
     """method ngram: the shortest n-gram looked up (None for the other methods)."""
     prompt_lookup_max: int | None = None
@@ -424,15 +426,25 @@ def resolve(
     )
 
 
+HEAD_METHODS = ("eagle", "eagle3")
+"""Methods whose draft head loads from a checkpoint (``"model"``: an EAGLE-3 or EAGLE-1/2 head directory)."""
+
+
 def _draft_model(sc: SpeculativeConfig, method: str | None) -> str | None:
-    """The draft LM of method draft_model: required there, refused elsewhere."""
+    """The draft LM of method draft_model (required there), or an EAGLE head's directory (eagle, eagle3: optional,
+    the worker refuses a real target without one unless a head ships for it); refused elsewhere."""
+    if sc.model is not UNSET and (not isinstance(sc.model, str) or not sc.model):
+        raise ConfigError(f"--speculative-config: \"model\" must be a path (a non-empty string), got {sc.model!r}")
     if method == "draft_model":
-        if sc.model is UNSET or not isinstance(sc.model, str) or not sc.model:
+        if sc.model is UNSET:
             raise ConfigError("--speculative-config: method draft_model needs \"model\": the draft LM (a Hugging "
                               "Face directory, a .gguf file or a preset name)")
         return sc.model
     if sc.model is not UNSET:
-        raise ConfigError(f"--speculative-config: \"model\" is for method draft_model, not {method!r}")
+        if method not in HEAD_METHODS:
+            raise ConfigError(f"--speculative-config: \"model\" is for methods draft_model, "
+                              f"{', '.join(HEAD_METHODS)}, not {method!r}")
+        return sc.model
     return None
 
 

@@ -5,7 +5,8 @@ confidences) into the request state, with no host round trip between them.
   (``models.drafters.propose_ngram``), right after the step's new tokens are stored.
 
 - EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows one position on (each row reads the
-  token after it and the target's feature at it); the row of each request's last new token proposes draft 1. Steps
+  token after it and the target's feature at it: its final hidden state, or for an EAGLE-3 head its residual stream
+  at three layer boundaries, ``GraphRuntime.features``); the row of each request's last new token proposes draft 1. Steps
   1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
 - Block (dspark, dflash, mtp_multi): one forward of q rows a request, its last new token then mask tokens, every row
   reading the target's feature at the last new token; row i proposes draft i + 1.
@@ -21,7 +22,6 @@ from dispatcher.plan.capture_plan import block_query_len
 from dispatcher.plan.dispatch import MODE_FULL
 from dispatcher.runtime.graphs import StepInputs
 from models.drafters import propose_ngram
-from models.fused import argmax_prob
 
 
 class _Drafter:
@@ -31,7 +31,7 @@ class _Drafter:
     def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
         with torch.profiler.record_function("twogrid.draft_logits"):
-            return argmax_prob(self.head.compute_logits(feature))
+            return self.head.propose(feature)
 
     @staticmethod
     def _last(dev, tokens, accepted, first_pos):
@@ -44,19 +44,19 @@ class _Drafter:
 
 
 class EagleDrafter(_Drafter):
-    def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+    def propose(self, step, plan, dev, inputs, features, tokens, accepted, first_pos, state) -> None:
         k, m = step.num_new_drafts, plan.num_sampling
         slots_s = dev.sampling_slots
         last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
         feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state),
-                                           hidden)[last_row]
-        drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
-        conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
+                                           features)[last_row]
+        drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
+        conf = torch.empty(m, k, dtype=torch.float32, device=features.device)
         drafts[:, 0], conf[:, 0] = self._propose(feature)
         if k > 1:
             # every one-token step's positions and KV slots at once; each step then only stacks its column
-            rt, one = self.runtimes[1], torch.arange(m + 1, device=hidden.device)
-            pos = (last_pos[:, None] + torch.arange(1, k, device=hidden.device)[None, :]).t()  # (k - 1, m)
+            rt, one = self.runtimes[1], torch.arange(m + 1, device=features.device)
+            pos = (last_pos[:, None] + torch.arange(1, k, device=features.device)[None, :]).t()  # (k - 1, m)
             kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
             for j in range(1, k):
                 if j >= 2 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it

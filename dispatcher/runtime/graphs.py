@@ -36,7 +36,7 @@ import torch
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
 from models.attention import AttentionMetadata, RequestLayout, pack_requests
-from models.fused import argmax_prob, programmatic_launch
+from models.fused import programmatic_launch
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -114,14 +114,17 @@ class StaticBuffers:
     attn_out: torch.Tensor
     hidden_out: torch.Tensor
     aux: torch.Tensor | None
-    """(max_num_tokens, hidden): a drafter's second input (target features), None for a target."""
+    """(max_num_tokens, width): a drafter's second input (target features, or its own), None for a target."""
+    aux_out: torch.Tensor | None = None
+    """(max_num_tokens, len(aux_layers) * hidden): a target's residual stream at the layer boundaries an EAGLE-3
+    head reads (``CausalLM.aux_layers``), written inside every graph; None when no head reads them."""
     proposals: tuple[torch.Tensor, torch.Tensor] | None = None
     """A runtime that proposes (``GraphRuntime(proposes=True)``): per row, its greedy token (int64) and that
     token's probability (float32), written inside the graph after the forward."""
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
-                 with_aux: bool = False, request_capacity: int | None = None, proposes: bool = False):
+                 aux_size: int = 0, request_capacity: int | None = None, proposes: bool = False, aux_out_size: int = 0):
         t = max_num_tokens
         capacity = request_capacity or max_num_reqs + 1
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
@@ -130,7 +133,8 @@ class StaticBuffers:
             block_table=torch.full((max_num_reqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
-            hidden_out=z(t, cfg.hidden_size), aux=z(t, cfg.hidden_size) if with_aux else None,
+            hidden_out=z(t, cfg.hidden_size), aux=z(t, aux_size) if aux_size else None,
+            aux_out=z(t, aux_out_size) if aux_out_size else None,
             proposals=(z(t, dt=torch.int64), z(t, dt=torch.float32)) if proposes else None,
         )
 
@@ -244,9 +248,10 @@ class GraphRuntime:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], graph_sets: Iterable[GraphSet], *, max_num_tokens: int,
                  max_num_reqs: int, max_blocks_per_seq: int, runner: str = "target", use_cuda_graphs: bool = True,
-                 proposes: bool = False):
+                 proposes: bool = False, aux_size: int | None = None):
         """``proposes``: every forward also takes each row's greedy token and its probability from the model's
-        logits, inside the graph (``proposals``): an EAGLE drafter's one-token steps, whose every row proposes."""
+        logits, inside the graph (``proposals``): an EAGLE drafter's one-token steps, whose every row proposes.
+        ``aux_size``: the width of a drafter's second input (default: its hidden size)."""
         self.model = model
         self.kv_caches = kv_caches
         self.runner = runner
@@ -260,8 +265,10 @@ class GraphRuntime:
                         for g in self.graph_sets for size in g.sizes}
         capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device, with_aux=model.needs_aux,
-                                           request_capacity=capacity, proposes=proposes)
+                                           kv_caches[0].dtype, self.device,
+                                           aux_size=(aux_size or model.cfg.hidden_size) if model.needs_aux else 0,
+                                           request_capacity=capacity, proposes=proposes,
+                                           aux_out_size=len(model.aux_layers) * model.cfg.hidden_size)
         self.graphs: dict[GraphKey, list[_Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
@@ -284,7 +291,8 @@ class GraphRuntime:
             aux = b.aux[:num_tokens] if b.aux is not None else None
             input_ids, positions = b.rows(num_tokens)[:2]
             meta = b.meta(num_tokens, num_reqs, max_query_len, max_seq_len)
-            hidden = model(input_ids, positions, self.kv_caches, meta, aux)
+            aux_out = b.aux_out[:num_tokens] if b.aux_out is not None else None
+            hidden = model(input_ids, positions, self.kv_caches, meta, aux, aux_out)
             b.hidden_out[:num_tokens].copy_(hidden)
             self._propose(num_tokens)
             if advance:
@@ -313,8 +321,11 @@ class GraphRuntime:
         """A proposing runtime's greedy tokens and their probabilities for the first num_tokens rows."""
         if self.bufs.proposals is not None:
             ids, probs = self.bufs.proposals
-            argmax_prob(self.model.compute_logits(self.bufs.hidden_out[:num_tokens]),
-                        out=(ids[:num_tokens], probs[:num_tokens]))
+            self.model.propose(self.bufs.hidden_out[:num_tokens], out=(ids[:num_tokens], probs[:num_tokens]))
+
+    def features(self, num_tokens: int) -> torch.Tensor:
+        """The last execute's residual-stream features (``StaticBuffers.aux_out``) of its num_tokens real rows."""
+        return self.bufs.aux_out[:num_tokens]
 
     def proposals(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last execute's proposals (greedy tokens, their probabilities) for its num_tokens real rows (views of
@@ -333,6 +344,7 @@ class GraphRuntime:
                 x, residual = model.begin(input_ids, b.aux[:n] if b.aux is not None else None)
             else:
                 x, residual = model.layers[index - 1].post_attention(b.attn_out[:n], b.residual[:n], norm)
+            model.keep_aux(b.aux_out[:n] if b.aux_out is not None else None, index, residual)
             if index < last:
                 # the KV write happens here, inside the graph (padded rows: slot -1, nothing stored)
                 q = model.layers[index].pre_attention(x, positions, model.rotary, self.kv_caches[index], slots)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
+from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
                                           model_runners)
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
@@ -26,8 +27,9 @@ from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
-from models.config import ModelConfig
-from models.drafters import build_draft_head
+from models.config import PRESETS, ModelConfig
+from models.default_model import shipped_head
+from models.eagle import build_draft_head, load_draft_head
 from models.fused import argmax_prob
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
@@ -101,6 +103,10 @@ class ModelWorker:
             self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+        self.method, self.k_max = method, k_max
+        head = self._draft_head(plan.config) if method in MODEL_DRAFTERS else None
+        if head is not None and getattr(head, "shape", None) is not None and head.shape.eagle3:
+            self.model.aux_layers = head.shape.aux_layers  # the target's graphs also write the features it reads
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
                                            cfg.head_dim, wcfg.dtype, self.device)
@@ -109,21 +115,19 @@ class ModelWorker:
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
             max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs,
         )
-        self.method, self.k_max = method, k_max
         self.drafter: EagleDrafter | BlockDrafter | DraftModelDrafter | NgramDrafter | None = None
         self.draft_runtimes: list[GraphRuntime] = []
         if method == "ngram":
             self.drafter = NgramDrafter(plan.config.prompt_lookup_min, plan.config.prompt_lookup_max)
-        elif method in MODEL_DRAFTERS:
-            head = self._draft_model(plan.config.draft_model) if method == DRAFT_MODEL else \
-                build_draft_head(self.model, wcfg.seed + 1)
+        elif head is not None:
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
                                          head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
+            step0_aux = getattr(head, "step0_aux_size", None)
             self.draft_runtimes = [
                 GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
                              max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs,
-                             proposes=is_next_steps(r))
+                             proposes=is_next_steps(r), aux_size=None if is_next_steps(r) else step0_aux)
                 for r in model_runners(plan.config)[1:]
             ]
             kind = (EagleDrafter if method in EAGLE_LIKE
@@ -147,6 +151,34 @@ class ModelWorker:
         if mean_length is not None and not self.k_max:
             raise ValueError("fixed_acceptance needs speculative decoding (num_speculative_tokens > 0)")
         self._fixed_alpha = None if mean_length is None else _acceptance_rate_for(mean_length, self.k_max)
+
+    def _draft_head(self, cfg):
+        """The drafter's model: the draft LM (draft_model); an EAGLE head from its checkpoint ("model"), else the one
+        shipped for the target (the default model's EAGLE-3 head); random weights only for a preset target (its
+        outputs are random too). A real target with no head is refused: a random head would accept nothing."""
+        method, path = cfg.method, cfg.draft_model
+        if method == DRAFT_MODEL:
+            return self._draft_model(path)
+        target_is_real = isinstance(self.wcfg.model, str) and self.wcfg.model not in PRESETS
+        if path is None and target_is_real:
+            path = shipped_head(self.wcfg.model, method)
+        if path is not None:
+            head = load_draft_head(path, self.model, method)
+            log.info("speculative decoding: %s head %s (%s, %s features, %s vocabulary)", method, path,
+                     "EAGLE-3" if head.shape.eagle3 else "EAGLE-1/2",
+                     f"layer boundaries {list(head.shape.aux_layers)}" if head.shape.eagle3 else "final hidden state",
+                     f"{head.shape.draft_vocab_size}-token draft" if head.shape.draft_vocab_size else "the target's")
+            return head
+        if target_is_real:
+            need = ('--speculative-config \'{"method": "%s", "model": DIR, ...}\' (an %s head: config.json + '
+                    'safetensors)' % (method, "EAGLE-3" if method == "eagle3" else "EAGLE-1/2")
+                    if method in HEAD_METHODS else "a preset target (random heads, for benchmarks), or method eagle3, "
+                    "eagle, ngram or draft_model")
+            raise ValueError(f"{method} needs a draft head for {self.wcfg.model!r}: {need}. twogrid does not draft "
+                             f"with random weights on a real model (nothing would be accepted)")
+        log.warning("speculative decoding: %s head with random weights (preset target %s: benchmarks only)", method,
+                    self.wcfg.model if isinstance(self.wcfg.model, str) else "shape")
+        return build_draft_head(self.model, self.wcfg.seed + 1, method)
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
@@ -222,7 +254,8 @@ class ModelWorker:
         self._advance(plan, dev, tokens, accepted, first_pos)
         drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
         if drafts:
-            self.drafter.propose(step, plan, dev, inputs, hidden, tokens, accepted, first_pos, self.state)
+            features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
+            self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
         # their ids (m, width, N)], all as int32 words.
         out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
