@@ -472,3 +472,33 @@ def test_a_twogrid_server_without_eager_steps_reports_zero():
     Counter("vllm:num_preemptions", "x", registry=other)
     text = generate_latest(other).decode()
     assert counter_deltas(parse_counters(text), parse_counters(text)) == {}
+
+
+def test_speculative_counters_move_with_the_run_and_are_left_out_where_not_exported():
+    """Accepted tokens, drafts and accepted tokens per draft position: deltas over the run, summed over other
+    labels; a server that does not export one (older, or no position reached yet) gives no field, not 0."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    registry = CollectorRegistry()
+    Counter("twogrid:padded_tokens", "padding", ["model_name"], registry=registry).labels("m")
+    accepted = Counter("twogrid:spec_decode_num_accepted_tokens", "accepted", ["model_name"], registry=registry)
+    before = parse_counters(generate_latest(registry).decode())
+    accepted.labels("m").inc(7)
+    deltas = counter_deltas(before, parse_counters(generate_latest(registry).decode()))
+    assert deltas["spec_decode_accepted_tokens"] == 7
+    assert "spec_decode_drafts" not in deltas and "spec_decode_accepted_tokens_per_pos" not in deltas
+    drafts = Counter("twogrid:spec_decode_num_drafts", "drafts", ["model_name"], registry=registry)
+    per_pos = Counter("twogrid:spec_decode_num_accepted_tokens_per_pos", "per position", ["model_name", "position"],
+                      registry=registry)
+    drafts.labels("m").inc(3)
+    per_pos.labels("m", "0").inc(2)
+    before = parse_counters(generate_latest(registry).decode())
+    accepted.labels("m").inc(5)
+    drafts.labels("m").inc(4)
+    for pos, n in (("0", 3), ("1", 2)):
+        per_pos.labels("m", pos).inc(n)
+    per_pos.labels("other", "1").inc(1)
+    deltas = counter_deltas(before, parse_counters(generate_latest(registry).decode()))
+    assert (deltas["spec_decode_accepted_tokens"], deltas["spec_decode_drafts"]) == (5, 4)
+    assert deltas["spec_decode_accepted_tokens_per_pos"] == 6
+    assert deltas["spec_decode_accepted_tokens_per_pos_by_position"] == {"0": 3, "1": 3}

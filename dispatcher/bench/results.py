@@ -141,5 +141,8 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
             lines.append(_row("Padded tokens:", result["padded_tokens"]))
         if result.get("front_end_backlog_steps"):
             lines.append(_row("Front-end backlog steps:", result["front_end_backlog_steps"]))
+        if result.get("spec_decode_drafts"):
+            lines.append(_row("Mean acceptance length:",
+                              1 + result.get("spec_decode_accepted_tokens", 0) / result["spec_decode_drafts"], ".2f"))
     lines.append("=" * 50)
     return lines
