@@ -41,7 +41,7 @@ import sys
 import time
 
 from _common import commit, join_runs, write_json  # (importing _common puts the repository on sys.path)
-from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command
+from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
 from dispatcher.plan.config import SPEC_METHODS
 
 METHODS = "none,ngram:3,eagle3:1,eagle3:3,eagle3:5"
@@ -201,18 +201,19 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{stem}.jsonl")]
         log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
         t0 = time.monotonic()
-        try:
-            proc = launch(cmd, name, args.port, log_path)
-        except RuntimeError as exc:
-            log(f"server {name}: {exc}")
-            result["errors"].append({"policy": policy, "method": method, "k": k, "error": str(exc),
-                                     "log_tail": log_tail(log_path)})
-            save()
-            continue
-        server = {"policy": policy, "method": method, "k": k, "start_s": round(time.monotonic() - t0, 1)}
-        result["servers"].append(server)
-        log(f"server {name}: ready in {server['start_s']:.1f} s")
-        try:
+        proc = launch(cmd, name, args.port, log_path, wait=False)
+        server = None
+        try:  # (whatever happens, a SIGTERM's exit included, the server is stopped)
+            try:
+                wait_healthy(proc, name, args.port)
+            except RuntimeError as exc:
+                log(f"server {name}: {exc}")
+                result["errors"].append({"policy": policy, "method": method, "k": k, "error": str(exc),
+                                         "log_tail": log_tail(log_path)})
+                continue
+            server = {"policy": policy, "method": method, "k": k, "start_s": round(time.monotonic() - t0, 1)}
+            result["servers"].append(server)
+            log(f"server {name}: ready in {server['start_s']:.1f} s")
             for conc in concs:
                 try:
                     bench = run_bench(base, conc, stem, os.path.join(out_dir, "bench"), args, proc.pid, SERVED_NAME)
@@ -239,8 +240,9 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
         finally:
             t1 = time.monotonic()
             stop(proc)
-            server["measured_s"] = round(t1 - t0 - server["start_s"], 1)
-            server["stop_s"] = round(time.monotonic() - t1, 1)
+            if server is not None:
+                server["measured_s"] = round(t1 - t0 - server["start_s"], 1)
+                server["stop_s"] = round(time.monotonic() - t1, 1)
             save()
 
 

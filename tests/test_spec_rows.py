@@ -92,12 +92,13 @@ def test_ratio_to_no_speculation_of_the_same_policy_and_concurrency(spec):
 class FakeServer:
     pid = 0
     returncode = None
+    stopped = False
 
     def poll(self):
         return None
 
     def terminate(self):
-        pass
+        self.stopped = True
 
     def wait(self, timeout=None):
         return 0
@@ -107,16 +108,21 @@ def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, 
     started, benched = [], []
 
     def launch(cmd, name, port, log_path, wait=True):
-        started.append(name)
-        if "eagle3" in " ".join(cmd):
-            raise RuntimeError(f"{name}: the server exited with 1 (log {log_path})")
-        return FakeServer()
+        server = FakeServer()
+        server.cmd, server.log_path = cmd, log_path
+        started.append((name, server))
+        return server
+
+    def wait_healthy(proc, name, port):
+        if "eagle3" in " ".join(proc.cmd):
+            raise RuntimeError(f"{name}: the server exited with 1 (log {proc.log_path})")
 
     def run_bench(base, conc, label, result_dir, args, server_pid=None, served_name=None):
         benched.append((label, conc))
         return bench_result(1000 * conc, 1.0, accepted=conc, drafts=conc)
 
     monkeypatch.setattr(spec, "launch", launch)
+    monkeypatch.setattr(spec, "wait_healthy", wait_healthy)
     monkeypatch.setattr(spec, "run_bench", run_bench)
     args = argparse.Namespace(model="x.gguf", tokenizer=None, port=8123, max_model_len=4096, device="cpu",
                               api_server_count=1, waves=1, step_trace_dir=None)
@@ -125,7 +131,8 @@ def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, 
     saves = []
     methods = [spec.parse_method(m) for m in ("none", "ngram:3", "eagle3:3")]
     spec.measure(result, methods, ["separate"], [1, 16], args, str(tmp_path), lambda: saves.append(1))
-    assert started == ["separate none", "separate eagle3:3"]  # ngram:3 was measured at both concurrencies
+    assert [name for name, _ in started] == ["separate none", "separate eagle3:3"]  # ngram:3: measured already
+    assert all(server.stopped for _, server in started)  # the one that failed to start too
     assert benched == [("separate-none", 16)]
     assert [spec.cell(r) for r in result["rows"][3:]] == [("separate", "none", 0, 16)]
     assert result["errors"][0]["method"] == "eagle3" and "exited with 1" in result["errors"][0]["error"]
