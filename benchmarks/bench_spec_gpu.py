@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from _common import commit, join_runs, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, join_runs, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
 from dispatcher.plan.config import SPEC_METHODS
 
@@ -113,33 +113,18 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per policy: a row per method and K, a column per concurrency; each cell output tok/s, then its
+    """One table per policy: a line per method and K, a column per concurrency; each cell output tok/s, then its
     ratio to no speculation and the mean acceptance length where there are they, eager steps where more than one."""
-    out = []
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        of = [r for r in rows if r["policy"] == policy]
-        concs = sorted({r["concurrency"] for r in of})
-        out += [f"| {policy} | " + " | ".join(map(str, concs)) + " |", "|---" * (len(concs) + 1) + "|"]
-        for name in dict.fromkeys(label(r["method"], r["k"]) for r in of):
-            by_conc = {r["concurrency"]: r for r in of if label(r["method"], r["k"]) == name}
-            cells = []
-            for c in concs:
-                r = by_conc.get(c)
-                if r is None:
-                    cells.append("")
-                    continue
-                notes = []
-                if r["method"] != "none" and "vs_no_sd" in r:
-                    notes.append(f"{r['vs_no_sd']:.2f}x")
-                if r.get("mean_acceptance_length") is not None:
-                    notes.append(f"AL {r['mean_acceptance_length']:.2f}")
-                text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
-                if r["eager_steps"] > 1:
-                    text += f", {r['eager_steps']} eager"
-                cells.append(text)
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)
+    def cell(r: dict) -> str:
+        notes = []
+        if r["method"] != "none" and "vs_no_sd" in r:
+            notes.append(f"{r['vs_no_sd']:.2f}x")
+        if r.get("mean_acceptance_length") is not None:
+            notes.append(f"AL {r['mean_acceptance_length']:.2f}")
+        text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
+        return text + (f", {r['eager_steps']} eager" if r["eager_steps"] > 1 else "")
+
+    return markdown_grid(rows, lambda r: r["policy"], lambda r: label(r["method"], r["k"]), cell)
 
 
 def merge(paths: list[str], out: str | None) -> dict:
