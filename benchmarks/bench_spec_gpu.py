@@ -23,7 +23,12 @@ does not start, or dies, is recorded under ``errors`` and the matrix goes on. Sp
 with ``--methods`` / ``--policies`` subsets and join the parts with ``--merge A.json B.json --out ALL.json``.
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_spec_gpu.py --data .gpu_data/sharegpt.json \\
-        --out $OUT/spec_h200.json
+        --policies separate --out $OUT/separate/spec_h200.json     # and --policies vllm-default in a second call
+    python3 scripts/pack_gpu_out.py $OUT/separate                  # bench/ and the server logs as two archives
+    python benchmarks/bench_spec_gpu.py --merge separate/spec_h200.json vllm-default/spec_h200.json --out ALL.json
+
+The bench results (``bench/``) and server logs (``server-*.log``) go beside ``--out``. The GGUF must be installed
+or cached on the machine that runs this (``models.default_model``; ``$TWOGRID_CACHE``), or given with ``--model``.
 
 A CPU dry run (the default model makes ~30 tok/s there): ``HEADLINE_OUTPUT_LEN=8`` (shared with the headline),
 ``--device cpu --api-server-count 1 --min-prompts 2 --concurrency 1,2``.
