@@ -105,30 +105,32 @@ def check_targets(rows: list[dict], label, header: str, rivals: tuple[str, ...] 
     return lines
 
 
+def markdown_grid(rows: list[dict], table_of, line_of, cell) -> str:
+    """Markdown tables of rows: one per ``table_of(row)`` (its title), a line per ``line_of(row)`` (its name), a
+    column per concurrency, each cell ``cell(row)`` (empty where the line has no row at that concurrency); tables,
+    lines and concurrencies in the rows' order of first appearance (concurrencies sorted)."""
+    out, tables = [], {}
+    for r in rows:
+        tables.setdefault(table_of(r), {}).setdefault(line_of(r), {})[r["concurrency"]] = r
+    for title, lines in tables.items():
+        concs = sorted({c for by_conc in lines.values() for c in by_conc})
+        out += [f"| {title} | " + " | ".join(map(str, concs)) + " |", "|---" * (len(concs) + 1) + "|"]
+        for name, by_conc in lines.items():
+            out.append(f"| {name} | " + " | ".join(cell(by_conc[c]) if c in by_conc else "" for c in concs) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown_tables(rows: list[dict], group) -> str:
     """One table per ``group(row)`` (a tuple of names): output tok/s per policy and concurrency; other policies
     than vllm-default show (ratio to it / bound); eager steps where there were more than one."""
-    out, groups = [], {}
-    for r in rows:
-        groups.setdefault(group(r), []).append(r)
-    for names, rows_of in groups.items():
-        concs = sorted({r["concurrency"] for r in rows_of})
-        out += [f"| {', '.join(names)} | " + " | ".join(map(str, concs)) + " |", "|---" * (len(concs) + 1) + "|"]
-        for policy in dict.fromkeys(r["policy"] for r in rows_of):
-            by_conc = {r["concurrency"]: r for r in rows_of if r["policy"] == policy}
-            cells = []
-            for c in concs:
-                r = by_conc.get(c)
-                if r is None:
-                    cells.append("")
-                    continue
-                text = f"{r['output_tok_s']:.0f}"
-                if policy != "vllm-default" and "tok_s_ratio" in r:
-                    text += f" ({r['tok_s_ratio']:.2f}x / {r['bound_ratio']:.2f})"
-                if r["eager_steps"] > 1 and policy != "eager":
-                    text += f", {r['eager_steps']} eager"
-                cells.append(text)
-            name = f"**{policy}**" if policy == "separate" else policy
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)
+    def cell(r: dict) -> str:
+        text = f"{r['output_tok_s']:.0f}"
+        if r["policy"] != "vllm-default" and "tok_s_ratio" in r:
+            text += f" ({r['tok_s_ratio']:.2f}x / {r['bound_ratio']:.2f})"
+        if r["eager_steps"] > 1 and r["policy"] != "eager":
+            text += f", {r['eager_steps']} eager"
+        return text
+
+    return markdown_grid(rows, lambda r: ", ".join(group(r)),
+                         lambda r: f"**{r['policy']}**" if r["policy"] == "separate" else r["policy"], cell)

@@ -83,18 +83,42 @@ MAX_SIDE_BY_SIDE = 64
 4096 tokens hold about 54 GB of KV; at 256 they would need about 216 GB."""
 
 
+SERVED_NAME = "bench-moe"
+"""The model name the servers serve and the bench sends."""
+
+
+def serve_command(policy: str, spec: dict | None, port: int, args, served_name: str = SERVED_NAME) -> list[str]:
+    """``twogrid serve``'s command line for a policy (its ``--compilation-config``) and a speculative config (None:
+    none), every other flag the same for every server: ``args.model`` (``args.tokenizer`` when set), sm100, 1024
+    requests and 16384 tokens a step, ``--max-model-len``, the KV cache sized by ``--gpu-memory-utilization`` 0.8,
+    ``--api-server-count`` front ends."""
+    cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model,
+           "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
+           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
+           served_name, "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy]),
+           "--api-server-count", str(args.api_server_count)]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+def launch(cmd: list[str], name: str, port: int, log_path: str, wait: bool = True) -> subprocess.Popen:
+    """Start a server command, its output to ``log_path``; ready to serve unless ``wait`` is false (then
+    ``wait_healthy``)."""
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    proc.log_path = log_path
+    if wait:
+        wait_healthy(proc, name, port)
+    return proc
+
+
 def start_server(policy: str, workload: str, fixed: float | None, port: int, args, log_path: str,
                  trace: bool = True, num_kv_blocks: int = 0, wait: bool = True) -> subprocess.Popen:
     """``twogrid serve`` for a policy and workload, its KV cache sized by ``--gpu-memory-utilization`` 0.8 or
     ``num_kv_blocks``; ready to serve unless ``wait`` is false (then ``wait_healthy``)."""
-    spec = WORKLOADS[workload]
-    cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model, "--tokenizer", args.tokenizer,
-           "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
-           "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
-           "bench-moe", "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy]),
-           "--api-server-count", str(args.api_server_count)]
-    if spec:
-        cmd += ["--speculative-config", json.dumps(spec)]
+    cmd = serve_command(policy, WORKLOADS[workload], port, args)
     if fixed:
         cmd += ["--fixed-acceptance", str(fixed)]
     if args.step_trace_dir and trace:
@@ -103,11 +127,7 @@ def start_server(policy: str, workload: str, fixed: float | None, port: int, arg
         cmd += ["--step-trace", os.path.join(args.step_trace_dir, name)]
     if num_kv_blocks:
         cmd += ["--num-kv-blocks", str(num_kv_blocks)]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    proc.log_path = log_path
-    if wait:
-        wait_healthy(proc, policy, port)
-    return proc
+    return launch(cmd, policy, port, log_path, wait)
 
 
 def wait_healthy(proc: subprocess.Popen, policy: str, port: int) -> None:
@@ -161,7 +181,8 @@ def num_clients(conc: int) -> int:
     return min(8, max(1, conc // 64))
 
 
-def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None) -> dict:
+def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None,
+              served_name: str = SERVED_NAME) -> dict:
     """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
     ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result, saved
     with each request's send time, TTFT and latency (``--save-detailed``: where a run's wall time went); with
@@ -172,7 +193,7 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
     before = process_cpu_s(server_pid) if server_pid else {}
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", "bench-moe",
+    cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", served_name,
            "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts",
            str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
@@ -352,7 +373,7 @@ def alternating_rows(workload: str, fixed: float | None, acceptance: str, concur
     from dispatcher.bench.server_metrics import counter_deltas, scrape
 
     policies = args.policies.split(",")
-    endpoints = {p: Endpoint("completions", f"http://127.0.0.1:{args.port + i}", "bench-moe", {}, ignore_eos=True)
+    endpoints = {p: Endpoint("completions", f"http://127.0.0.1:{args.port + i}", SERVED_NAME, {}, ignore_eos=True)
                  for i, p in enumerate(policies)}
 
     def check(policy: str, outputs: list) -> list:

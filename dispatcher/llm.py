@@ -59,7 +59,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {model_cfg.vocab_size}")
-        if self.config.draft_model is not None:
+        if self.config.draft_model is not None and self.config.method == "draft_model":
             try:
                 check_draft_tokenizer(self.tokenizer, self.config.draft_model)
             except ValueError as exc:

@@ -111,8 +111,10 @@ class EagleHead(CausalLM):
             self.draft_to_target = None
         same_rope = (cfg.rope_theta, cfg.rope_scaling, cfg.head_dim) == \
             (target.cfg.rope_theta, target.cfg.rope_scaling, target.cfg.head_dim)
-        self.rotary = target.rotary if same_rope else RotaryEmbedding(
-            cfg.head_dim, target.cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = target.rotary if same_rope else RotaryEmbedding(
+            cfg.head_dim, target.cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(
+            target.rotary.cos.device)
+        object.__setattr__(self, "rotary", rotary)  # not a submodule: .to(dtype) leaves the float32 tables alone
         self.scale = cfg.head_dim ** -0.5
         self.mask_token_id = cfg.vocab_size - 1
 
@@ -348,9 +350,11 @@ def _fill(head: EagleHead, tensors: dict[str, torch.Tensor], path: str) -> None:
                              f"an EAGLE head of this shape: refusing to load it partially")
 
 
-def save_eagle3_head(head: EagleHead, path: str, extra_config: dict | None = None) -> None:
-    """Write an EAGLE-3 head as SpecForge saves one (config.json + model.safetensors, ``midlayer.`` names, d2t and
-    t2d), so that vLLM, SGLang and twogrid load it alike. The embedding stays the target's (not written)."""
+def save_eagle3_head(head: EagleHead, path: str, extra_config: dict | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write an EAGLE-3 head as SpecForge saves one (config.json + model.safetensors in ``dtype``, ``midlayer.``
+    names, d2t and t2d), so that vLLM, SGLang and twogrid load it alike. The embedding stays the target's (not
+    written)."""
     from safetensors.torch import save_file
 
     if not head.shape.eagle3:
@@ -360,7 +364,7 @@ def save_eagle3_head(head: EagleHead, path: str, extra_config: dict | None = Non
     for ours, theirs in _hf_tensors(head):
         if ours == "own_embed.weight":
             continue
-        value = head.get_parameter(ours).detach().cpu()
+        value = head.get_parameter(ours).detach().cpu().to(dtype)
         sizes = [head.cfg.q_size, head.cfg.kv_size, head.cfg.kv_size] if len(theirs) == 3 else \
             [value.shape[0] // len(theirs)] * len(theirs)
         for name, part in zip(theirs, value.split(sizes, dim=0)):
@@ -379,7 +383,7 @@ def save_eagle3_head(head: EagleHead, path: str, extra_config: dict | None = Non
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size, "draft_vocab_size": vd, "tie_word_embeddings": False,
-        "torch_dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.shape.aux_layers)},
         **(extra_config or {}),
     }

@@ -150,7 +150,7 @@ def _setup(args: argparse.Namespace):
         if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                               f"({model_cfg.vocab_size})")
-        if cfg.draft_model is not None:
+        if cfg.draft_model is not None and cfg.method == "draft_model":
             check_draft_tokenizer(tokenizer, cfg.draft_model)
     except CheckpointError as exc:
         raise ConfigError(f"--model: {exc}") from None

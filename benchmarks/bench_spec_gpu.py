@@ -1,0 +1,318 @@
+"""Real speculative decoding served: ``twogrid serve`` on the default model (SmolLM2-135M-Instruct's GGUF, its own
+tokenizer) per speculative method and capture policy, driven by ``twogrid bench`` with the ShareGPT prompts, 256
+output tokens each with EOS ignored, at several concurrencies, the drafts accepted as the model accepts them (no
+``--fixed-acceptance``).
+
+Methods (``--methods``): ``none`` (no speculative config) or ``METHOD:K`` (``--speculative-config '{"method":
+METHOD, "num_speculative_tokens": K}'``; eagle3 without a "model" is the default model's own head). Policies
+(``--policies``): the headline's names and ``--compilation-config``s (bench_headline_gpu.POLICIES). One server per
+(method, policy), every concurrency run against it after a warm-up wave of as many requests, as the headline's
+(``--waves`` x N requests at N streams, at least ``--min-prompts``), the server's flags the headline's but the model.
+
+Per row: the bench's output tok/s, TPOT and TTFT; from the server's /metrics (deltas over the measured requests,
+read by ``twogrid bench``): eager steps, steps, the steps' device time and GPU busy (as the headline's rows), and
+the mean acceptance length, 1 + accepted draft tokens / drafts (``twogrid:spec_decode_num_accepted_tokens_total``,
+``twogrid:spec_decode_num_drafts_total``; null without drafts or without the drafts counter), with the acceptance
+rate per draft position where the server exports ``twogrid:spec_decode_num_accepted_tokens_per_pos_total``;
+``vs_no_sd`` is the row's tok/s over the ``none`` row's of the same policy and concurrency (of the same run where
+merged runs have one).
+
+The JSON (``--out``) is rewritten after every row; ``--resume`` keeps the rows of an existing ``--out`` and
+measures only the missing cells (no server for a (method, policy) whose concurrencies are all done). A server that
+does not start, or dies, is recorded under ``errors`` and the matrix goes on. Split the matrix over device calls
+with ``--methods`` / ``--policies`` subsets and join the parts with ``--merge A.json B.json --out ALL.json``.
+
+    PYTHONPATH=.:benchmarks python benchmarks/bench_spec_gpu.py --data .gpu_data/sharegpt.json \\
+        --policies separate --out $OUT/separate/spec_h200.json     # and --policies vllm-default in a second call
+    python3 scripts/pack_gpu_out.py $OUT/separate                  # bench/ and the server logs as two archives
+    python benchmarks/bench_spec_gpu.py --merge separate/spec_h200.json vllm-default/spec_h200.json --out ALL.json
+
+The bench results (``bench/``) and server logs (``server-*.log``) go beside ``--out``. The GGUF must be installed
+or cached on the machine that runs this (``models.default_model``; ``$TWOGRID_CACHE``), or given with ``--model``.
+
+A CPU dry run (the default model makes ~30 tok/s there): ``HEADLINE_OUTPUT_LEN=8`` (shared with the headline),
+``--device cpu --api-server-count 1 --min-prompts 2 --concurrency 1,2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from _common import commit, join_runs, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
+from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
+from dispatcher.plan.config import SPEC_METHODS
+
+METHODS = "none,ngram:3,eagle3:1,eagle3:3,eagle3:5"
+SERVED_NAME = "smollm2"
+"""The model name the servers serve and the bench sends."""
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    """A progress line with the time of day and the seconds since the script started."""
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def parse_method(text: str) -> tuple[str, int, dict | None]:
+    """``none`` -> (none, 0, None); ``eagle3:3`` -> (eagle3, 3, its speculative config)."""
+    if text == "none":
+        return "none", 0, None
+    method, sep, k = text.partition(":")
+    if method not in SPEC_METHODS or not sep or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"{text!r}: give none or METHOD:K, METHOD one of {', '.join(SPEC_METHODS)}, K >= 1")
+    return method, int(k), {"method": method, "num_speculative_tokens": int(k)}
+
+
+def label(method: str, k: int) -> str:
+    return "none" if method == "none" else f"{method}:{k}"
+
+
+def cell(row: dict) -> tuple:
+    """What a row measured: one server's (policy, method, K) at one concurrency."""
+    return row["policy"], row["method"], row["k"], row["concurrency"]
+
+
+def spec_row(policy: str, method: str, k: int, conc: int, bench: dict, args) -> dict:
+    """A row from one ``twogrid bench`` result: the headline's row fields (tok/s, TPOT, TTFT, eager steps, steps,
+    device time, GPU busy, ...) led by the method and K, with the acceptance counters and the mean acceptance length
+    (null without drafts, or when the server exports no drafts counter)."""
+    head = make_row(policy, label(method, k), "real", conc, [bench], args)
+    del head["workload"]
+    row = {"policy": policy, "method": method, "k": k, **head}
+    accepted, drafts = bench.get("spec_decode_num_accepted_tokens"), bench.get("spec_decode_num_drafts")
+    row["accepted_tokens"], row["drafts"] = accepted, drafts
+    row["mean_acceptance_length"] = bench.get("mean_acceptance_length")
+    per_pos = bench.get("spec_decode_accepted_per_pos")
+    if per_pos and drafts:
+        row["acceptance_rate_per_position"] = [round(n / drafts, 4) for n in per_pos]
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's ``vs_no_sd``: its tok/s over the ``none`` row's of the same policy and concurrency, in place; in
+    merged rows (each with ``run``) the same run's ``none`` row where there is one, else another run's
+    (``vs_no_sd_run`` names it)."""
+    base: dict[tuple, dict] = {}
+    for r in rows:
+        if r["method"] == "none":
+            base.setdefault((r["policy"], r["concurrency"]), {})[r.get("run")] = r
+    for r in rows:
+        r.pop("vs_no_sd", None)
+        r.pop("vs_no_sd_run", None)
+        runs = base.get((r["policy"], r["concurrency"]))
+        if not runs:
+            continue
+        b = runs.get(r.get("run")) or next(iter(runs.values()))
+        if b["output_tok_s"]:
+            r["vs_no_sd"] = round(r["output_tok_s"] / b["output_tok_s"], 3)
+        if b.get("run") != r.get("run"):
+            r["vs_no_sd_run"] = b["run"]
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per policy: a line per method and K, a column per concurrency; each cell output tok/s, then its
+    ratio to no speculation and the mean acceptance length where there are they, eager steps where more than one."""
+    def cell(r: dict) -> str:
+        notes = []
+        if r["method"] != "none" and "vs_no_sd" in r:
+            notes.append(f"{r['vs_no_sd']:.2f}x")
+        if r.get("mean_acceptance_length") is not None:
+            notes.append(f"AL {r['mean_acceptance_length']:.2f}")
+        text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
+        return text + (f", {r['eager_steps']} eager" if r["eager_steps"] > 1 else "")
+
+    return markdown_grid(rows, lambda r: r["policy"], lambda r: label(r["method"], r["k"]), cell)
+
+
+def merge(paths: list[str], out: str | None) -> dict:
+    """Join runs of this script into one result: a later file's row replaces an earlier one of the same cell (the
+    replaced rows kept under ``superseded_rows``); each row names its run (an index into ``runs``); rows in the
+    files' order of policies, then no SD first, then by method, K and concurrency; the runs' errors and servers are
+    kept, each naming its run. SystemExit when the runs differ in model or output length."""
+    parts = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            parts.append((path, json.load(fh)))
+    runs, rows, superseded = join_runs(parts, cell, ("model", "output_len"), ("device", "api_server_count"))
+    order = {p: i for i, p in enumerate(dict.fromkeys(r["policy"] for _, part in parts for r in part["rows"]))}
+    rows.sort(key=lambda r: (order[r["policy"]], r["method"] != "none", r["method"], r["k"], r["concurrency"]))
+    add_ratios(rows)
+    merged = {"command": "PYTHONPATH=.:benchmarks python benchmarks/bench_spec_gpu.py --merge "
+                         + shlex.join(paths) + (f" --out {shlex.quote(out)}" if out else ""),
+              "commit": runs[0]["commit"], "model": runs[0]["model"], "output_len": runs[0]["output_len"],
+              "runs": runs, "rows": rows, "superseded_rows": superseded,
+              "servers": [{**s, "run": i} for i, (_, part) in enumerate(parts) for s in part.get("servers", [])],
+              "errors": [{**e, "run": i} for i, (_, part) in enumerate(parts) for e in part.get("errors", [])]}
+    write_json(out, merged)
+    return merged
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def log_tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies: list[str], concurrencies: list[int],
+            args, out_dir: str, save) -> None:
+    """Every (method, policy)'s server in turn, each through the concurrencies not yet in ``result["rows"]``."""
+    done = {cell(r) for r in result["rows"]}
+    base = f"http://127.0.0.1:{args.port}"
+    todo = [(m, k, spec, p) for m, k, spec in methods for p in policies]
+    for i, (method, k, spec, policy) in enumerate(todo, 1):
+        name = f"{policy} {label(method, k)}"
+        concs = [c for c in concurrencies if (policy, method, k, c) not in done]
+        if not concs:
+            log(f"server {i}/{len(todo)} {name}: measured already")
+            continue
+        stem = f"{policy}-{label(method, k).replace(':', '-k')}"
+        log_path = os.path.join(out_dir, f"server-{stem}.log")
+        cmd = serve_command(policy, spec, args.port, args, SERVED_NAME)
+        if args.step_trace_dir:
+            cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{stem}.jsonl")]
+        log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
+        t0 = time.monotonic()
+        proc = launch(cmd, name, args.port, log_path, wait=False)
+        server = None
+        try:  # (whatever happens, a SIGTERM's exit included, the server is stopped)
+            try:
+                wait_healthy(proc, name, args.port)
+            except RuntimeError as exc:
+                log(f"server {name}: {exc}")
+                result["errors"].append({"policy": policy, "method": method, "k": k, "error": str(exc),
+                                         "log_tail": log_tail(log_path)})
+                continue
+            server = {"policy": policy, "method": method, "k": k, "start_s": round(time.monotonic() - t0, 1)}
+            result["servers"].append(server)
+            log(f"server {name}: ready in {server['start_s']:.1f} s")
+            for conc in concs:
+                try:
+                    bench = run_bench(base, conc, stem, os.path.join(out_dir, "bench"), args, proc.pid, SERVED_NAME)
+                except subprocess.CalledProcessError as exc:
+                    alive = proc.poll() is None
+                    log(f"server {name}: twogrid bench at {conc} streams failed (exit {exc.returncode})"
+                        + ("" if alive else f"; the server exited with {proc.returncode}"))
+                    result["errors"].append({"policy": policy, "method": method, "k": k, "concurrency": conc,
+                                             "error": f"twogrid bench exited with {exc.returncode}",
+                                             "server_alive": alive, "log_tail": log_tail(log_path)})
+                    save()
+                    if not alive:
+                        break
+                    continue
+                row = spec_row(policy, method, k, conc, bench, args)
+                result["rows"].append(row)
+                save()
+                al = row["mean_acceptance_length"]
+                log(f"{name} c={conc}: {row['output_tok_s']:.0f} tok/s"
+                    + (f" ({row['vs_no_sd']:.2f}x no SD)" if "vs_no_sd" in row and method != "none" else "")
+                    + (f", acceptance length {al:.2f}" if al is not None else "")
+                    + f", TPOT {row['tpot_ms_mean']:.2f} ms, TTFT {row['ttft_ms_mean']:.1f} ms, "
+                      f"{row['eager_steps']} eager, GPU busy {row['gpu_busy']:.2f}")
+        finally:
+            t1 = time.monotonic()
+            stop(proc)
+            if server is not None:
+                server["measured_s"] = round(t1 - t0 - server["start_s"], 1)
+                server["stop_s"] = round(time.monotonic() - t1, 1)
+            save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="real speculative decoding served: twogrid serve on the default "
+                                                 "model per method and policy, twogrid bench per concurrency")
+    parser.add_argument("--data", help="ShareGPT JSON (the headline's)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--methods", default=METHODS, help="none or METHOD:K, comma-separated (default: %(default)s)")
+    parser.add_argument("--policies", default="separate,vllm-default",
+                        help=f"of {', '.join(POLICIES)} (default: %(default)s)")
+    parser.add_argument("--concurrency", default="1,16,64,256,1024")
+    parser.add_argument("--waves", type=int, default=1, help="prompts per run = waves x concurrency")
+    parser.add_argument("--min-prompts", type=int, default=16, help="prompts per run at least (small concurrencies "
+                        "run more waves)")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of an existing --out and measure only "
+                        "the missing cells")
+    parser.add_argument("--merge", nargs="+", metavar="RUN.json", help="join runs of this script into --out; "
+                        "nothing is measured")
+    parser.add_argument("--model", default=None, help="default: the default model's GGUF "
+                        "(models.default_model.default_model_path)")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
+    args = parser.parse_args()
+    if args.merge:
+        merged = merge(args.merge, args.out)
+        print(markdown(merged["rows"]))
+        return
+    if not args.data:
+        parser.error("--data is required (or --merge)")
+    try:
+        methods = [parse_method(m) for m in args.methods.split(",")]
+    except ValueError as exc:
+        parser.error(f"--methods: {exc}")
+    policies = args.policies.split(",")
+    if unknown := set(policies) - set(POLICIES):
+        parser.error(f"--policies: unknown {', '.join(sorted(unknown))} (known: {', '.join(POLICIES)})")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.model is None:
+        from models.default_model import DefaultModelError, default_model_path
+
+        try:
+            args.model = default_model_path()
+        except DefaultModelError as exc:
+            raise SystemExit(f"--model: {exc}") from None
+    args.tokenizer = None  # (the model's own)
+    if args.step_trace_dir:
+        os.makedirs(args.step_trace_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a timeout's SIGTERM: stop the server on the way out)
+    out_dir = os.path.dirname(args.out) if args.out else "."
+    os.makedirs(out_dir or ".", exist_ok=True)
+    result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/bench_spec_gpu.py " + shlex.join(sys.argv[1:]),
+              "commit": commit(), "model": os.path.basename(args.model), "served_model_name": SERVED_NAME,
+              "tokenizer": "the model's own", "device": args.device, "api_server_count": args.api_server_count,
+              "output_len": OUTPUT_LEN, "acceptance": "real", "methods": [label(m, k) for m, k, _ in methods],
+              "policies": policies, "concurrency": concurrencies, "rows": [], "servers": [], "errors": []}
+    if args.resume and args.out and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as fh:
+            old = json.load(fh)
+        for key in ("model", "output_len", "device"):
+            if old.get(key) != result[key]:
+                raise SystemExit(f"--resume: {args.out} has {key} {old.get(key)!r}, this run {result[key]!r}")
+        result["rows"], result["servers"] = old["rows"], old.get("servers", [])
+        result["errors"] = old.get("errors", [])
+        result["resumed_from"] = {"command": old["command"], "commit": old["commit"]}
+        log(f"resuming {args.out}: {len(result['rows'])} rows kept")
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured, with its ratios
+        add_ratios(result["rows"])
+        write_json(args.out, result)
+
+    log(f"{len(methods)} methods x {len(policies)} policies = {len(methods) * len(policies)} servers, concurrency "
+        f"{','.join(map(str, concurrencies))}, {OUTPUT_LEN} output tokens, model {args.model} on {args.device}")
+    measure(result, methods, policies, concurrencies, args, out_dir, save)
+    save()
+    log(f"done: {len(result['rows'])} rows, {len(result['errors'])} errors" + (f" -> {args.out}" if args.out else ""))
+    print(markdown(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()

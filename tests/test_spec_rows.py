@@ -1,0 +1,180 @@
+"""benchmarks/bench_spec_gpu.py without a GPU: its rows from fake ``twogrid bench`` results (the mean acceptance
+length from the server's counters), the ratio to no speculation, the matrix loop (cells measured already are
+skipped, a server that does not start is recorded and the rest go on) and the merge of split runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def spec(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    return importlib.import_module("bench_spec_gpu")
+
+
+ARGS = argparse.Namespace(model="/cache/SmolLM2-135M-Instruct.Q4_1.gguf", waves=1)
+
+
+def bench_result(tokens: int, duration: float, accepted: int | None = None, drafts: int | None = None,
+                 per_pos: dict | None = None) -> dict:
+    """The fields of a ``twogrid bench`` result that a row reads; the speculative counters only where given (a
+    server that does not export one gives no field)."""
+    out = {"total_output_tokens": tokens, "duration": duration, "output_throughput": tokens / duration,
+           "mean_tpot_ms": 5.0, "p99_tpot_ms": 9.0, "mean_ttft_ms": 20.0, "eager_steps": 1, "padded_tokens": 3,
+           "cudagraph_steps": 100, "step_device_seconds": 0.9 * duration, "completed": 16, "failed": 0}
+    if accepted is not None:
+        out["spec_decode_num_accepted_tokens"] = accepted
+    if drafts is not None:  # (as dispatcher.bench.server_metrics derives them from the counters)
+        out["spec_decode_num_drafts"] = drafts
+        out["mean_acceptance_length"] = round(1 + (accepted or 0) / drafts, 4) if drafts else None
+    if per_pos is not None:
+        out["spec_decode_accepted_per_pos"] = [per_pos[p] for p in sorted(per_pos, key=int)]
+    return out
+
+
+def test_method_names(spec):
+    assert spec.parse_method("none") == ("none", 0, None)
+    assert spec.parse_method("eagle3:3") == ("eagle3", 3, {"method": "eagle3", "num_speculative_tokens": 3})
+    assert spec.parse_method("ngram:2")[:2] == ("ngram", 2)
+    for bad in ("eagle3", "eagle3:0", "eagle3:x", "medusa:2", "none:1"):
+        with pytest.raises(ValueError):
+            spec.parse_method(bad)
+    assert [spec.label(*spec.parse_method(m)[:2]) for m in spec.METHODS.split(",")] == spec.METHODS.split(",")
+
+
+def test_row_has_the_acceptance_length_and_the_rate_per_position(spec):
+    bench = bench_result(4096, 2.0, accepted=600, drafts=400, per_pos={"1": 200, "0": 300, "2": 100})
+    row = spec.spec_row("separate", "eagle3", 3, 16, bench, ARGS)
+    assert (row["policy"], row["method"], row["k"], row["concurrency"]) == ("separate", "eagle3", 3, 16)
+    assert row["output_tok_s"] == 2048.0 and row["tpot_ms_mean"] == 5.0 and row["ttft_ms_mean"] == 20.0
+    assert row["eager_steps"] == 1 and row["steps"] == 100 and row["gpu_busy"] == 0.9
+    assert row["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and "workload" not in row
+    assert row["mean_acceptance_length"] == 2.5  # 1 + 600 / 400
+    assert row["acceptance_rate_per_position"] == [0.75, 0.5, 0.25]
+
+
+def test_no_drafts_no_acceptance_length(spec):
+    plain = spec.spec_row("separate", "none", 0, 1, bench_result(256, 1.0, accepted=0, drafts=0), ARGS)
+    assert plain["mean_acceptance_length"] is None and "acceptance_rate_per_position" not in plain
+    # a server without the drafts counter: the accepted tokens are kept, the length is unknown
+    old = spec.spec_row("separate", "ngram", 3, 1, bench_result(256, 1.0, accepted=40), ARGS)
+    assert old["accepted_tokens"] == 40 and old["drafts"] is None and old["mean_acceptance_length"] is None
+
+
+def row(policy: str, method: str, k: int, conc: int, tok_s: float, **extra) -> dict:
+    return {"policy": policy, "method": method, "k": k, "concurrency": conc, "output_tok_s": tok_s,
+            "eager_steps": 0, "mean_acceptance_length": None if method == "none" else 2.0, **extra}
+
+
+def test_ratio_to_no_speculation_of_the_same_policy_and_concurrency(spec):
+    rows = [row("separate", "none", 0, 1, 200.0), row("separate", "eagle3", 3, 1, 300.0),
+            row("separate", "eagle3", 3, 16, 3000.0), row("vllm-default", "none", 0, 1, 100.0),
+            row("vllm-default", "eagle3", 3, 1, 250.0)]
+    spec.add_ratios(rows)
+    assert [r.get("vs_no_sd") for r in rows] == [1.0, 1.5, None, 1.0, 2.5]  # no none row at 16 streams
+    table = spec.markdown(rows)
+    assert "| separate | 1 | 16 |" in table and "| eagle3:3 | 300 (1.50x, AL 2.00) | 3000 (AL 2.00) |" in table
+    assert "| vllm-default | 1 |" in table and "| none | 100 |" in table
+
+
+class FakeServer:
+    pid = 0
+    returncode = None
+    stopped = False
+
+    def poll(self):
+        return None
+
+    def terminate(self):
+        self.stopped = True
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, monkeypatch, tmp_path):
+    started, benched = [], []
+
+    def launch(cmd, name, port, log_path, wait=True):
+        server = FakeServer()
+        server.cmd, server.log_path = cmd, log_path
+        started.append((name, server))
+        return server
+
+    def wait_healthy(proc, name, port):
+        if "eagle3" in " ".join(proc.cmd):
+            raise RuntimeError(f"{name}: the server exited with 1 (log {proc.log_path})")
+
+    def run_bench(base, conc, label, result_dir, args, server_pid=None, served_name=None):
+        benched.append((label, conc))
+        return bench_result(1000 * conc, 1.0, accepted=conc, drafts=conc)
+
+    monkeypatch.setattr(spec, "launch", launch)
+    monkeypatch.setattr(spec, "wait_healthy", wait_healthy)
+    monkeypatch.setattr(spec, "run_bench", run_bench)
+    args = argparse.Namespace(model="x.gguf", tokenizer=None, port=8123, max_model_len=4096, device="cpu",
+                              api_server_count=1, waves=1, step_trace_dir=None)
+    result = {"rows": [row("separate", "none", 0, 1, 1000.0), row("separate", "ngram", 3, 1, 1000.0),
+                       row("separate", "ngram", 3, 16, 1000.0)], "servers": [], "errors": []}
+    saves = []
+    methods = [spec.parse_method(m) for m in ("none", "ngram:3", "eagle3:3")]
+    spec.measure(result, methods, ["separate"], [1, 16], args, str(tmp_path), lambda: saves.append(1))
+    assert [name for name, _ in started] == ["separate none", "separate eagle3:3"]  # ngram:3: measured already
+    assert all(server.stopped for _, server in started)  # the one that failed to start too
+    assert benched == [("separate-none", 16)]
+    assert [spec.cell(r) for r in result["rows"][3:]] == [("separate", "none", 0, 16)]
+    assert result["errors"][0]["method"] == "eagle3" and "exited with 1" in result["errors"][0]["error"]
+    assert [s["method"] for s in result["servers"]] == ["none"] and saves
+
+
+def write(path, rows: list[dict], commit: str, model: str = "SmolLM2-135M-Instruct.Q4_1.gguf") -> str:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"command": f"bench_spec_gpu.py ({commit})", "commit": commit, "model": model, "output_len": 256,
+                   "device": "cuda", "api_server_count": 4, "rows": rows, "servers": [{"policy": rows[0]["policy"]}],
+                   "errors": []}, fh)
+    return str(path)
+
+
+def test_merge_joins_split_runs_and_a_rerun_replaces_its_cell(spec, tmp_path):
+    a = write(tmp_path / "a.json", [row("separate", "none", 0, 1, 200.0), row("separate", "eagle3", 3, 1, 300.0)],
+              "aaa")
+    b = write(tmp_path / "b.json", [row("vllm-default", "none", 0, 1, 100.0),
+                                    row("vllm-default", "eagle3", 3, 1, 150.0),
+                                    row("separate", "eagle3", 3, 1, 400.0)], "bbb")
+    merged = spec.merge([a, b], str(tmp_path / "all.json"))
+    assert json.load(open(tmp_path / "all.json")) == merged
+    assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"]
+    got = {spec.cell(r): r for r in merged["rows"]}
+    assert len(got) == 4 and [r["policy"] for r in merged["rows"]] == ["separate"] * 2 + ["vllm-default"] * 2
+    rerun = got["separate", "eagle3", 3, 1]
+    assert rerun["output_tok_s"] == 400.0 and rerun["run"] == 1
+    assert rerun["vs_no_sd"] == 2.0 and rerun["vs_no_sd_run"] == 0  # no SD measured in the other run only
+    assert got["vllm-default", "eagle3", 3, 1]["vs_no_sd"] == 1.5 and "vs_no_sd_run" not in got[
+        "vllm-default", "eagle3", 3, 1]
+    assert [r["output_tok_s"] for r in merged["superseded_rows"]] == [300.0]
+    assert [s["run"] for s in merged["servers"]] == [0, 1]
+    other = write(tmp_path / "c.json", [row("separate", "none", 0, 1, 1.0)], "ccc", model="bench-moe")
+    with pytest.raises(SystemExit, match="model"):
+        spec.merge([a, other], None)
+
+
+def test_merge_from_the_command_line_prints_the_table(tmp_path):
+    a = write(tmp_path / "a.json", [row("separate", "none", 0, 1, 200.0), row("separate", "ngram", 3, 1, 260.0)],
+              "aaa")
+    out = tmp_path / "all.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_spec_gpu.py"), "--merge", a, "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| ngram:3 | 260 (1.30x, AL 2.00) |" in proc.stdout
+    assert json.load(open(out))["rows"][1]["vs_no_sd"] == 1.3
