@@ -255,9 +255,9 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
             step += 1
             if step % 50 == 0 or step == 1:
                 acc = [float(c) / max(1, float(n)) for c, n in stats]
-                history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": float(loss),
+                history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": float(loss.detach()),
                                 "acc": [round(a, 4) for a in acc]})
-                log(f"step {step} epoch {epoch} loss {float(loss):.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
+                log(f"step {step} epoch {epoch} loss {float(loss.detach()):.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
         est_steps = step
     return {"steps": est_steps, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history,
             "held_out_acc": evaluate(head, target, held_seqs, draft_ids, in_draft, args, device)}
@@ -345,7 +345,7 @@ def main() -> None:
     model = args.model or default_model_path()
     report: dict = {"command": " ".join(sys.argv), "target": os.path.basename(model), "args": vars(args)}
     t0 = time.time()
-    llm = LLM(model, device=args.device, max_num_seqs=512, max_model_len=args.max_model_len)
+    llm = LLM(model, device=args.device, max_num_seqs=512, max_model_len=args.max_model_len, kv_cache_memory_gib=24)
     target = llm.engine.worker.model
     train_prompts, held_prompts = read_prompts(args.data, args.held_out_every)
     limit = args.max_model_len - args.max_tokens - 16
@@ -355,7 +355,7 @@ def main() -> None:
     t1 = time.time()
     train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed)
     held_seqs = generate(llm, held_ids, 2, args.max_tokens, args.seed + 1)
-    baseline = [s[n:] for s, n in held_seqs[:len(held_ids)]]  # the greedy responses, without speculation
+    baseline = [s[n:n + args.eval_tokens] for s, n in held_seqs[:len(held_ids)]]  # greedy, without speculation
     gen_tokens = sum(len(s) - n for s, n in train_seqs)
     log(f"generated {len(train_seqs)} training responses ({gen_tokens} tokens) in {time.time() - t1:.1f} s")
     draft_ids = draft_vocabulary(train_seqs, args.draft_vocab, target.cfg.vocab_size).to(device)

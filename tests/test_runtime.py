@@ -371,21 +371,21 @@ def test_drafts_do_not_depend_on_the_batch(spec):
     assert batched == alone
 
 
-def _one_step_at_a_time(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+def _one_step_at_a_time(self, step, plan, dev, inputs, features, tokens, accepted, first_pos, state) -> None:
     """EagleDrafter.propose as plainly as it can be written: each one-token step's inputs built on its own, the
     proposals taken from the head's logits outside the graph."""
     k, m, slots_s = step.num_new_drafts, plan.num_sampling, dev.sampling_slots
     last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
-    feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state), hidden)
+    feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state), features)
     feature = feature[last_row]
-    drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
-    drafts[:, 0] = self.head.compute_logits(feature).argmax(dim=-1)
-    for j in range(1, k):
-        rt, pos = self.runtimes[1], last_pos + j
+    drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
+    drafts[:, 0] = self.head.propose(feature)[0]
+    for j in range(1, k):  # draft j reads draft j - 1 at the head position of its feature, last_pos + j - 1
+        rt, pos = self.runtimes[1], last_pos + j - 1
         inputs_j = rt.inputs(drafts[:, j - 1], pos, slots_s, torch.arange(m + 1, device=pos.device), pos + 1,
-                             slots_s, 1, plan.max_seq_len + j + 1)
+                             slots_s, 1, plan.max_seq_len + j)
         feature = rt.execute(step.draft_next, inputs_j, feature).clone()
-        drafts[:, j] = self.head.compute_logits(feature).argmax(dim=-1)
+        drafts[:, j] = self.head.propose(feature)[0]
     state.drafts[slots_s, :k] = drafts
 
 

@@ -4,7 +4,7 @@ confidences) into the request state, with no host round trip between them.
 - n-gram prompt lookup (ngram): no model; a batched search of each request's token history on the device
   (``models.drafters.propose_ngram``), right after the step's new tokens are stored.
 
-- EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows one position on (each row reads the
+- EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows at their positions (each row reads the
   token after it and the target's feature at it: its final hidden state, or for an EAGLE-3 head its residual stream
   at three layer boundaries, ``GraphRuntime.features``); the row of each request's last new token proposes draft 1. Steps
   1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
@@ -56,14 +56,15 @@ class EagleDrafter(_Drafter):
         if k > 1:
             # every one-token step's positions and KV slots at once; each step then only stacks its column
             rt, one = self.runtimes[1], torch.arange(m + 1, device=features.device)
-            pos = (last_pos[:, None] + torch.arange(1, k, device=features.device)[None, :]).t()  # (k - 1, m)
+            # draft j reads draft j - 1 at the head position of its feature: last_pos - 1 + j (see _step0_inputs)
+            pos = (last_pos[:, None] + torch.arange(k - 1, device=features.device)[None, :]).t()  # (k - 1, m)
             kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
             for j in range(1, k):
                 if j >= 2 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
                     rt.execute_next(step.draft_next, m)
                 else:
                     tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
-                    inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j + 1)
+                    inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j)
                     # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
                     feature = rt.execute(step.draft_next, inputs_j, feature)
                 drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
@@ -71,15 +72,17 @@ class EagleDrafter(_Drafter):
         state.draft_conf[slots_s, :k] = conf
 
     def _step0_inputs(self, plan, dev, inputs, tokens, state):
-        """The target's rows one position on: each row reads the token after it (a sampling request's verify rows
-        the tokens the step produced there; a request mid-prefill its next prompt token)."""
+        """The target's rows, each reading the token after it (a sampling request's verify rows the tokens the step
+        produced there; a request mid-prefill its next prompt token) at the row's own position: the head's KV entry
+        at position p holds (token p + 1, the target's feature at p), so that every position 0..p a head query
+        attends to is written (SpecForge trains it so: index i pairs token i + 1 with feature i)."""
         ids, positions, _, rows = inputs.tokens
         ids_d = torch.roll(ids, -1)
         ends = dev.last_rows[dev.prefill_rows]
         ids_d[ends] = state.token_ids[dev.slots[dev.prefill_rows], positions[ends] + 1]
         ids_d[dev.logit_rows] = tokens.flatten()[dev.verify_cells]
-        return self.runtimes[0].inputs(ids_d, positions + 1, rows, inputs.query_start, inputs.seq_lens + 1,
-                                       inputs.req_rows, inputs.max_query_len, inputs.max_seq_len + 1)
+        return self.runtimes[0].inputs(ids_d, positions, rows, inputs.query_start, inputs.seq_lens,
+                                       inputs.req_rows, inputs.max_query_len, inputs.max_seq_len)
 
 
 class BlockDrafter(_Drafter):
