@@ -7,8 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.plan.config import ConfigError, resolve
-from dispatcher.plan.dispatch import ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatchers_for_plan
+from types import SimpleNamespace
+
+import numpy as np
+
+from dispatcher.plan.dispatch import (ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatch_step,
+                                      dispatchers_for_plan)
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan
+from scheduler.scheduler import BatchShape
 
 METHODS = ["eagle", "eagle3", "mtp", "mtp_multi", "dspark", "dflash", "ngram", "draft_model"]
 MODES = ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL", "NONE"]
@@ -16,14 +22,14 @@ sorted_sizes = lambda hi: st.lists(st.integers(1, hi), min_size=0, max_size=12) 
 
 
 @st.composite
-def configs(draw):
+def configs(draw, methods=METHODS, ks=(0, 1, 2, 3, 5, 7, 15)):
     platform = draw(st.sampled_from(["sm100", "default"]))
     max_num_seqs = draw(st.sampled_from([1, 3, 8, 50, 72, 128, 256, 300, 512, 1024]))
     max_num_batched_tokens = draw(st.sampled_from([t for t in (64, 512, 2048, 4000, 8192, 16384) if t >= max_num_seqs]))
-    k = draw(st.sampled_from([0, 1, 2, 3, 5, 7, 15]))
+    k = draw(st.sampled_from(ks))
     spec = None
     if k:
-        spec = {"method": draw(st.sampled_from(METHODS)), "num_speculative_tokens": k}
+        spec = {"method": draw(st.sampled_from(methods)), "num_speculative_tokens": k}
         if spec["method"] == "draft_model":
             spec["model"] = "tiny-dense"
         if k >= 2 and draw(st.booleans()):
@@ -187,6 +193,57 @@ def test_each_tier_is_covered_by_its_own_q(cfg):
             if any(s >= n for s in possible):
                 desc = d.dispatch(n * q, n, q, True)
                 assert desc.mode == "FULL" and desc.q == q, (tier, n)
+
+
+def expected_graph(sets, mode_full, num_tokens, num_reqs, q, limit):
+    """The graph key a drafter's forward of this shape must replay (None: eager): the smallest FULL decode size at
+    q (a uniform decode, q given), else the smallest token-keyed size."""
+    if q is not None:
+        full = smallest_at_least(sets.get((FULL_DECODE, q), ()), num_reqs)
+        if full is not None:
+            return (FULL_DECODE, q, full)
+    kind, padded = expected_by_tokens(sets, mode_full, num_tokens, limit)
+    return None if padded is None else (kind, None, padded)
+
+
+@SETTINGS
+@given(cfg=configs(methods=["draft_model"], ks=(1, 2, 3, 5, 7, 15)), data=st.data())
+def test_draft_model_forwards_get_graphs_where_a_size_is_captured(cfg, data):
+    """A draft-model step's two forwards (the catch-up over the target's rows, the one-token steps over its sampling
+    requests) replay the smallest captured graph covering them, of the drafter's own runners; eager only where no
+    size covers."""
+    plan = build_plan(cfg)
+    ds = dispatchers_for_plan(plan)
+    assert set(ds) == {"target", "draft_model", "draft_model_next_steps"}
+    tier = data.draw(st.sampled_from(cfg.tiers))
+    q = 1 + tier.num_speculative_tokens
+    top = min(cfg.max_num_seqs, tier.max_batch, cfg.max_num_batched_tokens // q)
+    if top < tier.min_batch or not tier.num_speculative_tokens:
+        return
+    n = data.draw(st.integers(tier.min_batch, top))
+    if data.draw(st.booleans()):  # a uniform decode: every request verifies K drafts
+        shape, step_q = BatchShape(n * q, n, q, True), q
+    else:  # mixed: one request prefills a chunk
+        chunk = data.draw(st.integers(2, max(2, cfg.max_num_batched_tokens - (n - 1) * q)))
+        if (n - 1) * q + chunk > cfg.max_num_batched_tokens:
+            return
+        shape, step_q = BatchShape((n - 1) * q + chunk, n, max(chunk, q), False), None
+    n_s = data.draw(st.integers(1, n))
+    out = SimpleNamespace(shape=shape, num_new_drafts=tier.num_speculative_tokens,
+                          samples=np.r_[np.ones(n_s, bool), np.zeros(n - n_s, bool)])
+    descs = dispatch_step(ds, "draft_model", out)
+    mode_full = cfg.cudagraph_mode.value == "FULL"
+    widest = ds["draft_model"].max_num_batched_tokens
+    want = expected_graph(sets_of(plan, "draft_model"), mode_full, shape.num_tokens, n, step_q, widest)
+    assert descs.draft.graph == want and (descs.draft.mode == "NONE") == (want is None)
+    if want is not None:
+        assert descs.draft.num_tokens >= shape.num_tokens
+    want = expected_graph(sets_of(plan, "draft_model_next_steps"), mode_full, n_s, n_s, 1, widest)
+    assert descs.draft_next.graph == want and (descs.draft_next.mode == "NONE") == (want is None)
+    if want is not None and want[0] == FULL_DECODE:
+        assert descs.draft_next.mode == "FULL" and descs.draft_next.q == 1 and descs.draft_next.num_reqs >= n_s
+    if descs.target.graph is not None and descs.target.graph[0] == FULL_DECODE:
+        assert descs.draft.graph == descs.target.graph  # the catch-up mirrors the target's decode graphs
 
 
 @SETTINGS

@@ -290,24 +290,84 @@ def test_logprobs_of_each_new_token_and_the_top_n():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _draft_modes(e: EngineCore) -> dict:
+    """Counts, over a run, of each draft-model forward's mode: the catch-up ("draft", by mode), the one-token steps
+    ("next", by mode) and which of those were bare replays (``execute_next``)."""
+    from collections import Counter
+
+    seen = {"draft": Counter(), "next": Counter(), "replays": 0}
+    catch_up, one_token = e.worker.draft_runtimes
+    assert (catch_up.runner, one_token.runner) == ("draft_model", "draft_model_next_steps")
+    assert one_token.bufs.proposals is not None and catch_up.bufs.proposals is None
+    for rt, key in ((catch_up, "draft"), (one_token, "next")):
+        def execute(desc, *args, _run=rt.execute, _key=key):
+            seen[_key][desc.mode] += 1
+            return _run(desc, *args)
+        rt.execute = execute
+    run_next = one_token.execute_next
+
+    def execute_next(desc, num_real):
+        seen["replays"] += 1
+        return run_next(desc, num_real)
+    one_token.execute_next = execute_next
+    return seen
+
+
 def test_a_draft_model_keeps_the_targets_greedy_output_and_a_twin_is_always_accepted(tmp_path):
+    """Greedy output with a draft LM equals greedy output without speculation: on its graphs (the catch-up forward
+    over the target's rows PIECEWISE or FULL decode, its K one-token steps FULL q = 1 with in-graph proposals) and in
+    mode NONE; for the target's twin (always accepted), a preset of another shape and another seed's weights."""
     from models.loader import save_checkpoint
     from models.transformer import build_model
 
     p = prompts(6, 21)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     alone = engine(None).generate(p, params)
+    assert engine(None, cc_none=True).generate(p, params) == alone
     twin = engine({"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3})  # same weights
+    modes = _draft_modes(twin)
     assert twin.generate(p, params) == alone
     stats = twin.scheduler.stats
     assert stats.drafts_verified > 0 and stats.drafts_accepted >= 0.9 * stats.drafts_verified
+    assert modes["draft"]["FULL"] and modes["draft"]["PIECEWISE"] and not modes["draft"]["NONE"]
+    assert modes["next"] == {"FULL": modes["next"]["FULL"]} and modes["replays"] == 2 * modes["next"]["FULL"]
     save_checkpoint(build_model(preset("tiny-dense"), "cpu", torch.float32, seed=9), str(tmp_path), "llama")
     other = engine({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     assert other.generate(p, params) == alone  # another model's drafts: other acceptance, the same tokens
     assert other.scheduler.stats.drafts_accepted < other.scheduler.stats.drafts_verified
+    for cc_none in (False, True):
+        moe = engine({"method": "draft_model", "model": "tiny-moe", "num_speculative_tokens": 4}, cc_none=cc_none)
+        modes = _draft_modes(moe)
+        assert moe.generate(p, params) == alone  # a preset draft of another shape for a preset target
+        assert moe.scheduler.stats.drafts_accepted < moe.scheduler.stats.drafts_verified
+        if cc_none:
+            assert set(modes["draft"]) == set(modes["next"]) == {"NONE"} and not modes["replays"]
+        else:
+            assert modes["replays"] == 3 * modes["next"]["FULL"] > 0
     eager = engine({"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3},
                    cc_none=True, async_scheduling=False)
     assert eager.generate(p, params) == alone
+
+
+def test_draft_model_tiers_and_piecewise_one_token_steps_keep_greedy_output():
+    """Dynamic tiers (K = 3 up to 3 requests, 1 above: a tier drafting once still runs a one-token step) and mode
+    PIECEWISE (one-token steps on the prefill grid, no replay advancing its inputs)."""
+    p = prompts(8, 23)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = engine(None).generate(p, params)
+    tiers = {"method": "draft_model", "model": "tiny-moe", "num_speculative_tokens": 3,
+             "num_speculative_tokens_per_batch_size": [[1, 3], [4, 1]]}
+    e = engine(tiers)
+    modes = _draft_modes(e)
+    assert e.generate(p, params) == alone
+    assert modes["next"]["FULL"] and not modes["next"]["NONE"]
+    cfg = resolve({"cudagraph_mode": "PIECEWISE"}, {"method": "draft_model", "model": "tiny-moe",
+                                                    "num_speculative_tokens": 3},
+                  platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    pw = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=400, block_size=8, max_model_len=128))
+    modes = _draft_modes(pw)
+    assert pw.generate(p, params) == alone
+    assert set(modes["draft"]) == set(modes["next"]) == {"PIECEWISE"} and not modes["replays"]
 
 
 def test_draft_model_errors_are_clear(tmp_path):

@@ -1,7 +1,8 @@
 """Capture plans per runner and speculative method (SPEC section 4)."""
 
 from dispatcher.plan.config import resolve
-from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, baseline_plan, build_plan
+from dispatcher.plan.capture_plan import (FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, baseline_plan, build_plan,
+                                          model_runners)
 
 SM100 = dict(platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
 
@@ -35,10 +36,63 @@ def test_block_drafters_use_their_own_q_within_budget():
     assert multi[("mtp_multi", FULL_DECODE, 4)] == multi[("target", FULL_DECODE, 4)] == (64, 1024)
 
 
-def test_ngram_and_draft_model_drafters_run_eagerly():
-    for spec in ({"method": "ngram"}, {"method": "draft_model", "model": "tiny-dense"}):
-        plan = build_plan(resolve({}, {**spec, "num_speculative_tokens": 3}, **SM100))
-        assert plan.runners == ("target",)  # no graphs but the target's
+def test_ngram_runs_no_model_and_gets_no_graphs():
+    cfg = resolve({}, {"method": "ngram", "num_speculative_tokens": 3}, **SM100)
+    assert build_plan(cfg).runners == model_runners(cfg) == ("target",)
+
+
+DRAFT_MODEL_SPEC = {"method": "draft_model", "model": "tiny-dense"}
+
+
+def test_draft_model_mirrors_the_target_then_runs_k_one_token_steps():
+    """The draft LM's forward over the target's rows gets the target's own sets; its K one-token steps get EAGLE's
+    later-step set (FULL q = 1 over the request grid), already at K = 1 (it proposes nothing in step 0)."""
+    cfg = resolve({}, {**DRAFT_MODEL_SPEC, "num_speculative_tokens": 3}, **SM100)
+    plan = build_plan(cfg)
+    assert model_runners(cfg) == plan.runners == ("target", "draft_model", "draft_model_next_steps")
+    assert summary(plan) == {
+        ("target", PIECEWISE, None): (39, 8192),
+        ("target", FULL_DECODE, 4): (64, 1024),
+        ("draft_model", PIECEWISE, None): (39, 8192),
+        ("draft_model", FULL_DECODE, 4): (64, 1024),
+        ("draft_model_next_steps", FULL_DECODE, 1): (64, 1024),
+    }
+    eagle = build_plan(resolve({}, {"method": "eagle3", "num_speculative_tokens": 3}, **SM100))
+    renamed = lambda p, m: {(g.runner.replace(m, "drafter"), g.kind, g.q): g.sizes for g in p.graph_sets}  # noqa: E731
+    assert renamed(plan, "draft_model") == renamed(eagle, "eagle3")
+    k1 = build_plan(resolve({}, {**DRAFT_MODEL_SPEC, "num_speculative_tokens": 1}, **SM100))
+    assert summary(k1)[("draft_model_next_steps", FULL_DECODE, 1)] == (64, 1024)
+
+
+def test_draft_model_one_token_steps_serve_every_drafting_tier():
+    spec = {**DRAFT_MODEL_SPEC, "num_speculative_tokens": 7,
+            "num_speculative_tokens_per_batch_size": [[1, 7], [65, 3], [257, 1]]}
+    plan = build_plan(resolve({}, spec, **SM100))
+    dec = {g.q: g.sizes for g in plan.for_runner("draft_model") if g.kind == FULL_DECODE}
+    assert dec == {g.q: g.sizes for g in plan.for_runner("target") if g.kind == FULL_DECODE}
+    nxt = plan.for_runner("draft_model_next_steps")
+    assert [(g.kind, g.q, g.largest) for g in nxt] == [(FULL_DECODE, 1, 1024)]  # the K = 1 tier drafts once too
+
+
+def test_draft_model_graphs_follow_the_mode_and_the_lists():
+    spec = {**DRAFT_MODEL_SPEC, "num_speculative_tokens": 3}
+    pw = summary(build_plan(resolve({"cudagraph_mode": "PIECEWISE"}, spec, **SM100)))
+    assert pw[("draft_model", PIECEWISE, None)] == (39, 8192)
+    assert pw[("draft_model_next_steps", PIECEWISE, None)] == (12, 1024)  # the prefill grid through max_num_seqs
+    full = summary(build_plan(resolve({"cudagraph_mode": "FULL"}, spec, **SM100)))
+    assert {k for _, k, _ in full} == {FULL} and full[("draft_model", FULL, None)] == (39, 8192)
+    assert build_plan(resolve({"cudagraph_mode": "NONE"}, spec, **SM100)).graph_sets == ()
+    off = summary(build_plan(resolve({"decode_cudagraph_capture_request_sizes": []}, spec, **SM100)))
+    assert off[("draft_model", FULL_DECODE, 4)] == off[("draft_model_next_steps", FULL_DECODE, 1)] == (0, 0)
+
+
+def test_draft_model_baseline_is_the_shared_list_for_each_runner():
+    cfg = resolve({}, {**DRAFT_MODEL_SPEC, "num_speculative_tokens": 7}, **SM100)
+    main = summary(baseline_plan(cfg))
+    assert main[("draft_model", PIECEWISE, None)] == main[("target", PIECEWISE, None)] == (83, 1024)
+    assert main[("draft_model", FULL_DECODE, 8)] == main[("target", FULL_DECODE, 8)] == (80, 128)
+    assert main[("draft_model_next_steps", FULL_DECODE, 1)] == (83, 1024)
+    assert {r for r, _, _ in main} == set(build_plan(cfg).runners)
 
 
 def test_dynamic_tiers_hold_only_reachable_sizes():

@@ -271,6 +271,7 @@ DRAFTER_SPECS = [
     {"method": "dflash", "num_speculative_tokens": 3},
     {"method": "dspark", "num_speculative_tokens": 4},
     {"method": "mtp_multi", "num_speculative_tokens": 2},
+    {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3},
 ]
 
 
@@ -287,12 +288,14 @@ def test_model_drafters_keep_greedy_output_on_cpu(spec, tmp_path):
                                max_num_batched_tokens=256), args)
     assert engine.generate(prompts, params) == eager.generate(prompts, params)
     assert engine.scheduler.stats.drafts_verified > 0
-    one_token_steps = spec["method"] in ("eagle", "eagle3", "mtp") and spec["num_speculative_tokens"] >= 2
+    one_token_steps = (spec["method"] in ("eagle", "eagle3", "mtp") and spec["num_speculative_tokens"] >= 2
+                       or spec["method"] == "draft_model")
     assert len(engine.worker.draft_runtimes) == (2 if one_token_steps else 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[1], DRAFTER_SPECS[4]], ids=["eagle3", "eagle3-av", "dflash"])
+@pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[1], DRAFTER_SPECS[4], DRAFTER_SPECS[7]],
+                         ids=["eagle3", "eagle3-av", "dflash", "draft_model"])
 def test_model_drafters_through_graphs_on_gpu(spec):
     """With drafter graphs captured, generation equals the padded static path token for token."""
     prompts = random_prompts(50, 2, vocab=preset("tiny-moe").vocab_size)
@@ -344,7 +347,8 @@ def _record_drafts(engine, log):
     engine.update = wrapped
 
 
-@pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[4]], ids=["eagle3", "dflash"])
+@pytest.mark.parametrize("spec", [DRAFTER_SPECS[0], DRAFTER_SPECS[4], {**DRAFTER_SPECS[7], "model": "tiny-moe"}],
+                         ids=["eagle3", "dflash", "draft_model"])
 def test_drafts_do_not_depend_on_the_batch(spec):
     """A request's drafts depend on its own tokens only: proposals made with 8 requests batched (padded graphs,
     mixed prefill and decode steps) equal those made for each request alone. Catches KV rows, positions or
@@ -418,6 +422,57 @@ def test_eagle_drafts_equal_one_step_at_a_time(monkeypatch, device):
         assert batched == plain
     else:  # bf16 logits of padded graph rows against unpadded eager rows may break a near-tie differently (and
         # an acceptance it changes moves the later proposals' positions)
+        common = batched.keys() & plain.keys()
+        same = sum(a == b for key in common for a, b in zip(batched[key], plain[key]))
+        assert len(common) >= 0.9 * len(batched) and same >= 0.95 * sum(len(batched[key]) for key in common)
+
+
+def _draft_model_one_step_at_a_time(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos,
+                                    state) -> None:
+    """DraftModelDrafter.propose as plainly as it can be written: each one-token step's inputs built on its own (no
+    bare replays), the proposals taken from the draft LM's logits outside the graph."""
+    k, m, slots_s = step.num_new_drafts, plan.num_sampling, dev.sampling_slots
+    t, rt = inputs.tokens, self.runtimes[0]
+    rt.execute(step.draft, rt.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
+                                     inputs.max_query_len, inputs.max_seq_len))
+    _, token, last_pos = self._last(dev, tokens, accepted, first_pos)
+    drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+    for j in range(k):  # draft j + 1 reads draft j (the last new token first) at last_pos + j
+        one, pos = self.runtimes[1], last_pos + j
+        out = one.execute(step.draft_next, one.inputs(token, pos, slots_s, torch.arange(m + 1, device=pos.device),
+                                                      pos + 1, slots_s, 1, plan.max_seq_len + j + 1))
+        drafts[:, j] = token = self.head.propose(out)[0]
+    state.drafts[slots_s, :k] = drafts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_draft_model_drafts_equal_one_step_at_a_time(monkeypatch, device):
+    """The draft model's loop (every one-token step's positions and KV slots at once, its steps 2..K that rewrite
+    only what moves, in-graph proposals) gives the drafts of the plainest loop; its draft LM (tiny-moe for a
+    tiny-dense target) is not the target, so its drafts differ from the tokens and show a wrong slot or position."""
+    from dispatcher.runtime.drafting import DraftModelDrafter
+
+    prompts = random_prompts(6, 4, vocab=300)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def drafts_of_run():
+        cfg = resolve({}, {"method": "draft_model", "model": "tiny-moe", "num_speculative_tokens": 4},
+                      platform="sm100", max_num_seqs=16, max_num_batched_tokens=64)
+        e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=300, block_size=BLOCK,
+                                       max_model_len=128, async_scheduling=False))
+        log = {}
+        _record_drafts(e, log)
+        e.generate(prompts, params)
+        return log, e.scheduler.stats
+
+    batched, stats = drafts_of_run()
+    assert stats.drafts_accepted < stats.drafts_verified
+    monkeypatch.setattr(DraftModelDrafter, "propose", _draft_model_one_step_at_a_time)
+    plain, _ = drafts_of_run()
+    assert len(batched) > 6 * 3
+    if device == "cpu":
+        assert batched == plain
+    else:  # bf16 near-ties, as for EAGLE above
         common = batched.keys() & plain.keys()
         same = sum(a == b for key in common for a, b in zip(batched[key], plain[key]))
         assert len(common) >= 0.9 * len(batched) and same >= 0.95 * sum(len(batched[key]) for key in common)

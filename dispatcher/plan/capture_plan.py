@@ -93,10 +93,13 @@ def coverage(sizes: tuple[int, ...], serves: tuple[tuple[int, int], ...] | None)
 BLOCK_DRAFTERS = ("dspark", "dflash", "mtp_multi")
 """Drafters that propose K tokens in one forward of q rows a request."""
 DRAFT_MODEL = "draft_model"
-"""A second, smaller LM: it reads the target's step (same tokens, same positions) into its own KV cache, then
-proposes K tokens one at a time. Eager (SPEC section 4: no graphs)."""
+"""A second, smaller LM: it reads the target's step (same tokens, same positions) into its own KV cache (graphs
+mirroring the target's: PIECEWISE prefill grid, FULL decode at q = 1 + K), then proposes K tokens one at a time
+(``<method>_next_steps``: FULL q = 1, as an EAGLE-style drafter's later steps)."""
 MODEL_DRAFTERS = EAGLE_LIKE + BLOCK_DRAFTERS + (DRAFT_MODEL,)
 """Drafters that run a model on the worker (their KV writes reach past a step: the scheduler's lookahead)."""
+ONE_TOKEN_DRAFTERS = EAGLE_LIKE + (DRAFT_MODEL,)
+"""Drafters with a forward over the target's rows (step 0), then one-token steps on their own runner."""
 
 
 def block_query_len(method: str, num_speculative_tokens: int) -> int:
@@ -106,8 +109,24 @@ def block_query_len(method: str, num_speculative_tokens: int) -> int:
 
 
 def next_steps_runner(method: str) -> str:
-    """The runner of an EAGLE-style drafter's one-token steps (every row of its forwards proposes a draft)."""
+    """The runner of an EAGLE-style drafter's or a draft model's one-token steps (every row of its forwards proposes
+    a draft)."""
     return f"{method}_next_steps"
+
+
+def one_token_steps(method: str | None, num_speculative_tokens: int) -> int:
+    """One-token draft forwards a step drafting K tokens runs: an EAGLE-style drafter's steps 1..K-1 (its step 0
+    proposes draft 1); a draft model's K (its forward over the target's rows only fills its KV cache)."""
+    if method == DRAFT_MODEL:
+        return num_speculative_tokens
+    if method in EAGLE_LIKE:
+        return max(num_speculative_tokens - 1, 0)
+    return 0
+
+
+def _one_token_tiers(cfg: ResolvedConfig) -> list[Tier]:
+    """The tiers whose steps run one-token draft forwards."""
+    return [t for t in cfg.tiers if one_token_steps(cfg.method, t.num_speculative_tokens) >= 1]
 
 
 def is_next_steps(runner: str) -> bool:
@@ -116,12 +135,12 @@ def is_next_steps(runner: str) -> bool:
 
 def model_runners(cfg: ResolvedConfig) -> tuple[str, ...]:
     """Every model forward a step of this configuration runs, whether or not it has graphs: the target, a model
-    drafter, and an EAGLE-style drafter's one-token steps when some tier drafts 2 or more tokens."""
+    drafter, and its one-token steps (an EAGLE-style drafter's when some tier drafts 2 or more tokens, a draft
+    model's when some tier drafts any)."""
     method = cfg.method
-    if method in EAGLE_LIKE:
-        multi_step = any(t.num_speculative_tokens >= 2 for t in cfg.tiers)
-        return ("target", method) + ((next_steps_runner(method),) if multi_step else ())
-    if method in BLOCK_DRAFTERS or method == DRAFT_MODEL:
+    if method in ONE_TOKEN_DRAFTERS:
+        return ("target", method) + ((next_steps_runner(method),) if _one_token_tiers(cfg) else ())
+    if method in BLOCK_DRAFTERS:
         return ("target", method)
     return ("target",)
 
@@ -186,13 +205,13 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
             sets.append(GraphSet("target", FULL_VARLEN, None, grids.av_grid(cfg.av_cap_tokens()), _av_serves(cfg)))
     # Drafters
     method = cfg.method
-    if method in EAGLE_LIKE:
+    if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target, then one-token steps
         sets += _token_sets(cfg, method)
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, target_q)
-        multi_step = [t for t in cfg.tiers if t.num_speculative_tokens >= 2]
-        if multi_step:
-            sets += _one_token_draft_sets(cfg, next_steps_runner(method), multi_step)
+        one_token = _one_token_tiers(cfg)
+        if one_token:
+            sets += _one_token_draft_sets(cfg, next_steps_runner(method), one_token)
     elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, lambda t: block_query_len(method, t.num_speculative_tokens))
@@ -205,25 +224,26 @@ def _av_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:
     return ((1, min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)),)
 
 
-def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, multi_step: list[Tier]) -> list[GraphSet]:
-    """Draft steps 1..K-1 of a single-module drafter: q = 1 over its own request grid up to max_num_seqs,
-    within the budget, through the widest batch of any tier that drafts 2 or more tokens; ``[]`` for the
-    decode list disables them. In the prefill-grid modes they use the prefill grid up to its first size covering
-    max_num_seqs (a one-token step has a row a request; these graphs also hold the drafter's logits)."""
+def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, one_token: list[Tier]) -> list[GraphSet]:
+    """One-token draft steps (a single-module drafter's steps 1..K-1, a draft model's K steps): q = 1 over its own
+    request grid up to max_num_seqs, within the budget, through the widest batch of any tier in ``one_token`` (the
+    tiers that run them); ``[]`` for the decode list disables them. In the prefill-grid modes they use the prefill
+    grid up to its first size covering max_num_seqs (a one-token step has a row a request; these graphs also hold
+    the drafter's logits)."""
     mode = cfg.cudagraph_mode
     if not mode.has_full_decode:
         return _token_sets(cfg, runner, grids.up_to_first_covering(cfg.prefill_token_sizes, cfg.max_num_seqs))
-    serves = _next_steps_serves(cfg)
+    serves = _next_steps_serves(cfg, one_token)
     if cfg.decode_request_sizes == () or cfg.decode_token_sizes == ():
         return [GraphSet(runner, FULL_DECODE, 1, (), serves)]
     own = tuple(n for n in grids.decode_grid(cfg.max_num_seqs) if n <= cfg.decode_token_limit())
     return [GraphSet(runner, FULL_DECODE, 1, grids.up_to_first_covering(own, serves[-1][1]), serves)]
 
 
-def _next_steps_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:
-    """One-token draft steps run for the tiers drafting 2 or more tokens."""
+def _next_steps_serves(cfg: ResolvedConfig, one_token: list[Tier]) -> tuple[tuple[int, int], ...]:
+    """One-token draft steps run for the tiers in ``one_token`` (``_one_token_tiers``)."""
     top = cfg.max_num_batched_tokens
-    return tuple((t.min_batch, min(t.max_batch, top)) for t in cfg.tiers if t.num_speculative_tokens >= 2)
+    return tuple((t.min_batch, min(t.max_batch, top)) for t in one_token)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,15 +292,16 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
             cap = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)
             sets.append(GraphSet("target", FULL_VARLEN, None, tuple(t for t in tokens if t <= cap), _av_serves(cfg)))
     method = cfg.method
-    if method in EAGLE_LIKE:
+    if method in ONE_TOKEN_DRAFTERS:
         sets += token_sets(method)
         if mode.has_full_decode:
             sets += decode_sets(method, target_q)
-        if any(t.num_speculative_tokens >= 2 for t in cfg.tiers):
+        one_token = _one_token_tiers(cfg)
+        if one_token:
             runner = next_steps_runner(method)
             if mode.has_full_decode:
                 one = tuple(t for t in tokens if t <= cfg.max_num_seqs)
-                sets.append(GraphSet(runner, FULL_DECODE, 1, one, _next_steps_serves(cfg)))
+                sets.append(GraphSet(runner, FULL_DECODE, 1, one, _next_steps_serves(cfg, one_token)))
             else:
                 sets += token_sets(runner)
     elif method in BLOCK_DRAFTERS:

@@ -21,9 +21,9 @@ from typing import Iterable, NamedTuple
 
 from dataclasses import dataclass
 
-from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS,
+from dispatcher.plan.capture_plan import (FULL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, ONE_TOKEN_DRAFTERS,
                                           PIECEWISE, GraphSet, block_query_len, model_runners,
-                                          next_steps_runner)
+                                          next_steps_runner, one_token_steps)
 
 # Modes a step runs in.
 MODE_FULL = "FULL"
@@ -245,9 +245,10 @@ class StepDescriptors:
 
     target: BatchDescriptor
     draft: BatchDescriptor | None = None
-    """EAGLE step 0 (the target step's shape) or the block drafter's forward (n * q tokens)."""
+    """EAGLE or draft-model step 0 (the target step's shape) or the block drafter's forward (n * q tokens)."""
     draft_next: BatchDescriptor | None = None
-    """EAGLE steps 1..K-1 (one token a request); None below K = 2."""
+    """The one-token steps (one token a request): EAGLE's steps 1..K-1 (None below K = 2), a draft model's K
+    steps."""
 
     def drafts(self) -> tuple[BatchDescriptor, ...]:
         return tuple(d for d in (self.draft, self.draft_next) if d is not None)
@@ -262,13 +263,9 @@ def dispatch_step(dispatchers: dict[str, Dispatcher], method: str | None, out) -
     n_s = int(out.samples.sum())
     if method not in MODEL_DRAFTERS or not k or not n_s:
         return StepDescriptors(target)
-    if method == DRAFT_MODEL:  # the target's step, then one token a request, K times
-        d = dispatchers[method]
-        return StepDescriptors(target, d.dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode),
-                               d.dispatch(n_s, n_s, 1, True))
-    if method in EAGLE_LIKE:
+    if method in ONE_TOKEN_DRAFTERS:  # the target step's shape, then one token a request (one_token_steps times)
         draft = dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
-        nxt = dispatchers[next_steps_runner(method)].dispatch(n_s, n_s, 1, True) if k >= 2 else None
+        nxt = dispatchers[next_steps_runner(method)].dispatch(n_s, n_s, 1, True) if one_token_steps(method, k) else None
         return StepDescriptors(target, draft, nxt)
     q = block_query_len(method, k)
     return StepDescriptors(target, dispatchers[method].dispatch(n_s * q, n_s, q, True))

@@ -11,7 +11,8 @@ confidences) into the request state, with no host round trip between them.
 - Block (dspark, dflash, mtp_multi): one forward of q rows a request, its last new token then mask tokens, every row
   reading the target's feature at the last new token; row i proposes draft i + 1.
 - A draft model (draft_model): the target's rows as they are (same tokens, same positions) into its own KV cache,
-  then K one-token steps from the last new token, each reading the draft before it.
+  on graphs mirroring the target's, then K one-token steps from the last new token, each reading the draft before it
+  (FULL q = 1 graphs that propose inside them, as EAGLE's steps 1..K-1).
 """
 
 from __future__ import annotations
@@ -108,22 +109,32 @@ class BlockDrafter(_Drafter):
 
 class DraftModelDrafter(_Drafter):
     def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
+        """The target's rows into the draft LM's KV cache (its step-0 runner, the target step's shape), then K one-token
+        steps on its ``draft_model_next_steps`` runner: draft j reads draft j - 1 (draft 0 the last new token) at
+        last_pos + j, proposed inside the graph (``GraphRuntime(proposes=True)``); after the first, a FULL graph
+        has advanced its own inputs (``execute_next``)."""
         k, m = step.num_new_drafts, plan.num_sampling
         slots_s = dev.sampling_slots
-        rt = self.runtimes[0]
         t = inputs.tokens
-        rt.execute(step.draft, rt.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
-                                         inputs.max_query_len, inputs.max_seq_len))  # catch up: its own KV
+        catch_up = self.runtimes[0]
+        catch_up.execute(step.draft, catch_up.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens,
+                                                     inputs.req_rows, inputs.max_query_len, inputs.max_seq_len))
         _, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
         drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
-        one = torch.arange(m + 1, device=hidden.device)
+        # every one-token step's positions and KV slots at once; each step then only stacks its column
+        rt, one = self.runtimes[1], torch.arange(m + 1, device=hidden.device)
+        pos = (last_pos[:, None] + torch.arange(k, device=hidden.device)[None, :]).t()  # (k, m)
+        kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
         token = last_tok
         for j in range(k):
-            pos = last_pos + j
-            out = rt.execute(step.draft_next, rt.inputs(token, pos, slots_s, one, pos + 1, slots_s, 1,
-                                                        plan.max_seq_len + j + 1))
-            drafts[:, j], conf[:, j] = self._propose(out)
+            if j >= 1 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
+                rt.execute_next(step.draft_next, m)
+            else:
+                inputs_j = StepInputs(torch.stack([token, pos[j], kv_slots[j], slots_s]), one, seq_lens[j], slots_s, 1,
+                                      plan.max_seq_len + j + 1)
+                rt.execute(step.draft_next, inputs_j)
+            drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
             token = drafts[:, j]
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
