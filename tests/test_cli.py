@@ -26,6 +26,17 @@ def test_plan_table(capsys):
     assert "total: 238 graphs" in out
 
 
+def test_plan_table_of_a_draft_model(capsys):
+    spec = '{"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}'
+    assert main(["plan", *SM100, "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    lines = {tuple(line.split()[:6]) for line in out.splitlines()}
+    assert ("draft_model", "piecewise", "tokens", "-", "39", "8192") in lines
+    assert ("draft_model", "full_decode", "requests", "4", "64", "1024") in lines
+    assert ("draft_model_next_steps", "full_decode", "requests", "1", "64", "1024") in lines
+    assert "total: 270 graphs" in out
+
+
 def test_plan_json_is_the_spec_schema():
     rc, out, _ = run("plan", *SM100, "--json")
     assert rc == 0
@@ -94,6 +105,11 @@ def test_matrix_sweeps_the_issue_grid(capsys):
     assert rows[("target", "full_decode")]["loses coverage"] == 0
     assert rows[("target", "full_decode")]["graph_delta"] < 0
     assert result["seconds"] < 10
+    assert main(["plan", "--matrix", "--json", "--methods", "draft_model"]) == 0  # (its "model" filled in)
+    result = json.loads(capsys.readouterr().out)
+    assert result["configs"] == 1680 and result["invalid_configs"] == 0
+    rows = {(r["runner"], r["kind"]): r for r in result["summary"]}
+    assert rows[("drafter_next_steps", "full_decode")]["sets"] and not any(r["loses coverage"] for r in rows.values())
 
 
 def test_plan_does_not_import_torch():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dispatcher.plan.config import ConfigError, resolve
-from dispatcher.plan.capture_plan import CapturePlan, GraphSet, baseline_plan, build_plan, coverage
+from dispatcher.plan.capture_plan import DRAFT_MODEL, CapturePlan, GraphSet, baseline_plan, build_plan, coverage
 
 IDENTICAL, GAINS, LOSES, REGRID = "identical", "gains coverage", "loses coverage", "same reach, other sizes"
 STATUSES = (IDENTICAL, GAINS, LOSES, REGRID)
@@ -98,6 +98,8 @@ MATRIX_SIZING: dict[str, dict[str, Any]] = {
     "legacy max 8192": {"max_cudagraph_capture_size": 8192},
     "legacy pow2 list": {"cudagraph_capture_sizes": [1 << i for i in range(10)]},
 }
+MATRIX_DRAFT_MODEL = "tiny-dense"
+"""The draft LM named for method draft_model (required there; plans do not depend on which LM it is)."""
 
 
 def _tiers(k: int) -> list[list[int]] | None:
@@ -118,6 +120,8 @@ def matrix_configs(methods: tuple[str, ...] = ("eagle3",)) -> Iterator[dict[str,
             spec = None
             if k:
                 spec = {"method": method, "num_speculative_tokens": k}
+                if method == DRAFT_MODEL:
+                    spec["model"] = MATRIX_DRAFT_MODEL
                 if tiers != "none":
                     ladder = _tiers(k)
                     if ladder is None:
