@@ -8,7 +8,7 @@ import pytest
 
 from dispatcher.cli import main
 from dispatcher.plan.config import resolve
-from dispatcher.engine.simulate import simulate
+from dispatcher.engine.simulate import drafter_ms, simulate
 from dispatcher.engine.trace import read_trace
 from dispatcher.engine.workload import load_sharegpt, make_prompts
 
@@ -104,3 +104,25 @@ def test_model_drafters_are_charged_and_traced(tmp_path):
     ngram = resolve({}, {"method": "ngram", "num_speculative_tokens": 7}, platform="sm100", max_num_seqs=256,
                     max_num_batched_tokens=4096)
     assert simulate(ngram, prompts, concurrency=32, output_len=32).summary["draft_device_ms"] == 0
+
+
+def test_a_draft_model_runs_on_its_graphs_and_is_charged_its_layers_k_times(tmp_path):
+    """draft_model: the catch-up forward on the target's decode graph, K one-token forwards on its own FULL q = 1
+    graphs (EAGLE runs K - 1), each at the draft LM's layers' share of the cost model's stack (tiny-dense: 2)."""
+    from dispatcher.engine.cost import StepCostModel
+    from dispatcher.plan.dispatch import MODE_FULL, StepDescriptors, UNIFORM_DECODE, BatchDescriptor
+
+    trace = tmp_path / "t.jsonl"
+    spec = {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=256, max_num_batched_tokens=4096)
+    s = simulate(cfg, make_prompts(64, seed=4), concurrency=32, output_len=32, step_trace=str(trace)).summary
+    assert s["draft_device_ms"] > 0
+    decode = [r for r in read_trace(str(trace)) if r["kind"] == "uniform_decode"]
+    assert decode and all([d["graph"][:2] for d in r["draft"]] == [["full_decode", 4], ["full_decode", 1]]
+                          for r in decode)
+    costs = StepCostModel.preset("bench-moe")
+    one = BatchDescriptor(MODE_FULL, UNIFORM_DECODE, 8, 8, 1, ("full_decode", 1, 8))
+    descs = StepDescriptors(one, one, one)
+    layer = costs.step_ms(MODE_FULL, 8) / costs.num_layers
+    assert drafter_ms(costs, descs, 3, "eagle3") == pytest.approx(3 * layer)  # step 0, then 2 one-token steps
+    assert drafter_ms(costs, descs, 3, "draft_model", 2) == pytest.approx(2 * 4 * layer)  # catch-up, then 3

@@ -5,7 +5,7 @@ A deterministic fake model stands in for the GPU: the greedy token at position p
 proposes the right token with probability ``acceptance_rate`` (per draft, given the previous one was right),
 decided by a hash too, and reports a confidence that adaptive verification can use. Step time comes from the
 cost model at the dispatched mode and padded token count: the target forward, plus a model drafter's forwards
-at one decoder layer's share each.
+at one decoder layer's share each (a draft model's at its layers' share).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step, dispatchers_for_plan
-from dispatcher.plan.capture_plan import build_plan
+from dispatcher.plan.capture_plan import DRAFT_MODEL, build_plan, one_token_steps
 from dispatcher.plan.config import ConfigError
 from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec
@@ -89,15 +89,37 @@ class FakeModel:
         return ModelResult(target, accepted.astype(np.int64), conf)
 
 
-def drafter_ms(costs: StepCostModel, descs: StepDescriptors, num_drafts: int) -> float:
-    """A model drafter's share of a step: one decoder layer of the cost model's stack per forward (EAGLE step 0,
-    then K - 1 one-token steps; or one block forward)."""
+def drafter_ms(costs: StepCostModel, descs: StepDescriptors, num_drafts: int, method: str | None,
+               draft_layers: int = 1) -> float:
+    """A model drafter's share of a step: ``draft_layers`` decoder layers of the cost model's stack per forward (a
+    head's one; a draft model's its own count): step 0 (EAGLE, draft model) or one block forward, then the
+    one-token steps (EAGLE's K - 1, a draft model's K: ``one_token_steps``)."""
+    share = min(draft_layers, costs.num_layers) / costs.num_layers
     ms = 0.0
     if descs.draft is not None:
-        ms += costs.step_ms(descs.draft.mode, descs.draft.num_tokens) / costs.num_layers
+        ms += costs.step_ms(descs.draft.mode, descs.draft.num_tokens) * share
     if descs.draft_next is not None:
-        ms += (num_drafts - 1) * costs.step_ms(descs.draft_next.mode, descs.draft_next.num_tokens) / costs.num_layers
+        steps = one_token_steps(method, num_drafts)
+        ms += steps * costs.step_ms(descs.draft_next.mode, descs.draft_next.num_tokens) * share
     return float(ms)
+
+
+def draft_layers(cfg) -> int:
+    """Decoder layers of a drafter's forward: a draft model's own (read from its config, not its weights); 1 for a
+    head."""
+    if cfg.method != DRAFT_MODEL:
+        return 1
+    from models.config import PRESETS
+
+    if cfg.draft_model in PRESETS:  # (no torch import for a preset)
+        return PRESETS[cfg.draft_model].num_layers
+    from models.loader import read_model_config
+
+    try:
+        return read_model_config(cfg.draft_model).num_layers
+    except (OSError, ValueError) as exc:  # (a CheckpointError is a ValueError)
+        raise ConfigError(f"--speculative-config: the draft model {cfg.draft_model!r} (its layer count prices its "
+                          f"forwards): {exc}") from None
 
 
 @dataclass
@@ -119,6 +141,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     plan = build_plan(cfg)
     dispatchers = dispatchers_for_plan(plan)
     costs = StepCostModel.preset(cost_model)
+    layers = draft_layers(cfg)
     max_model_len = max(p.num_tokens for p in prompts) + output_len
     sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
                                  step_ms=lambda t: costs.step_ms(MODE_FULL, t))
@@ -170,7 +193,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             desc = descs.target
             host_ms = (time.perf_counter() - t0) * 1e3
             target_ms = costs.step_ms(desc.mode, desc.num_tokens)
-            draft_ms = drafter_ms(costs, descs, step.num_new_drafts)
+            draft_ms = drafter_ms(costs, descs, step.num_new_drafts, cfg.method, layers)
             device_ms = target_ms + draft_ms
             result = model.run(step)
             clock_ms += device_ms
