@@ -16,25 +16,20 @@ def run(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def test_plan_table(capsys):
-    assert main(["plan", *SM100, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 7}']) == 0
-    out = capsys.readouterr().out
-    lines = {tuple(line.split()[:6]) for line in out.splitlines()}
-    assert ("target", "piecewise", "tokens", "-", "39", "8192") in lines
-    assert ("target", "full_decode", "requests", "8", "48", "512") in lines
-    assert ("eagle3_next_steps", "full_decode", "requests", "1", "64", "1024") in lines
-    assert "total: 238 graphs" in out
-
-
-def test_plan_table_of_a_draft_model(capsys):
-    spec = '{"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}'
+@pytest.mark.parametrize("spec, drafter, q, total", [
+    ('{"method": "eagle3", "num_speculative_tokens": 7}', "eagle3", "8", 238),
+    ('{"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}', "draft_model", "4", 270),
+], ids=["eagle3", "draft_model"])
+def test_plan_table(capsys, spec, drafter, q, total):
     assert main(["plan", *SM100, "--speculative-config", spec]) == 0
     out = capsys.readouterr().out
     lines = {tuple(line.split()[:6]) for line in out.splitlines()}
-    assert ("draft_model", "piecewise", "tokens", "-", "39", "8192") in lines
-    assert ("draft_model", "full_decode", "requests", "4", "64", "1024") in lines
-    assert ("draft_model_next_steps", "full_decode", "requests", "1", "64", "1024") in lines
-    assert "total: 270 graphs" in out
+    reach = {"8": ("48", "512"), "4": ("64", "1024")}[q]
+    for runner in ("target", drafter):
+        assert (runner, "piecewise", "tokens", "-", "39", "8192") in lines
+        assert (runner, "full_decode", "requests", q, *reach) in lines
+    assert (f"{drafter}_next_steps", "full_decode", "requests", "1", "64", "1024") in lines
+    assert f"total: {total} graphs" in out
 
 
 def test_plan_json_is_the_spec_schema():

@@ -3,14 +3,13 @@ graph of the batch's kind, never a FULL graph for a mixed batch, and never a dec
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.plan.config import ConfigError, resolve
-from types import SimpleNamespace
-
-import numpy as np
-
 from dispatcher.plan.dispatch import (ADAPTIVE_VERIFICATION, MIXED, UNIFORM_DECODE, Dispatcher, dispatch_step,
                                       dispatchers_for_plan)
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, build_plan

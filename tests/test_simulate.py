@@ -110,7 +110,7 @@ def test_a_draft_model_runs_on_its_graphs_and_is_charged_its_layers_k_times(tmp_
     """draft_model: the catch-up forward on the target's decode graph, K one-token forwards on its own FULL q = 1
     graphs (EAGLE runs K - 1), each at the draft LM's layers' share of the cost model's stack (tiny-dense: 2)."""
     from dispatcher.engine.cost import StepCostModel
-    from dispatcher.plan.dispatch import MODE_FULL, StepDescriptors, UNIFORM_DECODE, BatchDescriptor
+    from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE, BatchDescriptor, StepDescriptors
 
     trace = tmp_path / "t.jsonl"
     spec = {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}
