@@ -71,14 +71,15 @@ def chat_ids(tokenizer, prompts: list[str], max_len: int) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": p}])[:max_len] for p in prompts]
 
 
-def generate(llm, prompts: list[list[int]], samples: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
+def generate(llm, prompts: list[list[int]], samples: int, max_tokens: int, seed: int,
+             temperatures: tuple[float, ...] = (0.6, 0.8, 1.0)) -> list[tuple[list[int], int]]:
     """(prompt + response token ids, prompt length) for every prompt: one greedy response, then samples - 1 sampled
-    ones; odd samples ignore EOS."""
+    ones (temperatures in turn); odd samples ignore EOS."""
     from scheduler.request import SamplingParams
 
     reqs, params = [], []
     for s in range(samples):
-        temperature = 0.0 if s == 0 else (0.6, 0.8, 1.0)[s % 3]
+        temperature = 0.0 if s == 0 else temperatures[s % len(temperatures)]
         for i, ids in enumerate(prompts):
             reqs.append(ids)
             params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if s else 1.0,
@@ -327,6 +328,7 @@ def main() -> None:
     ap.add_argument("--held-out-every", type=int, default=10)
     ap.add_argument("--samples", type=int, default=24, help="responses per training prompt (the first greedy)")
     ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--temperatures", default="0.6,0.8,1.0", help="of the sampled responses, in turn")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt", type=int, default=7, help="training-time-test steps")
@@ -353,7 +355,8 @@ def main() -> None:
     log(f"target {model} loaded; {len(train_ids)} training and {len(held_ids)} held-out prompts")
 
     t1 = time.time()
-    train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed)
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed, temps)
     held_seqs = generate(llm, held_ids, 2, args.max_tokens, args.seed + 1)
     baseline = [s[n:n + args.eval_tokens] for s, n in held_seqs[:len(held_ids)]]  # greedy, without speculation
     gen_tokens = sum(len(s) - n for s, n in train_seqs)
