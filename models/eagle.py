@@ -12,7 +12,7 @@ draft step reads and what ``compute_logits`` norms and projects.
   head's own H-wide output instead (no ``fc``: told apart by width, as vLLM does). The layer attends over
   cat(input_layernorm(token embedding), hidden_norm(feature)), 2H wide; the residual is the feature. Its own
   vocabulary: ``lm_head`` has ``draft_vocab_size`` rows and ``d2t`` maps a draft id d to the target id d + d2t[d].
-- **EAGLE-1/2** (the EAGLE authors' heads, ``LlamaForCausalLM`` with one layer): fc(cat(token embedding, the
+- **EAGLE-1/2** (the EAGLE authors' heads, ``LlamaForCausalLM`` with one layer, converted to safetensors): fc(cat(token embedding, the
   target's final hidden state)) (2H -> H, with a bias in the authors' checkpoints), one Llama layer whose input
   norm is absent, no final norm, the target's LM head.
 
@@ -200,13 +200,12 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
         for f in files:
             out.update(load_file(f))
         return out
-    bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-    if not bins:
-        raise DraftHeadError(f"{path}: no *.safetensors or pytorch_model.bin with the draft head's weights")
-    out = {}
-    for f in bins:
-        out.update(torch.load(f, map_location="cpu", weights_only=True))
-    return out
+    if glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        raise DraftHeadError(
+            f"{path}: pytorch_model.bin is a pickle, which twogrid never loads; convert the head to safetensors once "
+            f"(python -c \"import torch, safetensors.torch as st; st.save_file(torch.load('pytorch_model.bin', "
+            f"weights_only=True), 'model.safetensors')\" in {path})")
+    raise DraftHeadError(f"{path}: no *.safetensors with the draft head's weights")
 
 
 def _strip(name: str) -> str:
@@ -265,10 +264,11 @@ def read_head_config(path: str, target: CausalLM, method: str) -> tuple[ModelCon
 
 
 def load_draft_head(path: str, target: CausalLM, method: str) -> EagleHead:
-    """An EAGLE-3 (method eagle3) or EAGLE-1/2 (method eagle) head from ``path`` (config.json + *.safetensors or
-    pytorch_model.bin), on the target's device and in its dtype. Its parts follow the tensors there (fc's bias, the
-    input norm, its own embedding and LM head); every tensor the head needs must be there and every tensor there
-    must be used: anything else is a DraftHeadError naming it."""
+    """An EAGLE-3 (method eagle3) or EAGLE-1/2 (method eagle) head from ``path`` (config.json + *.safetensors; a
+    pickled pytorch_model.bin is refused with the command that converts it), on the target's device and in its
+    dtype. Its parts follow the tensors there (fc's bias, the input norm, its own embedding and LM head); every
+    tensor the head needs must be there and every tensor there must be used: anything else is a DraftHeadError
+    naming it."""
     cfg, aux, hf = read_head_config(path, target, method)
     tensors = {_strip(k): v for k, v in _read_tensors(path).items()}
     draft_vocab = None

@@ -205,8 +205,8 @@ def lossless(path: str, method: str) -> bool:
 
 
 def eagle1_checkpoint(target, path) -> dict[str, torch.Tensor]:
-    """A random EAGLE-1 head in the EAGLE authors' layout: pytorch_model.bin with fc (and its bias) and one Llama
-    layer without an input norm; config.json a one-layer LlamaConfig."""
+    """A random EAGLE-1 head in the EAGLE authors' layout (their tensor names, converted to safetensors): fc (and its
+    bias) and one Llama layer without an input norm; config.json a one-layer LlamaConfig."""
     gen = torch.Generator().manual_seed(11)
     h, q, kv, inter = TARGET.hidden_size, TARGET.q_size, TARGET.kv_size, 96
     shapes = {"fc.weight": (h, 2 * h), "fc.bias": (h,), "layers.0.self_attn.q_proj.weight": (q, h),
@@ -216,7 +216,9 @@ def eagle1_checkpoint(target, path) -> dict[str, torch.Tensor]:
               "layers.0.mlp.down_proj.weight": (h, inter)}
     tensors = {k: torch.randn(s, generator=gen) * 0.1 + (k.endswith("norm.weight")) for k, s in shapes.items()}
     os.makedirs(path, exist_ok=True)
-    torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.path.join(path, "model.safetensors"))
     json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
                "intermediate_size": inter, "num_attention_heads": TARGET.num_heads,
                "num_key_value_heads": TARGET.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": TARGET.rms_norm_eps,
@@ -317,6 +319,9 @@ def test_a_head_of_the_other_method_or_none_is_refused(target, tmp_path):
         load_draft_head(str(tmp_path / "e3"), target, "eagle")
     with pytest.raises(DraftHeadError, match="no config.json"):
         load_draft_head(str(tmp_path), target, "eagle3")
+    os.rename(tmp_path / "e1" / "model.safetensors", tmp_path / "e1" / "pytorch_model.bin")
+    with pytest.raises(DraftHeadError, match="pytorch_model.bin is a pickle, which twogrid never loads; convert"):
+        load_draft_head(str(tmp_path / "e1"), target, "eagle")
 
 
 def test_a_real_target_without_a_head_is_refused_and_a_preset_gets_a_random_one(tmp_path, caplog):
