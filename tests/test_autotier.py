@@ -152,18 +152,20 @@ def test_tiers_follow_the_acceptance_as_it_drifts_with_hysteresis():
     assert drive(auto, acceptance_profile(0.59, 7), 100, 40, state) == []
     assert auto.choice.tiers == start and auto.changes == 0
     # the drafts get better: more drafting, further out
-    changes = drive(auto, acceptance_profile(0.9, 7), 100, 64, state)
+    changes = drive(auto, acceptance_profile(0.9, 7), 100, 400, state)
     assert changes and auto.choice.tiers[0] == (1, 7) and auto.choice.tiers[1][0] > 11  # K = 7 further out
     assert all(k for _, k in auto.choice.tiers[:2]) and (auto.choice.tiers[-1][1] or auto.choice.tiers[-1][0] > 228)
     high = auto.choice.tiers
     # then worse than useless: no drafting anywhere
-    drive(auto, acceptance_profile(0.02, 7), 100, 64, state)
-    assert auto.choice.tiers == ((1, 0),)
+    drive(auto, acceptance_profile(0.02, 7), 100, 400, state)  # (the window forgets over a few hundred steps)
+    assert auto.choice.tiers[-1][1] == 0 and auto.choice.tiers[-1][0] < 228  # drafting where it was almost free only
+    drive(auto, acceptance_profile(0.02, 7), 100, 1200, state)
+    assert auto.choice.tiers == ((1, 0),)  # (K = 7 costs 18 % more than K = 0 at one request on the H200)
     assert auto.changes >= 2
     # deterministic: the same counters give the same tiers
     again = AutoTiers(chooser, acceptance_profile(0.6, 7), interval=8)
     state2 = ([0] * 7, [0] * 7)
-    for rates, steps in ((0.6, 7), (0.61, 40), (0.59, 40), (0.9, 64)):
+    for rates, steps in ((0.6, 7), (0.61, 40), (0.59, 40), (0.9, 400)):
         drive(again, acceptance_profile(rates, 7), 100, steps, state2)
     assert again.choice.tiers == high
 

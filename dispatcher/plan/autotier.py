@@ -15,7 +15,7 @@ in the configuration's ``[[min_batch, K], ...]`` form (``TierChooser``).
 
 At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: per
 position, drafts accepted over drafts verified at that position (events that verified fewer drafts cannot accept
-it), in a window that halves its weight each interval, smoothed towards the prior with ``PRIOR_WEIGHT`` pseudo
+it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior with ``PRIOR_WEIGHT`` pseudo
 events (a position not verified lately keeps the prior's ratio to the position before it). Hysteresis: a batch size
 changes its K only when the new K beats the one in force there by more than ``HYSTERESIS``.
 """
@@ -43,8 +43,9 @@ HYSTERESIS = 0.05
 """A batch size changes its K only for more than 5 % more expected tokens per second."""
 PRIOR_WEIGHT = 32.0
 """Pseudo verify events of the prior at each position (a few steps of measured ones outweigh it)."""
-WINDOW_DECAY = 0.5
-"""Weight the counts of earlier intervals keep at each re-choice."""
+WINDOW_HALF_LIFE_STEPS = 128
+"""Steps after which a count weighs half: the acceptance is that of the last few hundred steps. When nothing is
+verified for a while (every tier at K = 0), the estimate returns to the prior, and drafting is tried again."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -401,11 +402,14 @@ class AutoTiers:
     ``interval`` steps from the scheduler's per-position counters (``observe``), with hysteresis."""
 
     def __init__(self, chooser: TierChooser, prior: Sequence[float], interval: int = RECHOOSE_INTERVAL_STEPS,
-                 hysteresis: float = HYSTERESIS, prior_weight: float = PRIOR_WEIGHT, decay: float = WINDOW_DECAY):
+                 hysteresis: float = HYSTERESIS, prior_weight: float = PRIOR_WEIGHT,
+                 half_life_steps: float = WINDOW_HALF_LIFE_STEPS):
         if interval < 1:
             raise ValueError(f"auto tiers: the re-choice interval must be >= 1 step, got {interval}")
         self.chooser, self.prior = chooser, tuple(prior)
-        self.interval, self.hysteresis, self.prior_weight, self.decay = interval, hysteresis, prior_weight, decay
+        self.interval, self.hysteresis, self.prior_weight = interval, hysteresis, prior_weight
+        self.decay = 0.5 ** (interval / half_life_steps)
+        """Weight the window's counts keep at each re-choice."""
         self.choice = chooser.choose(self.prior)
         self.changes = 0
         """Times the tiers changed after the first choice."""
