@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA-graph fields as JSON, or @file.json")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding as JSON (method, num_speculative_tokens, "
-                        "num_speculative_tokens_per_batch_size, adaptive_verification), or @file.json")
+                        "num_speculative_tokens_per_batch_size: tiers or \"auto\", adaptive_verification, ...), or @file.json")
 
 
 def config_from_args(args: argparse.Namespace):
