@@ -145,3 +145,32 @@ def test_without_decode_graphs_the_default_shape_is_used(caplog):
     assert "no FULL decode graphs to time" in caplog.text
     assert e.auto_tiers.chooser.costs.source == "a default host-bound shape"
     assert e.tiers[0][2] >= 1  # a nearly flat host-bound cost: drafting pays at the prior
+
+
+def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
+    """``twogrid serve`` with "auto" tiers: the worker process times its decode graphs, the engine process chooses,
+    the front end's /metrics shows one spec_decode_tier_k series a tier, and the log says what was chosen."""
+    from serverutil import Server, http_get, http_post
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"})
+    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "4",
+                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--speculative-config", spec],
+                 str(tmp_path / "server.log"), env={"TWOGRID_CACHE": str(tmp_path / "cache")})
+    try:
+        srv.wait_healthy()
+        status, body = http_post(srv.base + "/v1/completions", json.dumps(
+            {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 8, "ignore_eos": True}).encode())
+        assert status == 200 and body["usage"]["completion_tokens"] == 8
+        text = http_get(srv.base + "/metrics")[1].decode()
+    finally:
+        srv.stop()
+    import re
+
+    found = re.findall(r'^twogrid:spec_decode_tier_k\{max_batch="(\d+)",min_batch="(\d+)",model_name="tiny-dense"\} '
+                       r'(\S+)$', text, re.M)
+    assert found, text[-2000:]
+    ranges = sorted((int(lo), int(hi), float(k)) for hi, lo, k in found)
+    assert ranges[0][0] == 1 and ranges[-1][1] == 4 and all(0 <= k <= 2 for *_, k in ranges)
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous tiers over 1..max_num_seqs
+    assert "speculative tiers (auto, from measured" in (tmp_path / "server.log").read_text()
+    assert len(list((tmp_path / "cache" / "spec_cost").iterdir())) == 1
