@@ -102,6 +102,22 @@ class TraceWriter:
             self._fh = None
 
 
+def read_traces(paths: str, flag: str) -> list[Any]:
+    """The records of step traces joined by commas, as a flag names them; ConfigError naming ``flag`` and the file
+    for one that cannot be read or is not a trace."""
+    from dispatcher.plan.config import ConfigError
+
+    records: list[Any] = []
+    for one in paths.split(","):
+        try:
+            records += read_trace(one)
+        except OSError as exc:
+            raise ConfigError(f"{flag}: cannot read {one!r}: {exc.strerror}") from None
+        except TraceError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+    return records
+
+
 def read_trace(path: str) -> list[dict[str, Any]]:
     """The records of a step trace; TraceError naming the line for one that is not JSON."""
     records = []

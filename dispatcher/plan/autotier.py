@@ -210,17 +210,9 @@ def trace_step_costs(records: Iterable[Any], where: str) -> StepCostTable:
 def load_step_costs(path: str, flag: str = "--auto-tiers") -> StepCostTable:
     """A step-cost table file (``StepCostTable``'s JSON), or step traces (``.jsonl``, several joined by commas)."""
     if path.endswith(".jsonl"):
-        from dispatcher.engine.trace import TraceError, read_trace
+        from dispatcher.engine.trace import read_traces
 
-        records: list[Any] = []
-        for one in path.split(","):
-            try:
-                records += read_trace(one)
-            except OSError as exc:
-                raise ConfigError(f"{flag}: cannot read {one!r}: {exc.strerror}") from None
-            except TraceError as exc:
-                raise ConfigError(f"{flag}: {exc}") from None
-        table = trace_step_costs(records, f"{flag}: {path!r}")
+        table = trace_step_costs(read_traces(path, flag), f"{flag}: {path!r}")
     else:
         table = StepCostTable.from_json(load_json_file(path, flag), f"{flag}: {path!r}")
     table.source = path
