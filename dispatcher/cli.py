@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA-graph fields as JSON, or @file.json")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding as JSON (method, num_speculative_tokens, "
-                        "num_speculative_tokens_per_batch_size, adaptive_verification), or @file.json")
+                        "num_speculative_tokens_per_batch_size: tiers or \"auto\", adaptive_verification, ...), or @file.json")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -101,7 +101,9 @@ def render_plan(plan: CapturePlan) -> str:
     spec = "no speculative decoding"
     if cfg.method:
         spec = f"{cfg.method} K={cfg.num_speculative_tokens}"
-        if len(cfg.tiers) > 1:
+        if cfg.auto_tiers:
+            spec += " auto tiers (K in " + ", ".join(map(str, cfg.tier_candidates)) + ")"
+        elif len(cfg.tiers) > 1:
             spec += " tiers " + " / ".join(f"{t.min_batch}-{t.max_batch}:K={t.num_speculative_tokens}" for t in cfg.tiers)
         if cfg.adaptive_verification:
             spec += " + adaptive verification"
@@ -187,11 +189,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(format_table(["runner", "kind", "q", "A graphs", "B graphs", "delta", "B vs A"], rows,
                            [False, False, True, True, True, True, False]))
         return 0
+    if args.auto_tiers:
+        return _plan_auto_tiers(args)
+    if args.acceptance is not None:
+        raise ConfigError("--acceptance is for --auto-tiers (the acceptance the tiers are chosen by)")
     plan = build_plan(config_from_args(args))
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2 if args.pretty else None))
     else:
         print(render_plan(plan))
+    return 0
+
+
+def auto_config(args: argparse.Namespace):
+    """The flags' configuration with ``"auto"`` tiers: as given when it has them, else its method and K with
+    ``"num_speculative_tokens_per_batch_size": "auto"`` (hand-written tiers dropped)."""
+    spec = parse_json_arg(args.speculative_config, "--speculative-config")
+    if not spec.get("method") or not spec.get("num_speculative_tokens"):
+        raise ConfigError("--auto-tiers needs --speculative-config with a method and num_speculative_tokens (the "
+                          "largest K the tiers may use)")
+    spec = {**spec, "num_speculative_tokens_per_batch_size": "auto"}
+    platform = detect_platform() if args.platform == "auto" else Platform(args.platform)
+    return resolve(parse_json_arg(args.compilation_config, "--compilation-config"), spec, platform=platform,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _plan_auto_tiers(args: argparse.Namespace) -> int:
+    """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
+    from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan, load_step_costs, render_choice
+
+    cfg = auto_config(args)
+    plan = build_plan(cfg)
+    costs = load_step_costs(args.auto_tiers)
+    acceptance = (cfg.acceptance_prior if args.acceptance is None
+                  else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
+    chooser = chooser_for_plan(costs, plan)
+    choice = chooser.choose(acceptance)
+    if args.json:
+        print(json.dumps({"tiers": choice.as_config(), "acceptance": list(acceptance),
+                          "candidates": list(chooser.candidates), "reach": {str(k): v for k, v in chooser.reach.items()},
+                          "ranges": [{**r, "tokens_per_s": {str(k): v for k, v in r["tokens_per_s"].items()}}
+                                     for r in chooser.explain(choice)],
+                          "graphs": plan.num_graphs}, indent=2 if args.pretty else None))
+        return 0
+    print(f"auto tiers for {cfg.method} K <= {cfg.num_speculative_tokens} at max_num_seqs {cfg.max_num_seqs}, step "
+          f"costs {costs.source}; the plan captures {plan.num_graphs} graphs (every candidate K over its reach)")
+    print(render_choice(chooser, choice))
     return 0
 
 
@@ -206,11 +249,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
+    acceptance = None
+    if args.acceptance is not None:
+        from dispatcher.plan.autotier import acceptance_profile
+
+        if not cfg.num_speculative_tokens:
+            raise ConfigError("--acceptance needs a speculative method (--speculative-config)")
+        acceptance = acceptance_profile(args.acceptance, cfg.num_speculative_tokens)
     prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
     try:
         result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
-                          block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace)
+                          block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace,
+                          acceptance=acceptance)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -228,9 +279,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"mean TTFT {s['mean_ttft_ms']} ms, mean TPOT {s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
           f"draft acceptance {s['draft_acceptance_rate']:.3f}")
     print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
+    if "auto_tiers" in s:
+        print_auto_tiers(s["auto_tiers"])
     if args.step_trace:
         print(f"step trace: {args.step_trace} ({s['steps']} records)")
     return 0
+
+
+def print_auto_tiers(a: dict[str, Any]) -> None:
+    """simulate's and replay's lines on ``"auto"`` tiers: the tiers, their changes, the steps at each K."""
+    by_k = ", ".join(f"K={k}: {n}" for k, n in a["steps_by_k"].items())
+    print(f"auto tiers: {json.dumps(a['initial'])} at start" + (
+        f", {len(a['changes'])} change(s), {json.dumps(a['final'])} at the end" if a.get("changes") else ""))
+    for c in a.get("changes", ()):
+        print(f"  after step {c['after_step']}: {json.dumps(c['tiers'])} (acceptance "
+              f"{', '.join(f'{p:.2f}' for p in c['acceptance'])})")
+    print(f"steps by K (the tier's K at the step's batch size): {by_k}")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -258,8 +322,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
         costs = load_cost_table(args.cost_table, args.cost_model)
     else:
         costs = StepCostModel.preset(args.cost_model or "bench-moe")
-    plan = build_plan(config_from_args(args))
-    result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs)
+    cfg = config_from_args(args)
+    plan = build_plan(cfg)
+    if args.acceptance is not None and not cfg.auto_tiers:
+        raise ConfigError("--acceptance is for \"num_speculative_tokens_per_batch_size\": \"auto\" (the acceptance "
+                          "the tiers are chosen by)")
+    choice = None
+    if cfg.auto_tiers:
+        from dispatcher.engine.simulate import auto_step_costs, draft_layers
+        from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan
+
+        acceptance = (cfg.acceptance_prior if args.acceptance is None
+                      else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
+        table = auto_step_costs(cfg, plan, dispatchers_for_plan(plan), costs, draft_layers(cfg))
+        choice = chooser_for_plan(table, plan).choose(acceptance)
+    result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs,
+                    None if choice is None else choice.k_of_batch)
+    if choice is not None:
+        result["auto_tiers"] = {"initial": choice.as_config(), "acceptance": list(choice.acceptance),
+                                **result["auto_tiers"]}
     if args.execute:
         result["executed"] = execute_replay(args, records, plan, dispatchers_for_plan(plan)["target"])
     if args.json:
@@ -282,6 +363,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"were left out")
     for r in result["eager_reasons"]:
         print(f"eager, {r['steps']} steps of {r['min_tokens']}..{r['max_tokens']} tokens: {r['reason']}")
+    if choice is not None:
+        print_auto_tiers(result["auto_tiers"])
     if args.execute:
         x = result["executed"]
         recorded = (f"; the trace recorded {x['recorded_device_seconds']:.3f} s"
@@ -427,6 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep platforms x max_num_seqs x K x tiers x max_num_batched_tokens x sizing against the "
                         "legacy shared-list baseline")
     p.add_argument("--methods", default="eagle3", help="speculative methods swept by --matrix (comma-separated)")
+    p.add_argument("--auto-tiers", default=None, metavar="COST",
+                   help="print the speculative tiers \"auto\" would choose, and every K's expected tokens/s per batch "
+                        "range, from COST: ms per uniform decode step by (requests, q), {\"decode_step_ms\": {\"q\": "
+                        "[[requests, ms], ...]}} (what the engine keeps under $TWOGRID_CACHE/spec_cost), or step "
+                        "traces (.jsonl); needs --speculative-config with a method and num_speculative_tokens")
+    p.add_argument("--acceptance", default=None, metavar="RATES",
+                   help="with --auto-tiers: the acceptance per draft position, \"0.6,0.35,0.2\" (continued by its last "
+                        "ratio), or one rate r for r, r^2, ... (default: the config's acceptance_prior, else 0.6)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="run the real scheduler and dispatcher on a workload against a cost model",
@@ -443,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "(default: %(default)s)")
     w.add_argument("--acceptance-rate", type=float, default=0.7,
                    help="probability a draft is right given the previous one was (default: %(default)s)")
+    w.add_argument("--acceptance", default=None, metavar="RATES",
+                   help="the fake drafter's acceptance per draft position instead, \"0.8,0.6,0.45\" (continued by its "
+                        "last ratio): with \"auto\" tiers, what the engine's re-choice learns")
     w.add_argument("--seed", type=int, default=0)
     k = p.add_argument_group("KV cache and cost")
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -470,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"NONE\": [...]} (PIECEWISE optional: FULL plus an eager-attention estimate), or step "
                         "traces of a real run (.jsonl, several joined with commas: each mode's median device time "
                         "per padded size)")
+    p.add_argument("--acceptance", default=None, metavar="RATES",
+                   help="with \"auto\" tiers: the acceptance per draft position the tiers are chosen by, "
+                        "\"0.6,0.35,0.2\" or one rate (default: the config's acceptance_prior, else 0.6); uniform "
+                        "decodes are re-dispatched at the chosen K")
     x = p.add_argument_group("execution (--execute)")
     x.add_argument("--execute", action="store_true",
                    help="also run every recorded step shape, with dummy data, through the new configuration's graphs "

@@ -142,6 +142,8 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     fixed_acceptance: float | None = None
     measure_av_curve: bool = False
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
+    measure_decode_costs: bool = False
+    """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
 
 
 def resolve_init(init: WorkerInit) -> ResolvedConfig:
@@ -162,6 +164,8 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     capture_seconds: float
     device_name: str
     av_curve: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+    decode_costs: dict[str, dict[int, list[tuple[int, float]]]] | None = None
+    """``"auto"`` tiers: every runner's FULL decode replay times ({runner: {q: [(requests, ms), ...]}})."""
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):

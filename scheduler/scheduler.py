@@ -46,7 +46,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     """Prompt plus output tokens a request may hold."""
     tiers: tuple[tuple[int, int, int], ...] = ()
-    """Speculative tiers (min_batch, max_batch, K); () without speculative decoding."""
+    """Speculative tiers (min_batch, max_batch, K; K = 0: the tier's steps draft nothing); () without speculative
+    decoding."""
     adaptive_verification: bool = False
     av_sizes: tuple[int, ...] = ()
     """Captured adaptive-verification sizes (tokens) a step's total should land on."""
@@ -54,10 +55,13 @@ class SchedulerConfig:
     """Step-cost curve for adaptive verification: ms of a FULL step, for an array of token counts."""
     lookahead_tokens: int = 0
     """KV slots held past a step's last token: a model drafter writes up to K + 1 positions ahead."""
+    k_limit: int = 0
+    """The largest K tiers may be switched to (``Scheduler.set_tiers``: ``"auto"`` tiers); the tiers' own largest K
+    when that is more."""
 
     @property
     def max_speculative_tokens(self) -> int:
-        return max((k for _, _, k in self.tiers), default=0)
+        return max(self.k_limit, max((k for _, _, k in self.tiers), default=0))
 
     @property
     def extra_tokens(self) -> int:
@@ -212,6 +216,10 @@ class SchedulerStats(SpecDecodeSummary):
     accepted_per_pos: list[int] = field(default_factory=list)
     """K_max entries: at position j, the verify events that accepted more than j drafts (vLLM's
     ``num_accepted_tokens_per_pos``); they sum to ``drafts_accepted``."""
+    verified_per_pos: list[int] = field(default_factory=list)
+    """K_max entries: at position j, the verify events that verified more than j drafts (so could accept the draft at
+    j): accepted_per_pos[j] / verified_per_pos[j] is position j's acceptance even when steps verify different K
+    (tiers), where accepted_per_pos[j] / num_drafts would count the events that never verified j as rejections."""
 
     @property
     def num_accepted_tokens(self) -> int:
@@ -225,17 +233,24 @@ class SchedulerStats(SpecDecodeSummary):
         if not num_draft_tokens:
             return NO_DRAFTS
         k = len(self.accepted_per_pos)
-        counts = np.bincount(accepted, minlength=k + 1).tolist()
-        per_pos, more = [0] * k, 0
-        for j in range(k, 0, -1):  # position j - 1: the requests that accepted j drafts or more
-            more += counts[j]
-            per_pos[j - 1] = more
+        per_pos = _at_least_per_pos(accepted, k)
         step = SpecDecodeStep(int(np.count_nonzero(drafts)), num_draft_tokens, sum(per_pos), tuple(per_pos))
         self.num_drafts += step.num_drafts
         self.drafts_verified += num_draft_tokens
         self.drafts_accepted += step.num_accepted_tokens
         add_per_pos(self.accepted_per_pos, per_pos)
+        add_per_pos(self.verified_per_pos, _at_least_per_pos(drafts, k))
         return step
+
+
+def _at_least_per_pos(counts: np.ndarray, k: int) -> list[int]:
+    """Per position j in 0..k-1, the entries of ``counts`` (0..k each) above j."""
+    hist = np.bincount(counts, minlength=k + 1).tolist()
+    per_pos, more = [0] * k, 0
+    for j in range(k, 0, -1):  # position j - 1: the entries of j or more
+        more += hist[j]
+        per_pos[j - 1] = more
+    return per_pos
 
 
 def add_per_pos(total: list[int], per_pos) -> None:
@@ -265,6 +280,8 @@ class Scheduler:
         c = self.config = config
         self.k_max = c.max_speculative_tokens
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
+        self.tiers = c.tiers
+        """The tiers in force (``set_tiers`` switches them)."""
         self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)
@@ -292,10 +309,21 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
         self._step = 0
-        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max)
+        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max, verified_per_pos=[0] * self.k_max)
         self.last_spec_decode = NO_DRAFTS
         """What the last ``update`` added to the speculative-decoding counters (the step's share, for metrics)."""
         self._av_sizes = np.asarray(c.av_sizes, dtype=np.int64)
+
+    def set_tiers(self, tiers) -> None:
+        """Switch the speculative tiers ((min_batch, max_batch, K) each, K = 0 allowed, K <= K_max) from the next
+        step on (``"auto"`` tiers). A request keeps the drafts it has: a step verifies min(its drafts, the new K)."""
+        c = self.config
+        tiers = tuple((int(lo), int(hi), int(k)) for lo, hi, k in tiers)
+        for lo, hi, k in tiers:
+            if not 0 <= k <= self.k_max:
+                raise ValueError(f"tier {lo}..{hi}: K = {k} is outside 0..{self.k_max} (K_max)")
+        self._k_of_batch = tier_table(tiers, c.max_num_seqs)
+        self.tiers = tiers
 
     # -- requests ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -8,6 +8,9 @@ AV5 = {"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification":
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
+AUTO = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"}
+
+
 def tiers(*pairs):
     return {"method": "eagle3", "num_speculative_tokens": 7, "num_speculative_tokens_per_batch_size": list(pairs)}
 
@@ -52,7 +55,8 @@ BAD = [
      "cudagraph_capture_sizes, max_cudagraph_capture_size"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
-     "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max"),
+     "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max, "
+     "acceptance_prior, auto_tier_candidates"),
     ({"cudagraph_mode": "FULL_ONLY"}, None, {},
      "cudagraph_mode must be one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; got 'FULL_ONLY'"),
     ({"interactivity": "yes"}, None, {}, "interactivity must be true or false, got 'yes'"),
@@ -92,7 +96,43 @@ BAD = [
     ({}, tiers([1, 7], [65]), {},
      "num_speculative_tokens_per_batch_size[1] must be a pair of integers [min_batch, K], got [65]"),
     ({}, {**tiers([1, 7], [65, 3]), "num_speculative_tokens": 3}, {},
-     "num_speculative_tokens_per_batch_size[0] K = 7 must be in 1..3 (num_speculative_tokens)"),
+     "num_speculative_tokens_per_batch_size[0] K = 7 must be in 0..3 (num_speculative_tokens; 0: no drafts)"),
+    ({}, tiers([1, 7], [65, -1]), {},
+     "num_speculative_tokens_per_batch_size[1] K = -1 must be in 0..7 (num_speculative_tokens; 0: no drafts)"),
+    ({}, {"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 0], [9, 0]]}, {},
+     "num_speculative_tokens_per_batch_size: every tier has K = 0 (no drafts at any batch size): give a tier K >= 1, "
+     "or leave --speculative-config out"),
+    # "auto" tiers
+    ({}, {"method": "eagle3", "num_speculative_tokens_per_batch_size": "auto"}, {},
+     "num_speculative_tokens is required with \"num_speculative_tokens_per_batch_size\": \"auto\" (the largest K "
+     "the engine may choose)"),
+    ({}, {**AUTO, "num_speculative_tokens_per_batch_size": "automatic"}, {},
+     "num_speculative_tokens_per_batch_size must be a list of [min_batch, K] pairs or \"auto\", got 'automatic'"),
+    ({}, {**AUTO, "num_speculative_tokens_per_batch_size": {}}, {},
+     "num_speculative_tokens_per_batch_size must be a non-empty list of [min_batch, K] pairs or \"auto\", got {}"),
+    ({}, {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_prior": 0.7}, {},
+     "--speculative-config: \"acceptance_prior\" is for \"num_speculative_tokens_per_batch_size\": \"auto\", which "
+     "is not set"),
+    ({}, {**tiers([1, 7], [65, 3]), "auto_tier_candidates": [0, 3, 7]}, {},
+     "--speculative-config: \"auto_tier_candidates\" is for \"num_speculative_tokens_per_batch_size\": \"auto\", "
+     "which is not set"),
+    ({}, {**AUTO, "acceptance_prior": 1.5}, {},
+     "acceptance_prior must be a rate in [0, 1] or a non-empty list of per-position rates, got 1.5"),
+    ({}, {**AUTO, "acceptance_prior": [0.5, 0.7]}, {},
+     "acceptance_prior[1] = 0.7 exceeds acceptance_prior[0] = 0.5: a draft is accepted only after the one before "
+     "it, so the rates never grow with the position"),
+    ({}, {**AUTO, "acceptance_prior": [0.9, 0.8, 0.7, 0.6]}, {},
+     "acceptance_prior has 4 positions, more than num_speculative_tokens = 3"),
+    ({}, {**AUTO, "acceptance_prior": [0.9, "x"]}, {}, "acceptance_prior[1] = 'x' must be a rate in [0, 1]"),
+    ({}, {**AUTO, "auto_tier_candidates": [0, 4]}, {},
+     "auto_tier_candidates[1] K = 4 must be in 0..3 (num_speculative_tokens)"),
+    ({}, {**AUTO, "auto_tier_candidates": [0, 1]}, {},
+     "auto_tier_candidates [0, 1] must hold num_speculative_tokens = 3 (the largest K sizes the drafts and the KV "
+     "lookahead): add it, or lower num_speculative_tokens"),
+    ({}, {**AUTO, "auto_tier_candidates": []}, {},
+     "auto_tier_candidates must be a non-empty list of K values (0..3), got []"),
+    ({}, {**AUTO, "auto_tier_candidates": [0, 1.0, 3]}, {},
+     "auto_tier_candidates[1] must be an integer, got 1.0 (float)"),
     # adaptive verification without FULL graphs
     ({"cudagraph_mode": "NONE"}, AV5, {},
      "adaptive_verification needs FULL varlen graphs, but cudagraph_mode is NONE: use cudagraph_mode "

@@ -30,7 +30,12 @@ SPECS = [
     {"method": "dflash", "num_speculative_tokens": 2},
     {"method": "dspark", "num_speculative_tokens": 2},
     {"method": "mtp_multi", "num_speculative_tokens": 2},
+    {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"},
+    {"method": "dflash", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [3, 0]]},
 ]
+SPEC_COSTS = {"decode_step_ms": {"1": [[1, 10.0], [4, 10.0]], "2": [[1, 11.0], [4, 16.0]], "3": [[1, 12.0], [4, 22.0]],
+                                 "4": [[1, 13.0], [4, 30.0]]}}
+"""Auto tiers' step costs: K = 3 at one request, less drafting as the batch grows."""
 PHASES = ("before_schedule", "after_schedule", "after_execute")
 BLOCK = 4
 MAX_MODEL_LEN = 64
@@ -60,13 +65,14 @@ def workloads(draw):
     return spec, budget, num_blocks, ops
 
 
-def make_engine(spec, budget, num_blocks, graphs: bool, cost_table: str) -> EngineCore:
+def make_engine(spec, budget, num_blocks, graphs: bool, cost_table: str, spec_costs: str | None = None) -> EngineCore:
     if not graphs and spec and spec.get("adaptive_verification"):  # adaptive verification needs FULL graphs
         spec = {k: v for k, v in spec.items() if k != "adaptive_verification"}
     cc = {} if graphs else {"cudagraph_mode": "NONE"}
     cfg = resolve(cc, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=budget)
     return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_blocks, block_size=BLOCK,
-                                      max_model_len=MAX_MODEL_LEN, av_cost_table=cost_table, seed=11))
+                                      max_model_len=MAX_MODEL_LEN, av_cost_table=cost_table, seed=11,
+                                      spec_cost_table=spec_costs, auto_tier_interval=3))
 
 
 def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
@@ -131,8 +137,10 @@ def test_random_runs_match_eager_and_end_exactly(tmp_path_factory, workload):
     spec, budget, num_blocks, ops = workload
     table = tmp_path_factory.mktemp("av") / "curve.json"
     table.write_text(json.dumps({"tokens": [1, 16, 64, 256], "ms": [1.0, 1.2, 2.0, 5.0]}))
-    graphs = run(make_engine(spec, budget, num_blocks, True, str(table)), ops)
-    eager = run(make_engine(spec, budget, num_blocks, False, str(table)), ops)
+    spec_costs = table.parent / "spec_costs.json"
+    spec_costs.write_text(json.dumps(SPEC_COSTS))
+    graphs = run(make_engine(spec, budget, num_blocks, True, str(table), str(spec_costs)), ops)
+    eager = run(make_engine(spec, budget, num_blocks, False, str(table), str(spec_costs)), ops)
     adds = [op[1] for op in ops if op[0] == "add" and op[1]["prompt_len"] + op[1]["max_tokens"] <= MAX_MODEL_LEN]
     for (tokens, reasons, aborted) in (graphs, eager):
         for i, r in enumerate(adds):

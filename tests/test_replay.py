@@ -278,3 +278,23 @@ def test_replay_of_the_h200_trace_predicts_the_live_separate_server(capsys):
     assert r["replayed"]["eager_steps"] == sum(rec["mode"] == "NONE" for rec in live) == 1
     live_s = sum(rec["device_ms"] for rec in live) / 1e3
     assert abs(r["replayed"]["estimated_device_seconds"] / live_s - 1) < 0.15
+
+
+def test_replay_under_auto_tiers_reshapes_decodes_to_the_chosen_k(tmp_path, capsys):
+    trace = make_trace(tmp_path, "{}")
+    auto = json.dumps({**json.loads(K7), "num_speculative_tokens_per_batch_size": "auto",
+                       "auto_tier_candidates": [0, 3, 7]})
+    r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", auto, "--acceptance", "0.6")
+    a = r["auto_tiers"]
+    assert a["initial"] == [[1, 3], [348, 0]]  # bench-moe's curves, the drafter's share, 0.6 decaying
+    records = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    assert len(a["k_per_step"]) == len(records)
+    for rec, k in zip(records, a["k_per_step"]):
+        assert (k is None) == (rec["kind"] != "uniform_decode")
+        if k is not None:
+            assert k == next(kk for lo, kk in reversed(a["initial"]) if lo <= rec["requests"])
+    assert sum(a["steps_by_k"].values()) == sum(k is not None for k in a["k_per_step"])
+    assert r["replayed"]["by_kind"]["uniform_decode"]["eager"] == 0
+    # --acceptance needs auto tiers
+    assert main(["replay", trace, "--platform", "sm100", "--speculative-config", K7, "--acceptance", "0.5"]) == 2
+    assert "--acceptance is for" in capsys.readouterr().err

@@ -126,3 +126,47 @@ def test_a_draft_model_runs_on_its_graphs_and_is_charged_its_layers_k_times(tmp_
     layer = costs.step_ms(MODE_FULL, 8) / costs.num_layers
     assert drafter_ms(costs, descs, 3, "eagle3") == pytest.approx(3 * layer)  # step 0, then 2 one-token steps
     assert drafter_ms(costs, descs, 3, "draft_model", 2) == pytest.approx(2 * 4 * layer)  # catch-up, then 3
+
+
+AUTO7 = {"method": "eagle3", "num_speculative_tokens": 7, "num_speculative_tokens_per_batch_size": "auto",
+         "auto_tier_candidates": [0, 1, 3, 7]}
+
+
+def test_auto_tiers_in_simulate_learn_the_acceptance_and_report_k_per_step(tmp_path):
+    """The drafter's true acceptance is far above the prior: the re-choice moves the tiers towards more drafting; the
+    summary says the tiers, their changes and the steps at each K, and every trace record its k (the K of its
+    tier at its batch size), which is also what the step's uniform decode verifies once the drafts exist."""
+    cfg = resolve({}, AUTO7, platform="sm100", max_num_seqs=1024, max_num_batched_tokens=16384)
+    trace = tmp_path / "trace.jsonl"
+    s = simulate(cfg, make_prompts(512, seed=1), concurrency=256, output_len=128, step_trace=str(trace),
+                 acceptance=(0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65), keep_outputs=True).summary
+    a = s["auto_tiers"]
+    assert a["initial"] == [[1, 3], [146, 1]]  # the bench-moe curves and the 0.6 prior
+    assert a["changes"] and a["final"] != a["initial"]
+    k_at_256 = {tuple(t) for t in a["final"]}
+    assert max(k for lo, k in k_at_256 if lo <= 256) >= 1  # drafting pays at 256 requests at this acceptance
+    records = read_trace(str(trace))
+    assert sum(a["steps_by_k"].values()) == len(records) == s["steps"]
+    assert {str(k) for k in {r["k"] for r in records}} == set(a["steps_by_k"])
+    assert a["measured_acceptance"][0] == pytest.approx(0.95, abs=0.03)
+    # the same run again: the same tiers, the same steps
+    again = simulate(cfg, make_prompts(512, seed=1), concurrency=256, output_len=128,
+                     acceptance=(0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)).summary
+    assert again["auto_tiers"] == a and again["steps"] == s["steps"]
+
+
+def test_auto_tiers_at_no_acceptance_stop_drafting_and_beat_a_fixed_k(capsys):
+    args = ["simulate", "--platform", "sm100", "--num-prompts", "256", "--concurrency", "128", "--output-len", "64",
+            "--acceptance", "0.02"]
+    assert main([*args, "--speculative-config", json.dumps(AUTO7), "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["auto_tiers"]["final"] == [[1, 0]]
+    assert main([*args, "--speculative-config", json.dumps({"method": "eagle3", "num_speculative_tokens": 7}),
+                 "--json"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert auto["output_tokens_per_second"] > fixed["output_tokens_per_second"]
+    assert main([*args, "--speculative-config", json.dumps(AUTO7)]) == 0
+    out = capsys.readouterr().out
+    assert "auto tiers: [[1, 3], [146, 1]] at start" in out and "steps by K (the tier's K" in out
+    assert main(["simulate", "--acceptance", "0.5"]) == 2
+    assert "--acceptance needs a speculative method" in capsys.readouterr().err

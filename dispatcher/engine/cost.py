@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dispatcher.engine.trace import TraceError, read_trace
+from dispatcher.engine.trace import read_traces
 from dispatcher.plan.config import ConfigError, load_json_file
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
@@ -216,15 +216,7 @@ def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
         if model is not None:
             raise ConfigError(f"--cost-model {model!r} picks a model of a runtime benchmark's JSON; {path!r} are "
                               f"step traces")
-        records = []
-        for one in path.split(","):
-            try:
-                records += read_trace(one)
-            except OSError as exc:
-                raise ConfigError(f"--cost-table: cannot read {one!r}: {exc.strerror}") from None
-            except TraceError as exc:
-                raise ConfigError(f"--cost-table: {exc}") from None
-        return trace_table(records, path)
+        return trace_table(read_traces(path, "--cost-table"), path)
     data = load_json_file(path, "--cost-table")
     if isinstance(data, dict) and "models" in data:
         return _runtime_table(data, path, model)

@@ -25,8 +25,9 @@ from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import CostCurve
 from dispatcher.engine.trace import TraceWriter, step_record
 from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
-from dispatcher.plan.capture_plan import FULL_VARLEN, build_plan
-from dispatcher.plan.config import ResolvedConfig
+from dispatcher.plan import autotier
+from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
+from dispatcher.plan.config import ConfigError, ResolvedConfig
 from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
@@ -64,6 +65,12 @@ class EngineArgs:
     """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
     once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
     the same verify lengths (and so sample the same tokens)."""
+    spec_cost_table: str | None = None
+    """``"auto"`` speculative tiers' step costs by (requests, q): a ``StepCostTable`` JSON file or step traces (.jsonl).
+    Default: every runner's FULL decode graphs timed on this runtime once, then kept under $TWOGRID_CACHE/spec_cost
+    and reused (so that runs of one setup start from the same tiers)."""
+    auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
+    """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
 
 
 @dataclass
@@ -190,6 +197,17 @@ class EngineCore:
             curve = self._av_cost_curve()
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
+        self.auto_tiers: autotier.AutoTiers | None = None
+        """``"auto"`` speculative tiers: the decision and its state (None with fixed K or hand-written tiers)."""
+        self.tier_version = 0
+        """Counts the tier changes (``"auto"``), so that a caller can tell when to report them."""
+        if cfg.auto_tiers:
+            costs = self._spec_step_costs(capture)
+            self.auto_tiers = autotier.AutoTiers(autotier.chooser_for_plan(costs, self.plan), cfg.acceptance_prior,
+                                                 args.auto_tier_interval)
+            self.scheduler.set_tiers(self.auto_tiers.tiers)
+            log.info("speculative tiers (auto, from %s, prior acceptance %s): %s", costs.source,
+                     ", ".join(f"{p:.2f}" for p in cfg.acceptance_prior), self.auto_tiers.choice.text())
         self.trace = TraceWriter(args.step_trace)
         self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
@@ -281,7 +299,8 @@ class EngineCore:
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
-                                     result.jit_compiles, result.jit_ms))
+                                     result.jit_compiles, result.jit_ms,
+                                     step.out.num_new_drafts if self.auto_tiers is not None else None))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:
@@ -291,7 +310,24 @@ class EngineCore:
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
         outputs = self.scheduler.update(step.out, result)
         self.stats.record_drafts(self.scheduler.last_spec_decode)
+        if self.auto_tiers is not None:
+            self._rechoose_tiers()
         return outputs
+
+    @property
+    def tiers(self) -> tuple[tuple[int, int, int], ...]:
+        """The speculative tiers in force, (min_batch, max_batch, K) each (() without speculative decoding)."""
+        return self.scheduler.tiers
+
+    def _rechoose_tiers(self) -> None:
+        """``"auto"`` tiers: count the step; every ``auto_tier_interval`` steps choose again from the scheduler's
+        per-position counters, and switch (with a log line) when the tiers change."""
+        stats, auto = self.scheduler.stats, self.auto_tiers
+        if auto.observe(stats.accepted_per_pos, stats.verified_per_pos):
+            self.scheduler.set_tiers(auto.tiers)
+            self.tier_version += 1
+            log.info("speculative tiers changed (auto, measured acceptance %s): %s",
+                     ", ".join(f"{p:.2f}" for p in auto.choice.acceptance), auto.choice.text())
 
     def step(self) -> list[RequestOutput]:
         """One step, synchronously: schedule, run, update."""
@@ -337,36 +373,93 @@ class EngineCore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- adaptive verification's cost curve ---------------------------------------------------------------------
+    # -- measured step costs (adaptive verification's curve, auto tiers' table) -----------------------------------
+    def _cached(self, name: str, parts: list, measure, what: str) -> dict | None:
+        """Measured data kept under $TWOGRID_CACHE/``name`` (default ~/.cache/twogrid), keyed by device, model, dtype
+        and ``parts`` (so that a rerun of one setup reuses it): read when there, else ``measure()`` (a JSON-able
+        dict, or None) saved there. None when nothing was measured."""
+        key = json.dumps([self.worker.device_name, str(self.model_config), str(self.args.dtype), *parts])
+        cache = os.path.join(os.environ.get("TWOGRID_CACHE", os.path.expanduser("~/.cache/twogrid")), name)
+        path = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    data = dict(json.load(fh), source=path)
+            except (OSError, ValueError, TypeError) as exc:
+                raise ValueError(f"the cached {what} in {path} are unreadable ({exc}): remove the file") from None
+            return data
+        data = measure()
+        if data is None:
+            return None
+        try:
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump({**data, "key": key}, fh)
+            log.info("%s saved to %s (reused by later runs)", what, path)
+        except OSError as exc:
+            log.warning("cannot save the %s to %s (%s)", what, path, exc)
+        return {**data, "source": f"measured (kept in {path})"}
+
     def _av_cost_curve(self) -> CostCurve | None:
         """The curve adaptive verification steers by: from ``av_cost_table``, else measured on this runtime once
         and kept in the cache, keyed by device, model, dtype and graph sizes (so that a rerun reuses it)."""
         if self.args.av_cost_table:
             return _read_curve(self.args.av_cost_table)
         av_sizes = next((g.sizes for g in self.plan.for_runner("target") if g.kind == FULL_VARLEN), ())
-        key = json.dumps([self.worker.device_name, str(self.model_config), str(self.args.dtype), list(av_sizes)])
-        cache = os.path.join(os.environ.get("TWOGRID_CACHE", os.path.expanduser("~/.cache/twogrid")), "av_cost")
-        path = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-        if os.path.isfile(path):
-            return _read_curve(path)
-        measured = self.worker.measure_av_curve()
-        if measured is None:
-            return None
-        try:
-            os.makedirs(cache, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump({"tokens": list(measured[0]), "ms": list(measured[1]), "key": key}, fh)
-            log.info("adaptive verification: measured step costs saved to %s (reused by later runs)", path)
-        except OSError as exc:
-            log.warning("adaptive verification: cannot save the measured step costs to %s (%s)", path, exc)
-        return CostCurve(*measured)
+
+        def measure():
+            measured = self.worker.measure_av_curve()
+            return None if measured is None else {"tokens": list(measured[0]), "ms": list(measured[1])}
+
+        data = self._cached("av_cost", [list(av_sizes)], measure, "adaptive verification's measured step costs")
+        return None if data is None else _curve(data, data["source"])
+
+    def _spec_step_costs(self, capture: bool) -> autotier.StepCostTable:
+        """``"auto"`` tiers' step costs by (requests, q): from ``spec_cost_table``, else every runner's FULL decode
+        graphs timed once on this runtime (``ModelWorker.measure_decode_costs``, combined per candidate K by
+        ``autotier.decode_step_costs``) and kept in the cache. Without FULL decode graphs (or capture): a host-bound
+        default shape, 1 + n * q / 1024 ms, the target's alone (a warning says so)."""
+        cfg = self.cfg
+        if self.args.spec_cost_table:
+            return autotier.load_step_costs(self.args.spec_cost_table, "spec_cost_table")
+        sets = [[g.runner, g.q, list(g.sizes)] for g in self.plan.graph_sets if g.kind == FULL_DECODE and g.sizes]
+        measure_fn = getattr(self.worker, "measure_decode_costs", None)
+
+        def measure():
+            tables = measure_fn() if measure_fn is not None else None
+            if not tables:
+                return None
+            costs = autotier.decode_step_costs(cfg.method, cfg.tier_candidates, tables)
+            return costs.to_json() if costs.by_q else None
+
+        data = self._cached("spec_cost", [cfg.method, cfg.draft_model, sets], measure,
+                            "speculative tiers' measured step costs") if capture and sets else None
+        if data is not None:
+            try:
+                return autotier.StepCostTable.from_json(data, data["source"])
+            except ConfigError as exc:
+                raise ValueError(f"the cached step costs are unreadable ({exc}): remove {data['source']}") from None
+        top = cfg.max_num_seqs
+        log.warning("speculative tiers (auto): no FULL decode graphs to time; choosing on a default host-bound step "
+                    "cost (1 + tokens / 1024 ms, drafter forwards left out)")
+        return autotier.StepCostTable({1 + k: [(1, 1 + (1 + k) / 1024), (top, 1 + top * (1 + k) / 1024)]
+                                       if top > 1 else [(1, 1 + (1 + k) / 1024)] for k in cfg.tier_candidates},
+                                      "a default host-bound shape")
+
+
+def _curve(data: dict, where: str) -> CostCurve:
+    try:
+        return CostCurve(tuple(int(t) for t in data["tokens"]), tuple(float(m) for m in data["ms"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"av_cost_table {where!r}: not a step-cost curve {{\"tokens\": [...], \"ms\": [...]}} "
+                         f"({exc})") from None
 
 
 def _read_curve(path: str) -> CostCurve:
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-        return CostCurve(tuple(int(t) for t in data["tokens"]), tuple(float(m) for m in data["ms"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"av_cost_table {path!r}: not a step-cost curve {{\"tokens\": [...], \"ms\": [...]}} "
                          f"({exc})") from None
+    return _curve(data, path)

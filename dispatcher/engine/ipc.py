@@ -194,6 +194,9 @@ class WorkerInfo:
     def measure_av_curve(self):
         return self.ready.av_curve
 
+    def measure_decode_costs(self):
+        return self.ready.decode_costs
+
 
 class RemoteWorker(WorkerInfo):
     """EngineCore's worker interface over a worker process (blocking sockets): ``submit`` sends a step, ``collect``

@@ -78,6 +78,9 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_per_pos: list[int] = []
+    tiers: list[list[int]] | None = None
+    """The speculative tiers in force from this step on, [[min_batch, max_batch, K], ...], on the steps after which
+    ``"auto"`` tiers changed; None otherwise."""
 
 
 class QueueState(msgspec.Struct, array_like=True, frozen=True):
@@ -111,6 +114,9 @@ class Outputs(msgspec.Struct, array_like=True, frozen=True, tag="outputs"):
 class EngineStarted(msgspec.Struct, array_like=True, frozen=True, tag="started"):
     worker: WorkerReady
     async_scheduling: bool
+    tiers: list[list[int]] = []
+    """The speculative tiers the engine starts with, [[min_batch, max_batch, K], ...] ([] without speculative
+    decoding)."""
 
 
 class EngineDead(msgspec.Struct, array_like=True, frozen=True, tag="dead"):

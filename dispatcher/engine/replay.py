@@ -4,6 +4,11 @@ Each record's batch shape (tokens, requests, q or query-length histogram, decode
 configuration's dispatcher; the report counts eager steps and padding and estimates device time on step-cost
 curves (a preset, or per-size times measured on a GPU: ``--cost-table``), for the recorded run and the new plan
 side by side, and says why each eager step was eager.
+
+Under ``"auto"`` speculative tiers (``k_of_batch``: the K the chosen tiers give each batch size) every uniform
+decode of n requests is re-dispatched at q = 1 + K(n), as the engine would run it, and the K of each step is
+reported. The step sequence stays the recorded one: another K would change how many steps a run takes, which
+replay does not model (``twogrid simulate`` does).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from dispatcher.plan.dispatch import MIXED, MODE_EAGER, Dispatcher, eager_reason
+from dispatcher.plan.dispatch import MIXED, MODE_EAGER, UNIFORM_DECODE, Dispatcher, eager_reason
 from dispatcher.plan.capture_plan import CapturePlan
 from dispatcher.engine.trace import StepTally
 from dispatcher.engine.cost import StepCostModel
@@ -28,9 +33,10 @@ def record_shape(rec: dict[str, Any]) -> tuple[int, int, int, bool]:
 
 
 def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatcher,
-           costs: StepCostModel | str = "bench-moe") -> dict[str, Any]:
+           costs: StepCostModel | str = "bench-moe", k_of_batch=None) -> dict[str, Any]:
     """Re-dispatch ``records`` under ``plan``; device time on ``costs`` (a StepCostModel, such as a measured
-    table from ``load_cost_table``, or a preset's name), for the recorded modes and sizes and for the new ones."""
+    table from ``load_cost_table``, or a preset's name), for the recorded modes and sizes and for the new ones.
+    ``k_of_batch`` (``"auto"`` tiers: K per batch size): uniform decodes re-shaped to q = 1 + K(requests)."""
     if isinstance(costs, str):
         costs = StepCostModel.preset(costs)
     cfg = plan.config
@@ -38,8 +44,15 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
     totals = Counter()
     reasons: dict[str, list[int]] = {}
     over_limit = 0
+    k_per_step: list[int | None] = []
     for rec in records:
         tokens, reqs, max_q, is_decode = record_shape(rec)
+        if k_of_batch is not None and rec["kind"] == UNIFORM_DECODE and 1 <= reqs < len(k_of_batch):
+            k = int(k_of_batch[reqs])
+            max_q, tokens = 1 + k, reqs * (1 + k)
+            k_per_step.append(k)
+        elif k_of_batch is not None:
+            k_per_step.append(None)
         if tokens > cfg.max_num_batched_tokens or reqs > cfg.max_num_seqs:
             over_limit += 1
             continue
@@ -55,6 +68,10 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
     recorded, replayed = before.summary(), after.summary()
     steps = replayed.pop("steps")
     recorded.pop("steps")
+    auto = {}
+    if k_of_batch is not None:
+        by_k = Counter(k for k in k_per_step if k is not None)
+        auto = {"auto_tiers": {"steps_by_k": {str(k): n for k, n in sorted(by_k.items())}, "k_per_step": k_per_step}}
     return {
         "steps": steps,
         "steps_over_new_limits": over_limit,
@@ -65,4 +82,5 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
                           for r, t in sorted(reasons.items(), key=lambda kv: -len(kv[1]))],
         "cost_model": costs.name,
         "config": plan.to_dict()["config"],
+        **auto,
     }

@@ -58,6 +58,8 @@ class EngineService:
         self._wake = asyncio.Event()
         self._draining = False
         self._in_flight: deque[ScheduledStep] = deque()
+        self._tier_version = 0
+        """The engine's ``tier_version`` the front end last heard of."""
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
@@ -68,7 +70,9 @@ class EngineService:
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         freeze_startup_heap()
-        await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling))
+        self._tier_version = self.core.tier_version
+        await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
+                                                     [list(t) for t in self.core.tiers]))
         return ready
 
     # -- the front end's messages --------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ class EngineService:
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
                             spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
-                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos))
+                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed())
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
                         o.logprobs) for o in outputs]
         if len(self.outboxes) == 1:
@@ -174,6 +178,13 @@ class EngineService:
             await self.outboxes[index].send(encode(out))
         if 0 not in groups:
             await self.outbox.send(encode(first))
+
+    def _tiers_changed(self) -> list[list[int]] | None:
+        """The tiers in force when ``"auto"`` tiers changed since the last step record, else None."""
+        if self.core.tier_version == self._tier_version:
+            return None
+        self._tier_version = self.core.tier_version
+        return [list(t) for t in self.core.tiers]
 
     def _queue_state(self) -> QueueState:
         sched = self.core.scheduler

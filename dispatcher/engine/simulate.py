@@ -2,10 +2,15 @@
 
 A deterministic fake model stands in for the GPU: the greedy token at position p of a request is a hash of
 (request, p), so any token lost, repeated or reordered by the scheduler shows in the output. Its drafter
-proposes the right token with probability ``acceptance_rate`` (per draft, given the previous one was right),
-decided by a hash too, and reports a confidence that adaptive verification can use. Step time comes from the
-cost model at the dispatched mode and padded token count: the target forward, plus a model drafter's forwards
-at one decoder layer's share each (a draft model's at its layers' share).
+proposes the right token with probability ``acceptance_rate`` (per draft, given the previous one was right; or, with
+an ``acceptance`` profile, draft j is right with p_j / p_{j-1} given draft j - 1 was), decided by a hash too, and
+reports a confidence that adaptive verification can use. Step time comes from the cost model at the dispatched mode
+and padded token count: the target forward, plus a model drafter's forwards at one decoder layer's share each (a
+draft model's at its layers' share).
+
+Under ``"auto"`` speculative tiers the run does what the engine does: tiers chosen from the cost model's price of a
+uniform decode per (requests, q) (``auto_step_costs``) and the prior acceptance, then re-chosen every
+``auto_tier_interval`` steps from the scheduler's counters; the summary reports the tiers and the K of every step.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import time
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Sequence
 
 import numpy as np
 
+from dispatcher.plan import autotier
+from dispatcher.plan.capture_plan import FULL_DECODE
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step, dispatchers_for_plan
 from dispatcher.plan.capture_plan import DRAFT_MODEL, build_plan, one_token_steps
 from dispatcher.plan.config import ConfigError
@@ -26,7 +34,7 @@ from dispatcher.engine.workload import PromptSpec
 from dispatcher.engine.cost import StepCostModel
 from scheduler.request import Request, SamplingParams
 from dispatcher.engine.config import scheduler_config
-from scheduler.scheduler import ModelResult, Scheduler, SchedulerOutput
+from scheduler.scheduler import BatchShape, ModelResult, Scheduler, SchedulerOutput
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -47,10 +55,17 @@ def request_seed(request_id: str) -> int:
 class FakeModel:
     """Deterministic target and drafter, vectorized over a step."""
 
-    def __init__(self, vocab_size: int = 32000, acceptance_rate: float = 0.7, max_num_seqs: int = 1024):
+    def __init__(self, vocab_size: int = 32000, acceptance_rate: float = 0.7, max_num_seqs: int = 1024,
+                 acceptance: Sequence[float] | None = None):
         self.vocab_size = vocab_size
         self.acceptance_rate = acceptance_rate
         self.slot_seed = np.zeros(max_num_seqs, np.uint64)
+        self.conditional = None
+        """With a per-position ``acceptance`` profile: the chance draft j is right given draft j - 1 was."""
+        if acceptance is not None:
+            p = np.asarray(acceptance, np.float64)
+            prev = np.concatenate(([1.0], p[:-1]))
+            self.conditional = np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
 
     def token(self, seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
         h = _mix(seeds * _M1 + positions.astype(np.uint64))
@@ -65,11 +80,16 @@ class FakeModel:
         seeds = np.full(num_tokens, request_seed(request_id), np.uint64)
         return self.token(seeds, np.arange(prompt_len, prompt_len + num_tokens)).tolist()
 
-    def draft(self, seeds: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def draft(self, seeds: np.ndarray, positions: np.ndarray, index: np.ndarray | None = None) -> tuple[np.ndarray,
+                                                                                                   np.ndarray]:
         """The drafter's proposal for each position and its confidence: the right token with probability
-        ``acceptance_rate``, decided by a hash of (request, position)."""
+        ``acceptance_rate`` (with a profile: its conditional rate at the draft's ``index`` in the step), decided by a
+        hash of (request, position)."""
         right = self.token(seeds, positions)
-        ok = self._uniform(seeds, positions, 1) < self.acceptance_rate
+        rate = self.acceptance_rate
+        if self.conditional is not None and index is not None:
+            rate = self.conditional[np.minimum(index, len(self.conditional) - 1)] if len(self.conditional) else 0.0
+        ok = self._uniform(seeds, positions, 1) < rate
         v = self._uniform(seeds, positions, 2)
         return np.where(ok, right, (right + 1) % self.vocab_size), np.where(ok, 0.5 + 0.5 * v, 0.5 * v)
 
@@ -80,12 +100,13 @@ class FakeModel:
         seeds = self.slot_seed[out.slots][:, None]
         first = out.first_sample_positions[:, None]
         target = self.token(seeds, first + np.arange(k + 1)[None, :])
-        drafts = self.draft(seeds, first + np.arange(k)[None, :])[0]
+        drafts = self.draft(seeds, first + np.arange(k)[None, :], np.arange(k)[None, :])[0]
         match = (drafts == target[:, :k]) & (np.arange(k)[None, :] < out.num_drafts[:, None])
         accepted = np.cumprod(match, axis=1).sum(axis=1)  # leading matches
         conf = None
         if out.num_new_drafts:  # what it proposes for the next step, after the new tokens
-            conf = self.draft(seeds, first + accepted[:, None] + 1 + np.arange(out.num_new_drafts)[None, :])[1]
+            nxt = np.arange(out.num_new_drafts)[None, :]
+            conf = self.draft(seeds, first + accepted[:, None] + 1 + nxt, nxt)[1]
         return ModelResult(target, accepted.astype(np.int64), conf)
 
 
@@ -122,6 +143,30 @@ def draft_layers(cfg) -> int:
                           f"forwards): {exc}") from None
 
 
+def auto_step_costs(cfg, plan, dispatchers, costs: StepCostModel, layers: int) -> autotier.StepCostTable:
+    """``"auto"`` tiers' step costs as this cost model prices a uniform decode of n requests at q = 1 + K: the
+    target at its dispatched mode and padded size, plus the drafter's forwards (``drafter_ms``), at every request
+    count the target's FULL decode set at q holds (without one: the decode grid's counts up to max_num_seqs)."""
+    from dispatcher.plan import grids
+
+    sets = {g.q: g.sizes for g in plan.for_runner("target") if g.kind == FULL_DECODE and g.sizes}
+    by_q = {}
+    for k in cfg.tier_candidates:
+        q = 1 + k
+        sizes = [n for n in sets.get(q, grids.decode_grid(cfg.max_num_seqs))
+                 if n <= cfg.max_num_seqs and n * q <= cfg.max_num_batched_tokens]
+        points = []
+        for n in sizes:
+            out = SimpleNamespace(shape=BatchShape(n * q, n, q, True), num_new_drafts=k, samples=np.ones(n, bool))
+            descs = dispatch_step(dispatchers, cfg.method, out)
+            ms = costs.step_ms(descs.target.mode, descs.target.num_tokens) + drafter_ms(costs, descs, k, cfg.method,
+                                                                                      layers)
+            points.append((n, float(ms)))
+        if points:
+            by_q[q] = points
+    return autotier.StepCostTable(by_q, f"cost model {costs.name}")
+
+
 @dataclass
 class SimulationResult:
     summary: dict[str, Any]
@@ -131,8 +176,10 @@ class SimulationResult:
 def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: int, acceptance_rate: float = 0.7,
              num_kv_blocks: int | None = None, block_size: int = 16, cost_model: str = "bench-moe",
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
-             vocab_size: int = 32000) -> SimulationResult:
-    """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop)."""
+             vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
+             auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS) -> SimulationResult:
+    """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
+    the fake drafter's per-position acceptance (instead of ``acceptance_rate``)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
@@ -155,7 +202,15 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
                           f"tokens with drafts and lookahead: {per_request} blocks of {block_size} tokens); give at "
                           f"least {per_request}")
     scheduler = Scheduler(sched_cfg)
-    model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs)
+    auto = None
+    tier_changes: list[dict[str, Any]] = []
+    steps_by_k: Counter = Counter()
+    if cfg.auto_tiers:
+        table = auto_step_costs(cfg, plan, dispatchers, costs, layers)
+        auto = autotier.AutoTiers(autotier.chooser_for_plan(table, plan), cfg.acceptance_prior, auto_tier_interval)
+        scheduler.set_tiers(auto.tiers)
+        initial_tiers = auto.choice.as_config()
+    model = FakeModel(vocab_size, acceptance_rate, cfg.max_num_seqs, acceptance)
     trace = TraceWriter(step_trace)
     tally = StepTally()
     totals = Counter()
@@ -210,7 +265,15 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             totals["real_tokens"] += s.num_tokens
             totals["device_ms_" + desc.mode] += target_ms
             totals["draft_ms"] += draft_ms
-            trace.write(step_record(step.step_id, step, desc, host_ms, device_ms, descs.drafts()))
+            if auto is not None:
+                steps_by_k[step.num_new_drafts] += 1
+                stats = scheduler.stats
+                if auto.observe(stats.accepted_per_pos, stats.verified_per_pos):
+                    scheduler.set_tiers(auto.tiers)
+                    tier_changes.append({"after_step": step.step_id, "tiers": auto.choice.as_config(),
+                                         "acceptance": [round(p, 4) for p in auto.choice.acceptance]})
+            trace.write(step_record(step.step_id, step, desc, host_ms, device_ms, descs.drafts(),
+                                    k=step.num_new_drafts if auto is not None else None))
     finally:
         trace.close()
     counts = tally.summary()
@@ -240,4 +303,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "cost_model": cost_model,
         "config": plan.to_dict()["config"],
     }
+    if auto is not None:
+        summary["auto_tiers"] = {"initial": initial_tiers, "final": auto.choice.as_config(), "changes": tier_changes,
+                                 "steps_by_k": {str(k): v for k, v in sorted(steps_by_k.items())},
+                                 "measured_acceptance": [round(p, 4) for p in auto.acceptance()]}
     return SimulationResult(summary, outputs)

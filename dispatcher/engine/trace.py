@@ -40,10 +40,12 @@ def _brief(desc) -> dict[str, Any]:
 
 
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
-                eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0) -> dict[str, Any]:
+                eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0,
+                k: int | None = None) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
-    descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any."""
+    descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
+    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it)."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -69,6 +71,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec["draft"] = [_brief(d) for d in drafts]
     if jit_compiles:
         rec.update(jit_compiles=jit_compiles, jit_ms=round(jit_ms, 1))
+    if k is not None:
+        rec["k"] = k
     return rec
 
 
@@ -96,6 +100,22 @@ class TraceWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def read_traces(paths: str, flag: str) -> list[Any]:
+    """The records of step traces joined by commas, as a flag names them; ConfigError naming ``flag`` and the file
+    for one that cannot be read or is not a trace."""
+    from dispatcher.plan.config import ConfigError
+
+    records: list[Any] = []
+    for one in paths.split(","):
+        try:
+            records += read_trace(one)
+        except OSError as exc:
+            raise ConfigError(f"{flag}: cannot read {one!r}: {exc.strerror}") from None
+        except TraceError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+    return records
 
 
 def read_trace(path: str) -> list[dict[str, Any]]:

@@ -126,7 +126,13 @@ def one_token_steps(method: str | None, num_speculative_tokens: int) -> int:
 
 def _one_token_tiers(cfg: ResolvedConfig) -> list[Tier]:
     """The tiers whose steps run one-token draft forwards."""
-    return [t for t in cfg.tiers if one_token_steps(cfg.method, t.num_speculative_tokens) >= 1]
+    return [t for t in cfg.capture_tiers if one_token_steps(cfg.method, t.num_speculative_tokens) >= 1]
+
+
+def drafting_tiers(cfg: ResolvedConfig) -> list[Tier]:
+    """The tiers (those captured: ``ResolvedConfig.capture_tiers``) whose steps run the drafter: K >= 1. A K = 0
+    tier's steps are plain q = 1 decodes, with no drafter forward and no drafts."""
+    return [t for t in cfg.capture_tiers if t.num_speculative_tokens >= 1]
 
 
 def is_next_steps(runner: str) -> bool:
@@ -152,32 +158,38 @@ def _tier_decode_sizes(cfg: ResolvedConfig, tier: Tier, query_len: int) -> tuple
     list without tiers is captured as given, within the budget."""
     budget = cfg.decode_token_limit()
     sizes = tuple(n for n in cfg.decode_sizes(query_len) if n * query_len <= budget)
-    if len(cfg.tiers) == 1 and cfg.decode_sizes_explicit:
+    single = len(cfg.capture_tiers) == 1 or cfg.auto_tiers  # (auto: every candidate over every batch)
+    if single and cfg.decode_sizes_explicit:
         return sizes
     widest = min(tier.max_batch, cfg.max_num_batched_tokens // query_len)
     if widest < 1:
         return ()
     reach = grids.up_to_first_covering(sizes, widest)
-    if len(cfg.tiers) == 1:
+    if single:
         return reach
     below = sum(1 for n in reach if n < tier.min_batch)
     return reach[below:]
 
 
-def _decode_sets(cfg: ResolvedConfig, runner: str, q_of_tier) -> list[GraphSet]:
-    """One FULL decode set per distinct q over the tiers (tiers sharing a q share a set)."""
+def _decode_sets(cfg: ResolvedConfig, runner: str, q_of_tier, tiers: list[Tier] | None = None) -> list[GraphSet]:
+    """One FULL decode set per distinct q over the tiers (default: every captured tier; a drafter's: those that
+    draft), tiers sharing a q sharing a set."""
+    tiers = list(cfg.capture_tiers) if tiers is None else tiers
     by_q: dict[int, set[int]] = {}
-    for tier in cfg.tiers:
+    for tier in tiers:
         q = q_of_tier(tier)
         by_q.setdefault(q, set()).update(_tier_decode_sizes(cfg, tier, q))
-    return [GraphSet(runner, FULL_DECODE, q, tuple(sorted(s)), _decode_serves(cfg, q, q_of_tier)) for q, s in by_q.items()]
+    return [GraphSet(runner, FULL_DECODE, q, tuple(sorted(s)), _decode_serves(cfg, q, q_of_tier, tiers))
+            for q, s in by_q.items()]
 
 
-def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier) -> tuple[tuple[int, int], ...]:
+def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier,
+                   tiers: list[Tier] | None = None) -> tuple[tuple[int, int], ...]:
     """Uniform decodes at q: the batch ranges of the tiers using q, within the token limit."""
     top = cfg.max_num_batched_tokens // query_len
+    tiers = list(cfg.capture_tiers) if tiers is None else tiers
     return tuple(
-        (t.min_batch, min(t.max_batch, top)) for t in cfg.tiers if q_of_tier(t) == query_len and t.min_batch <= top
+        (t.min_batch, min(t.max_batch, top)) for t in tiers if q_of_tier(t) == query_len and t.min_batch <= top
     )
 
 
@@ -208,13 +220,14 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
     if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target, then one-token steps
         sets += _token_sets(cfg, method)
         if mode.has_full_decode:
-            sets += _decode_sets(cfg, method, target_q)
+            sets += _decode_sets(cfg, method, target_q, drafting_tiers(cfg))
         one_token = _one_token_tiers(cfg)
         if one_token:
             sets += _one_token_draft_sets(cfg, next_steps_runner(method), one_token)
     elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
-            sets += _decode_sets(cfg, method, lambda t: block_query_len(method, t.num_speculative_tokens))
+            sets += _decode_sets(cfg, method, lambda t: block_query_len(method, t.num_speculative_tokens),
+                                 drafting_tiers(cfg))
         else:
             sets += _token_sets(cfg, method)
     return CapturePlan(cfg, tuple(sets))
@@ -271,15 +284,16 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
     def token_sets(runner: str) -> list[GraphSet]:
         return _token_sets(cfg, runner, prefill)
 
-    def decode_sets(runner: str, q_of_tier) -> list[GraphSet]:
-        qs = dict.fromkeys(q_of_tier(t) for t in cfg.tiers)
+    def decode_sets(runner: str, q_of_tier, tiers: list[Tier] | None = None) -> list[GraphSet]:
+        tiers = list(cfg.capture_tiers) if tiers is None else tiers
+        qs = dict.fromkeys(q_of_tier(t) for t in tiers)
         return [
             GraphSet(
                 runner,
                 FULL_DECODE,
                 q,
                 tuple(n for n in grids.legacy_decode_sizes(tokens, q) if n <= cfg.max_num_seqs),
-                _decode_serves(cfg, q, q_of_tier),
+                _decode_serves(cfg, q, q_of_tier, tiers),
             )
             for q in qs
         ]
@@ -295,7 +309,7 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
     if method in ONE_TOKEN_DRAFTERS:
         sets += token_sets(method)
         if mode.has_full_decode:
-            sets += decode_sets(method, target_q)
+            sets += decode_sets(method, target_q, drafting_tiers(cfg))
         one_token = _one_token_tiers(cfg)
         if one_token:
             runner = next_steps_runner(method)
@@ -306,7 +320,8 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
                 sets += token_sets(runner)
     elif method in BLOCK_DRAFTERS:
         if mode.has_full_decode:
-            sets += decode_sets(method, lambda t: block_query_len(method, t.num_speculative_tokens))
+            sets += decode_sets(method, lambda t: block_query_len(method, t.num_speculative_tokens),
+                                drafting_tiers(cfg))
         else:
             sets += token_sets(method)
     return CapturePlan(cfg, tuple(sets))

@@ -111,7 +111,9 @@ class SpeculativeConfig:
     """K, drafts a request verifies per step (q = 1 + K). Default: the largest tier K when tiers are set."""
     num_speculative_tokens_per_batch_size: Any = UNSET
     """Dynamic SD tiers ``[[min_batch, K], ...]``: a uniform decode of n requests uses the K of the last
-    tier whose min_batch <= n. The first min_batch is 1; min_batch strictly increases; 1 <= K <= K_max."""
+    tier whose min_batch <= n. The first min_batch is 1; min_batch strictly increases; 0 <= K <= K_max (K = 0: that
+    tier does not draft). ``"auto"``: the engine chooses the tiers from the measured step cost per (requests, q) and
+    the measured acceptance per draft position, among K in ``auto_tier_candidates`` (dispatcher.plan.autotier)."""
     adaptive_verification: Any = UNSET
     """Bool. Decode steps verify a per-request number of drafts (1..1 + K) on FULL varlen graphs."""
     model: Any = UNSET
@@ -123,6 +125,15 @@ class SpeculativeConfig:
     prompt_lookup_max: Any = UNSET
     """method ngram: the longest n-gram (prompt_lookup_min..64) the drafter looks up, tried first. Default:
     prompt_lookup_min when that alone is given, else 3."""
+
+    acceptance_prior: Any = UNSET
+    """``"auto"`` tiers only: the acceptance the first tiers are chosen by, before any is measured: a number r (the
+    chance a draft is accepted given the one before it was: position j accepted by r^(j+1) of the verify events) or
+    per-position rates [p_0, p_1, ...] (non-increasing, in [0, 1]; continued by their last ratio). Default 0.6."""
+    auto_tier_candidates: Any = UNSET
+    """``"auto"`` tiers only: the K the engine chooses among (0..num_speculative_tokens, the largest being
+    num_speculative_tokens); each gets its FULL decode graphs over every batch size it can reach. Default: every K
+    from 0 to num_speculative_tokens."""
 
     @classmethod
     def from_dict(cls, data: Any) -> "SpeculativeConfig":
@@ -218,11 +229,26 @@ class ResolvedConfig:
     """method ngram: the shortest n-gram looked up (None for the other methods)."""
     prompt_lookup_max: int | None = None
     """method ngram: the longest n-gram looked up, tried first (None for the other methods)."""
+    auto_tiers: bool = False
+    """``"auto"`` tiers: ``tiers`` is where the engine starts before it has chosen (K_max for every batch); the plan
+    captures every candidate K over its reachable batches (``capture_tiers``)."""
+    tier_candidates: tuple[int, ...] = ()
+    """``"auto"`` tiers: the K the engine chooses among (sorted, K_max last)."""
+    acceptance_prior: tuple[float, ...] = ()
+    """``"auto"`` tiers: the acceptance per draft position the first tiers are chosen by (K_max entries)."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
         """The uniform-decode q of each tier, widest batch last."""
         return tuple(1 + t.num_speculative_tokens for t in self.tiers)
+
+    @property
+    def capture_tiers(self) -> tuple[Tier, ...]:
+        """The tiers the plan captures graphs for: ``tiers``, or under ``"auto"`` one tier a candidate K over every
+        batch size (1..max_num_seqs), so that whatever the engine chooses later has its graphs."""
+        if not self.auto_tiers:
+            return self.tiers
+        return tuple(Tier(1, self.max_num_seqs, k) for k in self.tier_candidates)
 
     def decode_sizes(self, query_len: int) -> tuple[int, ...]:
         """Uniform-decode request sizes at q tokens a request, before the token budget."""
@@ -248,9 +274,11 @@ class ResolvedConfig:
             "cudagraph_mode": self.cudagraph_mode.value,
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
-            "num_speculative_tokens_per_batch_size": [[t.min_batch, t.num_speculative_tokens] for t in self.tiers]
-            if len(self.tiers) > 1
+            "num_speculative_tokens_per_batch_size": "auto" if self.auto_tiers
+            else [[t.min_batch, t.num_speculative_tokens] for t in self.tiers] if len(self.tiers) > 1
             else None,
+            **({"auto_tier_candidates": list(self.tier_candidates), "acceptance_prior": list(self.acceptance_prior)}
+               if self.auto_tiers else {}),
             "adaptive_verification": self.adaptive_verification,
             "interactivity": self.interactivity,
             "max_prefill_cudagraph_capture_tokens": self.max_prefill_tokens,
@@ -348,7 +376,7 @@ def resolve(
     warn: list[str] = []
 
     # --- speculative decoding --------------------------------------------------------------------------
-    method, k_max, tiers, av = _resolve_speculative(sc, max_num_seqs, warn)
+    method, k_max, tiers, av, auto = _resolve_speculative(sc, max_num_seqs, warn)
 
     # --- graph mode ------------------------------------------------------------------------------------
     mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -423,6 +451,7 @@ def resolve(
         warnings=tuple(warn),
         draft_model=_draft_model(sc, method),
         **_prompt_lookup(sc, method),
+        **auto,
     )
 
 
@@ -469,30 +498,47 @@ def _prompt_lookup(sc: SpeculativeConfig, method: str | None) -> dict[str, int |
     return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
+AUTO_ONLY_FIELDS = ("acceptance_prior", "auto_tier_candidates")
+"""Speculative fields that only ``"auto"`` tiers read."""
+
+
 def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[str]):
+    """(method, K_max, tiers, adaptive verification, the ``"auto"`` fields of ResolvedConfig)."""
     given = {f.name for f in fields(sc) if getattr(sc, f.name) is not UNSET}
     if not given:
-        return None, 0, (Tier(1, max_num_seqs, 0),), False
+        return None, 0, (Tier(1, max_num_seqs, 0),), False, {}
     if sc.method is UNSET:
         raise ConfigError(f"--speculative-config: method is required (one of {', '.join(SPEC_METHODS)})")
     if sc.method not in SPEC_METHODS:
         raise ConfigError(f"method must be one of {', '.join(SPEC_METHODS)}; got {sc.method!r}")
     raw_tiers = sc.num_speculative_tokens_per_batch_size
+    name = "num_speculative_tokens_per_batch_size"
+    auto = raw_tiers == "auto"
+    if isinstance(raw_tiers, str) and not auto:
+        raise ConfigError(f"{name} must be a list of [min_batch, K] pairs or \"auto\", got {raw_tiers!r}")
+    if not auto:
+        for f in AUTO_ONLY_FIELDS:
+            if getattr(sc, f) is not UNSET:
+                raise ConfigError(f"--speculative-config: \"{f}\" is for \"{name}\": \"auto\", which is not set")
     k = sc.num_speculative_tokens
     if k is not UNSET:
         if not _is_int(k):
             raise ConfigError(f"num_speculative_tokens must be an integer, got {k!r} ({type(k).__name__})")
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    elif auto:
+        raise ConfigError(f"num_speculative_tokens is required with \"{name}\": \"auto\" (the largest K the "
+                          f"engine may choose)")
     elif raw_tiers is UNSET:
         raise ConfigError("num_speculative_tokens is required with a speculative method")
     av = _bool("adaptive_verification", sc.adaptive_verification)
+    if auto:
+        return sc.method, k, (Tier(1, max_num_seqs, k),), av, _resolve_auto(sc, k)
     if raw_tiers is UNSET or raw_tiers is None:
-        return sc.method, k, (Tier(1, max_num_seqs, k),), av
+        return sc.method, k, (Tier(1, max_num_seqs, k),), av, {}
 
-    name = "num_speculative_tokens_per_batch_size"
     if not isinstance(raw_tiers, list) or not raw_tiers:
-        raise ConfigError(f"{name} must be a non-empty list of [min_batch, K] pairs, got {raw_tiers!r}")
+        raise ConfigError(f"{name} must be a non-empty list of [min_batch, K] pairs or \"auto\", got {raw_tiers!r}")
     pairs: list[tuple[int, int]] = []
     for i, pair in enumerate(raw_tiers):
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
@@ -507,9 +553,12 @@ def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[st
                 f"{name}[{i}] min_batch {lo} must be greater than the previous tier's {pairs[i - 1][0]} "
                 f"(tiers sorted, not overlapping)"
             )
-        if not 1 <= tk <= k_limit:
-            raise ConfigError(f"{name}[{i}] K = {tk} must be in 1..{k_limit} (num_speculative_tokens)")
+        if not 0 <= tk <= k_limit:
+            raise ConfigError(f"{name}[{i}] K = {tk} must be in 0..{k_limit} (num_speculative_tokens; 0: no drafts)")
     k_max = k if k is not UNSET else max(tk for _, tk in pairs)
+    if not any(tk for _, tk in pairs):
+        raise ConfigError(f"{name}: every tier has K = 0 (no drafts at any batch size): give a tier K >= 1, or "
+                          f"leave --speculative-config out")
     reachable = [(lo, tk) for lo, tk in pairs if lo <= max_num_seqs]
     if len(reachable) < len(pairs):
         warn.append(
@@ -520,7 +569,31 @@ def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[st
         Tier(lo, (reachable[i + 1][0] - 1) if i + 1 < len(reachable) else max_num_seqs, tk)
         for i, (lo, tk) in enumerate(reachable)
     )
-    return sc.method, k_max, tiers, av
+    return sc.method, k_max, tiers, av, {}
+
+
+def _resolve_auto(sc: SpeculativeConfig, k_max: int) -> dict[str, Any]:
+    """The ``"auto"`` fields: the candidate K (0..K_max, K_max among them) and the prior acceptance."""
+    from dispatcher.plan.autotier import DEFAULT_ACCEPTANCE_RATE, acceptance_profile
+
+    name = "auto_tier_candidates"
+    candidates = tuple(range(k_max + 1))
+    if sc.auto_tier_candidates is not UNSET:
+        raw = sc.auto_tier_candidates
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError(f"{name} must be a non-empty list of K values (0..{k_max}), got {raw!r}")
+        for i, v in enumerate(raw):
+            if not _is_int(v):
+                raise ConfigError(f"{name}[{i}] must be an integer, got {v!r} ({type(v).__name__})")
+            if not 0 <= v <= k_max:
+                raise ConfigError(f"{name}[{i}] K = {v} must be in 0..{k_max} (num_speculative_tokens)")
+        candidates = tuple(sorted(set(raw)))
+        if candidates[-1] != k_max:
+            raise ConfigError(f"{name} {list(candidates)} must hold num_speculative_tokens = {k_max} (the largest K "
+                              f"sizes the drafts and the KV lookahead): add it, or lower num_speculative_tokens")
+    prior = DEFAULT_ACCEPTANCE_RATE if sc.acceptance_prior is UNSET else sc.acceptance_prior
+    return {"auto_tiers": True, "tier_candidates": candidates,
+            "acceptance_prior": acceptance_profile(prior, k_max, "acceptance_prior")}
 
 
 def _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, warn):

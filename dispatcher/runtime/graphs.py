@@ -562,27 +562,39 @@ class GraphRuntime:
         sets = [g for g in self.graph_sets if g.kind == kind and g.unit == "tokens" and len(g.sizes) >= 2]
         if not sets:
             return None
-        sizes, times = [], []
-        for size in sets[0].sizes:
-            self._reset_metadata(GraphKey(kind, sets[0].q, size))
-            graph = self.graphs[GraphKey(kind, sets[0].q, size)][0]
-            graph.replay()  # warm
-            runs = []
-            for _ in range(repeats):
-                if self.device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    runs.append(start.elapsed_time(end))
-                else:
-                    t0 = time.perf_counter()
-                    graph.replay()
-                    runs.append((time.perf_counter() - t0) * 1e3)
-            sizes.append(size)
-            times.append(sorted(runs)[len(runs) // 2])
-        return tuple(sizes), tuple(times)
+        sizes = tuple(sets[0].sizes)
+        return sizes, tuple(self._replay_ms(GraphKey(kind, sets[0].q, size), repeats) for size in sizes)
+
+    @torch.inference_mode()
+    def measure_decode_ms(self, repeats: int = 5) -> dict[int, list[tuple[int, float]]]:
+        """The median replay time (ms) of every captured FULL decode graph, by q: {q: [(requests, ms), ...]} (the
+        ``"auto"`` tiers' step costs; {} without such graphs). As ``measure_step_ms``, every row is padding: the
+        cost without attention over context."""
+        out: dict[int, list[tuple[int, float]]] = {}
+        for g in self.graph_sets:
+            if g.kind == FULL_DECODE and g.sizes:
+                out[g.q] = [(size, self._replay_ms(GraphKey(FULL_DECODE, g.q, size), repeats)) for size in g.sizes]
+        return out
+
+    def _replay_ms(self, key: GraphKey, repeats: int) -> float:
+        """The median of ``repeats`` timed replays of one FULL graph over padded inputs (after one to warm)."""
+        self._reset_metadata(key)
+        graph = self.graphs[key][0]
+        graph.replay()  # warm
+        runs = []
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                runs.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                graph.replay()
+                runs.append((time.perf_counter() - t0) * 1e3)
+        return sorted(runs)[len(runs) // 2]
 
     # -- replay ----------------------------------------------------------------------------------------------
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,

@@ -65,11 +65,12 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     worker = ModelWorker(wcfg, plan, model=model)
     report = worker.capture(progress=False)
     av = worker.runtime.measure_step_ms(FULL_VARLEN) if init.measure_av_curve else None
+    decode_costs = worker.measure_decode_costs() if init.measure_decode_costs else None
     capture = [{"runner": k.runner, "kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 3),
                 "measured_gib": round(k.measured_gib, 4),
                 "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in report.kinds]
     ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture, round(time.perf_counter() - start, 2),
-                        worker.device_name, av)
+                        worker.device_name, av, decode_costs)
     return worker, ready
 
 

@@ -235,6 +235,11 @@ class ModelWorker:
         """Replay times of the adaptive-verification graphs (its step-cost curve), or None without them."""
         return self.runtime.measure_step_ms(FULL_VARLEN)
 
+    def measure_decode_costs(self) -> dict[str, dict[int, list[tuple[int, float]]]]:
+        """Replay times of every runner's FULL decode graphs, {runner: {q: [(requests, ms), ...]}}: what ``"auto"``
+        speculative tiers weigh (``dispatcher.plan.autotier.decode_step_costs``)."""
+        return {rt.runner: rt.measure_decode_ms() for rt in self.runtimes}
+
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def submit(self, step: Step) -> "_Pending":

@@ -89,6 +89,7 @@ class EngineClient:
                                      int(sum(k["measured_gib"] for k in self.capture.capture) * 2**30))
             blocks = self.capture.num_kv_blocks
             self.metrics.set_queue(0, 0, blocks, blocks)  # an empty cache, until the engine reports its queue
+            self.metrics.set_spec_tiers(msg.tiers)
         self._task = asyncio.get_running_loop().create_task(self._receive())
         self.ready = True
         return self.capture
@@ -246,6 +247,8 @@ class EngineClient:
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
                                      s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos)
+                if s.tiers is not None:
+                    self.metrics.set_spec_tiers(s.tiers)
         if msg.queue is not None and self.metrics is not None:
             q = msg.queue
             self.metrics.set_queue(q.num_running, q.num_waiting, q.num_free_blocks, q.num_blocks)

@@ -169,7 +169,8 @@ def _setup(args: argparse.Namespace):
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size,
                       max_model_len, sched.max_blocks_per_seq, args.num_kv_blocks or 0, args.gpu_memory_utilization,
                       args.seed, not args.enforce_eager,
-                      fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification)
+                      fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
+                      measure_decode_costs=cfg.auto_tiers)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")

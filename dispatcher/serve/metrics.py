@@ -5,8 +5,9 @@ Who records what:
 
 - the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding,
   speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions), ``set_queue`` with the queue after each step and after aborts that no step follows
-  (running, waiting, free KV blocks), and ``set_capture`` once after capture (the engine process sends these to
-  the front end, which records them);
+  (running, waiting, free KV blocks), ``set_capture`` once after capture, and ``set_spec_tiers`` with the speculative
+  tiers at start and whenever ``"auto"`` tiers change (the engine process sends these to the front end, which records
+  them);
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
   sees each request from arrival to its last byte: TTFT, inter-token latency and end-to-end latency are measured
   where the client feels them, and prompt / generation token totals are counted once per request. The engine does
@@ -117,6 +118,11 @@ class EngineMetrics:
                                 "was still behind on earlier ones, and went out merged with them (several tokens a "
                                 "chunk). Growing with load: the front ends, not the GPU, limit throughput.").labels(
             model_name)
+        self._tier_k = gauge("spec_decode_tier_k", "Speculative tokens a request drafts in a uniform decode of "
+                             "min_batch..max_batch requests (the tiers in force: hand-written, or chosen by \"auto\" "
+                             "and re-chosen as the acceptance moves; 0: that tier does not draft).",
+                             ("min_batch", "max_batch"))
+        self._tier_labels: list[tuple[str, str]] = []
         self._capture_s = gauge("capture_seconds", "Wall time of CUDA-graph capture at start-up.").labels(model_name)
         self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs.").labels(
             model_name)
@@ -160,6 +166,21 @@ class EngineMetrics:
         self._kv_free.set(kv_free_blocks)
         self._kv_blocks.set(kv_blocks)
         self._kv_usage.set(1.0 - kv_free_blocks / kv_blocks if kv_blocks else 0.0)
+
+    def set_spec_tiers(self, tiers: Sequence[Sequence[int]]) -> None:
+        """The speculative tiers in force, (min_batch, max_batch, K) each: one ``spec_decode_tier_k`` series a tier.
+        A tier no longer in force loses its series (with several front-end processes, whose values outlive a
+        removal, it reads -1 instead)."""
+        labels = [(str(lo), str(hi)) for lo, hi, _ in tiers]
+        for old in self._tier_labels:
+            if old not in labels:
+                if self.multiprocess:
+                    self._tier_k.labels(self.model_name, *old).set(-1)
+                else:
+                    self._tier_k.remove(self.model_name, *old)
+        for (lo, hi), (_, _, k) in zip(labels, tiers):
+            self._tier_k.labels(self.model_name, lo, hi).set(k)
+        self._tier_labels = labels
 
     def set_capture(self, seconds: float, memory_bytes: int) -> None:
         """What capture took: wall seconds and the graphs' device memory."""

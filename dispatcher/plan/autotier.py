@@ -1,0 +1,487 @@
+"""Speculative tiers chosen automatically (``"num_speculative_tokens_per_batch_size": "auto"``).
+
+The decision is pure and deterministic (no torch, no clock): given
+
+- a step-cost table: ms per uniform decode step by (requests n, q = 1 + K), the drafter's forwards included, K = 0
+  being a plain q = 1 step with no drafter at all (``StepCostTable``; linear between measured request counts, flat
+  below the smallest, the last segment extended above the largest), and
+- the acceptance per draft position: p_j, the share of verify events that accepted more than j drafts (vLLM's
+  per-position counters), so that a request verifying K drafts yields 1 + sum_{j<K} p_j tokens a step,
+
+it gives each batch size n the K among the candidates that maximizes the expected output tokens per second,
+n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K), K allowed at n only where its q's costs (in the engine: its captured
+FULL decode graphs) reach n; where none reaches, the smallest candidate. Equal neighbours merge into tiers, returned
+in the configuration's ``[[min_batch, K], ...]`` form (``TierChooser``).
+
+At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: per
+position, drafts accepted over drafts verified at that position (events that verified fewer drafts cannot accept
+it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior with ``PRIOR_WEIGHT`` pseudo
+events (a position not verified lately keeps the prior's ratio to the position before it). Hysteresis: a batch size
+changes its K only when the new K beats the one in force there by more than ``HYSTERESIS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, ONE_TOKEN_DRAFTERS, block_query_len, next_steps_runner,
+                                          one_token_steps)
+from dispatcher.plan.config import ConfigError, load_json_file
+
+DEFAULT_ACCEPTANCE_RATE = 0.6
+"""The prior without ``acceptance_prior``: each draft accepted with 0.6 given the one before it was (p_j = 0.6^(j+1):
+mean acceptance length 2.18 at K = 3; the default model's shipped EAGLE-3 head measures 2.08 there)."""
+RECHOOSE_INTERVAL_STEPS = 64
+"""Engine steps between two re-choices."""
+HYSTERESIS = 0.05
+"""A batch size changes its K only for more than 5 % more expected tokens per second."""
+PRIOR_WEIGHT = 32.0
+"""Pseudo verify events of the prior at each position (a few steps of measured ones outweigh it)."""
+WINDOW_HALF_LIFE_STEPS = 128
+"""Steps after which a count weighs half: the acceptance is that of the last few hundred steps. When nothing is
+verified for a while (every tier at K = 0), the estimate returns to the prior, and drafting is tried again."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Acceptance
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_rate(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0
+
+
+def acceptance_profile(value: Any, k_max: int, name: str = "--acceptance") -> tuple[float, ...]:
+    """Per-position acceptance p_0..p_{K_max - 1} from a rate r (p_j = r^(j+1)), a list of rates (non-increasing:
+    accepting draft j + 1 needs draft j accepted), or their text ("0.6" or "0.6,0.35,0.2"). A list shorter than
+    K_max goes on by its last ratio (a single rate by itself). ConfigError naming ``name`` otherwise."""
+    if isinstance(value, str):
+        try:
+            parts = [float(p) for p in value.split(",")]
+        except ValueError:
+            raise ConfigError(f"{name} must be a rate or comma-separated per-position rates in [0, 1], "
+                              f"got {value!r}") from None
+        value = parts[0] if len(parts) == 1 else parts
+    if _is_rate(value):
+        return tuple(float(value) ** (j + 1) for j in range(k_max))
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{name} must be a rate in [0, 1] or a non-empty list of per-position rates, got {value!r}")
+    for i, p in enumerate(value):
+        if not _is_rate(p):
+            raise ConfigError(f"{name}[{i}] = {p!r} must be a rate in [0, 1]")
+        if i and p > value[i - 1]:
+            raise ConfigError(f"{name}[{i}] = {p} exceeds {name}[{i - 1}] = {value[i - 1]}: a draft is accepted "
+                              f"only after the one before it, so the rates never grow with the position")
+    if len(value) > k_max:
+        raise ConfigError(f"{name} has {len(value)} positions, more than num_speculative_tokens = {k_max}")
+    rates = [float(p) for p in value]
+    ratio = rates[-1] / rates[-2] if len(rates) >= 2 and rates[-2] > 0 else rates[-1]
+    while len(rates) < k_max:
+        rates.append(rates[-1] * ratio)
+    return tuple(rates)
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a request verifying k drafts yields a step: its own one and the accepted drafts, 1 + sum_{j<k} p_j."""
+    return 1.0 + float(sum(acceptance[:k]))
+
+
+def estimate_acceptance(accepted: Sequence[float], verified: Sequence[float], prior: Sequence[float],
+                        prior_weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
+    """Per-position acceptance from counts: at position j, (accepted_j + w * target_j) / (verified_j + w), the
+    target being the prior at j = 0 and, later, the estimate at j - 1 times the prior's ratio p_j / p_{j-1} (a
+    position verified by few events follows the one before it, as the prior does); never above position j - 1."""
+    out: list[float] = []
+    for j, p in enumerate(prior):
+        a = float(accepted[j]) if j < len(accepted) else 0.0
+        v = float(verified[j]) if j < len(verified) else 0.0
+        if j == 0:
+            target = p
+        else:
+            ratio = p / prior[j - 1] if prior[j - 1] > 0 else 0.0
+            target = out[-1] * ratio
+        est = (a + prior_weight * target) / (v + prior_weight) if v + prior_weight > 0 else target
+        est = min(max(est, 0.0), 1.0)
+        out.append(min(est, out[-1]) if out else est)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Step costs by (requests, q)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _is_ms(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _interp(points: Sequence[tuple[int, float]], n):
+    """ms at n (int or array) through (requests, ms) points: linear between them, flat below the first, the last
+    segment extended above the last (a single point: flat)."""
+    xs = np.array([p[0] for p in points], np.float64)
+    ys = np.array([p[1] for p in points], np.float64)
+    x = np.asarray(n, np.float64)
+    y = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
+    y = np.maximum(y, ys.min() * 1e-3)
+    return float(y) if np.ndim(y) == 0 else y
+
+
+class StepCostTable:
+    """ms per uniform decode step by q and request count; the JSON form is ``{"decode_step_ms": {"q": [[requests,
+    ms], ...], ...}}`` (what the engine caches under $TWOGRID_CACHE/spec_cost, and ``plan --auto-tiers`` reads)."""
+
+    def __init__(self, by_q: Mapping[int, Iterable[tuple[int, float]]], source: str = ""):
+        self.by_q: dict[int, tuple[tuple[int, float], ...]] = {}
+        for q, points in sorted(by_q.items()):
+            pts = tuple(sorted((int(n), float(ms)) for n, ms in points))
+            if pts:
+                self.by_q[int(q)] = pts
+        self.source = source
+
+    def ms(self, num_reqs, q: int):
+        """ms of a uniform decode of ``num_reqs`` (an int or an array) requests at q; KeyError without costs at q."""
+        return _interp(self.by_q[q], num_reqs)
+
+    def reach(self, q: int) -> int:
+        """The largest request count measured at q (0: none)."""
+        points = self.by_q.get(q)
+        return points[-1][0] if points else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"decode_step_ms": {str(q): [[n, round(ms, 5)] for n, ms in pts] for q, pts in self.by_q.items()}}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> "StepCostTable":
+        """From ``to_json``'s form; ConfigError naming ``where`` and the entry otherwise."""
+        if not isinstance(data, dict) or "decode_step_ms" not in data:
+            raise ConfigError(f"{where}: not a step-cost table {{\"decode_step_ms\": {{\"q\": [[requests, ms], ...]}}}}"
+                              f" (nor step traces: .jsonl)")
+        table = data["decode_step_ms"]
+        if not isinstance(table, dict) or not table:
+            raise ConfigError(f"{where}: \"decode_step_ms\" must map q to [[requests, ms], ...] lists")
+        by_q: dict[int, list[tuple[int, float]]] = {}
+        for key, points in table.items():
+            try:
+                q = int(key)
+            except ValueError:
+                q = 0
+            if q < 1:
+                raise ConfigError(f"{where}: decode_step_ms key {key!r} is not a query length q >= 1")
+            if not isinstance(points, list) or not points:
+                raise ConfigError(f"{where}: decode_step_ms[{key!r}] must be a non-empty list of [requests, ms]")
+            for i, point in enumerate(points):
+                if not (isinstance(point, list) and len(point) == 2 and _is_count(point[0]) and _is_ms(point[1])):
+                    raise ConfigError(f"{where}: decode_step_ms[{key!r}][{i}] = {point!r} is not [requests >= 1, "
+                                      f"ms > 0]")
+            counts = [p[0] for p in points]
+            if len(set(counts)) != len(counts):
+                raise ConfigError(f"{where}: decode_step_ms[{key!r}] lists a request count more than once")
+            by_q[q] = [(p[0], float(p[1])) for p in points]
+        return cls(by_q, where)
+
+
+def trace_step_costs(records: Iterable[Any], where: str) -> StepCostTable:
+    """Step costs from step traces of a real run: the median device time of the FULL uniform decodes at each (q,
+    padded requests) (a step's whole device time: the target, the drafter and sampling)."""
+    points: dict[int, dict[int, list[float]]] = {}
+    for rec in records:
+        if (isinstance(rec, dict) and rec.get("kind") == "uniform_decode" and rec.get("mode") == "FULL"
+                and _is_count(rec.get("q")) and _is_count(rec.get("padded_requests")) and _is_ms(rec.get("device_ms"))):
+            points.setdefault(rec["q"], {}).setdefault(rec["padded_requests"], []).append(float(rec["device_ms"]))
+    if not points:
+        raise ConfigError(f"{where}: the step traces hold no FULL uniform decode with a device time")
+    return StepCostTable({q: [(n, statistics.median(v)) for n, v in by_n.items()] for q, by_n in points.items()},
+                         where)
+
+
+def load_step_costs(path: str, flag: str = "--auto-tiers") -> StepCostTable:
+    """A step-cost table file (``StepCostTable``'s JSON), or step traces (``.jsonl``, several joined by commas)."""
+    if path.endswith(".jsonl"):
+        from dispatcher.engine.trace import read_traces
+
+        table = trace_step_costs(read_traces(path, flag), f"{flag}: {path!r}")
+    else:
+        table = StepCostTable.from_json(load_json_file(path, flag), f"{flag}: {path!r}")
+    table.source = path
+    return table
+
+
+def decode_step_costs(method: str | None, candidates: Sequence[int],
+                      tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]], source: str = "") -> StepCostTable:
+    """A step's cost per candidate K from each runner's measured FULL decode replay times (``tables[runner][q]``:
+    (requests, ms) points): the target at q = 1 + K, plus for K >= 1 the drafter's forwards: an EAGLE-style drafter's
+    or a draft model's step 0 at q and its one-token steps (``one_token_steps``) at q = 1, a block drafter's forward
+    at its q. K = 0 is the target alone. A drafter forward with no measured graphs (disabled) adds nothing."""
+    target = tables.get("target", {})
+    by_q: dict[int, list[tuple[int, float]]] = {}
+    for k in candidates:
+        q = 1 + k
+        points = target.get(q)
+        if not points:
+            continue
+        extra: list[tuple[float, Sequence[tuple[int, float]]]] = []
+        if k and method in ONE_TOKEN_DRAFTERS:
+            extra.append((1.0, tables.get(method, {}).get(q, ())))
+            extra.append((float(one_token_steps(method, k)), tables.get(next_steps_runner(method), {}).get(1, ())))
+        elif k and method in BLOCK_DRAFTERS:
+            extra.append((1.0, tables.get(method, {}).get(block_query_len(method, k), ())))
+        pts = sorted(points)
+        by_q[q] = [(n, ms + sum(times * _interp(sorted(p), n) for times, p in extra if p and times))
+                   for n, ms in pts]
+    return StepCostTable(by_q, source)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The decision
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    """Tiers chosen for one acceptance: ``tiers`` in the configuration's form ((min_batch, K), ...)."""
+
+    tiers: tuple[tuple[int, int], ...]
+    k_of_batch: np.ndarray
+    """K for n requests, n in 0..max_num_seqs (entry 0 = entry 1)."""
+    acceptance: tuple[float, ...]
+
+    def resolved(self, max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
+        """(min_batch, max_batch, K) per tier, the scheduler's form."""
+        return tuple((lo, (self.tiers[i + 1][0] - 1) if i + 1 < len(self.tiers) else max_num_seqs, k)
+                     for i, (lo, k) in enumerate(self.tiers))
+
+    def as_config(self) -> list[list[int]]:
+        return [[lo, k] for lo, k in self.tiers]
+
+    def text(self) -> str:
+        return "[" + ", ".join(f"[{lo}, {k}]" for lo, k in self.tiers) + "]"
+
+
+INVALID = -1e9
+"""The score of a K at a batch size it cannot run (beyond its graphs): below any real one, finite for the sums."""
+
+
+def staircase(score: np.ndarray) -> np.ndarray:
+    """For a (candidates, n) score matrix, candidates in increasing K: the candidate index per column, never rising
+    from one column to the next, that maximizes the total score; ties go to the smaller K. A dynamic program over
+    the candidates, from the largest K (the first columns) down, each step a few array operations over the columns:
+    best[i][n], the best total of columns 1..n using candidates K_max..K_i, is the best of best[i + 1][n] and,
+    for the last run of candidate i over columns m+1..n, max over m <= n of best[i + 1][m] + S_i[n] - S_i[m]
+    (S_i the prefix sums of row i): a running maximum."""
+    num, width = score.shape
+    order = list(range(num - 1, -1, -1))  # largest K first: it takes the first columns
+    prefix = np.concatenate((np.zeros((num, 1)), np.cumsum(score, axis=1)), axis=1)  # (num, width + 1)
+    best = np.full(width + 1, -np.inf)
+    best[0] = 0.0
+    cols = np.arange(width + 1)
+    starts, takes = [], []
+    for i in order:
+        arr = best - prefix[i]
+        running = np.maximum.accumulate(arr)
+        new_max = arr > np.concatenate(([-np.inf], running[:-1]))
+        start = np.maximum.accumulate(np.where(new_max, cols, 0))  # the earliest m reaching the running max
+        run = prefix[i] + running
+        take = run >= best  # (ties: the smaller K, this one)
+        starts.append(start)
+        takes.append(take)
+        best = np.where(take, run, best)
+    out = np.empty(width, np.int64)
+    n, step = width, num - 1
+    while n > 0:
+        i = order[step]
+        if takes[step][n]:
+            m = int(starts[step][n])
+            out[m:n] = i
+            n = m
+        step -= 1
+    return out
+
+
+def merge_tiers(k_of_batch: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """((min_batch, K), ...) from K per batch size 1..max (entry 0 ignored): equal neighbours merged."""
+    ks = k_of_batch[1:]
+    starts = np.concatenate(([0], np.nonzero(np.diff(ks))[0] + 1))
+    return tuple((int(s) + 1, int(ks[s])) for s in starts)
+
+
+class TierChooser:
+    """The decision for one cost table, candidate set and batch limit; the cost of every (K, n) is computed once, so
+    a choice is a few array operations."""
+
+    def __init__(self, costs: StepCostTable, candidates: Sequence[int], max_num_seqs: int,
+                 reach: Mapping[int, int] | None = None):
+        """``reach[K]``: the largest batch K may be chosen at (in the engine: its q's largest captured FULL decode
+        graph); never past the largest request count the table measured at q (no extrapolation) or max_num_seqs."""
+        self.costs, self.max_num_seqs = costs, max_num_seqs
+        self.candidates = tuple(sorted(set(candidates)))
+        if not self.candidates:
+            raise ValueError("auto tiers need at least one candidate K")
+        limit = dict(reach) if reach is not None else {}
+        self.reach = {k: max(0, min(limit.get(k, max_num_seqs), costs.reach(1 + k), max_num_seqs))
+                      for k in self.candidates}
+        self.fallback = self.candidates[0]
+        n = np.arange(max_num_seqs + 1, dtype=np.float64)
+        self.ms = np.full((len(self.candidates), max_num_seqs + 1), np.inf)
+        for i, k in enumerate(self.candidates):
+            top = self.reach[k]
+            if top >= 1:
+                self.ms[i, 1 : top + 1] = costs.ms(n[1 : top + 1], 1 + k)
+        self.valid = np.isfinite(self.ms)
+        self._n = n
+
+    def throughput(self, acceptance: Sequence[float]) -> np.ndarray:
+        """Expected output tokens per second for each candidate (rows) and batch size (columns, 0..max_num_seqs):
+        n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K) * 1000; -inf where K cannot run n on its graphs."""
+        tokens = np.array([expected_tokens(acceptance, k) for k in self.candidates])[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tps = np.where(self.valid, self._n[None, :] * tokens / self.ms * 1e3, -np.inf)
+        return tps
+
+    def choose(self, acceptance: Sequence[float], current: np.ndarray | None = None,
+               hysteresis: float = 0.0) -> TierChoice:
+        """K for every batch size, merged into tiers. Each batch size n scores each K by its expected tokens/s over
+        the best K's there (1 for the best); K may only fall as n grows (a staircase: measured costs are noisy, and
+        a per-size argmax would split a range into many tiers over differences of a fraction of a percent); the
+        staircase with the highest total score wins (``staircase``), ties going to the smaller K. With ``current`` (K
+        per batch size, a TierChoice's ``k_of_batch``) the K in force at n scores ``1 + hysteresis`` times more, so
+        that it changes only for a K that beats it there by more than that (or where it can no longer run)."""
+        tps = self.throughput(acceptance)
+        best = tps.max(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = np.where(np.isfinite(tps) & (best > 0), tps / best, 0.0)
+        score = np.where(np.isfinite(tps), score, INVALID)
+        if current is not None:
+            index = {k: i for i, k in enumerate(self.candidates)}
+            cur_i = np.array([index.get(int(k), -1) for k in current])
+            cols = np.nonzero(cur_i >= 0)[0]
+            rows = cur_i[cols]
+            ok = np.isfinite(tps[rows, cols])
+            score[rows[ok], cols[ok]] *= 1.0 + hysteresis
+        k_of = np.empty(self.max_num_seqs + 1, np.int64)
+        k_of[1:] = np.array(self.candidates)[staircase(score[:, 1:])]
+        k_of[0] = k_of[1] if self.max_num_seqs >= 1 else 0
+        return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance))
+
+    def explain(self, choice: TierChoice) -> list[dict[str, Any]]:
+        """Per chosen tier: its batch range, its K, and each candidate's expected tokens/s at the range's ends (None
+        where the candidate cannot run there)."""
+        tps = self.throughput(choice.acceptance)
+        rows = []
+        for lo, hi, k in choice.resolved(self.max_num_seqs):
+            per_k = {}
+            for i, c in enumerate(self.candidates):
+                ends = [tps[i, lo], tps[i, hi]]
+                per_k[c] = [round(float(v), 1) if np.isfinite(v) else None for v in ends]
+            rows.append({"min_batch": lo, "max_batch": hi, "k": k, "tokens_per_s": per_k})
+        return rows
+
+
+class AutoTiers:
+    """The engine's (and simulate's) tiers under ``"auto"``: chosen from the prior at start, then every
+    ``interval`` steps from the scheduler's per-position counters (``observe``), with hysteresis."""
+
+    def __init__(self, chooser: TierChooser, prior: Sequence[float], interval: int = RECHOOSE_INTERVAL_STEPS,
+                 hysteresis: float = HYSTERESIS, prior_weight: float = PRIOR_WEIGHT,
+                 half_life_steps: float = WINDOW_HALF_LIFE_STEPS):
+        if interval < 1:
+            raise ValueError(f"auto tiers: the re-choice interval must be >= 1 step, got {interval}")
+        self.chooser, self.prior = chooser, tuple(prior)
+        self.interval, self.hysteresis, self.prior_weight = interval, hysteresis, prior_weight
+        self.decay = 0.5 ** (interval / half_life_steps)
+        """Weight the window's counts keep at each re-choice."""
+        self.choice = chooser.choose(self.prior)
+        self.changes = 0
+        """Times the tiers changed after the first choice."""
+        k = len(self.prior)
+        self._steps = 0
+        self._seen_accepted = [0] * k
+        self._seen_verified = [0] * k
+        self._accepted = [0.0] * k
+        self._verified = [0.0] * k
+
+    @property
+    def tiers(self) -> tuple[tuple[int, int, int], ...]:
+        """The tiers in force, (min_batch, max_batch, K) each."""
+        return self.choice.resolved(self.chooser.max_num_seqs)
+
+    def acceptance(self) -> tuple[float, ...]:
+        """The acceptance per position the window's counts give (the prior before any)."""
+        return estimate_acceptance(self._accepted, self._verified, self.prior, self.prior_weight)
+
+    def observe(self, accepted_per_pos: Sequence[int], verified_per_pos: Sequence[int], steps: int = 1) -> bool:
+        """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
+        and ``verified_per_pos``). Every ``interval`` steps: the window takes what they added, the acceptance is
+        estimated and the tiers chosen again. True when the tiers changed."""
+        self._steps += steps
+        if self._steps < self.interval:
+            return False
+        self._steps = 0
+        for j in range(len(self.prior)):
+            a = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
+            v = verified_per_pos[j] if j < len(verified_per_pos) else 0
+            self._accepted[j] = self.decay * self._accepted[j] + (a - self._seen_accepted[j])
+            self._verified[j] = self.decay * self._verified[j] + (v - self._seen_verified[j])
+            self._seen_accepted[j], self._seen_verified[j] = a, v
+        new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis)
+        changed = new.tiers != self.choice.tiers
+        self.choice = new
+        self.changes += changed
+        return changed
+
+
+def chooser_for_plan(costs: StepCostTable, plan) -> TierChooser:
+    """The decision for an ``"auto"`` plan: its candidates, each allowed up to its q's largest captured FULL decode
+    size of the target (without FULL decode graphs: as far as the table goes)."""
+    cfg = plan.config
+    reach = {}
+    sets = {g.q: g for g in plan.for_runner("target") if g.kind == "full_decode"}
+    for k in cfg.tier_candidates:
+        g = sets.get(1 + k)
+        if g is not None:
+            reach[k] = g.largest
+    return TierChooser(costs, cfg.tier_candidates, cfg.max_num_seqs, reach or None)
+
+
+def render_choice(chooser: TierChooser, choice: TierChoice) -> str:
+    """``plan --auto-tiers``' text: the acceptance and tokens per step per K, then per tier the expected tokens/s of
+    every K at the tier's ends, the chosen one marked."""
+    lines = ["acceptance per draft position: " + ", ".join(f"{p:.3f}" for p in choice.acceptance),
+             "expected tokens a step: " + ", ".join(f"K={k}: {expected_tokens(choice.acceptance, k):.3f}"
+                                                    for k in chooser.candidates)]
+    missing = [k for k in chooser.candidates if not chooser.reach[k]]
+    if missing:
+        lines.append("no step costs at q = " + ", ".join(str(1 + k) for k in missing) + ": K = "
+                     + ", ".join(map(str, missing)) + " never chosen")
+    header = ["requests", "K"] + [f"K={k} tok/s" for k in chooser.candidates]
+    rows = []
+    for r in chooser.explain(choice):
+        cells = [f"{r['min_batch']}..{r['max_batch']}", r["k"]]
+        for k in chooser.candidates:
+            lo, hi = r["tokens_per_s"][k]
+            cell = "-" if lo is None and hi is None else f"{_short(lo)}..{_short(hi)}"
+            cells.append(cell + (" *" if k == r["k"] else ""))
+        rows.append(cells)
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    lines += ["", fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    lines += ["", f"tiers: {json.dumps(choice.as_config())}  (* the K chosen; tok/s at the range's first..last batch)"]
+    return "\n".join(lines)
+
+
+def _short(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.0f}"

@@ -1,0 +1,317 @@
+"""Speculative tiers chosen automatically ("num_speculative_tokens_per_batch_size": "auto"): the decision (pure,
+deterministic), its re-choice as the acceptance drifts, K = 0 tiers through the plan and the scheduler, the plan
+command, the metrics gauge. No torch here (the engine runs are in test_autotier_engine.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dispatcher.cli import main
+from dispatcher.engine.config import scheduler_config
+from dispatcher.plan.autotier import (AutoTiers, StepCostTable, TierChooser, acceptance_profile, chooser_for_plan,
+                                      decode_step_costs, estimate_acceptance, expected_tokens, load_step_costs,
+                                      staircase, trace_step_costs)
+from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
+from dispatcher.plan.config import ConfigError, resolve
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import ModelResult, Scheduler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AUTO = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"}
+
+
+def recorded_h200(model: str) -> StepCostTable:
+    """FULL decode replay times measured on an H200 (docs/bench/runtime_h200.json), by q and request count: the
+    target alone (a drafter that runs no model, as n-gram)."""
+    with open(os.path.join(ROOT, "docs", "bench", "runtime_h200.json"), encoding="utf-8") as fh:
+        data = json.load(fh)
+    steps = next(m["steps"] for m in data["models"] if m["model"] == model)
+    by_q: dict[int, list] = {}
+    for s in steps:
+        if s["kind"] == "full_decode":
+            by_q.setdefault(s["q"], []).append((s["size"], s["replay_ms"]))
+    return StepCostTable(by_q, "runtime_h200.json")
+
+
+SMALL = StepCostTable({1: [(1, 10.0), (4, 10.0), (8, 20.0)], 2: [(1, 12.0), (4, 16.0), (8, 40.0)]})
+"""ms by (requests, q): q = 1 flat to 4 requests, then 2.5 ms a request; q = 2 dearer and steeper."""
+
+
+# -- the arithmetic, by hand ------------------------------------------------------------------------------------
+def test_expected_throughput_by_hand_on_a_small_table():
+    chooser = TierChooser(SMALL, [0, 1], 8)
+    tps = chooser.throughput([0.5])  # K = 1 yields 1.5 tokens a step
+    # n = 1: K=0 1 token / 10 ms = 100 tok/s; K=1 1.5 / 12 ms = 125 tok/s
+    # n = 3: K=0 3 / 10 = 300; K=1 4.5 / (12 + 4 * 2/3) = 4.5 / 14.667 ms = 306.8 tok/s
+    # n = 4: K=0 4 / 10 = 400; K=1 6 / 16 = 375;  n = 5: K=0 5 / 12.5 = 400; K=1 7.5 / 22 = 340.9
+    assert tps[0, 1:6] == pytest.approx([100, 200, 300, 400, 400])
+    assert tps[1, 1:6] == pytest.approx([125, 225, 4.5 / (12 + 8 / 3) * 1e3, 375, 7.5 / 22 * 1e3])
+    choice = chooser.choose([0.5])
+    assert choice.tiers == ((1, 1), (4, 0)) and choice.as_config() == [[1, 1], [4, 0]]
+    assert choice.resolved(8) == ((1, 3, 1), (4, 8, 0))
+    rows = chooser.explain(choice)
+    assert rows[0] == {"min_batch": 1, "max_batch": 3, "k": 1, "tokens_per_s": {0: [100.0, 300.0], 1: [125.0, 306.8]}}
+    # n = 8: K=0 8 / 20 ms = 400; K=1 12 / 40 ms = 300
+    assert rows[1]["tokens_per_s"][0] == [400.0, 400.0] and rows[1]["tokens_per_s"][1] == [375.0, 300.0]
+    assert expected_tokens([0.5, 0.25], 0) == 1 and expected_tokens([0.5, 0.25], 2) == 1.75
+
+
+def test_k0_where_drafting_cannot_pay():
+    table = recorded_h200("bench-moe-large")
+    chooser = TierChooser(table, [0, 3, 7], 1024)
+    assert chooser.choose(acceptance_profile(0.0, 7)).tiers == ((1, 0),)  # nothing accepted: never draft
+    # a GPU-bound model: drafting pays at small batches, not at large ones
+    assert chooser.choose(acceptance_profile(0.3, 7)).tiers == ((1, 3), (213, 0))
+    assert chooser.choose(acceptance_profile(0.6, 7)).tiers == ((1, 3), (724, 0))
+
+
+def test_the_recorded_h200_table_gives_the_same_tiers_every_time():
+    table = recorded_h200("bench-moe")
+    chooser = TierChooser(table, [0, 3, 7], 1024)
+    expected = {0.3: ((1, 3), (72, 0)), 0.6: ((1, 7), (11, 3), (228, 0)), 0.8: ((1, 7), (60, 3), (703, 0)),
+                0.95: ((1, 7), (501, 3))}
+    for rate, tiers in expected.items():
+        for _ in range(2):
+            assert TierChooser(table, [0, 3, 7], 1024).choose(acceptance_profile(rate, 7)).tiers == tiers
+    # every K's reach: the largest measured request count at its q
+    assert chooser.reach == {0: 1024, 3: 1024, 7: 1024}
+
+
+def test_a_k_is_never_chosen_past_its_reach_and_no_reach_falls_back_to_the_smallest():
+    table = StepCostTable({1: [(1, 1.0), (4, 1.0)], 4: [(1, 1.0), (8, 1.0)]})
+    chooser = TierChooser(table, [0, 3], 16, reach={3: 6})
+    choice = chooser.choose([1.0, 1.0, 1.0])  # K = 3 yields 4x the tokens at the same cost
+    assert choice.tiers == ((1, 3), (7, 0))  # K = 3 to its reach 6; K = 0 reaches 4 only: past both, the smallest K
+    assert np.isinf(chooser.throughput([1.0] * 3)[0, 5:]).all()
+
+
+def test_the_staircase_is_the_best_non_increasing_choice():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        rows, cols = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+        score = rng.integers(0, 4, size=(rows, cols)).astype(float)
+        got = staircase(score)
+        assert all(got[j] >= got[j + 1] for j in range(cols - 1))
+        best = max(sum(score[p[j], j] for j in range(cols)) for p in itertools.product(range(rows), repeat=cols)
+                   if all(p[j] >= p[j + 1] for j in range(cols - 1)))
+        assert sum(score[got[j], j] for j in range(cols)) == best
+    assert staircase(np.ones((3, 5))).tolist() == [0] * 5  # ties: the smaller K
+
+
+# -- acceptance -------------------------------------------------------------------------------------------------
+def test_acceptance_profiles():
+    assert acceptance_profile(0.5, 3) == (0.5, 0.25, 0.125)
+    assert acceptance_profile("0.8,0.4", 4) == pytest.approx((0.8, 0.4, 0.2, 0.1))  # continued by the last ratio
+    assert acceptance_profile([0.7], 3) == pytest.approx((0.7, 0.49, 0.343))
+    assert acceptance_profile("0.6", 2) == pytest.approx((0.6, 0.36))
+    with pytest.raises(ConfigError, match=r"--acceptance must be a rate or comma-separated"):
+        acceptance_profile("0.6,x", 3)
+    with pytest.raises(ConfigError, match=r"--acceptance\[1\] = 0.9 exceeds"):
+        acceptance_profile("0.5,0.9", 3)
+
+
+def test_estimate_follows_counts_and_keeps_the_priors_ratio_where_none_verified():
+    prior = (0.6, 0.36, 0.216)
+    assert estimate_acceptance([0, 0, 0], [0, 0, 0], prior) == pytest.approx(prior)
+    # position 0 verified a lot at 0.9, positions 1-2 never (a K = 1 tier): they follow 0.9 by the prior's ratio
+    est = estimate_acceptance([9000, 0, 0], [10000, 0, 0], prior, prior_weight=32)
+    assert est[0] == pytest.approx((9000 + 32 * 0.6) / 10032)
+    assert est[1] == pytest.approx(est[0] * 0.6) and est[2] == pytest.approx(est[1] * 0.6)
+    # never above the position before
+    assert estimate_acceptance([10, 100], [100, 100], (0.5, 0.25), prior_weight=0)[1] == pytest.approx(0.1)
+
+
+# -- re-choosing at runtime ---------------------------------------------------------------------------------------
+def drive(auto: AutoTiers, rates, events_per_step: int, steps: int, state) -> list:
+    """Feed the controller ``steps`` steps of verify events at per-position ``rates``; returns the tiers after each
+    change. ``state``: the cumulative counters (accepted, verified), updated."""
+    changes = []
+    for _ in range(steps):
+        for j, p in enumerate(rates):
+            state[1][j] += events_per_step
+            state[0][j] += int(round(p * events_per_step))
+        if auto.observe(state[0], state[1]):
+            changes.append(auto.choice.tiers)
+    return changes
+
+
+def test_tiers_follow_the_acceptance_as_it_drifts_with_hysteresis():
+    chooser = TierChooser(recorded_h200("bench-moe"), [0, 3, 7], 1024)
+    auto = AutoTiers(chooser, acceptance_profile(0.6, 7), interval=8)
+    start = auto.choice.tiers
+    assert start == ((1, 7), (11, 3), (228, 0))
+    state = ([0] * 7, [0] * 7)
+    assert drive(auto, acceptance_profile(0.6, 7), 100, 7, state) == []  # before the interval: nothing
+    # the same acceptance, measured: hysteresis holds the tiers (a few percent either way changes nothing)
+    assert drive(auto, acceptance_profile(0.61, 7), 100, 40, state) == []
+    assert drive(auto, acceptance_profile(0.59, 7), 100, 40, state) == []
+    assert auto.choice.tiers == start and auto.changes == 0
+    # the drafts get better: more drafting, further out
+    changes = drive(auto, acceptance_profile(0.9, 7), 100, 400, state)
+    assert changes and auto.choice.tiers[0] == (1, 7) and auto.choice.tiers[1][0] > 11  # K = 7 further out
+    assert all(k for _, k in auto.choice.tiers[:2]) and (auto.choice.tiers[-1][1] or auto.choice.tiers[-1][0] > 228)
+    high = auto.choice.tiers
+    # then worse than useless: no drafting anywhere
+    drive(auto, acceptance_profile(0.02, 7), 100, 400, state)  # (the window forgets over a few hundred steps)
+    assert auto.choice.tiers[-1][1] == 0 and auto.choice.tiers[-1][0] < 228  # drafting where it was almost free only
+    drive(auto, acceptance_profile(0.02, 7), 100, 1200, state)
+    assert auto.choice.tiers == ((1, 0),)  # (K = 7 costs 18 % more than K = 0 at one request on the H200)
+    assert auto.changes >= 2
+    # deterministic: the same counters give the same tiers
+    again = AutoTiers(chooser, acceptance_profile(0.6, 7), interval=8)
+    state2 = ([0] * 7, [0] * 7)
+    for rates, steps in ((0.6, 7), (0.61, 40), (0.59, 40), (0.9, 400)):
+        drive(again, acceptance_profile(rates, 7), 100, steps, state2)
+    assert again.choice.tiers == high
+
+
+def test_hysteresis_keeps_a_k_that_loses_by_less_than_its_margin():
+    chooser = TierChooser(SMALL, [0, 1], 8)
+    current = chooser.choose([0.5]).k_of_batch  # [[1, 1], [4, 0]]
+    # at p = 0.45, K = 1 at n = 3: 4.35 / 14.667 = 296.6 tok/s against K = 0's 300: K = 0 wins by 1.1 %
+    assert chooser.choose([0.45]).tiers == ((1, 1), (3, 0))
+    assert chooser.choose([0.45], current, hysteresis=0.05).tiers == ((1, 1), (4, 0))
+    assert chooser.choose([0.45], current, hysteresis=0.005).tiers == ((1, 1), (3, 0))
+
+
+# -- step costs -------------------------------------------------------------------------------------------------
+def test_step_costs_add_the_drafters_forwards():
+    tables = {"target": {1: [(1, 2.0), (8, 3.0)], 4: [(1, 2.5), (8, 4.0)]},
+              "eagle3": {4: [(1, 0.5), (8, 1.0)]}, "eagle3_next_steps": {1: [(1, 0.25), (16, 0.5)]}}
+    costs = decode_step_costs("eagle3", [0, 3], tables)
+    assert costs.by_q[1] == ((1, 2.0), (8, 3.0))  # K = 0: the target alone
+    # K = 3: target + step 0 at q = 4 + two one-token steps at q = 1 (interpolated: 0.25 + 7/15 * 0.25 at n = 8)
+    assert costs.ms(1, 4) == pytest.approx(2.5 + 0.5 + 2 * 0.25)
+    assert costs.ms(8, 4) == pytest.approx(4.0 + 1.0 + 2 * (0.25 + 7 / 15 * 0.25))
+    block = decode_step_costs("dspark", [2], {"target": {3: [(1, 2.0)]}, "dspark": {2: [(1, 1.0)]}})
+    assert block.ms(1, 3) == pytest.approx(3.0)  # dspark's forward at q = K
+
+
+def test_cost_tables_read_and_refuse(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(SMALL.to_json()))
+    assert load_step_costs(str(path)).by_q == SMALL.by_q
+    for data, needle in (({"FULL": []}, "not a step-cost table"),
+                         ({"decode_step_ms": {"0": [[1, 1.0]]}}, "key '0' is not a query length"),
+                         ({"decode_step_ms": {"1": [[1, -1.0]]}}, "[1, -1.0] is not [requests >= 1, ms > 0]"),
+                         ({"decode_step_ms": {"1": [[1, 1.0], [1, 2.0]]}}, "lists a request count more than once")):
+        path.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as info:
+            load_step_costs(str(path))
+        assert needle in str(info.value)
+    records = [{"kind": "uniform_decode", "mode": "FULL", "q": 2, "padded_requests": 4, "device_ms": ms}
+               for ms in (1.0, 3.0, 2.0)] + [{"kind": "mixed", "mode": "FULL", "device_ms": 9.0}]
+    assert trace_step_costs(records, "t").by_q == {2: ((4, 2.0),)}
+
+
+# -- configuration and the plan -----------------------------------------------------------------------------------
+def test_auto_resolves_candidates_and_prior():
+    cfg = resolve({}, AUTO, platform="sm100", max_num_seqs=256)
+    assert cfg.auto_tiers and cfg.tier_candidates == (0, 1, 2, 3) and cfg.num_speculative_tokens == 3
+    assert cfg.acceptance_prior == pytest.approx((0.6, 0.36, 0.216))
+    assert cfg.tiers[0].num_speculative_tokens == 3  # where the engine starts before it has chosen
+    d = cfg.to_dict()
+    assert d["num_speculative_tokens_per_batch_size"] == "auto" and d["auto_tier_candidates"] == [0, 1, 2, 3]
+    cfg = resolve({}, {**AUTO, "auto_tier_candidates": [3, 0], "acceptance_prior": [0.8, 0.4]}, platform="sm100")
+    assert cfg.tier_candidates == (0, 3) and cfg.acceptance_prior == pytest.approx((0.8, 0.4, 0.2))
+
+
+def test_auto_captures_every_candidate_over_its_reach():
+    cfg = resolve({}, {**AUTO, "num_speculative_tokens": 7, "auto_tier_candidates": [0, 3, 7]}, platform="sm100")
+    plan = build_plan(cfg)
+    target = {g.q: g.sizes for g in plan.for_runner("target") if g.kind == FULL_DECODE}
+    assert sorted(target) == [1, 4, 8]
+    assert target[1][-1] == 1024 and target[4][-1] == 1024 and target[8][-1] == 512  # the 4096-token budget
+    assert len(target[1]) == len(target[4]) == 64 and len(target[8]) == 48
+    head = {g.q: g.sizes for g in plan.for_runner("eagle3") if g.kind == FULL_DECODE}
+    assert sorted(head) == [4, 8]  # K = 0 runs no drafter
+    assert {g.q for g in plan.for_runner("eagle3_next_steps")} == {1}
+    chooser = chooser_for_plan(recorded_h200("bench-moe"), plan)
+    assert chooser.reach == {0: 1024, 3: 1024, 7: 512}
+
+
+def test_k0_tiers_in_the_plan_and_the_scheduler():
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [3, 0]]}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    plan = build_plan(cfg)
+    assert {g.q for g in plan.for_runner("target") if g.kind == FULL_DECODE} == {4, 1}
+    assert [g.q for g in plan.for_runner("dspark")] == [3]  # no drafter graphs for the K = 0 tier (dspark's q = K)
+    sched = Scheduler(scheduler_config(cfg, 64, 4, 64))
+    assert sched.k_max == 3 and sched.tiers == ((1, 2, 3), (3, 8, 0))
+    for i in range(4):
+        sched.add_request(Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)))
+    for step in range(4):
+        out = sched.schedule()
+        assert out.num_new_drafts == 0 and out.num_drafts.sum() == 0  # 4 requests: the K = 0 tier
+        if step:
+            assert out.shape.is_decode and out.shape.max_query_len == 1
+        n = len(out.slots)
+        sched.update(out, ModelResult(np.full((n, 4), 9), np.zeros(n, np.int64)))
+    # switching tiers at runtime: the next step drafts (its requests have none yet: they verify none first)
+    sched.set_tiers(((1, 8, 2),))
+    out = sched.schedule()
+    assert out.num_new_drafts == 2 and out.num_drafts.sum() == 0
+    with pytest.raises(ValueError, match="K = 4 is outside 0..3"):
+        sched.set_tiers(((1, 8, 4),))
+
+
+def test_verified_per_pos_counts_events_that_could_accept_each_position():
+    cfg = resolve({}, AUTO, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    stats = Scheduler(scheduler_config(cfg, 64, 4, 64)).stats
+    stats.observe_drafts(np.array([3, 1, 0, 2]), np.array([2, 1, 0, 0]))
+    assert stats.accepted_per_pos == [2, 1, 0] and stats.verified_per_pos == [3, 2, 1]
+
+
+def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(recorded_h200("bench-moe").to_json()))
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 7, "auto_tier_candidates": [0, 3, 7],
+                       "num_speculative_tokens_per_batch_size": "auto"})
+    assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiers: [[1, 7], [11, 3], [228, 0]]" in out
+    assert "expected tokens a step: K=0: 1.000, K=3: 2.176, K=7: 2.458" in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["228..1024", "0"])
+    assert row[3] == "*" and "*" not in row[4:]  # K = 0's column is the one marked
+    # a fixed-K config is planned as "auto" over 0..K; --acceptance overrides the prior; JSON
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path),
+                 "--acceptance", "0.95", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["candidates"] == [0, 1, 2, 3] and data["tiers"] == [[1, 3]]
+    assert data["reach"] == {"0": 1024, "1": 0, "2": 0, "3": 1024}  # the table has no q = 2, 3
+    assert main(["plan", "--auto-tiers", str(path)]) == 2
+    assert "--auto-tiers needs --speculative-config" in capsys.readouterr().err
+    assert main(["plan", "--acceptance", "0.5"]) == 2
+    assert "--acceptance is for --auto-tiers" in capsys.readouterr().err
+
+
+# -- the gauge --------------------------------------------------------------------------------------------------
+def test_tier_gauge_shows_the_tiers_in_force():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dispatcher.serve.metrics import EngineMetrics
+
+    def series(m):
+        fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+        return sorted((s.labels["min_batch"], s.labels["max_batch"], s.value)
+                      for s in fams["twogrid:spec_decode_tier_k"].samples)
+
+    m = EngineMetrics("tiny", num_speculative_tokens=3)
+    m.set_spec_tiers([[1, 64, 3], [65, 256, 0]])
+    assert series(m) == [("1", "64", 3.0), ("65", "256", 0.0)]
+    m.set_spec_tiers([[1, 16, 3], [17, 64, 1], [65, 256, 0]])
+    assert series(m) == [("1", "16", 3.0), ("17", "64", 1.0), ("65", "256", 0.0)]  # the old 1..64 is gone
+
+
+def test_step_records_carry_tier_changes():
+    from dispatcher.engine.protocol import Outputs, StepRecord, decode_to_front, encode
+
+    rec = StepRecord("uniform_decode", "FULL", None, 0, 0, 0, 0.001, tiers=[[1, 8, 3], [9, 16, 0]])
+    out = decode_to_front(encode(Outputs(steps=[rec, StepRecord("mixed", "FULL", None, 0, 0, 0, 0.0)])))
+    assert out.steps[0].tiers == [[1, 8, 3], [9, 16, 0]] and out.steps[1].tiers is None

@@ -1,0 +1,176 @@
+"""Auto speculative tiers through EngineCore on the CPU: greedy output with "auto" tiers (and hand-written tiers with
+K = 0) is exactly the output without speculative decoding, whatever the tiers and however often they change; the
+tiers follow the acceptance as it drifts (driven by fixed acceptance); the measured step costs are kept and reused."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from models.config import preset  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+BLOCK = 4
+MAX_MODEL_LEN = 96
+
+
+def make_engine(spec, budget=32, num_blocks=200, max_num_seqs=4, **kw) -> EngineCore:
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_blocks, block_size=BLOCK,
+                                      max_model_len=MAX_MODEL_LEN, seed=11, **kw))
+
+
+def write_table(path, by_q) -> str:
+    path.write_text(json.dumps({"decode_step_ms": {str(q): pts for q, pts in by_q.items()}}))
+    return str(path)
+
+
+@st.composite
+def workloads(draw):
+    """A drafter with "auto" tiers (or hand-written tiers with a K = 0 tier), a random step-cost table over 1..4
+    requests (so that the tiers differ by batch size), a re-choice every 1 to 3 steps, prompts that repeat
+    themselves (so that n-gram drafts get accepted), a budget that chunks and a KV cache that may preempt."""
+    method = draw(st.sampled_from(["eagle3", "ngram", "dflash", "mtp"]))
+    k = draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        spec = {"method": method, "num_speculative_tokens": k, "num_speculative_tokens_per_batch_size": "auto"}
+        if draw(st.booleans()):
+            spec["acceptance_prior"] = draw(st.floats(0.0, 1.0))
+    else:
+        spec = {"method": method, "num_speculative_tokens": k,
+                "num_speculative_tokens_per_batch_size": [[1, k], [draw(st.integers(2, 4)), 0]]}
+    ms = st.floats(1.0, 20.0)
+    table = {1 + j: [[1, draw(ms)], [4, draw(ms)]] for j in range(k + 1)}
+    prompts = []
+    for _ in range(draw(st.integers(1, 6))):
+        base = draw(st.lists(st.integers(3, 499), min_size=1, max_size=5))
+        prompts.append([base[i % len(base)] for i in range(draw(st.integers(1, 30)))])
+    per_request = -(-(MAX_MODEL_LEN + 2 * 4 + 4) // BLOCK)
+    return (spec, table, draw(st.integers(1, 3)), draw(st.sampled_from([16, 32])),
+            draw(st.integers(per_request, 3 * per_request)), prompts, draw(st.integers(1, 40)))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_greedy_output_with_auto_tiers_is_the_output_without_speculation(tmp_path_factory, workload):
+    spec, table, interval, budget, num_blocks, prompts, max_tokens = workload
+    path = write_table(tmp_path_factory.mktemp("cost") / "cost.json", table)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    auto = make_engine(spec, budget, num_blocks, spec_cost_table=path, auto_tier_interval=interval)
+    assert auto.async_scheduling
+    got = auto.generate(prompts, params)
+    want = make_engine(None, budget, num_blocks).generate(prompts, params)
+    assert got == want, spec
+    assert auto.scheduler.kv.num_free == auto.scheduler.config.num_kv_blocks, "KV blocks leaked"
+    assert all(len(o) == max_tokens for o in got)
+
+
+def test_auto_tiers_switch_mid_run_and_keep_greedy_output(tmp_path):
+    """A table where K = 3 pays only at one request and K = 0 above, a re-choice every step from a random head's
+    near-zero acceptance: the one request stops drafting, the tokens are still those of no speculation."""
+    path = write_table(tmp_path / "cost.json", {1: [[1, 10.0], [4, 10.0]], 4: [[1, 16.0], [4, 60.0]]})
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto",
+            "auto_tier_candidates": [0, 3]}
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 3]
+    e = make_engine(spec, spec_cost_table=path, auto_tier_interval=1)
+    assert e.tiers == ((1, 1, 3), (2, 4, 0))
+    out = e.generate(prompts, params)
+    assert e.tier_version >= 1 and e.auto_tiers.changes == e.tier_version
+    assert out == make_engine(None).generate(prompts, params)
+
+
+def test_tiers_follow_fixed_acceptance_as_it_drifts(tmp_path, caplog):
+    """Fixed acceptance (benchmarks only: drafts accepted by a seeded draw) sets what the counters measure: high, the
+    tiers draft; then nothing accepted, they stop (a log line each change, the step trace's k says it per step)."""
+    path = write_table(tmp_path / "cost.json", {1: [[1, 10.0], [4, 12.0]], 2: [[1, 12.0], [4, 14.5]],
+                                               3: [[1, 13.0], [4, 16.0]], 4: [[1, 14.0], [4, 17.0]]})
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"}
+    trace = tmp_path / "trace.jsonl"
+    e = make_engine(spec, spec_cost_table=str(path), auto_tier_interval=4, fixed_acceptance=3.9,
+                    step_trace=str(trace))
+    assert e.tiers == ((1, 4, 3),)  # the prior 0.6 already pays for K = 3 here
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = [[5, 6, 7]] * 4
+    e.generate(prompts, params)
+    assert e.tiers == ((1, 4, 3),) and e.tier_version == 0  # measured high: no change
+    e.worker.set_fixed_acceptance(1.0)  # nothing accepted from now on
+    with caplog.at_level(logging.INFO, logger="twogrid.engine"):
+        for _ in range(4):  # (the window forgets the high acceptance over a few hundred steps)
+            e.generate(prompts, params)
+            if e.tiers[-1][2] == 0:
+                break
+    assert e.tiers[-1] == (e.tiers[-1][0], 4, 0) and e.tier_version >= 1  # four requests: no drafts any more
+    changes = [r.getMessage() for r in caplog.records if "speculative tiers changed (auto" in r.getMessage()]
+    assert len(changes) == e.tier_version and changes[-1].endswith(json.dumps(e.auto_tiers.choice.as_config()))
+    e.close()
+    ks = [json.loads(line)["k"] for line in trace.read_text().splitlines()]
+    assert ks[0] == 3 and ks[-1] == 0
+
+
+def test_measured_step_costs_are_kept_and_reused(tmp_path, monkeypatch):
+    from dispatcher.runtime.graphs import GraphRuntime
+
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"}
+    first = make_engine(spec)
+    files = list((tmp_path / "spec_cost").iterdir())
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert sorted(saved["decode_step_ms"]) == ["1", "2", "3"]  # every candidate q, over its captured sizes
+
+    def refuse(self, repeats=5):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(GraphRuntime, "measure_decode_ms", refuse)
+    second = make_engine(spec)
+    assert second.tiers == first.tiers
+    assert second.auto_tiers.chooser.costs.by_q == first.auto_tiers.chooser.costs.by_q
+
+
+def test_without_decode_graphs_the_default_shape_is_used(caplog):
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"}
+    cfg = resolve({"cudagraph_mode": "NONE"}, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=32)
+    with caplog.at_level(logging.WARNING, logger="twogrid.engine"):
+        e = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=100, block_size=BLOCK,
+                                       max_model_len=MAX_MODEL_LEN))
+    assert "no FULL decode graphs to time" in caplog.text
+    assert e.auto_tiers.chooser.costs.source == "a default host-bound shape"
+    assert e.tiers[0][2] >= 1  # a nearly flat host-bound cost: drafting pays at the prior
+
+
+def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
+    """``twogrid serve`` with "auto" tiers: the worker process times its decode graphs, the engine process chooses,
+    the front end's /metrics shows one spec_decode_tier_k series a tier, and the log says what was chosen."""
+    from serverutil import Server, http_get, http_post
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"})
+    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "4",
+                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--speculative-config", spec],
+                 str(tmp_path / "server.log"), env={"TWOGRID_CACHE": str(tmp_path / "cache")})
+    try:
+        srv.wait_healthy()
+        status, body = http_post(srv.base + "/v1/completions", json.dumps(
+            {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 8, "ignore_eos": True}).encode())
+        assert status == 200 and body["usage"]["completion_tokens"] == 8
+        text = http_get(srv.base + "/metrics")[1].decode()
+    finally:
+        srv.stop()
+    import re
+
+    found = re.findall(r'^twogrid:spec_decode_tier_k\{max_batch="(\d+)",min_batch="(\d+)",model_name="tiny-dense"\} '
+                       r'(\S+)$', text, re.M)
+    assert found, text[-2000:]
+    ranges = sorted((int(lo), int(hi), float(k)) for hi, lo, k in found)
+    assert ranges[0][0] == 1 and ranges[-1][1] == 4 and all(0 <= k <= 2 for *_, k in ranges)
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous tiers over 1..max_num_seqs
+    assert "speculative tiers (auto, from measured" in (tmp_path / "server.log").read_text()
+    assert len(list((tmp_path / "cache" / "spec_cost").iterdir())) == 1
