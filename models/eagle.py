@@ -12,9 +12,9 @@ draft step reads and what ``compute_logits`` norms and projects.
   head's own H-wide output instead (no ``fc``: told apart by width, as vLLM does). The layer attends over
   cat(input_layernorm(token embedding), hidden_norm(feature)), 2H wide; the residual is the feature. Its own
   vocabulary: ``lm_head`` has ``draft_vocab_size`` rows and ``d2t`` maps a draft id d to the target id d + d2t[d].
-- **EAGLE-1/2** (the EAGLE authors' heads, ``LlamaForCausalLM`` with one layer, converted to safetensors): fc(cat(token embedding, the
-  target's final hidden state)) (2H -> H, with a bias in the authors' checkpoints), one Llama layer whose input
-  norm is absent, no final norm, the target's LM head.
+- **EAGLE-1/2** (the EAGLE authors' heads, ``LlamaForCausalLM`` with one layer, converted to safetensors):
+  fc(cat(token embedding, the target's final hidden state)) (2H -> H, with a bias in the authors' checkpoints), one
+  Llama layer whose input norm is absent, no final norm, the target's LM head.
 
 The embedding is the target's unless the checkpoint has its own (as vLLM does). Random heads of either shape serve
 presets (benchmarks); a real target needs a checkpoint (``load_draft_head``).
@@ -381,7 +381,8 @@ def save_eagle3_head(head: EagleHead, path: str, extra_config: dict | None = Non
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size, "draft_vocab_size": vd, "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.shape.aux_layers)},

@@ -232,7 +232,6 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(args.seed)
     start, step, history = time.time(), 0, []
-    est_steps = None
     epoch = 0
     while time.time() - start < args.train_seconds:
         epoch += 1
@@ -256,11 +255,11 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
             step += 1
             if step % 50 == 0 or step == 1:
                 acc = [float(c) / max(1, float(n)) for c, n in stats]
-                history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": float(loss.detach()),
+                value = float(loss.detach())
+                history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": value,
                                 "acc": [round(a, 4) for a in acc]})
-                log(f"step {step} epoch {epoch} loss {float(loss.detach()):.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
-        est_steps = step
-    return {"steps": est_steps, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history,
+                log(f"step {step} epoch {epoch} loss {value:.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
+    return {"steps": step, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history,
             "held_out_acc": evaluate(head, target, held_seqs, draft_ids, in_draft, args, device)}
 
 

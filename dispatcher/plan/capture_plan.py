@@ -183,11 +183,9 @@ def _decode_sets(cfg: ResolvedConfig, runner: str, q_of_tier, tiers: list[Tier] 
             for q, s in by_q.items()]
 
 
-def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier,
-                   tiers: list[Tier] | None = None) -> tuple[tuple[int, int], ...]:
-    """Uniform decodes at q: the batch ranges of the tiers using q, within the token limit."""
+def _decode_serves(cfg: ResolvedConfig, query_len: int, q_of_tier, tiers: list[Tier]) -> tuple[tuple[int, int], ...]:
+    """Uniform decodes at q: the batch ranges of those ``tiers`` using q, within the token limit."""
     top = cfg.max_num_batched_tokens // query_len
-    tiers = list(cfg.capture_tiers) if tiers is None else tiers
     return tuple(
         (t.min_batch, min(t.max_batch, top)) for t in tiers if q_of_tier(t) == query_len and t.min_batch <= top
     )

@@ -4,10 +4,10 @@ confidences) into the request state, with no host round trip between them.
 - n-gram prompt lookup (ngram): no model; a batched search of each request's token history on the device
   (``models.drafters.propose_ngram``), right after the step's new tokens are stored.
 
-- EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows at their positions (each row reads the
-  token after it and the target's feature at it: its final hidden state, or for an EAGLE-3 head its residual stream
-  at three layer boundaries, ``GraphRuntime.features``); the row of each request's last new token proposes draft 1. Steps
-  1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
+- EAGLE-style (eagle, eagle3, mtp): step 0 runs the head over the target's rows at their positions (each row reads
+  the token after it and the target's feature at it: its final hidden state, or for an EAGLE-3 head its residual
+  stream at three layer boundaries, ``GraphRuntime.features``); the row of each request's last new token proposes
+  draft 1. Steps 1..K-1 run one token a request, each reading the previous draft and the head's own output feature.
 - Block (dspark, dflash, mtp_multi): one forward of q rows a request, its last new token then mask tokens, every row
   reading the target's feature at the last new token; row i proposes draft i + 1.
 - A draft model (draft_model): the target's rows as they are (same tokens, same positions) into its own KV cache,
@@ -43,6 +43,28 @@ class _Drafter:
         last_tok = tokens.gather(1, accepted[:, None]).squeeze(1)
         return last_row, last_tok, first_pos + accepted
 
+    def _one_token_steps(self, step, plan, slots_s, token, first_pos, feature, drafts, conf, first: int) -> None:
+        """Drafts ``first``..K-1 on the one-token runner (``runtimes[1]``), each reading the draft before it (the
+        first reads ``token``) at positions ``first_pos``, ``first_pos`` + 1, ..., and (an EAGLE head) the previous
+        step's output feature (``feature``, None for a draft LM); proposals are taken inside the graph. Every step's
+        positions and KV slots are computed at once; after the first, a FULL graph has advanced its own inputs, so
+        the later steps are bare replays (``execute_next``)."""
+        m, n = plan.num_sampling, drafts.shape[1] - first
+        rt, one = self.runtimes[1], torch.arange(m + 1, device=drafts.device)
+        pos = (first_pos[:, None] + torch.arange(n, device=drafts.device)[None, :]).t()  # (n, m)
+        kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
+        for s in range(n):
+            j = first + s
+            if s >= 1 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
+                rt.execute_next(step.draft_next, m)
+            else:
+                tokens_s = torch.stack([token if s == 0 else drafts[:, j - 1], pos[s], kv_slots[s], slots_s])
+                inputs_s = StepInputs(tokens_s, one, seq_lens[s], slots_s, 1, plan.max_seq_len + s + 1)
+                # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
+                out = rt.execute(step.draft_next, inputs_s, feature)
+                feature = out if feature is not None else None
+            drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
+
 
 class EagleDrafter(_Drafter):
     def propose(self, step, plan, dev, inputs, features, tokens, accepted, first_pos, state) -> None:
@@ -54,21 +76,8 @@ class EagleDrafter(_Drafter):
         drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=features.device)
         drafts[:, 0], conf[:, 0] = self._propose(feature)
-        if k > 1:
-            # every one-token step's positions and KV slots at once; each step then only stacks its column
-            rt, one = self.runtimes[1], torch.arange(m + 1, device=features.device)
-            # draft j reads draft j - 1 at the head position of its feature: last_pos - 1 + j (see _step0_inputs)
-            pos = (last_pos[:, None] + torch.arange(k - 1, device=features.device)[None, :]).t()  # (k - 1, m)
-            kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
-            for j in range(1, k):
-                if j >= 2 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
-                    rt.execute_next(step.draft_next, m)
-                else:
-                    tokens_j = torch.stack([drafts[:, j - 1], pos[j - 1], kv_slots[j - 1], slots_s])
-                    inputs_j = StepInputs(tokens_j, one, seq_lens[j - 1], slots_s, 1, plan.max_seq_len + j)
-                    # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
-                    feature = rt.execute(step.draft_next, inputs_j, feature)
-                drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
+        if k > 1:  # draft j reads draft j - 1 at the head position of its feature, last_pos - 1 + j (_step0_inputs)
+            self._one_token_steps(step, plan, slots_s, drafts[:, 0], last_pos, feature, drafts, conf, first=1)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
 
@@ -122,20 +131,7 @@ class DraftModelDrafter(_Drafter):
         _, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
         drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
-        # every one-token step's positions and KV slots at once; each step then only stacks its column
-        rt, one = self.runtimes[1], torch.arange(m + 1, device=hidden.device)
-        pos = (last_pos[:, None] + torch.arange(k, device=hidden.device)[None, :]).t()  # (k, m)
-        kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
-        token = last_tok
-        for j in range(k):
-            if j >= 1 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
-                rt.execute_next(step.draft_next, m)
-            else:
-                inputs_j = StepInputs(torch.stack([token, pos[j], kv_slots[j], slots_s]), one, seq_lens[j], slots_s, 1,
-                                      plan.max_seq_len + j + 1)
-                rt.execute(step.draft_next, inputs_j)
-            drafts[:, j], conf[:, j] = rt.proposals(m)  # (taken inside its graph)
-            token = drafts[:, j]
+        self._one_token_steps(step, plan, slots_s, last_tok, last_pos, None, drafts, conf, first=0)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
 

@@ -29,7 +29,7 @@ from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
-from models.eagle import build_draft_head, load_draft_head
+from models.eagle import EagleHead, build_draft_head, load_draft_head
 from models.fused import argmax_prob
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
@@ -105,7 +105,7 @@ class ModelWorker:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         self.method, self.k_max = method, k_max
         head = self._draft_head(plan.config) if method in MODEL_DRAFTERS else None
-        if head is not None and getattr(head, "shape", None) is not None and head.shape.eagle3:
+        if isinstance(head, EagleHead) and head.shape.eagle3:
             self.model.aux_layers = head.shape.aux_layers  # the target's graphs also write the features it reads
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
@@ -123,7 +123,7 @@ class ModelWorker:
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
                                          head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
-            step0_aux = getattr(head, "step0_aux_size", None)
+            step0_aux = head.step0_aux_size if isinstance(head, EagleHead) else None
             self.draft_runtimes = [
                 GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
                              max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs,
@@ -212,7 +212,8 @@ class ModelWorker:
         probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
-        heads = [self.model] + [d.head for d in (self.drafter,) if d is not None and d.head is not None]
+        heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head is not None
+                                else [])
         for head in heads:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
