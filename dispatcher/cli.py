@@ -49,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA-graph fields as JSON, or @file.json")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding as JSON (method, num_speculative_tokens, "
-                        "num_speculative_tokens_per_batch_size: tiers or \"auto\", adaptive_verification, ...), or @file.json")
+                        "num_speculative_tokens_per_batch_size: tiers or \"auto\", adaptive_verification, ...), "
+                        "or @file.json")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -227,7 +228,8 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
     choice = chooser.choose(acceptance)
     if args.json:
         print(json.dumps({"tiers": choice.as_config(), "acceptance": list(acceptance),
-                          "candidates": list(chooser.candidates), "reach": {str(k): v for k, v in chooser.reach.items()},
+                          "candidates": list(chooser.candidates),
+                          "reach": {str(k): v for k, v in chooser.reach.items()},
                           "ranges": [{**r, "tokens_per_s": {str(k): v for k, v in r["tokens_per_s"].items()}}
                                      for r in chooser.explain(choice)],
                           "graphs": plan.num_graphs}, indent=2 if args.pretty else None))

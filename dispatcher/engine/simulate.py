@@ -25,9 +25,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from dispatcher.plan import autotier
-from dispatcher.plan.capture_plan import FULL_DECODE
-from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step, dispatchers_for_plan
-from dispatcher.plan.capture_plan import DRAFT_MODEL, build_plan, one_token_steps
+from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_DECODE, build_plan, one_token_steps
+from dispatcher.plan.dispatch import (MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step,
+                                      dispatchers_for_plan)
 from dispatcher.plan.config import ConfigError
 from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec

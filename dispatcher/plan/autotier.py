@@ -15,8 +15,9 @@ in the configuration's ``[[min_batch, K], ...]`` form (``TierChooser``).
 
 At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: per
 position, drafts accepted over drafts verified at that position (events that verified fewer drafts cannot accept
-it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior with ``PRIOR_WEIGHT`` pseudo
-events (a position not verified lately keeps the prior's ratio to the position before it). Hysteresis: a batch size
+it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior
+with ``PRIOR_WEIGHT`` pseudo events (a position not verified lately keeps the prior's ratio to the position before
+it). Hysteresis: a batch size
 changes its K only when the new K beats the one in force there by more than ``HYSTERESIS``.
 """
 
@@ -220,7 +221,8 @@ def load_step_costs(path: str, flag: str = "--auto-tiers") -> StepCostTable:
 
 
 def decode_step_costs(method: str | None, candidates: Sequence[int],
-                      tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]], source: str = "") -> StepCostTable:
+                      tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]],
+                      source: str = "") -> StepCostTable:
     """A step's cost per candidate K from each runner's measured FULL decode replay times (``tables[runner][q]``:
     (requests, ms) points): the target at q = 1 + K, plus for K >= 1 the drafter's forwards: an EAGLE-style drafter's
     or a draft model's step 0 at q and its one-token steps (``one_token_steps``) at q = 1, a block drafter's forward

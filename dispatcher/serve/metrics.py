@@ -4,8 +4,9 @@ exports. Free of aiohttp, so the engine process imports it without the HTTP stac
 Who records what:
 
 - the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding,
-  speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions), ``set_queue`` with the queue after each step and after aborts that no step follows
-  (running, waiting, free KV blocks), ``set_capture`` once after capture, and ``set_spec_tiers`` with the speculative
+  speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions),
+  ``set_queue`` with the queue after each step and after aborts that no step follows (running, waiting, free KV
+  blocks), ``set_capture`` once after capture, and ``set_spec_tiers`` with the speculative
   tiers at start and whenever ``"auto"`` tiers change (the engine process sends these to the front end, which records
   them);
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
