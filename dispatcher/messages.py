@@ -110,6 +110,8 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """Triton kernel variants compiled while the step was launched (each one stalls the step)."""
     jit_ms: float = 0.0
     """The host time those compiles took."""
+    fused: bool = False
+    """The step ran as one fused decode-step graph (``dispatcher.runtime.decode_step``)."""
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
@@ -144,6 +146,8 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
     measure_decode_costs: bool = False
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
+    fuse_decode_steps: bool = True
+    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``)."""
 
 
 def resolve_init(init: WorkerInit) -> ResolvedConfig:

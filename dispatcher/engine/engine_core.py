@@ -53,6 +53,8 @@ class EngineArgs:
     seed: int = 0
     """Random weights of presets, and the seeds of requests that bring none (so identical runs sample alike)."""
     use_cuda_graphs: bool = True
+    fuse_decode_steps: bool = True
+    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``); False: op by op."""
     step_trace: str | None = None
     """Append one JSON record per step to this file."""
     async_scheduling: bool | None = None
@@ -86,6 +88,8 @@ class EngineStats(SpecDecodeSummary):
     host_ms: float = 0.0
     """Time the host spent scheduling and dispatching steps."""
     eager_steps: int = 0
+    fused_steps: int = 0
+    """Steps that ran as one fused decode-step graph."""
     eager_by_reason: dict[str, int] = field(default_factory=dict)
     """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
     padded_tokens: int = 0
@@ -107,8 +111,10 @@ class EngineStats(SpecDecodeSummary):
         self.num_accepted_tokens += spec.num_accepted_tokens
         add_per_pos(self.accepted_per_pos, spec.accepted_per_pos)
 
-    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
+    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None,
+               fused: bool = False) -> None:
         self.steps += 1
+        self.fused_steps += fused
         self.device_ms += device_ms
         self.wait_s += wait_s
         self.host_ms += step.host_ms
@@ -181,7 +187,7 @@ class EngineCore:
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                             args.use_cuda_graphs, args.fixed_acceptance),
+                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps),
                 self.plan,
             )
             self.capture_report = worker.capture(progress=progress) if capture else None
@@ -296,11 +302,12 @@ class EngineCore:
         target = step.descs.target
         reason = eager_reason(target, self.plan) if target.graph is None else None
         step.eager_cause = reason[0] if reason else None
-        self.stats.record(step, result.device_ms, wait_s, step.eager_cause)
+        self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
                                      result.jit_compiles, result.jit_ms,
-                                     step.out.num_new_drafts if self.auto_tiers is not None else None))
+                                     step.out.num_new_drafts if self.auto_tiers is not None else None,
+                                     result.fused))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:

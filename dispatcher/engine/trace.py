@@ -41,11 +41,12 @@ def _brief(desc) -> dict[str, Any]:
 
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
                 eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0,
-                k: int | None = None) -> dict[str, Any]:
+                k: int | None = None, fused: bool = False) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
     descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
-    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it)."""
+    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it); ``"fused": true`` when the whole
+    step ran as one graph (``dispatcher.runtime.decode_step``)."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -73,6 +74,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec.update(jit_compiles=jit_compiles, jit_ms=round(jit_ms, 1))
     if k is not None:
         rec["k"] = k
+    if fused:
+        rec["fused"] = True
     return rec
 
 

@@ -24,6 +24,10 @@ FULL = "full"
 """Tokens. cudagraph_mode FULL: the whole forward for every batch, on the prefill grid."""
 
 KIND_UNIT = {PIECEWISE: "tokens", FULL_DECODE: "requests", FULL_VARLEN: "tokens", FULL: "tokens"}
+FUSED_STEP = "step"
+"""The runner name of fused decode-step graphs (``dispatcher.runtime.decode_step``: a whole uniform-decode step,
+the target's forward and the drafter's, in one graph per FULL decode size) in capture reports and measured step
+costs. Not a plan entry: a fused step replays the kernels of the plan's FULL decode graphs."""
 EAGLE_LIKE = ("eagle", "eagle3", "mtp")
 """Single-module drafters: step 0 mirrors the target, later steps run one token a request."""
 

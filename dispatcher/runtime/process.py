@@ -59,7 +59,7 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     model = load_model(init.model, device, dtype, init.seed)
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
-                        init.seed, init.use_cuda_graphs, init.fixed_acceptance)
+                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps)
     if not init.num_kv_blocks:
         wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
     worker = ModelWorker(wcfg, plan, model=model)
@@ -87,7 +87,10 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     if wcfg.device.startswith("cpu"):
         return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
-    graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30 if wcfg.use_cuda_graphs else 0
+    graphs = 0.0
+    if wcfg.use_cuda_graphs:
+        graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30
+        graphs += probe.fused.estimate_memory() * 2**30 if probe.fused is not None else 0.0
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block

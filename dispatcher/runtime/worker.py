@@ -20,8 +20,9 @@ import torch
 
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
 from dispatcher.plan.config import HEAD_METHODS
-from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
-                                          model_runners)
+from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
+                                          is_next_steps, model_runners)
+from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
@@ -32,7 +33,7 @@ from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
 from models.fused import argmax_prob
 from models.loader import load_model
-from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
+from models.sampling import RowParams, accepted_drafts, fixed_accepted, sample_tokens
 from models.transformer import build_model
 
 log = logging.getLogger("twogrid.worker")
@@ -61,22 +62,29 @@ class WorkerConfig:
     fixed_acceptance: float | None = None
     """Benchmarks only: after verification, accept a seeded number of drafts per request so that the mean
     acceptance length (tokens a verify step yields) is this value, whatever the drafter proposed. None: off."""
+    fuse_decode_steps: bool = True
+    """Capture each uniform-decode step whole (``dispatcher.runtime.decode_step``) where it can run so; False: every
+    step op by op around the runners' graphs."""
 
 
 class RequestState:
     """Every slot's request on the device: its tokens by position, how many are computed, its drafts, and its
-    sampling parameters (with host copies of the parameters, to choose the sampler without a device read)."""
+    sampling parameters (with host copies of the parameters, to choose the sampler without a device read). One
+    row more than slots, ``dummy``: no request owns it, so that a fused step's padded requests read and write
+    there."""
 
     def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
+        rows = max_num_seqs + 1
         z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
-        self.token_ids = z(max_num_seqs, max_len)
-        self.num_computed = z(max_num_seqs)
-        self.drafts = z(max_num_seqs, max(max_drafts, 1))
-        self.draft_conf = z(max_num_seqs, max(max_drafts, 1), dt=torch.float32)
-        self.temperature = z(max_num_seqs, dt=torch.float32)
-        self.top_k = z(max_num_seqs)
-        self.top_p = z(max_num_seqs, dt=torch.float32)
-        self.seed = z(max_num_seqs)
+        self.dummy = max_num_seqs
+        self.token_ids = z(rows, max_len)
+        self.num_computed = z(rows)
+        self.drafts = z(rows, max(max_drafts, 1))
+        self.draft_conf = z(rows, max(max_drafts, 1), dt=torch.float32)
+        self.temperature = z(rows, dt=torch.float32)
+        self.top_k = z(rows)
+        self.top_p = z(rows, dt=torch.float32)
+        self.seed = z(rows)
         self.host_temperature = np.zeros(max_num_seqs, np.float64)
         self.host_top_k = np.zeros(max_num_seqs, np.int64)
         self.host_top_p = np.ones(max_num_seqs, np.float64)
@@ -136,8 +144,12 @@ class ModelWorker:
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
         self.upload, self.download = Upload(self.device), Download(self.device)
-        self._fixed_alpha: float | None = None
+        self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
+        self.fixed_acceptance_on = False
         self.set_fixed_acceptance(wcfg.fixed_acceptance)
+        self.fused = FusedDecode(self, plan) if wcfg.use_cuda_graphs and wcfg.fuse_decode_steps else None
+        """Uniform-decode steps captured whole (None: every step op by op)."""
         self.fail_steps: frozenset[int] = frozenset()
         """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
         InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
@@ -150,7 +162,9 @@ class ModelWorker:
         so the same captured engine measures real and fixed acceptance."""
         if mean_length is not None and not self.k_max:
             raise ValueError("fixed_acceptance needs speculative decoding (num_speculative_tokens > 0)")
-        self._fixed_alpha = None if mean_length is None else _acceptance_rate_for(mean_length, self.k_max)
+        self.fixed_acceptance_on = mean_length is not None
+        if mean_length is not None:
+            self.fixed_alpha.fill_(_acceptance_rate_for(mean_length, self.k_max))
 
     def _draft_head(self, cfg):
         """The drafter's model: the draft LM (draft_model); an EAGLE head from its checkpoint ("model"), else the one
@@ -198,6 +212,8 @@ class ModelWorker:
         report = self.runtime.capture(progress=progress)
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
+        if self.fused is not None:
+            report.kinds += self.fused.capture(progress=progress)
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
         if launches and self.jit is not None:
@@ -239,12 +255,21 @@ class ModelWorker:
     def measure_decode_costs(self) -> dict[str, dict[int, list[tuple[int, float]]]]:
         """Replay times of every runner's FULL decode graphs, {runner: {q: [(requests, ms), ...]}}: what ``"auto"``
         speculative tiers weigh (``dispatcher.plan.autotier.decode_step_costs``)."""
-        return {rt.runner: rt.measure_decode_ms() for rt in self.runtimes}
+        costs = {rt.runner: rt.measure_decode_ms() for rt in self.runtimes}
+        if self.fused is not None and self.fused.graphs and self.device.type == "cuda":
+            costs[FUSED_STEP] = self.fused.measure_ms()
+        return costs
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def submit(self, step: Step) -> "_Pending":
-        """Queue a step on the device; nothing here waits for the device."""
+        """Queue a step on the device; nothing here waits for the device. A uniform decode that a fused graph holds
+        runs as one replay (``_submit_fused``), any other step op by op."""
+        if self.fused is not None:
+            slots = unpack(step.slots)
+            key = self.fused.key_for(step, slots)
+            if key is not None:
+                return self._submit_fused(step, key, slots)
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
@@ -274,6 +299,33 @@ class ModelWorker:
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit)
 
+    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray) -> "_Pending":
+        """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
+        one copy with the step's state changes; the result rows copied back as they lie."""
+        padded = np.full(key.target.size, self.state.dummy, np.int64)
+        padded[: len(slots)] = slots
+        clock = _Clock(self.device)
+        dev_slots, freed, updates = self.upload(padded, unpack(step.freed_slots).astype(np.int64),
+                                                unpack(step.block_updates).astype(np.int64))
+        self._release_and_map(step, freed, updates)
+        if step.step_id in self.fail_steps:
+            raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
+        self.fused.run(key, dev_slots, step.max_seq_len)
+        rows = self.fused.out[: len(slots)]
+        clock.stop()
+        jit = self._jit_compiles(step.step_id)
+        return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
+                        fused=True)
+
+    def _collect_fused(self, pending: "_Pending") -> StepResult:
+        """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
+        step, width = pending.step, 1 + self.k_max
+        rows = self.download.wait(pending.ticket).reshape(step.num_reqs, -1)
+        conf = pack(rows[:, 1 + width : 1 + width + step.num_new_drafts].view(np.float32), F32) if pending.drafted \
+            else b""
+        return StepResult(step.step_id, pack(rows[:, 1 : 1 + width]), pack(rows[:, 0]), width, conf,
+                          pending.clock.ms(), jit_compiles=pending.jit_compiles, jit_ms=pending.jit_ms, fused=True)
+
     def _jit_compiles(self, step_id: int) -> tuple[int, float]:
         """Triton compiles during this step's launches (count, ms), logged with the kernels that needed them."""
         if self.jit is None or not self.jit.count:
@@ -285,6 +337,8 @@ class ModelWorker:
 
     def collect(self, pending: "_Pending") -> StepResult:
         """Wait for a submitted step's result (its one synchronization) and return it."""
+        if pending.fused:
+            return self._collect_fused(pending)
         step, plan = pending.step, pending.plan
         flat = self.download.wait(pending.ticket)
         m, width, n, k_new = plan.num_sampling, plan.width, step.num_reqs, step.num_new_drafts
@@ -338,12 +392,20 @@ class ModelWorker:
         )
         return _DeviceStep(*cols)
 
-    def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
-        """Freed slots forgotten, admitted requests set up, new KV blocks entered."""
-        st = self.state
+    def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
+        """Freed slots' block-table rows cleared, new KV blocks entered, in every runner's table."""
         if len(step.freed_slots):
             for rt in self.runtimes:
-                rt.bufs.block_table.index_fill_(0, dev.freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
+                rt.bufs.block_table.index_fill_(0, freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
+        updates = block_updates.view(3, -1)
+        if updates.shape[1]:
+            for rt in self.runtimes:
+                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+
+    def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
+        """Freed slots forgotten, new KV blocks entered, admitted requests set up."""
+        st = self.state
+        self._release_and_map(step, dev.freed_slots, dev.block_updates)
         if step.new_requests:
             slots, lens = dev.new_slots, dev.new_lens
             rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
@@ -356,10 +418,6 @@ class ModelWorker:
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
-        updates = dev.block_updates.view(3, -1)
-        if updates.shape[1]:
-            for rt in self.runtimes:
-                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
 
     def _note_requests(self, step: Step) -> None:
         """The host's copies of the admitted requests' parameters."""
@@ -405,8 +463,8 @@ class ModelWorker:
         params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
         tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         drafts = st.drafts[slots_s, : width - 1]
-        if self._fixed_alpha is not None:
-            accepted = self._fixed_acceptance(slots_s, first_pos, nd, width - 1)
+        if self.fixed_acceptance_on:
+            accepted = fixed_accepted(st.seed[slots_s], first_pos, nd, width - 1, self.fixed_alpha)
             tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
                                  torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
@@ -429,14 +487,6 @@ class ModelWorker:
         else:  # all greedy: the argmax alone (sample_tokens' greedy path, without gathering unused parameters)
             tokens = argmax_prob(logits, with_prob=False)[0]
         return tokens.view(m, 1), accepted, first_pos, logits
-
-    def _fixed_acceptance(self, slots_s, first_pos, nd, k):
-        """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
-        whatever they are; the target's token follows them."""
-        u = uniform(self.state.seed[slots_s][:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
-                    (first_pos[:, None] + torch.arange(k, device=self.device)[None, :]).reshape(-1), FIXED_ACCEPTANCE)
-        ok = (u.view(-1, k) < self._fixed_alpha) & (torch.arange(k, device=self.device)[None, :] < nd[:, None])
-        return torch.cumprod(ok.long(), dim=1).sum(dim=1)
 
     def _advance(self, plan: "_StepPlan", dev: "_DeviceStep", tokens, accepted, first_pos) -> None:
         """The request state after the step: new tokens stored at their positions, computed counts advanced (a
@@ -466,6 +516,8 @@ class _Pending:
     """The step's download holds draft confidences."""
     jit_compiles: int = 0
     jit_ms: float = 0.0
+    fused: bool = False
+    """A fused decode step (``_submit_fused``): its download is the result rows."""
 
 
 class _Sections:

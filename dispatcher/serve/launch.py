@@ -57,6 +57,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks, instead of sizing it from free memory")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
+    k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
+                   help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
+                        "(the default fuses them: docs/reference.md, fused decode steps)")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -170,7 +173,7 @@ def _setup(args: argparse.Namespace):
                       max_model_len, sched.max_blocks_per_seq, args.num_kv_blocks or 0, args.gpu_memory_utilization,
                       args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
-                      measure_decode_costs=cfg.auto_tiers)
+                      measure_decode_costs=cfg.auto_tiers, fuse_decode_steps=args.fuse_decode_steps)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
