@@ -2,7 +2,8 @@
 (the scheduler, the worker's submit, the wait for the result, the scheduler's update), the device's time, and the
 PyTorch operators a step launches outside the graph replays (each costs the host a few microseconds on a GPU).
 
-Offline (``EngineCore.run``, asynchronous scheduling as it runs by default), greedy, one engine per method; after
+Offline (``EngineCore.run``, asynchronous scheduling as it runs by default), greedy, one engine per method and
+variant (``--variants``: fused decode steps, the default, and op by op, ``--no-fuse-decode-steps``); after
 ``--warm-steps`` steps, ``--steps`` steady decode steps are timed; one more is counted operator by operator.
 
     PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py --model DEFAULT --methods none,eagle3:3,ngram:3 \\
@@ -104,12 +105,12 @@ def model_arg(text: str):
     return text
 
 
-def profile(args, method: str, concurrency: int) -> dict:
+def profile(args, method: str, concurrency: int, fused: bool) -> dict:
     k = 0 if method == "none" else int(method.split(":")[1])
     spec = None if method == "none" else {"method": method.split(":")[0], "num_speculative_tokens": k}
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=max(concurrency, 8), max_num_batched_tokens=4096)
     engine = EngineCore(cfg, EngineArgs(model_arg(args.model), device=args.device, num_kv_blocks=4096,
-                                        max_model_len=2048,
+                                        max_model_len=2048, fuse_decode_steps=fused,
                                         fixed_acceptance=args.fixed_acceptance if k else None), progress=False)
     prompt = list(range(100, 100 + args.prompt_len))
     for i in range(concurrency):
@@ -136,12 +137,14 @@ def profile(args, method: str, concurrency: int) -> dict:
         pass
     launched = {op: c for op, c in counter.counts.items() if op not in VIEWS}
     med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
-    row = {"method": method, "concurrency": concurrency, "steps": n,
+    row = {"method": method, "fused": fused, "concurrency": concurrency, "steps": n,
+           "fused_steps": engine.stats.fused_steps,
            "wall_ms_per_step": round(wall * 1e3 / max(n, 1), 4), "tokens_per_step": round(tokens / max(n, 1), 3),
            "ms_per_token": round(wall * 1e3 / max(tokens, 1), 4), "device_ms_per_step": round(device_ms, 4),
            **{f"{name}_ms": med(t.calls) for name, t in timers.items()},
            "worker_submit_ms": med(worker_submit.calls),
-           "kernel_ms_per_step": kernel_ms, "ops_outside_graphs": sum(counter.counts.values()), "launching_ops_outside_graphs": sum(launched.values()),
+           "kernel_ms_per_step": kernel_ms, "ops_outside_graphs": sum(counter.counts.values()),
+           "launching_ops_outside_graphs": sum(launched.values()),
            "top_launching_ops": collections.Counter(launched).most_common(args.top)}
     print(json.dumps(row), flush=True)
     del engine, steps
@@ -162,9 +165,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--profiled-steps", type=int, default=20)
+    parser.add_argument("--variants", default="fused,unfused",
+                        help="fused (whole decode steps as one graph, the default) and/or unfused (op by op)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = [profile(args, m, c) for m in args.methods.split(",") for c in map(int, args.concurrency.split(","))]
+    rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
+            for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]
     result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py " + shlex.join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "commit": commit(), "rows": rows}

@@ -23,13 +23,15 @@ SPEC_COSTS = {"decode_step_ms": {"1": [[1, 10.0], [8, 10.0]], "2": [[1, 11.0], [
 """Auto tiers' step costs: K = 3 at a few requests, K = 1 or none as the batch grows."""
 
 
-def engine_for(spec, fused: bool, tmp_path, num_kv_blocks: int = 256, fixed: float | None = None) -> EngineCore:
+def engine_for(spec, fused: bool, tmp_path, num_kv_blocks: int = 256, fixed: float | None = None,
+               device: str = "cpu") -> EngineCore:
     costs = tmp_path / "spec_costs.json"
     costs.write_text(json.dumps(SPEC_COSTS))
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_kv_blocks, block_size=BLOCK,
-                                      max_model_len=96, seed=5, fuse_decode_steps=fused, fixed_acceptance=fixed,
-                                      spec_cost_table=str(costs), auto_tier_interval=4))
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, dtype=torch.float32,
+                                      num_kv_blocks=num_kv_blocks, block_size=BLOCK, max_model_len=96, seed=5,
+                                      fuse_decode_steps=fused, fixed_acceptance=fixed, spec_cost_table=str(costs),
+                                      auto_tier_interval=4))
 
 
 def prompts(count: int = 7) -> list[list[int]]:
@@ -75,12 +77,11 @@ def test_fused_steps_equal_unfused_steps(spec, tmp_path):
         assert stats.num_accepted_tokens > 0  # the repeating prompts make n-gram drafts that verify
 
 
-@pytest.mark.parametrize("spec", FUSING[1:5], ids=lambda s: json.dumps(s))
-def test_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
-    """Step by step (synchronously), a fused engine's request state on the device (tokens, computed counts, drafts
-    and their confidences) equals the op-by-op engine's after every step."""
+def lockstep(spec, tmp_path, device: str) -> None:
+    """Two engines, fused and op by op, stepped synchronously: the same outputs, and the same request state on the
+    device (tokens, computed counts, drafts and their confidences) after every step."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    engines = [engine_for(spec, fused, tmp_path) for fused in (True, False)]
+    engines = [engine_for(spec, fused, tmp_path, device=device) for fused in (True, False)]
     for e in engines:
         for p in prompts(5):
             e.add_request(p, params)
@@ -94,6 +95,19 @@ def test_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
         assert torch.equal(a.drafts[live], b.drafts[live])
         assert torch.allclose(a.draft_conf[live], b.draft_conf[live])
     assert not engines[0].has_unfinished() and engines[0].stats.fused_steps > 0
+
+
+@pytest.mark.parametrize("spec", FUSING[1:5], ids=lambda s: json.dumps(s))
+def test_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
+    lockstep(spec, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", FUSING[:3] + FUSING[5:7], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_fused_graphs_on_the_gpu_leave_the_state_of_unfused_steps(spec, tmp_path):
+    """The same on CUDA graphs (float32): the captured fused step computes what the separate graphs and the eager
+    glue compute."""
+    lockstep(spec, tmp_path, "cuda")
 
 
 def test_fused_fixed_acceptance_draws_as_unfused(tmp_path):

@@ -31,8 +31,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, ONE_TOKEN_DRAFTERS, block_query_len, next_steps_runner,
-                                          one_token_steps)
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, block_query_len,
+                                          next_steps_runner, one_token_steps)
 from dispatcher.plan.config import ConfigError, load_json_file
 
 DEFAULT_ACCEPTANCE_RATE = 0.6
@@ -224,13 +224,18 @@ def decode_step_costs(method: str | None, candidates: Sequence[int],
                       tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]],
                       source: str = "") -> StepCostTable:
     """A step's cost per candidate K from each runner's measured FULL decode replay times (``tables[runner][q]``:
-    (requests, ms) points): the target at q = 1 + K, plus for K >= 1 the drafter's forwards: an EAGLE-style drafter's
-    or a draft model's step 0 at q and its one-token steps (``one_token_steps``) at q = 1, a block drafter's forward
-    at its q. K = 0 is the target alone. A drafter forward with no measured graphs (disabled) adds nothing."""
-    target = tables.get("target", {})
+    (requests, ms) points): where fused decode steps were timed (``tables[FUSED_STEP]``: the whole step, target,
+    drafter and the glue between them, in one graph), those; else the target at q = 1 + K, plus for K >= 1 the
+    drafter's forwards: an EAGLE-style drafter's or a draft model's step 0 at q and its one-token steps
+    (``one_token_steps``) at q = 1, a block drafter's forward at its q. K = 0 is the target alone. A drafter forward
+    with no measured graphs (disabled) adds nothing."""
+    target, fused = tables.get("target", {}), tables.get(FUSED_STEP, {})
     by_q: dict[int, list[tuple[int, float]]] = {}
     for k in candidates:
         q = 1 + k
+        if fused.get(q):
+            by_q[q] = sorted(fused[q])
+            continue
         points = target.get(q)
         if not points:
             continue

@@ -44,6 +44,8 @@ from models.sampling import accepted_drafts, fixed_accepted
 log = logging.getLogger("twogrid.runtime")
 
 KIND = "fused_decode"
+NGRAM_TIMED_LENGTH = 1024
+"""The history length whose n-gram lookup graph ``measure_ms`` adds to a step's cost."""
 NGRAM_LENGTHS = (256, 1024, 4096, 16384)
 """History lengths n-gram lookup graphs are captured at (the state's width caps them): a step searches the
 smallest that holds its longest sequence."""
@@ -296,9 +298,15 @@ class FusedDecode:
     @torch.inference_mode()
     def measure_ms(self, repeats: int = 5) -> dict[int, list[tuple[int, float]]]:
         """The median replay time (ms) of every fused step graph over padded slots, by q: {q: [(requests, ms)]}:
-        the whole step's cost (target, drafter, glue) that ``"auto"`` tiers weigh. Attention has no context here."""
+        the whole step's cost (target, drafter, glue; with n-gram, the lookup over NGRAM_TIMED_LENGTH tokens) that
+        ``"auto"`` tiers weigh. Attention has no context here."""
         self._reset()
+        lookup = self.ngram_lengths[min(np.searchsorted(self.ngram_lengths, NGRAM_TIMED_LENGTH),
+                                        len(self.ngram_lengths) - 1)] if len(self.ngram_lengths) else 0
         out: dict[int, list[tuple[int, float]]] = {}
         for key, graph in self.graphs.items():
-            out.setdefault(key.target.q, []).append((key.target.size, replay_ms(graph, self.device, repeats)))
+            ms = replay_ms(graph, self.device, repeats)
+            if key.num_new_drafts and self.ngram:
+                ms += replay_ms(self.ngram[(key.target.size, int(lookup), key.num_new_drafts)], self.device, repeats)
+            out.setdefault(key.target.q, []).append((key.target.size, ms))
         return {q: sorted(points) for q, points in out.items()}
