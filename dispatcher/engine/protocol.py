@@ -81,6 +81,8 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     tiers: list[list[int]] | None = None
     """The speculative tiers in force from this step on, [[min_batch, max_batch, K], ...], on the steps after which
     ``"auto"`` tiers changed; None otherwise."""
+    fused: bool = False
+    """The step ran as one fused decode-step graph."""
 
 
 class QueueState(msgspec.Struct, array_like=True, frozen=True):

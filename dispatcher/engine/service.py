@@ -152,7 +152,8 @@ class EngineService:
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
                             spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
-                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed())
+                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed(),
+                            result.fused)
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
                         o.logprobs) for o in outputs]
         if len(self.outboxes) == 1:

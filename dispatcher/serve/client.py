@@ -246,7 +246,8 @@ class EngineClient:
         for s in msg.steps:
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
-                                     s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos)
+                                     s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos,
+                                     s.fused)
                 if s.tiers is not None:
                     self.metrics.set_spec_tiers(s.tiers)
         if msg.queue is not None and self.metrics is not None:

@@ -99,6 +99,9 @@ class EngineMetrics:
         self._graph_steps = counter("cudagraph_steps", "Steps by batch kind and graph mode (FULL, PIECEWISE, "
                                     "NONE = eager).", ("kind", "mode"))
         self._eager_steps = counter("eager_steps", "Steps run without a graph, by reason.", ("reason",))
+        self._fused_steps = counter("fused_decode_steps", "Uniform-decode steps run as one graph a step (the target's "
+                                    "forward, verification and the drafter's forwards: the rest of FULL uniform "
+                                    "decodes ran op by op around their forwards' graphs).").labels(model_name)
         self._padded_tokens = counter("padded_tokens", "Tokens added to steps to reach a captured size."
                                       ).labels(model_name)
         # speculative decoding, as vLLM's v1 counts it (vllm/v1/spec_decode/metrics.py)
@@ -131,12 +134,14 @@ class EngineMetrics:
     # -- engine hooks -------------------------------------------------------------------------------------------
     def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
                 accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0, num_drafts: int = 0,
-                draft_tokens: int = 0, accepted_per_pos: Sequence[int] = ()) -> None:
+                draft_tokens: int = 0, accepted_per_pos: Sequence[int] = (), fused: bool = False) -> None:
         """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
         eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
         device time; verify events, draft tokens verified and, per draft position, the verify events that accepted
-        it."""
+        it; whether it ran as one fused decode-step graph."""
         self._graph_steps.labels(self.model_name, kind, mode).inc()
+        if fused:
+            self._fused_steps.inc()
         self._device_s.inc(device_seconds)
         if eager_reason is not None:
             self._eager_steps.labels(self.model_name, eager_reason).inc()
