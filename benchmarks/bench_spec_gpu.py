@@ -49,6 +49,7 @@ import urllib.request
 
 from _common import commit, join_runs, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
+from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import SPEC_METHODS
 
 METHODS = "none,ngram:3,eagle3:1,eagle3:3,eagle3:5"
@@ -93,6 +94,16 @@ def cell(row: dict) -> tuple:
     return row["policy"], row["method"], row["k"], row.get("fused", True), row["concurrency"]
 
 
+def fixed_mean_length(args, k: int) -> float:
+    """The ``--fixed-acceptance`` of a server drafting up to k tokens: ``args.fixed_acceptance`` itself, or with
+    ``--fixed-acceptance-of K0`` the mean length at k of the per-draft rate that gives ``args.fixed_acceptance`` at
+    K0 (so that every server's drafter accepts alike: 3.0 of 7 is rate 0.68, 2.47 at K = 3)."""
+    if not args.fixed_acceptance_of:
+        return args.fixed_acceptance
+    rate = fixed_acceptance_rate(args.fixed_acceptance, args.fixed_acceptance_of)
+    return round(1.0 + sum(rate ** j for j in range(1, k + 1)), 4)
+
+
 def scrape(base: str) -> str:
     with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
         return resp.read().decode()
@@ -120,7 +131,7 @@ def spec_row(policy: str, method: str, k: int, conc: int, bench: dict, args) -> 
     """A row from one ``twogrid bench`` result: the headline's row fields (tok/s, TPOT, TTFT, eager steps, steps,
     device time, GPU busy, ...) led by the method and K, with the acceptance counters and the mean acceptance length
     (null without drafts, or when the server exports no drafts counter)."""
-    acceptance = "real" if args.fixed_acceptance is None else f"fixed-{args.fixed_acceptance}"
+    acceptance = "real" if args.fixed_acceptance is None else f"fixed-{fixed_mean_length(args, abs(k))}"
     head = make_row(policy, label(method, k), acceptance, conc, [bench], args)
     del head["workload"]
     row = {"policy": policy, "method": method, "k": k, "tiers": tiers_of(k), "fused": not args.no_fuse_decode_steps,
@@ -230,7 +241,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
         log_path = os.path.join(out_dir, f"server-{stem}.log")
         cmd = serve_command(policy, spec, args.port, args, SERVED_NAME)
         if args.fixed_acceptance is not None and spec:
-            cmd += ["--fixed-acceptance", str(args.fixed_acceptance)]
+            cmd += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
         if args.no_fuse_decode_steps:
             cmd += ["--no-fuse-decode-steps"]
         if args.step_trace_dir:
@@ -314,6 +325,9 @@ def main() -> None:
                         "with it; default: the model's own)")
     parser.add_argument("--fixed-acceptance", type=float, default=None,
                         help="the speculative servers' --fixed-acceptance (benchmarks of random heads)")
+    parser.add_argument("--fixed-acceptance-of", type=int, default=None, metavar="K0",
+                        help="--fixed-acceptance is the mean length at K0 drafts: every server accepts at that "
+                             "per-draft rate (a K = 3 server at 3.0 of 7: 2.47)")
     parser.add_argument("--no-fuse-decode-steps", action="store_true",
                         help="servers with --no-fuse-decode-steps (uniform decodes op by op)")
     args = parser.parse_args()

@@ -199,3 +199,13 @@ def test_auto_tiers_methods_and_the_chosen_k(spec):
                'twogrid:fused_decode_steps_total{model_name="m"} 12.0\n')
     assert [spec.chosen_k(metrics, c) for c in (1, 64, 1024, 2000)] == [7, 3, 0, None]
     assert spec.fused_steps(metrics) == 12.0
+
+
+def test_fixed_acceptance_at_one_rate_for_every_k(spec):
+    """``--fixed-acceptance 3.0 --fixed-acceptance-of 7``: every server's drafter accepts at the rate that gives 3.0
+    at K = 7; a K = 3 server gets that rate's mean length at 3, a K = 7 (or auto up to 7) server 3.0."""
+    args = argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=7)
+    rate = 0.6823  # 1 + sum of rate^j for j = 1..7 is 3.0
+    assert spec.fixed_mean_length(args, 7) == pytest.approx(3.0, abs=1e-3)
+    assert spec.fixed_mean_length(args, 3) == pytest.approx(1 + rate + rate**2 + rate**3, abs=0.01)
+    assert spec.fixed_mean_length(argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=None), 3) == 3.0

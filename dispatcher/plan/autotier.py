@@ -93,6 +93,22 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return 1.0 + float(sum(acceptance[:k]))
 
 
+def fixed_acceptance_rate(mean_length: float, k: int) -> float:
+    """Benchmarks' fixed acceptance: the per-draft probability alpha (each draft accepted with alpha if the previous
+    one was) whose mean acceptance length 1 + sum_{j=1..k} alpha^j is ``mean_length``; bisection. ValueError outside
+    [1, 1 + k]."""
+    if not 1.0 <= mean_length <= 1.0 + k:
+        raise ValueError(f"fixed_acceptance = {mean_length} must be in [1, 1 + K] = [1, {1 + k}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 1.0 + sum(mid ** j for j in range(1, k + 1)) < mean_length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def estimate_acceptance(accepted: Sequence[float], verified: Sequence[float], prior: Sequence[float],
                         prior_weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
     """Per-position acceptance from counts: at position j, (accepted_j + w * target_j) / (verified_j + w), the

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, Step, StepResult, pack, unpack
+from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
@@ -164,7 +165,7 @@ class ModelWorker:
             raise ValueError("fixed_acceptance needs speculative decoding (num_speculative_tokens > 0)")
         self.fixed_acceptance_on = mean_length is not None
         if mean_length is not None:
-            self.fixed_alpha.fill_(_acceptance_rate_for(mean_length, self.k_max))
+            self.fixed_alpha.fill_(fixed_acceptance_rate(mean_length, self.k_max))
 
     def _draft_head(self, cfg):
         """The drafter's model: the draft LM (draft_model); an EAGLE head from its checkpoint ("model"), else the one
@@ -654,18 +655,3 @@ class _DeviceStep:
     @property
     def sampling_slots(self) -> torch.Tensor:
         return self.slots[self.sampling_rows]
-
-
-def _acceptance_rate_for(mean_length: float, k: int) -> float:
-    """The per-draft acceptance probability alpha (each draft accepted with alpha if the previous one was) whose
-    mean acceptance length 1 + sum_{j=1..k} alpha^j equals ``mean_length``; bisection."""
-    if not 1.0 <= mean_length <= 1.0 + k:
-        raise ValueError(f"fixed_acceptance = {mean_length} must be in [1, 1 + K] = [1, {1 + k}]")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if 1.0 + sum(mid ** j for j in range(1, k + 1)) < mean_length:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
