@@ -74,7 +74,7 @@ def pdl_available(device: torch.device) -> bool:
 PDL_MAX_TOKENS = 256
 """Steps of at most this many tokens launch programmatically. On the H200 (docs/runtime.md) it brings a bench-moe
 FULL decode step from 1.04-1.10x to 1.00-1.03x its kernels' sum up to 256 tokens; at 512 tokens and more it made
-steps 2-10% slower against their kernels' sum (docs/bench/runtime_h200_f9fd88d_pdl_every_size.json), where the
+steps 2-10% slower against their kernels' sum (docs/bench/history/runtime_h200_f9fd88d_pdl_every_size.json), where the
 kernels are long and a launch's latency is already hidden behind them."""
 
 
