@@ -8,8 +8,7 @@ whole prefix up to the end of its block (and that token), so equal hashes mean e
 from __future__ import annotations
 
 import hashlib
-
-import numpy as np
+import struct
 
 ROOT = b"twogrid prefix cache"
 """The parent hash of a sequence's first block."""
@@ -24,7 +23,8 @@ def extend_block_hashes(hashes: list[bytes], token_ids, num_blocks: int, block_s
     if num_blocks <= start:
         return hashes
     extra = 1 if next_token_key else 0
-    data = np.asarray(token_ids(start * block_size, num_blocks * block_size + extra), dtype="<i4").tobytes()
+    tokens = token_ids(start * block_size, num_blocks * block_size + extra)
+    data = struct.pack(f"<{len(tokens)}i", *tokens)
     width = 4 * block_size
     parent = hashes[-1] if hashes else ROOT
     for i in range(num_blocks - start):

@@ -177,6 +177,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
+    num_cached_tokens: int | None = None
+    """On a request's first output: its prompt tokens found in the prefix cache (``Request.num_cached_tokens``)."""
 
 
 class SpecDecodeStep(NamedTuple):
@@ -701,6 +703,7 @@ class Scheduler:
                         new_tokens = new_tokens[: j + 1]
                         reason = FinishReason.STOP
                         break
+            cached = None if req.output_token_ids else req.num_cached_tokens
             req.output_token_ids.extend(new_tokens)
             logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs)
             if reason is not None:
@@ -709,7 +712,7 @@ class Scheduler:
                 finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
-            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs))
+            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs, cached))
         for slot in finished_slots:
             self._remove_running(slot)
         return outputs
