@@ -83,9 +83,11 @@ def workloads(draw):
     return spec, budget, num_blocks, bases, ops, depth
 
 
-def play(engine: EngineCore, bases, ops, depth: int):
+def play(engine: EngineCore, bases, ops, depth: int, turns: dict[int, list[int]]):
     """Play the ops with ``depth`` steps in flight (2: step t + 1 scheduled before step t's result is taken);
-    checks the pool after every step. Returns (tokens by request, finish reasons, aborted request ids)."""
+    checks the pool after every step. A later turn's prompt holds an earlier request's output so far, which
+    depends on how far the run got: the first run records each in ``turns`` (by op), a second run replays them.
+    Returns (tokens by request, finish reasons, aborted request ids)."""
     tokens: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
@@ -131,13 +133,13 @@ def play(engine: EngineCore, bases, ops, depth: int):
         ids.append(rid)
         tokens[rid], prompts[rid] = [], prompt
 
-    for op in ops:
+    for i, op in enumerate(ops):
         if op[0] == "add":
             r = op[1]
             add(bases[r["base"]][: r["prefix_len"]] + r["suffix"], r["max_tokens"], r["sampled"], r["seed"])
         elif op[0] == "continue" and ids:  # a later turn: an earlier prompt, its output so far, new tokens
             rid = ids[op[1] % len(ids)]
-            add(prompts[rid] + tokens[rid] + op[2], op[3])
+            add(turns.setdefault(i, prompts[rid] + tokens[rid] + op[2]), op[3])
         elif op[0] == "abort" and ids:
             pending[op[2]].append(ids[op[1] % len(ids)])
         elif op[0] == "step":
@@ -157,9 +159,9 @@ def play(engine: EngineCore, bases, ops, depth: int):
 @given(workloads())
 def test_cached_runs_equal_uncached(workload):
     spec, budget, num_blocks, bases, ops, depth = workload
-    cached_engine = make_engine(spec, budget, num_blocks, True)
-    cached = play(cached_engine, bases, ops, depth)
-    plain = play(make_engine(spec, budget, num_blocks, False), bases, ops, depth)
+    cached_engine, turns = make_engine(spec, budget, num_blocks, True), {}
+    cached = play(cached_engine, bases, ops, depth, turns)
+    plain = play(make_engine(spec, budget, num_blocks, False), bases, ops, depth, turns)
     stats = cached_engine.scheduler.stats
     event(f"prefix cache hits: {'some' if stats.prefix_cache_hits else 'none'}")
     assert stats.prefix_cache_hits <= stats.prefix_cache_queries
@@ -176,9 +178,9 @@ def test_random_runs_hit_the_cache():
                                            "sampled": False, "seed": 0})
     ops = [add(0, 36, [5]), ("step",), add(0, 36, [6, 7]), add(1, 30, [8]), ("step",), ("continue", 0, [9], 4),
            ("step",), add(1, 40, []), add(0, 12, [4]), ("step",)] + [("step",)] * 6
-    engine = make_engine(None, 16, 22, True)
-    cached = play(engine, bases, ops, 2)
-    assert play(make_engine(None, 16, 22, False), bases, ops, 2)[0] == cached[0]
+    engine, turns = make_engine(None, 16, 22, True), {}
+    cached = play(engine, bases, ops, 2, turns)
+    assert play(make_engine(None, 16, 22, False), bases, ops, 2, turns)[0] == cached[0]
     stats = engine.scheduler.stats
     assert stats.prefix_cache_hits >= 32 and stats.preemptions >= 1
 
