@@ -171,21 +171,22 @@ class KVBlockManager:
             self.num_registered[slot] = n
         return np.full(n, slot, dtype=np.int64), np.arange(n, dtype=np.int64), ids
 
-    def register(self, slot: int, hashes: list[bytes], num_blocks: int) -> list[tuple[int, bytes]]:
+    def register(self, slot: int, hashes: list[bytes], num_blocks: int, owner, log: list) -> None:
         """Offer the slot's blocks up to ``num_blocks`` (full, their KV right; ``hashes[i]`` is block i's hash) to
-        the cache. A hash already registered keeps its block (this one stays private). Returns the (block, hash)
-        pairs registered."""
-        new = []
-        for col in range(int(self.num_registered[slot]), num_blocks):
-            h = hashes[col]
-            if h not in self._block_of:
-                block = int(self.block_table[slot, col])
-                self._block_of[h] = block
-                self._hash_of[block] = h
-                self._registered[block] = True
-                new.append((block, h))
-        self.num_registered[slot] = max(int(self.num_registered[slot]), num_blocks)
-        return new
+        the cache. A hash already registered keeps its block (this one stays private). Appends (``owner``, block,
+        hash) to ``log`` for each block registered."""
+        first = int(self.num_registered[slot])
+        if num_blocks <= first:
+            return
+        block_of, hash_of, new = self._block_of, self._hash_of, []
+        for block, h in zip(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks]):
+            if h not in block_of:
+                block_of[h] = block
+                hash_of[block] = h
+                new.append(block)
+                log.append((owner, block, h))
+        self._registered[new] = True
+        self.num_registered[slot] = num_blocks
 
     def unregister(self, entries: list[tuple[int, bytes]]) -> np.ndarray:
         """Forget (block, hash) registrations (a failed step's: their KV was never written) where they still stand;

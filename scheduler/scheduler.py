@@ -489,23 +489,28 @@ class Scheduler:
         hashes = extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)
         return self.kv.lookup(hashes[:n])
 
-    def _register(self, slot: int, req: Request, num_tokens: int) -> None:
-        """Offer the slot's full blocks whose KV the step being scheduled completes (its first ``num_tokens``
-        positions' KV is, or will be, right: known tokens only) to the cache."""
+    def _register(self, slot: int, req: Request, num_blocks: int) -> None:
+        """Offer the slot's first ``num_blocks`` blocks to the cache: full, and their KV right once the step being
+        scheduled has run (known tokens only)."""
         c = self.config
-        upto = min(num_tokens, req.num_tokens - int(c.next_token_key)) // c.block_size
-        if upto > self.kv.num_registered[slot]:
-            hashes = extend_block_hashes(req.block_hashes, req.token_ids, upto, c.block_size, c.next_token_key)
-            self._registered += [(req.request_id, b, h) for b, h in self.kv.register(slot, hashes, upto)]
+        hashes = req.block_hashes
+        if len(hashes) < num_blocks:
+            extend_block_hashes(hashes, req.token_ids, num_blocks, c.block_size, c.next_token_key)
+        self.kv.register(slot, hashes, num_blocks, req.request_id, self._registered)
+
+    def _full_blocks(self, num_computed, num_tokens):
+        """Blocks whose KV is right after a step that computes up to ``num_computed`` of ``num_tokens`` known
+        tokens (numpy arrays or ints): its full blocks of known tokens (with the token after them, where a block's
+        key holds it)."""
+        return np.minimum(num_computed, num_tokens - int(self.config.next_token_key)) // self.config.block_size
 
     def _register_running(self, slots: np.ndarray) -> None:
         """``_register`` for the scheduled slots that complete a block this step (vectorized pick; a decode step
         completes one block in every ``block_size`` tokens of a request)."""
-        c = self.config
-        known = self.num_tokens[slots] - int(c.next_token_key)
-        upto = np.minimum(self.num_computed[slots], known) // c.block_size
-        for slot in slots[upto > self.kv.num_registered[slots]].tolist():
-            self._register(slot, self.slot_request[slot], int(self.num_computed[slot]))
+        upto = self._full_blocks(self.num_computed[slots], self.num_tokens[slots])
+        done = upto > self.kv.num_registered[slots]
+        for slot, n in zip(slots[done].tolist(), upto[done].tolist()):
+            self._register(slot, self.slot_request[slot], n)
 
     def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
         """A step the worker failed: its requests end (aborted), the blocks it registered are forgotten (their KV
@@ -582,7 +587,7 @@ class Scheduler:
             updates.append(self.kv.share(slot, hit))
             updates.append(self.kv.grow(np.array([slot]), np.array([computed + chunk + c.lookahead_tokens])))
             if c.enable_prefix_caching:  # at once: a request admitted after it in this step may share its blocks
-                self._register(slot, req, computed + chunk)
+                self._register(slot, req, int(self._full_blocks(computed + chunk, req.num_tokens)))
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = computed
                 if c.enable_prefix_caching:
