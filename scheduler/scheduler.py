@@ -363,6 +363,17 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._hash_prompt(request)
+
+    def _hash_prompt(self, req: Request) -> list[bytes]:
+        """The hashes of the request's blocks that a cache lookup may find (those before its last known token),
+        computed when it is queued: the serving engine queues requests while a step runs, so the hashing stays
+        off the step's critical path. [] without prefix caching."""
+        c = self.config
+        if not c.enable_prefix_caching:
+            return []
+        n = (req.num_tokens - 1) // c.block_size
+        return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)[:n]
 
     def check_request(self, request: Request) -> None:
         """RequestError (naming the field and the limit) for a request this scheduler can never serve."""
@@ -482,12 +493,8 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks of the request's longest cached prefix, short of its last known token (which it
         computes: it samples there); [] without prefix caching."""
-        c = self.config
-        if not c.enable_prefix_caching:
-            return []
-        n = (req.num_tokens - 1) // c.block_size
-        hashes = extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)
-        return self.kv.lookup(hashes[:n])
+        hashes = self._hash_prompt(req)  # (a preempted request's output too)
+        return self.kv.lookup(hashes) if hashes else []
 
     def _register(self, slot: int, req: Request, num_blocks: int) -> None:
         """Offer the slot's first ``num_blocks`` blocks to the cache: full, and their KV right once the step being
