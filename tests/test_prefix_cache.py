@@ -23,7 +23,7 @@ from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
 from models.config import preset  # noqa: E402
 from scheduler.request import FinishReason, RequestError, SamplingParams  # noqa: E402
-from test_engine_random import PHASES, SPECS  # noqa: E402
+from test_engine_random import PHASES, SPECS, phase_aborts, run_out, take_outputs  # noqa: E402
 
 BLOCK = 4
 MAX_MODEL_LEN = 64
@@ -92,24 +92,14 @@ def play(engine: EngineCore, bases, ops, depth: int, turns: dict[int, list[int]]
     prompts: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
     aborted: set[str] = set()
-    pending = {phase: [] for phase in PHASES}
+    pending, abort = phase_aborts(engine, reasons, aborted)
     ids: list[str] = []
     in_flight: deque = deque()
-
-    def abort(phase):
-        for rid in pending[phase]:
-            if engine.abort(rid):
-                aborted.add(rid)
-                reasons[rid] = FinishReason.ABORT
-        pending[phase].clear()
 
     def take(step):
         result = engine.wait(step)
         abort("after_execute")
-        for o in engine.update(step, result):
-            tokens[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+        take_outputs(engine, step, result, tokens, reasons)
         check_pool(engine)
 
     def step():
@@ -144,14 +134,7 @@ def play(engine: EngineCore, bases, ops, depth: int, turns: dict[int, list[int]]
             pending[op[2]].append(ids[op[1] % len(ids)])
         elif op[0] == "step":
             step()
-    for _ in range(600):
-        if not engine.has_unfinished() and not in_flight:
-            break
-        step()
-    assert not engine.has_unfinished() and not in_flight
-    assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
-    for rid in ids:
-        assert rid in reasons, f"{rid} never finished"
+    run_out(engine, step, ids, reasons, lambda: bool(in_flight))
     return tokens, reasons, aborted
 
 
