@@ -575,8 +575,9 @@ class Scheduler:
         return self.kv.grow(pick.slots, pick.num_computed + pick.num_scheduled + self.config.lookahead_tokens)
 
     def _admit(self, budget: int) -> tuple[list[Request], list[int], list[int], list]:
-        """Stage 3: waiting requests in order (preempted ones first), a prefill chunk each, while tokens, slots and
-        KV blocks last. Returns the requests, their slots, their chunks and their new block-table entries."""
+        """Stage 3: waiting requests in order (preempted ones first), a prefill chunk each from their cached prefix
+        on (its blocks shared), while tokens, slots and KV blocks last. Returns the requests, their slots, their
+        chunks and their new block-table entries."""
         c = self.config
         new: list[Request] = []
         slots: list[int] = []
