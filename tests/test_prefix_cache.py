@@ -10,6 +10,7 @@ prefix is recomputed, seeded sampling repeats over a cached prefix, a drafter's 
 
 from __future__ import annotations
 
+import json
 from collections import deque
 
 import numpy as np
@@ -23,21 +24,29 @@ from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
 from models.config import preset  # noqa: E402
 from scheduler.request import FinishReason, RequestError, SamplingParams  # noqa: E402
-from test_engine_random import PHASES, SPECS, phase_aborts, run_out, take_outputs  # noqa: E402
+from test_engine_random import PHASES, SPEC_COSTS, SPECS, phase_aborts, run_out, take_outputs  # noqa: E402
 
 BLOCK = 4
 MAX_MODEL_LEN = 64
 ALL_SPECS = SPECS + [{"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 2}]
 
 
-def make_engine(spec, budget: int, num_blocks: int, caching: bool, max_num_seqs: int = 4) -> EngineCore:
-    if spec and spec.get("adaptive_verification"):  # (its step-cost curve from a default: no file to write)
-        spec = {k: v for k, v in spec.items() if k != "adaptive_verification"}
-    if spec and spec.get("num_speculative_tokens_per_batch_size") == "auto":
-        spec = {**spec, "num_speculative_tokens_per_batch_size": [[1, 3], [3, 1]]}
+@pytest.fixture(scope="module")
+def cost_tables(tmp_path_factory) -> tuple[str, str]:
+    """Adaptive verification's step-cost curve and "auto" tiers' step costs (test_engine_random's)."""
+    folder = tmp_path_factory.mktemp("costs")
+    (folder / "curve.json").write_text(json.dumps({"tokens": [1, 16, 64, 256], "ms": [1.0, 1.2, 2.0, 5.0]}))
+    (folder / "spec_costs.json").write_text(json.dumps(SPEC_COSTS))
+    return str(folder / "curve.json"), str(folder / "spec_costs.json")
+
+
+def make_engine(spec, budget: int, num_blocks: int, caching: bool, max_num_seqs: int = 4,
+                cost_tables: tuple[str, str] | None = None) -> EngineCore:
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    av, spec_costs = cost_tables or (None, None)
     return EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_blocks, block_size=BLOCK,
-                                      max_model_len=MAX_MODEL_LEN, seed=5, enable_prefix_caching=caching))
+                                      max_model_len=MAX_MODEL_LEN, seed=5, enable_prefix_caching=caching,
+                                      av_cost_table=av, spec_cost_table=spec_costs, auto_tier_interval=3))
 
 
 def check_pool(engine: EngineCore) -> None:
@@ -140,11 +149,13 @@ def play(engine: EngineCore, bases, ops, depth: int, turns: dict[int, list[int]]
 
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
-def test_cached_runs_equal_uncached(workload):
+def test_cached_runs_equal_uncached(cost_tables, workload):
     spec, budget, num_blocks, bases, ops, depth = workload
-    cached_engine, turns = make_engine(spec, budget, num_blocks, True), {}
+    if spec and spec.get("adaptive_verification"):
+        depth = 1  # (adaptive verification chooses from the last step's result: no step in flight)
+    cached_engine, turns = make_engine(spec, budget, num_blocks, True, cost_tables=cost_tables), {}
     cached = play(cached_engine, bases, ops, depth, turns)
-    plain = play(make_engine(spec, budget, num_blocks, False), bases, ops, depth, turns)
+    plain = play(make_engine(spec, budget, num_blocks, False, cost_tables=cost_tables), bases, ops, depth, turns)
     stats = cached_engine.scheduler.stats
     event(f"prefix cache hits: {'some' if stats.prefix_cache_hits else 'none'}")
     assert stats.prefix_cache_hits <= stats.prefix_cache_queries
