@@ -6,9 +6,9 @@ decodes), padded tokens.
 
 Models (``--models``): ``bench-moe`` (random weights, Granite-3.0-1B-A400M's shape, SmolLM2's tokenizer:
 ``--tokenizer``) and ``default`` (SmolLM2-135M-Instruct's GGUF, its own tokenizer). Per model both servers (caching
-on and off) are started together, each with half the memory (``--gpu-memory-utilization 0.4``; the headline's
-flags otherwise: separate grids, sm100, 1024 requests and 16384 tokens a step), and each cell runs on one, then the
-other. Workloads (``--workloads``):
+on and off) are started together, each with a KV cache of ``--kv-gib`` GiB (``--num-kv-blocks``: a memory fraction
+would count the other server's memory as used; the headline's flags otherwise: separate grids, sm100, 1024
+requests and 16384 tokens a step), and each cell runs on one, then the other. Workloads (``--workloads``):
 
   multi-turn         ShareGPT conversations through /v1/chat/completions (``twogrid bench --multi-turn``): each
                      turn sent with the conversation so far, the model's own answers in it. The ShareGPT file at
@@ -32,7 +32,7 @@ multi-turn at 256 streams TTFT p50 at least 2x lower with caching on; on no-pref
 (about 8 minutes on an H200: two pairs of servers, 24 cells, 48 bench runs). ``--models`` splits it over two calls
 (``--resume`` keeps the rows of an existing ``--out``). A CPU dry run:
 ``--device cpu --models default --concurrency 2 --turns 2 --output-len 4 --prefix-len 64 --suffix-len 8
---random-len 32 --api-server-count 1``.
+--random-len 32 --api-server-count 1 --min-prompts 4 --max-model-len 1024 --kv-gib 0.25``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from bench_spec_gpu import log, log_tail, stop
 WORKLOADS = ("multi-turn", "prefix-repetition", "no-prefix")
 MODELS = ("bench-moe", "default")
 SERVED_NAME = "served"
-GPU_MEMORY_PER_SERVER = 0.4
 
 
 def cell(row: dict) -> tuple:
@@ -162,6 +161,16 @@ def markdown(rows: list[dict]) -> str:
                          lambda r: "caching on" if r["prefix_caching"] else "caching off", fmt)
 
 
+def kv_blocks(model: str, gib: float, block_size: int = 16) -> int:
+    """KV blocks of ``block_size`` tokens that ``gib`` GiB hold for the model in bfloat16."""
+    import torch
+
+    from dispatcher.runtime.process import kv_bytes_per_block
+    from models.loader import read_model_config
+
+    return int(gib * 2**30 // kv_bytes_per_block(read_model_config(model), block_size, torch.bfloat16))
+
+
 def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.Popen, int]]:
     """Both servers of a model (caching on at ``--port``, off at ``--port`` + 1), started together, ready."""
     args.model, args.tokenizer = (("bench-moe", args.moe_tokenizer) if model == "bench-moe"
@@ -169,7 +178,7 @@ def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.P
     procs = {}
     for caching, port in ((True, args.port), (False, args.port + 1)):
         cmd = serve_command("separate", None, port, args, SERVED_NAME)
-        cmd += ["--gpu-memory-utilization", str(GPU_MEMORY_PER_SERVER)]
+        cmd += ["--num-kv-blocks", str(kv_blocks(args.model, args.kv_gib))]
         if not caching:
             cmd.append("--no-enable-prefix-caching")
         log_path = os.path.join(work_dir, f"server-{model}-{'on' if caching else 'off'}.log")
@@ -245,6 +254,7 @@ def main() -> None:
     parser.add_argument("--api-server-count", type=int, default=4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")
     args = parser.parse_args()
     models, workloads = args.models.split(","), args.workloads.split(",")
     if bad := (set(models) - set(MODELS)) | (set(workloads) - set(WORKLOADS)):
