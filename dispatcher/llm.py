@@ -9,7 +9,9 @@
 
 ``model`` takes a Hugging Face checkpoint directory, a .gguf file or a preset name (random weights, no
 tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
-and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``, ...).
+and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``,
+``enable_prefix_caching`` (default True, as vLLM's), ...). Each output's ``num_cached_tokens`` counts its prompt
+tokens found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, block_size: int = 16,
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
-                 platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None):
+                 platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
+                 enable_prefix_caching: bool = True):
         if model is None:
             from models.default_model import default_model_path
 
@@ -80,7 +83,8 @@ class LLM:
         self.engine = EngineCore(self.config, EngineArgs(
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
-            eos_token_ids=tuple(dict.fromkeys(eos))), capture=not enforce_eager)
+            eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching),
+            capture=not enforce_eager)
         self.processor = OutputProcessor(self.tokenizer, self.engine.scheduler.finish_request)
         self.default_params = generation_defaults(model)
         self._ids = itertools.count()

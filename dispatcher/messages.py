@@ -53,6 +53,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     """int32: the prompt, then the output so far (a preempted request computes both again)."""
     num_prompt_tokens: int
     sampling: SamplingSpec
+    num_computed: int = 0
+    """Tokens whose KV the request already has: its cached prefix, in the blocks the step's ``block_updates`` give
+    it (the step computes from there)."""
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):

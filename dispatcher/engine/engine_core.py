@@ -73,6 +73,9 @@ class EngineArgs:
     and reused (so that runs of one setup start from the same tiers)."""
     auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
     """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
+    that another request computed (``scheduler.kv_blocks``)."""
 
 
 @dataclass
@@ -143,12 +146,13 @@ class ScheduledStep:
 
 def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
     """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
-    new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
+    first = len(out.slots) - len(out.new_requests)
+    new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
                       SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
                                    int(req.params.seed or 0),
-                                   -1 if req.params.logprobs is None else int(req.params.logprobs)))
-           for req, slot in zip(out.new_requests, new_slots)]
+                                   -1 if req.params.logprobs is None else int(req.params.logprobs)), computed)
+           for req, slot, computed in zip(out.new_requests, new_slots, new_computed)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
@@ -180,7 +184,8 @@ class EngineCore:
         self.args = args
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
-        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
+                                     enable_prefix_caching=args.enable_prefix_caching)
         self.capture_report = None
         if worker is None:
             dtype = args.dtype or default_dtype(args.model, args.device)

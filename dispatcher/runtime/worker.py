@@ -284,8 +284,8 @@ class ModelWorker:
         hidden = self.runtime.execute(step.target, inputs)
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
-        drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
-        if drafts:
+        drafts = bool(self.drafter is not None and step.num_new_drafts and plan.num_sampling)
+        if drafts or step.draft is not None:  # (step 0 writes the drafter's KV every step: drafting.py)
             features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
             self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
@@ -298,7 +298,7 @@ class ModelWorker:
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit)
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit)
 
     def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray) -> "_Pending":
         """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
@@ -390,6 +390,7 @@ class ModelWorker:
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
+            np.asarray([r.num_computed for r in new], np.int64),
         )
         return _DeviceStep(*cols)
 
@@ -414,7 +415,7 @@ class ModelWorker:
             cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
                 starts, lens, output_size=dev.new_tokens.numel())
             st.token_ids[rows, cols] = dev.new_tokens
-            st.num_computed.index_fill_(0, slots, 0)
+            st.num_computed[slots] = dev.new_num_computed  # (its cached prefix's tokens; 0 without one)
             st.temperature[slots] = as_float(dev.new_temperature)
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
@@ -651,6 +652,7 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
+    new_num_computed: torch.Tensor
 
     @property
     def sampling_slots(self) -> torch.Tensor:

@@ -60,6 +60,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
+    from dispatcher.cli import add_prefix_caching_arg
+
+    add_prefix_caching_arg(k)
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -184,7 +187,8 @@ def _setup(args: argparse.Namespace):
         eos.append(tokenizer.eos_token_id)
     engine_args = EngineArgs(model, device=device, dtype=getattr(torch, dtype), num_kv_blocks=1,
                              block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
-                             step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)))
+                             step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)),
+                             enable_prefix_caching=args.enable_prefix_caching)
     log.info("%s", render_plan(build_plan(cfg)))
     name = args.served_model_name or _model_name(model)
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
@@ -204,7 +208,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
                             num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
+                                     args.api_server_count, engine_args.enable_prefix_caching), tokenizer, name,
+                          defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
     try:
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
