@@ -21,7 +21,7 @@ import sys
 import tempfile
 import zipfile
 
-from models.loader import CheckpointError
+from models.checkpoint import CheckpointError
 
 log = logging.getLogger("twogrid")
 

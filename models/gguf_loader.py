@@ -32,7 +32,7 @@ from torch import nn
 
 from models.config import ModelConfig, RopeScaling
 from models.int4 import INT4_TYPES, Int4Linear, ggml_int4_groups, int4_available
-from models.loader import CheckpointError, default_dtype, fill_model
+from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
 from models.layers import RotaryEmbedding
 from models.transformer import CausalLM, build_model
 
@@ -407,11 +407,11 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
 
 
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.loader.default_dtype``);
+    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.checkpoint.serving_dtype``);
     on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
-    dtype = dtype or default_dtype(path, device)
+    dtype = dtype or serving_dtype(device, is_4bit(f))
     model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
     if int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
@@ -454,8 +454,6 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
     package). ``tokenizer_metadata``: extra keys such as ``tokenizer.ggml.tokens`` (values typed by GGUFWriter)."""
     import gguf
 
-    from models.loader import _hf_names, _target
-
     arch = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[model_type]
     cfg = model.cfg
@@ -483,8 +481,8 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
     add_metadata(w, tokenizer_metadata or {})
     tensors: dict[str, np.ndarray] = {}
     stacks: dict[str, list[np.ndarray]] = {}
-    for ours, theirs, dim in _hf_names(cfg, model_type):
-        value = _target(model, ours).detach().float().cpu()
+    for ours, theirs, dim in hf_names(cfg, model_type):
+        value = param_target(model, ours).detach().float().cpu()
         if ours.endswith("qkv_proj.weight") or ours.endswith("qkv_proj.bias"):
             parts = value.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim)
         else:

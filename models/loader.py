@@ -13,20 +13,17 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator, Protocol
 
 import torch
 
+from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, read_json, serving_dtype
 from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
-from models.transformer import VOCAB_PARAMS, CausalLM, build_model
+from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
+from models.transformer import CausalLM, build_model
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """Hugging Face ``model_type`` values this loader reads."""
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file, the field or tensor, and the expectation."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,118 +119,11 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
     return out
 
 
-def _hf_names(cfg: ModelConfig, kind: str) -> Iterator[tuple[str, list[str], int]]:
-    """(our parameter, its Hugging Face tensors, the dim they are concatenated along)."""
-    yield "embed_tokens.weight", ["model.embed_tokens.weight"], 0
-    yield "norm.weight", ["model.norm.weight"], 0
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", ["lm_head.weight"], 0
-    for i in range(cfg.num_layers):
-        p, ours = f"model.layers.{i}", f"layers.{i}"
-        yield f"{ours}.input_layernorm.weight", [f"{p}.input_layernorm.weight"], 0
-        yield f"{ours}.post_attention_layernorm.weight", [f"{p}.post_attention_layernorm.weight"], 0
-        yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"], 0
-        if cfg.attention_bias:
-            yield f"{ours}.qkv_proj.bias", [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], 0
-        if cfg.qk_norm:
-            yield f"{ours}.q_norm.weight", [f"{p}.self_attn.q_norm.weight"], 0
-            yield f"{ours}.k_norm.weight", [f"{p}.self_attn.k_norm.weight"], 0
-        yield f"{ours}.o_proj.weight", [f"{p}.self_attn.o_proj.weight"], 0
-        if not cfg.is_moe:
-            yield f"{ours}.mlp.gate_up_proj.weight", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], 0
-            yield f"{ours}.mlp.down_proj.weight", [f"{p}.mlp.down_proj.weight"], 0
-        elif kind == "mixtral":
-            m = f"{p}.block_sparse_moe"
-            yield f"{ours}.mlp.gate.weight", [f"{m}.gate.weight"], 0
-            for e in range(cfg.num_experts):
-                yield f"{ours}.mlp.w13[{e}]", [f"{m}.experts.{e}.w1.weight", f"{m}.experts.{e}.w3.weight"], 0
-                yield f"{ours}.mlp.w2[{e}]", [f"{m}.experts.{e}.w2.weight"], 0
-        else:
-            m = f"{p}.mlp"
-            yield f"{ours}.mlp.gate.weight", [f"{m}.gate.weight"], 0
-            for e in range(cfg.num_experts):
-                yield (f"{ours}.mlp.w13[{e}]",
-                       [f"{m}.experts.{e}.gate_proj.weight", f"{m}.experts.{e}.up_proj.weight"], 0)
-                yield f"{ours}.mlp.w2[{e}]", [f"{m}.experts.{e}.down_proj.weight"], 0
-            if cfg.shared_expert_intermediate_size:
-                yield (f"{ours}.mlp.shared_expert.gate_up_proj.weight",
-                       [f"{m}.shared_expert.gate_proj.weight", f"{m}.shared_expert.up_proj.weight"], 0)
-                yield f"{ours}.mlp.shared_expert.down_proj.weight", [f"{m}.shared_expert.down_proj.weight"], 0
-                yield f"{ours}.mlp.shared_expert_gate.weight", [f"{m}.shared_expert_gate.weight"], 0
-
-
-def _target(model: CausalLM, name: str) -> torch.Tensor:
-    """Our parameter (a view) that a checkpoint tensor fills: an expert's slice, or the vocabulary rows of the LM
-    head and embedding, which are stored padded (``models.transformer.padded_vocab``; the padding stays zero)."""
-    if name.endswith("]"):
-        base, index = name[:-1].split("[")
-        return model.get_parameter(base)[int(index)]
-    if name in VOCAB_PARAMS:
-        return model.get_parameter(name)[:model.cfg.vocab_size]
-    from models.int4 import Int4Linear
-
-    if isinstance(model.get_submodule(name.rpartition(".")[0]), Int4Linear):
-        raise CheckpointError(f"{name}: this model holds it 4-bit (a GGUF's Q4 projection, loaded on the CPU in "
-                              f"bfloat16); load the file in float32 to save or convert it")
-    return model.get_parameter(name)
-
-
-class TensorSource(Protocol):
-    """Where a loader reads tensors by their Hugging Face names (a safetensors directory, a GGUF file)."""
-
-    where: str
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor (raises CheckpointError naming it when it is missing)."""
-
-    def describe(self, name: str) -> str:
-        """How the checkpoint itself names ``name`` (for errors)."""
-
-
-def fill_model(model: CausalLM, kind: str, source: TensorSource) -> CausalLM:
-    """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error."""
-    cfg = model.cfg
-    done: set[str] = set()
-    with torch.no_grad():
-        for ours, theirs, dim in _hf_names(cfg, kind):
-            parts = [source.get(key) for key in theirs]
-            target = _target(model, ours)
-            shapes = [tuple(p.shape) for p in parts]
-            if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
-                    s[0] for s in shapes) != target.shape[0]:
-                names = " + ".join(source.describe(k) for k in theirs)
-                got = " + ".join(str(s) for s in shapes)
-                raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} "
-                                      f"for {ours}")
-            start = 0
-            for part in parts:  # straight into the fused parameter's rows (no concatenated copy)
-                target.narrow(dim, start, part.shape[dim]).copy_(part)
-                start += part.shape[dim]
-            done.add(ours.split("[")[0])
-    unset = [n for n, _ in model.named_parameters() if n not in done]
-    if unset:
-        raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")
-    return model
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face directories
 # ---------------------------------------------------------------------------------------------------------------
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must hold a JSON object")
-    return data
 
 
 def safetensors_keys(path: str) -> list[str]:
@@ -264,7 +154,7 @@ class SafetensorsDir:
         self.where = path
         index_path = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index_path):
-            weight_map = _read_json(index_path, "the shard index").get("weight_map")
+            weight_map = read_json(index_path, "the shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index_path}: no 'weight_map' object naming each tensor's shard")
             files = sorted(set(weight_map.values()))
@@ -305,14 +195,14 @@ def read_hf_config(path: str) -> tuple[dict, ModelConfig]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face-format checkpoint directory)")
-    hf = _read_json(cfg_path, "the model config")
+    hf = read_json(cfg_path, "the model config")
     return hf, config_from_hf(hf, cfg_path, generation_config(path))
 
 
 def generation_config(path: str) -> dict:
     """``generation_config.json`` of a checkpoint directory ({} when it has none)."""
     gen_path = os.path.join(path, "generation_config.json")
-    return _read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
+    return read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
 
 
 def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
@@ -333,8 +223,8 @@ def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
     cfg = model.cfg
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for ours, theirs, dim in _hf_names(cfg, model_type):
-        chunks = _target(model, ours).detach().cpu().contiguous()
+    for ours, theirs, dim in hf_names(cfg, model_type):
+        chunks = param_target(model, ours).detach().cpu().contiguous()
         if len(theirs) == 1:
             tensors[theirs[0]] = chunks.clone()
         elif ours.endswith("qkv_proj.weight") or ours.endswith("qkv_proj.bias"):
@@ -392,25 +282,16 @@ def read_model_config(name_or_path: str) -> ModelConfig:
     if kind == "hf":
         return read_hf_config(name_or_path)[1]
     if kind == "gguf":
-        from models.gguf_loader import config_from_gguf, open_gguf
-
         return config_from_gguf(open_gguf(name_or_path))[1]
     return preset(name_or_path)
 
 
 def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> torch.dtype:
-    """The serving dtype when none is given: bfloat16 on CUDA; on the CPU bfloat16 for a GGUF file whose
-    projections are 4-bit (its weights hold less than bfloat16 does, and decode is bound by memory bandwidth: the
-    default model decodes 1.8x as fast as in float32 on a 2-core AVX2 CPU), float32 for everything else (presets,
-    Hugging Face checkpoints, 8-bit and wider GGUFs)."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16
-    if isinstance(model, str) and model_kind(model) == "gguf":
-        from models.gguf_loader import is_4bit, open_gguf
-
-        if is_4bit(open_gguf(model)):
-            return torch.bfloat16
-    return torch.float32
+    """The serving dtype when none is given (``models.checkpoint.serving_dtype``): bfloat16 on CUDA and for a GGUF
+    file whose projections are 4-bit on the CPU; float32 for everything else on the CPU (presets, Hugging Face
+    checkpoints, 8-bit and wider GGUFs)."""
+    return serving_dtype(device, torch.device(device).type == "cpu" and isinstance(model, str)
+                         and model_kind(model) == "gguf" and is_4bit(open_gguf(model)))
 
 
 def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
@@ -419,7 +300,5 @@ def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype
     if kind == "hf":
         return load_checkpoint(name_or_path, device, dtype)
     if kind == "gguf":
-        from models.gguf_loader import load_gguf
-
         return load_gguf(name_or_path, device, dtype)
     return build_model(preset(name_or_path), device, dtype, seed)

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.attention import (AttentionMetadata, paged_attention, prepare_paged_attention, write_kv,
-                              write_kv_rows)
+from models.attention import paged_attention, prepare_paged_attention, write_kv, write_kv_rows
+from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.fused import argmax_prob, rms_norm_torch, rotary_write_kv_, use_triton
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows

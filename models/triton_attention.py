@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention import AttentionMetadata
+from models.attention_metadata import AttentionMetadata
 from models.fused import PDL_MAX_TOKENS, launch_options, pdl_enter
 
 LOG2E = 1.4426950408889634

@@ -16,7 +16,8 @@ gguf = pytest.importorskip("gguf")
 
 from models.config import preset  # noqa: E402
 from models.gguf_loader import GGUFFile, load_gguf, permute_qk, unpermute_qk, write_gguf  # noqa: E402
-from models.loader import CheckpointError, load_checkpoint, load_model, save_checkpoint  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.loader import load_checkpoint, load_model, save_checkpoint  # noqa: E402
 from models.transformer import build_model  # noqa: E402
 from test_models_real import PROMPTS, ragged_logits  # noqa: E402
 

@@ -39,7 +39,7 @@ def random_paged_step(seed, group, kv_heads, head_dim, ctx_lens, query_lens, blo
     Returns (q, kv cache, metadata, real rows)."""
     import numpy as np
 
-    from models.attention import AttentionMetadata
+    from models.attention_metadata import AttentionMetadata
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -338,7 +338,8 @@ def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
     """The whole wiring: a forward over a paged cache (a prefill chunk, then a decode step with a padded row)
     through the kernels equals the torch path's forward on the CPU in float32 (bf16 precision on the GPU), and
     leaves the same K and V in the cache. ``+qk_norm``: Qwen3's per-head q/k norms (random weights)."""
-    from models.attention import AttentionMetadata, allocate_kv_cache
+    from models.attention import allocate_kv_cache
+    from models.attention_metadata import AttentionMetadata
     from models.config import preset
     from models.transformer import build_model
 

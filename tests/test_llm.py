@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dispatcher import LLM, SamplingParams  # noqa: E402
-from models.loader import CheckpointError  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
 from scheduler.request import RequestError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

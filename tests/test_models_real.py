@@ -14,8 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
-from models.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
-from models.loader import CheckpointError, load_checkpoint, read_hf_config  # noqa: E402
+from models.attention import allocate_kv_cache  # noqa: E402
+from models.attention_metadata import AttentionMetadata  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.loader import load_checkpoint, read_hf_config  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

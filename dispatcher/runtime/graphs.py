@@ -35,7 +35,7 @@ import torch
 
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata, RequestLayout, pack_requests
+from models.attention_metadata import AttentionMetadata, RequestLayout, pack_requests
 from models.fused import programmatic_launch
 
 log = logging.getLogger("twogrid.runtime")

@@ -121,7 +121,8 @@ def _setup(args: argparse.Namespace):
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
-    from models.loader import CheckpointError, default_dtype, model_kind, read_model_config
+    from models.checkpoint import CheckpointError
+    from models.loader import default_dtype, model_kind, read_model_config
     from models.text import check_draft_tokenizer, load_tokenizer
 
     for flag in ("port", "block_size"):
