@@ -144,6 +144,10 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
     measure_decode_costs: bool = False
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
+    quantization: str | None = None
+    """``"fp8"``: weights quantized to FP8 at load (``--quantization``)."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
 
 
 def resolve_init(init: WorkerInit) -> ResolvedConfig:

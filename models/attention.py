@@ -37,6 +37,17 @@ from models.attention_metadata import AttentionMetadata
 from models.fused import use_triton
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""``--kv-cache-dtype`` values (vLLM's): the model's dtype, or float8 e4m3 (fp8 means e4m3, as in vLLM)."""
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``--kv-cache-dtype`` ``name``; ValueError naming the flag otherwise."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported (one of {', '.join(KV_CACHE_DTYPES)})")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One (2, num_blocks + 1, block_size, kv_heads, head_dim) tensor per layer; block num_blocks is the dummy."""

@@ -11,6 +11,7 @@ from typing import Iterator, Protocol
 import torch
 
 from models.config import ModelConfig
+from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
 from models.transformer import VOCAB_PARAMS, CausalLM
 
 
@@ -108,14 +109,94 @@ class TensorSource(Protocol):
         """How the checkpoint itself names ``name`` (for errors)."""
 
 
-def fill_model(model: CausalLM, kind: str, source: TensorSource) -> CausalLM:
-    """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error."""
+class Fp8Source:
+    """A TensorSource whose float8 tensors come with their scales (``models.fp8``): ``get`` dequantizes them to
+    float32 (for parameters held in the serving dtype), ``get_fp8`` hands the FP8 tensor and its scale over as
+    they are (for ``Fp8Linear``). A float8 tensor without a scheme (config.json does not say how it is scaled) or
+    without its scale tensor is a CheckpointError."""
+
+    def __init__(self, source: TensorSource, scheme: Fp8Scheme | None):
+        self.source, self.scheme, self.where = source, scheme, source.where
+
+    def describe(self, name: str) -> str:
+        return self.source.describe(name)
+
+    def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self.source.get(name)
+        if t.dtype != FP8:
+            if t.dtype.is_floating_point and t.itemsize == 1:
+                raise CheckpointError(f"{self.where}: tensor {name!r} is {t.dtype}, which is not supported (FP8 "
+                                      f"weights are float8_e4m3fn)")
+            return t, None
+        if self.scheme is None or self.scheme.online:
+            raise CheckpointError(f"{self.where}: tensor {name!r} is float8_e4m3fn but config.json has no "
+                                  f"quantization_config saying how it is scaled")
+        scale_name = name.removesuffix("weight") + self.scheme.scale_suffix
+        try:
+            return t, self.source.get(scale_name)
+        except CheckpointError:
+            raise CheckpointError(f"{self.where}: FP8 tensor {name!r} has no scale {scale_name!r} "
+                                  f"({self.scheme.describe()})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        t, scale = self.get_fp8(name)
+        return t if scale is None else dequantize(t, scale, self.scheme.block)
+
+
+def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) -> str:
+    """An ``Fp8Linear``'s weight and scale from the checkpoint's parts (fused along rows): FP8 parts copied with
+    their scales (a per-tensor scale repeated per row; block scales as they are when every part starts on a block
+    row), parts in a float dtype quantized (``--quantization fp8``); block parts that do not start on a block row
+    are dequantized and requantized as one. Returns the scale's parameter name."""
+    module = model.get_submodule(ours.rpartition(".")[0])
+    weight, scale, block = module.weight, module.weight_scale, module.block
+    parts = [source.get_fp8(key) for key in theirs]
+    rows = [w.shape[0] for w, _ in parts]
+    if any(w.dim() != 2 or w.shape[1] != weight.shape[1] for w, _ in parts) or sum(rows) != weight.shape[0]:
+        names = " + ".join(source.describe(k) for k in theirs)
+        got = " + ".join(str(tuple(w.shape)) for w, _ in parts)
+        raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(weight.shape)} for {ours}")
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    aligned = block is None or source.scheme.block == block and all(
+        s % block[0] == 0 and sc is not None for s, (_, sc) in zip(starts, parts))
+    if not aligned:
+        full = torch.cat([w.float() if sc is None else dequantize(w, sc, source.scheme.block) for w, sc in parts])
+        q, s = quantize_blocks(full, block)
+        weight.copy_(q)
+        scale.copy_(s)
+    else:
+        for start, (w, sc) in zip(starts, parts):
+            if sc is None:
+                w, sc = quantize_per_channel(w) if block is None else quantize_blocks(w, block)
+            elif block is None:
+                if sc.numel() not in (1, w.shape[0]):
+                    raise CheckpointError(f"{source.where}: the scale of {ours}'s part has {sc.numel()} values, "
+                                          f"expected 1 or {w.shape[0]} (per tensor or per channel)")
+                sc = sc.float().reshape(-1).expand(w.shape[0])
+            weight.narrow(0, start, w.shape[0]).copy_(w)
+            if block is None:
+                scale.narrow(0, start, w.shape[0]).copy_(sc)
+            else:
+                scale.narrow(0, start // block[0], sc.shape[0]).copy_(sc)
+    return ours.removesuffix("weight") + "weight_scale"
+
+
+def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Scheme | None = None) -> CausalLM:
+    """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error.
+    ``scheme``: the checkpoint's FP8 scheme, or ``--quantization fp8`` (``models.fp8``): FP8 tensors are
+    dequantized into parameters in the serving dtype, or kept in ``Fp8Linear`` projections; with online
+    quantization and no ``Fp8Linear`` (no FP8 GEMMs) the projections get their FP8 rounding."""
     cfg = model.cfg
     done: set[str] = set()
+    source = Fp8Source(source, scheme)
     with torch.no_grad():
         for ours, theirs, dim in hf_names(cfg, kind):
-            parts = [source.get(key) for key in theirs]
             target = param_target(model, ours)
+            if target.dtype == FP8:
+                done.add(_fill_fp8(model, ours, theirs, source))
+                done.add(ours)
+                continue
+            parts = [source.get(key) for key in theirs]
             shapes = [tuple(p.shape) for p in parts]
             if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
                     s[0] for s in shapes) != target.shape[0]:
@@ -128,6 +209,9 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource) -> CausalLM:
                 target.narrow(dim, start, part.shape[dim]).copy_(part)
                 start += part.shape[dim]
             done.add(ours.split("[")[0])
+        if scheme is not None and scheme.online and model.fp8 is None:
+            for _, module in model.projections():
+                fake_quantize_(module.weight)
     unset = [n for n, _ in model.named_parameters() if n not in done]
     if unset:
         raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig, RopeScaling
+from models.fp8 import QuantizationError, checkpoint_scheme
 from models.int4 import INT4_TYPES, Int4Linear, ggml_int4_groups, int4_available
 from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
 from models.layers import RotaryEmbedding
@@ -406,14 +407,21 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
     return count
 
 
-def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
+def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+              quantization: str | None = None) -> CausalLM:
     """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.checkpoint.serving_dtype``);
-    on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``)."""
+    on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``).
+    ``quantization`` "fp8": the dequantized projections requantized to FP8 (``models.fp8``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
     dtype = dtype or serving_dtype(device, is_4bit(f))
-    model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
-    if int4_available(device, dtype):
+    try:
+        scheme = checkpoint_scheme({}, path, quantization)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
+    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme), kind, GGUFSource(f, kind, cfg, dtype),
+                       scheme)
+    if scheme is None and int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
         if kept:
             log.info("%s: %d projections kept 4-bit (int4 CPU GEMM)", os.path.basename(path), kept)

@@ -10,6 +10,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
+from models.fp8 import Fp8Linear, Fp8Scheme
 from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
                           silu_mul)
 
@@ -88,13 +89,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     return torch.where(medium, blended, slowed)
 
 
+def linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | None = None) -> nn.Module:
+    """A projection: nn.Linear, or ``Fp8Linear`` scaled as ``fp8`` says."""
+    if fp8 is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return Fp8Linear(in_features, out_features, bias, fp8.block, torch.get_default_dtype())
+
+
 class DenseMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, False, fp8)
+        self.down_proj = linear(intermediate_size, hidden_size, False, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # (.forward: no hook checks)
@@ -127,12 +135,12 @@ class MoE(nn.Module):
     combining is deterministic (no atomics), so replayed and eager outputs of one shape match bit for bit."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0):
+                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size, fp8) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         # Stored as Hugging Face keeps experts (out x in); used transposed.
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))

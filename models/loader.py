@@ -18,6 +18,7 @@ import torch
 
 from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, read_json, serving_dtype
 from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
+from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
 from models.transformer import CausalLM, build_model
 
@@ -191,12 +192,23 @@ class SafetensorsDir:
 
 
 def read_hf_config(path: str) -> tuple[dict, ModelConfig]:
-    """(config.json as a dict, the ModelConfig) of a checkpoint directory, with generation_config.json's EOS ids."""
+    """(config.json as a dict, the ModelConfig) of a checkpoint directory, with generation_config.json's EOS ids.
+    A quantization the loader cannot serve is refused here (``quantization_scheme``)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face-format checkpoint directory)")
     hf = read_json(cfg_path, "the model config")
-    return hf, config_from_hf(hf, cfg_path, generation_config(path))
+    cfg = config_from_hf(hf, cfg_path, generation_config(path))
+    quantization_scheme(hf, cfg_path)
+    return hf, cfg
+
+
+def quantization_scheme(hf: dict, path: str, quantization: str | None = None) -> Fp8Scheme | None:
+    """The checkpoint's FP8 scheme (``models.fp8.checkpoint_scheme``) as a CheckpointError when refused."""
+    try:
+        return checkpoint_scheme(hf, path, quantization)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def generation_config(path: str) -> dict:
@@ -205,13 +217,16 @@ def generation_config(path: str) -> dict:
     return read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
 
 
-def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default)."""
+def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    quantization: str | None = None) -> CausalLM:
+    """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default). FP8
+    checkpoints and ``quantization`` ("fp8": quantize at load) as ``models.fp8`` describes."""
     hf, cfg = read_hf_config(path)
+    scheme = quantization_scheme(hf, os.path.join(path, "config.json"), quantization)
     source = SafetensorsDir(path)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     try:
-        return fill_model(build_model(cfg, device, dtype, seed=None), hf["model_type"], source)
+        return fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme), hf["model_type"], source, scheme)
     finally:
         source.close()
 
@@ -276,11 +291,15 @@ def model_kind(name_or_path: str) -> str:
                           f"{MODEL_FORMS}")
 
 
-def read_model_config(name_or_path: str) -> ModelConfig:
-    """The model's shape without loading its weights."""
+def read_model_config(name_or_path: str, quantization: str | None = None) -> ModelConfig:
+    """The model's shape without loading its weights; ``quantization`` (``--quantization``) is checked against
+    the checkpoint (CheckpointError when it cannot be served)."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return read_hf_config(name_or_path)[1]
+        hf, cfg = read_hf_config(name_or_path)
+        quantization_scheme(hf, os.path.join(name_or_path, "config.json"), quantization)
+        return cfg
+    quantization_scheme({}, "--quantization", quantization)
     if kind == "gguf":
         return config_from_gguf(open_gguf(name_or_path))[1]
     return preset(name_or_path)
@@ -294,11 +313,14 @@ def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> tor
                          and model_kind(model) == "gguf" and is_4bit(open_gguf(model)))
 
 
-def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``)."""
+def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+               quantization: str | None = None) -> CausalLM:
+    """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``). ``quantization``
+    ("fp8", vLLM's ``--quantization``): the projections quantized to FP8 at load (``models.fp8``)."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return load_checkpoint(name_or_path, device, dtype)
+        return load_checkpoint(name_or_path, device, dtype, quantization)
     if kind == "gguf":
-        return load_gguf(name_or_path, device, dtype)
-    return build_model(preset(name_or_path), device, dtype, seed)
+        return load_gguf(name_or_path, device, dtype, quantization)
+    scheme = quantization_scheme({}, "--quantization", quantization)
+    return build_model(preset(name_or_path), device, dtype, seed, scheme)

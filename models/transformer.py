@@ -22,7 +22,8 @@ from models.attention import paged_attention, prepare_paged_attention, write_kv,
 from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.fused import argmax_prob, rms_norm_torch, rotary_write_kv_, use_triton
-from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows
+from models.fp8 import FP8, Fp8Scheme, fake_quantize_, fp8_gemm_available
+from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows, linear
 
 VOCAB_ALIGN = 64
 """LM head rows are padded to a multiple of this (vLLM pads the same way)."""
@@ -35,20 +36,21 @@ def padded_vocab(vocab_size: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None):
+        """``fp8``: the projections held in FP8 (``models.fp8.Fp8Linear``), scaled as the scheme says."""
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8)
+        self.o_proj = linear(cfg.q_size, cfg.hidden_size, False, fp8)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe:
             self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
-                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, fp8)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8)
 
     def pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -91,13 +93,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        self.fp8 = fp8
+        """The scheme of the projections held in FP8 (None: every weight in the serving dtype)."""
         vocab_rows = padded_vocab(cfg.vocab_size)
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fp8) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -177,9 +181,15 @@ class CausalLM(nn.Module):
     def init_random(self, seed: int, std: float = 0.02) -> "CausalLM":
         """Random weights from a seed (norms at 1), generated on the model's device."""
         device = next(self.parameters()).device
+        dtype = self.embed_tokens.weight.dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters(remove_duplicate=True):
-            if name.endswith("norm.weight"):
+            if name.endswith("weight_scale"):
+                continue
+            if p.dtype == FP8:  # an Fp8Linear's weight: drawn as in the serving dtype (the same draws), quantized
+                drawn = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+                self.get_submodule(name.rpartition(".")[0]).load_float(drawn)
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -190,15 +200,29 @@ class CausalLM(nn.Module):
                 p.normal_(0.0, std, generator=gen)
         return self
 
+    def projections(self) -> list[tuple[str, nn.Module]]:
+        """The projections that ``--quantization fp8`` holds in FP8 (attention and dense MLPs, a MoE's shared
+        expert): (name, module). The embedding, the LM head, routers and routed experts stay in the serving dtype."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return [(n, m) for n, m in self.named_modules() if n.rpartition(".")[2] in names and ".experts" not in n]
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0) -> CausalLM:
+
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0,
+                fp8: Fp8Scheme | None = None) -> CausalLM:
     """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
-    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32."""
+    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32.
+    ``fp8``: a checkpoint's FP8 scheme (or ``--quantization fp8``): where the device has FP8 GEMMs
+    (``models.fp8.fp8_gemm_available``) the projections are built as ``Fp8Linear``; elsewhere they stay in
+    ``dtype`` and the loader dequantizes into them. Random weights are quantized per channel after their draw."""
+    kept = fp8 if fp8 is not None and fp8_gemm_available(device) else None
     with torch.device(device), _no_default_init():
-        model = CausalLM(cfg).to(dtype)
+        model = CausalLM(cfg, kept).to(dtype)
         model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     if seed is not None:
         model.init_random(seed)
+        if fp8 is not None and kept is None:  # no FP8 GEMMs here: the FP8 model's values, in dtype
+            for _, module in model.projections():
+                fake_quantize_(module.weight)
     else:  # a loader sets the vocabulary's rows; the padding rows stay zero (their logits are sliced off)
         with torch.no_grad():
             for name in VOCAB_PARAMS:
