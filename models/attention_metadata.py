@@ -1,7 +1,7 @@
 """Paged attention's metadata and what builds it: ``AttentionMetadata`` (per token and per request, see
 ``models.attention``), ``pack_requests`` (the per-request fields from a step's per-token rows, on the host) and the
-``RequestLayout`` it reports. Both attention paths (``models.attention``, ``models.triton_attention``) and the graph
-runtime import it from here."""
+``RequestLayout`` it reports; ``LayerAttention``, what a layer adds (KV scales, sliding window, soft-cap). Both
+attention paths (``models.attention``, ``models.triton_attention``) and the graph runtime import them from here."""
 
 from __future__ import annotations
 
@@ -135,3 +135,18 @@ def pack_requests(token_req: np.ndarray, positions: np.ndarray, out: np.ndarray,
         seq_lens[real:] = 0
         rows[real:] = 0
     return RequestLayout(reqs, real, longest, longest_seq)
+
+
+class LayerAttention(NamedTuple):
+    """What one layer's attention adds to the step's shared metadata: the KV cache's scales (an FP8 cache stores
+    K / k_scale and V / v_scale, as vLLM's does; 1.0 otherwise), a sliding window (keys at positions
+    pos - window + 1 .. pos; 0: the whole context) and logit soft-capping (scores become cap * tanh(scores / cap);
+    0: none)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    window: int = 0
+    softcap: float = 0.0
+
+
+FULL_ATTENTION = LayerAttention()

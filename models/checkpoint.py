@@ -50,17 +50,33 @@ def hf_names(cfg: ModelConfig, kind: str) -> Iterator[tuple[str, list[str], int]
     for i in range(cfg.num_layers):
         p, ours = f"model.layers.{i}", f"layers.{i}"
         yield f"{ours}.input_layernorm.weight", [f"{p}.input_layernorm.weight"], 0
-        yield f"{ours}.post_attention_layernorm.weight", [f"{p}.post_attention_layernorm.weight"], 0
-        yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"], 0
+        if cfg.sandwich_norms:  # Gemma's names: our MLP input norm is its pre_feedforward_layernorm
+            yield f"{ours}.post_attention_layernorm.weight", [f"{p}.pre_feedforward_layernorm.weight"], 0
+            yield f"{ours}.attn_output_norm.weight", [f"{p}.post_attention_layernorm.weight"], 0
+            yield f"{ours}.mlp_output_norm.weight", [f"{p}.post_feedforward_layernorm.weight"], 0
+        else:
+            yield f"{ours}.post_attention_layernorm.weight", [f"{p}.post_attention_layernorm.weight"], 0
+        if kind == "phi3":  # fused in the checkpoint as in our layout
+            yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.qkv_proj.weight"], 0
+        else:
+            yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"], 0
         if cfg.attention_bias:
             yield f"{ours}.qkv_proj.bias", [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], 0
         if cfg.qk_norm:
             yield f"{ours}.q_norm.weight", [f"{p}.self_attn.q_norm.weight"], 0
             yield f"{ours}.k_norm.weight", [f"{p}.self_attn.k_norm.weight"], 0
         yield f"{ours}.o_proj.weight", [f"{p}.self_attn.o_proj.weight"], 0
-        if not cfg.is_moe:
+        if kind == "phi3":
+            yield f"{ours}.mlp.gate_up_proj.weight", [f"{p}.mlp.gate_up_proj.weight"], 0
+            yield f"{ours}.mlp.down_proj.weight", [f"{p}.mlp.down_proj.weight"], 0
+        elif not cfg.is_moe:
             yield f"{ours}.mlp.gate_up_proj.weight", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], 0
             yield f"{ours}.mlp.down_proj.weight", [f"{p}.mlp.down_proj.weight"], 0
+        elif kind == "granitemoe":  # experts stacked in the checkpoint as in our layout (gate then up)
+            m = f"{p}.block_sparse_moe"
+            yield f"{ours}.mlp.gate.weight", [f"{m}.router.layer.weight"], 0
+            yield f"{ours}.mlp.w13", [f"{m}.input_linear.weight"], 0
+            yield f"{ours}.mlp.w2", [f"{m}.output_linear.weight"], 0
         elif kind == "mixtral":
             m = f"{p}.block_sparse_moe"
             yield f"{ours}.mlp.gate.weight", [f"{m}.gate.weight"], 0
@@ -181,6 +197,20 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
     return ours.removesuffix("weight") + "weight_scale"
 
 
+def fold_residual_scale(model: CausalLM) -> None:
+    """Granite's residual_multiplier folded into the layers' output projections (attention's o_proj, the MLP's
+    down projection or the experts' w2): their outputs are what the residual adds, so the forward needs no extra
+    multiply. An FP8 projection takes it in its scales."""
+    scale = model.cfg.residual_scale
+    for layer in model.layers:
+        mlp = layer.mlp
+        for module in (layer.o_proj, getattr(mlp, "down_proj", None)):
+            if module is not None:
+                (module.weight_scale if module.weight.dtype == FP8 else module.weight).mul_(scale)
+        if hasattr(mlp, "w2"):
+            mlp.w2.mul_(scale)
+
+
 def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Scheme | None = None) -> CausalLM:
     """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error.
     ``scheme``: the checkpoint's FP8 scheme, or ``--quantization fp8`` (``models.fp8``): FP8 tensors are
@@ -212,6 +242,8 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
         if scheme is not None and scheme.online and model.fp8 is None:
             for _, module in model.projections():
                 fake_quantize_(module.weight)
+        if cfg.residual_scale != 1.0:
+            fold_residual_scale(model)
     unset = [n for n, _ in model.named_parameters() if n not in done]
     if unset:
         raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")

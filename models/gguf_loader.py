@@ -408,7 +408,7 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
 
 
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-              quantization: str | None = None) -> CausalLM:
+              quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
     """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.checkpoint.serving_dtype``);
     on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``).
     ``quantization`` "fp8": the dequantized projections requantized to FP8 (``models.fp8``)."""
@@ -419,8 +419,8 @@ def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
         scheme = checkpoint_scheme({}, path, quantization)
     except QuantizationError as exc:
         raise CheckpointError(str(exc)) from None
-    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme), kind, GGUFSource(f, kind, cfg, dtype),
-                       scheme)
+    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len), kind,
+                       GGUFSource(f, kind, cfg, dtype), scheme)
     if scheme is None and int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
         if kept:

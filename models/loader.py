@@ -11,6 +11,7 @@ format (for tests and tools).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -22,9 +23,11 @@ from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
 from models.transformer import CausalLM, build_model
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "granite", "granitemoe",
+                 "gemma2", "gemma3_text", "phi3")
 """Hugging Face ``model_type`` values this loader reads."""
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -42,24 +45,65 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and scaling from ``rope_theta`` / ``rope_scaling`` or (transformers 5) ``rope_parameters``."""
+def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, its scaling, the sliding-window layers' own base or 0) from ``rope_theta`` / ``rope_scaling``
+    (and Gemma 3's ``rope_local_base_freq``) or (transformers 5) ``rope_parameters``, per layer type for Gemma 3."""
     params = hf.get("rope_parameters") or {}
+    local = 0.0
+    if "full_attention" in params or "sliding_attention" in params:  # per layer type (Gemma 3)
+        local = float((params.get("sliding_attention") or {}).get("rope_theta") or 0.0)
+        params = params.get("full_attention") or {}
+    if hf.get("model_type") == "gemma3_text":
+        local = float(hf.get("rope_local_base_freq") or local or 10000.0)
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, None
-    if kind not in ("linear", "llama3"):
-        raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear or llama3)")
+        return theta, None, local
+    if kind not in ("linear", "llama3", "yarn", "longrope", "su"):
+        raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear, llama3, yarn or "
+                              f"longrope)")
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
     try:
         if kind == "linear":
-            return theta, RopeScaling("linear", float(scaling["factor"]))
-        return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                  float(scaling["high_freq_factor"]),
-                                  int(scaling["original_max_position_embeddings"]))
-    except KeyError as exc:
-        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {exc.args[0]!r}") from None
+            return theta, RopeScaling("linear", float(scaling["factor"])), local
+        if kind == "llama3":
+            return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                      float(scaling["high_freq_factor"]), int(original)), local
+        if kind == "yarn":
+            if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+                raise CheckpointError(f"{path}: yarn rope scaling with mscale / mscale_all_dim is not supported")
+            factor = float(scaling["factor"])
+            attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+            return theta, RopeScaling("yarn", factor, original_max_position_embeddings=int(original),
+                                      beta_fast=float(scaling.get("beta_fast") or 32),
+                                      beta_slow=float(scaling.get("beta_slow") or 1),
+                                      attention_factor=float(attention),
+                                      truncate=bool(scaling.get("truncate", True))), local
+        factor = float(scaling.get("factor") or int(hf["max_position_embeddings"]) / int(original))
+        attention = scaling.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(int(original))) if factor > 1 else 1.0)
+        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=int(original),
+                                  attention_factor=float(attention),
+                                  short_factor=tuple(float(x) for x in scaling["short_factor"]),
+                                  long_factor=tuple(float(x) for x in scaling["long_factor"])), local
+    except (KeyError, TypeError) as exc:
+        missing = exc.args[0] if isinstance(exc, KeyError) else "original_max_position_embeddings"
+        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {missing!r}") from None
+
+
+def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
+    """The sliding-window layers: ``layer_types`` where given, else Gemma 2's every other layer (from 0), Gemma 3's
+    five of six (every sixth is global), Phi-3's all (with a window)."""
+    types = hf.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if kind == "gemma2":
+        return tuple(range(0, num_layers, 2))
+    if kind == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    return tuple(range(num_layers))
 
 
 def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None = None) -> ModelConfig:
@@ -76,10 +120,16 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
                 return hf[k]
         raise CheckpointError(f"{path}: missing {key!r} (needed for model_type {kind})")
 
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    if kind == "phi3" and float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported (1.0: "
+                              f"rotary over the whole head, as Phi-3 and Phi-4 14B have)")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{path}: mlp_bias = true is not supported")
+    if hf.get("shared_intermediate_size"):
+        raise CheckpointError(f"{path}: shared_intermediate_size (GraniteMoeShared's shared expert) is not supported")
     if hf.get("attention_bias") and kind not in ("qwen2", "qwen2_moe"):
         raise CheckpointError(f"{path}: attention_bias = true is not supported for model_type {kind} (its output "
                               f"projection would need a bias)")
@@ -87,7 +137,7 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         raise CheckpointError(f"{path}: decoder_sparse_step {hf.get('decoder_sparse_step')} / mlp_only_layers "
                               f"{hf.get('mlp_only_layers')}: only models whose every layer is MoE are supported")
     heads, hidden = need("num_attention_heads"), need("hidden_size")
-    theta, scaling = _rope(hf, path)
+    theta, scaling, local_theta = _rope(hf, path)
     max_pos = int(hf.get("max_position_embeddings", 8192))
     window = hf.get("sliding_window")
     if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")) and window < max_pos:
@@ -100,9 +150,23 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
             "eos_token_id")),
-        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),
+        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
     )
-    if kind == "mixtral":
+    if kind in ("granite", "granitemoe"):
+        cfg.update(embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
+                   residual_scale=float(hf.get("residual_multiplier", 1.0)),
+                   logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)),
+                   attention_scale=float(hf.get("attention_multiplier") or 0.0))
+    if kind in GEMMA_TYPES:
+        cfg.update(embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
+                   attention_scale=float(hf.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
+                   final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                   attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), local_rope_theta=local_theta)
+    if (kind in GEMMA_TYPES or kind == "phi3") and window and int(window) < max_pos:
+        cfg.update(sliding_window=int(window), sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"]))
+    if kind in ("mixtral", "granitemoe"):
         cfg.update(num_experts=need("num_local_experts"), num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
     elif kind in ("qwen2_moe", "qwen3_moe"):
@@ -149,10 +213,11 @@ def safetensors_keys(path: str) -> list[str]:
 class SafetensorsDir:
     """A Hugging Face checkpoint's tensors: the shards its index names, or every ``*.safetensors`` file."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, norm_shift: float = 0.0):
+        """``norm_shift``: added to every ``*norm.weight`` read (Gemma stores norm weights as w for 1 + w)."""
         from safetensors import safe_open
 
-        self.where = path
+        self.where, self.norm_shift = path, norm_shift
         index_path = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index_path):
             weight_map = read_json(index_path, "the shard index").get("weight_map")
@@ -182,7 +247,8 @@ class SafetensorsDir:
                 self._handles[f] = self._open(f)
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{os.path.join(self.where, f)}: unreadable safetensors file ({exc})") from None
-        return self._handles[f].get_tensor(name)
+        t = self._handles[f].get_tensor(name)
+        return t.float() + self.norm_shift if self.norm_shift and name.endswith("norm.weight") else t
 
     def describe(self, name: str) -> str:
         return name
@@ -218,15 +284,24 @@ def generation_config(path: str) -> dict:
 
 
 def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    quantization: str | None = None) -> CausalLM:
+                    quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
     """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default). FP8
-    checkpoints and ``quantization`` ("fp8": quantize at load) as ``models.fp8`` describes."""
+    checkpoints and ``quantization`` ("fp8": quantize at load) as ``models.fp8`` describes; ``max_model_len``: the
+    longest sequence served (LongRoPE's factors). Gemma's norms, stored as w for (1 + w), load as 1 + w; an FP8 KV
+    cache's ``self_attn.k_scale`` / ``v_scale`` are read where present (1.0 otherwise, as vLLM)."""
     hf, cfg = read_hf_config(path)
     scheme = quantization_scheme(hf, os.path.join(path, "config.json"), quantization)
-    source = SafetensorsDir(path)
+    source = SafetensorsDir(path, norm_shift=1.0 if hf["model_type"] in GEMMA_TYPES else 0.0)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     try:
-        return fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme), hf["model_type"], source, scheme)
+        model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len),
+                           hf["model_type"], source, scheme)
+        for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
+            names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv"]
+            if all(n in source.file_of for n in names):
+                k_scale, v_scale = (float(source.get(n).float().reshape(-1)[0]) for n in names)
+                layer.attn = layer.attn._replace(k_scale=k_scale, v_scale=v_scale)
+        return model
     finally:
         source.close()
 
@@ -314,13 +389,14 @@ def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> tor
 
 
 def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
     """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``). ``quantization``
-    ("fp8", vLLM's ``--quantization``): the projections quantized to FP8 at load (``models.fp8``)."""
+    ("fp8", vLLM's ``--quantization``): the projections quantized to FP8 at load (``models.fp8``);
+    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors)."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return load_checkpoint(name_or_path, device, dtype, quantization)
+        return load_checkpoint(name_or_path, device, dtype, quantization, max_model_len)
     if kind == "gguf":
-        return load_gguf(name_or_path, device, dtype, quantization)
+        return load_gguf(name_or_path, device, dtype, quantization, max_model_len)
     scheme = quantization_scheme({}, "--quantization", quantization)
-    return build_model(preset(name_or_path), device, dtype, seed, scheme)
+    return build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len)

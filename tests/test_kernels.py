@@ -130,6 +130,44 @@ def test_paged_attention_matches_a_float32_reference(group, head_dim):
         assert rel < (1e-2 if GPU else 1e-5) and worst < (3e-2 if GPU else 1e-4), (name, rel, worst)
 
 
+LAYER_VARIANTS = {
+    "window 24": dict(window=24), "window 5 + softcap": dict(window=5, softcap=2.0), "softcap": dict(softcap=1.5),
+    "fp8 cache": dict(k_scale=0.5, v_scale=2.0), "fp8 cache + window": dict(k_scale=0.25, v_scale=1.0, window=40),
+}
+
+
+@pytest.mark.parametrize("variant", list(LAYER_VARIANTS))
+def test_paged_attention_with_a_window_softcap_or_fp8_cache_matches_the_reference(variant):
+    """The layer options through the Triton kernel and the CPU path, on the scenarios above (split contexts and
+    several query blocks a request included): a sliding window (a row sees its last ``window`` positions), logit
+    soft-capping, and an FP8 (e4m3) cache holding K / k_scale and V / v_scale; against the float32 reference."""
+    from models.attention import _to_cache, paged_attention, reference_paged_attention
+    from models.attention_metadata import LayerAttention
+    from models.triton_attention import AttentionTiles
+
+    layer = LayerAttention(**LAYER_VARIANTS[variant])
+    fp8 = "fp8" in variant
+    group, head_dim, kv_heads, block_size = 2, 64, 2 if GPU else 1, 16 if GPU else 4
+    for i, (name, ctx, qlens, pad_rows, pad_reqs, tiles, splits) in enumerate(attention_scenarios()):
+        q, kv, meta, num_real = random_paged_step(300 + i, group, kv_heads, head_dim, ctx, qlens, block_size,
+                                                  pad_rows, pad_reqs)
+        if fp8:
+            kv = torch.stack([_to_cache(kv[0], kv.to(torch.float8_e4m3fn), layer.k_scale),
+                              _to_cache(kv[1], kv.to(torch.float8_e4m3fn), layer.v_scale)])
+        if tiles == "small":
+            tiles = AttentionTiles(max(16, group * 8), 16)
+        ref = reference_paged_attention(q.float(), kv.float(), meta, head_dim ** -0.5, layer)
+        for path in ("kernel", "torch"):
+            out = torch.full_like(q, float("nan"))
+            with torch_path() if path == "torch" else contextlib.nullcontext():
+                paged_attention(q, kv, meta, head_dim ** -0.5, out, layer, **(
+                    dict(tiles=tiles, num_kv_splits=splits) if path == "kernel" else {}))
+            got = out.float()
+            assert torch.equal(got[num_real:], torch.zeros_like(got[num_real:])), (name, path)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert rel < (1e-2 if GPU else 1e-5), (variant, name, path, rel)
+
+
 def test_norm_rotary_kv_write_and_silu_match_torch():
     import torch.nn.functional as F
 

@@ -58,7 +58,7 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     dtype = getattr(torch, init.dtype)
     device = torch.device(init.device)
     start = time.perf_counter()
-    model = load_model(init.model, device, dtype, init.seed, init.quantization)
+    model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len)
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
                         init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.quantization,

@@ -104,7 +104,8 @@ class ModelWorker:
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
-            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed, wcfg.quantization)
+            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed, wcfg.quantization,
+                                    wcfg.max_model_len)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         self.method, self.k_max = method, k_max
