@@ -211,3 +211,43 @@ def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     graphs = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=True, **args)).generate(PROMPTS, params)
     eager = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=False, **args)).generate(PROMPTS, params)
     assert graphs == eager, name
+
+
+def test_fp8_kv_cache_holds_twice_the_tokens_within_fp8_error(original, tmp_path):
+    """--kv-cache-dtype fp8: a block takes half the bytes (the sizing of the worker and of LLM), the logits over
+    an e4m3 cache stay within FP8's error, per-layer k/v scales from the checkpoint are used (a cache written
+    and read with scale 4 gives what scale 1 gives, within rounding), and the engine serves from it."""
+    import shutil
+
+    from dispatcher.llm import _kv_blocks
+    from dispatcher.runtime.process import kv_bytes_per_block
+    from models.attention import kv_cache_dtype
+    from models.loader import read_model_config
+
+    cfg = read_model_config(original)
+    fp8 = kv_cache_dtype("fp8", torch.bfloat16)
+    assert fp8 == FP8 and kv_bytes_per_block(cfg, 16, torch.bfloat16) == 2 * kv_bytes_per_block(cfg, 16, fp8)
+    assert _kv_blocks(cfg, "cpu", fp8, 16, 64, 10**6, 0.01) == 2 * _kv_blocks(cfg, "cpu", torch.bfloat16, 16, 64,
+                                                                                10**6, 0.01)
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'int8' is not supported"):
+        kv_cache_dtype("int8", torch.bfloat16)
+    model = load_checkpoint(original, "cpu", torch.float32)
+    want = ragged_logits(model, PROMPTS)
+    got = ragged_logits(model, PROMPTS, kv_dtype=FP8)
+    assert 0 < float((got - want).norm() / want.norm()) < FP8_LOGIT_ERROR
+    shutil.copytree(original, tmp_path / "scaled")
+    tensors = load_file(str(tmp_path / "scaled" / "model.safetensors"))
+    for i in range(cfg.num_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(4.0)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(4.0)
+    save_file(tensors, str(tmp_path / "scaled" / "model.safetensors"))
+    scaled = load_checkpoint(str(tmp_path / "scaled"), "cpu", torch.float32)
+    assert scaled.layers[1].attn.k_scale == 4.0
+    assert torch.equal(ragged_logits(scaled, PROMPTS), want)  # a cache in the model's dtype ignores the scales
+    assert float((ragged_logits(scaled, PROMPTS, kv_dtype=FP8) - want).norm() / want.norm()) < FP8_LOGIT_ERROR
+    sched = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=16)
+    engine = EngineCore(sched, EngineArgs(original, num_kv_blocks=32, block_size=8, max_model_len=64,
+                                          use_cuda_graphs=False, kv_cache_dtype="fp8"))
+    assert engine.worker.kv_caches[0].dtype == FP8
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o) for o in out] == [8, 8, 8]

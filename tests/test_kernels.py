@@ -494,3 +494,31 @@ def test_block_fp8_gemm_matches_the_dequantized_product(rows, out, inp, block):
     xd = dequantize(xq.cpu(), xs.cpu(), (1, block[1]))
     want = xd @ dequantize(w, ws, block).t() + bias.float().cpu()
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
+
+
+def test_rotary_kv_write_into_an_fp8_cache_and_geglu_match_torch():
+    """The fused rotary + KV write into an e4m3 cache stores K / k_scale and V / v_scale as the torch path does
+    (the interpreter's e4m3 rounding may halve a value that rounds up to a power of two: compared after
+    dequantization, within one e4m3 step); the GeGLU variant of the SiLU-and-multiply kernel matches torch."""
+    import torch.nn.functional as F
+
+    from models.attention import write_kv
+    from models.attention_metadata import LayerAttention
+    from models.layers import RotaryEmbedding
+
+    torch.manual_seed(1)
+    rot = RotaryEmbedding(64, 512, 10000.0).to(DEV)
+    qkv = torch.randn(9, 8 * 64, device=DEV, dtype=DT) * 4
+    pos = torch.randint(0, 500, (9,), device=DEV)
+    slots = torch.randperm(32, device=DEV)[:9]
+    layer = LayerAttention(k_scale=0.5, v_scale=2.0)
+    k_ref = fused.rotary_torch(pos, qkv[:, 4 * 64:6 * 64].reshape(9, 2, 64), rot.cos, rot.sin)
+    kv_ref = torch.zeros(2, 3, 16, 2, 64, device=DEV, dtype=torch.float8_e4m3fn)
+    write_kv(kv_ref, k_ref, qkv[:, 6 * 64:].reshape(9, 2, 64), slots, layer)
+    kv = torch.zeros_like(kv_ref)
+    fused.rotary_write_kv_(qkv, pos, rot.cos, rot.sin, kv, slots, 4, 2, 64, None, (layer.k_scale, layer.v_scale))
+    got, want = kv.float(), kv_ref.float()
+    assert ((got - want).abs() <= want.abs() / 2 + 1e-3).all() and (got == want).float().mean() > 0.95
+    h = torch.randn(5, 2 * 96, device=DEV, dtype=DT)
+    want = F.gelu(h[:, :96].float(), approximate="tanh") * h[:, 96:].float()
+    torch.testing.assert_close(fused.silu_mul(h, "gelu_tanh").float(), want, rtol=TOL, atol=TOL)

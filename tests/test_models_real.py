@@ -85,8 +85,9 @@ def saved(request, tmp_path_factory):
     return request.param, str(path), model
 
 
-def ragged_logits(model, prompts, device="cpu"):
-    """Our forward over every prompt in one step (one request per prompt, its own KV blocks)."""
+def ragged_logits(model, prompts, device="cpu", kv_dtype=None):
+    """Our forward over every prompt in one step (one request per prompt, its own KV blocks; the cache in
+    ``kv_dtype``, default the model's)."""
     cfg = model.cfg
     ids, pos, req = [], [], []
     for r, p in enumerate(prompts):
@@ -97,7 +98,8 @@ def ragged_logits(model, prompts, device="cpu"):
     per_req = max(4, -(-max(len(p) for p in prompts) // 8))
     table = torch.arange(len(prompts) * per_req, dtype=torch.int32, device=device).view(len(prompts), per_req)
     dtype = next(model.parameters()).dtype
-    kv = allocate_kv_cache(cfg.num_layers, len(prompts) * per_req, 8, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    kv = allocate_kv_cache(cfg.num_layers, len(prompts) * per_req, 8, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype,
+                           device)
     slots = table[req_t.long(), pos_t // 8].long() * 8 + pos_t % 8
     meta = AttentionMetadata.from_tokens(slots, req_t, pos_t.int(), table)
     with torch.no_grad():
