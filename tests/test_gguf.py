@@ -246,8 +246,8 @@ def test_bad_gguf_files_get_one_clear_error_each(tmp_path):
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF")
     with pytest.raises(CheckpointError, match="not a GGUF file"):
         load_model(str(tmp_path / "not.gguf"), "cpu", torch.float32)
-    with pytest.raises(CheckpointError, match=r"GGUF architecture 'phi3' is not supported; supported: llama, qwen2"):
-        load_gguf(_write(tmp_path / "phi3.gguf", edit={"general.architecture": "phi3"}))
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
+        load_gguf(_write(tmp_path / "gpt2.gguf", edit={"general.architecture": "gpt2"}))
     with pytest.raises(CheckpointError, match=r"tensor 'blk.1.ffn_up.weight' is missing \(needed for "
                                               r"model.layers.1.mlp.up_proj.weight\)"):
         load_gguf(_write(tmp_path / "missing.gguf", drop={"blk.1.ffn_up.weight"}))
