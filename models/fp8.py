@@ -125,7 +125,8 @@ def _compressed_tensors(q: dict, path: str) -> Fp8Scheme:
         blocks.add(_block(w.get("block_structure"), path, f"config_groups.{name}.weights.block_structure")
                    if strategy == "block" else None)
     if len(blocks) > 1:
-        raise QuantizationError(f"{path}: compressed-tensors config_groups mix scale layouts {sorted(map(str, blocks))}")
+        raise QuantizationError(f"{path}: compressed-tensors config_groups mix scale layouts "
+                                f"{sorted(map(str, blocks))}")
     return Fp8Scheme(blocks.pop(), "weight_scale")
 
 
@@ -139,7 +140,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     (rows,) or (rows, 1)) or one per ``block`` (ceil(rows / b0), ceil(cols / b1))."""
     w = weight.float()
     scale = scale.float()
-    if block is not None and scale.dim() == 2 and not (scale.shape == (w.shape[0], 1)):  # a grid of block scales
+    if block is not None and scale.dim() == 2 and scale.shape != (w.shape[0], 1):  # a grid of block scales
         full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         return w * full[:w.shape[0], :w.shape[1]]
     if scale.numel() == 1:
