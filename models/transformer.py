@@ -142,7 +142,7 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The serving dtype (of activations, and of the weights not held in FP8)."""
-        return self.norm.weight.dtype
+        return self.embed_tokens.weight.dtype
 
     def attention(self, layer: int, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                   out: torch.Tensor | None = None) -> torch.Tensor:
