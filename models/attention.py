@@ -173,7 +173,7 @@ class _CPUPlan:
 
     def mask_for(self, window: int) -> torch.Tensor | None:
         """The causal mask, narrowed to the last ``window`` positions of each query (0: the whole context)."""
-        ctx = self.k_slots.shape[1]
+        ctx = self.k_slots.shape[-1]
         if not window or ctx <= window or self.q_pos is None:
             return self.mask
         if window not in self.windowed:
@@ -246,7 +246,7 @@ class _CPUPlan:
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor,
             layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
         """``out`` = the step's attention over ``kv_cache`` with the layer's scales, window and soft-cap."""
-        ctx = self.k_slots.shape[1]
+        ctx = self.k_slots.shape[-1]
         last = layer.window if layer.window and ctx > layer.window else None  # one-token queries at the same
         # position (the in-order paths) see the last ``window`` keys: a slice instead of a mask
         if self.in_order and self.first_slot is not None:  # a lone request's decode: K and V a slice, q and the
