@@ -151,6 +151,10 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
     fuse_decode_steps: bool = True
     """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``)."""
+    quantization: str | None = None
+    """``"fp8"``: weights quantized to FP8 at load (``--quantization``)."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
 
 
 def resolve_init(init: WorkerInit) -> ResolvedConfig:

@@ -61,6 +61,10 @@ class EngineArgs:
     """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
     fixed_acceptance: float | None = None
     """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
+    quantization: str | None = None
+    """``"fp8"`` (vLLM's ``--quantization``): the weights quantized to FP8 at load."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (vLLM's ``--kv-cache-dtype``)."""
     eos_token_ids: tuple[int, ...] | None = None
     """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
     av_cost_table: str | None = None
@@ -192,7 +196,8 @@ class EngineCore:
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps),
+                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps,
+                             args.quantization, args.kv_cache_dtype),
                 self.plan,
             )
             self.capture_report = worker.capture(progress=progress) if capture else None

@@ -68,7 +68,8 @@ class EngineService:
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
-                          enable_prefix_caching=self.init.enable_prefix_caching)
+                          enable_prefix_caching=self.init.enable_prefix_caching,
+                          quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         freeze_startup_heap()
         self._tier_version = self.core.tier_version

@@ -28,7 +28,7 @@ from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDr
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
-from models.attention import allocate_kv_cache
+from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
@@ -66,6 +66,10 @@ class WorkerConfig:
     fuse_decode_steps: bool = True
     """Capture each uniform-decode step whole (``dispatcher.runtime.decode_step``) where it can run so; False: every
     step op by op around the runners' graphs."""
+    quantization: str | None = None
+    """``"fp8"``: the weights quantized to FP8 at load (``models.fp8``); None: as the checkpoint holds them."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` (the model's dtype) or ``"fp8"`` (e4m3 with per-layer scales: ``models.attention.kv_cache_dtype``)."""
 
 
 class RequestState:
@@ -109,7 +113,8 @@ class ModelWorker:
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
-            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed, wcfg.quantization,
+                                    wcfg.max_model_len)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         self.method, self.k_max = method, k_max
@@ -117,8 +122,9 @@ class ModelWorker:
         if isinstance(head, EagleHead) and head.shape.eagle3:
             self.model.aux_layers = head.shape.aux_layers  # the target's graphs also write the features it reads
         cfg = self.model.cfg
+        kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, wcfg.dtype, self.device)
+                                           cfg.head_dim, kv_dtype, self.device)
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
@@ -130,7 +136,7 @@ class ModelWorker:
             self.drafter = NgramDrafter(plan.config.prompt_lookup_min, plan.config.prompt_lookup_max)
         elif head is not None:
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
-                                         head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
+                                         head.cfg.num_kv_heads, head.cfg.head_dim, kv_dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             step0_aux = head.step0_aux_size if isinstance(head, EagleHead) else None
             self.draft_runtimes = [
@@ -197,7 +203,7 @@ class ModelWorker:
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
-        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed)
+        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed, self.wcfg.quantization)
         if draft.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"speculative model {name!r} has a vocabulary of {draft.cfg.vocab_size} tokens, the "
                              f"target {self.model.cfg.vocab_size}: a draft model must share the target's tokenizer")
