@@ -184,8 +184,13 @@ def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.P
             cmd.append("--no-enable-prefix-caching")
         log_path = os.path.join(work_dir, f"server-{model}-{'on' if caching else 'off'}.log")
         procs[caching] = (launch(cmd, f"{model} caching {caching}", port, log_path, wait=False), port)
-    for caching, (proc, port) in procs.items():
-        wait_healthy(proc, f"{model} caching {caching}", port)
+    try:
+        for caching, (proc, port) in procs.items():
+            wait_healthy(proc, f"{model} caching {caching}", port)
+    except RuntimeError:  # (the other one is stopped too)
+        for proc, _ in procs.values():
+            stop(proc)
+        raise
     return procs
 
 
