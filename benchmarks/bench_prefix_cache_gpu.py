@@ -29,8 +29,9 @@ multi-turn at 256 streams TTFT p50 at least 2x lower with caching on; on no-pref
     PYTHONPATH=.:benchmarks python benchmarks/bench_prefix_cache_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/prefix_cache_h200.json
 
-(about 8 minutes on an H200: two pairs of servers, 24 cells, 48 bench runs). ``--models`` splits it over two calls
-(``--resume`` keeps the rows of an existing ``--out``). A CPU dry run:
+(about 8 minutes on an H200: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call, run
+``--models bench-moe`` then ``--models default --resume``, about 4 minutes each: ``--resume`` keeps the rows of an
+existing ``--out`` and measures only the missing cells). A CPU dry run:
 ``--device cpu --models default --concurrency 2 --turns 2 --output-len 4 --prefix-len 64 --suffix-len 8
 --random-len 32 --api-server-count 1 --min-prompts 4 --max-model-len 1024 --kv-gib 0.25``.
 """
@@ -183,8 +184,13 @@ def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.P
             cmd.append("--no-enable-prefix-caching")
         log_path = os.path.join(work_dir, f"server-{model}-{'on' if caching else 'off'}.log")
         procs[caching] = (launch(cmd, f"{model} caching {caching}", port, log_path, wait=False), port)
-    for caching, (proc, port) in procs.items():
-        wait_healthy(proc, f"{model} caching {caching}", port)
+    try:
+        for caching, (proc, port) in procs.items():
+            wait_healthy(proc, f"{model} caching {caching}", port)
+    except RuntimeError:  # (the other one is stopped too)
+        for proc, _ in procs.values():
+            stop(proc)
+        raise
     return procs
 
 
