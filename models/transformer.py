@@ -192,10 +192,12 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, vocab_size) logits in the model's dtype (bf16 on the GPU; the sampler converts the rows it does
-        math on): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
+        """(rows, vocab_size) logits in the model's dtype on the GPU (bf16; the sampler converts the rows it does
+        math on), float32 on the CPU: one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
         apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if weight.device.type == "cpu" and weight.dtype != torch.float32:
+            hidden, weight = hidden.float(), self._cpu_float_head(weight)
         logits = (hidden @ weight.t())[:, :self.cfg.vocab_size]
         c = self.cfg
         if c.logit_scale != 1.0:  # Granite's logits_scaling
@@ -203,6 +205,15 @@ class CausalLM(nn.Module):
         if c.final_logit_softcap:  # Gemma 2
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         return logits
+
+    def _cpu_float_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of the LM head for the CPU, made once per weight version: half-precision logits round to
+        1/8 near the top (bf16), which ties the greedy choice between answers float32 tells apart (SmolLM2 answers
+        "L'Étoile" instead of "Paris"); the CPU has no half-precision GEMM with a float32 output."""
+        key = (weight.data_ptr(), weight._version)
+        if getattr(self, "_float_head_key", None) != key:
+            self._float_head, self._float_head_key = weight.float(), key
+        return self._float_head
 
     def propose(self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Greedy proposals from output rows: (token ids in the target's vocabulary, their probabilities), into

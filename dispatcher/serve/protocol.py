@@ -257,7 +257,9 @@ class PromptTokensDetails(Struct):
     """Prompt tokens whose KV came from the prefix cache."""
 
 
-class Usage(Struct):
+class Usage(Struct, omit_defaults=True):
+    """Without a count of cached tokens (an engine that reports none) ``prompt_tokens_details`` is left out."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
