@@ -44,6 +44,26 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     """Every random draw of the request is a function of (seed, position): reproducible whatever the batch."""
     num_logprobs: int = -1
     """Return each new token's log-probability and the top ``num_logprobs`` others (-1: none)."""
+    min_p: float = 0.0
+    """0: off."""
+    repetition_penalty: float = 1.0
+    """1: off."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    """Output tokens before ``min_tokens_stop_ids`` may be drawn."""
+    min_tokens_stop_ids: bytes = b""
+    """int32: the EOS and stop token ids that ``min_tokens`` holds back."""
+    allowed_token_ids: bytes = b""
+    """int32: the only tokens the request may draw (empty: any)."""
+    logit_bias_ids: bytes = b""
+    """int32: tokens whose logit ``logit_bias`` (float32, one per id) is added to."""
+    logit_bias: bytes = b""
+    bad_words: bytes = b""
+    """int32: the bad words' token ids, one word after the other (``bad_word_lens`` tokens each)."""
+    bad_word_lens: bytes = b""
+    num_prompt_logprobs: int = -1
+    """Return each prompt token's log-probability, rank and the top ``num_prompt_logprobs`` others (-1: none)."""
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -81,6 +101,9 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     """EAGLE step 0 (the target's shape) or a block drafter's forward."""
     draft_next: BatchDescriptor | None = None
     """EAGLE's one-token draft steps."""
+    prompt_logprob_rows: bytes = b""
+    """int32 per request (empty: none): how many of its query's first tokens are prompt tokens whose next prompt
+    token's log-probability to return (``prompt_logprobs``)."""
 
     @property
     def num_reqs(self) -> int:
@@ -110,6 +133,14 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """Triton kernel variants compiled while the step was launched (each one stalls the step)."""
     jit_ms: float = 0.0
     """The host time those compiles took."""
+    prompt_logprobs: bytes = b""
+    """float32 (p, 1 + N): per row of ``Step.prompt_logprob_rows`` (in request order), the log-probability of the
+    prompt token after it, then of the N most likely tokens there (N = ``num_prompt_top_logprobs``)."""
+    prompt_logprob_ids: bytes = b""
+    """int32 (p, N): those N tokens' ids."""
+    prompt_logprob_ranks: bytes = b""
+    """int32 (p,): the prompt token's rank there (1: the most likely)."""
+    num_prompt_top_logprobs: int = 0
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):

@@ -156,6 +156,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On a request's first output (``prompt_logprobs``): per prompt token, its log-probability and the top
+    others' (the first token has none: None); set by the engine."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Each prompt token's rank (1: the most likely)."""
 
 
 class SpecDecodeStep(NamedTuple):

@@ -60,6 +60,10 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None = None
     """'stop', 'length' or 'abort' on a request's last delta."""
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On a request's first delta, with ``prompt_logprobs``: per prompt token its log-probability and the top
+    others' (None for the first token)."""
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):

@@ -96,9 +96,11 @@ class EngineService:
         try:
             if self._draining:
                 raise RequestError("the server is shutting down")
-            self.core.queue(self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id))
+            requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id)
+            self.core.queue_all(requests)
             if len(self.outboxes) > 1:
-                self._front_end[msg.request_id] = msg.front_end
+                for r in requests:
+                    self._front_end[r.request_id] = msg.front_end
             self._wake.set()
         except RequestError as exc:  # checked again here, before the request costs any device time
             await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
@@ -154,7 +156,7 @@ class EngineService:
                             spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
                             spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed())
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
-                        o.logprobs) for o in outputs]
+                        o.logprobs, o.prompt_logprobs, o.prompt_logprob_ranks) for o in outputs]
         if len(self.outboxes) == 1:
             await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
             return

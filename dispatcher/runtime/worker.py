@@ -25,6 +25,7 @@ from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, 
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
+from dispatcher.runtime.sampling_state import SamplingExtras
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache
 from models.config import PRESETS, ModelConfig
@@ -36,6 +37,9 @@ from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample
 from models.transformer import build_model
 
 log = logging.getLogger("twogrid.worker")
+
+PROMPT_LOGPROB_CHUNK_ROWS = 512
+"""Prompt rows whose log-probabilities are computed at once (their logits are rows x vocabulary floats)."""
 
 
 class InjectedFault(RuntimeError):
@@ -65,7 +69,8 @@ class WorkerConfig:
 
 class RequestState:
     """Every slot's request on the device: its tokens by position, how many are computed, its drafts, and its
-    sampling parameters (with host copies of the parameters, to choose the sampler without a device read)."""
+    sampling parameters (with host copies of the parameters, to choose the sampler without a device read; those
+    beyond temperature, top-k and top-p in ``extras``)."""
 
     def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
         z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
@@ -81,13 +86,36 @@ class RequestState:
         self.host_top_k = np.zeros(max_num_seqs, np.int64)
         self.host_top_p = np.ones(max_num_seqs, np.float64)
         self.host_num_logprobs = np.full(max_num_seqs, -1, np.int64)
+        self.host_num_prompt_logprobs = np.zeros(max_num_seqs, np.int64)
+        self.extras = SamplingExtras(max_num_seqs, device)
 
-    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray) -> RowParams:
-        """Sampling parameters of these slots (top-k / top-p None when no row uses them: no sort at all)."""
+    def plain_greedy(self, host_slots: np.ndarray) -> bool:
+        """Every one of these slots' requests takes the argmax of its raw logits (temperature 0 and no parameter
+        that changes the logits): the sampler is one argmax. From host copies only."""
+        return not (self.host_temperature[host_slots] > 0).any() and not self.extras.host_processed[host_slots].any()
+
+    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray, positions: torch.Tensor, context) -> RowParams:
+        """Sampling parameters of rows drawing at ``positions`` for these slots (top-k / top-p None when no row uses
+        them: no sort at all; the logits' processing None when no row changes its logits). ``context()``: the rows'
+        tokens by position (``SamplingExtras.processing``)."""
+        processing, min_p = self.extras.processing(slots, host_slots, positions, context)
         return RowParams(self.temperature[slots],
                          self.top_k[slots] if self.host_top_k[host_slots].any() else None,
                          self.top_p[slots] if (self.host_top_p[host_slots] < 1).any() else None,
-                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any())
+                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any(),
+                         min_p=min_p, processing=processing)
+
+    def history(self, slots: torch.Tensor, first_pos: torch.Tensor, positions: torch.Tensor,
+                drafts: torch.Tensor | None, width: int) -> torch.Tensor:
+        """(n, width) each row's tokens by position up to its own ``positions`` (-1 from there on): the known tokens
+        before ``first_pos``, then the row's ``drafts`` (n, K) being verified (None: no drafts)."""
+        width = min(width, self.token_ids.shape[1])
+        cols = torch.arange(width, device=slots.device)[None, :]
+        tokens = self.token_ids[slots, :width]
+        if drafts is not None and drafts.shape[1]:
+            at = (cols - first_pos[:, None]).clamp(0, drafts.shape[1] - 1)
+            tokens = torch.where(cols < first_pos[:, None], tokens, drafts.gather(1, at))
+        return torch.where(cols < positions[:, None], tokens, -1)
 
 
 class ModelWorker:
@@ -249,6 +277,9 @@ class ModelWorker:
         self._note_requests(step)
         if plan.num_sampling:
             plan.num_logprobs = int(self.state.host_num_logprobs[plan.host_sampling_slots].max())
+        if len(plan.prompt_rows):
+            asking = plan.slots[unpack(step.prompt_logprob_rows) > 0]
+            plan.num_prompt_logprobs = int(self.state.host_num_prompt_logprobs[asking].max())
         clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
@@ -256,6 +287,7 @@ class ModelWorker:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
         inputs = self._target_inputs(plan, dev)
         hidden = self.runtime.execute(step.target, inputs)
+        prompt_lp = self._prompt_logprobs(plan, dev, inputs, hidden) if len(plan.prompt_rows) else []
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
         drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
@@ -263,13 +295,14 @@ class ModelWorker:
             features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
             self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
-        # their ids (m, width, N)], all as int32 words.
+        # their ids (m, width, N)], [prompt logprobs (p, 1 + N'), their ids (p, N'), ranks (p)], all as int32 words.
         out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
         if drafts:
             out.append(self.state.draft_conf[dev.sampling_slots, : step.num_new_drafts].flatten().view(torch.int32))
         if plan.num_logprobs >= 0 and plan.num_sampling:
             values, ids = self._logprobs(plan, dev, logits, tokens)
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
+        out += prompt_lp
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit)
@@ -300,8 +333,35 @@ class ModelWorker:
             lp = pack(_per_request(sections.take(m * width * (1 + top)).view(np.float32).reshape(m, width, 1 + top),
                                    plan, n), F32)
             lp_ids = pack(_per_request(sections.take(m * width * top).reshape(m, width, top), plan, n))
+        prompt = {}
+        if (rows := len(plan.prompt_rows)) > 0:
+            ptop = plan.num_prompt_logprobs
+            prompt = dict(prompt_logprobs=sections.take(rows * (1 + ptop)).tobytes(),
+                          prompt_logprob_ids=sections.take(rows * ptop).tobytes(),
+                          prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
-                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms)
+                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
+                          **prompt)
+
+    def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
+        """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
+        after it (the model's distribution, as vLLM reports it), its rank (1: the most likely), then the top N and
+        their ids; as int32 words for the download. In chunks of rows, so that a long prefill's rows never hold a
+        (tokens x vocabulary) tensor at once."""
+        rows, top = dev.prompt_rows, plan.num_prompt_logprobs
+        st = self.state
+        after = st.token_ids[dev.token_slot[rows], inputs.tokens[1][rows] + 1]
+        values, ids, ranks = [], [], []
+        for at in range(0, rows.numel(), PROMPT_LOGPROB_CHUNK_ROWS):
+            part = slice(at, at + PROMPT_LOGPROB_CHUNK_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[part]]).float(), dim=-1)
+            chosen = logprobs.gather(1, after[part, None])
+            ranks.append((logprobs > chosen).sum(dim=1) + 1)
+            best = torch.topk(logprobs, top, dim=-1)
+            values.append(torch.cat([chosen, best.values], dim=1))
+            ids.append(best.indices)
+        return [torch.cat(values).flatten().view(torch.int32), torch.cat(ids).to(torch.int32).flatten(),
+                torch.cat(ranks).to(torch.int32)]
 
     def _logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", logits: torch.Tensor, tokens: torch.Tensor):
         """Per verified position: the log-probability of the token produced there (the model's distribution, before
@@ -335,8 +395,11 @@ class ModelWorker:
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
+            *self.state.extras.columns(new), *([plan.prompt_rows] if len(plan.prompt_rows) else []),
         )
-        return _DeviceStep(*cols)
+        base, prompt = _DeviceStep.NUM_COLUMNS, len(cols) - (1 if len(plan.prompt_rows) else 0)
+        return _DeviceStep(*cols[:base], extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols)
+                           else None)
 
     def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
         """Freed slots forgotten, admitted requests set up, new KV blocks entered."""
@@ -356,6 +419,7 @@ class ModelWorker:
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
+            st.extras.admit(dev.extras)
         updates = dev.block_updates.view(3, -1)
         if updates.shape[1]:
             for rt in self.runtimes:
@@ -368,6 +432,7 @@ class ModelWorker:
             s = r.sampling
             st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, s.top_p
             st.host_num_logprobs[r.slot] = s.num_logprobs
+            st.host_num_prompt_logprobs[r.slot] = max(s.num_prompt_logprobs, 0)
 
     def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
         """The target's inputs from the request state: each request's query reads its tokens from position
@@ -402,9 +467,12 @@ class ModelWorker:
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
-        params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
-        tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         drafts = st.drafts[slots_s, : width - 1]
+        rows_s = slots_s[request]
+        params = st.row_params(rows_s, plan.host_sampling_slots[plan.verify_cells // width], positions,
+                               lambda: st.history(rows_s, first_pos[request], positions, drafts[request],
+                                                  plan.max_seq_len + width))
+        tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         if self._fixed_alpha is not None:
             accepted = self._fixed_acceptance(slots_s, first_pos, nd, width - 1)
             tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
@@ -424,10 +492,12 @@ class ModelWorker:
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         host_slots = plan.host_sampling_slots
-        if (st.host_temperature[host_slots] > 0).any():
-            tokens = sample_tokens(logits, st.row_params(slots_s, host_slots), first_pos)
-        else:  # all greedy: the argmax alone (sample_tokens' greedy path, without gathering unused parameters)
-            tokens = argmax_prob(logits, with_prob=False)[0]
+        if st.plain_greedy(host_slots):  # the argmax alone (sample_tokens' greedy path, without gathering unused
+            tokens = argmax_prob(logits, with_prob=False)[0]  # parameters)
+        else:
+            params = st.row_params(slots_s, host_slots, first_pos,
+                                   lambda: st.history(slots_s, first_pos, first_pos, None, plan.max_seq_len + 1))
+            tokens = sample_tokens(logits, params, first_pos)
         return tokens.view(m, 1), accepted, first_pos, logits
 
     def _fixed_acceptance(self, slots_s, first_pos, nd, k):
@@ -539,6 +609,10 @@ class _StepPlan:
     max_seq_len: int
     num_logprobs: int
     """The most logprobs a sampling request of the step asks for (-1: none asks)."""
+    prompt_rows: np.ndarray
+    """Token rows whose next prompt token's log-probability the step returns (``Step.prompt_logprob_rows``)."""
+    num_prompt_logprobs: int = 0
+    """The most top log-probabilities a request of the step asks for per prompt token."""
 
     @property
     def num_sampling(self) -> int:
@@ -567,9 +641,14 @@ class _StepPlan:
         width = 1 + max(k_max, int(drafts.max()) if n else 0)
         grid = (np.cumsum(nver) - nver)[:, None] + np.minimum(np.arange(width)[None, :], nver[:, None] - 1)
         cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
+        prompt_rows = np.zeros(0, np.int64)
+        if step.prompt_logprob_rows:  # each request's first rows
+            count = unpack(step.prompt_logprob_rows).astype(np.int64)
+            within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+            prompt_rows = np.repeat(starts, count) + within
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, prompt_rows)
 
 
 @dataclass
@@ -598,6 +677,13 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
+    extras: list[torch.Tensor]
+    """The admitted requests' ``SamplingExtras.columns`` (empty on the fast path)."""
+    prompt_rows: torch.Tensor | None
+    """The token rows whose next prompt token's log-probability the step returns (None: none)."""
+
+    NUM_COLUMNS = 22
+    """The columns before ``extras``."""
 
     @property
     def sampling_slots(self) -> torch.Tensor:
