@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dispatcher.configure import detect_platform, generation_defaults
 from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
@@ -50,8 +51,6 @@ class LLM:
         self.model = model
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if platform == "auto":
-            from dispatcher.cli import detect_platform
-
             platform = detect_platform() if device.startswith("cuda") else Platform.DEFAULT
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
@@ -229,27 +228,3 @@ def _kv_blocks(cfg, device: str, dtype: torch.dtype, block_size: int, max_tokens
         raise ConfigError(f"kv_cache_memory_gib = {gib:.3f} holds {blocks} KV blocks of {block_size} tokens, fewer "
                           f"than one request of max_model_len needs ({per_seq}); raise it or lower max_model_len")
     return blocks
-
-
-def generation_defaults(model: str) -> SamplingParams:
-    """SamplingParams from a checkpoint directory's generation_config.json, as vLLM reads it: the temperature,
-    top_k, top_p and max_new_tokens it sets (do_sample = false: greedy); SamplingParams() otherwise."""
-    if model_kind(model) != "hf":
-        return SamplingParams()
-    from models.loader import generation_config
-
-    gen = generation_config(model)
-    fields = {k: gen[k] for k in ("temperature", "top_k", "top_p")
-              if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
-    if gen.get("do_sample") is False:
-        fields.pop("temperature", None)
-    elif gen.get("do_sample") and "temperature" not in fields:
-        fields["temperature"] = 1.0
-    if isinstance(gen.get("max_new_tokens"), int):
-        fields["max_tokens"] = gen["max_new_tokens"]
-    params = SamplingParams(**fields)
-    try:
-        params.validate()
-    except RequestError as exc:
-        raise ConfigError(f"{model}/generation_config.json: {exc}") from None
-    return params

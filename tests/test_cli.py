@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from dispatcher.cli import compact_sizes, main
+from dispatcher.cli import main
+from dispatcher.configure import compact_sizes
 
 SM100 = ["--platform", "sm100", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
 
@@ -135,7 +136,7 @@ def test_compact_sizes(sizes, text):
 
 
 def test_platform_auto_gives_hopper_and_blackwell_the_separate_grids_defaults():
-    from dispatcher.cli import platform_for_compute_capability
+    from dispatcher.configure import platform_for_compute_capability
     from dispatcher.plan.config import Platform
 
     assert platform_for_compute_capability("9.0") is Platform.SM100  # H100 / H200: measured, docs/headline.md

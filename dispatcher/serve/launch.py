@@ -114,10 +114,9 @@ def _setup(args: argparse.Namespace):
     tokenizer, the limits. ConfigError names the flag."""
     import torch
 
-    from dispatcher.cli import config_from_args, render_plan
+    from dispatcher.configure import config_from_args, generation_defaults, render_plan
     from dispatcher.engine.config import max_model_len_limit, scheduler_config
     from dispatcher.engine.engine_core import EngineArgs
-    from dispatcher.llm import generation_defaults
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
