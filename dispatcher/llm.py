@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dispatcher.configure import detect_platform, generation_defaults
+from dispatcher.configure import detect_platform, generation_defaults, resolve_device
 from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
@@ -49,7 +49,7 @@ class LLM:
             model = default_model_path()
         model_kind(model)  # a clear error for a path that is neither a checkpoint nor a preset
         self.model = model
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(device, "device")
         if platform == "auto":
             platform = detect_platform() if device.startswith("cuda") else Platform.DEFAULT
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,

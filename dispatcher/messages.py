@@ -193,10 +193,16 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     capture: list[dict]
     """Per runner and graph kind: graphs, seconds, measured and estimated GiB."""
     capture_seconds: float
+    """The graphs' capture (0 without CUDA graphs)."""
     device_name: str
     av_curve: tuple[tuple[int, ...], tuple[float, ...]] | None = None
     decode_costs: dict[str, dict[int, list[tuple[int, float]]]] | None = None
     """``"auto"`` tiers: every runner's FULL decode replay times ({runner: {q: [(requests, ms), ...]}})."""
+    cuda_graphs: bool = True
+    """False: the static-buffer backend (the CPU, or --enforce-eager): the graphs' closures run eagerly on the
+    padded buffers, nothing is captured."""
+    ready_seconds: float = 0.0
+    """From the start of the model's loading to this message (loading, KV cache sizing, capture, warm-up)."""
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):

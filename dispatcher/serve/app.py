@@ -67,18 +67,8 @@ VERSION = _version()
 """What /version answers (vLLM's answers its own)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Cors:
-    """Cross-origin browser access, as vLLM's flags set it (``--allowed-origins`` ...); no origins: none."""
-
-    allowed_origins: tuple[str, ...] = ()
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-
-
 def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              log_requests: bool = False, cors: Cors | None = None) -> web.Application:
+              log_requests: bool = False, cors: P.Cors | None = None) -> web.Application:
     """The application over ``engine`` (an EngineClient, or any object with its attributes and methods). Serve it
     with ``start_http`` (or an AppRunner with ``handler_cancellation=True``: disconnects abort requests)."""
     if max_body_bytes < 1024:
@@ -100,7 +90,7 @@ def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     return app
 
 
-def _allow_cross_origin(app: web.Application, cors: Cors) -> None:
+def _allow_cross_origin(app: web.Application, cors: P.Cors) -> None:
     """CORS headers on every route and answers to browsers' preflight requests (aiohttp-cors; vLLM uses
     Starlette's CORSMiddleware with the same four settings)."""
     import aiohttp_cors

@@ -46,6 +46,15 @@ IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "safety_identifie
 _warned: set[str] = set()
 
 
+class Cors(Struct, frozen=True):
+    """Cross-origin browser access, as vLLM's flags set it (``--allowed-origins`` ...); no origins: none."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 class ApiError(Exception):
     """A request the server refuses, with its HTTP status and OpenAI's error fields (``code``: the HTTP status,
     as vLLM sends it; ``reason``: our finer cause, in the log)."""
