@@ -107,8 +107,8 @@ class FakeEngine:
                 outs = [CompletionOutput(c, WORDS[(i + c) % len(WORDS)], [tid + 1000 * c], done, None, lp)
                         for c in range(params.n)]  # (choice c: its words shifted by c)
                 prompt_lp = ranks = None
-                if i == 0 and params.prompt_logprobs is not None:  # the prompt token t at -t/1000, rank t
-                    prompt_lp = [None] + [{t: -t / 1000, **{token_of(200 + k): -0.5 - k
+                if i == 0 and params.prompt_logprobs is not None:  # the prompt token t at -1 - t/1000, rank t
+                    prompt_lp = [None] + [{t: -1 - t / 1000, **{token_of(200 + k): -0.5 - k
                                                           for k in range(params.prompt_logprobs)}} for t in ids[1:]]
                     ranks = [None] + list(ids[1:])
                 yield RequestOutput(rid, prompt, ids, outs, done is not None, prompt_lp, ranks)
