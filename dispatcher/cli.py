@@ -354,8 +354,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "split): one Python client parses about 50K stream events a second, so hundreds of fast "
                         "streams need several, or the client is what is measured (default: 1)")
     t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
-    t.add_argument("--temperature", type=float, default=None, help="sampling temperature sent (default: the "
-                                                                  "server's)")
+    g = p.add_argument_group("sampling parameters (vllm bench serve's; sent with every request, default: the "
+                             "server's)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="more fields for every request\'s body, a JSON object (over the flags above), e.g. "
+                        "\'{\"min_tokens\": 8, \"response_format\": {\"type\": \"json_object\"}}\'")
     r = p.add_argument_group("results")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics whose percentiles are reported (default: %(default)s)")

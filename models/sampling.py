@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fused import argmax_prob
+from models.fused import argmax_prob, penalize, use_triton
 
 # Purposes of a random draw at one position (salts of the hash).
 SAMPLE = 1
@@ -74,6 +74,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 @dataclass
+class Penalties:
+    """The repetition, presence and frequency penalties of a batch's rows. Token counts come from per-slot tables
+    (the worker keeps them as tokens are accepted), plus the drafts each row's verification puts before it."""
+
+    slots: torch.Tensor
+    """(n,) each row's slot: its row in ``output_counts`` and ``prompt_seen``."""
+    output_counts: torch.Tensor
+    """(slots, vocab + 1) int32: per slot, each token's count in the request's output so far (last column: none)."""
+    prompt_seen: torch.Tensor
+    """(slots, vocab + 1) bool: the tokens of each slot's prompt."""
+    repetition: torch.Tensor
+    """(n,) 1: off. Divides positive logits of tokens in the prompt or output, multiplies negative ones."""
+    presence: torch.Tensor
+    """(n,) subtracted from every token present in the output (0: off)."""
+    frequency: torch.Tensor
+    """(n,) subtracted once per occurrence of the token in the output (0: off)."""
+    drafts: torch.Tensor | None = None
+    """(n, K) the drafts before each row's position (its verification's earlier ones), -1 padded; None: none."""
+
+
+@dataclass
 class LogitsProcessing:
     """Per-row inputs of ``process_logits``; a feature no row of the batch uses is None (no op at all). Token-id
     tables are padded with -1 (no token)."""
@@ -82,14 +103,9 @@ class LogitsProcessing:
     """(n,) the position of the token each row draws: its context is positions 0 .. positions - 1."""
     prompt_len: torch.Tensor
     """(n,) the request's prompt length: the context from there on is its output."""
-    context: torch.Tensor | None = None
-    """(n, L) each row's tokens by position (-1 from ``positions`` on); for the penalties and bad words."""
-    repetition_penalty: torch.Tensor | None = None
-    """(n,) 1: off. Divides positive logits of tokens in the prompt or output, multiplies negative ones."""
-    frequency_penalty: torch.Tensor | None = None
-    """(n,) subtracted once per occurrence of the token in the output (0: off); None with ``presence_penalty``."""
-    presence_penalty: torch.Tensor | None = None
-    """(n,) subtracted from every token present in the output (0: off)."""
+    penalties: Penalties | None = None
+    tail: torch.Tensor | None = None
+    """(n, P) each row's last P tokens before its position (-2 before the sequence's start); for the bad words."""
     allowed_ids: torch.Tensor | None = None
     """(n, A) the only tokens a row may draw; a row of -1 only may draw any."""
     bias_ids: torch.Tensor | None = None
@@ -195,41 +211,35 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
         work.scatter_(1, col(torch.where(early, p.stop_ids.long(), -1)), float("-inf"))
     if p.bias_ids is not None:
         work.scatter_add_(1, col(p.bias_ids), p.bias.float())
-    if p.repetition_penalty is not None or p.presence_penalty is not None:
-        work = apply_penalties(work, p)
+    if p.penalties is not None:
+        apply_penalties(work, p.penalties)
     return work[:, :vocab]
 
 
-def apply_penalties(work: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
-    """vLLM's (and OpenAI's) penalties on logits (n, vocab + 1) whose last column is padding: the repetition
-    penalty over tokens of the prompt or the output, the frequency penalty times each token's count in the output,
-    the presence penalty once per token present in the output. Counts come from the rows' contexts."""
+def apply_penalties(work: torch.Tensor, pen: Penalties) -> None:
+    """vLLM's (and OpenAI's) penalties, in place on logits (n, vocab + 1) whose last column is padding: the
+    repetition penalty over tokens of the prompt or the output, the frequency penalty times each token's count in
+    the output, the presence penalty once per token present in the output. On the GPU one fused kernel
+    (``models.fused.penalize``: one pass over the rows, the counts read from the slots' tables)."""
+    if use_triton(work):
+        penalize(work, pen.slots, pen.output_counts, pen.prompt_seen, pen.repetition, pen.presence, pen.frequency,
+                 pen.drafts)
+        return
     n, width = work.shape
-    pad = width - 1
-    ctx = p.context
-    cols = torch.arange(ctx.shape[1], device=ctx.device)[None, :]
-    in_output = (ctx >= 0) & (cols >= p.prompt_len[:, None])
-    counts = torch.zeros(n, width, dtype=torch.float32, device=work.device)
-    counts.scatter_add_(1, torch.where(in_output, ctx, pad), in_output.float())
+    counts = pen.output_counts[pen.slots].float()
+    if pen.drafts is not None:
+        counts.scatter_add_(1, torch.where(pen.drafts < 0, width - 1, pen.drafts), (pen.drafts >= 0).float())
+    counts[:, -1] = 0
     present = counts > 0
-    if p.repetition_penalty is not None:
-        in_prompt = (ctx >= 0) & (cols < p.prompt_len[:, None])
-        seen = present.scatter(1, torch.where(in_prompt, ctx, pad), in_prompt)
-        seen[:, pad] = False
-        scale = torch.where(seen, p.repetition_penalty.float()[:, None], 1.0)
-        work = torch.where(work > 0, work / scale, work * scale)
-    if p.presence_penalty is not None:
-        work = work - p.frequency_penalty.float()[:, None] * counts - p.presence_penalty.float()[:, None] * present
-    return work
+    scale = torch.where(present | pen.prompt_seen[pen.slots], pen.repetition.float()[:, None], 1.0)
+    penalized = torch.where(work > 0, work / scale, work * scale)
+    work.copy_(penalized - pen.frequency.float()[:, None] * counts - pen.presence.float()[:, None] * present)
 
 
 def bad_words_banned(p: LogitsProcessing) -> torch.Tensor:
     """(n, W): the bad words whose last token a row may not draw: the row's output so far ends with the word's
     prefix (vLLM matches prefixes within the output only; a one-token word is always banned)."""
-    n, _, width = p.bad_prefix.shape
-    steps = torch.arange(width, device=p.positions.device)[None, :]
-    at = p.positions[:, None] - width + steps
-    tail = torch.where(at >= 0, p.context.gather(1, at.clamp(min=0)), -2)
+    tail = p.tail[:, p.tail.shape[1] - p.bad_prefix.shape[-1]:]
     prefix = p.bad_prefix.long()
     match = ((prefix == tail[:, None, :]) | (prefix < 0)).all(dim=-1)
     fits = p.positions[:, None] - p.bad_prefix_len >= p.prompt_len[:, None]

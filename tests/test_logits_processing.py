@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from models.sampling import (LogitsProcessing, RowParams, apply_min_p, process_logits,  # noqa: E402
+from models.sampling import (LogitsProcessing, Penalties, RowParams, apply_min_p, process_logits,  # noqa: E402
                              sample_tokens)
 
 NEG = -math.inf
@@ -50,18 +50,33 @@ def padded(lists: list[list[int]], width: int | None = None) -> torch.Tensor:
                                                                                                        width)
 
 
-def batch(rows: list[dict]) -> LogitsProcessing:
+def penalties(rows: list[dict], vocab: int) -> Penalties:
+    """The rows' penalties as the worker keeps them: row i in slot 2 i + 1 of count tables (output counts, prompt
+    tokens), but for its last ``drafts`` output tokens, which are its verification's drafts before it."""
+    slots = torch.arange(len(rows)) * 2 + 1
+    counts = torch.zeros(2 * len(rows) + 1, vocab + 1, dtype=torch.int32)
+    seen = torch.zeros(2 * len(rows) + 1, vocab + 1, dtype=torch.bool)
+    drafts = []
+    for slot, r in zip(slots.tolist(), rows):
+        ctx, k = r["context"], r.get("drafts", 0)
+        for t in ctx[:r["prompt_len"]]:
+            seen[slot, t] = True
+        for t in ctx[r["prompt_len"]:len(ctx) - k]:
+            counts[slot, t] += 1
+        drafts.append(ctx[len(ctx) - k:] if k else [])
+    width = max(len(d) for d in drafts)
+    return Penalties(slots, counts, seen, torch.tensor([r.get("repetition", 1.0) for r in rows]),
+                     torch.tensor([r.get("presence", 0.0) for r in rows]),
+                     torch.tensor([r.get("frequency", 0.0) for r in rows]), padded(drafts) if width else None)
+
+
+def batch(rows: list[dict], vocab: int) -> LogitsProcessing:
     """The rows as the worker gathers them (features of no row left None)."""
     n = len(rows)
     pos = torch.tensor([len(r["context"]) for r in rows])
     p = LogitsProcessing(pos, torch.tensor([r["prompt_len"] for r in rows]))
-    width = max(len(r["context"]) for r in rows) + 2
-    p.context = padded([r["context"] for r in rows], width)
-    if any(r.get("repetition", 1.0) != 1.0 for r in rows):
-        p.repetition_penalty = torch.tensor([r.get("repetition", 1.0) for r in rows])
-    if any(r.get("presence", 0.0) or r.get("frequency", 0.0) for r in rows):
-        p.presence_penalty = torch.tensor([r.get("presence", 0.0) for r in rows])
-        p.frequency_penalty = torch.tensor([r.get("frequency", 0.0) for r in rows])
+    if any(r.get("repetition", 1.0) != 1.0 or r.get("presence", 0.0) or r.get("frequency", 0.0) for r in rows):
+        p.penalties = penalties(rows, vocab)
     if any(r.get("allowed") is not None for r in rows):
         p.allowed_ids = padded([sorted(r["allowed"]) if r.get("allowed") is not None else [] for r in rows])
     if any(r.get("bias") for r in rows):
@@ -85,6 +100,8 @@ def batch(rows: list[dict]) -> LogitsProcessing:
                     prefix[i, j, width - len(x) + 1:] = torch.tensor(x[:-1])
                 plen[i, j], last[i, j] = len(x) - 1, x[-1]
         p.bad_prefix, p.bad_prefix_len, p.bad_last = prefix, plen, last
+        p.tail = torch.tensor([([-2] * width + r["context"])[-width:] if width else [] for r in rows],
+                              dtype=torch.int64).reshape(n, width)  # (the last tokens, -2 before the start)
     return p
 
 
@@ -96,6 +113,7 @@ def rows(draw, vocab: int):
     for _ in range(draw(st.integers(1, 5))):
         ctx = draw(st.lists(st.integers(0, min(vocab, 6) - 1) | tokens, min_size=1, max_size=14))
         row = {"context": ctx, "prompt_len": draw(st.integers(1, len(ctx)))}
+        row["drafts"] = draw(st.integers(0, min(3, len(ctx) - row["prompt_len"])))  # (verified before the row)
         if draw(st.booleans()):
             row["repetition"] = draw(st.sampled_from([0.5, 1.0, 1.3, 2.0]))
         if draw(st.booleans()):
@@ -120,7 +138,7 @@ def test_process_logits_matches_the_reference(data, vocab):
     batch_rows = data.draw(rows(vocab))
     logits = torch.tensor(data.draw(st.lists(st.lists(st.floats(-8, 8, width=32), min_size=vocab, max_size=vocab),
                                              min_size=len(batch_rows), max_size=len(batch_rows))))
-    got = process_logits(logits, batch(batch_rows))
+    got = process_logits(logits, batch(batch_rows, vocab))
     assert got.shape == logits.shape and got.dtype == torch.float32
     want = torch.tensor([reference_row(logits[i].tolist(), r) for i, r in enumerate(batch_rows)])
     assert torch.equal(torch.isinf(got), torch.isinf(want)), (batch_rows, got, want)
@@ -137,11 +155,11 @@ def test_each_parameter_changes_the_greedy_token_as_vllm_defines_it():
              {"context": [4, 1], "prompt_len": 1, "bad_words": [[1, 0]]},  # output ends with 1: 0 banned
              {"context": [4], "prompt_len": 1, "min_tokens": 3, "stop_ids": [0, 1]},
              {"context": [4], "prompt_len": 1, "bias": {3: 10.0}}]
-    greedy = process_logits(logits, batch(rows_)).argmax(dim=-1).tolist()
+    greedy = process_logits(logits, batch(rows_, 5)).argmax(dim=-1).tolist()
     assert greedy == [1, 1, 2, 1, 2, 3]
     # the same rows, each alone: the batch does not change a row
     for i, r in enumerate(rows_):
-        assert process_logits(logits[i:i + 1], batch([r])).argmax(dim=-1).item() == greedy[i]
+        assert process_logits(logits[i:i + 1], batch([r], 5)).argmax(dim=-1).item() == greedy[i]
 
 
 @given(st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=30), st.floats(0.0, 1.0),
@@ -161,7 +179,7 @@ def test_sampling_draws_only_what_the_parameters_leave():
     """Seeded sampling with allowed_token_ids and min_p never draws a masked token; min_p 1 is greedy."""
     n, vocab = 4000, 10
     logits = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.005, 0.005])).expand(n, vocab)
-    proc = batch([{"context": [1], "prompt_len": 1, "allowed": {2, 5, 8, 9}}] * n)
+    proc = batch([{"context": [1], "prompt_len": 1, "allowed": {2, 5, 8, 9}}] * n, vocab)
     params = RowParams(torch.ones(n), None, None, torch.arange(n), processing=proc)
     drawn = sample_tokens(logits, params, torch.zeros(n, dtype=torch.long))
     assert set(drawn.tolist()) == {2, 5, 8, 9}

@@ -64,6 +64,7 @@ def test_a_batch_without_parameters_runs_none_of_their_ops(plain, monkeypatch):
         monkeypatch.setattr(sampling, name, boom)
     monkeypatch.setattr(sampling_state.SamplingExtras, "processing",
                         lambda self, *a: boom() if self.host_used.any() else (None, None))
+    monkeypatch.setattr(sampling_state.SamplingExtras, "count", boom)  # (no token counted)
     tokens(plain, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1, top_k=5))
     tokens(plain, SamplingParams(max_tokens=6, ignore_eos=True))
     state = plain.engine.worker.state

@@ -31,7 +31,7 @@ from models.attention import allocate_kv_cache
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
-from models.fused import argmax_prob
+from models.fused import argmax_prob, penalize
 from models.loader import load_model
 from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
 from models.transformer import build_model
@@ -72,7 +72,7 @@ class RequestState:
     sampling parameters (with host copies of the parameters, to choose the sampler without a device read; those
     beyond temperature, top-k and top-p in ``extras``)."""
 
-    def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device, vocab_size: int):
         z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         self.token_ids = z(max_num_seqs, max_len)
         self.num_computed = z(max_num_seqs)
@@ -87,35 +87,35 @@ class RequestState:
         self.host_top_p = np.ones(max_num_seqs, np.float64)
         self.host_num_logprobs = np.full(max_num_seqs, -1, np.int64)
         self.host_num_prompt_logprobs = np.zeros(max_num_seqs, np.int64)
-        self.extras = SamplingExtras(max_num_seqs, device)
+        self.extras = SamplingExtras(max_num_seqs, vocab_size, device)
 
     def plain_greedy(self, host_slots: np.ndarray) -> bool:
         """Every one of these slots' requests takes the argmax of its raw logits (temperature 0 and no parameter
         that changes the logits): the sampler is one argmax. From host copies only."""
         return not (self.host_temperature[host_slots] > 0).any() and not self.extras.host_processed[host_slots].any()
 
-    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray, positions: torch.Tensor, context) -> RowParams:
+    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray, positions: torch.Tensor, drafts,
+                   tail) -> RowParams:
         """Sampling parameters of rows drawing at ``positions`` for these slots (top-k / top-p None when no row uses
-        them: no sort at all; the logits' processing None when no row changes its logits). ``context()``: the rows'
-        tokens by position (``SamplingExtras.processing``)."""
-        processing, min_p = self.extras.processing(slots, host_slots, positions, context)
+        them: no sort at all; the logits' processing None when no row changes its logits). ``drafts()`` and
+        ``tail(width)``: the rows' drafts before them and last tokens, when needed (``SamplingExtras.processing``)."""
+        processing, min_p = self.extras.processing(slots, host_slots, positions, drafts, tail)
         return RowParams(self.temperature[slots],
                          self.top_k[slots] if self.host_top_k[host_slots].any() else None,
                          self.top_p[slots] if (self.host_top_p[host_slots] < 1).any() else None,
                          self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any(),
                          min_p=min_p, processing=processing)
 
-    def history(self, slots: torch.Tensor, first_pos: torch.Tensor, positions: torch.Tensor,
-                drafts: torch.Tensor | None, width: int) -> torch.Tensor:
-        """(n, width) each row's tokens by position up to its own ``positions`` (-1 from there on): the known tokens
-        before ``first_pos``, then the row's ``drafts`` (n, K) being verified (None: no drafts)."""
-        width = min(width, self.token_ids.shape[1])
-        cols = torch.arange(width, device=slots.device)[None, :]
-        tokens = self.token_ids[slots, :width]
+    def tail(self, slots: torch.Tensor, first_pos: torch.Tensor, positions: torch.Tensor,
+             drafts: torch.Tensor | None, width: int) -> torch.Tensor:
+        """(n, width) each row's last ``width`` tokens before its own ``positions`` (-2 before the sequence's
+        start): known tokens before ``first_pos``, then the row's ``drafts`` (n, K) being verified (None: none)."""
+        at = positions[:, None] - width + torch.arange(width, device=slots.device)[None, :]
+        known = self.token_ids[slots[:, None], at.clamp(min=0)]
         if drafts is not None and drafts.shape[1]:
-            at = (cols - first_pos[:, None]).clamp(0, drafts.shape[1] - 1)
-            tokens = torch.where(cols < first_pos[:, None], tokens, drafts.gather(1, at))
-        return torch.where(cols < positions[:, None], tokens, -1)
+            drafted = drafts.gather(1, (at - first_pos[:, None]).clamp(0, drafts.shape[1] - 1))
+            known = torch.where(at < first_pos[:, None], known, drafted)
+        return torch.where(at >= 0, known, -2)
 
 
 class ModelWorker:
@@ -162,7 +162,7 @@ class ModelWorker:
                     else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter)
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
-        self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
+        self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
         self.upload, self.download = Upload(self.device), Download(self.device)
         self._fixed_alpha: float | None = None
         self.set_fixed_acceptance(wcfg.fixed_acceptance)
@@ -237,7 +237,8 @@ class ModelWorker:
     @torch.inference_mode()
     def _warm_up_sampling(self) -> int:
         """Compile the greedy sampler and the drafters' proposal kernel (``argmax_prob``, with and without the
-        probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
+        probability) on each model's logits, outside the graphs too, the greedy sampler on processed (float32)
+        logits, and the penalties' kernel with and without drafts. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
         heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head is not None
@@ -246,7 +247,14 @@ class ModelWorker:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
                 argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
-        return 2 * len(heads)
+        ex = self.state.extras
+        work = torch.zeros(1, ex.vocab_size + 1, dtype=torch.float32, device=self.device)
+        argmax_prob(work[:, :-1], with_prob=False)
+        slot, one = torch.zeros(1, dtype=torch.int64, device=self.device), torch.ones(1, device=self.device)
+        for k in sorted({0, self.k_max}):
+            drafts = torch.full((1, k), -1, dtype=torch.int64, device=self.device) if k else None
+            penalize(work, slot, ex.output_counts, ex.prompt_seen, one * 2, one, one, drafts)
+        return 2 * len(heads) + 1 + len({0, self.k_max})
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
@@ -419,7 +427,7 @@ class ModelWorker:
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
-            st.extras.admit(dev.extras)
+            st.extras.admit(dev.extras, rows, cols, dev.new_tokens)
         updates = dev.block_updates.view(3, -1)
         if updates.shape[1]:
             for rt in self.runtimes:
@@ -469,9 +477,11 @@ class ModelWorker:
         positions = first_pos[request] + dev.verify_cells % width
         drafts = st.drafts[slots_s, : width - 1]
         rows_s = slots_s[request]
-        params = st.row_params(rows_s, plan.host_sampling_slots[plan.verify_cells // width], positions,
-                               lambda: st.history(rows_s, first_pos[request], positions, drafts[request],
-                                                  plan.max_seq_len + width))
+        before = lambda: torch.where(  # noqa: E731 (each row's drafts before it)
+            torch.arange(width - 1, device=self.device)[None, :] < (dev.verify_cells % width)[:, None], drafts[request],
+            -1)
+        params = st.row_params(rows_s, plan.host_sampling_slots[plan.verify_cells // width], positions, before,
+                               lambda w: st.tail(rows_s, first_pos[request], positions, drafts[request], w))
         tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         if self._fixed_alpha is not None:
             accepted = self._fixed_acceptance(slots_s, first_pos, nd, width - 1)
@@ -495,8 +505,8 @@ class ModelWorker:
         if st.plain_greedy(host_slots):  # the argmax alone (sample_tokens' greedy path, without gathering unused
             tokens = argmax_prob(logits, with_prob=False)[0]  # parameters)
         else:
-            params = st.row_params(slots_s, host_slots, first_pos,
-                                   lambda: st.history(slots_s, first_pos, first_pos, None, plan.max_seq_len + 1))
+            params = st.row_params(slots_s, host_slots, first_pos, lambda: None,
+                                   lambda w: st.tail(slots_s, first_pos, first_pos, None, w))
             tokens = sample_tokens(logits, params, first_pos)
         return tokens.view(m, 1), accepted, first_pos, logits
 
@@ -516,14 +526,19 @@ class ModelWorker:
         if plan.num_sampling == 0:
             return
         slots_s = dev.sampling_slots
+        counted = st.extras.counts_tokens(plan.host_sampling_slots)  # (the penalties' token counts)
         if plan.width == 1:  # no drafts: each request's one token stored, no count to take back
             st.token_ids.index_put_((slots_s, first_pos), tokens.view(-1))
+            if counted:
+                st.extras.count(slots_s, tokens.view(-1, 1), None)
             return
         st.num_computed[slots_s] -= dev.num_drafts[dev.sampling_rows] - accepted
         cols = first_pos[:, None] + torch.arange(plan.width, device=self.device)[None, :]
         rows = slots_s[:, None].expand_as(cols)
         keep = torch.arange(plan.width, device=self.device)[None, :] <= accepted[:, None]
         st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+        if counted:
+            st.extras.count(slots_s, tokens, keep)
 
 
 @dataclass
