@@ -15,6 +15,12 @@ import numpy as np
 
 from dispatcher.plan.config import ResolvedConfig, resolve
 from dispatcher.plan.dispatch import BatchDescriptor
+from scheduler.request import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                               MAX_MIN_TOKENS_STOP_IDS)
+
+SAMPLING_LIMITS = (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
+"""What a ``SamplingSpec``'s lists hold at most (the engine refuses longer ones, ``SamplingParams.validate``): the
+widths of the worker's per-slot tables."""
 
 TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
 """The two sockets' names in the engine's ipc directory: steps go to the worker on one, results come back on the

@@ -23,11 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, NewRequest, unpack
+from dispatcher.messages import (F32, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                 MAX_MIN_TOKENS_STOP_IDS, NewRequest, unpack)
 from dispatcher.runtime.staging import as_float
 from models.sampling import LogitsProcessing, Penalties
-from scheduler.request import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
-                               MAX_MIN_TOKENS_STOP_IDS)
 
 
 class SamplingExtras:
