@@ -205,8 +205,8 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     decode_costs: dict[str, dict[int, list[tuple[int, float]]]] | None = None
     """``"auto"`` tiers: every runner's FULL decode replay times ({runner: {q: [(requests, ms), ...]}})."""
     cuda_graphs: bool = True
-    """False: the static-buffer backend (the CPU, or --enforce-eager): the graphs' closures run eagerly on the
-    padded buffers, nothing is captured."""
+    """False: the static-buffer backend (the CPU): the graphs' closures run eagerly on the padded buffers, nothing
+    is captured."""
     ready_seconds: float = 0.0
     """From the start of the model's loading to this message (loading, KV cache sizing, capture, warm-up)."""
 

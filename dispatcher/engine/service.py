@@ -186,9 +186,9 @@ class EngineService:
             await self.outbox.send(encode(first))
 
     def _mode(self, mode: str) -> str:
-        """A step's graph mode for the metrics: on the static-buffer backend (no CUDA graphs: the CPU, or
-        --enforce-eager) FULL and PIECEWISE steps ran their closures eagerly on the padded buffers, and say so
-        (STATIC_FULL, STATIC_PIECEWISE)."""
+        """A step's graph mode for the metrics: on the static-buffer backend (the CPU: no CUDA graphs) FULL and
+        PIECEWISE steps ran their closures eagerly on the padded buffers, and say so (STATIC_FULL,
+        STATIC_PIECEWISE)."""
         return mode if self._cuda_graphs or mode == "NONE" else f"STATIC_{mode}"
 
     def _tiers_changed(self) -> list[list[int]] | None:

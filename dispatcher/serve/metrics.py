@@ -134,7 +134,7 @@ class EngineMetrics:
                 accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0, num_drafts: int = 0,
                 draft_tokens: int = 0, accepted_per_pos: Sequence[int] = ()) -> None:
         """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE; STATIC_FULL /
-        STATIC_PIECEWISE on the static-buffer backend, which captures no CUDA graphs); why it ran
+        STATIC_PIECEWISE on the CPU's static-buffer backend, which captures no CUDA graphs); why it ran
         eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
         device time; verify events, draft tokens verified and, per draft position, the verify events that accepted
         it."""
