@@ -189,3 +189,43 @@ def test_the_small_endpoints(server, tok):
     assert status == 400 and body["error"]["code"] == 400 and body["error"]["param"] == "best_of"
     status, body = http_post(server.base + "/v1/chat/completions", b'{"messages": [{"role": "user"}]}')
     assert status == 400 and body["error"]["param"] == "messages[0].content"
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    """The first SIGINT drains (here for up to 60 s, a long request in flight); a second one exits at once, code 1,
+    the engine and worker gone and the ipc directory removed (vLLM's second Ctrl-C)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from serverutil import process_state
+
+    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "4096", "--max-num-seqs", "2",
+                  "--shutdown-timeout", "60"], str(tmp_path / "server.log"))
+    try:
+        srv.wait_healthy(120)
+        engine, worker, ipc = srv.engine_pid(), srv.worker_pid(), srv.ipc_dir()
+        body = b'{"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": true}'
+        def long_request():
+            try:
+                http_post(srv.base + "/v1/completions", body, None, 120)
+            except OSError:  # (the server exits under it)
+                pass
+
+        threading.Thread(target=long_request, daemon=True).start()
+        time.sleep(1.0)
+        srv.signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None  # draining
+        t0 = time.monotonic()
+        srv.signal(signal.SIGINT)
+        assert srv.wait(10) == 1 and time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(process_state(p) not in (None, "Z") for p in (engine, worker)):
+            time.sleep(0.1)
+        assert all(process_state(p) in (None, "Z") for p in (engine, worker))
+        assert not os.path.exists(ipc)
+        assert "second signal" in srv.log()
+    finally:
+        srv.stop()
