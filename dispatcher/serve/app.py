@@ -627,8 +627,7 @@ class Server:
     def _finished(self, r: _Request) -> None:
         now = time.perf_counter()
         reasons = [c.finish_reason for c in r.choices]
-        reason = reasons[0] if len(set(reasons)) == 1 else "stop" if "stop" in reasons else reasons[0]
-        r.timer.finish(reason, now)
+        r.timer.finish(reasons[0], now)  # (the metrics count a request once: by its first choice)
         log.log(logging.INFO if self.log_requests else logging.DEBUG, "%s: %s, %d prompt + %d output tokens, %.3f s",
                 r.request_id, ", ".join(map(str, reasons)), len(r.prompt_token_ids), r.completion_tokens,
                 now - r.timer.arrival)
