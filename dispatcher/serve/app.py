@@ -566,7 +566,8 @@ class Server:
                 text, ids, entries = self._completion_parts(r, c, "".join(c.text), c.token_ids, c.logprobs)
                 lp = (P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, 0)
                       if r.num_top_logprobs is not None else None)
-                choices.append(P.CompletionChoice(c.index, text, lp, c.finish_reason, c.stop_reason, prompt_lp))
+                choices.append(P.CompletionResponseChoice(c.index, text, lp, c.finish_reason, c.stop_reason,
+                                                          prompt_lp))
             body = P.Completion(r.response_id, r.created, r.model, choices, usage)
         return _json(body, headers={"X-Request-Id": r.header_id})
 
@@ -600,14 +601,16 @@ class Server:
         delta = first
         try:
             while True:
+                num_tokens = 0
                 for out in delta.outputs:
+                    num_tokens += len(out.token_ids)
                     chunk = self._chunk(r, out)
                     if chunk is not None:
                         pending.append(chunk)
                 if pending:
                     await response.write(b"".join(pending))
                     pending.clear()
-                r.timer.output(sum(len(out.token_ids) for out in delta.outputs), time.perf_counter())
+                r.timer.output(num_tokens, time.perf_counter())
                 if delta.finished:
                     break
                 delta = await anext(outputs)
@@ -659,7 +662,9 @@ class Server:
             delta = P.ChatDelta(content=out.text) if out.text else P.ChatDelta()
             choice = P.ChatChunkChoice(out.index, delta, lp, out.finish_reason, out.stop_reason)
             return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
-        text, ids, entries = self._completion_parts(r, c, out.text, out.token_ids, entries)
+        text, ids = out.text, out.token_ids
+        if echo:
+            text, ids, entries = self._completion_parts(r, c, text, ids, entries)
         lp = None
         if r.num_top_logprobs is not None and ids:
             lp = P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, c.text_offset)

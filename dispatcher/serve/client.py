@@ -175,10 +175,13 @@ class EngineClient:
         """Deltas that queued up as one output of the request (each choice's merged, for n > 1)."""
         if not deltas:
             return None
-        by_choice: dict[str, list] = {}
-        for d in deltas:
-            by_choice.setdefault(d.request_id, []).append(d)
-        outs = self.processor.process([_step_output(rid, ds) for rid, ds in by_choice.items()])
+        if deltas[0].request_id == request_id:  # n = 1: every delta is the request's own
+            outs = self.processor.process([_step_output(request_id, deltas)])
+        else:
+            by_choice: dict[str, list] = {}
+            for d in deltas:
+                by_choice.setdefault(d.request_id, []).append(d)
+            outs = self.processor.process([_step_output(rid, ds) for rid, ds in by_choice.items()])
         return outs[0] if outs else None
 
     async def abort(self, request_id: str) -> None:

@@ -409,12 +409,17 @@ token and the top N at its position."""
 
 
 class CompletionChoice(Struct):
+    """A choice of a streamed chunk (a whole response's is ``CompletionResponseChoice``)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the request."""
+
+
+class CompletionResponseChoice(CompletionChoice):
     prompt_logprobs: PromptLogprobs | None = None
 
 
