@@ -969,7 +969,8 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving():
         return r.status, await r.read()
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=hostile_bodies(),
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+           body=hostile_bodies(),
            content_type=st.sampled_from([None, "application/json", "text/plain", "application/json; charset=latin1"]))
     def check(path, body, content_type):
         status, payload = loop.run_until_complete(send(path, body, content_type))
