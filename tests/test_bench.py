@@ -305,8 +305,8 @@ def test_sampling_flags_and_extra_body_reach_every_request(serve, tmp_path):
     """vllm bench serve's sampling flags, then --extra-body over them, in every request's body (and the results)."""
     fake = serve()
     rc = bench("--base-url", fake.url, "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "2",
-               "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--presence-penalty", "0.5",
-               "--frequency-penalty", "0.1", "--repetition-penalty", "1.1",
+               "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+               "--presence-penalty", "0.5", "--frequency-penalty", "0.1", "--repetition-penalty", "1.1",
                "--extra-body", '{"min_tokens": 2, "top_k": 30}', "--save-result", "--result-dir", str(tmp_path))
     assert rc == 0
     want = {"temperature": 0.7, "top_p": 0.9, "top_k": 30, "min_p": 0.05, "presence_penalty": 0.5,

@@ -158,3 +158,23 @@ def test_sampling_params_n_in_the_offline_api(plain):
     assert [len(o.outputs) for o in outs] == [2, 2]
     streamed = list(plain.stream(PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=4)))
     assert {c.index for c in streamed} == {0, 1} and sum(len(c.token_ids) for c in streamed) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_on_the_gpu_with_cuda_graphs(method):
+    """On a GPU with its graphs captured (the fused penalties kernel, the count tables, the float32 argmax; the
+    model in float32 so that near-ties break alike with and without drafts): speculative decoding stays lossless
+    for greedy requests with every parameter, and a batch without parameters gives what it gave before any request
+    with them ran."""
+    opts = dict(device="cuda", max_model_len=256, max_num_seqs=8, dtype=torch.float32)
+    plain = LLM("tiny-dense", **opts)
+    before = tokens(plain, SamplingParams(max_tokens=24, ignore_eos=True))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    sd = LLM("tiny-dense", **opts, speculative_config=spec)
+    for name, kw in PARAMETERS.items():
+        params = SamplingParams(max_tokens=40, ignore_eos=True, **kw)
+        assert tokens(sd, params) == tokens(plain, params), name
+    assert tokens(plain, SamplingParams(max_tokens=24, ignore_eos=True)) == before

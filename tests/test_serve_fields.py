@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from test_serve_app import KEY, MODEL, WORDS, FakeEngine, error_of, run, served, sse, token_of
+from test_serve_app import KEY, WORDS, FakeEngine, error_of, run, served, sse, token_of
 
 from dispatcher.serve.protocol import Cors
 
