@@ -71,6 +71,16 @@ def test_a_batch_without_parameters_runs_none_of_their_ops(plain, monkeypatch):
     assert not state.extras.host_used.any() and state.plain_greedy(list(range(8)))
 
 
+def test_the_cpu_allocates_the_count_tables_at_the_first_penalty():
+    """5 bytes x slots x vocabulary: on the CPU only once a request uses a penalty."""
+    llm = LLM("tiny-dense", **OPTIONS)
+    tokens(llm, SamplingParams(max_tokens=4, ignore_eos=True, min_p=0.1, temperature=1.0, logit_bias={3: 1.0}))
+    extras = llm.engine.worker.state.extras
+    assert extras.output_counts is None and extras.prompt_seen is None
+    tokens(llm, SamplingParams(max_tokens=4, ignore_eos=True, presence_penalty=0.5))
+    assert extras.output_counts.shape == (8, 513) and extras.output_counts.sum() > 0
+
+
 def test_parameters_do_not_depend_on_the_batch_or_on_slot_reuse(plain):
     """A request with parameters among others gives what it gives alone; requests without parameters that reuse
     its slot afterwards give what they gave before (the slot's tables are reset)."""

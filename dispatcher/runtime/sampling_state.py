@@ -14,8 +14,8 @@ accepted; a row's verification adds the drafts before it. One fused kernel then 
 reads its logits. Counting each row's history in every step instead (a scatter into a fresh rows x vocabulary
 tensor, then elementwise ops) measured ~15 passes over the logits' size, about the whole budget of a bench-moe
 decode step at 256 streams (3.4 ms); the tables cost memory instead: 5 bytes x slots x vocabulary (250 MB at 1024
-slots and SmolLM2's 49,152 tokens; 780 MB at 152K), allocated with the worker (so a GPU's KV cache is sized
-after them).
+slots and SmolLM2's 49,152 tokens; 780 MB at 152K), allocated with the worker on a GPU (so that its KV cache is
+sized after them), at the first penalized request on the CPU.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ class SamplingExtras:
         def table(*shape, fill=-1, dt=torch.int32):
             return torch.full((max_num_seqs, *shape), fill, dtype=dt, device=device)
 
-        self.vocab_size = vocab_size
-        self.output_counts = table(vocab_size + 1, fill=0)
+        self.vocab_size, self.max_num_seqs, self.device = vocab_size, max_num_seqs, device
+        self.output_counts: torch.Tensor | None = None
         """Per slot with penalties: each token's count in its output so far (last column: padding's)."""
-        self.prompt_seen = table(vocab_size + 1, fill=False, dt=torch.bool)
+        self.prompt_seen: torch.Tensor | None = None
         """Per slot with penalties: the tokens of its prompt."""
+        if device.type == "cuda":  # (with the worker, so that the KV cache is sized after them; on the CPU at the
+            self._count_tables()  # first penalized request: 250 MB at 1024 slots, 2.5x the default model's size)
         self.penalized = table(fill=False, dt=torch.bool)
         """The slot's request uses a penalty: its tokens are counted."""
 
@@ -147,9 +149,16 @@ class SamplingExtras:
         p = self.bad_prefix.shape[-1]
         self.bad_prefix[slots, :num_words, p - width:] = prefix.view(n, num_words, width).to(torch.int32)
 
+    def _count_tables(self) -> None:
+        shape = (self.max_num_seqs, self.vocab_size + 1)
+        self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
     def _count_admitted(self, slots, token_rows, token_cols, tokens) -> None:
         """The admitted penalized slots' counts from their tokens: the prompt's into ``prompt_seen``, the output's
         into ``output_counts`` (other tokens land in the padding column)."""
+        if self.output_counts is None:
+            self._count_tables()
         pad = self.vocab_size
         self.output_counts.index_fill_(0, slots, 0)
         self.prompt_seen.index_fill_(0, slots, False)
