@@ -106,7 +106,8 @@ def test_penalties_hold_through_preemption():
 
 def test_n_choices_are_seeded_children_with_the_prompt_computed_first(plain):
     """n = 3: three choices, choice i exactly a request with seed + i; the first choice alone computes the prompt
-    in the first step, the others join once it has (prefix caching then finds its blocks)."""
+    in the first step, the others join in the step after the one that computes the rest of it (prefix caching then
+    finds its blocks)."""
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=3, ignore_eos=True)
     out = plain.generate([PROMPTS[0]], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
@@ -125,6 +126,22 @@ def test_n_choices_are_seeded_children_with_the_prompt_computed_first(plain):
     engine.update(second, engine.execute(second))
     while engine.has_unfinished():
         engine.step()
+
+
+def test_n_children_wait_for_the_whole_prompt_over_chunked_prefill():
+    """A prompt prefilled in chunks of 4 tokens: the other choices are admitted only in the step after the one
+    that computes the prompt's last chunk (so that with prefix caching they find every block)."""
+    llm = LLM("tiny-dense", **{**OPTIONS, "max_num_batched_tokens": 4, "max_num_seqs": 4})
+    engine = llm.engine
+    prompt = list(range(10, 21))  # 11 tokens: chunks of 4, 4, 3
+    engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, n=3), "long")
+    admitted = []
+    while engine.has_unfinished():
+        step = engine.schedule()
+        admitted.append(sorted(r.request_id for r in step.out.new_requests))
+        engine.update(step, engine.execute(step))
+    assert admitted[:3] == [[child_request_id("long", 0)], [], []]
+    assert child_request_id("long", 1) in admitted[3]
 
 
 def test_n_above_one_needs_sampling(plain):

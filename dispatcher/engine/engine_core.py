@@ -233,8 +233,9 @@ class EngineCore:
         self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
         self._held: dict[str, list[Request]] = {}
-        """n > 1: the children after the first, by the first's id, until its prompt is computed (its first output):
-        queued then, so that they find its prompt's KV blocks (prefix caching) instead of computing them again."""
+        """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
+        queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
+        a step registers serve the steps after it) instead of computing them again."""
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         """Requests with ``prompt_logprobs`` until their first output, which carries them."""
         self._seeds = np.random.default_rng(args.seed)
@@ -276,7 +277,7 @@ class EngineCore:
         return rid
 
     def queue_all(self, requests: list[Request]) -> None:
-        """Queue ``make_requests``' requests: the first now, the other children once its prompt is computed."""
+        """Queue ``make_requests``' requests: the first now, the other children once a step computes its prompt."""
         self.queue(requests[0])
         if len(requests) > 1:
             self._held[requests[0].request_id] = requests[1:]
@@ -333,9 +334,18 @@ class EngineCore:
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return None
         descs = dispatch_step(self.dispatchers, self.cfg.method, out)
+        if self._held:
+            self._release_computed(out)
         rows = self._prompt_logprob_rows(out) if self._prompt_logprobs else None
         return ScheduledStep(out, descs, step_message(out, descs, rows), (time.perf_counter() - t0) * 1e3,
                              prompt_rows=rows)
+
+    def _release_computed(self, out: SchedulerOutput) -> None:
+        """Queue the children held for a first child whose prompt this step computes to its end."""
+        known = out.num_computed + out.num_scheduled - out.num_drafts
+        for row, req in enumerate(out.requests):  # (only while children are held)
+            if req.request_id in self._held and known[row] >= len(req.prompt_token_ids):
+                self._release(req.request_id)
 
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> np.ndarray | None:
         """Per request of the step, how many of its query's first rows predict a prompt token whose
@@ -397,9 +407,8 @@ class EngineCore:
         outputs = self.scheduler.update(step.out, result)
         if step.prompt_logprobs is not None:
             self._take_prompt_logprobs(step)
-        if self._held or self._prompt_logprobs:
+        if self._prompt_logprobs:
             for o in outputs:  # (only while a request waits for its first output)
-                self._release(o.request_id)
                 pl = self._prompt_logprobs.pop(o.request_id, None)
                 if pl is not None:
                     o.prompt_logprobs, o.prompt_logprob_ranks = pl.entries, pl.ranks
