@@ -11,6 +11,7 @@ before it collects step t, and the device never waits for the host in between.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -405,7 +406,7 @@ class ModelWorker:
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
             *self.state.extras.columns(new), *([plan.prompt_rows] if len(plan.prompt_rows) else []),
         )
-        base, prompt = _DeviceStep.NUM_COLUMNS, len(cols) - (1 if len(plan.prompt_rows) else 0)
+        base, prompt = _DeviceStep.num_columns(), len(cols) - (1 if len(plan.prompt_rows) else 0)
         return _DeviceStep(*cols[:base], extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols)
                            else None)
 
@@ -697,8 +698,10 @@ class _DeviceStep:
     prompt_rows: torch.Tensor | None
     """The token rows whose next prompt token's log-probability the step returns (None: none)."""
 
-    NUM_COLUMNS = 22
-    """The columns before ``extras``."""
+    @classmethod
+    def num_columns(cls) -> int:
+        """The upload's columns before ``extras`` (one per field above it)."""
+        return len(dataclasses.fields(cls)) - 2
 
     @property
     def sampling_slots(self) -> torch.Tensor:
