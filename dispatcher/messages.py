@@ -15,6 +15,12 @@ import numpy as np
 
 from dispatcher.plan.config import ResolvedConfig, resolve
 from dispatcher.plan.dispatch import BatchDescriptor
+from scheduler.request import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                               MAX_MIN_TOKENS_STOP_IDS)
+
+SAMPLING_LIMITS = (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
+"""What a ``SamplingSpec``'s lists hold at most (the engine refuses longer ones, ``SamplingParams.validate``): the
+widths of the worker's per-slot tables."""
 
 TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
 """The two sockets' names in the engine's ipc directory: steps go to the worker on one, results come back on the
@@ -44,6 +50,26 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     """Every random draw of the request is a function of (seed, position): reproducible whatever the batch."""
     num_logprobs: int = -1
     """Return each new token's log-probability and the top ``num_logprobs`` others (-1: none)."""
+    min_p: float = 0.0
+    """0: off."""
+    repetition_penalty: float = 1.0
+    """1: off."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    """Output tokens before ``min_tokens_stop_ids`` may be drawn."""
+    min_tokens_stop_ids: bytes = b""
+    """int32: the EOS and stop token ids that ``min_tokens`` holds back."""
+    allowed_token_ids: bytes = b""
+    """int32: the only tokens the request may draw (empty: any)."""
+    logit_bias_ids: bytes = b""
+    """int32: tokens whose logit ``logit_bias`` (float32, one per id) is added to."""
+    logit_bias: bytes = b""
+    bad_words: bytes = b""
+    """int32: the bad words' token ids, one word after the other (``bad_word_lens`` tokens each)."""
+    bad_word_lens: bytes = b""
+    num_prompt_logprobs: int = -1
+    """Return each prompt token's log-probability, rank and the top ``num_prompt_logprobs`` others (-1: none)."""
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -84,6 +110,9 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     """EAGLE step 0 (the target's shape) or a block drafter's forward."""
     draft_next: BatchDescriptor | None = None
     """EAGLE's one-token draft steps."""
+    prompt_logprob_rows: bytes = b""
+    """int32 per request (empty: none): how many of its query's first tokens are prompt tokens whose next prompt
+    token's log-probability to return (``prompt_logprobs``)."""
 
     @property
     def num_reqs(self) -> int:
@@ -115,6 +144,14 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """The host time those compiles took."""
     fused: bool = False
     """The step ran as one fused decode-step graph (``dispatcher.runtime.decode_step``)."""
+    prompt_logprobs: bytes = b""
+    """float32 (p, 1 + N): per row of ``Step.prompt_logprob_rows`` (in request order), the log-probability of the
+    prompt token after it, then of the N most likely tokens there (N = ``num_prompt_top_logprobs``)."""
+    prompt_logprob_ids: bytes = b""
+    """int32 (p, N): those N tokens' ids."""
+    prompt_logprob_ranks: bytes = b""
+    """int32 (p,): the prompt token's rank there (1: the most likely)."""
+    num_prompt_top_logprobs: int = 0
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
@@ -173,10 +210,16 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     capture: list[dict]
     """Per runner and graph kind: graphs, seconds, measured and estimated GiB."""
     capture_seconds: float
+    """The graphs' capture (0 without CUDA graphs)."""
     device_name: str
     av_curve: tuple[tuple[int, ...], tuple[float, ...]] | None = None
     decode_costs: dict[str, dict[int, list[tuple[int, float]]]] | None = None
     """``"auto"`` tiers: every runner's FULL decode replay times ({runner: {q: [(requests, ms), ...]}})."""
+    cuda_graphs: bool = True
+    """False: the static-buffer backend (the CPU): the graphs' closures run eagerly on the padded buffers, nothing
+    is captured."""
+    ready_seconds: float = 0.0
+    """From the start of the model's loading to this message (loading, KV cache sizing, capture, warm-up)."""
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):

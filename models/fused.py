@@ -386,6 +386,32 @@ if triton is not None:
         if WITH_PROB:
             tl.store(prob_ptr + row, 1.0 / total)
 
+    @triton.jit
+    def _penalize_kernel(x_ptr, slot_ptr, counts_ptr, seen_ptr, rep_ptr, pres_ptr, freq_ptr, drafts_ptr, stride_x,
+                         stride_counts, stride_seen, stride_drafts, n, BLOCK: tl.constexpr, NUM_DRAFTS: tl.constexpr):
+        """Program per (row, block of the vocabulary): the row's repetition, presence and frequency penalties in
+        place on its float32 logits, its token counts read from its slot's row of the count table plus its drafts
+        (vLLM's ``_penalties_kernel``, with the drafts given per row). A row without penalties reads nothing."""
+        row = tl.program_id(0)
+        rep = tl.load(rep_ptr + row)
+        pres = tl.load(pres_ptr + row)
+        freq = tl.load(freq_ptr + row)
+        if (rep != 1.0) | (pres != 0.0) | (freq != 0.0):
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            valid = cols < n
+            x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=valid, other=0.0)
+            count = tl.load(counts_ptr + slot * stride_counts + cols, mask=valid, other=0)
+            for j in tl.static_range(NUM_DRAFTS):
+                draft = tl.load(drafts_ptr + row.to(tl.int64) * stride_drafts + j)
+                count += (cols == draft).to(tl.int32)
+            present = count > 0
+            seen = tl.load(seen_ptr + slot * stride_seen + cols, mask=valid, other=0) != 0
+            scale = tl.where(present | seen, rep, 1.0)
+            x = tl.where(x > 0, x / scale, x * scale)
+            x = x - freq * count.to(tl.float32) - tl.where(present, pres, 0.0)
+            tl.store(x_ptr + row.to(tl.int64) * stride_x + cols, x, mask=valid)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
@@ -423,6 +449,29 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
     _argmax_prob_kernel[(rows,)](logits, ids, prob, logits.stride(0), n, BLOCK=min(4096, triton.next_power_of_2(n)),
                                  WITH_PROB=with_prob, num_warps=8)
     return ids, prob if with_prob else None
+
+
+PENALIZE_BLOCK = 4096
+"""Vocabulary entries per program of ``penalize`` (vLLM's kernel takes 8192)."""
+
+
+def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+             repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+             drafts: torch.Tensor | None) -> None:
+    """The penalties in place on float32 ``logits`` (rows, vocab + 1), as ``models.sampling.apply_penalties``'s
+    torch path computes them, in one pass (the last column, padding, untouched). ``counts`` (slots, vocab + 1)
+    int32 and ``seen`` (slots, vocab + 1) bool: the slots' output counts and prompt tokens; ``drafts`` (rows, K)
+    int64, -1 padded: each row's drafts before it, counted too."""
+    rows, n = logits.shape[0], logits.shape[1] - 1
+    if rows == 0:
+        return
+    num_drafts = 0 if drafts is None else drafts.shape[1]
+    drafts = drafts if num_drafts else slots  # (an unread placeholder)
+    grid = (rows, triton.cdiv(n, PENALIZE_BLOCK))
+    _penalize_kernel[grid](logits, slots, counts, seen.view(torch.uint8), repetition.float().contiguous(),
+                           presence.float().contiguous(), frequency.float().contiguous(), drafts, logits.stride(0),
+                           counts.stride(0), seen.stride(0), drafts.stride(0) if num_drafts else 0, n,
+                           BLOCK=PENALIZE_BLOCK, NUM_DRAFTS=num_drafts, num_warps=8)
 
 
 def rms_norm(x, weight, eps, residual=None):

@@ -5,7 +5,11 @@ state, so a seeded request draws the same numbers alone, beside any other reques
 CUDA graph (vLLM's Model Runner V2 samples the same way). Sampling from softmax(logits / T) is the Gumbel-max
 trick: the argmax of logits / T + Gumbel noise over the tokens top-k and top-p keep.
 
-- ``sample_tokens``: greedy rows (temperature 0) take the argmax; the others sample as above.
+- ``sample_tokens``: greedy rows (temperature 0) take the argmax; the others sample as above. Before either, the
+  logits go through the rows' processing (``process_logits``, in vLLM's order: ``allowed_token_ids``,
+  ``bad_words``, ``min_tokens`` and ``logit_bias``, then the repetition, frequency and presence penalties over the
+  prompt and the output so far); ``min_p`` acts after the temperature, before top-k and top-p. Greedy rows take the
+  argmax of the processed logits, so a request's greedy output is the same whatever its batch and its drafts.
 - ``accepted_drafts``: verification. The target's token is drawn at every verified position (its argmax, or its
   seeded sample), and a request's drafts are accepted while they equal those; the step yields the accepted drafts
   and the target's token after them. For drafters that propose deterministically (every drafter here: greedy heads
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fused import argmax_prob
+from models.fused import argmax_prob, penalize, use_triton
 
 # Purposes of a random draw at one position (salts of the hash).
 SAMPLE = 1
@@ -70,6 +74,57 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 @dataclass
+class Penalties:
+    """The repetition, presence and frequency penalties of a batch's rows. Token counts come from per-slot tables
+    (the worker keeps them as tokens are accepted), plus the drafts each row's verification puts before it."""
+
+    slots: torch.Tensor
+    """(n,) each row's slot: its row in ``output_counts`` and ``prompt_seen``."""
+    output_counts: torch.Tensor
+    """(slots, vocab + 1) int32: per slot, each token's count in the request's output so far (last column: none)."""
+    prompt_seen: torch.Tensor
+    """(slots, vocab + 1) bool: the tokens of each slot's prompt."""
+    repetition: torch.Tensor
+    """(n,) 1: off. Divides positive logits of tokens in the prompt or output, multiplies negative ones."""
+    presence: torch.Tensor
+    """(n,) subtracted from every token present in the output (0: off)."""
+    frequency: torch.Tensor
+    """(n,) subtracted once per occurrence of the token in the output (0: off)."""
+    drafts: torch.Tensor | None = None
+    """(n, K) the drafts before each row's position (its verification's earlier ones), -1 padded; None: none."""
+
+
+@dataclass
+class LogitsProcessing:
+    """Per-row inputs of ``process_logits``; a feature no row of the batch uses is None (no op at all). Token-id
+    tables are padded with -1 (no token)."""
+
+    positions: torch.Tensor
+    """(n,) the position of the token each row draws: its context is positions 0 .. positions - 1."""
+    prompt_len: torch.Tensor
+    """(n,) the request's prompt length: the context from there on is its output."""
+    penalties: Penalties | None = None
+    tail: torch.Tensor | None = None
+    """(n, P) each row's last P tokens before its position (-2 before the sequence's start); for the bad words."""
+    allowed_ids: torch.Tensor | None = None
+    """(n, A) the only tokens a row may draw; a row of -1 only may draw any."""
+    bias_ids: torch.Tensor | None = None
+    """(n, B) tokens whose logit ``bias`` is added to."""
+    bias: torch.Tensor | None = None
+    """(n, B) float."""
+    min_len: torch.Tensor | None = None
+    """(n,) prompt length + min_tokens: below it a row may not draw its ``stop_ids``."""
+    stop_ids: torch.Tensor | None = None
+    """(n, S) the EOS and stop token ids that ``min_tokens`` holds back."""
+    bad_prefix: torch.Tensor | None = None
+    """(n, W, P) each bad word's tokens but its last, right-aligned (-1 before them: any token)."""
+    bad_prefix_len: torch.Tensor | None = None
+    """(n, W) tokens in each bad word's prefix."""
+    bad_last: torch.Tensor | None = None
+    """(n, W) each bad word's last token (-1: no word); it is banned where the output ends with the prefix."""
+
+
+@dataclass
 class RowParams:
     """Per-row sampling parameters on the device, and what the host knows of them (so that choosing the sampler
     reads nothing back from the device)."""
@@ -83,6 +138,11 @@ class RowParams:
     seeds: torch.Tensor
     all_greedy: bool = False
     """Every row has temperature 0: the argmax, and nothing else."""
+    min_p: torch.Tensor | None = None
+    """(n,) 0: off; None when no row uses it. Tokens less likely than min_p times the most likely one (after the
+    temperature) are left out."""
+    processing: LogitsProcessing | None = None
+    """The logits' processing before sampling (None: the raw logits)."""
 
 
 def gumbel_argmax(log_weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt) -> torch.Tensor:
@@ -93,11 +153,15 @@ def gumbel_argmax(log_weights: torch.Tensor, seeds: torch.Tensor, positions: tor
 
 def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> torch.Tensor:
     """logits (n, vocab) -> token ids (n,): argmax for temperature 0, else a seeded sample at ``positions``."""
+    if params.processing is not None:
+        logits = process_logits(logits, params.processing)
     greedy = argmax_prob(logits, with_prob=False)[0]
     if params.all_greedy:
         return greedy
-    scaled = apply_top_k_top_p(logits.float() / params.temperature.clamp(min=1e-6)[:, None], params.top_k,
-                               params.top_p)
+    scaled = logits.float() / params.temperature.clamp(min=1e-6)[:, None]
+    if params.min_p is not None:
+        scaled = apply_min_p(scaled, params.min_p)
+    scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
     drawn = gumbel_argmax(scaled, params.seeds, positions, SAMPLE)
     return torch.where(params.temperature > 0, drawn, greedy)
 
@@ -124,3 +188,69 @@ def fixed_accepted(seeds: torch.Tensor, first_pos: torch.Tensor, num_drafts: tor
                 (first_pos[:, None] + arange[None, :]).reshape(-1), FIXED_ACCEPTANCE)
     ok = (u.view(-1, k) < alpha) & (arange[None, :] < num_drafts[:, None])
     return torch.cumprod(ok.long(), dim=1).sum(dim=1)
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's largest (0: off): in logits,
+    those more than -log(min_p) below the row's maximum (no softmax needed)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
+    """The logits (n, vocab) as the rows' parameters make them, float32, in vLLM's order: tokens outside
+    ``allowed_ids`` and bad words' last tokens masked, stop tokens masked below ``min_len``, ``bias`` added, then
+    the penalties. Every table indexes one extra column, the vocabulary's size, where padding (-1) lands; it is cut
+    off at the end."""
+    n, vocab = logits.shape
+    work = torch.empty(n, vocab + 1, dtype=torch.float32, device=logits.device)
+    work[:, :vocab] = logits
+    work[:, vocab] = 0.0
+
+    def col(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.long()
+        return torch.where(ids < 0, vocab, ids)
+
+    if p.allowed_ids is not None:
+        keep = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(1, col(p.allowed_ids), True)
+        keep |= (p.allowed_ids < 0).all(dim=1, keepdim=True)
+        work.masked_fill_(~keep, float("-inf"))
+    if p.bad_last is not None:
+        banned = bad_words_banned(p)
+        work.scatter_(1, col(torch.where(banned, p.bad_last.long(), -1)), float("-inf"))
+    if p.min_len is not None:
+        early = (p.positions < p.min_len)[:, None]
+        work.scatter_(1, col(torch.where(early, p.stop_ids.long(), -1)), float("-inf"))
+    if p.bias_ids is not None:
+        work.scatter_add_(1, col(p.bias_ids), p.bias.float())
+    if p.penalties is not None:
+        apply_penalties(work, p.penalties)
+    return work[:, :vocab]
+
+
+def apply_penalties(work: torch.Tensor, pen: Penalties) -> None:
+    """vLLM's (and OpenAI's) penalties, in place on logits (n, vocab + 1) whose last column is padding: the
+    repetition penalty over tokens of the prompt or the output, the frequency penalty times each token's count in
+    the output, the presence penalty once per token present in the output. On the GPU one fused kernel
+    (``models.fused.penalize``: one pass over the rows, the counts read from the slots' tables)."""
+    if use_triton(work):
+        penalize(work, pen.slots, pen.output_counts, pen.prompt_seen, pen.repetition, pen.presence, pen.frequency,
+                 pen.drafts)
+        return
+    n, width = work.shape
+    counts = pen.output_counts[pen.slots].float()
+    if pen.drafts is not None:
+        counts.scatter_add_(1, torch.where(pen.drafts < 0, width - 1, pen.drafts), (pen.drafts >= 0).float())
+    counts[:, -1] = 0
+    present = counts > 0
+    scale = torch.where(present | pen.prompt_seen[pen.slots], pen.repetition.float()[:, None], 1.0)
+    penalized = torch.where(work > 0, work / scale, work * scale)
+    work.copy_(penalized - pen.frequency.float()[:, None] * counts - pen.presence.float()[:, None] * present)
+
+
+def bad_words_banned(p: LogitsProcessing) -> torch.Tensor:
+    """(n, W): the bad words whose last token a row may not draw: the row's output so far ends with the word's
+    prefix (vLLM matches prefixes within the output only; a one-token word is always banned)."""
+    tail = p.tail[:, p.tail.shape[1] - p.bad_prefix.shape[-1]:]
+    prefix = p.bad_prefix.long()
+    match = ((prefix == tail[:, None, :]) | (prefix < 0)).all(dim=-1)
+    fits = p.positions[:, None] - p.bad_prefix_len >= p.prompt_len[:, None]
+    return match & fits & (p.bad_last >= 0)

@@ -187,6 +187,22 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token sequences, as vLLM tokenizes them: each word (its leading spaces stripped) on its own,
+    and with one leading space where that makes a different first token of the same length (the word in the middle
+    of a text). ValueError for a word that tokenizes to nothing."""
+    out: list[tuple[int, ...]] = []
+    for word in dict.fromkeys(words):
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} tokenizes to no token")
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
 def check_draft_tokenizer(target: Tokenizer | None, draft_model: str) -> None:
     """A draft model (speculative method draft_model) proposes token ids the target reads: both must have the same
     vocabulary. ValueError saying so when they do not, or when only one of them has a tokenizer."""
@@ -386,7 +402,7 @@ class IncrementalDetokenizer:
     rest once the request ends otherwise. The concatenation of everything returned is ``text``."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop: bool = False):
+                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer = tokenizer
@@ -408,6 +424,10 @@ class IncrementalDetokenizer:
         """The stop string that ended the text."""
         self.num_tokens = 0
         """Tokens consumed (the rest, after a stop, are not part of the output)."""
+        self.min_tokens = min_tokens
+        self._min_offset: int | None = 0 if min_tokens == 0 else None
+        """Where the text stood after ``min_tokens`` tokens: a stop string must end past it (vLLM's rule); None
+        before then."""
 
     def add(self, token_id: int) -> str:
         if self.stopped is not None:
@@ -440,15 +460,22 @@ class IncrementalDetokenizer:
 
     def _append(self, chunk: str) -> str:
         start = max(0, len(self.text) - self._longest_stop + 1)
+        before = len(self.text)
         self.text += chunk
-        if self.stop:
-            hit = min(((i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0), default=None)
+        if self._min_offset is None and self.num_tokens >= self.min_tokens:
+            self._min_offset = before if self.num_tokens > self.min_tokens else len(self.text)
+        if self.stop and self._min_offset is not None:
+            hit = min(((i, s) for s in self.stop if (i := self._find(s, start)) >= 0), default=None)
             if hit is not None:
                 i, s = hit
                 self.text = self.text[:i + len(s) if self.include_stop else i]
                 self.stopped = s
                 return self._release(len(self.text))
         return self._release(len(self.text) - self._held_back())
+
+    def _find(self, stop: str, start: int) -> int:
+        """Where ``stop`` first occurs from ``start`` on, ending past the ``min_tokens`` offset (-1: nowhere)."""
+        return self.text.find(stop, max(start, self._min_offset - len(stop) + 1))
 
     def _held_back(self) -> int:
         """Characters at the end of the text that begin some stop string (they may complete it)."""

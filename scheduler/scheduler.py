@@ -179,6 +179,11 @@ class RequestOutput:
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
     num_cached_tokens: int | None = None
     """On a request's first output: its prompt tokens found in the prefix cache (``Request.num_cached_tokens``)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On a request's first output (``prompt_logprobs``): per prompt token, its log-probability and the top
+    others' (the first token has none: None); set by the engine."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Each prompt token's rank (1: the most likely)."""
 
 
 class SpecDecodeStep(NamedTuple):
@@ -492,7 +497,10 @@ class Scheduler:
     # -- prefix caching --------------------------------------------------------------------------------------
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks of the request's longest cached prefix, short of its last known token (which it
-        computes: it samples there); [] without prefix caching."""
+        computes: it samples there); [] without prefix caching, and for a request that asks for its prompt's
+        logprobs (they come from computing every prompt token, as vLLM skips the cache for it)."""
+        if req.params.prompt_logprobs is not None:
+            return []
         hashes = self._hash_prompt(req)  # (a preempted request's output too)
         return self.kv.lookup(hashes) if hashes else []
 

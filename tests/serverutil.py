@@ -387,12 +387,18 @@ def hostile_bodies():
     fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
               "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options",
               "n", "echo", "user", "frequency_penalty", "presence_penalty", "logit_bias", "include_stop_str_in_output",
-              "skip_special_tokens", "suffix", "best_of"]
+              "skip_special_tokens", "suffix", "best_of", "repetition_penalty", "min_p", "min_tokens",
+              "allowed_token_ids", "bad_words", "prompt_logprobs", "metadata", "store", "service_tier"]
     good = {
         "prompt": st.just("hi") | st.lists(st.integers(-5, 5000), min_size=0, max_size=5),
         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "x"]),
                                                     "content": text | json_value}), max_size=3),
         "max_tokens": st.integers(-3, 300) | numbers, "stream": st.booleans(),
+        "n": st.integers(-1, 300) | numbers, "temperature": st.floats(0, 2) | numbers,
+        "logit_bias": st.dictionaries(st.integers(-5, 2**70).map(str) | text, numbers, max_size=4) | json_value,
+        "allowed_token_ids": st.lists(st.integers(-5, 2**70), max_size=5) | json_value,
+        "bad_words": st.lists(text, max_size=4) | json_value,
+        "min_tokens": st.integers(-3, 400) | numbers, "prompt_logprobs": st.integers(-3, 30) | numbers,
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_value,
     }
     field_values = st.sampled_from(fields).flatmap(lambda f: st.tuples(st.just(f), good.get(f, json_value)))

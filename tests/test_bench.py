@@ -301,6 +301,20 @@ def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
     assert "1 of 3 entries" in capsys.readouterr().err
 
 
+def test_sampling_flags_and_extra_body_reach_every_request(serve, tmp_path):
+    """vllm bench serve's sampling flags, then --extra-body over them, in every request's body (and the results)."""
+    fake = serve()
+    rc = bench("--base-url", fake.url, "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "2",
+               "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+               "--presence-penalty", "0.5", "--frequency-penalty", "0.1", "--repetition-penalty", "1.1",
+               "--extra-body", '{"min_tokens": 2, "top_k": 30}', "--save-result", "--result-dir", str(tmp_path))
+    assert rc == 0
+    want = {"temperature": 0.7, "top_p": 0.9, "top_k": 30, "min_p": 0.05, "presence_penalty": 0.5,
+            "frequency_penalty": 0.1, "repetition_penalty": 1.1, "min_tokens": 2}
+    assert all({k: body.get(k) for k in want} == want for _, body, _ in fake.requests[1:])
+    assert saved(tmp_path)[0]["sampling"] == want
+
+
 def test_api_key_and_failed_requests(serve, tmp_path, capsys):
     fake = serve(api_key="sekrit", fail_after=3)
     assert bench("--base-url", fake.url, "--num-prompts", "4") == 2
@@ -353,6 +367,8 @@ def free_port():
     (["--base-url", "localhost:8000"], "--base-url must start with http://"),
     (["--max-concurrency", "1,2", "--result-filename", "a.json"], "put {concurrency} in it"),
     (["--num-clients", "0"], "--num-clients must be >= 1"),
+    (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+    (["--extra-body", "{x"], "--extra-body is not JSON"),
 ])
 def test_bad_flags_are_one_line(args, needle, capsys):
     base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from dispatcher.cli import compact_sizes, main
+from dispatcher.cli import main
+from dispatcher.configure import compact_sizes
 
 SM100 = ["--platform", "sm100", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
 
@@ -135,7 +136,7 @@ def test_compact_sizes(sizes, text):
 
 
 def test_platform_auto_gives_hopper_and_blackwell_the_separate_grids_defaults():
-    from dispatcher.cli import platform_for_compute_capability
+    from dispatcher.configure import platform_for_compute_capability
     from dispatcher.plan.config import Platform
 
     assert platform_for_compute_capability("9.0") is Platform.SM100  # H100 / H200: measured, docs/headline.md
@@ -151,3 +152,49 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     rc, out, err = run("serve", "--api-server-count", count, "--device", "cpu")
     assert rc == 2 and out == ""
     assert err.strip() == f"twogrid serve: error: --api-server-count must be in 1..64, got {count}"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--port", "70000"], "--port must be in 1..65535, got 70000"),
+    (["--port", "0"], "--port must be in 1..65535, got 0"),
+    (["--step-trace", "/no/such/dir/t.jsonl"], "--step-trace: the directory '/no/such/dir' does not exist"),
+    (["--allowed-origins", "*"], "--allowed-origins must be a JSON list of strings"),
+    (["--allowed-headers", '["x", 1]'], "--allowed-headers must be a JSON list of strings"),
+])
+def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
+    """One line naming the flag, exit code 2, before any model is read (a preset here: nothing would be slow)."""
+    rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.strip().startswith(f"twogrid serve: error: {line}"), err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_device_cuda_without_a_gpu_is_one_line(command):
+    rc, out, err = run(command, "--model", "tiny-dense", "--device", "cuda", *(["1 2 3"] if command == "generate"
+                                                                            else []))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert err.strip().startswith(f"twogrid {command}: error: --device cuda: no CUDA GPU is visible"), err
+
+
+def test_generate_temperature_is_the_servers_range():
+    rc, out, err = run("generate", "--model", "tiny-dense", "--device", "cpu", "--temperature", "5", "1 2 3")
+    assert rc == 2 and err.strip() == "twogrid generate: error: temperature must be in [0, 2], got 5.0"
+
+
+def test_cli_llm_and_serve_share_their_pieces_without_an_import_circle():
+    """detect_platform, config_from_args, render_plan and generation_defaults live in dispatcher.configure, which
+    imports none of cli, llm and serve.launch; the command line imports the other two (its subcommands), they
+    import neither it nor each other."""
+    import ast
+    import pathlib
+
+    def imports(path: str) -> set[str]:
+        tree = ast.parse(pathlib.Path(path).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    three = {"dispatcher.cli", "dispatcher.llm", "dispatcher.serve.launch"}
+    assert not imports("dispatcher/configure.py") & three
+    assert "dispatcher.cli" not in imports("dispatcher/llm.py") | imports("dispatcher/serve/launch.py")
+    assert "dispatcher.llm" not in imports("dispatcher/serve/launch.py")
+    assert "dispatcher.serve.launch" not in imports("dispatcher/llm.py")

@@ -56,3 +56,17 @@ def test_every_drafter_is_lossless_on_the_default_model(greedy_fp32, spec):
     out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=40))]
     assert out == reference
     assert llm.stats.num_accepted_tokens > 0
+
+
+def test_the_shipped_head_is_lossless_with_penalties_and_bad_words(texts):
+    """Issue 31: greedy with a presence and a repetition penalty, a logit bias and bad words, with the EAGLE-3 head
+    as without speculation (float32), drafts accepted: the verifier draws from the same processed logits, each
+    position's counts and bad-word context including the drafts before it."""
+    plain = LLM(max_num_seqs=8, dtype=torch.float32)
+    prompts = chat(plain, texts, HELD_OUT[12:15])
+    params = SamplingParams(max_tokens=40, presence_penalty=0.4, repetition_penalty=1.15,
+                            logit_bias={plain.tokenizer.encode(" the", False)[0]: -2.0}, bad_words=("very", "just"))
+    reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    sd = LLM(max_num_seqs=8, dtype=torch.float32, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    assert [list(o.outputs[0].token_ids) for o in sd.generate(prompts, params)] == reference
+    assert sd.stats.num_accepted_tokens > 0

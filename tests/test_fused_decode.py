@@ -128,11 +128,14 @@ def test_fused_fixed_acceptance_draws_as_unfused(tmp_path):
 
 
 def test_sampled_and_logprob_steps_run_op_by_op(tmp_path):
-    """A step with a sampled request or one asking for logprobs runs op by op (the fused graphs are greedy);
-    seeded sampling gives the same tokens either way."""
+    """A step with a sampled request, one asking for logprobs or one whose logits are processed (penalties, logit
+    bias: greedy, yet not the raw argmax) runs op by op (the fused graphs take the raw argmax); the tokens are the
+    same either way."""
     spec = {"method": "eagle3", "num_speculative_tokens": 2}
     for params in (SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9),
-                   SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)):
+                   SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+                   SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),  # greedy, processed
+                   SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 3.0})):
         a = generate(engine_for(spec, True, tmp_path), params, count=3)
         b = generate(engine_for(spec, False, tmp_path), params, count=3)
         assert a[0] == b[0]

@@ -237,6 +237,35 @@ def test_argmax_and_its_probability_match_torch_in_one_pass():
     assert none is None and torch.equal(only_ids, ids)
 
 
+def test_penalize_matches_the_torch_path():
+    """The fused penalties (models.sampling.apply_penalties' kernel) against its torch path: rows over a few slots
+    of count tables, some rows without penalties (left as they were), with and without drafts before them, the
+    vocabulary spanning partial blocks; the padding column untouched."""
+    from models.sampling import Penalties, apply_penalties
+
+    torch.manual_seed(1)
+    rows, vocab, slots = (260, 49155, 300) if GPU else (7, 9000, 10)
+    counts = torch.randint(0, 3, (slots, vocab + 1), device=DEV, dtype=torch.int32) * (
+        torch.rand(slots, vocab + 1, device=DEV) < 0.01)
+    seen = torch.rand(slots, vocab + 1, device=DEV) < 0.01
+    row_slots = torch.randint(0, slots, (rows,), device=DEV)
+    rep = torch.where(torch.rand(rows, device=DEV) < 0.3, 1.0, 1.5)
+    pres = torch.where(torch.rand(rows, device=DEV) < 0.3, 0.0, 0.7)
+    freq = torch.where(torch.rand(rows, device=DEV) < 0.5, 0.0, -0.4)
+    rep[0], pres[0], freq[0] = 1.0, 0.0, 0.0  # a row without penalties
+    for drafts in (None, torch.where(torch.rand(rows, 3, device=DEV) < 0.3, -1,
+                                     torch.randint(0, vocab, (rows, 3), device=DEV))):
+        work = torch.randn(rows, vocab + 1, device=DEV) * 3
+        pen = Penalties(row_slots, counts, seen, rep, pres, freq, drafts)
+        got = work.clone()
+        apply_penalties(got, pen)
+        with torch_path():
+            want = work.clone()
+            apply_penalties(want, pen)
+        torch.testing.assert_close(got[:, :vocab], want[:, :vocab], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[0], work[0]) and torch.equal(got[:, vocab], work[:, vocab])
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_moe_route_and_combine_match_torch(norm):
     """300 tokens (60 interpreted), 32 experts, top-8: the same segments and weights as the torch path (on the CPU,

@@ -7,7 +7,6 @@ ids only. Importing the package stays light."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -25,17 +24,8 @@ OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256, blo
 
 
 @pytest.fixture(scope="module")
-def model_dir(bpe, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llm")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(bpe, f), path / f)
-    vocab = transformers.AutoTokenizer.from_pretrained(bpe).vocab_size
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.1, eos_token_id=None)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+def model_dir(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

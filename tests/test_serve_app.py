@@ -104,8 +104,14 @@ class FakeEngine:
                 done = "length" if i == params.max_tokens - 1 else None
                 if self.metrics is not None:
                     self.metrics.on_step("uniform_decode", "FULL", None, 3, 0, 0)
-                out = CompletionOutput(0, WORDS[i % len(WORDS)], [tid], done, None, lp)
-                yield RequestOutput(rid, prompt, ids, [out], done is not None)
+                outs = [CompletionOutput(c, WORDS[(i + c) % len(WORDS)], [tid + 1000 * c], done, None, lp)
+                        for c in range(params.n)]  # (choice c: its words shifted by c)
+                prompt_lp = ranks = None
+                if i == 0 and params.prompt_logprobs is not None:  # the prompt token t at -1 - t/1000, rank t
+                    prompt_lp = [None] + [{t: -1 - t / 1000, **{token_of(200 + k): -0.5 - k
+                                                          for k in range(params.prompt_logprobs)}} for t in ids[1:]]
+                    ranks = [None] + list(ids[1:])
+                yield RequestOutput(rid, prompt, ids, outs, done is not None, prompt_lp, ranks)
         finally:
             self.live.discard(rid)
 
@@ -464,7 +470,7 @@ BAD_REQUESTS = [
     ("unknown nested field", {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, "stream_options.x",
      "unknown"),
     ("missing prompt", {"max_tokens": 3}, "prompt", "required"),
-    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ">= 1"),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ">= 0"),
     ("zero max_tokens", {"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**30}, "max_tokens", "context length"),
     ("max_tokens beyond the context", {"prompt": "hi", "max_tokens": 126}, "max_tokens", "at most 125"),
@@ -480,9 +486,26 @@ BAD_REQUESTS = [
     ("top_p zero", {"prompt": "hi", "top_p": 0}, "top_p", "> 0.0"),
     ("seed beyond int64", {"prompt": "hi", "seed": 2**64}, "seed", "<="),
     ("logprobs too many", {"prompt": "hi", "logprobs": 21}, "logprobs", "<= 20"),
-    ("n = 2", {"prompt": "hi", "n": 2}, "n", "must be 1"),
-    ("echo", {"prompt": "hi", "echo": True}, "echo", "not supported"),
-    ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("n = 2 greedy", {"prompt": "hi", "n": 2, "temperature": 0}, "n", "greedy"),
+    ("n = 0", {"prompt": "hi", "n": 0}, "n", ">= 1"),
+    ("n too large", {"prompt": "hi", "n": 1000, "temperature": 1}, "n", "<= 256"),
+    ("best_of beyond n", {"prompt": "hi", "best_of": 3, "temperature": 1}, "best_of", "vLLM"),
+    ("suffix", {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ("presence_penalty out of range", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
+    ("frequency_penalty out of range", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
+    ("repetition_penalty zero", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0.0"),
+    ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, "min_p", "<= 1.0"),
+    ("min_tokens over max_tokens", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens", "max_tokens"),
+    ("logit_bias key not an id", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ("logit_bias value", {"prompt": "hi", "logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),
+    ("logit_bias outside the vocabulary", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "vocabulary"),
+    ("allowed_token_ids empty", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "1..1024"),
+    ("allowed_token_ids outside the vocabulary", {"prompt": "hi", "allowed_token_ids": [5, 99999]},
+     "allowed_token_ids", "vocabulary"),
+    ("bad_words empty word", {"prompt": "hi", "bad_words": [""]}, "bad_words", "no token"),
+    ("prompt_logprobs streamed", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "stream"),
+    ("prompt_logprobs too many", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "<= 20"),
     ("stop with an empty string", {"prompt": "hi", "stop": ["a", ""]}, "stop", "empty"),
     ("too many stop strings", {"prompt": "hi", "stop": [str(i) for i in range(MAX_STOP_STRINGS + 1)]}, "stop",
      f"at most {MAX_STOP_STRINGS}"),
@@ -553,7 +576,7 @@ def test_unknown_model_is_404():
             for path, body in (("/v1/completions", {"prompt": "hi"}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
                 err = await error_of(await c.post(path, json={"model": "gpt-9", **body}), 404)
-                assert err["param"] == "model" and err["code"] == "model_not_found" and "gpt-9" in err["message"]
+                assert err["param"] == "model" and err["code"] == 404 and "gpt-9" in err["message"]
             err = await error_of(await c.get("/v2/nothing"), 404)
 
     run(go())
@@ -569,7 +592,7 @@ def test_api_key():
                                      ("GET", "/nowhere")):
                     r = await c.request(method, path, json={"prompt": "hi"}, headers=headers)
                     err = await error_of(r, 401)
-                    assert err["code"] == "invalid_api_key"
+                    assert err["code"] == 401
             assert (await c.get("/health")).status == 200  # open: probes carry no key
             assert (await c.get("/v1/models", headers=good)).status == 200
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=good)
@@ -946,7 +969,8 @@ def test_hostile_requests_get_4xx_and_the_server_keeps_serving():
         return r.status, await r.read()
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=hostile_bodies(),
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+           body=hostile_bodies(),
            content_type=st.sampled_from([None, "application/json", "text/plain", "application/json; charset=latin1"]))
     def check(path, body, content_type):
         status, payload = loop.run_until_complete(send(path, body, content_type))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import math
 import os
 import queue
@@ -110,9 +111,30 @@ def validate(args: argparse.Namespace) -> None:
         raise BenchError(f"--plot: {args.plot!r} must end with one of {', '.join(PLOT_SUFFIXES)}")
     if args.temperature is not None and args.temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+    sampling_body(args)
     for item in args.metadata or []:
         if "=" not in item or not item.partition("=")[0].strip():
             raise BenchError(f"--metadata: {item!r} is not KEY=VALUE")
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty")
+"""vllm bench serve's sampling flags: each one given is sent in every request's body."""
+
+
+def sampling_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields the sampling flags and ``--extra-body`` add to every request (``--extra-body`` last, as vLLM's
+    bench merges them); BenchError when ``--extra-body`` is not a JSON object."""
+    body = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "extra_body", None):
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as exc:
+            raise BenchError(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise BenchError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+        body.update(extra)
+    return body
 
 
 def build_requests(args: argparse.Namespace) -> list[SampleRequest] | list[Conversation]:
@@ -383,6 +405,7 @@ def run_metadata(args: argparse.Namespace, model: str, max_concurrency: int | No
             args.dataset_name, args.sharegpt_output_len),
         multi_turn=args.multi_turn,
         ignore_eos=args.ignore_eos,
+        sampling=sampling_body(args) or None,
         seed=args.seed,
         num_warmups=args.num_warmups,
         commit=bench_commit(),
@@ -393,7 +416,7 @@ def run_metadata(args: argparse.Namespace, model: str, max_concurrency: int | No
 async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                     concurrencies: list[int | None]) -> list[dict[str, Any]]:
     headers = auth_headers(args.api_key)
-    extra = {"temperature": args.temperature} if args.temperature is not None else {}
+    extra = sampling_body(args)
     async with aiohttp.ClientSession() as probe:
         model = await resolve_model(probe, args, headers)
         endpoint = Endpoint(args.endpoint, args.base_url, model, {**headers, "Content-Type": "application/json"},

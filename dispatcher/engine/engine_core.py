@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+import msgspec
 import numpy as np
 import torch
 
@@ -32,7 +33,7 @@ from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
-from scheduler.request import Request, RequestError, SamplingParams
+from scheduler.request import Request, RequestError, SamplingParams, child_params, child_request_id
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
                                  SpecDecodeSummary, add_per_pos)
 
@@ -146,22 +147,42 @@ class ScheduledStep:
     submitted_at: float = 0.0
     eager_cause: str | None = None
     """Why the target ran eagerly (dispatch.EAGER_CAUSES), set when the result is taken; None on a graph."""
+    prompt_rows: np.ndarray | None = None
+    """Per request, its query's first rows whose prompt log-probabilities the step returns (None: none)."""
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """Those rows' (log-probabilities (p, 1 + N), top ids (p, N), ranks (p,)), set when the result is taken."""
 
 
-def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
+def step_message(out: SchedulerOutput, descs: StepDescriptors, prompt_rows: np.ndarray | None = None) -> Step:
     """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
     first = len(out.slots) - len(out.new_requests)
     new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
-    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
-                      SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
-                                   int(req.params.seed or 0),
-                                   -1 if req.params.logprobs is None else int(req.params.logprobs)), computed)
+    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids), sampling_spec(req), computed)
            for req, slot, computed in zip(out.new_requests, new_slots, new_computed)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
-                descs.target, descs.draft, descs.draft_next)
+                descs.target, descs.draft, descs.draft_next, pack(prompt_rows) if prompt_rows is not None else b"")
+
+
+def sampling_spec(req: Request) -> SamplingSpec:
+    """What the worker keeps of a request's sampling parameters (sent once, when it is admitted)."""
+    p = req.params
+    spec = SamplingSpec(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0),
+                        -1 if p.logprobs is None else int(p.logprobs), min_p=float(p.min_p),
+                        num_prompt_logprobs=-1 if p.prompt_logprobs is None else int(p.prompt_logprobs))
+    if not p.processes_logits:
+        return spec
+    words = p.bad_words_token_ids
+    bias = p.logit_bias or {}
+    return msgspec.structs.replace(
+        spec, repetition_penalty=float(p.repetition_penalty), presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty), min_tokens=int(p.min_tokens),
+        min_tokens_stop_ids=pack(sorted(set(p.stop_token_ids) | set(req.eos_token_ids))) if p.min_tokens else b"",
+        allowed_token_ids=pack(p.allowed_token_ids) if p.allowed_token_ids is not None else b"",
+        logit_bias_ids=pack(list(bias)), logit_bias=pack(list(bias.values()), F32),
+        bad_words=pack([t for w in words for t in w]), bad_word_lens=pack([len(w) for w in words]))
 
 
 def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
@@ -227,6 +248,12 @@ class EngineCore:
         self.trace = TraceWriter(args.step_trace)
         self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
+        self._held: dict[str, list[Request]] = {}
+        """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
+        queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
+        a step registers serve the steps after it) instead of computing them again."""
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
+        """Requests with ``prompt_logprobs`` until their first output, which carries them."""
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
@@ -245,30 +272,59 @@ class EngineCore:
                 raise RequestError(f"prompt token {t!r} is not an integer token id")
             if not 0 <= t < vocab:
                 raise RequestError(f"prompt token {t!r} is outside the vocabulary 0..{vocab - 1}")
-        params.validate(vocab)
+        params.validate(vocab, self.eos_token_ids)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         request = Request(rid, [int(t) for t in ids], params, self.eos_token_ids)
         self.scheduler.check_request(request)
         return request
 
+    def make_requests(self, prompt_token_ids, params: SamplingParams, request_id: str) -> list[Request]:
+        """``make_request``, fanned out for n > 1 into n child requests (vLLM's parallel sampling: ids
+        ``child_request_id(request_id, i)``, seeds seed + i, the prompt's log-probabilities on the first only)."""
+        first = self.make_request(prompt_token_ids, params, request_id)
+        if params.n == 1:
+            return [first]
+        return [Request(child_request_id(request_id, i), first.prompt_token_ids, child_params(params, i),
+                        self.eos_token_ids) for i in range(params.n)]
+
     def add_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> str:
-        request = self.make_request(prompt_token_ids, params, request_id)
-        self.queue(request)
-        return request.request_id
+        rid = request_id if request_id is not None else f"req-{self._next_id}"
+        self.queue_all(self.make_requests(prompt_token_ids, params, rid))
+        return rid
+
+    def queue_all(self, requests: list[Request]) -> None:
+        """Queue ``make_requests``' requests: the first now, the other children once a step computes its prompt."""
+        self.queue(requests[0])
+        if len(requests) > 1:
+            self._held[requests[0].request_id] = requests[1:]
 
     def queue(self, request: Request) -> None:
         """Queue a request made by ``make_request``."""
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+        if request.params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.request_id] = PromptLogprobs(len(request.prompt_token_ids))
         self.scheduler.add_request(request)
         self._next_id += 1
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request at any point of the step cycle; False when it is not live."""
+        self._prompt_logprobs.pop(request_id, None)
+        self._release(request_id)
+        for held in self._held.values():
+            for i, r in enumerate(held):
+                if r.request_id == request_id:
+                    del held[i]
+                    return True
         return self.scheduler.abort(request_id)
 
+    def _release(self, first_id: str) -> None:
+        """Queue the children held back for ``first_id``."""
+        for request in self._held.pop(first_id, ()):
+            self.queue(request)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held)
 
     # -- a step ----------------------------------------------------------------------------------------------
     @property
@@ -294,7 +350,29 @@ class EngineCore:
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return None
         descs = dispatch_step(self.dispatchers, self.cfg.method, out)
-        return ScheduledStep(out, descs, step_message(out, descs), (time.perf_counter() - t0) * 1e3)
+        if self._held:
+            self._release_computed(out)
+        rows = self._prompt_logprob_rows(out) if self._prompt_logprobs else None
+        return ScheduledStep(out, descs, step_message(out, descs, rows), (time.perf_counter() - t0) * 1e3,
+                             prompt_rows=rows)
+
+    def _release_computed(self, out: SchedulerOutput) -> None:
+        """Queue the children held for a first child whose prompt this step computes to its end."""
+        known = out.num_computed + out.num_scheduled - out.num_drafts
+        for row, req in enumerate(out.requests):  # (only while children are held)
+            if req.request_id in self._held and known[row] >= len(req.prompt_token_ids):
+                self._release(req.request_id)
+
+    def _prompt_logprob_rows(self, out: SchedulerOutput) -> np.ndarray | None:
+        """Per request of the step, how many of its query's first rows predict a prompt token whose
+        log-probability it asked for (None: no request of the step asks)."""
+        counts = np.zeros(len(out.slots), np.int64)
+        known = out.num_scheduled - out.num_drafts
+        for row, req in enumerate(out.requests):  # (only while some request waits for its prompt logprobs)
+            if req.request_id in self._prompt_logprobs:
+                start = int(out.num_computed[row])
+                counts[row] = max(0, min(start + int(known[row]), len(req.prompt_token_ids) - 1) - start)
+        return counts if counts.any() else None
 
     def submit(self, step: ScheduledStep) -> None:
         """Queue a step on the worker (returns before it has run)."""
@@ -318,14 +396,39 @@ class EngineCore:
                                      result.jit_compiles, result.jit_ms,
                                      step.out.num_new_drafts if self.auto_tiers is not None else None,
                                      result.fused))
+        if result.prompt_logprobs:
+            top = result.num_prompt_top_logprobs
+            step.prompt_logprobs = (unpack(result.prompt_logprobs, F32, (-1, 1 + top)),
+                                    unpack(result.prompt_logprob_ids, I32, (-1, top)),
+                                    unpack(result.prompt_logprob_ranks, I32))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:
         self.submit(step)
         return self.wait(step)
 
+    def _take_prompt_logprobs(self, step: ScheduledStep) -> None:
+        """A step's prompt log-probabilities into their requests' entries (by position: a request preempted
+        before its first output computes them again, over the same entries)."""
+        values, ids, ranks = step.prompt_logprobs
+        at = 0
+        for row in np.nonzero(step.prompt_rows)[0].tolist():
+            req, count = step.out.requests[row], int(step.prompt_rows[row])
+            pl = self._prompt_logprobs.get(req.request_id)
+            if pl is not None:
+                start = int(step.out.num_computed[row]) + 1
+                pl.take(req.prompt_token_ids, start, values[at:at + count], ids[at:at + count], ranks[at:at + count])
+            at += count
+
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
         outputs = self.scheduler.update(step.out, result)
+        if step.prompt_logprobs is not None:
+            self._take_prompt_logprobs(step)
+        if self._prompt_logprobs:
+            for o in outputs:  # (only while a request waits for its first output)
+                pl = self._prompt_logprobs.pop(o.request_id, None)
+                if pl is not None:
+                    o.prompt_logprobs, o.prompt_logprob_ranks = pl.entries, pl.ranks
         self.stats.record_drafts(self.scheduler.last_spec_decode)
         if self.auto_tiers is not None:
             self._rechoose_tiers()
@@ -462,6 +565,22 @@ class EngineCore:
         return autotier.StepCostTable({1 + k: [(1, 1 + (1 + k) / 1024), (top, 1 + top * (1 + k) / 1024)]
                                        if top > 1 else [(1, 1 + (1 + k) / 1024)] for k in cfg.tier_candidates},
                                       "a default host-bound shape")
+
+
+class PromptLogprobs:
+    """One request's prompt log-probabilities as they come: per prompt position (the first has none, None),
+    {token id: log-probability} of the prompt token then the top N, and the prompt token's rank."""
+
+    def __init__(self, prompt_len: int):
+        self.entries: list[dict[int, float] | None] = [None] * prompt_len
+        self.ranks: list[int | None] = [None] * prompt_len
+
+    def take(self, prompt: list[int], start: int, values: np.ndarray, ids: np.ndarray, ranks: np.ndarray) -> None:
+        """Positions start .. start + len(values) - 1."""
+        for j, (v, top, rank) in enumerate(zip(values.tolist(), ids.tolist(), ranks.tolist())):
+            self.entries[start + j] = {prompt[start + j]: v[0], **{t: x for t, x in zip(top, v[1:])
+                                                                   if t != prompt[start + j]}}
+            self.ranks[start + j] = rank
 
 
 def _curve(data: dict, where: str) -> CostCurve:

@@ -63,6 +63,10 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int | None = None
     """On a request's first delta: its prompt tokens found in the prefix cache."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On a request's first delta, with ``prompt_logprobs``: per prompt token its log-probability and the top
+    others' (None for the first token)."""
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):

@@ -60,10 +60,13 @@ class EngineService:
         self._in_flight: deque[ScheduledStep] = deque()
         self._tier_version = 0
         """The engine's ``tier_version`` the front end last heard of."""
+        self._cuda_graphs = True
+        """The worker replays CUDA graphs (else the static-buffer backend)."""
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
         ready = await _await_ready(self.process)
+        self._cuda_graphs = ready.cuda_graphs
         w = self.init.worker
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
@@ -98,9 +101,11 @@ class EngineService:
         try:
             if self._draining:
                 raise RequestError("the server is shutting down")
-            self.core.queue(self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id))
+            requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id)
+            self.core.queue_all(requests)
             if len(self.outboxes) > 1:
-                self._front_end[msg.request_id] = msg.front_end
+                for r in requests:
+                    self._front_end[r.request_id] = msg.front_end
             self._wake.set()
         except RequestError as exc:  # checked again here, before the request costs any device time
             await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
@@ -151,12 +156,13 @@ class EngineService:
         outputs = core.update(step, core.finish(step, result))
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         out = step.out
-        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - out.shape.num_tokens,
-                            spec.num_accepted_tokens, out.num_preempted, result.device_ms / 1e3,
-                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed(),
-                            out.prefix_cache_queries, out.prefix_cache_hits, result.fused)
+        record = StepRecord(target.kind, self._mode(target.mode), step.eager_cause,
+                            target.num_tokens - out.shape.num_tokens, spec.num_accepted_tokens, out.num_preempted,
+                            result.device_ms / 1e3, spec.num_drafts, spec.num_draft_tokens,
+                            list(spec.accepted_per_pos), self._tiers_changed(), out.prefix_cache_queries,
+                            out.prefix_cache_hits, result.fused)
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
-                        o.logprobs, o.num_cached_tokens) for o in outputs]
+                        o.logprobs, o.num_cached_tokens, o.prompt_logprobs, o.prompt_logprob_ranks) for o in outputs]
         if len(self.outboxes) == 1:
             await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
             return
@@ -180,6 +186,12 @@ class EngineService:
             await self.outboxes[index].send(encode(out))
         if 0 not in groups:
             await self.outbox.send(encode(first))
+
+    def _mode(self, mode: str) -> str:
+        """A step's graph mode for the metrics: on the static-buffer backend (the CPU: no CUDA graphs) FULL and
+        PIECEWISE steps ran their closures eagerly on the padded buffers, and say so (STATIC_FULL,
+        STATIC_PIECEWISE)."""
+        return mode if self._cuda_graphs or mode == "NONE" else f"STATIC_{mode}"
 
     def _tiers_changed(self) -> list[list[int]] | None:
         """The tiers in force when ``"auto"`` tiers changed since the last step record, else None."""

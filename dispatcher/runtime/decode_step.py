@@ -120,7 +120,7 @@ class FusedDecode:
         if key not in self.graphs or self.worker.fixed_acceptance_on != self.fixed:
             return None
         st = self.state
-        if st.host_temperature[slots].any() or (st.host_num_logprobs[slots] >= 0).any():
+        if not st.plain_greedy(slots) or (st.host_num_logprobs[slots] >= 0).any():  # (the graph takes the argmax)
             return None
         return key
 

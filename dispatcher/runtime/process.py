@@ -72,8 +72,9 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     capture = [{"runner": k.runner, "kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 3),
                 "measured_gib": round(k.measured_gib, 4),
                 "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in report.kinds]
-    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture, round(time.perf_counter() - start, 2),
-                        worker.device_name, av, decode_costs)
+    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture, round(report.seconds, 2),
+                        worker.device_name, av, decode_costs, worker.runtime.cuda_graphs,
+                        round(time.perf_counter() - start, 2))
     return worker, ready
 
 

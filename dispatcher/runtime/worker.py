@@ -11,6 +11,7 @@ before it collects step t, and the device never waits for the host in between.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,17 +28,21 @@ from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
+from dispatcher.runtime.sampling_state import SamplingExtras
 from dispatcher.runtime.staging import Download, Upload, as_float
 from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
-from models.fused import argmax_prob
+from models.fused import argmax_prob, penalize
 from models.loader import load_model
 from models.sampling import RowParams, accepted_drafts, fixed_accepted, sample_tokens
 from models.transformer import build_model
 
 log = logging.getLogger("twogrid.worker")
+
+PROMPT_LOGPROB_CHUNK_ROWS = 512
+"""Prompt rows whose log-probabilities are computed at once (their logits are rows x vocabulary floats)."""
 
 
 class InjectedFault(RuntimeError):
@@ -74,11 +79,11 @@ class WorkerConfig:
 
 class RequestState:
     """Every slot's request on the device: its tokens by position, how many are computed, its drafts, and its
-    sampling parameters (with host copies of the parameters, to choose the sampler without a device read). One
-    row more than slots, ``dummy``: no request owns it, so that a fused step's padded requests read and write
-    there."""
+    sampling parameters (with host copies of the parameters, to choose the sampler without a device read; those
+    beyond temperature, top-k and top-p in ``extras``). One row more than slots, ``dummy``: no request owns it, so
+    that a fused step's padded requests read and write there."""
 
-    def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device, vocab_size: int):
         rows = max_num_seqs + 1
         z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         self.dummy = max_num_seqs
@@ -94,13 +99,36 @@ class RequestState:
         self.host_top_k = np.zeros(max_num_seqs, np.int64)
         self.host_top_p = np.ones(max_num_seqs, np.float64)
         self.host_num_logprobs = np.full(max_num_seqs, -1, np.int64)
+        self.host_num_prompt_logprobs = np.zeros(max_num_seqs, np.int64)
+        self.extras = SamplingExtras(max_num_seqs, vocab_size, device)
 
-    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray) -> RowParams:
-        """Sampling parameters of these slots (top-k / top-p None when no row uses them: no sort at all)."""
+    def plain_greedy(self, host_slots: np.ndarray) -> bool:
+        """Every one of these slots' requests takes the argmax of its raw logits (temperature 0 and no parameter
+        that changes the logits): the sampler is one argmax. From host copies only."""
+        return not (self.host_temperature[host_slots] > 0).any() and not self.extras.host_processed[host_slots].any()
+
+    def row_params(self, slots: torch.Tensor, host_slots: np.ndarray, positions: torch.Tensor, drafts,
+                   tail) -> RowParams:
+        """Sampling parameters of rows drawing at ``positions`` for these slots (top-k / top-p None when no row uses
+        them: no sort at all; the logits' processing None when no row changes its logits). ``drafts()`` and
+        ``tail(width)``: the rows' drafts before them and last tokens, when needed (``SamplingExtras.processing``)."""
+        processing, min_p = self.extras.processing(slots, host_slots, positions, drafts, tail)
         return RowParams(self.temperature[slots],
                          self.top_k[slots] if self.host_top_k[host_slots].any() else None,
                          self.top_p[slots] if (self.host_top_p[host_slots] < 1).any() else None,
-                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any())
+                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any(),
+                         min_p=min_p, processing=processing)
+
+    def tail(self, slots: torch.Tensor, first_pos: torch.Tensor, positions: torch.Tensor,
+             drafts: torch.Tensor | None, width: int) -> torch.Tensor:
+        """(n, width) each row's last ``width`` tokens before its own ``positions`` (-2 before the sequence's
+        start): known tokens before ``first_pos``, then the row's ``drafts`` (n, K) being verified (None: none)."""
+        at = positions[:, None] - width + torch.arange(width, device=slots.device)[None, :]
+        known = self.token_ids[slots[:, None], at.clamp(min=0)]
+        if drafts is not None and drafts.shape[1]:
+            drafted = drafts.gather(1, (at - first_pos[:, None]).clamp(0, drafts.shape[1] - 1))
+            known = torch.where(at < first_pos[:, None], known, drafted)
+        return torch.where(at >= 0, known, -2)
 
 
 class ModelWorker:
@@ -149,7 +177,7 @@ class ModelWorker:
                     else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter)
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
-        self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
+        self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
         self.upload, self.download = Upload(self.device), Download(self.device)
         self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
         """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
@@ -232,7 +260,8 @@ class ModelWorker:
     @torch.inference_mode()
     def _warm_up_sampling(self) -> int:
         """Compile the greedy sampler and the drafters' proposal kernel (``argmax_prob``, with and without the
-        probability) on each model's logits, outside the graphs too. The number of launches (0 on the CPU)."""
+        probability) on each model's logits, outside the graphs too, the greedy sampler on processed (float32)
+        logits, and the penalties' kernel with and without drafts. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
         heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head is not None
@@ -241,7 +270,14 @@ class ModelWorker:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
                 argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
-        return 2 * len(heads)
+        ex = self.state.extras
+        work = torch.zeros(1, ex.vocab_size + 1, dtype=torch.float32, device=self.device)
+        argmax_prob(work[:, :-1], with_prob=False)
+        slot, one = torch.zeros(1, dtype=torch.int64, device=self.device), torch.ones(1, device=self.device)
+        for k in sorted({0, self.k_max}):
+            drafts = torch.full((1, k), -1, dtype=torch.int64, device=self.device) if k else None
+            penalize(work, slot, ex.output_counts, ex.prompt_seen, one * 2, one, one, drafts)
+        return 2 * len(heads) + 1 + len({0, self.k_max})
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
@@ -281,6 +317,9 @@ class ModelWorker:
         self._note_requests(step)
         if plan.num_sampling:
             plan.num_logprobs = int(self.state.host_num_logprobs[plan.host_sampling_slots].max())
+        if len(plan.prompt_rows):
+            asking = plan.slots[unpack(step.prompt_logprob_rows) > 0]
+            plan.num_prompt_logprobs = int(self.state.host_num_prompt_logprobs[asking].max())
         clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
@@ -288,6 +327,7 @@ class ModelWorker:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
         inputs = self._target_inputs(plan, dev)
         hidden = self.runtime.execute(step.target, inputs)
+        prompt_lp = self._prompt_logprobs(plan, dev, inputs, hidden) if len(plan.prompt_rows) else []
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
         drafts = bool(self.drafter is not None and step.num_new_drafts and plan.num_sampling)
@@ -295,13 +335,14 @@ class ModelWorker:
             features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
             self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
-        # their ids (m, width, N)], all as int32 words.
+        # their ids (m, width, N)], [prompt logprobs (p, 1 + N'), their ids (p, N'), ranks (p)], all as int32 words.
         out = [accepted.to(torch.int32), tokens.to(torch.int32).flatten()]
         if drafts:
             out.append(self.state.draft_conf[dev.sampling_slots, : step.num_new_drafts].flatten().view(torch.int32))
         if plan.num_logprobs >= 0 and plan.num_sampling:
             values, ids = self._logprobs(plan, dev, logits, tokens)
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
+        out += prompt_lp
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit)
@@ -361,8 +402,35 @@ class ModelWorker:
             lp = pack(_per_request(sections.take(m * width * (1 + top)).view(np.float32).reshape(m, width, 1 + top),
                                    plan, n), F32)
             lp_ids = pack(_per_request(sections.take(m * width * top).reshape(m, width, top), plan, n))
+        prompt = {}
+        if (rows := len(plan.prompt_rows)) > 0:
+            ptop = plan.num_prompt_logprobs
+            prompt = dict(prompt_logprobs=sections.take(rows * (1 + ptop)).tobytes(),
+                          prompt_logprob_ids=sections.take(rows * ptop).tobytes(),
+                          prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
-                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms)
+                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
+                          **prompt)
+
+    def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
+        """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
+        after it (the model's distribution, as vLLM reports it), its rank (1: the most likely), then the top N and
+        their ids; as int32 words for the download. In chunks of rows, so that a long prefill's rows never hold a
+        (tokens x vocabulary) tensor at once."""
+        rows, top = dev.prompt_rows, plan.num_prompt_logprobs
+        st = self.state
+        after = st.token_ids[dev.token_slot[rows], inputs.tokens[1][rows] + 1]
+        values, ids, ranks = [], [], []
+        for at in range(0, rows.numel(), PROMPT_LOGPROB_CHUNK_ROWS):
+            part = slice(at, at + PROMPT_LOGPROB_CHUNK_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[part]]).float(), dim=-1)
+            chosen = logprobs.gather(1, after[part, None])
+            ranks.append((logprobs > chosen).sum(dim=1) + 1)
+            best = torch.topk(logprobs, top, dim=-1)
+            values.append(torch.cat([chosen, best.values], dim=1))
+            ids.append(best.indices)
+        return [torch.cat(values).flatten().view(torch.int32), torch.cat(ids).to(torch.int32).flatten(),
+                torch.cat(ranks).to(torch.int32)]
 
     def _logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", logits: torch.Tensor, tokens: torch.Tensor):
         """Per verified position: the log-probability of the token produced there (the model's distribution, before
@@ -397,8 +465,11 @@ class ModelWorker:
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
             np.asarray([r.num_computed for r in new], np.int64),
+            *self.state.extras.columns(new), *([plan.prompt_rows] if len(plan.prompt_rows) else []),
         )
-        return _DeviceStep(*cols)
+        base, prompt = _DeviceStep.num_columns(), len(cols) - (1 if len(plan.prompt_rows) else 0)
+        return _DeviceStep(*cols[:base], extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols)
+                           else None)
 
     def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
         """Freed slots' block-table rows cleared, new KV blocks entered, in every runner's table."""
@@ -426,6 +497,7 @@ class ModelWorker:
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
+            st.extras.admit(dev.extras, rows, cols, dev.new_tokens)
 
     def _note_requests(self, step: Step) -> None:
         """The host's copies of the admitted requests' parameters."""
@@ -434,6 +506,7 @@ class ModelWorker:
             s = r.sampling
             st.host_temperature[r.slot], st.host_top_k[r.slot], st.host_top_p[r.slot] = s.temperature, s.top_k, s.top_p
             st.host_num_logprobs[r.slot] = s.num_logprobs
+            st.host_num_prompt_logprobs[r.slot] = max(s.num_prompt_logprobs, 0)
 
     def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
         """The target's inputs from the request state: each request's query reads its tokens from position
@@ -468,9 +541,14 @@ class ModelWorker:
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
-        params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
-        tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         drafts = st.drafts[slots_s, : width - 1]
+        rows_s = slots_s[request]
+        before = lambda: torch.where(  # noqa: E731 (each row's drafts before it)
+            torch.arange(width - 1, device=self.device)[None, :] < (dev.verify_cells % width)[:, None], drafts[request],
+            -1)
+        params = st.row_params(rows_s, plan.host_sampling_slots[plan.verify_cells // width], positions, before,
+                               lambda w: st.tail(rows_s, first_pos[request], positions, drafts[request], w))
+        tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         if self.fixed_acceptance_on:
             accepted = fixed_accepted(st.seed[slots_s], first_pos, nd, width - 1, self.fixed_alpha)
             tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
@@ -490,10 +568,12 @@ class ModelWorker:
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         host_slots = plan.host_sampling_slots
-        if (st.host_temperature[host_slots] > 0).any():
-            tokens = sample_tokens(logits, st.row_params(slots_s, host_slots), first_pos)
-        else:  # all greedy: the argmax alone (sample_tokens' greedy path, without gathering unused parameters)
-            tokens = argmax_prob(logits, with_prob=False)[0]
+        if st.plain_greedy(host_slots):  # the argmax alone (sample_tokens' greedy path, without gathering unused
+            tokens = argmax_prob(logits, with_prob=False)[0]  # parameters)
+        else:
+            params = st.row_params(slots_s, host_slots, first_pos, lambda: None,
+                                   lambda w: st.tail(slots_s, first_pos, first_pos, None, w))
+            tokens = sample_tokens(logits, params, first_pos)
         return tokens.view(m, 1), accepted, first_pos, logits
 
     def _advance(self, plan: "_StepPlan", dev: "_DeviceStep", tokens, accepted, first_pos) -> None:
@@ -504,14 +584,19 @@ class ModelWorker:
         if plan.num_sampling == 0:
             return
         slots_s = dev.sampling_slots
+        counted = st.extras.counts_tokens(plan.host_sampling_slots)  # (the penalties' token counts)
         if plan.width == 1:  # no drafts: each request's one token stored, no count to take back
             st.token_ids.index_put_((slots_s, first_pos), tokens.view(-1))
+            if counted:
+                st.extras.count(slots_s, tokens.view(-1, 1), None)
             return
         st.num_computed[slots_s] -= dev.num_drafts[dev.sampling_rows] - accepted
         cols = first_pos[:, None] + torch.arange(plan.width, device=self.device)[None, :]
         rows = slots_s[:, None].expand_as(cols)
         keep = torch.arange(plan.width, device=self.device)[None, :] <= accepted[:, None]
         st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+        if counted:
+            st.extras.count(slots_s, tokens, keep)
 
 
 @dataclass
@@ -599,6 +684,10 @@ class _StepPlan:
     max_seq_len: int
     num_logprobs: int
     """The most logprobs a sampling request of the step asks for (-1: none asks)."""
+    prompt_rows: np.ndarray
+    """Token rows whose next prompt token's log-probability the step returns (``Step.prompt_logprob_rows``)."""
+    num_prompt_logprobs: int = 0
+    """The most top log-probabilities a request of the step asks for per prompt token."""
 
     @property
     def num_sampling(self) -> int:
@@ -627,9 +716,14 @@ class _StepPlan:
         width = 1 + max(k_max, int(drafts.max()) if n else 0)
         grid = (np.cumsum(nver) - nver)[:, None] + np.minimum(np.arange(width)[None, :], nver[:, None] - 1)
         cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
+        prompt_rows = np.zeros(0, np.int64)
+        if step.prompt_logprob_rows:  # each request's first rows
+            count = unpack(step.prompt_logprob_rows).astype(np.int64)
+            within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+            prompt_rows = np.repeat(starts, count) + within
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, prompt_rows)
 
 
 @dataclass
@@ -659,6 +753,15 @@ class _DeviceStep:
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
     new_num_computed: torch.Tensor
+    extras: list[torch.Tensor]
+    """The admitted requests' ``SamplingExtras.columns`` (empty on the fast path)."""
+    prompt_rows: torch.Tensor | None
+    """The token rows whose next prompt token's log-probability the step returns (None: none)."""
+
+    @classmethod
+    def num_columns(cls) -> int:
+        """The upload's columns before ``extras`` (one per field above it)."""
+        return len(dataclasses.fields(cls)) - 2
 
     @property
     def sampling_slots(self) -> torch.Tensor:

@@ -26,6 +26,7 @@ import hmac
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from dispatcher.serve import protocol as P
 from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dispatcher.serve.metrics import EngineMetrics, RequestTimer
 from dispatcher.serve.protocol import ApiError
+from models.text import bad_words_token_ids
 from scheduler.request import RequestError, SamplingParams
 
 log = logging.getLogger("twogrid.serve")
@@ -52,8 +54,21 @@ TOKENIZE_IN_THREAD_CHARS = 16384
 SERVER_KEY: web.AppKey[Server] = web.AppKey("twogrid_server")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("twogrid")
+    except PackageNotFoundError:  # (run from a source tree without installing it)
+        return "unknown"
+
+
+VERSION = _version()
+"""What /version answers (vLLM's answers its own)."""
+
+
 def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              log_requests: bool = False) -> web.Application:
+              log_requests: bool = False, cors: P.Cors | None = None) -> web.Application:
     """The application over ``engine`` (an EngineClient, or any object with its attributes and methods). Serve it
     with ``start_http`` (or an AppRunner with ``handler_cancellation=True``: disconnects abort requests)."""
     if max_body_bytes < 1024:
@@ -65,8 +80,31 @@ def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/ping", server.ping)
+    app.router.add_post("/ping", server.ping)
     app.router.add_get("/metrics", server.metrics_text)
+    app.router.add_get("/version", server.version)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
+    if cors is not None and cors.allowed_origins:
+        _allow_cross_origin(app, cors)
     return app
+
+
+def _allow_cross_origin(app: web.Application, cors: P.Cors) -> None:
+    """CORS headers on every route and answers to browsers' preflight requests (aiohttp-cors; vLLM uses
+    Starlette's CORSMiddleware with the same four settings)."""
+    import aiohttp_cors
+
+    def star(values: tuple[str, ...]):
+        return "*" if "*" in values else values
+
+    options = aiohttp_cors.ResourceOptions(allow_credentials=cors.allow_credentials, expose_headers="*",
+                                           allow_headers=star(cors.allowed_headers),
+                                           allow_methods=star(cors.allowed_methods))
+    setup = aiohttp_cors.setup(app, defaults={origin: options for origin in cors.allowed_origins})
+    for route in list(app.router.routes()):
+        setup.add(route)
 
 
 def stop_accepting(app: web.Application, reason: str = "the server is shutting down") -> None:
@@ -102,10 +140,30 @@ async def start_http(app: web.Application, host: str = "127.0.0.1", port: int = 
 
 
 @dataclasses.dataclass
+class _Choice:
+    """One choice of a request as it reaches the client."""
+
+    index: int
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    text_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    echoed: bool = False
+    """A stream sent its prompt (``echo``) already."""
+
+
+@dataclasses.dataclass
 class _Request:
     """One generation request between the checks and its last byte."""
 
     request_id: str
+    """The engine's id."""
+    response_id: str
+    """The response's ``id``: cmpl- / chatcmpl- and the client's X-Request-Id, or a fresh one."""
+    header_id: str
+    """What the response's X-Request-Id header says: the client's, else ``response_id``."""
     chat: bool
     model: str
     created: int
@@ -118,8 +176,14 @@ class _Request:
     include_usage: bool
     continuous_usage: bool
     timer: RequestTimer
+    echo: bool = False
+    """Completions' ``echo``: the prompt before each choice's text."""
+    echo_only: bool = False
+    """``echo`` with ``max_tokens`` 0: the prompt alone (one token is generated and left out, as vLLM does)."""
     completion_tokens: int = 0
-    text_offset: int = 0
+    choices: list[_Choice] = dataclasses.field(default_factory=list)
+    prompt_logprobs: tuple[list, list] | None = None
+    """(entries, ranks) once the engine sent them."""
     finished: bool = False
     """The engine finished it (or failed it): nothing to abort."""
     num_cached_tokens: int | None = None
@@ -142,6 +206,8 @@ class Server:
         self.in_flight = 0
         """Generation requests past their checks and not yet answered."""
         self._token_text: dict[int, str] = {}
+        self._live: set[str] = set()
+        """Engine ids of the generation requests in flight."""
 
     # -- middlewares --------------------------------------------------------------------------------------------
     @web.middleware
@@ -164,11 +230,12 @@ class Server:
 
     @web.middleware
     async def auth(self, request: web.Request, handler) -> web.StreamResponse:
-        if self._auth is not None and request.path != "/health":
+        """The API key on every route but the health checks (and browsers' CORS preflights, which carry none)."""
+        if self._auth is not None and request.path not in ("/health", "/ping") and request.method != "OPTIONS":
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, self._auth):
                 raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+                               reason="invalid_api_key")
         return await handler(request)
 
     # -- plain routes -------------------------------------------------------------------------------------------
@@ -186,9 +253,54 @@ class Server:
         """200 with an empty body, as vLLM's; 503 with the reason (not logged: probes ask every few seconds)."""
         reason = self._unavailable()
         if reason is not None:
-            return web.Response(body=ApiError(503, reason, code="unavailable").body(), status=503,
+            return web.Response(body=ApiError(503, reason, reason="unavailable").body(), status=503,
                                 content_type="application/json")
         return web.Response(status=200)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """vLLM's (SageMaker's) health check, GET or POST: /health's answer."""
+        return await self.health(request)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or messages through the chat template -> {count, max_model_len, tokens,
+        token_strs}."""
+        req = P.decode_tokenize(await self._read_body(request))
+        self._check_model(req.model)
+        tok = self._tokenizer("/tokenize")
+        if isinstance(req, P.TokenizeChatRequest):
+            messages = P.chat_messages(P.ChatCompletionRequest(messages=req.messages))
+            text = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
+                                         tok.apply_chat_template, messages,
+                                         add_generation_prompt=req.add_generation_prompt)
+        else:
+            text = req.prompt
+        ids = await self._in_thread("prompt", len(text), tok.encode, text, req.add_special_tokens)
+        strs = [tok.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return _json(P.TokenizeResponse(len(ids), self.engine.max_model_len, ids, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids -> {prompt}."""
+        req = P.decode_detokenize(await self._read_body(request))
+        self._check_model(req.model)
+        tok = self._tokenizer("/detokenize")
+        bad = next((t for t in req.tokens if t >= tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"'tokens' has token id {bad}, outside the vocabulary 0..{tok.vocab_size - 1}",
+                           param="tokens")
+        return _json(P.DetokenizeResponse(tok.decode(req.tokens)))
+
+    def _tokenizer(self, route: str):
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"{route}: this model has no tokenizer (a preset with random weights)")
+        return self.engine.tokenizer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.served_model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.engine.served_model_name}'", param="model", reason="model_not_found")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -208,24 +320,27 @@ class Server:
         arrival = time.perf_counter()
         reason = self._unavailable()
         if reason is not None:
-            raise ApiError(503, reason, code="unavailable")
+            raise ApiError(503, reason, reason="unavailable")
         body = await self._read_body(request)
         req = P.decode_request(body, P.ChatCompletionRequest if chat else P.CompletionRequest)
-        if req.model is not None and req.model != self.engine.served_model_name:
-            raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
-                                f"'{self.engine.served_model_name}'", param="model", code="model_not_found")
+        self._check_model(req.model)
         prompt, ids = await self._tokenize(req, chat)
         params = self._sampling_params(req, len(ids), chat)
-        r = _Request(P.new_id("chatcmpl" if chat else "cmpl"), chat, self.engine.served_model_name, int(time.time()),
-                     prompt, ids, params, _num_top_logprobs(req), bool(req.stream),
-                     bool(req.stream_options and req.stream_options.include_usage),
+        given = request.headers.get("X-Request-Id")
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
+        echo = bool(getattr(req, "echo", False))
+        r = _Request(self._engine_id(response_id), response_id, given or response_id, chat,
+                     self.engine.served_model_name, int(time.time()), prompt, ids, params, _num_top_logprobs(req),
+                     bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
                      bool(req.stream_options and req.stream_options.continuous_usage_stats),
-                     RequestTimer(self.metrics, len(ids), arrival))
+                     RequestTimer(self.metrics, len(ids), arrival), echo, echo and req.max_tokens == 0,
+                     choices=[_Choice(i) for i in range(params.n)])
         if self.log_requests:
             shown = prompt if prompt is not None else str(ids)
             log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
         outputs = self._run(r)
         self.in_flight += 1
+        self._live.add(r.request_id)
         try:
             first = await anext(outputs)  # validation errors surface here, before the response starts
             if r.stream:
@@ -233,7 +348,13 @@ class Server:
             return await self._collect(r, first, outputs)
         finally:
             self.in_flight -= 1
+            self._live.discard(r.request_id)
             await self._end(r, outputs)
+
+    def _engine_id(self, response_id: str) -> str:
+        """The engine's id for a request: its response id, made unique if a live request has it already (clients
+        may send one X-Request-Id twice)."""
+        return response_id if response_id not in self._live else f"{response_id}-{uuid.uuid4().hex[:8]}"
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
@@ -279,21 +400,40 @@ class Server:
     def _sampling_params(self, req, prompt_len: int, chat: bool) -> SamplingParams:
         max_tokens = self._max_tokens(req, prompt_len, chat)
         d = self.engine.default_params
+        pick = lambda name: getattr(d, name) if getattr(req, name) is None else getattr(req, name)  # noqa: E731
         top_k = d.top_k if req.top_k is None else max(req.top_k, 0)
+        num_top = _num_top_logprobs(req)
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and getattr(req, "echo", False) and num_top is not None:
+            prompt_logprobs = num_top  # the echoed prompt's logprobs (vLLM's rule)
         params = dataclasses.replace(
-            d, max_tokens=max_tokens,
-            temperature=d.temperature if req.temperature is None else req.temperature,
-            top_p=d.top_p if req.top_p is None else req.top_p, top_k=top_k,
+            d, max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k,
             seed=req.seed if req.seed is not None else d.seed, stop=P.stop_strings(req.stop),
             stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *d.stop_token_ids))),
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=_num_top_logprobs(req))
+            logprobs=num_top, n=req.n or 1, min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
+            presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
+            min_tokens=req.min_tokens, logit_bias=P.logit_bias(req),
+            allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+            bad_words=tuple(req.bad_words or ()), bad_words_token_ids=self._bad_words(req.bad_words),
+            prompt_logprobs=prompt_logprobs)
         try:
             params.validate(self.engine.tokenizer.vocab_size if self.engine.tokenizer is not None else None)
         except RequestError as exc:
             raise _request_error(exc) from None
         return params
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        if not words:
+            return ()
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "'bad_words' need the model's tokenizer; this model (a preset) has none",
+                           param="bad_words")
+        try:
+            return bad_words_token_ids(self.engine.tokenizer, words)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="bad_words") from None
 
     def _max_tokens(self, req, prompt_len: int, chat: bool) -> int:
         limit = self.engine.max_model_len
@@ -303,9 +443,11 @@ class Server:
         if prompt_len >= limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens and the {where} has "
                                 f"{prompt_len}: at most {limit - 1} leave room for one output token", param=where,
-                           code="context_length_exceeded")
+                           reason="context_length_exceeded")
         room = limit - prompt_len
         name, asked = "max_tokens", req.max_tokens
+        if asked == 0:  # (echo alone: one token, left out of the answer)
+            asked = 1
         if chat and req.max_completion_tokens is not None:
             name, asked = "max_completion_tokens", req.max_completion_tokens
         if asked is None:  # completions: OpenAI's 16; chat: the checkpoint's max_new_tokens, else the room left
@@ -314,12 +456,13 @@ class Server:
         if asked > room:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the {where} has "
                                 f"{prompt_len} and '{name}' asks for {asked} more: '{name}' can be at most {room}",
-                           param=name, code="context_length_exceeded")
+                           param=name, reason="context_length_exceeded")
         return asked
 
     # -- running a request --------------------------------------------------------------------------------------
     async def _run(self, r: _Request) -> AsyncIterator[Any]:
-        """The engine's outputs (CompletionOutput) for ``r``; engine refusals as 400, failures as 500."""
+        """The engine's outputs (RequestOutput: the choices with news) for ``r``; engine refusals as 400, failures
+        as 500."""
         try:
             deltas = self.engine.generate(r.request_id, r.prompt, r.prompt_token_ids, r.params)
         except RequestError as exc:  # refused before it was queued: not a request that ran
@@ -329,21 +472,30 @@ class Server:
         except Exception as exc:  # EngineError: dead, or shutting down
             r.finished = True
             r.timer.discard()
-            raise ApiError(503, str(exc), code="unavailable") from None
+            raise ApiError(503, str(exc), reason="unavailable") from None
         try:
             async for delta in deltas:
-                out = delta.outputs[0]
-                r.num_cached_tokens = delta.num_cached_tokens
-                if out.finish_reason is not None:
+                if delta.num_cached_tokens is not None:
+                    r.num_cached_tokens = delta.num_cached_tokens
+                if delta.finished:
                     r.finished = True
+                for out in delta.outputs:
                     if out.finish_reason == "abort":  # the engine dropped it (a shutdown): an error, not a result
+                        r.finished = True
                         r.timer.finish("abort", time.perf_counter())
-                        raise ApiError(503, "the server aborted the request (it is shutting down)", code="aborted")
-                if r.num_top_logprobs is not None and out.token_ids and getattr(out, "logprobs", None) is None:
-                    r.finished = True
-                    await self.engine.abort(r.request_id)
-                    raise ApiError(500, "the engine returned no logprobs for this request", code="engine_error")
-                yield out
+                        raise ApiError(503, "the server aborted the request (it is shutting down)", reason="aborted")
+                    if r.num_top_logprobs is not None and out.token_ids and out.logprobs is None:
+                        r.finished = True
+                        await self.engine.abort(r.request_id)
+                        raise ApiError(500, "the engine returned no logprobs for this request", reason="engine_error")
+                if r.params.prompt_logprobs is not None and r.prompt_logprobs is None:
+                    if delta.prompt_logprobs is None:
+                        r.finished = True
+                        await self.engine.abort(r.request_id)
+                        raise ApiError(500, "the engine returned no prompt logprobs for this request",
+                                       reason="engine_error")
+                    r.prompt_logprobs = (delta.prompt_logprobs, delta.prompt_logprob_ranks)
+                yield delta
                 if r.finished:
                     return
         except RequestError as exc:  # an engine that validates when iterated
@@ -355,7 +507,7 @@ class Server:
         except Exception as exc:  # the engine's EngineError (worker death, step error) or a defect
             r.finished = True
             log.error("%s: the engine failed: %s", r.request_id, exc, exc_info=not _is_engine_error(exc))
-            raise ApiError(500, f"the engine failed: {exc}", code="engine_error") from None
+            raise ApiError(500, f"the engine failed: {exc}", reason="engine_error") from None
         finally:  # the engine's stream, closed early (a client gone) or not
             close = getattr(deltas, "aclose", None)
             if close is not None:
@@ -364,7 +516,7 @@ class Server:
                 except Exception:  # the request is over for the client either way
                     log.exception("%s: closing the engine's stream failed", r.request_id)
         r.finished = True
-        raise ApiError(500, "the engine ended the request without a finish reason", code="engine_error")
+        raise ApiError(500, "the engine ended the request without a finish reason", reason="engine_error")
 
     async def _end(self, r: _Request, outputs) -> None:
         """After the response (or its failure): abort the request if it still runs (the client went away), record
@@ -380,59 +532,98 @@ class Server:
             await outputs.aclose()
             r.timer.finish("error", now)  # no-op when it finished normally or was aborted
 
-    async def _collect(self, r: _Request, first, outputs) -> web.Response:
-        text, token_ids, entries = [], [], []
-        out = first
-        while True:
-            text.append(out.text)
-            token_ids.extend(out.token_ids)
+    @staticmethod
+    def _take(r: _Request, delta) -> int:
+        """A delta's choices into ``r``; returns its new tokens."""
+        num_tokens = 0
+        for out in delta.outputs:
+            c = r.choices[out.index]
+            c.text.append(out.text)
+            c.token_ids.extend(out.token_ids)
             if r.num_top_logprobs is not None and out.logprobs:
-                entries.extend(out.logprobs)
-            r.timer.output(len(out.token_ids), time.perf_counter())
+                c.logprobs.extend(out.logprobs)
             if out.finish_reason is not None:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            num_tokens += len(out.token_ids)
+        r.completion_tokens += num_tokens
+        return num_tokens
+
+    async def _collect(self, r: _Request, first, outputs) -> web.Response:
+        delta = first
+        while True:
+            r.timer.output(self._take(r, delta), time.perf_counter())
+            if delta.finished:
                 break
-            out = await anext(outputs)
-        r.completion_tokens = len(token_ids)
-        self._finished(r, out)
-        usage = P.usage(len(r.prompt_token_ids), len(token_ids), r.num_cached_tokens)
+            delta = await anext(outputs)
+        self._finished(r)
+        usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
+        prompt_lp = self._prompt_logprobs_json(r)
         if r.chat:
-            lp = (P.chat_logprobs(token_ids, entries, r.num_top_logprobs, self.token_text)
-                  if r.num_top_logprobs is not None else None)
-            choice = P.ChatChoice(0, P.ChatMessageOut("assistant", "".join(text)), lp, out.finish_reason,
-                                  out.stop_reason)
-            body: Any = P.ChatCompletion(r.request_id, r.created, r.model, [choice], usage)
+            choices = [P.ChatChoice(c.index, P.ChatMessageOut("assistant", "".join(c.text)),
+                                    P.chat_logprobs(c.token_ids, c.logprobs, r.num_top_logprobs, self.token_text)
+                                    if r.num_top_logprobs is not None else None, c.finish_reason, c.stop_reason)
+                       for c in r.choices]
+            body: Any = P.ChatCompletion(r.response_id, r.created, r.model, choices, usage, prompt_logprobs=prompt_lp)
         else:
-            lp = (P.completion_logprobs(token_ids, entries, r.num_top_logprobs, self.token_text, 0)
-                  if r.num_top_logprobs is not None else None)
-            choice = P.CompletionChoice(0, "".join(text), lp, out.finish_reason, out.stop_reason)
-            body = P.Completion(r.request_id, r.created, r.model, [choice], usage)
-        return _json(body, headers={"X-Request-Id": r.request_id})
+            choices = []
+            for c in r.choices:
+                text, ids, entries = self._completion_parts(r, c, "".join(c.text), c.token_ids, c.logprobs)
+                lp = (P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, 0)
+                      if r.num_top_logprobs is not None else None)
+                choices.append(P.CompletionResponseChoice(c.index, text, lp, c.finish_reason, c.stop_reason,
+                                                          prompt_lp))
+            body = P.Completion(r.response_id, r.created, r.model, choices, usage)
+        return _json(body, headers={"X-Request-Id": r.header_id})
+
+    def _completion_parts(self, r: _Request, c: _Choice, text: str, token_ids: list[int], entries: list):
+        """A completion choice's text, token ids and logprob entries, the prompt's first with ``echo`` (alone with
+        ``max_tokens`` 0), as vLLM answers."""
+        if not r.echo or c.echoed:
+            return text, token_ids, entries
+        c.echoed = True
+        prompt_text = r.prompt if r.prompt is not None else self._prompt_text(r)
+        prompt_entries = (r.prompt_logprobs[0] if r.prompt_logprobs is not None
+                          else [None] * len(r.prompt_token_ids))
+        if r.echo_only:
+            return prompt_text, r.prompt_token_ids, prompt_entries
+        return prompt_text + text, r.prompt_token_ids + token_ids, prompt_entries + entries
+
+    def _prompt_text(self, r: _Request) -> str:
+        tok = self.engine.tokenizer
+        return "" if tok is None else tok.decode(r.prompt_token_ids, skip_special_tokens=False)
+
+    def _prompt_logprobs_json(self, r: _Request) -> P.PromptLogprobs | None:
+        if r.prompt_logprobs is None:
+            return None
+        return P.prompt_logprobs(r.prompt_token_ids, *r.prompt_logprobs, self.token_text)
 
     async def _stream(self, request: web.Request, r: _Request, first, outputs) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": r.request_id})
+                                               "X-Request-Id": r.header_id})
         await response.prepare(request)
-        pending = [self._role_chunk(r)] if r.chat else []
-        out = first
+        pending = [self._role_chunk(r, c.index) for c in r.choices] if r.chat else []
+        delta = first
         try:
             while True:
-                chunk = self._chunk(r, out)
-                if chunk is not None:
-                    pending.append(chunk)
+                num_tokens = 0
+                for out in delta.outputs:
+                    num_tokens += len(out.token_ids)
+                    chunk = self._chunk(r, out)
+                    if chunk is not None:
+                        pending.append(chunk)
                 if pending:
                     await response.write(b"".join(pending))
                     pending.clear()
-                r.timer.output(len(out.token_ids), time.perf_counter())
-                if out.finish_reason is not None:
+                r.timer.output(num_tokens, time.perf_counter())
+                if delta.finished:
                     break
-                out = await anext(outputs)
+                delta = await anext(outputs)
         except ApiError as exc:  # the engine failed mid-stream: say so, then end the stream
             with contextlib.suppress(ConnectionError):  # unless the client is gone already
-                await response.write(P.sse(P.ErrorResponse(P.ErrorInfo(exc.message, exc.type, exc.param, exc.code)))
-                                     + P.SSE_DONE)
+                await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
                 await response.write_eof()
             return response
-        self._finished(r, out)
+        self._finished(r)
         tail = P.SSE_DONE
         if r.include_usage:
             tail = self._usage_chunk(r) + tail
@@ -440,11 +631,13 @@ class Server:
         await response.write_eof()
         return response
 
-    def _finished(self, r: _Request, last) -> None:
+    def _finished(self, r: _Request) -> None:
         now = time.perf_counter()
-        r.timer.finish(last.finish_reason, now)
+        reasons = [c.finish_reason for c in r.choices]
+        r.timer.finish(reasons[0], now)  # (the metrics count a request once: by its first choice)
         log.log(logging.INFO if self.log_requests else logging.DEBUG, "%s: %s, %d prompt + %d output tokens, %.3f s",
-                r.request_id, last.finish_reason, len(r.prompt_token_ids), r.completion_tokens, now - r.timer.arrival)
+                r.request_id, ", ".join(map(str, reasons)), len(r.prompt_token_ids), r.completion_tokens,
+                now - r.timer.arrival)
 
     # -- stream chunks ------------------------------------------------------------------------------------------
     def _chunk_usage(self, r: _Request) -> P.Usage | None:
@@ -452,36 +645,42 @@ class Server:
             return P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
         return None
 
-    def _role_chunk(self, r: _Request) -> bytes:
-        choice = P.ChatChunkChoice(0, P.ChatDelta(role="assistant", content=""), None, None)
-        return P.sse(P.ChatCompletionChunk(r.request_id, r.created, r.model, [choice], self._chunk_usage(r)))
+    def _role_chunk(self, r: _Request, index: int) -> bytes:
+        choice = P.ChatChunkChoice(index, P.ChatDelta(role="assistant", content=""), None, None)
+        return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
 
     def _chunk(self, r: _Request, out) -> bytes | None:
-        """The event for one engine output; None when it carries nothing to send (tokens whose text is held back,
+        """The event for one choice's output; None when it carries nothing to send (tokens whose text is held back,
         without logprobs)."""
         r.completion_tokens += len(out.token_ids)
+        c = r.choices[out.index]
+        c.finish_reason = out.finish_reason or c.finish_reason
         want_logprobs = r.num_top_logprobs is not None and bool(out.token_ids)
-        if not out.text and not want_logprobs and out.finish_reason is None:
+        echo = r.echo and not c.echoed
+        if not out.text and not want_logprobs and out.finish_reason is None and not echo:
             return None
         entries = (out.logprobs or []) if want_logprobs else []
         if r.chat:
             lp = (P.chat_logprobs(out.token_ids, entries, r.num_top_logprobs, self.token_text)
                   if want_logprobs else None)
             delta = P.ChatDelta(content=out.text) if out.text else P.ChatDelta()
-            choice = P.ChatChunkChoice(0, delta, lp, out.finish_reason, out.stop_reason)
-            return P.sse(P.ChatCompletionChunk(r.request_id, r.created, r.model, [choice], self._chunk_usage(r)))
+            choice = P.ChatChunkChoice(out.index, delta, lp, out.finish_reason, out.stop_reason)
+            return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
+        text, ids = out.text, out.token_ids
+        if echo:
+            text, ids, entries = self._completion_parts(r, c, text, ids, entries)
         lp = None
-        if want_logprobs:
-            lp = P.completion_logprobs(out.token_ids, entries, r.num_top_logprobs, self.token_text, r.text_offset)
-            r.text_offset += sum(len(t) for t in lp.tokens)
-        choice = P.CompletionChoice(0, out.text, lp, out.finish_reason, out.stop_reason)
-        return P.sse(P.Completion(r.request_id, r.created, r.model, [choice], self._chunk_usage(r)))
+        if r.num_top_logprobs is not None and ids:
+            lp = P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, c.text_offset)
+            c.text_offset += sum(len(t) for t in lp.tokens)
+        choice = P.CompletionChoice(out.index, text, lp, out.finish_reason, out.stop_reason)
+        return P.sse(P.Completion(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
 
     def _usage_chunk(self, r: _Request) -> bytes:
         usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
         if r.chat:
-            return P.sse(P.ChatCompletionChunk(r.request_id, r.created, r.model, [], usage))
-        return P.sse(P.Completion(r.request_id, r.created, r.model, [], usage))
+            return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [], usage))
+        return P.sse(P.Completion(r.response_id, r.created, r.model, [], usage))
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (``token_id:<id>`` for a model without a tokenizer, as vLLM writes it)."""
@@ -513,16 +712,16 @@ def _error_response(exc: ApiError) -> web.Response:
 def _too_large(size: int | None, limit: int) -> ApiError:
     got = f" ({size} bytes)" if size is not None else ""
     return ApiError(413, f"the request body is too large{got}; at most {limit} bytes are accepted",
-                    code="request_too_large")
+                    reason="request_too_large")
 
 
 def _http_error(exc: web.HTTPException, request: web.Request, max_body_bytes: int) -> ApiError:
     if exc.status == 413:
         return _too_large(None, max_body_bytes)
     if exc.status == 404:
-        return ApiError(404, f"no route {request.path}", code="not_found")
+        return ApiError(404, f"no route {request.path}", reason="not_found")
     if exc.status == 405:
-        return ApiError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed")
+        return ApiError(405, f"{request.method} is not allowed on {request.path}", reason="method_not_allowed")
     return ApiError(exc.status, exc.reason or f"HTTP {exc.status}")
 
 

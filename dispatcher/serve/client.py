@@ -154,6 +154,7 @@ class EngineClient:
             if request_id in self._streams:
                 await self.abort(request_id)
             else:  # (ended, or failed with deltas this consumer never took: nothing is left behind)
+                self._abort_choices(request_id)
                 self.processor.abort(request_id)
 
     def _collect(self, request_id: str, items: list) -> tuple[RequestOutput | None, Exception | None]:
@@ -171,36 +172,44 @@ class EngineClient:
         return self._merge(request_id, deltas), None
 
     def _merge(self, request_id: str, deltas: list) -> RequestOutput | None:
+        """Deltas that queued up as one output of the request (each choice's merged, for n > 1)."""
         if not deltas:
             return None
-        last = deltas[-1]
-        tokens = [t for d in deltas for t in d.new_token_ids] if len(deltas) > 1 else last.new_token_ids
-        logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
-        reason = FinishReason(last.finish_reason) if last.finish_reason else None
-        cached = next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None)
-        outs = self.processor.process([StepOutput(request_id, tokens, reason is not None, reason, logprobs, cached)])
+        if deltas[0].request_id == request_id:  # n = 1: every delta is the request's own
+            outs = self.processor.process([_step_output(request_id, deltas)])
+        else:
+            by_choice: dict[str, list] = {}
+            for d in deltas:
+                by_choice.setdefault(d.request_id, []).append(d)
+            outs = self.processor.process([_step_output(rid, ds) for rid, ds in by_choice.items()])
         return outs[0] if outs else None
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
+        self._abort_choices(request_id)
         final = self.processor.abort(request_id)
-        if final is not None:  # still running in the engine
-            if self.dead is None and self.process is not None:
-                self._send(Abort([request_id]))
-            if stream is not None:
-                stream.put(final)
+        if final is not None and stream is not None:  # (it was still running)
+            stream.put(final)
+
+    def _abort_choices(self, request_id: str) -> None:
+        """Abort in the engine whatever of the request still runs there (its choices, for n > 1)."""
+        ids = self.processor.engine_ids(request_id)
+        if ids and self.dead is None and self.process is not None:
+            self._send(Abort(ids))
 
     def _stopped(self, request_id: str, reason: FinishReason) -> None:
         """A stop string matched (the output processor's call): the engine ends the request now."""
         self._send(Abort([request_id], reason.value))
 
-    def _fail(self, request_ids, error: Exception) -> None:
+    def _fail(self, request_ids, error: Exception, tell_engine: bool = True) -> None:
         """End requests with ``error``. Deltas that reached a stream before the error still go to its client
         first (a request that finished just before its engine died gets its output): the consumer merges them,
         then drops the request from the output processor."""
-        for rid in request_ids:
+        for rid in dict.fromkeys(self.processor.parent_of(r) or r for r in request_ids):
             stream = self._streams.pop(rid, None)
             if stream is None or not stream.items:
+                if tell_engine:
+                    self._abort_choices(rid)  # (the other choices of a request with n > 1)
                 self.processor.abort(rid)
             if stream is not None:
                 stream.put(error)
@@ -242,6 +251,8 @@ class EngineClient:
         streams = self._streams
         for d in msg.deltas:  # (per delta only a list append: the text is made when the consumer takes them)
             stream = streams.get(d.request_id)
+            if stream is None:  # a choice of a request with n > 1
+                stream = streams.get(self.processor.parent_of(d.request_id))
             if stream is not None:
                 stream.put(d)
         for s in msg.steps:
@@ -269,12 +280,26 @@ class EngineClient:
             while self.process.alive() and self._streams and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         left = list(self._streams)
-        if left and self.dead is None:
-            self._send(Abort(left))  # the engine ends them too, and exits once nothing is left
-        self._fail(left, EngineError(f"the server shut down before the request finished ({timeout_s:.0f} s)"))
+        running = [e for rid in left for e in self.processor.engine_ids(rid)]
+        if running and self.dead is None:
+            self._send(Abort(running))  # the engine ends them too, and exits once nothing is left
+        self._fail(left, EngineError(f"the server shut down before the request finished ({timeout_s:.0f} s)"),
+                   tell_engine=False)
         if self._task is not None:
             self._task.cancel()
         await self.process.aclose_with(None, 5.0)  # (the engine exits by itself once drained)
+
+
+def _step_output(engine_id: str, deltas: list) -> StepOutput:
+    """One choice's deltas as one scheduler output."""
+    last = deltas[-1]
+    tokens = [t for d in deltas for t in d.new_token_ids] if len(deltas) > 1 else last.new_token_ids
+    logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+    reason = FinishReason(last.finish_reason) if last.finish_reason else None
+    first = deltas[0]
+    cached = next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None)
+    return StepOutput(engine_id, tokens, reason is not None, reason, logprobs, cached, first.prompt_logprobs,
+                      first.prompt_logprob_ranks)
 
 
 async def _queued(sock, limit: int) -> list[bytes]:

@@ -31,6 +31,7 @@ import msgspec
 
 from dispatcher.child import PARENT_PID_ENV, freeze_startup_heap
 from dispatcher.engine.protocol import EngineInit
+from dispatcher.serve.protocol import Cors
 from scheduler.request import SamplingParams
 
 log = logging.getLogger("twogrid.serve")
@@ -58,6 +59,7 @@ class FrontEndInit(msgspec.Struct, array_like=True, frozen=True):
     shutdown_timeout: float
     engine_pid: int
     """The engine process: a front end whose engine is gone (killed, no last word) fails its requests at once."""
+    cors: Cors | None = None
 
 
 def multiprocess_metrics_dir() -> str:
@@ -128,9 +130,10 @@ class FrontEnds:
     it serves and has heard the engine start (a file), and ``open_gate`` then makes every front end ready at once
     (each one's ``EngineClient.gate``): no front end answers /health with 200 while another would refuse."""
 
-    def __init__(self, args, engine, socks: list[socket.socket], tokenizer: str | None, defaults: SamplingParams):
+    def __init__(self, args, engine, socks: list[socket.socket], tokenizer: str | None, defaults: SamplingParams,
+                 cors: Cors | None = None):
         """``tokenizer``: where front end 0 loaded its tokenizer from (``load_tokenizer`` of it gives the same)."""
-        self.args, self.engine, self.socks = args, engine, socks
+        self.args, self.engine, self.socks, self.cors = args, engine, socks, cors
         self.tokenizer, self.defaults = tokenizer, defaults
         self.procs: list[subprocess.Popen] = []
         self.ipc_dir: str | None = None
@@ -144,7 +147,7 @@ class FrontEnds:
                 engine=self.engine.init, tokenizer=self.tokenizer, served_model_name=self.engine.served_model_name,
                 defaults=self.defaults, api_key=self.args.api_key, log_requests=self.args.log_requests,
                 log_level=self.args.log_level, shutdown_timeout=self.args.shutdown_timeout,
-                engine_pid=self.engine.process.pid)))
+                engine_pid=self.engine.process.pid, cors=self.cors)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         fds = tuple(sock.fileno() for sock in self.socks)
         for index in range(1, self.args.api_server_count):
@@ -215,7 +218,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
                           init.log_level, index)
     engine.gate = gate_file(ipc_dir)
     engine.attach(ipc_dir, init.engine_pid)
-    app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests)
+    app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests, cors=init.cors)
     runner = await start_http(app, shutdown_timeout=init.shutdown_timeout,
                               socks=[own_socket(socket.socket(fileno=fd)) for fd in fds])
     stop = asyncio.Event()

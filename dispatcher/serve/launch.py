@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -66,7 +67,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
-    from dispatcher.cli import add_prefix_caching_arg
+    from dispatcher.configure import add_prefix_caching_arg
 
     add_prefix_caching_arg(k)
     h = p.add_argument_group("HTTP")
@@ -78,7 +79,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "one Python process streams ~15-20K events a second, so more keep the GPU fed at hundreds "
                         "of concurrent streams (default: %(default)s)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM lets requests in flight finish (default: %(default)s)")
+                   help="seconds SIGTERM lets requests in flight finish (a second SIGINT / SIGTERM exits at once; "
+                        "default: %(default)s)")
+    h.add_argument("--allowed-origins", default="[]", metavar="JSON",
+                   help="origins browsers may call the API from (CORS), as vLLM's flag: a JSON list, e.g. "
+                        "'[\"https://example.com\"]' or '[\"*\"]' (default: none, no cross-origin access)")
+    h.add_argument("--allowed-methods", default='["*"]', metavar="JSON",
+                   help="CORS: allowed methods, a JSON list (default: %(default)s)")
+    h.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
+                   help="CORS: allowed request headers, a JSON list (default: %(default)s)")
+    h.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     o = p.add_argument_group("observability")
     o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
     o.add_argument("--cudagraph-metrics", action="store_true",
@@ -126,10 +136,9 @@ def _setup(args: argparse.Namespace):
     tokenizer, the limits. ConfigError names the flag."""
     import torch
 
-    from dispatcher.cli import config_from_args, render_plan
+    from dispatcher.configure import config_from_args, generation_defaults, render_plan, resolve_device
     from dispatcher.engine.config import max_model_len_limit, scheduler_config
     from dispatcher.engine.engine_core import EngineArgs
-    from dispatcher.llm import generation_defaults
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
@@ -137,14 +146,18 @@ def _setup(args: argparse.Namespace):
     from models.loader import default_dtype, model_kind, read_model_config
     from models.text import check_draft_tokenizer, load_tokenizer
 
-    for flag in ("port", "block_size"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if args.block_size < 1:
+        raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    cors_config(args)
+    if args.step_trace:
+        check_writable(args.step_trace, "--step-trace")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     if device == "cpu" and args.platform == "auto":
         args.platform = "default"
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
@@ -203,6 +216,34 @@ def _setup(args: argparse.Namespace):
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
 
 
+def cors_config(args: argparse.Namespace):
+    """The CORS flags as ``dispatcher.serve.app.Cors``; ConfigError names a flag that is not a JSON list of
+    strings."""
+    from dispatcher.serve.protocol import Cors
+
+    lists = {}
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        flag = "--" + name.replace("_", "-")
+        try:
+            value = json.loads(getattr(args, name))
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {getattr(args, name)!r}")
+        lists[name] = tuple(value)
+    return Cors(**lists, allow_credentials=args.allow_credentials)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """ConfigError naming ``flag`` unless ``path``'s directory exists and is writable (checked before the model
+    loads, as ``simulate`` does)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag}: the directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag}: {path!r} is not writable")
+
+
 def _model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
@@ -219,7 +260,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                      args.api_server_count, engine_args.enable_prefix_caching), tokenizer, name,
                           defaults, metrics, args.log_level)
-    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
+    cors = cors_config(args)
+    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors)
     try:
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
         runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
@@ -234,11 +276,20 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
              args.port)
     front_ends = None
     if socks is not None:
-        front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults)  # (_setup's tokenizer)
+        front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults, cors)  # (_setup's)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        if not stop.is_set():
+            stop.set()
+            log.info("%s: shutting down (requests in flight get --shutdown-timeout %g s; a second signal exits at "
+                     "once)", signal.Signals(sig).name, args.shutdown_timeout)
+        else:
+            _force_exit(engine, front_ends)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     code = 0
     try:
         started = loop.create_task(engine.start())
@@ -290,6 +341,25 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     return code
 
 
+def _force_exit(engine, front_ends) -> None:
+    """A second SIGINT / SIGTERM (vLLM's, uvicorn's): stop now. The other processes are killed (the worker, which
+    watches its engine, exits within a second), the ipc and metrics directories removed, exit code 1."""
+    log.warning("second signal: exiting now, without waiting for requests in flight")
+    if front_ends is not None:
+        for proc in front_ends.procs:
+            if proc.poll() is None:
+                proc.kill()
+    process = engine.process
+    if getattr(process, "proc", None) is not None and process.proc.poll() is None:
+        with contextlib.suppress(OSError):
+            os.killpg(process.proc.pid, signal.SIGKILL)
+    for folder in (getattr(process, "dir", None), os.environ.get("PROMETHEUS_MULTIPROC_DIR")):
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    logging.shutdown()
+    os._exit(1)
+
+
 async def _watch(engine, cudagraph_metrics: bool, front_ends=None) -> None:
     """Returns when the engine dies or another front end exits (its clients' requests would run on unseen);
     with ``cudagraph_metrics``, logs ``cudagraph_metrics_line`` every CUDAGRAPH_METRICS_PERIOD_S."""
@@ -327,10 +397,15 @@ def cudagraph_metrics_line(metrics_text: str) -> str:
 def _log_capture(ready) -> None:
     for k in ready.capture:
         q = f" at q={k['q']}" if k["q"] else ""
+        if not ready.cuda_graphs:
+            log.info("static-buffer backend (no CUDA graphs on %s): %d %s %s sizes%s run eagerly on padded buffers",
+                     ready.device_name, k["graphs"], k["runner"], k["kind"], q)
+            continue
         est = f", estimated {k['estimated_gib']:.3f} GiB" if k["estimated_gib"] is not None else ""
         log.info("captured %d %s %s graphs%s in %.1f s: %.3f GiB%s", k["graphs"], k["runner"], k["kind"], q,
                  k["seconds"], k["measured_gib"], est)
-    log.info("worker ready in %.1f s on %s: %d KV blocks", ready.capture_seconds, ready.device_name,
+    log.info("worker ready in %.1f s on %s (loading, KV cache, %s): %d KV blocks", ready.ready_seconds,
+             ready.device_name, f"capture {ready.capture_seconds:.1f} s" if ready.cuda_graphs else "no capture",
              ready.num_kv_blocks)
 
 

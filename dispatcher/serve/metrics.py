@@ -102,7 +102,8 @@ class EngineMetrics:
             self._success.labels(model_name, reason)
         # the dispatcher (the engine records these)
         self._graph_steps = counter("cudagraph_steps", "Steps by batch kind and graph mode (FULL, PIECEWISE, "
-                                    "NONE = eager).", ("kind", "mode"))
+                                    "NONE = eager; STATIC_FULL, STATIC_PIECEWISE: the static-buffer backend's "
+                                    "eager runs of a graph's shape, without CUDA graphs).", ("kind", "mode"))
         self._eager_steps = counter("eager_steps", "Steps run without a graph, by reason.", ("reason",))
         self._fused_steps = counter("fused_decode_steps", "Uniform-decode steps run as one graph a step (the target's "
                                     "forward, verification and the drafter's forwards: the rest of FULL uniform "
@@ -141,7 +142,8 @@ class EngineMetrics:
                 accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0, num_drafts: int = 0,
                 draft_tokens: int = 0, accepted_per_pos: Sequence[int] = (), prefix_cache_queries: int = 0,
                 prefix_cache_hits: int = 0, fused: bool = False) -> None:
-        """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
+        """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE; STATIC_FULL /
+        STATIC_PIECEWISE on the CPU's static-buffer backend, which captures no CUDA graphs); why it ran
         eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
         device time; verify events, draft tokens verified and, per draft position, the verify events that accepted
         it; the prefix cache's queries and hits (tokens) of the requests it started; whether it ran as one fused

@@ -1,10 +1,13 @@
 """OpenAI's request and response types for ``/v1/completions`` and ``/v1/chat/completions``, as msgspec Structs.
 
 Requests decode with a strict schema: an unknown field, a wrong type or a value out of range is one ``ApiError``
-(HTTP 400) whose message and ``param`` name the field and the limit. OpenAI fields this server does not implement
-are accepted only at their neutral value (``n`` = 1, ``echo`` false, zero penalties, no ``logit_bias``); vLLM's
-sampling extensions it does implement are accepted too (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.continuous_usage_stats``).
+(HTTP 400) whose message and ``param`` name the field and the limit. OpenAI's sampling fields are served (``n``,
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``echo``, ``logprobs``), and so are vLLM's extensions
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
+``prompt_logprobs``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``stream_options.continuous_usage_stats``). OpenAI fields that do not change the output (``IGNORED_FIELDS``:
+``metadata``, ``store``, ``service_tier``, ``user``, ...) are accepted and logged once, as vLLM ignores them;
+``best_of`` is refused beyond ``n`` (vLLM's V1 engine removed it).
 
 Responses have OpenAI's shape: ids ``cmpl-...`` / ``chatcmpl-...``, ``object``, ``created``, ``model``,
 ``choices``, ``usage``; streamed chunks are ``text_completion`` / ``chat.completion.chunk`` objects, and errors are
@@ -13,6 +16,7 @@ Responses have OpenAI's shape: ids ``cmpl-...`` / ``chatcmpl-...``, ``object``, 
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from typing import Annotated, Literal
@@ -20,7 +24,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from scheduler.request import MAX_LOGPROBS
+from scheduler.request import MAX_LOGPROBS, MAX_N
+
+log = logging.getLogger("twogrid.serve")
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request at most. OpenAI documents 4 and vLLM sets no limit; the bound keeps the per-token stop
@@ -32,22 +38,41 @@ LOGPROB_FLOOR = -9999.0
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention")
+"""OpenAI fields that do not change the output: accepted and ignored, each logged once (vLLM ignores them too)."""
+_warned: set[str] = set()
+
+
+class Cors(Struct, frozen=True):
+    """Cross-origin browser access, as vLLM's flags set it (``--allowed-origins`` ...); no origins: none."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class ApiError(Exception):
-    """A request the server refuses, with its HTTP status and OpenAI's error fields."""
+    """A request the server refuses, with its HTTP status and OpenAI's error fields (``code``: the HTTP status,
+    as vLLM sends it; ``reason``: our finer cause, in the log)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+    def __init__(self, status: int, message: str, param: str | None = None, reason: str | None = None,
                  type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.reason = reason
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
+    def info(self) -> "ErrorInfo":
+        return ErrorInfo(self.message, self.type, self.param, self.status)
+
     def body(self) -> bytes:
-        return msgspec.json.encode(ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code)))
+        return msgspec.json.encode(ErrorResponse(self.info()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,7 +92,8 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str | None = None
     """The served model name; None (left out) means the one this server serves."""
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """>= 1 (0 with ``echo``: the prompt alone)."""
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -80,22 +106,38 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    user: str | None = None
-    """Ignored (OpenAI's abuse-monitoring id)."""
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    """Refused beyond ``n`` (vLLM's V1 engine removed it)."""
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     logit_bias: dict[str, float] | None = None
+    """Token ids (as strings, OpenAI's form) to a bias in [-100, 100]."""
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    # OpenAI fields that do not change the output (IGNORED_FIELDS)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
     prompt: str | list[int | str]
-    """Text, token ids, or a list of one text (one prompt per request: n = 1)."""
+    """Text, token ids, or a list of one text (one prompt per request)."""
     logprobs: TopLogprobs | None = None
     """Top log-probabilities per output token (0..20); None for none."""
     echo: bool | None = False
+    """The prompt before the output (its tokens' log-probabilities too, with ``logprobs``); with ``max_tokens``
+    0, the prompt alone."""
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class ContentPart(Struct):
@@ -120,26 +162,90 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     top_logprobs: TopLogprobs | None = None
 
 
-_DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatCompletionRequest)}
+class TokenizeCompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize with messages (rendered by the chat template)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+_DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatCompletionRequest, DetokenizeRequest)}
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 _MISSING = re.compile(r"Object missing required field `([^`]*)`")
 
 
+def decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body: with ``messages`` a chat one, else a prompt one."""
+    data = _decode(body, None)
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", reason="invalid_type")
+    cls = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    return _decode(body, cls, lambda _: msgspec.convert(data, cls))
+
+
+def decode_detokenize(body: bytes) -> DetokenizeRequest:
+    return _decode(body, DetokenizeRequest)
+
+
 def decode_request(body: bytes, cls: type[CompletionRequest] | type[ChatCompletionRequest]):
     """The body as a request of type ``cls``, checked; ApiError (400) naming the field otherwise."""
+    req = _decode(body, cls)
+    _check_common(req)
+    _note_ignored(req)
+    return req
+
+
+def _decode(body: bytes, cls, decode=None):
+    """``body`` as ``cls`` (None: any JSON), by ``decode(body)`` if given; ApiError (400) naming the field."""
     if not body:
-        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+        raise ApiError(400, "the request body is empty; send a JSON object", reason="invalid_json")
     try:
-        req = _DECODERS[cls].decode(body)
+        req = (decode or (_DECODERS[cls].decode if cls is not None else msgspec.json.decode))(body)
     except msgspec.ValidationError as exc:
         raise _schema_error(str(exc)) from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", reason="invalid_json") from None
     except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
-    _check_common(req)
+        raise ApiError(400, "the request body is nested too deeply", reason="invalid_json") from None
     return req
+
+
+def _note_ignored(req: _SamplingRequest) -> None:
+    """Log each ignored OpenAI field once per process (the first request that sends it)."""
+    for name in IGNORED_FIELDS:
+        if name not in _warned and getattr(req, name) is not None:
+            _warned.add(name)
+            log.warning("requests send the OpenAI field '%s': accepted and ignored (it does not change the output; "
+                        "vLLM ignores it too); logged once", name)
 
 
 def _schema_error(text: str) -> ApiError:
@@ -149,24 +255,38 @@ def _schema_error(text: str) -> ApiError:
     if (m := _UNKNOWN.match(message)) is not None:
         field = f"{path}.{m.group(1)}" if path else m.group(1)
         return ApiError(400, f"unknown field '{field}'; this server does not support it", param=field,
-                        code="unknown_field")
+                        reason="unknown_field")
     if (m := _MISSING.match(message)) is not None:
         field = f"{path}.{m.group(1)}" if path else m.group(1)
-        return ApiError(400, f"'{field}' is required", param=field, code="missing_field")
+        return ApiError(400, f"'{field}' is required", param=field, reason="missing_field")
     if not path:
-        return ApiError(400, f"the request body must be a JSON object ({message})", code="invalid_type")
-    return ApiError(400, f"'{path}': {message}", param=path, code="invalid_value")
+        return ApiError(400, f"the request body must be a JSON object ({message})", reason="invalid_type")
+    return ApiError(400, f"'{path}': {message}", param=path, reason="invalid_value")
+
+
+def logit_bias(req: _SamplingRequest) -> dict[int, float] | None:
+    """``logit_bias`` with integer token ids (OpenAI sends them as strings)."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"'logit_bias' has the key {key!r}; keys are token ids", param="logit_bias") from None
+    return out
 
 
 def _check_common(req: _SamplingRequest) -> None:
-    if req.n not in (None, 1):
-        raise ApiError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise ApiError(400, f"'{name}' is not supported; only 0 is accepted, got {getattr(req, name)}", param=name)
-    if req.logit_bias:
-        raise ApiError(400, "'logit_bias' is not supported; only an empty object or null is accepted",
-                       param="logit_bias")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise ApiError(400, f"'best_of' = {req.best_of} is not supported (only best_of = n): vLLM's V1 engine "
+                            f"removed best_of (vLLM ignores the field); ask for 'n' choices with 'logprobs' and "
+                            f"choose among them", param="best_of")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(400, "'prompt_logprobs' are not available with 'stream': true (as in vLLM)",
+                       param="prompt_logprobs")
+    logit_bias(req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     stops = stop_strings(req.stop)
@@ -179,13 +299,14 @@ def _check_common(req: _SamplingRequest) -> None:
             raise ApiError(400, f"'stop[{i}]' has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
                            param="stop")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError(400, "'echo' is not supported; only false is accepted", param="echo")
         if req.suffix:
             raise ApiError(400, "'suffix' is not supported", param="suffix")
-        if req.best_of not in (None, 1):
-            raise ApiError(400, f"'best_of' must be 1, got {req.best_of}", param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "'max_tokens' must be >= 1 (0 only with 'echo': the prompt alone)",
+                           param="max_tokens")
     else:
+        if req.max_tokens == 0:
+            raise ApiError(400, "'max_tokens' must be >= 1", param="max_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
@@ -217,10 +338,14 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages as the chat template reads them: text parts joined by newlines."""
+    """The messages as the chat template reads them: text parts joined by newlines. A system, developer or user
+    message needs its content (OpenAI's rule)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
+        if content is None and m.role != "assistant":
+            raise ApiError(400, f"'messages[{i}].content' is required for a message of role '{m.role}'",
+                           param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -245,7 +370,8 @@ class ErrorInfo(Struct):
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: int
+    """The HTTP status (vLLM's ``code``)."""
 
 
 class ErrorResponse(Struct):
@@ -280,13 +406,32 @@ class CompletionLogprobs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """vLLM's ``Logprob`` of a prompt position's token."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token (None for the first), {token id: PromptLogprob} of the prompt
+token and the top N at its position."""
+
+
 class CompletionChoice(Struct):
+    """A choice of a streamed chunk (a whole response's is ``CompletionResponseChoice``)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the request."""
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(Struct):
@@ -335,6 +480,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(Struct, omit_defaults=True):
@@ -402,14 +548,21 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text,
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], num_top: int, token_text,
                         text_offset: int) -> CompletionLogprobs:
     """OpenAI's completion ``logprobs`` for output tokens: ``entries[i]`` maps token ids to log-probabilities (the
-    top ones and the sampled one); ``token_text(id)`` is a token's text; offsets start at ``text_offset``."""
+    top ones and the sampled one); None for an echoed prompt's first token (null, as vLLM's); ``token_text(id)`` is
+    a token's text; offsets start at ``text_offset``."""
     out = CompletionLogprobs([], [], [], [])
     for tid, entry in zip(token_ids, entries):
         text = token_text(tid)
         out.tokens.append(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(text_offset)
+            text_offset += len(text)
+            continue
         lp = entry.get(tid)
         out.token_logprobs.append(None if lp is None else _floor(lp))
         top = {token_text(t): _floor(v) for t, v in _top(entry, num_top)}
@@ -418,6 +571,21 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], n
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(text)
+    return out
+
+
+def prompt_logprobs(prompt_ids: list[int], entries: list[dict[int, float] | None], ranks: list[int | None],
+                    token_text) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the prompt token's log-probability and
+    rank, and the top ones' (ranked by their values among the entry)."""
+    out: PromptLogprobs = []
+    for tid, entry, rank in zip(prompt_ids, entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        values = list(entry.values())
+        out.append({str(t): PromptLogprob(_floor(v), rank if t == tid else 1 + sum(x > v for x in values),
+                                          token_text(t)) for t, v in entry.items()})
     return out
 
 

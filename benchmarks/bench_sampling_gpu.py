@@ -1,0 +1,113 @@
+"""What the sampling parameters cost when every request uses them (issue 31): one ``twogrid serve`` of bench-moe
+(separate grids, the headline's server flags: benchmarks/bench_headline_gpu.py), driven by ``twogrid bench`` with
+the ShareGPT prompts at 256 streams, 256 output tokens each with EOS ignored, in rounds that alternate the
+variants against the same server (so that a drift of the machine falls on all of them alike):
+
+  greedy     temperature 0, nothing else
+  sampled    temperature 0.8 (the baseline of the figure: min_p acts on sampled requests only, as in vLLM)
+  penalized  temperature 0.8 plus a presence penalty, a repetition penalty and min_p on every request (the
+             penalties count each request's prompt and output tokens on the device, every step)
+
+Per variant the output tok/s over all its rounds, TPOT and TTFT (medians), the server's step device time and GPU
+busy; then ``penalized_over_sampled`` (issue 31's target: >= 0.9) and ``sampled_over_greedy``. ``--extra-body``
+adds fields to the penalized variant's requests (a structured-output schema, for one). A row's ``round_tok_s``
+shows the spread.
+
+    PYTHONPATH=. python benchmarks/bench_sampling_gpu.py --data .gpu_data/sharegpt.json \\
+        --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/sampling_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+
+from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+from bench_headline_gpu import OUTPUT_LEN, make_row, prime_triton_cache, run_bench, start_server
+from models.config import PRESETS
+
+VARIANTS = {
+    "greedy": ["--temperature", "0"],
+    "sampled": ["--temperature", "0.8"],
+    "penalized": ["--temperature", "0.8", "--presence-penalty", "0.5", "--repetition-penalty", "1.1",
+                  "--min-p", "0.05"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the sampling parameters' cost: one server, alternating rounds")
+    parser.add_argument("--data", required=True, help="ShareGPT JSON")
+    parser.add_argument("--tokenizer", required=True, help="SmolLM2's tokenizer (bench-moe serves text with it)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--concurrency", default="256")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant, in alternating order")
+    parser.add_argument("--variants", default="greedy,sampled,penalized")
+    parser.add_argument("--extra-body", default=None, metavar="JSON", help="more fields for the penalized requests")
+    parser.add_argument("--workload", default="no-sd", help="a speculative config of bench_headline_gpu.WORKLOADS")
+    parser.add_argument("--fixed-acceptance", type=float, default=0.0, help="with a speculative workload (0: real)")
+    parser.add_argument("--waves", type=int, default=2, help="prompts per run = waves x concurrency")
+    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument("--port", type=int, default=8133)
+    parser.add_argument("--api-server-count", type=int, default=4)
+    parser.add_argument("--model", default="bench-moe")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
+    if args.extra_body:
+        json.loads(args.extra_body)  # (a bad one fails here, not after the server started)
+    # what bench_headline_gpu's helpers read
+    args.policies, args.workloads, args.step_trace_dir = "separate", args.workload, None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out_dir = os.path.dirname(args.out) if args.out else "."
+    os.makedirs(out_dir or ".", exist_ok=True)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    result = {"command": "PYTHONPATH=. python benchmarks/bench_sampling_gpu.py " + shlex.join(sys.argv[1:]),
+              "commit": commit(), "model": (f"{args.model} (random weights) with SmolLM2's tokenizer" if args.model in PRESETS
+                                             else args.model),
+              "output_len": OUTPUT_LEN, "variants": {v: shlex.join(VARIANTS[v]) for v in variants},
+              "extra_body": args.extra_body, "rows": [], "ratios": []}
+    if args.prime_cache:
+        prime_triton_cache(args, concurrencies, out_dir)
+    fixed = args.fixed_acceptance or None
+    proc = start_server("separate", args.workload, fixed, args.port, args, os.path.join(out_dir, "server-sampling.log"))
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        for conc in concurrencies:
+            benches: dict[str, list[dict]] = {v: [] for v in variants}
+            for r in range(args.rounds):
+                order = variants if r % 2 == 0 else variants[::-1]
+                for v in order:
+                    extra = VARIANTS[v] + (["--extra-body", args.extra_body] if v == "penalized" and args.extra_body
+                                           else [])
+                    benches[v].append(run_bench(base, conc, f"{v}-r{r}", os.path.join(out_dir, "bench-sampling"),
+                                                args, proc.pid, bench_args=tuple(extra)))
+            acceptance = f"fixed-{fixed}" if fixed else "real"
+            rows = {v: dict(make_row("separate", args.workload, acceptance, conc, b, args), variant=v)
+                    for v, b in benches.items()}
+            result["rows"] += rows.values()
+            ratio = {"concurrency": conc}
+            for a, b in (("penalized", "sampled"), ("sampled", "greedy"), ("penalized", "greedy")):
+                if a in rows and b in rows:
+                    ratio[f"{a}_over_{b}"] = round(rows[a]["output_tok_s"] / rows[b]["output_tok_s"], 3)
+            result["ratios"].append(ratio)
+            print(json.dumps(ratio), flush=True)
+            write_json(args.out, result)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    for row in result["rows"]:
+        print(f"{row['variant']:>10} c={row['concurrency']:<4} {row['output_tok_s']:>9.1f} tok/s  TPOT "
+              f"{row['tpot_ms_mean']:.2f} ms  TTFT {row['ttft_ms_mean']:.1f} ms  GPU busy {row['gpu_busy']:.2f}  "
+              f"rounds {row.get('round_tok_s')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""What the command line (``dispatcher.cli``), the offline API (``dispatcher.llm``) and the server
+(``dispatcher.serve.launch``) share, in one place below all three (none of which it imports): the GPU platform,
+the configuration from the engine flags, the capture plan as text, and a checkpoint's generation defaults. No
+torch at import time (``twogrid plan`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from typing import Any, Sequence
+
+from dispatcher.plan.capture_plan import CapturePlan
+from dispatcher.plan.config import ConfigError, Platform, parse_json_arg, resolve
+from scheduler.request import RequestError, SamplingParams
+
+
+def detect_platform() -> Platform:
+    """sm100 (the separate grids' large-GPU defaults) when the first GPU is a Blackwell (compute capability 10.x)
+    or a Hopper (9.x: measured on an H200, they serve 3.2-4.0x the shared list's tok/s at 16-256 streams and
+    1.16x at one, docs/headline.md), else default. Asks nvidia-smi (not torch), so that planning stays fast; no
+    GPU or no nvidia-smi means default."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return Platform.DEFAULT
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return Platform.DEFAULT
+    return platform_for_compute_capability(out[0] if out else "")
+
+
+def resolve_device(device: str | None, name: str = "--device") -> str:
+    """``device``, or cuda when a GPU is visible (else cpu); ConfigError naming ``name`` (the flag or argument)
+    for a CUDA device without a GPU."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{name} {device}: no CUDA GPU is visible to torch here; use {name} cpu (or leave it out: "
+                          f"cuda when a GPU is visible)")
+    return device
+
+
+def platform_for_compute_capability(capability: str) -> Platform:
+    """'9.0' (Hopper) and '10.0' (Blackwell) get the sm100 defaults; anything else (or nothing) the default."""
+    return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT
+
+
+def add_prefix_caching_arg(group) -> None:
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flag, on by default as vLLM's)."""
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of the full blocks of a prompt's prefix that other requests computed "
+                            "(automatic prefix caching; --no-enable-prefix-caching turns it off; default: on)")
+
+
+def config_from_args(args: argparse.Namespace):
+    platform = detect_platform() if args.platform == "auto" else Platform(args.platform)
+    return resolve(
+        parse_json_arg(args.compilation_config, "--compilation-config"),
+        parse_json_arg(args.speculative_config, "--speculative-config"),
+        platform=platform,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def compact_sizes(sizes: Sequence[int]) -> str:
+    """1, 2, 3, 4, 5, 6, 8, 10, 12 -> '1..6, 8..12/2': runs of three or more with one stride are folded."""
+    parts: list[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        if i + 2 < len(sizes):
+            stride = sizes[i + 1] - sizes[i]
+            while j + 1 < len(sizes) and sizes[j + 1] - sizes[j] == stride:
+                j += 1
+            if j - i < 2:
+                j = i
+        if j == i:
+            parts.append(str(sizes[i]))
+            i += 1
+        else:
+            stride = sizes[i + 1] - sizes[i]
+            parts.append(f"{sizes[i]}..{sizes[j]}" + (f"/{stride}" if stride != 1 else ""))
+            i = j + 1
+    return ", ".join(parts)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    right = right or [False] * len(headers)
+    lines = []
+    for r in cells:
+        lines.append("  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_plan(plan: CapturePlan) -> str:
+    cfg = plan.config
+    spec = "no speculative decoding"
+    if cfg.method:
+        spec = f"{cfg.method} K={cfg.num_speculative_tokens}"
+        if cfg.auto_tiers:
+            spec += " auto tiers (K in " + ", ".join(map(str, cfg.tier_candidates)) + ")"
+        elif len(cfg.tiers) > 1:
+            spec += " tiers " + " / ".join(f"{t.min_batch}-{t.max_batch}:K={t.num_speculative_tokens}"
+                                           for t in cfg.tiers)
+        if cfg.adaptive_verification:
+            spec += " + adaptive verification"
+    budget = cfg.max_decode_tokens if cfg.max_decode_tokens is not None else "none"
+    head = (
+        f"capture plan: platform {cfg.platform.value}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
+        f"{cfg.max_num_batched_tokens}, mode {cfg.cudagraph_mode.value}, {spec}, decode token budget {budget}"
+    )
+    rows = [
+        (g.runner, g.kind, g.unit, g.q, len(g.sizes), g.largest, compact_sizes(g.sizes) or "(disabled)")
+        for g in plan.graph_sets
+    ]
+    out = [head, ""]
+    if rows:
+        out.append(format_table(["runner", "kind", "unit", "q", "graphs", "largest", "sizes"], rows,
+                                [False, False, False, True, True, True, False]))
+    else:
+        out.append("no CUDA graphs: every step runs eagerly")
+    out += ["", f"total: {plan.num_graphs} graphs"]
+    out += [f"warning: {w}" for w in cfg.warnings]
+    return "\n".join(out)
+
+
+def generation_defaults(model: str) -> SamplingParams:
+    """SamplingParams from a checkpoint directory's generation_config.json, as vLLM reads it: the temperature,
+    top_k, top_p, min_p, repetition_penalty and max_new_tokens it sets (do_sample = false: greedy);
+    SamplingParams() otherwise."""
+    from models.loader import generation_config, model_kind
+
+    if model_kind(model) != "hf":
+        return SamplingParams()
+    gen = generation_config(model)
+    fields = {k: gen[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+              if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    if gen.get("do_sample") is False:
+        fields.pop("temperature", None)
+    elif gen.get("do_sample") and "temperature" not in fields:
+        fields["temperature"] = 1.0
+    if isinstance(gen.get("max_new_tokens"), int):
+        fields["max_tokens"] = gen["max_new_tokens"]
+    params = SamplingParams(**fields)
+    try:
+        params.validate()
+    except RequestError as exc:
+        raise ConfigError(f"{model}/generation_config.json: {exc}") from None
+    return params

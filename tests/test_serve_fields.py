@@ -1,0 +1,257 @@
+"""What clients written for vLLM send, against the HTTP front end over a fake engine (tests/test_serve_app.py's):
+n choices (whole and streamed), echo and prompt logprobs in vLLM's shape, the sampling fields reaching the engine,
+OpenAI fields that change nothing (accepted, logged once), X-Request-Id, the error ``code`` as the HTTP status,
+/tokenize, /detokenize, /version, /ping, CORS, and a chat message without content."""
+
+from __future__ import annotations
+
+import logging
+
+from test_serve_app import KEY, WORDS, FakeEngine, error_of, run, served, sse, token_of
+
+from dispatcher.serve.protocol import Cors
+
+
+def choice_text(c: int, n: int) -> str:
+    """Choice c's text of n tokens (the fake engine shifts each choice's words by its index)."""
+    return "".join(WORDS[(i + c) % len(WORDS)] for i in range(n))
+
+
+def test_n_choices():
+    async def go():
+        async with served() as c:
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 3, "temperature": 1,
+                                                      "logprobs": 0})
+            body = await r.json()
+            assert r.status == 200, body
+            assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+            assert [ch["text"] for ch in body["choices"]] == [choice_text(i, 3) for i in range(3)]
+            assert all(len(ch["logprobs"]["tokens"]) == 3 for ch in body["choices"])
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}  # prompt once
+            assert c.engine.requests[body["id"]][2].n == 3
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 2, "n": 2, "temperature": 0.5})
+            body = await r.json()
+            assert [(ch["index"], ch["message"]["content"]) for ch in body["choices"]] == [
+                (0, choice_text(0, 2)), (1, choice_text(1, 2))]
+
+    run(go())
+
+
+def test_n_choices_streamed():
+    async def go():
+        async with served() as c:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "temperature": 1,
+                "stream": True, "stream_options": {"include_usage": True}})
+            events = (await sse(r))[:-1]
+            roles = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0]["delta"].get("role")]
+            assert roles == [0, 1]  # a role chunk per choice first, as vLLM's
+            text = {0: "", 1: ""}
+            finish = {}
+            for e in events[:-1]:
+                ch = e["choices"][0]
+                text[ch["index"]] += ch["delta"].get("content") or ""
+                if ch["finish_reason"]:
+                    finish[ch["index"]] = ch["finish_reason"]
+            assert text == {0: choice_text(0, 3), 1: choice_text(1, 3)} and finish == {0: "length", 1: "length"}
+            assert events[-1]["usage"]["completion_tokens"] == 6
+
+    run(go())
+
+
+def test_sampling_fields_reach_the_engine():
+    async def go():
+        async with served() as c:
+            body = {"prompt": "Hi", "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                    "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "logit_bias": {"65": 5, "66": -100},
+                    "allowed_token_ids": [65, 66, 67], "bad_words": ["ab"], "prompt_logprobs": 2,
+                    "best_of": 1, "top_k": 5}
+            r = await c.post("/v1/completions", json=body)
+            out = await r.json()
+            assert r.status == 200, out
+            params = c.engine.requests[out["id"]][2]
+            assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
+                    params.min_tokens) == (0.5, -0.5, 1.2, 0.1, 4)
+            assert params.logit_bias == {65: 5.0, 66: -100.0} and params.allowed_token_ids == (65, 66, 67)
+            # bad words tokenized as vLLM does: the word (with a leading space only where that is as many tokens)
+            assert params.bad_words == ("ab",) and params.bad_words_token_ids == ((97, 98),)
+            assert params.prompt_logprobs == 2
+
+    run(go())
+
+
+def test_echo_and_prompt_logprobs_in_vllms_shape():
+    async def go():
+        async with served() as c:
+            r = await c.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 2, "echo": True, "logprobs": 1})
+            body = await r.json()
+            ch = body["choices"][0]
+            ids = [1] + [ord(x) for x in "Hey"]  # the fake tokenizer's BOS, then characters
+            assert ch["text"] == "Hey" + choice_text(0, 2)
+            lp = ch["logprobs"]
+            assert lp["tokens"][:4] == ["\x01", "H", "e", "y"] and len(lp["tokens"]) == 6
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token
+            assert lp["token_logprobs"][1] == -1 - ids[1] / 1000 and lp["token_logprobs"][4] == -0.25
+            # the choice's prompt_logprobs: vLLM's {token id: {logprob, rank, decoded_token}}
+            pl = ch["prompt_logprobs"]
+            assert pl[0] is None and len(pl) == 4
+            assert pl[1][str(ids[1])] == {"logprob": -1 - ids[1] / 1000, "rank": ids[1], "decoded_token": "H"}
+            assert pl[1][str(token_of(200))] == {"logprob": -0.5, "rank": 1, "decoded_token": chr(token_of(200))}
+            assert c.engine.requests[body["id"]][2].prompt_logprobs == 1  # echo with logprobs asks for them
+            # max_tokens 0 with echo: the prompt alone
+            r = await c.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 0, "echo": True})
+            body = await r.json()
+            assert body["choices"][0]["text"] == "Hey"
+            assert c.engine.requests[body["id"]][2].max_tokens == 1
+            # streamed: the first chunk carries the prompt
+            r = await c.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 2, "echo": True, "stream": True})
+            events = (await sse(r))[:-1]
+            assert [e["choices"][0]["text"] for e in events] == ["Hey" + WORDS[0], WORDS[1]]
+            # chat: prompt_logprobs at the top
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 1, "prompt_logprobs": 0})
+            body = await r.json()
+            assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 1
+
+    run(go())
+
+
+def test_ignored_openai_fields_are_accepted_and_logged_once(caplog):
+    async def go():
+        async with served() as c:
+            for _ in range(2):
+                r = await c.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "metadata": {"k": "v"},
+                    "store": False, "service_tier": "auto", "user": "u1", "safety_identifier": "s"})
+                assert r.status == 200, await r.text()
+
+    with caplog.at_level(logging.WARNING, logger="twogrid.serve"):
+        from dispatcher.serve import protocol
+
+        protocol._warned.clear()
+        run(go())
+    warned = [rec.getMessage() for rec in caplog.records if "accepted and ignored" in rec.getMessage()]
+    for field in ("metadata", "store", "service_tier", "user", "safety_identifier"):
+        assert sum(f"'{field}'" in m for m in warned) == 1, (field, warned)
+
+
+def test_x_request_id_is_the_request_id():
+    async def go():
+        engine = FakeEngine(delay_s=0.01)
+        async with served(engine) as c:
+            async def post():
+                return await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                    headers={"X-Request-Id": "client-7"})
+            import asyncio
+
+            r1, r2 = await asyncio.gather(post(), post())  # the same id twice at once: both served
+            b1, b2 = await r1.json(), await r2.json()
+            assert r1.status == r2.status == 200
+            assert b1["id"] == b2["id"] == "cmpl-client-7"
+            assert r1.headers["X-Request-Id"] == r2.headers["X-Request-Id"] == "client-7"
+            assert len([rid for rid in engine.requests if rid.startswith("cmpl-client-7")]) == 2
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 1, "stream": True},
+                             headers={"X-Request-Id": "s-1"})
+            events = await sse(r)
+            assert r.headers["X-Request-Id"] == "s-1" and events[0]["id"] == "chatcmpl-s-1"
+
+    run(go())
+
+
+def test_error_code_is_the_http_status():
+    async def go():
+        async with served(api_key=KEY) as c:
+            r = await c.post("/v1/completions", json={"prompt": "Hi"})
+            assert (await error_of(r, 401))["code"] == 401
+            auth = {"Authorization": f"Bearer {KEY}"}
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": -1}, headers=auth)
+            assert (await error_of(r, 400))["code"] == 400
+            r = await c.get("/nope", headers=auth)
+            assert (await error_of(r, 404))["code"] == 404
+
+    run(go())
+
+
+def test_chat_message_without_content_is_400():
+    async def go():
+        async with served() as c:
+            for role in ("user", "system"):
+                r = await c.post("/v1/chat/completions", json={"messages": [{"role": role}]})
+                err = await error_of(r, 400)
+                assert err["param"] == "messages[0].content" and role in err["message"]
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"},
+                                                                        {"role": "assistant"}], "max_tokens": 1})
+            assert r.status == 200  # (an assistant message may have none)
+
+    run(go())
+
+
+def test_tokenize_detokenize_version_ping():
+    async def go():
+        async with served(api_key=KEY) as c:
+            auth = {"Authorization": f"Bearer {KEY}"}
+            r = await c.post("/tokenize", json={"prompt": "Hi", "return_token_strs": False}, headers=auth)
+            assert await r.json() == {"count": 3, "max_model_len": 128, "tokens": [1, 72, 105], "token_strs": None}
+            r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=auth)
+            body = await r.json()
+            assert body["tokens"] == [ord(x) for x in "<user>Hi<assistant>"]  # (add_special_tokens false)
+            r = await c.post("/detokenize", json={"tokens": [72, 105]}, headers=auth)
+            assert await r.json() == {"prompt": "Hi"}
+            r = await c.post("/detokenize", json={"tokens": [72, 99999]}, headers=auth)
+            assert (await error_of(r, 400))["param"] == "tokens"
+            r = await c.post("/tokenize", json={"prompt": "Hi", "model": "other"}, headers=auth)
+            await error_of(r, 404)
+            r = await c.post("/tokenize", json={"promt": "Hi"}, headers=auth)
+            assert (await error_of(r, 400))["param"] == "promt"
+            version = await (await c.get("/version", headers=auth)).json()
+            assert set(version) == {"version"} and version["version"]
+            for method in (c.get, c.post):  # /ping as /health, with no key
+                assert (await method("/ping")).status == 200
+
+    run(go())
+
+
+def test_the_token_strings_of_a_real_tokenizer(bpe):
+    from models.text import load_tokenizer
+
+    async def go():
+        engine = FakeEngine()
+        engine.tokenizer = load_tokenizer(bpe)
+        async with served(engine) as c:
+            body = await (await c.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})).json()
+            assert "".join(body["token_strs"]).replace("\u0120", " ") == "hello world"
+            assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
+
+    run(go())
+
+
+def test_cors_as_vllms_flags_set_it():
+    origin = "https://app.example"
+
+    async def go():
+        async with served(api_key=KEY) as c:  # no --allowed-origins: no cross-origin access
+            r = await c.options("/v1/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert "Access-Control-Allow-Origin" not in r.headers
+        cors = Cors(allowed_origins=(origin,), allowed_methods=("GET", "POST"), allow_credentials=True)
+        async with served(api_key=KEY, cors=cors) as c:
+            preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type"}
+            r = await c.options("/v1/completions", headers=preflight)  # a preflight carries no key
+            assert r.status == 200
+            assert r.headers["Access-Control-Allow-Origin"] == origin
+            assert r.headers["Access-Control-Allow-Credentials"] == "true"
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"Origin": origin, "Authorization": f"Bearer {KEY}"})
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == origin
+            r = await c.get("/v1/models", headers={"Origin": "https://other.example", "Authorization": f"Bearer {KEY}"})
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+            r = await c.options("/v1/completions", headers={**preflight, "Access-Control-Request-Method": "DELETE"})
+            assert r.status == 403
+        async with served(cors=Cors(allowed_origins=("*",))) as c:
+            r = await c.get("/v1/models", headers={"Origin": origin})
+            assert r.headers["Access-Control-Allow-Origin"] in ("*", origin)
+
+    run(go())
