@@ -136,7 +136,8 @@ def auto_config(args: argparse.Namespace):
 
 def _plan_auto_tiers(args: argparse.Namespace) -> int:
     """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
-    from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan, load_step_costs, render_choice
+    from dispatcher.engine.cost import load_step_costs
+    from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan, render_choice
 
     cfg = auto_config(args)
     plan = build_plan(cfg)

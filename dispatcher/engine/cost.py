@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dispatcher.engine.trace import read_traces
+from dispatcher.plan import autotier
 from dispatcher.plan.config import ConfigError, load_json_file
 from dispatcher.plan.dispatch import MODE_EAGER, MODE_FULL, MODE_PIECEWISE
 
@@ -226,3 +227,14 @@ def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
         raise ConfigError(f"--cost-model {model!r} picks a model of a runtime benchmark's JSON; {path!r} is a "
                           f"per-mode table")
     return _mode_table(data, path)
+
+
+def load_step_costs(path: str, flag: str = "--auto-tiers") -> "autotier.StepCostTable":
+    """A step-cost table file (``autotier.StepCostTable``'s JSON), or step traces (``.jsonl``, several joined by
+    commas). Here, not in the pure ``dispatcher.plan``: reading traces is the engine's."""
+    if path.endswith(".jsonl"):
+        table = autotier.trace_step_costs(read_traces(path, flag), f"{flag}: {path!r}")
+    else:
+        table = autotier.StepCostTable.from_json(load_json_file(path, flag), f"{flag}: {path!r}")
+    table.source = path
+    return table

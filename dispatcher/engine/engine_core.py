@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dispatcher.engine.config import scheduler_config
-from dispatcher.engine.cost import CostCurve
+from dispatcher.engine.cost import CostCurve, load_step_costs
 from dispatcher.engine.trace import TraceWriter, step_record
 from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
@@ -541,7 +541,7 @@ class EngineCore:
         default shape, 1 + n * q / 1024 ms, the target's alone (a warning says so)."""
         cfg = self.cfg
         if self.args.spec_cost_table:
-            return autotier.load_step_costs(self.args.spec_cost_table, "spec_cost_table")
+            return load_step_costs(self.args.spec_cost_table, "spec_cost_table")
         sets = [[g.runner, g.q, list(g.sizes)] for g in self.plan.graph_sets if g.kind == FULL_DECODE and g.sizes]
         measure_fn = getattr(self.worker, "measure_decode_costs", None)
 

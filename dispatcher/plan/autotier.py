@@ -33,7 +33,7 @@ import numpy as np
 
 from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, block_query_len,
                                           next_steps_runner, one_token_steps)
-from dispatcher.plan.config import ConfigError, load_json_file
+from dispatcher.plan.config import ConfigError
 
 DEFAULT_ACCEPTANCE_RATE = 0.6
 """The prior without ``acceptance_prior``: each draft accepted with 0.6 given the one before it was (p_j = 0.6^(j+1):
@@ -222,18 +222,6 @@ def trace_step_costs(records: Iterable[Any], where: str) -> StepCostTable:
         raise ConfigError(f"{where}: the step traces hold no FULL uniform decode with a device time")
     return StepCostTable({q: [(n, statistics.median(v)) for n, v in by_n.items()] for q, by_n in points.items()},
                          where)
-
-
-def load_step_costs(path: str, flag: str = "--auto-tiers") -> StepCostTable:
-    """A step-cost table file (``StepCostTable``'s JSON), or step traces (``.jsonl``, several joined by commas)."""
-    if path.endswith(".jsonl"):
-        from dispatcher.engine.trace import read_traces
-
-        table = trace_step_costs(read_traces(path, flag), f"{flag}: {path!r}")
-    else:
-        table = StepCostTable.from_json(load_json_file(path, flag), f"{flag}: {path!r}")
-    table.source = path
-    return table
 
 
 def decode_step_costs(method: str | None, candidates: Sequence[int],
