@@ -35,13 +35,19 @@ def tokens(llm, params, prompts=PROMPTS):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
+def spec_config(method: str) -> dict:
+    """K = 3 of ``method`` (n-gram matching from one token, so that it drafts on short prompts)."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    return spec
+
+
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_speculative_decoding_is_lossless_with_every_parameter(plain, method):
     """Greedy output with a parameter and speculative decoding equals it without: the verifier draws each position's
     token from the processed logits, its context counting the drafts before it."""
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = spec_config(method)
     sd = LLM("tiny-dense", **OPTIONS, speculative_config=spec)
     for name, kw in PARAMETERS.items():
         params = SamplingParams(max_tokens=40, ignore_eos=True, **kw)
@@ -212,9 +218,7 @@ def test_on_the_gpu_with_cuda_graphs(method):
     opts = dict(device="cuda", max_model_len=256, max_num_seqs=8, dtype=torch.float32)
     plain = LLM("tiny-dense", **opts)
     before = tokens(plain, SamplingParams(max_tokens=24, ignore_eos=True))
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = spec_config(method)
     sd = LLM("tiny-dense", **opts, speculative_config=spec)
     for name, kw in PARAMETERS.items():
         params = SamplingParams(max_tokens=40, ignore_eos=True, **kw)
