@@ -23,20 +23,23 @@ import shutil
 import signal
 import sys
 from collections import deque
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
-from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
-from dispatcher.messages import (StepResult, WorkerError, WorkerReady, decode_or_refuse, decode_to_engine,
-                                 resolve_init)
+from dispatcher.messages import (CaptureProgress, StepResult, WorkerError, WorkerReady, decode_or_refuse,
+                                 decode_to_engine, resolve_init)
 from dispatcher.messages import encode as encode_step
 from scheduler.request import FinishReason, RequestError
+
+if TYPE_CHECKING:
+    from dispatcher.engine.engine_core import EngineCore, ScheduledStep
 
 log = logging.getLogger("twogrid.engine")
 
@@ -60,15 +63,22 @@ class EngineService:
         self._in_flight: deque[ScheduledStep] = deque()
         self._tier_version = 0
         """The engine's ``tier_version`` the front end last heard of."""
+        self.capturing = False
+        """Delayed capture under way in the worker: its progress may come while no step runs."""
 
     async def start(self) -> WorkerReady:
-        """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
+        """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot. The
+        engine's own heavy imports (torch, through the engine core) run while the worker starts, not before."""
+        await self.process.to_worker.send(encode_step(self.process.init))
+        from dispatcher.engine.engine_core import EngineArgs, EngineCore
+
         ready = await _await_ready(self.process)
         w = self.init.worker
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
-        self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
+        self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready))
+        self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -121,7 +131,7 @@ class EngineService:
         while not self._draining or in_flight or core.has_unfinished():
             if not core.has_unfinished() and not in_flight:
                 self._wake.clear()
-                await self._wake.wait()
+                await (self._idle_while_capturing() if self.capturing else self._wake.wait())
                 continue
             # Let receive() take what the front ends sent, once a step, whatever the sockets do: pyzmq's poll
             # yields even with a result waiting, but a socket whose await resolves at once would leave requests
@@ -180,6 +190,29 @@ class EngineService:
         if 0 not in groups:
             await self.outbox.send(encode(first))
 
+    async def _idle_while_capturing(self) -> None:
+        """Wait for work (``_wake``) while the worker captures in the background: pass its progress on as it comes
+        (nothing else comes from the worker while no step runs)."""
+        sock = self.process.to_engine
+        while not self._wake.is_set() and self.capturing:
+            if await sock.poll(LIVENESS_S * 1000):
+                msg = _decode(await sock.recv())
+                if isinstance(msg, CaptureProgress):
+                    await self._capture_progress(msg)
+                elif isinstance(msg, WorkerError) and msg.step_id < 0:
+                    log.warning("worker: %s", msg.message)
+                elif msg is not None:
+                    raise WorkerDied(f"the worker sent {type(msg).__name__} while no step was running")
+            elif not self.process.alive():
+                raise WorkerDied(f"the worker process {self.process.exit_description()}")
+        if not self._wake.is_set():
+            await self._wake.wait()
+
+    async def _capture_progress(self, progress: CaptureProgress) -> None:
+        """Delayed capture's progress, to the first front end (its metrics, and its log when done)."""
+        self.capturing = not progress.done
+        await self.outbox.send(encode(Outputs(capture=progress)))
+
     def _tiers_changed(self) -> list[list[int]] | None:
         """The tiers in force when ``"auto"`` tiers changed since the last step record, else None."""
         if self.core.tier_version == self._tier_version:
@@ -198,6 +231,9 @@ class EngineService:
                 msg = _decode(await sock.recv())
                 if msg is None:
                     continue
+                if isinstance(msg, CaptureProgress):
+                    await self._capture_progress(msg)
+                    continue
                 if isinstance(msg, WorkerError) and msg.step_id < 0:
                     log.warning("worker: %s", msg.message)  # a refused frame: not this step's
                     continue
@@ -209,7 +245,7 @@ class EngineService:
 
 
 async def _await_ready(process: WorkerProcess) -> WorkerReady:
-    await process.to_worker.send(encode_step(process.init))
+    """The worker's WorkerReady (its init sent already)."""
     while True:
         if await process.to_engine.poll(LIVENESS_S * 1000):
             msg = _decode(await process.to_engine.recv())

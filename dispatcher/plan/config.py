@@ -445,7 +445,8 @@ def resolve(
             from dispatcher.plan.gridfit import fit_decode
 
             sizing = _fitted(sizing, step_cost, 1 + k_max, interactivity)
-            one_token = fit_decode(max_num_seqs, step_cost, 1)
+            if len(step_cost.decode_points(1)) >= 2:
+                one_token = fit_decode(max_num_seqs, step_cost, 1)
     dec = sizing.decode
     q_max = 1 + k_max
     if dec.request_cap is not None:
@@ -723,15 +724,15 @@ def _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivi
 
 def _fitted(sizing: "_Sizing", step_cost, query_len: int, interactivity: bool) -> "_Sizing":
     """``sizing`` with its prefill and decode grids fitted to ``step_cost`` (``dispatcher.plan.gridfit``) up to its
-    caps; the decode grid at the largest q in use. A kind without a cap (off sm100, the legacy decode reach) keeps
-    its list."""
+    caps; the decode grid at the largest q in use. A kind without a cap (off sm100, the legacy decode reach) or
+    without a measured curve keeps its list."""
     from dispatcher.plan import gridfit
 
     prefill = sizing.prefill_token_sizes
-    if prefill:
+    if prefill and len(step_cost.prefill) >= 2:
         prefill = _with_interactivity(gridfit.fit_prefill(sizing.max_prefill_tokens, step_cost), interactivity)
     dec = sizing.decode
-    if dec.request_cap and dec.request_sizes != ():
+    if dec.request_cap and dec.request_sizes != () and len(step_cost.decode_points(query_len)) >= 2:
         dec = _DecodeSizing(dec.request_cap, gridfit.fit_decode(dec.request_cap, step_cost, query_len), None)
     return _Sizing(sizing.max_prefill_tokens, prefill, dec)
 

@@ -76,7 +76,7 @@ class StepCost:
 
     def to_json(self) -> dict[str, Any]:
         return {"prefill_ms": [[t, ms] for t, ms in self.prefill],
-                "decode_ms": {str(q): [[n, ms] for n, ms in pts] for q, pts in self.decode}}
+                "decode_ms": {str(q): [[n, ms] for n, ms in pts] for q, pts in self.decode}, "source": self.source}
 
     @classmethod
     def from_json(cls, data: Any, where: str, model: str | None = None) -> "StepCost":

@@ -57,6 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks, instead of sizing it from free memory")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
+    k.add_argument("--delayed-cudagraph-capture", action="store_true",
+                   help="serve as soon as the weights and the KV cache are on the device and capture the CUDA graphs "
+                        "between steps (steps whose graph is not captured yet run eagerly); the same as "
+                        "--compilation-config '{\"delayed_cudagraph_capture\": true}'")
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
@@ -100,7 +104,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from dispatcher.child import seconds_since_start
+
+    started = time.perf_counter() - (seconds_since_start() or 0.0)
     setup = _setup(args)
+    args.started_at = started
     try:
         import uvloop
 
@@ -134,12 +142,16 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    default_triton_cache()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and args.platform == "auto":
         args.platform = "default"
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     if args.enforce_eager:
         compilation["cudagraph_mode"] = "NONE"
+    if args.delayed_cudagraph_capture:
+        compilation["delayed_cudagraph_capture"] = True
+    if args.enforce_eager or args.delayed_cudagraph_capture:
         args.compilation_config = json.dumps(compilation)
     cfg = config_from_args(args)
     try:
@@ -190,6 +202,15 @@ def _setup(args: argparse.Namespace):
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
 
 
+def default_triton_cache() -> None:
+    """Triton's kernel cache under $TWOGRID_CACHE/triton unless $TRITON_CACHE_DIR says otherwise (inherited by the
+    engine and its worker), so that a deployment which keeps $TWOGRID_CACHE across restarts (deploy/: a volume)
+    loads its kernels there instead of compiling them again at every start."""
+    from models.default_model import cache_dir
+
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir(), "triton"))
+
+
 def _model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
@@ -237,7 +258,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             ready = started.result()
-            _log_capture(ready)
+            _log_capture(ready, time.perf_counter() - args.started_at)
             if front_ends is not None:  # (a SIGTERM meanwhile stops the wait: the server stops, as when starting)
                 gate = loop.create_task(front_ends.open_gate())
                 await asyncio.wait({gate, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -310,14 +331,24 @@ def cudagraph_metrics_line(metrics_text: str) -> str:
     return line
 
 
-def _log_capture(ready) -> None:
+def _log_capture(ready, serving_after_s: float) -> None:
+    """The start-up's log lines once the engine serves: graphs captured per runner and kind (or, under delayed
+    capture, how many are left to capture between steps), the worker's phases, the time since the process
+    started."""
     for k in ready.capture:
         q = f" at q={k['q']}" if k["q"] else ""
         est = f", estimated {k['estimated_gib']:.3f} GiB" if k["estimated_gib"] is not None else ""
         log.info("captured %d %s %s graphs%s in %.1f s: %.3f GiB%s", k["graphs"], k["runner"], k["kind"], q,
                  k["seconds"], k["measured_gib"], est)
-    log.info("worker ready in %.1f s on %s: %d KV blocks", ready.capture_seconds, ready.device_name,
-             ready.num_kv_blocks)
+    progress = ready.capture_progress
+    if progress is not None:
+        log.info("delayed capture: serving with %d of %d graphs captured; the rest are captured between steps, "
+                 "demand first (%s)", progress.num_captured, progress.num_total,
+                 ", ".join(f"{g.runner} {g.kind} {g.total}" for g in progress.graphs))
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in ready.startup.items() if v)
+    log.info("worker ready in %.1f s on %s: %d KV blocks; worker start-up: %s; serving %.1f s after the server "
+             "process started", ready.capture_seconds, ready.device_name, ready.num_kv_blocks, phases or "-",
+             serving_after_s)
 
 
 __all__ = ["add_serve_args", "cmd_serve"]
