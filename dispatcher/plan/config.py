@@ -249,7 +249,7 @@ class ResolvedConfig:
     """``delayed_cudagraph_capture``: serve at once, capture the graphs between steps."""
     fit_sizes: bool = False
     """``fit_cudagraph_capture_sizes``: the prefill and decode grids come from a measured step cost."""
-    grid_cost_source: str | None = None
+    grid_cost_source: str | None = field(default=None, compare=False)
     """Where the fitted grids' step cost came from; None while ``fit_sizes`` waits for its measurement (the default
     grids stand in) or without ``fit_sizes``."""
     one_token_request_sizes: tuple[int, ...] | None = None

@@ -163,7 +163,7 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
                           max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs)
         pool = torch.cuda.graph_pool_handle() if rt.cuda_graphs else None
         rt.capture(progress=False, estimate=False, pool=pool)
-        times = rt.measure_sizes_ms()
+        times = rt.measure_sizes_ms(5 if rt.cuda_graphs else 1)  # (the CPU's static backend: no performance path)
         del rt, kv, pool
         gc.collect()
         if wcfg.device.startswith("cuda"):
@@ -178,6 +178,22 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
     cost = StepCost.from_json({k: v for k, v in data.items() if k != "key"}, data["source"])
     log.info("fitted grids (fit_cudagraph_capture_sizes) from the step cost %s", cost.source)
     return cost
+
+
+def graph_memory_estimate(probe: ModelWorker, plan) -> float:
+    """GiB the plan's graphs will take (every runtime's ``estimate_memory`` and the fused steps'), estimated once per
+    device, driver, torch, model, dtype, plan and worker settings and then read from $TWOGRID_CACHE/graph_memory:
+    the estimate captures samples of every kind, as long as a capture of a few dozen graphs, which a restart of the
+    same setup need not pay again."""
+    wcfg = probe.wcfg
+    key = [probe.device_name, torch.__version__, torch.version.cuda, str(probe.model.cfg), str(wcfg.dtype),
+           plan.to_dict(), {k: str(v) for k, v in vars(wcfg).items() if k not in ("num_kv_blocks", "seed")}]
+
+    def measure() -> dict:
+        gib = sum(rt.estimate_memory() for rt in probe.runtimes)
+        return {"gib": gib + (probe.fused.estimate_memory() if probe.fused is not None else 0.0)}
+
+    return float(cached_json("graph_memory", key, measure, "graph memory estimate")["gib"])
 
 
 def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
@@ -195,8 +211,7 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
     graphs = 0.0
     if wcfg.use_cuda_graphs:
-        graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30
-        graphs += probe.fused.estimate_memory() * 2**30 if probe.fused is not None else 0.0
+        graphs = graph_memory_estimate(probe, plan) * 2**30
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block
