@@ -32,10 +32,10 @@ from scheduler.request import SamplingParams  # noqa: E402
 SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 2}]
 
 
-def engine_for(spec, delayed: bool, trace=None) -> EngineCore:
+def engine_for(spec, delayed: bool, trace=None, device: str = "cpu") -> EngineCore:
     cc = {"delayed_cudagraph_capture": True} if delayed else {}
     cfg = resolve(cc, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32, num_kv_blocks=256,
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, dtype=torch.float32, num_kv_blocks=256,
                                       block_size=4, max_model_len=96, seed=5, step_trace=trace))
 
 
@@ -166,6 +166,53 @@ def test_a_capture_that_fails_leaves_its_steps_eager_and_right(monkeypatch):
     progress = delayed.progress()
     assert progress.done and progress.error and progress.num_captured == 0
     assert engine.stats.eager_by_reason[NOT_CAPTURED_YET] == engine.stats.steps - engine.stats.fused_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=["no-sd", "eagle3", "ngram"])
+def test_delayed_capture_on_cuda_graphs(spec):
+    """On CUDA (float32): units captured between steps (thread-local capture, no device synchronization) replay what
+    graphs captured first replay: the same greedy tokens; once every graph is captured, each one holds a CUDA graph
+    and uniform decodes run fused."""
+    p = SamplingParams(max_tokens=16, temperature=0.0)
+    delayed = engine_for(spec, True, device="cuda")
+    assert delayed.generate(prompts(), p) == engine_for(spec, False, device="cuda").generate(prompts(), p)
+    assert delayed.stats.eager_by_reason.get(NOT_CAPTURED_YET, 0) >= 1
+    delayed.worker.capture_between_steps(None)
+    assert delayed.worker.delayed is None
+    for rt in delayed.worker.runtimes:
+        assert all(piece.graph is not None for pieces in rt.graphs.values() for piece in pieces)
+    delayed.stats = type(delayed.stats)()
+    assert delayed.generate(prompts(), p) == engine_for(spec, False, device="cuda").generate(prompts(), p)
+    assert delayed.stats.fused_steps >= 1 and not delayed.stats.eager_by_reason
+
+
+@pytest.mark.gpu
+def test_serve_on_cuda_captures_while_streams_run(tmp_path):
+    """Through twogrid serve on CUDA: 16 streams sent as /health turns 200 all complete while the worker captures
+    between their steps (its result thread waiting on CUDA events meanwhile), capture then ends, and steps replay
+    graphs (fused decodes)."""
+    from serverutil import Server, request_body, run_streams, token_prompts
+
+    args = ["--model", "tiny-dense", "--device", "cuda", "--platform", "sm100", "--max-model-len", "256",
+            "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.3",
+            "--delayed-cudagraph-capture"]
+    server = Server(args, str(tmp_path / "server.log")).wait_healthy()
+    try:
+        bodies = [request_body(p, 48, seed=i) for i, p in enumerate(token_prompts(16, 512, 4, 64, seed=3))]
+        streams, _ = run_streams(server.base, bodies)
+        assert all(s.error is None and s.completed and len(s.tokens) == 48 for s in streams)
+        assert server.metrics()["twogrid:eager_steps_total"] >= 1
+        deadline = time.monotonic() + 120
+        while gauges(server, "cudagraphs_captured") < gauges(server, "cudagraphs_planned"):
+            assert time.monotonic() < deadline, "delayed capture did not finish"
+            time.sleep(0.2)
+        before = gauges(server, "fused_decode_steps_total")
+        streams, _ = run_streams(server.base, [dict(b, temperature=0.0) for b in bodies])
+        assert all(s.error is None and s.completed for s in streams)
+        assert gauges(server, "fused_decode_steps_total") > before
+    finally:
+        server.stop()
 
 
 def test_capture_first_where_the_start_up_times_graphs(caplog):

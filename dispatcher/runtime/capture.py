@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from dispatcher.messages import CaptureProgress, GraphCount
-from dispatcher.plan.capture_plan import FUSED_STEP
+from dispatcher.plan.capture_plan import FULL_DECODE, FUSED_STEP
 from dispatcher.runtime.decode_step import KIND as FUSED_KIND
 from dispatcher.runtime.graphs import CaptureOOMError
 
@@ -40,6 +40,8 @@ WARM_UP = "eager_warm_up"
 GAP_BUDGET_S = 0.002
 """Capture time a gap between two steps may take while a step is in flight (the unit that crosses it finishes):
 a later step waits for at most this plus one unit."""
+REQUEST_KINDS = (FULL_DECODE, FUSED_KIND)
+"""Unit kinds sized in requests (the others in tokens)."""
 PROGRESS_EVERY = 0.1
 """Share of the graphs between two progress log lines."""
 
@@ -138,8 +140,9 @@ class BackgroundCapture:
     @torch.inference_mode()
     def run(self, budget_s: float | None, stop: Callable[[], bool] = lambda: False) -> int:
         """Capture units until ``stop()`` (a step is waiting) or, with ``budget_s``, that many seconds are spent (at
-        least one unit: the unit is never cut), or nothing is left. Returns the graphs captured. A capture that runs
-        out of memory ends delayed capture (``error``): the rest stay uncaptured and their steps run eagerly."""
+        least one unit: the unit is never cut), or nothing is left. Returns the graphs captured. A capture that fails
+        (out of memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their
+        steps run without them."""
         start = time.perf_counter()
         count = attempted = 0
         while not self.done and not stop():
@@ -152,9 +155,11 @@ class BackgroundCapture:
                     if self.hook is not None:
                         self.hook(unit)
                     unit.capture()
-            except CaptureOOMError as exc:
-                self.error = str(exc)
-                log.error("delayed capture stopped: %s; the %d graphs left run eagerly", exc, len(self.pending))
+            except Exception as exc:  # out of memory (CaptureOOMError), or a capture the device refused
+                self.error = str(exc) if isinstance(exc, CaptureOOMError) else f"{type(exc).__name__}: {exc}"
+                log.error("delayed capture stopped at the %s %s graph for %d %s: %s; the %d graphs left run without "
+                          "graphs", unit.runner, unit.kind, unit.size, "requests" if unit.kind in REQUEST_KINDS
+                          else "tokens", self.error, len(self.pending), exc_info=not isinstance(exc, CaptureOOMError))
                 break
             del self.pending[key]
             if unit.kind != WARM_UP:

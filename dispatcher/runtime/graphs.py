@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -193,8 +193,11 @@ class Replayable:
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     self.fn()
-                finally:
-                    graph.capture_end()
+                except BaseException:
+                    with suppress(RuntimeError):  # (the capture is invalid: end it, and report the first error)
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
         else:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.fn()

@@ -237,8 +237,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
         raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
                           f"server there? give another --port)") from None
-    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
-             args.port)
+    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and, unless capture is "
+             "delayed, its graphs captured)", args.host, args.port)
     front_ends = None
     if socks is not None:
         front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults)  # (_setup's tokenizer)
@@ -258,6 +258,13 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             ready = started.result()
+            if ready.grid_cost is not None:
+                from dispatcher.cli import render_plan
+                from dispatcher.messages import resolve_init
+                from dispatcher.plan.capture_plan import build_plan
+
+                log.info("fitted grids (fit_cudagraph_capture_sizes, from the step cost %s):\n%s",
+                         ready.grid_cost.get("source"), render_plan(build_plan(resolve_init(init, ready.grid_cost))))
             _log_capture(ready, time.perf_counter() - args.started_at)
             if front_ends is not None:  # (a SIGTERM meanwhile stops the wait: the server stops, as when starting)
                 gate = loop.create_task(front_ends.open_gate())
