@@ -96,7 +96,8 @@ def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp
 def test_no_step_replays_a_graph_not_captured_whole_and_each_is_captured_once(slow_units, monkeypatch):
     """Every forward that replays a graph (a runner's FULL or PIECEWISE graph, a fused step) finds it in its
     runtime's ``captured`` set, and no step is submitted while a unit is being captured; each unit is captured
-    once; the first unit captured is the graph the first step needed (demand before the plan's order)."""
+    once; after the largest graph of each kind (it sizes the memory pool) comes the graph the first step needed
+    (demand before the plan's order)."""
     violations, capturing = [], [False]
     execute, execute_next, fused_run = GraphRuntime.execute, GraphRuntime.execute_next, FusedDecode.run
 
@@ -132,13 +133,18 @@ def test_no_step_replays_a_graph_not_captured_whole_and_each_is_captured_once(sl
                                          submit(step))[1]
     delayed = engine.worker.delayed
     total = sum(delayed.totals.values())
-    for p in prompts():
-        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=16, temperature=0.0))  # (a 4-token graph: not a largest)
     first_step = engine.schedule()
     engine.update(first_step, engine.execute(first_step))
-    assert delayed.captured_keys[0] == ("target", first_step.message.target.graph)
+    while any(key in delayed.pending for key in delayed.anchors):  # (each kind's largest first: the pool's size)
+        engine.capture_gap()
+    anchors = len(delayed.anchors)
+    assert delayed.captured_keys == list(delayed.anchors)
+    for p in prompts():
+        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
     for _ in engine.run():
         pass
+    assert delayed.captured_keys[anchors] == ("target", first_step.message.target.graph)
     assert violations == []
     assert 0 < len(delayed.captured_keys) < total, "capture should have been under way throughout the run"
     engine.worker.capture_between_steps(None)

@@ -5,8 +5,9 @@ The unit is one size: a runner's graph of one size (every piece of a PIECEWISE s
 graph with its n-gram lookup graphs; besides them, the eager warm-up forwards left out of start-up (the larger token
 counts; start-up warms the first sizes only). A unit is captured whole before a step may replay it (its key joins
 the runtime's ``captured`` set last), so that no step ever replays a graph that is half captured; each is captured
-once. Order: the units the steps met uncaptured first (``note``: demand, oldest first), then the plan's order (the
-warm-ups, then per runner its kinds widest first and each kind's sizes largest first, the fused steps last).
+once. Order: the largest graph of each kind first (``anchors``: it sizes the shared memory pool), then the units
+the steps met uncaptured (``note``: demand, oldest first), then the plan's order (the warm-ups, then per runner its
+kinds widest first and each kind's sizes largest first, the fused steps last).
 
 ``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
 step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), while idle
@@ -106,6 +107,15 @@ class BackgroundCapture:
                 units.append(Unit(FUSED_STEP, FUSED_KIND, key.target.q, key.target.size, key,
                                   lambda key=key: worker.fused.capture_key(key, between_steps=True)))
         self.pending: dict[tuple[str, object], Unit] = {(u.runner, u.key): u for u in units}
+        self.anchors: dict[tuple[str, object], None] = {}
+        """The largest graph of each runner, kind and q (the first of its set in the plan's order): captured before
+        any demand, because it sizes the shared pool that the smaller ones then reuse, as the memory estimate
+        that sized the KV cache assumes (smaller graphs first would fragment the pool)."""
+        largest: dict[tuple[str, str, int | None], tuple[str, object]] = {}
+        for u in units:
+            if u.kind != WARM_UP:
+                largest.setdefault((u.runner, u.kind, u.q), (u.runner, u.key))
+        self.anchors = dict.fromkeys(largest.values())
         self.demand: dict[tuple[str, object], None] = {}
         totals: dict[tuple[str, str], int] = {}
         for u in units:
@@ -129,6 +139,9 @@ class BackgroundCapture:
             self.demand[(runner, key)] = None
 
     def _next(self) -> tuple[tuple, Unit]:
+        for key in self.anchors:
+            if key in self.pending:
+                return key, self.pending[key]
         while self.demand:
             key = next(iter(self.demand))
             del self.demand[key]
