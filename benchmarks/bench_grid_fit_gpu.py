@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each of the three servers'")
     parser.add_argument("--api-server-count", type=int, default=4)
     args = parser.parse_args()

@@ -29,7 +29,7 @@ from dispatcher.plan.config import ConfigError, ResolvedConfig
 from dispatcher.plan.dispatch import (StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
                                       not_captured_reason, without_graphs)
 from dispatcher.runtime.cache import cached_json
-from dispatcher.runtime.capture import GAP_BUDGET_S, capture_first_reason
+from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
@@ -192,7 +192,7 @@ class EngineCore:
                 self.plan,
             )
             if capture:
-                self._start_capture(worker, progress)
+                self.capture_report = worker.capture_or_delay(progress)
         self.worker = worker
         self.scheduler = Scheduler(sched_cfg)
         reach = args.max_model_len + sched_cfg.extra_tokens
@@ -222,17 +222,6 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
-
-    def _start_capture(self, worker: ModelWorker, progress: bool) -> None:
-        """Capture every graph now, or with ``delayed_cudagraph_capture`` leave them to the gaps between steps
-        (``run``), unless the configuration times its graphs at start-up (a warning says so)."""
-        refused = capture_first_reason(self.cfg)
-        if self.cfg.delayed_capture and refused is None:
-            worker.start_delayed_capture()
-            return
-        if refused is not None:
-            log.warning("delayed_cudagraph_capture is off: %s, so every graph is captured first", refused)
-        self.capture_report = worker.capture(progress=progress)
 
     def capture_gap(self) -> None:
         """Delayed capture's share of the gap after a submitted step (``ModelWorker.capture_between_steps``, at

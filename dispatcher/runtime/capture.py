@@ -85,6 +85,25 @@ def gc_off():
             gc.enable()
 
 
+def _units(worker, warm_up_tokens: dict[int, list[int]]) -> list[Unit]:
+    """Every unit in the plan's order: the deferred eager warm-ups, each runtime's graphs (``capture_order``), the
+    fused steps (``FusedDecode.capture_order``)."""
+    units: list[Unit] = []
+    for i, rt in enumerate(worker.runtimes):
+        for tokens in warm_up_tokens.get(i, []):
+            units.append(Unit(rt.runner, WARM_UP, None, tokens, (WARM_UP, tokens),
+                              lambda rt=rt, tokens=tokens: rt.warm_up_eager([tokens], attention=False)))
+    for rt in worker.runtimes:
+        for key in rt.capture_order():
+            units.append(Unit(rt.runner, key.kind, key.q, key.size, key,
+                              lambda rt=rt, key=key: rt.capture_key(key, between_steps=True)))
+    if worker.fused is not None:
+        for key in worker.fused.capture_order():
+            units.append(Unit(FUSED_STEP, FUSED_KIND, key.target.q, key.target.size, key,
+                              lambda key=key: worker.fused.capture_key(key, between_steps=True)))
+    return units
+
+
 class BackgroundCapture:
     """The worker's graphs still to capture (``ModelWorker.delayed``)."""
 
@@ -93,36 +112,21 @@ class BackgroundCapture:
         inside each unit's capture (tests: a slow or failing capture on the CPU)."""
         self.worker = worker
         self.hook = hook
-        units: list[Unit] = []
-        for i, rt in enumerate(worker.runtimes):
-            for tokens in (warm_up_tokens or {}).get(i, []):
-                units.append(Unit(rt.runner, WARM_UP, None, tokens, (WARM_UP, tokens),
-                                  lambda rt=rt, tokens=tokens: rt.warm_up_eager([tokens], attention=False)))
-        for rt in worker.runtimes:
-            for key in rt.capture_order():
-                units.append(Unit(rt.runner, key.kind, key.q, key.size, key,
-                                  lambda rt=rt, key=key: rt.capture_key(key, between_steps=True)))
-        if worker.fused is not None:
-            for key in worker.fused.capture_order():
-                units.append(Unit(FUSED_STEP, FUSED_KIND, key.target.q, key.target.size, key,
-                                  lambda key=key: worker.fused.capture_key(key, between_steps=True)))
+        units = _units(worker, warm_up_tokens or {})
+        graphs = [u for u in units if u.kind != WARM_UP]
         self.pending: dict[tuple[str, object], Unit] = {(u.runner, u.key): u for u in units}
-        self.anchors: dict[tuple[str, object], None] = {}
+        largest: dict[tuple[str, str, int | None], tuple[str, object]] = {}
+        for u in graphs:
+            largest.setdefault((u.runner, u.kind, u.q), (u.runner, u.key))
+        self.anchors = dict.fromkeys(largest.values())
         """The largest graph of each runner, kind and q (the first of its set in the plan's order): captured before
         any demand, because it sizes the shared pool that the smaller ones then reuse, as the memory estimate
         that sized the KV cache assumes (smaller graphs first would fragment the pool)."""
-        largest: dict[tuple[str, str, int | None], tuple[str, object]] = {}
-        for u in units:
-            if u.kind != WARM_UP:
-                largest.setdefault((u.runner, u.kind, u.q), (u.runner, u.key))
-        self.anchors = dict.fromkeys(largest.values())
         self.demand: dict[tuple[str, object], None] = {}
-        totals: dict[tuple[str, str], int] = {}
-        for u in units:
-            if u.kind != WARM_UP:
-                totals[(u.runner, u.kind)] = totals.get((u.runner, u.kind), 0) + 1
-        self.totals = totals
-        self.captured: dict[tuple[str, str], int] = dict.fromkeys(totals, 0)
+        self.totals: dict[tuple[str, str], int] = {}
+        for u in graphs:
+            self.totals[(u.runner, u.kind)] = self.totals.get((u.runner, u.kind), 0) + 1
+        self.captured = dict.fromkeys(self.totals, 0)
         self.captured_keys: list[tuple[str, object]] = []
         """Every unit captured, in order (tests: each exactly once)."""
         self.seconds = 0.0

@@ -34,7 +34,7 @@ from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN,
                                           build_plan)
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
 from dispatcher.runtime.cache import cached_json
-from dispatcher.runtime.capture import GAP_BUDGET_S, capture_first_reason
+from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.graphs import GraphRuntime
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.attention import allocate_kv_cache
@@ -113,17 +113,9 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
         phases.done("kv_sizing")
     worker = ModelWorker(wcfg, plan, model=model)
     phases.done("kv_allocation")
-    refused = capture_first_reason(cfg)
-    progress, report = None, None
-    if cfg.delayed_capture and refused is None:
-        worker.start_delayed_capture(capture_hook)
-        phases.done("kernels")
-        progress = worker.delayed.progress() if worker.delayed is not None else None
-    else:
-        if refused is not None:
-            log.warning("delayed_cudagraph_capture is off: %s, so every graph is captured first", refused)
-        report = worker.capture(progress=False)
-        phases.done("kernels", capture=worker.capture_seconds)
+    report = worker.capture_or_delay(hook=capture_hook)
+    phases.done("kernels", capture=worker.capture_seconds)
+    progress = worker.delayed.progress() if worker.delayed is not None else None
     av = worker.runtime.measure_step_ms(FULL_VARLEN) if init.measure_av_curve else None
     decode_costs = worker.measure_decode_costs() if init.measure_decode_costs else None
     phases.done("measure")

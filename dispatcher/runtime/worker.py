@@ -15,10 +15,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
-
-import msgspec
 
 from dispatcher.messages import F32, CaptureProgress, Step, StepResult, pack, unpack
 from dispatcher.plan.autotier import fixed_acceptance_rate
@@ -26,7 +25,7 @@ from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
 from dispatcher.plan.dispatch import MODE_EAGER
-from dispatcher.runtime.capture import BackgroundCapture
+from dispatcher.runtime.capture import BackgroundCapture, capture_first_reason
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
@@ -114,6 +113,7 @@ class ModelWorker:
         """``plan``: the capture plan (its config names the speculative method and the model runners); ``model``: an
         already loaded model (else loaded from ``wcfg.model``)."""
         method, k_max = plan.config.method, plan.config.num_speculative_tokens
+        self.config = plan.config
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
         if model is not None:
@@ -240,6 +240,18 @@ class ModelWorker:
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
                      "cache, %.1f s", launches, count, time.perf_counter() - t0)
         return report
+
+    def capture_or_delay(self, progress: bool = False, hook=None) -> CaptureReport | None:
+        """``capture`` now (its report), or under ``delayed_cudagraph_capture`` ``start_delayed_capture`` (None),
+        unless the configuration times its graphs at start-up (``capture_first_reason``: a warning, then
+        ``capture``)."""
+        refused = capture_first_reason(self.config)
+        if self.config.delayed_capture and refused is None:
+            self.start_delayed_capture(hook)
+            return None
+        if refused is not None:
+            log.warning("delayed_cudagraph_capture is off: %s, so every graph is captured first", refused)
+        return self.capture(progress=progress)
 
     def start_delayed_capture(self, hook=None) -> int:
         """Serve before capture (``delayed_cudagraph_capture``): warm the eager forwards of the first sizes (up to
