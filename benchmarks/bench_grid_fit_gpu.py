@@ -67,7 +67,7 @@ def planned_graphs(port: int) -> dict[str, int]:
 def fitted_plan(log_path: str) -> str | None:
     """The fitted plan's table the server logs (``fitted grids ...``), or None."""
     text = open(log_path, encoding="utf-8", errors="replace").read()
-    at = text.find("fitted grids (fit_cudagraph_capture_sizes")
+    at = text.find("fitted grids (fit_cudagraph_capture_sizes, from")
     return text[at:text.find("total:", at) + 40].strip() if at >= 0 else None
 
 
