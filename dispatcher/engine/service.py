@@ -192,21 +192,29 @@ class EngineService:
 
     async def _idle_while_capturing(self) -> None:
         """Wait for work (``_wake``) while the worker captures in the background: pass its progress on as it comes
-        (nothing else comes from the worker while no step runs)."""
+        (nothing else comes from the worker while no step runs); work ends the wait at once."""
         sock = self.process.to_engine
-        while not self._wake.is_set() and self.capturing:
-            if await sock.poll(LIVENESS_S * 1000):
-                msg = _decode(await sock.recv())
-                if isinstance(msg, CaptureProgress):
-                    await self._capture_progress(msg)
-                elif isinstance(msg, WorkerError) and msg.step_id < 0:
-                    log.warning("worker: %s", msg.message)
-                elif msg is not None:
-                    raise WorkerDied(f"the worker sent {type(msg).__name__} while no step was running")
-            elif not self.process.alive():
-                raise WorkerDied(f"the worker process {self.process.exit_description()}")
-        if not self._wake.is_set():
-            await self._wake.wait()
+        wake = asyncio.ensure_future(self._wake.wait())
+        while not wake.done() and self.capturing:
+            poll = asyncio.ensure_future(sock.poll(LIVENESS_S * 1000))
+            await asyncio.wait({wake, poll}, return_when=asyncio.FIRST_COMPLETED)
+            if not poll.done():
+                poll.cancel()
+                break
+            if not poll.result():
+                if not self.process.alive():
+                    wake.cancel()
+                    raise WorkerDied(f"the worker process {self.process.exit_description()}")
+                continue
+            msg = _decode(await sock.recv())
+            if isinstance(msg, CaptureProgress):
+                await self._capture_progress(msg)
+            elif isinstance(msg, WorkerError) and msg.step_id < 0:
+                log.warning("worker: %s", msg.message)
+            elif msg is not None:
+                wake.cancel()
+                raise WorkerDied(f"the worker sent {type(msg).__name__} while no step was running")
+        await wake
 
     async def _capture_progress(self, progress: CaptureProgress) -> None:
         """Delayed capture's progress, to the first front end (its metrics, and its log when done)."""
