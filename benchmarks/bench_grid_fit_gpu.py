@@ -75,9 +75,14 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
     policies = args.policies.split(",")
     procs = {}
     try:
-        for i, policy in enumerate(policies):
+        # the fitted server first, alone: it measures the step cost at start-up (unless cached), which the others'
+        # captures would disturb
+        for policy in sorted(policies, key=lambda p: p != FITTED):
+            i = policies.index(policy)
             procs[policy] = launch(serve_command(policy, workload, args.port + i, args),
                                    os.path.join(out_dir, f"server-gridfit-{workload}-{policy}.log"))
+            if policy == FITTED:
+                wait_healthy(procs[policy], policy, args.port + i)
         for i, policy in enumerate(policies):
             wait_healthy(procs[policy], policy, args.port + i)
         servers = {p: {"graphs": planned_graphs(args.port + i)} for i, p in enumerate(policies)}
@@ -146,6 +151,10 @@ def main() -> None:
     parser.add_argument("--api-server-count", type=int, default=4)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    from models.config import PRESETS
+
+    if args.model in PRESETS and not args.tokenizer:
+        parser.error("a preset model serves text only with --tokenizer (SmolLM2's: .gpu_data/smollm2-tokenizer)")
     if unknown := set(args.policies.split(",")) - set(GRID_POLICIES):
         parser.error(f"--policies: unknown {', '.join(sorted(unknown))} (known: {', '.join(GRID_POLICIES)})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

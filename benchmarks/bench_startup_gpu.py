@@ -301,6 +301,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternated bench runs per server and concurrency")
     args = parser.parse_args()
     args.concurrency_after = [int(c) for c in args.concurrency_after.split(",")]
+    from models.config import PRESETS
+
+    if any(m in PRESETS for m in args.models.split(",")) and not args.tokenizer:
+        parser.error("a preset model serves text only with --tokenizer (SmolLM2's: .gpu_data/smollm2-tokenizer)")
     if args.gpu_memory_utilization is None:
         args.gpu_memory_utilization = 0.9 if args.part == "startup" else 0.4
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
