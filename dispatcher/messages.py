@@ -54,6 +54,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     """int32: the prompt, then the output so far (a preempted request computes both again)."""
     num_prompt_tokens: int
     sampling: SamplingSpec
+    num_computed: int = 0
+    """Tokens whose KV the request already has: its cached prefix, in the blocks the step's ``block_updates`` give
+    it (the step computes from there)."""
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
@@ -182,6 +185,10 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
     fuse_decode_steps: bool = True
     """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``)."""
+    quantization: str | None = None
+    """``"fp8"``: weights quantized to FP8 at load (``--quantization``)."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
 
 
 def resolve_init(init: WorkerInit, grid_cost: dict | None = None) -> ResolvedConfig:

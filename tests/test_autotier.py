@@ -239,7 +239,7 @@ def test_auto_captures_every_candidate_over_its_reach():
     assert target[1][-1] == 1024 and target[4][-1] == 1024 and target[8][-1] == 512  # the 4096-token budget
     assert len(target[1]) == len(target[4]) == 64 and len(target[8]) == 48
     head = {g.q: g.sizes for g in plan.for_runner("eagle3") if g.kind == FULL_DECODE}
-    assert sorted(head) == [4, 8]  # K = 0 runs no drafter
+    assert sorted(head) == [1, 4, 8]  # K = 0 runs the head's step 0 too (its KV follows the target's)
     assert {g.q for g in plan.for_runner("eagle3_next_steps")} == {1}
     chooser = chooser_for_plan(recorded_h200("bench-moe"), plan)
     assert chooser.reach == {0: 1024, 3: 1024, 7: 512}

@@ -58,6 +58,7 @@ FUSING = [
     {"method": "mtp", "num_speculative_tokens": 1},
     {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 1]]},
     {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]},
+    {"method": "eagle3", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]},
     {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"},
 ]
 
@@ -97,7 +98,7 @@ def lockstep(spec, tmp_path, device: str) -> None:
     assert not engines[0].has_unfinished() and engines[0].stats.fused_steps > 0
 
 
-@pytest.mark.parametrize("spec", FUSING[1:5], ids=lambda s: json.dumps(s))
+@pytest.mark.parametrize("spec", FUSING[1:5] + FUSING[7:8], ids=lambda s: json.dumps(s))
 def test_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
     lockstep(spec, tmp_path, "cpu")
 

@@ -62,6 +62,10 @@ class EngineArgs:
     """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
     fixed_acceptance: float | None = None
     """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
+    quantization: str | None = None
+    """``"fp8"`` (vLLM's ``--quantization``): the weights quantized to FP8 at load."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (vLLM's ``--kv-cache-dtype``)."""
     eos_token_ids: tuple[int, ...] | None = None
     """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
     av_cost_table: str | None = None
@@ -74,6 +78,9 @@ class EngineArgs:
     and reused (so that runs of one setup start from the same tiers)."""
     auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
     """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
+    that another request computed (``scheduler.kv_blocks``)."""
 
 
 @dataclass
@@ -144,12 +151,13 @@ class ScheduledStep:
 
 def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
     """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
-    new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
+    first = len(out.slots) - len(out.new_requests)
+    new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
                       SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
                                    int(req.params.seed or 0),
-                                   -1 if req.params.logprobs is None else int(req.params.logprobs)))
-           for req, slot in zip(out.new_requests, new_slots)]
+                                   -1 if req.params.logprobs is None else int(req.params.logprobs)), computed)
+           for req, slot, computed in zip(out.new_requests, new_slots, new_computed)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
@@ -181,14 +189,16 @@ class EngineCore:
         self.args = args
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
-        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
+                                     enable_prefix_caching=args.enable_prefix_caching)
         self.capture_report = None
         if worker is None:
             dtype = args.dtype or default_dtype(args.model, args.device)
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps),
+                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps,
+                             args.quantization, args.kv_cache_dtype),
                 self.plan,
             )
             if capture:

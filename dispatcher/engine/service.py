@@ -76,7 +76,9 @@ class EngineService:
         w = self.init.worker
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
-                          fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
+                          fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
+                          enable_prefix_caching=self.init.enable_prefix_caching,
+                          quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready))
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
@@ -148,10 +150,8 @@ class EngineService:
         """Take a step's result: the scheduler's update, then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
-        if isinstance(result, WorkerError):
-            ids = [r.request_id for r in step.out.requests]
-            for rid in ids:
-                core.abort(rid)
+        if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
+            ids = core.scheduler.fail_step(step.out, [s.out for s in self._in_flight])
             message = f"step failed: {result.message}"
             await self._send_by_front_end(ids, lambda fe_ids: Outputs(failed=[Failure(fe_ids, message)]),
                                           Outputs(queue=self._queue_state()))
@@ -160,12 +160,13 @@ class EngineService:
             return
         outputs = core.update(step, core.finish(step, result))
         target, spec = step.descs.target, core.scheduler.last_spec_decode
-        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
-                            spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
+        out = step.out
+        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - out.shape.num_tokens,
+                            spec.num_accepted_tokens, out.num_preempted, result.device_ms / 1e3,
                             spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed(),
-                            result.fused)
+                            out.prefix_cache_queries, out.prefix_cache_hits, result.fused)
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
-                        o.logprobs) for o in outputs]
+                        o.logprobs, o.num_cached_tokens) for o in outputs]
         if len(self.outboxes) == 1:
             await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
             return

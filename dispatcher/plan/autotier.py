@@ -241,9 +241,9 @@ def decode_step_costs(method: str | None, candidates: Sequence[int],
                       source: str = "") -> StepCostTable:
     """A step's cost per candidate K from each runner's measured FULL decode replay times (``tables[runner][q]``:
     (requests, ms) points): where fused decode steps were timed (``tables[FUSED_STEP]``: the whole step, target,
-    drafter and the glue between them, in one graph), those; else the target at q = 1 + K, plus for K >= 1 the
-    drafter's forwards: an EAGLE-style drafter's or a draft model's step 0 at q and its one-token steps
-    (``one_token_steps``) at q = 1, a block drafter's forward at its q. K = 0 is the target alone. A drafter forward
+    drafter and the glue between them, in one graph), those; else the target at q = 1 + K, plus the drafter's
+    forwards: an EAGLE-style drafter's or a draft model's step 0 at q (every step, K = 0 too) and for K >= 1 its
+    one-token steps (``one_token_steps``) at q = 1, a block drafter's forward at its q for K >= 1. A drafter forward
     with no measured graphs (disabled) adds nothing."""
     target, fused = tables.get("target", {}), tables.get(FUSED_STEP, {})
     by_q: dict[int, list[tuple[int, float]]] = {}
@@ -256,9 +256,10 @@ def decode_step_costs(method: str | None, candidates: Sequence[int],
         if not points:
             continue
         extra: list[tuple[float, Sequence[tuple[int, float]]]] = []
-        if k and method in ONE_TOKEN_DRAFTERS:
+        if method in ONE_TOKEN_DRAFTERS:  # step 0 on every step (K = 0 too: the drafter's KV), then one-token steps
             extra.append((1.0, tables.get(method, {}).get(q, ())))
-            extra.append((float(one_token_steps(method, k)), tables.get(next_steps_runner(method), {}).get(1, ())))
+            if k:
+                extra.append((float(one_token_steps(method, k)), tables.get(next_steps_runner(method), {}).get(1, ())))
         elif k and method in BLOCK_DRAFTERS:
             extra.append((1.0, tables.get(method, {}).get(block_query_len(method, k), ())))
         pts = sorted(points)

@@ -92,7 +92,9 @@ class FusedDecode:
 
     # -- which steps ---------------------------------------------------------------------------------------------
     def _keys(self, plan) -> dict[FusedKey, None]:
-        """A key per target FULL decode size whose drafter forwards (at the same n') are FULL graphs."""
+        """A key per target FULL decode size whose drafter forwards (at the same n') are FULL graphs: an EAGLE-style
+        head's step 0 at every q (it writes the head's KV on every step, drafting or not: ``drafting.py``), its
+        one-token steps where the step drafts."""
         keys: dict[FusedKey, None] = {}
         dispatchers = dispatchers_for_plan(plan)
         for g in plan.for_runner("target"):
@@ -101,9 +103,9 @@ class FusedDecode:
             k = g.q - 1 if self.method is not None else 0
             for n in g.sizes:
                 draft = nxt = None
-                if k and self.method in EAGLE_LIKE:
+                if self.method in EAGLE_LIKE:  # (step 0 runs every step: its KV follows the target's)
                     draft = dispatchers[self.method].dispatch(n * g.q, n, g.q, True)
-                    if one_token_steps(self.method, k):
+                    if k and one_token_steps(self.method, k):
                         nxt = dispatchers[next_steps_runner(self.method)].dispatch(n, n, 1, True)
                     if any(d is not None and (d.mode != MODE_FULL or d.num_reqs != n) for d in (draft, nxt)):
                         continue
@@ -174,9 +176,10 @@ class FusedDecode:
             out = self.out[:n]
             out[:, 0].copy_(accepted)
             out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
-            if k and self.method in EAGLE_LIKE:
+            if self.method in EAGLE_LIKE:
                 conf = self._eagle(key, slots, block_rows, valid, tokens, accepted, computed + 1 + accepted)
-                out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
+                if k:
+                    out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
 
         return run
 
@@ -196,10 +199,10 @@ class FusedDecode:
         seq_lens.copy_(torch.where(valid, positions[:, -1] + 1, 0))
         req_rows.copy_(block_rows)
 
-    def _eagle(self, key, slots, block_rows, valid, tokens, accepted, last_pos) -> torch.Tensor:
+    def _eagle(self, key, slots, block_rows, valid, tokens, accepted, last_pos) -> torch.Tensor | None:
         """An EAGLE head's drafts for the step (as ``EagleDrafter.propose``): step 0 over the target's rows, each
-        reading the token produced after it; then K - 1 one-token steps from the last new token. Writes the drafts
-        into the request state; returns their confidences (n, K)."""
+        reading the token produced after it; then, when the step drafts, K - 1 one-token steps from the last new
+        token. Writes the drafts into the request state; returns their confidences (n, K) (None: no drafts)."""
         st, tgt, drafter = self.state, self.target, self.worker.drafter
         n, q, k = key.target.size, key.target.q, key.num_new_drafts
         step0 = drafter.runtimes[0]
@@ -208,6 +211,8 @@ class FusedDecode:
         features = tgt.features(n * q) if tgt.model.aux_layers else tgt.bufs.hidden_out[: n * q]
         step0.bufs.aux[: n * q].copy_(features)
         step0.graphs[key.draft][0].fn()
+        if not k:
+            return None
         feature = step0.bufs.hidden_out[: n * q].view(n, q, -1)[self._arange[:n], accepted]
         drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
         conf = torch.empty(n, k, dtype=torch.float32, device=self.device)

@@ -35,7 +35,7 @@ import torch
 
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata, RequestLayout, pack_requests
+from models.attention_metadata import AttentionMetadata, RequestLayout, pack_requests
 from models.fused import programmatic_launch
 
 log = logging.getLogger("twogrid.runtime")
@@ -288,7 +288,7 @@ class GraphRuntime:
                         for g in self.graph_sets for size in g.sizes}
         capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device,
+                                           model.dtype, self.device,
                                            aux_size=(aux_size or model.cfg.hidden_size) if model.needs_aux else 0,
                                            request_capacity=capacity, proposes=proposes,
                                            aux_out_size=len(model.aux_layers) * model.cfg.hidden_size)

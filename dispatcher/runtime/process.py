@@ -37,7 +37,7 @@ from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.graphs import GraphRuntime
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
-from models.attention import allocate_kv_cache
+from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
@@ -63,7 +63,8 @@ verification or "auto" tiers."""
 
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""
+    """Bytes of one KV block across ``num_layers`` layers (default: all of the model's), in the cache's ``dtype``
+    (one byte a value with ``--kv-cache-dtype fp8``)."""
     layers = model_cfg.num_layers if num_layers is None else num_layers
     return layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * \
         torch.tensor([], dtype=dtype).element_size()
@@ -97,11 +98,12 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
     dtype = getattr(torch, init.dtype)
     device = torch.device(init.device)
     start = time.perf_counter()
-    model = load_model(init.model, device, dtype, init.seed)
+    model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len)
     phases.done("weights")
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
-                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps)
+                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
+                        init.quantization, init.kv_cache_dtype)
     grid_cost = None
     if cfg.fit_sizes and build_plan(cfg).graph_sets and init.use_cuda_graphs:
         grid_cost = measured_grid_cost(wcfg, cfg, model).to_json()
@@ -144,12 +146,14 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
             if cap >= 2:
                 sets.append(GraphSet("target", FULL_DECODE, q, measurement_sizes(cap)))
     key = [torch.cuda.get_device_name(wcfg.device) if wcfg.device.startswith("cuda") else "cpu", str(model.cfg),
-           str(wcfg.dtype), torch.__version__, [[g.kind, g.q, list(g.sizes)] for g in sets]]
+           str(wcfg.dtype), wcfg.quantization, wcfg.kv_cache_dtype, torch.__version__,
+           [[g.kind, g.q, list(g.sizes)] for g in sets]]
 
     def measure() -> dict:
         start = time.perf_counter()
         kv = allocate_kv_cache(model.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, wcfg.dtype, torch.device(wcfg.device))
+                               model.cfg.head_dim, kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype),
+                               torch.device(wcfg.device))
         widest = max(size * (g.q or 1) for g in sets for size in g.sizes)
         rt = GraphRuntime(model, kv, sets, max_num_tokens=widest, max_num_reqs=cfg.max_num_seqs,
                           max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs)
@@ -192,12 +196,13 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     """KV blocks that fit in ``utilization`` of the device's memory once the weights, the static buffers and the
     graphs (estimated by capturing samples into a throwaway pool) are counted. On the CPU: enough for every slot's
     longest request, capped at 4 GiB."""
-    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype)
+    kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
+    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype)
     method = plan.config.method
     if method == DRAFT_MODEL:  # the draft LM's own cache
-        per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, wcfg.dtype)
+        per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, kv_dtype)
     elif method in MODEL_DRAFTERS:  # a one-layer head with the target's KV heads
-        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype, 1)
+        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype, 1)
     if wcfg.device.startswith("cpu"):
         return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here

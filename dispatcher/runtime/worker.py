@@ -31,7 +31,7 @@ from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDr
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
-from models.attention import allocate_kv_cache
+from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
@@ -75,6 +75,10 @@ class WorkerConfig:
     fuse_decode_steps: bool = True
     """Capture each uniform-decode step whole (``dispatcher.runtime.decode_step``) where it can run so; False: every
     step op by op around the runners' graphs."""
+    quantization: str | None = None
+    """``"fp8"``: the weights quantized to FP8 at load (``models.fp8``); None: as the checkpoint holds them."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` (the model's dtype) or ``"fp8"`` (e4m3 with per-layer scales: ``models.attention.kv_cache_dtype``)."""
 
 
 class RequestState:
@@ -119,7 +123,8 @@ class ModelWorker:
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
-            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed, wcfg.quantization,
+                                    wcfg.max_model_len)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         self.method, self.k_max = method, k_max
@@ -127,8 +132,9 @@ class ModelWorker:
         if isinstance(head, EagleHead) and head.shape.eagle3:
             self.model.aux_layers = head.shape.aux_layers  # the target's graphs also write the features it reads
         cfg = self.model.cfg
+        kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, wcfg.dtype, self.device)
+                                           cfg.head_dim, kv_dtype, self.device)
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
@@ -140,7 +146,7 @@ class ModelWorker:
             self.drafter = NgramDrafter(plan.config.prompt_lookup_min, plan.config.prompt_lookup_max)
         elif head is not None:
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
-                                         head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
+                                         head.cfg.num_kv_heads, head.cfg.head_dim, kv_dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             step0_aux = head.step0_aux_size if isinstance(head, EagleHead) else None
             self.draft_runtimes = [
@@ -213,7 +219,7 @@ class ModelWorker:
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
-        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed)
+        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed, self.wcfg.quantization)
         if draft.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"speculative model {name!r} has a vocabulary of {draft.cfg.vocab_size} tokens, the "
                              f"target {self.model.cfg.vocab_size}: a draft model must share the target's tokenizer")
@@ -360,8 +366,8 @@ class ModelWorker:
         hidden = self.runtime.execute(step.target, inputs)
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
-        drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
-        if drafts:
+        drafts = bool(self.drafter is not None and step.num_new_drafts and plan.num_sampling)
+        if drafts or step.draft is not None:  # (step 0 writes the drafter's KV every step: drafting.py)
             features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
             self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
@@ -374,7 +380,7 @@ class ModelWorker:
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit,
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit,
                         not_captured=not_captured)
 
     def _without_uncaptured(self, step: Step, not_captured: list[str]) -> tuple[Step, list[str] | None]:
@@ -480,6 +486,7 @@ class ModelWorker:
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
+            np.asarray([r.num_computed for r in new], np.int64),
         )
         return _DeviceStep(*cols)
 
@@ -504,7 +511,7 @@ class ModelWorker:
             cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
                 starts, lens, output_size=dev.new_tokens.numel())
             st.token_ids[rows, cols] = dev.new_tokens
-            st.num_computed.index_fill_(0, slots, 0)
+            st.num_computed[slots] = dev.new_num_computed  # (its cached prefix's tokens; 0 without one)
             st.temperature[slots] = as_float(dev.new_temperature)
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
@@ -743,6 +750,7 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
+    new_num_computed: torch.Tensor
 
     @property
     def sampling_slots(self) -> torch.Tensor:
