@@ -30,6 +30,9 @@ from models.config import preset  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 2}]
+K0_TIER = {"method": "eagle3", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]}
+"""A tier of K = 0 under EAGLE-3: its steps still run the head's step 0 (its KV), on FULL decode graphs of their
+own and fused (``drafting.py``), which delayed capture captures like the others."""
 
 
 def engine_for(spec, delayed: bool, trace=None, device: str = "cpu") -> EngineCore:
@@ -62,11 +65,11 @@ def slow_units(monkeypatch):
     return order
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["no-sd", "eagle3", "ngram"])
+@pytest.mark.parametrize("spec", SPECS + [K0_TIER], ids=["no-sd", "eagle3", "ngram", "eagle3-k0-tier"])
 def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp_path):
     """Greedy and seeded-sampled requests: the same tokens and acceptance as an engine that captured first. The
     first steps run without graphs, counted under eager cause not_captured_yet and named in the trace; once idle
-    the worker captures every graph left."""
+    the worker captures every graph left, and later steps replay them (uniform decodes fused)."""
     params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.8, seed=3)]
     first = engine_for(spec, False)
     trace = str(tmp_path / "trace.jsonl")
@@ -77,6 +80,14 @@ def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp
     s, f = delayed.stats, first.stats
     assert (s.num_drafts, s.num_accepted_tokens) == (f.num_drafts, f.num_accepted_tokens)
     assert f.eager_by_reason == {} and s.eager_by_reason.get(NOT_CAPTURED_YET, 0) >= 1
+    delayed.worker.capture_between_steps(None)  # the rest, as the worker process does once idle
+    assert delayed.worker.delayed is None
+    for rt in delayed.worker.runtimes:
+        assert rt.captured == set(rt.layouts)
+    assert delayed.worker.fused.captured == set(delayed.worker.fused.graphs)
+    fused, not_captured = s.fused_steps, s.eager_by_reason[NOT_CAPTURED_YET]
+    assert delayed.generate(prompts(), params[0]) == first.generate(prompts(), params[0])
+    assert s.fused_steps > fused and s.eager_by_reason[NOT_CAPTURED_YET] == not_captured
     delayed.close()
     records = [json.loads(line) for line in open(trace, encoding="utf-8")]
     missing = [r for r in records if "not_captured" in r]
@@ -85,12 +96,6 @@ def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp
         if "target" in r["not_captured"]:
             assert r["mode"] == MODE_EAGER and r["padded_tokens"] == r["tokens"]
             assert "was not captured yet" in r["eager_reason"]
-    delayed.worker.capture_between_steps(None)  # the rest, as the worker process does once idle
-    assert delayed.worker.delayed is None
-    for rt in delayed.worker.runtimes:
-        assert rt.captured == set(rt.layouts)
-    assert delayed.worker.fused.captured == set(delayed.worker.fused.graphs)
-    assert s.fused_steps >= 1
 
 
 def test_no_step_replays_a_graph_not_captured_whole_and_each_is_captured_once(slow_units, monkeypatch):
