@@ -21,6 +21,20 @@ def write_json(path: str | None, result: dict) -> None:
         os.replace(tmp, path)
 
 
+def stop_server(proc) -> None:
+    """SIGTERM a server process (a ``subprocess.Popen``) and wait for it to drain and exit; SIGKILL after 60 s."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def commit() -> str | None:
     """The commit measured: $TWOGRID_COMMIT when set (a device machine's copy of .git can be older than the tree
     sent to it), else the tree's git HEAD, else None."""

@@ -130,7 +130,9 @@ def start_server(policy: str, workload: str, fixed: float | None, port: int, arg
     return launch(cmd, policy, port, log_path, wait)
 
 
-def wait_healthy(proc: subprocess.Popen, policy: str, port: int) -> None:
+def wait_healthy(proc: subprocess.Popen, policy: str, port: int, poll_s: float = 1.0) -> None:
+    """Return once the server answers /health with 200 (asked every ``poll_s``); RuntimeError when it exits or
+    takes more than 300 s."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -141,7 +143,7 @@ def wait_healthy(proc: subprocess.Popen, policy: str, port: int) -> None:
                     return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(poll_s)
     proc.kill()
     raise RuntimeError(f"{policy}: the server did not start within 300 s")
 
@@ -182,12 +184,13 @@ def num_clients(conc: int) -> int:
 
 
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None,
-              served_name: str = SERVED_NAME, bench_args: tuple[str, ...] = ()) -> dict:
+              served_name: str = SERVED_NAME, bench_args: tuple[str, ...] = (), warmups: int | None = None) -> dict:
     """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
     ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result, saved
     with each request's send time, TTFT and latency (``--save-detailed``: where a run's wall time went); with
     ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
-    the whole bench command (warm-ups included). ``bench_args``: more ``twogrid bench`` flags (sampling ones)."""
+    the whole bench command (warm-ups included). ``bench_args``: more ``twogrid bench`` flags (sampling ones).
+    ``warmups``: unmeasured requests first (default: a wave of ``conc``)."""
     os.makedirs(result_dir, exist_ok=True)
     name = f"{label}-c{conc}.json"
     before = process_cpu_s(server_pid) if server_pid else {}
@@ -197,7 +200,8 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
            "--dataset-name", "sharegpt", "--dataset-path", args.data, "--num-prompts",
            str(max(conc * args.waves, args.min_prompts)),
            "--sharegpt-output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", str(conc),
-           "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--save-detailed",
+           "--num-warmups", str(conc if warmups is None else warmups), "--num-clients", str(num_clients(conc)),
+           "--save-result", "--save-detailed",
            "--result-dir",
            result_dir,
            "--result-filename", name, "--label", label, "--disable-tqdm", *bench_args]

@@ -18,6 +18,19 @@ def parent_gone() -> bool:
     return os.getppid() != int(os.environ.get(PARENT_PID_ENV) or os.getppid())
 
 
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat against the system's uptime),
+    so that a start-up's first phase (the interpreter and its imports) can be told; None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+
+
 def ignore_stop_signals() -> None:
     """A child's parent decides when it stops (a message, once drained): a SIGTERM sent to every process of the
     service (systemd's default KillMode) or a terminal's SIGINT must not end it under the requests being drained."""

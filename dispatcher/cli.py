@@ -111,6 +111,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.auto_tiers:
         return _plan_auto_tiers(args)
+    if args.autotune:
+        return _plan_autotune(args)
+    for flag in ("cost_model", "padding_trace"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} is for --autotune")
     if args.acceptance is not None:
         raise ConfigError("--acceptance is for --auto-tiers (the acceptance the tiers are chosen by)")
     plan = build_plan(config_from_args(args))
@@ -158,6 +163,95 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
           f"costs {costs.source}; the plan captures {plan.num_graphs} graphs (every candidate K over its reach)")
     print(render_choice(chooser, choice))
     return 0
+
+
+def load_step_cost(path: str, model: str | None, flag: str):
+    """A ``gridfit.StepCost`` from ``path``: step traces (.jsonl, several joined with commas) or a JSON file (a
+    runtime benchmark's, of which ``model``, or the grid-cost table the server keeps)."""
+    from dispatcher.plan.gridfit import StepCost
+
+    if path.endswith(".jsonl"):
+        from dispatcher.engine.trace import read_traces
+
+        if model is not None:
+            raise ConfigError(f"--cost-model picks a model of a runtime benchmark's JSON; {path!r} are step traces")
+        return StepCost.from_trace(read_traces(path, flag), f"{flag} {path}")
+    return StepCost.from_json(load_json_file(path, flag), f"{flag} {path}", model)
+
+
+def _plan_autotune(args: argparse.Namespace) -> int:
+    """``plan --autotune COST``: the grids the padding-cost rule fits to COST's step times, beside the defaults."""
+    from dispatcher.plan import gridfit, grids
+
+    cost = load_step_cost(args.autotune, args.cost_model, "--autotune")
+    default_cfg = config_from_args(args)
+    compilation = {k: v for k, v in parse_json_arg(args.compilation_config, "--compilation-config").items()
+                   if k != "fit_cudagraph_capture_sizes"}
+    fitted_cfg = resolve({**compilation, "fit_cudagraph_capture_sizes": True},
+                         parse_json_arg(args.speculative_config, "--speculative-config"),
+                         platform=default_cfg.platform, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, step_cost=cost)
+    plans = {"default": build_plan(default_cfg), "fitted": build_plan(fitted_cfg)}
+    q = 1 + fitted_cfg.num_speculative_tokens
+    probe = (1, 8, 64, 256, 512, 1024, 2048, 4096, 8192)
+    curves = {"prefill_tokens": cost.prefill, f"decode_requests_q{q}": cost.decode_points(q)}
+    elasticity = {name: {str(n): round(gridfit.elasticity(pts)(n), 3) for n in probe}
+                  for name, pts in curves.items() if len(pts) >= 2}
+    memory = {name: _target_capture_gib(plan, cost) for name, plan in plans.items()}
+    padding = None
+    if args.padding_trace:
+        from dispatcher.engine.replay import record_shape
+        from dispatcher.engine.trace import read_traces
+
+        shapes = [record_shape(r) for r in read_traces(args.padding_trace, "--padding-trace")
+                  if isinstance(r, dict) and "tokens" in r]
+        padding = {name: gridfit.expected_padding(shapes, plan, cost) for name, plan in plans.items()}
+    graphs = {name: plan.num_graphs for name, plan in plans.items()}
+    if args.json:
+        print(json.dumps({"source": cost.source, "eps": {"prefill": grids.PREFILL_EPS, "decode": grids.DECODE_EPS},
+                          "decode_fitted_at_q": q, "elasticity": elasticity, "graphs": graphs,
+                          "target_capture_gib": memory, "padding": padding,
+                          "plans": {name: plan.to_dict() for name, plan in plans.items()}},
+                         indent=2 if args.pretty else None))
+        return 0
+    print(f"grids fitted to {cost.source}: the padding-cost rule, local step 2 * eps * n / e(n), prefill eps "
+          f"{grids.PREFILL_EPS}, decode eps {grids.DECODE_EPS} (decode fitted at q = {q})")
+    for name, values in elasticity.items():
+        print(f"  e(n), {name.replace('_', ' ')}: " + ", ".join(f"{n}: {e:.2f}" for n, e in values.items()))
+    default_sets = {(g.runner, g.kind, g.q): g for g in plans["default"].graph_sets}
+    rows = []
+    for g in plans["fitted"].graph_sets:
+        d = default_sets.get((g.runner, g.kind, g.q))
+        rows.append((g.runner, g.kind, g.q, len(d.sizes) if d else 0, len(g.sizes), compact_sizes(g.sizes) or "-"))
+    print()
+    print(format_table(["runner", "kind", "q", "default", "fitted", "fitted sizes"], rows,
+                       [False, False, True, True, True, False]))
+    change = (graphs["fitted"] - graphs["default"]) / graphs["default"] if graphs["default"] else 0.0
+    print(f"\ntotal: {graphs['default']} graphs by default, {graphs['fitted']} fitted ({change:+.1%})")
+    if all(v is not None for v in memory.values()):
+        print(f"target graph memory (estimated from the measured capture's samples): {memory['default']:.3f} GiB by "
+              f"default, {memory['fitted']:.3f} GiB fitted")
+    else:
+        print("target graph memory: no capture samples in the cost file (a runtime benchmark's JSON has them)")
+    if padding is not None:
+        for name, p in padding.items():
+            share = "-" if p["padding_share"] is None else f"{p['padding_share']:.2%}"
+            print(f"expected padding on {args.padding_trace}, {name}: {p['padding_ms']:.1f} ms over "
+                  f"{p['priced_steps']} steps ({share} of their unpadded time); {p['eager_steps']} eager, "
+                  f"{p['other_steps']} on other graphs")
+    return 0
+
+
+def _target_capture_gib(plan: CapturePlan, cost) -> float | None:
+    """The target's graph memory under ``plan`` by ``cost``'s capture samples (FULL decode kinds share the
+    full_decode sample); None when a kind has none."""
+    total = 0.0
+    for g in plan.for_runner("target"):
+        gib = cost.capture_memory(g.kind, len(g.sizes))
+        if gib is None:
+            return None
+        total += gib
+    return round(total, 4)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -475,6 +569,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance", default=None, metavar="RATES",
                    help="with --auto-tiers: the acceptance per draft position, \"0.6,0.35,0.2\" (continued by its last "
                         "ratio), or one rate r for r, r^2, ... (default: the config's acceptance_prior, else 0.6)")
+    p.add_argument("--autotune", default=None, metavar="COST",
+                   help="print the prefill and decode grids the padding-cost rule fits to COST's measured step "
+                        "times, beside the defaults: a runtime benchmark's JSON (benchmarks/bench_runtime_gpu.py), "
+                        "the grid-cost table the server keeps under $TWOGRID_CACHE/grid_cost, or step traces (.jsonl)")
+    p.add_argument("--cost-model", default=None, metavar="NAME",
+                   help="with --autotune: the model of a runtime benchmark's JSON (default: its only one)")
+    p.add_argument("--padding-trace", default=None, metavar="TRACE",
+                   help="with --autotune: price both grids' padding on this step trace's batches (.jsonl, several "
+                        "joined with commas)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="run the real scheduler and dispatcher on a workload against a cost model",

@@ -15,6 +15,7 @@ import numpy as np
 
 from dispatcher.plan.config import ResolvedConfig, resolve
 from dispatcher.plan.dispatch import BatchDescriptor
+from dispatcher.plan.gridfit import StepCost
 from scheduler.request import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                                MAX_MIN_TOKENS_STOP_IDS)
 
@@ -152,6 +153,39 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     prompt_logprob_ranks: bytes = b""
     """int32 (p,): the prompt token's rank there (1: the most likely)."""
     num_prompt_top_logprobs: int = 0
+    not_captured: list[str] = []
+    """Delayed capture: the step's graphs that were not captured yet, so that it ran without them: ``"step"`` (its
+    fused decode-step graph: it ran op by op), ``"target"``, ``"draft"``, ``"draft_next"`` (that forward ran
+    eagerly). Empty once every graph is captured."""
+
+
+class GraphCount(msgspec.Struct, array_like=True, frozen=True):
+    """Graphs of one runner and kind: captured so far, and in the plan."""
+
+    runner: str
+    kind: str
+    captured: int
+    total: int
+
+
+class CaptureProgress(msgspec.Struct, array_like=True, frozen=True, tag="capture"):
+    """Delayed capture's progress (``delayed_cudagraph_capture``): the worker sends it after each idle gap in which
+    it captured graphs, and once when the last one is captured (``done``)."""
+
+    graphs: list[GraphCount]
+    seconds: float
+    """Time spent capturing so far (the worker's host time, in the gaps between steps)."""
+    done: bool
+    error: str = ""
+    """Why capture stopped before the end (out of memory): the graphs left uncaptured run eagerly."""
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.captured for g in self.graphs)
+
+    @property
+    def num_total(self) -> int:
+        return sum(g.total for g in self.graphs)
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
@@ -194,11 +228,14 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
 
 
-def resolve_init(init: WorkerInit) -> ResolvedConfig:
+def resolve_init(init: WorkerInit, grid_cost: dict | None = None) -> ResolvedConfig:
     """The configuration a ``WorkerInit`` carries, resolved (the worker and the engine process both do this, so
-    they agree on every size list)."""
+    they agree on every size list); ``grid_cost``: the measured step cost fitted grids come from
+    (``WorkerReady.grid_cost``)."""
+    cost = StepCost.from_json(grid_cost, grid_cost.get("source", "the worker's grid cost")) if grid_cost else None
     return resolve(init.compilation_config, init.speculative_config, platform=init.platform,
-                   max_num_seqs=init.max_num_seqs, max_num_batched_tokens=init.max_num_batched_tokens)
+                   max_num_seqs=init.max_num_seqs, max_num_batched_tokens=init.max_num_batched_tokens,
+                   step_cost=cost)
 
 
 class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
@@ -220,6 +257,13 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     is captured."""
     ready_seconds: float = 0.0
     """From the start of the model's loading to this message (loading, KV cache sizing, capture, warm-up)."""
+    startup: dict[str, float] = {}
+    """Seconds of each start-up phase in the worker (``dispatcher.runtime.process.STARTUP_PHASES``)."""
+    capture_progress: CaptureProgress | None = None
+    """Delayed capture: the graphs captured when the worker became ready (None: all were, before)."""
+    grid_cost: dict | None = None
+    """``fit_cudagraph_capture_sizes``: the measured step cost the grids were fitted to (``gridfit.StepCost``'s
+    JSON), from which the engine resolves the same plan."""
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):
@@ -231,7 +275,7 @@ class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):
 
 
 ToWorker = Step | Shutdown
-ToEngine = StepResult | WorkerReady | WorkerError
+ToEngine = StepResult | WorkerReady | WorkerError | CaptureProgress
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
@@ -239,7 +283,7 @@ _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _init = msgspec.msgpack.Decoder(WorkerInit)
 
 
-def encode(message: Step | StepResult | Shutdown | WorkerInit | WorkerReady | WorkerError) -> bytes:
+def encode(message: Step | StepResult | Shutdown | WorkerInit | WorkerReady | WorkerError | CaptureProgress) -> bytes:
     return _encoder.encode(message)
 
 
@@ -248,7 +292,7 @@ def decode_to_worker(data: bytes) -> Step | Shutdown:
     return _to_worker.decode(data)
 
 
-def decode_to_engine(data: bytes) -> StepResult | WorkerReady | WorkerError:
+def decode_to_engine(data: bytes) -> StepResult | WorkerReady | WorkerError | CaptureProgress:
     return _to_engine.decode(data)
 
 

@@ -52,7 +52,7 @@ BAD = [
      "'max_prefill_cudagraph_capture_tokens'?); known fields: cudagraph_mode, max_prefill_cudagraph_capture_tokens, "
      "prefill_cudagraph_capture_token_sizes, max_decode_cudagraph_capture_requests, "
      "decode_cudagraph_capture_request_sizes, max_decode_cudagraph_capture_tokens, interactivity, "
-     "cudagraph_capture_sizes, max_cudagraph_capture_size"),
+     "cudagraph_capture_sizes, max_cudagraph_capture_size, delayed_cudagraph_capture, fit_cudagraph_capture_sizes"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
      "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max, "
@@ -60,6 +60,11 @@ BAD = [
     ({"cudagraph_mode": "FULL_ONLY"}, None, {},
      "cudagraph_mode must be one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; got 'FULL_ONLY'"),
     ({"interactivity": "yes"}, None, {}, "interactivity must be true or false, got 'yes'"),
+    ({"delayed_cudagraph_capture": 1}, None, {}, "delayed_cudagraph_capture must be true or false, got 1"),
+    ({"fit_cudagraph_capture_sizes": True, "decode_cudagraph_capture_request_sizes": [1, 2]}, None, {},
+     "fit_cudagraph_capture_sizes fits the size lists to the measured step cost, so "
+     "decode_cudagraph_capture_request_sizes cannot be set with it: give caps (max_prefill_cudagraph_capture_tokens, "
+     "max_decode_cudagraph_capture_requests) or leave fit_cudagraph_capture_sizes out"),
     ([1, 2], None, {}, "--compilation-config must be a JSON object, got list: [1, 2]"),
     # speculative decoding
     ({}, {"method": "eagle3", "num_speculative_tokens": -1}, {}, "num_speculative_tokens must be in 1..63, got -1"),

@@ -8,11 +8,9 @@ the GPU tests use it directly. A step is three calls, so that a caller can inter
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import numbers
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -29,7 +27,10 @@ from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepRe
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
-from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason
+from dispatcher.plan.dispatch import (StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
+                                      not_captured_reason, without_graphs)
+from dispatcher.runtime.cache import cached_json
+from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
@@ -221,7 +222,8 @@ class EngineCore:
                              args.quantization, args.kv_cache_dtype),
                 self.plan,
             )
-            self.capture_report = worker.capture(progress=progress) if capture else None
+            if capture:
+                self.capture_report = worker.capture_or_delay(progress)
         self.worker = worker
         self.scheduler = Scheduler(sched_cfg)
         reach = args.max_model_len + sched_cfg.extra_tokens
@@ -257,6 +259,13 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
+
+    def capture_gap(self) -> None:
+        """Delayed capture's share of the gap after a submitted step (``ModelWorker.capture_between_steps``, at
+        most GAP_BUDGET_S); nothing once every graph is captured, or for a worker in another process (its own loop
+        captures)."""
+        if getattr(self.worker, "capture_pending", False):
+            self.worker.capture_between_steps(GAP_BUDGET_S)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -378,6 +387,7 @@ class EngineCore:
         """Queue a step on the worker (returns before it has run)."""
         step.submitted_at = time.perf_counter()
         step.pending = self.worker.submit(step.message)
+        self.capture_gap()
 
     def wait(self, step: ScheduledStep) -> ModelResult:
         """The submitted step's result (waits for it)."""
@@ -387,15 +397,21 @@ class EngineCore:
 
     def finish(self, step: ScheduledStep, result: StepResult, wait_s: float = 0.0) -> ModelResult:
         """A step's result as the scheduler takes it, counted in the stats and the step trace."""
+        planned = step.descs.target
+        if result.not_captured:  # delayed capture: what ran without its graph
+            step.descs = without_graphs(step.descs, result.not_captured, step.out.shape.num_tokens,
+                                        step.out.shape.num_reqs)
         target = step.descs.target
-        reason = eager_reason(target, self.plan) if target.graph is None else None
+        reason = None
+        if target.graph is None:
+            reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
                                      result.jit_compiles, result.jit_ms,
                                      step.out.num_new_drafts if self.auto_tiers is not None else None,
-                                     result.fused))
+                                     result.fused, result.not_captured))
         if result.prompt_logprobs:
             top = result.num_prompt_top_logprobs
             step.prompt_logprobs = (unpack(result.prompt_logprobs, F32, (-1, 1 + top)),
@@ -495,30 +511,10 @@ class EngineCore:
 
     # -- measured step costs (adaptive verification's curve, auto tiers' table) -----------------------------------
     def _cached(self, name: str, parts: list, measure, what: str) -> dict | None:
-        """Measured data kept under $TWOGRID_CACHE/``name`` (default ~/.cache/twogrid), keyed by device, model, dtype
-        and ``parts`` (so that a rerun of one setup reuses it): read when there, else ``measure()`` (a JSON-able
-        dict, or None) saved there. None when nothing was measured."""
-        key = json.dumps([self.worker.device_name, str(self.model_config), str(self.args.dtype), *parts])
-        cache = os.path.join(os.environ.get("TWOGRID_CACHE", os.path.expanduser("~/.cache/twogrid")), name)
-        path = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    data = dict(json.load(fh), source=path)
-            except (OSError, ValueError, TypeError) as exc:
-                raise ValueError(f"the cached {what} in {path} are unreadable ({exc}): remove the file") from None
-            return data
-        data = measure()
-        if data is None:
-            return None
-        try:
-            os.makedirs(cache, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump({**data, "key": key}, fh)
-            log.info("%s saved to %s (reused by later runs)", what, path)
-        except OSError as exc:
-            log.warning("cannot save the %s to %s (%s)", what, path, exc)
-        return {**data, "source": f"measured (kept in {path})"}
+        """``cache.cached_json`` keyed by device, model, dtype and ``parts`` (so that a rerun of one setup reuses
+        the measurement)."""
+        return cached_json(name, [self.worker.device_name, str(self.model_config), str(self.args.dtype), *parts],
+                           measure, what)
 
     def _av_cost_curve(self) -> CostCurve | None:
         """The curve adaptive verification steers by: from ``av_cost_table``, else measured on this runtime once

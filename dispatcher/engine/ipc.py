@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import PARENT_PID_ENV
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, Step, StepResult, WorkerError,
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, CaptureProgress, Shutdown, Step, StepResult, WorkerError,
                                  WorkerInit, WorkerReady, decode_to_engine, encode)
 from models.config import ModelConfig
 
@@ -205,6 +205,8 @@ class RemoteWorker(WorkerInfo):
     def __init__(self, process: WorkerProcess):
         self.process = process
         super().__init__(process.ready or process.start())
+        self.capture_progress = self.ready.capture_progress
+        """Delayed capture's latest progress (None: every graph was captured before the worker was ready)."""
 
     def submit(self, step: Step) -> int:
         self.process.to_worker.send(encode(step))
@@ -214,6 +216,9 @@ class RemoteWorker(WorkerInfo):
         while True:
             if self.process.to_engine.poll(500):
                 msg = decode_to_engine(self.process.to_engine.recv())
+                if isinstance(msg, CaptureProgress):
+                    self.capture_progress = msg
+                    continue
                 if isinstance(msg, WorkerError) and msg.step_id < 0:
                     log.warning("worker: %s", msg.message)  # a frame it refused: not this step's
                     continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dispatcher.messages import WorkerInit, WorkerReady
+from dispatcher.messages import CaptureProgress, WorkerInit, WorkerReady
 from scheduler.request import SamplingParams
 
 TO_CORE, TO_FRONT = "to_core", "to_front"
@@ -122,6 +122,8 @@ class Outputs(msgspec.Struct, array_like=True, frozen=True, tag="outputs"):
     queue: QueueState | None = None
     refused: list[Refusal] = []
     failed: list[Failure] = []
+    capture: CaptureProgress | None = None
+    """Delayed capture's progress, when the worker reported some (to the first front end)."""
 
 
 class EngineStarted(msgspec.Struct, array_like=True, frozen=True, tag="started"):

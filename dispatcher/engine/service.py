@@ -23,20 +23,23 @@ import shutil
 import signal
 import sys
 from collections import deque
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
-from dispatcher.engine.engine_core import EngineArgs, EngineCore, ScheduledStep
 from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
-from dispatcher.messages import (StepResult, WorkerError, WorkerReady, decode_or_refuse, decode_to_engine,
-                                 resolve_init)
+from dispatcher.messages import (CaptureProgress, StepResult, WorkerError, WorkerReady, decode_or_refuse,
+                                 decode_to_engine, resolve_init)
 from dispatcher.messages import encode as encode_step
 from scheduler.request import FinishReason, RequestError
+
+if TYPE_CHECKING:
+    from dispatcher.engine.engine_core import EngineCore, ScheduledStep
 
 log = logging.getLogger("twogrid.engine")
 
@@ -62,9 +65,15 @@ class EngineService:
         """The engine's ``tier_version`` the front end last heard of."""
         self._cuda_graphs = True
         """The worker replays CUDA graphs (else the static-buffer backend)."""
+        self.capturing = False
+        """Delayed capture under way in the worker: its progress may come while no step runs."""
 
     async def start(self) -> WorkerReady:
-        """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
+        """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot. The
+        engine's own heavy imports (torch, through the engine core) run while the worker starts, not before."""
+        await self.process.to_worker.send(encode_step(self.process.init))
+        from dispatcher.engine.engine_core import EngineArgs, EngineCore
+
         ready = await _await_ready(self.process)
         self._cuda_graphs = ready.cuda_graphs
         w = self.init.worker
@@ -73,7 +82,8 @@ class EngineService:
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
                           enable_prefix_caching=self.init.enable_prefix_caching,
                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
-        self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
+        self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready))
+        self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -128,7 +138,7 @@ class EngineService:
         while not self._draining or in_flight or core.has_unfinished():
             if not core.has_unfinished() and not in_flight:
                 self._wake.clear()
-                await self._wake.wait()
+                await (self._idle_while_capturing() if self.capturing else self._wake.wait())
                 continue
             # Let receive() take what the front ends sent, once a step, whatever the sockets do: pyzmq's poll
             # yields even with a result waiting, but a socket whose await resolves at once would leave requests
@@ -192,6 +202,36 @@ class EngineService:
         PIECEWISE steps ran their closures eagerly on the padded buffers, and say so (STATIC_FULL,
         STATIC_PIECEWISE)."""
         return mode if self._cuda_graphs or mode == "NONE" else f"STATIC_{mode}"
+    async def _idle_while_capturing(self) -> None:
+        """Wait for work (``_wake``) while the worker captures in the background: pass its progress on as it comes
+        (nothing else comes from the worker while no step runs); work ends the wait at once."""
+        sock = self.process.to_engine
+        wake = asyncio.ensure_future(self._wake.wait())
+        while not wake.done() and self.capturing:
+            poll = asyncio.ensure_future(sock.poll(LIVENESS_S * 1000))
+            await asyncio.wait({wake, poll}, return_when=asyncio.FIRST_COMPLETED)
+            if not poll.done():
+                poll.cancel()
+                break
+            if not poll.result():
+                if not self.process.alive():
+                    wake.cancel()
+                    raise WorkerDied(f"the worker process {self.process.exit_description()}")
+                continue
+            msg = _decode(await sock.recv())
+            if isinstance(msg, CaptureProgress):
+                await self._capture_progress(msg)
+            elif isinstance(msg, WorkerError) and msg.step_id < 0:
+                log.warning("worker: %s", msg.message)
+            elif msg is not None:
+                wake.cancel()
+                raise WorkerDied(f"the worker sent {type(msg).__name__} while no step was running")
+        await wake
+
+    async def _capture_progress(self, progress: CaptureProgress) -> None:
+        """Delayed capture's progress, to the first front end (its metrics, and its log when done)."""
+        self.capturing = not progress.done
+        await self.outbox.send(encode(Outputs(capture=progress)))
 
     def _tiers_changed(self) -> list[list[int]] | None:
         """The tiers in force when ``"auto"`` tiers changed since the last step record, else None."""
@@ -211,6 +251,9 @@ class EngineService:
                 msg = _decode(await sock.recv())
                 if msg is None:
                     continue
+                if isinstance(msg, CaptureProgress):
+                    await self._capture_progress(msg)
+                    continue
                 if isinstance(msg, WorkerError) and msg.step_id < 0:
                     log.warning("worker: %s", msg.message)  # a refused frame: not this step's
                     continue
@@ -222,7 +265,7 @@ class EngineService:
 
 
 async def _await_ready(process: WorkerProcess) -> WorkerReady:
-    await process.to_worker.send(encode_step(process.init))
+    """The worker's WorkerReady (its init sent already)."""
     while True:
         if await process.to_engine.poll(LIVENESS_S * 1000):
             msg = _decode(await process.to_engine.recv())

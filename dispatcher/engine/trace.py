@@ -41,14 +41,16 @@ def _brief(desc) -> dict[str, Any]:
 
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
                 eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0,
-                k: int | None = None, fused: bool = False) -> dict[str, Any]:
+                k: int | None = None, fused: bool = False, not_captured=()) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
     descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
     ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it); with prefix caching, on a step that
     started requests, ``prefix_cache_queries`` and ``prefix_cache_hits`` (their tokens, and those of them found
     in the cache: the step computes the rest); ``"fused": true`` when the whole step ran as one graph
-    (``dispatcher.runtime.decode_step``)."""
+    (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
+    because they were not captured yet (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``,
+    ``"draft_next"``: that forward ran eagerly)."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -80,6 +82,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec.update(prefix_cache_queries=out.prefix_cache_queries, prefix_cache_hits=out.prefix_cache_hits)
     if fused:
         rec["fused"] = True
+    if not_captured:
+        rec["not_captured"] = list(not_captured)
     return rec
 
 

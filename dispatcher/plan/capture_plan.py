@@ -253,7 +253,8 @@ def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, one_token: list[Tier
     serves = _next_steps_serves(cfg, one_token)
     if cfg.decode_request_sizes == () or cfg.decode_token_sizes == ():
         return [GraphSet(runner, FULL_DECODE, 1, (), serves)]
-    own = tuple(n for n in grids.decode_grid(cfg.max_num_seqs) if n <= cfg.decode_token_limit())
+    grid = cfg.one_token_request_sizes or grids.decode_grid(cfg.max_num_seqs)
+    own = tuple(n for n in grid if n <= cfg.decode_token_limit())
     return [GraphSet(runner, FULL_DECODE, 1, grids.up_to_first_covering(own, serves[-1][1]), serves)]
 
 

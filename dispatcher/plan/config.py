@@ -95,6 +95,15 @@ class CompilationConfig:
     """Deprecated. One token list for both kinds (decode: entries divisible by q, divided by q)."""
     max_cudagraph_capture_size: Any = UNSET
     """Deprecated. The legacy list up to this many tokens, for both kinds."""
+    delayed_cudagraph_capture: Any = UNSET
+    """Bool. Serve as soon as the weights and the KV cache are on the device, and capture the graphs between steps
+    (steps whose graph is not captured yet run eagerly). Default false: every graph is captured before serving.
+    (vLLM's delayed-capture proposal named it ``use_cudagraph_delayed_capture``, RFC #20098.)"""
+    fit_cudagraph_capture_sizes: Any = UNSET
+    """Bool. Measure the step cost e(n) at start-up on a few sizes of each kind (and q), keep it under
+    $TWOGRID_CACHE/grid_cost (per device, model, dtype and configuration), and capture the prefill and decode grids
+    the padding-cost rule gives for that curve (``dispatcher.plan.gridfit``) instead of the default grids. Default
+    false. Exclusive with the size lists and the deprecated fields (the caps still bound the grids)."""
 
     @classmethod
     def from_dict(cls, data: Any) -> "CompilationConfig":
@@ -236,6 +245,16 @@ class ResolvedConfig:
     """``"auto"`` tiers: the K the engine chooses among (sorted, K_max last)."""
     acceptance_prior: tuple[float, ...] = ()
     """``"auto"`` tiers: the acceptance per draft position the first tiers are chosen by (K_max entries)."""
+    delayed_capture: bool = False
+    """``delayed_cudagraph_capture``: serve at once, capture the graphs between steps."""
+    fit_sizes: bool = False
+    """``fit_cudagraph_capture_sizes``: the prefill and decode grids come from a measured step cost."""
+    grid_cost_source: str | None = field(default=None, compare=False)
+    """Where the fitted grids' step cost came from; None while ``fit_sizes`` waits for its measurement (the default
+    grids stand in) or without ``fit_sizes``."""
+    one_token_request_sizes: tuple[int, ...] | None = None
+    """The one-token draft steps' own request grid (up to max_num_seqs) when fitted (the decode curve at q = 1);
+    None: the default decode grid."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -291,6 +310,9 @@ class ResolvedConfig:
             "legacy_sizing": self.legacy,
             "prompt_lookup_min": self.prompt_lookup_min,
             "prompt_lookup_max": self.prompt_lookup_max,
+            "delayed_cudagraph_capture": self.delayed_capture,
+            "fit_cudagraph_capture_sizes": self.fit_sizes,
+            **({"grid_cost_source": self.grid_cost_source} if self.fit_sizes else {}),
         }
 
 
@@ -357,8 +379,11 @@ def resolve(
     platform: Platform | str = Platform.DEFAULT,
     max_num_seqs: int = 1024,
     max_num_batched_tokens: int | None = None,
+    step_cost=None,
 ) -> ResolvedConfig:
-    """Resolve user settings into exact size lists (SPEC section 2). Raises ConfigError on bad input."""
+    """Resolve user settings into exact size lists (SPEC section 2). Raises ConfigError on bad input.
+    ``step_cost`` (a ``gridfit.StepCost``): with ``fit_cudagraph_capture_sizes``, the measured curves the prefill
+    and decode grids are fitted to (without one the default grids stand in, until it is measured)."""
     cc = compilation if isinstance(compilation, CompilationConfig) else CompilationConfig.from_dict(compilation or {})
     sc = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig.from_dict(speculative or {})
     try:
@@ -387,6 +412,8 @@ def resolve(
             allowed = ", ".join(m.value for m in CUDAGraphMode)
             raise ConfigError(f"cudagraph_mode must be one of {allowed}; got {cc.cudagraph_mode!r}") from None
     interactivity = _bool("interactivity", cc.interactivity)
+    delayed = _bool("delayed_cudagraph_capture", cc.delayed_cudagraph_capture)
+    fit = _bool("fit_cudagraph_capture_sizes", cc.fit_cudagraph_capture_sizes)
 
     # --- legacy vs new sizing --------------------------------------------------------------------------
     legacy_set = [f for f in LEGACY_FIELDS if getattr(cc, f) is not UNSET]
@@ -396,16 +423,30 @@ def resolve(
             f"deprecated field {legacy_set[0]} cannot be mixed with {new_set[0]}: "
             f"set the prefill/decode fields alone (or only the deprecated ones)"
         )
+    one_token = None
     budget = cc.max_decode_cudagraph_capture_tokens
     if budget is UNSET:
         budget = SM100_DECODE_TOKEN_BUDGET if platform is Platform.SM100 and not legacy_set else None
     elif budget is not None:
         budget = _positive_int("max_decode_cudagraph_capture_tokens", budget)
 
+    if fit:
+        given = [f for f in LEGACY_FIELDS + ("prefill_cudagraph_capture_token_sizes",
+                                            "decode_cudagraph_capture_request_sizes") if getattr(cc, f) is not UNSET]
+        if given:
+            raise ConfigError(f"fit_cudagraph_capture_sizes fits the size lists to the measured step cost, so "
+                              f"{given[0]} cannot be set with it: give caps (max_prefill_cudagraph_capture_tokens, "
+                              f"max_decode_cudagraph_capture_requests) or leave fit_cudagraph_capture_sizes out")
     if legacy_set:
         sizing = _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, warn)
     else:
         sizing = _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn)
+        if fit and step_cost is not None:
+            from dispatcher.plan.gridfit import fit_decode
+
+            sizing = _fitted(sizing, step_cost, 1 + k_max, interactivity)
+            if len(step_cost.decode_points(1)) >= 2:
+                one_token = fit_decode(max_num_seqs, step_cost, 1)
     dec = sizing.decode
     q_max = 1 + k_max
     if dec.request_cap is not None:
@@ -452,6 +493,10 @@ def resolve(
         draft_model=_draft_model(sc, method),
         **_prompt_lookup(sc, method),
         **auto,
+        delayed_capture=delayed,
+        fit_sizes=fit,
+        grid_cost_source=step_cost.source if fit and step_cost is not None else None,
+        one_token_request_sizes=one_token,
     )
 
 
@@ -675,6 +720,22 @@ def _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivi
         # Off sm100 with a cap: the legacy request counts up to the cap (at any q <= 64).
         decode = _DecodeSizing(dcap, None, grids.legacy_token_list(dcap * (1 + MAX_SPECULATIVE_TOKENS)))
     return _Sizing(prefill_cap, sizes, decode)
+
+
+def _fitted(sizing: "_Sizing", step_cost, query_len: int, interactivity: bool) -> "_Sizing":
+    """``sizing`` with its prefill and decode grids fitted to ``step_cost`` (``dispatcher.plan.gridfit``) up to its
+    caps; the decode grid at the largest q in use. A kind without a cap (off sm100, the legacy decode reach) or
+    without a measured curve keeps its list."""
+    from dispatcher.plan import gridfit
+
+    prefill = sizing.prefill_token_sizes
+    if prefill and len(step_cost.prefill) >= 2:
+        prefill = _with_interactivity(gridfit.fit_prefill(sizing.max_prefill_tokens, step_cost), interactivity)
+    dec = sizing.decode
+    if dec.request_cap and dec.request_sizes != () and len(step_cost.decode_points(query_len)) >= 2:
+        dec = _DecodeSizing(dec.request_cap, gridfit.fit_decode(dec.request_cap, step_cost, query_len), None)
+    return _Sizing(sizing.max_prefill_tokens, prefill, dec)
+
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Iterable, NamedTuple
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dispatcher.plan.capture_plan import (FULL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, ONE_TOKEN_DRAFTERS,
                                           PIECEWISE, GraphSet, block_query_len, model_runners,
@@ -206,9 +206,33 @@ def dispatchers_for_plan(plan) -> dict[str, Dispatcher]:
     return out
 
 
-EAGER_CAUSES = ("graphs_off", "mixed_above_cap", "mixed_full_decode_only", "decode_above_cap", "av_above_cap")
+NOT_CAPTURED_YET = "not_captured_yet"
+EAGER_CAUSES = ("graphs_off", "mixed_above_cap", "mixed_full_decode_only", "decode_above_cap", "av_above_cap",
+                NOT_CAPTURED_YET)
 """Why a step ran eagerly, as a short label (metrics: ``eager_steps_total{reason}``); ``eager_reason`` gives the
-sentence a user reads."""
+sentence a user reads (``not_captured_reason`` for NOT_CAPTURED_YET: delayed capture had not captured its graph)."""
+
+
+def not_captured_reason(desc: BatchDescriptor) -> tuple[str, str]:
+    """Why a step whose graph ``desc`` names ran eagerly under delayed capture: (NOT_CAPTURED_YET, the sentence)."""
+    g = desc.graph
+    unit = "requests" if g.kind == FULL_DECODE else "tokens"
+    at = f" at q = {g.q}" if g.q is not None else ""
+    return NOT_CAPTURED_YET, (f"its {g.kind} graph for {g.size} {unit}{at} was not captured yet "
+                              f"(delayed_cudagraph_capture captures it between steps)")
+
+
+def without_graphs(descs: "StepDescriptors", roles, num_tokens: int, num_reqs: int) -> "StepDescriptors":
+    """The step's descriptors as it ran under delayed capture: each forward named in ``roles`` (``"target"``,
+    ``"draft"``, ``"draft_next"``; others are ignored) eager, the target's over its ``num_tokens`` real tokens and
+    ``num_reqs`` requests (no padding)."""
+    changes = {}
+    for role in roles:
+        desc = getattr(descs, role, None) if role in ("target", "draft", "draft_next") else None
+        if desc is not None:
+            real = (num_tokens, num_reqs) if role == "target" else (desc.num_tokens, desc.num_reqs)
+            changes[role] = desc._replace(mode=MODE_EAGER, num_tokens=real[0], num_reqs=real[1], graph=None)
+    return replace(descs, **changes) if changes else descs
 
 
 def eager_reason(desc: BatchDescriptor, plan) -> tuple[str, str]:

@@ -87,6 +87,8 @@ class FusedDecode:
             (k.target.size, length, k.num_new_drafts): Replayable(self._ngram(k.target.size, length, k.num_new_drafts))
             for k in self.keys if k.num_new_drafts for length in self.ngram_lengths}
         self.report: list[KindReport] = []
+        self.captured: set[FusedKey] = set()
+        """Step graphs captured (with their n-gram lookup graphs): what delayed capture lets a step replay."""
 
     # -- which steps ---------------------------------------------------------------------------------------------
     def _keys(self, plan) -> dict[FusedKey, None]:
@@ -273,10 +275,36 @@ class FusedDecode:
         free_device_bytes(self.device)
         return total / 2**30
 
+    def capture_order(self) -> list[FusedKey]:
+        """Every step graph, by q, widest first (as ``capture``)."""
+        return sorted(self.graphs, key=lambda k: (k.target.q, -k.target.size))
+
+    def unit_graphs(self, key: FusedKey) -> list[Replayable]:
+        """What delayed capture captures as one unit: the step graph, then its n-gram lookup graphs."""
+        n, k = key.target.size, key.num_new_drafts
+        return [self.graphs[key]] + [self.ngram[(n, int(length), k)] for length in self.ngram_lengths if k]
+
+    @torch.inference_mode()
+    def capture_key(self, key: FusedKey, between_steps: bool = False) -> None:
+        """Capture one step graph and its n-gram lookup graphs into the shared pool, and mark the step captured
+        (``captured``): delayed capture's unit. On the CPU only the mark."""
+        if self.target.cuda_graphs:
+            pool, stream = shared_pool(self.device), capture_stream(self.device)
+            self._reset()
+            for graph in self.unit_graphs(key):
+                try:
+                    graph.capture(pool, stream, between_steps)
+                except torch.cuda.OutOfMemoryError:
+                    raise CaptureOOMError(f"out of GPU memory capturing the fused decode step for "
+                                          f"{key.target.size} requests at q = {key.target.q}: leave more memory "
+                                          f"(a smaller KV cache or max_num_seqs)") from None
+        self.captured.add(key)
+
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> list[KindReport]:
         """Capture every fused graph (after the runners' own: they share the pool the widest grew)."""
         if not self.target.cuda_graphs or not self.graphs:
+            self.captured = set(self.graphs)
             return []
         pool, stream = shared_pool(self.device), capture_stream(self.device)
         self._reset()
@@ -298,6 +326,7 @@ class FusedDecode:
                 log.info("captured %d %s graphs%s in %.1f s, %.3f GiB", kr.graphs, label,
                          f" at q={q}" if q else "", kr.seconds, kr.measured_gib)
         bar.close()
+        self.captured = set(self.graphs)
         return self.report
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -180,11 +180,27 @@ class Replayable:
         graph.capture(pool, stream)
         return graph
 
-    def capture(self, pool, stream) -> None:
-        self.fn()  # warm-up: compiles kernels, creates handles; outside the graph
+    def capture(self, pool, stream, between_steps: bool = False) -> None:
+        """Capture ``fn`` (after one eager run outside the graph: it compiles kernels, creates handles). The graph
+        is replayed only once whole: ``graph`` is set last. ``between_steps`` (delayed capture, while serving):
+        no device synchronization or cache emptying first (steps may still run; the recording waits for nothing)
+        and the capture mode is thread-local, so that the worker's other thread, waiting for a step's result, is
+        free to synchronize on its event meanwhile."""
+        self.fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self.fn()
+        if between_steps:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    self.fn()
+                except BaseException:
+                    with suppress(RuntimeError):  # (the capture is invalid: end it, and report the first error)
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+        else:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.fn()
         self.graph = graph
 
     def replay(self) -> None:
@@ -277,6 +293,8 @@ class GraphRuntime:
                                            request_capacity=capacity, proposes=proposes,
                                            aux_out_size=len(model.aux_layers) * model.cfg.hidden_size)
         self.graphs: dict[GraphKey, list[Replayable]] = {}
+        self.captured: set[GraphKey] = set()
+        """Graphs captured whole (every piece of a PIECEWISE size): what delayed capture lets a step replay."""
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
@@ -394,7 +412,22 @@ class GraphRuntime:
         tokens, reqs, bound = self.layouts[key]
         return self._load_host(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens)
 
-    def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[Replayable] | None = None) -> None:
+    def capture_order(self) -> list[GraphKey]:
+        """Every graph, in capture order: kinds widest first (``_capture_order``), each largest size first."""
+        return [GraphKey(g.kind, g.q, size) for g in self._capture_order() for size in sorted(g.sizes, reverse=True)]
+
+    def capture_key(self, key: GraphKey, between_steps: bool = False) -> None:
+        """Capture one size's graph into the shared pool and mark it captured (``captured``): delayed capture's
+        unit. On the CPU (no CUDA graphs) only the mark."""
+        if self.cuda_graphs:
+            pool, stream = shared_pool(self.device), capture_stream(self.device)
+            self._prime_capture_stream(stream)
+            g = next(g for g in self.graph_sets if (g.kind, g.q) == (key.kind, key.q))
+            self._capture_one(g, key.size, pool, stream, between_steps=between_steps)
+        self.captured.add(key)
+
+    def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[Replayable] | None = None,
+                     between_steps: bool = False) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
         runtime's own, or ``pieces`` (a throwaway copy for the estimate). Out of memory raises CaptureOOMError."""
         tokens = _graph_tokens(g, size)
@@ -404,7 +437,7 @@ class GraphRuntime:
         attention = self._attention_runner(tokens, None, layout) if g.kind == PIECEWISE else None
         try:
             for i, piece in enumerate(pieces):
-                piece.capture(pool, stream)
+                piece.capture(pool, stream, between_steps)
                 if g.kind == PIECEWISE and i < self.model.num_layers:
                     attention(i)
         except torch.cuda.OutOfMemoryError:
@@ -414,6 +447,10 @@ class GraphRuntime:
                 f"tokens): lower {CAP_FIELD[g.kind]} (largest {g.kind} size now {g.largest}), or leave more memory "
                 f"(a smaller KV cache or max_num_seqs)"
             ) from None
+
+    def prime_capture_stream(self) -> None:
+        """``_prime_capture_stream`` on the device's capture stream (delayed capture does it before serving)."""
+        self._prime_capture_stream(capture_stream(self.device))
 
     def _prime_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """Run the smallest graph of each kind once, eagerly, on the capture stream, so that libraries create their
@@ -470,14 +507,17 @@ class GraphRuntime:
         return capture
 
     @torch.inference_mode()
-    def capture(self, progress: bool = True, estimate: bool = True, trace_memory: bool = False) -> CaptureReport:
-        """Capture every graph, largest first per kind; on the CPU this only readies the closures."""
+    def capture(self, progress: bool = True, estimate: bool = True, trace_memory: bool = False,
+                pool=None) -> CaptureReport:
+        """Capture every graph, largest first per kind; on the CPU this only readies the closures. ``pool``: a
+        graph memory pool of the caller's (default: the device's shared pool)."""
         if not self.cuda_graphs:
             self.report.kinds = [KindReport(self.runner, g.kind, g.q, len(g.sizes), 0.0, 0.0) for g in self.graph_sets]
+            self.captured = set(self.layouts)
             return self.report
         if estimate:
             self.estimate_memory()
-        pool, stream = shared_pool(self.device), capture_stream(self.device)
+        pool, stream = pool or shared_pool(self.device), capture_stream(self.device)
         self._prime_capture_stream(stream)
         total = sum(len(g.sizes) for g in self.graph_sets)
         bar = progress_bar(total, f"capturing {self.runner} graphs", progress)
@@ -490,6 +530,7 @@ class GraphRuntime:
                 for size in sorted(g.sizes, reverse=True):
                     before = free_device_bytes(self.device) if trace_memory else 0
                     self._capture_one(g, size, pool, stream)
+                    self.captured.add(GraphKey(g.kind, g.q, size))
                     if trace_memory:
                         growth.append((before - free_device_bytes(self.device)) / 2**30)
                     bar.update(1)
@@ -505,13 +546,19 @@ class GraphRuntime:
         bar.close()
         return self.report
 
+    def eager_warm_up_tokens(self) -> list[int]:
+        """Token counts of the warm-up's eager forwards (``EAGER_WARM_UP_TOKENS`` and the widest step), within this
+        runtime's widest forward: a proposing runtime (one row a request) never runs more rows than requests."""
+        widest = self.max_num_reqs if self.bufs.proposals is not None else self.max_num_tokens
+        return sorted({min(n, widest) for n in EAGER_WARM_UP_TOKENS + (widest,)})
+
     @torch.inference_mode()
-    def warm_up_eager(self) -> int:
+    def warm_up_eager(self, forwards: list[int] | None = None, attention: bool = True) -> int:
         """Launch, over padded rows, what eager steps can launch, so that Triton compiles it now rather than stall
         a served step (~0.5 s a kernel variant): every variant of eager attention (between PIECEWISE pieces, or in
         an eager step: ``eager_launch_shapes``), and whole eager forwards at token counts on each side of every
-        size threshold of the other kernels' launch choices (``EAGER_WARM_UP_TOKENS``). Later starts load the
-        kernels from Triton's disk cache. The number of launches (0 on the CPU)."""
+        size threshold of the other kernels' launch choices (``forwards``, default ``eager_warm_up_tokens``).
+        Later starts load the kernels from Triton's disk cache. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
         from models.triton_attention import eager_launch_shapes, prepare_paged_attention, sm_count
@@ -519,16 +566,14 @@ class GraphRuntime:
         cfg, b = self.model.cfg, self.bufs
         max_context = b.block_table.shape[1] * self.kv_caches[0].shape[2]
         shapes = eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_num_tokens, max_context,
-                                     sm_count(self.device))
+                                     sm_count(self.device)) if attention else []
         for max_query_len, splits, pdl in shapes:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), max_query_len, 1, max_query_len)
             meta = b.meta(max_query_len, layout.num_reqs, max_query_len, max_context)
             with programmatic_launch(pdl):
                 prepare_paged_attention(b.q[:max_query_len], self.kv_caches[0], meta, self.model.scale,
                                         b.attn_out[:max_query_len], num_kv_splits=splits)(self.kv_caches[0])
-        # a proposing runtime (one row a request) never runs more rows than requests, and its forwards take logits
-        widest = self.max_num_reqs if self.bufs.proposals is not None else self.max_num_tokens
-        forwards = sorted({min(n, widest) for n in EAGER_WARM_UP_TOKENS + (widest,)})
+        forwards = self.eager_warm_up_tokens() if forwards is None else forwards
         for num_tokens in forwards:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), num_tokens, 1, num_tokens)
             self._full(num_tokens, layout.num_reqs, num_tokens)()
@@ -558,9 +603,28 @@ class GraphRuntime:
         return out
 
     def _replay_ms(self, key: GraphKey, repeats: int) -> float:
-        """The median of ``repeats`` timed replays of one FULL graph over padded inputs (after one to warm)."""
-        self._reset_metadata(key)
-        return replay_ms(self.graphs[key][0], self.device, repeats)
+        """The median of ``repeats`` timed replays of one graph over padded inputs (after one to warm); a PIECEWISE
+        size's pieces with eager attention between them, over one padded request (every row padding, so attention
+        costs its launches only: the step's cost without context)."""
+        layout = self._reset_metadata(key)
+        if key.kind != PIECEWISE:
+            return replay_ms(self.graphs[key][0], self.device, repeats)
+        pieces, attention = self.graphs[key], self._attention_runner(key.size, None, layout)
+
+        def step() -> None:
+            for i, piece in enumerate(pieces):
+                piece.replay()
+                if i < len(pieces) - 1:
+                    attention(i)
+
+        return replay_ms(Replayable(step), self.device, repeats)
+
+    @torch.inference_mode()
+    def measure_sizes_ms(self, repeats: int = 5) -> dict[tuple[str, int | None], list[tuple[int, float]]]:
+        """The median replay time (ms) of every graph of the plan (``_replay_ms``), {(kind, q): [(size, ms), ...]}:
+        the step-cost curves fitted grids come from (``fit_cudagraph_capture_sizes``)."""
+        return {(g.kind, g.q): [(size, self._replay_ms(GraphKey(g.kind, g.q, size), repeats)) for size in g.sizes]
+                for g in self.graph_sets}
 
     # -- replay ----------------------------------------------------------------------------------------------
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,

@@ -27,12 +27,17 @@ import msgspec
 import torch
 import zmq
 
-from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
+from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled, seconds_since_start
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
                                  decode_to_worker, encode, resolve_init)
-from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
+from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
+                                          build_plan)
+from dispatcher.plan.gridfit import StepCost, measurement_sizes
+from dispatcher.runtime.cache import cached_json
+from dispatcher.runtime.capture import GAP_BUDGET_S
+from dispatcher.runtime.graphs import GraphRuntime
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
-from models.attention import kv_cache_dtype
+from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
@@ -41,6 +46,20 @@ ENGINE_CHECK_S = 1.0
 """How often a worker waiting for its next message checks that its engine is alive."""
 FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
 """A test hook, off unless set: comma-separated step ids that fail in the worker (``ModelWorker.fail_steps``)."""
+CAPTURE_DELAY_ENV = "TWOGRID_CAPTURE_DELAY_S"
+"""A test hook, off unless set: under delayed capture each unit's capture takes this many seconds more (a slow
+capture on the CPU, whose static backend captures nothing)."""
+IDLE_CHECK_S = 0.002
+"""Delayed capture with a step in flight: after the gap's budget, how often the worker checks whether it has gone
+idle (every step done and none waiting), when it captures without a budget."""
+STARTUP_PHASES = ("imports", "weights", "grid_fit", "kv_sizing", "kv_allocation", "kernels", "capture",
+                  "measure")
+"""The worker's start-up phases (``WorkerReady.startup``, seconds): the process's start to ``build_worker``
+(interpreter and imports), loading the weights, measuring the step cost for fitted grids
+(``fit_cudagraph_capture_sizes``), sizing the KV cache from free memory (the graphs' memory estimate included),
+allocating it and the static buffers, the first compile (or disk-cache load) of the kernels eager steps launch,
+capturing the graphs (0 under delayed capture, which captures between steps), timing graphs for adaptive
+verification or "auto" tiers."""
 
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -51,31 +70,128 @@ def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layer
         torch.tensor([], dtype=dtype).element_size()
 
 
-def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
-    """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs."""
+class _Phases:
+    """Start-up phases' seconds, in STARTUP_PHASES order (``WorkerReady.startup``)."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
+        self.seconds["imports"] = seconds_since_start() or 0.0
+        self._t = time.perf_counter()
+
+    def done(self, phase: str, **known: float) -> None:
+        """The time since the last call went to ``phase``, but for the ``known`` phases' seconds within it."""
+        now = time.perf_counter()
+        for other, seconds in known.items():
+            self.seconds[other] += seconds
+        self.seconds[phase] += now - self._t - sum(known.values())
+        self._t = now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+
+def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, WorkerReady]:
+    """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs (or,
+    with delayed capture, leave them to the gaps between steps). ``capture_hook``: delayed capture's test hook."""
+    phases = _Phases()
     cfg = resolve_init(init)
-    plan = build_plan(cfg)
     dtype = getattr(torch, init.dtype)
     device = torch.device(init.device)
     start = time.perf_counter()
     model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len)
+    phases.done("weights")
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
                         init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
                         init.quantization, init.kv_cache_dtype)
+    grid_cost = None
+    if cfg.fit_sizes and build_plan(cfg).graph_sets and init.use_cuda_graphs:
+        grid_cost = measured_grid_cost(wcfg, cfg, model).to_json()
+        cfg = resolve_init(init, grid_cost)
+        phases.done("grid_fit")
+    plan = build_plan(cfg)
     if not init.num_kv_blocks:
         wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
+        phases.done("kv_sizing")
     worker = ModelWorker(wcfg, plan, model=model)
-    report = worker.capture(progress=False)
+    phases.done("kv_allocation")
+    report = worker.capture_or_delay(hook=capture_hook)
+    phases.done("kernels", capture=worker.capture_seconds)
+    progress = worker.delayed.progress() if worker.delayed is not None else None
     av = worker.runtime.measure_step_ms(FULL_VARLEN) if init.measure_av_curve else None
     decode_costs = worker.measure_decode_costs() if init.measure_decode_costs else None
+    phases.done("measure")
+    kinds = report.kinds if report is not None else []
     capture = [{"runner": k.runner, "kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 3),
                 "measured_gib": round(k.measured_gib, 4),
-                "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in report.kinds]
-    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture, round(report.seconds, 2),
-                        worker.device_name, av, decode_costs, worker.runtime.cuda_graphs,
-                        round(time.perf_counter() - start, 2))
+                "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in kinds]
+    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture,
+                        round(report.seconds, 2) if report is not None else 0.0, worker.device_name, av,
+                        decode_costs, worker.runtime.cuda_graphs, round(time.perf_counter() - start, 2),
+                        phases.rounded(), progress, grid_cost)
+    log.info("worker start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in phases.rounded().items() if v))
     return worker, ready
+
+
+def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
+    """``fit_cudagraph_capture_sizes``: the target's step cost at a few sizes (``gridfit.measurement_sizes``) of each
+    kind it captures, PIECEWISE by tokens up to the prefill cap, FULL decode by requests at each q in use (and
+    q = 1, for the one-token draft steps' grid) up to the decode cap within the token budget: graphs captured into
+    a throwaway pool and replayed over padded rows (``GraphRuntime.measure_sizes_ms``: no context). Measured once
+    per device, model, dtype and these sizes, then read from $TWOGRID_CACHE/grid_cost."""
+    sets = []
+    if cfg.cudagraph_mode.has_piecewise and cfg.prefill_token_sizes:
+        sets.append(GraphSet("target", PIECEWISE, None, measurement_sizes(cfg.max_prefill_tokens)))
+    if cfg.cudagraph_mode.has_full_decode:
+        for q in sorted({1} | set(cfg.query_lens) | {1 + t.num_speculative_tokens for t in cfg.capture_tiers}):
+            cap = min(cfg.max_num_seqs if q == 1 else cfg.max_decode_requests, cfg.decode_token_limit() // q)
+            if cap >= 2:
+                sets.append(GraphSet("target", FULL_DECODE, q, measurement_sizes(cap)))
+    key = [torch.cuda.get_device_name(wcfg.device) if wcfg.device.startswith("cuda") else "cpu", str(model.cfg),
+           str(wcfg.dtype), wcfg.quantization, wcfg.kv_cache_dtype, torch.__version__,
+           [[g.kind, g.q, list(g.sizes)] for g in sets]]
+
+    def measure() -> dict:
+        start = time.perf_counter()
+        kv = allocate_kv_cache(model.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, model.cfg.num_kv_heads,
+                               model.cfg.head_dim, kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype),
+                               torch.device(wcfg.device))
+        widest = max(size * (g.q or 1) for g in sets for size in g.sizes)
+        rt = GraphRuntime(model, kv, sets, max_num_tokens=widest, max_num_reqs=cfg.max_num_seqs,
+                          max_blocks_per_seq=wcfg.max_blocks_per_seq, use_cuda_graphs=wcfg.use_cuda_graphs)
+        pool = torch.cuda.graph_pool_handle() if rt.cuda_graphs else None
+        rt.capture(progress=False, estimate=False, pool=pool)
+        times = rt.measure_sizes_ms(5 if rt.cuda_graphs else 1)  # (the CPU's static backend: no performance path)
+        del rt, kv, pool
+        gc.collect()
+        if wcfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log.info("measured the step cost for fitted grids at %d sizes in %.1f s",
+                 sum(len(g.sizes) for g in sets), time.perf_counter() - start)
+        pts = lambda kind, q: [[n, ms] for n, ms in times.get((kind, q), [])]  # noqa: E731
+        return {"prefill_ms": pts(PIECEWISE, None),
+                "decode_ms": {str(g.q): pts(FULL_DECODE, g.q) for g in sets if g.kind == FULL_DECODE}}
+
+    data = cached_json("grid_cost", key, measure, "step cost for fitted grids")
+    cost = StepCost.from_json({k: v for k, v in data.items() if k != "key"}, data["source"])
+    log.info("fitted grids (fit_cudagraph_capture_sizes) from the step cost %s", cost.source)
+    return cost
+
+
+def graph_memory_estimate(probe: ModelWorker, plan) -> float:
+    """GiB the plan's graphs will take (every runtime's ``estimate_memory`` and the fused steps'), estimated once per
+    device, driver, torch, model, dtype, plan and worker settings and then read from $TWOGRID_CACHE/graph_memory:
+    the estimate captures samples of every kind, as long as a capture of a few dozen graphs, which a restart of the
+    same setup need not pay again."""
+    wcfg = probe.wcfg
+    key = [probe.device_name, torch.__version__, torch.version.cuda, str(probe.model.cfg), str(wcfg.dtype),
+           plan.to_dict(), {k: str(v) for k, v in vars(wcfg).items() if k not in ("num_kv_blocks", "seed")}]
+
+    def measure() -> dict:
+        gib = sum(rt.estimate_memory() for rt in probe.runtimes)
+        return {"gib": gib + (probe.fused.estimate_memory() if probe.fused is not None else 0.0)}
+
+    return float(cached_json("graph_memory", key, measure, "graph memory estimate")["gib"])
 
 
 def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
@@ -94,8 +210,7 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
     graphs = 0.0
     if wcfg.use_cuda_graphs:
-        graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30
-        graphs += probe.fused.estimate_memory() * 2**30 if probe.fused is not None else 0.0
+        graphs = graph_memory_estimate(probe, plan) * 2**30
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block
@@ -124,6 +239,19 @@ def fail_steps_from_env() -> frozenset[int]:
     return steps
 
 
+def capture_delay_from_env():
+    """Delayed capture's test hook from $TWOGRID_CAPTURE_DELAY_S (None when unset): each unit sleeps that long."""
+    text = os.environ.get(CAPTURE_DELAY_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        delay = float(text)
+    except ValueError:
+        raise ValueError(f"${CAPTURE_DELAY_ENV} must be a number of seconds, got {text!r}") from None
+    log.warning("TEST HOOK: every delayed capture unit takes %.3f s more ($%s)", delay, CAPTURE_DELAY_ENV)
+    return lambda unit: time.sleep(delay)
+
+
 def serve(ipc_dir: str) -> int:
     ignore_stop_signals()  # the engine stops its worker (Shutdown), once it has drained
     ctx = zmq.Context()
@@ -133,34 +261,69 @@ def serve(ipc_dir: str) -> int:
     push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
     try:
         init = decode_init(_receive(pull, ipc_dir))
-        worker, ready = build_worker(init)
+        worker, ready = build_worker(init, capture_delay_from_env())
         worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
         push.send(encode(WorkerError(-1, f"{type(exc).__name__}: {exc}")))
         log.error("worker start-up failed:\n%s", traceback.format_exc())
         return 1
     push.send(encode(ready))
-    push.close(linger=1000)
     freeze_startup_heap()
     results: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
+    steps = _InFlight()
+    sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps), daemon=True)
     sender.start()
     while True:
-        frame = _receive(pull, ipc_dir)
+        frame = _next_frame(worker, pull, push, ipc_dir, steps)
         try:
             message = decode_to_worker(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            results.put(WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+            steps.put(results, WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
             continue
         if isinstance(message, Shutdown):
             results.put(None)
             sender.join(timeout=30)
+            push.close(linger=1000)
             return 0
         try:
-            results.put(worker.submit(message))
+            steps.put(results, worker.submit(message))
         except Exception as exc:
             log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
-            results.put(WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+            steps.put(results, WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+
+
+class _InFlight:
+    """Items handed to the result thread and not yet sent back: the main thread counts them in, the result thread
+    out (each count written by one thread only)."""
+
+    def __init__(self):
+        self.queued = self.sent = 0
+
+    def put(self, results: queue.Queue, item) -> None:
+        self.queued += 1
+        results.put(item)
+
+    @property
+    def idle(self) -> bool:
+        return self.sent == self.queued
+
+
+def _next_frame(worker: ModelWorker, pull: zmq.Socket, push: zmq.Socket, ipc_dir: str, steps: _InFlight) -> bytes:
+    """The engine's next frame; meanwhile delayed capture takes the gap (``ModelWorker.capture_between_steps``):
+    with a step in flight at most GAP_BUDGET_S (once a gap), while idle until a frame arrives. Each gap's progress
+    goes to the engine (``CaptureProgress``)."""
+    budget_spent = False
+    waiting = lambda: bool(pull.poll(0)) or parent_gone()  # noqa: E731
+    while worker.capture_pending and not waiting():
+        idle = steps.idle
+        if idle or not budget_spent:
+            progress = worker.capture_between_steps(None if idle else GAP_BUDGET_S, waiting)
+            budget_spent = True
+            if progress is not None:
+                push.send(encode(progress))
+        elif pull.poll(IDLE_CHECK_S * 1000):
+            break
+    return _receive(pull, ipc_dir)
 
 
 def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:
@@ -175,7 +338,8 @@ def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:
     return pull.recv()
 
 
-def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str) -> None:
+def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str,
+                  steps: _InFlight) -> None:
     """In submission order: wait for each step's result and send it (errors as WorkerError). This thread's own
     socket: ZeroMQ sockets are not shared between threads."""
     push = ctx.socket(zmq.PUSH)
@@ -187,11 +351,12 @@ def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, i
             return
         if isinstance(item, WorkerError):
             push.send(encode(item))
-            continue
-        try:
-            push.send(encode(worker.collect(item)))
-        except Exception as exc:
-            push.send(encode(WorkerError(item.step.step_id, f"{type(exc).__name__}: {exc}")))
+        else:
+            try:
+                push.send(encode(worker.collect(item)))
+            except Exception as exc:
+                push.send(encode(WorkerError(item.step.step_id, f"{type(exc).__name__}: {exc}")))
+        steps.sent += 1
 
 
 if __name__ == "__main__":

@@ -16,14 +16,17 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, CaptureProgress, Step, StepResult, pack, unpack
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
+from dispatcher.plan.dispatch import MODE_EAGER
+from dispatcher.runtime.capture import BackgroundCapture, capture_first_reason
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
@@ -43,6 +46,11 @@ log = logging.getLogger("twogrid.worker")
 
 PROMPT_LOGPROB_CHUNK_ROWS = 512
 """Prompt rows whose log-probabilities are computed at once (their logits are rows x vocabulary floats)."""
+DELAYED_WARM_UP_MAX_TOKENS = 1024
+"""Delayed capture warms eager forwards of up to this many tokens at start-up (the first steps' sizes: every
+kernel variant below the fused MoE's 1024-token limit); the wider ones are warmed between steps."""
+DRAFT_ROLES = ("draft", "draft_next")
+"""A step's drafter forwards (``Step.draft``, ``Step.draft_next``), on ``draft_runtimes[0]`` and ``[1]``."""
 
 
 class InjectedFault(RuntimeError):
@@ -136,6 +144,7 @@ class ModelWorker:
         """``plan``: the capture plan (its config names the speculative method and the model runners); ``model``: an
         already loaded model (else loaded from ``wcfg.model``)."""
         method, k_max = plan.config.method, plan.config.num_speculative_tokens
+        self.config = plan.config
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
         if model is not None:
@@ -191,6 +200,12 @@ class ModelWorker:
         does to the requests in it and to the rest."""
         self.jit = JitWatch() if self.device.type == "cuda" else None
         """Triton compiles while this worker serves (each step reports its own)."""
+        self.capture_seconds = 0.0
+        """What ``capture`` spent capturing (the graph memory estimate included; its eager warm-up left out)."""
+        self.delayed: BackgroundCapture | None = None
+        """Delayed capture (``start_delayed_capture``): the graphs still to capture between steps; None once every
+        graph is captured (and with capture at start-up). Kept after a capture error ended it, so that steps keep
+        running without the graphs it left uncaptured."""
 
     def set_fixed_acceptance(self, mean_length: float | None) -> None:
         """Benchmarks' fixed acceptance on or off (None: the model's own verification). It acts after the graphs,
@@ -244,11 +259,13 @@ class ModelWorker:
     def capture(self, progress: bool = True) -> CaptureReport:
         """Capture every runner's graphs, then compile what eager steps launch (``GraphRuntime.warm_up_eager``), so
         that serving meets no Triton compile."""
+        t0 = time.perf_counter()
         report = self.runtime.capture(progress=progress)
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
         if self.fused is not None:
             report.kinds += self.fused.capture(progress=progress)
+        self.capture_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
         if launches and self.jit is not None:
@@ -256,6 +273,58 @@ class ModelWorker:
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
                      "cache, %.1f s", launches, count, time.perf_counter() - t0)
         return report
+
+    def capture_or_delay(self, progress: bool = False, hook=None) -> CaptureReport | None:
+        """``capture`` now (its report), or under ``delayed_cudagraph_capture`` ``start_delayed_capture`` (None),
+        unless the configuration times its graphs at start-up (``capture_first_reason``: a warning, then
+        ``capture``)."""
+        refused = capture_first_reason(self.config)
+        if self.config.delayed_capture and refused is None:
+            self.start_delayed_capture(hook)
+            return None
+        if refused is not None:
+            log.warning("delayed_cudagraph_capture is off: %s, so every graph is captured first", refused)
+        return self.capture(progress=progress)
+
+    def start_delayed_capture(self, hook=None) -> int:
+        """Serve before capture (``delayed_cudagraph_capture``): warm the eager forwards of the first sizes (up to
+        DELAYED_WARM_UP_MAX_TOKENS) and the samplers now, leave the wider warm-ups and every graph to
+        ``capture_between_steps``. ``hook``: BackgroundCapture's test hook. Returns the graphs left to capture."""
+        t0 = time.perf_counter()
+        later: dict[int, list[int]] = {}
+        launches = self._warm_up_sampling()
+        for i, rt in enumerate(self.runtimes):
+            tokens = rt.eager_warm_up_tokens()
+            launches += rt.warm_up_eager([n for n in tokens if n <= DELAYED_WARM_UP_MAX_TOKENS])
+            later[i] = [n for n in tokens if n > DELAYED_WARM_UP_MAX_TOKENS]
+            if rt.cuda_graphs and rt.graph_sets:
+                rt.prime_capture_stream()
+        if launches and self.jit is not None:
+            count, _, _ = self.jit.take()
+            log.info("warmed up eager steps of up to %d tokens: %d launches, %d Triton kernel variants compiled or "
+                     "loaded from the disk cache, %.1f s", DELAYED_WARM_UP_MAX_TOKENS, launches, count,
+                     time.perf_counter() - t0)
+        self.delayed = BackgroundCapture(self, later if self.device.type == "cuda" else None, hook)
+        if self.delayed.done:
+            self.delayed = None
+            return 0
+        return sum(self.delayed.totals.values())
+
+    def capture_between_steps(self, budget_s: float | None, stop=lambda: False) -> CaptureProgress | None:
+        """Delayed capture's share of a gap between steps (``BackgroundCapture.run``): the progress when graphs were
+        captured (or capture ended), else None. Called by the thread that submits steps, never during one."""
+        delayed = self.delayed
+        if not self.capture_pending:
+            return None
+        count = delayed.run(budget_s, stop)
+        if delayed.done and not delayed.error:  # (after an error its graphs left stay uncaptured: steps check)
+            self.delayed = None
+        return delayed.progress() if count or delayed.done else None
+
+    @property
+    def capture_pending(self) -> bool:
+        """Delayed capture has graphs left to capture (not after an error ended it)."""
+        return self.delayed is not None and not self.delayed.done
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> int:
@@ -308,11 +377,17 @@ class ModelWorker:
     def submit(self, step: Step) -> "_Pending":
         """Queue a step on the device; nothing here waits for the device. A uniform decode that a fused graph holds
         runs as one replay (``_submit_fused``), any other step op by op."""
+        not_captured = None
         if self.fused is not None:
             slots = unpack(step.slots)
             key = self.fused.key_for(step, slots)
             if key is not None:
-                return self._submit_fused(step, key, slots)
+                if self.delayed is None or key in self.fused.captured:
+                    return self._submit_fused(step, key, slots)
+                self.delayed.note(FUSED_STEP, key)
+                not_captured = [FUSED_STEP]
+        if self.delayed is not None:
+            step, not_captured = self._without_uncaptured(step, not_captured or [])
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
@@ -345,7 +420,20 @@ class ModelWorker:
         out += prompt_lp
         clock.stop()
         jit = self._jit_compiles(step.step_id)
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit)
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit,
+                        not_captured=not_captured)
+
+    def _without_uncaptured(self, step: Step, not_captured: list[str]) -> tuple[Step, list[str] | None]:
+        """Delayed capture: the step with each forward whose graph is not captured yet set to run eagerly (and that
+        graph demanded first), and the forwards so changed, after ``not_captured`` (None: none of either)."""
+        changes = {}
+        for role, rt in zip(("target",) + DRAFT_ROLES, self.runtimes):
+            desc = getattr(step, role)
+            if desc is not None and desc.graph is not None and desc.graph not in rt.captured:
+                self.delayed.note(rt.runner, desc.graph)
+                changes[role] = desc._replace(mode=MODE_EAGER, graph=None)
+                not_captured.append(role)
+        return (msgspec.structs.replace(step, **changes) if changes else step), not_captured or None
 
     def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray) -> "_Pending":
         """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
@@ -410,7 +498,7 @@ class ModelWorker:
                           prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
                           width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
-                          **prompt)
+                          not_captured=pending.not_captured or [], **prompt)
 
     def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
         """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
@@ -611,6 +699,8 @@ class _Pending:
     jit_ms: float = 0.0
     fused: bool = False
     """A fused decode step (``_submit_fused``): its download is the result rows."""
+    not_captured: list[str] | None = None
+    """Delayed capture: the step's graphs it ran without (``StepResult.not_captured``)."""
 
 
 class _Sections:

@@ -23,7 +23,7 @@ from dispatcher.engine.ipc import ChildProcess, bind_pair
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Outputs, decode_to_front, encode, front_end_sockets)
-from dispatcher.messages import WorkerReady, decode_or_refuse
+from dispatcher.messages import CaptureProgress, WorkerReady, decode_or_refuse
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
 
@@ -35,6 +35,16 @@ MAX_QUEUED_STEPS = 64
 """At most this many of the engine's messages that queued up are taken at once, before the streams run: a front end
 behind the engine then writes each request one chunk for all those steps (and decodes its text once), where taking
 them one by one wrote a chunk a step and fell further behind (1024 single-token streams on the H200)."""
+
+
+def log_capture_done(progress: CaptureProgress) -> None:
+    """The log line that ends delayed capture."""
+    if progress.error:
+        log.error("delayed capture stopped after %d of %d graphs (%.1f s): %s; the others' steps run eagerly",
+                  progress.num_captured, progress.num_total, progress.seconds, progress.error)
+    else:
+        log.info("delayed capture done: %d graphs captured between steps in %.1f s (%s)", progress.num_total,
+                 progress.seconds, ", ".join(f"{g.runner} {g.kind} {g.total}" for g in progress.graphs))
 
 
 class EngineError(RuntimeError):
@@ -85,8 +95,10 @@ class EngineClient:
                 raise EngineError(self.dead)
         self.capture = msg.worker
         if self.metrics is not None:
-            self.metrics.set_capture(self.capture.capture_seconds,
+            self.metrics.set_capture(sum(k["seconds"] for k in self.capture.capture),
                                      int(sum(k["measured_gib"] for k in self.capture.capture) * 2**30))
+            self.metrics.set_startup(self.capture.startup)
+            self._graph_counts(self.capture.capture_progress)
             blocks = self.capture.num_kv_blocks
             self.metrics.set_queue(0, 0, blocks, blocks)  # an empty cache, until the engine reports its queue
             self.metrics.set_spec_tiers(msg.tiers)
@@ -265,6 +277,23 @@ class EngineClient:
         if msg.queue is not None and self.metrics is not None:
             q = msg.queue
             self.metrics.set_queue(q.num_running, q.num_waiting, q.num_free_blocks, q.num_blocks)
+        if msg.capture is not None:
+            self._graph_counts(msg.capture)
+            if msg.capture.done:
+                log_capture_done(msg.capture)
+
+    def _graph_counts(self, progress: CaptureProgress | None) -> None:
+        """The graphs-captured gauges: from delayed capture's ``progress``, or (None) from the capture at start-up."""
+        if self.metrics is None:
+            return
+        if progress is not None:
+            self.metrics.set_graph_counts([(g.runner, g.kind, g.captured, g.total) for g in progress.graphs],
+                                          progress.seconds)
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for k in self.capture.capture:
+            counts[(k["runner"], k["kind"])] = counts.get((k["runner"], k["kind"]), 0) + k["graphs"]
+        self.metrics.set_graph_counts([(r, k, n, n) for (r, k), n in counts.items()])
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 30.0) -> None:

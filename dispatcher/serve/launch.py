@@ -64,6 +64,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; fp8 (e4m3, per-layer scales from the checkpoint or 1.0): the same "
                         "memory holds twice the tokens (default: %(default)s)")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
+    k.add_argument("--delayed-cudagraph-capture", action="store_true",
+                   help="serve as soon as the weights and the KV cache are on the device and capture the CUDA graphs "
+                        "between steps (steps whose graph is not captured yet run eagerly); the same as "
+                        "--compilation-config '{\"delayed_cudagraph_capture\": true}'")
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
@@ -119,7 +123,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from dispatcher.child import seconds_since_start
+
+    started = time.perf_counter() - (seconds_since_start() or 0.0)
     setup = _setup(args)
+    args.started_at = started
     try:
         import uvloop
 
@@ -157,12 +165,16 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    default_triton_cache()
     device = resolve_device(args.device)
     if device == "cpu" and args.platform == "auto":
         args.platform = "default"
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     if args.enforce_eager:
         compilation["cudagraph_mode"] = "NONE"
+    if args.delayed_cudagraph_capture:
+        compilation["delayed_cudagraph_capture"] = True
+    if args.enforce_eager or args.delayed_cudagraph_capture:
         args.compilation_config = json.dumps(compilation)
     cfg = config_from_args(args)
     try:
@@ -242,6 +254,13 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag}: the directory {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path!r} is not writable")
+def default_triton_cache() -> None:
+    """Triton's kernel cache under $TWOGRID_CACHE/triton unless $TRITON_CACHE_DIR says otherwise (inherited by the
+    engine and its worker), so that a deployment which keeps $TWOGRID_CACHE across restarts (deploy/: a volume)
+    loads its kernels there instead of compiling them again at every start."""
+    from models.default_model import cache_dir
+
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir(), "triton"))
 
 
 def _model_name(model: str) -> str:
@@ -272,8 +291,8 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
         raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
                           f"server there? give another --port)") from None
-    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and captured)", args.host,
-             args.port)
+    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and, unless capture is "
+             "delayed, its graphs captured)", args.host, args.port)
     front_ends = None
     if socks is not None:
         front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults, cors)  # (_setup's)
@@ -302,7 +321,14 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             ready = started.result()
-            _log_capture(ready)
+            if ready.grid_cost is not None:
+                from dispatcher.cli import render_plan
+                from dispatcher.messages import resolve_init
+                from dispatcher.plan.capture_plan import build_plan
+
+                log.info("fitted grids (fit_cudagraph_capture_sizes, from the step cost %s):\n%s",
+                         ready.grid_cost.get("source"), render_plan(build_plan(resolve_init(init, ready.grid_cost))))
+            _log_capture(ready, time.perf_counter() - args.started_at)
             if front_ends is not None:  # (a SIGTERM meanwhile stops the wait: the server stops, as when starting)
                 gate = loop.create_task(front_ends.open_gate())
                 await asyncio.wait({gate, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -394,7 +420,10 @@ def cudagraph_metrics_line(metrics_text: str) -> str:
     return line
 
 
-def _log_capture(ready) -> None:
+def _log_capture(ready, serving_after_s: float) -> None:
+    """The start-up's log lines once the engine serves: graphs captured per runner and kind (or, under delayed
+    capture, how many are left to capture between steps), the worker's phases, the time since the process
+    started."""
     for k in ready.capture:
         q = f" at q={k['q']}" if k["q"] else ""
         if not ready.cuda_graphs:
@@ -404,9 +433,16 @@ def _log_capture(ready) -> None:
         est = f", estimated {k['estimated_gib']:.3f} GiB" if k["estimated_gib"] is not None else ""
         log.info("captured %d %s %s graphs%s in %.1f s: %.3f GiB%s", k["graphs"], k["runner"], k["kind"], q,
                  k["seconds"], k["measured_gib"], est)
-    log.info("worker ready in %.1f s on %s (loading, KV cache, %s): %d KV blocks", ready.ready_seconds,
-             ready.device_name, f"capture {ready.capture_seconds:.1f} s" if ready.cuda_graphs else "no capture",
-             ready.num_kv_blocks)
+    progress = ready.capture_progress
+    if progress is not None:
+        log.info("delayed capture: serving with %d of %d graphs captured; the rest are captured between steps, "
+                 "demand first (%s)", progress.num_captured, progress.num_total,
+                 ", ".join(f"{g.runner} {g.kind} {g.total}" for g in progress.graphs))
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in ready.startup.items() if v)
+    log.info("worker ready in %.1f s on %s (loading, KV cache, %s): %d KV blocks; worker start-up: %s; serving "
+             "%.1f s after the server process started", ready.ready_seconds, ready.device_name,
+             f"capture {ready.capture_seconds:.1f} s" if ready.cuda_graphs else "no capture", ready.num_kv_blocks,
+             phases or "-", serving_after_s)
 
 
 __all__ = ["add_serve_args", "cmd_serve"]

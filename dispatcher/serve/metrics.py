@@ -7,7 +7,8 @@ Who records what:
   speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions, prefix
   cache queries and hits),
   ``set_queue`` with the queue after each step and after aborts that no step follows (running, waiting, free KV
-  blocks), ``set_capture`` once after capture, and ``set_spec_tiers`` with the speculative
+  blocks), ``set_capture``, ``set_graph_counts`` and ``set_startup`` once the worker is ready (``set_graph_counts``
+  again as delayed capture goes on), and ``set_spec_tiers`` with the speculative
   tiers at start and whenever ``"auto"`` tiers change (the engine process sends these to the front end, which records
   them);
 - the HTTP layer calls the per-request hooks (``on_first_token``, ``on_tokens``, ``on_request_finished``), since it
@@ -133,9 +134,18 @@ class EngineMetrics:
                              "and re-chosen as the acceptance moves; 0: that tier does not draft).",
                              ("min_batch", "max_batch"))
         self._tier_labels: list[tuple[str, str]] = []
-        self._capture_s = gauge("capture_seconds", "Wall time of CUDA-graph capture at start-up.").labels(model_name)
-        self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs.").labels(
-            model_name)
+        self._capture_s = gauge("capture_seconds", "Time spent capturing CUDA graphs: at start-up, or under "
+                                "delayed capture in the gaps between steps so far.").labels(model_name)
+        self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs (measured after "
+                                  "capture at start-up; 0 under delayed capture).").labels(model_name)
+        self._graphs_captured = gauge("cudagraphs_captured", "CUDA graphs captured so far, by runner and kind "
+                                      "(delayed capture: rising to cudagraphs_planned while serving).",
+                                      ("runner", "kind"))
+        self._graphs_planned = gauge("cudagraphs_planned", "CUDA graphs the capture plan holds, by runner and kind.",
+                                     ("runner", "kind"))
+        self._startup_s = gauge("startup_phase_seconds", "Seconds of each phase of the worker's start-up (imports, "
+                                "weights, grid_fit, kv_sizing, kv_allocation, kernels, capture, measure).",
+                                ("phase",))
 
     # -- engine hooks -------------------------------------------------------------------------------------------
     def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
@@ -204,6 +214,20 @@ class EngineMetrics:
         """What capture took: wall seconds and the graphs' device memory."""
         self._capture_s.set(seconds)
         self._graph_bytes.set(memory_bytes)
+
+    def set_graph_counts(self, counts: Sequence[tuple[str, str, int, int]], seconds: float | None = None) -> None:
+        """Graphs captured and planned, (runner, kind, captured, planned) each; ``seconds``: the capture time so
+        far (delayed capture)."""
+        for runner, kind, captured, planned in counts:
+            self._graphs_captured.labels(self.model_name, runner, kind).set(captured)
+            self._graphs_planned.labels(self.model_name, runner, kind).set(planned)
+        if seconds is not None:
+            self._capture_s.set(seconds)
+
+    def set_startup(self, phases: dict[str, float]) -> None:
+        """The worker's start-up phases, seconds each (``WorkerReady.startup``)."""
+        for phase, seconds in phases.items():
+            self._startup_s.labels(self.model_name, phase).set(seconds)
 
     # -- request hooks (the HTTP layer) ----------------------------------------------------------------------------
     def on_first_token(self, ttft_s: float, prompt_tokens: int) -> None:

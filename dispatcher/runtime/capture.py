@@ -1,0 +1,202 @@
+"""Delayed capture (``delayed_cudagraph_capture``): the worker serves from the moment its weights and KV cache are on
+the device, and captures its graphs between steps.
+
+The unit is one size: a runner's graph of one size (every piece of a PIECEWISE size), or a fused decode step's
+graph with its n-gram lookup graphs; besides them, the eager warm-up forwards left out of start-up (the larger token
+counts; start-up warms the first sizes only). A unit is captured whole before a step may replay it (its key joins
+the runtime's ``captured`` set last), so that no step ever replays a graph that is half captured; each is captured
+once. Order: the largest graph of each kind first (``anchors``: it sizes the shared memory pool), then the units
+the steps met uncaptured (``note``: demand, oldest first), then the plan's order (the warm-ups, then per runner its
+kinds widest first and each kind's sizes largest first, the fused steps last).
+
+``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
+step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), while idle
+until a step arrives (``stop``) or nothing is left. A step that finds its graph uncaptured runs without it
+(``ModelWorker.submit``: op by op instead of fused, or that forward eagerly) and says so in its result.
+
+On the CPU (no CUDA graphs) a unit's capture is only the mark, so the mechanism is the same for the static backend;
+``hook`` (tests) runs inside each unit's capture, before the mark.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dispatcher.messages import CaptureProgress, GraphCount
+from dispatcher.plan.capture_plan import FULL_DECODE, FUSED_STEP
+from dispatcher.runtime.decode_step import KIND as FUSED_KIND
+from dispatcher.runtime.graphs import CaptureOOMError
+
+log = logging.getLogger("twogrid.worker")
+
+WARM_UP = "eager_warm_up"
+"""The kind of the deferred eager warm-up units (not graphs: left out of the counts)."""
+GAP_BUDGET_S = 0.002
+"""Capture time a gap between two steps may take while a step is in flight (the unit that crosses it finishes):
+a later step waits for at most this plus one unit."""
+REQUEST_KINDS = (FULL_DECODE, FUSED_KIND)
+"""Unit kinds sized in requests (the others in tokens)."""
+PROGRESS_EVERY = 0.1
+"""Share of the graphs between two progress log lines."""
+
+
+def capture_first_reason(cfg) -> str | None:
+    """Why a configuration (a ResolvedConfig) captures every graph before serving although it asks for delayed
+    capture, or None: what times its graphs at start-up needs them captured."""
+    if not cfg.delayed_capture:
+        return None
+    if cfg.adaptive_verification:
+        return "adaptive verification times its graphs at start-up"
+    if cfg.auto_tiers:
+        return "\"auto\" speculative tiers time the decode graphs at start-up"
+    return None
+
+
+@dataclass
+class Unit:
+    runner: str
+    """The runtime's runner, ``"step"`` (FUSED_STEP) for a fused decode step."""
+    kind: str
+    q: int | None
+    size: int
+    key: object
+    """The GraphKey or FusedKey captured ((WARM_UP, tokens) for a warm-up)."""
+    capture: Callable[[], None]
+    """Captures it and marks it captured."""
+
+
+@contextmanager
+def gc_off():
+    """No collection while a unit is captured (as ``graphs.frozen_gc`` at start-up, without its full collection:
+    the worker froze its start-up heap)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _units(worker, warm_up_tokens: dict[int, list[int]]) -> list[Unit]:
+    """Every unit in the plan's order: the deferred eager warm-ups, each runtime's graphs (``capture_order``), the
+    fused steps (``FusedDecode.capture_order``)."""
+    units: list[Unit] = []
+    for i, rt in enumerate(worker.runtimes):
+        for tokens in warm_up_tokens.get(i, []):
+            units.append(Unit(rt.runner, WARM_UP, None, tokens, (WARM_UP, tokens),
+                              lambda rt=rt, tokens=tokens: rt.warm_up_eager([tokens], attention=False)))
+    for rt in worker.runtimes:
+        for key in rt.capture_order():
+            units.append(Unit(rt.runner, key.kind, key.q, key.size, key,
+                              lambda rt=rt, key=key: rt.capture_key(key, between_steps=True)))
+    if worker.fused is not None:
+        for key in worker.fused.capture_order():
+            units.append(Unit(FUSED_STEP, FUSED_KIND, key.target.q, key.target.size, key,
+                              lambda key=key: worker.fused.capture_key(key, between_steps=True)))
+    return units
+
+
+class BackgroundCapture:
+    """The worker's graphs still to capture (``ModelWorker.delayed``)."""
+
+    def __init__(self, worker, warm_up_tokens: dict[int, list[int]] | None = None, hook=None):
+        """``warm_up_tokens``: per runtime index, the eager warm-up forwards left for later; ``hook(unit)``: called
+        inside each unit's capture (tests: a slow or failing capture on the CPU)."""
+        self.worker = worker
+        self.hook = hook
+        units = _units(worker, warm_up_tokens or {})
+        graphs = [u for u in units if u.kind != WARM_UP]
+        self.pending: dict[tuple[str, object], Unit] = {(u.runner, u.key): u for u in units}
+        largest: dict[tuple[str, str, int | None], tuple[str, object]] = {}
+        for u in graphs:
+            largest.setdefault((u.runner, u.kind, u.q), (u.runner, u.key))
+        self.anchors = dict.fromkeys(largest.values())
+        """The largest graph of each runner, kind and q (the first of its set in the plan's order): captured before
+        any demand, because it sizes the shared pool that the smaller ones then reuse, as the memory estimate
+        that sized the KV cache assumes (smaller graphs first would fragment the pool)."""
+        self.demand: dict[tuple[str, object], None] = {}
+        self.totals: dict[tuple[str, str], int] = {}
+        for u in graphs:
+            self.totals[(u.runner, u.kind)] = self.totals.get((u.runner, u.kind), 0) + 1
+        self.captured = dict.fromkeys(self.totals, 0)
+        self.captured_keys: list[tuple[str, object]] = []
+        """Every unit captured, in order (tests: each exactly once)."""
+        self.seconds = 0.0
+        self.error = ""
+        self._next_log = PROGRESS_EVERY
+
+    @property
+    def done(self) -> bool:
+        return not self.pending or bool(self.error)
+
+    def note(self, runner: str, key) -> None:
+        """A step needed this graph and found it uncaptured: capture it before the plan's order."""
+        if (runner, key) in self.pending:
+            self.demand[(runner, key)] = None
+
+    def _next(self) -> tuple[tuple, Unit]:
+        for key in self.anchors:
+            if key in self.pending:
+                return key, self.pending[key]
+        while self.demand:
+            key = next(iter(self.demand))
+            del self.demand[key]
+            if key in self.pending:
+                return key, self.pending[key]
+        key = next(iter(self.pending))
+        return key, self.pending[key]
+
+    @torch.inference_mode()
+    def run(self, budget_s: float | None, stop: Callable[[], bool] = lambda: False) -> int:
+        """Capture units until ``stop()`` (a step is waiting) or, with ``budget_s``, that many seconds are spent (at
+        least one unit: the unit is never cut), or nothing is left. Returns the graphs captured. A capture that fails
+        (out of memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their
+        steps run without them."""
+        start = time.perf_counter()
+        count = attempted = 0
+        while not self.done and not stop():
+            if budget_s is not None and attempted and time.perf_counter() - start >= budget_s:
+                break
+            key, unit = self._next()
+            attempted += 1
+            try:
+                with gc_off():
+                    if self.hook is not None:
+                        self.hook(unit)
+                    unit.capture()
+            except Exception as exc:  # out of memory (CaptureOOMError), or a capture the device refused
+                self.error = str(exc) if isinstance(exc, CaptureOOMError) else f"{type(exc).__name__}: {exc}"
+                log.error("delayed capture stopped at the %s %s graph for %d %s: %s; the %d graphs left run without "
+                          "graphs", unit.runner, unit.kind, unit.size, "requests" if unit.kind in REQUEST_KINDS
+                          else "tokens", self.error, len(self.pending), exc_info=not isinstance(exc, CaptureOOMError))
+                break
+            del self.pending[key]
+            if unit.kind != WARM_UP:
+                self.captured[(unit.runner, unit.kind)] += 1
+                self.captured_keys.append(key)
+                count += 1
+        if attempted:
+            self.seconds += time.perf_counter() - start
+            self._log()
+        return count
+
+    def _log(self) -> None:
+        done, total = sum(self.captured.values()), sum(self.totals.values())
+        if total and (done / total >= self._next_log or self.done):
+            while self._next_log <= done / total:
+                self._next_log += PROGRESS_EVERY
+            what = ", ".join(f"{r} {k} {self.captured[(r, k)]}/{n}" for (r, k), n in self.totals.items())
+            log.info("delayed capture: %d of %d graphs captured (%s) in %.1f s of gaps between steps%s", done, total,
+                     what, self.seconds, "; done" if not self.pending else "")
+
+    def progress(self) -> CaptureProgress:
+        return CaptureProgress([GraphCount(r, k, self.captured[(r, k)], n) for (r, k), n in self.totals.items()],
+                               round(self.seconds, 3), self.done, self.error)

@@ -1,0 +1,300 @@
+"""Delayed capture (``delayed_cudagraph_capture``, dispatcher/runtime/capture.py): the engine serves before its graphs
+are captured, steps whose graph is not captured yet run without it (op by op instead of fused, or that forward
+eagerly: trace ``not_captured``, eager cause ``not_captured_yet``), and the worker captures the rest between steps,
+demand first. On the CPU the static backend captures nothing: a graph's capture is its mark (``captured``), which a
+test hook makes slow or failing, and dispatch follows the marks exactly as it follows real graphs on a GPU.
+
+What a user relies on: the same tokens as a server that captured first; no step replays a graph that is not
+captured whole; every graph is captured exactly once, the ones the steps need first; a capture that fails leaves
+its graph's steps eager, not wrong; through ``twogrid serve``: /health 200 before capture ends, the graph gauges
+rise to the plan's totals, and a worker killed mid-capture fails the server as any killed worker does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from dispatcher.plan.dispatch import MODE_EAGER, NOT_CAPTURED_YET  # noqa: E402
+from dispatcher.runtime import capture as capture_mod  # noqa: E402
+from dispatcher.runtime.decode_step import FusedDecode  # noqa: E402
+from dispatcher.runtime.graphs import CaptureOOMError, GraphRuntime  # noqa: E402
+from models.config import preset  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 2}]
+K0_TIER = {"method": "eagle3", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]}
+"""A tier of K = 0 under EAGLE-3: its steps still run the head's step 0 (its KV), on FULL decode graphs of their
+own and fused (``drafting.py``), which delayed capture captures like the others."""
+
+
+def engine_for(spec, delayed: bool, trace=None, device: str = "cpu") -> EngineCore:
+    cc = {"delayed_cudagraph_capture": True} if delayed else {}
+    cfg = resolve(cc, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, dtype=torch.float32, num_kv_blocks=256,
+                                      block_size=4, max_model_len=96, seed=5, step_trace=trace))
+
+
+def prompts(count: int = 5) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 6 * i)] for i in range(count)]
+
+
+@pytest.fixture
+def slow_units(monkeypatch):
+    """Each unit's capture takes 2 ms on the CPU, so that the 2 ms gap budget captures about one unit a step and
+    capture spreads over the run (the order of every unit captured, with its step count, is recorded)."""
+    order = []
+
+    def hook(unit):
+        order.append(unit)
+        time.sleep(0.002)
+
+    real = capture_mod.BackgroundCapture.__init__
+
+    def init(self, worker, warm_up_tokens=None, hook_=None):
+        real(self, worker, warm_up_tokens, hook)
+
+    monkeypatch.setattr(capture_mod.BackgroundCapture, "__init__", init)
+    return order
+
+
+@pytest.mark.parametrize("spec", SPECS + [K0_TIER], ids=["no-sd", "eagle3", "ngram", "eagle3-k0-tier"])
+def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp_path):
+    """Greedy and seeded-sampled requests: the same tokens and acceptance as an engine that captured first. The
+    first steps run without graphs, counted under eager cause not_captured_yet and named in the trace; once idle
+    the worker captures every graph left, and later steps replay them (uniform decodes fused)."""
+    params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.8, seed=3)]
+    first = engine_for(spec, False)
+    trace = str(tmp_path / "trace.jsonl")
+    delayed = engine_for(spec, True, trace)
+    assert delayed.worker.delayed is not None and delayed.capture_report is None
+    for p in params:
+        assert delayed.generate(prompts(), p) == first.generate(prompts(), p)
+    s, f = delayed.stats, first.stats
+    assert (s.num_drafts, s.num_accepted_tokens) == (f.num_drafts, f.num_accepted_tokens)
+    assert f.eager_by_reason == {} and s.eager_by_reason.get(NOT_CAPTURED_YET, 0) >= 1
+    delayed.worker.capture_between_steps(None)  # the rest, as the worker process does once idle
+    assert delayed.worker.delayed is None
+    for rt in delayed.worker.runtimes:
+        assert rt.captured == set(rt.layouts)
+    assert delayed.worker.fused.captured == set(delayed.worker.fused.graphs)
+    fused, not_captured = s.fused_steps, s.eager_by_reason[NOT_CAPTURED_YET]
+    assert delayed.generate(prompts(), params[0]) == first.generate(prompts(), params[0])
+    assert s.fused_steps > fused and s.eager_by_reason[NOT_CAPTURED_YET] == not_captured
+    delayed.close()
+    records = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    missing = [r for r in records if "not_captured" in r]
+    assert missing and missing[0]["step"] == records[0]["step"]
+    for r in missing:
+        if "target" in r["not_captured"]:
+            assert r["mode"] == MODE_EAGER and r["padded_tokens"] == r["tokens"]
+            assert "was not captured yet" in r["eager_reason"]
+
+
+def test_no_step_replays_a_graph_not_captured_whole_and_each_is_captured_once(slow_units, monkeypatch):
+    """Every forward that replays a graph (a runner's FULL or PIECEWISE graph, a fused step) finds it in its
+    runtime's ``captured`` set, and no step is submitted while a unit is being captured; each unit is captured
+    once; after the largest graph of each kind (it sizes the memory pool) comes the graph the first step needed
+    (demand before the plan's order)."""
+    violations, capturing = [], [False]
+    execute, execute_next, fused_run = GraphRuntime.execute, GraphRuntime.execute_next, FusedDecode.run
+
+    def checked_execute(self, desc, inputs, aux=None):
+        if desc.graph is not None and desc.graph not in self.captured:
+            violations.append((self.runner, desc.graph))
+        return execute(self, desc, inputs, aux)
+
+    def checked_next(self, desc, num_real):
+        if desc.graph not in self.captured:
+            violations.append((self.runner, desc.graph))
+        return execute_next(self, desc, num_real)
+
+    def checked_fused(self, key, slots, max_seq_len):
+        if key not in self.captured:
+            violations.append(("step", key))
+        return fused_run(self, key, slots, max_seq_len)
+
+    monkeypatch.setattr(GraphRuntime, "execute", checked_execute)
+    monkeypatch.setattr(GraphRuntime, "execute_next", checked_next)
+    monkeypatch.setattr(FusedDecode, "run", checked_fused)
+    engine = engine_for({"method": "eagle3", "num_speculative_tokens": 3}, True)
+    real_hook = engine.worker.delayed.hook
+
+    def hook(unit):
+        capturing[0] = True
+        real_hook(unit)
+        capturing[0] = False
+
+    engine.worker.delayed.hook = hook
+    submit = engine.worker.submit
+    engine.worker.submit = lambda step: (violations.append("submitted during a capture") if capturing[0] else None,
+                                         submit(step))[1]
+    delayed = engine.worker.delayed
+    total = sum(delayed.totals.values())
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=16, temperature=0.0))  # (a 4-token graph: not a largest)
+    first_step = engine.schedule()
+    engine.update(first_step, engine.execute(first_step))
+    while any(key in delayed.pending for key in delayed.anchors):  # (each kind's largest first: the pool's size)
+        engine.capture_gap()
+    anchors = len(delayed.anchors)
+    assert delayed.captured_keys == list(delayed.anchors)
+    for p in prompts():
+        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
+    for _ in engine.run():
+        pass
+    assert delayed.captured_keys[anchors] == ("target", first_step.message.target.graph)
+    assert violations == []
+    assert 0 < len(delayed.captured_keys) < total, "capture should have been under way throughout the run"
+    engine.worker.capture_between_steps(None)
+    assert engine.worker.delayed is None
+    assert len(delayed.captured_keys) == len(set(delayed.captured_keys)) == total
+    assert len(slow_units) == total  # (the CPU has no warm-up units: one hook call a graph)
+
+
+def test_a_capture_that_fails_leaves_its_steps_eager_and_right(monkeypatch):
+    """Out of memory while capturing a unit (here the PIECEWISE graphs: on the CPU by the hook) ends delayed
+    capture with an error: that graph and the rest stay uncaptured, their steps run eagerly (cause
+    not_captured_yet) with the tokens of an engine that captured first, and the engine goes on."""
+    engine = engine_for(None, True)
+
+    def hook(unit):
+        if unit.kind == "piecewise":
+            raise CaptureOOMError(f"out of GPU memory capturing the target piecewise graph for {unit.size} tokens")
+
+    engine.worker.delayed.hook = hook
+    delayed = engine.worker.delayed
+    p = SamplingParams(max_tokens=12, temperature=0.0)
+    assert engine.generate(prompts(), p) == engine_for(None, False).generate(prompts(), p)
+    assert delayed.error.startswith("out of GPU memory") and not engine.worker.capture_pending
+    assert engine.worker.runtime.captured == set()  # (the first unit failed: nothing after it ran)
+    progress = delayed.progress()
+    assert progress.done and progress.error and progress.num_captured == 0
+    assert engine.stats.eager_by_reason[NOT_CAPTURED_YET] == engine.stats.steps - engine.stats.fused_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=["no-sd", "eagle3", "ngram"])
+def test_delayed_capture_on_cuda_graphs(spec):
+    """On CUDA (float32): units captured between steps (thread-local capture, no device synchronization) replay what
+    graphs captured first replay: the same greedy tokens; once every graph is captured, each one holds a CUDA graph
+    and uniform decodes run fused."""
+    p = SamplingParams(max_tokens=16, temperature=0.0)
+    delayed = engine_for(spec, True, device="cuda")
+    assert delayed.generate(prompts(), p) == engine_for(spec, False, device="cuda").generate(prompts(), p)
+    assert delayed.stats.eager_by_reason.get(NOT_CAPTURED_YET, 0) >= 1
+    delayed.worker.capture_between_steps(None)
+    assert delayed.worker.delayed is None
+    for rt in delayed.worker.runtimes:
+        assert all(piece.graph is not None for pieces in rt.graphs.values() for piece in pieces)
+    delayed.stats = type(delayed.stats)()
+    assert delayed.generate(prompts(), p) == engine_for(spec, False, device="cuda").generate(prompts(), p)
+    assert delayed.stats.fused_steps >= 1 and not delayed.stats.eager_by_reason
+
+
+@pytest.mark.gpu
+def test_serve_on_cuda_captures_while_streams_run(tmp_path):
+    """Through twogrid serve on CUDA: 16 streams sent as /health turns 200 all complete while the worker captures
+    between their steps (its result thread waiting on CUDA events meanwhile), capture then ends, and steps replay
+    graphs (fused decodes)."""
+    from serverutil import Server, request_body, run_streams, token_prompts
+
+    args = ["--model", "tiny-dense", "--device", "cuda", "--platform", "sm100", "--max-model-len", "256",
+            "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.3",
+            "--delayed-cudagraph-capture"]
+    server = Server(args, str(tmp_path / "server.log")).wait_healthy()
+    try:
+        bodies = [request_body(p, 48, seed=i) for i, p in enumerate(token_prompts(16, 512, 4, 64, seed=3))]
+        streams, _ = run_streams(server.base, bodies)
+        assert all(s.error is None and s.completed and len(s.tokens) == 48 for s in streams)
+        assert server.metrics()["twogrid:eager_steps_total"] >= 1
+        deadline = time.monotonic() + 120
+        while gauges(server, "cudagraphs_captured") < gauges(server, "cudagraphs_planned"):
+            assert time.monotonic() < deadline, "delayed capture did not finish"
+            time.sleep(0.2)
+        before = gauges(server, "fused_decode_steps_total")
+        streams, _ = run_streams(server.base, [dict(b, temperature=0.0) for b in bodies])
+        assert all(s.error is None and s.completed for s in streams)
+        assert gauges(server, "fused_decode_steps_total") > before
+    finally:
+        server.stop()
+
+
+def test_capture_first_where_the_start_up_times_graphs(caplog):
+    """Adaptive verification and "auto" tiers time their graphs at start-up: delayed capture is refused with a
+    warning and every graph is captured first."""
+    cfg = resolve({"delayed_cudagraph_capture": True}, {"method": "ngram", "num_speculative_tokens": 2,
+                                                        "adaptive_verification": True},
+                  platform="sm100", max_num_seqs=4, max_num_batched_tokens=32)
+    with caplog.at_level("WARNING"):
+        engine = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32,
+                                            num_kv_blocks=64, block_size=4, max_model_len=64, seed=1))
+    assert engine.worker.delayed is None and engine.capture_report is not None
+    assert "delayed_cudagraph_capture is off: adaptive verification" in caplog.text
+
+
+# -- through twogrid serve -------------------------------------------------------------------------------------------
+
+SERVE_ARGS = ["--model", "tiny-dense", "--device", "cpu", "--platform", "sm100", "--max-model-len", "128",
+              "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--num-kv-blocks", "32",
+              "--delayed-cudagraph-capture", "--shutdown-timeout", "2"]
+PLANNED = 9
+"""5 PIECEWISE sizes (1..16 tokens), 2 FULL decode sizes (1, 2 requests) and their 2 fused steps."""
+
+
+def gauges(server, name: str) -> float:
+    return server.metrics().get(f"twogrid:{name}", 0.0)
+
+
+def test_serve_answers_before_capture_ends_then_captures_everything(tmp_path):
+    """/health turns 200 with every graph left to capture; the graph gauges rise to the plan's total and the log
+    says when capture ends."""
+    from serverutil import Server
+
+    server = Server(SERVE_ARGS, str(tmp_path / "server.log"), env={"TWOGRID_CAPTURE_DELAY_S": "0.25"})
+    try:
+        server.wait_healthy()
+        assert gauges(server, "cudagraphs_planned") == PLANNED
+        deadline = time.monotonic() + 60
+        while gauges(server, "cudagraphs_captured") < PLANNED:
+            assert time.monotonic() < deadline, "delayed capture did not finish"
+            time.sleep(0.1)
+        assert gauges(server, "capture_seconds") >= 0.25 * PLANNED
+        log = server.log()
+        assert f"delayed capture: serving with 0 of {PLANNED} graphs captured" in log
+        assert f"delayed capture done: {PLANNED} graphs captured between steps" in log
+    finally:
+        server.stop()
+
+
+def test_serve_runs_steps_without_their_graphs_then_a_worker_killed_mid_capture_fails_the_server(tmp_path):
+    """Every unit's capture slowed to 1.5 s: a request served meanwhile runs its steps without the graphs not
+    captured yet (eager steps, cause not_captured_yet); then the worker is SIGKILLed while it captures: the server
+    fails as with any killed worker: /health 503 within 2 s, exit code 1."""
+    from serverutil import Server, http_get, http_post
+
+    server = Server(SERVE_ARGS, str(tmp_path / "server.log"), env={"TWOGRID_CAPTURE_DELAY_S": "1.5"})
+    try:
+        server.wait_healthy()
+        status, body = http_post(server.base + "/v1/completions", b'{"prompt": [5, 6, 7], "max_tokens": 3}')
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        m = server.metrics()
+        assert m["twogrid:eager_steps_total"] >= 1 and m["twogrid:cudagraphs_captured"] < PLANNED
+        assert "not_captured_yet" in http_get(server.base + "/metrics")[1].decode()
+        worker = server.worker_pid()
+        killed_at = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        while http_get(server.base + "/health", timeout_s=2)[0] == 200:
+            assert time.monotonic() - killed_at < 10, "the dead worker was not noticed"
+            time.sleep(0.01)
+        assert time.monotonic() - killed_at <= 2.0
+        assert server.wait(30) == 1
+        assert "SIGKILL" in server.log()
+    finally:
+        server.stop()

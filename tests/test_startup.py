@@ -1,0 +1,98 @@
+"""Start-up (issue 33): the worker's phases (``WorkerReady.startup``: imports, weights, grid_fit, kv_sizing,
+kv_allocation, kernels, capture, measure), what is kept across restarts under $TWOGRID_CACHE (the step cost fitted
+grids come from; Triton's kernels), and the messages and metrics that carry capture progress. CPU, tiny presets."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from dispatcher.child import seconds_since_start  # noqa: E402
+from dispatcher.messages import (CaptureProgress, GraphCount, StepResult, WorkerInit, decode_to_engine,  # noqa: E402
+                                 encode, resolve_init)
+from dispatcher.plan.capture_plan import build_plan  # noqa: E402
+from dispatcher.runtime.process import STARTUP_PHASES, build_worker  # noqa: E402
+
+
+def init_for(compilation: dict, max_num_batched_tokens: int = 64) -> WorkerInit:
+    return WorkerInit("tiny-dense", "cpu", "float32", "sm100", 4, max_num_batched_tokens, compilation, {}, 16, 64, 5,
+                      32, 0.9, 0, True)
+
+
+def test_fitted_grids_are_measured_once_then_read_back_and_the_engine_agrees(tmp_path, monkeypatch):
+    """fit_cudagraph_capture_sizes: the first start measures the step cost (phase grid_fit) and keeps it under
+    $TWOGRID_CACHE/grid_cost; a restart reads it back (no measurement) and so fits the same grids; the engine,
+    resolving from WorkerReady.grid_cost, builds exactly the worker's plan."""
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path))
+    init = init_for({"fit_cudagraph_capture_sizes": True}, max_num_batched_tokens=16)
+    worker, ready = build_worker(init)
+    assert list(ready.startup) == list(STARTUP_PHASES) and ready.startup["grid_fit"] > 0
+    assert ready.grid_cost["source"].startswith("measured (kept in ") and os.listdir(tmp_path / "grid_cost")
+    engine_plan = build_plan(resolve_init(init, ready.grid_cost))
+    assert worker.runtime.graph_sets == list(g for g in engine_plan.for_runner("target") if g.sizes)
+    again, ready2 = build_worker(init)
+    assert ready2.grid_cost["source"] == str(next((tmp_path / "grid_cost").iterdir()))
+    assert build_plan(resolve_init(init, ready2.grid_cost)) == engine_plan
+    assert [g.sizes for g in again.runtime.graph_sets] == [g.sizes for g in worker.runtime.graph_sets]
+    assert ready2.startup["grid_fit"] < ready.startup["grid_fit"]
+
+
+def test_delayed_capture_reports_what_is_left_and_capture_first_what_it_captured():
+    worker, ready = build_worker(init_for({"delayed_cudagraph_capture": True}))
+    progress = ready.capture_progress
+    assert progress is not None and progress.num_captured == 0 and progress.num_total == 7 + 4 + 4
+    assert ready.capture == [] and ready.startup["capture"] == 0.0 and worker.capture_pending
+    worker2, ready2 = build_worker(init_for({}))
+    assert ready2.capture_progress is None and not worker2.capture_pending
+    assert sum(k["graphs"] for k in ready2.capture) == 7 + 4
+
+
+def test_seconds_since_start_counts_from_the_process_start():
+    age = seconds_since_start()
+    with open("/proc/uptime", encoding="ascii") as fh:
+        uptime = float(fh.read().split()[0])
+    assert age is not None and 0 < age < uptime
+    time.sleep(0.05)
+    assert seconds_since_start() >= age
+
+
+def test_triton_cache_defaults_under_twogrid_cache(tmp_path, monkeypatch):
+    from dispatcher.serve.launch import default_triton_cache
+
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    default_triton_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    default_triton_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+def test_capture_progress_and_not_captured_travel_to_the_engine():
+    progress = CaptureProgress([GraphCount("target", "piecewise", 3, 39), GraphCount("step", "fused_decode", 0, 48)],
+                               1.5, False)
+    back = decode_to_engine(encode(progress))
+    assert back == progress and (back.num_captured, back.num_total) == (3, 87)
+    result = StepResult(7, b"", b"", 1, not_captured=["step", "target"])
+    assert decode_to_engine(encode(result)).not_captured == ["step", "target"]
+    assert decode_to_engine(encode(StepResult(8, b"", b"", 1))).not_captured == []
+
+
+def test_graph_count_and_startup_gauges():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dispatcher.serve.metrics import EngineMetrics
+
+    m = EngineMetrics("m")
+    m.set_graph_counts([("target", "piecewise", 3, 39), ("step", "fused_decode", 0, 48)], 2.5)
+    m.set_startup({"imports": 1.25, "capture": 0.0})
+    samples = {(s.name, s.labels.get("runner"), s.labels.get("kind"), s.labels.get("phase")): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert samples[("twogrid:cudagraphs_captured", "target", "piecewise", None)] == 3
+    assert samples[("twogrid:cudagraphs_planned", "step", "fused_decode", None)] == 48
+    assert samples[("twogrid:capture_seconds", None, None, None)] == 2.5
+    assert samples[("twogrid:startup_phase_seconds", None, None, "imports")] == 1.25
