@@ -322,7 +322,7 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         if started in done:
             ready = started.result()
             if ready.grid_cost is not None:
-                from dispatcher.cli import render_plan
+                from dispatcher.configure import render_plan
                 from dispatcher.messages import resolve_init
                 from dispatcher.plan.capture_plan import build_plan
 
