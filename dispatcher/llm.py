@@ -81,7 +81,7 @@ class LLM:
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
             eos_token_ids=tuple(dict.fromkeys(eos))), capture=not enforce_eager)
-        self.processor = OutputProcessor(self.tokenizer, self.engine.scheduler.finish_request)
+        self.processor = OutputProcessor(self.tokenizer, self.engine.finish_request)
         self.default_params = generation_defaults(model)
         self._ids = itertools.count()
 
@@ -124,7 +124,7 @@ class LLM:
         try:
             self.processor.add_request(rid, text, ids, params)
         except RequestError:
-            self.engine.scheduler.abort(rid)
+            self.engine.abort(rid)
             raise
         return rid
 
@@ -136,7 +136,7 @@ class LLM:
         finally:  # an abandoned stream: free what is left of its requests
             for rid in rids:
                 if rid in self.processor.requests:
-                    self.engine.scheduler.abort(rid)
+                    self.engine.abort(rid)
                     self.processor.abort(rid)
 
     def _batch(self, prompts: list, sampling_params) -> list[RequestOutput]:
@@ -147,7 +147,7 @@ class LLM:
                 rids.append(self._add(p, sp))
         except Exception:
             for rid in rids:
-                self.engine.scheduler.abort(rid)
+                self.engine.abort(rid)
                 self.processor.abort(rid)
             raise
         deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}

@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
+from scheduler.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Top log-probabilities per output token at most (vLLM's default max_logprobs, OpenAI's limit)."""
@@ -64,6 +65,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return each output token's log-probability and those of the top ``logprobs`` tokens at its position
     (0..MAX_LOGPROBS); None returns none."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A grammar the output follows (JSON schema, regex, choice, EBNF, structural tag): the engine masks every token
+    it forbids before sampling (``dispatcher.engine.structured``)."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
@@ -93,6 +97,11 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs.validate()
+            except StructuredOutputError as exc:
+                raise RequestError(str(exc)) from None
 
 
 _arrival = itertools.count()

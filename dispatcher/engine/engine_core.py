@@ -18,13 +18,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+import msgspec
 import numpy as np
 import torch
 
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import CostCurve
+from dispatcher.engine.structured import StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
-from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
@@ -32,7 +34,7 @@ from dispatcher.plan.dispatch import StepDescriptors, dispatch_step, dispatchers
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
-from scheduler.request import Request, RequestError, SamplingParams
+from scheduler.request import FinishReason, Request, RequestError, SamplingParams
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
                                  SpecDecodeSummary, add_per_pos)
 
@@ -71,6 +73,9 @@ class EngineArgs:
     and reused (so that runs of one setup start from the same tiers)."""
     auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
     """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
+    tokenizer: str | None = None
+    """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
+    the model's (a preset has none, and refuses structured requests)."""
 
 
 @dataclass
@@ -135,8 +140,9 @@ class ScheduledStep:
     """Why the target ran eagerly (dispatch.EAGER_CAUSES), set when the result is taken; None on a graph."""
 
 
-def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
-    """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
+def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.ndarray) -> Step:
+    """The scheduler's step as the worker sees it: new requests once, then slots and counts, and the rows a grammar
+    constrains (their bitmask comes with ``EngineCore.with_grammar`` or after the step)."""
     new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
                       SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
@@ -147,7 +153,7 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors) -> Step:
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
-                descs.target, descs.draft, descs.draft_next)
+                descs.target, descs.draft, descs.draft_next, pack(grammar_rows))
 
 
 def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
@@ -214,6 +220,11 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
+        self.structured = StructuredOutputs(_tokenizer(args), self.model_config.vocab_size, self.eos_token_ids,
+                                            cfg.max_num_seqs)
+        """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
+        ``structured.start()``)."""
+        self._said_no_drafts = False
 
     @property
     def model_config(self) -> ModelConfig:
@@ -240,8 +251,17 @@ class EngineCore:
         self.queue(request)
         return request.request_id
 
-    def queue(self, request: Request) -> None:
-        """Queue a request made by ``make_request``."""
+    def queue(self, request: Request, grammar=None) -> None:
+        """Queue a request made by ``make_request``. A structured request needs its compiled grammar: ``grammar``
+        (the serving engine compiles it off the loop first, ``structured.compile_async``) or compiled here
+        (RequestError when it does not compile)."""
+        so = request.params.structured_outputs
+        if so is not None:
+            self.structured.add(request.request_id, grammar if grammar is not None else self.structured.compile(so))
+            if self.scheduler.k_max and not self._said_no_drafts:
+                self._said_no_drafts = True
+                log.info("structured outputs: requests with a grammar verify no drafts (speculative decoding is off "
+                         "for them; the others keep it)")
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         self.scheduler.add_request(request)
@@ -249,7 +269,13 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request at any point of the step cycle; False when it is not live."""
+        self.structured.remove(request_id)
         return self.scheduler.abort(request_id)
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """End a live request from outside the step loop (a stop string matched): ``Scheduler.finish_request``."""
+        self.structured.remove(request_id)
+        return self.scheduler.finish_request(request_id, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -278,10 +304,24 @@ class EngineCore:
                 raise RuntimeError("the scheduler made no progress with requests waiting (KV cache too small?)")
             return None
         descs = dispatch_step(self.dispatchers, self.cfg.method, out)
-        return ScheduledStep(out, descs, step_message(out, descs), (time.perf_counter() - t0) * 1e3)
+        grammar_rows = np.nonzero(self.scheduler.structured[out.slots] & out.samples)[0]
+        return ScheduledStep(out, descs, step_message(out, descs, grammar_rows), (time.perf_counter() - t0) * 1e3)
+
+    def grammar_bitmask(self, step: ScheduledStep) -> GrammarBitmask:
+        """The step's constrained rows' bitmask, from their matchers as they are now: after the update of every
+        step before it (the matchers must hold each request's last token)."""
+        requests = step.out.requests
+        ids = [requests[r].request_id for r in unpack(step.message.grammar_rows).tolist()]
+        return GrammarBitmask(step.out.step_id, self.structured.bitmask(ids))
+
+    def with_grammar(self, step: ScheduledStep) -> None:
+        """A constrained step's message with its bitmask in it."""
+        step.message = msgspec.structs.replace(step.message, grammar=self.grammar_bitmask(step))
 
     def submit(self, step: ScheduledStep) -> None:
-        """Queue a step on the worker (returns before it has run)."""
+        """Queue a step on the worker (returns before it has run); a constrained step takes its bitmask now."""
+        if step.message.constrained and step.message.grammar is None:
+            self.with_grammar(step)
         step.submitted_at = time.perf_counter()
         step.pending = self.worker.submit(step.message)
 
@@ -309,6 +349,8 @@ class EngineCore:
 
     def update(self, step: ScheduledStep, result: ModelResult) -> list[RequestOutput]:
         outputs = self.scheduler.update(step.out, result)
+        if self.structured.matchers:
+            self.structured.advance(outputs)
         self.stats.record_drafts(self.scheduler.last_spec_decode)
         if self.auto_tiers is not None:
             self._rechoose_tiers()
@@ -338,12 +380,16 @@ class EngineCore:
 
     def run(self) -> Iterator[list[RequestOutput]]:
         """Steps until nothing is live, each step's outputs as it completes. With asynchronous scheduling the next
-        step is submitted before the last one's result is waited for, so the device runs them back to back."""
+        step is submitted before the last one's result is waited for, so the device runs them back to back; a step
+        that a grammar constrains waits for the one before (its bitmask depends on that step's tokens)."""
         depth = 2 if self.async_scheduling else 1
         in_flight: deque[ScheduledStep] = deque()
         while self.scheduler.has_unfinished() or in_flight:
             step = self.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
+                if step.message.constrained and in_flight:
+                    done = in_flight.popleft()
+                    yield self.update(done, self.wait(done))
                 self.submit(step)
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
@@ -364,8 +410,9 @@ class EngineCore:
         return [outputs[r.request_id] for r in requests]
 
     def close(self) -> None:
-        """Flush and close the step trace."""
+        """Flush and close the step trace; stop the grammar compiles."""
         self.trace.close()
+        self.structured.close()
 
     def __enter__(self) -> "EngineCore":
         return self
@@ -445,6 +492,14 @@ class EngineCore:
         return autotier.StepCostTable({1 + k: [(1, 1 + (1 + k) / 1024), (top, 1 + top * (1 + k) / 1024)]
                                        if top > 1 else [(1, 1 + (1 + k) / 1024)] for k in cfg.tier_candidates},
                                       "a default host-bound shape")
+
+
+def _tokenizer(args: EngineArgs):
+    """The tokenizer structured outputs compile against (None for a preset without ``args.tokenizer``)."""
+    from models.text import load_tokenizer
+
+    source = args.tokenizer or args.model
+    return load_tokenizer(source) if isinstance(source, str) else None
 
 
 def _curve(data: dict, where: str) -> CostCurve:

@@ -34,6 +34,9 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     step_trace: str | None = None
     num_front_ends: int = 1
     """Front-end processes (``--api-server-count``); the first one also gets every step's record and the queue."""
+    tokenizer: str | None = None
+    """The checkpoint whose tokenizer structured outputs compile grammars against (the front end's ``--tokenizer``
+    or the model); None: the model's."""
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):

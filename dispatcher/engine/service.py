@@ -17,6 +17,7 @@ leaves its engine orphaned: within a second it stops its worker, removes the ipc
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import shutil
@@ -60,15 +61,22 @@ class EngineService:
         self._in_flight: deque[ScheduledStep] = deque()
         self._tier_version = 0
         """The engine's ``tier_version`` the front end last heard of."""
+        self._compiling: dict[str, asyncio.Task] = {}
+        """Structured requests whose grammar compiles (they join the scheduler when it is ready)."""
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
+        loop = asyncio.get_running_loop()
+        xgrammar = loop.run_in_executor(None, importlib.import_module, "xgrammar")  # (while the worker loads)
         ready = await _await_ready(self.process)
         w = self.init.worker
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
-                          fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids))
+                          fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
+                          tokenizer=self.init.tokenizer)
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
+        await xgrammar
+        await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -96,18 +104,47 @@ class EngineService:
         try:
             if self._draining:
                 raise RequestError("the server is shutting down")
-            self.core.queue(self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id))
-            if len(self.outboxes) > 1:
-                self._front_end[msg.request_id] = msg.front_end
-            self._wake.set()
+            request = self.core.make_request(msg.prompt_token_ids, msg.params, msg.request_id)
+            if msg.params.structured_outputs is not None:  # its grammar compiles first, off the step loop
+                compiled = self._add_compiled(msg, request)
+                self._compiling[msg.request_id] = asyncio.get_running_loop().create_task(compiled)
+                return
+            self._queue(msg, request)
         except RequestError as exc:  # checked again here, before the request costs any device time
-            await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+            await self._refuse(msg, exc)
+
+    def _queue(self, msg: AddRequest, request, grammar=None) -> None:
+        self.core.queue(request, grammar)
+        if len(self.outboxes) > 1:
+            self._front_end[msg.request_id] = msg.front_end
+        self._wake.set()
+
+    async def _refuse(self, msg: AddRequest, exc: RequestError) -> None:
+        await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+
+    async def _add_compiled(self, msg: AddRequest, request) -> None:
+        """A structured request once its grammar has compiled (in the pool, ``StructuredOutputs.compile_async``);
+        refused when it does not compile in time. Aborted meanwhile: dropped."""
+        try:
+            grammar = await self.core.structured.compile_async(msg.params.structured_outputs)
+            if msg.request_id not in self._compiling:
+                return
+            if self._draining:
+                raise RequestError("the server is shutting down")
+            self._queue(msg, request, grammar)
+        except RequestError as exc:
+            if msg.request_id in self._compiling:
+                await self._refuse(msg, exc)
+        finally:
+            self._compiling.pop(msg.request_id, None)
+            self._wake.set()
 
     async def _abort(self, msg: Abort) -> None:
         for rid in msg.request_ids:
             self._front_end.pop(rid, None)
+            self._compiling.pop(rid, None)  # (its compile goes on for the cache; the request is dropped)
             if msg.finish_reason == FinishReason.STOP.value:
-                self.core.scheduler.finish_request(rid, FinishReason.STOP)
+                self.core.finish_request(rid, FinishReason.STOP)
             else:
                 self.core.abort(rid)
         if not self._in_flight:  # no step will report the freed blocks soon: report them now
@@ -115,10 +152,12 @@ class EngineService:
 
     # -- the step task ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Steps until drained (or the worker dies: WorkerDied)."""
+        """Steps until drained (or the worker dies: WorkerDied). A step that a grammar constrains goes out at once;
+        when a step is still running its bitmask follows once that step's result is in (vLLM's deferred grammar
+        bitmask): the device runs the new step's forward meanwhile, and only its sampling waits."""
         core, in_flight = self.core, self._in_flight
         depth = 2 if core.async_scheduling else 1
-        while not self._draining or in_flight or core.has_unfinished():
+        while not self._draining or in_flight or core.has_unfinished() or self._compiling:
             if not core.has_unfinished() and not in_flight:
                 self._wake.clear()
                 await self._wake.wait()
@@ -128,20 +167,28 @@ class EngineService:
             # that arrive mid-run waiting for the running ones to finish.
             await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
+            deferred = None
             if step is not None:
+                if step.message.constrained and in_flight:
+                    deferred = step  # (its bitmask after the running step's update)
+                elif step.message.constrained:
+                    core.with_grammar(step)
                 await self.process.to_worker.send(encode_step(step.message))
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
-                await self._finish(in_flight.popleft())
+                await self._finish(in_flight.popleft(), deferred)
 
-    async def _finish(self, step: ScheduledStep) -> None:
-        """Take a step's result: the scheduler's update, then one Outputs to the front end."""
+    async def _finish(self, step: ScheduledStep, deferred: ScheduledStep | None = None) -> None:
+        """Take a step's result: the scheduler's update, the bitmask of the ``deferred`` step sent after it (which
+        the worker waits for), then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
         if isinstance(result, WorkerError):
             ids = [r.request_id for r in step.out.requests]
             for rid in ids:
                 core.abort(rid)
+            if deferred is not None:  # (the worker waits for it whatever became of this step)
+                await self._send_grammar(deferred)
             message = f"step failed: {result.message}"
             await self._send_by_front_end(ids, lambda fe_ids: Outputs(failed=[Failure(fe_ids, message)]),
                                           Outputs(queue=self._queue_state()))
@@ -149,6 +196,8 @@ class EngineService:
                 self._front_end.pop(rid, None)
             return
         outputs = core.update(step, core.finish(step, result))
+        if deferred is not None:
+            await self._send_grammar(deferred)
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
                             spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
@@ -164,6 +213,9 @@ class EngineService:
         for d in deltas:
             if d.finish_reason is not None:
                 self._front_end.pop(d.request_id, None)
+
+    async def _send_grammar(self, step: ScheduledStep) -> None:
+        await self.process.to_worker.send(encode_step(self.core.grammar_bitmask(step)))
 
     async def _send_by_front_end(self, request_ids: list[str], per_front_end, first: Outputs) -> None:
         """``per_front_end(ids)`` to each front end with requests among ``request_ids``, merged with ``first``

@@ -28,8 +28,8 @@ import torch
 import zmq
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
-                                 decode_to_worker, encode, resolve_init)
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, GrammarBitmask, Shutdown, WorkerError, WorkerInit, WorkerReady,
+                                 decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.loader import load_model, read_model_config
@@ -137,22 +137,55 @@ def serve(ipc_dir: str) -> int:
     results: queue.Queue = queue.Queue()
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir), daemon=True)
     sender.start()
+    inbox = _Inbox(pull, ipc_dir, results)
+    worker.receive_grammar = inbox.grammar
     while True:
-        frame = _receive(pull, ipc_dir)
-        try:
-            message = decode_to_worker(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            results.put(WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+        message = inbox.next()
+        if message is None:
             continue
         if isinstance(message, Shutdown):
             results.put(None)
             sender.join(timeout=30)
             return 0
+        if isinstance(message, GrammarBitmask):  # (its step failed before it took it)
+            log.debug("dropped the grammar bitmask of step %d", message.step_id)
+            continue
         try:
             results.put(worker.submit(message))
         except Exception as exc:
             log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
             results.put(WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
+
+
+class _Inbox:
+    """The engine's messages in order, with room to put one back: a constrained step whose bitmask follows it
+    (``ModelWorker.receive_grammar``) takes the next message in the middle of its submit."""
+
+    def __init__(self, pull: zmq.Socket, ipc_dir: str, results: queue.Queue):
+        self.pull, self.ipc_dir, self.results = pull, ipc_dir, results
+        self._back = None
+
+    def next(self):
+        """The next message; None for a malformed frame (refused with a WorkerError)."""
+        if self._back is not None:
+            message, self._back = self._back, None
+            return message
+        frame = _receive(self.pull, self.ipc_dir)
+        try:
+            return decode_to_worker(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.results.put(WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+            return None
+
+    def grammar(self, step_id: int) -> GrammarBitmask:
+        """The bitmask of step ``step_id``, which the engine sends right after it; RuntimeError (the step fails)
+        for anything else, which stays for the main loop."""
+        message = self.next()
+        if isinstance(message, GrammarBitmask):
+            return message
+        self._back = message
+        raise RuntimeError(f"step {step_id} waited for its grammar bitmask and got "
+                           f"{type(message).__name__ if message is not None else 'a malformed frame'}")
 
 
 def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, GrammarBitmask, Step, StepResult, pack, unpack
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
                                           model_runners)
@@ -136,6 +137,11 @@ class ModelWorker:
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device)
         self.upload, self.download = Upload(self.device), Download(self.device)
+        self.grammar_upload = Upload(self.device, capacity=1 << 12)
+        """The bitmask of a constrained step (structured outputs), uploaded apart: it may come after the step."""
+        self.receive_grammar: Callable[[int], GrammarBitmask] | None = None
+        """The worker process's way to wait for a step's bitmask sent after it (None in-process: the engine sends
+        every bitmask with its step)."""
         self._fixed_alpha: float | None = None
         self.set_fixed_acceptance(wcfg.fixed_acceptance)
         self.fail_steps: frozenset[int] = frozenset()
@@ -218,7 +224,13 @@ class ModelWorker:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
                 argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
-        return 2 * len(heads)
+        import xgrammar  # structured outputs' bitmask kernel (Triton), compiled here rather than mid-serving
+
+        hidden = torch.zeros(1, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        full = torch.full((1, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
+        xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
+        return 2 * len(heads) + 1
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
@@ -400,6 +412,7 @@ class ModelWorker:
             return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty, None
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
+        self._apply_grammar_bitmask(logits, plan)
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
         params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
@@ -423,12 +436,42 @@ class ModelWorker:
             return torch.zeros(0, 1, dtype=torch.int64, device=self.device), accepted, accepted, None
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
+        self._apply_grammar_bitmask(logits, plan)
         host_slots = plan.host_sampling_slots
         if (st.host_temperature[host_slots] > 0).any():
             tokens = sample_tokens(logits, st.row_params(slots_s, host_slots), first_pos)
         else:  # all greedy: the argmax alone (sample_tokens' greedy path, without gathering unused parameters)
             tokens = argmax_prob(logits, with_prob=False)[0]
         return tokens.view(m, 1), accepted, first_pos, logits
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, plan: "_StepPlan") -> None:
+        """Structured outputs: in each constrained request's logit row, the tokens its grammar forbids get -inf
+        before sampling (and logprobs), by xgrammar's kernel on the device. The packed bitmask came with the step,
+        or comes as the next message (``receive_grammar``): the engine fills it once the previous step's tokens
+        are in, while this step's forward runs."""
+        rows = plan.grammar_logit_rows
+        if not len(rows):
+            return
+        import xgrammar
+
+        grammar = plan.grammar
+        if grammar is None:
+            if self.receive_grammar is None:
+                raise RuntimeError(f"step {plan.step_id} is constrained but came without its grammar bitmask")
+            grammar = self.receive_grammar(plan.step_id)
+        if grammar.step_id != plan.step_id:
+            raise RuntimeError(f"step {plan.step_id} got the grammar bitmask of step {grammar.step_id}")
+        words = -(-logits.shape[1] // 32)
+        bits = np.frombuffer(grammar.bitmask, np.int32)
+        if bits.size != len(rows) * words:
+            raise ValueError(f"step {plan.step_id}: the grammar bitmask has {bits.size} words, not {len(rows)} rows "
+                             f"of {words}")
+        bits = np.concatenate([bits, np.zeros(bits.size % 2, np.int32)]).view(np.int64)  # (int32 pairs: one copy)
+        dev_rows, dev_bits = self.grammar_upload(rows, bits)
+        masked = logits[dev_rows]
+        xgrammar.apply_token_bitmask_inplace(masked, dev_bits.view(torch.int32)[: len(rows) * words].view(-1, words),
+                                             vocab_size=logits.shape[1])
+        logits[dev_rows] = masked
 
     def _fixed_acceptance(self, slots_s, first_pos, nd, k):
         """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
@@ -539,6 +582,11 @@ class _StepPlan:
     max_seq_len: int
     num_logprobs: int
     """The most logprobs a sampling request of the step asks for (-1: none asks)."""
+    step_id: int = 0
+    grammar_logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """The logit row of each constrained request (structured outputs), in the step's bitmask order."""
+    grammar: GrammarBitmask | None = None
+    """The step's bitmask, if it came with the step."""
 
     @property
     def num_sampling(self) -> int:
@@ -567,9 +615,12 @@ class _StepPlan:
         width = 1 + max(k_max, int(drafts.max()) if n else 0)
         grid = (np.cumsum(nver) - nver)[:, None] + np.minimum(np.arange(width)[None, :], nver[:, None] - 1)
         cells = np.repeat(np.arange(len(sampling)) * width, nver) + (logit_rows - np.repeat(first, nver))
+        # a constrained request verifies no drafts: its one logit row is the first of its verify rows
+        grammar_rows = (np.cumsum(nver) - nver)[np.searchsorted(sampling, unpack(step.grammar_rows))]
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, step.step_id,
+                   grammar_rows.astype(np.int64), step.grammar)
 
 
 @dataclass

@@ -37,6 +37,7 @@ MAX_API_SERVERS = 64
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """vLLM's names where the concept is the same (plus the engine flags every subcommand shares)."""
+    from dispatcher.serve.tools import TOOL_CALL_PARSERS
     from models.config import MODEL_FORMS
 
     m = p.add_argument_group("model")
@@ -46,6 +47,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tokenizer", default=None, metavar="DIR_OR_GGUF",
                    help="the tokenizer and chat template of another checkpoint (default: the model's; a preset has "
                         "none): lets a random-weight preset serve text, for benchmarks")
+    m.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     m.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens a request may hold (default: the model's context length)")
     m.add_argument("--seed", type=int, default=0, help="random weights of presets; seeds of unseeded requests")
@@ -67,6 +70,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "of concurrent streams (default: %(default)s)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets requests in flight finish (default: %(default)s)")
+    t = p.add_argument_group("tool calling (vLLM's flags)")
+    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="the model's tool-call format: hermes (<tool_call> JSON: Hermes, Qwen2.5, Qwen3) or "
+                        "llama3_json (Llama 3.x JSON calls); it also shapes forced calls (tool_choice required or "
+                        "named), which otherwise use llama3_json's plain JSON")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the model decides; needs --tool-call-parser)')
     o = p.add_argument_group("observability")
     o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
     o.add_argument("--cudagraph-metrics", action="store_true",
@@ -127,6 +137,8 @@ def _setup(args: argparse.Namespace):
     for flag in ("port", "block_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
@@ -150,6 +162,11 @@ def _setup(args: argparse.Namespace):
         if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                               f"({model_cfg.vocab_size})")
+        if args.chat_template is not None:
+            if tokenizer is None:
+                raise ConfigError("--chat-template: this model has no tokenizer (a preset): give --tokenizer too")
+            args.chat_template = chat_template_text(args.chat_template)
+            tokenizer.chat_template = args.chat_template
         if cfg.draft_model is not None and cfg.method == "draft_model":
             check_draft_tokenizer(tokenizer, cfg.draft_model)
     except CheckpointError as exc:
@@ -187,6 +204,27 @@ def _setup(args: argparse.Namespace):
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
 
 
+def chat_template_text(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template (it has ``{{`` or ``{%``);
+    ConfigError otherwise, and for a template that does not parse."""
+    from models.text import TemplateError, render_chat_template
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as fh:
+                value = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template: cannot read {value!r} ({exc})") from None
+    elif "{{" not in value and "{%" not in value:
+        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        render_chat_template(value, [{"role": "user", "content": "hi"}])
+    except TemplateError as exc:
+        if "does not parse" in str(exc):
+            raise ConfigError(f"--chat-template: {exc}") from None
+    return value
+
+
 def _model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
@@ -201,8 +239,10 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
                             num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count), tokenizer, name, defaults, metrics, args.log_level)
-    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests)
+                                     args.api_server_count, args.tokenizer or init.model), tokenizer, name, defaults,
+                          metrics, args.log_level)
+    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     try:
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
         runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
