@@ -203,7 +203,9 @@ class _Llama3Stream(ToolStream):
             if not head or (tag.startswith(head) and len(head) < len(tag)):
                 return "", []
             if head.startswith(tag):
-                head = head[len(tag):]
+                head = head[len(tag):].lstrip()
+                if not head:
+                    return "", []
             self.mode = "calls" if head.startswith("{") else "content"
             if self.mode == "calls":
                 self.buf = head
