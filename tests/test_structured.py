@@ -403,6 +403,21 @@ def test_a_deferred_bitmask_is_taken_from_the_next_message():
         core.worker.execute(step.message)
 
 
+def test_a_masked_token_is_never_sampled_even_at_an_extreme_draw():
+    """Seed 272 at position 0 draws the largest 24-bit pattern for token 10900: before ``unit_interval`` kept u
+    below 1, its Gumbel noise was infinite, -inf - -inf made its masked logit NaN, and argmax sampled it (found by
+    the schema test: a JSON object broke after 70 newlines). Unmasked, that token won every such draw."""
+    import torch
+
+    from models.sampling import RowParams, sample_tokens, unit_interval
+
+    assert unit_interval(torch.tensor([2**24 - 1])).item() < 1.0
+    logits = torch.full((1, 16384), float("-inf"))
+    logits[0, [5, 7]] = 0.0
+    params = RowParams(torch.tensor([1.0]), None, None, torch.tensor([272]))
+    assert sample_tokens(logits, params, torch.tensor([0])).item() in (5, 7)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # tool-call parsers
 # ---------------------------------------------------------------------------------------------------------------
