@@ -454,6 +454,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
     t.add_argument("--temperature", type=float, default=None, help="sampling temperature sent (default: the "
                                                                   "server's)")
+    t.add_argument("--response-format", default=None, metavar="JSON",
+                   help='structured outputs: an OpenAI response_format sent with every request, e.g. '
+                        '\'{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}\'')
+    t.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help="structured outputs: vLLM's structured_outputs field sent with every request, e.g. "
+                        "'{\"regex\": \"[0-9]+\"}'")
     r = p.add_argument_group("results")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics whose percentiles are reported (default: %(default)s)")

@@ -204,6 +204,23 @@ def test_a_grammar_compiles_once_and_errors_name_the_field(grammars):
         assert "does not compile" in str(err.value) and "/project/" not in str(err.value)
 
 
+def test_a_compile_done_before_its_callback_is_registered_does_not_deadlock(grammars, monkeypatch):
+    """A cached grammar compiles at once: its future can be done before ``compile_future`` registers the callback
+    that forgets it, which then runs in the caller (once, under the lock: the event loop hung)."""
+    from concurrent.futures import Future
+
+    def done_at_once(fn, *args):
+        fut = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    monkeypatch.setattr(grammars._pool, "submit", done_at_once)
+    worker = threading.Thread(target=grammars.compile, args=(StructuredOutputsParams(regex="[ab]+"),), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and not grammars._compiling
+
+
 def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(grammars, monkeypatch):
     """A compile runs in the pool: the event loop keeps turning (the engine keeps stepping) while it runs, and a
     request whose grammar takes longer than the timeout is refused with a message naming the limit."""
@@ -425,7 +442,8 @@ def test_a_masked_token_is_never_sampled_even_at_an_extreme_draw():
 
 HERMES_OUT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-LLAMA_OUT = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+LLAMA_OUT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+             '{"name": "get_time", "parameters": {}}')
 
 
 @pytest.mark.parametrize("name,text,content", [("hermes", HERMES_OUT, "I will check.\n"),

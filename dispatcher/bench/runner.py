@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import math
 import os
 import queue
@@ -102,6 +103,25 @@ def validate(args: argparse.Namespace) -> None:
     for item in args.metadata or []:
         if "=" not in item or not item.partition("=")[0].strip():
             raise BenchError(f"--metadata: {item!r} is not KEY=VALUE")
+    structured_body(args)
+
+
+def structured_body(args: argparse.Namespace) -> dict[str, Any]:
+    """``--response-format`` and ``--structured-outputs`` as request fields (sent with every request); BenchError
+    naming the flag for text that is not a JSON object."""
+    body = {}
+    for flag, field in (("response_format", "response_format"), ("structured_outputs", "structured_outputs")):
+        text = getattr(args, flag, None)
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise BenchError(f"--{flag.replace('_', '-')}: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise BenchError(f"--{flag.replace('_', '-')} must be a JSON object, got {text!r}")
+        body[field] = value
+    return body
 
 
 def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
@@ -373,6 +393,7 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                     concurrencies: list[int | None]) -> list[dict[str, Any]]:
     headers = auth_headers(args.api_key)
     extra = {"temperature": args.temperature} if args.temperature is not None else {}
+    extra.update(structured_body(args))
     async with aiohttp.ClientSession() as probe:
         model = await resolve_model(probe, args, headers)
         endpoint = Endpoint(args.endpoint, args.base_url, model, {**headers, "Content-Type": "application/json"},

@@ -122,11 +122,12 @@ class StructuredOutputs:
         self.start()
         with self._lock:
             fut = self._compiling.get(params.key)
-            if fut is None:
-                fut = self._pool.submit(self._compile, params)
-                self._compiling[params.key] = fut
-                fut.add_done_callback(lambda _, key=params.key: self._done(key))
-            return fut
+            created = fut is None
+            if created:
+                fut = self._compiling[params.key] = self._pool.submit(self._compile, params)
+        if created:  # (outside the lock: a compile done already runs its callback here, and that takes the lock)
+            fut.add_done_callback(lambda _, key=params.key: self._done(key))
+        return fut
 
     def _done(self, key: tuple) -> None:
         with self._lock:
