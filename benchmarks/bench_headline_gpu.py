@@ -182,12 +182,12 @@ def num_clients(conc: int) -> int:
 
 
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None,
-              served_name: str = SERVED_NAME) -> dict:
+              served_name: str = SERVED_NAME, extra: list[str] = ()) -> dict:
     """One ``twogrid bench`` run (``--waves`` x ``conc`` prompts at concurrency ``conc``, at least
     ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result, saved
     with each request's send time, TTFT and latency (``--save-detailed``: where a run's wall time went); with
     ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
-    the whole bench command (warm-ups included)."""
+    the whole bench command (warm-ups included). ``extra``: more ``twogrid bench`` flags."""
     os.makedirs(result_dir, exist_ok=True)
     name = f"{label}-c{conc}.json"
     before = process_cpu_s(server_pid) if server_pid else {}
@@ -200,7 +200,7 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
            "--num-warmups", str(conc), "--num-clients", str(num_clients(conc)), "--save-result", "--save-detailed",
            "--result-dir",
            result_dir,
-           "--result-filename", name, "--label", label, "--disable-tqdm"]
+           "--result-filename", name, "--label", label, "--disable-tqdm", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     client1 = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -151,3 +151,19 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     rc, out, err = run("serve", "--api-server-count", count, "--device", "cpu")
     assert rc == 2 and out == ""
     assert err.strip() == f"twogrid serve: error: --api-server-count must be in 1..64, got {count}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "--structured-outputs-config: backend 'outlines' is "
+                                                                  "not available (xgrammar)"),
+    (["--structured-outputs-config", '{"compile_timeout_s": -1}'], "compile_timeout_s must be in (0, 3600]"),
+    (["--structured-outputs-config", '{"cache": 1}'], "unknown key(s) cache"),
+    (["--chat-template", "no/such/file"], "--chat-template: 'no/such/file' is neither a file nor a Jinja template"),
+    (["--chat-template", "{% if %}"], "--chat-template: chat template does not parse"),
+], ids=["auto without a parser", "other backend", "bad timeout", "unknown key", "no template",
+        "broken template"])
+def test_serve_refuses_bad_structured_output_and_tool_flags(args, message):
+    """Before the model loads: one line naming the flag, exit code 2."""
+    rc, out, err = run("serve", "--device", "cpu", *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err

@@ -24,7 +24,7 @@ import torch
 
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import CostCurve
-from dispatcher.engine.structured import StructuredOutputs
+from dispatcher.engine.structured import COMPILE_TIMEOUT_S, StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
 from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
@@ -76,6 +76,8 @@ class EngineArgs:
     tokenizer: str | None = None
     """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
     the model's (a preset has none, and refuses structured requests)."""
+    structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
+    """A structured request whose grammar has not compiled this long after it arrived is refused."""
 
 
 @dataclass
@@ -221,7 +223,7 @@ class EngineCore:
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
         self.structured = StructuredOutputs(_tokenizer(args), self.model_config.vocab_size, self.eos_token_ids,
-                                            cfg.max_num_seqs)
+                                            cfg.max_num_seqs, args.structured_compile_timeout_s)
         """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
         ``structured.start()``)."""
         self._said_no_drafts = False

@@ -37,6 +37,8 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     tokenizer: str | None = None
     """The checkpoint whose tokenizer structured outputs compile grammars against (the front end's ``--tokenizer``
     or the model); None: the model's."""
+    structured_compile_timeout_s: float = 10.0
+    """``--structured-outputs-config``'s ``compile_timeout_s``."""
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):

@@ -73,7 +73,8 @@ class EngineService:
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
-                          tokenizer=self.init.tokenizer)
+                          tokenizer=self.init.tokenizer,
+                          structured_compile_timeout_s=self.init.structured_compile_timeout_s)
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         await xgrammar
         await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)

@@ -618,7 +618,9 @@ def _http_error(exc: web.HTTPException, request: web.Request, max_body_bytes: in
 
 
 _FIELD = re.compile(r"^'?([a-z_]+)'?\b")
-_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt", "prompt_token_ids", "messages"}
+_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
+    "prompt", "prompt_token_ids", "messages", "response_format", "tools", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar"}
 
 
 def _request_error(exc: RequestError) -> ApiError:

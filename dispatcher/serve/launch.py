@@ -70,6 +70,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "of concurrent streams (default: %(default)s)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets requests in flight finish (default: %(default)s)")
+    so = p.add_argument_group("structured outputs")
+    so.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                    help='vLLM\'s flag: {"backend": "xgrammar" (or "auto": the only backend here), '
+                         '"compile_timeout_s": S (a grammar not compiled S seconds after its request arrived is '
+                         'refused; default 10)}')
     t = p.add_argument_group("tool calling (vLLM's flags)")
     t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call> JSON: Hermes, Qwen2.5, Qwen3) or "
@@ -139,6 +144,7 @@ def _setup(args: argparse.Namespace):
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    args.structured_compile_timeout_s = structured_outputs_config(args.structured_outputs_config)
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
@@ -204,6 +210,26 @@ def _setup(args: argparse.Namespace):
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
 
 
+def structured_outputs_config(text: str | None) -> float:
+    """``--structured-outputs-config``: its compile timeout (ConfigError naming a key it does not take)."""
+    from dispatcher.engine.structured import COMPILE_TIMEOUT_S
+
+    cfg = parse_json_arg(text, "--structured-outputs-config")
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--structured-outputs-config must be a JSON object, got {text!r}")
+    unknown = set(cfg) - {"backend", "compile_timeout_s"}
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: unknown key(s) {', '.join(sorted(unknown))} (backend, "
+                          f"compile_timeout_s)")
+    if cfg.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise ConfigError(f"--structured-outputs-config: backend {cfg['backend']!r} is not available (xgrammar)")
+    timeout = cfg.get("compile_timeout_s", COMPILE_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise ConfigError(f"--structured-outputs-config: compile_timeout_s must be in (0, 3600] seconds, got "
+                          f"{timeout!r}")
+    return float(timeout)
+
+
 def chat_template_text(value: str) -> str:
     """``--chat-template``: a file's text, or the value itself when it is a template (it has ``{{`` or ``{%``);
     ConfigError otherwise, and for a template that does not parse."""
@@ -239,8 +265,9 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
                             num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count, args.tokenizer or init.model), tokenizer, name, defaults,
-                          metrics, args.log_level)
+                                     args.api_server_count, args.tokenizer or init.model,
+                                     args.structured_compile_timeout_s), tokenizer, name, defaults, metrics,
+                          args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     try:
