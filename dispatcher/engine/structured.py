@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -44,6 +45,8 @@ COMPILE_TIMEOUT_S = 10.0
 refused: a hostile constraint within the static limits (``scheduler.structured``) costs at most this wait."""
 COMPILE_WORKERS = 2
 """Grammars compiled at once (each compile uses ``_threads()`` threads of its own)."""
+LOG_EVERY_STEPS = 2000
+"""Constrained steps between two lines of bitmask and matcher timings."""
 CACHE_BYTES = 512 << 20
 """xgrammar's compiled-grammar cache (vLLM's default, VLLM_XGRAMMAR_CACHE_MB = 512)."""
 
@@ -85,6 +88,8 @@ class StructuredOutputs:
         self.matchers: dict[str, object] = {}
         """Each live structured request's xgrammar GrammarMatcher."""
         self._bitmask = None
+        self._timing = [0, 0.0, 0.0, 0]
+        """Since the last log line: constrained steps, seconds advancing matchers, seconds filling, rows."""
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,26 +197,34 @@ class StructuredOutputs:
         self.matchers.pop(request_id, None)
 
     def advance(self, outputs) -> None:
-        """Each structured request's new tokens into its matcher (the step's outputs, after the scheduler's update).
-        A finished request's matcher goes. A token its grammar refuses cannot be sampled under the mask; if one is
+        """Each structured request's new tokens into its matcher (the step's outputs, after the scheduler's update),
+        all of them in one xgrammar call (a structured request gains one token a step: it verifies no drafts). A
+        finished request's matcher goes. A token its grammar refuses cannot be sampled under the mask; if one is
         (a defect), the request is logged and runs on unconstrained rather than failing the step."""
-        for o in outputs:
-            matcher = self.matchers.get(o.request_id)
-            if matcher is None:
-                continue
-            for t in o.new_token_ids:
-                if matcher.is_terminated():
-                    break
-                if not matcher.accept_token(t):
-                    log.error("request %s: token %d is outside its grammar; it runs on unconstrained", o.request_id, t)
+        t0 = time.perf_counter()
+        live = [(o, m) for o in outputs if (m := self.matchers.get(o.request_id)) is not None and o.new_token_ids]
+        taking = [(o, m) for o, m in live if not m.is_terminated()]  # (after EOS under ignore_eos: free)
+        if taking:
+            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([m for _, m in taking],
+                                                                  [o.new_token_ids[0] for o, _ in taking])
+            for (o, m), accepted in zip(taking, ok):
+                if not accepted:
+                    log.error("request %s: token %d is outside its grammar; it runs on unconstrained", o.request_id,
+                              o.new_token_ids[0])
                     self.matchers.pop(o.request_id)
-                    break
+                elif len(o.new_token_ids) > 1:  # (not from a structured request's step; kept exact anyway)
+                    for t in o.new_token_ids[1:]:
+                        if m.is_terminated() or not m.accept_token(t):
+                            break
+        for o in outputs:
             if o.finished:
                 self.matchers.pop(o.request_id, None)
+        self._timing[1] += time.perf_counter() - t0
 
     def bitmask(self, request_ids: list[str]) -> bytes:
         """int32 (len(request_ids), words): each request's allowed next tokens, packed (all allowed for one whose
         grammar ended or that left)."""
+        t0 = time.perf_counter()
         n = len(request_ids)
         mask = self._bitmask[:n]
         live, rows = [], []
@@ -224,7 +237,21 @@ class StructuredOutputs:
             mask.fill_(-1)
         if live:
             self._batch.batch_fill_next_token_bitmask(live, mask, rows)
-        return mask.numpy().tobytes()
+        data = mask.numpy().tobytes()
+        self._note_step(n, time.perf_counter() - t0)
+        return data
+
+    def _note_step(self, rows: int, fill_s: float) -> None:
+        """Every LOG_EVERY_STEPS constrained steps, one line: rows a step and the host's milliseconds for the
+        bitmask (fill and copy) and for advancing the matchers (what asynchronous scheduling must hide)."""
+        steps, _, filled, rows_total = self._timing
+        self._timing = [steps + 1, self._timing[1], filled + fill_s, rows_total + rows]
+        if self._timing[0] >= LOG_EVERY_STEPS:
+            steps, advanced, filled, rows_total = self._timing
+            log.info("structured outputs: %d constrained steps, %.0f rows a step, bitmask %.2f ms a step, matchers "
+                     "advanced %.2f ms a step", steps, rows_total / steps, 1e3 * filled / steps,
+                     1e3 * advanced / steps)
+            self._timing = [0, 0.0, 0.0, 0]
 
 
 def unpack_bitmask(data: bytes, vocab_size: int) -> np.ndarray:
