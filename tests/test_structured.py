@@ -474,3 +474,103 @@ def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
 def test_text_that_is_not_a_call_stays_content(name, text):
     content, calls = PARSERS[name].parse(text)
     assert calls == [] and content == text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the HTTP app (a fake engine that writes a given text)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fake_app_engine(text: str):
+    """test_serve_app's fake engine, its chat template taking tools (recorded), its output ``text`` in pieces of 5
+    characters, finished by EOS ("stop")."""
+    from test_serve_app import FakeEngine, FakeTokenizer
+
+    from dispatcher.engine.output import CompletionOutput, RequestOutput
+
+    class Tokenizer(FakeTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            self.seen = (messages, kwargs)
+            return super().apply_chat_template(messages, add_generation_prompt)
+
+    class Engine(FakeEngine):
+        async def _outputs(self, rid, prompt, ids, params):
+            pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+            for i, piece in enumerate(pieces):
+                done = "stop" if i == len(pieces) - 1 else None
+                yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, piece, [2000 + i], done)], done is not None)
+
+    engine = Engine()
+    engine.tokenizer = Tokenizer()
+    return engine
+
+
+def test_the_app_passes_tools_to_the_template_and_forces_calls_with_a_grammar():
+    from test_serve_app import run, served
+
+    weather = WEATHER
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+    async def go():
+        engine = _fake_app_engine('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+        async with served(engine, tool_call_parser="hermes", enable_auto_tool_choice=True) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": history, "tools": [weather],
+                                                           "tool_choice": "required", "max_tokens": 50})
+            body = await r.json()
+            assert r.status == 200, body
+            messages, kwargs = engine.tokenizer.seen
+            assert kwargs["tools"] == [weather]
+            assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}  # (an object)
+            assert messages[2]["tool_call_id"] == "c1" and messages[1]["content"] == ""
+            (_, _, params), = engine.requests.values()
+            so = params.structured_outputs
+            assert so.where == "tools" and "<tool_call>" in json.loads(so.structural_tag)["format"]["tags"][0]["begin"]
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            call, = choice["message"]["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+    run(go())
+
+
+def test_the_app_streams_tool_calls_in_openais_shape():
+    from test_serve_app import run, served, sse
+
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+    async def go():
+        async with served(_fake_app_engine(text), tool_call_parser="hermes", enable_auto_tool_choice=True) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "tools": [WEATHER], "stream": True, "max_tokens": 50})
+            events = await sse(r)
+            assert events[-1] == "[DONE]"
+            deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+            content = "".join(d.get("content") or "" for d in deltas)
+            calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+            assert content == "Checking.\n" and "<tool" not in content
+            assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+            assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+    run(go())
+
+
+def test_the_app_sends_response_format_as_structured_outputs():
+    from test_serve_app import run, served
+
+    async def go():
+        engine = _fake_app_engine('{"name": "Bo", "age": 3}')
+        async with served(engine) as c:
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 9, "response_format": rf})
+            assert r.status == 200
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "response_format": {"type": "text"}})
+            assert r.status == 200
+            (_, _, first), (_, _, second) = engine.requests.values()
+            assert json.loads(first.structured_outputs.json) == PERSON and second.structured_outputs is None
+
+    run(go())

@@ -226,11 +226,12 @@ class ModelWorker:
                 argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
         import xgrammar  # structured outputs' bitmask kernel (Triton), compiled here rather than mid-serving
 
-        hidden = torch.zeros(1, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
-        logits = self.model.compute_logits(hidden)
-        full = torch.full((1, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
-        xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
-        return 2 * len(heads) + 1
+        for rows in (1, 2, 16):  # (Triton specializes its row count on == 1 and on divisibility by 16)
+            hidden = torch.zeros(rows, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
+            logits = self.model.compute_logits(hidden)[torch.arange(rows, device=self.device)]
+            full = torch.full((rows, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
+            xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
+        return 2 * len(heads) + 3
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
