@@ -262,7 +262,7 @@ class ModelWorker:
         self._note_requests(step)
         if plan.num_sampling:
             plan.num_logprobs = int(self.state.host_num_logprobs[plan.host_sampling_slots].max())
-        clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
+        clock = plan.clock = _Clock(self.device)  # (after the host-only work: an idle device's, not this step's)
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
         if step.step_id in self.fail_steps:
@@ -459,7 +459,7 @@ class ModelWorker:
         if grammar is None:
             if self.receive_grammar is None:
                 raise RuntimeError(f"step {plan.step_id} is constrained but came without its grammar bitmask")
-            grammar = self.receive_grammar(plan.step_id)
+            grammar = plan.clock.idle(lambda: self.receive_grammar(plan.step_id))
         if grammar.step_id != plan.step_id:
             raise RuntimeError(f"step {plan.step_id} got the grammar bitmask of step {grammar.step_id}")
         words = -(-logits.shape[1] // 32)
@@ -532,24 +532,44 @@ def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
 
 
 class _Clock:
-    """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU."""
+    """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU;
+    less a wait for the host inside the step (a grammar bitmask sent after its step), which is idle time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.wait: tuple | None = None
+        self.waited_s = 0.0
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
             self.start_s = time.perf_counter()
 
+    def idle(self, wait):
+        """``wait()``, not counted: on the GPU the time from the work queued before it to the work queued after it
+        (zero when the device was still busy with the former)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = wait()
+            self.waited_s += time.perf_counter() - t0
+            return out
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        out = wait()
+        after.record()
+        self.wait = before, after
+        return out
+
     def stop(self) -> None:
         if self.cuda:
             self.end.record()
         else:
-            self.elapsed = (time.perf_counter() - self.start_s) * 1e3
+            self.elapsed = (time.perf_counter() - self.start_s - self.waited_s) * 1e3
 
     def ms(self) -> float:
-        return self.start.elapsed_time(self.end) if self.cuda else self.elapsed
+        if not self.cuda:
+            return self.elapsed
+        return self.start.elapsed_time(self.end) - (self.wait[0].elapsed_time(self.wait[1]) if self.wait else 0.0)
 
 
 @dataclass
@@ -588,6 +608,7 @@ class _StepPlan:
     """The logit row of each constrained request (structured outputs), in the step's bitmask order."""
     grammar: GrammarBitmask | None = None
     """The step's bitmask, if it came with the step."""
+    clock: "_Clock | None" = None
 
     @property
     def num_sampling(self) -> int:
