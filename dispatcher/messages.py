@@ -164,6 +164,9 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
     measure_decode_costs: bool = False
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
+    structured_outputs: bool = False
+    """The engine serves text (it has a tokenizer), so steps may carry grammar bitmasks: load xgrammar's kernels at
+    start rather than at the first constrained step."""
 
 
 def resolve_init(init: WorkerInit) -> ResolvedConfig:

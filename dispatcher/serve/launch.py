@@ -193,7 +193,7 @@ def _setup(args: argparse.Namespace):
                       max_model_len, sched.max_blocks_per_seq, args.num_kv_blocks or 0, args.gpu_memory_utilization,
                       args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
-                      measure_decode_costs=cfg.auto_tiers)
+                      measure_decode_costs=cfg.auto_tiers, structured_outputs=tokenizer is not None)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
