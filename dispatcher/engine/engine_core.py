@@ -184,12 +184,13 @@ class EngineCore:
         self.dispatchers = dispatchers_for_plan(self.plan)
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
         self.capture_report = None
+        tokenizer = _tokenizer(args)
         if worker is None:
             dtype = args.dtype or default_dtype(args.model, args.device)
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                             args.use_cuda_graphs, args.fixed_acceptance),
+                             args.use_cuda_graphs, args.fixed_acceptance, tokenizer is not None),
                 self.plan,
             )
             self.capture_report = worker.capture(progress=progress) if capture else None
@@ -222,7 +223,7 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
-        self.structured = StructuredOutputs(_tokenizer(args), self.model_config.vocab_size, self.eos_token_ids,
+        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                             cfg.max_num_seqs, args.structured_compile_timeout_s)
         """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
         ``structured.start()``)."""

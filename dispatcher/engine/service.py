@@ -67,7 +67,8 @@ class EngineService:
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot."""
         loop = asyncio.get_running_loop()
-        xgrammar = loop.run_in_executor(None, importlib.import_module, "xgrammar")  # (while the worker loads)
+        structured = self.init.worker.structured_outputs  # (the server has a tokenizer)
+        xgrammar = loop.run_in_executor(None, _import_xgrammar) if structured else None  # (while the worker loads)
         ready = await _await_ready(self.process)
         w = self.init.worker
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
@@ -76,8 +77,8 @@ class EngineService:
                           tokenizer=self.init.tokenizer,
                           structured_compile_timeout_s=self.init.structured_compile_timeout_s)
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
-        await xgrammar
-        await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
+        if xgrammar is not None and await xgrammar and self.core.structured.tokenizer is not None:
+            await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -258,6 +259,17 @@ class EngineService:
                 raise WorkerDied(f"expected the result of step {step.out.step_id}, got {type(msg).__name__}")
             if not self.process.alive():
                 raise WorkerDied(f"the worker process {self.process.exit_description()}")
+
+
+def _import_xgrammar() -> bool:
+    """Structured outputs' library, imported while the worker starts; False (logged) where it cannot be: the
+    engine serves, and refuses structured requests naming why."""
+    try:
+        importlib.import_module("xgrammar")
+        return True
+    except ImportError as exc:
+        log.error("structured outputs are unavailable: xgrammar cannot be imported (%s)", exc)
+        return False
 
 
 async def _await_ready(process: WorkerProcess) -> WorkerReady:

@@ -124,7 +124,11 @@ class StructuredOutputs:
         if self.tokenizer is None:
             raise RequestError(f"{params.where}: structured outputs need the model's tokenizer; this model (a preset "
                                f"with random weights) has none: give --tokenizer")
-        self.start()
+        try:
+            self.start()
+        except ImportError as exc:
+            raise RequestError(f"{params.where}: structured outputs need xgrammar, which cannot be imported here "
+                               f"({exc}): pip install xgrammar") from None
         with self._lock:
             fut = self._compiling.get(params.key)
             created = fut is None

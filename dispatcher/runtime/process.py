@@ -59,12 +59,10 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     model = load_model(init.model, device, dtype, init.seed)
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
-                        init.seed, init.use_cuda_graphs, init.fixed_acceptance)
+                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.structured_outputs)
     if not init.num_kv_blocks:
         wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
     worker = ModelWorker(wcfg, plan, model=model)
-    if init.structured_outputs:
-        import xgrammar  # noqa: F401  (seconds of imports: at start, not in a step)
     report = worker.capture(progress=False)
     av = worker.runtime.measure_step_ms(FULL_VARLEN) if init.measure_av_curve else None
     decode_costs = worker.measure_decode_costs() if init.measure_decode_costs else None

@@ -62,6 +62,9 @@ class WorkerConfig:
     fixed_acceptance: float | None = None
     """Benchmarks only: after verification, accept a seeded number of drafts per request so that the mean
     acceptance length (tokens a verify step yields) is this value, whatever the drafter proposed. None: off."""
+    structured_outputs: bool = False
+    """Steps may carry grammar bitmasks (the engine has a tokenizer): load and warm up xgrammar's kernel at
+    capture, not in the first constrained step."""
 
 
 class RequestState:
@@ -206,6 +209,8 @@ class ModelWorker:
             report.kinds += rt.capture(progress=progress).kinds
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
+        if self.wcfg.structured_outputs:
+            launches += self._warm_up_grammar()
         if launches and self.jit is not None:
             count, _, _ = self.jit.take()
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
@@ -224,14 +229,24 @@ class ModelWorker:
             hidden = torch.zeros(1, head.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             for with_prob in (False, True):
                 argmax_prob(head.compute_logits(hidden), with_prob=with_prob)
-        import xgrammar  # structured outputs' bitmask kernel (Triton), compiled here rather than mid-serving
+        return 2 * len(heads)
 
-        for rows in (1, 2, 16):  # (Triton specializes its row count on == 1 and on divisibility by 16)
+    @torch.inference_mode()
+    def _warm_up_grammar(self) -> int:
+        """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
+        rows (Triton specializes a row count on == 1 and on divisibility by 16), here rather than in a served step.
+        Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
+        try:
+            import xgrammar
+        except ImportError as exc:
+            log.warning("structured outputs: xgrammar cannot be imported (%s): grammar bitmasks cannot be applied", exc)
+            return 0
+        for rows in (1, 2, 16):
             hidden = torch.zeros(rows, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             logits = self.model.compute_logits(hidden)[torch.arange(rows, device=self.device)]
             full = torch.full((rows, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
             xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
-        return 2 * len(heads) + 3
+        return 3
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
