@@ -52,7 +52,7 @@ CACHE_BYTES = 512 << 20
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""xgrammar's error messages start with a time and its source file: '[04:43:24] /project/cpp/grammar_parser.cc:820: '."""
+"""xgrammar's error messages start with a time and a source line ('[04:43:24] /project/cpp/grammar_parser.cc:820: ')."""
 
 
 def _retrieve(fut: asyncio.Future) -> None:
