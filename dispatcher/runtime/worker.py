@@ -482,7 +482,9 @@ class ModelWorker:
         if bits.size != len(rows) * words:
             raise ValueError(f"step {plan.step_id}: the grammar bitmask has {bits.size} words, not {len(rows)} rows "
                              f"of {words}")
-        bits = np.concatenate([bits, np.zeros(bits.size % 2, np.int32)]).view(np.int64)  # (int32 pairs: one copy)
+        if bits.size % 2:  # (uploaded as int64 words: int32 pairs, in the step's one copy of the bitmask)
+            bits = np.concatenate([bits, np.zeros(1, np.int32)])
+        bits = bits.view(np.int64)
         dev_rows, dev_bits = self.grammar_upload(rows, bits)
         masked = logits[dev_rows]
         xgrammar.apply_token_bitmask_inplace(masked, dev_bits.view(torch.int32)[: len(rows) * words].view(-1, words),
