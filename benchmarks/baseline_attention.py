@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention import AttentionMetadata
+from models.attention_metadata import AttentionMetadata
 from models.fused import launch_options, pdl_enter
 
 

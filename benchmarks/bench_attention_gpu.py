@@ -36,7 +36,8 @@ import torch
 
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 from baseline_attention import prepare_baseline_attention
-from models.attention import AttentionMetadata, prepare_paged_attention
+from models.attention import prepare_paged_attention
+from models.attention_metadata import AttentionMetadata
 from models.config import preset
 from models.transformer import build_model
 from models.triton_attention import AttentionTiles, plan_launch, sm_count

@@ -41,12 +41,15 @@ import json
 import os
 import shlex
 import signal
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 from _common import commit, join_runs, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
+from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import SPEC_METHODS
 
 METHODS = "none,ngram:3,eagle3:1,eagle3:3,eagle3:5"
@@ -61,31 +64,78 @@ def log(msg: str) -> None:
 
 
 def parse_method(text: str) -> tuple[str, int, dict | None]:
-    """``none`` -> (none, 0, None); ``eagle3:3`` -> (eagle3, 3, its speculative config)."""
+    """``none`` -> (none, 0, None); ``eagle3:3`` -> (eagle3, 3, its speculative config); ``eagle3:auto7`` ->
+    (eagle3, -7, K up to 7 with ``"auto"`` tiers): a negative K stands for auto tiers up to -K."""
     if text == "none":
         return "none", 0, None
     method, sep, k = text.partition(":")
-    if method not in SPEC_METHODS or not sep or not k.isdigit() or int(k) < 1:
-        raise ValueError(f"{text!r}: give none or METHOD:K, METHOD one of {', '.join(SPEC_METHODS)}, K >= 1")
-    return method, int(k), {"method": method, "num_speculative_tokens": int(k)}
+    auto = k.startswith("auto")
+    digits = k[4:] if auto else k
+    if method not in SPEC_METHODS or not sep or not digits.isdigit() or int(digits) < 1:
+        raise ValueError(f"{text!r}: give none, METHOD:K or METHOD:autoK, METHOD one of {', '.join(SPEC_METHODS)}, "
+                         f"K >= 1")
+    spec = {"method": method, "num_speculative_tokens": int(digits)}
+    if auto:
+        spec["num_speculative_tokens_per_batch_size"] = "auto"
+    return method, -int(digits) if auto else int(digits), spec
 
 
 def label(method: str, k: int) -> str:
-    return "none" if method == "none" else f"{method}:{k}"
+    return "none" if method == "none" else f"{method}:auto{-k}" if k < 0 else f"{method}:{k}"
+
+
+def tiers_of(k: int) -> str | int:
+    """A row's ``tiers``: ``auto`` or the fixed K (0: no speculation)."""
+    return "auto" if k < 0 else k
 
 
 def cell(row: dict) -> tuple:
-    """What a row measured: one server's (policy, method, K) at one concurrency."""
-    return row["policy"], row["method"], row["k"], row["concurrency"]
+    """What a row measured: one server's (policy, method, K, fused or not) at one concurrency."""
+    return row["policy"], row["method"], row["k"], row.get("fused", True), row["concurrency"]
+
+
+def fixed_mean_length(args, k: int) -> float:
+    """The ``--fixed-acceptance`` of a server drafting up to k tokens: ``args.fixed_acceptance`` itself, or with
+    ``--fixed-acceptance-of K0`` the mean length at k of the per-draft rate that gives ``args.fixed_acceptance`` at
+    K0 (so that every server's drafter accepts alike: 3.0 of 7 is rate 0.68, 2.47 at K = 3)."""
+    if not args.fixed_acceptance_of:
+        return args.fixed_acceptance
+    rate = fixed_acceptance_rate(args.fixed_acceptance, args.fixed_acceptance_of)
+    return round(1.0 + sum(rate ** j for j in range(1, k + 1)), 4)
+
+
+def scrape(base: str) -> str:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def fused_steps(metrics: str) -> float:
+    """``twogrid:fused_decode_steps_total`` summed over its series."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("twogrid:fused_decode_steps_total"))
+
+
+def chosen_k(metrics: str, concurrency: int) -> int | None:
+    """The K of the speculative tier in force for ``concurrency`` requests (``twogrid:spec_decode_tier_k``; a
+    retired tier reads -1), or None."""
+    for line in metrics.splitlines():
+        m = re.match(r'twogrid:spec_decode_tier_k\{(.*)\} (\S+)', line)
+        if m and float(m.group(2)) >= 0:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if int(labels["min_batch"]) <= concurrency <= int(labels["max_batch"]):
+                return int(float(m.group(2)))
+    return None
 
 
 def spec_row(policy: str, method: str, k: int, conc: int, bench: dict, args) -> dict:
     """A row from one ``twogrid bench`` result: the headline's row fields (tok/s, TPOT, TTFT, eager steps, steps,
     device time, GPU busy, ...) led by the method and K, with the acceptance counters and the mean acceptance length
     (null without drafts, or when the server exports no drafts counter)."""
-    head = make_row(policy, label(method, k), "real", conc, [bench], args)
+    acceptance = "real" if args.fixed_acceptance is None else f"fixed-{fixed_mean_length(args, abs(k))}"
+    head = make_row(policy, label(method, k), acceptance, conc, [bench], args)
     del head["workload"]
-    row = {"policy": policy, "method": method, "k": k, **head}
+    row = {"policy": policy, "method": method, "k": k, "tiers": tiers_of(k), "fused": not args.no_fuse_decode_steps,
+           **head}
     accepted, drafts = bench.get("spec_decode_num_accepted_tokens"), bench.get("spec_decode_num_drafts")
     row["accepted_tokens"], row["drafts"] = accepted, drafts
     row["mean_acceptance_length"] = bench.get("mean_acceptance_length")
@@ -102,11 +152,11 @@ def add_ratios(rows: list[dict]) -> None:
     base: dict[tuple, dict] = {}
     for r in rows:
         if r["method"] == "none":
-            base.setdefault((r["policy"], r["concurrency"]), {})[r.get("run")] = r
+            base.setdefault((r["policy"], r.get("fused", True), r["concurrency"]), {})[r.get("run")] = r
     for r in rows:
         r.pop("vs_no_sd", None)
         r.pop("vs_no_sd_run", None)
-        runs = base.get((r["policy"], r["concurrency"]))
+        runs = base.get((r["policy"], r.get("fused", True), r["concurrency"]))
         if not runs:
             continue
         b = runs.get(r.get("run")) or next(iter(runs.values()))
@@ -125,10 +175,13 @@ def markdown(rows: list[dict]) -> str:
             notes.append(f"{r['vs_no_sd']:.2f}x")
         if r.get("mean_acceptance_length") is not None:
             notes.append(f"AL {r['mean_acceptance_length']:.2f}")
+        if r.get("tiers") == "auto" and r.get("chosen_k") is not None:
+            notes.append(f"K {r['chosen_k']}")
         text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
         return text + (f", {r['eager_steps']} eager" if r["eager_steps"] > 1 else "")
 
-    return markdown_grid(rows, lambda r: r["policy"], lambda r: label(r["method"], r["k"]), cell)
+    return markdown_grid(rows, lambda r: r["policy"],
+                         lambda r: label(r["method"], r["k"]) + ("" if r.get("fused", True) else ", op by op"), cell)
 
 
 def merge(paths: list[str], out: str | None) -> dict:
@@ -175,17 +228,22 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             args, out_dir: str, save) -> None:
     """Every (method, policy)'s server in turn, each through the concurrencies not yet in ``result["rows"]``."""
     done = {cell(r) for r in result["rows"]}
+    fused = not args.no_fuse_decode_steps
     base = f"http://127.0.0.1:{args.port}"
     todo = [(m, k, spec, p) for m, k, spec in methods for p in policies]
     for i, (method, k, spec, policy) in enumerate(todo, 1):
         name = f"{policy} {label(method, k)}"
-        concs = [c for c in concurrencies if (policy, method, k, c) not in done]
+        concs = [c for c in concurrencies if (policy, method, k, fused, c) not in done]
         if not concs:
             log(f"server {i}/{len(todo)} {name}: measured already")
             continue
         stem = f"{policy}-{label(method, k).replace(':', '-k')}"
         log_path = os.path.join(out_dir, f"server-{stem}.log")
         cmd = serve_command(policy, spec, args.port, args, SERVED_NAME)
+        if args.fixed_acceptance is not None and spec:
+            cmd += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
+        if args.no_fuse_decode_steps:
+            cmd += ["--no-fuse-decode-steps"]
         if args.step_trace_dir:
             cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{stem}.jsonl")]
         log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
@@ -205,6 +263,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             log(f"server {name}: ready in {server['start_s']:.1f} s")
             for conc in concs:
                 try:
+                    fused0 = fused_steps(scrape(base))
                     bench = run_bench(base, conc, stem, os.path.join(out_dir, "bench"), args, proc.pid, SERVED_NAME)
                 except subprocess.CalledProcessError as exc:
                     alive = proc.poll() is None
@@ -218,6 +277,10 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
                         break
                     continue
                 row = spec_row(policy, method, k, conc, bench, args)
+                metrics = scrape(base)
+                row["fused_steps"] = round(fused_steps(metrics) - fused0)  # (the bench's warm-up wave included)
+                if spec:
+                    row["chosen_k"] = chosen_k(metrics, conc) if k < 0 else k
                 result["rows"].append(row)
                 save()
                 al = row["mean_acceptance_length"]
@@ -258,6 +321,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
+    parser.add_argument("--tokenizer", default=None, help="the servers' --tokenizer (a preset --model serves text "
+                        "with it; default: the model's own)")
+    parser.add_argument("--fixed-acceptance", type=float, default=None,
+                        help="the speculative servers' --fixed-acceptance (benchmarks of random heads)")
+    parser.add_argument("--fixed-acceptance-of", type=int, default=None, metavar="K0",
+                        help="--fixed-acceptance is the mean length at K0 drafts: every server accepts at that "
+                             "per-draft rate (a K = 3 server at 3.0 of 7: 2.47)")
+    parser.add_argument("--no-fuse-decode-steps", action="store_true",
+                        help="servers with --no-fuse-decode-steps (uniform decodes op by op)")
     args = parser.parse_args()
     if args.merge:
         merged = merge(args.merge, args.out)
@@ -280,7 +352,6 @@ def main() -> None:
             args.model = default_model_path()
         except DefaultModelError as exc:
             raise SystemExit(f"--model: {exc}") from None
-    args.tokenizer = None  # (the model's own)
     if args.step_trace_dir:
         os.makedirs(args.step_trace_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a timeout's SIGTERM: stop the server on the way out)
@@ -288,8 +359,10 @@ def main() -> None:
     os.makedirs(out_dir or ".", exist_ok=True)
     result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/bench_spec_gpu.py " + shlex.join(sys.argv[1:]),
               "commit": commit(), "model": os.path.basename(args.model), "served_model_name": SERVED_NAME,
-              "tokenizer": "the model's own", "device": args.device, "api_server_count": args.api_server_count,
-              "output_len": OUTPUT_LEN, "acceptance": "real", "methods": [label(m, k) for m, k, _ in methods],
+              "tokenizer": args.tokenizer or "the model's own", "device": args.device,
+              "api_server_count": args.api_server_count, "output_len": OUTPUT_LEN,
+              "acceptance": "real" if args.fixed_acceptance is None else f"fixed-{args.fixed_acceptance}",
+              "fused": not args.no_fuse_decode_steps, "methods": [label(m, k) for m, k, _ in methods],
               "policies": policies, "concurrency": concurrencies, "rows": [], "servers": [], "errors": []}
     if args.resume and args.out and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as fh:

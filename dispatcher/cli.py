@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
@@ -51,6 +52,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding as JSON (method, num_speculative_tokens, "
                         "num_speculative_tokens_per_batch_size: tiers or \"auto\", adaptive_verification, ...), "
                         "or @file.json")
+
+
+def add_prefix_caching_arg(group) -> None:
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flag, on by default as vLLM's)."""
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of the full blocks of a prompt's prefix that other requests computed "
+                            "(automatic prefix caching; --no-enable-prefix-caching turns it off; default: on)")
+
+
+def add_prefix_repetition_args(group, with_output_len: bool) -> None:
+    """vLLM's ``prefix_repetition`` dataset flags: ``--num-prompts // num-prefixes`` prompts per shared prefix."""
+    d = PREFIX_REPETITION_DEFAULTS
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=d["prefix_len"],
+                       help="prefix_repetition dataset: tokens of each shared prefix (default: %(default)s)")
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=d["suffix_len"],
+                       help="prefix_repetition dataset: tokens after the prefix, each prompt's own (default: "
+                            "%(default)s)")
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=d["num_prefixes"],
+                       help="prefix_repetition dataset: distinct prefixes (default: %(default)s)")
+    if with_output_len:
+        group.add_argument("--prefix-repetition-output-len", type=int, default=d["output_len"],
+                           help="prefix_repetition dataset: max_tokens of every request (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -243,7 +266,7 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dispatcher.engine.simulate import simulate
     from dispatcher.engine.trace import TraceError
-    from dispatcher.engine.workload import make_prompts
+    from dispatcher.engine.workload import make_prompts, prefix_repetition_prompts
 
     cfg = config_from_args(args)
     for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size"):
@@ -258,12 +281,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--acceptance needs a speculative method (--speculative-config)")
         acceptance = acceptance_profile(args.acceptance, cfg.num_speculative_tokens)
-    prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
+    if args.dataset_name == "prefix_repetition":
+        if args.dataset:
+            raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not prefix_repetition")
+        prompts = prefix_repetition_prompts(args.num_prompts, args.prefix_repetition_prefix_len,
+                                            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                            args.seed)
+    else:
+        if args.dataset_name == "sharegpt" and not args.dataset:
+            raise ConfigError("--dataset-name sharegpt needs --dataset (a ShareGPT JSON file)")
+        prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
     try:
         result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
                           block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace,
-                          acceptance=acceptance)
+                          acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -280,6 +312,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"output {s['output_tokens_per_second']:.0f} tok/s over {s['simulated_seconds']:.2f} simulated s; "
           f"mean TTFT {s['mean_ttft_ms']} ms, mean TPOT {s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
           f"draft acceptance {s['draft_acceptance_rate']:.3f}")
+    if s["prefix_cache_queries"]:
+        print(f"prefix cache: {s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens found "
+              f"({s['prefix_cache_hit_rate']:.1%})")
     print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
     if "auto_tiers" in s:
         print_auto_tiers(s["auto_tiers"])
@@ -338,8 +373,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                       else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
         table = auto_step_costs(cfg, plan, dispatchers_for_plan(plan), costs, draft_layers(cfg))
         choice = chooser_for_plan(table, plan).choose(acceptance)
+    if not 0.0 <= args.prefix_cache_hit_rate < 1.0:
+        raise ConfigError(f"--prefix-cache-hit-rate must be in [0, 1), got {args.prefix_cache_hit_rate}")
     result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs,
-                    None if choice is None else choice.k_of_batch)
+                    None if choice is None else choice.k_of_batch, args.prefix_cache_hit_rate)
     if choice is not None:
         result["auto_tiers"] = {"initial": choice.as_config(), "acceptance": list(choice.acceptance),
                                 **result["auto_tiers"]}
@@ -354,8 +391,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         a, b = rec["by_kind"][kind], new["by_kind"][kind]
         rows.append((kind, b["steps"], f"{a['full']} -> {b['full']}", f"{a['piecewise']} -> {b['piecewise']}",
                      f"{a['eager']} -> {b['eager']}"))
+    cut = (f", prefill chunks cut to {1 - args.prefix_cache_hit_rate:.0%} (--prefix-cache-hit-rate)"
+           if args.prefix_cache_hit_rate else "")
     print(f"replayed {result['steps']} steps of {args.trace} under the new configuration "
-          f"(cost model {result['cost_model']})")
+          f"(cost model {result['cost_model']}{cut})")
     print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
     print(f"eager steps {rec['eager_steps']} -> {new['eager_steps']}; padded tokens {rec['padded_tokens']} -> "
           f"{new['padded_tokens']}; estimated device time {rec['estimated_device_seconds']:.3f} s -> "
@@ -424,9 +463,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="model name sent (default: the first the server's /v1/models lists)")
     s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY when set)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default=None, choices=["sharegpt", "random"],
-                   help="sharegpt (needs --dataset-path) or random (default: sharegpt when --dataset-path is given, "
-                        "else random)")
+    d.add_argument("--dataset-name", default=None, choices=["sharegpt", "random", "prefix_repetition"],
+                   help="sharegpt (needs --dataset-path), random, or prefix_repetition (shared prefixes: "
+                        "--prefix-repetition-*) (default: sharegpt when --dataset-path is given, else random)")
     d.add_argument("--dataset-path", default=None, metavar="JSON",
                    help="ShareGPT JSON file: a list of {id, conversations: [{from, value}]}; the first human turn "
                         "is the prompt")
@@ -437,6 +476,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="random dataset: max_tokens of every request (default: %(default)s)")
     d.add_argument("--sharegpt-output-len", type=int, default=256,
                    help="sharegpt dataset: max_tokens of every request (default: %(default)s)")
+    d.add_argument("--multi-turn", action="store_true",
+                   help="sharegpt dataset, chat endpoint: send each conversation's user turns in order, each with "
+                        "the conversation so far and the model's own answers (vLLM's multi-turn benchmark); "
+                        "--num-prompts counts conversations, --max-concurrency caps those in flight")
+    d.add_argument("--max-turns", type=int, default=None,
+                   help="--multi-turn: messages per conversation at most, user and assistant counted (vLLM's "
+                        "multi-turn flag: 2N sends N user turns; default: every user turn)")
+    add_prefix_repetition_args(d, with_output_len=True)
     d.add_argument("--seed", type=int, default=0, help="prompt order, synthetic prompts and arrivals (default: 0)")
     t = p.add_argument_group("load")
     t.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
@@ -484,7 +531,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         llm = LLM(args.model, device=args.device, max_num_seqs=max(1, len(args.prompt)),
-                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed)
+                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed,
+                  enable_prefix_caching=args.enable_prefix_caching)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop=tuple(args.stop or ()), seed=args.seed)
         chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template is not None
@@ -535,8 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256, help="requests in total (default: %(default)s)")
     w.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default: %(default)s)")
+    w.add_argument("--dataset-name", default=None, choices=["random", "sharegpt", "prefix_repetition"],
+                   help="random (lognormal lengths, --input-len), sharegpt (--dataset) or prefix_repetition (shared "
+                        "prefixes, --prefix-repetition-*: what prefix caching saves); default: sharegpt with "
+                        "--dataset, else random")
     w.add_argument("--dataset", default=None, metavar="SHAREGPT_JSON",
                    help="ShareGPT JSON file for prompts (else synthetic lognormal lengths)")
+    add_prefix_repetition_args(w, with_output_len=False)
     w.add_argument("--input-len", type=int, default=230, help="mean synthetic prompt length (default: %(default)s)")
     w.add_argument("--output-len", type=int, default=256, help="output tokens per request, EOS ignored "
                                                                  "(default: %(default)s)")
@@ -552,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache capacity in blocks (default: room for every slot's longest request)")
     k.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"],
                    help="H200 step-time curves from SPEC section 1 (default: %(default)s)")
+    add_prefix_caching_arg(k)
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -576,6 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with \"auto\" tiers: the acceptance per draft position the tiers are chosen by, "
                         "\"0.6,0.35,0.2\" or one rate (default: the config's acceptance_prior, else 0.6); uniform "
                         "decodes are re-dispatched at the chosen K")
+    p.add_argument("--prefix-cache-hit-rate", type=float, default=0.0, metavar="R",
+                   help="workload: the share of prompt tokens a prefix cache would hold; every prefill chunk keeps "
+                        "1 - R of its tokens (an estimate; simulate --dataset-name prefix_repetition runs the cache "
+                        "itself; default: 0, the steps as recorded)")
     x = p.add_argument_group("execution (--execute)")
     x.add_argument("--execute", action="store_true",
                    help="also run every recorded step shape, with dummy data, through the new configuration's graphs "
@@ -622,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--no-chat", action="store_true", help="send the prompts as plain text (no chat template)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_prefix_caching_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="token counts and finish reasons on stderr")
     p.set_defaults(func=cmd_generate)

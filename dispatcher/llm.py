@@ -9,7 +9,9 @@
 
 ``model`` takes a Hugging Face checkpoint directory, a .gguf file or a preset name (random weights, no
 tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
-and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``, ...).
+and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``,
+``enable_prefix_caching`` (default True, as vLLM's), ...). Each output's ``num_cached_tokens`` counts its prompt
+tokens found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
 from dispatcher.plan.config import ConfigError, Platform, resolve
+from models.attention import kv_cache_dtype as kv_cache_dtype_of
 from models.loader import default_dtype, model_kind, read_model_config
 from models.text import Tokenizer, check_draft_tokenizer, load_tokenizer
 from scheduler.request import RequestError, SamplingParams
@@ -40,7 +43,9 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, block_size: int = 16,
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
-                 platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None):
+                 platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
+                 enable_prefix_caching: bool = True, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         if model is None:
             from models.default_model import default_model_path
 
@@ -54,7 +59,7 @@ class LLM:
             platform = detect_platform() if device.startswith("cuda") else Platform.DEFAULT
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
-        model_cfg = read_model_config(model)
+        model_cfg = read_model_config(model, quantization)
         self.tokenizer: Tokenizer | None = load_tokenizer(model)
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
@@ -72,15 +77,17 @@ class LLM:
                               f"({model_cfg.max_position_embeddings}) less {extra} positions for drafts and lookahead")
         dtype = dtype or default_dtype(model, device)
         if num_kv_blocks is None:
-            num_kv_blocks = _kv_blocks(model_cfg, device, dtype, block_size, max_model_len + extra, max_num_seqs,
-                                       kv_cache_memory_gib)
+            num_kv_blocks = _kv_blocks(model_cfg, device, kv_cache_dtype_of(kv_cache_dtype, dtype), block_size,
+                                       max_model_len + extra, max_num_seqs, kv_cache_memory_gib)
         eos = list(model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = EngineCore(self.config, EngineArgs(
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
-            eos_token_ids=tuple(dict.fromkeys(eos))), capture=not enforce_eager)
+            eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+            capture=not enforce_eager)
         self.processor = OutputProcessor(self.tokenizer, self.engine.finish_request)
         self.default_params = generation_defaults(model)
         self._ids = itertools.count()
@@ -203,12 +210,13 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _kv_blocks(cfg, device: str, dtype: torch.dtype, block_size: int, max_tokens_per_seq: int, max_num_seqs: int,
+def _kv_blocks(cfg, device: str, kv_dtype: torch.dtype, block_size: int, max_tokens_per_seq: int, max_num_seqs: int,
                gib: float | None) -> int:
-    """KV blocks that fit the memory budget, at most what max_num_seqs full-length requests need, and at least
-    what one does."""
-    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * torch.tensor([], dtype=dtype
-                                                                                                 ).element_size()
+    """KV blocks that fit the memory budget (in the cache's dtype), at most what max_num_seqs full-length requests
+    need, and at least what one does."""
+    from dispatcher.runtime.process import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
     if gib is None:
         if device.startswith("cuda"):
             gib = torch.cuda.mem_get_info(torch.device(device))[0] * DEFAULT_KV_CACHE_FRACTION_CUDA / 2**30

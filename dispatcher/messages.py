@@ -53,6 +53,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     """int32: the prompt, then the output so far (a preempted request computes both again)."""
     num_prompt_tokens: int
     sampling: SamplingSpec
+    num_computed: int = 0
+    """Tokens whose KV the request already has: its cached prefix, in the blocks the step's ``block_updates`` give
+    it (the step computes from there)."""
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True, tag="grammar"):
@@ -130,6 +133,8 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """Triton kernel variants compiled while the step was launched (each one stalls the step)."""
     jit_ms: float = 0.0
     """The host time those compiles took."""
+    fused: bool = False
+    """The step ran as one fused decode-step graph (``dispatcher.runtime.decode_step``)."""
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
@@ -164,6 +169,12 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """Adaptive verification without a saved cost curve: time the graphs after capture and report it."""
     measure_decode_costs: bool = False
     """``"auto"`` speculative tiers: time every runner's FULL decode graphs after capture and report them."""
+    fuse_decode_steps: bool = True
+    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``)."""
+    quantization: str | None = None
+    """``"fp8"``: weights quantized to FP8 at load (``--quantization``)."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
     structured_outputs: bool = False
     """The engine serves text (it has a tokenizer), so steps may carry grammar bitmasks: load xgrammar's kernels at
     start rather than at the first constrained step."""

@@ -1,6 +1,6 @@
 """Paged attention over varlen batches with padded rows and padded requests.
 
-Metadata comes at two levels (``AttentionMetadata``):
+Metadata comes at two levels (``AttentionMetadata``, built in ``models.attention_metadata``):
 
 - per token: ``slot_mapping`` (where its K and V go in the cache; -1 for padded rows, which store nothing),
   ``token_req`` (the block-table row of its request; the worker uses the scheduler's slot) and ``token_pos`` (its
@@ -28,135 +28,24 @@ per-request reference the tests compare against).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.attention_metadata import FULL_ATTENTION, AttentionMetadata, LayerAttention
 from models.fused import use_triton
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor
-    """(tokens,) int64."""
-    token_req: torch.Tensor
-    """(tokens,) int32 or int64: the block-table row of each token's request."""
-    token_pos: torch.Tensor
-    """(tokens,) int32 or int64; -1 for padded rows."""
-    block_table: torch.Tensor
-    """(rows, max_blocks_per_seq) int32."""
-    query_start: torch.Tensor
-    """(num_reqs + 1,) int32 or int64: request r's query tokens are rows query_start[r]..query_start[r + 1]."""
-    seq_lens: torch.Tensor
-    """(num_reqs,): context length including the new tokens; 0 for a padded request."""
-    req_rows: torch.Tensor
-    """(num_reqs,): each request's block-table row."""
-    max_query_len: int
-    """Host-side bound on any real request's query length (a padded request may hold more rows: it only writes
-    zeros). Static in a CUDA graph; it picks the kernel's tile shape."""
-    max_seq_len: int | None = None
-    """Host-side bound on any request's sequence length, for eager calls (it decides whether contexts are split
-    across programs); None: the block table's width in tokens, the only bound a CUDA graph may assume."""
-    cpu_plan: "_CPUPlan | None" = field(default=None, repr=False, compare=False)
-    """The CPU path's gather plan, built by the first layer's attention and reused by the others (a step's
-    metadata is not changed once built: each step builds its own)."""
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def narrow(self, num_tokens: int) -> "AttentionMetadata":
-        """The first num_tokens rows; the per-request fields must already cover exactly those rows."""
-        return AttentionMetadata(self.slot_mapping[:num_tokens], self.token_req[:num_tokens],
-                                 self.token_pos[:num_tokens], self.block_table, self.query_start, self.seq_lens,
-                                 self.req_rows, self.max_query_len, self.max_seq_len)
-
-    @classmethod
-    def from_tokens(cls, slot_mapping: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
-                    block_table: torch.Tensor, num_reqs: int | None = None,
-                    max_query_len: int | None = None) -> "AttentionMetadata":
-        """Metadata with the per-request fields derived on the host from per-token rows whose real rows come first
-        and padded rows (position -1) after them (``pack_requests``; it copies to the host: not capturable). For
-        tests and tools; the graph runtime packs its own."""
-        pos = token_pos.cpu().numpy().astype(np.int64)
-        num_real = int((pos >= 0).sum())
-        if (pos[:num_real] < 0).any():
-            raise ValueError("token_pos: padded rows (position -1) must come after every real row")
-        num_tokens = pos.shape[0]
-        buf = np.empty(3 * max(num_reqs or 0, num_tokens + 1) + 1, dtype=np.int64)
-        layout = pack_requests(token_req.cpu().numpy()[:num_real].astype(np.int64), pos[:num_real], buf, num_tokens,
-                               num_reqs, max_query_len)
-        reqs = layout.num_reqs
-        packed = torch.from_numpy(buf[:3 * reqs + 1].copy()).to(token_pos.device)
-        return cls(slot_mapping, token_req, token_pos, block_table, packed[:reqs + 1], packed[reqs + 1:2 * reqs + 1],
-                   packed[2 * reqs + 1:], max(layout.max_query_len, 1) if max_query_len is None else max_query_len)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""``--kv-cache-dtype`` values (vLLM's): the model's dtype, or float8 e4m3 (fp8 means e4m3, as in vLLM)."""
 
 
-class RequestLayout(NamedTuple):
-    """What ``pack_requests`` laid out."""
-
-    num_reqs: int
-    """Requests laid out, padded ones included."""
-    num_real: int
-    max_query_len: int
-    """The longest real query (0 without real requests)."""
-    max_seq_len: int
-    """The longest real sequence (0 without real requests)."""
-
-
-def pack_requests(token_req: np.ndarray, positions: np.ndarray, out: np.ndarray, num_tokens: int,
-                  num_reqs: int | None = None, max_query_len: int | None = None) -> RequestLayout:
-    """Per-request attention metadata from a step's real per-token rows (``token_req``: block-table rows,
-    ``positions``; a request's rows contiguous, at consecutive positions), written into ``out[:3 * R + 1]`` as
-    query_start (R + 1), seq_lens (R), block-table rows (R). Requests are the runs of equal ``token_req``.
-
-    Rows len(token_req)..num_tokens are padding and belong to padded requests (sequence length 0, row 0).
-    ``num_reqs`` None: R is the real requests, plus one padded request when there are padded rows. ``num_reqs``
-    given (a CUDA graph's request slots): R = num_reqs, the padded requests holding the padded rows in runs of at
-    most ``max_query_len`` rows (the last one takes what is left). ``max_query_len`` also bounds the real queries.
-    Bad input raises ValueError naming the field and the limit."""
-    n = token_req.shape[0]
-    cuts = np.flatnonzero(token_req[1:] != token_req[:-1]) if n else None
-    real = cuts.shape[0] + 1 if n else 0
-    padded_rows = num_tokens - n
-    if padded_rows < 0:
-        raise ValueError(f"num_tokens: {num_tokens} is fewer than the step's {n} real rows")
-    reqs = real + (padded_rows > 0) if num_reqs is None else num_reqs
-    if real + (padded_rows > 0) > reqs:
-        raise ValueError(f"num_reqs: the step's {real} requests and {padded_rows} padded rows (which need a padded "
-                         f"request) do not fit the graph's {reqs} request slots")
-    if out.shape[0] < 3 * reqs + 1:
-        raise ValueError(f"num_reqs: {reqs} requests, but room for {(out.shape[0] - 1) // 3} (the request capacity)")
-    query_start, seq_lens, rows = out[:reqs + 1], out[reqs + 1:2 * reqs + 1], out[2 * reqs + 1:3 * reqs + 1]
-    query_start[0] = 0
-    longest = longest_seq = 0
-    if real:  # (numpy calls kept few: this runs on every step's host path)
-        np.add(cuts, 1, out=query_start[1:real])
-        query_start[real] = n
-        starts, ends = query_start[:real], query_start[1:real + 1]
-        np.add(positions[ends - 1], 1, out=seq_lens[:real])
-        np.take(token_req, starts, out=rows[:real])
-        query_lens = ends - starts
-        first = positions[starts]
-        context = seq_lens[:real] - query_lens  # where each query starts, if its positions are consecutive
-        if (context != first).any() or context.min() < 0:
-            bad = int(np.flatnonzero((context != first) | (context < 0))[0])
-            raise ValueError(f"positions: request {bad} (block-table row {int(rows[bad])}, rows {int(starts[bad])}.."
-                             f"{int(ends[bad]) - 1}) has positions {int(first[bad])}..{int(seq_lens[bad]) - 1}; a "
-                             "request's rows must hold consecutive positions from 0 up")
-        longest, longest_seq = int(query_lens.max()), int(seq_lens[:real].max())
-    if max_query_len is not None and longest > max_query_len:
-        raise ValueError(f"max_query_len: a request of {longest} query tokens exceeds the bound {max_query_len}")
-    if reqs > real:
-        chunk = max_query_len if num_reqs is not None and max_query_len else max(padded_rows, 1)
-        pad_ends = query_start[real + 1:reqs + 1]
-        np.minimum(np.arange(n + chunk, n + chunk * (reqs - real) + 1, chunk), num_tokens, out=pad_ends)
-        query_start[reqs] = num_tokens
-        seq_lens[real:] = 0
-        rows[real:] = 0
-    return RequestLayout(reqs, real, longest, longest_seq)
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``--kv-cache-dtype`` ``name``; ValueError naming the flag otherwise."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported (one of {', '.join(KV_CACHE_DTYPES)})")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -166,44 +55,59 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
             for _ in range(num_layers)]
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale) -> torch.Tensor:
+    """x in the cache's dtype: an FP8 cache stores x / scale, clamped to e4m3's range (``scale`` a float, or a
+    tensor broadcast against x)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return x
+    return (x.float() / scale).clamp(-448.0, 448.0).to(cache.dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             layer: LayerAttention = FULL_ATTENTION) -> None:
     """Store each token's K and V at its slot; padded rows (slot -1) go to the dummy block: indexing wraps -1 to the
     last slot, which is the dummy's. (The torch path: on the GPU, ``models.fused.rotary_write_kv_`` stores K and V
-    in the rotary kernel and skips padded rows.)"""
+    in the rotary kernel and skips padded rows.) An FP8 cache gets K / k_scale and V / v_scale."""
     flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1)
-    flat[0].index_put_((slot_mapping,), k.reshape(k.shape[0], -1))
-    flat[1].index_put_((slot_mapping,), v.reshape(v.shape[0], -1))
+    flat[0].index_put_((slot_mapping,), _to_cache(k.reshape(k.shape[0], -1), kv_cache, layer.k_scale))
+    flat[1].index_put_((slot_mapping,), _to_cache(v.reshape(v.shape[0], -1), kv_cache, layer.v_scale))
 
 
-def write_kv_rows(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_rows(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor,
+                  layer: LayerAttention = FULL_ATTENTION) -> None:
     """``write_kv`` for K and V side by side in each token's row, kv (tokens, 2 * kv_heads * head_dim): one indexed
     store for both (the cache's K and V planes seen as one (slots, 2, row) tensor)."""
     planes = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1).transpose(0, 1)
-    planes.index_put_((slot_mapping,), kv.view(kv.shape[0], 2, -1))
+    rows = kv.view(kv.shape[0], 2, -1)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        rows = _to_cache(rows, kv_cache, torch.tensor([layer.k_scale, layer.v_scale], device=kv.device)[:, None])
+    planes.index_put_((slot_mapping,), rows)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None, **kernel_options) -> torch.Tensor:
-    """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given. ``kernel_options``
-    (tests, benchmarks): ``tiles`` and ``num_kv_splits`` of the Triton kernel."""
+                    out: torch.Tensor | None = None, layer: LayerAttention = FULL_ATTENTION,
+                    **kernel_options) -> torch.Tensor:
+    """q: (tokens, heads, head_dim) -> (tokens, heads, head_dim), into ``out`` when given; ``layer``: the layer's
+    KV scales, window and soft-cap. ``kernel_options`` (tests, benchmarks): ``tiles`` and ``num_kv_splits`` of the
+    Triton kernel."""
     if out is None:
         out = torch.empty_like(q)
-    prepare_paged_attention(q, kv_cache, meta, scale, out, **kernel_options)(kv_cache)
+    prepare_paged_attention(q, kv_cache, meta, scale, out, **kernel_options)(kv_cache, layer)
     return out
 
 
 def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            out: torch.Tensor, **kernel_options) -> Callable[[torch.Tensor], None]:
-    """A step's attention with everything but the layer's cache bound once: call it with each layer's cache (they
-    share shape and strides) to write ``out``. The Triton kernel on the GPU (and under the interpreter), the torch
-    reference on the CPU."""
+                            out: torch.Tensor, **kernel_options) -> Callable[..., None]:
+    """A step's attention with everything but the layer bound once: call it with each layer's cache (they share
+    shape and strides) and ``LayerAttention`` (default: full attention, scales 1) to write ``out``. The Triton kernel
+    on the GPU (and under the interpreter), the torch reference on the CPU."""
     if use_triton(q):
         from models.triton_attention import prepare_paged_attention as prepare_triton
 
         return prepare_triton(q, kv_cache, meta, scale, out, **kernel_options)
     if meta.cpu_plan is None:
         meta.cpu_plan = _CPUPlan.build(meta, kv_cache.shape[2])
-    return lambda cache: meta.cpu_plan.run(q, cache, scale, out)
+    return lambda cache, layer=FULL_ATTENTION: meta.cpu_plan.run(q, cache, scale, out, layer)
 
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -219,6 +123,23 @@ def _sdpa(q, k, v, mask, scale):
     group = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                           attn_mask=mask, scale=scale)
+
+
+def _attend(q, k, v, mask, scale, layer: LayerAttention):
+    """Attention of (batch, heads, rows, dim) queries over grouped KV heads in float32, with the layer's KV scales
+    (k_scale folded into the softmax scale, v_scale onto the output) and soft-cap (scores computed explicitly:
+    SDPA has no soft-capping)."""
+    if not layer.softcap:
+        o = _sdpa(q, k, v, mask, scale * layer.k_scale)
+    else:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (scale * layer.k_scale / layer.softcap))
+        scores = scores * layer.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ v.float()
+    return o * layer.v_scale if layer.v_scale != 1.0 else o
 
 
 @dataclass
@@ -245,6 +166,23 @@ class _CPUPlan:
     first_slot: int | None = None
     """One request whose context fills consecutive cache slots from this one on (the block pool hands a lone
     request ascending blocks): its K and V are a slice of the cache, no gather."""
+    q_pos: torch.Tensor | None = None
+    """(requests, max queries) positions (-1: padding), for sliding-window masks."""
+    windowed: dict = field(default_factory=dict)
+    """Masks with a sliding window, by window."""
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The causal mask, narrowed to the last ``window`` positions of each query (0: the whole context)."""
+        ctx = self.k_slots.shape[-1]
+        if not window or ctx <= window or self.q_pos is None:
+            return self.mask
+        if window not in self.windowed:
+            key_pos = torch.arange(ctx)
+            q_pos = self.q_pos[:, :, None]
+            mask = (key_pos[None, None, :] <= q_pos) & (key_pos[None, None, :] > q_pos - window)
+            mask[:, :, 0] |= self.q_pos < 0
+            self.windowed[window] = mask[:, None]
+        return self.windowed[window]
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
@@ -275,10 +213,10 @@ class _CPUPlan:
         # unused entries hold -1)
         if max_q == 1 and bool((ctx == ctx[0]).all()):  # one-token queries over equal contexts see every key
             in_order = pad_rows.numel() == 0 and bool((q_index[:, 0] == torch.arange(num_reqs)).all())
-            return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, None, in_order, _first_of_run(k_slots))
+            return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, None, in_order, _first_of_run(k_slots), q_pos)
         mask = key_pos[None, None, :] <= q_pos[:, :, None]
         mask[:, :, 0] |= q_pos < 0  # padded queries see one key (no all-masked row), their output is dropped
-        return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None])
+        return cls(q_index, q_pos >= 0, rows, pad_rows, k_slots, mask[:, None], q_pos=q_pos)
 
     @classmethod
     def _lone_token(cls, meta: AttentionMetadata, block_size: int) -> "_CPUPlan | None":
@@ -291,7 +229,7 @@ class _CPUPlan:
         k_slots = (blocks * block_size + key_pos % block_size).clamp(min=0)[None]
         zero = torch.zeros(1, dtype=torch.long)
         return cls(zero[:, None], torch.ones(1, 1, dtype=torch.bool), zero, torch.zeros(0, dtype=torch.long), k_slots,
-                   None, True, _first_of_run(k_slots))
+                   None, True, _first_of_run(k_slots), torch.tensor([[pos]]))
 
     def gather_kv(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Every request's context, K and V at once, in float32: (2, requests, kv_heads, context, head_dim). One
@@ -305,17 +243,26 @@ class _CPUPlan:
             kv = kv_cache.view(2, -1, heads, dim).index_select(1, self.k_slots.flatten()).float()
         return kv.view(2, reqs, ctx, heads, dim).transpose(2, 3)
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor,
+            layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
+        """``out`` = the step's attention over ``kv_cache`` with the layer's scales, window and soft-cap."""
+        ctx = self.k_slots.shape[-1]
+        last = layer.window if layer.window and ctx > layer.window else None  # one-token queries at the same
+        # position (the in-order paths) see the last ``window`` keys: a slice instead of a mask
         if self.in_order and self.first_slot is not None:  # a lone request's decode: K and V a slice, q and the
             # output as they are (one query a head: (1, heads, dim) is (1, heads, 1, dim)), fewest ops
             n, heads, dim = q.shape
             k, v = self.gather_kv(kv_cache).unbind(0)  # (the slice: first_slot)
-            out.copy_(_sdpa(q.view(n, heads, 1, dim), k, v, None, scale).view(out.shape))
+            if last:
+                k, v = k[:, :, -last:], v[:, :, -last:]
+            out.copy_(_attend(q.view(n, heads, 1, dim), k, v, None, scale, layer).view(out.shape))
             return out
         if self.in_order:  # decode: no gather of q, no scatter of the output
             kv = self.gather_kv(kv_cache)
+            if last:
+                kv = kv[:, :, :, -last:]
             qb = q.view(q.shape[0], 1, *q.shape[1:]).transpose(1, 2)
-            o = _sdpa(qb, kv[0], kv[1], None, scale)
+            o = _attend(qb, kv[0], kv[1], None, scale, layer)
             out.copy_(o.transpose(1, 2).reshape(out.shape))
             return out
         if self.pad_rows.numel():
@@ -323,7 +270,7 @@ class _CPUPlan:
         if self.rows.numel() == 0:
             return out
         kv = self.gather_kv(kv_cache)
-        o = _sdpa(q[self.q_index].transpose(1, 2), kv[0], kv[1], self.mask, scale)
+        o = _attend(q[self.q_index].transpose(1, 2), kv[0], kv[1], self.mask_for(layer.window), scale, layer)
         out.index_copy_(0, self.rows, o.transpose(1, 2)[self.q_valid].to(out.dtype))
         return out
 
@@ -336,10 +283,11 @@ def _first_of_run(k_slots: torch.Tensor) -> int | None:
     return first if bool((k_slots[0] == torch.arange(first, first + k_slots.shape[1])).all()) else None
 
 
-def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                              layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
     """Torch reference (float32 math) from the per-token fields alone: each token attends to positions 0..pos of its
-    request's blocks; padded rows (position -1) output zeros. Not capturable."""
+    request's blocks (the last ``layer.window`` of them with a window), scores soft-capped and K and V scaled as
+    ``layer`` says; padded rows (position -1) output zeros. Not capturable."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -351,12 +299,17 @@ def reference_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         idx = torch.nonzero(live & (reqs == req)).flatten()
         ctx_len = int(pos[idx].max()) + 1
         blocks = meta.block_table[req, : -(-ctx_len // block_size)].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float() * layer.k_scale
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float() * layer.v_scale
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,khd->htk", q[idx].float(), k) * scale
-        causal = torch.arange(ctx_len, device=q.device)[None, :] <= pos[idx][:, None]
-        scores = scores.masked_fill(~causal[None], float("-inf"))
+        if layer.softcap:
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+        keys = torch.arange(ctx_len, device=q.device)[None, :]
+        visible = keys <= pos[idx][:, None]
+        if layer.window:
+            visible &= keys > pos[idx][:, None] - layer.window
+        scores = scores.masked_fill(~visible[None], float("-inf"))
         out[idx] = torch.einsum("htk,khd->thd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma's gelu_pytorch_tanh)."""
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling (Hugging Face's ``rope_scaling`` / ``rope_parameters``): ``linear`` divides every
     frequency by ``factor``; ``llama3`` (Llama 3.1+) divides the low frequencies by ``factor``, keeps the high ones
-    and blends between ``low_freq_factor`` and ``high_freq_factor`` wavelengths."""
+    and blends between ``low_freq_factor`` and ``high_freq_factor`` wavelengths; ``yarn`` (Qwen2.5 / Qwen3) blends
+    interpolated and original frequencies between ``beta_fast`` and ``beta_slow`` rotations and scales cos and sin
+    by ``attention_factor``; ``longrope`` (Phi-3 / Phi-4) divides each frequency by its own factor,
+    ``short_factor`` while the served context (max_model_len) is within ``original_max_position_embeddings``,
+    ``long_factor`` beyond (vLLM's and llama.cpp's rule), and scales cos and sin by ``attention_factor``."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,30 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Every token id that ends generation (a checkpoint may have several: Llama 3's <|eot_id|> and
     <|end_of_text|>; ``generation_config.json`` adds its own)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation (ACTIVATIONS)."""
+    embedding_scale: float = 1.0
+    """The embedding's output is multiplied by this (Granite's embedding_multiplier; Gemma's sqrt(hidden_size))."""
+    residual_scale: float = 1.0
+    """Granite's residual_multiplier: each layer's attention and MLP outputs are multiplied by this before the
+    residual add (the loader folds it into the output projections' weights)."""
+    logit_scale: float = 1.0
+    """The logits are multiplied by this (Granite: 1 / logits_scaling)."""
+    final_logit_softcap: float = 0.0
+    """Gemma 2: logits become cap * tanh(logits / cap) (0: none)."""
+    attn_logit_softcap: float = 0.0
+    """Gemma 2: attention scores become cap * tanh(scores / cap) (0: none)."""
+    attention_scale: float = 0.0
+    """The softmax scale of attention scores (0: head_dim ** -0.5; Granite's attention_multiplier, Gemma's
+    query_pre_attn_scalar ** -0.5)."""
+    sandwich_norms: bool = False
+    """Gemma 2 / 3: norms after attention and after the MLP too (post_attention_layernorm, post_feedforward)."""
+    sliding_window: int = 0
+    """Tokens a sliding-window layer sees: its own position and the window - 1 before it (0: none)."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers that attend within ``sliding_window`` (Gemma: 5 of 6, Gemma 2: every other one)."""
+    local_rope_theta: float = 0.0
+    """Gemma 3: the rotary base of the sliding-window layers (unscaled); 0: they use rope_theta and rope_scaling."""
 
     @property
     def is_moe(self) -> bool:
@@ -89,6 +125,14 @@ class ModelConfig:
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES[1:]:
             raise ValueError(f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported (one of "
                              f"{', '.join(ROPE_TYPES)})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+        if self.is_moe and self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: MoE layers serve silu only")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad or (self.sliding_layers and self.sliding_window < 1):
+            raise ValueError(f"sliding_layers {list(self.sliding_layers)} need a sliding_window >= 1 and layer "
+                             f"indices in 0..{self.num_layers - 1}")
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, allocate_kv_cache
+from models.attention import allocate_kv_cache
+from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.fused import argmax_prob
 from models.layers import RMSNorm, RotaryEmbedding
@@ -218,7 +219,8 @@ def _strip(name: str) -> str:
 def read_head_config(path: str, target: CausalLM, method: str) -> tuple[ModelConfig, tuple[int, ...], dict]:
     """The head's config.json, checked against the target and the method -> (its ModelConfig, the target
     boundaries it reads (() for EAGLE-1), the raw config)."""
-    from models.loader import CheckpointError, config_from_hf
+    from models.checkpoint import CheckpointError
+    from models.loader import config_from_hf
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):

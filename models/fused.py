@@ -74,7 +74,7 @@ def pdl_available(device: torch.device) -> bool:
 PDL_MAX_TOKENS = 256
 """Steps of at most this many tokens launch programmatically. On the H200 (docs/runtime.md) it brings a bench-moe
 FULL decode step from 1.04-1.10x to 1.00-1.03x its kernels' sum up to 256 tokens; at 512 tokens and more it made
-steps 2-10% slower against their kernels' sum (docs/bench/runtime_h200_f9fd88d_pdl_every_size.json), where the
+steps 2-10% slower against their kernels' sum (docs/bench/history/runtime_h200_f9fd88d_pdl_every_size.json), where the
 kernels are long and a launch's latency is already hidden behind them."""
 
 
@@ -213,12 +213,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # (views at a step's row offsets)
     def _rotary_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, qn_ptr, kn_ptr, eps, stride_t,
-                                stride_kind, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                stride_kind, k_inv, v_inv, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                 HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                                QK_NORM: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
         """Program per token, every head of it at once: rotate its query heads in place; rotate its key heads into
         the cache and copy its value heads beside them (a row with slot -1 writes nothing; position -1, a padded
-        row, reads position 0's angles)."""
+        row, reads position 0's angles). KV_FP8: an e4m3 cache gets K x k_inv and V x v_inv (1 / the layer's
+        scales), clamped to e4m3's range."""
         pdl_enter(PDL)
         t = tl.program_id(0)
         pos = tl.maximum(tl.load(pos_ptr + t), 0)
@@ -238,21 +239,34 @@ if triton is not None:
             k1, k2 = _rope_heads(k_base, kv, c, s, kn_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HEAD_DIM, QK_NORM)
             dst = kv_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv * HEAD_DIM
             mask = kv < NUM_KV_HEADS
-            tl.store(dst + offs, k1.to(dt), mask=mask)
-            tl.store(dst + HEAD_DIM // 2 + offs, k2.to(dt), mask=mask)
             dims = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + kv * HEAD_DIM + dims, mask=mask)
-            tl.store(dst + stride_kind + dims, v, mask=mask)
+            if KV_FP8:
+                ct = kv_ptr.dtype.element_ty
+                k1 = tl.clamp(k1.to(dt).to(tl.float32) * k_inv, -448.0, 448.0)
+                k2 = tl.clamp(k2.to(dt).to(tl.float32) * k_inv, -448.0, 448.0)
+                tl.store(dst + offs, k1.to(ct), mask=mask)
+                tl.store(dst + HEAD_DIM // 2 + offs, k2.to(ct), mask=mask)
+                tl.store(dst + stride_kind + dims, tl.clamp(v.to(tl.float32) * v_inv, -448.0, 448.0).to(ct), mask=mask)
+            else:
+                tl.store(dst + offs, k1.to(dt), mask=mask)
+                tl.store(dst + HEAD_DIM // 2 + offs, k2.to(dt), mask=mask)
+                tl.store(dst + stride_kind + dims, v, mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                         PDL: tl.constexpr):
+        """act(gate) * up, act silu or (GELU) tanh-approximated GELU."""
         pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
         g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-        a = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
+        if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 2 sigmoid(2 y) - 1
+            a = (g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))).to(out_ptr.dtype.element_ty)
+        else:
+            a = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + cols, (a.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -429,29 +443,33 @@ def rms_norm(x, weight, eps, residual=None):
 
 def rotary_write_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                     head_dim: int, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                     kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """One kernel for a layer's QKV rows: rotate the query heads in place, and store the rotated key heads and the
     value heads at each row's cache slot (slot -1: nothing stored). The key heads in ``qkv`` stay unrotated.
-    ``qk_norms`` = (q norm weight, k norm weight, eps): each query and key head is RMS-normalized first (Qwen3)."""
+    ``qk_norms`` = (q norm weight, k norm weight, eps): each query and key head is RMS-normalized first (Qwen3).
+    An FP8 cache stores K / kv_scales[0] and V / kv_scales[1]."""
     if head_dim & (head_dim - 1) or kv_cache.stride(-1) != 1 or not kv_cache[0].is_contiguous():
         raise ValueError(f"rotary_write_kv_ needs a power-of-two head_dim (got {head_dim}) and a contiguous cache")
     q_norm, k_norm, eps = qk_norms if qk_norms is not None else (cos, cos, 0.0)
     _rotary_write_kv_kernel[(qkv.shape[0],)](
         qkv, positions, cos, sin, kv_cache, slot_mapping, q_norm, k_norm, eps, qkv.stride(0), kv_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QK_NORM=qk_norms is not None,
+        1.0 / kv_scales[0], 1.0 / kv_scales[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, QK_NORM=qk_norms is not None, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if num_heads * head_dim >= 2048 else 2, **launch_options(qkv))
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :n]) * x[:, n:]."""
+def silu_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(x[:, :n]) * x[:, n:], act silu (SwiGLU) or gelu_tanh (GeGLU, tanh-approximated GELU)."""
     n = x.shape[-1] // 2
     if not use_triton(x) or x.shape[0] == 0:  # (two slices: cheaper than split on the CPU's one-row steps)
-        return F.silu(x[..., :n]) * x[..., n:]
+        gate = F.silu(x[..., :n]) if act == "silu" else F.gelu(x[..., :n], approximate="tanh")
+        return gate * x[..., n:]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                        **launch_options(x))
+                                                        GELU=act == "gelu_tanh", **launch_options(x))
     return out
 
 

@@ -18,6 +18,7 @@ safetensors path uses. The tokenizer and chat template in the metadata are read 
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -31,15 +32,19 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig, RopeScaling
+from models.fp8 import QuantizationError, checkpoint_scheme
 from models.int4 import INT4_TYPES, Int4Linear, ggml_int4_groups, int4_available
-from models.loader import CheckpointError, default_dtype, fill_model
+from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
 from models.layers import RotaryEmbedding
 from models.transformer import CausalLM, build_model
 
 log = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                      "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "qwen3_moe", "granite": "granite", "granitemoe": "granitemoe", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text", "phi3": "phi3"}
+PERMUTED = ("llama", "mixtral", "granite", "granitemoe")
+"""Model types whose Q and K rows llama.cpp's converter permutes (its LlamaModel and the classes built on it)."""
 """general.architecture -> the Hugging Face model_type its tensors map to (llama with experts: mixtral)."""
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -229,10 +234,21 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     kind = GGUF_ARCHITECTURES[arch] if not (arch == "llama" and experts) else "mixtral"
     scaling = None
     scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
+    if scaling_type == "linear" or arch == "gemma3" and md.get(f"{arch}.rope.scaling.factor"):
         scaling = RopeScaling("linear", float(need("rope.scaling.factor")))
+    elif scaling_type == "yarn":
+        factor = float(need("rope.scaling.factor"))
+        scaling = RopeScaling("yarn", factor, original_max_position_embeddings=int(
+            need("rope.scaling.original_context_length")), attention_factor=0.1 * math.log(factor) + 1.0)
     elif scaling_type not in ("none", None):
-        raise CheckpointError(f"{f.path}: rope scaling type {scaling_type!r} is not supported (none or linear)")
+        raise CheckpointError(f"{f.path}: rope scaling type {scaling_type!r} is not supported (none, linear or yarn)")
+    if "rope_factors_long.weight" in t:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
+        original = int(need("rope.scaling.original_context_length"))
+        scaling = RopeScaling("longrope", int(need("context_length")) / original,
+                              original_max_position_embeddings=original,
+                              attention_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+                              short_factor=tuple(f.tensor("rope_factors_short.weight").tolist()),
+                              long_factor=tuple(f.tensor("rope_factors_long.weight").tolist()))
     eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     cfg = dict(
         vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=int(need("block_count")),
@@ -245,6 +261,7 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         attention_bias="blk.0.attn_q.bias" in t, qk_norm="blk.0.attn_q_norm.weight" in t,
     )
+    cfg.update(_arch_extras(f, arch, cfg))
     if experts:
         moe_inter = md.get(f"{arch}.expert_feed_forward_length")
         if moe_inter is None and "blk.0.ffn_up_exps.weight" in t:
@@ -262,6 +279,39 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{f.path}: {exc}") from None
     return kind, out
+
+
+def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
+    """What Granite, Gemma and Phi-3 add to the config, from their metadata and llama.cpp's own rules where the
+    converter writes none (Gemma 2 and 3: the sliding-window pattern, Gemma 3's local rope base, the attention
+    scale of the 27B models, as llama.cpp's llama-model.cpp sets them)."""
+    md, layers, hidden, heads = f.metadata, cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
+    if arch in ("granite", "granitemoe"):
+        logit = float(md.get(f"{arch}.logit_scale", 1.0))
+        return dict(embedding_scale=float(md.get(f"{arch}.embedding_scale", 1.0)),
+                    residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)), logit_scale=1.0 / logit,
+                    attention_scale=float(md.get(f"{arch}.attention.scale", 0.0)))
+    if arch in ("gemma2", "gemma3"):
+        big = layers == (46 if arch == "gemma2" else 62)  # the 27B models scale by hidden / heads
+        window = int(md.get(f"{arch}.attention.sliding_window") or 0)
+        pattern = int(md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if arch == "gemma3" else tuple(
+            range(0, layers, 2))
+        return dict(hidden_act="gelu_tanh", embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
+                    attention_scale=(hidden / heads if big else cfg["head_dim"]) ** -0.5,
+                    final_logit_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
+                    attn_logit_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0),
+                    sliding_window=window, sliding_layers=sliding if window else (),
+                    local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3"
+                    else 0.0)
+    if arch == "phi3":
+        if cfg["head_dim"] != int(md.get("phi3.rope.dimension_count") or cfg["head_dim"]):
+            raise CheckpointError(f"{f.path}: phi3.rope.dimension_count below the head size (partial rotary) is not "
+                                  f"supported")
+        window = int(md.get("phi3.attention.sliding_window") or 0)
+        if window and window < cfg["max_position_embeddings"]:
+            return dict(sliding_window=window, sliding_layers=tuple(range(layers)))
+    return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,7 +341,18 @@ _EXPERT_TENSOR = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj"
                   "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
-def gguf_name(hf_name: str) -> tuple[str, int | None]:
+_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+"""Gemma's names (its post_attention_layernorm is the attention output's norm, not the MLP's input norm)."""
+_FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+                "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+                "block_sparse_moe.output_linear.weight": "ffn_down_exps.weight"}
+"""Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate then up), Granite-MoE's router and
+stacked down experts."""
+
+
+def gguf_name(hf_name: str, kind: str = "llama") -> tuple[str, int | None]:
     """The GGUF tensor holding a Hugging Face tensor, and the expert index within it (None: the whole tensor)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name], None
@@ -299,6 +360,10 @@ def gguf_name(hf_name: str) -> tuple[str, int | None]:
     if m is None:
         raise KeyError(hf_name)
     layer, rest = m.groups()
+    if kind in ("gemma2", "gemma3_text") and rest in _GEMMA_NORMS:
+        return f"blk.{layer}.{_GEMMA_NORMS[rest]}", None
+    if rest in _FUSED_NAMES:
+        return f"blk.{layer}.{_FUSED_NAMES[rest]}", None
     proj = re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", rest)
     if proj:
         return f"blk.{layer}.attn_{proj.group(1)}.{proj.group(2)}", None
@@ -325,34 +390,46 @@ class GGUFSource:
     """A GGUF file's tensors under their Hugging Face names, dequantized (float32, then the model's dtype)."""
 
     def __init__(self, f: GGUFFile, kind: str, cfg: ModelConfig, dtype: torch.dtype):
-        self.file, self.where, self.cfg, self.dtype = f, f.path, cfg, dtype
-        self.permuted = kind in ("llama", "mixtral")
+        self.file, self.where, self.cfg, self.dtype, self.kind = f, f.path, cfg, dtype, kind
+        self.permuted = kind in PERMUTED
         self._stacked: dict[str, torch.Tensor] = {}
 
     def describe(self, name: str) -> str:
+        if name.endswith("block_sparse_moe.input_linear.weight"):
+            return name.replace("model.layers.", "blk.").replace(".block_sparse_moe.input_linear.weight",
+                                                                 ".ffn_gate_exps.weight + ffn_up_exps.weight")
         try:
-            g, expert = gguf_name(name)
+            g, expert = gguf_name(name, self.kind)
         except KeyError:
             return name
         return g if expert is None else f"{g}[{expert}]"
 
     def get(self, name: str) -> torch.Tensor:
+        if name.endswith("block_sparse_moe.input_linear.weight"):  # Granite-MoE: gate and up experts stacked
+            layer = name.split(".")[2]
+            return torch.cat([self.get_named(f"blk.{layer}.ffn_{x}_exps.weight", name) for x in ("gate", "up")], 1)
         try:
-            g, expert = gguf_name(name)
+            g, expert = gguf_name(name, self.kind)
         except KeyError:
             raise CheckpointError(f"{self.where}: no GGUF tensor corresponds to {name!r}") from None
+        if expert is None:
+            return self.get_named(g, name)
         if g not in self.file.tensors:
             raise CheckpointError(f"{self.where}: tensor {g!r} is missing (needed for {name})")
-        if expert is not None:
-            if g not in self._stacked:
-                if len(self._stacked) >= 3:  # one layer's gate, up and down experts at a time
-                    self._stacked.clear()
-                self._stacked[g] = self.file.tensor(g, self.dtype)
-            stacked = self._stacked[g]
-            if expert >= stacked.shape[0]:
-                raise CheckpointError(f"{self.where}: {g} holds {stacked.shape[0]} experts, expected "
-                                      f"{self.cfg.num_experts}")
-            return stacked[expert]
+        if g not in self._stacked:  # one expert of a stacked tensor
+            if len(self._stacked) >= 3:  # one layer's gate, up and down experts at a time
+                self._stacked.clear()
+            self._stacked[g] = self.file.tensor(g, self.dtype)
+        stacked = self._stacked[g]
+        if expert >= stacked.shape[0]:
+            raise CheckpointError(f"{self.where}: {g} holds {stacked.shape[0]} experts, expected "
+                                  f"{self.cfg.num_experts}")
+        return stacked[expert]
+
+    def get_named(self, g: str, name: str) -> torch.Tensor:
+        """GGUF tensor ``g`` (which holds Hugging Face tensor ``name``), dequantized, in the Hugging Face layout."""
+        if g not in self.file.tensors:
+            raise CheckpointError(f"{self.where}: tensor {g!r} is missing (needed for {name})")
         t = self.file.tensor(g, self.dtype)
         if g.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)  # (hidden,) in GGUF, (1, hidden) in the Hugging Face layout
@@ -406,14 +483,21 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
     return count
 
 
-def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.loader.default_dtype``);
-    on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``)."""
+def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+              quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+    """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.checkpoint.serving_dtype``);
+    on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``).
+    ``quantization`` "fp8": the dequantized projections requantized to FP8 (``models.fp8``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
-    dtype = dtype or default_dtype(path, device)
-    model = fill_model(build_model(cfg, device, dtype, seed=None), kind, GGUFSource(f, kind, cfg, dtype))
-    if int4_available(device, dtype):
+    dtype = dtype or serving_dtype(device, is_4bit(f))
+    try:
+        scheme = checkpoint_scheme({}, path, quantization)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
+    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len), kind,
+                       GGUFSource(f, kind, cfg, dtype), scheme)
+    if scheme is None and int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
         if kept:
             log.info("%s: %d projections kept 4-bit (int4 CPU GEMM)", os.path.basename(path), kept)
@@ -454,8 +538,6 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
     package). ``tokenizer_metadata``: extra keys such as ``tokenizer.ggml.tokens`` (values typed by GGUFWriter)."""
     import gguf
 
-    from models.loader import _hf_names, _target
-
     arch = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[model_type]
     cfg = model.cfg
@@ -483,8 +565,8 @@ def write_gguf(model: CausalLM, path: str, model_type: str, qtype: str = "F32",
     add_metadata(w, tokenizer_metadata or {})
     tensors: dict[str, np.ndarray] = {}
     stacks: dict[str, list[np.ndarray]] = {}
-    for ours, theirs, dim in _hf_names(cfg, model_type):
-        value = _target(model, ours).detach().float().cpu()
+    for ours, theirs, dim in hf_names(cfg, model_type):
+        value = param_target(model, ours).detach().float().cpu()
         if ours.endswith("qkv_proj.weight") or ours.endswith("qkv_proj.bias"):
             parts = value.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim)
         else:

@@ -10,6 +10,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
+from models.fp8 import Fp8Linear, Fp8Scheme
 from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
                           silu_mul)
 
@@ -30,14 +31,18 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embeddings from a precomputed cos/sin cache indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None,
-                 freq_factors: torch.Tensor | None = None):
+                 freq_factors: torch.Tensor | None = None, context_len: int | None = None,
+                 local: "RotaryEmbedding | None" = None):
+        """``context_len``: the longest sequence served (max_model_len; default max_positions): LongRoPE's choice of
+        factors. ``local``: the rotary of sliding-window layers, where it differs (Gemma 3)."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, mscale = rope_frequencies(head_dim, theta, scaling, context_len or max_positions)
         if freq_factors is not None:  # a GGUF's rope_freqs tensor: llama.cpp's form of Llama 3 scaling
             inv_freq = inv_freq / freq_factors.to(torch.float64)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * mscale).float(), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * mscale).float(), persistent=False)
+        self.local = local
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
@@ -47,7 +52,7 @@ class RotaryEmbedding(nn.Module):
         """This rotary with ``positions``' cos and sin rows looked up once, for every layer of one forward."""
         c, s = self.cos[positions], self.sin[positions]
         return RotaryRows(self.cos, self.sin, positions, torch.cat([c, c], -1)[:, None],
-                          torch.cat([-s, s], -1)[:, None])
+                          torch.cat([-s, s], -1)[:, None], self.local.at(positions) if self.local else None)
 
 
 class RotaryRows(NamedTuple):
@@ -60,6 +65,8 @@ class RotaryRows(NamedTuple):
     positions: torch.Tensor
     cos_rows: torch.Tensor
     sin_rows: torch.Tensor
+    local: "RotaryRows | None" = None
+    """The sliding-window layers' rows, where their rotary differs."""
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if positions is not self.positions:
@@ -71,13 +78,23 @@ class RotaryRows(NamedTuple):
         return rotate_prepared(x, self.cos_rows, self.sin_rows, out=x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """The rotary frequencies (head_dim / 2,) in float64, scaled as ``scaling`` says (see RopeScaling)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     context_len: int = 0) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies (head_dim / 2,) in float64, scaled as ``scaling`` says (see RopeScaling), and the
+    factor cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    kind = scaling.rope_type if scaling is not None else "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if kind == "longrope":
+        long = context_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        return inv_freq / factors, scaling.attention_factor
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling), scaling.attention_factor
     # llama3: long wavelengths slowed by ``factor``, short ones kept, the band between interpolated
     old_len = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
@@ -85,19 +102,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * slowed / scaling.factor + smooth * slowed
     medium = (wavelen >= old_len / scaling.high_freq_factor) & (wavelen <= old_len / scaling.low_freq_factor)
-    return torch.where(medium, blended, slowed)
+    return torch.where(medium, blended, slowed), 1.0
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies (the paper's, as Hugging Face and vLLM compute them): dimensions that turn more than
+    ``beta_fast`` times over the original context keep their frequency, those that turn fewer than ``beta_slow``
+    times are interpolated (divided by ``factor``), with a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | None = None) -> nn.Module:
+    """A projection: nn.Linear, or ``Fp8Linear`` scaled as ``fp8`` says."""
+    if fp8 is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return Fp8Linear(in_features, out_features, bias, fp8.block, torch.get_default_dtype())
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matrix."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with ``act`` gelu_tanh), gate and up in one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8: Fp8Scheme | None = None, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, False, fp8)
+        self.down_proj = linear(intermediate_size, hidden_size, False, fp8)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # (.forward: no hook checks)
+        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.act))  # (.forward: no hooks)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         """norm(self(x) + residual) -> (normed, self(x) + residual): the layer's output into the next norm."""
@@ -127,12 +169,12 @@ class MoE(nn.Module):
     combining is deterministic (no atomics), so replayed and eager outputs of one shape match bit for bit."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0):
+                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size, fp8) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         # Stored as Hugging Face keeps experts (out x in); used transposed.
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))

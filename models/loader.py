@@ -11,22 +11,23 @@ format (for tests and tools).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from typing import Iterator, Protocol
 
 import torch
 
+from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, read_json, serving_dtype
 from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
-from models.transformer import VOCAB_PARAMS, CausalLM, build_model
+from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
+from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
+from models.transformer import CausalLM, build_model
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "granite", "granitemoe",
+                 "gemma2", "gemma3_text", "phi3")
 """Hugging Face ``model_type`` values this loader reads."""
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file, the field or tensor, and the expectation."""
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -44,24 +45,65 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and scaling from ``rope_theta`` / ``rope_scaling`` or (transformers 5) ``rope_parameters``."""
+def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, its scaling, the sliding-window layers' own base or 0) from ``rope_theta`` / ``rope_scaling``
+    (and Gemma 3's ``rope_local_base_freq``) or (transformers 5) ``rope_parameters``, per layer type for Gemma 3."""
     params = hf.get("rope_parameters") or {}
+    local = 0.0
+    if "full_attention" in params or "sliding_attention" in params:  # per layer type (Gemma 3)
+        local = float((params.get("sliding_attention") or {}).get("rope_theta") or 0.0)
+        params = params.get("full_attention") or {}
+    if hf.get("model_type") == "gemma3_text":
+        local = float(hf.get("rope_local_base_freq") or local or 10000.0)
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, None
-    if kind not in ("linear", "llama3"):
-        raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear or llama3)")
+        return theta, None, local
+    if kind not in ("linear", "llama3", "yarn", "longrope", "su"):
+        raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear, llama3, yarn or "
+                              f"longrope)")
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
     try:
         if kind == "linear":
-            return theta, RopeScaling("linear", float(scaling["factor"]))
-        return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                  float(scaling["high_freq_factor"]),
-                                  int(scaling["original_max_position_embeddings"]))
-    except KeyError as exc:
-        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {exc.args[0]!r}") from None
+            return theta, RopeScaling("linear", float(scaling["factor"])), local
+        if kind == "llama3":
+            return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                      float(scaling["high_freq_factor"]), int(original)), local
+        if kind == "yarn":
+            if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+                raise CheckpointError(f"{path}: yarn rope scaling with mscale / mscale_all_dim is not supported")
+            factor = float(scaling["factor"])
+            attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+            return theta, RopeScaling("yarn", factor, original_max_position_embeddings=int(original),
+                                      beta_fast=float(scaling.get("beta_fast") or 32),
+                                      beta_slow=float(scaling.get("beta_slow") or 1),
+                                      attention_factor=float(attention),
+                                      truncate=bool(scaling.get("truncate", True))), local
+        factor = float(scaling.get("factor") or int(hf["max_position_embeddings"]) / int(original))
+        attention = scaling.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(int(original))) if factor > 1 else 1.0)
+        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=int(original),
+                                  attention_factor=float(attention),
+                                  short_factor=tuple(float(x) for x in scaling["short_factor"]),
+                                  long_factor=tuple(float(x) for x in scaling["long_factor"])), local
+    except (KeyError, TypeError) as exc:
+        missing = exc.args[0] if isinstance(exc, KeyError) else "original_max_position_embeddings"
+        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {missing!r}") from None
+
+
+def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
+    """The sliding-window layers: ``layer_types`` where given, else Gemma 2's every other layer (from 0), Gemma 3's
+    five of six (every sixth is global), Phi-3's all (with a window)."""
+    types = hf.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if kind == "gemma2":
+        return tuple(range(0, num_layers, 2))
+    if kind == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    return tuple(range(num_layers))
 
 
 def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None = None) -> ModelConfig:
@@ -78,10 +120,16 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
                 return hf[k]
         raise CheckpointError(f"{path}: missing {key!r} (needed for model_type {kind})")
 
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    if kind == "phi3" and float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported (1.0: "
+                              f"rotary over the whole head, as Phi-3 and Phi-4 14B have)")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{path}: mlp_bias = true is not supported")
+    if hf.get("shared_intermediate_size"):
+        raise CheckpointError(f"{path}: shared_intermediate_size (GraniteMoeShared's shared expert) is not supported")
     if hf.get("attention_bias") and kind not in ("qwen2", "qwen2_moe"):
         raise CheckpointError(f"{path}: attention_bias = true is not supported for model_type {kind} (its output "
                               f"projection would need a bias)")
@@ -89,7 +137,7 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         raise CheckpointError(f"{path}: decoder_sparse_step {hf.get('decoder_sparse_step')} / mlp_only_layers "
                               f"{hf.get('mlp_only_layers')}: only models whose every layer is MoE are supported")
     heads, hidden = need("num_attention_heads"), need("hidden_size")
-    theta, scaling = _rope(hf, path)
+    theta, scaling, local_theta = _rope(hf, path)
     max_pos = int(hf.get("max_position_embeddings", 8192))
     window = hf.get("sliding_window")
     if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")) and window < max_pos:
@@ -102,9 +150,23 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
             "eos_token_id")),
-        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),
+        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
     )
-    if kind == "mixtral":
+    if kind in ("granite", "granitemoe"):
+        cfg.update(embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
+                   residual_scale=float(hf.get("residual_multiplier", 1.0)),
+                   logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)),
+                   attention_scale=float(hf.get("attention_multiplier") or 0.0))
+    if kind in GEMMA_TYPES:
+        cfg.update(embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
+                   attention_scale=float(hf.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
+                   final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                   attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), local_rope_theta=local_theta)
+    if (kind in GEMMA_TYPES or kind == "phi3") and window and int(window) < max_pos:
+        cfg.update(sliding_window=int(window), sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"]))
+    if kind in ("mixtral", "granitemoe"):
         cfg.update(num_experts=need("num_local_experts"), num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
     elif kind in ("qwen2_moe", "qwen3_moe"):
@@ -122,118 +184,11 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
     return out
 
 
-def _hf_names(cfg: ModelConfig, kind: str) -> Iterator[tuple[str, list[str], int]]:
-    """(our parameter, its Hugging Face tensors, the dim they are concatenated along)."""
-    yield "embed_tokens.weight", ["model.embed_tokens.weight"], 0
-    yield "norm.weight", ["model.norm.weight"], 0
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", ["lm_head.weight"], 0
-    for i in range(cfg.num_layers):
-        p, ours = f"model.layers.{i}", f"layers.{i}"
-        yield f"{ours}.input_layernorm.weight", [f"{p}.input_layernorm.weight"], 0
-        yield f"{ours}.post_attention_layernorm.weight", [f"{p}.post_attention_layernorm.weight"], 0
-        yield f"{ours}.qkv_proj.weight", [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"], 0
-        if cfg.attention_bias:
-            yield f"{ours}.qkv_proj.bias", [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"], 0
-        if cfg.qk_norm:
-            yield f"{ours}.q_norm.weight", [f"{p}.self_attn.q_norm.weight"], 0
-            yield f"{ours}.k_norm.weight", [f"{p}.self_attn.k_norm.weight"], 0
-        yield f"{ours}.o_proj.weight", [f"{p}.self_attn.o_proj.weight"], 0
-        if not cfg.is_moe:
-            yield f"{ours}.mlp.gate_up_proj.weight", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], 0
-            yield f"{ours}.mlp.down_proj.weight", [f"{p}.mlp.down_proj.weight"], 0
-        elif kind == "mixtral":
-            m = f"{p}.block_sparse_moe"
-            yield f"{ours}.mlp.gate.weight", [f"{m}.gate.weight"], 0
-            for e in range(cfg.num_experts):
-                yield f"{ours}.mlp.w13[{e}]", [f"{m}.experts.{e}.w1.weight", f"{m}.experts.{e}.w3.weight"], 0
-                yield f"{ours}.mlp.w2[{e}]", [f"{m}.experts.{e}.w2.weight"], 0
-        else:
-            m = f"{p}.mlp"
-            yield f"{ours}.mlp.gate.weight", [f"{m}.gate.weight"], 0
-            for e in range(cfg.num_experts):
-                yield (f"{ours}.mlp.w13[{e}]",
-                       [f"{m}.experts.{e}.gate_proj.weight", f"{m}.experts.{e}.up_proj.weight"], 0)
-                yield f"{ours}.mlp.w2[{e}]", [f"{m}.experts.{e}.down_proj.weight"], 0
-            if cfg.shared_expert_intermediate_size:
-                yield (f"{ours}.mlp.shared_expert.gate_up_proj.weight",
-                       [f"{m}.shared_expert.gate_proj.weight", f"{m}.shared_expert.up_proj.weight"], 0)
-                yield f"{ours}.mlp.shared_expert.down_proj.weight", [f"{m}.shared_expert.down_proj.weight"], 0
-                yield f"{ours}.mlp.shared_expert_gate.weight", [f"{m}.shared_expert_gate.weight"], 0
-
-
-def _target(model: CausalLM, name: str) -> torch.Tensor:
-    """Our parameter (a view) that a checkpoint tensor fills: an expert's slice, or the vocabulary rows of the LM
-    head and embedding, which are stored padded (``models.transformer.padded_vocab``; the padding stays zero)."""
-    if name.endswith("]"):
-        base, index = name[:-1].split("[")
-        return model.get_parameter(base)[int(index)]
-    if name in VOCAB_PARAMS:
-        return model.get_parameter(name)[:model.cfg.vocab_size]
-    from models.int4 import Int4Linear
-
-    if isinstance(model.get_submodule(name.rpartition(".")[0]), Int4Linear):
-        raise CheckpointError(f"{name}: this model holds it 4-bit (a GGUF's Q4 projection, loaded on the CPU in "
-                              f"bfloat16); load the file in float32 to save or convert it")
-    return model.get_parameter(name)
-
-
-class TensorSource(Protocol):
-    """Where a loader reads tensors by their Hugging Face names (a safetensors directory, a GGUF file)."""
-
-    where: str
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor (raises CheckpointError naming it when it is missing)."""
-
-    def describe(self, name: str) -> str:
-        """How the checkpoint itself names ``name`` (for errors)."""
-
-
-def fill_model(model: CausalLM, kind: str, source: TensorSource) -> CausalLM:
-    """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error."""
-    cfg = model.cfg
-    done: set[str] = set()
-    with torch.no_grad():
-        for ours, theirs, dim in _hf_names(cfg, kind):
-            parts = [source.get(key) for key in theirs]
-            target = _target(model, ours)
-            shapes = [tuple(p.shape) for p in parts]
-            if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
-                    s[0] for s in shapes) != target.shape[0]:
-                names = " + ".join(source.describe(k) for k in theirs)
-                got = " + ".join(str(s) for s in shapes)
-                raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} "
-                                      f"for {ours}")
-            start = 0
-            for part in parts:  # straight into the fused parameter's rows (no concatenated copy)
-                target.narrow(dim, start, part.shape[dim]).copy_(part)
-                start += part.shape[dim]
-            done.add(ours.split("[")[0])
-    unset = [n for n, _ in model.named_parameters() if n not in done]
-    if unset:
-        raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")
-    return model
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face directories
 # ---------------------------------------------------------------------------------------------------------------
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must hold a JSON object")
-    return data
 
 
 def safetensors_keys(path: str) -> list[str]:
@@ -258,13 +213,14 @@ def safetensors_keys(path: str) -> list[str]:
 class SafetensorsDir:
     """A Hugging Face checkpoint's tensors: the shards its index names, or every ``*.safetensors`` file."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, norm_shift: float = 0.0):
+        """``norm_shift``: added to every ``*norm.weight`` read (Gemma stores norm weights as w for 1 + w)."""
         from safetensors import safe_open
 
-        self.where = path
+        self.where, self.norm_shift = path, norm_shift
         index_path = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index_path):
-            weight_map = _read_json(index_path, "the shard index").get("weight_map")
+            weight_map = read_json(index_path, "the shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index_path}: no 'weight_map' object naming each tensor's shard")
             files = sorted(set(weight_map.values()))
@@ -291,7 +247,8 @@ class SafetensorsDir:
                 self._handles[f] = self._open(f)
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{os.path.join(self.where, f)}: unreadable safetensors file ({exc})") from None
-        return self._handles[f].get_tensor(name)
+        t = self._handles[f].get_tensor(name)
+        return t.float() + self.norm_shift if self.norm_shift and name.endswith("norm.weight") else t
 
     def describe(self, name: str) -> str:
         return name
@@ -301,27 +258,50 @@ class SafetensorsDir:
 
 
 def read_hf_config(path: str) -> tuple[dict, ModelConfig]:
-    """(config.json as a dict, the ModelConfig) of a checkpoint directory, with generation_config.json's EOS ids."""
+    """(config.json as a dict, the ModelConfig) of a checkpoint directory, with generation_config.json's EOS ids.
+    A quantization the loader cannot serve is refused here (``quantization_scheme``)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face-format checkpoint directory)")
-    hf = _read_json(cfg_path, "the model config")
-    return hf, config_from_hf(hf, cfg_path, generation_config(path))
+    hf = read_json(cfg_path, "the model config")
+    cfg = config_from_hf(hf, cfg_path, generation_config(path))
+    quantization_scheme(hf, cfg_path)
+    return hf, cfg
+
+
+def quantization_scheme(hf: dict, path: str, quantization: str | None = None) -> Fp8Scheme | None:
+    """The checkpoint's FP8 scheme (``models.fp8.checkpoint_scheme``) as a CheckpointError when refused."""
+    try:
+        return checkpoint_scheme(hf, path, quantization)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def generation_config(path: str) -> dict:
     """``generation_config.json`` of a checkpoint directory ({} when it has none)."""
     gen_path = os.path.join(path, "generation_config.json")
-    return _read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
+    return read_json(gen_path, "the generation config") if os.path.isfile(gen_path) else {}
 
 
-def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default)."""
+def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+    """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default). FP8
+    checkpoints and ``quantization`` ("fp8": quantize at load) as ``models.fp8`` describes; ``max_model_len``: the
+    longest sequence served (LongRoPE's factors). Gemma's norms, stored as w for (1 + w), load as 1 + w; an FP8 KV
+    cache's ``self_attn.k_scale`` / ``v_scale`` are read where present (1.0 otherwise, as vLLM)."""
     hf, cfg = read_hf_config(path)
-    source = SafetensorsDir(path)
+    scheme = quantization_scheme(hf, os.path.join(path, "config.json"), quantization)
+    source = SafetensorsDir(path, norm_shift=1.0 if hf["model_type"] in GEMMA_TYPES else 0.0)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     try:
-        return fill_model(build_model(cfg, device, dtype, seed=None), hf["model_type"], source)
+        model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len),
+                           hf["model_type"], source, scheme)
+        for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
+            names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv"]
+            if all(n in source.file_of for n in names):
+                k_scale, v_scale = (float(source.get(n).float().reshape(-1)[0]) for n in names)
+                layer.attn = layer.attn._replace(k_scale=k_scale, v_scale=v_scale)
+        return model
     finally:
         source.close()
 
@@ -333,8 +313,8 @@ def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
     cfg = model.cfg
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for ours, theirs, dim in _hf_names(cfg, model_type):
-        chunks = _target(model, ours).detach().cpu().contiguous()
+    for ours, theirs, dim in hf_names(cfg, model_type):
+        chunks = param_target(model, ours).detach().cpu().contiguous()
         if len(theirs) == 1:
             tensors[theirs[0]] = chunks.clone()
         elif ours.endswith("qkv_proj.weight") or ours.endswith("qkv_proj.bias"):
@@ -386,40 +366,37 @@ def model_kind(name_or_path: str) -> str:
                           f"{MODEL_FORMS}")
 
 
-def read_model_config(name_or_path: str) -> ModelConfig:
-    """The model's shape without loading its weights."""
+def read_model_config(name_or_path: str, quantization: str | None = None) -> ModelConfig:
+    """The model's shape without loading its weights; ``quantization`` (``--quantization``) is checked against
+    the checkpoint (CheckpointError when it cannot be served)."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return read_hf_config(name_or_path)[1]
+        hf, cfg = read_hf_config(name_or_path)
+        quantization_scheme(hf, os.path.join(name_or_path, "config.json"), quantization)
+        return cfg
+    quantization_scheme({}, "--quantization", quantization)
     if kind == "gguf":
-        from models.gguf_loader import config_from_gguf, open_gguf
-
         return config_from_gguf(open_gguf(name_or_path))[1]
     return preset(name_or_path)
 
 
 def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> torch.dtype:
-    """The serving dtype when none is given: bfloat16 on CUDA; on the CPU bfloat16 for a GGUF file whose
-    projections are 4-bit (its weights hold less than bfloat16 does, and decode is bound by memory bandwidth: the
-    default model decodes 1.8x as fast as in float32 on a 2-core AVX2 CPU), float32 for everything else (presets,
-    Hugging Face checkpoints, 8-bit and wider GGUFs)."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16
-    if isinstance(model, str) and model_kind(model) == "gguf":
-        from models.gguf_loader import is_4bit, open_gguf
-
-        if is_4bit(open_gguf(model)):
-            return torch.bfloat16
-    return torch.float32
+    """The serving dtype when none is given (``models.checkpoint.serving_dtype``): bfloat16 on CUDA and for a GGUF
+    file whose projections are 4-bit on the CPU; float32 for everything else on the CPU (presets, Hugging Face
+    checkpoints, 8-bit and wider GGUFs)."""
+    return serving_dtype(device, torch.device(device).type == "cpu" and isinstance(model, str)
+                         and model_kind(model) == "gguf" and is_4bit(open_gguf(model)))
 
 
-def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``)."""
+def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+               quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+    """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``). ``quantization``
+    ("fp8", vLLM's ``--quantization``): the projections quantized to FP8 at load (``models.fp8``);
+    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors)."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return load_checkpoint(name_or_path, device, dtype)
+        return load_checkpoint(name_or_path, device, dtype, quantization, max_model_len)
     if kind == "gguf":
-        from models.gguf_loader import load_gguf
-
-        return load_gguf(name_or_path, device, dtype)
-    return build_model(preset(name_or_path), device, dtype, seed)
+        return load_gguf(name_or_path, device, dtype, quantization, max_model_len)
+    scheme = quantization_scheme({}, "--quantization", quantization)
+    return build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len)

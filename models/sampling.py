@@ -119,3 +119,15 @@ def accepted_drafts(target_tokens: torch.Tensor, drafts: torch.Tensor, num_draft
     valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
     match = (target_tokens[:, :k] == drafts) & valid
     return torch.cumprod(match.long(), dim=1).sum(dim=1)
+
+
+def fixed_accepted(seeds: torch.Tensor, first_pos: torch.Tensor, num_drafts: torch.Tensor, k: int,
+                   alpha: torch.Tensor | float) -> torch.Tensor:
+    """Benchmarks' fixed acceptance: per request, a seeded count of drafts accepted (each with probability
+    ``alpha`` if the one before was, at most ``num_drafts``), whatever they are. seeds, first_pos, num_drafts (n,)
+    -> (n,). ``alpha`` may be a device scalar (a captured graph reads it where it lies)."""
+    arange = torch.arange(k, device=seeds.device)
+    u = uniform(seeds[:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
+                (first_pos[:, None] + arange[None, :]).reshape(-1), FIXED_ACCEPTANCE)
+    ok = (u.view(-1, k) < alpha) & (arange[None, :] < num_drafts[:, None])
+    return torch.cumprod(ok.long(), dim=1).sum(dim=1)

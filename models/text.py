@@ -23,7 +23,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Sequence
 
-from models.loader import CheckpointError, _read_json, model_kind
+from models.checkpoint import CheckpointError, read_json
+from models.loader import model_kind
 
 log = logging.getLogger("twogrid.text")
 
@@ -232,7 +233,7 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
     cfg_path = os.path.join(path, "tokenizer_config.json")
-    cfg = _read_json(cfg_path, "the tokenizer config") if os.path.isfile(cfg_path) else {}
+    cfg = read_json(cfg_path, "the tokenizer config") if os.path.isfile(cfg_path) else {}
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -244,7 +245,7 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
                 template = fh.read()
     json_template = os.path.join(path, "chat_template.json")
     if template is None and os.path.isfile(json_template):
-        template = _read_json(json_template, "the chat template").get("chat_template")
+        template = read_json(json_template, "the chat template").get("chat_template")
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     bos = special["bos_token"]
     bos_id = backend.token_to_id(bos) if bos else None

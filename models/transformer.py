@@ -18,11 +18,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.attention import (AttentionMetadata, paged_attention, prepare_paged_attention, write_kv,
-                              write_kv_rows)
+from models.attention import paged_attention, prepare_paged_attention, write_kv, write_kv_rows
+from models.attention_metadata import AttentionMetadata, LayerAttention
 from models.config import ModelConfig
 from models.fused import argmax_prob, rms_norm_torch, rotary_write_kv_, use_triton
-from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows
+from models.fp8 import FP8, Fp8Scheme, fake_quantize_, fp8_gemm_available
+from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows, linear
 
 VOCAB_ALIGN = 64
 """LM head rows are padded to a multiple of this (vLLM pads the same way)."""
@@ -35,20 +36,32 @@ def padded_vocab(vocab_size: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None, index: int = 0):
+        """``fp8``: the projections held in FP8 (``models.fp8.Fp8Linear``), scaled as the scheme says; ``index``:
+        the layer's place (whether it is a sliding-window layer)."""
         super().__init__()
         self.cfg = cfg
+        sliding = index in cfg.sliding_layers
+        self.attn = LayerAttention(window=cfg.sliding_window if sliding else 0, softcap=cfg.attn_logit_softcap)
+        """The layer's attention options; the loader sets an FP8 cache's k_scale and v_scale (default 1)."""
+        self.local_rope = sliding and cfg.local_rope_theta > 0
+        """Rotate with the model rotary's ``local`` tables (Gemma 3's sliding-window layers)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8)
+        self.o_proj = linear(cfg.q_size, cfg.hidden_size, False, fp8)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        """The MLP's input norm (Gemma's pre_feedforward_layernorm)."""
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        """Gemma's post_attention_layernorm: the attention output's norm, before the residual add."""
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        """Gemma's post_feedforward_layernorm."""
         if cfg.is_moe:
             self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
-                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, fp8)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, cfg.hidden_act)
 
     def pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -59,10 +72,12 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         qkv = self.qkv_proj.forward(x)  # (.forward here and below: nn.Module.__call__ adds 2 us, 7 calls a layer)
         n = x.shape[0]
+        if self.local_rope:
+            rotary = rotary.local
         if use_triton(qkv) and n:
             norms = (self.q_norm.weight, self.k_norm.weight, c.rms_norm_eps) if c.qk_norm else None
             rotary_write_kv_(qkv, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, c.num_heads,
-                             c.num_kv_heads, c.head_dim, norms)
+                             c.num_kv_heads, c.head_dim, norms, (self.attn.k_scale, self.attn.v_scale))
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         if c.qk_norm:
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -73,35 +88,40 @@ class DecoderLayer(nn.Module):
         elif isinstance(rotary, RotaryRows) and positions is rotary.positions:  # the CPU forward: in place, then
             # K and V (adjacent in qkv) stored in one op
             rotary.rotate_(qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
-            write_kv_rows(kv_cache, qkv[:, c.q_size:], slot_mapping)
+            write_kv_rows(kv_cache, qkv[:, c.q_size:], slot_mapping, self.attn)
             return qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
         else:  # the query and key heads are adjacent in qkv: one rotary call for both
             qk = rotary(positions, qkv[:, :c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim))
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, c.q_size + c.kv_size:]
-        write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping)
+        write_kv(kv_cache, k, v.view(n, c.num_kv_heads, c.head_dim), slot_mapping, self.attn)
         return q
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm):
         """Output projection, norm, MLP or MoE, the residual add and ``next_norm`` (the next layer's input norm,
         or the model's final norm) -> (the next input, normed; the residual)."""
         hidden = self.o_proj.forward(attn_out.reshape(attn_out.shape[0], -1))
+        if self.attn_output_norm is not None:  # Gemma: norms on both sides of attention and of the MLP
+            hidden, residual = self.post_attention_layernorm.forward(self.attn_output_norm.forward(hidden), residual)
+            return next_norm.forward(self.mlp_output_norm.forward(self.mlp.forward(hidden)), residual)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward_add_norm(hidden, residual, next_norm)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        self.fp8 = fp8
+        """The scheme of the projections held in FP8 (None: every weight in the serving dtype)."""
         vocab_rows = padded_vocab(cfg.vocab_size)
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fp8, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.scale = cfg.head_dim ** -0.5
+        self.rotary = make_rotary(cfg)
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
 
     aux_layers: tuple[int, ...] = ()
     """Layer boundaries whose residual stream a forward also writes out (``aux_out``): what an EAGLE-3 head reads.
@@ -119,23 +139,33 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.cfg.num_layers
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The serving dtype (of activations, and of the weights not held in FP8)."""
+        return self.embed_tokens.weight.dtype
+
     def attention(self, layer: int, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention alone, over K and V already in the cache."""
-        return paged_attention(q, kv_caches[layer], meta, self.scale, out)
+        """Attention alone, over K and V already in the cache (with the layer's window, soft-cap and KV scales)."""
+        return paged_attention(q, kv_caches[layer], meta, self.scale, out,
+                               _for_cache(self.layers[layer].attn, kv_caches[layer]))
 
     def prepare_attention(self, q, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                           out: torch.Tensor) -> Callable[[int], None]:
         """A step's attention prepared once for every layer: call it with a layer index to write ``out``. The part
         PIECEWISE graphs leave out, run eagerly between pieces."""
         run = prepare_paged_attention(q, kv_caches[0], meta, self.scale, out)
-        return lambda layer: run(kv_caches[layer])
+        options = [_for_cache(layer.attn, kv_caches[0]) for layer in self.layers]
+        return lambda layer: run(kv_caches[layer], options[layer])
 
     needs_aux = False
     """Whether the first piece reads a second input (a drafter's target features)."""
 
     def embed(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.cfg.embedding_scale != 1.0:  # (Gemma: sqrt(hidden_size) rounded to the dtype, as transformers does)
+            hidden = hidden * torch.tensor(self.cfg.embedding_scale, dtype=hidden.dtype)
+        return hidden
 
     def begin(self, input_ids: torch.Tensor, aux: torch.Tensor | None = None):
         """The embedding -> (layer 0's input, normed; the residual)."""
@@ -162,11 +192,28 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, vocab_size) logits in the model's dtype (bf16 on the GPU; the sampler converts the rows it does
-        math on): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
+        """(rows, vocab_size) logits in the model's dtype on the GPU (bf16; the sampler converts the rows it does
+        math on), float32 on the CPU: one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
         apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t())[:, :self.cfg.vocab_size]
+        if weight.device.type == "cpu" and weight.dtype != torch.float32:
+            hidden, weight = hidden.float(), self._cpu_float_head(weight)
+        logits = (hidden @ weight.t())[:, :self.cfg.vocab_size]
+        c = self.cfg
+        if c.logit_scale != 1.0:  # Granite's logits_scaling
+            logits = logits * c.logit_scale
+        if c.final_logit_softcap:  # Gemma 2
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return logits
+
+    def _cpu_float_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of the LM head for the CPU, made once per weight version: half-precision logits round to
+        1/8 near the top (bf16), which ties the greedy choice between answers float32 tells apart (SmolLM2 answers
+        "L'Étoile" instead of "Paris"); the CPU has no half-precision GEMM with a float32 output."""
+        key = (weight.data_ptr(), weight._version)
+        if getattr(self, "_float_head_key", None) != key:
+            self._float_head, self._float_head_key = weight.float(), key
+        return self._float_head
 
     def propose(self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Greedy proposals from output rows: (token ids in the target's vocabulary, their probabilities), into
@@ -177,9 +224,15 @@ class CausalLM(nn.Module):
     def init_random(self, seed: int, std: float = 0.02) -> "CausalLM":
         """Random weights from a seed (norms at 1), generated on the model's device."""
         device = next(self.parameters()).device
+        dtype = self.embed_tokens.weight.dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters(remove_duplicate=True):
-            if name.endswith("norm.weight"):
+            if name.endswith("weight_scale"):
+                continue
+            if p.dtype == FP8:  # an Fp8Linear's weight: drawn as in the serving dtype (the same draws), quantized
+                drawn = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+                self.get_submodule(name.rpartition(".")[0]).load_float(drawn)
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -190,15 +243,46 @@ class CausalLM(nn.Module):
                 p.normal_(0.0, std, generator=gen)
         return self
 
+    def projections(self) -> list[tuple[str, nn.Module]]:
+        """The projections that ``--quantization fp8`` holds in FP8 (attention and dense MLPs, a MoE's shared
+        expert): (name, module). The embedding, the LM head, routers and routed experts stay in the serving dtype."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return [(n, m) for n, m in self.named_modules() if n.rpartition(".")[2] in names and ".experts" not in n]
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0) -> CausalLM:
+
+def _for_cache(attn: LayerAttention, kv_cache: torch.Tensor) -> LayerAttention:
+    """A layer's attention options for its cache: KV scales apply to an FP8 cache only."""
+    if kv_cache.dtype == torch.float8_e4m3fn or (attn.k_scale, attn.v_scale) == (1.0, 1.0):
+        return attn
+    return attn._replace(k_scale=1.0, v_scale=1.0)
+
+
+def make_rotary(cfg: ModelConfig, context_len: int | None = None) -> RotaryEmbedding:
+    """The model's rotary tables (float32), with the sliding-window layers' own (``local``) where their base differs
+    (Gemma 3: unscaled, at local_rope_theta). ``context_len``: the longest sequence served (LongRoPE's choice)."""
+    local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta) \
+        if cfg.local_rope_theta else None
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                           context_len=context_len, local=local)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0,
+                fp8: Fp8Scheme | None = None, max_model_len: int | None = None) -> CausalLM:
     """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
-    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32."""
+    one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32.
+    ``fp8``: a checkpoint's FP8 scheme (or ``--quantization fp8``): where the device has FP8 GEMMs
+    (``models.fp8.fp8_gemm_available``) the projections are built as ``Fp8Linear``; elsewhere they stay in
+    ``dtype`` and the loader dequantizes into them. Random weights are quantized per channel after their draw.
+    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors; default the model's positions)."""
+    kept = fp8 if fp8 is not None and fp8_gemm_available(device) else None
     with torch.device(device), _no_default_init():
-        model = CausalLM(cfg).to(dtype)
-        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        model = CausalLM(cfg, kept).to(dtype)
+        model.rotary = make_rotary(cfg, max_model_len)
     if seed is not None:
         model.init_random(seed)
+        if fp8 is not None and kept is None:  # no FP8 GEMMs here: the FP8 model's values, in dtype
+            for _, module in model.projections():
+                fake_quantize_(module.weight)
     else:  # a loader sets the vocabulary's rows; the padding rows stay zero (their logits are sliced off)
         with torch.no_grad():
             for name in VOCAB_PARAMS:

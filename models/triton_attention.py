@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention import AttentionMetadata
+from models.attention_metadata import FULL_ATTENTION, AttentionMetadata, LayerAttention
 from models.fused import PDL_MAX_TOKENS, launch_options, pdl_enter
 
 LOG2E = 1.4426950408889634
@@ -139,20 +139,29 @@ def _zero_rows(out_ptr, q_start, row_lo, q_len, heads, stride_ot, stride_oh, GRO
 
 
 @triton.jit
-def _context_tiles(seq_len, q_len, row_lo, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(keys the block's last query token sees (exclusive end), tiles over them, tiles that every row of the block
-    sees in full)."""
+def _context_tiles(seq_len, q_len, row_lo, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                   WINDOW: tl.constexpr):
+    """(keys the block's last query token sees (exclusive end), the end of the tiles over them, the end of the
+    tiles that every row of the block sees in full, the first tile any row sees, the first tile from which every
+    row sees each key past the window's start). Without WINDOW the tiles start at 0."""
     ctx_end = seq_len - q_len + row_lo  # the block's first query token's own position
     kv_end = tl.minimum(seq_len, ctx_end + BLOCK_Q)
-    return kv_end, tl.cdiv(kv_end, BLOCK_N), (ctx_end + 1) // BLOCK_N
+    first = 0
+    low_full = 0
+    if WINDOW:
+        first = tl.maximum(ctx_end - window + 1, 0) // BLOCK_N
+        low_full = tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), first)
+    return kv_end, tl.cdiv(kv_end, BLOCK_N), tl.maximum((ctx_end + 1) // BLOCK_N, low_full), first, low_full
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_scale, stride_kv_kind,
-                 stride_kv_block, stride_kv_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_scale, window, softcap,
+                 stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One tile of keys start..start + BLOCK_N: scores, online softmax (log2 domain), the weighted values.
-    MASKED: keys past kv_end are not loaded, and row r sees keys up to last_key[r] only."""
+    MASKED: keys past kv_end are not loaded, and row r sees keys up to last_key[r] only (WINDOW: and past
+    last_key[r] - window). K and V are converted to q's dtype (an FP8 cache); SOFTCAP: scores (in log2 units,
+    ``softcap`` too) become softcap * tanh(scores / softcap)."""
     keys = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -167,31 +176,38 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_
     else:
         k = tl.load(ptrs)
         v = tl.load(ptrs + stride_kv_kind)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     if MASKED:
-        s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+        visible = keys[None, :] <= last_key[:, None]
+        if WINDOW:
+            visible &= keys[None, :] > last_key[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty, not NaN
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"],
+@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"] + ["window"],
             do_not_specialize_on_alignment=NO_SPECIALIZE["do_not_specialize_on_alignment"] + ["rows_ptr"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_table_ptr, qs_ptr, seq_lens_ptr, rows_ptr, num_reqs,
     stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_ot, stride_oh,
-    stride_bt, qk_scale,
+    stride_bt, qk_scale, v_scale, window, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, KV head, context slice of the grid's third axis). Without SPLIT: the block's output
     rows; with: the slice's partial (unnormalized output, running max in log2 units, sum) for _merge_splits_kernel.
-    The slice count is the grid's, not a constant: one compiled kernel serves every count."""
+    The slice count is the grid's, not a constant: one compiled kernel serves every count. The layer's own values:
+    ``qk_scale`` (the softmax scale x log2(e) x the cache's k_scale), ``v_scale`` (the cache's), ``window``
+    (WINDOW: each row sees its last ``window`` positions) and ``softcap`` (SOFTCAP: x log2(e))."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -208,12 +224,13 @@ def _paged_attention_kernel(
             _zero_rows(out_ptr, q_start, row_lo, q_len, heads, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_M,
                        ONE_QBLOCK)
         return
-    kv_end, num_tiles, full_tiles = _context_tiles(seq_len, q_len, row_lo, BLOCK_Q, BLOCK_N)
-    lo = 0
+    kv_end, num_tiles, full_tiles, first, low_full = _context_tiles(seq_len, q_len, row_lo, window, BLOCK_Q, BLOCK_N,
+                                                                     WINDOW)
+    lo = first
     hi = num_tiles
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, tl.num_programs(2))
-        lo = split * per_split
+        per_split = tl.cdiv(num_tiles - first, tl.num_programs(2))
+        lo = first + split * per_split
         hi = tl.minimum(lo + per_split, num_tiles)
         if lo >= hi:
             return
@@ -226,15 +243,21 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    mid = tl.minimum(tl.maximum(full_tiles, lo), hi)
-    for t in range(lo, mid):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale,
-                                     stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                     False)
+    low = tl.minimum(tl.maximum(low_full, lo), hi)  # tiles the window's start cuts through (none without WINDOW)
+    mid = tl.minimum(tl.maximum(full_tiles, low), hi)
+    for t in range(lo, low):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
+                                     softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
+                                     HEAD_DIM, True, WINDOW, SOFTCAP)
+    for t in range(low, mid):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
+                                     softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
+                                     HEAD_DIM, False, WINDOW, SOFTCAP)
     for t in range(mid, hi):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale,
-                                     stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                     True)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
+                                     softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
+                                     HEAD_DIM, True, WINDOW, SOFTCAP)
+    acc = acc * v_scale
     if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -246,12 +269,13 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + offs_m, l_i)
 
 
-@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"] + ["num_splits"],
+@triton.jit(do_not_specialize=NO_SPECIALIZE["do_not_specialize"] + ["num_splits", "window"],
             do_not_specialize_on_alignment=NO_SPECIALIZE["do_not_specialize_on_alignment"])
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, num_splits, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, qs_ptr, seq_lens_ptr, num_reqs, num_splits, stride_ot, stride_oh, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, ONE_QBLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, ONE_QBLOCK: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (query block, KV head, tile row): the row's partials of every context slice that had keys (the
     attention kernel's slicing), loaded at once and merged into its output row. Padded requests' rows were
@@ -264,8 +288,9 @@ def _merge_splits_kernel(
     tok = row_lo + row // GROUP
     if (row >= BLOCK_Q * GROUP) | (tok >= q_len) | (seq_len == 0):
         return
-    kv_end, num_tiles, full_tiles = _context_tiles(seq_len, q_len, row_lo, BLOCK_Q, BLOCK_N)
-    used = tl.cdiv(num_tiles, tl.cdiv(num_tiles, num_splits))
+    kv_end, num_tiles, full_tiles, first, low_full = _context_tiles(seq_len, q_len, row_lo, window, BLOCK_Q, BLOCK_N,
+                                                                     WINDOW)
+    used = tl.cdiv(num_tiles - first, tl.cdiv(num_tiles - first, num_splits))
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     parts = ((pid * tl.num_programs(1) + kv_head) * num_splits + offs_s).to(tl.int64)
@@ -336,7 +361,7 @@ def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_nu
 
 def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                             out: torch.Tensor, tiles: AttentionTiles | None = None,
-                            num_kv_splits: int | None = None) -> Callable[[torch.Tensor], None]:
+                            num_kv_splits: int | None = None) -> Callable[..., None]:
     """Every launch argument of a step's attention but the layer's cache, computed once: the returned call takes a
     layer's cache (all of a model's caches share shape and strides) and writes ``out``. Between PIECEWISE pieces
     this leaves only the launches (one, or two with split contexts) on the host's path, once a layer.
@@ -360,11 +385,16 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     attend = _paged_attention_kernel[(grid0, num_kv_heads, splits)]
     rest = (out, part_acc, part_ml, meta.block_table, meta.query_start, meta.seq_lens, meta.req_rows, meta.num_reqs,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            out.stride(0), out.stride(1), meta.block_table.stride(0), scale * LOG2E)
+            out.stride(0), out.stride(1), meta.block_table.stride(0))
     attend_consts = dict(consts, BLOCK_SIZE=block_size, SPLIT=splits > 1, num_stages=tiles.num_stages)
+
+    def layer_args(layer: LayerAttention) -> tuple:
+        return (scale * LOG2E * layer.k_scale, layer.v_scale, layer.window, layer.softcap * LOG2E)
+
     if splits == 1:
-        def run(cache: torch.Tensor) -> None:
-            attend(q, cache, *rest, **attend_consts)
+        def run(cache: torch.Tensor, layer: LayerAttention = FULL_ATTENTION) -> None:
+            attend(q, cache, *rest, *layer_args(layer), WINDOW=layer.window > 0, SOFTCAP=layer.softcap > 0,
+                   **attend_consts)
 
         return run
     merge = _merge_splits_kernel[(grid0, num_kv_heads, tiles.block_m)]
@@ -372,8 +402,9 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                   out.stride(1))
     merge_consts = dict(consts, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=MERGE_WARPS)
 
-    def run_split(cache: torch.Tensor) -> None:
-        attend(q, cache, *rest, **attend_consts)
-        merge(*merge_args, **merge_consts)
+    def run_split(cache: torch.Tensor, layer: LayerAttention = FULL_ATTENTION) -> None:
+        attend(q, cache, *rest, *layer_args(layer), WINDOW=layer.window > 0, SOFTCAP=layer.softcap > 0,
+               **attend_consts)
+        merge(*merge_args, layer.window, WINDOW=layer.window > 0, **merge_consts)
 
     return run_split

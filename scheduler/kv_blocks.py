@@ -1,10 +1,21 @@
-"""Paged KV cache bookkeeping: a pool of fixed-size blocks and one block table row per running slot.
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks and one block table row per running slot, with automatic
+prefix caching (vLLM's design).
 
 Block tables are a (max_num_seqs, max_blocks_per_seq) int32 array, -1 where no block is held; the worker
 mirrors it. Allocation and release are vectorized (numpy) so that a 1024-request step stays cheap.
+
+Prefix caching: a full block whose KV is known to be right is *registered* under its block hash (``block_hash``:
+its parent's hash chained with its tokens). A request that starts looks its block hashes up and shares the blocks
+found (``share``); every block counts the slots that hold it (``ref_count``). A block no slot holds is free; a
+free registered block keeps its content and stays findable, in LRU order (the blocks a request freed last are
+evicted last; of one request's blocks the tail goes first, since a chain is only found from its head), and is
+evicted only when an allocation finds no plain free block left. Blocks: plain free + evictable (free and
+registered) + in use (``ref_count`` > 0) = ``num_blocks``.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -18,17 +29,43 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        # Free blocks as a stack: the top is free_stack[num_free - 1]. Low ids are handed out first.
+        # Plain free blocks as a stack: the top is free_stack[num_plain_free - 1]. Low ids are handed out first.
         self._free_stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
-        self.num_free = num_blocks
+        self.num_plain_free = num_blocks
+        """Free blocks that hold no cached prefix."""
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), -1, dtype=np.int32)
         self.num_held = np.zeros(max_num_seqs, dtype=np.int64)
         """Blocks held per slot (a prefix of its block-table row)."""
+        self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        """Slots holding each block."""
+        self.num_registered = np.zeros(max_num_seqs, dtype=np.int64)
+        """Per slot, its leading blocks already offered to the cache (``register``): registered, or found there."""
+        self._registered = np.zeros(num_blocks, dtype=bool)
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: dict[int, None] = {}
+        """Free registered blocks, least recently freed first (a dict keeps insertion order)."""
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no slot holds: an allocation may take them all (evicting cached prefixes last)."""
+        return self.num_plain_free + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return len(self._evictable)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks some slot holds."""
+        return self.num_blocks - self.num_free
 
     def blocks_for(self, num_tokens: np.ndarray | int):
         """Blocks that hold ``num_tokens`` KV entries."""
         return -(-num_tokens // self.block_size)
 
+    # -- allocation ------------------------------------------------------------------------------------------
     def grow(self, slots: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Make each slot hold blocks for ``num_tokens`` tokens. Returns the new (slot, block index, block id)
         entries, or None (and changes nothing) when the pool is short."""
@@ -44,14 +81,29 @@ class KVBlockManager:
         cols = self.num_held[rows] + (np.arange(total) - starts)
         if int(cols.max()) >= self.max_blocks_per_seq:
             raise ValueError("a request outgrew max_blocks_per_seq (max_model_len); validate requests first")
-        ids = self._free_stack[self.num_free - total : self.num_free][::-1].copy()
-        self.num_free -= total
+        ids = self._take(total)
+        self.ref_count[ids] = 1
         self.block_table[rows, cols] = ids
         self.num_held[slots] += need
         return rows, cols, ids
 
+    def _take(self, n: int) -> np.ndarray:
+        """``n`` free blocks: plain ones first, then the least recently freed cached ones (evicted: unregistered)."""
+        plain = min(n, self.num_plain_free)
+        ids = self._free_stack[self.num_plain_free - plain : self.num_plain_free][::-1].copy()
+        self.num_plain_free -= plain
+        if plain == n:
+            return ids
+        victims = np.fromiter(itertools.islice(self._evictable, n - plain), np.int32, n - plain)
+        for block in victims.tolist():
+            del self._evictable[block]
+            del self._block_of[self._hash_of.pop(block)]
+        self._registered[victims] = False
+        return np.concatenate([ids, victims])
+
     def shrink(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
-        """Release blocks beyond what ``num_tokens`` tokens need (rejected drafts' KV); returns blocks freed."""
+        """Release blocks beyond what ``num_tokens`` tokens need (rejected drafts' KV); returns blocks released.
+        (They are never shared: a slot shares only the leading blocks of its prefix.)"""
         keep = self.blocks_for(num_tokens)
         extra = np.maximum(self.num_held[slots] - keep, 0)
         total = int(extra.sum())
@@ -59,20 +111,100 @@ class KVBlockManager:
             rows = np.repeat(slots, extra)
             starts = np.repeat(np.cumsum(extra) - extra, extra)
             cols = np.repeat(keep, extra) + (np.arange(total) - starts)
-            self._push(self.block_table[rows, cols])
+            self._unref(self.block_table[rows, cols])
             self.block_table[rows, cols] = -1
             self.num_held[slots] -= extra
+            self.num_registered[slots] = np.minimum(self.num_registered[slots], self.num_held[slots])
         return total
 
     def release(self, slot: int) -> None:
-        """Free every block of a slot (finished, aborted or preempted request)."""
+        """Drop every block of a slot (finished, aborted or preempted request): each is freed when no other slot
+        holds it, a registered one kept findable as a cached prefix."""
         held = int(self.num_held[slot])
         if held:
-            self._push(self.block_table[slot, :held])
+            self._unref(self.block_table[slot, :held])
             self.block_table[slot, :held] = -1
             self.num_held[slot] = 0
+        self.num_registered[slot] = 0
 
-    def _push(self, ids: np.ndarray) -> None:
-        n = len(ids)
-        self._free_stack[self.num_free : self.num_free + n] = ids[::-1]
-        self.num_free += n
+    def _unref(self, ids: np.ndarray) -> None:
+        """One slot lets go of ``ids`` (distinct, in block-table order): those no slot holds any more become free,
+        a registered one at the end of the eviction order (the tail of the run first, so that it goes first)."""
+        self.ref_count[ids] -= 1
+        freed = ids[self.ref_count[ids] == 0]
+        cached = self._registered[freed]
+        if cached.any():
+            for block in freed[cached][::-1].tolist():
+                self._evictable[block] = None
+            freed = freed[~cached]
+        n = len(freed)
+        self._free_stack[self.num_plain_free : self.num_plain_free + n] = freed[::-1]
+        self.num_plain_free += n
+
+    # -- prefix caching --------------------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest run of ``hashes`` from the first (a chain: a block is only found
+        after its parent)."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_free_besides(self, blocks: list[int]) -> int:
+        """Free blocks an allocation could take once ``blocks`` (found by ``lookup``) are held."""
+        return self.num_free - int(np.count_nonzero(self.ref_count[blocks] == 0)) if blocks else self.num_free
+
+    def share(self, slot: int, blocks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An empty slot takes ``blocks`` (a cached prefix, from ``lookup``) as its leading blocks. Returns the new
+        (slot, block index, block id) entries."""
+        n = len(blocks)
+        ids = np.asarray(blocks, dtype=np.int32)
+        if n:
+            for block in ids[self.ref_count[ids] == 0].tolist():
+                del self._evictable[block]
+            self.ref_count[ids] += 1
+            self.block_table[slot, :n] = ids
+            self.num_held[slot] = n
+            self.num_registered[slot] = n
+        return np.full(n, slot, dtype=np.int64), np.arange(n, dtype=np.int64), ids
+
+    def register(self, slot: int, hashes: list[bytes], num_blocks: int, owner, log: list) -> None:
+        """Offer the slot's blocks up to ``num_blocks`` (full, their KV right; ``hashes[i]`` is block i's hash) to
+        the cache. A hash already registered keeps its block (this one stays private). Appends (``owner``, block,
+        hash) to ``log`` for each block registered."""
+        first = int(self.num_registered[slot])
+        if num_blocks <= first:
+            return
+        block_of, hash_of, new = self._block_of, self._hash_of, []
+        for block, h in zip(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks]):
+            if h not in block_of:
+                block_of[h] = block
+                hash_of[block] = h
+                new.append(block)
+                log.append((owner, block, h))
+        self._registered[new] = True
+        self.num_registered[slot] = num_blocks
+
+    def unregister(self, entries: list[tuple[int, bytes]]) -> np.ndarray:
+        """Forget (block, hash) registrations (a failed step's: their KV was never written) where they still stand;
+        a free one becomes a plain free block. Returns the blocks forgotten."""
+        gone = []
+        for block, h in entries:
+            if self._hash_of.get(block) == h:
+                del self._hash_of[block], self._block_of[h]
+                self._registered[block] = False
+                gone.append(block)
+                if block in self._evictable:
+                    del self._evictable[block]
+                    self._free_stack[self.num_plain_free] = block
+                    self.num_plain_free += 1
+        return np.asarray(gone, dtype=np.int32)
+
+    def slots_holding(self, blocks: np.ndarray) -> np.ndarray:
+        """Slots whose rows hold any of ``blocks``."""
+        if not len(blocks):
+            return np.zeros(0, dtype=np.int64)
+        return np.nonzero(np.isin(self.block_table, blocks).any(axis=1))[0]

@@ -112,7 +112,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "status",
-        "finish_reason", "arrival", "num_preemptions",
+        "finish_reason", "arrival", "num_preemptions", "block_hashes", "num_cached_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -128,6 +128,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.arrival = next(_arrival)
         self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        """Prefix caching: the hashes of the request's first full blocks (``scheduler.block_hash``), grown as needed."""
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens whose KV came from the prefix cache when the request first started (None before; what
+        ``usage.prompt_tokens_details.cached_tokens`` reports)."""
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +142,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end) of prompt + output (without building the whole list)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def max_total_tokens(self) -> int:

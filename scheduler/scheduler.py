@@ -12,6 +12,14 @@ KV is in the cache. A request is *decoding* once it has sampled a token and only
 them are accepted, advances num_computed by 1 + a and gains a + 1 tokens; the KV blocks of the rejected drafts
 are released (rolled back).
 
+Prefix caching (``enable_prefix_caching``): a request starts at the longest prefix of full blocks the cache holds
+(``num_computed`` there, the blocks shared), and always computes at least its last known token. A block is offered
+to the cache (registered under its hash, ``scheduler.block_hash``) when a step is scheduled that computes its last
+position, and only when every token in it is known: prompt tokens and sampled ones, never drafts (the rejected
+drafts' KV never becomes a cached block). A block registered by a step is right once that step has run (steps run
+in order on the worker, and a later step, or a request of the same step, reads it after it is written); a step that
+fails takes its registrations back (``fail_step``).
+
 Batch kinds and graph modes are the dispatcher's (``dispatcher.plan.dispatch``): the scheduler says only whether
 every request of a step is decoding (``BatchShape.is_decode``).
 """
@@ -24,6 +32,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from scheduler.block_hash import extend_block_hashes
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import FinishReason, Request, RequestError, RequestStatus
 from scheduler.spec_policy import choose_verify_lengths, tier_table
@@ -58,6 +67,11 @@ class SchedulerConfig:
     k_limit: int = 0
     """The largest K tiers may be switched to (``Scheduler.set_tiers``: ``"auto"`` tiers); the tiers' own largest K
     when that is more."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV of full blocks whose prefix another request computed (vLLM's automatic prefix caching)."""
+    next_token_key: bool = False
+    """A block's KV depends on the token after it too (an EAGLE-style drafter's entry at position p holds token
+    p + 1): its hash carries that token, and it is cached only once that token is known."""
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -116,6 +130,13 @@ class SchedulerOutput:
     """Slots whose requests left since the previous step (finished, aborted or preempted)."""
     shape: BatchShape
     num_preempted: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens of the requests started for the first time this step (vLLM's prefix-cache queries); 0 without prefix
+    caching."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found in the prefix cache."""
+    registered: list[tuple[str, int, bytes]] = field(default_factory=list)
+    """Blocks this step offered to the prefix cache: (request id, block, hash)."""
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +177,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
+    num_cached_tokens: int | None = None
+    """On a request's first output: its prompt tokens found in the prefix cache (``Request.num_cached_tokens``)."""
 
 
 class SpecDecodeStep(NamedTuple):
@@ -207,6 +230,10 @@ class SchedulerStats(SpecDecodeSummary):
     preemptions: int = 0
     aborted: int = 0
     finished: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens of requests started for the first time with prefix caching on (vLLM's ``prefix_cache_queries``)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens whose KV was found in the prefix cache (vLLM's ``prefix_cache_hits``)."""
     drafts_verified: int = 0
     """Draft tokens verified (vLLM's ``num_draft_tokens``)."""
     drafts_accepted: int = 0
@@ -311,6 +338,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
+        self._registered: list[tuple[str, int, bytes]] = []
+        """Blocks registered while the step being scheduled is built."""
+        self._queries = self._hits = 0
+        """Prefix-cache queries and hits (tokens) of the step being scheduled."""
         self._step = 0
         self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max, verified_per_pos=[0] * self.k_max)
         self.last_spec_decode = NO_DRAFTS
@@ -335,6 +366,17 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._hash_prompt(request)
+
+    def _hash_prompt(self, req: Request) -> list[bytes]:
+        """The hashes of the request's blocks that a cache lookup may find (those before its last known token),
+        computed when it is queued: the serving engine queues requests while a step runs, so the hashing stays
+        off the step's critical path. [] without prefix caching."""
+        c = self.config
+        if not c.enable_prefix_caching:
+            return []
+        n = (req.num_tokens - 1) // c.block_size
+        return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)[:n]
 
     def check_request(self, request: Request) -> None:
         """RequestError (naming the field and the limit) for a request this scheduler can never serve."""
@@ -415,12 +457,13 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
-    def _start(self, req: Request) -> int:
-        """Give a waiting request a slot; it computes from token 0 (a preempted one recomputes its output too)."""
+    def _start(self, req: Request, num_computed: int) -> int:
+        """Give a waiting request a slot; it computes from token ``num_computed`` (its cached prefix; a preempted one
+        recomputes its output too)."""
         slot = self._free_slots.pop()
         self.slot_request[slot] = req
         req.status = RequestStatus.RUNNING
-        self.num_computed[slot] = 0
+        self.num_computed[slot] = num_computed
         self.pending_gain[slot] = 0
         self.num_tokens[slot] = req.num_tokens
         self.prompt_len[slot] = len(req.prompt_token_ids)
@@ -436,6 +479,7 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         preempted = 0
+        self._registered, self._queries, self._hits = [], 0, 0
         while True:
             pick = self._pick_running()
             grown = self._fit_running(pick)
@@ -448,6 +492,53 @@ class Scheduler:
         # so that a request is never preempted and re-admitted in one step.
         new, new_slots, new_chunks, new_updates = self._admit(budget) if not preempted else ([], [], [], [])
         return self._output(pick, new, new_slots, new_chunks, [grown, *new_updates], preempted)
+
+    # -- prefix caching --------------------------------------------------------------------------------------
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks of the request's longest cached prefix, short of its last known token (which it
+        computes: it samples there); [] without prefix caching."""
+        hashes = self._hash_prompt(req)  # (a preempted request's output too)
+        return self.kv.lookup(hashes) if hashes else []
+
+    def _register(self, slot: int, req: Request, num_blocks: int) -> None:
+        """Offer the slot's first ``num_blocks`` blocks to the cache: full, and their KV right once the step being
+        scheduled has run (known tokens only)."""
+        c = self.config
+        hashes = req.block_hashes
+        if len(hashes) < num_blocks:
+            extend_block_hashes(hashes, req.token_ids, num_blocks, c.block_size, c.next_token_key)
+        self.kv.register(slot, hashes, num_blocks, req.request_id, self._registered)
+
+    def _full_blocks(self, num_computed, num_tokens):
+        """Blocks whose KV is right after a step that computes up to ``num_computed`` of ``num_tokens`` known
+        tokens (numpy arrays or ints): its full blocks of known tokens (with the token after them, where a block's
+        key holds it)."""
+        return np.minimum(num_computed, num_tokens - int(self.config.next_token_key)) // self.config.block_size
+
+    def _register_running(self, slots: np.ndarray) -> None:
+        """``_register`` for the scheduled slots that complete a block this step (vectorized pick; a decode step
+        completes one block in every ``block_size`` tokens of a request)."""
+        upto = self._full_blocks(self.num_computed[slots], self.num_tokens[slots])
+        done = upto > self.kv.num_registered[slots]
+        for slot, n in zip(slots[done].tolist(), upto[done].tolist()):
+            self._register(slot, self.slot_request[slot], n)
+
+    def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
+        """A step the worker failed: its requests end (aborted), the blocks it registered are forgotten (their KV
+        was never written), and so are those that the steps after it (``later``, scheduled before the failure was
+        known) registered for its requests; a request that shares such a block (it found it in the cache) ends
+        too. Returns the ids of the requests the failure ends."""
+        ids = [r.request_id for r in out.requests]
+        failed = set(ids)
+        suspect = [(b, h) for rid, b, h in out.registered]
+        suspect += [(b, h) for step in later for rid, b, h in step.registered if rid in failed]
+        for rid in ids:
+            self.abort(rid)
+        for slot in self.kv.slots_holding(self.kv.unregister(suspect)).tolist():
+            req = self.slot_request[slot]
+            ids.append(req.request_id)
+            self.abort(req.request_id)
+        return ids
 
     def _pick_running(self) -> _RunningPick:
         """Stage 1: the running requests this step computes, under the token budget. Requests left out last step go
@@ -488,8 +579,9 @@ class Scheduler:
         return self.kv.grow(pick.slots, pick.num_computed + pick.num_scheduled + self.config.lookahead_tokens)
 
     def _admit(self, budget: int) -> tuple[list[Request], list[int], list[int], list]:
-        """Stage 3: waiting requests in order (preempted ones first), a prefill chunk each, while tokens, slots and
-        KV blocks last. Returns the requests, their slots, their chunks and their new block-table entries."""
+        """Stage 3: waiting requests in order (preempted ones first), a prefill chunk each from their cached prefix
+        on (its blocks shared), while tokens, slots and KV blocks last. Returns the requests, their slots, their
+        chunks and their new block-table entries."""
         c = self.config
         new: list[Request] = []
         slots: list[int] = []
@@ -497,12 +589,22 @@ class Scheduler:
         updates = []
         while self.waiting and budget > 0 and self._free_slots:
             req = self.waiting[0]
-            chunk = min(req.num_tokens, budget)
-            if self.kv.blocks_for(chunk + c.lookahead_tokens) > self.kv.num_free:
+            hit = self._cached_prefix(req)
+            computed = len(hit) * c.block_size
+            chunk = min(req.num_tokens - computed, budget)
+            if self.kv.blocks_for(computed + chunk + c.lookahead_tokens) - len(hit) > self.kv.num_free_besides(hit):
                 break
             self.waiting.popleft()
-            slot = self._start(req)
-            updates.append(self.kv.grow(np.array([slot]), np.array([chunk + c.lookahead_tokens])))
+            slot = self._start(req, computed)
+            updates.append(self.kv.share(slot, hit))
+            updates.append(self.kv.grow(np.array([slot]), np.array([computed + chunk + c.lookahead_tokens])))
+            if c.enable_prefix_caching:  # at once: a request admitted after it in this step may share its blocks
+                self._register(slot, req, int(self._full_blocks(computed + chunk, req.num_tokens)))
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = computed
+                if c.enable_prefix_caching:
+                    self._queries += req.num_tokens
+                    self._hits += computed
             new.append(req)
             slots.append(slot)
             chunks.append(chunk)
@@ -530,7 +632,7 @@ class Scheduler:
         """Stage 5: the step as the dispatcher and the worker see it."""
         c = self.config
         slots = np.concatenate([pick.slots, np.asarray(new_slots, np.int64)])
-        computed = np.concatenate([pick.num_computed, np.zeros(len(new), np.int64)])
+        computed = np.concatenate([pick.num_computed, self.num_computed[np.asarray(new_slots, np.int64)]])
         drafts = np.concatenate([pick.num_drafts, np.zeros(len(new), np.int64)])
         known = np.concatenate([pick.num_scheduled - pick.num_drafts, np.asarray(new_chunks, np.int64)])
         is_decode = len(slots) > 0 and not new and bool(pick.decoding.all())
@@ -540,6 +642,8 @@ class Scheduler:
         # The step's tokens count as computed from now on (its drafts as accepted, until ``update`` says otherwise),
         # so that the next step can be scheduled before this one's result is back.
         self.num_computed[slots] += sched
+        if c.enable_prefix_caching:
+            self._register_running(pick.slots)
         self.pending_gain[slots] += np.where(samples, 1 + drafts, 0)
         num_new_drafts = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
         # what the drafter proposes after this step (a structured request verifies none)
@@ -549,6 +653,8 @@ class Scheduler:
         if n:  # an empty step reaches no worker: it keeps the freed slots for the next
             self._step += 1
             self.stats.steps += 1
+            self.stats.prefix_cache_queries += self._queries
+            self.stats.prefix_cache_hits += self._hits
         freed, self._freed_slots = (self._freed_slots, []) if n else ([], self._freed_slots)
         return SchedulerOutput(
             step_id=self._step,
@@ -564,6 +670,9 @@ class Scheduler:
             freed_slots=freed,
             shape=BatchShape(int(sched.sum()), n, int(sched.max()) if n else 0, is_decode),
             num_preempted=preempted,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            registered=self._registered,
         )
 
     # -- results -------------------------------------------------------------------------------------------
@@ -612,6 +721,7 @@ class Scheduler:
                         new_tokens = new_tokens[: j + 1]
                         reason = FinishReason.STOP
                         break
+            cached = None if req.output_token_ids else req.num_cached_tokens
             req.output_token_ids.extend(new_tokens)
             logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs)
             if reason is not None:
@@ -620,7 +730,7 @@ class Scheduler:
                 finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
-            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs))
+            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs, cached))
         for slot in finished_slots:
             self._remove_running(slot)
         return outputs

@@ -11,7 +11,9 @@
 #  replay: twogrid replay --execute of vLLM's list's 256-stream headline trace under separate grids, each recorded
 #  step shape re-run on the GPU and timed, against the live separate server's device time (docs/headline.md);
 #  profile_engine: where a decode step's GPU time goes through EngineCore (attention, logits, graphs);
-#  profile: where one step's time goes, a diagnostic)
+#  profile: where one step's time goes, a diagnostic;
+#  quant (only when named, not in "all"): bf16 vs --quantization fp8 vs --kv-cache-dtype fp8 on bench-dense and
+#  bench-moe through twogrid serve + twogrid bench, QUANT_ARGS passed on (docs/bench/quant_h200.json))
 # The ShareGPT prompts travel in .gpu_data/sharegpt.json (an ignored folder named in the call's carry).
 # The device machine's copy of .git can be older than the tree sent: pass the commit, e.g.
 #   export OUT TWOGRID_COMMIT=<git rev-parse --short HEAD here>; bash scripts/gpu_check.sh
@@ -53,6 +55,11 @@ fi
 if want headline; then
   python3 benchmarks/bench_headline_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
     --out "$OUT/headline_h200.json" ${HEADLINE_ARGS:-} 2>&1 | tee "$OUT/headline.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if [[ "$what" == *" quant "* ]]; then
+  python3 benchmarks/bench_quant_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
+    --out "$OUT/quant_h200.json" --log-dir "$OUT" ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if want replay; then

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from dispatcher.runtime.graphs import StepInputs  # noqa: E402
-from models.attention import pack_requests  # noqa: E402
+from models.attention_metadata import pack_requests  # noqa: E402
 from models.triton_attention import (  # noqa: E402
     MAX_KV_SPLITS, MIN_SPLIT_TOKENS, SPLIT_PROGRAMS_PER_SM, AttentionTiles, choose_kv_splits, plan_launch)
 
@@ -122,7 +122,8 @@ def test_one_captured_attention_serves_different_steps(splits):
     """Capture the attention of a fixed layout (16 request slots x q = 4, bench-moe heads) once, then replay it over
     steps with different real request counts, contexts and block tables written into the same buffers: each replay
     equals the float32 reference for that step. The launch never read the metadata's values."""
-    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
+    from models.attention import paged_attention, reference_paged_attention
+    from models.attention_metadata import AttentionMetadata
 
     dev, dt, block, width = "cuda", torch.bfloat16, 16, 64
     num_reqs, q_len, heads, kv_heads, dim = 16, 4, 16, 8, 64
@@ -190,7 +191,8 @@ def test_cpu_attention_matches_the_reference(contexts, rows):
     """The CPU path's shortcuts (one-token queries over equal contexts: no mask; in request order with no padding:
     no gather or scatter) give the reference's output, as its general path does (unequal contexts, requests out
     of row order, a padded row)."""
-    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
+    from models.attention import paged_attention, reference_paged_attention
+    from models.attention_metadata import AttentionMetadata
 
     block, heads, kv_heads, dim = 8, 6, 2, 16
     kv = torch.randn(2, 40, block, kv_heads, dim)

@@ -192,6 +192,16 @@ def test_step_costs_add_the_drafters_forwards():
     assert block.ms(1, 3) == pytest.approx(3.0)  # dspark's forward at q = K
 
 
+def test_step_costs_take_fused_steps_where_timed():
+    """A fused decode step's replay time is the whole step's cost: it wins over the sum of the forwards at its q;
+    a q without fused steps still sums them."""
+    tables = {"target": {1: [(1, 2.0)], 4: [(1, 2.5)]}, "eagle3": {4: [(1, 0.5)]},
+              "eagle3_next_steps": {1: [(1, 0.25)]}, "step": {1: [(1, 1.5), (8, 2.0)]}}
+    costs = decode_step_costs("eagle3", [0, 3], tables)
+    assert costs.by_q[1] == ((1, 1.5), (8, 2.0))
+    assert costs.ms(1, 4) == pytest.approx(2.5 + 0.5 + 2 * 0.25)
+
+
 def test_cost_tables_read_and_refuse(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(SMALL.to_json()))
@@ -229,7 +239,7 @@ def test_auto_captures_every_candidate_over_its_reach():
     assert target[1][-1] == 1024 and target[4][-1] == 1024 and target[8][-1] == 512  # the 4096-token budget
     assert len(target[1]) == len(target[4]) == 64 and len(target[8]) == 48
     head = {g.q: g.sizes for g in plan.for_runner("eagle3") if g.kind == FULL_DECODE}
-    assert sorted(head) == [4, 8]  # K = 0 runs no drafter
+    assert sorted(head) == [1, 4, 8]  # K = 0 runs the head's step 0 too (its KV follows the target's)
     assert {g.q for g in plan.for_runner("eagle3_next_steps")} == {1}
     chooser = chooser_for_plan(recorded_h200("bench-moe"), plan)
     assert chooser.reach == {0: 1024, 3: 1024, 7: 512}

@@ -38,7 +38,8 @@ def test_kv_rows_are_stored_as_write_kv_stores_them():
 
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_a_lone_requests_consecutive_slots_are_read_as_a_slice(consecutive):
-    from models.attention import AttentionMetadata, paged_attention, reference_paged_attention
+    from models.attention import paged_attention, reference_paged_attention
+    from models.attention_metadata import AttentionMetadata
 
     block, heads, kv_heads, dim, context = 8, 6, 2, 16, 29
     gen = torch.Generator().manual_seed(4)
@@ -71,7 +72,8 @@ def test_the_cpu_argmax_is_torchs_on_bfloat16():
 
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_a_lone_tokens_plan_is_the_general_plan(consecutive, monkeypatch):
-    from models.attention import AttentionMetadata, _CPUPlan, paged_attention
+    from models.attention import _CPUPlan, paged_attention
+    from models.attention_metadata import AttentionMetadata
 
     block, context = 8, 21
     blocks = torch.tensor([7, 8, 9]) if consecutive else torch.tensor([4, 1, 6])

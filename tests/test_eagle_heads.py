@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
-from models.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from models.attention import allocate_kv_cache  # noqa: E402
+from models.attention_metadata import AttentionMetadata  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.eagle import (DraftHeadError, EagleHead, HeadShape, build_draft_head, default_aux_layers,  # noqa: E402
                           load_draft_head, save_eagle3_head, target_features)

@@ -75,13 +75,10 @@ def make_engine(spec, budget, num_blocks, graphs: bool, cost_table: str, spec_co
                                       spec_cost_table=spec_costs, auto_tier_interval=3))
 
 
-def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
-    """Play the ops; returns (tokens by request, finish reason by request, aborted request ids)."""
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, FinishReason] = {}
-    aborted: set[str] = set()
+def phase_aborts(engine: EngineCore, reasons: dict, aborted: set):
+    """Aborts queued by phase of the step cycle: (the queues, abort(phase), which aborts a phase's queue and notes
+    each request it ended in ``reasons`` and ``aborted``)."""
     pending = {phase: [] for phase in PHASES}
-    ids: list[str] = []
 
     def abort(phase):
         for rid in pending[phase]:
@@ -89,6 +86,38 @@ def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
                 aborted.add(rid)
                 reasons[rid] = FinishReason.ABORT
         pending[phase].clear()
+
+    return pending, abort
+
+
+def take_outputs(engine: EngineCore, step, result, tokens: dict, reasons: dict) -> None:
+    """A step's result into the scheduler; each request's new tokens into ``tokens``, its finish into ``reasons``."""
+    for o in engine.update(step, result):
+        tokens[o.request_id] += o.new_token_ids
+        if o.finished:
+            reasons[o.request_id] = o.finish_reason
+
+
+def run_out(engine: EngineCore, step, ids: list[str], reasons: dict, busy=lambda: False) -> None:
+    """Step until nothing is live (and, by ``busy``, nothing in flight); then every request has ended and the KV
+    cache is whole again."""
+    for _ in range(600):
+        if not engine.has_unfinished() and not busy():
+            break
+        step()
+    assert not engine.has_unfinished() and not busy()
+    assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
+    for rid in ids:
+        assert rid in reasons, f"{rid} never finished"
+
+
+def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
+    """Play the ops; returns (tokens by request, finish reason by request, aborted request ids)."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+    aborted: set[str] = set()
+    pending, abort = phase_aborts(engine, reasons, aborted)
+    ids: list[str] = []
 
     def step():
         abort("before_schedule")
@@ -98,10 +127,7 @@ def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
         abort("after_schedule")
         result = engine.execute(step)
         abort("after_execute")
-        for o in engine.update(step, result):
-            tokens[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+        take_outputs(engine, step, result, tokens, reasons)
 
     for op in ops:
         if op[0] == "add":
@@ -120,14 +146,7 @@ def run(engine: EngineCore, ops) -> tuple[dict, dict, set]:
             pending[op[2]].append(ids[op[1] % len(ids)])
         elif op[0] == "step":
             step()
-    for _ in range(400):
-        if not engine.has_unfinished():
-            break
-        step()
-    assert not engine.has_unfinished()
-    assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
-    for rid in ids:
-        assert rid in reasons, f"{rid} never finished"
+    run_out(engine, step, ids, reasons)
     return tokens, reasons, aborted
 
 

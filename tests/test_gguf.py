@@ -16,7 +16,8 @@ gguf = pytest.importorskip("gguf")
 
 from models.config import preset  # noqa: E402
 from models.gguf_loader import GGUFFile, load_gguf, permute_qk, unpermute_qk, write_gguf  # noqa: E402
-from models.loader import CheckpointError, load_checkpoint, load_model, save_checkpoint  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.loader import load_checkpoint, load_model, save_checkpoint  # noqa: E402
 from models.transformer import build_model  # noqa: E402
 from test_models_real import PROMPTS, ragged_logits  # noqa: E402
 
@@ -245,8 +246,8 @@ def test_bad_gguf_files_get_one_clear_error_each(tmp_path):
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF")
     with pytest.raises(CheckpointError, match="not a GGUF file"):
         load_model(str(tmp_path / "not.gguf"), "cpu", torch.float32)
-    with pytest.raises(CheckpointError, match=r"GGUF architecture 'phi3' is not supported; supported: llama, qwen2"):
-        load_gguf(_write(tmp_path / "phi3.gguf", edit={"general.architecture": "phi3"}))
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
+        load_gguf(_write(tmp_path / "gpt2.gguf", edit={"general.architecture": "gpt2"}))
     with pytest.raises(CheckpointError, match=r"tensor 'blk.1.ffn_up.weight' is missing \(needed for "
                                               r"model.layers.1.mlp.up_proj.weight\)"):
         load_gguf(_write(tmp_path / "missing.gguf", drop={"blk.1.ffn_up.weight"}))

@@ -39,7 +39,7 @@ def random_paged_step(seed, group, kv_heads, head_dim, ctx_lens, query_lens, blo
     Returns (q, kv cache, metadata, real rows)."""
     import numpy as np
 
-    from models.attention import AttentionMetadata
+    from models.attention_metadata import AttentionMetadata
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -128,6 +128,44 @@ def test_paged_attention_matches_a_float32_reference(group, head_dim):
         rel = ((got - ref).norm() / ref.norm()).item()
         worst = (got - ref).abs().max().item()
         assert rel < (1e-2 if GPU else 1e-5) and worst < (3e-2 if GPU else 1e-4), (name, rel, worst)
+
+
+LAYER_VARIANTS = {
+    "window 24": dict(window=24), "window 5 + softcap": dict(window=5, softcap=2.0), "softcap": dict(softcap=1.5),
+    "fp8 cache": dict(k_scale=0.5, v_scale=2.0), "fp8 cache + window": dict(k_scale=0.25, v_scale=1.0, window=40),
+}
+
+
+@pytest.mark.parametrize("variant", list(LAYER_VARIANTS))
+def test_paged_attention_with_a_window_softcap_or_fp8_cache_matches_the_reference(variant):
+    """The layer options through the Triton kernel and the CPU path, on the scenarios above (split contexts and
+    several query blocks a request included): a sliding window (a row sees its last ``window`` positions), logit
+    soft-capping, and an FP8 (e4m3) cache holding K / k_scale and V / v_scale; against the float32 reference."""
+    from models.attention import _to_cache, paged_attention, reference_paged_attention
+    from models.attention_metadata import LayerAttention
+    from models.triton_attention import AttentionTiles
+
+    layer = LayerAttention(**LAYER_VARIANTS[variant])
+    fp8 = "fp8" in variant
+    group, head_dim, kv_heads, block_size = 2, 64, 2 if GPU else 1, 16 if GPU else 4
+    for i, (name, ctx, qlens, pad_rows, pad_reqs, tiles, splits) in enumerate(attention_scenarios()):
+        q, kv, meta, num_real = random_paged_step(300 + i, group, kv_heads, head_dim, ctx, qlens, block_size,
+                                                  pad_rows, pad_reqs)
+        if fp8:
+            kv = torch.stack([_to_cache(kv[0], kv.to(torch.float8_e4m3fn), layer.k_scale),
+                              _to_cache(kv[1], kv.to(torch.float8_e4m3fn), layer.v_scale)])
+        if tiles == "small":
+            tiles = AttentionTiles(max(16, group * 8), 16)
+        ref = reference_paged_attention(q.float(), kv.float(), meta, head_dim ** -0.5, layer)
+        for path in ("kernel", "torch"):
+            out = torch.full_like(q, float("nan"))
+            with torch_path() if path == "torch" else contextlib.nullcontext():
+                paged_attention(q, kv, meta, head_dim ** -0.5, out, layer, **(
+                    dict(tiles=tiles, num_kv_splits=splits) if path == "kernel" else {}))
+            got = out.float()
+            assert torch.equal(got[num_real:], torch.zeros_like(got[num_real:])), (name, path)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert rel < (1e-2 if GPU else 1e-5), (variant, name, path, rel)
 
 
 def test_norm_rotary_kv_write_and_silu_match_torch():
@@ -338,7 +376,8 @@ def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
     """The whole wiring: a forward over a paged cache (a prefill chunk, then a decode step with a padded row)
     through the kernels equals the torch path's forward on the CPU in float32 (bf16 precision on the GPU), and
     leaves the same K and V in the cache. ``+qk_norm``: Qwen3's per-head q/k norms (random weights)."""
-    from models.attention import AttentionMetadata, allocate_kv_cache
+    from models.attention import allocate_kv_cache
+    from models.attention_metadata import AttentionMetadata
     from models.config import preset
     from models.transformer import build_model
 
@@ -414,3 +453,72 @@ def test_static_padded_path_through_the_kernels_matches_eager(model_name):
         changed = {i for i in range(c.shape[1]) if not torch.equal(c[:, i], b[:, i])}
         assert changed and changed <= written, (changed, written)
     assert np.unique(host[2] // 8).size == len(written)
+
+
+@pytest.mark.parametrize("rows,cols,group", [(5, 96, None), (3, 320, 128), (1, 64, 32)])
+def test_fp8_activation_quantization_matches_torch(rows, cols, group):
+    """Dynamic FP8 quantization per token (or per token and group of columns): the Triton kernel gives the torch
+    path's scales and e4m3 values; dequantized, every value is within half an e4m3 step of the input."""
+    from models.fp8 import dequantize, quantize_rows
+
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(DEV, DT) * 3
+    q, s = quantize_rows(x, group)
+    with torch_path():
+        q_ref, s_ref = quantize_rows(x.float().cpu(), group)
+    torch.testing.assert_close(s.float().cpu(), s_ref, rtol=1e-6, atol=0)
+    got, want = q.float().cpu(), q_ref.float()
+    if not GPU:  # Triton's interpreter rounds to e4m3 without carrying a mantissa overflow into the exponent
+        # (125.6 -> 64, not 128): only there, a power of two may come out halved
+        halved = (got * 2 == want) & (torch.frexp(want)[0].abs() == 0.5)
+        got = torch.where(halved, want, got)
+    assert torch.equal(got, want)
+    back = got.view(rows, -1, group or cols) * s_ref.cpu()[:, :, None] if cols % (group or cols) == 0 else None
+    if back is not None:
+        x32 = x.float().cpu().view_as(back)
+        assert ((back - x32).abs() <= x32.abs() / 16 + 2 ** -9 * s_ref.max()).all()
+
+
+@pytest.mark.parametrize("rows,out,inp,block", [(3, 256, 320, (128, 128)), (20, 96, 64, (32, 32))])
+def test_block_fp8_gemm_matches_the_dequantized_product(rows, out, inp, block):
+    """The block-scaled FP8 GEMM (per-token-group activation scales times per-block weight scales, one
+    block-wide step of the reduction at a time) equals the float32 product of the quantized activations and the
+    dequantized weights, a partial last block included."""
+    from models.fp8 import block_fp8_linear, dequantize, quantize_blocks, quantize_rows
+
+    gen = torch.Generator().manual_seed(out)
+    x = torch.randn(rows, inp, generator=gen).to(DEV, DT)
+    w, ws = quantize_blocks(torch.randn(out, inp, generator=gen) * 0.05, block)
+    bias = torch.randn(out, generator=gen).to(DEV, DT)
+    got = block_fp8_linear(x, w.to(DEV), ws.to(DEV), block, bias).float().cpu()
+    xq, xs = quantize_rows(x, block[1])
+    xd = dequantize(xq.cpu(), xs.cpu(), (1, block[1]))
+    want = xd @ dequantize(w, ws, block).t() + bias.float().cpu()
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
+
+
+def test_rotary_kv_write_into_an_fp8_cache_and_geglu_match_torch():
+    """The fused rotary + KV write into an e4m3 cache stores K / k_scale and V / v_scale as the torch path does
+    (the interpreter's e4m3 rounding may halve a value that rounds up to a power of two: compared after
+    dequantization, within one e4m3 step); the GeGLU variant of the SiLU-and-multiply kernel matches torch."""
+    import torch.nn.functional as F
+
+    from models.attention import write_kv
+    from models.attention_metadata import LayerAttention
+    from models.layers import RotaryEmbedding
+
+    torch.manual_seed(1)
+    rot = RotaryEmbedding(64, 512, 10000.0).to(DEV)
+    qkv = torch.randn(9, 8 * 64, device=DEV, dtype=DT) * 4
+    pos = torch.randint(0, 500, (9,), device=DEV)
+    slots = torch.randperm(32, device=DEV)[:9]
+    layer = LayerAttention(k_scale=0.5, v_scale=2.0)
+    k_ref = fused.rotary_torch(pos, qkv[:, 4 * 64:6 * 64].reshape(9, 2, 64), rot.cos, rot.sin)
+    kv_ref = torch.zeros(2, 3, 16, 2, 64, device=DEV, dtype=torch.float8_e4m3fn)
+    write_kv(kv_ref, k_ref, qkv[:, 6 * 64:].reshape(9, 2, 64), slots, layer)
+    kv = torch.zeros_like(kv_ref)
+    fused.rotary_write_kv_(qkv, pos, rot.cos, rot.sin, kv, slots, 4, 2, 64, None, (layer.k_scale, layer.v_scale))
+    got, want = kv.float(), kv_ref.float()
+    assert ((got - want).abs() <= want.abs() / 2 + 1e-3).all() and (got == want).float().mean() > 0.95
+    h = torch.randn(5, 2 * 96, device=DEV, dtype=DT)
+    want = F.gelu(h[:, :96].float(), approximate="tanh") * h[:, 96:].float()
+    torch.testing.assert_close(fused.silu_mul(h, "gelu_tanh").float(), want, rtol=TOL, atol=TOL)

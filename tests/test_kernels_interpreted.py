@@ -39,10 +39,10 @@ FUSED_KERNELS = {
                                                       for p in (0, 1)]),
     "_rotary_write_kv_kernel": ("bf16 i64 fp32 fp32 bf16 i64 bf16 bf16",
                                 [dict(NUM_HEADS=h, NUM_KV_HEADS=kv, HEADS_PAD=pad, KV_HEADS_PAD=kv, HEAD_DIM=d,
-                                      QK_NORM=qk, PDL=p) for h, kv, pad, d in ((16, 8, 16, 64), (14, 2, 16, 64),
-                                                                               (32, 4, 32, 128))
+                                      QK_NORM=qk, KV_FP8=0, PDL=p)
+                                 for h, kv, pad, d in ((16, 8, 16, 64), (14, 2, 16, 64), (32, 4, 32, 128))
                                  for qk in (0, 1) for p in (0, 1)]),
-    "_silu_mul_kernel": ("bf16 bf16", [dict(BLOCK=1024, PDL=p) for p in (0, 1)]),
+    "_silu_mul_kernel": ("bf16 bf16", [dict(BLOCK=1024, GELU=g, PDL=p) for p in (0, 1) for g in (0, 1)]),
     "_moe_combine_kernel": ("bf16 i32 fp32 bf16", [dict(TOP_K=8, BLOCK=1024, PDL=0)]),
     "_moe_combine_add_norm_kernel": ("bf16 i32 fp32 bf16 bf16 bf16 bf16", [dict(TOP_K=8, BLOCK=1024, PDL=1)]),
     "_moe_route_kernel": ("bf16 i32 fp32 i32 i32", [dict(TOP_K=8, E_PAD=32, NORM_TOPK=n, PDL=0) for n in (0, 1)]),
@@ -74,7 +74,7 @@ def test_fused_kernels_build_for_hopper_on_the_cpu(name):
             continue
         arg = param.name
         signature[arg] = ("*" + next(kinds) if arg.endswith("_ptr") else "i64" if arg.startswith("stride")
-                          else "fp32" if arg == "eps" else "i32")
+                          else "fp32" if arg in ("eps", "k_inv", "v_inv") else "i32")
     target = GPUTarget("cuda", 90, 32)
     backend = nvidia.CUDABackend(target)
     options = backend.parse_options({})

@@ -7,9 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from models.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from models.attention import allocate_kv_cache  # noqa: E402
+from models.attention_metadata import AttentionMetadata  # noqa: E402
 from models.config import preset  # noqa: E402
-from models.loader import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.loader import load_checkpoint, save_checkpoint  # noqa: E402
 from models.transformer import build_model  # noqa: E402
 
 SHAPES = {

@@ -14,8 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
-from models.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
-from models.loader import CheckpointError, load_checkpoint, read_hf_config  # noqa: E402
+from models.attention import allocate_kv_cache  # noqa: E402
+from models.attention_metadata import AttentionMetadata  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
+from models.loader import load_checkpoint, read_hf_config  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -34,7 +36,30 @@ ARCHS = {
         norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "original_max_position_embeddings": 32})),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=6.0, attention_multiplier=0.11, residual_multiplier=0.4, logits_scaling=0.25)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=6.0,
+        attention_multiplier=0.11, residual_multiplier=0.4, logits_scaling=0.25)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=2.0,
+        final_logit_softcapping=6.0, tie_word_embeddings=True, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=20, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=256, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]})),
 }
+MAX_MODEL_LEN = 128
+"""What the tests serve (LongRoPE's short factors: Phi-3's original context here is 256)."""
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [300, 2, 1]]
 
 
@@ -60,8 +85,9 @@ def saved(request, tmp_path_factory):
     return request.param, str(path), model
 
 
-def ragged_logits(model, prompts, device="cpu"):
-    """Our forward over every prompt in one step (one request per prompt, its own KV blocks)."""
+def ragged_logits(model, prompts, device="cpu", kv_dtype=None):
+    """Our forward over every prompt in one step (one request per prompt, its own KV blocks; the cache in
+    ``kv_dtype``, default the model's)."""
     cfg = model.cfg
     ids, pos, req = [], [], []
     for r, p in enumerate(prompts):
@@ -69,9 +95,11 @@ def ragged_logits(model, prompts, device="cpu"):
         pos += list(range(len(p)))
         req += [r] * len(p)
     pos_t, req_t = torch.tensor(pos, device=device), torch.tensor(req, dtype=torch.int32, device=device)
-    table = torch.arange(len(prompts) * 4, dtype=torch.int32, device=device).view(len(prompts), 4)
+    per_req = max(4, -(-max(len(p) for p in prompts) // 8))
+    table = torch.arange(len(prompts) * per_req, dtype=torch.int32, device=device).view(len(prompts), per_req)
     dtype = next(model.parameters()).dtype
-    kv = allocate_kv_cache(cfg.num_layers, len(prompts) * 4, 8, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    kv = allocate_kv_cache(cfg.num_layers, len(prompts) * per_req, 8, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype,
+                           device)
     slots = table[req_t.long(), pos_t // 8].long() * 8 + pos_t % 8
     meta = AttentionMetadata.from_tokens(slots, req_t, pos_t.int(), table)
     with torch.no_grad():
@@ -80,7 +108,7 @@ def ragged_logits(model, prompts, device="cpu"):
 
 def test_logits_on_a_ragged_batch_match_transformers(saved):
     name, path, hf = saved
-    ours = load_checkpoint(path, "cpu", torch.float32)
+    ours = load_checkpoint(path, "cpu", torch.float32, max_model_len=MAX_MODEL_LEN)
     got = ragged_logits(ours, PROMPTS)
     with torch.no_grad():
         want = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
@@ -112,8 +140,13 @@ def test_gpu_bf16_through_the_kernels_and_graphs(saved):
     with torch.no_grad():
         want = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
     assert float((got - want).norm() / want.norm()) < 3e-2, name
+    assert_graphs_match_eager(path, name)
+
+
+def assert_graphs_match_eager(path: str, name: str, **engine_args) -> None:
+    """On the GPU: 16 greedy tokens a prompt through captured graphs equal the same closures run eagerly."""
     cfg = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=64)
-    args = dict(device="cuda", num_kv_blocks=64, block_size=8, max_model_len=128)
+    args = dict(device="cuda", num_kv_blocks=64, block_size=8, max_model_len=128, **engine_args)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     graphs = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=True, **args)).generate(PROMPTS, params)
     eager = EngineCore(cfg, EngineArgs(path, use_cuda_graphs=False, **args)).generate(PROMPTS, params)
@@ -127,9 +160,11 @@ def test_config_reads_what_the_checkpoint_says(saved):
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
         c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads)
     assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    assert cfg.qk_norm == name.startswith("qwen3") and cfg.attention_bias == name.startswith("qwen2")
-    assert cfg.is_moe == (name in ("mixtral", "qwen2_moe", "qwen3_moe"))
-    assert (cfg.rope_scaling is not None) == (name == "llama3-rope")
+    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3")) and cfg.attention_bias == name.startswith("qwen2")
+    assert cfg.is_moe == (name in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"))
+    assert (cfg.rope_scaling is not None) == (name in ("llama3-rope", "qwen2-yarn", "qwen3-yarn", "gemma3", "phi3"))
+    assert cfg.sliding_layers == {"gemma2": (0,), "gemma3": (0,)}.get(name, ())
+    assert cfg.sandwich_norms == name.startswith("gemma") and (cfg.hidden_act == "gelu_tanh") == cfg.sandwich_norms
 
 
 def test_sharded_checkpoint_with_an_index_loads_the_same(tmp_path):
@@ -211,3 +246,17 @@ def test_the_cpu_rotary_rows_are_the_reference_rotation():
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(37, 12, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
         assert torch.equal(rotary.at(positions)(positions, x), rotary_torch(positions, x, rotary.cos, rotary.sin))
+
+
+def test_longrope_uses_its_long_factors_past_the_original_context(tmp_path):
+    """Phi-3's LongRoPE: served with max_model_len past original_max_position_embeddings (256 here) the long
+    factors apply (vLLM's and llama.cpp's rule), which is what transformers computes for a 300-token sequence;
+    within it, the short ones (the other tests)."""
+    hf = hf_model("phi3", seed=2)
+    hf.save_pretrained(tmp_path)
+    prompt = [(7 * i) % 380 + 3 for i in range(300)]
+    ours = load_checkpoint(str(tmp_path), "cpu", torch.float32, max_model_len=512)
+    got = ragged_logits(ours, [prompt])
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

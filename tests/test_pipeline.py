@@ -197,7 +197,7 @@ def test_a_decode_step_launches_few_kernels_outside_its_graphs():
                 counted["ops"] += 1
             return func(*args, **(kwargs or {}))
 
-    replay = graphs._Replayable.replay
+    replay = graphs.Replayable.replay
 
     def counting_replay(self):
         counted["in_graph"] += 1
@@ -211,7 +211,7 @@ def test_a_decode_step_launches_few_kernels_outside_its_graphs():
     for prompt in prompts(16, 9):
         e.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     steps = e.run()
-    graphs._Replayable.replay = counting_replay
+    graphs.Replayable.replay = counting_replay
     try:
         with Count():
             for _ in range(6):  # prefills
@@ -221,7 +221,7 @@ def test_a_decode_step_launches_few_kernels_outside_its_graphs():
                 next(steps)
             counted["on"] = False
     finally:
-        graphs._Replayable.replay = replay
+        graphs.Replayable.replay = replay
     for _ in steps:
         pass
     assert counted["ops"] / 10 <= 210, counted["ops"] / 10

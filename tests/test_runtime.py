@@ -223,7 +223,8 @@ def test_serving_after_startup_compiles_no_triton_kernel(tmp_path):
 
 def _next_logits(engine, tokens):
     model = engine.worker.model
-    from models.attention import AttentionMetadata, allocate_kv_cache
+    from models.attention import allocate_kv_cache
+    from models.attention_metadata import AttentionMetadata
 
     cfg = model.cfg
     n = len(tokens)

@@ -23,7 +23,8 @@ def spec(monkeypatch):
     return importlib.import_module("bench_spec_gpu")
 
 
-ARGS = argparse.Namespace(model="/cache/SmolLM2-135M-Instruct.Q4_1.gguf", waves=1)
+ARGS = argparse.Namespace(model="/cache/SmolLM2-135M-Instruct.Q4_1.gguf", waves=1, fixed_acceptance=None,
+                          no_fuse_decode_steps=False)
 
 
 def bench_result(tokens: int, duration: float, accepted: int | None = None, drafts: int | None = None,
@@ -123,8 +124,10 @@ def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, 
     monkeypatch.setattr(spec, "launch", launch)
     monkeypatch.setattr(spec, "wait_healthy", wait_healthy)
     monkeypatch.setattr(spec, "run_bench", run_bench)
+    monkeypatch.setattr(spec, "scrape", lambda base: "twogrid:fused_decode_steps_total{model_name=\"m\"} 7.0\n")
     args = argparse.Namespace(model="x.gguf", tokenizer=None, port=8123, max_model_len=4096, device="cpu",
-                              api_server_count=1, waves=1, step_trace_dir=None)
+                              api_server_count=1, waves=1, step_trace_dir=None, fixed_acceptance=None,
+                              no_fuse_decode_steps=False)
     result = {"rows": [row("separate", "none", 0, 1, 1000.0), row("separate", "ngram", 3, 1, 1000.0),
                        row("separate", "ngram", 3, 16, 1000.0)], "servers": [], "errors": []}
     saves = []
@@ -133,7 +136,7 @@ def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, 
     assert [name for name, _ in started] == ["separate none", "separate eagle3:3"]  # ngram:3: measured already
     assert all(server.stopped for _, server in started)  # the one that failed to start too
     assert benched == [("separate-none", 16)]
-    assert [spec.cell(r) for r in result["rows"][3:]] == [("separate", "none", 0, 16)]
+    assert [spec.cell(r) for r in result["rows"][3:]] == [("separate", "none", 0, True, 16)]
     assert result["errors"][0]["method"] == "eagle3" and "exited with 1" in result["errors"][0]["error"]
     assert [s["method"] for s in result["servers"]] == ["none"] and saves
 
@@ -157,11 +160,11 @@ def test_merge_joins_split_runs_and_a_rerun_replaces_its_cell(spec, tmp_path):
     assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"]
     got = {spec.cell(r): r for r in merged["rows"]}
     assert len(got) == 4 and [r["policy"] for r in merged["rows"]] == ["separate"] * 2 + ["vllm-default"] * 2
-    rerun = got["separate", "eagle3", 3, 1]
+    rerun = got["separate", "eagle3", 3, True, 1]
     assert rerun["output_tok_s"] == 400.0 and rerun["run"] == 1
     assert rerun["vs_no_sd"] == 2.0 and rerun["vs_no_sd_run"] == 0  # no SD measured in the other run only
-    assert got["vllm-default", "eagle3", 3, 1]["vs_no_sd"] == 1.5 and "vs_no_sd_run" not in got[
-        "vllm-default", "eagle3", 3, 1]
+    assert got["vllm-default", "eagle3", 3, True, 1]["vs_no_sd"] == 1.5 and "vs_no_sd_run" not in got[
+        "vllm-default", "eagle3", 3, True, 1]
     assert [r["output_tok_s"] for r in merged["superseded_rows"]] == [300.0]
     assert [s["run"] for s in merged["servers"]] == [0, 1]
     other = write(tmp_path / "c.json", [row("separate", "none", 0, 1, 1.0)], "ccc", model="bench-moe")
@@ -178,3 +181,31 @@ def test_merge_from_the_command_line_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| ngram:3 | 260 (1.30x, AL 2.00) |" in proc.stdout
     assert json.load(open(out))["rows"][1]["vs_no_sd"] == 1.3
+
+
+def test_auto_tiers_methods_and_the_chosen_k(spec):
+    """``eagle3:auto7`` is K up to 7 with auto tiers; the chosen K is read from the tier gauge whose range holds the
+    concurrency (a retired tier reads -1)."""
+    method, k, cfg = spec.parse_method("eagle3:auto7")
+    assert (method, k, spec.label(method, k), spec.tiers_of(k)) == ("eagle3", -7, "eagle3:auto7", "auto")
+    assert cfg == {"method": "eagle3", "num_speculative_tokens": 7, "num_speculative_tokens_per_batch_size": "auto"}
+    assert spec.tiers_of(spec.parse_method("ngram:3")[1]) == 3
+    with pytest.raises(ValueError, match="autoK"):
+        spec.parse_method("eagle3:autox")
+    metrics = ('twogrid:spec_decode_tier_k{max_batch="10",min_batch="1",model_name="m"} 7.0\n'
+               'twogrid:spec_decode_tier_k{max_batch="99",min_batch="11",model_name="m"} -1.0\n'
+               'twogrid:spec_decode_tier_k{max_batch="227",min_batch="11",model_name="m"} 3.0\n'
+               'twogrid:spec_decode_tier_k{max_batch="1024",min_batch="228",model_name="m"} 0.0\n'
+               'twogrid:fused_decode_steps_total{model_name="m"} 12.0\n')
+    assert [spec.chosen_k(metrics, c) for c in (1, 64, 1024, 2000)] == [7, 3, 0, None]
+    assert spec.fused_steps(metrics) == 12.0
+
+
+def test_fixed_acceptance_at_one_rate_for_every_k(spec):
+    """``--fixed-acceptance 3.0 --fixed-acceptance-of 7``: every server's drafter accepts at the rate that gives 3.0
+    at K = 7; a K = 3 server gets that rate's mean length at 3, a K = 7 (or auto up to 7) server 3.0."""
+    args = argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=7)
+    rate = 0.6823  # 1 + sum of rate^j for j = 1..7 is 3.0
+    assert spec.fixed_mean_length(args, 7) == pytest.approx(3.0, abs=1e-3)
+    assert spec.fixed_mean_length(args, 3) == pytest.approx(1 + rate + rate**2 + rate**3, abs=0.01)
+    assert spec.fixed_mean_length(argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=None), 3) == 3.0

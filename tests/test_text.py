@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from models.loader import CheckpointError  # noqa: E402
+from models.checkpoint import CheckpointError  # noqa: E402
 from models.text import IncrementalDetokenizer, TemplateError, load_tokenizer, render_chat_template  # noqa: E402
 from models.text import tokenizer_from_dir  # noqa: E402
 from textdata import CHATML, SPECIALS  # noqa: E402

@@ -19,7 +19,8 @@ from typing import Any
 import aiohttp
 
 from dispatcher.bench import BenchError
-from dispatcher.bench.datasets import SampleRequest
+from dispatcher.bench.datasets import Conversation, SampleRequest
+from dispatcher.engine.workload import approx_num_tokens
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BACKEND_NAMES = {"completions": "openai", "chat": "openai-chat"}
@@ -56,6 +57,8 @@ class RequestOutput:
     output_tokens_from_usage: bool = False
     prompt_len: int = 0
     prompt_len_from_usage: bool = False
+    cached_tokens: int | None = None
+    """The server's ``usage.prompt_tokens_details.cached_tokens`` (None where it reports none)."""
     generated_text: str = ""
 
 
@@ -69,8 +72,8 @@ def request_body(endpoint: Endpoint, req: SampleRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"model": endpoint.model, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint.kind == "chat":
         # max_completion_tokens is the current name, max_tokens the one older servers read: send both.
-        body.update(messages=[{"role": "user", "content": req.prompt}], max_completion_tokens=req.output_len,
-                    max_tokens=req.output_len)
+        body.update(messages=[*req.history, {"role": "user", "content": req.prompt}],
+                    max_completion_tokens=req.output_len, max_tokens=req.output_len)
     else:
         body.update(prompt=req.prompt, max_tokens=req.output_len)
     if endpoint.ignore_eos:
@@ -164,6 +167,9 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                         out.output_tokens, out.output_tokens_from_usage = usage["completion_tokens"], True
                     if isinstance(usage.get("prompt_tokens"), int):
                         out.prompt_len, out.prompt_len_from_usage = usage["prompt_tokens"], True
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        out.cached_tokens = details["cached_tokens"]
             await response.read()  # the rest after [DONE] (the chunked end): the connection goes back to the pool
     except json.JSONDecodeError as exc:
         out.error = f"a stream event is not JSON ({exc.msg})"
@@ -185,6 +191,31 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
     out.generated_text = "".join(text)
     out.success = True
     return out
+
+
+async def send_conversation(session: aiohttp.ClientSession, endpoint: Endpoint,
+                            conv: Conversation) -> list[RequestOutput]:
+    """A conversation's turns in order, each request holding the earlier turns and the model's answers to them
+    (the streamed text); one timed output per turn sent. A failed turn ends the conversation."""
+    history: list[dict[str, str]] = []
+    outputs = []
+    for turn in conv.turns:
+        req = SampleRequest(turn, approx_num_tokens("".join(m["content"] for m in history) + turn), conv.output_len,
+                            tuple(history))
+        out = await send_request(session, endpoint, req)
+        outputs.append(out)
+        if not out.success:
+            break
+        history += [{"role": "user", "content": turn}, {"role": "assistant", "content": out.generated_text}]
+    return outputs
+
+
+async def send(session: aiohttp.ClientSession, endpoint: Endpoint,
+               item: SampleRequest | Conversation) -> list[RequestOutput]:
+    """A request's timed output, or a conversation's (one per turn)."""
+    if isinstance(item, Conversation):
+        return await send_conversation(session, endpoint, item)
+    return [await send_request(session, endpoint, item)]
 
 
 def unreachable(url: str, exc: BaseException) -> BenchError:

@@ -5,6 +5,10 @@ server's ``/metrics``, the pool filled to the concurrency cap (so that no measur
 handshake), the measured run (every prompt once: Poisson arrivals at ``--request-rate``, at most
 ``--max-concurrency`` in flight), a second scrape, then vLLM's result fields plus the server's counter deltas. One
 test request goes first of all, so that a wrong model, endpoint or key fails at once with the server's answer.
+
+With ``--multi-turn`` the items sent are ShareGPT conversations (``--num-prompts`` of them): a conversation sends
+its user turns one after the other, each with the conversation so far, and ``--max-concurrency`` caps the
+conversations in flight (each has one request in flight at a time); every turn is one timed request.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import numpy as np
 
 from dispatcher.bench import BenchError
 from dispatcher.bench.client import (BACKEND_NAMES, ENDPOINT_PATHS, Endpoint, RequestOutput, auth_headers,
-                                     list_models, send_request)
-from dispatcher.bench.datasets import SampleRequest, random_requests, sharegpt_requests
+                                     list_models, send, send_request)
+from dispatcher.bench.datasets import (Conversation, SampleRequest, prefix_repetition_requests, random_requests,
+                                       sharegpt_conversations, sharegpt_requests)
 from dispatcher.bench.results import PERCENTILE_METRICS, compute_result, summary_lines
 from dispatcher.bench.server_metrics import counter_deltas, scrape
 
@@ -94,8 +99,14 @@ def validate(args: argparse.Namespace) -> None:
         raise BenchError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise BenchError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
-    if args.dataset_name == "random" and args.dataset_path:
-        raise BenchError("--dataset-path is for --dataset-name sharegpt; the random dataset reads no file")
+    if args.dataset_name in ("random", "prefix_repetition") and args.dataset_path:
+        raise BenchError(f"--dataset-path is for --dataset-name sharegpt; the {args.dataset_name} dataset reads no "
+                         f"file")
+    if args.multi_turn and (args.dataset_name != "sharegpt" or args.endpoint != "chat"):
+        raise BenchError("--multi-turn sends ShareGPT conversations as chat messages: give --dataset-name sharegpt "
+                         "--dataset-path FILE --endpoint chat")
+    if args.max_turns is not None and (not args.multi_turn or args.max_turns < 1):
+        raise BenchError(f"--max-turns is for --multi-turn and must be >= 1, got {args.max_turns}")
     if args.plot and not args.plot.lower().endswith(PLOT_SUFFIXES):
         raise BenchError(f"--plot: {args.plot!r} must end with one of {', '.join(PLOT_SUFFIXES)}")
     if args.temperature is not None and args.temperature < 0:
@@ -124,9 +135,16 @@ def structured_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
+def build_requests(args: argparse.Namespace) -> list[SampleRequest] | list[Conversation]:
+    if args.multi_turn:
+        return sharegpt_conversations(args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed,
+                                      args.max_turns)
     if args.dataset_name == "sharegpt":
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_requests(args.num_prompts, args.prefix_repetition_prefix_len,
+                                          args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                          args.prefix_repetition_output_len, args.seed)
     return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.seed)
 
 
@@ -189,19 +207,20 @@ async def prime_connections(session: aiohttp.ClientSession, endpoint: Endpoint, 
 
 async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, requests: Sequence[SampleRequest],
                        max_concurrency: int | None, offsets: np.ndarray, desc: str,
-                       disable_tqdm: bool) -> tuple[list[RequestOutput], float]:
-    """Send every request at its arrival offset, at most ``max_concurrency`` in flight; outputs in request order
-    and the wall time from the first send to the last completion."""
+                       disable_tqdm: bool) -> tuple[list[list[RequestOutput]], float]:
+    """Send every request (or conversation) at its arrival offset, at most ``max_concurrency`` in flight; outputs
+    in request order (a list each: a conversation's turns) and the wall time from the first send to the last
+    completion."""
     from tqdm.asyncio import tqdm
 
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     with tqdm(total=len(requests), desc=desc, disable=disable_tqdm, leave=False) as bar:
-        async def one(req: SampleRequest) -> RequestOutput:
+        async def one(req: SampleRequest) -> list[RequestOutput]:
             if gate is None:
-                out = await send_request(session, endpoint, req)
+                out = await send(session, endpoint, req)
             else:
                 async with gate:
-                    out = await send_request(session, endpoint, req)
+                    out = await send(session, endpoint, req)
             bar.update(1)
             return out
 
@@ -261,7 +280,7 @@ def _client_process(index: int, endpoint: Endpoint, share: list[SampleRequest], 
 
 async def run_split(session: aiohttp.ClientSession, endpoint: Endpoint, requests: Sequence[SampleRequest],
                     max_concurrency: int | None, offsets: np.ndarray, desc: str, disable_tqdm: bool,
-                    num_clients: int = 1) -> tuple[list[RequestOutput], float, float, int]:
+                    num_clients: int = 1) -> tuple[list[list[RequestOutput]], float, float, int]:
     """``run_requests`` over ``num_clients`` processes started together: outputs in request order, the wall time
     from the first send to the last completion, the busiest client's CPU time over that wall time, and the number
     of clients that ran (no more than the requests or the concurrency cap). One client runs here, on ``session``
@@ -322,7 +341,7 @@ async def run_split(session: aiohttp.ClientSession, endpoint: Endpoint, requests
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
-    outputs: list[RequestOutput] = [RequestOutput()] * len(requests)
+    outputs: list[list[RequestOutput]] = [[RequestOutput()]] * len(requests)
     for i, (outs, _, _, _) in done.items():  # client i held requests i, i + n, i + 2n, ...
         outputs[i::len(shares)] = outs
     start, end = min(d[1] for d in done.values()), max(d[2] for d in done.values())
@@ -380,7 +399,9 @@ def run_metadata(args: argparse.Namespace, model: str, max_concurrency: int | No
         dataset_name=args.dataset_name,
         dataset_path=args.dataset_path,
         random_input_len=args.random_input_len if args.dataset_name == "random" else None,
-        output_len=args.random_output_len if args.dataset_name == "random" else args.sharegpt_output_len,
+        output_len={"random": args.random_output_len, "prefix_repetition": args.prefix_repetition_output_len}.get(
+            args.dataset_name, args.sharegpt_output_len),
+        multi_turn=args.multi_turn,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         num_warmups=args.num_warmups,
@@ -410,8 +431,9 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                     await run_requests(session, endpoint, warm, cap, np.zeros(len(warm)), f"warm-up, {name}",
                                        args.disable_tqdm)
                 before = await scrape(probe, args.base_url, headers)
-                outputs, duration, client_busy, clients = await run_split(session, endpoint, requests, cap, offsets,
-                                                                          name, args.disable_tqdm, args.num_clients)
+                per_item, duration, client_busy, clients = await run_split(session, endpoint, requests, cap, offsets,
+                                                                           name, args.disable_tqdm, args.num_clients)
+            outputs = [o for item in per_item for o in item]
             after = await scrape(probe, args.base_url, headers)
             result = run_metadata(args, model, cap)
             result.update(compute_result(outputs, duration, args.percentile_metrics, args.metric_percentiles,

@@ -2,7 +2,7 @@
 the steps' device time (over the run's duration: how busy the GPU was), the engine steps that reached a front
 end while it was behind (its outputs merged: the serving path, not the GPU, was the limit), and speculative
 decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and per position; the mean
-acceptance length follows).
+acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate follows).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -29,6 +29,8 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "spec_decode_num_draft_tokens": ("twogrid:spec_decode_num_draft_tokens_total", ()),
     "spec_decode_num_accepted_tokens": ("twogrid:spec_decode_num_accepted_tokens_total", ()),
     "spec_decode_accepted_per_pos": ("twogrid:spec_decode_num_accepted_tokens_per_pos_total", ("position",)),
+    "prefix_cache_queries": ("twogrid:prefix_cache_queries_total", ()),
+    "prefix_cache_hits": ("twogrid:prefix_cache_hits_total", ()),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 PER_POSITION = "spec_decode_accepted_per_pos"
@@ -80,7 +82,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     ``step_device_seconds``, ``front_end_backlog_steps``, and with a server that counts verify events
     ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
     ``spec_decode_accepted_per_pos`` ([accepted at position 0, 1, ...]) and ``mean_acceptance_length`` (1 +
-    accepted / drafts; None without drafts). ``before`` = {} gives the totals since the server started."""
+    accepted / drafts; None without drafts), ``prefix_cache_queries``, ``prefix_cache_hits`` and
+    ``prefix_cache_hit_rate`` (hits / queries; None without queries). ``before`` = {} gives the totals since the
+    server started."""
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}
@@ -106,6 +110,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
                 node[key[-1]] = _number(value)
             out[f"{field}_by_{'_'.join(labels)}"] = nested
     _spec_decode_fields(out, before, after)
+    queries = out.get("prefix_cache_queries")
+    if queries is not None:
+        out["prefix_cache_hit_rate"] = round(out["prefix_cache_hits"] / queries, 4) if queries else None
     return out
 
 

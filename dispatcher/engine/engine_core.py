@@ -55,12 +55,18 @@ class EngineArgs:
     seed: int = 0
     """Random weights of presets, and the seeds of requests that bring none (so identical runs sample alike)."""
     use_cuda_graphs: bool = True
+    fuse_decode_steps: bool = True
+    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``); False: op by op."""
     step_trace: str | None = None
     """Append one JSON record per step to this file."""
     async_scheduling: bool | None = None
     """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
     fixed_acceptance: float | None = None
     """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
+    quantization: str | None = None
+    """``"fp8"`` (vLLM's ``--quantization``): the weights quantized to FP8 at load."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (vLLM's ``--kv-cache-dtype``)."""
     eos_token_ids: tuple[int, ...] | None = None
     """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
     av_cost_table: str | None = None
@@ -73,6 +79,9 @@ class EngineArgs:
     and reused (so that runs of one setup start from the same tiers)."""
     auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
     """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
+    that another request computed (``scheduler.kv_blocks``)."""
     tokenizer: str | None = None
     """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
     the model's (a preset has none, and refuses structured requests)."""
@@ -93,6 +102,8 @@ class EngineStats(SpecDecodeSummary):
     host_ms: float = 0.0
     """Time the host spent scheduling and dispatching steps."""
     eager_steps: int = 0
+    fused_steps: int = 0
+    """Steps that ran as one fused decode-step graph."""
     eager_by_reason: dict[str, int] = field(default_factory=dict)
     """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
     padded_tokens: int = 0
@@ -114,8 +125,10 @@ class EngineStats(SpecDecodeSummary):
         self.num_accepted_tokens += spec.num_accepted_tokens
         add_per_pos(self.accepted_per_pos, spec.accepted_per_pos)
 
-    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None) -> None:
+    def record(self, step: "ScheduledStep", device_ms: float, wait_s: float, eager_cause: str | None,
+               fused: bool = False) -> None:
         self.steps += 1
+        self.fused_steps += fused
         self.device_ms += device_ms
         self.wait_s += wait_s
         self.host_ms += step.host_ms
@@ -145,12 +158,13 @@ class ScheduledStep:
 def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.ndarray) -> Step:
     """The scheduler's step as the worker sees it: new requests once, then slots and counts, and the rows a grammar
     constrains (their bitmask comes with ``EngineCore.with_grammar`` or after the step)."""
-    new_slots = out.slots[len(out.slots) - len(out.new_requests):].tolist()
+    first = len(out.slots) - len(out.new_requests)
+    new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids),
                       SamplingSpec(float(req.params.temperature), int(req.params.top_k), float(req.params.top_p),
                                    int(req.params.seed or 0),
-                                   -1 if req.params.logprobs is None else int(req.params.logprobs)))
-           for req, slot in zip(out.new_requests, new_slots)]
+                                   -1 if req.params.logprobs is None else int(req.params.logprobs)), computed)
+           for req, slot, computed in zip(out.new_requests, new_slots, new_computed)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
@@ -182,7 +196,8 @@ class EngineCore:
         self.args = args
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
-        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+        sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
+                                     enable_prefix_caching=args.enable_prefix_caching)
         self.capture_report = None
         tokenizer = _tokenizer(args)
         if worker is None:
@@ -190,7 +205,8 @@ class EngineCore:
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
-                             args.use_cuda_graphs, args.fixed_acceptance, tokenizer is not None),
+                             args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps,
+                             args.quantization, args.kv_cache_dtype, tokenizer is not None),
                 self.plan,
             )
             self.capture_report = worker.capture(progress=progress) if capture else None
@@ -280,6 +296,14 @@ class EngineCore:
         self.structured.remove(request_id)
         return self.scheduler.finish_request(request_id, reason)
 
+    def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
+        """A step the worker failed: ``Scheduler.fail_step`` (its requests and those sharing a block it registered
+        end), their grammars dropped. Returns the ids of the requests it ends."""
+        ids = self.scheduler.fail_step(out, later)
+        for rid in ids:
+            self.structured.remove(rid)
+        return ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -339,11 +363,12 @@ class EngineCore:
         target = step.descs.target
         reason = eager_reason(target, self.plan) if target.graph is None else None
         step.eager_cause = reason[0] if reason else None
-        self.stats.record(step, result.device_ms, wait_s, step.eager_cause)
+        self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
                                      result.jit_compiles, result.jit_ms,
-                                     step.out.num_new_drafts if self.auto_tiers is not None else None))
+                                     step.out.num_new_drafts if self.auto_tiers is not None else None,
+                                     result.fused))
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:

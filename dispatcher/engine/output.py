@@ -45,6 +45,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache (vLLM's field); None until the request has started."""
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer | None
+    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -85,6 +88,8 @@ class OutputProcessor:
         return out
 
     def _process_one(self, rid: str, req: _Request, so: StepOutput) -> RequestOutput:
+        if so.num_cached_tokens is not None:
+            req.num_cached_tokens = so.num_cached_tokens
         tokens = list(so.new_token_ids)
         reason = so.finish_reason.value if so.finish_reason is not None else None
         stop_reason: str | int | None = None
@@ -107,7 +112,8 @@ class OutputProcessor:
             del self.requests[rid]
         logprobs = so.logprobs[:len(tokens)] if so.logprobs is not None else None
         return RequestOutput(rid, req.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, text, tokens, reason, stop_reason, logprobs)], reason is not None)
+                             [CompletionOutput(0, text, tokens, reason, stop_reason, logprobs)], reason is not None,
+                             req.num_cached_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget an aborted request; its final output (text so far, finish reason 'abort')."""
@@ -116,7 +122,7 @@ class OutputProcessor:
             return None
         text = req.detok.finish() if req.detok is not None else ""
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, text, [], FinishReason.ABORT.value)], True)
+                             [CompletionOutput(0, text, [], FinishReason.ABORT.value)], True, req.num_cached_tokens)
 
 
 def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
@@ -126,4 +132,5 @@ def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
     logprobs = None if done[0].logprobs is None else [lp for c in done for lp in (c.logprobs or [])]
     merged = CompletionOutput(0, "".join(c.text for c in done), [t for c in done for t in c.token_ids],
                               last.outputs[0].finish_reason, last.outputs[0].stop_reason, logprobs)
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [merged], last.finished)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [merged], last.finished,
+                         last.num_cached_tokens)

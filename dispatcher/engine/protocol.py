@@ -34,6 +34,7 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     step_trace: str | None = None
     num_front_ends: int = 1
     """Front-end processes (``--api-server-count``); the first one also gets every step's record and the queue."""
+    enable_prefix_caching: bool = True
     tokenizer: str | None = None
     """The checkpoint whose tokenizer structured outputs compile grammars against (the front end's ``--tokenizer``
     or the model); None: the model's."""
@@ -65,6 +66,8 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None = None
     """'stop', 'length' or 'abort' on a request's last delta."""
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int | None = None
+    """On a request's first delta: its prompt tokens found in the prefix cache."""
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -86,6 +89,12 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     tiers: list[list[int]] | None = None
     """The speculative tiers in force from this step on, [[min_batch, max_batch, K], ...], on the steps after which
     ``"auto"`` tiers changed; None otherwise."""
+    prefix_cache_queries: int = 0
+    """Tokens of the requests the step started for the first time, with prefix caching on (vLLM's counter)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found in the prefix cache."""
+    fused: bool = False
+    """The step ran as one fused decode-step graph."""
 
 
 class QueueState(msgspec.Struct, array_like=True, frozen=True):

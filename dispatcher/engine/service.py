@@ -75,7 +75,9 @@ class EngineService:
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
                           tokenizer=self.init.tokenizer,
-                          structured_compile_timeout_s=self.init.structured_compile_timeout_s)
+                          structured_compile_timeout_s=self.init.structured_compile_timeout_s,
+                          enable_prefix_caching=self.init.enable_prefix_caching,
+                          quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         self.core = EngineCore(resolve_init(w), args, worker=WorkerInfo(ready))
         if xgrammar is not None and await xgrammar and self.core.structured.tokenizer is not None:
             await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
@@ -185,10 +187,8 @@ class EngineService:
         the worker waits for), then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
-        if isinstance(result, WorkerError):
-            ids = [r.request_id for r in step.out.requests]
-            for rid in ids:
-                core.abort(rid)
+        if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
+            ids = core.fail_step(step.out, [s.out for s in self._in_flight])
             if deferred is not None:  # (the worker waits for it whatever became of this step)
                 await self._send_grammar(deferred)
             message = f"step failed: {result.message}"
@@ -201,11 +201,13 @@ class EngineService:
         if deferred is not None:
             await self._send_grammar(deferred)
         target, spec = step.descs.target, core.scheduler.last_spec_decode
-        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - step.out.shape.num_tokens,
-                            spec.num_accepted_tokens, step.out.num_preempted, result.device_ms / 1e3,
-                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed())
+        out = step.out
+        record = StepRecord(target.kind, target.mode, step.eager_cause, target.num_tokens - out.shape.num_tokens,
+                            spec.num_accepted_tokens, out.num_preempted, result.device_ms / 1e3,
+                            spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_pos), self._tiers_changed(),
+                            out.prefix_cache_queries, out.prefix_cache_hits, result.fused)
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
-                        o.logprobs) for o in outputs]
+                        o.logprobs, o.num_cached_tokens) for o in outputs]
         if len(self.outboxes) == 1:
             await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
             return

@@ -8,6 +8,11 @@ reports a confidence that adaptive verification can use. Step time comes from th
 and padded token count: the target forward, plus a model drafter's forwards at one decoder layer's share each (a
 draft model's at its layers' share).
 
+Prompts are the fake model's tokens too, a function of the request (and of its shared prefix's index for a
+``prefix_repetition`` prompt, so that prompts of one prefix share its blocks): with prefix caching on (as the engine
+defaults) the real scheduler finds them in its cache, and the steps show what that does to the graphs (fewer
+prefill tokens, other sizes, other eager steps).
+
 Under ``"auto"`` speculative tiers the run does what the engine does: tiers chosen from the cost model's price of a
 uniform decode per (requests, q) (``auto_step_costs``) and the prior acceptance, then re-chosen every
 ``auto_tier_interval`` steps from the scheduler's counters; the summary reports the tiers and the K of every step.
@@ -167,6 +172,18 @@ def auto_step_costs(cfg, plan, dispatchers, costs: StepCostModel, layers: int) -
     return autotier.StepCostTable(by_q, f"cost model {costs.name}")
 
 
+def prompt_tokens(spec: PromptSpec, request_id: str, vocab_size: int) -> list[int]:
+    """A simulated prompt's token ids: its shared prefix's (a function of the prefix's index), then its own (of the
+    request)."""
+    model = FakeModel(vocab_size)
+    own = np.arange(spec.prefix_len, spec.num_tokens)
+    ids = model.token(np.full(len(own), request_seed(request_id) ^ 0xABCD, np.uint64), own)
+    if spec.prefix < 0:
+        return ids.tolist()
+    shared = model.token(np.full(spec.prefix_len, 0x5EED0000 + spec.prefix, np.uint64), np.arange(spec.prefix_len))
+    return np.concatenate([shared, ids]).tolist()
+
+
 @dataclass
 class SimulationResult:
     summary: dict[str, Any]
@@ -177,7 +194,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              num_kv_blocks: int | None = None, block_size: int = 16, cost_model: str = "bench-moe",
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
-             auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS) -> SimulationResult:
+             auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
+             enable_prefix_caching: bool = True) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
@@ -191,7 +209,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     layers = draft_layers(cfg)
     max_model_len = max(p.num_tokens for p in prompts) + output_len
     sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
-                                 step_ms=lambda t: costs.step_ms(MODE_FULL, t))
+                                 step_ms=lambda t: costs.step_ms(MODE_FULL, t),
+                                 enable_prefix_caching=enable_prefix_caching)
     # A request holds at most max_blocks_per_seq blocks (prompt, output, drafts being verified, the drafter's
     # lookahead): by default every slot gets that many, so nothing is preempted.
     per_request = sched_cfg.max_blocks_per_seq
@@ -228,8 +247,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         nonlocal next_prompt
         spec = prompts[next_prompt]
         rid = f"req-{next_prompt}"
-        prompt_ids = FakeModel(vocab_size).token(np.full(spec.num_tokens, request_seed(rid) ^ 0xABCD, np.uint64),
-                                                np.arange(spec.num_tokens)).tolist()
+        prompt_ids = prompt_tokens(spec, rid, vocab_size)
         scheduler.add_request(Request(rid, prompt_ids, SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos),
                                       eos_token_id=0))
         submitted[rid] = clock_ms
@@ -297,6 +315,10 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)},
         "draft_device_ms": round(totals["draft_ms"], 1),
         "preemptions": scheduler.stats.preemptions,
+        "prefix_cache_queries": scheduler.stats.prefix_cache_queries,
+        "prefix_cache_hits": scheduler.stats.prefix_cache_hits,
+        "prefix_cache_hit_rate": round(scheduler.stats.prefix_cache_hits / scheduler.stats.prefix_cache_queries, 4)
+        if scheduler.stats.prefix_cache_queries else None,
         "draft_acceptance_rate": round(scheduler.stats.drafts_accepted / max(1, scheduler.stats.drafts_verified), 4),
         "host_ms_per_step": round(host_ms_total / max(1, steps), 4),
         "wall_seconds": round(time.perf_counter() - wall, 3),

@@ -1,4 +1,5 @@
-"""Workloads for ``simulate`` and ``bench``: ShareGPT prompts or a seeded synthetic length distribution."""
+"""Workloads for ``simulate`` and ``bench``: ShareGPT prompts, a seeded synthetic length distribution, or vLLM's
+``prefix_repetition`` (a few shared prefixes, each followed by its own suffixes)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ CHARS_PER_TOKEN = 4
 """Prompt tokens are estimated as characters / 4 when no tokenizer is given (typical for BPE on English)."""
 
 
+PREFIX_REPETITION_DEFAULTS = {"prefix_len": 256, "suffix_len": 256, "num_prefixes": 10, "output_len": 128}
+"""vLLM's defaults for the prefix_repetition dataset (``--prefix-repetition-*``)."""
+
+
 @dataclass(frozen=True)
 class PromptSpec:
     text: str | None
     num_tokens: int
+    prefix: int = -1
+    """The shared prefix the prompt starts with (an index; -1: none)."""
+    prefix_len: int = 0
+    """That prefix's tokens (the first of ``num_tokens``)."""
 
 
 def approx_num_tokens(text: str) -> int:
@@ -41,6 +50,27 @@ def load_sharegpt(path: str) -> list[str]:
     if not prompts:
         raise ConfigError(f"--dataset: {path!r} holds no conversation with a first human turn")
     return prompts
+
+
+def prefix_groups(num_prompts: int, num_prefixes: int, seed: int) -> list[int]:
+    """vLLM's prefix_repetition layout: ``num_prompts // num_prefixes`` prompts per prefix (the remainder left
+    out), in a seeded shuffle; the prefix index of each. ConfigError when a prefix would get no prompt."""
+    if num_prefixes < 1 or num_prompts < num_prefixes:
+        raise ConfigError(f"--prefix-repetition-num-prefixes must be in 1..--num-prompts ({num_prompts}), got "
+                          f"{num_prefixes}")
+    groups = [p for p in range(num_prefixes) for _ in range(num_prompts // num_prefixes)]
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+def prefix_repetition_prompts(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                              seed: int) -> list[PromptSpec]:
+    """``prefix_groups``' prompts: ``prefix_len`` tokens of their prefix, then ``suffix_len`` of their own."""
+    for flag, value, low in (("prefix-len", prefix_len, 0), ("suffix-len", suffix_len, 1)):
+        if value < low:
+            raise ConfigError(f"--prefix-repetition-{flag} must be >= {low}, got {value}")
+    return [PromptSpec(None, prefix_len + suffix_len, p, prefix_len)
+            for p in prefix_groups(num_prompts, num_prefixes, seed)]
 
 
 def make_prompts(num_prompts: int, seed: int, dataset: str | None = None, input_len_mean: int = 230,

@@ -31,8 +31,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, ONE_TOKEN_DRAFTERS, block_query_len, next_steps_runner,
-                                          one_token_steps)
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, block_query_len,
+                                          next_steps_runner, one_token_steps)
 from dispatcher.plan.config import ConfigError, load_json_file
 
 DEFAULT_ACCEPTANCE_RATE = 0.6
@@ -91,6 +91,22 @@ def acceptance_profile(value: Any, k_max: int, name: str = "--acceptance") -> tu
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """Tokens a request verifying k drafts yields a step: its own one and the accepted drafts, 1 + sum_{j<k} p_j."""
     return 1.0 + float(sum(acceptance[:k]))
+
+
+def fixed_acceptance_rate(mean_length: float, k: int) -> float:
+    """Benchmarks' fixed acceptance: the per-draft probability alpha (each draft accepted with alpha if the previous
+    one was) whose mean acceptance length 1 + sum_{j=1..k} alpha^j is ``mean_length``; bisection. ValueError outside
+    [1, 1 + k]."""
+    if not 1.0 <= mean_length <= 1.0 + k:
+        raise ValueError(f"fixed_acceptance = {mean_length} must be in [1, 1 + K] = [1, {1 + k}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 1.0 + sum(mid ** j for j in range(1, k + 1)) < mean_length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def estimate_acceptance(accepted: Sequence[float], verified: Sequence[float], prior: Sequence[float],
@@ -224,20 +240,26 @@ def decode_step_costs(method: str | None, candidates: Sequence[int],
                       tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]],
                       source: str = "") -> StepCostTable:
     """A step's cost per candidate K from each runner's measured FULL decode replay times (``tables[runner][q]``:
-    (requests, ms) points): the target at q = 1 + K, plus for K >= 1 the drafter's forwards: an EAGLE-style drafter's
-    or a draft model's step 0 at q and its one-token steps (``one_token_steps``) at q = 1, a block drafter's forward
-    at its q. K = 0 is the target alone. A drafter forward with no measured graphs (disabled) adds nothing."""
-    target = tables.get("target", {})
+    (requests, ms) points): where fused decode steps were timed (``tables[FUSED_STEP]``: the whole step, target,
+    drafter and the glue between them, in one graph), those; else the target at q = 1 + K, plus the drafter's
+    forwards: an EAGLE-style drafter's or a draft model's step 0 at q (every step, K = 0 too) and for K >= 1 its
+    one-token steps (``one_token_steps``) at q = 1, a block drafter's forward at its q for K >= 1. A drafter forward
+    with no measured graphs (disabled) adds nothing."""
+    target, fused = tables.get("target", {}), tables.get(FUSED_STEP, {})
     by_q: dict[int, list[tuple[int, float]]] = {}
     for k in candidates:
         q = 1 + k
+        if fused.get(q):
+            by_q[q] = sorted(fused[q])
+            continue
         points = target.get(q)
         if not points:
             continue
         extra: list[tuple[float, Sequence[tuple[int, float]]]] = []
-        if k and method in ONE_TOKEN_DRAFTERS:
+        if method in ONE_TOKEN_DRAFTERS:  # step 0 on every step (K = 0 too: the drafter's KV), then one-token steps
             extra.append((1.0, tables.get(method, {}).get(q, ())))
-            extra.append((float(one_token_steps(method, k)), tables.get(next_steps_runner(method), {}).get(1, ())))
+            if k:
+                extra.append((float(one_token_steps(method, k)), tables.get(next_steps_runner(method), {}).get(1, ())))
         elif k and method in BLOCK_DRAFTERS:
             extra.append((1.0, tables.get(method, {}).get(block_query_len(method, k), ())))
         pts = sorted(points)

@@ -24,6 +24,10 @@ FULL = "full"
 """Tokens. cudagraph_mode FULL: the whole forward for every batch, on the prefill grid."""
 
 KIND_UNIT = {PIECEWISE: "tokens", FULL_DECODE: "requests", FULL_VARLEN: "tokens", FULL: "tokens"}
+FUSED_STEP = "step"
+"""The runner name of fused decode-step graphs (``dispatcher.runtime.decode_step``: a whole uniform-decode step,
+the target's forward and the drafter's, in one graph per FULL decode size) in capture reports and measured step
+costs. Not a plan entry: a fused step replays the kernels of the plan's FULL decode graphs."""
 EAGLE_LIKE = ("eagle", "eagle3", "mtp")
 """Single-module drafters: step 0 mirrors the target, later steps run one token a request."""
 
@@ -130,8 +134,9 @@ def _one_token_tiers(cfg: ResolvedConfig) -> list[Tier]:
 
 
 def drafting_tiers(cfg: ResolvedConfig) -> list[Tier]:
-    """The tiers (those captured: ``ResolvedConfig.capture_tiers``) whose steps run the drafter: K >= 1. A K = 0
-    tier's steps are plain q = 1 decodes, with no drafter forward and no drafts."""
+    """The tiers (those captured: ``ResolvedConfig.capture_tiers``) whose steps draft: K >= 1. A K = 0 tier's steps
+    are q = 1 decodes with no drafts (a one-token drafter's step 0 still runs, for its KV; a block drafter runs
+    nothing)."""
     return [t for t in cfg.capture_tiers if t.num_speculative_tokens >= 1]
 
 
@@ -215,10 +220,11 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
             sets.append(GraphSet("target", FULL_VARLEN, None, grids.av_grid(cfg.av_cap_tokens()), _av_serves(cfg)))
     # Drafters
     method = cfg.method
-    if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target, then one-token steps
+    if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target (every step, a K = 0 tier's
+        # too: its KV follows the target's, runtime/drafting.py), then one-token steps where a tier drafts
         sets += _token_sets(cfg, method)
         if mode.has_full_decode:
-            sets += _decode_sets(cfg, method, target_q, drafting_tiers(cfg))
+            sets += _decode_sets(cfg, method, target_q)
         one_token = _one_token_tiers(cfg)
         if one_token:
             sets += _one_token_draft_sets(cfg, next_steps_runner(method), one_token)
@@ -307,7 +313,7 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
     if method in ONE_TOKEN_DRAFTERS:
         sets += token_sets(method)
         if mode.has_full_decode:
-            sets += decode_sets(method, target_q, drafting_tiers(cfg))
+            sets += decode_sets(method, target_q)
         one_token = _one_token_tiers(cfg)
         if one_token:
             runner = next_steps_runner(method)

@@ -256,17 +256,21 @@ class StepDescriptors:
 
 def dispatch_step(dispatchers: dict[str, Dispatcher], method: str | None, out) -> StepDescriptors:
     """Every forward of a scheduled step (a SchedulerOutput): the target's, and a model drafter's, whose shapes
-    are known before the step runs (the sampling requests, and the drafts each proposes)."""
+    are known before the step runs (the sampling requests, and the drafts each proposes). A drafter with a forward
+    over the target's rows (step 0) runs it every step, drafting or not (a step that samples nothing, a tier of
+    K = 0): its KV then holds every position the target's does, so that a later draft, or a request that finds
+    the blocks in the prefix cache, reads it whole."""
     s = out.shape
     target = dispatchers["target"].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
     k = out.num_new_drafts
     n_s = int(out.samples.sum())
-    if method not in MODEL_DRAFTERS or not k or not n_s:
-        return StepDescriptors(target)
     if method in ONE_TOKEN_DRAFTERS:  # the target step's shape, then one token a request (one_token_steps times)
         draft = dispatchers[method].dispatch(s.num_tokens, s.num_reqs, s.max_query_len, s.is_decode)
-        nxt = dispatchers[next_steps_runner(method)].dispatch(n_s, n_s, 1, True) if one_token_steps(method, k) else None
+        drafting = k and n_s and one_token_steps(method, k)
+        nxt = dispatchers[next_steps_runner(method)].dispatch(n_s, n_s, 1, True) if drafting else None
         return StepDescriptors(target, draft, nxt)
+    if method not in MODEL_DRAFTERS or not k or not n_s:
+        return StepDescriptors(target)
     q = block_query_len(method, k)
     return StepDescriptors(target, dispatchers[method].dispatch(n_s * q, n_s, q, True))
 

@@ -13,6 +13,14 @@ confidences) into the request state, with no host round trip between them.
 - A draft model (draft_model): the target's rows as they are (same tokens, same positions) into its own KV cache,
   on graphs mirroring the target's, then K one-token steps from the last new token, each reading the draft before it
   (FULL q = 1 graphs that propose inside them, as EAGLE's steps 1..K-1).
+
+The drafter's KV (EAGLE-style and draft model): step 0 (the catch-up) runs on every step, whether the step drafts or
+not (nothing samples in a prefill chunk; a tier may have K = 0), so every position the target computes the drafter
+computes too, in the same blocks. A block shared from the prefix cache therefore holds the drafter's KV for its
+prefix as well, and nothing is recomputed for it: a draft model's entry at p depends on tokens 0..p only, an
+EAGLE-style head's also on token p + 1, which the block's hash carries (``scheduler.block_hash``). Entries past a
+request's verified tokens (rejected drafts, the one-token steps' lookahead) are never in a cached block. A block
+drafter (dspark, dflash, mtp_multi) writes its KV only at the positions it drafts from, cached prefix or not.
 """
 
 from __future__ import annotations
@@ -69,10 +77,12 @@ class _Drafter:
 class EagleDrafter(_Drafter):
     def propose(self, step, plan, dev, inputs, features, tokens, accepted, first_pos, state) -> None:
         k, m = step.num_new_drafts, plan.num_sampling
+        out = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state), features)
+        if not k or not m:  # step 0 wrote the head's KV; no drafts this step
+            return
         slots_s = dev.sampling_slots
         last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
-        feature = self.runtimes[0].execute(step.draft, self._step0_inputs(plan, dev, inputs, tokens, state),
-                                           features)[last_row]
+        feature = out[last_row]
         drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=features.device)
         drafts[:, 0], conf[:, 0] = self._propose(feature)
@@ -123,11 +133,13 @@ class DraftModelDrafter(_Drafter):
         last_pos + j, proposed inside the graph (``GraphRuntime(proposes=True)``); after the first, a FULL graph
         has advanced its own inputs (``execute_next``)."""
         k, m = step.num_new_drafts, plan.num_sampling
-        slots_s = dev.sampling_slots
         t = inputs.tokens
         catch_up = self.runtimes[0]
         catch_up.execute(step.draft, catch_up.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens,
                                                      inputs.req_rows, inputs.max_query_len, inputs.max_seq_len))
+        if not k or not m:  # the catch-up wrote the draft model's KV; no drafts this step
+            return
+        slots_s = dev.sampling_slots
         _, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
         drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)

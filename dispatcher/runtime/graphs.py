@@ -35,7 +35,7 @@ import torch
 
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
-from models.attention import AttentionMetadata, RequestLayout, pack_requests
+from models.attention_metadata import AttentionMetadata, RequestLayout, pack_requests
 from models.fused import programmatic_launch
 
 log = logging.getLogger("twogrid.runtime")
@@ -165,13 +165,20 @@ def input_length(num_tokens: int, num_reqs: int) -> int:
     return len(INPUT_ROWS) * num_tokens + 3 * num_reqs + 1
 
 
-class _Replayable:
+class Replayable:
     """A captured CUDA graph, or (CPU, or capture disabled) the closure itself run eagerly."""
 
     __slots__ = ("fn", "graph")
 
     def __init__(self, fn: Callable[[], None]):
         self.fn, self.graph = fn, None
+
+    @classmethod
+    def captured(cls, fn: Callable[[], None], pool, stream) -> "Replayable":
+        """A new graph of ``fn``, captured."""
+        graph = cls(fn)
+        graph.capture(pool, stream)
+        return graph
 
     def capture(self, pool, stream) -> None:
         self.fn()  # warm-up: compiles kernels, creates handles; outside the graph
@@ -265,11 +272,11 @@ class GraphRuntime:
                         for g in self.graph_sets for size in g.sizes}
         capacity = max([max_num_reqs + 1] + [reqs for _, reqs, _ in self.layouts.values() if reqs])
         self.bufs = StaticBuffers.allocate(model.cfg, self.max_num_tokens, max_num_reqs, max_blocks_per_seq,
-                                           kv_caches[0].dtype, self.device,
+                                           model.dtype, self.device,
                                            aux_size=(aux_size or model.cfg.hidden_size) if model.needs_aux else 0,
                                            request_capacity=capacity, proposes=proposes,
                                            aux_out_size=len(model.aux_layers) * model.cfg.hidden_size)
-        self.graphs: dict[GraphKey, list[_Replayable]] = {}
+        self.graphs: dict[GraphKey, list[Replayable]] = {}
         self.report = CaptureReport(buffers_gib=self.bufs.nbytes() / 2**30)
         self._kind_estimates: dict[tuple[str, int | None], float] = {}
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
@@ -372,9 +379,9 @@ class GraphRuntime:
                 key = GraphKey(g.kind, g.q, size)
                 tokens, reqs, bound = self.layouts[key]
                 if g.kind == PIECEWISE:
-                    self.graphs[key] = [_Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
+                    self.graphs[key] = [Replayable(self._piece(i, tokens)) for i in range(self.model.num_layers + 1)]
                 else:
-                    self.graphs[key] = [_Replayable(self._full(tokens, reqs, bound, graph=True))]
+                    self.graphs[key] = [Replayable(self._full(tokens, reqs, bound, graph=True))]
 
     # -- capture ---------------------------------------------------------------------------------------------
     def _capture_order(self) -> list[GraphSet]:
@@ -387,7 +394,7 @@ class GraphRuntime:
         tokens, reqs, bound = self.layouts[key]
         return self._load_host(np.zeros((4, 0), dtype=np.int64), tokens, reqs or 1, bound or tokens)
 
-    def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[_Replayable] | None = None) -> None:
+    def _capture_one(self, g: GraphSet, size: int, pool, stream, pieces: list[Replayable] | None = None) -> None:
         """Capture one size's graph (the pieces of a PIECEWISE size, attention run between them); by default the
         runtime's own, or ``pieces`` (a throwaway copy for the estimate). Out of memory raises CaptureOOMError."""
         tokens = _graph_tokens(g, size)
@@ -407,19 +414,6 @@ class GraphRuntime:
                 f"tokens): lower {CAP_FIELD[g.kind]} (largest {g.kind} size now {g.largest}), or leave more memory "
                 f"(a smaller KV cache or max_num_seqs)"
             ) from None
-
-    @contextmanager
-    def _frozen_gc(self):
-        gc.collect()
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
-
-    ESTIMATE_REPEATS = 16
-    """The median-size graph is captured this many times, so that the per-graph growth is measured finer than
-    the driver's 2 MiB allocation granularity."""
 
     def _prime_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """Run the smallest graph of each kind once, eagerly, on the capture stream, so that libraries create their
@@ -443,50 +437,37 @@ class GraphRuntime:
                         f"(a smaller KV cache or max_num_seqs)") from None
         current.wait_stream(stream)
 
-    def _capture_throwaway(self, g: GraphSet, size: int, pool, stream, keep: list) -> int:
-        """Capture one size into a throwaway pool; returns the device memory it took."""
-        free0 = free_device_bytes(self.device)
-        pieces = [_Replayable(p.fn) for p in self.graphs[GraphKey(g.kind, g.q, size)]]
-        self._capture_one(g, size, pool, stream, pieces)
-        keep.append(pieces)
-        return free0 - free_device_bytes(self.device)
-
     def estimate_memory(self) -> float:
-        """GiB the plan's graphs will take, from two sizes of each kind captured into a throwaway pool (kinds in
-        capture order): the largest's growth (it sizes the pool: smaller graphs reuse its blocks), plus
-        (count - 1) times the per-graph growth of the median size captured ESTIMATE_REPEATS times (what a graph
-        adds once the pool exists: mostly the driver's graph executable, which grows with the kernel count, not
-        with the size; the median stands for the many small sizes of a grid better than the second largest)."""
+        """GiB the plan's graphs will take (``estimate_kind_memory`` per kind, kinds in capture order, one
+        throwaway pool for all)."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), capture_stream(self.device)
-        self._prime_capture_stream(stream)
-        keep: list = []
+        pool, keep = torch.cuda.graph_pool_handle(), []
+        self._prime_capture_stream(capture_stream(self.device))
         est = 0.0
-        with self._frozen_gc():
+        with frozen_gc():
             for g in self._capture_order():
-                sizes = sorted(g.sizes, reverse=True)
-                first = self._capture_throwaway(g, sizes[0], pool, stream, keep)
-                per_graph = per_graph_pool = 0.0
-                if len(sizes) > 1:
-                    repeats = min(self.ESTIMATE_REPEATS, len(sizes) - 1)
-                    free0 = free_device_bytes(self.device)
-                    reserved0 = torch.cuda.memory_reserved(self.device)
-                    median = sizes[1:][len(sizes[1:]) // 2]
-                    for _ in range(repeats):
-                        self._capture_throwaway(g, median, pool, stream, keep)
-                    per_graph = max(0, free0 - free_device_bytes(self.device)) / repeats
-                    per_graph_pool = max(0, torch.cuda.memory_reserved(self.device) - reserved0) / repeats
-                kind_est = (first + (len(sizes) - 1) * per_graph) / 2**30
-                self._kind_estimates[(g.kind, g.q)] = kind_est
-                self._estimate_samples[(g.kind, g.q)] = (first / 2**30, per_graph / 2**30, per_graph_pool / 2**30)
-                est += kind_est
+                samples: list[float] = []
+                copies = [self._copy_capture(g, size) for size in sorted(g.sizes, reverse=True)]
+                kind_gib = estimate_kind_memory(self.device, copies, pool, keep, samples) / 2**30
+                self._kind_estimates[(g.kind, g.q)] = kind_gib
+                self._estimate_samples[(g.kind, g.q)] = tuple(x / 2**30 for x in samples)
+                est += kind_gib
         del keep, pool
         gc.collect()
         free_device_bytes(self.device)
         self.report.estimate_seconds = time.perf_counter() - start
         return est
+
+    def _copy_capture(self, g: GraphSet, size: int) -> Callable[[object, object], list]:
+        """A function (pool, stream) that captures a fresh copy of one size's graph (for the estimate)."""
+        def capture(pool, stream) -> list:
+            pieces = [Replayable(p.fn) for p in self.graphs[GraphKey(g.kind, g.q, size)]]
+            self._capture_one(g, size, pool, stream, pieces)
+            return pieces
+
+        return capture
 
     @torch.inference_mode()
     def capture(self, progress: bool = True, estimate: bool = True, trace_memory: bool = False) -> CaptureReport:
@@ -499,8 +480,8 @@ class GraphRuntime:
         pool, stream = shared_pool(self.device), capture_stream(self.device)
         self._prime_capture_stream(stream)
         total = sum(len(g.sizes) for g in self.graph_sets)
-        bar = _progress(total, f"capturing {self.runner} graphs", progress)
-        with self._frozen_gc():
+        bar = progress_bar(total, f"capturing {self.runner} graphs", progress)
+        with frozen_gc():
             for g in self._capture_order():
                 free0 = free_device_bytes(self.device)
                 reserved0 = torch.cuda.memory_reserved(self.device)
@@ -579,22 +560,7 @@ class GraphRuntime:
     def _replay_ms(self, key: GraphKey, repeats: int) -> float:
         """The median of ``repeats`` timed replays of one FULL graph over padded inputs (after one to warm)."""
         self._reset_metadata(key)
-        graph = self.graphs[key][0]
-        graph.replay()  # warm
-        runs = []
-        for _ in range(repeats):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                runs.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                graph.replay()
-                runs.append((time.perf_counter() - t0) * 1e3)
-        return sorted(runs)[len(runs) // 2]
+        return replay_ms(self.graphs[key][0], self.device, repeats)
 
     # -- replay ----------------------------------------------------------------------------------------------
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
@@ -734,6 +700,74 @@ class StepInputs:
                    max(layout.max_query_len, 1), layout.max_seq_len)
 
 
+@contextmanager
+def frozen_gc():
+    """Python's garbage collector off (and the heap frozen) while graphs are captured."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+ESTIMATE_REPEATS = 16
+"""The median-size graph is captured this many times, so that the per-graph growth is measured finer than the
+driver's 2 MiB allocation granularity."""
+
+
+def estimate_kind_memory(device: torch.device, captures: list, pool, keep: list,
+                         samples: list | None = None) -> float:
+    """Bytes a kind of graphs will take, from copies captured into a throwaway ``pool`` (the copies are appended to
+    ``keep``, which the caller drops once every kind is estimated): the largest's growth (it sizes the pool:
+    smaller graphs reuse its blocks), plus (count - 1) times the per-graph growth of the median size captured
+    ESTIMATE_REPEATS times (what a graph adds once the pool exists: mostly the driver's graph executable, which
+    grows with the kernel count, not with the size; the median stands for the many small sizes of a grid better
+    than the second largest). ``captures``: per size, widest first, a function (pool, stream) that captures a
+    fresh copy of that size's graph and returns it. ``samples`` receives (the largest's growth, the per-graph
+    growth, the allocator pool's part of it) in bytes."""
+    stream = capture_stream(device)
+
+    def capture(make) -> int:
+        free0 = free_device_bytes(device)
+        keep.append(make(pool, stream))
+        return free0 - free_device_bytes(device)
+
+    first = capture(captures[0])
+    per_graph = per_graph_pool = 0.0
+    if len(captures) > 1:
+        rest = captures[1:]
+        repeats = min(ESTIMATE_REPEATS, len(rest))
+        free0, reserved0 = free_device_bytes(device), torch.cuda.memory_reserved(device)
+        for _ in range(repeats):
+            capture(rest[len(rest) // 2])
+        per_graph = max(0, free0 - free_device_bytes(device)) / repeats
+        per_graph_pool = max(0, torch.cuda.memory_reserved(device) - reserved0) / repeats
+    if samples is not None:
+        samples[:] = [first, per_graph, per_graph_pool]
+    return first + (len(captures) - 1) * per_graph
+
+
+def replay_ms(graph: Replayable, device: torch.device, repeats: int) -> float:
+    """The median of ``repeats`` timed replays of a graph over whatever inputs its buffers hold (after one to
+    warm)."""
+    graph.replay()
+    runs = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            graph.replay()
+            runs.append((time.perf_counter() - t0) * 1e3)
+    return sorted(runs)[len(runs) // 2]
+
+
 class _NoBar:
     def update(self, n: int) -> None:
         pass
@@ -742,7 +776,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return _NoBar()
     try:

@@ -32,6 +32,7 @@ from dispatcher.messages import (TO_ENGINE, TO_WORKER, GrammarBitmask, Shutdown,
                                  decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_VARLEN, MODEL_DRAFTERS, build_plan
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+from models.attention import kv_cache_dtype
 from models.loader import load_model, read_model_config
 
 log = logging.getLogger("twogrid.worker")
@@ -43,7 +44,8 @@ FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
 
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Bytes of one KV block across ``num_layers`` layers (default: all of the model's)."""
+    """Bytes of one KV block across ``num_layers`` layers (default: all of the model's), in the cache's ``dtype``
+    (one byte a value with ``--kv-cache-dtype fp8``)."""
     layers = model_cfg.num_layers if num_layers is None else num_layers
     return layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * \
         torch.tensor([], dtype=dtype).element_size()
@@ -56,10 +58,11 @@ def build_worker(init: WorkerInit) -> tuple[ModelWorker, WorkerReady]:
     dtype = getattr(torch, init.dtype)
     device = torch.device(init.device)
     start = time.perf_counter()
-    model = load_model(init.model, device, dtype, init.seed)
+    model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len)
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
-                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.structured_outputs)
+                        init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
+                        init.quantization, init.kv_cache_dtype, init.structured_outputs)
     if not init.num_kv_blocks:
         wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
     worker = ModelWorker(wcfg, plan, model=model)
@@ -78,16 +81,20 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     """KV blocks that fit in ``utilization`` of the device's memory once the weights, the static buffers and the
     graphs (estimated by capturing samples into a throwaway pool) are counted. On the CPU: enough for every slot's
     longest request, capped at 4 GiB."""
-    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype)
+    kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
+    per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype)
     method = plan.config.method
     if method == DRAFT_MODEL:  # the draft LM's own cache
-        per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, wcfg.dtype)
+        per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, kv_dtype)
     elif method in MODEL_DRAFTERS:  # a one-layer head with the target's KV heads
-        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, wcfg.dtype, 1)
+        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype, 1)
     if wcfg.device.startswith("cpu"):
         return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
-    graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30 if wcfg.use_cuda_graphs else 0
+    graphs = 0.0
+    if wcfg.use_cuda_graphs:
+        graphs = sum(rt.estimate_memory() for rt in probe.runtimes) * 2**30
+        graphs += probe.fused.estimate_memory() * 2**30 if probe.fused is not None else 0.0
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block

@@ -20,20 +20,22 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, GrammarBitmask, Step, StepResult, pack, unpack
+from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
-from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, MODEL_DRAFTERS, is_next_steps,
-                                          model_runners)
+from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
+                                          is_next_steps, model_runners)
+from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.staging import Download, Upload, as_float
-from models.attention import allocate_kv_cache
+from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
 from models.fused import argmax_prob
 from models.loader import load_model
-from models.sampling import FIXED_ACCEPTANCE, RowParams, accepted_drafts, sample_tokens, uniform
+from models.sampling import RowParams, accepted_drafts, fixed_accepted, sample_tokens
 from models.transformer import build_model
 
 log = logging.getLogger("twogrid.worker")
@@ -62,6 +64,13 @@ class WorkerConfig:
     fixed_acceptance: float | None = None
     """Benchmarks only: after verification, accept a seeded number of drafts per request so that the mean
     acceptance length (tokens a verify step yields) is this value, whatever the drafter proposed. None: off."""
+    fuse_decode_steps: bool = True
+    """Capture each uniform-decode step whole (``dispatcher.runtime.decode_step``) where it can run so; False: every
+    step op by op around the runners' graphs."""
+    quantization: str | None = None
+    """``"fp8"``: the weights quantized to FP8 at load (``models.fp8``); None: as the checkpoint holds them."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` (the model's dtype) or ``"fp8"`` (e4m3 with per-layer scales: ``models.attention.kv_cache_dtype``)."""
     structured_outputs: bool = False
     """Steps may carry grammar bitmasks (the engine has a tokenizer): load and warm up xgrammar's kernel at
     capture, not in the first constrained step."""
@@ -69,18 +78,22 @@ class WorkerConfig:
 
 class RequestState:
     """Every slot's request on the device: its tokens by position, how many are computed, its drafts, and its
-    sampling parameters (with host copies of the parameters, to choose the sampler without a device read)."""
+    sampling parameters (with host copies of the parameters, to choose the sampler without a device read). One
+    row more than slots, ``dummy``: no request owns it, so that a fused step's padded requests read and write
+    there."""
 
     def __init__(self, max_num_seqs: int, max_len: int, max_drafts: int, device: torch.device):
+        rows = max_num_seqs + 1
         z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
-        self.token_ids = z(max_num_seqs, max_len)
-        self.num_computed = z(max_num_seqs)
-        self.drafts = z(max_num_seqs, max(max_drafts, 1))
-        self.draft_conf = z(max_num_seqs, max(max_drafts, 1), dt=torch.float32)
-        self.temperature = z(max_num_seqs, dt=torch.float32)
-        self.top_k = z(max_num_seqs)
-        self.top_p = z(max_num_seqs, dt=torch.float32)
-        self.seed = z(max_num_seqs)
+        self.dummy = max_num_seqs
+        self.token_ids = z(rows, max_len)
+        self.num_computed = z(rows)
+        self.drafts = z(rows, max(max_drafts, 1))
+        self.draft_conf = z(rows, max(max_drafts, 1), dt=torch.float32)
+        self.temperature = z(rows, dt=torch.float32)
+        self.top_k = z(rows)
+        self.top_p = z(rows, dt=torch.float32)
+        self.seed = z(rows)
         self.host_temperature = np.zeros(max_num_seqs, np.float64)
         self.host_top_k = np.zeros(max_num_seqs, np.int64)
         self.host_top_p = np.ones(max_num_seqs, np.float64)
@@ -104,7 +117,8 @@ class ModelWorker:
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
-            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
+            self.model = load_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed, wcfg.quantization,
+                                    wcfg.max_model_len)
         else:
             self.model = build_model(wcfg.model, self.device, wcfg.dtype, wcfg.seed)
         self.method, self.k_max = method, k_max
@@ -112,8 +126,9 @@ class ModelWorker:
         if isinstance(head, EagleHead) and head.shape.eagle3:
             self.model.aux_layers = head.shape.aux_layers  # the target's graphs also write the features it reads
         cfg = self.model.cfg
+        kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, wcfg.dtype, self.device)
+                                           cfg.head_dim, kv_dtype, self.device)
         self.runtime = GraphRuntime(
             self.model, self.kv_caches, plan.for_runner("target"),
             max_num_tokens=wcfg.max_num_batched_tokens, max_num_reqs=wcfg.max_num_seqs,
@@ -125,7 +140,7 @@ class ModelWorker:
             self.drafter = NgramDrafter(plan.config.prompt_lookup_min, plan.config.prompt_lookup_max)
         elif head is not None:
             draft_kv = allocate_kv_cache(head.cfg.num_layers, wcfg.num_kv_blocks, wcfg.block_size,
-                                         head.cfg.num_kv_heads, head.cfg.head_dim, wcfg.dtype, self.device)
+                                         head.cfg.num_kv_heads, head.cfg.head_dim, kv_dtype, self.device)
             widest = max(wcfg.max_num_batched_tokens, wcfg.max_num_seqs * (k_max + 1))
             step0_aux = head.step0_aux_size if isinstance(head, EagleHead) else None
             self.draft_runtimes = [
@@ -145,8 +160,12 @@ class ModelWorker:
         self.receive_grammar: Callable[[int], GrammarBitmask] | None = None
         """The worker process's way to wait for a step's bitmask sent after it (None in-process: the engine sends
         every bitmask with its step)."""
-        self._fixed_alpha: float | None = None
+        self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
+        self.fixed_acceptance_on = False
         self.set_fixed_acceptance(wcfg.fixed_acceptance)
+        self.fused = FusedDecode(self, plan) if wcfg.use_cuda_graphs and wcfg.fuse_decode_steps else None
+        """Uniform-decode steps captured whole (None: every step op by op)."""
         self.fail_steps: frozenset[int] = frozenset()
         """A test hook (the worker process sets it from $TWOGRID_FAIL_STEPS; empty otherwise): these steps raise
         InjectedFault after their state changes, where a failing kernel would, so that tests see what a step error
@@ -159,7 +178,9 @@ class ModelWorker:
         so the same captured engine measures real and fixed acceptance."""
         if mean_length is not None and not self.k_max:
             raise ValueError("fixed_acceptance needs speculative decoding (num_speculative_tokens > 0)")
-        self._fixed_alpha = None if mean_length is None else _acceptance_rate_for(mean_length, self.k_max)
+        self.fixed_acceptance_on = mean_length is not None
+        if mean_length is not None:
+            self.fixed_alpha.fill_(fixed_acceptance_rate(mean_length, self.k_max))
 
     def _draft_head(self, cfg):
         """The drafter's model: the draft LM (draft_model); an EAGLE head from its checkpoint ("model"), else the one
@@ -191,7 +212,7 @@ class ModelWorker:
 
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
-        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed)
+        draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed, self.wcfg.quantization)
         if draft.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"speculative model {name!r} has a vocabulary of {draft.cfg.vocab_size} tokens, the "
                              f"target {self.model.cfg.vocab_size}: a draft model must share the target's tokenizer")
@@ -207,6 +228,8 @@ class ModelWorker:
         report = self.runtime.capture(progress=progress)
         for rt in self.draft_runtimes:
             report.kinds += rt.capture(progress=progress).kinds
+        if self.fused is not None:
+            report.kinds += self.fused.capture(progress=progress)
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
         if self.wcfg.structured_outputs:
@@ -267,12 +290,21 @@ class ModelWorker:
     def measure_decode_costs(self) -> dict[str, dict[int, list[tuple[int, float]]]]:
         """Replay times of every runner's FULL decode graphs, {runner: {q: [(requests, ms), ...]}}: what ``"auto"``
         speculative tiers weigh (``dispatcher.plan.autotier.decode_step_costs``)."""
-        return {rt.runner: rt.measure_decode_ms() for rt in self.runtimes}
+        costs = {rt.runner: rt.measure_decode_ms() for rt in self.runtimes}
+        if self.fused is not None and self.fused.graphs and self.device.type == "cuda":
+            costs[FUSED_STEP] = self.fused.measure_ms()
+        return costs
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def submit(self, step: Step) -> "_Pending":
-        """Queue a step on the device; nothing here waits for the device."""
+        """Queue a step on the device; nothing here waits for the device. A uniform decode that a fused graph holds
+        runs as one replay (``_submit_fused``), any other step op by op."""
+        if self.fused is not None:
+            slots = unpack(step.slots)
+            key = self.fused.key_for(step, slots)
+            if key is not None:
+                return self._submit_fused(step, key, slots)
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
@@ -286,8 +318,8 @@ class ModelWorker:
         hidden = self.runtime.execute(step.target, inputs)
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
         self._advance(plan, dev, tokens, accepted, first_pos)
-        drafts = self.drafter is not None and step.num_new_drafts and plan.num_sampling
-        if drafts:
+        drafts = bool(self.drafter is not None and step.num_new_drafts and plan.num_sampling)
+        if drafts or step.draft is not None:  # (step 0 writes the drafter's KV every step: drafting.py)
             features = self.runtime.features(inputs.num_tokens) if self.model.aux_layers else hidden
             self.drafter.propose(step, plan, dev, inputs, features, tokens, accepted, first_pos, self.state)
         # The one copy back: accepted (m), tokens (m, width), [draft confidences (m, k)], [logprobs (m, width, 1 + N),
@@ -300,7 +332,34 @@ class ModelWorker:
             out += [values.flatten().view(torch.int32), ids.to(torch.int32).flatten()]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
-        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, bool(drafts), *jit)
+        return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit)
+
+    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray) -> "_Pending":
+        """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
+        one copy with the step's state changes; the result rows copied back as they lie."""
+        padded = np.full(key.target.size, self.state.dummy, np.int64)
+        padded[: len(slots)] = slots
+        clock = _Clock(self.device)
+        dev_slots, freed, updates = self.upload(padded, unpack(step.freed_slots).astype(np.int64),
+                                                unpack(step.block_updates).astype(np.int64))
+        self._release_and_map(step, freed, updates)
+        if step.step_id in self.fail_steps:
+            raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
+        self.fused.run(key, dev_slots, step.max_seq_len)
+        rows = self.fused.out[: len(slots)]
+        clock.stop()
+        jit = self._jit_compiles(step.step_id)
+        return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
+                        fused=True)
+
+    def _collect_fused(self, pending: "_Pending") -> StepResult:
+        """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
+        step, width = pending.step, 1 + self.k_max
+        rows = self.download.wait(pending.ticket).reshape(step.num_reqs, -1)
+        conf = pack(rows[:, 1 + width : 1 + width + step.num_new_drafts].view(np.float32), F32) if pending.drafted \
+            else b""
+        return StepResult(step.step_id, pack(rows[:, 1 : 1 + width]), pack(rows[:, 0]), width, conf,
+                          pending.clock.ms(), jit_compiles=pending.jit_compiles, jit_ms=pending.jit_ms, fused=True)
 
     def _jit_compiles(self, step_id: int) -> tuple[int, float]:
         """Triton compiles during this step's launches (count, ms), logged with the kernels that needed them."""
@@ -313,6 +372,8 @@ class ModelWorker:
 
     def collect(self, pending: "_Pending") -> StepResult:
         """Wait for a submitted step's result (its one synchronization) and return it."""
+        if pending.fused:
+            return self._collect_fused(pending)
         step, plan = pending.step, pending.plan
         flat = self.download.wait(pending.ticket)
         m, width, n, k_new = plan.num_sampling, plan.width, step.num_reqs, step.num_new_drafts
@@ -363,15 +424,24 @@ class ModelWorker:
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
             np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
             np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
+            np.asarray([r.num_computed for r in new], np.int64),
         )
         return _DeviceStep(*cols)
 
-    def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
-        """Freed slots forgotten, admitted requests set up, new KV blocks entered."""
-        st = self.state
+    def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
+        """Freed slots' block-table rows cleared, new KV blocks entered, in every runner's table."""
         if len(step.freed_slots):
             for rt in self.runtimes:
-                rt.bufs.block_table.index_fill_(0, dev.freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
+                rt.bufs.block_table.index_fill_(0, freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
+        updates = block_updates.view(3, -1)
+        if updates.shape[1]:
+            for rt in self.runtimes:
+                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+
+    def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
+        """Freed slots forgotten, new KV blocks entered, admitted requests set up."""
+        st = self.state
+        self._release_and_map(step, dev.freed_slots, dev.block_updates)
         if step.new_requests:
             slots, lens = dev.new_slots, dev.new_lens
             rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
@@ -379,15 +449,11 @@ class ModelWorker:
             cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
                 starts, lens, output_size=dev.new_tokens.numel())
             st.token_ids[rows, cols] = dev.new_tokens
-            st.num_computed.index_fill_(0, slots, 0)
+            st.num_computed[slots] = dev.new_num_computed  # (its cached prefix's tokens; 0 without one)
             st.temperature[slots] = as_float(dev.new_temperature)
             st.top_k[slots] = dev.new_top_k
             st.top_p[slots] = as_float(dev.new_top_p)
             st.seed[slots] = dev.new_seed
-        updates = dev.block_updates.view(3, -1)
-        if updates.shape[1]:
-            for rt in self.runtimes:
-                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
 
     def _note_requests(self, step: Step) -> None:
         """The host's copies of the admitted requests' parameters."""
@@ -434,8 +500,8 @@ class ModelWorker:
         params = st.row_params(slots_s[request], plan.host_sampling_slots[plan.verify_cells // width])
         tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         drafts = st.drafts[slots_s, : width - 1]
-        if self._fixed_alpha is not None:
-            accepted = self._fixed_acceptance(slots_s, first_pos, nd, width - 1)
+        if self.fixed_acceptance_on:
+            accepted = fixed_accepted(st.seed[slots_s], first_pos, nd, width - 1, self.fixed_alpha)
             tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
                                  torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
@@ -491,14 +557,6 @@ class ModelWorker:
                                              vocab_size=logits.shape[1])
         logits[dev_rows] = masked
 
-    def _fixed_acceptance(self, slots_s, first_pos, nd, k):
-        """Benchmarks' fixed acceptance: a seeded count of drafts accepted (each with probability alpha, in turn),
-        whatever they are; the target's token follows them."""
-        u = uniform(self.state.seed[slots_s][:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
-                    (first_pos[:, None] + torch.arange(k, device=self.device)[None, :]).reshape(-1), FIXED_ACCEPTANCE)
-        ok = (u.view(-1, k) < self._fixed_alpha) & (torch.arange(k, device=self.device)[None, :] < nd[:, None])
-        return torch.cumprod(ok.long(), dim=1).sum(dim=1)
-
     def _advance(self, plan: "_StepPlan", dev: "_DeviceStep", tokens, accepted, first_pos) -> None:
         """The request state after the step: new tokens stored at their positions, computed counts advanced (a
         sampling request by its known tokens and accepted drafts)."""
@@ -527,6 +585,8 @@ class _Pending:
     """The step's download holds draft confidences."""
     jit_compiles: int = 0
     jit_ms: float = 0.0
+    fused: bool = False
+    """A fused decode step (``_submit_fused``): its download is the result rows."""
 
 
 class _Sections:
@@ -688,22 +748,8 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_top_p: torch.Tensor
     new_seed: torch.Tensor
+    new_num_computed: torch.Tensor
 
     @property
     def sampling_slots(self) -> torch.Tensor:
         return self.slots[self.sampling_rows]
-
-
-def _acceptance_rate_for(mean_length: float, k: int) -> float:
-    """The per-draft acceptance probability alpha (each draft accepted with alpha if the previous one was) whose
-    mean acceptance length 1 + sum_{j=1..k} alpha^j equals ``mean_length``; bisection."""
-    if not 1.0 <= mean_length <= 1.0 + k:
-        raise ValueError(f"fixed_acceptance = {mean_length} must be in [1, 1 + K] = [1, {1 + k}]")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if 1.0 + sum(mid ** j for j in range(1, k + 1)) < mean_length:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2

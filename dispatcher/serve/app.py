@@ -130,6 +130,8 @@ class _Request:
     text_offset: int = 0
     finished: bool = False
     """The engine finished it (or failed it): nothing to abort."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens the prefix cache held (usage's ``prompt_tokens_details.cached_tokens``), once it started."""
     tools: "_ToolUse | None" = None
     """Chat with tools whose calls are parsed out of the output (tool_choice auto with a parser, required, named)."""
     tool_stream: ToolStream | None = None
@@ -398,6 +400,7 @@ class Server:
         try:
             async for delta in deltas:
                 out = delta.outputs[0]
+                r.num_cached_tokens = delta.num_cached_tokens
                 if out.finish_reason is not None:
                     r.finished = True
                     if out.finish_reason == "abort":  # the engine dropped it (a shutdown): an error, not a result
@@ -458,7 +461,7 @@ class Server:
             out = await anext(outputs)
         r.completion_tokens = len(token_ids)
         self._finished(r, out)
-        usage = P.usage(len(r.prompt_token_ids), len(token_ids))
+        usage = P.usage(len(r.prompt_token_ids), len(token_ids), r.num_cached_tokens)
         if r.chat:
             lp = (P.chat_logprobs(token_ids, entries, r.num_top_logprobs, self.token_text)
                   if r.num_top_logprobs is not None else None)
@@ -519,7 +522,7 @@ class Server:
     # -- stream chunks ------------------------------------------------------------------------------------------
     def _chunk_usage(self, r: _Request) -> P.Usage | None:
         if r.continuous_usage:
-            return P.usage(len(r.prompt_token_ids), r.completion_tokens)
+            return P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
         return None
 
     def _role_chunk(self, r: _Request) -> bytes:
@@ -569,7 +572,7 @@ class Server:
         return P.ChatDelta(content=content or None, tool_calls=deltas or None)
 
     def _usage_chunk(self, r: _Request) -> bytes:
-        usage = P.usage(len(r.prompt_token_ids), r.completion_tokens)
+        usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
         if r.chat:
             return P.sse(P.ChatCompletionChunk(r.request_id, r.created, r.model, [], usage))
         return P.sse(P.Completion(r.request_id, r.created, r.model, [], usage))

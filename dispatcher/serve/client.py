@@ -177,7 +177,8 @@ class EngineClient:
         tokens = [t for d in deltas for t in d.new_token_ids] if len(deltas) > 1 else last.new_token_ids
         logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
         reason = FinishReason(last.finish_reason) if last.finish_reason else None
-        outs = self.processor.process([StepOutput(request_id, tokens, reason is not None, reason, logprobs)])
+        cached = next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None)
+        outs = self.processor.process([StepOutput(request_id, tokens, reason is not None, reason, logprobs, cached)])
         return outs[0] if outs else None
 
     async def abort(self, request_id: str) -> None:
@@ -246,7 +247,8 @@ class EngineClient:
         for s in msg.steps:
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,
-                                     s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos)
+                                     s.num_preempted, s.device_s, s.num_drafts, s.draft_tokens, s.accepted_per_pos,
+                                     s.prefix_cache_queries, s.prefix_cache_hits, s.fused)
                 if s.tiers is not None:
                     self.metrics.set_spec_tiers(s.tiers)
         if msg.queue is not None and self.metrics is not None:

@@ -52,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens a request may hold (default: the model's context length)")
     m.add_argument("--seed", type=int, default=0, help="random weights of presets; seeds of unseeded requests")
+    m.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights to FP8 at load, per output channel (a checkpoint that is already "
+                        "FP8, quant_method fp8 or compressed-tensors, loads as FP8 without it)")
     k = p.add_argument_group("KV cache and device")
     k.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -59,7 +62,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the GPU's memory for weights, graphs and the KV cache (default: %(default)s)")
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks, instead of sizing it from free memory")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8 (e4m3, per-layer scales from the checkpoint or 1.0): the same "
+                        "memory holds twice the tokens (default: %(default)s)")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
+    k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
+                   help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
+                        "(the default fuses them: docs/reference.md, fused decode steps)")
+    from dispatcher.cli import add_prefix_caching_arg
+
+    add_prefix_caching_arg(k)
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -136,7 +148,8 @@ def _setup(args: argparse.Namespace):
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
-    from models.loader import CheckpointError, default_dtype, model_kind, read_model_config
+    from models.checkpoint import CheckpointError
+    from models.loader import default_dtype, model_kind, read_model_config
     from models.text import check_draft_tokenizer, load_tokenizer
 
     for flag in ("port", "block_size"):
@@ -160,7 +173,7 @@ def _setup(args: argparse.Namespace):
     try:
         model = args.model or default_model_path()
         model_kind(model)
-        model_cfg = read_model_config(model)
+        model_cfg = read_model_config(model, args.quantization)
         tokenizer = load_tokenizer(args.tokenizer or model)
         if args.tokenizer and tokenizer is None:
             raise ConfigError(f"--tokenizer: {args.tokenizer!r} has no tokenizer (give a checkpoint directory or a "
@@ -193,7 +206,9 @@ def _setup(args: argparse.Namespace):
                       max_model_len, sched.max_blocks_per_seq, args.num_kv_blocks or 0, args.gpu_memory_utilization,
                       args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
-                      measure_decode_costs=cfg.auto_tiers, structured_outputs=tokenizer is not None)
+                      measure_decode_costs=cfg.auto_tiers, fuse_decode_steps=args.fuse_decode_steps,
+                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                      structured_outputs=tokenizer is not None)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
@@ -204,7 +219,9 @@ def _setup(args: argparse.Namespace):
         eos.append(tokenizer.eos_token_id)
     engine_args = EngineArgs(model, device=device, dtype=getattr(torch, dtype), num_kv_blocks=1,
                              block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
-                             step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)))
+                             step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)),
+                             enable_prefix_caching=args.enable_prefix_caching,
+                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     log.info("%s", render_plan(build_plan(cfg)))
     name = args.served_model_name or _model_name(model)
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
@@ -265,9 +282,9 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
                             num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count, args.tokenizer or init.model,
-                                     args.structured_compile_timeout_s), tokenizer, name, defaults, metrics,
-                          args.log_level)
+                                     args.api_server_count, engine_args.enable_prefix_caching,
+                                     args.tokenizer or init.model, args.structured_compile_timeout_s),
+                          tokenizer, name, defaults, metrics, args.log_level)
     app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     try:

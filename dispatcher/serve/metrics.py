@@ -4,7 +4,8 @@ exports. Free of aiohttp, so the engine process imports it without the HTTP stac
 Who records what:
 
 - the engine calls the step-level hooks: ``on_step`` once per step (graph mode, eager reason, padding,
-  speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions),
+  speculative decoding's verify events, drafts verified and accepted in all and per position, preemptions, prefix
+  cache queries and hits),
   ``set_queue`` with the queue after each step and after aborts that no step follows (running, waiting, free KV
   blocks), ``set_capture`` once after capture, and ``set_spec_tiers`` with the speculative
   tiers at start and whenever ``"auto"`` tiers change (the engine process sends these to the front end, which records
@@ -81,6 +82,10 @@ class EngineMetrics:
             model_name)
         self._kv_blocks = gauge("kv_cache_blocks", "KV blocks in the cache.").labels(model_name)
         self._preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.").labels(model_name)
+        self._prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens: the tokens of each "
+                                       "request when it first starts.").labels(model_name)
+        self._prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens: of the queried tokens, those "
+                                    "whose KV the cache held.").labels(model_name)
         # tokens and requests (the HTTP layer records these)
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token."
                                       ).labels(model_name)
@@ -99,6 +104,9 @@ class EngineMetrics:
         self._graph_steps = counter("cudagraph_steps", "Steps by batch kind and graph mode (FULL, PIECEWISE, "
                                     "NONE = eager).", ("kind", "mode"))
         self._eager_steps = counter("eager_steps", "Steps run without a graph, by reason.", ("reason",))
+        self._fused_steps = counter("fused_decode_steps", "Uniform-decode steps run as one graph a step (the target's "
+                                    "forward, verification and the drafter's forwards: the rest of FULL uniform "
+                                    "decodes ran op by op around their forwards' graphs).").labels(model_name)
         self._padded_tokens = counter("padded_tokens", "Tokens added to steps to reach a captured size."
                                       ).labels(model_name)
         # speculative decoding, as vLLM's v1 counts it (vllm/v1/spec_decode/metrics.py)
@@ -131,12 +139,16 @@ class EngineMetrics:
     # -- engine hooks -------------------------------------------------------------------------------------------
     def on_step(self, kind: str, mode: str, eager_reason: str | None = None, padded_tokens: int = 0,
                 accepted_tokens: int = 0, preemptions: int = 0, device_seconds: float = 0.0, num_drafts: int = 0,
-                draft_tokens: int = 0, accepted_per_pos: Sequence[int] = ()) -> None:
+                draft_tokens: int = 0, accepted_per_pos: Sequence[int] = (), prefix_cache_queries: int = 0,
+                prefix_cache_hits: int = 0, fused: bool = False) -> None:
         """One step ran: its batch kind (dispatch's BATCH_KINDS) and mode (FULL / PIECEWISE / NONE); why it ran
         eagerly when it did; tokens of padding; draft tokens accepted; requests preempted while scheduling it; its
         device time; verify events, draft tokens verified and, per draft position, the verify events that accepted
-        it."""
+        it; the prefix cache's queries and hits (tokens) of the requests it started; whether it ran as one fused
+        decode-step graph."""
         self._graph_steps.labels(self.model_name, kind, mode).inc()
+        if fused:
+            self._fused_steps.inc()
         self._device_s.inc(device_seconds)
         if eager_reason is not None:
             self._eager_steps.labels(self.model_name, eager_reason).inc()
@@ -155,6 +167,9 @@ class EngineMetrics:
                     per_pos[j].inc(n)
         if preemptions:
             self._preemptions.inc(preemptions)
+        if prefix_cache_queries:
+            self._prefix_queries.inc(prefix_cache_queries)
+            self._prefix_hits.inc(prefix_cache_hits)
 
     def on_backlog(self, num_steps: int) -> None:
         """A front end found ``num_steps`` more engine steps' outputs waiting than the one it was reading."""

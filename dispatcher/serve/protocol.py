@@ -435,14 +435,25 @@ class ErrorResponse(Struct):
     error: ErrorInfo
 
 
-class Usage(Struct):
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
+class Usage(Struct, omit_defaults=True):
+    """Without a count of cached tokens (an engine that reports none) ``prompt_tokens_details`` is left out."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` once the request has started (as OpenAI reports it:
+    0 without a cache hit)."""
+    details = PromptTokensDetails(cached_tokens) if cached_tokens is not None else None
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
 
 
 class CompletionLogprobs(Struct):

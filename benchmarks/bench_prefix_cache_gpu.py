@@ -1,0 +1,304 @@
+"""Prefix caching served (issue 30): ``twogrid serve`` with ``--enable-prefix-caching`` and with
+``--no-enable-prefix-caching``, driven by ``twogrid bench``, per model, workload and concurrency: output tok/s, TTFT
+p50 and p99, the prefix cache's hit rate (``twogrid:prefix_cache_hits_total`` / ``queries_total`` over the run),
+eager steps (by reason) and graph steps by kind and mode (the prefill grid's mixed steps, the decode grid's uniform
+decodes), padded tokens.
+
+Models (``--models``): ``bench-moe`` (random weights, Granite-3.0-1B-A400M's shape, SmolLM2's tokenizer:
+``--tokenizer``) and ``default`` (SmolLM2-135M-Instruct's GGUF, its own tokenizer). Per model both servers (caching
+on and off) are started together, each with a KV cache of ``--kv-gib`` GiB (``--num-kv-blocks``: a memory fraction
+would count the other server's memory as used; the headline's flags otherwise: separate grids, sm100, 1024
+requests and 16384 tokens a step), and each cell runs on one, then the other. Workloads (``--workloads``):
+
+  multi-turn         ShareGPT conversations through /v1/chat/completions (``twogrid bench --multi-turn``): each
+                     turn sent with the conversation so far, the model's own answers in it. The ShareGPT file at
+                     hand holds first turns only, so the script chains ``--turns`` of its prompts into each
+                     conversation (a file per run, every conversation told apart by a tag at its start, so that no
+                     run finds another's in the cache); N conversations at N streams.
+  prefix-repetition  vLLM's prefix_repetition dataset through /v1/completions: ``--prefix-len`` words (about a token
+                     each) shared by each of N / 16 prefixes (at least 2), ``--suffix-len`` of each prompt's own; 2N
+                     prompts at N streams (a seed per concurrency: fresh prefixes per run).
+  no-prefix          the random dataset (``--random-len`` words, no shared prefix): what hashing costs where the
+                     cache finds nothing; 2N prompts at N streams.
+
+Every run: ``--output-len`` tokens a request, EOS ignored, a warm-up of min(N, 256) synthetic requests (not
+measured; they share nothing with the measured ones), ``--num-clients`` as the headline's. ``summary`` holds, per
+model, workload and concurrency, the TTFT p50 ratio (off / on), the tok/s ratio (on / off) and the targets: on
+multi-turn at 256 streams TTFT p50 at least 2x lower with caching on; on no-prefix no concurrency more than 2% slower.
+
+    PYTHONPATH=.:benchmarks python benchmarks/bench_prefix_cache_gpu.py --data .gpu_data/sharegpt.json \\
+        --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/prefix_cache_h200.json
+
+(about 8 minutes on an H200: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call, run
+``--models bench-moe`` then ``--models default --resume``, about 4 minutes each: ``--resume`` keeps the rows of an
+existing ``--out`` and measures only the missing cells). A CPU dry run:
+``--device cpu --models default --concurrency 2 --turns 2 --output-len 4 --prefix-len 64 --suffix-len 8
+--random-len 32 --api-server-count 1 --min-prompts 4 --max-model-len 1024 --kv-gib 0.25``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from _common import commit, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
+from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
+from bench_spec_gpu import log, log_tail, stop
+
+WORKLOADS = ("multi-turn", "prefix-repetition", "no-prefix")
+MODELS = ("bench-moe", "default")
+SERVED_NAME = "served"
+
+
+def cell(row: dict) -> tuple:
+    return row["model"], row["workload"], row["concurrency"], row["prefix_caching"]
+
+
+def conversations_file(data: str, count: int, turns: int, tag: str, path: str) -> str:
+    """``count`` conversations of ``turns`` user turns each, chained from the ShareGPT file's first turns (in file
+    order, cycled), each conversation's first turn led by a tag of its own (``tag`` and its index): no two
+    conversations of any run share more than the chat template's head."""
+    with open(data, encoding="utf-8") as fh:
+        entries = json.load(fh)
+    prompts = [t["value"] for e in entries for t in e.get("conversations", ())
+               if t.get("from") in ("human", "user") and isinstance(t.get("value"), str) and t["value"].strip()]
+    convs = []
+    for i in range(count):
+        texts = [prompts[(i * turns + j) % len(prompts)] for j in range(turns)]
+        texts[0] = f"[{tag} conversation {i}] {texts[0]}"
+        turns_json = []
+        for text in texts:
+            turns_json += [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]
+        convs.append({"id": f"{tag}-{i}", "conversations": turns_json})
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(convs, fh)
+    return path
+
+
+def bench_command(workload: str, conc: int, base: str, args, work_dir: str) -> list[str]:
+    """``twogrid bench``'s command for one run (a seed of the concurrency: fresh prompts per run, the same for the
+    two servers)."""
+    seed = 1000 + conc
+    cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", SERVED_NAME, "--ignore-eos",
+           "--max-concurrency", str(conc), "--num-warmups", str(min(conc, 256)), "--num-clients",
+           str(num_clients(conc)), "--metric-percentiles", "50,99", "--seed", str(seed), "--disable-tqdm"]
+    if workload == "multi-turn":
+        path = conversations_file(args.data, max(conc, args.min_prompts), args.turns, f"c{conc}",
+                                  os.path.join(work_dir, f"conversations-c{conc}.json"))
+        return cmd + ["--endpoint", "chat", "--dataset-name", "sharegpt", "--dataset-path", path, "--multi-turn",
+                      "--max-turns", str(2 * args.turns), "--num-prompts", str(max(conc, args.min_prompts)),
+                      "--sharegpt-output-len", str(args.output_len)]
+    prompts = str(max(2 * conc, args.min_prompts))
+    if workload == "prefix-repetition":
+        return cmd + ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+                      "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+                      str(max(2, conc // 16)), "--prefix-repetition-output-len", str(args.output_len),
+                      "--num-prompts", prompts]
+    return cmd + ["--dataset-name", "random", "--random-input-len", str(args.random_len), "--random-output-len",
+                  str(args.output_len), "--num-prompts", prompts]
+
+
+def run_bench(workload: str, conc: int, base: str, args, work_dir: str, name: str) -> dict:
+    out_dir = os.path.join(work_dir, "bench")
+    cmd = bench_command(workload, conc, base, args, work_dir)
+    cmd += ["--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json", "--label", name]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out_dir, f"{name}.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def make_row(model: str, workload: str, conc: int, caching: bool, b: dict) -> dict:
+    return {"model": model, "workload": workload, "concurrency": conc, "prefix_caching": caching,
+            "output_tok_s": round(b["output_throughput"], 1), "ttft_ms_p50": round(b["p50_ttft_ms"], 2),
+            "ttft_ms_p99": round(b["p99_ttft_ms"], 2), "ttft_ms_mean": round(b["mean_ttft_ms"], 2),
+            "tpot_ms_mean": round(b["mean_tpot_ms"], 3), "prefix_cache_hit_rate": b.get("prefix_cache_hit_rate"),
+            "prefix_cache_queries": b.get("prefix_cache_queries"), "prefix_cache_hits": b.get("prefix_cache_hits"),
+            "eager_steps": b.get("eager_steps"), "eager_steps_by_reason": b.get("eager_steps_by_reason"),
+            "cudagraph_steps_by_kind_mode": b.get("cudagraph_steps_by_kind_mode"),
+            "padded_tokens": b.get("padded_tokens"), "step_device_seconds": b.get("step_device_seconds"),
+            "completed": b["completed"], "failed": b["failed"], "total_input_tokens": b["total_input_tokens"],
+            "total_output_tokens": b["total_output_tokens"], "duration_s": round(b["duration"], 3),
+            "num_clients": b.get("num_clients")}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per model, workload and concurrency with both servers measured: TTFT p50 off / on, tok/s on / off; the
+    targets where their cells were measured (None where not)."""
+    by = {cell(r): r for r in rows}
+    pairs = []
+    for (model, workload, conc, caching), on in by.items():
+        off = by.get((model, workload, conc, False))
+        if caching and off is not None:
+            pairs.append({"model": model, "workload": workload, "concurrency": conc,
+                          "ttft_p50_off_over_on": round(off["ttft_ms_p50"] / on["ttft_ms_p50"], 3)
+                          if on["ttft_ms_p50"] else None,
+                          "tok_s_on_over_off": round(on["output_tok_s"] / off["output_tok_s"], 4)
+                          if off["output_tok_s"] else None,
+                          "hit_rate": on["prefix_cache_hit_rate"]})
+    mt = [p["ttft_p50_off_over_on"] for p in pairs if p["workload"] == "multi-turn" and p["concurrency"] == 256]
+    nop = [p["tok_s_on_over_off"] for p in pairs if p["workload"] == "no-prefix"]
+    return {"pairs": pairs,
+            "multi_turn_256_ttft_p50_at_least_2x": all(x is not None and x >= 2.0 for x in mt) if mt else None,
+            "no_prefix_at_most_2pct_slower": all(x is not None and x >= 0.98 for x in nop) if nop else None,
+            "no_prefix_worst_tok_s_ratio": min(nop) if nop else None}
+
+
+def markdown(rows: list[dict]) -> str:
+    """A table per model and workload: caching on and off per concurrency, each cell tok/s, TTFT p50 / p99 (ms),
+    the hit rate and eager steps."""
+    def fmt(r: dict) -> str:
+        hit = r["prefix_cache_hit_rate"]
+        return (f"{r['output_tok_s']:.0f} tok/s, TTFT {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} ms"
+                + (f", hit {hit:.0%}" if hit is not None and r["prefix_caching"] else "")
+                + f", {r['eager_steps']} eager")
+
+    return markdown_grid(rows, lambda r: f"{r['model']} {r['workload']}",
+                         lambda r: "caching on" if r["prefix_caching"] else "caching off", fmt)
+
+
+def kv_blocks(model: str, gib: float, block_size: int = 16) -> int:
+    """KV blocks of ``block_size`` tokens that ``gib`` GiB hold for the model in bfloat16."""
+    import torch
+
+    from dispatcher.runtime.process import kv_bytes_per_block
+    from models.loader import read_model_config
+
+    return int(gib * 2**30 // kv_bytes_per_block(read_model_config(model), block_size, torch.bfloat16))
+
+
+def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.Popen, int]]:
+    """Both servers of a model (caching on at ``--port``, off at ``--port`` + 1), started together, ready."""
+    args.model, args.tokenizer = (("bench-moe", args.moe_tokenizer) if model == "bench-moe"
+                                  else (args.default_model, None))
+    procs = {}
+    for caching, port in ((True, args.port), (False, args.port + 1)):
+        cmd = serve_command("separate", None, port, args, SERVED_NAME)
+        cmd += ["--num-kv-blocks", str(kv_blocks(args.model, args.kv_gib))]
+        if not caching:
+            cmd.append("--no-enable-prefix-caching")
+        log_path = os.path.join(work_dir, f"server-{model}-{'on' if caching else 'off'}.log")
+        procs[caching] = (launch(cmd, f"{model} caching {caching}", port, log_path, wait=False), port)
+    try:
+        for caching, (proc, port) in procs.items():
+            wait_healthy(proc, f"{model} caching {caching}", port)
+    except RuntimeError:  # (the other one is stopped too)
+        for proc, _ in procs.values():
+            stop(proc)
+        raise
+    return procs
+
+
+def measure(result: dict, models: list[str], workloads: list[str], concs: list[int], args, work_dir: str,
+            save) -> None:
+    done = {cell(r) for r in result["rows"]}
+    for model in models:
+        todo = [(w, c) for w in workloads for c in concs
+                if (model, w, c, True) not in done or (model, w, c, False) not in done]
+        if not todo:
+            continue
+        t0 = time.monotonic()
+        log(f"{model}: starting both servers")
+        try:
+            procs = serve_pair(model, args, work_dir)
+        except RuntimeError as exc:
+            result["errors"].append({"model": model, "error": str(exc)})
+            save()
+            continue
+        result["servers"].append({"model": model, "start_s": round(time.monotonic() - t0, 1)})
+        try:
+            for i, (workload, conc) in enumerate(todo):
+                order = (True, False) if i % 2 == 0 else (False, True)  # (neither side always runs first)
+                for caching in order:
+                    if (model, workload, conc, caching) in done:
+                        continue
+                    proc, port = procs[caching]
+                    name = f"{model}-{workload}-c{conc}-{'on' if caching else 'off'}"
+                    try:
+                        b = run_bench(workload, conc, f"http://127.0.0.1:{port}", args, work_dir, name)
+                    except subprocess.CalledProcessError as exc:
+                        result["errors"].append({"model": model, "workload": workload, "concurrency": conc,
+                                                 "prefix_caching": caching, "error": f"bench exited {exc.returncode}",
+                                                 "server_alive": proc.poll() is None,
+                                                 "log_tail": log_tail(proc.log_path)})
+                        save()
+                        continue
+                    row = make_row(model, workload, conc, caching, b)
+                    result["rows"].append(row)
+                    save()
+                    log(f"{name}: {row['output_tok_s']:.0f} tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms p99 "
+                        f"{row['ttft_ms_p99']:.1f} ms, hit rate {row['prefix_cache_hit_rate']}, "
+                        f"{row['eager_steps']} eager")
+        finally:
+            for proc, _ in procs.values():
+                stop(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="prefix caching served: caching on vs off per model, workload and "
+                                                 "concurrency")
+    parser.add_argument("--data", required=True, help="ShareGPT JSON (the headline's)")
+    parser.add_argument("--tokenizer", dest="moe_tokenizer", required=True, help="SmolLM2's tokenizer, for bench-moe")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--concurrency", default="16,64,256,1024")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="prefix-repetition: shared prefix, words")
+    parser.add_argument("--suffix-len", type=int, default=64, help="prefix-repetition: each prompt's own, words")
+    parser.add_argument("--random-len", type=int, default=512, help="no-prefix: prompt words")
+    parser.add_argument("--min-prompts", type=int, default=32, help="prompts (conversations) per run at least")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of an existing --out")
+    parser.add_argument("--default-model", default=None, help="default: the default model's GGUF")
+    parser.add_argument("--port", type=int, default=8123, help="caching on's port (off's: the next)")
+    parser.add_argument("--api-server-count", type=int, default=4)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")
+    args = parser.parse_args()
+    models, workloads = args.models.split(","), args.workloads.split(",")
+    if bad := (set(models) - set(MODELS)) | (set(workloads) - set(WORKLOADS)):
+        parser.error(f"unknown {', '.join(sorted(bad))} (models {', '.join(MODELS)}; workloads {', '.join(WORKLOADS)})")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    if "default" in models and args.default_model is None:
+        from models.default_model import DefaultModelError, default_model_path
+
+        try:
+            args.default_model = default_model_path()
+        except DefaultModelError as exc:
+            raise SystemExit(f"--default-model: {exc}") from None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a timeout's SIGTERM: stop the servers on the way out)
+    work_dir = os.path.dirname(args.out) if args.out else "."
+    os.makedirs(work_dir or ".", exist_ok=True)
+    result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/bench_prefix_cache_gpu.py "
+                         + shlex.join(sys.argv[1:]),
+              "commit": commit(), "device": args.device, "output_len": args.output_len, "turns": args.turns,
+              "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "random_len": args.random_len,
+              "models": models, "workloads": workloads, "concurrency": concs, "rows": [], "servers": [],
+              "errors": []}
+    if args.resume and args.out and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as fh:
+            old = json.load(fh)
+        result["rows"], result["servers"], result["errors"] = old["rows"], old["servers"], old["errors"]
+        result["resumed_from"] = {"command": old["command"], "commit": old["commit"]}
+
+    def save() -> None:
+        result["summary"] = summarize(result["rows"])
+        write_json(args.out, result)
+
+    t0 = time.monotonic()
+    measure(result, models, workloads, concs, args, work_dir, save)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    save()
+    print(markdown(result["rows"]))
+    print(json.dumps(result["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

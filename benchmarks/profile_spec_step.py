@@ -1,0 +1,181 @@
+"""Where a decode step's wall time goes at low concurrency, per speculative method: the host's phases of each step
+(the scheduler, the worker's submit, the wait for the result, the scheduler's update), the device's time, and the
+PyTorch operators a step launches outside the graph replays (each costs the host a few microseconds on a GPU).
+
+Offline (``EngineCore.run``, asynchronous scheduling as it runs by default), greedy, one engine per method and
+variant (``--variants``: fused decode steps, the default, and op by op, ``--no-fuse-decode-steps``); after
+``--warm-steps`` steps, ``--steps`` steady decode steps are timed; one more is counted operator by operator.
+
+    PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py --model DEFAULT --methods none,eagle3:3,ngram:3 \\
+        --concurrency 1,16 --out $OUT/profile_spec_step.json
+
+``--model DEFAULT`` is the default model (its GGUF installed or cached); a preset name or a JSON ModelConfig works
+too (``--fixed-acceptance`` then sets the acceptance, as random heads accept nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+from dispatcher.engine.engine_core import EngineArgs, EngineCore
+from dispatcher.plan.config import resolve
+from dispatcher.runtime import graphs
+from scheduler.request import SamplingParams
+
+VIEWS = {"aten.slice.Tensor", "aten.view.default", "aten.select.int", "aten.unsqueeze.default", "aten.t.default",
+         "aten.alias.default", "aten.detach.default", "aten.expand.default", "aten.expand_as.default",
+         "aten.squeeze.dim", "aten.flatten.using_ints", "aten.lift_fresh.default", "aten.resolve_conj.default",
+         "aten.resolve_neg.default", "aten.split_with_sizes.default", "aten._unsafe_view.default",
+         "aten.transpose.int", "aten.reshape.default", "aten.as_strided.default"}
+"""Operators that launch nothing on the device (views and metadata)."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts operators dispatched outside graph replays (a replay runs with the mode disabled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_replay = graphs.Replayable.replay
+
+
+def _replay_uncounted(self) -> None:
+    with _disable_current_modes():
+        _replay(self)
+
+
+graphs.Replayable.replay = _replay_uncounted
+
+
+class Timed:
+    """Wraps an object's method, keeping each call's wall time."""
+
+    def __init__(self, obj, name: str):
+        self.calls: list[float] = []
+        inner = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            self.calls.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        setattr(obj, name, timed)
+
+
+def kernel_ms_per_step(steps, num_steps: int) -> float | None:
+    """The summed duration of the CUDA kernels ``num_steps`` more steps ran, per step (the device's busy time,
+    without the gaps where it waited for the host)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        done = sum(1 for _ in zip(range(num_steps), steps))
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("twogrid.")]
+    return round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / max(done, 1), 4) if done else None
+
+
+def model_arg(text: str):
+    if text == "DEFAULT":
+        from models.default_model import default_model_path
+
+        return default_model_path()
+    if text.startswith("{"):
+        from models.config import ModelConfig
+
+        return ModelConfig(**json.loads(text))
+    return text
+
+
+def profile(args, method: str, concurrency: int, fused: bool) -> dict:
+    k = 0 if method == "none" else int(method.split(":")[1])
+    spec = None if method == "none" else {"method": method.split(":")[0], "num_speculative_tokens": k}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=max(concurrency, 8), max_num_batched_tokens=4096)
+    engine = EngineCore(cfg, EngineArgs(model_arg(args.model), device=args.device, num_kv_blocks=4096,
+                                        max_model_len=2048, fuse_decode_steps=fused,
+                                        fixed_acceptance=args.fixed_acceptance if k else None), progress=False)
+    prompt = list(range(100, 100 + args.prompt_len))
+    for i in range(concurrency):
+        engine.add_request([t + i for t in prompt], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    timers = {name: Timed(engine, name) for name in ("schedule", "submit", "wait", "update")}
+    worker_submit = Timed(engine.worker, "submit")
+    steps = engine.run()
+    for _ in zip(range(args.warm_steps), steps):
+        pass
+    for t in (*timers.values(), worker_submit):
+        t.calls.clear()
+    stats0 = (engine.stats.steps, engine.stats.device_ms)
+    t0 = time.perf_counter()
+    tokens = 0
+    for outputs in (o for _, o in zip(range(args.steps), steps)):
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+    wall = time.perf_counter() - t0
+    n = engine.stats.steps - stats0[0]
+    device_ms = (engine.stats.device_ms - stats0[1]) / max(n, 1)
+    with OpCounter() as counter:
+        next(steps, None)
+    kernel_ms = kernel_ms_per_step(steps, args.profiled_steps) if args.device == "cuda" else None
+    for _ in steps:
+        pass
+    launched = {op: c for op, c in counter.counts.items() if op not in VIEWS}
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
+    row = {"method": method, "fused": fused, "concurrency": concurrency, "steps": n,
+           "fused_steps": engine.stats.fused_steps,
+           "wall_ms_per_step": round(wall * 1e3 / max(n, 1), 4), "tokens_per_step": round(tokens / max(n, 1), 3),
+           "ms_per_token": round(wall * 1e3 / max(tokens, 1), 4), "device_ms_per_step": round(device_ms, 4),
+           **{f"{name}_ms": med(t.calls) for name, t in timers.items()},
+           "worker_submit_ms": med(worker_submit.calls),
+           "kernel_ms_per_step": kernel_ms, "ops_outside_graphs": sum(counter.counts.values()),
+           "launching_ops_outside_graphs": sum(launched.values()),
+           "top_launching_ops": collections.Counter(launched).most_common(args.top)}
+    print(json.dumps(row), flush=True)
+    del engine, steps
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="DEFAULT")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--methods", default="none,eagle3:3,ngram:3")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--fixed-acceptance", type=float, default=None)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--warm-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--profiled-steps", type=int, default=20)
+    parser.add_argument("--variants", default="fused,unfused",
+                        help="fused (whole decode steps as one graph, the default) and/or unfused (op by op)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
+            for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]
+    result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py " + shlex.join(sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+              "commit": commit(), "rows": rows}
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

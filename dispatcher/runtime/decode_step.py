@@ -1,0 +1,319 @@
+"""Fused decode steps: a whole uniform-decode step in one CUDA graph.
+
+A uniform decode step (every request runs q = 1 + K tokens: its last token and K drafts) does the same work at a
+given padded request count n': the target's inputs gathered from the request state, the target's forward, greedy
+verification, the state advanced, the drafter (an EAGLE head's step 0 over the target's rows and its K - 1
+one-token steps, or n-gram lookup) and the results laid out for the one copy back. Run op by op around the
+runners' graphs, that is about 40 (no drafter) to 170 (EAGLE-3, K = 3) PyTorch launches a step, each costing the
+host microseconds; on the H200 with the default model the host then sets the step time (1.6 ms of host time for
+0.96 ms of kernels without drafting, 6.4 ms for 1.37 ms with an EAGLE-3 head at K = 3:
+``benchmarks/profile_spec_step.py``). Captured whole, a step costs the host one graph launch.
+
+One graph per (q, n') of the target's FULL decode graphs (and the drafter's FULL graphs at the same n'), over
+static buffers: ``slots`` in (the step's request slots, padded with ``RequestState.dummy``, a row no request
+owns), ``out`` rows out (per request: accepted drafts, the tokens at the step width, the drafts' confidences as
+int32 bits; the first n rows are the step's, so the copy back takes them as they lie). Inside, each runner's own
+FULL closure runs (the kernels its separate graph holds), so a fused step computes exactly what the unfused step
+computes. n-gram lookup searches a history whose length the step bounds: it is a small graph of its own per
+(n', history length bucket), replayed after the step's.
+
+A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request greedy
+without logprobs and without a grammar (structured outputs: the graph's argmax takes no bitmask), the drafter
+proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with FULL graphs at n', and the
+fixed-acceptance mode is the one captured; any other step runs op by op (``ModelWorker.submit``). A draft model
+and the block drafters always run op by op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dispatcher.plan.capture_plan import EAGLE_LIKE, FULL_DECODE, FUSED_STEP, next_steps_runner, one_token_steps
+from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE, GraphKey, dispatchers_for_plan
+from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, capture_stream,
+                                       estimate_kind_memory, free_device_bytes, frozen_gc, input_length,
+                                       progress_bar, replay_ms, shared_pool)
+from models.drafters import propose_ngram
+from models.fused import argmax_prob
+from models.sampling import accepted_drafts, fixed_accepted
+
+log = logging.getLogger("twogrid.runtime")
+
+KIND = "fused_decode"
+NGRAM_TIMED_LENGTH = 1024
+"""The history length whose n-gram lookup graph ``measure_ms`` adds to a step's cost."""
+NGRAM_LENGTHS = (256, 1024, 4096, 16384)
+"""History lengths n-gram lookup graphs are captured at (the state's width caps them): a step searches the
+smallest that holds its longest sequence."""
+
+
+@dataclass(frozen=True)
+class FusedKey:
+    """Names one fused step graph: the graphs its forwards replay and the drafts it proposes."""
+
+    target: GraphKey
+    draft: GraphKey | None
+    draft_next: GraphKey | None
+    num_new_drafts: int
+
+
+class FusedDecode:
+    """The fused decode-step graphs of one worker (``ModelWorker.fused``)."""
+
+    def __init__(self, worker, plan):
+        self.worker, self.state = worker, worker.state
+        self.target = worker.runtime
+        self.device = self.target.device
+        self.width = 1 + worker.k_max
+        drafter = worker.drafter
+        self.method = plan.config.method if drafter is not None else None
+        self.keys = self._keys(plan) if self.method in (None, "ngram") + EAGLE_LIKE else {}
+        cap = max((k.target.size for k in self.keys), default=0)
+        z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=self.device)  # noqa: E731
+        self.slots = torch.full((max(cap, 1),), self.state.dummy, dtype=torch.int64, device=self.device)
+        self.out = z(max(cap, 1), 1 + self.width + worker.k_max, dt=torch.int32)
+        """Per request: accepted drafts, tokens (width), draft confidences (k_max, float32 bits)."""
+        self._arange = torch.arange(max(cap, self.width) + 1, device=self.device)
+        self.fixed = worker.fixed_acceptance_on
+        """The fixed-acceptance mode the graphs were built in (a step in the other runs op by op)."""
+        self.graphs: dict[FusedKey, Replayable] = {k: Replayable(self._step(k)) for k in self.keys}
+        lengths = sorted({min(n, self.state.token_ids.shape[1]) for n in NGRAM_LENGTHS})
+        self.ngram_lengths = np.asarray(lengths) if self.method == "ngram" else np.zeros(0, np.int64)
+        self.ngram: dict[tuple[int, int, int], Replayable] = {
+            (k.target.size, length, k.num_new_drafts): Replayable(self._ngram(k.target.size, length, k.num_new_drafts))
+            for k in self.keys if k.num_new_drafts for length in self.ngram_lengths}
+        self.report: list[KindReport] = []
+
+    # -- which steps ---------------------------------------------------------------------------------------------
+    def _keys(self, plan) -> dict[FusedKey, None]:
+        """A key per target FULL decode size whose drafter forwards (at the same n') are FULL graphs: an EAGLE-style
+        head's step 0 at every q (it writes the head's KV on every step, drafting or not: ``drafting.py``), its
+        one-token steps where the step drafts."""
+        keys: dict[FusedKey, None] = {}
+        dispatchers = dispatchers_for_plan(plan)
+        for g in plan.for_runner("target"):
+            if g.kind != FULL_DECODE:
+                continue
+            k = g.q - 1 if self.method is not None else 0
+            for n in g.sizes:
+                draft = nxt = None
+                if self.method in EAGLE_LIKE:  # (step 0 runs every step: its KV follows the target's)
+                    draft = dispatchers[self.method].dispatch(n * g.q, n, g.q, True)
+                    if k and one_token_steps(self.method, k):
+                        nxt = dispatchers[next_steps_runner(self.method)].dispatch(n, n, 1, True)
+                    if any(d is not None and (d.mode != MODE_FULL or d.num_reqs != n) for d in (draft, nxt)):
+                        continue
+                keys[FusedKey(GraphKey(FULL_DECODE, g.q, n), draft and draft.graph, nxt and nxt.graph, k)] = None
+        return keys
+
+    def key_for(self, step, slots: np.ndarray) -> FusedKey | None:
+        """The fused graph that runs this step, or None (the step runs op by op); host-side checks only."""
+        t = step.target
+        if t.mode != MODE_FULL or t.kind != UNIFORM_DECODE or step.new_requests or step.constrained \
+                or not len(slots):  # (the graph's argmax cannot take a grammar bitmask)
+            return None
+        key = FusedKey(t.graph, step.draft.graph if step.draft is not None else None,
+                       step.draft_next.graph if step.draft_next is not None else None, step.num_new_drafts)
+        if key not in self.graphs or self.worker.fixed_acceptance_on != self.fixed:
+            return None
+        st = self.state
+        if st.host_temperature[slots].any() or (st.host_num_logprobs[slots] >= 0).any():
+            return None
+        return key
+
+    # -- a step --------------------------------------------------------------------------------------------------
+    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int) -> None:
+        """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device),
+        then the n-gram lookup's for the step's longest sequence."""
+        n = key.target.size
+        self.slots[:n].copy_(slots)
+        self.graphs[key].replay()
+        if self.method == "ngram" and key.num_new_drafts:
+            bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))
+            length = int(self.ngram_lengths[min(bucket, len(self.ngram_lengths) - 1)])
+            self.ngram[(n, length, key.num_new_drafts)].replay()
+
+    def _step(self, key: FusedKey):
+        """The closure a fused graph captures (see the module's docstring)."""
+        st, tgt, worker = self.state, self.target, self.worker
+        n, q, k = key.target.size, key.target.q, key.num_new_drafts
+        run_target = tgt.graphs[key.target][0].fn
+        fixed = self.fixed
+
+        def run() -> None:
+            slots = self.slots[:n]
+            valid = slots != st.dummy
+            computed = torch.where(valid, st.num_computed[slots], 0)
+            positions = computed[:, None] + self._arange[None, :q]
+            ids = st.token_ids[slots, computed][:, None]
+            drafts = st.drafts[slots, : q - 1]
+            if q > 1:
+                ids = torch.cat([ids, drafts], dim=1)
+            block_rows = torch.where(valid, slots, 0)
+            self._load(tgt, block_rows, valid, ids, positions)
+            run_target()
+            tokens = argmax_prob(worker.model.compute_logits(tgt.bufs.hidden_out[: n * q]), with_prob=False)[0]
+            tokens = tokens.view(n, q)
+            accepted = torch.zeros_like(computed)
+            if q > 1:
+                num_drafts = torch.full_like(computed, q - 1)
+                if fixed:
+                    accepted = fixed_accepted(st.seed[slots], computed + 1, num_drafts, q - 1, worker.fixed_alpha)
+                    tokens = torch.where(self._arange[None, :q] < accepted[:, None],
+                                         torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
+                else:
+                    accepted = accepted_drafts(tokens, drafts, num_drafts)
+            cols = computed[:, None] + 1 + self._arange[None, :q]
+            rows = slots[:, None].expand_as(cols)
+            keep = self._arange[None, :q] <= accepted[:, None]
+            st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+            st.num_computed[slots] = computed + 1 + accepted
+            out = self.out[:n]
+            out[:, 0].copy_(accepted)
+            out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
+            if self.method in EAGLE_LIKE:
+                conf = self._eagle(key, slots, block_rows, valid, tokens, accepted, computed + 1 + accepted)
+                if k:
+                    out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
+
+        return run
+
+    def _load(self, rt, block_rows, valid, ids, positions) -> None:
+        """A runner's FULL decode inputs for n requests of q tokens (ids and positions (n, q)), in the static
+        buffers where its graph reads them; padded requests (``valid`` False) as ``GraphRuntime.load_inputs`` pads:
+        slot -1, token position -1, sequence length 0."""
+        n, q = ids.shape
+        live = valid[:, None].expand(n, q)
+        table_rows = block_rows[:, None].expand(n, q)
+        kv = torch.where(live, rt.kv_slots(table_rows, positions), -1)
+        token_pos = torch.where(live, positions, -1)
+        rt.bufs.rows(n * q).copy_(torch.stack([torch.where(live, ids, 0), torch.where(live, positions, 0), kv,
+                                               table_rows, token_pos]).view(5, n * q))
+        starts, seq_lens, req_rows = rt.bufs.requests(n * q, n)
+        torch.mul(self._arange[: n + 1], q, out=starts)
+        seq_lens.copy_(torch.where(valid, positions[:, -1] + 1, 0))
+        req_rows.copy_(block_rows)
+
+    def _eagle(self, key, slots, block_rows, valid, tokens, accepted, last_pos) -> torch.Tensor | None:
+        """An EAGLE head's drafts for the step (as ``EagleDrafter.propose``): step 0 over the target's rows, each
+        reading the token produced after it; then, when the step drafts, K - 1 one-token steps from the last new
+        token. Writes the drafts into the request state; returns their confidences (n, K) (None: no drafts)."""
+        st, tgt, drafter = self.state, self.target, self.worker.drafter
+        n, q, k = key.target.size, key.target.q, key.num_new_drafts
+        step0 = drafter.runtimes[0]
+        step0.bufs.inputs[: input_length(n * q, n)].copy_(tgt.bufs.inputs[: input_length(n * q, n)])
+        step0.bufs.rows(n * q)[0].copy_(tokens.flatten())
+        features = tgt.features(n * q) if tgt.model.aux_layers else tgt.bufs.hidden_out[: n * q]
+        step0.bufs.aux[: n * q].copy_(features)
+        step0.graphs[key.draft][0].fn()
+        if not k:
+            return None
+        feature = step0.bufs.hidden_out[: n * q].view(n, q, -1)[self._arange[:n], accepted]
+        drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
+        conf = torch.empty(n, k, dtype=torch.float32, device=self.device)
+        drafts[:, 0], conf[:, 0] = drafter.head.propose(feature)
+        if k > 1:
+            nxt = drafter.runtimes[1]
+            self._load(nxt, block_rows, valid, drafts[:, :1], last_pos[:, None])
+            nxt.bufs.aux[:n].copy_(feature)
+            run_next = nxt.graphs[key.draft_next][0].fn  # proposes, then advances its own inputs
+            for j in range(1, k):
+                run_next()
+                drafts[:, j], conf[:, j] = nxt.proposals(n)
+        st.drafts[slots, :k] = drafts
+        st.draft_conf[slots, :k] = conf
+        return conf
+
+    def _ngram(self, n: int, length: int, k: int):
+        """n-gram lookup for n requests over their first ``length`` tokens, after a fused step advanced them (as
+        ``NgramDrafter.propose``): drafts into the request state, confidences into ``out``."""
+        st = self.state
+
+        def run() -> None:
+            slots = self.slots[:n]
+            last_pos = torch.where(slots != st.dummy, st.num_computed[slots], 0)
+            history = st.token_ids[:, :length].index_select(0, slots)
+            drafts, conf = propose_ngram(history, last_pos, k, self.worker.drafter.min_n, self.worker.drafter.max_n)
+            st.drafts[slots, :k] = drafts
+            st.draft_conf[slots, :k] = conf
+            self.out[:n, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
+
+        return run
+
+    # -- capture -------------------------------------------------------------------------------------------------
+    def _all(self) -> list[tuple[str, int, list]]:
+        """(label, q, [(size, graph), ...]) per set of graphs, widest first within each."""
+        sets: dict[int, list] = {}
+        for key, graph in self.graphs.items():
+            sets.setdefault(key.target.q, []).append((key.target.size, graph))
+        out = [(KIND, q, sorted(items, key=lambda x: -x[0])) for q, items in sorted(sets.items())]
+        if self.ngram:
+            out.append(("ngram_lookup", None, sorted(((n * length, g) for (n, length, _), g in self.ngram.items()),
+                                                     key=lambda x: -x[0])))
+        return out
+
+    def _reset(self) -> None:
+        """Every slot padded: what a capture's warm-up and capture read (no request's state is touched)."""
+        self.slots.fill_(self.state.dummy)
+
+    def estimate_memory(self) -> float:
+        """GiB the fused graphs will take (``graphs.estimate_kind_memory`` per set, in a throwaway pool)."""
+        if not self.target.cuda_graphs or not self.graphs:
+            return 0.0
+        self._reset()
+        pool, keep, total = torch.cuda.graph_pool_handle(), [], 0.0
+        with frozen_gc():
+            for _, _, items in self._all():
+                copies = [lambda pool, stream, fn=g.fn: Replayable.captured(fn, pool, stream) for _, g in items]
+                total += estimate_kind_memory(self.device, copies, pool, keep)
+        del keep, pool
+        free_device_bytes(self.device)
+        return total / 2**30
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> list[KindReport]:
+        """Capture every fused graph (after the runners' own: they share the pool the widest grew)."""
+        if not self.target.cuda_graphs or not self.graphs:
+            return []
+        pool, stream = shared_pool(self.device), capture_stream(self.device)
+        self._reset()
+        bar = progress_bar(len(self.graphs) + len(self.ngram), "capturing fused decode steps", progress)
+        with frozen_gc():
+            for label, q, items in self._all():
+                free0, start = free_device_bytes(self.device), time.perf_counter()
+                for size, graph in items:
+                    try:
+                        graph.capture(pool, stream)
+                    except torch.cuda.OutOfMemoryError:
+                        raise CaptureOOMError(f"out of GPU memory capturing the fused decode step for {size} "
+                                              f"requests at q = {q}: leave more memory (a smaller KV cache or "
+                                              f"max_num_seqs)") from None
+                    bar.update(1)
+                used = (free0 - free_device_bytes(self.device)) / 2**30
+                kr = KindReport(FUSED_STEP, label, q, len(items), time.perf_counter() - start, used)
+                self.report.append(kr)
+                log.info("captured %d %s graphs%s in %.1f s, %.3f GiB", kr.graphs, label,
+                         f" at q={q}" if q else "", kr.seconds, kr.measured_gib)
+        bar.close()
+        return self.report
+
+    @torch.inference_mode()
+    def measure_ms(self, repeats: int = 5) -> dict[int, list[tuple[int, float]]]:
+        """The median replay time (ms) of every fused step graph over padded slots, by q: {q: [(requests, ms)]}:
+        the whole step's cost (target, drafter, glue; with n-gram, the lookup over NGRAM_TIMED_LENGTH tokens) that
+        ``"auto"`` tiers weigh. Attention has no context here."""
+        self._reset()
+        lookup = self.ngram_lengths[min(np.searchsorted(self.ngram_lengths, NGRAM_TIMED_LENGTH),
+                                        len(self.ngram_lengths) - 1)] if len(self.ngram_lengths) else 0
+        out: dict[int, list[tuple[int, float]]] = {}
+        for key, graph in self.graphs.items():
+            ms = replay_ms(graph, self.device, repeats)
+            if key.num_new_drafts and self.ngram:
+                ms += replay_ms(self.ngram[(key.target.size, int(lookup), key.num_new_drafts)], self.device, repeats)
+            out.setdefault(key.target.q, []).append((key.target.size, ms))
+        return {q: sorted(points) for q, points in out.items()}

@@ -1,0 +1,343 @@
+"""FP8 (e4m3) weights: checkpoints that ship them, and ``--quantization fp8``.
+
+What loads:
+
+- ``quantization_config.quant_method == "fp8"`` (vLLM's ``Fp8Config``): each quantized ``*.weight`` is float8_e4m3fn
+  beside its scale, per tensor (``*.weight_scale``, AutoFP8 / llm-compressor's older format) or per 128x128 block
+  (``*.weight_scale_inv`` of shape (ceil(out / 128), ceil(in / 128)), with ``weight_block_size``: Qwen3-FP8 and
+  DeepSeek). The value is ``weight * scale`` (the block scale despite its name too).
+- ``quant_method == "compressed-tensors"`` whose weights are 8-bit floats (llm-compressor's FP8 schemes): scales
+  ``*.weight_scale`` per tensor, per output channel (out, 1) or per block.
+- ``--quantization fp8`` (vLLM's name) on a checkpoint that is not quantized: each projection is quantized at load,
+  one scale per output channel (amax / 448).
+
+Every other method (AWQ, GPTQ, bitsandbytes, GGUF-in-safetensors, compressed-tensors int4, ...) is refused by
+``checkpoint_scheme`` with one error naming it. A float8 tensor in a checkpoint that does not say how it is scaled
+is refused too. Activations are always quantized per token (or per 1x128 group for block weights) at run time,
+as vLLM's "dynamic" activation scheme does; a checkpoint's static ``input_scale`` is not needed for that.
+
+How it runs: on the CPU, and on GPUs without FP8 tensor cores (compute capability below 8.9), the weights are
+dequantized at load to the serving dtype (the model computes with the FP8 checkpoint's values, no memory saved).
+On Hopper and Ada the projections stay FP8 (``Fp8Linear``): per-channel weights through ``torch._scaled_mm`` with
+row-wise scales (cuBLASLt), block weights through a Triton GEMM in the design of vLLM's and SGLang's
+``w8a8_block_fp8_matmul`` (per-token-group activation scales times per-block weight scales, applied per 128-wide
+step of the reduction); the activation quantization is one Triton kernel. Shapes are static and nothing reads
+back to the host, so both run inside CUDA graphs. The LM head, the embedding, norms and MoE routers stay in the
+serving dtype (vLLM does the same); MoE experts are dequantized at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.fused import launch_options, triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from models.fused import pdl_enter
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest e4m3 value."""
+QUANTIZATIONS = ("fp8",)
+"""``--quantization`` values (vLLM's names)."""
+UNSUPPORTED_HINT = ("supported: quant_method fp8 (per-tensor or 128x128 block scales), compressed-tensors with FP8 "
+                    "weights, or an unquantized checkpoint (optionally served with --quantization fp8)")
+
+
+class QuantizationError(ValueError):
+    """A quantized checkpoint or a --quantization value that cannot be served (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How FP8 weights are scaled: ``block`` (rows, columns) for block scales, None for per-tensor or per-channel
+    scales (a per-tensor scale is a per-channel one repeated); ``scale_suffix`` names the scale tensor beside each
+    weight; ``online``: quantized at load from a checkpoint that is not quantized (``--quantization fp8``)."""
+
+    block: tuple[int, int] | None = None
+    scale_suffix: str = "weight_scale"
+    online: bool = False
+
+    def describe(self) -> str:
+        if self.online:
+            return "fp8 (quantized at load, per output channel)"
+        return f"fp8 ({'%dx%d block' % self.block if self.block else 'per-tensor / per-channel'} scales)"
+
+
+def checkpoint_scheme(hf: dict, path: str, quantization: str | None = None) -> Fp8Scheme | None:
+    """The FP8 scheme ``config.json`` declares (None: not quantized), or with ``quantization`` ("fp8") the online
+    scheme for an unquantized checkpoint. QuantizationError for every method that is not FP8, naming it."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"--quantization {quantization!r} is not supported (one of {', '.join(QUANTIZATIONS)})")
+    q = hf.get("quantization_config")
+    if not q:
+        return Fp8Scheme(online=True) if quantization == "fp8" else None
+    if not isinstance(q, dict):
+        raise QuantizationError(f"{path}: quantization_config must be an object")
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise QuantizationError(f"{path}: quantization_config.fmt {q.get('fmt')!r} is not supported (e4m3)")
+        scheme = Fp8Scheme(_block(q.get("weight_block_size"), path, "weight_block_size"))
+        if scheme.block:
+            scheme = Fp8Scheme(scheme.block, "weight_scale_inv")
+    elif method == "compressed-tensors":
+        scheme = _compressed_tensors(q, path)
+    else:
+        raise QuantizationError(f"{path}: quantization_config.quant_method {method!r} is not supported; "
+                                f"{UNSUPPORTED_HINT}")
+    if quantization is not None:
+        raise QuantizationError(f"--quantization {quantization}: {path} is already quantized ({scheme.describe()}); "
+                                f"leave --quantization out")
+    return scheme
+
+
+def _block(value, path: str, field: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise QuantizationError(f"{path}: quantization_config.{field} must be two positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(q: dict, path: str) -> Fp8Scheme:
+    """compressed-tensors: every config group's weights must be 8-bit floats (tensor, channel or block strategy)."""
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise QuantizationError(f"{path}: compressed-tensors quantization_config has no config_groups")
+    blocks = set()
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise QuantizationError(
+                f"{path}: compressed-tensors config_groups.{name}.weights is {w.get('type')!r} {w.get('num_bits')}-bit "
+                f"(format {q.get('format')!r}), which is not supported; {UNSUPPORTED_HINT}")
+        strategy = w.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise QuantizationError(f"{path}: compressed-tensors config_groups.{name}.weights.strategy {strategy!r} is "
+                                    f"not supported (tensor, channel or block)")
+        blocks.add(_block(w.get("block_structure"), path, f"config_groups.{name}.weights.block_structure")
+                   if strategy == "block" else None)
+    if len(blocks) > 1:
+        raise QuantizationError(f"{path}: compressed-tensors config_groups mix scale layouts "
+                                f"{sorted(map(str, blocks))}")
+    return Fp8Scheme(blocks.pop(), "weight_scale")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scales
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An FP8 weight (rows, cols) times its scale, in float32: a scalar (per tensor), one per row (per channel:
+    (rows,) or (rows, 1)) or one per ``block`` (ceil(rows / b0), ceil(cols / b1))."""
+    w = weight.float()
+    scale = scale.float()
+    if block is not None and scale.dim() == 2 and scale.shape != (w.shape[0], 1):  # a grid of block scales
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        return w * full[:w.shape[0], :w.shape[1]]
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    return w * scale.reshape(-1, 1)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (rows, cols) -> (FP8 weight, float32 scale (rows,)): each row scaled so that its largest magnitude is
+    448 (an all-zero row gets scale 1)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (rows, cols) -> (FP8 weight, float32 scale (ceil(rows / b0), ceil(cols / b1))), one scale a block."""
+    rows, cols = weight.shape
+    b0, b1 = block
+    pr, pc = -(-rows // b0) * b0, -(-cols // b1) * b1
+    padded = torch.zeros(pr, pc, dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(pr // b0, b0, pc // b1, b1)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(pr, pc)[:rows, :cols]
+    return q.to(FP8), scale
+
+
+@torch.no_grad()
+def fake_quantize_(weight: torch.Tensor) -> None:
+    """weight (rows, cols) replaced in place by its per-channel FP8 rounding (quantized, then dequantized): what
+    ``--quantization fp8`` serves where there are no FP8 GEMMs (the values of the FP8 model, in the serving dtype)."""
+    weight.copy_(dequantize(*quantize_per_channel(weight), None))
+
+
+def fp8_gemm_available(device: torch.device | str) -> bool:
+    """FP8 tensor cores: an NVIDIA GPU of compute capability 8.9 (Ada) or newer, with Triton."""
+    device = torch.device(device)
+    return (device.type == "cuda" and triton is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activation quantization and the block GEMM (Triton)
+# ---------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, cols, GROUP: tl.constexpr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, group of GROUP columns): the group's scale amax / 448 (at least 1e-10 / 448) and its
+        values divided by it, rounded to e4m3."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        offs = g * GROUP + tl.arange(0, BLOCK)
+        mask = (tl.arange(0, BLOCK) < GROUP) & (offs < cols)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_s + g, scale)
+
+    @triton.jit
+    def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,
+                               stride_bn, stride_bsn, stride_cm, BLOCK_SCALE_N: tl.constexpr,
+                               BLOCK_SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        """C[M, N] = sum over K steps of (A_fp8 @ B_fp8^T) * a_scale[m, k-step] * b_scale[n // BSN, k-step]: one
+        output tile a program, one BLOCK_SCALE_K-wide step of the reduction at a time, accumulated in float32."""
+        pdl_enter(PDL)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_SCALE_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+        bs_ptrs = bs_ptr + (offs_n // BLOCK_SCALE_N).to(tl.int64) * stride_bsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_SCALE_K)):
+            k_mask = offs_k < K - kb * BLOCK_SCALE_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            a_s = tl.load(as_ptrs + kb, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_ptrs + kb, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_SCALE_K
+            b_ptrs += BLOCK_SCALE_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, cols) -> (FP8 x, float32 scales (rows, groups)): dynamic quantization per token (``group`` None:
+    one group of all columns) or per token and group of ``group`` columns. One Triton kernel on the GPU."""
+    rows, cols = x.shape
+    group = group or cols
+    groups = -(-cols // group)
+    if not use_triton(x):
+        pad = groups * group - cols
+        xf = torch.nn.functional.pad(x.float(), (0, pad)).view(rows, groups, group)
+        scale = xf.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+        q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols]
+        return q.to(FP8), scale
+    q = torch.empty(rows, cols, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        _quant_rows_kernel[(rows, groups)](x, q, scale, x.stride(0), q.stride(0), scale.stride(0), cols, GROUP=group,
+                                           BLOCK=triton.next_power_of_2(group), num_warps=4 if group >= 1024 else 1,
+                                           **launch_options(x))
+    return q, scale
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, in) @ dequantized(weight (out, in), its block scales)^T: x quantized per token and group of
+    block[1] columns, then the block-scaled FP8 GEMM (Triton), output in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    xq, xs = quantize_rows(x, block[1])
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = min(128, block[0]) if block[0] % min(128, block[0]) == 0 else 16
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    _block_fp8_gemm_kernel[grid](xq, xs, weight, weight_scale, bias if bias is not None else out, out, rows, n, k,
+                                 xq.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+                                 BLOCK_SCALE_N=block[0], BLOCK_SCALE_K=block[1], BLOCK_M=block_m, BLOCK_N=block_n,
+                                 HAS_BIAS=bias is not None, num_warps=4, num_stages=3, **launch_options(x))
+    return out
+
+
+def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, in) @ (weight (out, in) * weight_scale (out,)[:, None])^T: x quantized per token, then one
+    ``torch._scaled_mm`` with row-wise scales (scale_a per token, scale_b per output channel)."""
+    xq, xs = quantize_rows(x)
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A projection held in FP8: ``weight`` (out, in) float8_e4m3fn and ``weight_scale`` float32, per output
+    channel (out,) or per ``block`` (ceil(out / b0), ceil(in / b1)); ``bias`` in the serving dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        shape = (out_features,) if block is None else (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.block is None:
+            y = channel_fp8_linear(flat, self.weight, self.weight_scale, self.bias)
+        else:
+            y = block_fp8_linear(flat, self.weight, self.weight_scale, self.block, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def load_float(self, weight: torch.Tensor) -> None:
+        """Set the weight from a float tensor (out, in), quantized per channel or per block."""
+        q, s = quantize_per_channel(weight) if self.block is None else quantize_blocks(weight, self.block)
+        self.weight.copy_(q)
+        self.weight_scale.copy_(s)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight (out, in) in float32 (tests, tools)."""
+        return dequantize(self.weight, self.weight_scale, self.block)
+
+    def extra_repr(self) -> str:
+        scales = "per-channel" if self.block is None else f"{self.block[0]}x{self.block[1]} block"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 {scales} scales"
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply; dtype casts (``model.to(bfloat16)``) leave the FP8 weight and float32 scales as they
+        are and reach the bias only."""
+        for name in ("weight", "weight_scale"):
+            p = self._parameters[name]
+            moved = fn(torch.empty(0, dtype=torch.float32, device=p.device))
+            if moved.device != p.device:
+                self._parameters[name] = nn.Parameter(p.to(moved.device), requires_grad=False)
+        if self.bias is not None:
+            self._parameters["bias"] = nn.Parameter(fn(self.bias), requires_grad=False)
+        return self

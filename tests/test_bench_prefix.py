@@ -1,0 +1,79 @@
+"""``twogrid bench``'s prefix-caching workloads against the fake server of test_bench: vLLM's prefix_repetition
+dataset (shared prefixes, each with prompts of their own suffix) and multi-turn ShareGPT conversations (each turn
+sent with the conversation so far, the model's answers in it); and the prefix cache's counters in a result."""
+
+import json
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from test_bench import bench, saved, serve  # noqa: F401  (serve: the fixture)
+
+
+def test_prefix_repetition_prompts_share_their_prefixes(serve, tmp_path):  # noqa: F811
+    fake = serve()
+    out_dir = tmp_path / "r"
+    rc = bench("--base-url", fake.url, "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "8",
+               "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
+               "--prefix-repetition-output-len", "3", "--num-prompts", "7", "--save-result", "--result-dir",
+               str(out_dir))
+    assert rc == 0
+    prompts = [body["prompt"].split() for _, body, _ in fake.requests[1:]]
+    assert len(prompts) == 6  # 7 // 2 prompts per prefix, as vLLM's dataset
+    assert all(len(p) == 12 for p in prompts)
+    assert all(body["max_tokens"] == 3 for _, body, _ in fake.requests[1:])
+    prefixes = [tuple(p[:8]) for p in prompts]
+    assert sorted(prefixes.count(x) for x in set(prefixes)) == [3, 3]
+    assert len({tuple(p[8:]) for p in prompts}) == 6
+    (result,) = saved(out_dir)
+    assert result["dataset_name"] == "prefix_repetition" and result["output_len"] == 3 and result["completed"] == 6
+
+
+def test_multi_turn_sends_each_turn_with_the_conversation_so_far(serve, tmp_path):  # noqa: F811
+    fake = serve()
+    data = tmp_path / "conv.json"
+    turns = [{"from": "human", "value": "first question"}, {"from": "gpt", "value": "dataset answer"},
+             {"from": "human", "value": "second question"}, {"from": "gpt", "value": "x"},
+             {"from": "human", "value": "third question"}]
+    data.write_text(json.dumps([{"id": "a", "conversations": turns},
+                                {"id": "b", "conversations": [{"from": "human", "value": "only turn"}]}]))
+    out_dir = tmp_path / "r"
+    rc = bench("--base-url", fake.url, "--endpoint", "chat", "--dataset-path", str(data), "--multi-turn",
+               "--max-turns", "4", "--num-prompts", "2", "--sharegpt-output-len", "3", "--max-concurrency", "2",
+               "--save-result", "--result-dir", str(out_dir))
+    assert rc == 0
+    sent = [body["messages"] for _, body, _ in fake.requests[1:]]
+    assert len(sent) == 3  # two user turns of "a" (--max-turns 4 counts the answers), one of "b"
+    assert [{"role": "user", "content": "only turn"}] in sent
+    assert [{"role": "user", "content": "first question"}] in sent
+    assert [{"role": "user", "content": "first question"}, {"role": "assistant", "content": " w0 w1 w2"},
+            {"role": "user", "content": "second question"}] in sent  # the model's answer, not the dataset's
+    (result,) = saved(out_dir)
+    assert result["multi_turn"] is True and result["completed"] == 3 and result["failed"] == 0
+
+
+def test_multi_turn_needs_chat_and_sharegpt(tmp_path, capsys):
+    assert bench("--base-url", "http://127.0.0.1:9", "--multi-turn") == 2
+    assert "--multi-turn sends ShareGPT conversations as chat messages" in capsys.readouterr().err
+    assert bench("--base-url", "http://127.0.0.1:9", "--max-turns", "2") == 2
+    assert "--max-turns is for --multi-turn" in capsys.readouterr().err
+    assert bench("--base-url", "http://127.0.0.1:9", "--dataset-name", "prefix_repetition", "--num-prompts", "3",
+                 "--prefix-repetition-num-prefixes", "4") == 2
+    assert "--prefix-repetition-num-prefixes must be in 1..--num-prompts (3), got 4" in capsys.readouterr().err
+
+
+def test_prefix_cache_fields_from_the_counters():
+    """The prefix cache's queries and hits over a run (tokens), and the hit rate; null without queries."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    registry = CollectorRegistry()
+    queries = Counter("twogrid:prefix_cache_queries", "x", ["model_name"], registry=registry).labels("m")
+    hits = Counter("twogrid:prefix_cache_hits", "x", ["model_name"], registry=registry).labels("m")
+    scrape = lambda: parse_counters(generate_latest(registry).decode())  # noqa: E731
+    queries.inc(100)
+    before = scrape()
+    idle = counter_deltas(before, scrape())
+    assert (idle["prefix_cache_queries"], idle["prefix_cache_hits"], idle["prefix_cache_hit_rate"]) == (0, 0, None)
+    queries.inc(400)
+    hits.inc(300)
+    run = counter_deltas(before, scrape())
+    assert (run["prefix_cache_queries"], run["prefix_cache_hits"], run["prefix_cache_hit_rate"]) == (400, 300, 0.75)

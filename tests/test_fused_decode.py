@@ -1,0 +1,168 @@
+"""Fused decode steps (dispatcher/runtime/decode_step.py): a uniform-decode step captured whole gives exactly what
+the same step gives op by op: the same greedy tokens, the same drafts (so the same acceptance), the same fixed
+acceptance draws, under every drafter that fuses (none, n-gram, EAGLE-3, EAGLE-1, mtp), tiers with K = 0, "auto"
+tiers, preemption and asynchronous scheduling; steps that cannot fuse (sampled requests, logprobs, a draft model,
+block drafters) run op by op. On the CPU the fused closures run on the static backend, as graphs do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
+from dispatcher.plan.config import resolve  # noqa: E402
+from models.config import preset  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+BLOCK = 4
+SPEC_COSTS = {"decode_step_ms": {"1": [[1, 10.0], [8, 10.0]], "2": [[1, 11.0], [8, 20.0]],
+                                 "4": [[1, 12.0], [8, 40.0]]}}
+"""Auto tiers' step costs: K = 3 at a few requests, K = 1 or none as the batch grows."""
+
+
+def engine_for(spec, fused: bool, tmp_path, num_kv_blocks: int = 256, fixed: float | None = None,
+               device: str = "cpu") -> EngineCore:
+    costs = tmp_path / "spec_costs.json"
+    costs.write_text(json.dumps(SPEC_COSTS))
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, dtype=torch.float32,
+                                      num_kv_blocks=num_kv_blocks, block_size=BLOCK, max_model_len=96, seed=5,
+                                      fuse_decode_steps=fused, fixed_acceptance=fixed, spec_cost_table=str(costs),
+                                      auto_tier_interval=4))
+
+
+def prompts(count: int = 7) -> list[list[int]]:
+    """Prompts that repeat themselves (so n-gram lookup finds matches), of several lengths."""
+    out = []
+    for i in range(count):
+        base = [(11 * i + 7 * j) % 500 + 3 for j in range(2 + i % 4)]
+        out.append([base[j % len(base)] for j in range(5 + 6 * i)])
+    return out
+
+
+def generate(engine: EngineCore, params: SamplingParams, count: int = 7):
+    tokens = engine.generate(prompts(count), params)
+    s = engine.stats
+    assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
+    return tokens, (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos)), s
+
+
+FUSING = [
+    None,
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle3", "num_speculative_tokens": 3},
+    {"method": "eagle", "num_speculative_tokens": 2},
+    {"method": "mtp", "num_speculative_tokens": 1},
+    {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 1]]},
+    {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]},
+    {"method": "eagle3", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]},
+    {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"},
+]
+
+
+@pytest.mark.parametrize("spec", FUSING, ids=lambda s: "none" if s is None else json.dumps(s))
+def test_fused_steps_equal_unfused_steps(spec, tmp_path):
+    """Greedy tokens, drafts verified and accepted (per position) are those of the op-by-op step; most decode steps
+    fuse (the rest are prefills and the steps around a change of tier)."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    fused_tokens, fused_acc, stats = generate(engine_for(spec, True, tmp_path), params)
+    plain_tokens, plain_acc, plain_stats = generate(engine_for(spec, False, tmp_path), params)
+    assert fused_tokens == plain_tokens
+    assert fused_acc == plain_acc
+    assert plain_stats.fused_steps == 0
+    assert stats.fused_steps >= stats.steps // 2, (stats.fused_steps, stats.steps)
+    if spec is not None and spec.get("method") == "ngram":
+        assert stats.num_accepted_tokens > 0  # the repeating prompts make n-gram drafts that verify
+
+
+def lockstep(spec, tmp_path, device: str) -> None:
+    """Two engines, fused and op by op, stepped synchronously: the same outputs, and the same request state on the
+    device (tokens, computed counts, drafts and their confidences) after every step."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engines = [engine_for(spec, fused, tmp_path, device=device) for fused in (True, False)]
+    for e in engines:
+        for p in prompts(5):
+            e.add_request(p, params)
+    while engines[1].has_unfinished():
+        outs = [e.step() for e in engines]
+        assert [(o.request_id, o.new_token_ids) for o in outs[0]] == [(o.request_id, o.new_token_ids) for o in outs[1]]
+        a, b = (e.worker.state for e in engines)
+        live = slice(0, a.dummy)
+        assert torch.equal(a.num_computed[live], b.num_computed[live])
+        assert torch.equal(a.token_ids[live], b.token_ids[live])
+        assert torch.equal(a.drafts[live], b.drafts[live])
+        assert torch.allclose(a.draft_conf[live], b.draft_conf[live])
+    assert not engines[0].has_unfinished() and engines[0].stats.fused_steps > 0
+
+
+@pytest.mark.parametrize("spec", FUSING[1:5] + FUSING[7:8], ids=lambda s: json.dumps(s))
+def test_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
+    lockstep(spec, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", FUSING[:3] + FUSING[5:7], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_fused_graphs_on_the_gpu_leave_the_state_of_unfused_steps(spec, tmp_path):
+    """The same on CUDA graphs (float32): the captured fused step computes what the separate graphs and the eager
+    glue compute."""
+    lockstep(spec, tmp_path, "cuda")
+
+
+def test_fused_fixed_acceptance_draws_as_unfused(tmp_path):
+    """Benchmarks' fixed acceptance in a fused step accepts the same seeded counts as the op-by-op step; a step in
+    the other mode (fixed acceptance switched off after capture) runs op by op."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=30, ignore_eos=True, seed=3)
+    fused = engine_for(spec, True, tmp_path, fixed=2.5)
+    results = [generate(e, params) for e in (fused, engine_for(spec, False, tmp_path, fixed=2.5))]
+    assert results[0][:2] == results[1][:2]
+    assert results[0][2].fused_steps > 0
+    assert 2.0 < 1 + results[0][2].num_accepted_tokens / results[0][2].num_drafts < 3.0
+    fused.worker.set_fixed_acceptance(None)
+    fused.stats = type(fused.stats)()
+    _, _, stats = generate(fused, params)
+    assert stats.fused_steps == 0 and stats.steps > 0
+
+
+def test_sampled_and_logprob_steps_run_op_by_op(tmp_path):
+    """A step with a sampled request or one asking for logprobs runs op by op (the fused graphs are greedy);
+    seeded sampling gives the same tokens either way."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    for params in (SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9),
+                   SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)):
+        a = generate(engine_for(spec, True, tmp_path), params, count=3)
+        b = generate(engine_for(spec, False, tmp_path), params, count=3)
+        assert a[0] == b[0]
+        assert a[2].fused_steps == 0
+
+
+@pytest.mark.parametrize("spec", [{"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-dense"},
+                                  {"method": "dflash", "num_speculative_tokens": 2}], ids=["draft_model", "dflash"])
+def test_drafters_without_fused_steps_run_op_by_op(spec, tmp_path):
+    tokens, _, stats = generate(engine_for(spec, True, tmp_path), SamplingParams(max_tokens=10, ignore_eos=True), 3)
+    assert stats.fused_steps == 0 and all(len(t) == 10 for t in tokens)
+
+
+def test_fused_steps_under_preemption_and_in_the_trace(tmp_path):
+    """A KV cache that holds about two requests: requests are preempted and recomputed between fused steps, and
+    their tokens stay those of the op-by-op run; the step trace marks fused steps."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    fused = engine_for(spec, True, tmp_path, num_kv_blocks=40)
+    fused.trace.close()
+    trace = tmp_path / "trace.jsonl"
+    from dispatcher.engine.trace import TraceWriter
+
+    fused.trace = TraceWriter(str(trace))
+    a = generate(fused, params)
+    fused.close()
+    b = generate(engine_for(spec, False, tmp_path, num_kv_blocks=40), params)
+    assert a[0] == b[0] and a[1] == b[1]
+    assert fused.scheduler.stats.preemptions > 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    marked = [r for r in records if r.get("fused")]
+    assert len(marked) == a[2].fused_steps > 0
+    assert all(r["kind"] == "uniform_decode" and r["mode"] == "FULL" for r in marked)
