@@ -2,13 +2,15 @@
 limits that refuse hostile constraints, the engine's grammars (xgrammar on the default model's tokenizer: compiled
 once, refused when they fail or take too long, a bitmask that allows exactly the grammar's tokens), the engine and
 worker path of a constrained step (a grammar whose mask depends on the previous token, so that a bitmask filled
-before that token is in would show), and the tool-call parsers. tests/test_structured_serve.py runs them through
+before that token is in would show; constrained steps never fused; the prefix cache under real matchers), and the
+tool-call parsers. tests/test_structured_serve.py runs them through
 a real server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -423,6 +425,98 @@ def test_a_deferred_bitmask_is_taken_from_the_next_message():
     core.worker.receive_grammar = lambda step_id: GrammarBitmask(step_id + 7, bits.bitmask)
     with pytest.raises(RuntimeError, match="bitmask of step"):
         core.worker.execute(step.message)
+
+
+def test_constrained_decode_steps_run_op_by_op_while_unconstrained_ones_fuse():
+    """Fused decode steps (``dispatcher.runtime.decode_step``) take the greedy argmax inside the graph, where no
+    grammar bitmask can reach it: a uniform-decode step with a constrained row runs op by op (its outputs follow
+    the grammar), all constrained or one among unconstrained; the same engine fuses the unconstrained steps."""
+    from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE
+    from test_pipeline import prompts
+
+    core = constrained_engine(overlap=False)
+    assert core.worker.fused is not None
+    so = StructuredOutputsParams(choice=("stand-in",))
+    p = [q[:10] for q in prompts(4, 3)]  # (one prefill step)
+
+    def run(constrained: list[bool]) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
+        ids = [core.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                  structured_outputs=so if c else None))
+               for q, c in zip(p, constrained)]
+        out, decodes = {rid: [] for rid in ids}, []
+        while core.has_unfinished():
+            step = core.schedule()
+            core.submit(step)
+            result = core.worker.collect(step.pending)
+            for o in core.update(step, core.finish(step, result)):
+                out[o.request_id].extend(o.new_token_ids)
+            target = step.descs.target
+            if target.kind == UNIFORM_DECODE and target.mode == MODE_FULL:
+                decodes.append((step.message.constrained, result.fused))
+        return [out[rid] for rid in ids], decodes
+
+    for constrained in ([True] * 4, [False, True, False, False]):
+        outs, decodes = run(constrained)
+        for q, c, out in zip(p, constrained, outs):
+            if c:
+                assert out == [(q[-1] + 1 + k) % 512 for k in range(8)]
+        assert len(decodes) >= 5 and all(c and not fused for c, fused in decodes), decodes
+    fused_before = core.stats.fused_steps
+    _, decodes = run([False] * 4)
+    assert decodes and all(fused for _, fused in decodes) and core.stats.fused_steps > fused_before
+
+
+def test_a_failed_step_drops_its_requests_grammars():
+    """A step the worker failed ends its requests (``EngineCore.fail_step``: the scheduler's, with the registered
+    prefix blocks taken back) and their matchers with them; the engine runs on with the next request."""
+    core = constrained_engine(overlap=False)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    rid = core.add_request(list(range(3, 23)), SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
+    step = core.schedule()
+    assert core.fail_step(step.out) == [rid] and not core.structured.matchers and not core.has_unfinished()
+    assert core.scheduler.kv.num_free == core.scheduler.config.num_kv_blocks
+    assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [10, 11, 12]
+
+
+def test_identical_constrained_requests_back_to_back_with_the_prefix_cache():
+    """The second of two identical constrained requests finds the prompt in the prefix cache and computes only its
+    last tokens; its grammar starts from the start (it sees generated tokens only), so its output is the first
+    one's, whole and valid: real xgrammar matchers on tiny-dense given the default model's vocabulary."""
+    import dataclasses
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from models.default_model import default_model_path
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(dataclasses.replace(preset("tiny-dense"), vocab_size=49152), device="cpu",
+                                      num_kv_blocks=64, block_size=8, max_model_len=128,
+                                      eos_token_ids=(tok.eos_token_id,), tokenizer=default_model_path()))
+    prompt = tok.encode("Pick one of the colours, then write an e-mail address for it: red, green or blue? Only one.")
+    email = r"[a-z]{2,5}@[a-z]{2,5}\.(com|org)"
+    checks = [(StructuredOutputsParams(choice=("red", "green", "blue sky")), "red|green|blue sky"),
+              (StructuredOutputsParams(regex=email), email)]
+    for so, pattern in checks:
+        texts = []
+        for _ in range(2):
+            rid = core.add_request(prompt, SamplingParams(max_tokens=24, structured_outputs=so))
+            tokens, cached, reason = [], None, None
+            for step in core.run():
+                for o in step:
+                    assert o.request_id == rid
+                    tokens += o.new_token_ids
+                    cached = o.num_cached_tokens if cached is None else cached
+                    reason = o.finish_reason or reason
+            assert reason is not None and reason.value == "stop" and tokens[-1] == tok.eos_token_id
+            texts.append((tok.decode(tokens[:-1]), cached))
+        (first, _), (second, cached) = texts
+        assert re.fullmatch(pattern, first) and second == first, texts
+        assert cached == (len(prompt) - 1) // 8 * 8 > 8, texts  # (its full blocks but the last token's)
+    assert not core.structured.matchers
+    core.close()
 
 
 def test_a_masked_token_is_never_sampled_even_at_an_extreme_draw():
