@@ -330,13 +330,13 @@ class Successor:
         pass
 
 
-def constrained_engine(spec=None, overlap=True):
+def constrained_engine(spec=None, overlap=True, device="cpu"):
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
     from dispatcher.plan.config import resolve
     from models.config import preset
 
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", num_kv_blocks=400, block_size=8,
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=400, block_size=8,
                                       max_model_len=128, async_scheduling=overlap))
     core.structured = Successor(core.model_config.vocab_size)
     core.structured.requests = core.scheduler.requests
@@ -428,13 +428,17 @@ def test_a_deferred_bitmask_is_taken_from_the_next_message():
 
 
 def test_constrained_decode_steps_run_op_by_op_while_unconstrained_ones_fuse():
+    constrained_decodes_run_op_by_op("cpu")
+
+
+def constrained_decodes_run_op_by_op(device: str) -> None:
     """Fused decode steps (``dispatcher.runtime.decode_step``) take the greedy argmax inside the graph, where no
     grammar bitmask can reach it: a uniform-decode step with a constrained row runs op by op (its outputs follow
     the grammar), all constrained or one among unconstrained; the same engine fuses the unconstrained steps."""
     from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE
     from test_pipeline import prompts
 
-    core = constrained_engine(overlap=False)
+    core = constrained_engine(overlap=False, device=device)
     assert core.worker.fused is not None
     so = StructuredOutputsParams(choice=("stand-in",))
     p = [q[:10] for q in prompts(4, 3)]  # (one prefill step)

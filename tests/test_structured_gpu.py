@@ -1,6 +1,7 @@
 """Structured outputs on the GPU (issue 31): the bitmask applied by xgrammar's Triton kernel to graph-computed logits,
-with no kernel compiled while serving, and the 24 constraints of tests/test_structured_serve.py through a served
-default model with CUDA graphs and asynchronous scheduling (each constrained step's bitmask sent after it)."""
+with no kernel compiled while serving, constrained greedy steps never replayed as fused step graphs, and the 24
+constraints of tests/test_structured_serve.py through a served default model with CUDA graphs and asynchronous
+scheduling (each constrained step's bitmask sent after it)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving():
                 if i % constrained_every == 0:
                     assert out == [(prompt[-1] + 1 + k) % 512 for k in range(12)], (i, out)
         assert sum(compiles) == 0, compiles
+
+
+def test_constrained_greedy_decode_steps_run_op_by_op_on_cuda_graphs():
+    """Greedy without a drafter on CUDA graphs: uniform-decode steps with a constrained row run op by op and follow
+    their grammar, while unconstrained ones replay the fused step graph (tests/test_structured.py's CPU test)."""
+    from test_structured import constrained_decodes_run_op_by_op
+
+    constrained_decodes_run_op_by_op("cuda")
 
 
 def test_every_constraint_gives_valid_output_served_on_the_gpu(tmp_path):
