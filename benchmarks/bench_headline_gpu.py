@@ -189,8 +189,8 @@ def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pi
     ``--min-prompts``: a wave of one request is a third of a second, too short to time) and its result, saved
     with each request's send time, TTFT and latency (``--save-detailed``: where a run's wall time went); with
     ``server_pid``, ``cpu_core_share``: each process's CPU time over the run (the client's included) per second of
-    the whole bench command (warm-ups included). ``bench_args``: more ``twogrid bench`` flags (sampling ones).
-    ``warmups``: unmeasured requests first (default: a wave of ``conc``)."""
+    the whole bench command (warm-ups included). ``bench_args``: more ``twogrid bench`` flags (sampling or
+    structured-output ones). ``warmups``: unmeasured requests first (default: a wave of ``conc``)."""
     os.makedirs(result_dir, exist_ok=True)
     name = f"{label}-c{conc}.json"
     before = process_cpu_s(server_pid) if server_pid else {}

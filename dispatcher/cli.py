@@ -499,6 +499,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=float, default=None)
     g.add_argument("--presence-penalty", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--response-format", default=None, metavar="JSON",
+                   help='structured outputs: an OpenAI response_format, e.g. '
+                        '\'{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}\'')
+    g.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help="structured outputs: vLLM's structured_outputs field, e.g. '{\"regex\": \"[0-9]+\"}'")
     g.add_argument("--extra-body", default=None, metavar="JSON",
                    help="more fields for every request\'s body, a JSON object (over the flags above), e.g. "
                         "\'{\"min_tokens\": 8, \"response_format\": {\"type\": \"json_object\"}}\'")

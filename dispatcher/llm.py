@@ -88,7 +88,7 @@ class LLM:
             eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype),
             capture=not enforce_eager)
-        self.processor = OutputProcessor(self.tokenizer, self.engine.scheduler.finish_request)
+        self.processor = OutputProcessor(self.tokenizer, self.engine.finish_request)
         self.default_params = generation_defaults(model)
         self._ids = itertools.count()
 

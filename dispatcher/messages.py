@@ -85,6 +85,15 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     it (the step computes from there)."""
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True, tag="grammar"):
+    """Structured outputs: the tokens each constrained sampling request of a step may produce next (xgrammar's
+    packed bitmask: bit t % 32 of word t // 32 set allows token t), one row per ``Step.grammar_rows`` entry."""
+
+    step_id: int
+    bitmask: bytes
+    """int32 (len(grammar_rows), ceil(vocab_size / 32))."""
+
+
 class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     step_id: int
     new_requests: list[NewRequest]
@@ -114,10 +123,21 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     prompt_logprob_rows: bytes = b""
     """int32 per request (empty: none): how many of its query's first tokens are prompt tokens whose next prompt
     token's log-probability to return (``prompt_logprobs``)."""
+    grammar_rows: bytes = b""
+    """int32: the rows (batch order) of the sampling requests a grammar constrains (structured outputs: they verify
+    no drafts); empty in an unconstrained step."""
+    grammar: GrammarBitmask | None = None
+    """Their bitmask, when the engine had it as it sent the step; None with ``grammar_rows``: it follows as the next
+    message (asynchronous scheduling: the rows depend on the tokens of the step still running)."""
 
     @property
     def num_reqs(self) -> int:
         return len(self.slots) // I32.itemsize
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar constrains some request's next token: the sampler must apply the step's bitmask."""
+        return bool(self.grammar_rows)
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
@@ -226,6 +246,9 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """``"fp8"``: weights quantized to FP8 at load (``--quantization``)."""
     kv_cache_dtype: str = "auto"
     """``"auto"`` or ``"fp8"`` (``--kv-cache-dtype``)."""
+    structured_outputs: bool = False
+    """The engine serves text (it has a tokenizer), so steps may carry grammar bitmasks: load xgrammar's kernels at
+    start rather than at the first constrained step."""
 
 
 def resolve_init(init: WorkerInit, grid_cost: dict | None = None) -> ResolvedConfig:
@@ -274,7 +297,7 @@ class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):
     message: str
 
 
-ToWorker = Step | Shutdown
+ToWorker = Step | GrammarBitmask | Shutdown
 ToEngine = StepResult | WorkerReady | WorkerError | CaptureProgress
 
 _encoder = msgspec.msgpack.Encoder()
@@ -283,11 +306,11 @@ _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _init = msgspec.msgpack.Decoder(WorkerInit)
 
 
-def encode(message: Step | StepResult | Shutdown | WorkerInit | WorkerReady | WorkerError | CaptureProgress) -> bytes:
+def encode(message: ToWorker | StepResult | WorkerInit | WorkerReady | WorkerError | CaptureProgress) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_worker(data: bytes) -> Step | Shutdown:
+def decode_to_worker(data: bytes) -> Step | GrammarBitmask | Shutdown:
     """A message for the worker; msgspec.ValidationError / DecodeError on anything else (never pickle)."""
     return _to_worker.decode(data)
 

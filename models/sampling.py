@@ -54,8 +54,15 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt, width: int | Non
     key = _mix(seeds.long() * _M1 + positions.long() * 0x632BE59BD9B4E019 + salt * 0x2545F4914F6CDD1D)
     if width is not None:
         key = key[:, None] + torch.arange(width, device=key.device, dtype=torch.int64)[None, :] * _M1
-    bits = _shr(_mix(key), 40)  # 24 random bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_shr(_mix(key), 40))  # 24 random bits
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """24 random bits as a float32 in (0, 1), 1 excluded: (bits + 0.5) / 2^24 rounds to 1.0 for the largest
+    pattern (float32 holds 24 significant bits), and u = 1 makes a Gumbel draw -log(-log u) infinite: that token
+    would win every draw it is in (1 in 341 draws over a 49,152-token vocabulary), or turn a masked token's -inf
+    into NaN, which argmax picks."""
+    return ((bits.float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=1.0 - 2.0**-24)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

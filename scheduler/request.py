@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Iterable
 
+from scheduler.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Top log-probabilities per output token at most (vLLM's default max_logprobs, OpenAI's limit)."""
@@ -106,6 +107,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return each prompt token's log-probability, its rank and the top ``prompt_logprobs`` tokens at its position
     (0..MAX_LOGPROBS); None returns none."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A grammar the output follows (JSON schema, regex, choice, EBNF, structural tag): the engine masks every token
+    it forbids before sampling (``dispatcher.engine.structured``)."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
@@ -150,6 +154,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._validate_extras(vocab_size, eos_token_ids)
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs.validate()
+            except StructuredOutputError as exc:
+                raise RequestError(str(exc)) from None
 
     def _validate_extras(self, vocab_size: int | None, eos_token_ids: Iterable[int]) -> None:
         """n, min_p, the penalties, min_tokens, logit_bias, allowed_token_ids, bad words, prompt_logprobs: vLLM's

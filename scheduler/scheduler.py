@@ -324,6 +324,9 @@ class Scheduler:
         """max_tokens of the request in each slot."""
         self.checks_stop = np.zeros(n, bool)
         """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
+        self.structured = np.zeros(n, bool)
+        """The slot's request has structured outputs: a grammar masks its tokens, so it verifies no drafts (they stay
+        on the worker, where the engine cannot check them against the grammar)."""
         self.waited = np.zeros(n, bool)
         """The slot's request was running but left out of the last step (the budget was full): it goes first next."""
         self.pending_gain = np.zeros(n, np.int64)
@@ -472,6 +475,7 @@ class Scheduler:
         self.max_output[slot] = req.params.max_tokens
         self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
             bool(req.eos_token_ids) and not req.params.ignore_eos)
+        self.structured[slot] = req.params.structured_outputs is not None
         self.num_drafts[slot] = 0
         self.order.append(slot)
         self._order_dirty = True
@@ -650,7 +654,8 @@ class Scheduler:
             self._register_running(pick.slots)
         self.pending_gain[slots] += np.where(samples, 1 + drafts, 0)
         num_new_drafts = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
-        self.num_drafts[slots] = np.where(samples, num_new_drafts, 0)  # what the drafter proposes after this step
+        # what the drafter proposes after this step (a structured request verifies none)
+        self.num_drafts[slots] = np.where(samples & ~self.structured[slots], num_new_drafts, 0)
         rows, cols, ids = (np.concatenate(parts) for parts in zip(*updates))
         n = len(slots)
         if n:  # an empty step reaches no worker: it keeps the freed slots for the next

@@ -119,7 +119,8 @@ class Server:
         raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s:\n{self.log()[-3000:]}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # (closed by stop(): a server that never became healthy is stopped first)
+            self._log.flush()
         with open(self.log_path, encoding="utf-8", errors="replace") as fh:
             return fh.read()
 

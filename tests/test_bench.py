@@ -272,6 +272,19 @@ def test_measured_requests_reuse_connections_opened_before_the_clock(serve, tmp_
     assert len(set(measured)) <= 4
 
 
+def test_structured_output_flags_go_with_every_request(serve):
+    """--response-format and --structured-outputs (the structured-output benchmark's) are sent as they are, with
+    every request of the run and the test request."""
+    fake = serve()
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert bench("--base-url", fake.url, "--dataset-name", "random", "--random-input-len", "4", "--random-output-len",
+                 "2", "--num-prompts", "3", "--response-format", json.dumps(schema), "--structured-outputs",
+                 '{"regex": "[0-9]+"}') == 0
+    assert len(fake.requests) == 4
+    for _, body, _ in fake.requests:
+        assert body["response_format"] == schema and body["structured_outputs"] == {"regex": "[0-9]+"}
+
+
 def test_chat_without_usage_or_metrics(serve, tmp_path, capsys):
     fake = serve(usage=False, metrics=False)
     data = tmp_path / "sharegpt.json"
@@ -369,6 +382,8 @@ def free_port():
     (["--num-clients", "0"], "--num-clients must be >= 1"),
     (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
     (["--extra-body", "{x"], "--extra-body is not JSON"),
+    (["--response-format", "{json_schema"], "--response-format: not JSON"),
+    (["--structured-outputs", "[1]"], "--structured-outputs must be a JSON object"),
 ])
 def test_bad_flags_are_one_line(args, needle, capsys):
     base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]

@@ -198,3 +198,17 @@ def test_cli_llm_and_serve_share_their_pieces_without_an_import_circle():
     assert "dispatcher.cli" not in imports("dispatcher/llm.py") | imports("dispatcher/serve/launch.py")
     assert "dispatcher.llm" not in imports("dispatcher/serve/launch.py")
     assert "dispatcher.serve.launch" not in imports("dispatcher/llm.py")
+@pytest.mark.parametrize("args, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "--structured-outputs-config: backend 'outlines' is "
+                                                                  "not available (xgrammar)"),
+    (["--structured-outputs-config", '{"compile_timeout_s": -1}'], "compile_timeout_s must be in (0, 3600]"),
+    (["--structured-outputs-config", '{"cache": 1}'], "unknown key(s) cache"),
+    (["--chat-template", "no/such/file"], "--chat-template: 'no/such/file' is neither a file nor a Jinja template"),
+    (["--chat-template", "{% if %}"], "--chat-template: chat template does not parse"),
+], ids=["auto without a parser", "other backend", "bad timeout", "unknown key", "no template",
+        "broken template"])
+def test_serve_refuses_bad_structured_output_and_tool_flags(args, message):
+    """Before the model loads: one line naming the flag, exit code 2."""
+    rc, out, err = run("serve", "--device", "cpu", *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err

@@ -52,6 +52,8 @@ FAIL_STEP = 40
 FAULTY_SEQS = 4
 FAULTY_ARGS = ["--model", MODEL, "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", str(FAULTY_SEQS)]
 TEXT_MAX_LEN = 64
+STRUCTURED_TIMEOUT_S = 2.0
+"""The text server's grammar compile timeout (``--structured-outputs-config``)."""
 DETECT_LIMIT_S = 2.0
 """The issue's bound: a dead worker noticed, and every stream told, within this."""
 
@@ -106,7 +108,8 @@ def text_server(tmp_path_factory, texts):
             f"{{{{ cycler.__init__.__globals__.os.mkdir('{marker}') }}}}{{% endif %}}")
     tok = train_bpe(texts[:200], str(tmp_path_factory.mktemp("bpe500")), vocab_size=500, chat_template=trap + CHATML)
     args = ["--model", MODEL, "--tokenizer", tok, "--device", "cpu", "--max-model-len", str(TEXT_MAX_LEN),
-            "--served-model-name", "tiny"]
+            "--served-model-name", "tiny", "--structured-outputs-config",
+            json.dumps({"compile_timeout_s": STRUCTURED_TIMEOUT_S})]
     for server in _serve(tmp_path_factory, "text", args, key=KEY):
         server.escape_marker = marker
         yield server
@@ -132,7 +135,7 @@ def wait_until(predicate, timeout_s: float = 30, what: str = "") -> None:
 
 
 def steps_run(m: dict[str, float]) -> float:
-    return m["twogrid:cudagraph_steps_total"]
+    return m.get("twogrid:cudagraph_steps_total", 0.0)  # (absent until the first step)
 
 
 def mib(n: int) -> float:
@@ -632,6 +635,94 @@ def test_costly_requests_are_refused_before_any_step(text_server):
         assert status == 400 and payload["error"]["param"] == param and payload["error"]["message"], (body, payload)
     assert steps_run(after) == steps_run(before)
     assert after["twogrid:prompt_tokens_total"] == before["twogrid:prompt_tokens_total"]
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _slow_enum(seed: int) -> dict:
+    """A schema under every static limit whose compile takes seconds (4000 long enum values: 12 s here on the
+    500-token vocabulary, 0.24 s at 2000)."""
+    return {"type": "object", "properties": {"k": {"enum": [f"value {seed} number {i} of many" for i in range(4000)]}},
+            "required": ["k"]}
+
+
+def test_hostile_structured_requests_are_refused_or_bounded(text_server):
+    """Structured-output constraints that are huge, deeply nested or pathological get a 400 naming the field and
+    the limit before any step (static limits, or a compile that fails); ones under the limits that compile slowly
+    are refused after the compile timeout, and meanwhile another request streams on without a stall (the compile
+    runs in the engine's pool, the step loop does not wait for it)."""
+    server = text_server
+    msgs = [{"role": "user", "content": "hi"}]
+    json_schema = lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}  # noqa: E731
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested_schema(100)}}
+    cases = [
+        ({"response_format": json_schema({"type": "object", "properties": {
+            f"p{i}": {"type": "string", "description": "x" * 40} for i in range(3000)}})}, "response_format",
+         "characters; at most"),
+        ({"response_format": json_schema(_nested_schema(100))}, "response_format", "nests deeper than 64"),
+        ({"structured_outputs": {"choice": [str(i) for i in range(5000)]}}, "structured_outputs", "at most 4096"),
+        ({"structured_outputs": {"regex": "[a-z]{1,100000}"}}, "structured_outputs", "at most 1000"),
+        ({"guided_json": {"type": "object", "properties": {"a": {"pattern": "x{99999}"}}}}, "guided_json",
+         "repetition"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "does not compile"),
+        ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, "structured_outputs", "does not compile"),
+        ({"response_format": json_schema({"type": "nonsense"})}, "response_format", "does not compile"),
+        ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {"type": "bogus"}}'}},
+         "structured_outputs", "does not compile"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools", "nests deeper"),
+    ]
+    before = wait_idle(server)
+    answers = []
+    for body, _, _ in cases:
+        path = "/v1/chat/completions" if "tools" in body else "/v1/completions"
+        request = {**body, "messages": msgs} if "tools" in body else {**body, "prompt": "hi"}
+        answers.append(http_post(server.base + path, json.dumps({**request, "max_tokens": 2}).encode(), KEY))
+    after = server.metrics()
+    for (body, param, words), (status, payload) in zip(cases, answers):
+        assert status == 400 and payload["error"]["param"] == param and words in payload["error"]["message"], (
+            param, payload)
+    assert steps_run(after) == steps_run(before)
+
+    async def stall_test():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+            async def slow(seed):
+                body = {"prompt": "hi", "max_tokens": 4, "response_format": json_schema(_slow_enum(seed))}
+                t0 = time.monotonic()
+                async with s.post(server.base + "/v1/completions", json=body) as r:
+                    return r.status, await r.json(), time.monotonic() - t0
+
+            async def stream():
+                await asyncio.sleep(0.3)  # (the compiles have started)
+                body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+                arrivals = []
+                async with s.post(server.base + "/v1/completions", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            arrivals.append(time.monotonic())
+                return r.status, arrivals
+
+            return await asyncio.gather(slow(1), slow(2), stream())
+
+    t0 = time.monotonic()
+    first, second, (stream_status, arrivals) = asyncio.run(stall_test())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    record("hostile_structured", refused=len(cases), refused_400=sum(s == 400 for s, _ in answers),
+           steps_run=steps_run(after) - steps_run(before), slow_compiles=[first[0], second[0]],
+           slow_answered_s=[round(first[2], 2), round(second[2], 2)], stream_chunks=len(arrivals),
+           stream_max_gap_s=round(max(gaps), 3), wall_s=round(time.monotonic() - t0, 2))
+    for status, payload, waited in (first, second):
+        if status == 400:  # (a fast machine may compile it in time: then it is answered)
+            assert f"did not compile within {STRUCTURED_TIMEOUT_S:.0f} s" in payload["error"]["message"], payload
+            assert waited < STRUCTURED_TIMEOUT_S + 2.0
+        else:
+            assert status == 200, payload
+    assert stream_status == 200 and len(arrivals) >= 10  # (chunks: a front end behind merges steps)
+    assert max(gaps) < 1.0, gaps  # (a compile holding the loop would stall it for the compile's seconds)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -542,7 +542,22 @@ BAD_CHAT = [
      "top_logprobs", "logprobs"),
     ("max_completion_tokens beyond the context", {"messages": [{"role": "user", "content": "hi"}],
                                                   "max_completion_tokens": 1000}, "max_completion_tokens", "at most"),
-    ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "unknown"),
+    ("tool_choice without tools", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
+     "tool_choice", "tools"),
+    ("auto tool choice without the server's flags", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice", "--enable-auto-tool-choice"),
+    ("a named tool that is not among the tools", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                  "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "'g'"),
+    ("a forced call and a response format", {"messages": [{"role": "user", "content": "hi"}],
+                                             "tools": [{"type": "function", "function": {"name": "f"}}],
+                                             "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "response_format"),
+    ("tool calls on a user message", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", "assistant"),
 ]
 
 

@@ -117,15 +117,35 @@ def validate(args: argparse.Namespace) -> None:
             raise BenchError(f"--metadata: {item!r} is not KEY=VALUE")
 
 
+def structured_body(args: argparse.Namespace) -> dict[str, Any]:
+    """``--response-format`` and ``--structured-outputs`` as request fields (sent with every request); BenchError
+    naming the flag for text that is not a JSON object."""
+    body = {}
+    for flag, field in (("response_format", "response_format"), ("structured_outputs", "structured_outputs")):
+        text = getattr(args, flag, None)
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise BenchError(f"--{flag.replace('_', '-')}: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise BenchError(f"--{flag.replace('_', '-')} must be a JSON object, got {text!r}")
+        body[field] = value
+    return body
+
+
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                   "repetition_penalty")
 """vllm bench serve's sampling flags: each one given is sent in every request's body."""
 
 
 def sampling_body(args: argparse.Namespace) -> dict[str, Any]:
-    """The fields the sampling flags and ``--extra-body`` add to every request (``--extra-body`` last, as vLLM's
-    bench merges them); BenchError when ``--extra-body`` is not a JSON object."""
+    """The fields the sampling flags, ``--response-format`` / ``--structured-outputs`` and ``--extra-body`` add to
+    every request (``--extra-body`` last, as vLLM's bench merges them); BenchError when ``--extra-body`` is not a
+    JSON object."""
     body = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    body.update(structured_body(args))
     if getattr(args, "extra_body", None):
         try:
             extra = json.loads(args.extra_body)

@@ -22,8 +22,9 @@ import torch
 
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import CostCurve, load_step_costs
+from dispatcher.engine.structured import COMPILE_TIMEOUT_S, StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
-from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
@@ -34,7 +35,7 @@ from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
-from scheduler.request import Request, RequestError, SamplingParams, child_params, child_request_id
+from scheduler.request import FinishReason, Request, RequestError, SamplingParams, child_params, child_request_id
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
                                  SpecDecodeSummary, add_per_pos)
 
@@ -82,6 +83,11 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
     that another request computed (``scheduler.kv_blocks``)."""
+    tokenizer: str | None = None
+    """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
+    the model's (a preset has none, and refuses structured requests)."""
+    structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
+    """A structured request whose grammar has not compiled this long after it arrived is refused."""
 
 
 @dataclass
@@ -154,8 +160,11 @@ class ScheduledStep:
     """Those rows' (log-probabilities (p, 1 + N), top ids (p, N), ranks (p,)), set when the result is taken."""
 
 
-def step_message(out: SchedulerOutput, descs: StepDescriptors, prompt_rows: np.ndarray | None = None) -> Step:
-    """The scheduler's step as the worker sees it: new requests once, then slots and counts."""
+def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.ndarray,
+                 prompt_rows: np.ndarray | None = None) -> Step:
+    """The scheduler's step as the worker sees it: new requests once, then slots and counts, the rows a grammar
+    constrains (their bitmask comes with ``EngineCore.with_grammar`` or after the step) and the prompt rows whose
+    log-probabilities are asked for."""
     first = len(out.slots) - len(out.new_requests)
     new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids), sampling_spec(req), computed)
@@ -164,7 +173,9 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, prompt_rows: np.n
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
-                descs.target, descs.draft, descs.draft_next, pack(prompt_rows) if prompt_rows is not None else b"")
+                descs.target, descs.draft, descs.draft_next,
+                prompt_logprob_rows=pack(prompt_rows) if prompt_rows is not None else b"",
+                grammar_rows=pack(grammar_rows))
 
 
 def sampling_spec(req: Request) -> SamplingSpec:
@@ -213,13 +224,14 @@ class EngineCore:
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
                                      enable_prefix_caching=args.enable_prefix_caching)
         self.capture_report = None
+        tokenizer = _tokenizer(args)
         if worker is None:
             dtype = args.dtype or default_dtype(args.model, args.device)
             worker = ModelWorker(
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
                              args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps,
-                             args.quantization, args.kv_cache_dtype),
+                             args.quantization, args.kv_cache_dtype, tokenizer is not None),
                 self.plan,
             )
             if capture:
@@ -259,6 +271,11 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
+        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                            cfg.max_num_seqs, args.structured_compile_timeout_s)
+        """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
+        ``structured.start()``)."""
+        self._said_no_drafts = False
 
     def capture_gap(self) -> None:
         """Delayed capture's share of the gap after a submitted step (``ModelWorker.capture_between_steps``, at
@@ -301,14 +318,24 @@ class EngineCore:
         self.queue_all(self.make_requests(prompt_token_ids, params, rid))
         return rid
 
-    def queue_all(self, requests: list[Request]) -> None:
-        """Queue ``make_requests``' requests: the first now, the other children once a step computes its prompt."""
-        self.queue(requests[0])
+    def queue_all(self, requests: list[Request], grammar=None) -> None:
+        """Queue ``make_requests``' requests: the first now, the other children once a step computes its prompt
+        (``grammar``: their compiled grammar, as ``queue`` takes it; the children's comes from the cache)."""
+        self.queue(requests[0], grammar)
         if len(requests) > 1:
             self._held[requests[0].request_id] = requests[1:]
 
-    def queue(self, request: Request) -> None:
-        """Queue a request made by ``make_request``."""
+    def queue(self, request: Request, grammar=None) -> None:
+        """Queue a request made by ``make_request``. A structured request needs its compiled grammar: ``grammar``
+        (the serving engine compiles it off the loop first, ``structured.compile_async``) or compiled here
+        (RequestError when it does not compile)."""
+        so = request.params.structured_outputs
+        if so is not None:
+            self.structured.add(request.request_id, grammar if grammar is not None else self.structured.compile(so))
+            if self.scheduler.k_max and not self._said_no_drafts:
+                self._said_no_drafts = True
+                log.info("structured outputs: requests with a grammar verify no drafts (speculative decoding is off "
+                         "for them; the others keep it)")
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         if request.params.prompt_logprobs is not None:
@@ -319,6 +346,7 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         """Abort a live request at any point of the step cycle; False when it is not live."""
         self._prompt_logprobs.pop(request_id, None)
+        self.structured.remove(request_id)
         self._release(request_id)
         for held in self._held.values():
             for i, r in enumerate(held):
@@ -331,6 +359,19 @@ class EngineCore:
         """Queue the children held back for ``first_id``."""
         for request in self._held.pop(first_id, ()):
             self.queue(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """End a live request from outside the step loop (a stop string matched): ``Scheduler.finish_request``."""
+        self.structured.remove(request_id)
+        return self.scheduler.finish_request(request_id, reason)
+
+    def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
+        """A step the worker failed: ``Scheduler.fail_step`` (its requests and those sharing a block it registered
+        end), their grammars dropped. Returns the ids of the requests it ends."""
+        ids = self.scheduler.fail_step(out, later)
+        for rid in ids:
+            self.structured.remove(rid)
+        return ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held)
@@ -362,8 +403,9 @@ class EngineCore:
         if self._held:
             self._release_computed(out)
         rows = self._prompt_logprob_rows(out) if self._prompt_logprobs else None
-        return ScheduledStep(out, descs, step_message(out, descs, rows), (time.perf_counter() - t0) * 1e3,
-                             prompt_rows=rows)
+        grammar_rows = np.nonzero(self.scheduler.structured[out.slots] & out.samples)[0]
+        return ScheduledStep(out, descs, step_message(out, descs, grammar_rows, rows),
+                             (time.perf_counter() - t0) * 1e3, prompt_rows=rows)
 
     def _release_computed(self, out: SchedulerOutput) -> None:
         """Queue the children held for a first child whose prompt this step computes to its end."""
@@ -383,8 +425,21 @@ class EngineCore:
                 counts[row] = max(0, min(start + int(known[row]), len(req.prompt_token_ids) - 1) - start)
         return counts if counts.any() else None
 
+    def grammar_bitmask(self, step: ScheduledStep) -> GrammarBitmask:
+        """The step's constrained rows' bitmask, from their matchers as they are now: after the update of every
+        step before it (the matchers must hold each request's last token)."""
+        requests = step.out.requests
+        ids = [requests[r].request_id for r in unpack(step.message.grammar_rows).tolist()]
+        return GrammarBitmask(step.out.step_id, self.structured.bitmask(ids))
+
+    def with_grammar(self, step: ScheduledStep) -> None:
+        """A constrained step's message with its bitmask in it."""
+        step.message = msgspec.structs.replace(step.message, grammar=self.grammar_bitmask(step))
+
     def submit(self, step: ScheduledStep) -> None:
-        """Queue a step on the worker (returns before it has run)."""
+        """Queue a step on the worker (returns before it has run); a constrained step takes its bitmask now."""
+        if step.message.constrained and step.message.grammar is None:
+            self.with_grammar(step)
         step.submitted_at = time.perf_counter()
         step.pending = self.worker.submit(step.message)
         self.capture_gap()
@@ -445,6 +500,8 @@ class EngineCore:
                 pl = self._prompt_logprobs.pop(o.request_id, None)
                 if pl is not None:
                     o.prompt_logprobs, o.prompt_logprob_ranks = pl.entries, pl.ranks
+        if self.structured.matchers:
+            self.structured.advance(outputs)
         self.stats.record_drafts(self.scheduler.last_spec_decode)
         if self.auto_tiers is not None:
             self._rechoose_tiers()
@@ -474,12 +531,16 @@ class EngineCore:
 
     def run(self) -> Iterator[list[RequestOutput]]:
         """Steps until nothing is live, each step's outputs as it completes. With asynchronous scheduling the next
-        step is submitted before the last one's result is waited for, so the device runs them back to back."""
+        step is submitted before the last one's result is waited for, so the device runs them back to back; a step
+        that a grammar constrains waits for the one before (its bitmask depends on that step's tokens)."""
         depth = 2 if self.async_scheduling else 1
         in_flight: deque[ScheduledStep] = deque()
         while self.scheduler.has_unfinished() or in_flight:
             step = self.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
+                if step.message.constrained and in_flight:
+                    done = in_flight.popleft()
+                    yield self.update(done, self.wait(done))
                 self.submit(step)
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
@@ -500,8 +561,9 @@ class EngineCore:
         return [outputs[r.request_id] for r in requests]
 
     def close(self) -> None:
-        """Flush and close the step trace."""
+        """Flush and close the step trace; stop the grammar compiles."""
         self.trace.close()
+        self.structured.close()
 
     def __enter__(self) -> "EngineCore":
         return self
@@ -577,6 +639,14 @@ class PromptLogprobs:
             self.entries[start + j] = {prompt[start + j]: v[0], **{t: x for t, x in zip(top, v[1:])
                                                                    if t != prompt[start + j]}}
             self.ranks[start + j] = rank
+
+
+def _tokenizer(args: EngineArgs):
+    """The tokenizer structured outputs compile against (None for a preset without ``args.tokenizer``)."""
+    from models.text import load_tokenizer
+
+    source = args.tokenizer or args.model
+    return load_tokenizer(source) if isinstance(source, str) else None
 
 
 def _curve(data: dict, where: str) -> CostCurve:

@@ -35,6 +35,11 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     num_front_ends: int = 1
     """Front-end processes (``--api-server-count``); the first one also gets every step's record and the queue."""
     enable_prefix_caching: bool = True
+    tokenizer: str | None = None
+    """The checkpoint whose tokenizer structured outputs compile grammars against (the front end's ``--tokenizer``
+    or the model); None: the model's."""
+    structured_compile_timeout_s: float = 10.0
+    """``--structured-outputs-config``'s ``compile_timeout_s``."""
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):

@@ -17,6 +17,7 @@ leaves its engine orphaned: within a second it stops its worker, removes the ipc
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import shutil
@@ -67,10 +68,16 @@ class EngineService:
         """The worker replays CUDA graphs (else the static-buffer backend)."""
         self.capturing = False
         """Delayed capture under way in the worker: its progress may come while no step runs."""
+        self._compiling: dict[str, asyncio.Task] = {}
+        """Structured requests whose grammar compiles, by each of their engine request ids (they join the scheduler
+        when it is ready)."""
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot. The
         engine's own heavy imports (torch, through the engine core) run while the worker starts, not before."""
+        loop = asyncio.get_running_loop()
+        structured = self.init.worker.structured_outputs  # (the server has a tokenizer)
+        xgrammar = loop.run_in_executor(None, _import_xgrammar) if structured else None  # (while the worker loads)
         await self.process.to_worker.send(encode_step(self.process.init))
         from dispatcher.engine.engine_core import EngineArgs, EngineCore
 
@@ -80,10 +87,14 @@ class EngineService:
         args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
+                          tokenizer=self.init.tokenizer,
+                          structured_compile_timeout_s=self.init.structured_compile_timeout_s,
                           enable_prefix_caching=self.init.enable_prefix_caching,
                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready))
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
+        if xgrammar is not None and await xgrammar and self.core.structured.tokenizer is not None:
+            await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -112,19 +123,52 @@ class EngineService:
             if self._draining:
                 raise RequestError("the server is shutting down")
             requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id)
-            self.core.queue_all(requests)
-            if len(self.outboxes) > 1:
+            if msg.params.structured_outputs is not None:  # its grammar compiles first, off the step loop
+                task = asyncio.get_running_loop().create_task(self._add_compiled(msg, requests))
                 for r in requests:
-                    self._front_end[r.request_id] = msg.front_end
-            self._wake.set()
+                    self._compiling[r.request_id] = task
+                return
+            self._queue(msg, requests)
         except RequestError as exc:  # checked again here, before the request costs any device time
-            await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+            await self._refuse(msg, exc)
+
+    def _queue(self, msg: AddRequest, requests: list, grammar=None) -> None:
+        """``make_requests``' requests into the scheduler (``EngineCore.queue_all``: the first now, the other
+        choices once its prompt is computed)."""
+        self.core.queue_all(requests, grammar)
+        if len(self.outboxes) > 1:
+            for r in requests:
+                self._front_end[r.request_id] = msg.front_end
+        self._wake.set()
+
+    async def _refuse(self, msg: AddRequest, exc: RequestError) -> None:
+        await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
+
+    async def _add_compiled(self, msg: AddRequest, requests: list) -> None:
+        """A structured request once its grammar has compiled (in the pool, ``StructuredOutputs.compile_async``);
+        refused when it does not compile in time. Aborted meanwhile (its first choice): dropped."""
+        first = requests[0].request_id
+        try:
+            grammar = await self.core.structured.compile_async(msg.params.structured_outputs)
+            if first not in self._compiling:
+                return
+            if self._draining:
+                raise RequestError("the server is shutting down")
+            self._queue(msg, requests, grammar)
+        except RequestError as exc:
+            if first in self._compiling:
+                await self._refuse(msg, exc)
+        finally:
+            for r in requests:
+                self._compiling.pop(r.request_id, None)
+            self._wake.set()
 
     async def _abort(self, msg: Abort) -> None:
         for rid in msg.request_ids:
             self._front_end.pop(rid, None)
+            self._compiling.pop(rid, None)  # (its compile goes on for the cache; the request is dropped)
             if msg.finish_reason == FinishReason.STOP.value:
-                self.core.scheduler.finish_request(rid, FinishReason.STOP)
+                self.core.finish_request(rid, FinishReason.STOP)
             else:
                 self.core.abort(rid)
         if not self._in_flight:  # no step will report the freed blocks soon: report them now
@@ -132,10 +176,12 @@ class EngineService:
 
     # -- the step task ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Steps until drained (or the worker dies: WorkerDied)."""
+        """Steps until drained (or the worker dies: WorkerDied). A step that a grammar constrains goes out at once;
+        when a step is still running its bitmask follows once that step's result is in (vLLM's deferred grammar
+        bitmask): the device runs the new step's forward meanwhile, and only its sampling waits."""
         core, in_flight = self.core, self._in_flight
         depth = 2 if core.async_scheduling else 1
-        while not self._draining or in_flight or core.has_unfinished():
+        while not self._draining or in_flight or core.has_unfinished() or self._compiling:
             if not core.has_unfinished() and not in_flight:
                 self._wake.clear()
                 await (self._idle_while_capturing() if self.capturing else self._wake.wait())
@@ -145,18 +191,26 @@ class EngineService:
             # that arrive mid-run waiting for the running ones to finish.
             await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
+            deferred = None
             if step is not None:
+                if step.message.constrained and in_flight:
+                    deferred = step  # (its bitmask after the running step's update)
+                elif step.message.constrained:
+                    core.with_grammar(step)
                 await self.process.to_worker.send(encode_step(step.message))
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
-                await self._finish(in_flight.popleft())
+                await self._finish(in_flight.popleft(), deferred)
 
-    async def _finish(self, step: ScheduledStep) -> None:
-        """Take a step's result: the scheduler's update, then one Outputs to the front end."""
+    async def _finish(self, step: ScheduledStep, deferred: ScheduledStep | None = None) -> None:
+        """Take a step's result: the scheduler's update, the bitmask of the ``deferred`` step sent after it (which
+        the worker waits for), then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
         if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
-            ids = core.scheduler.fail_step(step.out, [s.out for s in self._in_flight])
+            ids = core.fail_step(step.out, [s.out for s in self._in_flight])
+            if deferred is not None:  # (the worker waits for it whatever became of this step)
+                await self._send_grammar(deferred)
             message = f"step failed: {result.message}"
             await self._send_by_front_end(ids, lambda fe_ids: Outputs(failed=[Failure(fe_ids, message)]),
                                           Outputs(queue=self._queue_state()))
@@ -164,6 +218,8 @@ class EngineService:
                 self._front_end.pop(rid, None)
             return
         outputs = core.update(step, core.finish(step, result))
+        if deferred is not None:
+            await self._send_grammar(deferred)
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         out = step.out
         record = StepRecord(target.kind, self._mode(target.mode), step.eager_cause,
@@ -182,6 +238,9 @@ class EngineService:
         for d in deltas:
             if d.finish_reason is not None:
                 self._front_end.pop(d.request_id, None)
+
+    async def _send_grammar(self, step: ScheduledStep) -> None:
+        await self.process.to_worker.send(encode_step(self.core.grammar_bitmask(step)))
 
     async def _send_by_front_end(self, request_ids: list[str], per_front_end, first: Outputs) -> None:
         """``per_front_end(ids)`` to each front end with requests among ``request_ids``, merged with ``first``
@@ -262,6 +321,17 @@ class EngineService:
                 raise WorkerDied(f"expected the result of step {step.out.step_id}, got {type(msg).__name__}")
             if not self.process.alive():
                 raise WorkerDied(f"the worker process {self.process.exit_description()}")
+
+
+def _import_xgrammar() -> bool:
+    """Structured outputs' library, imported while the worker starts; False (logged) where it cannot be: the
+    engine serves, and refuses structured requests naming why."""
+    try:
+        importlib.import_module("xgrammar")
+        return True
+    except ImportError as exc:
+        log.error("structured outputs are unavailable: xgrammar cannot be imported (%s)", exc)
+        return False
 
 
 async def _await_ready(process: WorkerProcess) -> WorkerReady:

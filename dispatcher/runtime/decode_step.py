@@ -18,9 +18,10 @@ computes. n-gram lookup searches a history whose length the step bounds: it is a
 (n', history length bucket), replayed after the step's.
 
 A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request greedy
-without logprobs, the drafter proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with
-FULL graphs at n', and the fixed-acceptance mode is the one captured; any other step runs op by op
-(``ModelWorker.submit``). A draft model and the block drafters always run op by op.
+without logprobs and without a grammar (structured outputs: the graph's argmax takes no bitmask), the drafter
+proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with FULL graphs at n', and the
+fixed-acceptance mode is the one captured; any other step runs op by op (``ModelWorker.submit``). A draft model
+and the block drafters always run op by op.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class FusedDecode:
     def key_for(self, step, slots: np.ndarray) -> FusedKey | None:
         """The fused graph that runs this step, or None (the step runs op by op); host-side checks only."""
         t = step.target
-        if t.mode != MODE_FULL or t.kind != UNIFORM_DECODE or step.new_requests or not len(slots):
+        if t.mode != MODE_FULL or t.kind != UNIFORM_DECODE or step.new_requests or step.constrained \
+                or not len(slots):  # (the graph's argmax cannot take a grammar bitmask)
             return None
         key = FusedKey(t.graph, step.draft.graph if step.draft is not None else None,
                        step.draft_next.graph if step.draft_next is not None else None, step.num_new_drafts)

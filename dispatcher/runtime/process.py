@@ -28,8 +28,8 @@ import torch
 import zmq
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled, seconds_since_start
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, Shutdown, WorkerError, WorkerInit, WorkerReady, decode_init,
-                                 decode_to_worker, encode, resolve_init)
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, GrammarBitmask, Shutdown, WorkerError, WorkerInit, WorkerReady,
+                                 decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
                                           build_plan)
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
@@ -103,7 +103,7 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
     wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
                         init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
-                        init.quantization, init.kv_cache_dtype)
+                        init.quantization, init.kv_cache_dtype, init.structured_outputs)
     grid_cost = None
     if cfg.fit_sizes and build_plan(cfg).graph_sets and init.use_cuda_graphs:
         grid_cost = measured_grid_cost(wcfg, cfg, model).to_json()
@@ -273,18 +273,20 @@ def serve(ipc_dir: str) -> int:
     steps = _InFlight()
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps), daemon=True)
     sender.start()
+    inbox = _Inbox(pull, ipc_dir, results, steps, lambda: _next_frame(worker, pull, push, ipc_dir, steps))
+    worker.receive_grammar = inbox.grammar
     while True:
-        frame = _next_frame(worker, pull, push, ipc_dir, steps)
-        try:
-            message = decode_to_worker(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            steps.put(results, WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+        message = inbox.next()
+        if message is None:
             continue
         if isinstance(message, Shutdown):
             results.put(None)
             sender.join(timeout=30)
             push.close(linger=1000)
             return 0
+        if isinstance(message, GrammarBitmask):  # (its step failed before it took it)
+            log.debug("dropped the grammar bitmask of step %d", message.step_id)
+            continue
         try:
             steps.put(results, worker.submit(message))
         except Exception as exc:
@@ -324,6 +326,42 @@ def _next_frame(worker: ModelWorker, pull: zmq.Socket, push: zmq.Socket, ipc_dir
         elif pull.poll(IDLE_CHECK_S * 1000):
             break
     return _receive(pull, ipc_dir)
+
+
+class _Inbox:
+    """The engine's messages in order, with room to put one back: a constrained step whose bitmask follows it
+    (``ModelWorker.receive_grammar``) takes the next message in the middle of its submit."""
+
+    def __init__(self, pull: zmq.Socket, ipc_dir: str, results: queue.Queue, steps: "_InFlight", next_frame):
+        self.pull, self.ipc_dir, self.results, self.steps = pull, ipc_dir, results, steps
+        self.next_frame = next_frame
+        """The main loop's next frame (``_next_frame``: delayed capture takes the gap before it)."""
+        self._back = None
+
+    def next(self):
+        """The next message; None for a malformed frame (refused with a WorkerError)."""
+        if self._back is not None:
+            message, self._back = self._back, None
+            return message
+        return self._decode(self.next_frame())
+
+    def grammar(self, step_id: int) -> GrammarBitmask:
+        """The bitmask of step ``step_id``, which the engine sends right after it (no capture in between: the step
+        waits for it); RuntimeError (the step fails) for anything else, which stays for the main loop."""
+        message = self._back if self._back is not None else self._decode(_receive(self.pull, self.ipc_dir))
+        self._back = None
+        if isinstance(message, GrammarBitmask):
+            return message
+        self._back = message
+        raise RuntimeError(f"step {step_id} waited for its grammar bitmask and got "
+                           f"{type(message).__name__ if message is not None else 'a malformed frame'}")
+
+    def _decode(self, frame: bytes):
+        try:
+            return decode_to_worker(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.steps.put(self.results, WorkerError(-2, f"refused a malformed frame of {len(frame)} bytes: {exc}"))
+            return None
 
 
 def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, CaptureProgress, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, CaptureProgress, GrammarBitmask, Step, StepResult, pack, unpack
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
@@ -83,6 +84,9 @@ class WorkerConfig:
     """``"fp8"``: the weights quantized to FP8 at load (``models.fp8``); None: as the checkpoint holds them."""
     kv_cache_dtype: str = "auto"
     """``"auto"`` (the model's dtype) or ``"fp8"`` (e4m3 with per-layer scales: ``models.attention.kv_cache_dtype``)."""
+    structured_outputs: bool = False
+    """Steps may carry grammar bitmasks (the engine has a tokenizer): load and warm up xgrammar's kernel at
+    capture, not in the first constrained step."""
 
 
 class RequestState:
@@ -188,6 +192,11 @@ class ModelWorker:
         max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
         self.upload, self.download = Upload(self.device), Download(self.device)
+        self.grammar_upload = Upload(self.device, capacity=1 << 12)
+        """The bitmask of a constrained step (structured outputs), uploaded apart: it may come after the step."""
+        self.receive_grammar: Callable[[int], GrammarBitmask] | None = None
+        """The worker process's way to wait for a step's bitmask sent after it (None in-process: the engine sends
+        every bitmask with its step)."""
         self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
         """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
         self.fixed_acceptance_on = False
@@ -268,6 +277,8 @@ class ModelWorker:
         self.capture_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
+        if self.wcfg.structured_outputs:
+            launches += self._warm_up_grammar()
         if launches and self.jit is not None:
             count, _, _ = self.jit.take()
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
@@ -348,6 +359,23 @@ class ModelWorker:
             penalize(work, slot, ex.output_counts, ex.prompt_seen, one * 2, one, one, drafts)
         return 2 * len(heads) + 1 + len({0, self.k_max})
 
+    @torch.inference_mode()
+    def _warm_up_grammar(self) -> int:
+        """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
+        rows (Triton specializes a row count on == 1 and on divisibility by 16), here rather than in a served step.
+        Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
+        try:
+            import xgrammar
+        except ImportError as exc:
+            log.warning("structured outputs: xgrammar cannot be imported (%s): grammar bitmasks cannot be applied", exc)
+            return 0
+        for rows in (1, 2, 16):
+            hidden = torch.zeros(rows, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
+            logits = self.model.compute_logits(hidden)[torch.arange(rows, device=self.device)]
+            full = torch.full((rows, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
+            xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
+        return 3
+
     @property
     def runtimes(self) -> list[GraphRuntime]:
         return [self.runtime, *self.draft_runtimes]
@@ -395,7 +423,7 @@ class ModelWorker:
         if len(plan.prompt_rows):
             asking = plan.slots[unpack(step.prompt_logprob_rows) > 0]
             plan.num_prompt_logprobs = int(self.state.host_num_prompt_logprobs[asking].max())
-        clock = _Clock(self.device)  # after the host-only work: an idle device does not count it as this step's
+        clock = plan.clock = _Clock(self.device)  # (after the host-only work: an idle device's, not this step's)
         dev = self._upload(step, plan)
         self._apply_state_changes(step, plan, dev)
         if step.step_id in self.fail_steps:
@@ -627,6 +655,7 @@ class ModelWorker:
             return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty, None
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
+        self._apply_grammar_bitmask(logits, plan)
         request = torch.div(dev.verify_cells, width, rounding_mode="floor")
         positions = first_pos[request] + dev.verify_cells % width
         drafts = st.drafts[slots_s, : width - 1]
@@ -655,6 +684,7 @@ class ModelWorker:
             return torch.zeros(0, 1, dtype=torch.int64, device=self.device), accepted, accepted, None
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
+        self._apply_grammar_bitmask(logits, plan)
         host_slots = plan.host_sampling_slots
         if st.plain_greedy(host_slots):  # the argmax alone (sample_tokens' greedy path, without gathering unused
             tokens = argmax_prob(logits, with_prob=False)[0]  # parameters)
@@ -663,6 +693,37 @@ class ModelWorker:
                                    lambda w: st.tail(slots_s, first_pos, first_pos, None, w))
             tokens = sample_tokens(logits, params, first_pos)
         return tokens.view(m, 1), accepted, first_pos, logits
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, plan: "_StepPlan") -> None:
+        """Structured outputs: in each constrained request's logit row, the tokens its grammar forbids get -inf
+        before sampling (and logprobs), by xgrammar's kernel on the device. The packed bitmask came with the step,
+        or comes as the next message (``receive_grammar``): the engine fills it once the previous step's tokens
+        are in, while this step's forward runs."""
+        rows = plan.grammar_logit_rows
+        if not len(rows):
+            return
+        import xgrammar
+
+        grammar = plan.grammar
+        if grammar is None:
+            if self.receive_grammar is None:
+                raise RuntimeError(f"step {plan.step_id} is constrained but came without its grammar bitmask")
+            grammar = plan.clock.idle(lambda: self.receive_grammar(plan.step_id))
+        if grammar.step_id != plan.step_id:
+            raise RuntimeError(f"step {plan.step_id} got the grammar bitmask of step {grammar.step_id}")
+        words = -(-logits.shape[1] // 32)
+        bits = np.frombuffer(grammar.bitmask, np.int32)
+        if bits.size != len(rows) * words:
+            raise ValueError(f"step {plan.step_id}: the grammar bitmask has {bits.size} words, not {len(rows)} rows "
+                             f"of {words}")
+        if bits.size % 2:  # (uploaded as int64 words: int32 pairs, in the step's one copy of the bitmask)
+            bits = np.concatenate([bits, np.zeros(1, np.int32)])
+        bits = bits.view(np.int64)
+        dev_rows, dev_bits = self.grammar_upload(rows, bits)
+        masked = logits[dev_rows]
+        xgrammar.apply_token_bitmask_inplace(masked, dev_bits.view(torch.int32)[: len(rows) * words].view(-1, words),
+                                             vocab_size=logits.shape[1])
+        logits[dev_rows] = masked
 
     def _advance(self, plan: "_StepPlan", dev: "_DeviceStep", tokens, accepted, first_pos) -> None:
         """The request state after the step: new tokens stored at their positions, computed counts advanced (a
@@ -723,24 +784,44 @@ def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
 
 
 class _Clock:
-    """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU."""
+    """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU;
+    less a wait for the host inside the step (a grammar bitmask sent after its step), which is idle time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.wait: tuple | None = None
+        self.waited_s = 0.0
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
             self.start_s = time.perf_counter()
 
+    def idle(self, wait):
+        """``wait()``, not counted: on the GPU the time from the work queued before it to the work queued after it
+        (zero when the device was still busy with the former)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = wait()
+            self.waited_s += time.perf_counter() - t0
+            return out
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        out = wait()
+        after.record()
+        self.wait = before, after
+        return out
+
     def stop(self) -> None:
         if self.cuda:
             self.end.record()
         else:
-            self.elapsed = (time.perf_counter() - self.start_s) * 1e3
+            self.elapsed = (time.perf_counter() - self.start_s - self.waited_s) * 1e3
 
     def ms(self) -> float:
-        return self.start.elapsed_time(self.end) if self.cuda else self.elapsed
+        if not self.cuda:
+            return self.elapsed
+        return self.start.elapsed_time(self.end) - (self.wait[0].elapsed_time(self.wait[1]) if self.wait else 0.0)
 
 
 @dataclass
@@ -778,6 +859,12 @@ class _StepPlan:
     """Token rows whose next prompt token's log-probability the step returns (``Step.prompt_logprob_rows``)."""
     num_prompt_logprobs: int = 0
     """The most top log-probabilities a request of the step asks for per prompt token."""
+    step_id: int = 0
+    grammar_logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """The logit row of each constrained request (structured outputs), in the step's bitmask order."""
+    grammar: GrammarBitmask | None = None
+    """The step's bitmask, if it came with the step."""
+    clock: "_Clock | None" = None
 
     @property
     def num_sampling(self) -> int:
@@ -811,9 +898,12 @@ class _StepPlan:
             count = unpack(step.prompt_logprob_rows).astype(np.int64)
             within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
             prompt_rows = np.repeat(starts, count) + within
+        # a constrained request verifies no drafts: its one logit row is the first of its verify rows
+        grammar_rows = (np.cumsum(nver) - nver)[np.searchsorted(sampling, unpack(step.grammar_rows))]
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
-                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, prompt_rows)
+                   grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, prompt_rows,
+                   step_id=step.step_id, grammar_logit_rows=grammar_rows.astype(np.int64), grammar=step.grammar)
 
 
 @dataclass

@@ -30,14 +30,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from dispatcher.serve import protocol as P
 from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dispatcher.serve.metrics import EngineMetrics, RequestTimer
 from dispatcher.serve.protocol import ApiError
+from dispatcher.serve.tools import DEFAULT_FORCED_PARSER, PARSERS, ToolParser, ToolStream
 from models.text import bad_words_token_ids
 from scheduler.request import RequestError, SamplingParams
+from scheduler.structured import StructuredOutputError, StructuredOutputsParams
 
 log = logging.getLogger("twogrid.serve")
 
@@ -68,12 +71,17 @@ VERSION = _version()
 
 
 def build_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              log_requests: bool = False, cors: P.Cors | None = None) -> web.Application:
+              log_requests: bool = False, cors: P.Cors | None = None, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> web.Application:
     """The application over ``engine`` (an EngineClient, or any object with its attributes and methods). Serve it
-    with ``start_http`` (or an AppRunner with ``handler_cancellation=True``: disconnects abort requests)."""
+    with ``start_http`` (or an AppRunner with ``handler_cancellation=True``: disconnects abort requests).
+    ``tool_call_parser``: the model's tool-call format (``dispatcher.serve.tools``); ``enable_auto_tool_choice``:
+    serve ``tool_choice: "auto"`` with it (vLLM's flags)."""
     if max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes = {max_body_bytes} is below 1024; no request would fit")
-    server = Server(engine, api_key, max_body_bytes, log_requests)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+    server = Server(engine, api_key, max_body_bytes, log_requests, tool_call_parser, enable_auto_tool_choice)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[server.errors, server.auth])
     app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", server.completions)
@@ -152,6 +160,9 @@ class _Choice:
     stop_reason: int | str | None = None
     echoed: bool = False
     """A stream sent its prompt (``echo``) already."""
+    tool_stream: ToolStream | None = None
+    """Its output's tool calls as they stream (a chat request with tools)."""
+    num_tool_calls: int = 0
 
 
 @dataclasses.dataclass
@@ -188,13 +199,29 @@ class _Request:
     """The engine finished it (or failed it): nothing to abort."""
     num_cached_tokens: int | None = None
     """Prompt tokens the prefix cache held (usage's ``prompt_tokens_details.cached_tokens``), once it started."""
+    tools: "_ToolUse | None" = None
+    """Chat with tools whose calls are parsed out of each choice's output (tool_choice auto with a parser, required,
+    named)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToolUse:
+    """How a chat request uses its tools: the parser that reads the calls, the choice (auto, required, or the
+    forced function's name), and for a forced call the grammar that makes the model write one."""
+
+    parser: ToolParser
+    choice: str
+    forced: StructuredOutputsParams | None
 
 
 class Server:
     """The routes' state: the engine, the key, the limits."""
 
-    def __init__(self, engine, api_key: str | None, max_body_bytes: int, log_requests: bool):
+    def __init__(self, engine, api_key: str | None, max_body_bytes: int, log_requests: bool,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
         self.engine = engine
+        self.tool_parser = PARSERS[tool_call_parser] if tool_call_parser is not None else None
+        self.auto_tools = enable_auto_tool_choice
         self.metrics = engine.metrics if engine.metrics is not None else EngineMetrics(engine.served_model_name)
         """The engine's metrics (per-request ones are recorded here); a registry of its own for an engine without."""
         self._auth = f"Bearer {api_key}".encode() if api_key else None
@@ -324,8 +351,11 @@ class Server:
         body = await self._read_body(request)
         req = P.decode_request(body, P.ChatCompletionRequest if chat else P.CompletionRequest)
         self._check_model(req.model)
+        structured = P.structured_outputs(req)
+        tools = self._tool_use(req, structured) if chat else None
         prompt, ids = await self._tokenize(req, chat)
-        params = self._sampling_params(req, len(ids), chat)
+        params = self._sampling_params(req, len(ids), chat, tools.forced if tools is not None and tools.forced
+                                       else structured)
         given = request.headers.get("X-Request-Id")
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
         echo = bool(getattr(req, "echo", False))
@@ -334,7 +364,8 @@ class Server:
                      bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
                      bool(req.stream_options and req.stream_options.continuous_usage_stats),
                      RequestTimer(self.metrics, len(ids), arrival), echo, echo and req.max_tokens == 0,
-                     choices=[_Choice(i) for i in range(params.n)])
+                     choices=[_Choice(i, tool_stream=tools.parser.stream() if tools is not None else None)
+                              for i in range(params.n)], tools=tools)
         if self.log_requests:
             shown = prompt if prompt is not None else str(ids)
             log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
@@ -364,6 +395,43 @@ class Server:
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(None, self.max_body_bytes) from None
 
+    def _tool_use(self, req: P.ChatCompletionRequest, structured) -> _ToolUse | None:
+        """Check ``tools`` and ``tool_choice`` as vLLM does; None when no call is to be parsed (no tools, or
+        tool_choice "none")."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice in (None, "none") or (choice == "required" and req.tools is not None):
+                return None  # ("required" with an empty list: none, as OpenAI)
+            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        choice = "auto" if choice is None else choice
+        if choice == "none":
+            return None
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) < len(names):
+            raise ApiError(400, "'tools' names a function twice", param="tools")
+        if choice == "auto":
+            if not self.auto_tools:
+                raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+                                    'be set (tool_choice "required" or a named function works without them)',
+                               param="tool_choice")
+            return _ToolUse(self.tool_parser, "auto", None)
+        name = None if choice == "required" else choice.function.name
+        if name is not None and name not in names:
+            raise ApiError(400, f"'tool_choice' names the function {name!r}, which is not among 'tools'",
+                           param="tool_choice")
+        if structured is not None:
+            raise ApiError(400, "a required or named tool_choice constrains the output already: leave out "
+                                "response_format / structured_outputs", param="tool_choice")
+        parser = self.tool_parser or PARSERS[DEFAULT_FORCED_PARSER]
+        tools = [msgspec.to_builtins(t) for t in req.tools]
+        forced = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, req.parallel_tool_calls
+                                                                              is not False), where="tools")
+        try:
+            forced.validate()
+        except StructuredOutputError as exc:
+            raise ApiError(400, str(exc), param="tools") from None
+        return _ToolUse(parser, choice if name is None else name, forced)
+
     async def _tokenize(self, req, chat: bool) -> tuple[str | None, list[int]]:
         tok = self.engine.tokenizer
         if chat:
@@ -371,8 +439,9 @@ class Server:
             if tok is None:
                 raise ApiError(400, "this model has no tokenizer or chat template (a preset with random weights): "
                                     "use /v1/completions with token ids", param="messages")
+            tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
             prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                           tok.apply_chat_template, messages, add_generation_prompt=True)
+                                           tok.apply_chat_template, messages, add_generation_prompt=True, **tools)
             return prompt, await self._in_thread("messages", len(prompt), tok.encode, prompt, False)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, list):
@@ -397,7 +466,7 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param=param) from None
 
-    def _sampling_params(self, req, prompt_len: int, chat: bool) -> SamplingParams:
+    def _sampling_params(self, req, prompt_len: int, chat: bool, structured=None) -> SamplingParams:
         max_tokens = self._max_tokens(req, prompt_len, chat)
         d = self.engine.default_params
         pick = lambda name: getattr(d, name) if getattr(req, name) is None else getattr(req, name)  # noqa: E731
@@ -417,7 +486,7 @@ class Server:
             min_tokens=req.min_tokens, logit_bias=P.logit_bias(req),
             allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
             bad_words=tuple(req.bad_words or ()), bad_words_token_ids=self._bad_words(req.bad_words),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         try:
             params.validate(self.engine.tokenizer.vocab_size if self.engine.tokenizer is not None else None)
         except RequestError as exc:
@@ -559,10 +628,18 @@ class Server:
         usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
         prompt_lp = self._prompt_logprobs_json(r)
         if r.chat:
-            choices = [P.ChatChoice(c.index, P.ChatMessageOut("assistant", "".join(c.text)),
-                                    P.chat_logprobs(c.token_ids, c.logprobs, r.num_top_logprobs, self.token_text)
-                                    if r.num_top_logprobs is not None else None, c.finish_reason, c.stop_reason)
-                       for c in r.choices]
+            choices = []
+            for c in r.choices:
+                lp = (P.chat_logprobs(c.token_ids, c.logprobs, r.num_top_logprobs, self.token_text)
+                      if r.num_top_logprobs is not None else None)
+                message, finish_reason = P.ChatMessageOut("assistant", "".join(c.text)), c.finish_reason
+                if r.tools is not None:
+                    content, calls = r.tools.parser.parse(message.content)
+                    if calls:
+                        message = P.ChatMessageOut("assistant", content, [
+                            P.ToolCallOut(t.id, P.FunctionCallOut(t.name, t.arguments)) for t in calls])
+                        finish_reason = _tool_finish_reason(r, finish_reason)
+                choices.append(P.ChatChoice(c.index, message, lp, finish_reason, c.stop_reason))
             body: Any = P.ChatCompletion(r.response_id, r.created, r.model, choices, usage, prompt_logprobs=prompt_lp)
         else:
             choices = []
@@ -663,8 +740,14 @@ class Server:
         if r.chat:
             lp = (P.chat_logprobs(out.token_ids, entries, r.num_top_logprobs, self.token_text)
                   if want_logprobs else None)
-            delta = P.ChatDelta(content=out.text) if out.text else P.ChatDelta()
-            choice = P.ChatChunkChoice(out.index, delta, lp, out.finish_reason, out.stop_reason)
+            delta = self._tool_delta(c, out) if c.tool_stream is not None else (
+                P.ChatDelta(content=out.text) if out.text else P.ChatDelta())
+            if delta == P.ChatDelta() and not want_logprobs and out.finish_reason is None:
+                return None  # (text the tool parser holds back)
+            finish_reason = out.finish_reason
+            if finish_reason is not None and c.num_tool_calls:
+                finish_reason = _tool_finish_reason(r, finish_reason)
+            choice = P.ChatChunkChoice(out.index, delta, lp, finish_reason, out.stop_reason)
             return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
         text, ids = out.text, out.token_ids
         if echo:
@@ -675,6 +758,21 @@ class Server:
             c.text_offset += sum(len(t) for t in lp.tokens)
         choice = P.CompletionChoice(out.index, text, lp, out.finish_reason, out.stop_reason)
         return P.sse(P.Completion(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
+
+    @staticmethod
+    def _tool_delta(c: _Choice, out) -> P.ChatDelta:
+        """A chunk's delta with the choice's tool parser in the way: the content that is final and the calls that
+        parsed (each sent whole, once: its index, id, name and arguments)."""
+        content, calls = c.tool_stream.feed(out.text) if out.text else ("", [])
+        if out.finish_reason is not None:
+            tail, more = c.tool_stream.finish()
+            content, calls = content + tail, calls + more
+        deltas = []
+        for call in calls:
+            deltas.append(P.DeltaToolCall(c.num_tool_calls, call.id, "function",
+                                          P.FunctionCallOut(call.name, call.arguments)))
+            c.num_tool_calls += 1
+        return P.ChatDelta(content=content or None, tool_calls=deltas or None)
 
     def _usage_chunk(self, r: _Request) -> bytes:
         usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
@@ -726,7 +824,9 @@ def _http_error(exc: web.HTTPException, request: web.Request, max_body_bytes: in
 
 
 _FIELD = re.compile(r"^'?([a-z_]+)'?\b")
-_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt", "prompt_token_ids", "messages"}
+_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
+    "prompt", "prompt_token_ids", "messages", "response_format", "tools", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar"}
 
 
 def _request_error(exc: RequestError) -> ApiError:
@@ -734,6 +834,12 @@ def _request_error(exc: RequestError) -> ApiError:
     message = str(exc)
     m = _FIELD.match(message)
     return ApiError(400, message, param=m.group(1) if m and m.group(1) in _PARAMS else None)
+
+
+def _tool_finish_reason(r: _Request, finish_reason: str | None) -> str | None:
+    """"tool_calls" when the output called tools (tool_choice auto or required); a named choice keeps the engine's
+    reason, as OpenAI's API and vLLM do."""
+    return "tool_calls" if r.tools.choice in ("auto", "required") and finish_reason == "stop" else finish_reason
 
 
 def _num_top_logprobs(req) -> int | None:

@@ -60,6 +60,10 @@ class FrontEndInit(msgspec.Struct, array_like=True, frozen=True):
     engine_pid: int
     """The engine process: a front end whose engine is gone (killed, no last word) fails its requests at once."""
     cors: Cors | None = None
+    chat_template: str | None = None
+    """``--chat-template``'s text (None: the tokenizer's)."""
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def multiprocess_metrics_dir() -> str:
@@ -147,7 +151,9 @@ class FrontEnds:
                 engine=self.engine.init, tokenizer=self.tokenizer, served_model_name=self.engine.served_model_name,
                 defaults=self.defaults, api_key=self.args.api_key, log_requests=self.args.log_requests,
                 log_level=self.args.log_level, shutdown_timeout=self.args.shutdown_timeout,
-                engine_pid=self.engine.process.pid, cors=self.cors)))
+                engine_pid=self.engine.process.pid, cors=self.cors, chat_template=self.args.chat_template,
+                tool_call_parser=self.args.tool_call_parser,
+                enable_auto_tool_choice=self.args.enable_auto_tool_choice)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         fds = tuple(sock.fileno() for sock in self.socks)
         for index in range(1, self.args.api_server_count):
@@ -213,12 +219,15 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
         init = msgspec.msgpack.decode(fh.read(), type=FrontEndInit)
     logging.getLogger().setLevel(init.log_level.upper())
     tokenizer = load_tokenizer(init.tokenizer) if init.tokenizer else None
+    if tokenizer is not None and init.chat_template is not None:
+        tokenizer.chat_template = init.chat_template
     name = init.served_model_name
     engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name, multiprocess=True),
                           init.log_level, index)
     engine.gate = gate_file(ipc_dir)
     engine.attach(ipc_dir, init.engine_pid)
-    app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests, cors=init.cors)
+    app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests, cors=init.cors,
+                    tool_call_parser=init.tool_call_parser, enable_auto_tool_choice=init.enable_auto_tool_choice)
     runner = await start_http(app, shutdown_timeout=init.shutdown_timeout,
                               socks=[own_socket(socket.socket(fileno=fd)) for fd in fds])
     stop = asyncio.Event()

@@ -38,6 +38,7 @@ MAX_API_SERVERS = 64
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """vLLM's names where the concept is the same (plus the engine flags every subcommand shares)."""
+    from dispatcher.serve.tools import TOOL_CALL_PARSERS
     from models.config import MODEL_FORMS
 
     m = p.add_argument_group("model")
@@ -47,6 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tokenizer", default=None, metavar="DIR_OR_GGUF",
                    help="the tokenizer and chat template of another checkpoint (default: the model's; a preset has "
                         "none): lets a random-weight preset serve text, for benchmarks")
+    m.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     m.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens a request may hold (default: the model's context length)")
     m.add_argument("--seed", type=int, default=0, help="random weights of presets; seeds of unseeded requests")
@@ -93,6 +96,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
                    help="CORS: allowed request headers, a JSON list (default: %(default)s)")
     h.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+    so = p.add_argument_group("structured outputs")
+    so.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                    help='vLLM\'s flag: {"backend": "xgrammar" (or "auto": the only backend here), '
+                         '"compile_timeout_s": S (a grammar not compiled S seconds after its request arrived is '
+                         'refused; default 10)}')
+    t = p.add_argument_group("tool calling (vLLM's flags)")
+    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="the model's tool-call format: hermes (<tool_call> JSON: Hermes, Qwen2.5, Qwen3) or "
+                        "llama3_json (Llama 3.x JSON calls); it also shapes forced calls (tool_choice required or "
+                        "named), which otherwise use llama3_json's plain JSON")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the model decides; needs --tool-call-parser)')
     o = p.add_argument_group("observability")
     o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
     o.add_argument("--cudagraph-metrics", action="store_true",
@@ -158,6 +173,9 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    args.structured_compile_timeout_s = structured_outputs_config(args.structured_outputs_config)
     cors_config(args)
     if args.step_trace:
         check_writable(args.step_trace, "--step-trace")
@@ -188,6 +206,11 @@ def _setup(args: argparse.Namespace):
         if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                               f"({model_cfg.vocab_size})")
+        if args.chat_template is not None:
+            if tokenizer is None:
+                raise ConfigError("--chat-template: this model has no tokenizer (a preset): give --tokenizer too")
+            args.chat_template = chat_template_text(args.chat_template)
+            tokenizer.chat_template = args.chat_template
         if cfg.draft_model is not None and cfg.method == "draft_model":
             check_draft_tokenizer(tokenizer, cfg.draft_model)
     except CheckpointError as exc:
@@ -209,7 +232,8 @@ def _setup(args: argparse.Namespace):
                       args.seed, not args.enforce_eager,
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
                       measure_decode_costs=cfg.auto_tiers, fuse_decode_steps=args.fuse_decode_steps,
-                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                      structured_outputs=tokenizer is not None)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
@@ -254,6 +278,8 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag}: the directory {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path!r} is not writable")
+
+
 def default_triton_cache() -> None:
     """Triton's kernel cache under $TWOGRID_CACHE/triton unless $TRITON_CACHE_DIR says otherwise (inherited by the
     engine and its worker), so that a deployment which keeps $TWOGRID_CACHE across restarts (deploy/: a volume)
@@ -261,6 +287,47 @@ def default_triton_cache() -> None:
     from models.default_model import cache_dir
 
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir(), "triton"))
+
+
+def structured_outputs_config(text: str | None) -> float:
+    """``--structured-outputs-config``: its compile timeout (ConfigError naming a key it does not take)."""
+    from dispatcher.engine.structured import COMPILE_TIMEOUT_S
+
+    cfg = parse_json_arg(text, "--structured-outputs-config")
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--structured-outputs-config must be a JSON object, got {text!r}")
+    unknown = set(cfg) - {"backend", "compile_timeout_s"}
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: unknown key(s) {', '.join(sorted(unknown))} (backend, "
+                          f"compile_timeout_s)")
+    if cfg.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise ConfigError(f"--structured-outputs-config: backend {cfg['backend']!r} is not available (xgrammar)")
+    timeout = cfg.get("compile_timeout_s", COMPILE_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise ConfigError(f"--structured-outputs-config: compile_timeout_s must be in (0, 3600] seconds, got "
+                          f"{timeout!r}")
+    return float(timeout)
+
+
+def chat_template_text(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template (it has ``{{`` or ``{%``);
+    ConfigError otherwise, and for a template that does not parse."""
+    from models.text import TemplateError, render_chat_template
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as fh:
+                value = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template: cannot read {value!r} ({exc})") from None
+    elif "{{" not in value and "{%" not in value:
+        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        render_chat_template(value, [{"role": "user", "content": "hi"}])
+    except TemplateError as exc:
+        if "does not parse" in str(exc):
+            raise ConfigError(f"--chat-template: {exc}") from None
+    return value
 
 
 def _model_name(model: str) -> str:
@@ -277,10 +344,12 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
     metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
                             num_speculative_tokens=cfg.num_speculative_tokens)
     engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count, engine_args.enable_prefix_caching), tokenizer, name,
-                          defaults, metrics, args.log_level)
+                                     args.api_server_count, engine_args.enable_prefix_caching,
+                                     args.tokenizer or init.model, args.structured_compile_timeout_s),
+                          tokenizer, name, defaults, metrics, args.log_level)
     cors = cors_config(args)
-    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors)
+    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     try:
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
         runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)

@@ -16,15 +16,17 @@ Responses have OpenAI's shape: ids ``cmpl-...`` / ``chatcmpl-...``, ``object``, 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from scheduler.request import MAX_LOGPROBS, MAX_N
+from scheduler.structured import StructuredOutputError, StructuredOutputsParams
 
 log = logging.getLogger("twogrid.serve")
 
@@ -87,6 +89,39 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     """vLLM's extension: ``usage`` so far on every chunk."""
 
 
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
+    """``response_format.json_schema`` (OpenAI's)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, a JSON schema; and vLLM's structural
+    tag (``{"type": "structural_tag", "format": {...}}``, xgrammar's format)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+
+
+class StructuredOutputsRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` request field: one of json, regex, choice, grammar, json_object,
+    structural_tag, with vLLM's options."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share."""
 
@@ -127,6 +162,17 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    """vLLM's older names (removed in vLLM 0.12, still sent by clients written for it): structured_outputs' json,
+    regex, choice and grammar."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted as "xgrammar" or "auto" (the only backend here)."""
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -148,10 +194,50 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=True):
+    """A tool call in an assistant message of the history."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
+
+
+class FunctionDefinition(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (an object); none: any object."""
+    strict: bool | None = None
+
+
+class ToolDefinition(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -160,6 +246,11 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """OpenAI's current name for ``max_tokens``; wins when both are given."""
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" with tools, as OpenAI's and vLLM's."""
+    parallel_tool_calls: bool | None = True
+    """False: at most one call (a forced call's grammar stops after one)."""
 
 
 class TokenizeCompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -311,6 +402,79 @@ def _check_common(req: _SamplingRequest) -> None:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``response_format`` (not "text"), ``structured_outputs`` or the older
+    ``guided_*`` fields: one of them at most; ApiError (400) naming the field when it is malformed or over a
+    limit (``scheduler.structured``). None without one."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        found.append(("response_format", _response_format(rf)))
+    so = req.structured_outputs
+    if so is not None:
+        if so.whitespace_pattern is not None:
+            raise ApiError(400, "'structured_outputs.whitespace_pattern' is not supported (xgrammar has no whitespace "
+                                "patterns); 'disable_any_whitespace' is", param="structured_outputs.whitespace_pattern")
+        found.append(("structured_outputs", StructuredOutputsParams(
+            json=_schema_text(so.json, "structured_outputs.json"), regex=so.regex, choice=so.choice,
+            grammar=so.grammar, json_object=so.json_object, structural_tag=so.structural_tag,
+            disable_any_whitespace=so.disable_any_whitespace,
+            disable_additional_properties=so.disable_additional_properties)))
+    for name, kind in _GUIDED:
+        value = getattr(req, name)
+        if value is not None:
+            value = _schema_text(value, name) if kind == "json" else value
+            found.append((name, StructuredOutputsParams(**{kind: value, "where": name})))
+    if req.guided_decoding_backend not in (None, "xgrammar", "auto"):
+        raise ApiError(400, f"'guided_decoding_backend' {req.guided_decoding_backend!r} is not available; this "
+                            f"server's backend is xgrammar", param="guided_decoding_backend")
+    if req.guided_whitespace_pattern is not None:
+        raise ApiError(400, "'guided_whitespace_pattern' is not supported (xgrammar has no whitespace patterns)",
+                       param="guided_whitespace_pattern")
+    if len(found) > 1:
+        raise ApiError(400, f"only one output constraint per request; got {', '.join(f for f, _ in found)}",
+                       param=found[1][0])
+    if not found:
+        return None
+    field, params = found[0]
+    try:
+        params.validate()
+    except StructuredOutputError as exc:
+        raise ApiError(400, str(exc), param=field) from None
+    return params
+
+
+def _response_format(rf: ResponseFormat) -> StructuredOutputsParams:
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True, where="response_format")
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise ApiError(400, "'response_format.json_schema.schema' is required with type json_schema",
+                           param="response_format.json_schema.schema")
+        return StructuredOutputsParams(json=_schema_text(rf.json_schema.schema, "response_format"),
+                                       where="response_format")
+    if rf.format is None:
+        raise ApiError(400, "'response_format.format' is required with type structural_tag",
+                       param="response_format.format")
+    return StructuredOutputsParams(structural_tag=_schema_text({"type": "structural_tag", "format": rf.format},
+                                                               "response_format"), where="response_format")
+
+
+def _schema_text(value, field: str) -> str | None:
+    """A schema given as an object (or as JSON text) as JSON text, its keys in their order (the order the model
+    writes the properties in)."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        raise ApiError(400, f"'{field}' is nested too deeply", param=field) from None
+
+
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -338,8 +502,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages as the chat template reads them: text parts joined by newlines. A system, developer or user
-    message needs its content (OpenAI's rule)."""
+    """The messages as the chat template reads them: text parts joined by newlines; an assistant's tool calls with
+    their arguments as objects (as vLLM and transformers hand them to templates, which write ``arguments |
+    tojson``), a tool message's ``tool_call_id``. Every message but an assistant's needs its content (OpenAI's
+    rule)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -354,11 +520,28 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                                         f"{part.type!r}", param=f"messages[{i}].content[{j}]")
                 texts.append(part.text)
             content = "\n".join(texts)
-        msg = {"role": m.role, "content": content if content is not None else ""}
+        msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(400, f"'messages[{i}].tool_calls': only assistant messages have tool calls",
+                               param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _arguments(text: str):
+    """A call's arguments as an object for the template (the text itself when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -460,9 +643,21 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessageOut(Struct):
+class FunctionCallOut(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct):
@@ -483,9 +678,20 @@ class ChatCompletion(Struct):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed tool call: its first delta has ``id``, ``type`` and the function's name (here also its whole
+    arguments: a call is sent once it has parsed)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallOut | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

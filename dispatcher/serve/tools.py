@@ -1,0 +1,240 @@
+"""Tool calling: the model's tool-call format, parsed out of its text (whole, or as it streams), and the grammar
+that forces a call when ``tool_choice`` asks for one.
+
+A parser (``--tool-call-parser``, vLLM's names) knows one format:
+
+- ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call, text before
+  the first block being the message's content (Hermes 2 Pro, Qwen2.5, Qwen3).
+- ``llama3_json``: the output is JSON objects ``{"name": ..., "parameters": {...}}`` (``"arguments"`` also read),
+  separated by ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2 / 3.3); any other output is content.
+
+``tool_choice: "auto"`` (with ``--enable-auto-tool-choice``) leaves the model free and parses what it wrote.
+``"required"`` and a named function constrain the output with a structured-output grammar in the parser's format
+(an xgrammar structural tag: the call's opening text, the function's parameters as a JSON schema, its closing text;
+one call or, with ``parallel_tool_calls``, several): the same parser then reads the calls, so a forced call takes
+the path an automatic one does, in the format the model's chat template taught it. Without ``--tool-call-parser``
+forced calls use llama3_json's plain JSON format.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+"""``--tool-call-parser`` values."""
+DEFAULT_FORCED_PARSER = "llama3_json"
+"""The format of forced calls on a server without ``--tool-call-parser``."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+    id: str = ""
+
+    @staticmethod
+    def of(name: str, arguments) -> "ToolCall":
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(name, text, f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+
+class ToolParser:
+    """One tool-call format: its forced-call grammar, and its parsing of a whole output or a stream."""
+
+    name: str
+    separator: str
+    """Between two forced calls."""
+
+    def call_begin(self, name: str) -> str:
+        raise NotImplementedError
+
+    call_end: str
+
+    def structural_tag(self, tools: list[dict], name: str | None, parallel: bool) -> str:
+        """The structural tag (JSON text) that forces a call of ``name`` (None: any of ``tools``, once or, with
+        ``parallel``, several times) in this format."""
+        def tag(tool):
+            fn = tool["function"]
+            schema = fn.get("parameters") or {"type": "object"}
+            return {"type": "tag", "begin": self.call_begin(json.dumps(fn["name"], ensure_ascii=False)[1:-1]),
+                    "content": {"type": "json_schema", "json_schema": schema}, "end": self.call_end}
+
+        if name is not None:
+            fmt = tag(next(t for t in tools if t["function"]["name"] == name))
+        else:
+            fmt = {"type": "tags_with_separator", "tags": [tag(t) for t in tools], "separator": self.separator,
+                   "at_least_one": True, "stop_after_first": not parallel}
+        return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole output: (content or None, calls). Text that does not parse as calls is all content (vLLM's
+        parsers do the same)."""
+        stream = self.stream()
+        content, calls = stream.feed(text)
+        tail, more = stream.finish()
+        content, calls = content + tail, calls + more
+        return (None if calls and not content.strip() else content), calls
+
+    def stream(self) -> "ToolStream":
+        raise NotImplementedError
+
+
+class ToolStream:
+    """A streamed output: ``feed(delta)`` and ``finish()`` return (content text that is final, calls completed).
+    Content is held back while it may be the start of a call."""
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+def _call_from_json(text: str, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return _call_from_obj(obj, arguments_keys)
+
+
+def _call_from_obj(obj, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in arguments_keys if k in obj), {})
+    return ToolCall.of(obj["name"], args)
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Characters at the end of ``text`` that begin ``marker`` (they may complete it)."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    separator = "\n"
+    call_end = "}\n</tool_call>"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def call_begin(self, name: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": '
+
+    def stream(self) -> "ToolStream":
+        return _HermesStream()
+
+
+class _HermesStream(ToolStream):
+    def __init__(self):
+        self.buf = ""
+        self.in_call = False
+        self.seen_call = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buf += delta
+        content, calls = [], []
+        while True:
+            if self.in_call:
+                end = self.buf.find(HermesParser.CLOSE)
+                if end < 0:
+                    break
+                call = _call_from_json(self.buf[:end])
+                if call is None:  # not a call after all: its text is content
+                    content.append(HermesParser.OPEN + self.buf[:end + len(HermesParser.CLOSE)])
+                else:
+                    calls.append(call)
+                self.buf, self.in_call = self.buf[end + len(HermesParser.CLOSE):], False
+                continue
+            start = self.buf.find(HermesParser.OPEN)
+            if start < 0:
+                keep = _held_prefix(self.buf, HermesParser.OPEN)
+                text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                content.append(self._content(text))
+                break
+            content.append(self._content(self.buf[:start]))
+            self.buf, self.in_call, self.seen_call = self.buf[start + len(HermesParser.OPEN):], True, True
+        return "".join(content), calls
+
+    def _content(self, text: str) -> str:
+        """Text outside calls; after a call, whitespace between calls is not content."""
+        return text if not self.seen_call or text.strip() else ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
+            call = _call_from_json(self.buf)
+            text = "" if call is not None else HermesParser.OPEN + self.buf
+            return text, [call] if call is not None else []
+        return self._content(self.buf), []
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    separator = "; "
+    call_end = "}"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def call_begin(self, name: str) -> str:
+        return f'{{"name": "{name}", "parameters": '
+
+    def stream(self) -> "ToolStream":
+        return _Llama3Stream()
+
+
+class _Llama3Stream(ToolStream):
+    """Calls when the output starts with ``{`` (or the python tag), else all content; objects are emitted as soon
+    as each one parses."""
+
+    def __init__(self):
+        self.buf = ""
+        self.mode: str | None = None
+        """None until the first non-space character decides: "calls" or "content"."""
+        self.decoder = json.JSONDecoder()
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buf += delta
+        if self.mode is None:
+            head = self.buf.lstrip()
+            tag = Llama3JsonParser.PYTHON_TAG
+            if not head or (tag.startswith(head) and len(head) < len(tag)):
+                return "", []
+            if head.startswith(tag):
+                head = head[len(tag):].lstrip()
+                if not head:
+                    return "", []
+            self.mode = "calls" if head.startswith("{") else "content"
+            if self.mode == "calls":
+                self.buf = head
+        if self.mode == "content":
+            text, self.buf = self.buf, ""
+            return text, []
+        calls = []
+        while True:
+            rest = self.buf.lstrip().lstrip(";").lstrip()
+            if not rest:
+                self.buf = ""
+                break
+            try:
+                obj, end = self.decoder.raw_decode(rest)
+            except ValueError:
+                self.buf = rest
+                break
+            call = _call_from_obj(obj)
+            if call is None:  # JSON, but not a call: everything from here on is content
+                self.mode = "content"
+                text, self.buf = rest, ""
+                return text, calls
+            calls.append(call)
+            self.buf = rest[end:]
+        return "", calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self.buf = self.buf, ""
+        return ("" if self.mode == "calls" and not text.strip() else text), []
+
+
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}

@@ -1,0 +1,679 @@
+"""Structured outputs and tool calls (issue 31), without a server: the request fields as the API reads them, the
+limits that refuse hostile constraints, the engine's grammars (xgrammar on the default model's tokenizer: compiled
+once, refused when they fail or take too long, a bitmask that allows exactly the grammar's tokens), the engine and
+worker path of a constrained step (a grammar whose mask depends on the previous token, so that a bitmask filled
+before that token is in would show; constrained steps never fused; the prefix cache under real matchers), and the
+tool-call parsers. tests/test_structured_serve.py runs them through
+a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from dispatcher.serve import protocol as P
+from dispatcher.serve.protocol import ApiError
+from dispatcher.serve.tools import PARSERS
+from scheduler.request import RequestError, SamplingParams
+from scheduler.structured import (MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES, MAX_SPEC_CHARS,
+                                  StructuredOutputsParams)
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the request fields
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def chat(**fields) -> P.ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    return P.decode_request(json.dumps(body).encode(), P.ChatCompletionRequest)
+
+
+def test_response_format_and_structured_outputs_as_vllm_reads_them():
+    assert P.structured_outputs(chat(response_format={"type": "text"})) is None
+    assert P.structured_outputs(chat()) is None
+    assert P.structured_outputs(chat(response_format={"type": "json_object"})).json_object is True
+    so = P.structured_outputs(chat(response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                                            "schema": PERSON}}))
+    assert json.loads(so.json) == PERSON and list(json.loads(so.json)["properties"]) == ["name", "age"]  # (order)
+    assert so.where == "response_format"
+    for field, value in [("json", PERSON), ("regex", r"\d+"), ("choice", ["a", "b"]), ("grammar", 'root ::= "x"'),
+                         ("json_object", True)]:
+        so = P.structured_outputs(chat(structured_outputs={field: value}))
+        assert so.kind == field and so.where == "structured_outputs"
+    # vLLM's older top-level names, and the completions endpoint
+    assert P.structured_outputs(chat(guided_choice=["x", "y"])).choice == ("x", "y")
+    assert P.structured_outputs(chat(guided_json=json.dumps(PERSON))).json == json.dumps(PERSON)
+    comp = P.decode_request(json.dumps({"prompt": "x", "guided_regex": "a+", "guided_decoding_backend": "xgrammar"})
+                            .encode(), P.CompletionRequest)
+    assert P.structured_outputs(comp).regex == "a+"
+    st = P.structured_outputs(chat(response_format={"type": "structural_tag", "format": {"type": "const_string",
+                                                                                          "value": "hi"}}))
+    assert json.loads(st.structural_tag)["format"]["value"] == "hi"
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "only one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", "required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
+     "not supported"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not valid JSON"),
+    ({"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs", "JSON schema"),
+    ({"structured_outputs": {"regex": "[a-z]{1,100000}"}}, "structured_outputs", f"at most {MAX_REGEX_REPEAT}"),
+    ({"structured_outputs": {"choice": ["x"] * (MAX_SCHEMA_VALUES + 1)}}, "structured_outputs",
+     f"at most {MAX_SCHEMA_VALUES}"),
+    ({"structured_outputs": {"grammar": "root ::= " + '"a" | ' * MAX_SPEC_CHARS + '"b"'}}, "structured_outputs",
+     f"at most {MAX_SPEC_CHARS}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(ab){2000}"}}}}}}, "response_format",
+     "pattern"),
+    ({"response_format": {"type": "json_object"}, "guided_json": PERSON}, "guided_json", "only one"),
+])
+def test_malformed_or_hostile_constraints_get_400_naming_the_field(fields, param, words):
+    with pytest.raises(ApiError) as err:
+        P.structured_outputs(chat(**fields))
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message, err.value.message
+
+
+def nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_schema_limits_are_counted_without_recursion():
+    """Nesting (iteratively: 100 000 levels raise no RecursionError), enumerated values and properties over the
+    whole schema; what is under the limits passes."""
+    ok = StructuredOutputsParams(json=json.dumps(nested(MAX_SCHEMA_DEPTH // 2 - 1)))
+    ok.validate()
+    for schema, words in [(nested(MAX_SCHEMA_DEPTH), "nests deeper"),
+                          ({"anyOf": [{"enum": list(range(MAX_SCHEMA_VALUES // 2 + 1))}] * 2}, "enumerates"),
+                          ({"type": "object", "properties": {str(i): {} for i in range(5001)}}, "properties")]:
+        with pytest.raises(ValueError, match=words):
+            StructuredOutputsParams(json=json.dumps(schema)).validate()
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ValueError):
+        StructuredOutputsParams(structural_tag=deep).validate()
+    with pytest.raises(RequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs=StructuredOutputsParams()).validate()
+
+
+def test_structured_params_travel_to_the_engine_as_msgpack():
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(choice=("a", "b"),
+                                                                                     where="tools"))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert back == params and back.structured_outputs.key == ("choice", ("a", "b"), False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine's grammars (xgrammar, the default model's tokenizer)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from models.default_model import default_model_path
+    from models.text import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    from dispatcher.engine.structured import StructuredOutputs
+
+    g = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], max_num_seqs=8)
+    g.start()
+    yield g
+    g.close()
+
+
+def allowed(grammars, request_ids) -> np.ndarray:
+    from dispatcher.engine.structured import unpack_bitmask
+
+    return unpack_bitmask(grammars.bitmask(request_ids), grammars.vocab_size)
+
+
+class Out:
+    def __init__(self, rid, tokens, finished=False):
+        self.request_id, self.new_token_ids, self.finished = rid, tokens, finished
+
+
+def test_the_bitmask_allows_exactly_the_grammar_and_then_only_eos(grammars, tokenizer):
+    """A choice grammar: the first token's mask holds every token that starts one of the choices and nothing
+    else; after the whole choice only EOS is allowed; after EOS (terminated), or for a request that left, every
+    token is."""
+    eos = tokenizer.eos_token_id
+    grammars.add("r", grammars.compile(StructuredOutputsParams(choice=("yes", "no"))))
+    mask = allowed(grammars, ["r"])[0]
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    texts = {i: tokenizer.decode([i]) for i in np.nonzero(mask)[0].tolist()}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts.values()), texts
+    assert vocab["yes"] in texts and vocab["no"] in texts and not mask[eos]
+    grammars.advance([Out("r", tokenizer.encode("yes", False))])
+    mask = allowed(grammars, ["r"])[0]
+    assert mask.sum() == 1 and mask[eos]
+    grammars.advance([Out("r", [eos])])
+    assert allowed(grammars, ["r", "gone"]).all()
+    grammars.advance([Out("r", [], finished=True)])
+    assert "r" not in grammars.matchers
+
+
+def test_json_schema_output_valid_token_by_token(grammars, tokenizer):
+    """Feeding a valid object token by token, each token is in the mask the step before it had."""
+    grammars.add("p", grammars.compile(StructuredOutputsParams(json=json.dumps(PERSON))))
+    for t in tokenizer.encode('{"name": "Bo", "age": 42}', False):
+        assert allowed(grammars, ["p"])[0][t], tokenizer.decode([t])
+        grammars.advance([Out("p", [t])])
+    assert allowed(grammars, ["p"])[0].sum() == 1  # EOS alone
+    grammars.remove("p")
+
+
+def test_a_grammar_compiles_once_and_errors_name_the_field(grammars):
+    so = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"k": {"enum": list(range(900))}}}))
+    first = grammars.compile_future(so)
+    assert grammars.compile_future(so) is first or first.done()  # one compile per constraint in flight
+    first.result()
+    t0 = time.perf_counter()
+    grammars.compile(StructuredOutputsParams(json=so.json, where="response_format"))  # (xgrammar's LRU cache)
+    assert time.perf_counter() - t0 < 0.05
+    for bad, words in [(StructuredOutputsParams(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
+                       (StructuredOutputsParams(regex="(unclosed"), "structured_outputs.regex"),
+                       (StructuredOutputsParams(json='{"type": "nonsense"}', where="response_format"),
+                        "response_format")]:
+        with pytest.raises(RequestError, match=words) as err:
+            grammars.compile(bad)
+        assert "does not compile" in str(err.value) and "/project/" not in str(err.value)
+
+
+def test_a_compile_done_before_its_callback_is_registered_does_not_deadlock(grammars, monkeypatch):
+    """A cached grammar compiles at once: its future can be done before ``compile_future`` registers the callback
+    that forgets it, which then runs in the caller (once, under the lock: the event loop hung)."""
+    from concurrent.futures import Future
+
+    def done_at_once(fn, *args):
+        fut = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    monkeypatch.setattr(grammars._pool, "submit", done_at_once)
+    worker = threading.Thread(target=grammars.compile, args=(StructuredOutputsParams(regex="[ab]+"),), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and not grammars._compiling
+
+
+def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(grammars, monkeypatch):
+    """A compile runs in the pool: the event loop keeps turning (the engine keeps stepping) while it runs, and a
+    request whose grammar takes longer than the timeout is refused with a message naming the limit."""
+    gate = threading.Event()
+    real = grammars._compile
+
+    def slow(params):
+        gate.wait(5)  # (xgrammar releases the GIL while it compiles, as this wait does)
+        return real(params)
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+    monkeypatch.setattr(grammars, "timeout_s", 0.3)
+
+    async def go():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.get_running_loop().create_task(ticker())
+        with pytest.raises(RequestError, match="did not compile within 0 s") as err:
+            await grammars.compile_async(StructuredOutputsParams(regex="slow+", where="response_format"))
+        task.cancel()
+        return ticks, err.value
+
+    ticks, err = asyncio.run(go())
+    gate.set()
+    assert ticks >= 10 and str(err).startswith("response_format")
+
+
+def test_without_a_tokenizer_structured_requests_are_refused():
+    from dispatcher.engine.structured import StructuredOutputs
+
+    with pytest.raises(RequestError, match="tokenizer"):
+        StructuredOutputs(None, 512, [2], 4).compile(StructuredOutputsParams(choice=("a",)))
+
+
+def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
+    """A forced call's structural tag accepts the parser's format for the named function (and, required, for any
+    tool, several with parallel calls) and nothing else; the parser reads back what the grammar let through."""
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time"}}]
+    for parser, text in [(PARSERS["hermes"], '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                             '</tool_call>'),
+                         (PARSERS["llama3_json"], '{"name": "get_weather", "parameters": {"city": "Oslo"}}')]:
+        for name, parallel in [("get_weather", True), (None, False), (None, True)]:
+            so = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, parallel), where="tools")
+            so.validate()
+            compiled = grammars.compile(so)
+            m = grammars._xgr.GrammarMatcher(compiled)
+            assert m.accept_string(text), (parser.name, name)
+            assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+            content, calls = parser.parse(text)
+            assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+                ("get_weather", {"city": "Oslo"})]
+            assert not grammars._xgr.GrammarMatcher(compiled).accept_string("Sure, " + text)
+        wrong = grammars._xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(
+            structural_tag=parser.structural_tag(tools, "get_time", True))))
+        assert not wrong.accept_string(text)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine and the worker: a constrained step (a stand-in grammar on tiny-dense)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Successor:
+    """A stand-in for the engine's grammars: a request may only produce (its last token + 1) mod the vocabulary.
+    Its mask depends on the previous step's token, as a real grammar's does, read from the scheduler's request:
+    a bitmask filled before that token is in allows the wrong token."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.words = vocab, -(-vocab // 32)
+        self.matchers: dict[str, object] = {}
+        self.requests: dict = {}
+
+    def compile(self, params):
+        return params
+
+    def add(self, request_id, grammar):
+        self.matchers[request_id] = grammar
+
+    def remove(self, request_id):
+        self.matchers.pop(request_id, None)
+
+    def advance(self, outputs):
+        for o in outputs:
+            if o.finished:
+                self.matchers.pop(o.request_id, None)
+
+    def bitmask(self, request_ids):
+        words = np.zeros((len(request_ids), self.words), np.uint32)
+        for i, rid in enumerate(request_ids):
+            req = self.requests.get(rid)
+            if req is None:
+                words[i] = 0xFFFFFFFF
+                continue
+            nxt = (req.all_token_ids[-1] + 1) % self.vocab
+            words[i, nxt // 32] = 1 << (nxt % 32)
+        return words.view(np.int32).tobytes()
+
+    def close(self):
+        pass
+
+
+def constrained_engine(spec=None, overlap=True, device="cpu"):
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=400, block_size=8,
+                                      max_model_len=128, async_scheduling=overlap))
+    core.structured = Successor(core.model_config.vocab_size)
+    core.structured.requests = core.scheduler.requests
+    return core
+
+
+def run_mixed(core, prompts, constrained_every=2, temperature=0.0):
+    so = StructuredOutputsParams(choice=("stand-in",))
+    ids = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=i,
+                                structured_outputs=so if i % constrained_every == 0 else None)
+        ids.append(core.add_request(p, params))
+    out = {rid: [] for rid in ids}
+    for step in core.run():
+        for o in step:
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["no-sd", "ngram"])
+def test_constrained_requests_produce_only_what_their_grammar_allows(spec):
+    """Mixed batches (every other request constrained), greedy and sampled, with and without speculative decoding
+    and asynchronous scheduling: each constrained output is its successor chain exactly (so each step's bitmask
+    came after the previous step's token); with ngram drafts the constrained requests verified none while the
+    others did; the unconstrained outputs equal an unconstrained engine's."""
+    from test_pipeline import prompts
+
+    p = [q + q[-4:] * 3 for q in prompts(6, 3)]  # (repeats: n-gram lookup finds drafts)
+    results = []
+    for overlap in (True, False):
+        core = constrained_engine(spec, overlap)
+        for temperature in (0.0, 0.8):
+            outs = run_mixed(core, p, temperature=temperature)
+            for i, (prompt, out) in enumerate(zip(p, outs)):
+                if i % 2 == 0:
+                    assert out == [(prompt[-1] + 1 + k) % 512 for k in range(12)], (i, out)
+            results.append(outs)
+        if spec is not None:
+            assert core.stats.num_draft_tokens > 0  # (the unconstrained ones drafted)
+    assert results[0] == results[2] and results[1] == results[3]  # overlapped = synchronous
+    plain = constrained_engine(spec)
+    free = run_mixed(plain, p, constrained_every=10**6)
+    assert [o for i, o in enumerate(results[0]) if i % 2] == [o for i, o in enumerate(free) if i % 2]
+
+
+def test_constrained_requests_verify_no_drafts():
+    core = constrained_engine({"method": "ngram", "num_speculative_tokens": 3})
+    so = StructuredOutputsParams(choice=("x",))
+    core.add_request([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=so))
+    seen = 0
+    while core.has_unfinished():
+        step = core.schedule()
+        assert not step.out.num_drafts.any()
+        seen += int(step.message.constrained)
+        core.update(step, core.execute(step))
+    assert seen == 8 and core.stats.num_draft_tokens == 0
+
+
+def test_a_deferred_bitmask_is_taken_from_the_next_message():
+    """The worker process's path: a constrained step sent without its bitmask waits for it
+    (``receive_grammar``; the wait is not the step's device time), and a bitmask for another step fails the
+    step."""
+    import xgrammar  # noqa: F401  (as the worker process does at start: the first bitmask's import is no step's)
+
+    from dispatcher.messages import GrammarBitmask, decode_to_worker, encode
+
+    core = constrained_engine()
+    core.add_request([9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True,
+                                                 structured_outputs=StructuredOutputsParams(choice=("x",))))
+    step = core.schedule()
+    bits = core.grammar_bitmask(step)
+    asked = []
+
+    def receive(step_id):
+        asked.append(step_id)
+        time.sleep(3.0)  # (the engine updating the step before: the device's idle time, not this step's)
+        return decode_to_worker(encode(bits))
+
+    core.worker.receive_grammar = receive
+    result = core.worker.execute(step.message)
+    assert asked == [step.out.step_id] and core.finish(step, result).sampled[0, 0] == 12
+    assert result.device_ms < 2500
+    core.update(step, core.finish(step, result))
+    step = core.schedule()
+    core.worker.receive_grammar = lambda step_id: GrammarBitmask(step_id + 7, bits.bitmask)
+    with pytest.raises(RuntimeError, match="bitmask of step"):
+        core.worker.execute(step.message)
+
+
+def test_constrained_decode_steps_run_op_by_op_while_unconstrained_ones_fuse():
+    constrained_decodes_run_op_by_op("cpu")
+
+
+def constrained_decodes_run_op_by_op(device: str) -> None:
+    """Fused decode steps (``dispatcher.runtime.decode_step``) take the greedy argmax inside the graph, where no
+    grammar bitmask can reach it: a uniform-decode step with a constrained row runs op by op (its outputs follow
+    the grammar), all constrained or one among unconstrained; the same engine fuses the unconstrained steps."""
+    from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE
+    from test_pipeline import prompts
+
+    core = constrained_engine(overlap=False, device=device)
+    assert core.worker.fused is not None
+    so = StructuredOutputsParams(choice=("stand-in",))
+    p = [q[:10] for q in prompts(4, 3)]  # (one prefill step)
+
+    def run(constrained: list[bool]) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
+        ids = [core.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                  structured_outputs=so if c else None))
+               for q, c in zip(p, constrained)]
+        out, decodes = {rid: [] for rid in ids}, []
+        while core.has_unfinished():
+            step = core.schedule()
+            core.submit(step)
+            result = core.worker.collect(step.pending)
+            for o in core.update(step, core.finish(step, result)):
+                out[o.request_id].extend(o.new_token_ids)
+            target = step.descs.target
+            if target.kind == UNIFORM_DECODE and target.mode == MODE_FULL:
+                decodes.append((step.message.constrained, result.fused))
+        return [out[rid] for rid in ids], decodes
+
+    for constrained in ([True] * 4, [False, True, False, False]):
+        outs, decodes = run(constrained)
+        for q, c, out in zip(p, constrained, outs):
+            if c:
+                assert out == [(q[-1] + 1 + k) % 512 for k in range(8)]
+        assert len(decodes) >= 5 and all(c and not fused for c, fused in decodes), decodes
+    fused_before = core.stats.fused_steps
+    _, decodes = run([False] * 4)
+    assert decodes and all(fused for _, fused in decodes) and core.stats.fused_steps > fused_before
+
+
+def test_a_failed_step_drops_its_requests_grammars():
+    """A step the worker failed ends its requests (``EngineCore.fail_step``: the scheduler's, with the registered
+    prefix blocks taken back) and their matchers with them; the engine runs on with the next request."""
+    core = constrained_engine(overlap=False)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    rid = core.add_request(list(range(3, 23)), SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
+    step = core.schedule()
+    assert core.fail_step(step.out) == [rid] and not core.structured.matchers and not core.has_unfinished()
+    assert core.scheduler.kv.num_free == core.scheduler.config.num_kv_blocks
+    assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [10, 11, 12]
+
+
+def test_identical_constrained_requests_back_to_back_with_the_prefix_cache():
+    """The second of two identical constrained requests finds the prompt in the prefix cache and computes only its
+    last tokens; its grammar starts from the start (it sees generated tokens only), so its output is the first
+    one's, whole and valid: real xgrammar matchers on tiny-dense given the default model's vocabulary."""
+    import dataclasses
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from models.default_model import default_model_path
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(dataclasses.replace(preset("tiny-dense"), vocab_size=49152), device="cpu",
+                                      num_kv_blocks=64, block_size=8, max_model_len=128,
+                                      eos_token_ids=(tok.eos_token_id,), tokenizer=default_model_path()))
+    prompt = tok.encode("Pick one of the colours, then write an e-mail address for it: red, green or blue? Only one.")
+    email = r"[a-z]{2,5}@[a-z]{2,5}\.(com|org)"
+    checks = [(StructuredOutputsParams(choice=("red", "green", "blue sky")), "red|green|blue sky"),
+              (StructuredOutputsParams(regex=email), email)]
+    for so, pattern in checks:
+        texts = []
+        for _ in range(2):
+            rid = core.add_request(prompt, SamplingParams(max_tokens=24, structured_outputs=so))
+            tokens, cached, reason = [], None, None
+            for step in core.run():
+                for o in step:
+                    assert o.request_id == rid
+                    tokens += o.new_token_ids
+                    cached = o.num_cached_tokens if cached is None else cached
+                    reason = o.finish_reason or reason
+            assert reason is not None and reason.value == "stop" and tokens[-1] == tok.eos_token_id
+            texts.append((tok.decode(tokens[:-1]), cached))
+        (first, _), (second, cached) = texts
+        assert re.fullmatch(pattern, first) and second == first, texts
+        assert cached == (len(prompt) - 1) // 8 * 8 > 8, texts  # (its full blocks but the last token's)
+    assert not core.structured.matchers
+    core.close()
+
+
+def test_a_masked_token_is_never_sampled_even_at_an_extreme_draw():
+    """Seed 272 at position 0 draws the largest 24-bit pattern for token 10900: before ``unit_interval`` kept u
+    below 1, its Gumbel noise was infinite, -inf - -inf made its masked logit NaN, and argmax sampled it (found by
+    the schema test: a JSON object broke after 70 newlines). Unmasked, that token won every such draw."""
+    import torch
+
+    from models.sampling import RowParams, sample_tokens, unit_interval
+
+    assert unit_interval(torch.tensor([2**24 - 1])).item() < 1.0
+    logits = torch.full((1, 16384), float("-inf"))
+    logits[0, [5, 7]] = 0.0
+    params = RowParams(torch.tensor([1.0]), None, None, torch.tensor([272]))
+    assert sample_tokens(logits, params, torch.tensor([0])).item() in (5, 7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tool-call parsers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+HERMES_OUT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+LLAMA_OUT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+             '{"name": "get_time", "parameters": {}}')
+
+
+@pytest.mark.parametrize("name,text,content", [("hermes", HERMES_OUT, "I will check.\n"),
+                                               ("llama3_json", LLAMA_OUT, None)])
+def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
+    parser = PARSERS[name]
+    got_content, calls = parser.parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {})]
+    assert len({c.id for c in calls}) == 2
+    for size in (1, 3, 17):
+        stream = parser.stream()
+        text_out, streamed = "", []
+        for i in range(0, len(text), size):
+            delta, new = stream.feed(text[i:i + size])
+            text_out += delta
+            streamed += new
+            assert "<tool" not in text_out
+        tail, more = stream.finish()
+        assert (text_out + tail or None) == content
+        assert [(c.name, c.arguments) for c in streamed + more] == [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("name,text", [("hermes", "Plain answer, no call."), ("hermes", "<tool_call>\nnot json"),
+                                       ("llama3_json", "Plain answer {with braces}"),
+                                       ("llama3_json", '{"city": "Paris"}')])
+def test_text_that_is_not_a_call_stays_content(name, text):
+    content, calls = PARSERS[name].parse(text)
+    assert calls == [] and content == text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the HTTP app (a fake engine that writes a given text)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fake_app_engine(text: str):
+    """test_serve_app's fake engine, its chat template taking tools (recorded), its output ``text`` in pieces of 5
+    characters, finished by EOS ("stop")."""
+    from test_serve_app import FakeEngine, FakeTokenizer
+
+    from dispatcher.engine.output import CompletionOutput, RequestOutput
+
+    class Tokenizer(FakeTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            self.seen = (messages, kwargs)
+            return super().apply_chat_template(messages, add_generation_prompt)
+
+    class Engine(FakeEngine):
+        async def _outputs(self, rid, prompt, ids, params):
+            pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+            for i, piece in enumerate(pieces):
+                done = "stop" if i == len(pieces) - 1 else None
+                yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, piece, [2000 + i], done)], done is not None)
+
+    engine = Engine()
+    engine.tokenizer = Tokenizer()
+    return engine
+
+
+def test_the_app_passes_tools_to_the_template_and_forces_calls_with_a_grammar():
+    from test_serve_app import run, served
+
+    weather = WEATHER
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+    async def go():
+        engine = _fake_app_engine('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+        async with served(engine, tool_call_parser="hermes", enable_auto_tool_choice=True) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": history, "tools": [weather],
+                                                           "tool_choice": "required", "max_tokens": 50})
+            body = await r.json()
+            assert r.status == 200, body
+            messages, kwargs = engine.tokenizer.seen
+            assert kwargs["tools"] == [weather]
+            assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}  # (an object)
+            assert messages[2]["tool_call_id"] == "c1" and messages[1]["content"] == ""
+            (_, _, params), = engine.requests.values()
+            so = params.structured_outputs
+            assert so.where == "tools" and "<tool_call>" in json.loads(so.structural_tag)["format"]["tags"][0]["begin"]
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            call, = choice["message"]["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+    run(go())
+
+
+def test_the_app_streams_tool_calls_in_openais_shape():
+    from test_serve_app import run, served, sse
+
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+    async def go():
+        async with served(_fake_app_engine(text), tool_call_parser="hermes", enable_auto_tool_choice=True) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "tools": [WEATHER], "stream": True, "max_tokens": 50})
+            events = await sse(r)
+            assert events[-1] == "[DONE]"
+            deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+            content = "".join(d.get("content") or "" for d in deltas)
+            calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+            assert content == "Checking.\n" and "<tool" not in content
+            assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+            assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+    run(go())
+
+
+def test_the_app_sends_response_format_as_structured_outputs():
+    from test_serve_app import run, served
+
+    async def go():
+        engine = _fake_app_engine('{"name": "Bo", "age": 3}')
+        async with served(engine) as c:
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 9, "response_format": rf})
+            assert r.status == 200
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "response_format": {"type": "text"}})
+            assert r.status == 200
+            (_, _, first), (_, _, second) = engine.requests.values()
+            assert json.loads(first.structured_outputs.json) == PERSON and second.structured_outputs is None
+
+    run(go())

@@ -1,0 +1,68 @@
+"""Structured outputs on the GPU (issue 31): the bitmask applied by xgrammar's Triton kernel to graph-computed logits,
+with no kernel compiled while serving, constrained greedy steps never replayed as fused step graphs, and the 24
+constraints of tests/test_structured_serve.py through a served default model with CUDA graphs and asynchronous
+scheduling (each constrained step's bitmask sent after it)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_constrained_steps_on_the_gpu_compile_nothing_while_serving():
+    """tiny-dense with CUDA graphs and ngram drafts, every other request under the successor stand-in grammar
+    (tests/test_structured.py): the constrained outputs are their chains exactly, overlapped and not, and no step
+    waited for a Triton compile (the bitmask kernel was compiled at warm-up for 1, 2 and 16 rows)."""
+    from test_pipeline import prompts
+    from test_structured import Successor, run_mixed
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+
+    p = [q + q[-4:] * 3 for q in prompts(20, 5)]
+    for overlap in (True, False):
+        cfg = resolve({}, {"method": "ngram", "num_speculative_tokens": 3}, platform="sm100", max_num_seqs=32,
+                      max_num_batched_tokens=512)
+        core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", num_kv_blocks=800, block_size=16,
+                                          max_model_len=256, async_scheduling=overlap))
+        core.structured = Successor(core.model_config.vocab_size)
+        core.structured.requests = core.scheduler.requests
+        compiles = []
+        collect = core.worker.collect
+
+        def counted(pending):
+            result = collect(pending)
+            compiles.append(result.jit_compiles)
+            return result
+
+        core.worker.collect = counted
+        for constrained_every in (2, 1):
+            outs = run_mixed(core, p, constrained_every=constrained_every, temperature=0.7)
+            for i, (prompt, out) in enumerate(zip(p, outs)):
+                if i % constrained_every == 0:
+                    assert out == [(prompt[-1] + 1 + k) % 512 for k in range(12)], (i, out)
+        assert sum(compiles) == 0, compiles
+
+
+def test_constrained_greedy_decode_steps_run_op_by_op_on_cuda_graphs():
+    """Greedy without a drafter on CUDA graphs: uniform-decode steps with a constrained row run op by op and follow
+    their grammar, while unconstrained ones replay the fused step graph (tests/test_structured.py's CPU test)."""
+    from test_structured import constrained_decodes_run_op_by_op
+
+    constrained_decodes_run_op_by_op("cuda")
+
+
+def test_every_constraint_gives_valid_output_served_on_the_gpu(tmp_path):
+    from serverutil import Server
+    from test_structured_serve import HERMES, test_every_constraint_gives_valid_output
+
+    server = Server(["--device", "cuda", "--max-model-len", "1024", "--max-num-seqs", "16", "--chat-template", HERMES,
+                     "--gpu-memory-utilization", "0.3"], str(tmp_path / "server.log")).wait_healthy(600)
+    try:
+        test_every_constraint_gives_valid_output(server)
+        log = open(server.log_path, encoding="utf-8").read()
+        assert "outside its grammar" not in log and "Triton compile" not in log, log[-3000:]
+    finally:
+        server.stop()
