@@ -208,7 +208,8 @@ def test_serve_on_cuda_captures_while_streams_run(tmp_path):
     args = ["--model", "tiny-dense", "--device", "cuda", "--platform", "sm100", "--max-model-len", "256",
             "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.3",
             "--delayed-cudagraph-capture"]
-    server = Server(args, str(tmp_path / "server.log")).wait_healthy()
+    # (each graph's capture slowed to 0.1 s: on the H200 the whole plan is otherwise captured before a stream starts)
+    server = Server(args, str(tmp_path / "server.log"), env={"TWOGRID_CAPTURE_DELAY_S": "0.1"}).wait_healthy()
     try:
         bodies = [request_body(p, 48, seed=i) for i, p in enumerate(token_prompts(16, 512, 4, 64, seed=3))]
         streams, _ = run_streams(server.base, bodies)

@@ -28,6 +28,10 @@ FP8_LOGIT_ERROR = 0.12
 """Relative (norm) error of the logits of a 2-layer random model whose every projection is rounded to e4m3 (3
 mantissa bits: up to 1/16 relative error a weight); measured 0.06 for per-tensor and per-channel scales. Loading
 FP8 weights without their scales (the bug this guards against) is off by orders of magnitude."""
+FP8_W8A8_LOGIT_ERROR = 0.18
+"""The same on the GPU, where the GEMMs also round each activation row to e4m3 (``torch._scaled_mm``, dynamic
+per-token scales) and the reference runs in bf16: measured 0.125-0.133 on the H200 (per-tensor, block-128,
+compressed-tensors), about sqrt(2) times the weights-only error, as two independent roundings give."""
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -204,7 +208,7 @@ def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     assert (model.layers[0].qkv_proj.block is not None) == (name == "block-128")
     want = ragged_logits(load_checkpoint(original, "cuda", torch.bfloat16), PROMPTS, "cuda")
     got = ragged_logits(model, PROMPTS, "cuda")
-    assert float((got - want).norm() / want.norm()) < FP8_LOGIT_ERROR, name
+    assert float((got - want).norm() / want.norm()) < FP8_W8A8_LOGIT_ERROR, name
     assert_graphs_match_eager(path, name)
     assert_graphs_match_eager(path, name + " with an FP8 KV cache", kv_cache_dtype="fp8")
 

@@ -362,7 +362,8 @@ class ModelWorker:
     @torch.inference_mode()
     def _warm_up_grammar(self) -> int:
         """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
-        rows (Triton specializes a row count on == 1 and on divisibility by 16), here rather than in a served step.
+        rows (Triton specializes a row count on == 1 and on divisibility by 16) and both alignments of the bitmask,
+        here rather than in a served step.
         Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
         try:
             import xgrammar
@@ -372,9 +373,13 @@ class ModelWorker:
         for rows in (1, 2, 16):
             hidden = torch.zeros(rows, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             logits = self.model.compute_logits(hidden)[torch.arange(rows, device=self.device)]
-            full = torch.full((rows, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
-            xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1])
-        return 3
+            words = -(-logits.shape[1] // 32)
+            full = torch.full((rows * words + 2,), -1, dtype=torch.int32, device=self.device)
+            for start in (0, 2):  # (the step's bitmask follows its int64 row ids in one upload: an odd count of
+                # rows leaves it 8 bytes off a 16-byte boundary, which Triton specializes on)
+                bits = full[start: start + rows * words].view(rows, words)
+                xgrammar.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1])
+        return 6
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
