@@ -677,3 +677,43 @@ def test_the_app_sends_response_format_as_structured_outputs():
             assert json.loads(first.structured_outputs.json) == PERSON and second.structured_outputs is None
 
     run(go())
+
+
+def test_each_choice_of_n_has_its_own_tool_calls():
+    """n = 2 with tools: each choice's text goes through its own parser, whole and streamed (a call split across
+    the two choices' interleaved pieces would mix them up)."""
+    from test_serve_app import FakeEngine, run, served, sse
+
+    from dispatcher.engine.output import CompletionOutput, RequestOutput
+
+    texts = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+             'Rome then.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>']
+
+    class Engine(FakeEngine):
+        async def _outputs(self, rid, prompt, ids, params):
+            pieces = [[t[i:i + 5] for i in range(0, len(t), 5)] for t in texts]
+            last = max(len(p) for p in pieces) - 1
+            for i in range(last + 1):
+                outs = [CompletionOutput(c, p[i], [2000 + i], "stop" if i == len(p) - 1 else None)
+                        for c, p in enumerate(pieces) if i < len(p)]
+                yield RequestOutput(rid, prompt, ids, outs, i == last)
+
+    async def go():
+        engine = Engine()
+        engine.tokenizer = _fake_app_engine("").tokenizer
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "n": 2, "temperature": 1.0,
+                "max_tokens": 50}
+        async with served(engine, tool_call_parser="hermes", enable_auto_tool_choice=True) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+            choices = (await r.json())["choices"]
+            assert [ch["message"]["tool_calls"][0]["function"]["arguments"] for ch in choices] == \
+                ['{"city": "Oslo"}', '{"city": "Rome"}']
+            assert [ch["message"]["content"] for ch in choices] == [None, "Rome then.\n"]
+            events = await sse(await c.post("/v1/chat/completions", json={**body, "stream": True}))
+            calls = {0: [], 1: []}
+            for e in events[:-1]:
+                for ch in e["choices"]:
+                    calls[ch["index"]] += [tc["function"]["arguments"] for tc in ch["delta"].get("tool_calls", [])]
+            assert calls == {0: ['{"city": "Oslo"}'], 1: ['{"city": "Rome"}']}
+
+    run(go())
