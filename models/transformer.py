@@ -193,27 +193,18 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, vocab_size) logits in the model's dtype on the GPU (bf16; the sampler converts the rows it does
-        math on), float32 on the CPU: one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
+        math on), float32 on the CPU with its most likely tokens exact (``_exact_top``): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
         apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if weight.device.type == "cpu" and weight.dtype != torch.float32:
-            hidden, weight = hidden.float(), self._cpu_float_head(weight)
         logits = (hidden @ weight.t())[:, :self.cfg.vocab_size]
+        if weight.device.type == "cpu" and weight.dtype != torch.float32 and len(logits):
+            logits = _exact_top(logits, hidden, weight)
         c = self.cfg
         if c.logit_scale != 1.0:  # Granite's logits_scaling
             logits = logits * c.logit_scale
         if c.final_logit_softcap:  # Gemma 2
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         return logits
-
-    def _cpu_float_head(self, weight: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of the LM head for the CPU, made once per weight version: half-precision logits round to
-        1/8 near the top (bf16), which ties the greedy choice between answers float32 tells apart (SmolLM2 answers
-        "L'Étoile" instead of "Paris"); the CPU has no half-precision GEMM with a float32 output."""
-        key = (weight.data_ptr(), weight._version)
-        if getattr(self, "_float_head_key", None) != key:
-            self._float_head, self._float_head_key = weight.float(), key
-        return self._float_head
 
     def propose(self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Greedy proposals from output rows: (token ids in the target's vocabulary, their probabilities), into
@@ -301,3 +292,17 @@ def _no_default_init():
         yield
     finally:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+CPU_EXACT_TOP = 8
+"""Tokens per row whose logits the CPU recomputes in float32 after a half-precision LM head."""
+
+
+def _exact_top(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits as float32, the ``CPU_EXACT_TOP`` largest of each row recomputed in float32 (8 dot
+    products a row). bf16 rounds logits near 20 to 1/8, which can tie the greedy choice between tokens float32
+    tells apart (SmolLM2 answered "L'Étoile" for France's capital); the CPU has no half-precision GEMM with a
+    float32 output, and a float32 copy of the head would double its memory traffic every decode step."""
+    top = logits.topk(min(CPU_EXACT_TOP, logits.shape[1]), dim=-1).indices
+    exact = torch.einsum("rh,rkh->rk", hidden.float(), weight[top].float())
+    return logits.float().scatter_(1, top, exact)
