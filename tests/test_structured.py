@@ -263,6 +263,28 @@ def test_without_a_tokenizer_structured_requests_are_refused():
         StructuredOutputs(None, 512, [2], 4).compile(StructuredOutputsParams(choice=("a",)))
 
 
+def test_a_checkpoint_without_a_tokenizer_runs_on_token_ids_and_refuses_structured_requests(tmp_path):
+    """An engine on a checkpoint without tokenizer.json generates from token ids as before; only a structured
+    request is refused, naming its field and the missing tokenizer."""
+    import torch
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from models.loader import save_checkpoint
+    from models.transformer import build_model
+
+    save_checkpoint(build_model(preset("tiny-dense"), "cpu", torch.float32, seed=1), str(tmp_path), "llama")
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=4, max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(str(tmp_path), device="cpu", num_kv_blocks=32, block_size=8,
+                                      max_model_len=64), capture=False)
+    assert [len(t) for t in core.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))] == [3]
+    with pytest.raises(RequestError, match="response_format: .*tokenizer.json"):
+        core.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(
+            json_object=True, where="response_format")))
+    core.close()
+
+
 def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
     """A forced call's structural tag accepts the parser's format for the named function (and, required, for any
     tool, several with parallel calls) and nothing else; the parser reads back what the grammar let through."""

@@ -85,7 +85,7 @@ class EngineArgs:
     that another request computed (``scheduler.kv_blocks``)."""
     tokenizer: str | None = None
     """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
-    the model's (a preset has none, and refuses structured requests)."""
+    the model's (a preset has none, nor a checkpoint without tokenizer.json: they refuse structured requests)."""
     structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
     """A structured request whose grammar has not compiled this long after it arrived is refused."""
 
@@ -642,11 +642,21 @@ class PromptLogprobs:
 
 
 def _tokenizer(args: EngineArgs):
-    """The tokenizer structured outputs compile against (None for a preset without ``args.tokenizer``)."""
+    """The tokenizer structured outputs compile against: ``args.tokenizer``'s (its errors raised), else the model's;
+    None for a preset, or for a checkpoint without a usable tokenizer (the engine runs on token ids then, and
+    refuses structured requests)."""
+    from models.checkpoint import CheckpointError
     from models.text import load_tokenizer
 
-    source = args.tokenizer or args.model
-    return load_tokenizer(source) if isinstance(source, str) else None
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer)
+    if not isinstance(args.model, str):
+        return None
+    try:
+        return load_tokenizer(args.model)
+    except CheckpointError as exc:
+        log.info("structured outputs are off (they need a tokenizer): %s", exc)
+        return None
 
 
 def _curve(data: dict, where: str) -> CostCurve:

@@ -122,8 +122,9 @@ class StructuredOutputs:
     def compile_future(self, params: StructuredOutputsParams) -> Future:
         """The constraint's compiled grammar, compiling in the pool (one future per constraint being compiled)."""
         if self.tokenizer is None:
-            raise RequestError(f"{params.where}: structured outputs need the model's tokenizer; this model (a preset "
-                               f"with random weights) has none: give --tokenizer")
+            raise RequestError(f"{params.where}: structured outputs need the model's tokenizer; this model has none "
+                               f"(a preset with random weights, or a checkpoint without tokenizer.json): give "
+                               f"--tokenizer")
         try:
             self.start()
         except ImportError as exc:
