@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.configure import (add_prefix_caching_arg, config_from_args, detect_platform, format_table,
-                                  render_plan, resolve_device)
+from dispatcher.configure import (add_prefix_caching_arg, compact_sizes, config_from_args, detect_platform,
+                                  format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import build_plan

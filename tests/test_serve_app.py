@@ -111,7 +111,8 @@ class FakeEngine:
                     prompt_lp = [None] + [{t: -1 - t / 1000, **{token_of(200 + k): -0.5 - k
                                                           for k in range(params.prompt_logprobs)}} for t in ids[1:]]
                     ranks = [None] + list(ids[1:])
-                yield RequestOutput(rid, prompt, ids, outs, done is not None, prompt_lp, ranks)
+                yield RequestOutput(rid, prompt, ids, outs, done is not None, prompt_logprobs=prompt_lp,
+                                    prompt_logprob_ranks=ranks)
         finally:
             self.live.discard(rid)
 

@@ -109,7 +109,8 @@ def _ask(c, model, name: str, case: int) -> tuple[str, str]:
         field, value, _ = OTHER[name]
         extra = {"extra_body": ({field: value} if field.startswith("guided") else {"structured_outputs":
                                                                                    {field: value}})}
-        prompt = f"Answer ({name})."
+        prompt = (f"Answer ({name})." if name != "json object"
+                  else "Reply with a JSON object of one field, name.")  # (an open object: ask for a short one)
     sampling = {"temperature": 0.7, "seed": case} if case % 3 == 1 else {}
     if case % 4 == 3:  # completions (response_format travels in the body)
         body = extra.get("extra_body", {}) | ({"response_format": extra["response_format"]}
