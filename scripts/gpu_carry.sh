@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds, on this (CPU) machine, the ignored folders that a GPU call carries (scripts/gpu_check.sh reads them):
+#   .whl/       wheels missing on the device machine (Python 3.12, x86-64), installed there by scripts/gpu_env.sh:
+#               the versions installed here of msgspec, pyzmq, gguf, aiohttp-cors, xgrammar, openai and their needs
+#   .gpu_data/  sharegpt.json (the ShareGPT prompts) and smollm2-tokenizer/ (SmolLM2's tokenizer as a directory)
+#   .gpu_gguf/  the default model's GGUF (98 MB) in pieces of PART_MIB MiB (default 27: p00-p03): a call carries at
+#               most 64 MiB with the tracked tree (~21 MiB), so the pieces travel over three calls made within the
+#               machine's 30 s warm window, each copying its pieces out of the tree (cp .gpu_gguf/p0* /root/), the
+#               last joining them into the cache:
+#               cat /root/p0? > ~/.cache/twogrid/SmolLM2-135M-Instruct.Q4_1.gguf
+# Run from the repository root after `pip install -e '.[test]'`:  bash scripts/gpu_carry.sh [PART_MIB]
+set -euo pipefail
+part_mib=${1:-27}
+wheels=(msgspec pyzmq gguf aiohttp-cors xgrammar apache-tvm-ffi openai httpx2 httpcore2 truststore jiter pydantic pydantic-core
+        annotated-types typing-inspection sniffio distro)
+mkdir -p .whl .gpu_data .gpu_gguf
+for name in "${wheels[@]}"; do
+  version=$(python3 -m pip show "$name" 2>/dev/null | sed -n "s/^Version: //p" || true)
+  [[ -n "$version" ]] || { echo "skip $name: not installed here"; continue; }
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    --platform any -d .whl "$name==$version"
+done
+python3 - <<'PY'
+import json, os, shutil
+from tests.textdata import SHAREGPT
+from models.default_model import default_model_path
+from models.text import load_tokenizer
+shutil.copy(SHAREGPT, ".gpu_data/sharegpt.json")
+gguf = default_model_path()
+tok = load_tokenizer(gguf)
+out = ".gpu_data/smollm2-tokenizer"
+os.makedirs(out, exist_ok=True)
+tok.backend.save(os.path.join(out, "tokenizer.json"))
+with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+    json.dump({**tok.special_tokens, "chat_template": tok.chat_template,
+               "tokenizer_class": "PreTrainedTokenizerFast"}, fh)
+print(gguf)
+PY
+gguf=$(python3 -c "from models.default_model import default_model_path; print(default_model_path())")
+rm -f .gpu_gguf/p*
+split -b "${part_mib}M" -d -a 2 "$gguf" .gpu_gguf/p
+du -sh .whl .gpu_data .gpu_gguf/*
