@@ -178,3 +178,31 @@ def test_default_model_on_the_gpu_answers_like_the_cpu(texts, monkeypatch):
             assert token in top, (f"answer {n}, token {i}: the GPU's {show([token])} after "
                                   f"{show(gpu[n].outputs[0].token_ids[:i])} is not in the CPU's top 5 "
                                   f"{[show([t]) for t in top]}")
+
+
+@pytest.mark.gpu
+def test_the_default_model_drafting_for_itself_on_the_gpu(texts, monkeypatch):
+    """Issue 28's real ``draft_model`` pair on the GPU: SmolLM2 drafting for itself (K = 3) under CUDA graphs.
+    Greedy output equals the same model's without speculation up to where a bf16 near-tie parts them (the
+    verifier's 4-row forward may round otherwise than a 1-row step), and there the drafted run's token is within
+    the plain run's top 5; a model drafting for itself accepts nearly every draft; no step runs eagerly (the
+    drafter's forwards and the q = 4 verification have their graphs)."""
+    from dispatcher import LLM, SamplingParams
+
+    gguf = _default_gguf_or_skip(monkeypatch)
+    convs = [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 300][:6]]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, logprobs=5)
+    plain = LLM(gguf, device="cuda", max_num_seqs=8, max_model_len=2048).chat(convs, params)
+    sd_llm = LLM(gguf, device="cuda", max_num_seqs=8, max_model_len=2048,
+                 speculative_config={"method": "draft_model", "model": gguf, "num_speculative_tokens": 3})
+    drafted = sd_llm.chat(convs, params)
+    for n, (p, d) in enumerate(zip(plain, drafted)):
+        po, do = p.outputs[0], d.outputs[0]
+        split = next((i for i, (a, b) in enumerate(zip(po.token_ids, do.token_ids)) if a != b), None)
+        if split is not None:
+            assert do.token_ids[split] in _top5(po.logprobs[split]), (n, split, po.text, do.text)
+        else:
+            assert list(po.token_ids) == list(do.token_ids)
+    stats = sd_llm.stats
+    assert stats.mean_acceptance_length >= 3.5, (stats.mean_acceptance_length, stats.acceptance_rate_per_pos)
+    assert stats.eager_steps == 0, stats.eager_by_reason
