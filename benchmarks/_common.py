@@ -148,3 +148,13 @@ def markdown_tables(rows: list[dict], group) -> str:
 
     return markdown_grid(rows, lambda r: ", ".join(group(r)),
                          lambda r: f"**{r['policy']}**" if r["policy"] == "separate" else r["policy"], cell)
+
+
+def kv_blocks(model: str, gib: float, block_size: int = 16) -> int:
+    """KV blocks of ``block_size`` tokens that ``gib`` GiB hold for the model in bfloat16."""
+    import torch
+
+    from dispatcher.runtime.process import kv_bytes_per_block
+    from models.loader import read_model_config
+
+    return int(gib * 2**30 // kv_bytes_per_block(read_model_config(model), block_size, torch.bfloat16))

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 
-from _common import commit, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, kv_blocks, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
 from bench_spec_gpu import log, log_tail, stop
 
@@ -160,16 +160,6 @@ def markdown(rows: list[dict]) -> str:
 
     return markdown_grid(rows, lambda r: f"{r['model']} {r['workload']}",
                          lambda r: "caching on" if r["prefix_caching"] else "caching off", fmt)
-
-
-def kv_blocks(model: str, gib: float, block_size: int = 16) -> int:
-    """KV blocks of ``block_size`` tokens that ``gib`` GiB hold for the model in bfloat16."""
-    import torch
-
-    from dispatcher.runtime.process import kv_bytes_per_block
-    from models.loader import read_model_config
-
-    return int(gib * 2**30 // kv_bytes_per_block(read_model_config(model), block_size, torch.bfloat16))
 
 
 def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.Popen, int]]:

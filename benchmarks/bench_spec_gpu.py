@@ -17,6 +17,13 @@ rate per draft position where the server exports ``twogrid:spec_decode_num_accep
 ``vs_no_sd`` is the row's tok/s over the ``none`` row's of the same policy and concurrency (of the same run where
 merged runs have one).
 
+``--together``: every (method, policy)'s server up at once, each with a KV cache of ``--kv-gib`` GiB (a memory
+fraction would count the others' memory as used), and at each concurrency ``--rounds`` runs of every server in
+rotating order (A B C, B C A, C A B, ...), the first round after a warm-up wave each: a row's ``output_tok_s`` is
+the median of its runs (``round_tok_s``), its ``vs_no_sd`` the median of its runs' ratios to the ``none`` server's
+run of the same round and policy (``vs_no_sd_runs``), so that the machine's drift falls on both sides of a ratio
+(run to run, one server at a time, the 16-stream cells spread by 25%).
+
 The JSON (``--out``) is rewritten after every row; ``--resume`` keeps the rows of an existing ``--out`` and
 measures only the missing cells (no server for a (method, policy) whose concurrencies are all done). A server that
 does not start, or dies, is recorded under ``errors`` and the matrix goes on. Split the matrix over device calls
@@ -47,7 +54,7 @@ import sys
 import time
 import urllib.request
 
-from _common import commit, join_runs, markdown_grid, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, join_runs, kv_blocks, markdown_grid, stop_server, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import SPEC_METHODS
@@ -154,6 +161,8 @@ def add_ratios(rows: list[dict]) -> None:
         if r["method"] == "none":
             base.setdefault((r["policy"], r.get("fused", True), r["concurrency"]), {})[r.get("run")] = r
     for r in rows:
+        if "vs_no_sd_runs" in r:  # (--together: the median of paired ratios, measured as such)
+            continue
         r.pop("vs_no_sd", None)
         r.pop("vs_no_sd_run", None)
         runs = base.get((r["policy"], r.get("fused", True), r["concurrency"]))
@@ -205,15 +214,6 @@ def merge(paths: list[str], out: str | None) -> dict:
               "errors": [{**e, "run": i} for i, (_, part) in enumerate(parts) for e in part.get("errors", [])]}
     write_json(out, merged)
     return merged
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def log_tail(path: str, lines: int = 15) -> str:
@@ -291,11 +291,78 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
                       f"{row['eager_steps']} eager, GPU busy {row['gpu_busy']:.2f}")
         finally:
             t1 = time.monotonic()
-            stop(proc)
+            stop_server(proc)
             if server is not None:
                 server["measured_s"] = round(t1 - t0 - server["start_s"], 1)
                 server["stop_s"] = round(time.monotonic() - t1, 1)
             save()
+
+
+def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], policies: list[str],
+                     concurrencies: list[int], args, out_dir: str, save) -> None:
+    """``--together``: every (method, policy)'s server at once (ports from ``--port`` up), then per concurrency
+    ``--rounds`` rounds of one run a server in rotating order; a row per cell from its runs (see the docstring)."""
+    servers = [(m, k, spec, p) for m, k, spec in methods for p in policies]
+    blocks = kv_blocks(args.model, args.kv_gib)
+    procs = []
+    try:
+        for i, (method, k, spec, policy) in enumerate(servers):
+            cmd = serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
+            if args.fixed_acceptance is not None and spec:
+                cmd += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
+            if args.no_fuse_decode_steps:
+                cmd += ["--no-fuse-decode-steps"]
+            stem = f"{policy}-{label(method, k).replace(':', '-k')}"
+            procs.append(launch(cmd, f"{policy} {label(method, k)}", args.port + i,
+                                os.path.join(out_dir, f"server-{stem}.log"), wait=False))
+        t0 = time.monotonic()
+        for i, (proc, (method, k, _, policy)) in enumerate(zip(procs, servers)):
+            wait_healthy(proc, f"{policy} {label(method, k)}", args.port + i)
+            result["servers"].append({"policy": policy, "method": method, "k": k, "together": True,
+                                      "ready_s": round(time.monotonic() - t0, 1)})
+        log(f"{len(servers)} servers ready in {time.monotonic() - t0:.1f} s, {blocks} KV blocks each")
+        save()
+        for conc in concurrencies:
+            runs: list[list[dict]] = [[] for _ in servers]
+            for rnd in range(args.rounds):
+                for i in [(rnd + j) % len(servers) for j in range(len(servers))]:
+                    method, k, _, policy = servers[i]
+                    base = f"http://127.0.0.1:{args.port + i}"
+                    stem = f"{policy}-{label(method, k).replace(':', '-k')}-r{rnd}"
+                    runs[i].append(run_bench(base, conc, stem, os.path.join(out_dir, "bench"), args, procs[i].pid,
+                                             SERVED_NAME, warmups=None if rnd == 0 else 0))
+            for i, (method, k, spec, policy) in enumerate(servers):
+                result["rows"] = [r for r in result["rows"] if cell(r) != (policy, method, k, not
+                                                                           args.no_fuse_decode_steps, conc)]
+                result["rows"].append(together_row(servers, runs, i, conc, args))
+            log(f"c={conc}: " + ", ".join(f"{label(r['method'], r['k'])} {r['output_tok_s']:.0f}"
+                                         + (f" ({r['vs_no_sd']:.2f}x)" if "vs_no_sd" in r else "")
+                                         for r in result["rows"] if r["concurrency"] == conc))
+            save()
+    finally:
+        for proc in procs:
+            stop_server(proc)
+
+
+def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int, args) -> dict:
+    """Server ``i``'s row at ``conc`` streams from its rounds: the median run's fields, the median tok/s, each
+    round's tok/s, and against the ``none`` server of its policy the median of the same rounds' ratios."""
+    import statistics
+
+    method, k, spec, policy = servers[i]
+    tok_s = [b["output_throughput"] for b in runs[i]]
+    median_run = sorted(runs[i], key=lambda b: b["output_throughput"])[len(tok_s) // 2]
+    row = spec_row(policy, method, k, conc, median_run, args)
+    row.update(output_tok_s=round(statistics.median(tok_s), 1), round_tok_s=[round(t, 1) for t in tok_s],
+               rounds=len(tok_s), together=True)
+    if spec:
+        row["chosen_k"] = k if k > 0 else None
+    none = next((j for j, s in enumerate(servers) if s[0] == "none" and s[3] == policy), None)
+    if none is not None and method != "none":
+        ratios = [b["output_throughput"] / n["output_throughput"] for b, n in zip(runs[i], runs[none])]
+        row["vs_no_sd_runs"] = [round(r, 3) for r in ratios]
+        row["vs_no_sd"] = round(statistics.median(ratios), 3)
+    return row
 
 
 def main() -> None:
@@ -328,6 +395,10 @@ def main() -> None:
     parser.add_argument("--fixed-acceptance-of", type=int, default=None, metavar="K0",
                         help="--fixed-acceptance is the mean length at K0 drafts: every server accepts at that "
                              "per-draft rate (a K = 3 server at 3.0 of 7: 2.47)")
+    parser.add_argument("--together", action="store_true", help="every server up at once, --rounds runs of each in "
+                        "rotating order per concurrency (medians, paired ratios to no SD)")
+    parser.add_argument("--rounds", type=int, default=3, help="--together: runs of each server per concurrency")
+    parser.add_argument("--kv-gib", type=float, default=12.0, help="--together: each server's KV cache, GiB")
     parser.add_argument("--no-fuse-decode-steps", action="store_true",
                         help="servers with --no-fuse-decode-steps (uniform decodes op by op)")
     args = parser.parse_args()
@@ -381,7 +452,12 @@ def main() -> None:
 
     log(f"{len(methods)} methods x {len(policies)} policies = {len(methods) * len(policies)} servers, concurrency "
         f"{','.join(map(str, concurrencies))}, {OUTPUT_LEN} output tokens, model {args.model} on {args.device}")
-    measure(result, methods, policies, concurrencies, args, out_dir, save)
+    if args.together:
+        if args.resume:
+            parser.error("--together measures every cell again: no --resume")
+        measure_together(result, methods, policies, concurrencies, args, out_dir, save)
+    else:
+        measure(result, methods, policies, concurrencies, args, out_dir, save)
     save()
     log(f"done: {len(result['rows'])} rows, {len(result['errors'])} errors" + (f" -> {args.out}" if args.out else ""))
     print(markdown(result["rows"]))
