@@ -58,8 +58,12 @@ class TensorParallel:
         """(rows, cols) on each rank -> (rows, size * cols): rank r's columns at [r cols, (r + 1) cols)."""
         x = x.contiguous()
         out = x.new_empty(self.size * x.shape[0], x.shape[1])
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        _all_gather(out, x, group=self.group)
         return out.view(self.size, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""(torch 2.14 renamed all_gather_into_tensor.)"""
 
 
 def padded_vocab(vocab_size: int, tp_size: int = 1) -> int:

@@ -112,6 +112,9 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    tp: TensorParallel | None = None
+    """This rank's place in its tensor-parallel group (None: the whole model here)."""
+
     def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None, tp: TensorParallel | None = None):
         """``tp``: one tensor-parallel rank's shard of the model (``models.parallel``); ``cfg`` is the whole model's
         shape (``full_cfg``), ``self.cfg`` the shard's."""
