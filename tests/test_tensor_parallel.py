@@ -114,3 +114,37 @@ def test_sizes_that_do_not_split_the_model_are_refused():
         check_tensor_parallel(dense, 0)
     assert shard_config(dense.with_(num_kv_heads=1), 4).num_kv_heads == 1  # replicated
     assert shard_config(dense, 2).num_kv_heads == 1 and shard_config(dense, 2).intermediate_size == 64
+
+
+def _plan_check(tp, plans):
+    from models.parallel import check_same_plan
+
+    return check_same_plan(tp, plans[tp.rank])
+
+
+def test_ranks_with_different_plans_stop_at_start_up_naming_them(tmp_path):
+    same = run_ranks(_plan_check, 2, str(tmp_path), [{"decode": [1, 2, 4]}, {"decode": [1, 2, 4]}])
+    assert same[0] == same[1]
+    with pytest.raises(RuntimeError, match=r"capture plans differ \(plan hash per rank: rank 0 \w+, rank 1 \w+\)"):
+        run_ranks(_plan_check, 2, str(tmp_path), [{"decode": [1, 2, 4]}, {"decode": [1, 2, 8]}])
+
+
+def test_the_flag_is_checked_against_the_model_and_the_gpus():
+    from dispatcher.configure import check_tensor_parallel_size
+    from dispatcher.plan.config import ConfigError, resolve
+    from models.default_model import default_model_path
+    from models.loader import read_model_config
+
+    smollm = read_model_config(default_model_path())  # 9 heads, 3 KV heads
+    with pytest.raises(ConfigError, match="--tensor-parallel-size: tensor_parallel_size = 2 does not divide the "
+                                          "model's num_attention_heads = 9"):
+        check_tensor_parallel_size(2, smollm, "cpu")
+    check_tensor_parallel_size(3, smollm, "cpu")
+    with pytest.raises(ConfigError, match="must be >= 1, got 0"):
+        check_tensor_parallel_size(0, smollm, "cpu")
+    if torch.cuda.device_count() < 8:
+        with pytest.raises(ConfigError, match=f"only {torch.cuda.device_count()} GPU"):
+            check_tensor_parallel_size(8, preset("tiny-dense").with_(num_heads=8, num_kv_heads=8), "cuda")
+    delayed = resolve({"delayed_cudagraph_capture": True}, None, platform="default")
+    with pytest.raises(ConfigError, match="delayed_cudagraph_capture is not supported with tensor parallelism"):
+        check_tensor_parallel_size(3, smollm, "cpu", cfg=delayed)
