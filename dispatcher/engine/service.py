@@ -29,7 +29,8 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
-from dispatcher.engine.ipc import WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready, worker_processes
+from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
+                                  worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
