@@ -1,17 +1,16 @@
 """Tensor parallelism through the engine: EngineCore over a group of worker processes (one per gloo rank, on the
 CPU's static graph backend) gives the greedy tokens of one in-process worker, with and without speculative
-decoding, on a preset and on the default model; a killed rank fails the engine within 2 s and leaves nothing."""
+decoding, on presets and on the default model; ``LLM(tensor_parallel_size=2)`` too, and ``close`` leaves no rank
+behind. (A killed rank under a running server: tests/test_tensor_parallel_serve.py.)"""
 
 import os
-import signal
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
-from dispatcher.engine.ipc import WorkerDied, tensor_parallel_worker  # noqa: E402
+from dispatcher.engine.ipc import tensor_parallel_worker  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from tests.serverutil import token_prompts  # noqa: E402
@@ -70,3 +69,18 @@ def test_the_default_model_split_three_ways_gives_its_greedy_tokens():
         worker.close()
     assert got == want
     assert accepted > 0  # (the head drafts on every rank alike)
+
+
+def test_the_offline_api_splits_the_model_and_stops_its_ranks():
+    from dispatcher import LLM
+    from dispatcher.plan.config import ConfigError
+
+    prompts = [{"prompt_token_ids": p} for p in token_prompts(3, 512, 4, 20, seed=5)]
+    want = [o.outputs[0].token_ids for o in LLM("tiny-moe", device="cpu", max_model_len=256).generate(prompts, GREEDY)]
+    with LLM("tiny-moe", device="cpu", max_model_len=256, tensor_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        ranks = llm._worker.process.ranks
+    assert got == want
+    assert not any(r.alive() for r in ranks) and not any(os.path.exists(r.dir) for r in ranks)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: tensor_parallel_size = 3 does not divide"):
+        LLM("tiny-moe", device="cpu", max_model_len=256, tensor_parallel_size=3)
