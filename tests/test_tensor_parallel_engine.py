@@ -1,6 +1,6 @@
 """Tensor parallelism through the engine: EngineCore over a group of worker processes (one per gloo rank, on the
 CPU's static graph backend) gives the greedy tokens of one in-process worker, with and without speculative
-decoding, on presets and on the default model; ``LLM(tensor_parallel_size=2)`` too, and ``close`` leaves no rank
+decoding, on presets (the default model: tests/test_tensor_parallel_default_model.py); ``LLM(tensor_parallel_size=2)`` too, and ``close`` leaves no rank
 behind. (A killed rank under a running server: tests/test_tensor_parallel_serve.py.)"""
 
 import os
@@ -45,30 +45,6 @@ def test_two_ranks_give_one_workers_greedy_tokens(model, spec):
     finally:
         worker.close()
     assert got == want
-
-
-def test_the_default_model_split_three_ways_gives_its_greedy_tokens():
-    """SmolLM2-135M (9 heads, 3 KV heads: 3 is the smallest size that splits it; 2 is refused) on three gloo ranks,
-    its Q4_1 projections kept 4-bit in bfloat16, with its shipped EAGLE-3 head replicated on every rank: the greedy
-    tokens of one worker."""
-    from models.default_model import default_model_path
-    from models.text import load_tokenizer
-
-    model = default_model_path()
-    tok = load_tokenizer(model)
-    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
-    spec = {"method": "eagle3", "num_speculative_tokens": 2}
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    one, _ = _engine(model, spec, max_num_seqs=4)
-    want = one.generate(prompts, params)
-    three, worker = _engine(model, spec, tp=3, max_num_seqs=4)
-    try:
-        got = three.generate(prompts, params)
-        accepted = three.stats.num_accepted_tokens
-    finally:
-        worker.close()
-    assert got == want
-    assert accepted > 0  # (the head drafts on every rank alike)
 
 
 def test_the_offline_api_splits_the_model_and_stops_its_ranks():
