@@ -45,6 +45,32 @@ def resolve_device(device: str | None, name: str = "--device") -> str:
     return device
 
 
+def check_tensor_parallel_size(size: int, model_cfg, device: str, name: str = "--tensor-parallel-size",
+                               cfg=None) -> None:
+    """ConfigError naming ``name`` unless ``size`` ranks can serve: at least 1, no more than the visible GPUs on
+    CUDA, splitting the model (``models.parallel.check_tensor_parallel``: heads, intermediate sizes, KV heads), and
+    with a configuration whose graphs every rank captures alike (no delayed capture, no fitted grids)."""
+    import torch
+
+    from models.parallel import TensorParallelError, check_tensor_parallel
+
+    if size < 1:
+        raise ConfigError(f"{name} must be >= 1, got {size}")
+    if size == 1:
+        return
+    if device.startswith("cuda") and size > torch.cuda.device_count():
+        raise ConfigError(f"{name} {size}: only {torch.cuda.device_count()} GPU(s) visible (CUDA_VISIBLE_DEVICES); "
+                          f"one GPU per rank")
+    try:
+        check_tensor_parallel(model_cfg, size)
+    except TensorParallelError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if cfg is not None and (cfg.delayed_capture or cfg.fit_sizes):
+        what = "delayed_cudagraph_capture" if cfg.delayed_capture else "fit_cudagraph_capture_sizes"
+        raise ConfigError(f"{name} {size}: {what} is not supported with tensor parallelism (every rank captures the "
+                          f"same graphs in the same order, at start-up)")
+
+
 def platform_for_compute_capability(capability: str) -> Platform:
     """'9.0' (Hopper) and '10.0' (Blackwell) get the sm100 defaults; anything else (or nothing) the default."""
     return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dispatcher.configure import detect_platform, generation_defaults, resolve_device
+from dispatcher.configure import check_tensor_parallel_size, detect_platform, generation_defaults, resolve_device
 from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
@@ -47,7 +47,9 @@ class LLM:
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
                  platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
                  enable_prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+        """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
+        (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
         if model is None:
             from models.default_model import default_model_path
 
@@ -82,15 +84,38 @@ class LLM:
         eos = list(model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
-        self.engine = EngineCore(self.config, EngineArgs(
+        args = EngineArgs(
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
             eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching,
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype),
-            capture=not enforce_eager)
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        self._worker = None
+        if tensor_parallel_size != 1:
+            from dispatcher.engine.ipc import tensor_parallel_worker
+
+            check_tensor_parallel_size(tensor_parallel_size, model_cfg, device, "tensor_parallel_size", self.config)
+            self._worker = tensor_parallel_worker(self.config, args, compilation_config, speculative_config,
+                                                  tensor_parallel_size, self.tokenizer is not None)
+        try:
+            self.engine = EngineCore(self.config, args, capture=not enforce_eager, worker=self._worker)
+        except BaseException:
+            self.close()
+            raise
         self.processor = OutputProcessor(self.tokenizer, self.engine.finish_request)
         self.default_params = generation_defaults(model)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks' processes (nothing to do for one in-process worker)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

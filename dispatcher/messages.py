@@ -23,6 +23,9 @@ SAMPLING_LIMITS = (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_ID
 """What a ``SamplingSpec``'s lists hold at most (the engine refuses longer ones, ``SamplingParams.validate``): the
 widths of the worker's per-slot tables."""
 
+TP_RANK_ENV, TP_INIT_ENV = "TWOGRID_TP_RANK", "TWOGRID_TP_INIT_METHOD"
+"""A tensor-parallel worker's rank, and the group's torch.distributed rendezvous (``init_method``: ``file://`` in the
+engine's private ipc directory on one host, ``tcp://LEADER:PORT`` across hosts)."""
 TO_WORKER, TO_ENGINE = "to_worker", "to_engine"
 """The two sockets' names in the engine's ipc directory: steps go to the worker on one, results come back on the
 other."""
@@ -249,6 +252,10 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     structured_outputs: bool = False
     """The engine serves text (it has a tokenizer), so steps may carry grammar bitmasks: load xgrammar's kernels at
     start rather than at the first constrained step."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split across (``--tensor-parallel-size``): one worker process each, every one getting this
+    same init and every step; its rank and the group's rendezvous come from its environment (TP_RANK_ENV,
+    TP_INIT_ENV). Rank 0 answers the steps."""
 
 
 def resolve_init(init: WorkerInit, grid_cost: dict | None = None) -> ResolvedConfig:
@@ -287,6 +294,11 @@ class WorkerReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
     grid_cost: dict | None = None
     """``fit_cudagraph_capture_sizes``: the measured step cost the grids were fitted to (``gridfit.StepCost``'s
     JSON), from which the engine resolves the same plan."""
+    plan_hash: str = ""
+    """The capture plan's hash (``models.parallel.check_same_plan``): the ranks of a tensor-parallel group must all
+    report the same one."""
+    rank: int = 0
+    """The tensor-parallel rank that answered."""
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):

@@ -12,6 +12,7 @@ import torch
 
 from models.config import ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
+from models.parallel import param_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
 
 
@@ -104,7 +105,7 @@ def param_target(model: CausalLM, name: str) -> torch.Tensor:
         base, index = name[:-1].split("[")
         return model.get_parameter(base)[int(index)]
     if name in VOCAB_PARAMS:
-        return model.get_parameter(name)[:model.cfg.vocab_size]
+        return model.get_parameter(name)[:model.vocab_rows_here()]
     from models.int4 import Int4Linear
 
     if isinstance(model.get_submodule(name.rpartition(".")[0]), Int4Linear):
@@ -157,6 +158,22 @@ class Fp8Source:
     def get(self, name: str) -> torch.Tensor:
         t, scale = self.get_fp8(name)
         return t if scale is None else dequantize(t, scale, self.scheme.block)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole tensor's shape (read from the header where the source can, else from the tensor)."""
+        shape = getattr(self.source, "shape", None)
+        return shape(name) if shape is not None else tuple(self.source.get(name).shape)
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` along ``dim`` of a tensor in a float dtype, read alone where the source can (a
+        tensor-parallel rank's shard: ``models.parallel``); FP8 tensors are not split."""
+        read = getattr(self.source, "get_slice", None)
+        t = read(name, dim, start, stop) if read is not None else self.source.get(name).narrow(dim, start,
+                                                                                              stop - start)
+        if t.dtype.is_floating_point and t.itemsize == 1:
+            raise CheckpointError(f"{self.where}: tensor {name!r} is {t.dtype}: FP8 checkpoints are not split across "
+                                  f"tensor-parallel ranks yet (serve them with tensor_parallel_size 1)")
+        return t
 
 
 def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) -> str:
@@ -211,14 +228,37 @@ def fold_residual_scale(model: CausalLM) -> None:
             mlp.w2.mul_(scale)
 
 
+def _check_shapes(source, ours: str, theirs: list[str], shapes: list[tuple], target: torch.Tensor) -> None:
+    """CheckpointError unless the parts' shapes concatenated along dim 0 are ``target``'s."""
+    if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
+            s[0] for s in shapes) != target.shape[0]:
+        names = " + ".join(source.describe(k) for k in theirs)
+        got = " + ".join(str(s) for s in shapes)
+        raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} for {ours}")
+
+
+def _read_pieces(source: "Fp8Source", key: str, pieces) -> torch.Tensor:
+    parts = [source.get_slice(key, dim, start, stop) for dim, start, stop in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
+
+
+def _meta_model(model: CausalLM) -> CausalLM:
+    """The whole (unsplit) model on the meta device: the shapes a tensor-parallel rank's checkpoint holds."""
+    with torch.device("meta"):
+        return CausalLM(model.full_cfg)
+
+
 def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Scheme | None = None) -> CausalLM:
     """Set every parameter of ``model`` from ``source``, checking each shape; a parameter left unset is an error.
     ``scheme``: the checkpoint's FP8 scheme, or ``--quantization fp8`` (``models.fp8``): FP8 tensors are
     dequantized into parameters in the serving dtype, or kept in ``Fp8Linear`` projections; with online
-    quantization and no ``Fp8Linear`` (no FP8 GEMMs) the projections get their FP8 rounding."""
-    cfg = model.cfg
+    quantization and no ``Fp8Linear`` (no FP8 GEMMs) the projections get their FP8 rounding. A tensor-parallel
+    rank's model (``model.tp``) reads its slices of each tensor only (``models.parallel.param_pieces``), after
+    checking the whole tensor's shape."""
+    cfg = model.full_cfg
     done: set[str] = set()
     source = Fp8Source(source, scheme)
+    whole = _meta_model(model) if model.tp is not None else model
     with torch.no_grad():
         for ours, theirs, dim in hf_names(cfg, kind):
             target = param_target(model, ours)
@@ -226,14 +266,14 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
                 done.add(_fill_fp8(model, ours, theirs, source))
                 done.add(ours)
                 continue
-            parts = [source.get(key) for key in theirs]
-            shapes = [tuple(p.shape) for p in parts]
-            if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
-                    s[0] for s in shapes) != target.shape[0]:
-                names = " + ".join(source.describe(k) for k in theirs)
-                got = " + ".join(str(s) for s in shapes)
-                raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} "
-                                      f"for {ours}")
+            pieces = param_pieces(ours, len(theirs), cfg, model.tp) if model.tp is not None else None
+            if pieces is None:
+                parts = [source.get(key) for key in theirs]
+                _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], param_target(whole, ours))
+            else:  # a tensor-parallel rank: the whole tensors' shapes checked, then only its slices read
+                _check_shapes(source, ours, theirs, [source.shape(key) for key in theirs], param_target(whole, ours))
+                parts = [_read_pieces(source, key, p) for key, p in zip(theirs, pieces)]
+                _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], target)
             start = 0
             for part in parts:  # straight into the fused parameter's rows (no concatenated copy)
                 target.narrow(dim, start, part.shape[dim]).copy_(part)

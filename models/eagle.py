@@ -179,7 +179,8 @@ def build_draft_head(target: CausalLM, seed: int, method: str = "eagle") -> Eagl
     """A random head for a preset target: EAGLE-3's shape for eagle3 (the target's LM head), else EAGLE-1's with an
     input and a final norm (eagle, mtp and the block drafters)."""
     shape = HeadShape(aux_layers=default_aux_layers(target.cfg.num_layers)) if method == "eagle3" else HeadShape()
-    return _place(target, head_config(target.cfg), shape).init_random(seed).eval().requires_grad_(False)
+    whole = getattr(target, "full_cfg", target.cfg)  # (a tensor-parallel target's head is the whole one, replicated)
+    return _place(target, head_config(whole), shape).init_random(seed).eval().requires_grad_(False)
 
 
 def _place(target: CausalLM, cfg: ModelConfig, shape: HeadShape) -> EagleHead:

@@ -36,6 +36,7 @@ from models.fp8 import QuantizationError, checkpoint_scheme
 from models.int4 import INT4_TYPES, Int4Linear, ggml_int4_groups, int4_available
 from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
 from models.layers import RotaryEmbedding
+from models.parallel import TensorParallel, param_pieces
 from models.transformer import CausalLM, build_model
 
 log = logging.getLogger(__name__)
@@ -460,7 +461,7 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
     """Replace each projection whose GGUF tensors are all Q4_0 / Q4_1 by an ``Int4Linear`` read from the file's
     blocks (Llama-family Q and K rows unpermuted like the dequantized ones); its dequantized copy is dropped.
     Returns how many were replaced."""
-    cfg, dtype, count = model.cfg, model.embed_tokens.weight.dtype, 0
+    cfg, dtype, count = model.full_cfg, model.embed_tokens.weight.dtype, 0
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     for i, layer in enumerate(model.layers):
         for attr, sources in _INT4_PROJECTIONS:
@@ -477,14 +478,41 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
             if kind in ("llama", "mixtral"):
                 groups = [tuple(unpermute_qk(a, heads[t]) for a in g) if t in heads else g
                           for t, g in zip(sources, groups)]
+            if model.tp is not None:  # a tensor-parallel rank's rows or whole groups of columns
+                groups = _int4_shard(groups, param_pieces(f"layers.{i}.{attr}.weight", len(sources), cfg, model.tp))
+                if groups is None:
+                    log.info("layer %d %s: its shard splits a 4-bit group: kept dequantized", i, attr)
+                    continue
             codes, scale, zero = (torch.cat(parts) for parts in zip(*groups))
             setattr(owner, leaf, Int4Linear(codes, scale, zero, dense.bias, dtype))
             count += 1
     return count
 
 
+def _int4_shard(groups: list[tuple[torch.Tensor, ...]], pieces) -> list[tuple[torch.Tensor, ...]] | None:
+    """Each part's (codes, scale, zero) cut to its pieces (``models.parallel.param_pieces``): rows as they are,
+    columns in whole groups of GROUP_SIZE (None where a piece would split a group)."""
+    from models.int4 import GROUP_SIZE
+
+    out = []
+    for group, part_pieces in zip(groups, pieces):
+        cut = []
+        for dim, start, stop in part_pieces:
+            if dim == 0:
+                cut.append(tuple(a[start:stop] for a in group))
+            elif start % GROUP_SIZE or stop % GROUP_SIZE:
+                return None
+            else:
+                codes, scale, zero = group
+                g0, g1 = start // GROUP_SIZE, stop // GROUP_SIZE
+                cut.append((codes[:, start:stop], scale[:, g0:g1], zero[:, g0:g1]))
+        out.append(tuple(torch.cat(a, dim=part_pieces[0][0]) for a in zip(*cut)))
+    return out
+
+
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-              quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+              quantization: str | None = None, max_model_len: int | None = None,
+              tp: TensorParallel | None = None) -> CausalLM:
     """A GGUF file as a CausalLM, every tensor dequantized to ``dtype`` (default: ``models.checkpoint.serving_dtype``);
     on the CPU in bfloat16, Q4_0 and Q4_1 projections stay 4-bit instead (``keep_int4``, ``models.int4``).
     ``quantization`` "fp8": the dequantized projections requantized to FP8 (``models.fp8``)."""
@@ -495,8 +523,8 @@ def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
         scheme = checkpoint_scheme({}, path, quantization)
     except QuantizationError as exc:
         raise CheckpointError(str(exc)) from None
-    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len), kind,
-                       GGUFSource(f, kind, cfg, dtype), scheme)
+    model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len, tp=tp),
+                       kind, GGUFSource(f, kind, cfg, dtype), scheme)
     if scheme is None and int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
         if kept:

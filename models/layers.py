@@ -11,6 +11,7 @@ from torch import nn
 from models import fused_moe
 from models.config import RopeScaling
 from models.fp8 import Fp8Linear, Fp8Scheme
+from models.parallel import TensorParallel
 from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
                           silu_mul)
 
@@ -132,14 +133,18 @@ def linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | Non
 class DenseMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with ``act`` gelu_tanh), gate and up in one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, fp8: Fp8Scheme | None = None, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8: Fp8Scheme | None = None, act: str = "silu",
+                 tp: TensorParallel | None = None):
+        """``tp``: a tensor-parallel rank's share of the intermediate columns; its partial output is all-reduced."""
         super().__init__()
         self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, False, fp8)
         self.down_proj = linear(intermediate_size, hidden_size, False, fp8)
         self.act = act
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.act))  # (.forward: no hooks)
+        out = self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.act))  # (.forward: no hooks)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         """norm(self(x) + residual) -> (normed, self(x) + residual): the layer's output into the next norm."""
@@ -169,8 +174,12 @@ class MoE(nn.Module):
     combining is deterministic (no atomics), so replayed and eager outputs of one shape match bit for bit."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0, fp8: Fp8Scheme | None = None):
+                 norm_topk_prob: bool = True, shared_intermediate_size: int = 0, fp8: Fp8Scheme | None = None,
+                 tp: TensorParallel | None = None):
+        """``tp``: a tensor-parallel rank's share of every expert's intermediate size (and the shared expert's); the
+        partial output (routed and shared summed) is all-reduced once."""
         super().__init__()
+        self.tp = tp
         self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -192,11 +201,11 @@ class MoE(nn.Module):
         out = moe_combine(*self.routed(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         """norm(self(x) + residual) -> (normed, self(x) + residual); without a shared expert, the combine, the add
         and the norm are one kernel on the GPU."""
-        if self.shared_expert is not None:
+        if self.shared_expert is not None or self.tp is not None:  # (tensor parallel: the sum before the norm)
             return norm(self(x), residual)
         return moe_combine_add_norm(*self.routed(x), residual, norm.weight, norm.eps)

@@ -21,6 +21,7 @@ from models.checkpoint import CheckpointError, fill_model, hf_names, param_targe
 from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
 from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
+from models.parallel import TensorParallel
 from models.transformer import CausalLM, build_model
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "granite", "granitemoe",
@@ -238,7 +239,7 @@ class SafetensorsDir:
         self._handles = {}
         self._open = lambda f: safe_open(os.path.join(path, f), framework="pt")
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         f = self.file_of.get(name)
         if f is None:
             raise CheckpointError(f"{self.where}: tensor {name!r} is missing")
@@ -247,8 +248,18 @@ class SafetensorsDir:
                 self._handles[f] = self._open(f)
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{os.path.join(self.where, f)}: unreadable safetensors file ({exc})") from None
-        t = self._handles[f].get_tensor(name)
+        return self._handles[f]
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
         return t.float() + self.norm_shift if self.norm_shift and name.endswith("norm.weight") else t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``start:stop`` along ``dim`` of a tensor, read alone (a tensor-parallel rank's shard; never a norm)."""
+        return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
     def describe(self, name: str) -> str:
         return name
@@ -284,7 +295,8 @@ def generation_config(path: str) -> dict:
 
 
 def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+                    quantization: str | None = None, max_model_len: int | None = None,
+                    tp: TensorParallel | None = None) -> CausalLM:
     """A Hugging Face checkpoint directory as a CausalLM (float32 on the CPU, bfloat16 on CUDA by default). FP8
     checkpoints and ``quantization`` ("fp8": quantize at load) as ``models.fp8`` describes; ``max_model_len``: the
     longest sequence served (LongRoPE's factors). Gemma's norms, stored as w for (1 + w), load as 1 + w; an FP8 KV
@@ -294,8 +306,8 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
     source = SafetensorsDir(path, norm_shift=1.0 if hf["model_type"] in GEMMA_TYPES else 0.0)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     try:
-        model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len),
-                           hf["model_type"], source, scheme)
+        model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len,
+                                       tp=tp), hf["model_type"], source, scheme)
         for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
             names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv"]
             if all(n in source.file_of for n in names):
@@ -389,14 +401,16 @@ def default_dtype(model: "ModelConfig | str", device: str | torch.device) -> tor
 
 
 def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-               quantization: str | None = None, max_model_len: int | None = None) -> CausalLM:
+               quantization: str | None = None, max_model_len: int | None = None,
+               tp: TensorParallel | None = None) -> CausalLM:
     """A checkpoint directory, a .gguf file, or a preset name (random weights from ``seed``). ``quantization``
     ("fp8", vLLM's ``--quantization``): the projections quantized to FP8 at load (``models.fp8``);
-    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors)."""
+    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors); ``tp``: a tensor-parallel
+    rank's shard (``models.parallel``), read alone from a checkpoint."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return load_checkpoint(name_or_path, device, dtype, quantization, max_model_len)
+        return load_checkpoint(name_or_path, device, dtype, quantization, max_model_len, tp)
     if kind == "gguf":
-        return load_gguf(name_or_path, device, dtype, quantization, max_model_len)
+        return load_gguf(name_or_path, device, dtype, quantization, max_model_len, tp)
     scheme = quantization_scheme({}, "--quantization", quantization)
-    return build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len)
+    return build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len, tp)

@@ -24,23 +24,24 @@ from models.config import ModelConfig
 from models.fused import argmax_prob, rms_norm_torch, rotary_write_kv_, use_triton
 from models.fp8 import FP8, Fp8Scheme, fake_quantize_, fp8_gemm_available
 from models.layers import DenseMLP, MoE, RMSNorm, RotaryEmbedding, RotaryRows, linear
+from models.parallel import (VOCAB_ALIGN, TensorParallel, VocabParallelEmbedding, padded_vocab, shard_config,
+                             shard_model, vocab_rows)
 
-VOCAB_ALIGN = 64
-"""LM head rows are padded to a multiple of this (vLLM pads the same way)."""
+__all__ = ["VOCAB_ALIGN", "padded_vocab"]  # (re-exported: where the vocabulary padding was defined first)
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
-"""Parameters stored with padded vocabulary rows (``padded_vocab``); the first vocab_size rows are the model's."""
-
-
-def padded_vocab(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
+"""Parameters stored with padded vocabulary rows (``padded_vocab``); the first vocab_size rows are the model's
+(under tensor parallelism each rank's slice of them: ``models.parallel.vocab_rows``)."""
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None, index: int = 0):
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None, index: int = 0,
+                 tp: TensorParallel | None = None):
         """``fp8``: the projections held in FP8 (``models.fp8.Fp8Linear``), scaled as the scheme says; ``index``:
-        the layer's place (whether it is a sliding-window layer)."""
+        the layer's place (whether it is a sliding-window layer); ``tp``: a tensor-parallel rank's layer (``cfg`` is
+        its shard's shape): the output projection's and the MLP's partial outputs are all-reduced."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         sliding = index in cfg.sliding_layers
         self.attn = LayerAttention(window=cfg.sliding_window if sliding else 0, softcap=cfg.attn_logit_softcap)
         """The layer's attention options; the loader sets an FP8 cache's k_scale and v_scale (default 1)."""
@@ -59,9 +60,9 @@ class DecoderLayer(nn.Module):
         """Gemma's post_feedforward_layernorm."""
         if cfg.is_moe:
             self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size,
-                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, fp8)
+                           cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, fp8, tp)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, cfg.hidden_act)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, cfg.hidden_act, tp)
 
     def pre_attention(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,8 @@ class DecoderLayer(nn.Module):
         """Output projection, norm, MLP or MoE, the residual add and ``next_norm`` (the next layer's input norm,
         or the model's final norm) -> (the next input, normed; the residual)."""
         hidden = self.o_proj.forward(attn_out.reshape(attn_out.shape[0], -1))
+        if self.tp is not None:
+            hidden = self.tp.all_reduce(hidden)
         if self.attn_output_norm is not None:  # Gemma: norms on both sides of attention and of the MLP
             hidden, residual = self.post_attention_layernorm.forward(self.attn_output_norm.forward(hidden), residual)
             return next_norm.forward(self.mlp_output_norm.forward(self.mlp.forward(hidden)), residual)
@@ -109,17 +112,27 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None):
+    tp: TensorParallel | None = None
+    """This rank's place in its tensor-parallel group (None: the whole model here)."""
+
+    def __init__(self, cfg: ModelConfig, fp8: Fp8Scheme | None = None, tp: TensorParallel | None = None):
+        """``tp``: one tensor-parallel rank's shard of the model (``models.parallel``); ``cfg`` is the whole model's
+        shape (``full_cfg``), ``self.cfg`` the shard's."""
         super().__init__()
         cfg.validate()
+        self.full_cfg = cfg
+        """The whole model's shape (``cfg`` but under tensor parallelism)."""
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        cfg = shard_config(cfg, tp.size) if self.tp is not None else cfg
         self.cfg = cfg
         self.fp8 = fp8
         """The scheme of the projections held in FP8 (None: every weight in the serving dtype)."""
-        vocab_rows = padded_vocab(cfg.vocab_size)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, fp8, i) for i in range(cfg.num_layers))
+        _, rows, _ = vocab_rows(cfg.vocab_size, self.tp)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size) if self.tp is None else \
+            VocabParallelEmbedding(rows, cfg.hidden_size, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fp8, i, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
         self.rotary = make_rotary(cfg)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
 
@@ -196,9 +209,13 @@ class CausalLM(nn.Module):
         math on), float32 on the CPU with its most likely tokens exact (``_exact_top``): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
         apart), so no padded column is ever sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = (hidden @ weight.t())[:, :self.cfg.vocab_size]
+        logits = hidden @ weight.t()
+        if self.tp is None:
+            logits = logits[:, :self.cfg.vocab_size]
         if weight.device.type == "cpu" and weight.dtype != torch.float32 and len(logits):
             logits = _exact_top(logits, hidden, weight)
+        if self.tp is not None:  # every rank's vocabulary rows, then the padding columns sliced off
+            logits = self.tp.all_gather_columns(logits)[:, :self.cfg.vocab_size]
         c = self.cfg
         if c.logit_scale != 1.0:  # Granite's logits_scaling
             logits = logits * c.logit_scale
@@ -228,11 +245,16 @@ class CausalLM(nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             elif name in VOCAB_PARAMS:  # the vocabulary's rows as unpadded (the same draws); padding rows zero
-                p[:self.cfg.vocab_size].normal_(0.0, std, generator=gen)
-                p[self.cfg.vocab_size:].zero_()
+                real = self.vocab_rows_here()
+                p[:real].normal_(0.0, std, generator=gen)
+                p[real:].zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
         return self
+
+    def vocab_rows_here(self) -> int:
+        """Rows of the real vocabulary in this model's embedding and LM head (the first rows; the rest padding)."""
+        return vocab_rows(self.cfg.vocab_size, self.tp)[2]
 
     def projections(self) -> list[tuple[str, nn.Module]]:
         """The projections that ``--quantization fp8`` holds in FP8 (attention and dense MLPs, a MoE's shared
@@ -258,16 +280,26 @@ def make_rotary(cfg: ModelConfig, context_len: int | None = None) -> RotaryEmbed
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int | None = 0,
-                fp8: Fp8Scheme | None = None, max_model_len: int | None = None) -> CausalLM:
+                fp8: Fp8Scheme | None = None, max_model_len: int | None = None,
+                tp: TensorParallel | None = None) -> CausalLM:
     """The model with random weights from ``seed``; ``seed=None`` leaves them uninitialized (a loader sets every
     one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32.
     ``fp8``: a checkpoint's FP8 scheme (or ``--quantization fp8``): where the device has FP8 GEMMs
     (``models.fp8.fp8_gemm_available``) the projections are built as ``Fp8Linear``; elsewhere they stay in
     ``dtype`` and the loader dequantizes into them. Random weights are quantized per channel after their draw.
-    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors; default the model's positions)."""
+    ``max_model_len``: the longest sequence served (LongRoPE's choice of factors; default the model's positions).
+    ``tp``: a tensor-parallel rank's shard; random weights are the whole model's (drawn whole, then cut), so that
+    every size serves the same model."""
     kept = fp8 if fp8 is not None and fp8_gemm_available(device) else None
+    if tp is not None and tp.size > 1:
+        if fp8 is not None:
+            raise ValueError("FP8 weights (--quantization fp8 or an FP8 checkpoint) are not split across "
+                             "tensor-parallel ranks yet: serve them with tensor_parallel_size 1")
+        if seed is not None:
+            return shard_model(build_model(cfg, device, dtype, seed, None, max_model_len),
+                               build_model(cfg, device, dtype, None, None, max_model_len, tp), tp)
     with torch.device(device), _no_default_init():
-        model = CausalLM(cfg, kept).to(dtype)
+        model = CausalLM(cfg, kept, tp).to(dtype)
         model.rotary = make_rotary(cfg, max_model_len)
     if seed is not None:
         model.init_random(seed)
@@ -278,7 +310,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
         with torch.no_grad():
             for name in VOCAB_PARAMS:
                 if name != "lm_head.weight" or model.lm_head is not None:
-                    model.get_parameter(name)[cfg.vocab_size:].zero_()
+                    model.get_parameter(name)[model.vocab_rows_here():].zero_()
     return model.eval().requires_grad_(False)
 
 

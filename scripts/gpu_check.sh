@@ -13,7 +13,10 @@
 #  profile_engine: where a decode step's GPU time goes through EngineCore (attention, logits, graphs);
 #  profile: where one step's time goes, a diagnostic;
 #  quant (only when named, not in "all"): bf16 vs --quantization fp8 vs --kv-cache-dtype fp8 on bench-dense and
-#  bench-moe through twogrid serve + twogrid bench, QUANT_ARGS passed on (docs/bench/quant_h200.json))
+#  bench-moe through twogrid serve + twogrid bench, QUANT_ARGS passed on (docs/bench/quant_h200.json);
+#  tp (only when named, needs the nvidia-h200-x2 kind): the two-GPU tensor-parallel tests, then TP=1 vs TP=2 on
+#  bench-dense and bench-moe-large through twogrid serve + twogrid bench, TP_ARGS passed on
+#  (docs/bench/tp_h200x2.json); NCCL_NVLS_ENABLE=0 (NVLink multicast off))
 # The ShareGPT prompts travel in .gpu_data/sharegpt.json (an ignored folder named in the call's carry).
 # The device machine's copy of .git can be older than the tree sent: pass the commit, e.g.
 #   export OUT TWOGRID_COMMIT=<git rev-parse --short HEAD here>; bash scripts/gpu_check.sh
@@ -60,6 +63,14 @@ fi
 if [[ "$what" == *" quant "* ]]; then
   python3 benchmarks/bench_quant_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
     --out "$OUT/quant_h200.json" --log-dir "$OUT" ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if [[ "$what" == *" tp "* ]]; then
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  python3 -m pytest -m gpu -p no:cacheprovider tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+  python3 benchmarks/bench_tp_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
+    --out "$OUT/tp_h200x2.json" --log-dir "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if want replay; then

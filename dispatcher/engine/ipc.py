@@ -24,8 +24,8 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import PARENT_PID_ENV
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, CaptureProgress, Shutdown, Step, StepResult, WorkerError,
-                                 WorkerInit, WorkerReady, decode_to_engine, encode)
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, CaptureProgress, Shutdown, Step,
+                                 StepResult, WorkerError, WorkerInit, WorkerReady, decode_to_engine, encode)
 from models.config import ModelConfig
 
 log = logging.getLogger("twogrid.engine")
@@ -181,6 +181,171 @@ class WorkerProcess(ChildProcess):
         step and exits."""
         await self.aclose_with(encode(Shutdown()), timeout_s)
 
+    def kill(self) -> None:
+        """SIGKILL the worker's process group at once (its engine is going away)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def worker_processes(init: WorkerInit, asyncio: bool = False, env: dict | None = None,
+                     parent_dir: str | None = None) -> "WorkerProcess | WorkerGroup":
+    """The worker of ``init``: one process, or a tensor-parallel group of ``init.tensor_parallel_size``."""
+    if init.tensor_parallel_size > 1:
+        return WorkerGroup(init, asyncio, env, parent_dir)
+    return WorkerProcess(init, asyncio, env, parent_dir)
+
+
+class _FanOut:
+    """One send to every rank's PUSH socket (awaitable when they are)."""
+
+    def __init__(self, sockets: list):
+        self.sockets = sockets
+
+    def send(self, frame: bytes, flags: int = 0):
+        sent = [s.send(frame, flags) for s in self.sockets]
+        return asyncio.gather(*sent) if sent and asyncio.isfuture(sent[0]) else None
+
+
+class WorkerGroup:
+    """A tensor-parallel worker: one ``WorkerProcess`` per rank, behind WorkerProcess's interface. Every message goes
+    to every rank (one PUSH socket each: ZeroMQ's PUB would drop a frame for a rank that connects late or falls
+    behind its high-water mark, and a rank that missed a step would wait forever in the next collective); results
+    come from rank 0 only. The group is alive while every rank is; the first rank to exit ends it (the others are
+    then killed: they would wait in a collective for the one gone). The ranks' torch.distributed rendezvous is a
+    file in the group's private directory."""
+
+    def __init__(self, init: WorkerInit, asyncio: bool = False, env: dict | None = None,
+                 parent_dir: str | None = None):
+        self.dir = tempfile.mkdtemp(prefix="twogrid-tp-", dir=parent_dir)
+        os.chmod(self.dir, 0o700)
+        method = f"file://{os.path.join(self.dir, 'rendezvous')}"
+        self.ranks: list[WorkerProcess] = []
+        try:
+            for rank in range(init.tensor_parallel_size):
+                rank_env = {**(env or {}), TP_RANK_ENV: str(rank), TP_INIT_ENV: method}
+                self.ranks.append(WorkerProcess(init, asyncio, rank_env, parent_dir=self.dir))
+        except BaseException:
+            self.kill()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        self.init = init
+        self.to_worker = _FanOut([r.to_worker for r in self.ranks])
+        self.to_engine = self.ranks[0].to_engine
+        self.ready: WorkerReady | None = None
+        self._closed = False
+
+    @property
+    def stopping(self) -> bool:
+        return self.ranks[0].stopping
+
+    @property
+    def pid(self) -> int:
+        return self.ranks[0].pid
+
+    def alive(self) -> bool:
+        return all(r.alive() for r in self.ranks)
+
+    def exit_description(self) -> str:
+        gone = [f"rank {i} (pid {r.pid}) {r.exit_description()}" for i, r in enumerate(self.ranks) if not r.alive()]
+        return "; ".join(gone) if gone else "running"
+
+    async def wait_exit(self, poll_s: float = 0.5) -> None:
+        """Return as soon as any rank has exited."""
+        waits = [asyncio.ensure_future(r.wait_exit(poll_s)) for r in self.ranks]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def start(self, timeout_s: float = 3600.0) -> WorkerReady:
+        """Send the init to every rank and wait until each is ready (blocking; not for asyncio)."""
+        self.to_worker.send(encode(self.init))
+        deadline = time.monotonic() + timeout_s
+        readies: dict[int, WorkerReady] = {}
+        while len(readies) < len(self.ranks):
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"the tensor-parallel worker did not start within {timeout_s:.0f} s")
+            for i, r in enumerate(self.ranks):
+                if i in readies or not r.to_engine.poll(100):
+                    continue
+                msg = decode_to_engine(r.to_engine.recv())
+                if isinstance(msg, WorkerError):
+                    raise WorkerDied(f"the worker failed to start: {msg.message}")
+                if not isinstance(msg, WorkerReady):
+                    raise WorkerDied(f"rank {i} sent {type(msg).__name__} before it was ready")
+                readies[i] = msg
+            if not self.alive():
+                raise WorkerDied(f"the tensor-parallel worker: {self.exit_description()} while starting"
+                                 f"{self.first_error()}")
+        self.ready = check_ranks_ready([readies[i] for i in range(len(self.ranks))])
+        return self.ready
+
+    def first_error(self) -> str:
+        """A start-up error a rank sent before it exited (': message'), or '' (blocking sockets only)."""
+        for r in self.ranks:
+            while r.to_engine.poll(0):
+                msg = decode_to_engine(r.to_engine.recv())
+                if isinstance(msg, WorkerError):
+                    return f": {msg.message}"
+        return ""
+
+    def kill(self) -> None:
+        for r in self.ranks:
+            r.kill()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Shutdown to every rank; a group that lost a rank is killed at once (the others may be waiting in a
+        collective); then each rank's sockets and directory, and the group's, removed."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.alive():
+            self.kill()
+        for r in self.ranks:
+            r.stopping = True
+            try:
+                r.to_worker.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for r in self.ranks:
+            ChildProcess.close(r, None, max(0.0, deadline - time.monotonic()))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        for r in self.ranks:
+            r.stopping = True
+        if self.alive():
+            for r in self.ranks:
+                try:
+                    await r.to_worker.send(encode(Shutdown()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            try:
+                await asyncio.wait_for(asyncio.gather(*(r.wait_exit() for r in self.ranks)), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        self._closed = True
+        self.kill()
+        for r in self.ranks:
+            ChildProcess.close(r, None, 0.0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def check_ranks_ready(readies: list[WorkerReady]) -> WorkerReady:
+    """Rank 0's WorkerReady, once every rank reported the same plan and KV blocks (WorkerDied naming the ranks that
+    differ)."""
+    first = readies[0]
+    for rank, ready in enumerate(readies[1:], 1):
+        if (ready.plan_hash, ready.num_kv_blocks) != (first.plan_hash, first.num_kv_blocks):
+            raise WorkerDied(f"tensor parallel ranks disagree: rank 0 plan {first.plan_hash} with "
+                             f"{first.num_kv_blocks} KV blocks, rank {rank} plan {ready.plan_hash} with "
+                             f"{ready.num_kv_blocks}")
+    return first
+
 
 class WorkerInfo:
     """What EngineCore asks of its worker besides steps, from a worker process's WorkerReady."""
@@ -202,7 +367,7 @@ class RemoteWorker(WorkerInfo):
     """EngineCore's worker interface over a worker process (blocking sockets): ``submit`` sends a step, ``collect``
     waits for its result, checking every half second that the process is alive."""
 
-    def __init__(self, process: WorkerProcess):
+    def __init__(self, process: "WorkerProcess | WorkerGroup"):
         self.process = process
         super().__init__(process.ready or process.start())
         self.capture_progress = self.ready.capture_progress
@@ -232,3 +397,28 @@ class RemoteWorker(WorkerInfo):
 
     def close(self) -> None:
         self.process.close()
+
+
+def tensor_parallel_worker(cfg, args, compilation_config: dict | None, speculative_config: dict | None,
+                           tensor_parallel_size: int, structured_outputs: bool = False) -> RemoteWorker:
+    """EngineCore's worker for an in-process engine (``LLM``, tests) split over ``tensor_parallel_size`` ranks: a
+    started ``WorkerGroup`` with the configuration ``cfg`` was resolved from (``compilation_config`` and
+    ``speculative_config`` as given) and the EngineArgs ``args``."""
+    from dispatcher.engine.config import scheduler_config
+    from models.loader import default_dtype
+
+    sched = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+    dtype = args.dtype or default_dtype(args.model, args.device)
+    init = WorkerInit(args.model, args.device, str(dtype).removeprefix("torch."), cfg.platform.value,
+                      cfg.max_num_seqs, cfg.max_num_batched_tokens, dict(compilation_config or {}),
+                      dict(speculative_config or {}), args.block_size, args.max_model_len, sched.max_blocks_per_seq,
+                      args.num_kv_blocks, 0.9, args.seed, args.use_cuda_graphs, args.fixed_acceptance,
+                      fuse_decode_steps=args.fuse_decode_steps, quantization=args.quantization,
+                      kv_cache_dtype=args.kv_cache_dtype, structured_outputs=structured_outputs,
+                      tensor_parallel_size=tensor_parallel_size)
+    group = WorkerGroup(init)
+    try:
+        return RemoteWorker(group)
+    except BaseException:
+        group.close()
+        raise

@@ -21,7 +21,6 @@ import importlib
 import logging
 import os
 import shutil
-import signal
 import sys
 from collections import deque
 from typing import TYPE_CHECKING
@@ -30,7 +29,8 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
-from dispatcher.engine.ipc import WorkerDied, WorkerInfo, WorkerProcess
+from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
+                                  worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
@@ -334,8 +334,13 @@ def _import_xgrammar() -> bool:
         return False
 
 
-async def _await_ready(process: WorkerProcess) -> WorkerReady:
-    """The worker's WorkerReady (its init sent already)."""
+async def _await_ready(process: "WorkerProcess | WorkerGroup", group: "WorkerGroup | None" = None) -> WorkerReady:
+    """The worker's WorkerReady (its init sent already); a tensor-parallel group's once every rank is ready, with
+    the same plan (rank 0's)."""
+    if isinstance(process, WorkerGroup):
+        readies = [await _await_ready(rank, process) for rank in process.ranks]
+        process.ready = check_ranks_ready(readies)
+        return process.ready
     while True:
         if await process.to_engine.poll(LIVENESS_S * 1000):
             msg = _decode(await process.to_engine.recv())
@@ -344,8 +349,19 @@ async def _await_ready(process: WorkerProcess) -> WorkerReady:
                 return msg
             if isinstance(msg, WorkerError):
                 raise WorkerDied(f"the worker failed to start: {msg.message}")
-        if not process.alive():
-            raise WorkerDied(f"the worker process {process.exit_description()} while starting")
+        if not (group or process).alive():
+            raise WorkerDied(f"the worker process {(group or process).exit_description()} while starting"
+                             f"{await _rank_error(group)}")
+
+
+async def _rank_error(group: "WorkerGroup | None", first: int = 0) -> str:
+    """The error a tensor-parallel rank (from rank ``first`` on) sent before it exited (': message'), or ''."""
+    for rank in group.ranks[first:] if group is not None else []:
+        while await rank.to_engine.poll(0):
+            msg = _decode(await rank.to_engine.recv())
+            if isinstance(msg, WorkerError):
+                return f": {msg.message}"
+    return ""
 
 
 def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
@@ -366,7 +382,7 @@ async def serve(ipc_dir: str) -> int:
         outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
         outbox.connect(f"ipc://{ipc_dir}/{to_front}")
         outboxes.append(outbox)
-    process = WorkerProcess(init.worker, asyncio=True, parent_dir=ipc_dir)
+    process = worker_processes(init.worker, asyncio=True, parent_dir=ipc_dir)
     service = EngineService(init, process, inbox, outboxes)
     loop = asyncio.get_running_loop()
     watchers = [loop.create_task(_worker_exit(process)), loop.create_task(_front_end_exit(process, ipc_dir))]
@@ -417,7 +433,8 @@ async def _worker_exit(process: WorkerProcess) -> None:
     """Raise WorkerDied as soon as the worker exits unasked (at once through a pidfd), busy or idle."""
     await process.wait_exit()
     if not process.stopping:
-        raise WorkerDied(f"the worker process {process.exit_description()}")
+        why = await _rank_error(process, first=1) if isinstance(process, WorkerGroup) else ""
+        raise WorkerDied(f"the worker process {process.exit_description()}{why}")
     await asyncio.Event().wait()  # stopped on purpose: nothing to report
 
 
@@ -427,8 +444,7 @@ async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
     while not parent_gone():
         await asyncio.sleep(1.0)
     log.error("the front end is gone: stopping the worker and exiting")
-    if process.alive():
-        os.killpg(process.pid, signal.SIGKILL)
+    process.kill()
     shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(1)
 

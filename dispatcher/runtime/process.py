@@ -28,8 +28,8 @@ import torch
 import zmq
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled, seconds_since_start
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, GrammarBitmask, Shutdown, WorkerError, WorkerInit, WorkerReady,
-                                 decode_init, decode_to_worker, encode, resolve_init)
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, GrammarBitmask, Shutdown, WorkerError,
+                                 WorkerInit, WorkerReady, decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
                                           build_plan)
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
@@ -39,6 +39,7 @@ from dispatcher.runtime.graphs import GraphRuntime
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.loader import load_model, read_model_config
+from models.parallel import TensorParallel, check_same_plan, init_distributed
 
 log = logging.getLogger("twogrid.worker")
 
@@ -90,17 +91,48 @@ class _Phases:
         return {k: round(v, 3) for k, v in self.seconds.items()}
 
 
+def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel | None]:
+    """A tensor-parallel rank (``init.tensor_parallel_size`` > 1): its device (``cuda:RANK`` on CUDA; on the CPU its
+    share of the cores) and its group, joined through $TWOGRID_TP_INIT_METHOD as rank $TWOGRID_TP_RANK. Delayed
+    capture and fitted grids are refused: the ranks must capture the same graphs in the same order, and a gap's
+    budget or a measured grid would differ between them."""
+    device = torch.device(init.device)
+    size = init.tensor_parallel_size
+    if size == 1:
+        return device, None
+    rank, method = int(os.environ[TP_RANK_ENV]), os.environ[TP_INIT_ENV]
+    cfg = resolve_init(init)
+    if cfg.delayed_capture or cfg.fit_sizes:
+        raise ValueError(f"tensor_parallel_size = {size}: "
+                         f"{'delayed_cudagraph_capture' if cfg.delayed_capture else 'fit_cudagraph_capture_sizes'} "
+                         f"is not supported with tensor parallelism (every rank must capture the same graphs in the "
+                         f"same order)")
+    if device.type == "cuda":
+        if size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size = {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    tp = init_distributed(rank, size, method, device)
+    log.info("tensor parallel rank %d of %d on %s (%s)", rank, size, device, "nccl" if device.type == "cuda" else
+             "gloo")
+    return device, tp
+
+
 def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, WorkerReady]:
     """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs (or,
-    with delayed capture, leave them to the gaps between steps). ``capture_hook``: delayed capture's test hook."""
+    with delayed capture, leave them to the gaps between steps). ``capture_hook``: delayed capture's test hook.
+    A tensor-parallel rank loads its shard, checks that every rank resolved the same plan and takes the smallest
+    KV cache any rank fits, before capturing (in step with the others)."""
     phases = _Phases()
+    device, tp = join_tensor_parallel(init)
     cfg = resolve_init(init)
     dtype = getattr(torch, init.dtype)
-    device = torch.device(init.device)
     start = time.perf_counter()
-    model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len)
+    model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len, tp)
     phases.done("weights")
-    wcfg = WorkerConfig(init.model, init.device, dtype, init.num_kv_blocks or 256, init.block_size,
+    wcfg = WorkerConfig(init.model, str(device), dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
                         init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
                         init.quantization, init.kv_cache_dtype, init.structured_outputs)
@@ -110,8 +142,14 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
         cfg = resolve_init(init, grid_cost)
         phases.done("grid_fit")
     plan = build_plan(cfg)
+    plan_hash = check_same_plan(tp, plan.to_dict()) if tp is not None else ""
     if not init.num_kv_blocks:
-        wcfg = replace(wcfg, num_kv_blocks=_size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization))
+        blocks = _size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization)
+        if tp is not None:  # (the ranks' caches hold the same blocks: the smallest any rank fits)
+            fewest = torch.tensor([blocks], device=device)
+            torch.distributed.all_reduce(fewest, torch.distributed.ReduceOp.MIN, group=tp.group)
+            blocks = int(fewest.item())
+        wcfg = replace(wcfg, num_kv_blocks=blocks)
         phases.done("kv_sizing")
     worker = ModelWorker(wcfg, plan, model=model)
     phases.done("kv_allocation")
@@ -125,10 +163,10 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
     capture = [{"runner": k.runner, "kind": k.kind, "q": k.q, "graphs": k.graphs, "seconds": round(k.seconds, 3),
                 "measured_gib": round(k.measured_gib, 4),
                 "estimated_gib": None if k.estimated_gib is None else round(k.estimated_gib, 4)} for k in kinds]
-    ready = WorkerReady(model.cfg.to_dict(), wcfg.num_kv_blocks, capture,
+    ready = WorkerReady(worker.model_config.to_dict(), wcfg.num_kv_blocks, capture,
                         round(report.seconds, 2) if report is not None else 0.0, worker.device_name, av,
                         decode_costs, worker.runtime.cuda_graphs, round(time.perf_counter() - start, 2),
-                        phases.rounded(), progress, grid_cost)
+                        phases.rounded(), progress, grid_cost, plan_hash, tp.rank if tp is not None else 0)
     log.info("worker start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in phases.rounded().items() if v))
     return worker, ready
 
@@ -191,6 +229,8 @@ def graph_memory_estimate(probe: ModelWorker, plan) -> float:
         gib = sum(rt.estimate_memory() for rt in probe.runtimes)
         return {"gib": gib + (probe.fused.estimate_memory() if probe.fused is not None else 0.0)}
 
+    if probe.model.tp is not None:  # the ranks capture the samples in step (their all-reduces matched): a cache
+        return float(measure()["gib"])  # that one rank had and another not would leave one waiting for the other
     return float(cached_json("graph_memory", key, measure, "graph memory estimate")["gib"])
 
 
@@ -203,8 +243,8 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     method = plan.config.method
     if method == DRAFT_MODEL:  # the draft LM's own cache
         per_block += kv_bytes_per_block(read_model_config(plan.config.draft_model), wcfg.block_size, kv_dtype)
-    elif method in MODEL_DRAFTERS:  # a one-layer head with the target's KV heads
-        per_block += kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype, 1)
+    elif method in MODEL_DRAFTERS:  # a one-layer head with the target's KV heads (all of them: replicated)
+        per_block += kv_bytes_per_block(model.full_cfg, wcfg.block_size, kv_dtype, 1)
     if wcfg.device.startswith("cpu"):
         return max(1, min(wcfg.max_num_seqs * wcfg.max_blocks_per_seq, (4 << 30) // per_block))
     probe = ModelWorker(wcfg, plan, model=model)  # wcfg.num_kv_blocks is small here
@@ -259,19 +299,21 @@ def serve(ipc_dir: str) -> int:
     pull.connect(f"ipc://{ipc_dir}/{TO_WORKER}")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
+    rank = int(os.environ.get(TP_RANK_ENV) or 0)
     try:
         init = decode_init(_receive(pull, ipc_dir))
         worker, ready = build_worker(init, capture_delay_from_env())
         worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
-        push.send(encode(WorkerError(-1, f"{type(exc).__name__}: {exc}")))
+        push.send(encode(WorkerError(-1, f"{'' if not rank else f'rank {rank}: '}{type(exc).__name__}: {exc}")))
         log.error("worker start-up failed:\n%s", traceback.format_exc())
+        push.close(linger=2000)
         return 1
     push.send(encode(ready))
     freeze_startup_heap()
     results: queue.Queue = queue.Queue()
     steps = _InFlight()
-    sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps), daemon=True)
+    sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps, rank), daemon=True)
     sender.start()
     inbox = _Inbox(pull, ipc_dir, results, steps, lambda: _next_frame(worker, pull, push, ipc_dir, steps))
     worker.receive_grammar = inbox.grammar
@@ -291,6 +333,8 @@ def serve(ipc_dir: str) -> int:
             steps.put(results, worker.submit(message))
         except Exception as exc:
             log.error("step %d failed:\n%s", message.step_id, traceback.format_exc())
+            if rank:
+                _rank_failed(rank, ipc_dir)
             steps.put(results, WorkerError(message.step_id, f"{type(exc).__name__}: {exc}"))
 
 
@@ -376,10 +420,20 @@ def _receive(pull: zmq.Socket, ipc_dir: str) -> bytes:
     return pull.recv()
 
 
+def _rank_failed(rank: int, ipc_dir: str) -> None:
+    """A step failed on tensor-parallel rank ``rank`` > 0: its collectives can no longer be matched with the other
+    ranks', so it exits; the engine, seeing a rank gone, fails every request and stops the group."""
+    log.error("tensor parallel rank %d: a step failed, exiting (the group cannot go on without it)", rank)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(1)
+
+
 def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, ipc_dir: str,
-                  steps: _InFlight) -> None:
+                  steps: _InFlight, rank: int = 0) -> None:
     """In submission order: wait for each step's result and send it (errors as WorkerError). This thread's own
-    socket: ZeroMQ sockets are not shared between threads."""
+    socket: ZeroMQ sockets are not shared between threads. A tensor-parallel rank > 0 sends nothing (rank 0's
+    result is the step's: every rank samples the same tokens from the same gathered logits); it waits for each
+    step all the same, and a failed one ends it (``_rank_failed``)."""
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{ipc_dir}/{TO_ENGINE}")
     while True:
@@ -388,11 +442,17 @@ def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, i
             push.close(linger=1000)
             return
         if isinstance(item, WorkerError):
+            if item.step_id >= 0 and rank:
+                _rank_failed(rank, ipc_dir)
             push.send(encode(item))
         else:
             try:
-                push.send(encode(worker.collect(item)))
+                result = worker.collect(item)
+                if not rank:
+                    push.send(encode(result))
             except Exception as exc:
+                if rank:
+                    _rank_failed(rank, ipc_dir)
                 push.send(encode(WorkerError(item.step.step_id, f"{type(exc).__name__}: {exc}")))
         steps.sent += 1
 

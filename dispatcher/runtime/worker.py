@@ -387,7 +387,8 @@ class ModelWorker:
 
     @property
     def model_config(self) -> ModelConfig:
-        return self.model.cfg
+        """The whole model's shape (a tensor-parallel rank's ``model.cfg`` is its shard's)."""
+        return getattr(self.model, "full_cfg", self.model.cfg)
 
     @property
     def device_name(self) -> str:

@@ -66,6 +66,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8 (e4m3, per-layer scales from the checkpoint or 1.0): the same "
                         "memory holds twice the tokens (default: %(default)s)")
+    k.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model across N ranks (vLLM's flag): one worker process per rank, each with its "
+                        "shard of the weights and KV cache and its own graphs, on GPUs 0..N-1 (NCCL; gloo on the "
+                        "CPU); N must divide the attention heads and intermediate sizes (docs/scale-out.md; "
+                        "default: 1)")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
     k.add_argument("--delayed-cudagraph-capture", action="store_true",
                    help="serve as soon as the weights and the KV cache are on the device and capture the CUDA graphs "
@@ -159,7 +164,8 @@ def _setup(args: argparse.Namespace):
     tokenizer, the limits. ConfigError names the flag."""
     import torch
 
-    from dispatcher.configure import config_from_args, generation_defaults, render_plan, resolve_device
+    from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
+                                      resolve_device)
     from dispatcher.engine.config import max_model_len_limit, scheduler_config
     from dispatcher.engine.engine_core import EngineArgs
     from dispatcher.messages import WorkerInit
@@ -224,6 +230,7 @@ def _setup(args: argparse.Namespace):
     if not 1 <= max_model_len <= limit:
         raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
                           f"positions less {extra} for drafts and lookahead), got {max_model_len}")
+    check_tensor_parallel_size(args.tensor_parallel_size, model_cfg, device, cfg=cfg)
     sched = scheduler_config(cfg, 1, args.block_size, max_model_len)
     dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -233,7 +240,7 @@ def _setup(args: argparse.Namespace):
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
                       measure_decode_costs=cfg.auto_tiers, fuse_decode_steps=args.fuse_decode_steps,
                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                      structured_outputs=tokenizer is not None)
+                      structured_outputs=tokenizer is not None, tensor_parallel_size=args.tensor_parallel_size)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
