@@ -97,7 +97,7 @@ class FakeServer:
     def poll(self):
         return None
 
-    def terminate(self):
+    def send_signal(self, sig):
         self.stopped = True
 
     def wait(self, timeout=None):
@@ -139,6 +139,47 @@ def test_matrix_skips_measured_cells_and_goes_on_past_a_server_that_fails(spec, 
     assert [spec.cell(r) for r in result["rows"][3:]] == [("separate", "none", 0, True, 16)]
     assert result["errors"][0]["method"] == "eagle3" and "exited with 1" in result["errors"][0]["error"]
     assert [s["method"] for s in result["servers"]] == ["none"] and saves
+
+
+
+def test_together_rotates_the_servers_and_pairs_each_round_with_no_speculation(spec, monkeypatch, tmp_path):
+    """``--together``: the servers run in rotating order each round (so a drift of the machine falls on every
+    side of a ratio), a row's tok/s is the median of its rounds and ``vs_no_sd`` the median of the same rounds'
+    ratios, which ``add_ratios`` leaves as measured; every server is stopped."""
+    order, started = [], []
+    rounds = {"none": [1000.0, 500.0, 1000.0], "ngram": [1500.0, 900.0, 1100.0]}
+
+    def launch(cmd, name, port, log_path, wait=True):
+        server = FakeServer()
+        server.cmd = cmd
+        started.append(server)
+        return server
+
+    def run_bench(base, conc, label, result_dir, args, server_pid=None, served_name=None, warmups=None):
+        method = "ngram" if "ngram" in label else "none"
+        rnd = int(label.rsplit("-r", 1)[1])
+        order.append((rnd, method, warmups))
+        return bench_result(int(rounds[method][rnd] * 10), 10.0)
+
+    monkeypatch.setattr(spec, "launch", launch)
+    monkeypatch.setattr(spec, "wait_healthy", lambda proc, name, port: None)
+    monkeypatch.setattr(spec, "run_bench", run_bench)
+    monkeypatch.setattr(spec, "kv_blocks", lambda model, gib: 123)
+    args = argparse.Namespace(model="x.gguf", tokenizer=None, port=8123, max_model_len=4096, device="cpu",
+                              api_server_count=1, waves=1, fixed_acceptance=None, no_fuse_decode_steps=False,
+                              rounds=3, kv_gib=1.0)
+    result = {"rows": [], "servers": [], "errors": []}
+    methods = [spec.parse_method(m) for m in ("none", "ngram:3")]
+    spec.measure_together(result, methods, ["separate"], [16], args, str(tmp_path), lambda: None)
+    assert [(r, m) for r, m, _ in order] == [(0, "none"), (0, "ngram"), (1, "ngram"), (1, "none"),
+                                             (2, "none"), (2, "ngram")]
+    assert [w for _, _, w in order] == [None, None, 0, 0, 0, 0]  # a warm-up wave before each server's first run
+    assert all("--num-kv-blocks" in s.cmd and "123" in s.cmd for s in started) and all(s.stopped for s in started)
+    none, ngram = result["rows"]
+    assert none["output_tok_s"] == 1000.0 and ngram["output_tok_s"] == 1100.0
+    assert ngram["vs_no_sd_runs"] == [1.5, 1.8, 1.1] and ngram["vs_no_sd"] == 1.5
+    spec.add_ratios(result["rows"])
+    assert ngram["vs_no_sd"] == 1.5  # (not 1100 / 1000: the paired ratios stand)
 
 
 def write(path, rows: list[dict], commit: str, model: str = "SmolLM2-135M-Instruct.Q4_1.gguf") -> str:
