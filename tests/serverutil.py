@@ -27,6 +27,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_gpu_server(args: list[str], timeout_s: float = 300, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``twogrid serve`` with ``args`` on a free port (its output piped), once /health answers 200: (process, base
+    URL); the test fails with the end of its output if it exits first, or if it is not up within ``timeout_s``."""
+    import pytest
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    pytest.fail("the server did not start")
+
+
+def greedy_logprobs(base: str, model: str, prompts: list[list[int]], max_tokens: int,
+                    timeout_s: float = 300) -> list[dict]:
+    """Every prompt at once (concurrent requests) to /v1/completions, greedy, ``max_tokens`` tokens with EOS
+    ignored, top-5 logprobs: each choice's ``logprobs`` (``tokens``, ``top_logprobs``)."""
+    import concurrent.futures
+
+    def one(prompt):
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                           "temperature": 0, "logprobs": 5}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())["choices"][0]["logprobs"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
 def http_get(url: str, key: str | None = None, timeout_s: float = 10) -> tuple[int, bytes]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:

@@ -6,59 +6,19 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from serverutil import greedy_logprobs, start_gpu_server
 
 pytestmark = pytest.mark.gpu
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "serve", "--model", "bench-moe", "--platform",
-                             "sm100", "--port", str(port), "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
-                             "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
-                             "--speculative-config", json.dumps({"method": "eagle3", "num_speculative_tokens": 3}),
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    pytest.fail("the server did not start")
-
-
-def _complete(base: str, prompts: list[list[int]]) -> list[dict]:
-    """Every prompt at once (concurrent requests), greedy, 24 tokens, top-5 logprobs."""
-    import concurrent.futures
-
-    def one(prompt):
-        body = json.dumps({"model": "bench-moe", "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
-                           "logprobs": 5}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())["choices"][0]["logprobs"]
-
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+    return start_gpu_server(["--model", "bench-moe", "--platform", "sm100", "--max-num-seqs", "64",
+                             "--max-num-batched-tokens", "2048", "--max-model-len", "512",
+                             "--gpu-memory-utilization", "0.5", "--speculative-config",
+                             json.dumps({"method": "eagle3", "num_speculative_tokens": 3}), *extra])
 
 
 def test_graphs_and_eager_servers_give_the_same_tokens():
@@ -68,7 +28,7 @@ def test_graphs_and_eager_servers_give_the_same_tokens():
     for extra in ([], ["--enforce-eager"]):
         proc, base = _serve(extra)
         try:
-            runs.append(_complete(base, prompts))
+            runs.append(greedy_logprobs(base, "bench-moe", prompts, 24, timeout_s=120))
         finally:
             proc.terminate()
             assert proc.wait(60) == 0

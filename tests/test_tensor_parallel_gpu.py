@@ -5,17 +5,13 @@ TP = 2's token is within TP = 1's top 5 at the first divergence; and TP = 2 runs
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
 import random
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
+from serverutil import greedy_logprobs, start_gpu_server
 
 torch = pytest.importorskip("torch")
 
@@ -24,45 +20,11 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs 2 CUDA devices")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model: str, tp: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher", "serve", "--model", model, "--platform", "sm100",
-                             "--port", str(port), "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
-                             "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
-                             "--tensor-parallel-size", str(tp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    pytest.fail("the server did not start")
-
-
-def _complete(base: str, model: str, prompts: list[list[int]]) -> list[dict]:
-    """Every prompt at once (concurrent requests), greedy, 32 tokens, top-5 logprobs."""
-    def one(prompt):
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32, "ignore_eos": True,
-                           "temperature": 0, "logprobs": 5}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())["choices"][0]["logprobs"]
-
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+    return start_gpu_server(["--model", model, "--platform", "sm100", "--max-num-seqs", "64",
+                             "--max-num-batched-tokens", "2048", "--max-model-len", "512",
+                             "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", str(tp)], timeout_s=600,
+                            env={**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")})
 
 
 def _eager_steps(base: str) -> float:
@@ -79,7 +41,7 @@ def test_two_gpus_give_one_gpus_greedy_tokens(model):
     for tp in (1, 2):
         proc, base = _serve(model, tp)
         try:
-            runs.append(_complete(base, model, prompts))
+            runs.append(greedy_logprobs(base, model, prompts, 32))
             eager.append(_eager_steps(base))
         finally:
             proc.terminate()
