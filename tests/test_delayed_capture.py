@@ -202,8 +202,8 @@ def test_delayed_capture_on_cuda_graphs(spec):
 def test_serve_on_cuda_captures_while_streams_run(tmp_path):
     """Through twogrid serve on CUDA: 16 streams sent as /health turns 200 all complete while the worker captures
     between their steps (its result thread waiting on CUDA events meanwhile), capture then ends, and steps replay
-    graphs (fused decodes)."""
-    from serverutil import Server, request_body, run_streams, token_prompts
+    graphs (a plain greedy request's decodes fused), no step eagerly."""
+    from serverutil import Server, http_post, request_body, run_streams, token_prompts
 
     args = ["--model", "tiny-dense", "--device", "cuda", "--platform", "sm100", "--max-model-len", "256",
             "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.3",
@@ -219,10 +219,16 @@ def test_serve_on_cuda_captures_while_streams_run(tmp_path):
         while gauges(server, "cudagraphs_captured") < gauges(server, "cudagraphs_planned"):
             assert time.monotonic() < deadline, "delayed capture did not finish"
             time.sleep(0.2)
-        before = gauges(server, "fused_decode_steps_total")
+        eager, graphs = gauges(server, "eager_steps_total"), gauges(server, "cudagraph_steps_total")
         streams, _ = run_streams(server.base, [dict(b, temperature=0.0) for b in bodies])
         assert all(s.error is None and s.completed for s in streams)
-        assert gauges(server, "fused_decode_steps_total") > before
+        assert gauges(server, "eager_steps_total") == eager and gauges(server, "cudagraph_steps_total") > graphs
+        # (the streams ask for logprobs, which a fused step's argmax does not give: a plain greedy request's
+        # uniform decodes replay the fused step graphs)
+        fused = gauges(server, "fused_decode_steps_total")
+        status, _ = http_post(server.base + "/v1/completions",
+                              json.dumps(dict(bodies[0], temperature=0.0, stream=False)).encode())
+        assert status == 200 and gauges(server, "fused_decode_steps_total") >= fused + 40
     finally:
         server.stop()
 

@@ -10,23 +10,28 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_constrained_steps_on_the_gpu_compile_nothing_while_serving():
+def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_path):
     """tiny-dense with CUDA graphs and ngram drafts, every other request under the successor stand-in grammar
     (tests/test_structured.py): the constrained outputs are their chains exactly, overlapped and not, and no step
-    waited for a Triton compile (the bitmask kernel was compiled at warm-up for 1, 2 and 16 rows)."""
+    waited for a Triton compile (the bitmask kernel was compiled at warm-up for 1, 2 and 16 rows). The engine gets a
+    tokenizer (a BPE within tiny-dense's 512 tokens), as a server that takes structured requests has: only then
+    does its worker warm the bitmask kernel up."""
     from test_pipeline import prompts
     from test_structured import Successor, run_mixed
+    from textdata import train_bpe
 
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
     from dispatcher.plan.config import resolve
     from models.config import preset
 
+    tokenizer = train_bpe(texts[:300], str(tmp_path), vocab_size=500)
     p = [q + q[-4:] * 3 for q in prompts(20, 5)]
     for overlap in (True, False):
         cfg = resolve({}, {"method": "ngram", "num_speculative_tokens": 3}, platform="sm100", max_num_seqs=32,
                       max_num_batched_tokens=512)
         core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", num_kv_blocks=800, block_size=16,
-                                          max_model_len=256, async_scheduling=overlap))
+                                          max_model_len=256, async_scheduling=overlap, tokenizer=tokenizer))
+        assert core.worker.wcfg.structured_outputs
         core.structured = Successor(core.model_config.vocab_size)
         core.structured.requests = core.scheduler.requests
         compiles = []
