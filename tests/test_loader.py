@@ -32,10 +32,10 @@ HF_KEYS = {
 def logits(model, tokens):
     cfg = model.cfg
     n = len(tokens)
-    kv = allocate_kv_cache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    kv = allocate_kv_cache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu")
     pos = torch.arange(n)
     meta = AttentionMetadata.from_tokens(pos.clone(), torch.zeros(n, dtype=torch.int32), pos.int(),
-                             torch.arange(4, dtype=torch.int32)[None])
+                                         torch.arange(4, dtype=torch.int32)[None])
     return model.compute_logits(model(torch.tensor(tokens), pos, kv, meta))
 
 

@@ -5,11 +5,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from models.attention import allocate_kv_cache  # noqa: E402
-from models.attention_metadata import AttentionMetadata  # noqa: E402
 from models.config import preset  # noqa: E402
 from models.parallel import TensorParallelError, check_tensor_parallel, shard_config  # noqa: E402
 from models.transformer import build_model  # noqa: E402
+from tests.test_loader import logits as loader_logits  # noqa: E402
 from tests.tputil import run_ranks  # noqa: E402
 
 TOKENS = [5, 17, 3, 99, 42, 7, 300, 511, 0, 64]
@@ -24,13 +23,7 @@ SHAPES = {
 
 
 def logits(model, tokens=TOKENS):
-    cfg = model.cfg
-    n = len(tokens)
-    kv = allocate_kv_cache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu")
-    pos = torch.arange(n)
-    meta = AttentionMetadata.from_tokens(pos.clone(), torch.zeros(n, dtype=torch.int32), pos.int(),
-                                         torch.arange(4, dtype=torch.int32)[None])
-    return model.compute_logits(model(torch.tensor(tokens), pos, kv, meta))
+    return loader_logits(model, tokens)  # (a one-sequence prefill's logits, as tests/test_loader.py computes them)
 
 
 def _preset_logits(tp, cfg):
