@@ -7,7 +7,7 @@
 #               most 64 MiB with the tracked tree (~21 MiB), so the pieces travel over three calls made within the
 #               machine's 30 s warm window, each copying its pieces out of the tree (cp .gpu_gguf/p0* /root/), the
 #               last joining them into the cache:
-#               cat /root/p0? > ~/.cache/twogrid/SmolLM2-135M-Instruct.Q4_1.gguf
+#               scripts/gpu_chain.sh 1|2|3 does it, checked against the pinned sha256
 # Run from the repository root after `pip install -e '.[test]'`:  bash scripts/gpu_carry.sh [PART_MIB]
 set -euo pipefail
 part_mib=${1:-27}
