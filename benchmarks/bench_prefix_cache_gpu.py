@@ -21,6 +21,8 @@ requests and 16384 tokens a step), and each cell runs on one, then the other. Wo
   no-prefix          the random dataset (``--random-len`` words, no shared prefix): what hashing costs where the
                      cache finds nothing; 2N prompts at N streams.
 
+``--rounds R`` runs every cell R times, on and off alternated, each round with fresh prompts (its own seed and
+conversation tags): the summary's ratios are the medians of the rounds' (the 2% target needs more than one run).
 Every run: ``--output-len`` tokens a request, EOS ignored, a warm-up of min(N, 256) synthetic requests (not
 measured; they share nothing with the measured ones), ``--num-clients`` as the headline's. ``summary`` holds, per
 model, workload and concurrency, the TTFT p50 ratio (off / on), the tok/s ratio (on / off) and the targets: on
@@ -57,7 +59,7 @@ SERVED_NAME = "served"
 
 
 def cell(row: dict) -> tuple:
-    return row["model"], row["workload"], row["concurrency"], row["prefix_caching"]
+    return row["model"], row["workload"], row["concurrency"], row["prefix_caching"], row.get("round", 0)
 
 
 def conversations_file(data: str, count: int, turns: int, tag: str, path: str) -> str:
@@ -81,16 +83,17 @@ def conversations_file(data: str, count: int, turns: int, tag: str, path: str) -
     return path
 
 
-def bench_command(workload: str, conc: int, base: str, args, work_dir: str) -> list[str]:
-    """``twogrid bench``'s command for one run (a seed of the concurrency: fresh prompts per run, the same for the
-    two servers)."""
-    seed = 1000 + conc
+def bench_command(workload: str, conc: int, base: str, args, work_dir: str, rnd: int = 0) -> list[str]:
+    """``twogrid bench``'s command for one run (a seed of the concurrency and round: fresh prompts per run, the same
+    for the two servers)."""
+    seed = 1000 + conc + 100_000 * rnd
     cmd = [sys.executable, "-m", "dispatcher", "bench", "--base-url", base, "--model", SERVED_NAME, "--ignore-eos",
            "--max-concurrency", str(conc), "--num-warmups", str(min(conc, 256)), "--num-clients",
            str(num_clients(conc)), "--metric-percentiles", "50,99", "--seed", str(seed), "--disable-tqdm"]
     if workload == "multi-turn":
-        path = conversations_file(args.data, max(conc, args.min_prompts), args.turns, f"c{conc}",
-                                  os.path.join(work_dir, f"conversations-c{conc}.json"))
+        tag = f"c{conc}" + (f"r{rnd}" if rnd else "")
+        path = conversations_file(args.data, max(conc, args.min_prompts), args.turns, tag,
+                                  os.path.join(work_dir, f"conversations-{tag}.json"))
         return cmd + ["--endpoint", "chat", "--dataset-name", "sharegpt", "--dataset-path", path, "--multi-turn",
                       "--max-turns", str(2 * args.turns), "--num-prompts", str(max(conc, args.min_prompts)),
                       "--sharegpt-output-len", str(args.output_len)]
@@ -104,17 +107,17 @@ def bench_command(workload: str, conc: int, base: str, args, work_dir: str) -> l
                   str(args.output_len), "--num-prompts", prompts]
 
 
-def run_bench(workload: str, conc: int, base: str, args, work_dir: str, name: str) -> dict:
+def run_bench(workload: str, conc: int, base: str, args, work_dir: str, name: str, rnd: int = 0) -> dict:
     out_dir = os.path.join(work_dir, "bench")
-    cmd = bench_command(workload, conc, base, args, work_dir)
+    cmd = bench_command(workload, conc, base, args, work_dir, rnd)
     cmd += ["--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json", "--label", name]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out_dir, f"{name}.json"), encoding="utf-8") as fh:
         return json.load(fh)
 
 
-def make_row(model: str, workload: str, conc: int, caching: bool, b: dict) -> dict:
-    return {"model": model, "workload": workload, "concurrency": conc, "prefix_caching": caching,
+def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: int = 0) -> dict:
+    return {"model": model, "workload": workload, "concurrency": conc, "prefix_caching": caching, "round": rnd,
             "output_tok_s": round(b["output_throughput"], 1), "ttft_ms_p50": round(b["p50_ttft_ms"], 2),
             "ttft_ms_p99": round(b["p99_ttft_ms"], 2), "ttft_ms_mean": round(b["mean_ttft_ms"], 2),
             "tpot_ms_mean": round(b["mean_tpot_ms"], 3), "prefix_cache_hit_rate": b.get("prefix_cache_hit_rate"),
@@ -128,19 +131,37 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict) -> di
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per model, workload and concurrency with both servers measured: TTFT p50 off / on, tok/s on / off; the
-    targets where their cells were measured (None where not)."""
+    """Per model, workload and concurrency with both servers measured: TTFT p50 off / on, tok/s on / off (with
+    ``--rounds``: the medians of the rounds' ratios, each round's in ``*_rounds``); the targets where their cells
+    were measured (None where not)."""
+    import statistics
+
     by = {cell(r): r for r in rows}
-    pairs = []
-    for (model, workload, conc, caching), on in by.items():
-        off = by.get((model, workload, conc, False))
+    ratios: dict[tuple, list[tuple]] = {}
+    for (model, workload, conc, caching, rnd), on in sorted(by.items(), key=lambda kv: kv[0][4]):
+        off = by.get((model, workload, conc, False, rnd))
         if caching and off is not None:
-            pairs.append({"model": model, "workload": workload, "concurrency": conc,
-                          "ttft_p50_off_over_on": round(off["ttft_ms_p50"] / on["ttft_ms_p50"], 3)
-                          if on["ttft_ms_p50"] else None,
-                          "tok_s_on_over_off": round(on["output_tok_s"] / off["output_tok_s"], 4)
-                          if off["output_tok_s"] else None,
-                          "hit_rate": on["prefix_cache_hit_rate"]})
+            ratios.setdefault((model, workload, conc), []).append((
+                off["ttft_ms_p50"] / on["ttft_ms_p50"] if on["ttft_ms_p50"] else None,
+                on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None,
+                on["prefix_cache_hit_rate"]))
+
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    pairs = []
+    for (model, workload, conc), runs in ratios.items():
+        ttft, tok_s, hits = zip(*runs)
+        pair = {"model": model, "workload": workload, "concurrency": conc,
+                "ttft_p50_off_over_on": None if median(ttft) is None else round(median(ttft), 3),
+                "tok_s_on_over_off": None if median(tok_s) is None else round(median(tok_s), 4),
+                "hit_rate": median(hits)}
+        if len(runs) > 1:
+            pair["rounds"] = len(runs)
+            pair["ttft_p50_off_over_on_rounds"] = [None if x is None else round(x, 3) for x in ttft]
+            pair["tok_s_on_over_off_rounds"] = [None if x is None else round(x, 4) for x in tok_s]
+        pairs.append(pair)
     mt = [p["ttft_p50_off_over_on"] for p in pairs if p["workload"] == "multi-turn" and p["concurrency"] == 256]
     nop = [p["tok_s_on_over_off"] for p in pairs if p["workload"] == "no-prefix"]
     return {"pairs": pairs,
@@ -159,7 +180,8 @@ def markdown(rows: list[dict]) -> str:
                 + f", {r['eager_steps']} eager")
 
     return markdown_grid(rows, lambda r: f"{r['model']} {r['workload']}",
-                         lambda r: "caching on" if r["prefix_caching"] else "caching off", fmt)
+                         lambda r: ("caching on" if r["prefix_caching"] else "caching off")
+                         + (f", round {r['round']}" if r.get("round") else ""), fmt)
 
 
 def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.Popen, int]]:
@@ -188,8 +210,8 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
             save) -> None:
     done = {cell(r) for r in result["rows"]}
     for model in models:
-        todo = [(w, c) for w in workloads for c in concs
-                if (model, w, c, True) not in done or (model, w, c, False) not in done]
+        todo = [(w, c, rnd) for w in workloads for c in concs for rnd in range(args.rounds)
+                if (model, w, c, True, rnd) not in done or (model, w, c, False, rnd) not in done]
         if not todo:
             continue
         t0 = time.monotonic()
@@ -202,15 +224,15 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
             continue
         result["servers"].append({"model": model, "start_s": round(time.monotonic() - t0, 1)})
         try:
-            for i, (workload, conc) in enumerate(todo):
+            for i, (workload, conc, rnd) in enumerate(todo):
                 order = (True, False) if i % 2 == 0 else (False, True)  # (neither side always runs first)
                 for caching in order:
-                    if (model, workload, conc, caching) in done:
+                    if (model, workload, conc, caching, rnd) in done:
                         continue
                     proc, port = procs[caching]
-                    name = f"{model}-{workload}-c{conc}-{'on' if caching else 'off'}"
+                    name = f"{model}-{workload}-c{conc}-{'on' if caching else 'off'}" + (f"-r{rnd}" if rnd else "")
                     try:
-                        b = run_bench(workload, conc, f"http://127.0.0.1:{port}", args, work_dir, name)
+                        b = run_bench(workload, conc, f"http://127.0.0.1:{port}", args, work_dir, name, rnd)
                     except subprocess.CalledProcessError as exc:
                         result["errors"].append({"model": model, "workload": workload, "concurrency": conc,
                                                  "prefix_caching": caching, "error": f"bench exited {exc.returncode}",
@@ -218,7 +240,7 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                                                  "log_tail": log_tail(proc.log_path)})
                         save()
                         continue
-                    row = make_row(model, workload, conc, caching, b)
+                    row = make_row(model, workload, conc, caching, b, rnd)
                     result["rows"].append(row)
                     save()
                     log(f"{name}: {row['output_tok_s']:.0f} tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms p99 "
@@ -245,6 +267,8 @@ def main() -> None:
     parser.add_argument("--random-len", type=int, default=512, help="no-prefix: prompt words")
     parser.add_argument("--min-prompts", type=int, default=32, help="prompts (conversations) per run at least")
     parser.add_argument("--resume", action="store_true", help="keep the rows of an existing --out")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each cell, on and off alternated, each round "
+                        "with fresh prompts (the summary's ratios: the rounds' medians)")
     parser.add_argument("--default-model", default=None, help="default: the default model's GGUF")
     parser.add_argument("--port", type=int, default=8123, help="caching on's port (off's: the next)")
     parser.add_argument("--api-server-count", type=int, default=4)

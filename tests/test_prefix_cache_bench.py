@@ -1,0 +1,61 @@
+"""benchmarks/bench_prefix_cache_gpu.py without a GPU: with ``--rounds`` each round draws fresh prompts (its own
+seed, its own conversation tags, the same for both servers), and the summary's ratios are the medians of the
+rounds' own on / off ratios, which decide the targets."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture
+def pc(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    return importlib.import_module("bench_prefix_cache_gpu")
+
+
+def row(workload: str, caching: bool, rnd: int, tok_s: float, ttft: float, conc: int = 256) -> dict:
+    return {"model": "bench-moe", "workload": workload, "concurrency": conc, "prefix_caching": caching, "round": rnd,
+            "output_tok_s": tok_s, "ttft_ms_p50": ttft, "ttft_ms_p99": 2 * ttft,
+            "prefix_cache_hit_rate": 0.5 if caching else None, "eager_steps": 0}
+
+
+def test_rounds_draw_fresh_prompts_for_both_servers_alike(pc, texts, tmp_path):
+    from textdata import SHAREGPT
+
+    args = argparse.Namespace(data=SHAREGPT, min_prompts=4, turns=2, output_len=8, prefix_len=16, suffix_len=4,
+                              random_len=16)
+    seed = lambda cmd: cmd[cmd.index("--seed") + 1]  # noqa: E731
+    a0 = pc.bench_command("prefix-repetition", 16, "http://a", args, str(tmp_path), 0)
+    b0 = pc.bench_command("prefix-repetition", 16, "http://b", args, str(tmp_path), 0)
+    a1 = pc.bench_command("prefix-repetition", 16, "http://a", args, str(tmp_path), 1)
+    assert seed(a0) == seed(b0) != seed(a1)
+    m0 = pc.bench_command("multi-turn", 16, "http://a", args, str(tmp_path), 0)
+    m1 = pc.bench_command("multi-turn", 16, "http://a", args, str(tmp_path), 1)
+    path = lambda cmd: cmd[cmd.index("--dataset-path") + 1]  # noqa: E731
+    assert path(m0) != path(m1)
+    with open(path(m0), encoding="utf-8") as f0, open(path(m1), encoding="utf-8") as f1:
+        first0, first1 = f0.read(), f1.read()
+    assert "[c16 conversation 0]" in first0 and "[c16r1 conversation 0]" in first1  # (no prefix shared across rounds)
+
+
+def test_the_summary_takes_the_median_of_the_rounds_ratios(pc):
+    rows = [row("no-prefix", True, 0, 98.0, 10.0), row("no-prefix", False, 0, 100.0, 10.0),
+            row("no-prefix", False, 1, 100.0, 10.0), row("no-prefix", True, 1, 90.0, 12.0),
+            row("no-prefix", True, 2, 101.0, 9.0), row("no-prefix", False, 2, 100.0, 10.0),
+            row("multi-turn", True, 0, 100.0, 50.0), row("multi-turn", False, 0, 100.0, 110.0)]
+    summary = pc.summarize(rows)
+    nop = next(p for p in summary["pairs"] if p["workload"] == "no-prefix")
+    assert nop["rounds"] == 3 and nop["tok_s_on_over_off_rounds"] == [0.98, 0.9, 1.01]
+    assert nop["tok_s_on_over_off"] == 0.98 and nop["ttft_p50_off_over_on"] == 1.0
+    assert summary["no_prefix_at_most_2pct_slower"] is True and summary["no_prefix_worst_tok_s_ratio"] == 0.98
+    assert summary["multi_turn_256_ttft_p50_at_least_2x"] is True  # (one round: 110 / 50)
+    mt = next(p for p in summary["pairs"] if p["workload"] == "multi-turn")
+    assert "rounds" not in mt and mt["ttft_p50_off_over_on"] == 2.2
+    table = pc.markdown(rows)
+    assert "caching on, round 1" in table and "caching off, round 2" in table
