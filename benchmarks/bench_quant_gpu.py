@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import re
 import sys
 import urllib.request
@@ -101,7 +102,8 @@ def main() -> None:
     with open(args.data, encoding="utf-8") as fh:
         data = json.load(fh)
     prompts = [d["conversations"][0]["value"][:2000] for d in data[:args.check_prompts]]
-    result = {"commit": commit(), "bench": "quant_h200", "concurrencies": concurrencies, "rows": []}
+    result = {"command": "PYTHONPATH=. python benchmarks/bench_quant_gpu.py " + shlex.join(sys.argv[1:]),
+              "commit": commit(), "bench": "quant_h200", "concurrencies": concurrencies, "rows": []}
     for model in args.models.split(","):
         reference = None
         for setting in args.settings.split(","):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import urllib.request
 
@@ -63,7 +64,8 @@ def main() -> None:
     with open(args.data, encoding="utf-8") as fh:
         data = json.load(fh)
     prompts = [d["conversations"][0]["value"][:2000] for d in data[:args.check_prompts]]
-    result = {"commit": commit(), "bench": "tp_h200x2", "concurrencies": concurrencies,
+    result = {"command": "PYTHONPATH=. python benchmarks/bench_tp_gpu.py " + shlex.join(sys.argv[1:]),
+              "commit": commit(), "bench": "tp_h200x2", "concurrencies": concurrencies,
               "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"], "rows": []}
     for model in args.models.split(","):
         reference = None
