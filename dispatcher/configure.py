@@ -65,10 +65,16 @@ def check_tensor_parallel_size(size: int, model_cfg, device: str, name: str = "-
         check_tensor_parallel(model_cfg, size)
     except TensorParallelError as exc:
         raise ConfigError(f"{name}: {exc}") from None
-    if cfg is not None and (cfg.delayed_capture or cfg.fit_sizes):
-        what = "delayed_cudagraph_capture" if cfg.delayed_capture else "fit_cudagraph_capture_sizes"
+    if cfg is not None and (what := tensor_parallel_capture_conflict(cfg)):
         raise ConfigError(f"{name} {size}: {what} is not supported with tensor parallelism (every rank captures the "
                           f"same graphs in the same order, at start-up)")
+
+
+def tensor_parallel_capture_conflict(cfg) -> str | None:
+    """The capture setting of ``cfg`` that tensor parallelism refuses, or None: delayed capture (a gap's budget
+    differs between ranks) and fitted grids (a measured grid would)."""
+    return ("delayed_cudagraph_capture" if cfg.delayed_capture else
+            "fit_cudagraph_capture_sizes" if cfg.fit_sizes else None)
 
 
 def platform_for_compute_capability(capability: str) -> Platform:

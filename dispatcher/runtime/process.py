@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled, seconds_since_start
+from dispatcher.configure import tensor_parallel_capture_conflict
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, GrammarBitmask, Shutdown, WorkerError,
                                  WorkerInit, WorkerReady, decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
@@ -102,11 +103,9 @@ def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel
         return device, None
     rank, method = int(os.environ[TP_RANK_ENV]), os.environ[TP_INIT_ENV]
     cfg = resolve_init(init)
-    if cfg.delayed_capture or cfg.fit_sizes:
-        raise ValueError(f"tensor_parallel_size = {size}: "
-                         f"{'delayed_cudagraph_capture' if cfg.delayed_capture else 'fit_cudagraph_capture_sizes'} "
-                         f"is not supported with tensor parallelism (every rank must capture the same graphs in the "
-                         f"same order)")
+    if what := tensor_parallel_capture_conflict(cfg):
+        raise ValueError(f"tensor_parallel_size = {size}: {what} is not supported with tensor parallelism (every "
+                         f"rank must capture the same graphs in the same order)")
     if device.type == "cuda":
         if size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size = {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
