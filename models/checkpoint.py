@@ -12,7 +12,7 @@ import torch
 
 from models.config import ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
-from models.parallel import param_pieces
+from models.parallel import param_pieces, take_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
 
 
@@ -237,11 +237,6 @@ def _check_shapes(source, ours: str, theirs: list[str], shapes: list[tuple], tar
         raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} for {ours}")
 
 
-def _read_pieces(source: "Fp8Source", key: str, pieces) -> torch.Tensor:
-    parts = [source.get_slice(key, dim, start, stop) for dim, start, stop in pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
-
-
 def _meta_model(model: CausalLM) -> CausalLM:
     """The whole (unsplit) model on the meta device: the shapes a tensor-parallel rank's checkpoint holds."""
     with torch.device("meta"):
@@ -272,7 +267,8 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
                 _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], param_target(whole, ours))
             else:  # a tensor-parallel rank: the whole tensors' shapes checked, then only its slices read
                 _check_shapes(source, ours, theirs, [source.shape(key) for key in theirs], param_target(whole, ours))
-                parts = [_read_pieces(source, key, p) for key, p in zip(theirs, pieces)]
+                parts = [take_pieces(lambda dim, start, stop, key=key: source.get_slice(key, dim, start, stop), p)
+                         for key, p in zip(theirs, pieces)]
                 _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], target)
             start = 0
             for part in parts:  # straight into the fused parameter's rows (no concatenated copy)

@@ -221,9 +221,10 @@ def param_pieces(ours: str, num_parts: int, cfg: ModelConfig, tp: TensorParallel
     return None
 
 
-def take_pieces(full: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
-    """A part's pieces of ``full`` concatenated (a view for one piece)."""
-    parts = [full.narrow(dim, start, stop - start) for dim, start, stop in pieces]
+def take_pieces(read, pieces: list[Piece]) -> torch.Tensor:
+    """A part's pieces concatenated, each read by ``read(dim, start, stop)`` (a view of a full tensor, or a slice
+    read alone from a checkpoint); one piece as it was read."""
+    parts = [read(dim, start, stop) for dim, start, stop in pieces]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
 
 
@@ -238,7 +239,7 @@ def shard_model(full: nn.Module, local: nn.Module, tp: TensorParallel) -> nn.Mod
         if pieces is None:
             p.copy_(source)
             continue
-        part = take_pieces(source, pieces[0])
+        part = take_pieces(lambda dim, start, stop: source.narrow(dim, start, stop - start), pieces[0])
         if name in ("embed_tokens.weight", "lm_head.weight"):
             p.zero_()
             p[: part.shape[0]].copy_(part)
