@@ -45,6 +45,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -134,8 +135,6 @@ def summarize(rows: list[dict]) -> dict:
     """Per model, workload and concurrency with both servers measured: TTFT p50 off / on, tok/s on / off (with
     ``--rounds``: the medians of the rounds' ratios, each round's in ``*_rounds``); the targets where their cells
     were measured (None where not)."""
-    import statistics
-
     by = {cell(r): r for r in rows}
     ratios: dict[tuple, list[tuple]] = {}
     for (model, workload, conc, caching, rnd), on in sorted(by.items(), key=lambda kv: kv[0][4]):

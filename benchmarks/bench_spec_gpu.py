@@ -47,8 +47,9 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import re
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -334,7 +335,8 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
             for i, (method, k, spec, policy) in enumerate(servers):
                 result["rows"] = [r for r in result["rows"] if cell(r) != (policy, method, k, not
                                                                            args.no_fuse_decode_steps, conc)]
-                result["rows"].append(together_row(servers, runs, i, conc, args))
+                chosen = chosen_k(scrape(f"http://127.0.0.1:{args.port + i}"), conc) if k < 0 else k
+                result["rows"].append(together_row(servers, runs, i, conc, args, chosen))
             log(f"c={conc}: " + ", ".join(f"{label(r['method'], r['k'])} {r['output_tok_s']:.0f}"
                                          + (f" ({r['vs_no_sd']:.2f}x)" if "vs_no_sd" in r else "")
                                          for r in result["rows"] if r["concurrency"] == conc))
@@ -344,11 +346,11 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
             stop_server(proc)
 
 
-def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int, args) -> dict:
+def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int, args,
+                 chosen: int | None = None) -> dict:
     """Server ``i``'s row at ``conc`` streams from its rounds: the median run's fields, the median tok/s, each
-    round's tok/s, and against the ``none`` server of its policy the median of the same rounds' ratios."""
-    import statistics
-
+    round's tok/s, and against the ``none`` server of its policy the median of the same rounds' ratios;
+    ``chosen``: the K in force (an ``"auto"`` server's tier at ``conc``, read from its metrics)."""
     method, k, spec, policy = servers[i]
     tok_s = [b["output_throughput"] for b in runs[i]]
     median_run = sorted(runs[i], key=lambda b: b["output_throughput"])[len(tok_s) // 2]
@@ -356,7 +358,7 @@ def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int
     row.update(output_tok_s=round(statistics.median(tok_s), 1), round_tok_s=[round(t, 1) for t in tok_s],
                rounds=len(tok_s), together=True)
     if spec:
-        row["chosen_k"] = k if k > 0 else None
+        row["chosen_k"] = chosen
     none = next((j for j, s in enumerate(servers) if s[0] == "none" and s[3] == policy), None)
     if none is not None and method != "none":
         ratios = [b["output_throughput"] / n["output_throughput"] for b, n in zip(runs[i], runs[none])]
