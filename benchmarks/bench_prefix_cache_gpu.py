@@ -50,7 +50,8 @@ import subprocess
 import sys
 import time
 
-from _common import commit, kv_blocks, markdown_grid, stop_server as stop, write_json  # (importing _common puts the repository on sys.path)
+# (importing _common puts the repository on sys.path)
+from _common import commit, kv_blocks, markdown_grid, stop_server as stop, write_json
 from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
 from bench_spec_gpu import log, log_tail
 

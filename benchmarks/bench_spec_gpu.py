@@ -55,7 +55,8 @@ import sys
 import time
 import urllib.request
 
-from _common import commit, join_runs, kv_blocks, markdown_grid, stop_server, write_json  # (importing _common puts the repository on sys.path)
+# (importing _common puts the repository on sys.path)
+from _common import commit, join_runs, kv_blocks, markdown_grid, stop_server, write_json
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import SPEC_METHODS

@@ -11,7 +11,8 @@
 # Run from the repository root after `pip install -e '.[test]'`:  bash scripts/gpu_carry.sh [PART_MIB]
 set -euo pipefail
 part_mib=${1:-27}
-wheels=(msgspec pyzmq gguf aiohttp-cors xgrammar apache-tvm-ffi openai httpx2 httpcore2 truststore jiter pydantic pydantic-core
+wheels=(msgspec pyzmq gguf aiohttp-cors xgrammar apache-tvm-ffi openai httpx2 httpcore2 truststore jiter pydantic
+        pydantic-core
         annotated-types typing-inspection sniffio distro)
 mkdir -p .whl .gpu_data .gpu_gguf
 for name in "${wheels[@]}"; do

@@ -1,7 +1,7 @@
 """Tensor parallelism through the engine: EngineCore over a group of worker processes (one per gloo rank, on the
 CPU's static graph backend) gives the greedy tokens of one in-process worker, with and without speculative
-decoding, on presets (the default model: tests/test_tensor_parallel_default_model.py); ``LLM(tensor_parallel_size=2)`` too, and ``close`` leaves no rank
-behind. (A killed rank under a running server: tests/test_tensor_parallel_serve.py.)"""
+decoding, on presets (the default model: tests/test_tensor_parallel_default_model.py); ``LLM(tensor_parallel_size=2)``
+too, and ``close`` leaves no rank behind. (A killed rank under a running server: tests/test_tensor_parallel_serve.py.)"""
 
 import os
 
