@@ -28,7 +28,7 @@ from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSp
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
-from dispatcher.plan.dispatch import (StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
+from dispatcher.plan.dispatch import (UNIFORM_DECODE, StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
                                       not_captured_reason, without_graphs)
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
@@ -77,7 +77,8 @@ class EngineArgs:
     spec_cost_table: str | None = None
     """``"auto"`` speculative tiers' step costs by (requests, q): a ``StepCostTable`` JSON file or step traces (.jsonl).
     Default: every runner's FULL decode graphs timed on this runtime once, then kept under $TWOGRID_CACHE/spec_cost
-    and reused (so that runs of one setup start from the same tiers)."""
+    and reused (so that runs of one setup start from the same tiers), then corrected by the served steps' device time
+    (``autotier.MeasuredCosts``); a table given here is taken as it is."""
     auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
     """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
     enable_prefix_caching: bool = True
@@ -255,7 +256,7 @@ class EngineCore:
         if cfg.auto_tiers:
             costs = self._spec_step_costs(capture)
             self.auto_tiers = autotier.AutoTiers(autotier.chooser_for_plan(costs, self.plan), cfg.acceptance_prior,
-                                                 args.auto_tier_interval)
+                                                 args.auto_tier_interval, served_costs=not args.spec_cost_table)
             self.scheduler.set_tiers(self.auto_tiers.tiers)
             log.info("speculative tiers (auto, from %s, prior acceptance %s): %s", costs.source,
                      ", ".join(f"{p:.2f}" for p in cfg.acceptance_prior), self.auto_tiers.choice.text())
@@ -461,6 +462,8 @@ class EngineCore:
         if target.graph is None:
             reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
+        if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
+            self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms)  # (its graph's cost, served)
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
