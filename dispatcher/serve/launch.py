@@ -216,8 +216,7 @@ def _setup(args: argparse.Namespace):
 
     from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
                                       resolve_device)
-    from dispatcher.engine.config import max_model_len_limit, scheduler_config
-    from dispatcher.engine.engine_core import EngineArgs
+    from dispatcher.engine.config import EngineArgs, max_model_len_limit, scheduler_config
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
