@@ -118,3 +118,24 @@ def test_a_bad_flag_that_needs_no_model_fails_before_any_process_starts(args, mo
     assert main(["serve", "--model", "tiny-dense", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("twogrid serve: error: --"), err
+
+
+@pytest.mark.parametrize("size", ["0", "100000"])
+def test_a_tensor_parallel_size_no_machine_serves_starts_no_worker(size, monkeypatch, capsys):
+    """More ranks than cores (or none): the engine starts without pre-starting its worker, and the setup's check
+    refuses the size with its one line (the engine is stopped: nothing is left)."""
+    import dispatcher.engine.ipc as ipc
+    from dispatcher.cli import main
+
+    asked, engines, real = [], [], ipc.spawn_engine
+
+    def spawn(log_level, num_ranks):
+        asked.append(num_ranks)
+        engines.append(real(log_level, num_ranks))
+        return engines[-1]
+
+    monkeypatch.setattr(ipc, "spawn_engine", spawn)
+    assert main(["serve", "--model", "tiny-dense", "--device", "cpu", "--tensor-parallel-size", size]) == 2
+    assert asked == [0] and not engines[0].alive() and not os.path.exists(engines[0].dir)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("twogrid serve: error: --tensor-parallel-size"), err

@@ -147,8 +147,9 @@ class ChildProcess:
 
 
 def spawn_engine(log_level: str, num_ranks: int) -> ChildProcess:
-    """Start the engine process (which starts its worker's ``num_ranks`` processes at once) before its settings
-    are known: ``EngineClient.start`` sends them, ``stop_spawned_engine`` stops an engine that never got them."""
+    """Start the engine process (which starts its worker's ``num_ranks`` processes at once; 0: once its settings
+    are in) before its settings are known: ``EngineClient.start`` sends them, ``stop_spawned_engine`` stops an
+    engine that never got them."""
     return ChildProcess("dispatcher.engine.service", TO_CORE, TO_FRONT, asyncio=True,
                         env={"TWOGRID_LOG_LEVEL": log_level}, argv=(str(num_ranks),))
 

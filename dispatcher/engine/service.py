@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
-                                  spawn_workers)
+                                  spawn_workers, worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
@@ -375,9 +375,9 @@ def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
 
 async def serve(ipc_dir: str, num_ranks: int = 1) -> int:
     """The engine's life: its worker's ``num_ranks`` processes start first (their imports overlap the front end's
-    start-up), then the front end's ``EngineInit`` (or its ``Drain``: its start-up failed, so the worker is stopped
-    unused and the engine exits 0)."""
-    process = spawn_workers(num_ranks, asyncio=True, parent_dir=ipc_dir)
+    start-up; 0: the worker starts once the init says how many ranks), then the front end's ``EngineInit`` (or its
+    ``Drain``: its start-up failed, so the worker is stopped unused and the engine exits 0)."""
+    process = spawn_workers(num_ranks, asyncio=True, parent_dir=ipc_dir) if num_ranks else None
     # The engine core's imports (torch among them) while the front end sets up; ``EngineService.start``'s import
     # of it waits for this one. (A daemon thread: an engine stopped meanwhile exits without waiting for it.)
     threading.Thread(target=importlib.import_module, args=("dispatcher.engine.engine_core",), daemon=True,
@@ -387,14 +387,18 @@ async def serve(ipc_dir: str, num_ranks: int = 1) -> int:
     inbox.connect(f"ipc://{ipc_dir}/{TO_CORE}")
     try:
         init = await _first_message(inbox, process, ipc_dir)
-        if init is not None:
+        if init is not None and process is not None:
             process.set_init(init.worker)
+        elif init is not None:
+            process = worker_processes(init.worker, asyncio=True, parent_dir=ipc_dir)
     except BaseException:
-        process.kill()
+        if process is not None:
+            process.kill()
         raise
     if init is None:  # (silently: the front end's error is the one line its user reads)
-        process.kill()
-        await process.aclose(5.0)
+        if process is not None:
+            process.kill()
+            await process.aclose(5.0)
         inbox.close(linger=0)
         ctx.term()
         logging.shutdown()
@@ -473,18 +477,19 @@ async def _worker_exit(process: WorkerProcess) -> None:
     await asyncio.Event().wait()  # stopped on purpose: nothing to report
 
 
-async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
+async def _front_end_exit(process: "WorkerProcess | WorkerGroup | None", ipc_dir: str) -> None:
     """A front end killed without stopping its engine leaves it orphaned: stop the worker, remove the front end's
     ipc directory (the worker's is inside it) and exit, within a second."""
     while not parent_gone():
         await asyncio.sleep(1.0)
     log.error("the front end is gone: stopping the worker and exiting")
-    process.kill()
+    if process is not None:  # (None: gone before the engine started its worker)
+        process.kill()
     shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(1)
 
 
-async def _first_message(inbox, process: "WorkerProcess | WorkerGroup", ipc_dir: str) -> EngineInit | None:
+async def _first_message(inbox, process: "WorkerProcess | WorkerGroup | None", ipc_dir: str) -> EngineInit | None:
     """The front end's EngineInit, or None for its Drain (its start-up failed). Meanwhile a front end that is gone
     (killed while starting) ends the engine and its worker as one that is gone later does (a worker that exits
     meanwhile is noticed once the init is in, as it is later)."""

@@ -168,7 +168,10 @@ async def _start(args: argparse.Namespace) -> int:
     no ipc directory is left) and raises its ConfigError."""
     from dispatcher.engine.ipc import spawn_engine, stop_spawned_engine
 
-    process = spawn_engine(args.log_level, args.tensor_parallel_size)
+    size = args.tensor_parallel_size
+    # (its worker's ranks start with it; a size no machine here serves, more ranks than cores, starts none: _setup
+    # refuses it before any worker starts)
+    process = spawn_engine(args.log_level, size if 1 <= size <= (os.cpu_count() or 1) else 0)
     args.engine_spawned_s = time.perf_counter() - args.started_at
     try:
         setup = _setup(args)
