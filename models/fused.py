@@ -406,7 +406,7 @@ if triton is not None:
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB
         return x ^ (x >> 31)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows_per_slot"])  # (1 or q: one compiled kernel)
     def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, stride_x, n, rows_per_slot,
                        BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr):
         """Program per row: its token, as ``models.sampling.sample_tokens`` draws it without top-k and top-p. A
