@@ -185,6 +185,14 @@ def test_sampled_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_
     lockstep(spec, tmp_path, "cpu", SAMPLED)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None] + FUSING[1:3], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_sampled_fused_graphs_on_the_gpu_leave_the_state_of_unfused_steps(spec, tmp_path):
+    """The same on CUDA graphs: the captured step samples with the kernel over the request state's tables, as the
+    op-by-op step samples with it over gathered rows."""
+    lockstep(spec, tmp_path, "cuda", SAMPLED)
+
+
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_fused_or_not(tmp_path):
     """A seeded sampled request's output depends on its seed and prompt only: alone or among other requests (sampled
     and greedy), in fused steps or op by op, with n-gram drafts or without."""
