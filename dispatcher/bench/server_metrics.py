@@ -1,8 +1,9 @@
 """The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode,
-the steps' device time (over the run's duration: how busy the GPU was), the decode steps that ran as one fused
-graph, the engine steps that reached a front end while it was behind (its outputs merged: the serving path, not
-the GPU, was the limit), and speculative decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and per position; the mean
-acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate follows).
+the steps' device time (over the run's duration: how busy the GPU was), the decode steps that ran as one fused graph,
+the engine steps that reached a front end while it was behind (its outputs merged: the serving path, not the GPU, was
+the limit), and speculative decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and
+per position; the mean acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate
+follows).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
