@@ -165,6 +165,8 @@ def rotate(x, cos_rows, sin_rows):
 # ---------------------------------------------------------------------------------------------------------------
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
     if _triton_has_pdl():
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -386,6 +388,76 @@ if triton is not None:
         if WITH_PROB:
             tl.store(prob_ptr + row, 1.0 / total)
 
+    if INTERPRETED:  # (the interpreter has no libdevice: numpy's log, which may differ from torch's in the last bit)
+        @triton.jit
+        def _logf(x):
+            return tl.log(x)
+    else:
+        @triton.jit
+        def _logf(x):
+            """CUDA's logf (libdevice's, what torch.log runs on the GPU), not an approximation: the Gumbel noise of
+            a sampled token is then bit for bit the torch path's."""
+            return libdevice.log(x)
+
+    @triton.jit
+    def _splitmix64(x):
+        """splitmix64's finalizer on uint64 (logical shifts, wrapping products): ``models.sampling._mix``."""
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit(do_not_specialize=["rows_per_slot"])  # (1 or q: one compiled kernel)
+    def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, stride_x, n, rows_per_slot,
+                       BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr):
+        """Program per row: its token, as ``models.sampling.sample_tokens`` draws it without top-k and top-p. A
+        greedy row (temperature 0) takes the first index of its largest logit; a sampled one the first argmax of
+        logits / T + Gumbel noise, the noise from ``models.sampling.uniform(seed, position, SAMPLE)`` (its bits
+        hashed here, column by column), tokens below the row's largest scaled logit + log(min_p) left out (min_p
+        0: off). HAS_SLOTS: the row's parameters are at its slot, slot_ptr[row // rows_per_slot], of per-slot
+        tables (else at the row). Every float32 value is the torch path's: the division rounded (``div_rn``),
+        CUDA's logf, the same operations in the same order. A greedy row hashes nothing."""
+        row = tl.program_id(0)
+        base = x_ptr + row.to(tl.int64) * stride_x
+        param = row.to(tl.int64)
+        if HAS_SLOTS:
+            param = tl.load(slot_ptr + row // rows_per_slot).to(tl.int64)
+        temp = tl.load(temp_ptr + param)
+        min_p = tl.zeros_like(temp)
+        if HAS_MIN_P:
+            min_p = tl.load(min_p_ptr + param)
+        cols = tl.arange(0, BLOCK)
+        best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        best_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+        if (temp == 0.0) | (min_p > 0.0):  # the row's largest logit (and its first index)
+            for start in range(0, n, BLOCK):
+                x = tl.load(base + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
+                m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first stays)
+                best = tl.maximum(best, m)
+        if temp > 0.0:
+            t = tl.maximum(temp, 1e-6)
+            # (dividing by t > 0 keeps the order: the largest scaled logit is the largest logit scaled)
+            threshold = tl.where(min_p > 0.0, tl.math.div_rn(best, t) + _logf(tl.where(min_p > 0.0, min_p, 1.0)),
+                                 float("-inf"))
+            seed = tl.load(seed_ptr + param).to(tl.uint64, bitcast=True)
+            pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
+            key = _splitmix64(seed * 0x9E3779B97F4A7C15 + pos * 0x632BE59BD9B4E019 + 0x2545F4914F6CDD1D)  # salt 1
+            top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+            top_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+            for start in range(0, n, BLOCK):
+                mask = start + cols < n
+                x = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                scaled = tl.math.div_rn(x, t)
+                bits = _splitmix64(key + (start + cols).to(tl.uint64) * 0x9E3779B97F4A7C15) >> 40  # 24 random bits
+                u = tl.minimum((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 1.0 / 16777216.0)
+                g = tl.where(scaled < threshold, float("-inf"), scaled - _logf(-_logf(u)))
+                g = tl.where(mask, g, float("-inf"))
+                m, i = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                top_i = tl.where(m > top, i.to(tl.int64) + start, top_i)
+                top = tl.maximum(top, m)
+            best_i = top_i
+        tl.store(ids_ptr + row, best_i)
+
     @triton.jit
     def _penalize_kernel(x_ptr, slot_ptr, counts_ptr, seen_ptr, rep_ptr, pres_ptr, freq_ptr, drafts_ptr, stride_x,
                          stride_counts, stride_seen, stride_drafts, n, BLOCK: tl.constexpr, NUM_DRAFTS: tl.constexpr):
@@ -449,6 +521,29 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
     _argmax_prob_kernel[(rows,)](logits, ids, prob, logits.stride(0), n, BLOCK=min(4096, triton.next_power_of_2(n)),
                                  WITH_PROB=with_prob, num_warps=8)
     return ids, prob if with_prob else None
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+           min_p: torch.Tensor | None = None, slots: torch.Tensor | None = None, rows_per_slot: int = 1,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of (rows, vocab) logits (int64, into ``out`` if given), in one kernel: the argmax for
+    temperature 0, else the seeded Gumbel-max sample at ``positions`` (rows,), min_p (0: off; None: no row uses
+    it) applied first; the tokens of ``models.sampling.sample_tokens``'s torch path without top-k and top-p, which
+    calls it on the GPU. ``temperature``, ``seeds`` (int64) and ``min_p`` (float32) are per row, or with ``slots``
+    per-slot tables: row r reads its slot's, slots[r // rows_per_slot] (a fused decode step's rows, q per
+    request, read the request state where it lies)."""
+    rows, n = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    _sample_kernel[(rows,)](logits, temperature, seeds, min_p if min_p is not None else temperature, positions,
+                            slots if slots is not None else positions, out, logits.stride(0), n, rows_per_slot,
+                            BLOCK=min(4096, triton.next_power_of_2(n)), HAS_MIN_P=min_p is not None,
+                            HAS_SLOTS=slots is not None, num_warps=8)
+    return out
 
 
 PENALIZE_BLOCK = 4096

@@ -5,7 +5,8 @@ state, so a seeded request draws the same numbers alone, beside any other reques
 CUDA graph (vLLM's Model Runner V2 samples the same way). Sampling from softmax(logits / T) is the Gumbel-max
 trick: the argmax of logits / T + Gumbel noise over the tokens top-k and top-p keep.
 
-- ``sample_tokens``: greedy rows (temperature 0) take the argmax; the others sample as above. Before either, the
+- ``sample_tokens``: greedy rows (temperature 0) take the argmax; the others sample as above (on the GPU without
+  top-k and top-p one kernel, ``models.fused.sample``, drawing the same tokens). Before either, the
   logits go through the rows' processing (``process_logits``, in vLLM's order: ``allowed_token_ids``,
   ``bad_words``, ``min_tokens`` and ``logit_bias``, then the repetition, frequency and presence penalties over the
   prompt and the output so far); ``min_p`` acts after the temperature, before top-k and top-p. Greedy rows take the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fused import argmax_prob, penalize, use_triton
+from models.fused import argmax_prob, penalize, sample, use_triton
 
 # Purposes of a random draw at one position (salts of the hash).
 SAMPLE = 1
@@ -162,15 +163,33 @@ def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tens
     """logits (n, vocab) -> token ids (n,): argmax for temperature 0, else a seeded sample at ``positions``."""
     if params.processing is not None:
         logits = process_logits(logits, params.processing)
-    greedy = argmax_prob(logits, with_prob=False)[0]
     if params.all_greedy:
-        return greedy
+        return argmax_prob(logits, with_prob=False)[0]
+    if use_triton(logits) and params.top_k is None and params.top_p is None:  # one kernel: the same tokens
+        return sample(logits, params.temperature, params.seeds, positions, params.min_p)
+    greedy = argmax_prob(logits, with_prob=False)[0]
     scaled = logits.float() / params.temperature.clamp(min=1e-6)[:, None]
     if params.min_p is not None:
         scaled = apply_min_p(scaled, params.min_p)
     scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
     drawn = gumbel_argmax(scaled, params.seeds, positions, SAMPLE)
     return torch.where(params.temperature > 0, drawn, greedy)
+
+
+def sample_by_slot(logits: torch.Tensor, slots: torch.Tensor, rows_per_slot: int, positions: torch.Tensor,
+                   temperature: torch.Tensor, seeds: torch.Tensor, min_p: torch.Tensor,
+                   greedy_only: bool = False) -> torch.Tensor:
+    """``sample_tokens`` without top-k, top-p or processed logits, the parameters read from per-slot tables (a fused
+    decode step's sampler, ``dispatcher.runtime.decode_step``): row r draws with slot slots[r // rows_per_slot]'s
+    temperature, seed and min_p (0: off) at positions[r]. With Triton one kernel whatever the rows are (a captured
+    graph serves greedy and sampled batches alike); without, ``greedy_only`` (the host knows every row is greedy)
+    takes the argmax alone."""
+    if use_triton(logits):
+        return sample(logits, temperature, seeds, positions, min_p, slots, rows_per_slot)
+    if greedy_only:
+        return argmax_prob(logits, with_prob=False)[0]
+    rows = slots[:, None].expand(-1, rows_per_slot).reshape(-1)  # (repeat_interleave would sync)
+    return sample_tokens(logits, RowParams(temperature[rows], None, None, seeds[rows], min_p=min_p[rows]), positions)
 
 
 def accepted_drafts(target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

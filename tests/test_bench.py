@@ -523,6 +523,21 @@ def test_a_twogrid_server_without_eager_steps_reports_zero():
     assert counter_deltas(parse_counters(text), parse_counters(text)) == {}
 
 
+def test_bench_reports_the_servers_fused_decode_steps():
+    """``fused_decode_steps``: the steps the server ran as one fused graph during the run (bench_sampling_gpu shows
+    which variants fuse)."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+    from dispatcher.serve.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m", CollectorRegistry())
+    metrics.on_step("uniform_decode", "FULL", fused=True)  # before the run: not counted
+    before = parse_counters(metrics.render().decode())
+    for fused in (True, False, True):
+        metrics.on_step("uniform_decode", "FULL", fused=fused)
+    deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
+    assert deltas["fused_decode_steps"] == 2 and deltas["cudagraph_steps"] == 3
+
+
 def test_spec_decode_fields_from_the_counters():
     """The speculative-decoding fields as deltas of a server's counters: the per-position list in position order,
     the mean acceptance length null without drafts; an older twogrid server without num_drafts gets none of them."""

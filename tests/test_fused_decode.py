@@ -1,8 +1,9 @@
 """Fused decode steps (dispatcher/runtime/decode_step.py): a uniform-decode step captured whole gives exactly what
 the same step gives op by op: the same greedy tokens, the same drafts (so the same acceptance), the same fixed
-acceptance draws, under every drafter that fuses (none, n-gram, EAGLE-3, EAGLE-1, mtp), tiers with K = 0, "auto"
-tiers, preemption and asynchronous scheduling; steps that cannot fuse (sampled requests, logprobs, a draft model,
-block drafters) run op by op. On the CPU the fused closures run on the static backend, as graphs do."""
+acceptance draws, the same seeded samples (temperature, seed, min_p), under every drafter that fuses (none, n-gram,
+EAGLE-3, EAGLE-1, mtp), tiers with K = 0, "auto" tiers, preemption and asynchronous scheduling; steps that cannot
+fuse (top-k, top-p, processed logits, logprobs, a draft model, block drafters) run op by op. On the CPU the fused
+closures run on the static backend, as graphs do."""
 
 from __future__ import annotations
 
@@ -78,14 +79,15 @@ def test_fused_steps_equal_unfused_steps(spec, tmp_path):
         assert stats.num_accepted_tokens > 0  # the repeating prompts make n-gram drafts that verify
 
 
-def lockstep(spec, tmp_path, device: str) -> None:
+def lockstep(spec, tmp_path, device: str, params: list[SamplingParams] | None = None) -> None:
     """Two engines, fused and op by op, stepped synchronously: the same outputs, and the same request state on the
-    device (tokens, computed counts, drafts and their confidences) after every step."""
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    device (tokens, computed counts, drafts and their confidences) after every step. ``params``: per prompt (None:
+    five greedy requests)."""
+    params = params or [SamplingParams(max_tokens=16, ignore_eos=True)] * 5
     engines = [engine_for(spec, fused, tmp_path, device=device) for fused in (True, False)]
     for e in engines:
-        for p in prompts(5):
-            e.add_request(p, params)
+        for p, sp in zip(prompts(len(params)), params):
+            e.add_request(p, sp)
     while engines[1].has_unfinished():
         outs = [e.step() for e in engines]
         assert [(o.request_id, o.new_token_ids) for o in outs[0]] == [(o.request_id, o.new_token_ids) for o in outs[1]]
@@ -127,19 +129,81 @@ def test_fused_fixed_acceptance_draws_as_unfused(tmp_path):
     assert stats.fused_steps == 0 and stats.steps > 0
 
 
-def test_sampled_and_logprob_steps_run_op_by_op(tmp_path):
-    """A step with a sampled request, one asking for logprobs or one whose logits are processed (penalties, logit
-    bias: greedy, yet not the raw argmax) runs op by op (the fused graphs take the raw argmax); the tokens are the
-    same either way."""
+def test_steps_the_fused_sampler_cannot_take_run_op_by_op(tmp_path):
+    """A step with a request asking for logprobs, one whose logits are processed (penalties, logit bias: greedy, yet
+    not the raw argmax) or one sampling with top-k or top-p runs op by op (the fused graphs sample with temperature,
+    seed and min_p alone); the tokens are the same either way."""
     spec = {"method": "eagle3", "num_speculative_tokens": 2}
-    for params in (SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9),
-                   SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+    for params in (SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
                    SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),  # greedy, processed
-                   SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 3.0})):
+                   SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 3.0}),
+                   SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9, top_k=20),
+                   SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9, top_p=0.9)):
         a = generate(engine_for(spec, True, tmp_path), params, count=3)
         b = generate(engine_for(spec, False, tmp_path), params, count=3)
         assert a[0] == b[0]
         assert a[2].fused_steps == 0
+
+
+SAMPLED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=9),
+           SamplingParams(max_tokens=16, ignore_eos=True),  # greedy beside sampled requests
+           SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.3, seed=4, min_p=0.05),
+           SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.5, seed=9, min_p=0.2),
+           SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=77)]
+"""A batch the fused sampler takes: sampled requests (temperature, seed, min_p) and a greedy one."""
+
+
+def run_batch(engine: EngineCore, params: list[SamplingParams], first: int = 0) -> list[list[int]]:
+    """Prompts ``first``.. with ``params`` (one each), run to completion: their tokens, in order."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts(first + len(params))[first:], params)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("spec", FUSING[:3] + FUSING[4:5] + FUSING[6:7],
+                         ids=lambda s: "none" if s is None else json.dumps(s))
+def test_sampled_steps_fuse_and_draw_the_unfused_tokens(spec, tmp_path):
+    """Requests sampling with temperature, seed and min_p (beside a greedy one) run fused decode steps, and every
+    request's tokens, drafts and acceptance are those of the op-by-op run; the sampled requests did sample (their
+    tokens are not the greedy ones)."""
+    fused, plain = (engine_for(spec, f, tmp_path) for f in (True, False))
+    tokens = run_batch(fused, SAMPLED)
+    assert tokens == run_batch(plain, SAMPLED)
+    stats = fused.stats
+    assert (stats.num_drafts, stats.num_accepted_tokens, stats.accepted_per_pos) == \
+        (plain.stats.num_drafts, plain.stats.num_accepted_tokens, plain.stats.accepted_per_pos)
+    assert plain.stats.fused_steps == 0 and stats.fused_steps >= stats.steps // 2, (stats.fused_steps, stats.steps)
+    greedy = run_batch(engine_for(spec, True, tmp_path), [SamplingParams(max_tokens=16, ignore_eos=True)] * 5)
+    assert tokens[1] == greedy[1] and tokens[0] != greedy[0] and tokens[2] != greedy[2]
+
+
+@pytest.mark.parametrize("spec", [None] + FUSING[1:3], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_sampled_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_path):
+    lockstep(spec, tmp_path, "cpu", SAMPLED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None] + FUSING[1:3], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_sampled_fused_graphs_on_the_gpu_leave_the_state_of_unfused_steps(spec, tmp_path):
+    """The same on CUDA graphs: the captured step samples with the kernel over the request state's tables, as the
+    op-by-op step samples with it over gathered rows."""
+    lockstep(spec, tmp_path, "cuda", SAMPLED)
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_fused_or_not(tmp_path):
+    """A seeded sampled request's output depends on its seed and prompt only: alone or among other requests (sampled
+    and greedy), in fused steps or op by op, with n-gram drafts or without."""
+    mine = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=1234, min_p=0.02)
+    others = SAMPLED[:2] + SAMPLED[3:]
+    outputs = []
+    for spec in (None, FUSING[1]):
+        for fused in (True, False):
+            outputs.append(run_batch(engine_for(spec, fused, tmp_path), [mine], first=6)[0])
+            outputs.append(run_batch(engine_for(spec, fused, tmp_path), others + [mine], first=2)[-1])
+    assert len(outputs[0]) == 20 and all(o == outputs[0] for o in outputs), outputs
 
 
 @pytest.mark.parametrize("spec", [{"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-dense"},

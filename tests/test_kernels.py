@@ -551,3 +551,64 @@ def test_rotary_kv_write_into_an_fp8_cache_and_geglu_match_torch():
     h = torch.randn(5, 2 * 96, device=DEV, dtype=DT)
     want = F.gelu(h[:, :96].float(), approximate="tanh") * h[:, 96:].float()
     torch.testing.assert_close(fused.silu_mul(h, "gelu_tanh").float(), want, rtol=TOL, atol=TOL)
+
+
+@contextlib.contextmanager
+def torch_sampler():
+    """``sample_tokens`` on its torch path (the reference): the fused sampler off, wherever the logits are."""
+    from models import sampling
+
+    saved = sampling.use_triton
+    sampling.use_triton = lambda t: False
+    try:
+        with torch_path():
+            yield
+    finally:
+        sampling.use_triton = saved
+
+
+def test_fused_sampler_draws_the_torch_paths_tokens():
+    """The one-kernel sampler (``models.fused.sample``, what ``sample_tokens`` runs without top-k and top-p) against
+    the op-by-op torch path: greedy rows the first argmax (a tie across tiles included), sampled rows the same seeded
+    Gumbel-max draw (the same random bits and the same float32 values), min_p rows the same tokens left out; also
+    with the parameters read from per-slot tables, q rows a slot (a fused decode step's rows). On the GPU at the
+    default model's vocabulary over many rows (bf16 logits, and float32 ones as processed logits are)."""
+    from models.fused import sample
+    from models.sampling import RowParams, sample_tokens
+
+    torch.manual_seed(3)
+    rows, vocab = (1024, 49152) if GPU else (12, 9000)
+    for dtype in (DT, torch.float32):
+        logits = (torch.randn(rows, vocab, device=DEV) * 3).to(dtype)
+        logits[1, 5000] = logits[1, 8999] = logits[1, 7] = 40.0  # a greedy tie across tiles: the first wins
+        temp = torch.where(torch.arange(rows, device=DEV) % 3 == 0, 0.0, 0.5 + torch.rand(rows, device=DEV))
+        temp[1], temp[2], temp[4] = 0.0, 1e-9, 100.0  # greedy; a temperature the torch path clamps; a flat one
+        seeds = torch.randint(-2**62, 2**62, (rows,), device=DEV)
+        positions = torch.randint(0, 100_000, (rows,), device=DEV)
+        min_p = torch.where(torch.rand(rows, device=DEV) < 0.5, 0.0, torch.rand(rows, device=DEV) * 0.3)
+        min_p[5] = 1.0  # only the largest logits stay
+        for mp in (None, min_p):
+            params = RowParams(temp, None, None, seeds, min_p=mp)
+            got = sample_tokens(logits, params, positions)
+            with torch_sampler():
+                want = sample_tokens(logits, params, positions)
+            greedy = temp == 0
+            assert torch.equal(got[greedy], logits[greedy].float().argmax(dim=-1)) and got[1] == 7
+            assert (got[~greedy] != logits[~greedy].float().argmax(dim=-1)).any()  # (draws, not argmaxes)
+            if mp is not None:
+                assert got[5] == logits[5].float().argmax()  # min_p 1: the largest logit alone
+            assert torch.equal(got, want), (got != want).sum().item()
+        # per-slot tables: 3 rows a slot, slot order permuted, a padded slot (the last: greedy, min_p 0)
+        q, num_slots = 3, rows // 3
+        table_temp = torch.cat([temp[:num_slots], torch.zeros(1, device=DEV)])
+        table_seed = torch.cat([seeds[:num_slots], torch.zeros(1, dtype=torch.int64, device=DEV)])
+        table_min_p = torch.cat([min_p[:num_slots], torch.zeros(1, device=DEV)])
+        slots = torch.randperm(num_slots + 1, device=DEV)[: num_slots]
+        rows_slot = slots[:, None].expand(-1, q).reshape(-1)
+        got = sample(logits[: num_slots * q], table_temp, table_seed, positions[: num_slots * q], table_min_p, slots, q)
+        with torch_sampler():
+            want = sample_tokens(logits[: num_slots * q], RowParams(table_temp[rows_slot], None, None,
+                                                                   table_seed[rows_slot],
+                                                                   min_p=table_min_p[rows_slot]),
+                                 positions[: num_slots * q])
+        assert torch.equal(got, want), (got != want).sum().item()

@@ -1,8 +1,9 @@
 """The server's Prometheus counters around a run: eager steps by reason, padded tokens, graph steps by kind and mode,
-the steps' device time (over the run's duration: how busy the GPU was), the engine steps that reached a front
-end while it was behind (its outputs merged: the serving path, not the GPU, was the limit), and speculative
-decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and per position; the mean
-acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate follows).
+the steps' device time (over the run's duration: how busy the GPU was), the decode steps that ran as one fused graph,
+the engine steps that reached a front end while it was behind (its outputs merged: the serving path, not the GPU, was
+the limit), and speculative decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and
+per position; the mean acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate
+follows).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -24,6 +25,7 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "padded_tokens": ("twogrid:padded_tokens_total", ()),
     "cudagraph_steps": ("twogrid:cudagraph_steps_total", ("kind", "mode")),
     "step_device_seconds": ("twogrid:step_device_seconds_total", ()),
+    "fused_decode_steps": ("twogrid:fused_decode_steps_total", ()),
     "front_end_backlog_steps": ("twogrid:front_end_backlog_steps_total", ()),
     "spec_decode_num_drafts": ("twogrid:spec_decode_num_drafts_total", ()),
     "spec_decode_num_draft_tokens": ("twogrid:spec_decode_num_draft_tokens_total", ()),
@@ -79,8 +81,8 @@ def _number(x: float) -> int | float:
 def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, Any]:
     """Result fields for the counters present in both scrapes: ``eager_steps`` and ``eager_steps_by_reason``,
     ``padded_tokens``, ``cudagraph_steps`` and ``cudagraph_steps_by_kind_mode`` ({kind: {mode: steps}}),
-    ``step_device_seconds``, ``front_end_backlog_steps``, and with a server that counts verify events
-    ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
+    ``step_device_seconds``, ``fused_decode_steps``, ``front_end_backlog_steps``, and with a server that counts
+    verify events ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
     ``spec_decode_accepted_per_pos`` ([accepted at position 0, 1, ...]) and ``mean_acceptance_length`` (1 +
     accepted / drafts; None without drafts), ``prefix_cache_queries``, ``prefix_cache_hits`` and
     ``prefix_cache_hit_rate`` (hits / queries; None without queries). ``before`` = {} gives the totals since the

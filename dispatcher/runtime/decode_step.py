@@ -1,8 +1,8 @@
 """Fused decode steps: a whole uniform-decode step in one CUDA graph.
 
 A uniform decode step (every request runs q = 1 + K tokens: its last token and K drafts) does the same work at a
-given padded request count n': the target's inputs gathered from the request state, the target's forward, greedy
-verification, the state advanced, the drafter (an EAGLE head's step 0 over the target's rows and its K - 1
+given padded request count n': the target's inputs gathered from the request state, the target's forward, the
+tokens drawn and verified, the state advanced, the drafter (an EAGLE head's step 0 over the target's rows and its K - 1
 one-token steps, or n-gram lookup) and the results laid out for the one copy back. Run op by op around the
 runners' graphs, that is about 40 (no drafter) to 170 (EAGLE-3, K = 3) PyTorch launches a step, each costing the
 host microseconds; on the H200 with the default model the host then sets the step time (1.6 ms of host time for
@@ -17,11 +17,19 @@ FULL closure runs (the kernels its separate graph holds), so a fused step comput
 computes. n-gram lookup searches a history whose length the step bounds: it is a small graph of its own per
 (n', history length bucket), replayed after the step's.
 
-A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request greedy
-without logprobs and without a grammar (structured outputs: the graph's argmax takes no bitmask), the drafter
-proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with FULL graphs at n', and the
-fixed-acceptance mode is the one captured; any other step runs op by op (``ModelWorker.submit``). A draft model
-and the block drafters always run op by op.
+The graph samples every row as its request says: ``models.fused.sample``, one kernel, reads each slot's
+temperature, seed and min_p from the request state and draws output column j of a request at position
+computed + 1 + j (as the op-by-op ``ModelWorker._verify``): the argmax at temperature 0 (hashing nothing, so a
+greedy batch costs what the plain argmax cost), else the seeded Gumbel-max sample, the same tokens as the op-by-op
+sampler; drafts are accepted while they equal those (``accepted_drafts``). One graph serves greedy and sampled
+batches alike.
+
+A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request samples
+with temperature, seed and min_p alone (no top-k, no top-p, no processed logits: penalties, logit bias, allowed
+tokens, bad words, min_tokens), without logprobs and without a grammar (structured outputs: the sampler takes no
+bitmask), the drafter proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with FULL graphs
+at n', and the fixed-acceptance mode is the one captured; any other step runs op by op (``ModelWorker.submit``).
+A draft model and the block drafters always run op by op.
 """
 
 from __future__ import annotations
@@ -39,8 +47,8 @@ from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, 
                                        estimate_kind_memory, free_device_bytes, frozen_gc, input_length,
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
-from models.fused import argmax_prob
-from models.sampling import accepted_drafts, fixed_accepted
+from models.fused import use_triton
+from models.sampling import accepted_drafts, fixed_accepted, sample_by_slot
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -79,6 +87,11 @@ class FusedDecode:
         self.out = z(max(cap, 1), 1 + self.width + worker.k_max, dt=torch.int32)
         """Per request: accepted drafts, tokens (width), draft confidences (k_max, float32 bits)."""
         self._arange = torch.arange(max(cap, self.width) + 1, device=self.device)
+        self.samples = use_triton(self.slots) or not self.target.cuda_graphs
+        """Steps with sampled requests fuse: the graphs sample with ``models.fused.sample`` (with Triton), or the
+        closures run eagerly (the host tells them when every row is greedy: ``greedy_only``)."""
+        self.greedy_only = True
+        """Every request of the step running is greedy (read by eager closures without Triton only)."""
         self.fixed = worker.fixed_acceptance_on
         """The fixed-acceptance mode the graphs were built in (a step in the other runs op by op)."""
         self.graphs: dict[FusedKey, Replayable] = {k: Replayable(self._step(k)) for k in self.keys}
@@ -124,16 +137,19 @@ class FusedDecode:
         if key not in self.graphs or self.worker.fixed_acceptance_on != self.fixed:
             return None
         st = self.state
-        if not st.plain_greedy(slots) or (st.host_num_logprobs[slots] >= 0).any():  # (the graph takes the argmax)
+        samples = st.fused_sampling(slots) if self.samples else st.plain_greedy(slots)
+        if not samples or (st.host_num_logprobs[slots] >= 0).any():  # (the graph computes no logprobs)
             return None
         return key
 
     # -- a step --------------------------------------------------------------------------------------------------
-    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int) -> None:
+    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, greedy_only: bool = False) -> None:
         """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device),
-        then the n-gram lookup's for the step's longest sequence."""
+        then the n-gram lookup's for the step's longest sequence. ``greedy_only``: every request is greedy (what
+        an eager closure without Triton reads; a graph samples every row as its temperature says)."""
         n = key.target.size
         self.slots[:n].copy_(slots)
+        self.greedy_only = greedy_only
         self.graphs[key].replay()
         if self.method == "ngram" and key.num_new_drafts:
             bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))
@@ -159,7 +175,9 @@ class FusedDecode:
             block_rows = torch.where(valid, slots, 0)
             self._load(tgt, block_rows, valid, ids, positions)
             run_target()
-            tokens = argmax_prob(worker.model.compute_logits(tgt.bufs.hidden_out[: n * q]), with_prob=False)[0]
+            cols = computed[:, None] + 1 + self._arange[None, :q]  # (the positions of the tokens drawn)
+            tokens = sample_by_slot(worker.model.compute_logits(tgt.bufs.hidden_out[: n * q]), slots, q,
+                                    cols.flatten(), st.temperature, st.seed, st.extras.min_p, self.greedy_only)
             tokens = tokens.view(n, q)
             accepted = torch.zeros_like(computed)
             if q > 1:
@@ -170,7 +188,6 @@ class FusedDecode:
                                          torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
                 else:
                     accepted = accepted_drafts(tokens, drafts, num_drafts)
-            cols = computed[:, None] + 1 + self._arange[None, :q]
             rows = slots[:, None].expand_as(cols)
             keep = self._arange[None, :q] <= accepted[:, None]
             st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])

@@ -48,7 +48,8 @@ class SamplingExtras:
 
         self.prompt_len = table(fill=0, dt=torch.int64)
         self.min_len = table(fill=0, dt=torch.int64)
-        self.min_p = table(fill=0.0, dt=torch.float32)
+        self.min_p = torch.zeros(max_num_seqs + 1, dtype=torch.float32, device=device)
+        """One row more, ``RequestState.dummy``'s (0): a fused decode step's padded rows read it."""
         self.penalties = table(3, fill=0.0, dt=torch.float32)
         """Repetition, presence and frequency penalty."""
         self.allowed_ids = table(MAX_ALLOWED_TOKEN_IDS)
