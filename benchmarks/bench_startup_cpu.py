@@ -18,14 +18,15 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from _common import stop_server  # (importing _common puts the repository on sys.path)
+from bench_headline_gpu import wait_healthy
 
 SETUP = re.compile(r"front end set up ([0-9.]+) s after the server process started \(the engine process started at "
                    r"([0-9.]+) s\)")
@@ -45,17 +46,9 @@ def one_start(tree: str, serve_args: list[str], log_path: str) -> dict:
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree,
                                 env={**os.environ, "PYTHONPATH": os.path.abspath(tree)})
+    proc.log_path = log_path
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}; its log: {log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.02)
+        wait_healthy(proc, tree, port, poll_s=0.02)
         health = time.monotonic() - t0
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         body = {"model": "m", "prompt": list(range(1, 9)), "max_tokens": 8, "stream": True, "ignore_eos": True}
@@ -67,12 +60,7 @@ def one_start(tree: str, serve_args: list[str], log_path: str) -> dict:
                 break
         conn.close()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     with open(log_path, encoding="utf-8", errors="replace") as fh:
         setup = SETUP.search(fh.read())
     return {"health_s": round(health, 2), "first_token_s": round(first, 2) if first is not None else None,
