@@ -70,14 +70,26 @@ def test_tokenizer_matches_transformers_on_sharegpt(gguf_path, hf_tokenizer, tex
                                                                       return_dict=False)
 
 
-def test_greedy_chat_answers_match_transformers(gguf_path, texts):
-    AutoModelForCausalLM = _transformers().AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def short_convs(texts):
+    """Three short ShareGPT prompts as one-turn chats."""
+    return [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 200][:3]]
 
+
+@pytest.fixture(scope="module")
+def float32_answers(short_convs):
+    """The default model's greedy answers (16 tokens) to ``short_convs`` in float32 on the CPU, computed once for the
+    tests that compare them (an LLM of the default model is most of a test's time on a 2-core CPU)."""
     from dispatcher import LLM, SamplingParams
 
-    short = [t for t in texts if len(t) < 200][:3]
     llm = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True, dtype=torch.float32)
-    outs = llm.chat([[{"role": "user", "content": t}] for t in short], SamplingParams(max_tokens=16))
+    return llm.chat(short_convs, SamplingParams(max_tokens=16))
+
+
+def test_greedy_chat_answers_match_transformers(gguf_path, float32_answers):
+    AutoModelForCausalLM = _transformers().AutoModelForCausalLM
+
+    outs = float32_answers
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
                                               dtype=torch.float32).eval()
     for out in outs:
@@ -91,17 +103,15 @@ def test_greedy_chat_answers_match_transformers(gguf_path, texts):
     print(json.dumps([o.outputs[0].text for o in outs], ensure_ascii=False))
 
 
-def test_default_cpu_dtype_is_bfloat16_and_answers_like_float32(texts):
+def test_default_cpu_dtype_is_bfloat16_and_answers_like_float32(short_convs, float32_answers):
     """With no dtype the CPU serves the 4-bit default model in bfloat16 (1.8x the float32 decode speed on a 2-core
     CPU): sensible answers whose first greedy tokens are the float32 ones, and Paris is France's capital."""
     from dispatcher import LLM, SamplingParams
 
-    convs = [[{"role": "user", "content": t}] for t in [t for t in texts if len(t) < 200][:3]]
     params = SamplingParams(max_tokens=16)
     fast = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True)
     assert fast.engine.worker.model.embed_tokens.weight.dtype == torch.bfloat16
-    exact = LLM(max_num_seqs=4, max_model_len=1024, enforce_eager=True, dtype=torch.float32)
-    for f, e in zip(fast.chat(convs, params), exact.chat(convs, params)):
+    for f, e in zip(fast.chat(short_convs, params), float32_answers):
         assert f.outputs[0].token_ids[:2] == e.outputs[0].token_ids[:2], (f.outputs[0].text, e.outputs[0].text)
         assert f.outputs[0].text.strip() and "\ufffd" not in f.outputs[0].text
     france = fast.chat([{"role": "user", "content": "What is the capital of France?"}], params)[0].outputs[0].text
