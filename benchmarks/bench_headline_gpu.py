@@ -179,8 +179,9 @@ def process_cpu_s(root_pid: int) -> dict[str, float]:
 
 def num_clients(conc: int) -> int:
     """Bench client processes at a concurrency: one Python client saturates near 50K stream events a second (at
-    256 fast streams one was busy 80% of the run), so one per 64 streams, at most 8."""
-    return min(8, max(1, conc // 64))
+    256 fast streams one was busy 80% of the run; at 64 streams of the 135M default model, 85-91%), so one per 32
+    streams, at most 8."""
+    return min(8, max(1, conc // 32))
 
 
 def run_bench(base: str, conc: int, label: str, result_dir: str, args, server_pid: int | None = None,

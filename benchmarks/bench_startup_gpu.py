@@ -6,8 +6,9 @@ caches (Triton's kernels, the graph memory estimate: a first start on a machine)
 with ``--delayed-cudagraph-capture`` warm and cold. Per start, from the moment the process is spawned: /health's
 first 200 (``health_s``), the first token of a streamed request sent then (``first_token_s``), the worker's phases
 (``twogrid:startup_phase_seconds{phase}``: imports, weights, grid_fit, kv_sizing, kv_allocation, kernels, capture,
-measure), the front end's own view (its log's "serving N s after the server process started"), the graphs captured
-when /health turned 200 and, delayed, when the last one was (``capture_done_s``).
+measure), the front end's own view (its log's "serving N s after the server process started"; its own setup and
+when it started the engine process, from "front end set up N s ... (the engine process started at M s)"), the
+graphs captured when /health turned 200 and, delayed, when the last one was (``capture_done_s``).
 
 ``--part capture``: (a) during delayed capture: a server with ``--enforce-eager`` and a delayed one, each started
 fresh and sent one wave of ``--concurrency-during`` streams at once, their step traces compared: per step kind and
@@ -51,6 +52,8 @@ MODES = ("capture-first", "delayed")
 PHASE = re.compile(r'twogrid:startup_phase_seconds\{[^}]*phase="(\w+)"[^}]*\} ([0-9.e+-]+)')
 GRAPHS = re.compile(r'twogrid:cudagraphs_(captured|planned)\{[^}]*\} ([0-9.e+-]+)')
 SERVING_AFTER = re.compile(r"serving ([0-9.]+) s after the server process started")
+FRONT_END_SETUP = re.compile(r"front end set up ([0-9.]+) s after the server process started \(the engine process "
+                             r"started at ([0-9.]+) s\)")
 
 
 def log(msg: str) -> None:
@@ -140,9 +143,12 @@ def one_start(model: str, workload: str, mode: str, cache: str, args, out_dir: s
             time.sleep(0.05)
         text = open(log_path, encoding="utf-8", errors="replace").read()
         after = SERVING_AFTER.search(text)
+        setup = FRONT_END_SETUP.search(text)
         row = {"part": "startup", "model": os.path.basename(model), "workload": workload, "mode": mode,
                "cache": cache, "health_s": round(health - t0, 2), "first_token_s": round(first - t0, 2),
                "front_end_serving_after_s": float(after.group(1)) if after else None,
+               "front_end_setup_s": float(setup.group(1)) if setup else None,
+               "engine_spawned_s": float(setup.group(2)) if setup else None,
                "worker_phases_s": {k: float(v) for k, v in PHASE.findall(metrics)},
                "graphs_planned": int(at_health["planned"]), "graphs_captured_at_health": int(at_health["captured"]),
                "capture_done_s": round(done - t0, 2) if done else None}

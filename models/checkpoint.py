@@ -1,7 +1,7 @@
-"""What every checkpoint format shares: ``CheckpointError``, the map from our parameters to Hugging Face tensor names
-(``hf_names``), and ``fill_model``, which sets a model's parameters from any ``TensorSource`` (a safetensors
-directory, ``models.loader``; a GGUF file, ``models.gguf_loader``). Both loaders import this module; it imports
-neither."""
+"""What every checkpoint format shares: ``CheckpointError`` (defined in ``models.config``, which imports no torch),
+the map from our parameters to Hugging Face tensor names (``hf_names``), and ``fill_model``, which sets a model's
+parameters from any ``TensorSource`` (a safetensors directory, ``models.loader``; a GGUF file,
+``models.gguf_loader``). Both loaders import this module; it imports neither."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ from typing import Iterator, Protocol
 
 import torch
 
-from models.config import ModelConfig
+from models.config import CheckpointError, ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
 from models.parallel import param_pieces, take_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file, the field or tensor, and the expectation."""
 
 
 def read_json(path: str, what: str) -> dict:

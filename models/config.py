@@ -9,6 +9,11 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma's gelu_pytorch_tanh)."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file, the field or tensor, and the expectation.
+    (Here, with no torch to import, so that ``models.default_model`` and the server's start stay light.)"""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling (Hugging Face's ``rope_scaling`` / ``rope_parameters``): ``linear`` divides every

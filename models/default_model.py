@@ -21,7 +21,7 @@ import sys
 import tempfile
 import zipfile
 
-from models.checkpoint import CheckpointError
+from models.config import CheckpointError
 
 log = logging.getLogger("twogrid")
 

@@ -181,6 +181,42 @@ def test_hysteresis_keeps_a_k_that_loses_by_less_than_its_margin():
 
 
 # -- step costs -------------------------------------------------------------------------------------------------
+def test_served_step_costs_move_the_choice_where_the_table_underestimates_a_k():
+    """The table says a K = 3 step costs 1.5x a plain one at 64 requests (as fused replays over empty contexts did
+    on the H200), so 2.0 tokens a step pick K = 3; served K = 3 steps cost twice the table: after a re-choice K = 0
+    runs there, and it stays once its own served steps (1.2x its table cost) are measured; the K = 3 ratio is kept
+    while K = 0 runs. Elsewhere (1 request) nothing was served dearer, and K = 3 stays."""
+    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)]})
+    chooser = TierChooser(table, [0, 3], 64)
+    acceptance = [0.5, 0.3, 0.2]  # 2.0 tokens a step at K = 3: 2.0 / 1.5 > 1 / 1.0
+    auto = AutoTiers(chooser, acceptance, interval=4, prior_weight=1e9)  # (the acceptance pinned to its prior)
+    assert auto.choice.k_of_batch[64] == 3
+
+    def serve(q: int, ms: float, steps: int = 8) -> None:
+        for _ in range(steps):
+            assert auto.observe_step(64, q, ms)
+            auto.observe([0, 0, 0], [0, 0, 0])
+
+    serve(4, 3.0)
+    assert auto.choice.k_of_batch[64] == 0 and auto.choice.k_of_batch[1] == 3
+    assert auto.costs.ratio[1, 6] > 1.4  # (bucket 6: 64..127 requests)
+    serve(1, 1.2, steps=64)
+    assert auto.choice.k_of_batch[64] == 0
+    assert auto.costs.ratio[1, 6] > 1.4 and 1.15 < auto.costs.ratio[0, 6] < 1.2
+
+
+def test_served_step_costs_are_kept_only_where_they_apply():
+    chooser = TierChooser(SMALL, [0, 1], 8)
+    auto = AutoTiers(chooser, [0.5], interval=1)
+    assert not auto.observe_step(4, 3, 10.0)  # no candidate K = 2
+    assert not auto.observe_step(9, 1, 10.0) and not auto.observe_step(0, 1, 10.0)  # past the batch limit / none
+    assert not auto.observe_step(4, 1, 0.0) and not auto.observe_step(4, 1, float("nan"))
+    assert auto.observe_step(4, 1, 1e6)  # a step that waited for a compile: clipped to 8x
+    assert auto.costs.ratio[0, 2] == pytest.approx(1 + (8.0 - 1) / 9)
+    given = AutoTiers(chooser, [0.5], interval=1, served_costs=False)  # a table a user gave is taken as it is
+    assert not given.observe_step(4, 1, 20.0) and (given.costs.ratio == 1).all()
+
+
 def test_step_costs_add_the_drafters_forwards():
     tables = {"target": {1: [(1, 2.0), (8, 3.0)], 4: [(1, 2.5), (8, 4.0)]},
               "eagle3": {4: [(1, 0.5), (8, 1.0)]}, "eagle3_next_steps": {1: [(1, 0.25), (16, 0.5)]}}

@@ -1,15 +1,72 @@
-"""Engine-side configuration: the scheduler's limits from a resolved dispatcher configuration and its plan."""
+"""Engine-side configuration: ``EngineArgs``, and the scheduler's limits from a resolved dispatcher configuration and
+its plan. No torch here: the server's front end builds EngineArgs without importing the engine core (which imports
+the runtime, torch and Triton)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from dispatcher.plan import grids
+from dispatcher.engine.structured import COMPILE_TIMEOUT_S
+from dispatcher.plan import autotier, grids
 from dispatcher.plan.capture_plan import EAGLE_LIKE, MODEL_DRAFTERS
 from dispatcher.plan.config import ResolvedConfig
+from models.config import ModelConfig
 from scheduler.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class EngineArgs:
+    model: ModelConfig | str
+    """A model shape, a preset name (random weights from ``seed``), a checkpoint directory or a .gguf file."""
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    """Default: ``models.loader.default_dtype`` (bfloat16 on CUDA; on the CPU bfloat16 for a 4-bit GGUF, else
+    float32)."""
+    num_kv_blocks: int = 2048
+    block_size: int = 16
+    max_model_len: int = 2048
+    seed: int = 0
+    """Random weights of presets, and the seeds of requests that bring none (so identical runs sample alike)."""
+    use_cuda_graphs: bool = True
+    fuse_decode_steps: bool = True
+    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``); False: op by op."""
+    step_trace: str | None = None
+    """Append one JSON record per step to this file."""
+    async_scheduling: bool | None = None
+    """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
+    fixed_acceptance: float | None = None
+    """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
+    quantization: str | None = None
+    """``"fp8"`` (vLLM's ``--quantization``): the weights quantized to FP8 at load."""
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` or ``"fp8"`` (vLLM's ``--kv-cache-dtype``)."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
+    av_cost_table: str | None = None
+    """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
+    once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
+    the same verify lengths (and so sample the same tokens)."""
+    spec_cost_table: str | None = None
+    """``"auto"`` speculative tiers' step costs by (requests, q): a ``StepCostTable`` JSON file or step traces (.jsonl).
+    Default: every runner's FULL decode graphs timed on this runtime once, then kept under $TWOGRID_CACHE/spec_cost
+    and reused (so that runs of one setup start from the same tiers), then corrected by the served steps' device time
+    (``autotier.MeasuredCosts``); a table given here is taken as it is."""
+    auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
+    """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
+    that another request computed (``scheduler.kv_blocks``)."""
+    tokenizer: str | None = None
+    """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
+    the model's (a preset has none, nor a checkpoint without tokenizer.json: they refuse structured requests)."""
+    structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
+    """A structured request whose grammar has not compiled this long after it arrived is refused."""
 
 
 def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 8192,

@@ -18,17 +18,16 @@ from typing import Iterator
 
 import msgspec
 import numpy as np
-import torch
 
-from dispatcher.engine.config import scheduler_config
+from dispatcher.engine.config import EngineArgs, scheduler_config
 from dispatcher.engine.cost import CostCurve, load_step_costs
-from dispatcher.engine.structured import COMPILE_TIMEOUT_S, StructuredOutputs
+from dispatcher.engine.structured import StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
 from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
-from dispatcher.plan.dispatch import (StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
+from dispatcher.plan.dispatch import (UNIFORM_DECODE, StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
                                       not_captured_reason, without_graphs)
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
@@ -40,54 +39,6 @@ from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, Schedule
                                  SpecDecodeSummary, add_per_pos)
 
 log = logging.getLogger("twogrid.engine")
-
-
-@dataclass
-class EngineArgs:
-    model: ModelConfig | str
-    """A model shape, a preset name (random weights from ``seed``), a checkpoint directory or a .gguf file."""
-    device: str = "cpu"
-    dtype: torch.dtype | None = None
-    """Default: ``models.loader.default_dtype`` (bfloat16 on CUDA; on the CPU bfloat16 for a 4-bit GGUF, else
-    float32)."""
-    num_kv_blocks: int = 2048
-    block_size: int = 16
-    max_model_len: int = 2048
-    seed: int = 0
-    """Random weights of presets, and the seeds of requests that bring none (so identical runs sample alike)."""
-    use_cuda_graphs: bool = True
-    fuse_decode_steps: bool = True
-    """Capture whole uniform-decode steps (``dispatcher.runtime.decode_step``); False: op by op."""
-    step_trace: str | None = None
-    """Append one JSON record per step to this file."""
-    async_scheduling: bool | None = None
-    """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
-    fixed_acceptance: float | None = None
-    """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
-    quantization: str | None = None
-    """``"fp8"`` (vLLM's ``--quantization``): the weights quantized to FP8 at load."""
-    kv_cache_dtype: str = "auto"
-    """``"auto"`` or ``"fp8"`` (vLLM's ``--kv-cache-dtype``)."""
-    eos_token_ids: tuple[int, ...] | None = None
-    """Token ids that end a request (unless ignore_eos); default: the model's (config and generation_config)."""
-    av_cost_table: str | None = None
-    """Adaptive verification's step-cost curve ({"tokens": [...], "ms": [...]}). Default: measured on this runtime
-    once, then kept under $TWOGRID_CACHE (default ~/.cache/twogrid) and reused, so that runs of one setup choose
-    the same verify lengths (and so sample the same tokens)."""
-    spec_cost_table: str | None = None
-    """``"auto"`` speculative tiers' step costs by (requests, q): a ``StepCostTable`` JSON file or step traces (.jsonl).
-    Default: every runner's FULL decode graphs timed on this runtime once, then kept under $TWOGRID_CACHE/spec_cost
-    and reused (so that runs of one setup start from the same tiers)."""
-    auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS
-    """``"auto"`` tiers: steps between two re-choices from the measured acceptance."""
-    enable_prefix_caching: bool = True
-    """Automatic prefix caching (on by default, as vLLM's): a request reuses the KV of the full blocks of its prefix
-    that another request computed (``scheduler.kv_blocks``)."""
-    tokenizer: str | None = None
-    """The checkpoint (directory or .gguf) whose tokenizer structured outputs compile grammars against; default:
-    the model's (a preset has none, nor a checkpoint without tokenizer.json: they refuse structured requests)."""
-    structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
-    """A structured request whose grammar has not compiled this long after it arrived is refused."""
 
 
 @dataclass
@@ -255,7 +206,7 @@ class EngineCore:
         if cfg.auto_tiers:
             costs = self._spec_step_costs(capture)
             self.auto_tiers = autotier.AutoTiers(autotier.chooser_for_plan(costs, self.plan), cfg.acceptance_prior,
-                                                 args.auto_tier_interval)
+                                                 args.auto_tier_interval, served_costs=not args.spec_cost_table)
             self.scheduler.set_tiers(self.auto_tiers.tiers)
             log.info("speculative tiers (auto, from %s, prior acceptance %s): %s", costs.source,
                      ", ".join(f"{p:.2f}" for p in cfg.acceptance_prior), self.auto_tiers.choice.text())
@@ -461,6 +412,8 @@ class EngineCore:
         if target.graph is None:
             reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
+        if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
+            self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms)  # (its graph's cost, served)
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,

@@ -24,6 +24,8 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import PARENT_PID_ENV
+from dispatcher.engine.protocol import TO_CORE, TO_FRONT, Drain
+from dispatcher.engine.protocol import encode as encode_to_core
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, CaptureProgress, Shutdown, Step,
                                  StepResult, WorkerError, WorkerInit, WorkerReady, decode_to_engine, encode)
 from models.config import ModelConfig
@@ -53,14 +55,14 @@ class ChildProcess:
     parent-death signal, ``set_parent_death_signal``). ``asyncio=True`` makes the sockets awaitable."""
 
     def __init__(self, module: str, to_child: str, from_child: str, asyncio: bool = False, env: dict | None = None,
-                 parent_dir: str | None = None):
+                 parent_dir: str | None = None, argv: tuple[str, ...] = ()):
         # mode 0700: only this user can reach the sockets; inside ``parent_dir`` (the engine's worker, in the front
         # end's directory) it goes when that one does, even if this process is killed
         self.dir = tempfile.mkdtemp(prefix="twogrid-ipc-", dir=parent_dir)
         os.chmod(self.dir, 0o700)
         self.ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
         self.to_child, self.from_child = bind_pair(self.ctx, self.dir, to_child, from_child)
-        self.proc = subprocess.Popen([sys.executable, "-m", module, self.dir],
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv, self.dir],
                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **(env or {})},
                                      start_new_session=True)
         self.stopping = False
@@ -144,16 +146,36 @@ class ChildProcess:
         ChildProcess.close(self, None, 0.0)
 
 
+def spawn_engine(log_level: str, num_ranks: int) -> ChildProcess:
+    """Start the engine process (which starts its worker's ``num_ranks`` processes at once; 0: once its settings
+    are in) before its settings are known: ``EngineClient.start`` sends them, ``stop_spawned_engine`` stops an
+    engine that never got them."""
+    return ChildProcess("dispatcher.engine.service", TO_CORE, TO_FRONT, asyncio=True,
+                        env={"TWOGRID_LOG_LEVEL": log_level}, argv=(str(num_ranks),))
+
+
+async def stop_spawned_engine(process: ChildProcess, timeout_s: float = 10.0) -> None:
+    """Stop an engine process that got no init (the front end's start-up failed): it kills its worker, removes
+    the worker's ipc directory and exits; this one's ipc directory goes too. SIGKILL after ``timeout_s``."""
+    await process.aclose_with(encode_to_core(Drain()), timeout_s)
+
+
 class WorkerProcess(ChildProcess):
     """One worker process (``dispatcher.runtime.process``): steps go out on ``to_worker``, results come back on
-    ``to_engine``."""
+    ``to_engine``. Started without its ``init`` (``set_init`` later), it imports torch while its engine waits for
+    the front end's settings."""
 
-    def __init__(self, init: WorkerInit, asyncio: bool = False, env: dict | None = None,
+    def __init__(self, init: WorkerInit | None, asyncio: bool = False, env: dict | None = None,
                  parent_dir: str | None = None):
         super().__init__("dispatcher.runtime.process", TO_WORKER, TO_ENGINE, asyncio, env, parent_dir)
         self.init = init
         self.to_worker, self.to_engine = self.to_child, self.from_child
         self.ready: WorkerReady | None = None
+
+    def set_init(self, init: WorkerInit) -> None:
+        """The settings ``start`` sends, for a process started before they were known."""
+        check_num_ranks(init, 1)
+        self.init = init
 
     def start(self, timeout_s: float = 3600.0) -> WorkerReady:
         """Send the init and wait for the worker to load, size its KV cache and capture (blocking; not for asyncio)."""
@@ -190,9 +212,25 @@ class WorkerProcess(ChildProcess):
 def worker_processes(init: WorkerInit, asyncio: bool = False, env: dict | None = None,
                      parent_dir: str | None = None) -> "WorkerProcess | WorkerGroup":
     """The worker of ``init``: one process, or a tensor-parallel group of ``init.tensor_parallel_size``."""
-    if init.tensor_parallel_size > 1:
-        return WorkerGroup(init, asyncio, env, parent_dir)
-    return WorkerProcess(init, asyncio, env, parent_dir)
+    process = spawn_workers(init.tensor_parallel_size, asyncio, env, parent_dir)
+    process.set_init(init)
+    return process
+
+
+def spawn_workers(num_ranks: int, asyncio: bool = False, env: dict | None = None,
+                  parent_dir: str | None = None) -> "WorkerProcess | WorkerGroup":
+    """A worker of ``num_ranks`` processes (a tensor-parallel group above 1), started before its ``WorkerInit`` is
+    known (``set_init`` gives it; the processes import torch meanwhile)."""
+    if num_ranks > 1:
+        return WorkerGroup(None, asyncio, env, parent_dir, num_ranks)
+    return WorkerProcess(None, asyncio, env, parent_dir)
+
+
+def check_num_ranks(init: WorkerInit, num_ranks: int) -> None:
+    """ValueError unless ``init`` asks for the ``num_ranks`` worker processes that were started."""
+    if init.tensor_parallel_size != num_ranks:
+        raise ValueError(f"the worker was started with {num_ranks} rank(s), its init asks for tensor_parallel_size "
+                         f"{init.tensor_parallel_size}")
 
 
 class _FanOut:
@@ -214,14 +252,15 @@ class WorkerGroup:
     then killed: they would wait in a collective for the one gone). The ranks' torch.distributed rendezvous is a
     file in the group's private directory."""
 
-    def __init__(self, init: WorkerInit, asyncio: bool = False, env: dict | None = None,
-                 parent_dir: str | None = None):
+    def __init__(self, init: WorkerInit | None, asyncio: bool = False, env: dict | None = None,
+                 parent_dir: str | None = None, num_ranks: int | None = None):
+        """``init``'s ranks, or ``num_ranks`` started before their init is known (``set_init``)."""
         self.dir = tempfile.mkdtemp(prefix="twogrid-tp-", dir=parent_dir)
         os.chmod(self.dir, 0o700)
         method = f"file://{os.path.join(self.dir, 'rendezvous')}"
         self.ranks: list[WorkerProcess] = []
         try:
-            for rank in range(init.tensor_parallel_size):
+            for rank in range(init.tensor_parallel_size if init is not None else num_ranks):
                 rank_env = {**(env or {}), TP_RANK_ENV: str(rank), TP_INIT_ENV: method}
                 self.ranks.append(WorkerProcess(init, asyncio, rank_env, parent_dir=self.dir))
         except BaseException:
@@ -233,6 +272,13 @@ class WorkerGroup:
         self.to_engine = self.ranks[0].to_engine
         self.ready: WorkerReady | None = None
         self._closed = False
+
+    def set_init(self, init: WorkerInit) -> None:
+        """The settings ``start`` sends to every rank, for ranks started before they were known."""
+        check_num_ranks(init, len(self.ranks))
+        self.init = init
+        for r in self.ranks:
+            r.init = init
 
     @property
     def stopping(self) -> bool:

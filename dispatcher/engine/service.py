@@ -1,4 +1,7 @@
-"""The engine process: ``python -m dispatcher.engine.service IPC_DIR``, started by ``twogrid serve``'s front end.
+"""The engine process: ``python -m dispatcher.engine.service [NUM_RANKS] IPC_DIR``, started by ``twogrid serve``'s
+front end as its first act: it starts its worker's NUM_RANKS processes at once, before it imports torch and
+before the front end's settings (``EngineInit``) arrive, so that the worker's imports (torch, Triton) overlap the
+front end's start-up (its tokenizer, its plan).
 
 It owns EngineCore's scheduler and dispatcher and drives them from an asyncio loop (uvloop where installed); its
 child, the worker process, owns the model, the KV cache and the graphs. One task runs the steps: it submits step
@@ -22,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -30,7 +34,7 @@ import zmq.asyncio
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
-                                  worker_processes)
+                                  spawn_workers, worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
@@ -74,7 +78,8 @@ class EngineService:
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot. The
-        engine's own heavy imports (torch, through the engine core) run while the worker starts, not before."""
+        engine's own heavy imports (torch, through the engine core) run while the worker starts (``serve`` started
+        them), not before."""
         loop = asyncio.get_running_loop()
         structured = self.init.worker.structured_outputs  # (the server has a tokenizer)
         xgrammar = loop.run_in_executor(None, _import_xgrammar) if structured else None  # (while the worker loads)
@@ -368,11 +373,36 @@ def _decode(frame: bytes) -> StepResult | WorkerReady | WorkerError | None:
     return decode_or_refuse(decode_to_engine, frame, log, "the engine's socket")
 
 
-async def serve(ipc_dir: str) -> int:
+async def serve(ipc_dir: str, num_ranks: int = 1) -> int:
+    """The engine's life: its worker's ``num_ranks`` processes start first (their imports overlap the front end's
+    start-up; 0: the worker starts once the init says how many ranks), then the front end's ``EngineInit`` (or its
+    ``Drain``: its start-up failed, so the worker is stopped unused and the engine exits 0)."""
+    process = spawn_workers(num_ranks, asyncio=True, parent_dir=ipc_dir) if num_ranks else None
+    # The engine core's imports (torch among them) while the front end sets up; ``EngineService.start``'s import
+    # of it waits for this one. (A daemon thread: an engine stopped meanwhile exits without waiting for it.)
+    threading.Thread(target=importlib.import_module, args=("dispatcher.engine.engine_core",), daemon=True,
+                     name="import-engine-core").start()
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(f"ipc://{ipc_dir}/{TO_CORE}")
-    init = await _first_message(inbox)
+    try:
+        init = await _first_message(inbox, process, ipc_dir)
+        if init is not None and process is not None:
+            process.set_init(init.worker)
+        elif init is not None:
+            process = worker_processes(init.worker, asyncio=True, parent_dir=ipc_dir)
+    except BaseException:
+        if process is not None:
+            process.kill()
+        raise
+    if init is None:  # (silently: the front end's error is the one line its user reads)
+        if process is not None:
+            process.kill()
+            await process.aclose(5.0)
+        inbox.close(linger=0)
+        ctx.term()
+        logging.shutdown()
+        os._exit(0)  # (not through the interpreter's exit, which a daemon thread still importing torch can upset)
     outboxes = []
     for index in range(max(1, init.num_front_ends)):
         to_core, to_front = front_end_sockets(index)
@@ -382,7 +412,6 @@ async def serve(ipc_dir: str) -> int:
         outbox.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: outputs are never dropped or held back
         outbox.connect(f"ipc://{ipc_dir}/{to_front}")
         outboxes.append(outbox)
-    process = worker_processes(init.worker, asyncio=True, parent_dir=ipc_dir)
     service = EngineService(init, process, inbox, outboxes)
     loop = asyncio.get_running_loop()
     watchers = [loop.create_task(_worker_exit(process)), loop.create_task(_front_end_exit(process, ipc_dir))]
@@ -429,6 +458,16 @@ async def _first_done(work, *watchers) -> None:
     task.result()
 
 
+async def _first_done_value(work, watcher):
+    """``work``'s value, unless ``watcher`` ends first (it raises, or exits the process)."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        watcher.result()
+    return task.result()
+
+
 async def _worker_exit(process: WorkerProcess) -> None:
     """Raise WorkerDied as soon as the worker exits unasked (at once through a pidfd), busy or idle."""
     await process.wait_exit()
@@ -438,24 +477,33 @@ async def _worker_exit(process: WorkerProcess) -> None:
     await asyncio.Event().wait()  # stopped on purpose: nothing to report
 
 
-async def _front_end_exit(process: WorkerProcess, ipc_dir: str) -> None:
+async def _front_end_exit(process: "WorkerProcess | WorkerGroup | None", ipc_dir: str) -> None:
     """A front end killed without stopping its engine leaves it orphaned: stop the worker, remove the front end's
     ipc directory (the worker's is inside it) and exit, within a second."""
     while not parent_gone():
         await asyncio.sleep(1.0)
     log.error("the front end is gone: stopping the worker and exiting")
-    process.kill()
+    if process is not None:  # (None: gone before the engine started its worker)
+        process.kill()
     shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(1)
 
 
-async def _first_message(inbox) -> EngineInit:
-    while True:
-        msg = decode_or_refuse(decode_to_core, await inbox.recv(), log, "the engine's request socket")
-        if isinstance(msg, EngineInit):
-            return msg
-        if msg is not None:
-            log.warning("expected EngineInit first, got %s: dropped", type(msg).__name__)
+async def _first_message(inbox, process: "WorkerProcess | WorkerGroup | None", ipc_dir: str) -> EngineInit | None:
+    """The front end's EngineInit, or None for its Drain (its start-up failed). Meanwhile a front end that is gone
+    (killed while starting) ends the engine and its worker as one that is gone later does (a worker that exits
+    meanwhile is noticed once the init is in, as it is later)."""
+    front_end = asyncio.ensure_future(_front_end_exit(process, ipc_dir))
+    try:
+        while True:
+            msg = decode_or_refuse(decode_to_core, await _first_done_value(inbox.recv(), front_end), log,
+                                   "the engine's request socket")
+            if isinstance(msg, (EngineInit, Drain)):
+                return msg if isinstance(msg, EngineInit) else None
+            if msg is not None:
+                log.warning("expected EngineInit first, got %s: dropped", type(msg).__name__)
+    finally:
+        front_end.cancel()
 
 
 def main() -> int:
@@ -468,7 +516,7 @@ def main() -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
         runner = asyncio.run
-    return profiled("engine", runner, serve(sys.argv[1]))
+    return profiled("engine", runner, serve(sys.argv[-1], int(sys.argv[1]) if len(sys.argv) > 2 else 1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` s
 with ``PRIOR_WEIGHT`` pseudo events (a position not verified lately keeps the prior's ratio to the position before
 it). Hysteresis: a batch size
 changes its K only when the new K beats the one in force there by more than ``HYSTERESIS``.
+
+The table's costs are graph replays over empty contexts (no attention work, no prefills riding along); served steps
+cost more, and not by the same factor at every q (on the H200 with the default model a K = 3 step measured 1.5x a
+plain one in the table and 1.9x served at 16-256 streams). So ``AutoTiers`` also takes each served uniform decode
+step's device time (``observe_step``) and keeps, per (K, batch-size bucket of powers of two), the ratio of served to
+table cost (``MeasuredCosts``: a running mean behind ``COST_PRIOR_STEPS`` pseudo steps at ratio 1, then an
+exponential average over about ``COST_MEMORY_STEPS`` steps); each choice weighs the table's cost times that ratio.
+A (K, bucket) never served keeps ratio 1, so when the K in force turns out dearer than its table cost, the others
+look better and get tried: each is measured where it runs, and kept (a ratio is only updated by its own steps).
 """
 
 from __future__ import annotations
@@ -44,6 +53,12 @@ HYSTERESIS = 0.05
 """A batch size changes its K only for more than 5 % more expected tokens per second."""
 PRIOR_WEIGHT = 32.0
 """Pseudo verify events of the prior at each position (a few steps of measured ones outweigh it)."""
+COST_PRIOR_STEPS = 8.0
+"""Pseudo steps at ratio 1 (the table's own cost) behind a (K, bucket)'s measured cost ratio."""
+COST_MEMORY_STEPS = 64
+"""Served steps a cost ratio averages over once it has that many (an exponential average after them)."""
+COST_RATIO_BOUNDS = (0.25, 8.0)
+"""A served step's ratio to its table cost is clipped to these (a step that waited for a kernel's compile)."""
 WINDOW_HALF_LIFE_STEPS = 128
 """Steps after which a count weighs half: the acceptance is that of the last few hundred steps. When nothing is
 verified for a while (every tier at K = 0), the estimate returns to the prior, and drafting is tried again."""
@@ -269,6 +284,8 @@ class TierChoice:
     k_of_batch: np.ndarray
     """K for n requests, n in 0..max_num_seqs (entry 0 = entry 1)."""
     acceptance: tuple[float, ...]
+    cost_ratio: np.ndarray | None = None
+    """(candidates, n) the served-to-table cost ratios the choice weighed (None: the table's costs alone)."""
 
     def resolved(self, max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
         """(min_batch, max_batch, K) per tier, the scheduler's form."""
@@ -354,23 +371,26 @@ class TierChooser:
         self.valid = np.isfinite(self.ms)
         self._n = n
 
-    def throughput(self, acceptance: Sequence[float]) -> np.ndarray:
+    def throughput(self, acceptance: Sequence[float], cost_ratio: np.ndarray | None = None) -> np.ndarray:
         """Expected output tokens per second for each candidate (rows) and batch size (columns, 0..max_num_seqs):
-        n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K) * 1000; -inf where K cannot run n on its graphs."""
+        n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K) * 1000, the step's ms times ``cost_ratio`` (same shape) if
+        given; -inf where K cannot run n on its graphs."""
         tokens = np.array([expected_tokens(acceptance, k) for k in self.candidates])[:, None]
+        ms = self.ms if cost_ratio is None else self.ms * cost_ratio
         with np.errstate(divide="ignore", invalid="ignore"):
-            tps = np.where(self.valid, self._n[None, :] * tokens / self.ms * 1e3, -np.inf)
+            tps = np.where(self.valid, self._n[None, :] * tokens / ms * 1e3, -np.inf)
         return tps
 
     def choose(self, acceptance: Sequence[float], current: np.ndarray | None = None,
-               hysteresis: float = 0.0) -> TierChoice:
+               hysteresis: float = 0.0, cost_ratio: np.ndarray | None = None) -> TierChoice:
         """K for every batch size, merged into tiers. Each batch size n scores each K by its expected tokens/s over
         the best K's there (1 for the best); K may only fall as n grows (a staircase: measured costs are noisy, and
         a per-size argmax would split a range into many tiers over differences of a fraction of a percent); the
         staircase with the highest total score wins (``staircase``), ties going to the smaller K. With ``current`` (K
         per batch size, a TierChoice's ``k_of_batch``) the K in force at n scores ``1 + hysteresis`` times more, so
-        that it changes only for a K that beats it there by more than that (or where it can no longer run)."""
-        tps = self.throughput(acceptance)
+        that it changes only for a K that beats it there by more than that (or where it can no longer run).
+        ``cost_ratio``: served-to-table step costs (``MeasuredCosts.by_batch``)."""
+        tps = self.throughput(acceptance, cost_ratio)
         best = tps.max(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             score = np.where(np.isfinite(tps) & (best > 0), tps / best, 0.0)
@@ -385,12 +405,12 @@ class TierChooser:
         k_of = np.empty(self.max_num_seqs + 1, np.int64)
         k_of[1:] = np.array(self.candidates)[staircase(score[:, 1:])]
         k_of[0] = k_of[1] if self.max_num_seqs >= 1 else 0
-        return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance))
+        return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance), cost_ratio)
 
     def explain(self, choice: TierChoice) -> list[dict[str, Any]]:
         """Per chosen tier: its batch range, its K, and each candidate's expected tokens/s at the range's ends (None
         where the candidate cannot run there)."""
-        tps = self.throughput(choice.acceptance)
+        tps = self.throughput(choice.acceptance, choice.cost_ratio)
         rows = []
         for lo, hi, k in choice.resolved(self.max_num_seqs):
             per_k = {}
@@ -401,19 +421,57 @@ class TierChooser:
         return rows
 
 
+class MeasuredCosts:
+    """Served uniform decode steps' device time over the table's cost of the same (requests, q), per candidate K and
+    batch-size bucket (bucket b: b.bit_length() - 1 of the padded request count, so 1, 2-3, 4-7, ...)."""
+
+    def __init__(self, chooser: TierChooser):
+        self.chooser = chooser
+        self.index = {k: i for i, k in enumerate(chooser.candidates)}
+        buckets = max(1, int(chooser.max_num_seqs).bit_length())
+        self.ratio = np.ones((len(chooser.candidates), buckets))
+        self.steps = np.zeros((len(chooser.candidates), buckets), np.int64)
+        self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
+        self._bucket_of[1:] = [min(int(n).bit_length() - 1, buckets - 1) for n in range(1, chooser.max_num_seqs + 1)]
+
+    def observe(self, num_reqs: int, q: int, device_ms: float) -> bool:
+        """One served uniform decode of ``num_reqs`` (padded) requests at q that took ``device_ms``; False (nothing
+        kept) where the table has no cost for it or the time is not a positive number."""
+        i = self.index.get(q - 1)
+        if i is None or not 1 <= num_reqs <= self.chooser.max_num_seqs or not _is_ms(device_ms):
+            return False
+        table_ms = self.chooser.ms[i, num_reqs]
+        if not np.isfinite(table_ms):
+            return False
+        b = self._bucket_of[num_reqs]
+        x = min(max(device_ms / table_ms, COST_RATIO_BOUNDS[0]), COST_RATIO_BOUNDS[1])
+        self.steps[i, b] = min(self.steps[i, b] + 1, COST_MEMORY_STEPS)
+        self.ratio[i, b] += (x - self.ratio[i, b]) / (COST_PRIOR_STEPS + self.steps[i, b])
+        return True
+
+    def by_batch(self) -> np.ndarray:
+        """(candidates, 0..max_num_seqs) each batch size's ratio, its bucket's."""
+        return self.ratio[:, self._bucket_of]
+
+
 class AutoTiers:
     """The engine's (and simulate's) tiers under ``"auto"``: chosen from the prior at start, then every
     ``interval`` steps from the scheduler's per-position counters (``observe``), with hysteresis."""
 
     def __init__(self, chooser: TierChooser, prior: Sequence[float], interval: int = RECHOOSE_INTERVAL_STEPS,
                  hysteresis: float = HYSTERESIS, prior_weight: float = PRIOR_WEIGHT,
-                 half_life_steps: float = WINDOW_HALF_LIFE_STEPS):
+                 half_life_steps: float = WINDOW_HALF_LIFE_STEPS, served_costs: bool = True):
+        """``served_costs``: weigh the served steps' cost against the table's (``observe_step``); False takes the
+        table as it is (a table a user gave)."""
         if interval < 1:
             raise ValueError(f"auto tiers: the re-choice interval must be >= 1 step, got {interval}")
         self.chooser, self.prior = chooser, tuple(prior)
         self.interval, self.hysteresis, self.prior_weight = interval, hysteresis, prior_weight
         self.decay = 0.5 ** (interval / half_life_steps)
         """Weight the window's counts keep at each re-choice."""
+        self.costs = MeasuredCosts(chooser)
+        """Served steps' cost against the table's (``observe_step``), weighed from the next re-choice on."""
+        self.served_costs = served_costs
         self.choice = chooser.choose(self.prior)
         self.changes = 0
         """Times the tiers changed after the first choice."""
@@ -433,6 +491,11 @@ class AutoTiers:
         """The acceptance per position the window's counts give (the prior before any)."""
         return estimate_acceptance(self._accepted, self._verified, self.prior, self.prior_weight)
 
+    def observe_step(self, num_reqs: int, q: int, device_ms: float) -> bool:
+        """A served uniform decode step's device time (``num_reqs``: the padded request count its graph ran at), for
+        the next choices' costs (``MeasuredCosts``); False when not kept."""
+        return self.served_costs and self.costs.observe(num_reqs, q, device_ms)
+
     def observe(self, accepted_per_pos: Sequence[int], verified_per_pos: Sequence[int], steps: int = 1) -> bool:
         """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
         and ``verified_per_pos``). Every ``interval`` steps: the window takes what they added, the acceptance is
@@ -447,7 +510,7 @@ class AutoTiers:
             self._accepted[j] = self.decay * self._accepted[j] + (a - self._seen_accepted[j])
             self._verified[j] = self.decay * self._verified[j] + (v - self._seen_verified[j])
             self._seen_accepted[j], self._seen_verified[j] = a, v
-        new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis)
+        new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis, self.costs.by_batch())
         changed = new.tiers != self.choice.tiers
         self.choice = new
         self.changes += changed

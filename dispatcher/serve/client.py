@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from dispatcher.child import parent_gone
-from dispatcher.engine.ipc import ChildProcess, bind_pair
+from dispatcher.engine.ipc import ChildProcess, bind_pair, spawn_engine
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Outputs, decode_to_front, encode, front_end_sockets)
@@ -77,10 +77,10 @@ class EngineClient:
         self._stopping = False
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> WorkerReady:
-        """Start the engine process and wait for its worker (load, KV cache, capture). EngineError if it cannot."""
-        self.process = ChildProcess("dispatcher.engine.service", TO_CORE, TO_FRONT, asyncio=True,
-                                    env={"TWOGRID_LOG_LEVEL": self.log_level})
+    async def start(self, process: ChildProcess | None = None) -> WorkerReady:
+        """Send the engine process (``process``, from ``spawn_engine``; by default started now) its init and wait
+        for its worker (load, KV cache, capture). EngineError if it cannot."""
+        self.process = process or spawn_engine(self.log_level, self.init.worker.tensor_parallel_size)
         self._send(self.init)
         while True:
             if await self.process.from_child.poll(LIVENESS_S * 1000):

@@ -6,11 +6,13 @@ tokenization, detokenization, stop strings and metrics (``dispatcher.serve.clien
 (``dispatcher.runtime.process``) the model, its KV cache and its graphs. They talk over ZeroMQ in a private ipc
 directory (``dispatcher.engine.protocol`` and ``dispatcher.messages``: msgspec, no pickle), so that streaming to
 many clients never holds up a step.
-Start-up: the HTTP server answers at once (/health 503 while the worker loads the model, sizes its KV cache from
-free memory and captures); the capture plan is logged before, the capture result after. SIGINT / SIGTERM: stop
-accepting, let requests in flight finish for ``--shutdown-timeout`` seconds, fail the rest with an error, stop the
-engine and its worker, remove the ipc directory, exit 0. A worker or engine process that dies fails every request
-in flight and ends the server with exit code 1, so that a supervisor restarts it.
+Start-up: the flags that need no model are checked first; then the engine process starts (and at once its worker,
+whose imports overlap this process's setup: torch, the model's config, the tokenizer, the plan), then it gets its
+settings; the HTTP server answers as soon as the setup is done (/health 503 while the worker loads the model, sizes
+its KV cache from free memory and captures); the capture plan is logged before, the capture result after.
+SIGINT / SIGTERM: stop accepting, let requests in flight finish for ``--shutdown-timeout`` seconds, fail the rest
+with an error, stop the engine and its worker, remove the ipc directory, exit 0. A worker or engine process that
+dies fails every request in flight and ends the server with exit code 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -145,9 +147,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dispatcher.child import seconds_since_start
 
-    started = time.perf_counter() - (seconds_since_start() or 0.0)
-    setup = _setup(args)
-    args.started_at = started
+    args.started_at = time.perf_counter() - (seconds_since_start() or 0.0)
+    _check_flags(args)
+    default_triton_cache()  # (inherited by the engine and its worker)
     try:
         import uvloop
 
@@ -156,25 +158,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         runner = asyncio.run
     from dispatcher.child import profiled
 
-    return profiled("serve", runner, _serve(args, *setup))
+    return profiled("serve", runner, _start(args))
 
 
-def _setup(args: argparse.Namespace):
-    """Everything that can fail on bad input, before any process starts: the configuration, the model's config and
-    tokenizer, the limits. ConfigError names the flag."""
-    import torch
+async def _start(args: argparse.Namespace) -> int:
+    """The engine process first (it starts its worker at once: their imports, torch and Triton, overlap this
+    process's own start-up), then this process's setup (``_setup``: torch, the model's config, the tokenizer, the
+    plan), then the server (``_serve``). A setup that fails stops the engine and its worker unused (no process and
+    no ipc directory is left) and raises its ConfigError."""
+    from dispatcher.engine.ipc import spawn_engine, stop_spawned_engine
 
-    from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
-                                      resolve_device)
-    from dispatcher.engine.config import max_model_len_limit, scheduler_config
-    from dispatcher.engine.engine_core import EngineArgs
-    from dispatcher.messages import WorkerInit
-    from dispatcher.plan.capture_plan import build_plan
-    from models.default_model import default_model_path
-    from models.checkpoint import CheckpointError
-    from models.loader import default_dtype, model_kind, read_model_config
-    from models.text import check_draft_tokenizer, load_tokenizer
+    size = args.tensor_parallel_size
+    # (its worker's ranks start with it; a size no machine here serves, more ranks than cores, starts none: _setup
+    # refuses it before any worker starts)
+    process = spawn_engine(args.log_level, size if 1 <= size <= (os.cpu_count() or 1) else 0)
+    args.engine_spawned_s = time.perf_counter() - args.started_at
+    try:
+        setup = _setup(args)
+    except BaseException:
+        await stop_spawned_engine(process)
+        raise
+    args.front_end_setup_s = time.perf_counter() - args.started_at
+    log.info("front end set up %.1f s after the server process started (the engine process started at %.1f s)",
+             args.front_end_setup_s, args.engine_spawned_s)
+    return await _serve(args, process, *setup)
 
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The checks that need neither torch nor the model, before any process starts (a bad flag fails at once, as it
+    did when every check came first). ConfigError names the flag."""
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.block_size < 1:
@@ -189,10 +201,6 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    default_triton_cache()
-    device = resolve_device(args.device)
-    if device == "cpu" and args.platform == "auto":
-        args.platform = "default"
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     if args.enforce_eager:
         compilation["cudagraph_mode"] = "NONE"
@@ -200,6 +208,29 @@ def _setup(args: argparse.Namespace):
         compilation["delayed_cudagraph_capture"] = True
     if args.enforce_eager or args.delayed_cudagraph_capture:
         args.compilation_config = json.dumps(compilation)
+    parse_json_arg(args.speculative_config, "--speculative-config")
+
+
+def _setup(args: argparse.Namespace):
+    """Everything else that can fail on bad input, while the engine process starts (``_start`` stops it if this
+    fails): the device, the configuration, the model's config and tokenizer, the limits. ConfigError names the
+    flag."""
+    import torch
+
+    from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
+                                      resolve_device)
+    from dispatcher.engine.config import EngineArgs, max_model_len_limit, scheduler_config
+    from dispatcher.messages import WorkerInit
+    from dispatcher.plan.capture_plan import build_plan
+    from models.default_model import default_model_path
+    from models.checkpoint import CheckpointError
+    from models.loader import default_dtype, model_kind, read_model_config
+    from models.text import check_draft_tokenizer, load_tokenizer
+
+    device = resolve_device(args.device)
+    if device == "cpu" and args.platform == "auto":
+        args.platform = "default"
+    compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     cfg = config_from_args(args)
     try:
         model = args.model or default_model_path()
@@ -341,37 +372,34 @@ def _model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
-async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int:
+async def _serve(args, process, cfg, engine_args, init, tokenizer, name, defaults) -> int:
+    """Serve through the engine ``process`` (started, waiting for its init)."""
+    from dispatcher.engine.ipc import stop_spawned_engine
     from dispatcher.engine.protocol import EngineInit
-    from dispatcher.serve.app import build_app, drain, start_http
+    from dispatcher.serve.app import build_app, drain
     from dispatcher.serve.client import EngineClient, EngineError
-    from dispatcher.serve.frontend import FrontEnds, listening_sockets
+    from dispatcher.serve.frontend import FrontEnds
     from dispatcher.serve.metrics import EngineMetrics
 
-    metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
-                            num_speculative_tokens=cfg.num_speculative_tokens)
-    engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
-                                     args.api_server_count, engine_args.enable_prefix_caching,
-                                     args.tokenizer or init.model, args.structured_compile_timeout_s),
-                          tokenizer, name, defaults, metrics, args.log_level)
-    cors = cors_config(args)
-    app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors,
-                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
-    try:
-        socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
-        runner = await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, socks=socks)
-    except OSError as exc:  # (the port taken, the host unknown or not this machine's)
-        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"--host: cannot listen on {args.host!r}: {(exc.strerror or str(exc)).lower()} (give "
-                              f"an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)") from None
-        reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
-        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
-                          f"server there? give another --port)") from None
-    log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and, unless capture is "
-             "delayed, its graphs captured)", args.host, args.port)
-    front_ends = None
-    if socks is not None:
-        front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults, cors)  # (_setup's)
+    try:  # (until the engine gets its init: one that never does is stopped here)
+        metrics = EngineMetrics(name, multiprocess=args.api_server_count > 1,
+                                num_speculative_tokens=cfg.num_speculative_tokens)
+        engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
+                                         args.api_server_count, engine_args.enable_prefix_caching,
+                                         args.tokenizer or init.model, args.structured_compile_timeout_s),
+                              tokenizer, name, defaults, metrics, args.log_level)
+        cors = cors_config(args)
+        app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors,
+                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+        runner, socks = await _listen(app, args)
+        log.info("listening on http://%s:%d (/health answers 503 until the model is loaded and, unless capture is "
+                 "delayed, its graphs captured)", args.host, args.port)
+        front_ends = None
+        if socks is not None:
+            front_ends = FrontEnds(args, engine, socks, args.tokenizer or init.model, defaults, cors)  # (_setup's)
+    except BaseException:
+        await stop_spawned_engine(process)
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -387,13 +415,13 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         loop.add_signal_handler(sig, on_signal, sig)
     code = 0
     try:
-        started = loop.create_task(engine.start())
+        started = loop.create_task(engine.start(process))
         stopped = loop.create_task(stop.wait())
-        if front_ends is not None:  # they start with the engine (in its ipc directory, once it exists)
+        if front_ends is not None:  # they start once the engine has its init (in its ipc directory)
             while engine.process is None and not started.done():
                 await asyncio.sleep(0.01)
             if engine.process is not None:
-                front_ends.spawn(engine.process.dir)
+                front_ends.spawn(process.dir)
         done, _ = await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if started in done:
             ready = started.result()
@@ -441,6 +469,25 @@ async def _serve(args, cfg, engine_args, init, tokenizer, name, defaults) -> int
         await runner.cleanup()
         log.info("stopped")
     return code
+
+
+async def _listen(app, args):
+    """The HTTP server's runner, listening, and its sockets (several front ends': else None); ConfigError naming
+    --host / --port when it cannot listen there."""
+    from dispatcher.serve.app import start_http
+    from dispatcher.serve.frontend import listening_sockets
+
+    try:
+        socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
+        return await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+                                socks=socks), socks
+    except OSError as exc:  # (the port taken, the host unknown or not this machine's)
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host: cannot listen on {args.host!r}: {(exc.strerror or str(exc)).lower()} (give "
+                              f"an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)") from None
+        reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
+        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
+                          f"server there? give another --port)") from None
 
 
 def _force_exit(engine, front_ends) -> None:
