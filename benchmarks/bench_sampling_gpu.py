@@ -9,10 +9,10 @@ variants against the same server (so that a drift of the machine falls on all of
              penalties count each request's prompt and output tokens on the device, every step)
 
 Per variant the output tok/s over all its rounds, TPOT and TTFT (medians), the server's step device time and GPU
-busy, and how many of its steps ran as one fused graph (``fused_steps`` of ``steps``: sampled decodes fuse,
-penalized ones run op by op); then ``penalized_over_sampled`` (issue 31's target: >= 0.9) and
-``sampled_over_greedy``. ``--extra-body`` adds fields to the penalized variant's requests (a structured-output
-schema, for one). A row's ``round_tok_s`` shows the spread.
+busy, and how many of its steps ran as one fused graph (``fused_steps`` of ``steps``: sampled and penalized
+decodes fuse; a structured-output schema's run op by op); then ``penalized_over_sampled`` (issue 31's target:
+>= 0.9) and ``sampled_over_greedy``. ``--extra-body`` adds fields to the penalized variant's requests (a
+structured-output schema, for one). A row's ``round_tok_s`` shows the spread.
 
     PYTHONPATH=. python benchmarks/bench_sampling_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/sampling_h200.json

@@ -406,16 +406,35 @@ if triton is not None:
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB
         return x ^ (x >> 31)
 
+    @triton.jit
+    def _penalized_row(x, cols, valid, slot, num_drafts, rep, pres, freq, counts_ptr, seen_ptr, drafts_ptr,
+                       stride_counts, stride_seen, stride_drafts):
+        """Logits x at ``cols`` of a row with penalties, as ``_penalize_kernel`` makes them (the same operations):
+        the counts from its slot's row of the count table plus its slot's first ``num_drafts`` drafts."""
+        count = tl.load(counts_ptr + slot * stride_counts + cols, mask=valid, other=0)
+        for j in range(0, num_drafts):
+            count += (cols == tl.load(drafts_ptr + slot * stride_drafts + j)).to(tl.int32)
+        present = count > 0
+        seen = tl.load(seen_ptr + slot * stride_seen + cols, mask=valid, other=0) != 0
+        scale = tl.where(present | seen, rep, 1.0)
+        x = tl.where(x > 0, x / scale, x * scale)
+        return x - freq * count.to(tl.float32) - tl.where(present, pres, 0.0)
+
     @triton.jit(do_not_specialize=["rows_per_slot"])  # (1 or q: one compiled kernel)
-    def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, stride_x, n, rows_per_slot,
-                       BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, penalized_ptr, pen_ptr,
+                       counts_ptr, seen_ptr, drafts_ptr, stride_x, stride_counts, stride_seen, stride_drafts, n,
+                       rows_per_slot, BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       PENALTIES: tl.constexpr):
         """Program per row: its token, as ``models.sampling.sample_tokens`` draws it without top-k and top-p. A
         greedy row (temperature 0) takes the first index of its largest logit; a sampled one the first argmax of
         logits / T + Gumbel noise, the noise from ``models.sampling.uniform(seed, position, SAMPLE)`` (its bits
         hashed here, column by column), tokens below the row's largest scaled logit + log(min_p) left out (min_p
         0: off). HAS_SLOTS: the row's parameters are at its slot, slot_ptr[row // rows_per_slot], of per-slot
         tables (else at the row). Every float32 value is the torch path's: the division rounded (``div_rn``),
-        CUDA's logf, the same operations in the same order. A greedy row hashes nothing."""
+        CUDA's logf, the same operations in the same order. A greedy row hashes nothing. PENALTIES (with
+        HAS_SLOTS): a row whose slot is penalized (``penalized_ptr``) gets its slot's repetition, presence and
+        frequency penalties (``pen_ptr``, 3 a slot) first, as ``_penalize_kernel`` applies them, counting the
+        slot's drafts before the row (column j of a slot's rows: its first j drafts); other rows read one flag."""
         row = tl.program_id(0)
         base = x_ptr + row.to(tl.int64) * stride_x
         param = row.to(tl.int64)
@@ -426,11 +445,27 @@ if triton is not None:
         if HAS_MIN_P:
             min_p = tl.load(min_p_ptr + param)
         cols = tl.arange(0, BLOCK)
+        penalized = False
+        rep = tl.zeros_like(temp)
+        pres = rep
+        freq = rep
+        num_drafts = row % rows_per_slot
+        if PENALTIES:
+            penalized = tl.load(penalized_ptr + param) != 0
+            if penalized:
+                rep = tl.load(pen_ptr + param * 3)
+                pres = tl.load(pen_ptr + param * 3 + 1)
+                freq = tl.load(pen_ptr + param * 3 + 2)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         best_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
         if (temp == 0.0) | (min_p > 0.0):  # the row's largest logit (and its first index)
             for start in range(0, n, BLOCK):
-                x = tl.load(base + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
+                valid = start + cols < n
+                x = tl.load(base + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
+                if PENALTIES:
+                    if penalized:
+                        x = _penalized_row(x, start + cols, valid, param, num_drafts, rep, pres, freq, counts_ptr,
+                                           seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts)
                 m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
                 best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first stays)
                 best = tl.maximum(best, m)
@@ -447,6 +482,10 @@ if triton is not None:
             for start in range(0, n, BLOCK):
                 mask = start + cols < n
                 x = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                if PENALTIES:
+                    if penalized:
+                        x = _penalized_row(x, start + cols, mask, param, num_drafts, rep, pres, freq, counts_ptr,
+                                           seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts)
                 scaled = tl.math.div_rn(x, t)
                 bits = _splitmix64(key + (start + cols).to(tl.uint64) * 0x9E3779B97F4A7C15) >> 40  # 24 random bits
                 u = tl.minimum((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 1.0 / 16777216.0)
@@ -457,6 +496,19 @@ if triton is not None:
                 top = tl.maximum(top, m)
             best_i = top_i
         tl.store(ids_ptr + row, best_i)
+
+    @triton.jit
+    def _count_kernel(slot_ptr, tokens_ptr, accepted_ptr, penalized_ptr, counts_ptr, stride_counts, q,
+                      Q_PAD: tl.constexpr):
+        """Program per request: if its slot is penalized, its step's tokens up to its accepted drafts' (the first
+        accepted + 1 of its q) added to its slot's output counts (atomically: a token may repeat)."""
+        i = tl.program_id(0)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        if tl.load(penalized_ptr + slot) != 0:
+            cols = tl.arange(0, Q_PAD)
+            keep = cols <= tl.load(accepted_ptr + i)
+            tokens = tl.load(tokens_ptr + i * q + cols, mask=keep & (cols < q), other=0)
+            tl.atomic_add(counts_ptr + slot * stride_counts + tokens, 1, mask=keep & (cols < q))
 
     @triton.jit
     def _penalize_kernel(x_ptr, slot_ptr, counts_ptr, seen_ptr, rep_ptr, pres_ptr, freq_ptr, drafts_ptr, stride_x,
@@ -525,13 +577,16 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            min_p: torch.Tensor | None = None, slots: torch.Tensor | None = None, rows_per_slot: int = 1,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           penalties: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of (rows, vocab) logits (int64, into ``out`` if given), in one kernel: the argmax for
     temperature 0, else the seeded Gumbel-max sample at ``positions`` (rows,), min_p (0: off; None: no row uses
     it) applied first; the tokens of ``models.sampling.sample_tokens``'s torch path without top-k and top-p, which
     calls it on the GPU. ``temperature``, ``seeds`` (int64) and ``min_p`` (float32) are per row, or with ``slots``
     per-slot tables: row r reads its slot's, slots[r // rows_per_slot] (a fused decode step's rows, q per
-    request, read the request state where it lies)."""
+    request, read the request state where it lies). ``penalties`` (with ``slots``): per-slot tables (penalized
+    (bool), the repetition, presence and frequency penalties (slots, 3), the output counts and prompt tokens (slots,
+    vocab + 1), the drafts (slots, K)): a penalized slot's rows are penalized first, as ``penalize`` does it, row
+    j of a slot counting its first j drafts."""
     rows, n = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -539,11 +594,29 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if penalties is not None:
+        penalized, pen, counts, seen, drafts = penalties
+        tables = (penalized.view(torch.uint8), pen, counts, seen.view(torch.uint8), drafts)
+        strides = (counts.stride(0), seen.stride(0), drafts.stride(0))
+    else:
+        tables, strides = (out,) * 5, (0, 0, 0)  # (unread placeholders)
     _sample_kernel[(rows,)](logits, temperature, seeds, min_p if min_p is not None else temperature, positions,
-                            slots if slots is not None else positions, out, logits.stride(0), n, rows_per_slot,
-                            BLOCK=min(4096, triton.next_power_of_2(n)), HAS_MIN_P=min_p is not None,
-                            HAS_SLOTS=slots is not None, num_warps=8)
+                            slots if slots is not None else positions, out, *tables, logits.stride(0), *strides, n,
+                            rows_per_slot, BLOCK=min(4096, triton.next_power_of_2(n)), HAS_MIN_P=min_p is not None,
+                            HAS_SLOTS=slots is not None, PENALTIES=penalties is not None, num_warps=8)
     return out
+
+
+def count_accepted(slots: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor, penalized: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+    """A step's accepted tokens into the penalized slots' output counts, in one kernel (the torch path:
+    ``SamplingExtras.count``): per request (slots (n,)), its tokens (n, q) int64 up to accepted (n,) + 1, where
+    ``penalized`` (a per-slot bool table, indexed by every slot) says so; ``counts`` (slots, vocab + 1) int32."""
+    n, q = tokens.shape
+    if n == 0:
+        return
+    _count_kernel[(n,)](slots, tokens.contiguous(), accepted, penalized.view(torch.uint8), counts, counts.stride(0),
+                        q, Q_PAD=triton.next_power_of_2(q), num_warps=1)
 
 
 PENALIZE_BLOCK = 4096

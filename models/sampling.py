@@ -176,20 +176,61 @@ def sample_tokens(logits: torch.Tensor, params: RowParams, positions: torch.Tens
     return torch.where(params.temperature > 0, drawn, greedy)
 
 
+@dataclass
+class SlotPenalties:
+    """The penalties' per-slot tables (``dispatcher.runtime.sampling_state.SamplingExtras``) as a fused decode step
+    reads them: the flags and values have a row for every slot a step names (padding's included)."""
+
+    penalized: torch.Tensor
+    """(slots,) bool: the slot's request uses a penalty."""
+    values: torch.Tensor
+    """(slots, 3) float32: its repetition, presence and frequency penalties."""
+    output_counts: torch.Tensor
+    """(requests' slots, vocab + 1) int32, as ``Penalties.output_counts``."""
+    prompt_seen: torch.Tensor
+    """(requests' slots, vocab + 1) bool, as ``Penalties.prompt_seen``."""
+    drafts: torch.Tensor
+    """(slots, K) the drafts each slot's step verifies: row j of a slot counts its first j."""
+
+
 def sample_by_slot(logits: torch.Tensor, slots: torch.Tensor, rows_per_slot: int, positions: torch.Tensor,
                    temperature: torch.Tensor, seeds: torch.Tensor, min_p: torch.Tensor,
-                   greedy_only: bool = False) -> torch.Tensor:
-    """``sample_tokens`` without top-k, top-p or processed logits, the parameters read from per-slot tables (a fused
-    decode step's sampler, ``dispatcher.runtime.decode_step``): row r draws with slot slots[r // rows_per_slot]'s
-    temperature, seed and min_p (0: off) at positions[r]. With Triton one kernel whatever the rows are (a captured
-    graph serves greedy and sampled batches alike); without, ``greedy_only`` (the host knows every row is greedy)
-    takes the argmax alone."""
+                   penalties: SlotPenalties | None = None, greedy_only: bool = False,
+                   penalized: bool = True) -> torch.Tensor:
+    """``sample_tokens`` with temperature, seed, min_p and the penalties alone (no top-k, top-p or other logits
+    processing), the parameters read from per-slot tables (a fused decode step's sampler,
+    ``dispatcher.runtime.decode_step``): row r draws with slot slots[r // rows_per_slot]'s parameters at
+    positions[r], its slot's penalties (if ``penalties``) counting the slot's first r % rows_per_slot drafts. With
+    Triton one kernel whatever the rows are (a captured graph serves greedy and sampled, penalized or plain batches
+    alike); without, the host's knowledge skips work: ``greedy_only`` (every row greedy, none penalized) takes the
+    argmax alone, ``penalized`` False (no row penalized) leaves the penalties out."""
     if use_triton(logits):
-        return sample(logits, temperature, seeds, positions, min_p, slots, rows_per_slot)
+        tables = None if penalties is None else (penalties.penalized, penalties.values, penalties.output_counts,
+                                                 penalties.prompt_seen, penalties.drafts)
+        return sample(logits, temperature, seeds, positions, min_p, slots, rows_per_slot, tables)
     if greedy_only:
         return argmax_prob(logits, with_prob=False)[0]
     rows = slots[:, None].expand(-1, rows_per_slot).reshape(-1)  # (repeat_interleave would sync)
+    if penalties is not None and penalized:
+        logits = _slot_penalized(logits, rows, rows_per_slot, penalties)
     return sample_tokens(logits, RowParams(temperature[rows], None, None, seeds[rows], min_p=min_p[rows]), positions)
+
+
+def _slot_penalized(logits: torch.Tensor, rows: torch.Tensor, rows_per_slot: int, p: SlotPenalties) -> torch.Tensor:
+    """``sample_by_slot``'s penalties on the torch path (the kernel's reference): rows of unpenalized slots get
+    neutral values (padding's slot has no row in the count tables: it reads the first, to no effect)."""
+    k = rows_per_slot - 1
+    drafts = None
+    if k:
+        column = torch.arange(rows.shape[0], device=rows.device) % rows_per_slot
+        drafts = torch.where(torch.arange(k, device=rows.device)[None, :] < column[:, None], p.drafts[rows, :k], -1)
+    on = p.penalized[rows]
+    values = torch.where(on[:, None], p.values[rows], torch.tensor([1.0, 0.0, 0.0], device=rows.device))
+    count_rows = torch.where(on, rows, 0)
+    work = padded_float(logits)
+    apply_penalties(work, Penalties(count_rows, p.output_counts, p.prompt_seen, values[:, 0], values[:, 1],
+                                    values[:, 2], drafts))
+    return work[:, : logits.shape[1]]
 
 
 def accepted_drafts(target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -227,9 +268,7 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
     the penalties. Every table indexes one extra column, the vocabulary's size, where padding (-1) lands; it is cut
     off at the end."""
     n, vocab = logits.shape
-    work = torch.empty(n, vocab + 1, dtype=torch.float32, device=logits.device)
-    work[:, :vocab] = logits
-    work[:, vocab] = 0.0
+    work = padded_float(logits)
 
     def col(ids: torch.Tensor) -> torch.Tensor:
         ids = ids.long()
@@ -250,6 +289,15 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
     if p.penalties is not None:
         apply_penalties(work, p.penalties)
     return work[:, :vocab]
+
+
+def padded_float(logits: torch.Tensor) -> torch.Tensor:
+    """The logits (n, vocab) as float32 (n, vocab + 1), the last column 0: where the tables' padding (-1) lands."""
+    n, vocab = logits.shape
+    work = torch.empty(n, vocab + 1, dtype=torch.float32, device=logits.device)
+    work[:, :vocab] = logits
+    work[:, vocab] = 0.0
+    return work
 
 
 def apply_penalties(work: torch.Tensor, pen: Penalties) -> None:

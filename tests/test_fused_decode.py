@@ -1,9 +1,9 @@
 """Fused decode steps (dispatcher/runtime/decode_step.py): a uniform-decode step captured whole gives exactly what
 the same step gives op by op: the same greedy tokens, the same drafts (so the same acceptance), the same fixed
-acceptance draws, the same seeded samples (temperature, seed, min_p), under every drafter that fuses (none, n-gram,
-EAGLE-3, EAGLE-1, mtp), tiers with K = 0, "auto" tiers, preemption and asynchronous scheduling; steps that cannot
-fuse (top-k, top-p, processed logits, logprobs, a draft model, block drafters) run op by op. On the CPU the fused
-closures run on the static backend, as graphs do."""
+acceptance draws, the same seeded samples (temperature, seed, min_p) and penalties (with the same token counts),
+under every drafter that fuses (none, n-gram, EAGLE-3, EAGLE-1, mtp), tiers with K = 0, "auto" tiers, preemption
+and asynchronous scheduling; steps that cannot fuse (top-k, top-p, logit bias, min_tokens, logprobs, a draft
+model, block drafters) run op by op. On the CPU the fused closures run on the static backend, as graphs do."""
 
 from __future__ import annotations
 
@@ -97,6 +97,8 @@ def lockstep(spec, tmp_path, device: str, params: list[SamplingParams] | None = 
         assert torch.equal(a.token_ids[live], b.token_ids[live])
         assert torch.equal(a.drafts[live], b.drafts[live])
         assert torch.allclose(a.draft_conf[live], b.draft_conf[live])
+        counts = [e.worker.state.extras.output_counts for e in engines]
+        assert (counts[0] is None) == (counts[1] is None) and (counts[0] is None or torch.equal(*counts))
     assert not engines[0].has_unfinished() and engines[0].stats.fused_steps > 0
 
 
@@ -130,13 +132,13 @@ def test_fused_fixed_acceptance_draws_as_unfused(tmp_path):
 
 
 def test_steps_the_fused_sampler_cannot_take_run_op_by_op(tmp_path):
-    """A step with a request asking for logprobs, one whose logits are processed (penalties, logit bias: greedy, yet
-    not the raw argmax) or one sampling with top-k or top-p runs op by op (the fused graphs sample with temperature,
-    seed and min_p alone); the tokens are the same either way."""
+    """A step with a request asking for logprobs, one whose logits are processed otherwise than by penalties (logit
+    bias, min_tokens: greedy, yet not the raw argmax) or one sampling with top-k or top-p runs op by op (the fused
+    graphs sample with temperature, seed, min_p and the penalties alone); the tokens are the same either way."""
     spec = {"method": "eagle3", "num_speculative_tokens": 2}
     for params in (SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
-                   SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),  # greedy, processed
                    SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 3.0}),
+                   SamplingParams(max_tokens=12, ignore_eos=True, min_tokens=4, repetition_penalty=1.3),
                    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9, top_k=20),
                    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9, top_p=0.9)):
         a = generate(engine_for(spec, True, tmp_path), params, count=3)
@@ -151,6 +153,15 @@ SAMPLED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=
            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.5, seed=9, min_p=0.2),
            SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=77)]
 """A batch the fused sampler takes: sampled requests (temperature, seed, min_p) and a greedy one."""
+
+
+PENALIZED = [SamplingParams(max_tokens=16, ignore_eos=True),
+             SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=9, presence_penalty=0.5,
+                            frequency_penalty=0.3, min_p=0.05),
+             SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3),  # greedy, penalized
+             SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=77),
+             SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=-0.4, presence_penalty=0.2)]
+"""A batch with the penalties (repetition, presence, frequency; greedy and sampled) beside unpenalized requests."""
 
 
 def run_batch(engine: EngineCore, params: list[SamplingParams], first: int = 0) -> list[list[int]]:
@@ -185,12 +196,25 @@ def test_sampled_fused_steps_leave_the_request_state_of_unfused_steps(spec, tmp_
     lockstep(spec, tmp_path, "cpu", SAMPLED)
 
 
+@pytest.mark.parametrize("spec", [None] + FUSING[1:3], ids=lambda s: "none" if s is None else json.dumps(s))
+def test_penalized_steps_fuse_and_leave_the_request_state_of_unfused_steps(spec, tmp_path):
+    """The penalties inside the fused step (its token counts kept in the graph): the same tokens, drafts and counts
+    as op by op after every step, and most decode steps fused; a penalized greedy request is not the plain one."""
+    lockstep(spec, tmp_path, "cpu", PENALIZED)
+    fused = engine_for(spec, True, tmp_path)
+    tokens = run_batch(fused, PENALIZED)
+    assert fused.stats.fused_steps >= fused.stats.steps // 2, (fused.stats.fused_steps, fused.stats.steps)
+    plain = run_batch(engine_for(spec, True, tmp_path), [SamplingParams(max_tokens=16, ignore_eos=True)] * 5)
+    assert tokens[0] == plain[0] and tokens[2] != plain[2] and tokens[4] != plain[4]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [None] + FUSING[1:3], ids=lambda s: "none" if s is None else json.dumps(s))
 def test_sampled_fused_graphs_on_the_gpu_leave_the_state_of_unfused_steps(spec, tmp_path):
-    """The same on CUDA graphs: the captured step samples with the kernel over the request state's tables, as the
-    op-by-op step samples with it over gathered rows."""
+    """The same on CUDA graphs: the captured step samples (and penalizes) with the kernel over the request state's
+    tables, as the op-by-op step samples with it over gathered rows (after the penalties' own kernel)."""
     lockstep(spec, tmp_path, "cuda", SAMPLED)
+    lockstep(spec, tmp_path, "cuda", PENALIZED)
 
 
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_fused_or_not(tmp_path):

@@ -612,3 +612,50 @@ def test_fused_sampler_draws_the_torch_paths_tokens():
                                                                    min_p=table_min_p[rows_slot]),
                                  positions[: num_slots * q])
         assert torch.equal(got, want), (got != want).sum().item()
+
+
+def test_fused_sampler_penalizes_and_counts_as_the_torch_path():
+    """A fused decode step's sampling with the penalties (``models.sampling.sample_by_slot``: one kernel reading the
+    slots' penalty tables and drafts) against its torch path (the penalties on a float32 copy, then the torch
+    sampler), q rows a slot, penalized and plain slots, greedy and sampled; then the accepted tokens counted
+    (``models.fused.count_accepted``) as ``SamplingExtras.count`` counts them on the torch path."""
+    from models.fused import count_accepted
+    from models.sampling import SlotPenalties, sample_by_slot
+
+    torch.manual_seed(5)
+    num_slots, q, vocab = (300, 4, 49152) if GPU else (6, 3, 3000)
+    n = num_slots - 1  # requests; the last slot is padding's (no request: not penalized)
+    counts = (torch.randint(0, 3, (num_slots, vocab + 1), device=DEV, dtype=torch.int32)
+              * (torch.rand(num_slots, vocab + 1, device=DEV) < 0.02)).to(torch.int32)
+    seen = torch.rand(num_slots, vocab + 1, device=DEV) < 0.02
+    penalized = torch.rand(num_slots, device=DEV) < 0.6
+    penalized[-1] = False
+    values = torch.stack([torch.full((num_slots,), 1.4, device=DEV), torch.rand(num_slots, device=DEV),
+                          torch.rand(num_slots, device=DEV) - 0.3], dim=1)
+    drafts = torch.randint(0, vocab, (num_slots, q - 1), device=DEV)
+    pen = SlotPenalties(penalized, values, counts, seen, drafts)
+    temp = torch.where(torch.rand(num_slots, device=DEV) < 0.4, 0.0, 0.9)
+    seeds = torch.randint(0, 2**40, (num_slots,), device=DEV)
+    min_p = torch.where(torch.rand(num_slots, device=DEV) < 0.5, 0.0, 0.1)
+    slots = torch.randperm(num_slots, device=DEV)[:n]
+    slots[-1] = num_slots - 1  # padding's slot among them
+    logits = (torch.randn(n * q, vocab, device=DEV) * 3).to(DT)
+    for d in range(q - 1):  # make the drafts and counted tokens matter: they lead where they are counted
+        logits.view(n, q, vocab)[torch.arange(n, device=DEV), d + 1, drafts[slots, d]] += 8.0
+    positions = torch.randint(0, 10_000, (n * q,), device=DEV)
+    args = (logits, slots, q, positions, temp, seeds, min_p, pen)
+    got = sample_by_slot(*args)
+    with torch_sampler():
+        want = sample_by_slot(*args)
+        plain = sample_by_slot(*args[:-1])
+    assert torch.equal(got, want), (got != want).sum().item()
+    assert not torch.equal(got, plain)  # (the penalties changed some tokens)
+    accepted = torch.randint(0, q, (n,), device=DEV)
+    tokens = got.view(n, q)
+    counted = counts.clone()
+    count_accepted(slots, tokens, accepted, penalized, counted)
+    expected = torch.zeros_like(counts)
+    keep = torch.arange(q, device=DEV)[None, :] <= accepted[:, None]
+    take = (penalized[slots][:, None] & keep).to(torch.int32)
+    expected.index_put_((slots[:, None].expand(n, q), tokens), take, accumulate=True)
+    assert torch.equal(counted, counts + expected)

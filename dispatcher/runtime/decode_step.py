@@ -18,18 +18,21 @@ computes. n-gram lookup searches a history whose length the step bounds: it is a
 (n', history length bucket), replayed after the step's.
 
 The graph samples every row as its request says: ``models.fused.sample``, one kernel, reads each slot's
-temperature, seed and min_p from the request state and draws output column j of a request at position
-computed + 1 + j (as the op-by-op ``ModelWorker._verify``): the argmax at temperature 0 (hashing nothing, so a
-greedy batch costs what the plain argmax cost), else the seeded Gumbel-max sample, the same tokens as the op-by-op
-sampler; drafts are accepted while they equal those (``accepted_drafts``). One graph serves greedy and sampled
-batches alike.
+temperature, seed, min_p and penalties from the request state and draws output column j of a request at position
+computed + 1 + j (as the op-by-op ``ModelWorker._verify``): a penalized slot's logits get its repetition, presence
+and frequency penalties first (its output counts plus its first j drafts, as ``models.fused.penalize``), then the
+argmax at temperature 0 (hashing nothing), else the seeded Gumbel-max sample: the same tokens as the op-by-op
+sampler. Drafts are accepted while they equal those (``accepted_drafts``), and the accepted tokens of penalized
+slots go into their counts (``models.fused.count_accepted``, as ``SamplingExtras.count``). One graph serves every
+batch: a greedy unpenalized row costs what the plain argmax cost plus one flag read, and the counting one small
+kernel a step (a graph per variant would double the capture time and memory).
 
 A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request samples
-with temperature, seed and min_p alone (no top-k, no top-p, no processed logits: penalties, logit bias, allowed
-tokens, bad words, min_tokens), without logprobs and without a grammar (structured outputs: the sampler takes no
-bitmask), the drafter proposes as many drafts as it verified (K = q - 1; no tier change mid-step) with FULL graphs
-at n', and the fixed-acceptance mode is the one captured; any other step runs op by op (``ModelWorker.submit``).
-A draft model and the block drafters always run op by op.
+with temperature, seed, min_p and the penalties alone (no top-k, no top-p, no other processing of the logits:
+logit bias, allowed tokens, bad words, min_tokens), without logprobs and without a grammar (structured outputs: the
+sampler takes no bitmask), the drafter proposes as many drafts as it verified (K = q - 1; no tier change
+mid-step) with FULL graphs at n', and the fixed-acceptance mode is the one captured; any other step runs op by op
+(``ModelWorker.submit``). A draft model and the block drafters always run op by op.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, 
                                        estimate_kind_memory, free_device_bytes, frozen_gc, input_length,
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
-from models.fused import use_triton
-from models.sampling import accepted_drafts, fixed_accepted, sample_by_slot
+from models.fused import count_accepted, use_triton
+from models.sampling import SlotPenalties, accepted_drafts, fixed_accepted, sample_by_slot
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -91,7 +94,9 @@ class FusedDecode:
         """Steps with sampled requests fuse: the graphs sample with ``models.fused.sample`` (with Triton), or the
         closures run eagerly (the host tells them when every row is greedy: ``greedy_only``)."""
         self.greedy_only = True
-        """Every request of the step running is greedy (read by eager closures without Triton only)."""
+        """Every request of the step running is greedy and unpenalized (read by eager closures without Triton)."""
+        self.penalized = False
+        """A request of the step running uses a penalty (read by eager closures without Triton)."""
         self.fixed = worker.fixed_acceptance_on
         """The fixed-acceptance mode the graphs were built in (a step in the other runs op by op)."""
         self.graphs: dict[FusedKey, Replayable] = {k: Replayable(self._step(k)) for k in self.keys}
@@ -143,13 +148,15 @@ class FusedDecode:
         return key
 
     # -- a step --------------------------------------------------------------------------------------------------
-    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, greedy_only: bool = False) -> None:
+    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, greedy_only: bool = False,
+            penalized: bool = True) -> None:
         """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device),
-        then the n-gram lookup's for the step's longest sequence. ``greedy_only``: every request is greedy (what
-        an eager closure without Triton reads; a graph samples every row as its temperature says)."""
+        then the n-gram lookup's for the step's longest sequence. ``greedy_only`` (every request greedy and
+        unpenalized) and ``penalized`` (some request penalized): what an eager closure without Triton skips work
+        by; a graph samples and counts every row as the request state says."""
         n = key.target.size
         self.slots[:n].copy_(slots)
-        self.greedy_only = greedy_only
+        self.greedy_only, self.penalized = greedy_only, penalized
         self.graphs[key].replay()
         if self.method == "ngram" and key.num_new_drafts:
             bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))
@@ -176,8 +183,12 @@ class FusedDecode:
             self._load(tgt, block_rows, valid, ids, positions)
             run_target()
             cols = computed[:, None] + 1 + self._arange[None, :q]  # (the positions of the tokens drawn)
+            ex = st.extras
+            penalties = SlotPenalties(ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts) \
+                if ex.output_counts is not None else None  # (on the CPU: none before the first penalized request)
             tokens = sample_by_slot(worker.model.compute_logits(tgt.bufs.hidden_out[: n * q]), slots, q,
-                                    cols.flatten(), st.temperature, st.seed, st.extras.min_p, self.greedy_only)
+                                    cols.flatten(), st.temperature, st.seed, ex.min_p, penalties, self.greedy_only,
+                                    self.penalized)
             tokens = tokens.view(n, q)
             accepted = torch.zeros_like(computed)
             if q > 1:
@@ -192,6 +203,8 @@ class FusedDecode:
             keep = self._arange[None, :q] <= accepted[:, None]
             st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
             st.num_computed[slots] = computed + 1 + accepted
+            if penalties is not None:
+                self._count(slots, block_rows, valid, tokens, accepted, keep)
             out = self.out[:n]
             out[:, 0].copy_(accepted)
             out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
@@ -201,6 +214,16 @@ class FusedDecode:
                     out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
 
         return run
+
+    def _count(self, slots, block_rows, valid, tokens, accepted, keep) -> None:
+        """The step's accepted tokens into the penalized requests' output counts (``SamplingExtras.count``): one
+        kernel with Triton (a request whose slot is not penalized reads one flag), else when the host says a
+        request is penalized."""
+        ex = self.state.extras
+        if use_triton(tokens):
+            count_accepted(slots, tokens, accepted, ex.penalized, ex.output_counts)
+        elif self.penalized:
+            ex.count(block_rows, tokens, keep & valid[:, None])
 
     def _load(self, rt, block_rows, valid, ids, positions) -> None:
         """A runner's FULL decode inputs for n requests of q tokens (ids and positions (n, q)), in the static

@@ -43,15 +43,15 @@ class SamplingExtras:
         """Per slot with penalties: the tokens of its prompt."""
         if device.type == "cuda":  # (with the worker, so that the KV cache is sized after them; on the CPU at the
             self._count_tables()  # first penalized request: 250 MB at 1024 slots, 2.5x the default model's size)
-        self.penalized = table(fill=False, dt=torch.bool)
-        """The slot's request uses a penalty: its tokens are counted."""
+        self.penalized = torch.zeros(max_num_seqs + 1, dtype=torch.bool, device=device)
+        """The slot's request uses a penalty: its tokens are counted. (One row more, as ``min_p``'s.)"""
 
         self.prompt_len = table(fill=0, dt=torch.int64)
         self.min_len = table(fill=0, dt=torch.int64)
         self.min_p = torch.zeros(max_num_seqs + 1, dtype=torch.float32, device=device)
         """One row more, ``RequestState.dummy``'s (0): a fused decode step's padded rows read it."""
-        self.penalties = table(3, fill=0.0, dt=torch.float32)
-        """Repetition, presence and frequency penalty."""
+        self.penalties = torch.zeros(max_num_seqs + 1, 3, dtype=torch.float32, device=device)
+        """Repetition, presence and frequency penalty. (One row more, as ``min_p``'s.)"""
         self.allowed_ids = table(MAX_ALLOWED_TOKEN_IDS)
         self.bias_ids = table(MAX_LOGIT_BIAS)
         self.bias = table(MAX_LOGIT_BIAS, fill=0.0, dt=torch.float32)
@@ -72,6 +72,9 @@ class SamplingExtras:
         """The longest bad-word prefix of the slot's request."""
         self.host_processed = np.zeros(n, bool)
         """The slot's request changes its logits before sampling (any table above but min_p)."""
+        self.host_masked = np.zeros(n, bool)
+        """The slot's request changes its logits otherwise than by penalties (allowed tokens, logit bias,
+        min_tokens, bad words): what a fused decode step does not do."""
         self.host_used = np.zeros(n, bool)
         """The slot's request uses any parameter of this class (min_p included)."""
         self._shapes: tuple[int, ...] = ()
@@ -113,6 +116,7 @@ class SamplingExtras:
         h.host_num_stop[slots] = [len(x) for x in lists[2]]
         h.host_num_bad[slots], h.host_bad_width[slots] = [len(w) for w in words], prefix_len.max(1, initial=0)
         h.host_processed[slots] = [_processes(s) for s in specs]
+        h.host_masked[slots] = [_masks(s) for s in specs]
         h.host_used[slots] = h.host_processed[slots] | (h.host_min_p[slots] > 0)
         self._shapes = (allowed.shape[1], bias_ids.shape[1], stops.shape[1], num_words, width)
         self._counts_tokens = bool(h.host_penalized[slots].any())
@@ -227,8 +231,12 @@ def _penalizes(s) -> bool:
 
 def _processes(s) -> bool:
     """The spec changes the logits before sampling."""
-    return (_penalizes(s) or s.min_tokens > 0 or bool(s.allowed_token_ids) or bool(s.logit_bias_ids)
-            or bool(s.bad_words))
+    return _penalizes(s) or _masks(s)
+
+
+def _masks(s) -> bool:
+    """The spec changes the logits otherwise than by penalties."""
+    return s.min_tokens > 0 or bool(s.allowed_token_ids) or bool(s.logit_bias_ids) or bool(s.bad_words)
 
 
 def _dense(rows: list[np.ndarray], fill=-1) -> np.ndarray:

@@ -38,7 +38,7 @@ from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
 from models.eagle import EagleHead, build_draft_head, load_draft_head
-from models.fused import argmax_prob, penalize, sample
+from models.fused import argmax_prob, count_accepted, penalize, sample
 from models.loader import load_model
 from models.sampling import RowParams, accepted_drafts, fixed_accepted, sample_tokens
 from models.transformer import build_model
@@ -120,11 +120,11 @@ class RequestState:
         return not (self.host_temperature[host_slots] > 0).any() and not self.extras.host_processed[host_slots].any()
 
     def fused_sampling(self, host_slots: np.ndarray) -> bool:
-        """Every one of these slots' requests draws with its temperature, seed and min_p alone (no top-k, no top-p,
-        no parameter that changes the logits): what a fused decode step samples (``models.sampling.sample_by_slot``).
-        From host copies only."""
+        """Every one of these slots' requests draws with its temperature, seed, min_p and penalties alone (no top-k,
+        no top-p, no other parameter that changes the logits): what a fused decode step samples
+        (``models.sampling.sample_by_slot``). From host copies only."""
         return not (self.host_top_k[host_slots].any() or (self.host_top_p[host_slots] < 1).any()
-                    or self.extras.host_processed[host_slots].any())
+                    or self.extras.host_masked[host_slots].any())
 
     def row_params(self, slots: torch.Tensor, host_slots: np.ndarray, positions: torch.Tensor, drafts,
                    tail) -> RowParams:
@@ -348,9 +348,9 @@ class ModelWorker:
     def _warm_up_sampling(self) -> int:
         """Compile the greedy sampler and the drafters' proposal kernel (``argmax_prob``, with and without the
         probability) on each model's logits, outside the graphs too, the greedy sampler on processed (float32)
-        logits, the penalties' kernel with and without drafts, and the sampler (``sample``, with and without min_p,
-        per row on raw and processed logits, over the slots' tables on raw ones). The number of launches (0 on the
-        CPU)."""
+        logits, the penalties' kernel with and without drafts, the sampler (``sample``, with and without min_p, per
+        row on raw and processed logits; over the slots' tables with the penalties on raw ones, as fused steps run
+        it) and the fused steps' token counting. The number of launches (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
         heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head is not None
@@ -372,8 +372,9 @@ class ModelWorker:
         for logits in (raw, work[:, :-1]):
             for min_p in (None, ex.min_p):
                 sample(logits, st.temperature[:1], st.seed[:1], slot, None if min_p is None else min_p[:1])
-        for min_p in (None, ex.min_p):
-            sample(raw, st.temperature, st.seed, slot, min_p, slot)
+        tables = (ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts)
+        sample(raw, st.temperature, st.seed, slot, ex.min_p, slot, 1 + self.k_max, tables)
+        count_accepted(slot, slot[:, None], slot, ex.penalized, ex.output_counts)  # (slot 0 is not penalized)
         return 2 * len(heads) + 1 + len({0, self.k_max}) + 6
 
     @torch.inference_mode()
@@ -497,7 +498,8 @@ class ModelWorker:
         self._release_and_map(step, freed, updates)
         if step.step_id in self.fail_steps:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
-        self.fused.run(key, dev_slots, step.max_seq_len, self.state.plain_greedy(slots))
+        self.fused.run(key, dev_slots, step.max_seq_len, self.state.plain_greedy(slots),
+                       self.state.extras.counts_tokens(slots))
         rows = self.fused.out[: len(slots)]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
