@@ -116,10 +116,10 @@ def test_no_step_replays_a_graph_not_captured_whole_and_each_is_captured_once(sl
             violations.append((self.runner, desc.graph))
         return execute_next(self, desc, num_real)
 
-    def checked_fused(self, key, slots, max_seq_len):
+    def checked_fused(self, key, *args):
         if key not in self.captured:
             violations.append(("step", key))
-        return fused_run(self, key, slots, max_seq_len)
+        return fused_run(self, key, *args)
 
     monkeypatch.setattr(GraphRuntime, "execute", checked_execute)
     monkeypatch.setattr(GraphRuntime, "execute_next", checked_next)
