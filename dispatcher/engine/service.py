@@ -447,24 +447,15 @@ async def _tell_all(outboxes: list, message) -> None:
         await outbox.send(encode(message))
 
 
-async def _first_done(work, *watchers) -> None:
-    """Run ``work`` until it ends or a watcher does (a watcher raises why the engine must stop)."""
+async def _first_done(work, *watchers):
+    """``work``'s value once it ends, unless a watcher ends first (a watcher raises why the engine must stop, or
+    exits the process)."""
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     if task not in done:
         task.cancel()
         for w in done:
             w.result()  # raises
-    task.result()
-
-
-async def _first_done_value(work, watcher):
-    """``work``'s value, unless ``watcher`` ends first (it raises, or exits the process)."""
-    task = asyncio.ensure_future(work)
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if not task.done():
-        task.cancel()
-        watcher.result()
     return task.result()
 
 
@@ -496,7 +487,7 @@ async def _first_message(inbox, process: "WorkerProcess | WorkerGroup | None", i
     front_end = asyncio.ensure_future(_front_end_exit(process, ipc_dir))
     try:
         while True:
-            msg = decode_or_refuse(decode_to_core, await _first_done_value(inbox.recv(), front_end), log,
+            msg = decode_or_refuse(decode_to_core, await _first_done(inbox.recv(), front_end), log,
                                    "the engine's request socket")
             if isinstance(msg, (EngineInit, Drain)):
                 return msg if isinstance(msg, EngineInit) else None
