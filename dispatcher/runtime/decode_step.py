@@ -148,15 +148,16 @@ class FusedDecode:
         return key
 
     # -- a step --------------------------------------------------------------------------------------------------
-    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, greedy_only: bool = False,
-            penalized: bool = True) -> None:
-        """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device),
-        then the n-gram lookup's for the step's longest sequence. ``greedy_only`` (every request greedy and
-        unpenalized) and ``penalized`` (some request penalized): what an eager closure without Triton skips work
-        by; a graph samples and counts every row as the request state says."""
+    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, host_slots: np.ndarray) -> None:
+        """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device;
+        ``host_slots`` the step's own, on the host), then the n-gram lookup's for the step's longest sequence.
+        Without Triton the closure runs eagerly and skips work by what the host knows of the requests
+        (``greedy_only``, ``penalized``); with it a graph samples and counts every row as the request state says."""
         n = key.target.size
         self.slots[:n].copy_(slots)
-        self.greedy_only, self.penalized = greedy_only, penalized
+        if not use_triton(self.slots):
+            self.greedy_only = self.state.plain_greedy(host_slots)
+            self.penalized = self.state.extras.counts_tokens(host_slots)
         self.graphs[key].replay()
         if self.method == "ngram" and key.num_new_drafts:
             bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))

@@ -498,8 +498,7 @@ class ModelWorker:
         self._release_and_map(step, freed, updates)
         if step.step_id in self.fail_steps:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
-        self.fused.run(key, dev_slots, step.max_seq_len, self.state.plain_greedy(slots),
-                       self.state.extras.counts_tokens(slots))
+        self.fused.run(key, dev_slots, step.max_seq_len, slots)
         rows = self.fused.out[: len(slots)]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
