@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -19,6 +20,19 @@ def write_json(path: str | None, result: dict) -> None:
             json.dump(result, fh, indent=2)
             fh.write("\n")
         os.replace(tmp, path)
+
+
+FRONT_END_SETUP = re.compile(r"front end set up ([0-9.]+) s after the server process started \(the engine process "
+                             r"started at ([0-9.]+) s\)")
+"""``twogrid serve``'s start-up log line (``dispatcher.serve.launch._start``)."""
+
+
+def front_end_setup(log_text: str) -> dict:
+    """From a server's log: its front end's own setup time and when it started the engine process, seconds after
+    the server process started (None each where the line is missing)."""
+    found = FRONT_END_SETUP.search(log_text)
+    return {"front_end_setup_s": float(found.group(1)) if found else None,
+            "engine_spawned_s": float(found.group(2)) if found else None}
 
 
 def stop_server(proc) -> None:

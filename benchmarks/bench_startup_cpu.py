@@ -17,7 +17,6 @@ import argparse
 import http.client
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -25,11 +24,9 @@ import sys
 import tempfile
 import time
 
-from _common import stop_server  # (importing _common puts the repository on sys.path)
+from _common import front_end_setup, stop_server  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import wait_healthy
 
-SETUP = re.compile(r"front end set up ([0-9.]+) s after the server process started \(the engine process started at "
-                   r"([0-9.]+) s\)")
 
 
 def free_port() -> int:
@@ -62,10 +59,8 @@ def one_start(tree: str, serve_args: list[str], log_path: str) -> dict:
     finally:
         stop_server(proc)
     with open(log_path, encoding="utf-8", errors="replace") as fh:
-        setup = SETUP.search(fh.read())
-    return {"health_s": round(health, 2), "first_token_s": round(first, 2) if first is not None else None,
-            "front_end_setup_s": float(setup.group(1)) if setup else None,
-            "engine_spawned_s": float(setup.group(2)) if setup else None}
+        setup = front_end_setup(fh.read())
+    return {"health_s": round(health, 2), "first_token_s": round(first, 2) if first is not None else None, **setup}
 
 
 def main() -> None:

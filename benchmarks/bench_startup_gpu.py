@@ -43,7 +43,7 @@ import tempfile
 import time
 import urllib.request
 
-from _common import commit, stop_server, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, front_end_setup, stop_server, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, run_bench, wait_healthy
 
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7}}
@@ -52,8 +52,6 @@ MODES = ("capture-first", "delayed")
 PHASE = re.compile(r'twogrid:startup_phase_seconds\{[^}]*phase="(\w+)"[^}]*\} ([0-9.e+-]+)')
 GRAPHS = re.compile(r'twogrid:cudagraphs_(captured|planned)\{[^}]*\} ([0-9.e+-]+)')
 SERVING_AFTER = re.compile(r"serving ([0-9.]+) s after the server process started")
-FRONT_END_SETUP = re.compile(r"front end set up ([0-9.]+) s after the server process started \(the engine process "
-                             r"started at ([0-9.]+) s\)")
 
 
 def log(msg: str) -> None:
@@ -143,12 +141,10 @@ def one_start(model: str, workload: str, mode: str, cache: str, args, out_dir: s
             time.sleep(0.05)
         text = open(log_path, encoding="utf-8", errors="replace").read()
         after = SERVING_AFTER.search(text)
-        setup = FRONT_END_SETUP.search(text)
         row = {"part": "startup", "model": os.path.basename(model), "workload": workload, "mode": mode,
                "cache": cache, "health_s": round(health - t0, 2), "first_token_s": round(first - t0, 2),
                "front_end_serving_after_s": float(after.group(1)) if after else None,
-               "front_end_setup_s": float(setup.group(1)) if setup else None,
-               "engine_spawned_s": float(setup.group(2)) if setup else None,
+               **front_end_setup(text),
                "worker_phases_s": {k: float(v) for k, v in PHASE.findall(metrics)},
                "graphs_planned": int(at_health["planned"]), "graphs_captured_at_health": int(at_health["captured"]),
                "capture_done_s": round(done - t0, 2) if done else None}
