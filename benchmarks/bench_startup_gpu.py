@@ -43,7 +43,7 @@ import tempfile
 import time
 import urllib.request
 
-from _common import commit, front_end_setup, stop_server, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, front_end_setup, stop_server, write_json  # (puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, run_bench, wait_healthy
 
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7}}

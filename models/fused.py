@@ -599,7 +599,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
         tables = (penalized.view(torch.uint8), pen, counts, seen.view(torch.uint8), drafts)
         strides = (counts.stride(0), seen.stride(0), drafts.stride(0))
     else:
-        tables, strides = (out,) * 5, (0, 0, 0)  # (unread placeholders)
+        tables, strides = (out,) * 5, (0, 0, 0)  # (any tensors: the kernel reads none of them without PENALTIES)
     _sample_kernel[(rows,)](logits, temperature, seeds, min_p if min_p is not None else temperature, positions,
                             slots if slots is not None else positions, out, *tables, logits.stride(0), *strides, n,
                             rows_per_slot, BLOCK=min(4096, triton.next_power_of_2(n)), HAS_MIN_P=min_p is not None,
@@ -634,7 +634,7 @@ def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, se
     if rows == 0:
         return
     num_drafts = 0 if drafts is None else drafts.shape[1]
-    drafts = drafts if num_drafts else slots  # (an unread placeholder)
+    drafts = drafts if num_drafts else slots  # (any tensor: the kernel reads none with NUM_DRAFTS 0)
     grid = (rows, triton.cdiv(n, PENALIZE_BLOCK))
     _penalize_kernel[grid](logits, slots, counts, seen.view(torch.uint8), repetition.float().contiguous(),
                            presence.float().contiguous(), frequency.float().contiguous(), drafts, logits.stride(0),
