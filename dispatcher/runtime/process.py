@@ -215,6 +215,13 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
     return cost
 
 
+def graph_memory_plan_key(plan) -> dict:
+    """The plan as the graph-memory cache keys it: everything but when the graphs are captured (a delayed-capture
+    server captures the same graphs as one that captures first, so it reads the estimate that one cached)."""
+    data = plan.to_dict()
+    return {**data, "config": {k: v for k, v in data["config"].items() if k != "delayed_cudagraph_capture"}}
+
+
 def graph_memory_estimate(probe: ModelWorker, plan) -> float:
     """GiB the plan's graphs will take (every runtime's ``estimate_memory`` and the fused steps'), estimated once per
     device, driver, torch, model, dtype, plan and worker settings and then read from $TWOGRID_CACHE/graph_memory:
@@ -222,7 +229,8 @@ def graph_memory_estimate(probe: ModelWorker, plan) -> float:
     same setup need not pay again."""
     wcfg = probe.wcfg
     key = [probe.device_name, torch.__version__, torch.version.cuda, str(probe.model.cfg), str(wcfg.dtype),
-           plan.to_dict(), {k: str(v) for k, v in vars(wcfg).items() if k not in ("num_kv_blocks", "seed")}]
+           graph_memory_plan_key(plan),
+           {k: str(v) for k, v in vars(wcfg).items() if k not in ("num_kv_blocks", "seed")}]
 
     def measure() -> dict:
         gib = sum(rt.estimate_memory() for rt in probe.runtimes)
