@@ -241,13 +241,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             continue
         stem = f"{policy}-{label(method, k).replace(':', '-k')}"
         log_path = os.path.join(out_dir, f"server-{stem}.log")
-        cmd = serve_command(policy, spec, args.port, args, SERVED_NAME)
-        if args.fixed_acceptance is not None and spec:
-            cmd += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
-        if args.no_fuse_decode_steps:
-            cmd += ["--no-fuse-decode-steps"]
-        if args.step_trace_dir:
-            cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{stem}.jsonl")]
+        cmd = serve_command(policy, spec, args.port, args, SERVED_NAME) + server_flags(args, spec, k, stem)
         log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
         t0 = time.monotonic()
         proc = launch(cmd, name, args.port, log_path, wait=False)
@@ -300,6 +294,18 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             save()
 
 
+def server_flags(args, spec: dict | None, k: int, stem: str) -> list[str]:
+    """A server's flags from the run's options: its fixed acceptance, fused steps off, its step trace."""
+    flags = []
+    if args.fixed_acceptance is not None and spec:
+        flags += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
+    if args.no_fuse_decode_steps:
+        flags += ["--no-fuse-decode-steps"]
+    if args.step_trace_dir:
+        flags += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{stem}.jsonl")]
+    return flags
+
+
 def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], policies: list[str],
                      concurrencies: list[int], args, out_dir: str, save) -> None:
     """``--together``: every (method, policy)'s server at once (ports from ``--port`` up), then per concurrency
@@ -309,12 +315,9 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
     procs = []
     try:
         for i, (method, k, spec, policy) in enumerate(servers):
-            cmd = serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
-            if args.fixed_acceptance is not None and spec:
-                cmd += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
-            if args.no_fuse_decode_steps:
-                cmd += ["--no-fuse-decode-steps"]
             stem = f"{policy}-{label(method, k).replace(':', '-k')}"
+            cmd = (serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
+                   + server_flags(args, spec, k, stem))
             procs.append(launch(cmd, f"{policy} {label(method, k)}", args.port + i,
                                 os.path.join(out_dir, f"server-{stem}.log"), wait=False))
         t0 = time.monotonic()
