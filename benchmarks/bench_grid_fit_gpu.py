@@ -75,15 +75,13 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
     policies = args.policies.split(",")
     procs = {}
     try:
-        # the fitted server first, alone: it measures the step cost at start-up (unless cached), which the others'
-        # captures would disturb
+        # one after another, the fitted server first: it measures the step cost at start-up (unless cached), which
+        # the others' captures would disturb, and a server sizes its KV cache from its own share of the memory
+        # (--gpu-memory-utilization), which another's start-up would blur
         for policy in sorted(policies, key=lambda p: p != FITTED):
             i = policies.index(policy)
             procs[policy] = launch(serve_command(policy, workload, args.port + i, args),
                                    os.path.join(out_dir, f"server-gridfit-{workload}-{policy}.log"))
-            if policy == FITTED:
-                wait_healthy(procs[policy], policy, args.port + i)
-        for i, policy in enumerate(policies):
             wait_healthy(procs[policy], policy, args.port + i)
         servers = {p: {"graphs": planned_graphs(args.port + i)} for i, p in enumerate(policies)}
         for p in servers:

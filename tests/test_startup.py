@@ -96,3 +96,24 @@ def test_graph_count_and_startup_gauges():
     assert samples[("twogrid:cudagraphs_planned", "step", "fused_decode", None)] == 48
     assert samples[("twogrid:capture_seconds", None, None, None)] == 2.5
     assert samples[("twogrid:startup_phase_seconds", None, None, "imports")] == 1.25
+
+
+def test_gpu_memory_utilization_is_this_servers_share_of_the_device(caplog):
+    """As vLLM's: another process's memory does not shrink the KV cache (two servers at 0.45 share a GPU; the
+    grid-fit benchmark runs three at 0.28, started one after another), what this process took since it started
+    does (its weights, buffers, libraries' workspaces), the graphs do, and the cache never takes more than is
+    free."""
+    from dispatcher.runtime.process import MemorySnapshot, kv_cache_bytes
+
+    gib = 2**30
+    start = MemorySnapshot(free=100 * gib, total=140 * gib, torch_reserved=0)  # 40 GiB: another server, our context
+    now = MemorySnapshot(free=90 * gib, total=140 * gib, torch_reserved=10 * gib)  # our weights and buffers
+    assert kv_cache_bytes(start, now, 0.5, 2 * gib, 0) == 70 * gib - 10 * gib - 2 * gib
+    grew = MemorySnapshot(free=89 * gib, total=140 * gib, torch_reserved=10 * gib)  # +1 GiB of our workspaces
+    assert kv_cache_bytes(start, grew, 0.5, 2 * gib, 0) == 57 * gib
+    probe = gib // 4  # the sizing probe's cache, held now, replaced by the real one
+    probed = MemorySnapshot(free=90 * gib - probe, total=140 * gib, torch_reserved=10 * gib + probe)
+    assert kv_cache_bytes(start, probed, 0.5, 2 * gib, probe) == 58 * gib
+    with caplog.at_level("WARNING"):
+        assert kv_cache_bytes(start, now, 0.9, 2 * gib, 0) == 88 * gib  # 126 - 10 - 2 GiB is more than is free
+    assert "only 88.00 GiB of the device is free" in caplog.text

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import msgspec
 import torch
@@ -36,7 +36,7 @@ from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN,
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
-from dispatcher.runtime.graphs import GraphRuntime
+from dispatcher.runtime.graphs import GraphRuntime, free_device_bytes
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.loader import load_model, read_model_config
@@ -126,6 +126,7 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
     KV cache any rank fits, before capturing (in step with the others)."""
     phases = _Phases()
     device, tp = join_tensor_parallel(init)
+    at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
     cfg = resolve_init(init)
     dtype = getattr(torch, init.dtype)
     start = time.perf_counter()
@@ -143,7 +144,7 @@ def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, Work
     plan = build_plan(cfg)
     plan_hash = check_same_plan(tp, plan.to_dict()) if tp is not None else ""
     if not init.num_kv_blocks:
-        blocks = _size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization)
+        blocks = _size_kv_cache(wcfg, plan, model, init.gpu_memory_utilization, at_start)
         if tp is not None:  # (the ranks' caches hold the same blocks: the smallest any rank fits)
             fewest = torch.tensor([blocks], device=device)
             torch.distributed.all_reduce(fewest, torch.distributed.ReduceOp.MIN, group=tp.group)
@@ -241,10 +242,50 @@ def graph_memory_estimate(probe: ModelWorker, plan) -> float:
     return float(cached_json("graph_memory", key, measure, "graph memory estimate")["gib"])
 
 
-def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
-    """KV blocks that fit in ``utilization`` of the device's memory once the weights, the static buffers and the
-    graphs (estimated by capturing samples into a throwaway pool) are counted. On the CPU: enough for every slot's
-    longest request, capped at 4 GiB."""
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """The device's memory at one moment, as this process sees it: free and total bytes, and what its torch
+    allocator holds (the rest of the used memory is other processes' and this process's CUDA context and
+    libraries)."""
+
+    free: int
+    total: int
+    torch_reserved: int
+
+    @property
+    def non_torch(self) -> int:
+        return self.total - self.free - self.torch_reserved
+
+    @classmethod
+    def take(cls, device: torch.device) -> "MemorySnapshot":
+        free = free_device_bytes(device)
+        return cls(free, torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device))
+
+
+def kv_cache_bytes(at_start: MemorySnapshot, now: MemorySnapshot, utilization: float, graph_bytes: float,
+                   probe_kv_bytes: int) -> int:
+    """Bytes for the KV cache. ``gpu_memory_utilization`` is this server's share of the device, as in vLLM: other
+    processes' memory does not count against it (two servers at 0.45 share a GPU), what this process took since it
+    started does (the torch allocator's growth: weights, static buffers; other growth of the memory in use:
+    libraries' workspaces), and so do the graphs (estimated). ``probe_kv_bytes``: the sizing probe's small cache,
+    held now, which the real one replaces. Never more than is free now: where other processes leave less than the
+    share, the cache takes what is free (with a warning). Servers sharing a device start one after another: memory
+    another process takes while this one loads counts as this one's growth (vLLM's sizing has the same limit)."""
+    own = (now.torch_reserved - at_start.torch_reserved - probe_kv_bytes) + max(0, now.non_torch - at_start.non_torch)
+    share = int(utilization * now.total - own - graph_bytes)
+    free = int(now.free + probe_kv_bytes - graph_bytes)
+    if share > free:
+        log.warning("gpu_memory_utilization = %s would give the KV cache %.2f GiB, but only %.2f GiB of the "
+                    "device is free (other processes hold the rest): the cache takes what is free", utilization,
+                    share / 2**30, max(free, 0) / 2**30)
+        return free
+    return share
+
+
+def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float, at_start: MemorySnapshot | None) -> int:
+    """KV blocks that fit in this server's ``utilization`` share of the device once the weights, the static buffers
+    and the graphs (estimated by capturing samples into a throwaway pool) are counted (``kv_cache_bytes``). On the
+    CPU: enough for every slot's longest request, capped at 4 GiB."""
     kv_dtype = kv_cache_dtype(wcfg.kv_cache_dtype, wcfg.dtype)
     per_block = kv_bytes_per_block(model.cfg, wcfg.block_size, kv_dtype)
     method = plan.config.method
@@ -258,9 +299,8 @@ def _size_kv_cache(wcfg: WorkerConfig, plan, model, utilization: float) -> int:
     graphs = 0.0
     if wcfg.use_cuda_graphs:
         graphs = graph_memory_estimate(probe, plan) * 2**30
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    budget = utilization * total - (total - free) - graphs + wcfg.num_kv_blocks * per_block
+    now = MemorySnapshot.take(probe.device)
+    budget = kv_cache_bytes(at_start, now, utilization, graphs, wcfg.num_kv_blocks * per_block)
     del probe
     gc.collect()
     torch.cuda.empty_cache()

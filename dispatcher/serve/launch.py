@@ -62,7 +62,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     k.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU's memory for weights, graphs and the KV cache (default: %(default)s)")
+                   help="this server's share of the GPU's memory for weights, graphs and the KV cache; other "
+                        "processes' memory does not count (two servers at 0.45 share a GPU, started one after "
+                        "another) (default: %(default)s)")
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks, instead of sizing it from free memory")
     k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
