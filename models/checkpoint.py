@@ -5,7 +5,6 @@ parameters from any ``TensorSource`` (a safetensors directory, ``models.loader``
 
 from __future__ import annotations
 
-import json
 from typing import Iterator, Protocol
 
 import torch
@@ -14,19 +13,6 @@ from models.config import CheckpointError, ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
 from models.parallel import param_pieces, take_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
-
-
-def read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must hold a JSON object")
-    return data
 
 
 def serving_dtype(device: str | torch.device, weights_4bit: bool = False) -> torch.dtype:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, replace
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -173,3 +175,33 @@ def preset(name: str) -> ModelConfig:
         raise ValueError(f"model must be a Hugging Face checkpoint directory, a .gguf file or a preset "
                          f"({', '.join(PRESETS)}); got {name!r}")
     return PRESETS[name]
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object")
+    return data
+
+
+def model_kind(name_or_path: str) -> str:
+    """'hf' (a checkpoint directory), 'gguf' (a .gguf file) or 'preset'; CheckpointError for anything else."""
+    if os.path.isdir(name_or_path):
+        return "hf"
+    if os.path.isfile(name_or_path):
+        with open(name_or_path, "rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            return "gguf"
+        raise CheckpointError(f"{name_or_path}: not a GGUF file (it does not start with the GGUF magic bytes); "
+                              f"--model takes {MODEL_FORMS}")
+    if name_or_path in PRESETS:
+        return "preset"
+    raise CheckpointError(f"model {name_or_path!r}: no such directory or file, and not a preset; --model takes "
+                          f"{MODEL_FORMS}")

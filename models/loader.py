@@ -17,8 +17,8 @@ import struct
 
 import torch
 
-from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, read_json, serving_dtype
-from models.config import MODEL_FORMS, PRESETS, ModelConfig, RopeScaling, preset
+from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
+from models.config import ModelConfig, RopeScaling, model_kind, preset, read_json
 from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
 from models.parallel import TensorParallel
@@ -359,23 +359,6 @@ def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # --model: a directory, a .gguf file or a preset
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def model_kind(name_or_path: str) -> str:
-    """'hf' (a checkpoint directory), 'gguf' (a .gguf file) or 'preset'; CheckpointError for anything else."""
-    if os.path.isdir(name_or_path):
-        return "hf"
-    if os.path.isfile(name_or_path):
-        with open(name_or_path, "rb") as fh:
-            magic = fh.read(4)
-        if magic == b"GGUF":
-            return "gguf"
-        raise CheckpointError(f"{name_or_path}: not a GGUF file (it does not start with the GGUF magic bytes); "
-                              f"--model takes {MODEL_FORMS}")
-    if name_or_path in PRESETS:
-        return "preset"
-    raise CheckpointError(f"model {name_or_path!r}: no such directory or file, and not a preset; --model takes "
-                          f"{MODEL_FORMS}")
 
 
 def read_model_config(name_or_path: str, quantization: str | None = None) -> ModelConfig:

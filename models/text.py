@@ -23,8 +23,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Sequence
 
-from models.checkpoint import CheckpointError, read_json
-from models.loader import model_kind
+from models.config import CheckpointError, model_kind, read_json
 
 log = logging.getLogger("twogrid.text")
 
