@@ -94,10 +94,15 @@ def test_resolve_fits_the_grids_within_the_caps_and_refuses_size_lists():
     assert plain.prefill_token_sizes == grids.prefill_grid(8192) and plain.grid_cost_source is None
     assert fitted.prefill_token_sizes == gridfit.fit_prefill(8192, cost)
     assert fitted.decode_request_sizes == gridfit.fit_decode(1024, cost, 8)
-    assert fitted.one_token_request_sizes == gridfit.fit_decode(1024, cost, 1)
+    # the one-token draft steps' grid: fitted at q = 1, with every size of the q = 8 grid (a uniform decode step
+    # runs as one fused graph only where the drafter's one-token graphs have its size: on the H200 a fitted grid
+    # without them fused 13 of 27 decode sizes and lost 2-3% to the default grids)
+    one = set(gridfit.fit_decode(1024, cost, 1))
+    assert fitted.one_token_request_sizes == tuple(sorted(one | set(fitted.decode_request_sizes)))
     assert fitted.grid_cost_source == cost.source and fitted.to_dict()["fit_cudagraph_capture_sizes"] is True
     sets = {(g.runner, g.kind): g.sizes for g in build_plan(fitted).graph_sets}
-    assert sets[("eagle3_next_steps", "full_decode")] == gridfit.fit_decode(1024, cost, 1)
+    assert set(sets[("target", "full_decode")]) <= set(sets[("eagle3_next_steps", "full_decode")])
+    assert one <= set(sets[("eagle3_next_steps", "full_decode")])
     assert max(sets[("target", "full_decode")]) == 512  # (the 4096-token budget at q = 8)
     capped = resolve({"fit_cudagraph_capture_sizes": True, "max_prefill_cudagraph_capture_tokens": 2048}, None,
                      platform="sm100", step_cost=cost)
@@ -160,7 +165,7 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding():
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "total: 238 graphs by default, 225 fitted (-5.5%)" in text
+    assert "total: 238 graphs by default, 243 fitted (+2.1%)" in text
     assert "target             full_decode  8       48      31" in text
     assert "target graph memory (estimated from the measured capture's samples)" in text
     assert text.count(f"expected padding on {TRACE}") == 2

@@ -445,8 +445,10 @@ def resolve(
             from dispatcher.plan.gridfit import fit_decode
 
             sizing = _fitted(sizing, step_cost, 1 + k_max, interactivity)
-            if len(step_cost.decode_points(1)) >= 2:
-                one_token = fit_decode(max_num_seqs, step_cost, 1)
+            if len(step_cost.decode_points(1)) >= 2:  # (with every size of the target's decode grid: a step
+                # fuses where the drafter's one-token graphs have its size too, decode_step.FusedDecode._keys)
+                one_token = tuple(sorted(set(fit_decode(max_num_seqs, step_cost, 1))
+                                         | set(sizing.decode.request_sizes or ())))
     dec = sizing.decode
     q_max = 1 + k_max
     if dec.request_cap is not None:
