@@ -9,6 +9,14 @@ variant (``--variants``: fused decode steps, the default, and op by op, ``--no-f
     PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py --model DEFAULT --methods none,eagle3:3,ngram:3 \\
         --concurrency 1,16 --out $OUT/profile_spec_step.json
 
+``--mixed-steps M`` times, instead, the step a request's arrival brings (issue 28: served at 16 streams, such mixed
+steps were 30% of eagle3's device time, 4.8 ms each against 1.4 ms for a fused decode): synchronous steps, each
+arrival's mixed step run alone, its wall time against its kernels' time (far above it: the step waits for the
+host's launches) and its operators launched outside graph replays, beside a decode step's:
+
+    PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py --model DEFAULT --methods none,eagle3:3,ngram:3 \
+        --concurrency 16 --mixed-steps 8 --out $OUT/profile_mixed_step.json
+
 ``--model DEFAULT`` is the default model (its GGUF installed or cached); a preset name or a JSON ModelConfig works
 too (``--fixed-acceptance`` then sets the acceptance, as random heads accept nothing).
 """
@@ -152,6 +160,79 @@ def profile(args, method: str, concurrency: int, fused: bool) -> dict:
     return row
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_ms(fn, device: str) -> tuple[float, float | None]:
+    """``fn()`` run alone (the device idle before and after): its wall ms, and on the GPU the summed duration of
+    the kernels it ran (the device's busy time; wall much above it: the step waited for the host's launches)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    sync(device)
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, None
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("twogrid.")]
+    return wall, sum(k.time_range.elapsed_us() for k in kernels) / 1e3
+
+
+def profile_mixed(args, method: str, concurrency: int) -> dict:
+    """``--mixed-steps M``: what a served step costs when a request arrives. ``concurrency`` requests decode
+    (synchronous steps, fused as served); M times a request of ``--mixed-prompt-len`` tokens joins, and the step
+    that prefills it beside everyone's decode (a mixed step, op by op around the PIECEWISE graphs) is run alone: its
+    wall time, kernel time and operators launched outside graph replays; then as many steady decode steps, alike."""
+    k = 0 if method == "none" else int(method.split(":")[1])
+    spec = None if method == "none" else {"method": method.split(":")[0], "num_speculative_tokens": k}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=concurrency + args.mixed_steps + 8,
+                  max_num_batched_tokens=4096)
+    engine = EngineCore(cfg, EngineArgs(model_arg(args.model), device=args.device, num_kv_blocks=4096,
+                                        max_model_len=2048, fixed_acceptance=args.fixed_acceptance if k else None),
+                        progress=False)
+    prompt = list(range(100, 100 + args.prompt_len))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request([t + i for t in prompt], params)
+    kinds: list[str] = []
+    submit = engine.worker.submit
+    engine.worker.submit = lambda step: kinds.append(step.target.kind if step.target else "none") or submit(step)
+    for _ in range(args.warm_steps):
+        engine.step()
+    cells: dict[str, list[tuple[float, float | None, int]]] = {"mixed": [], "decode": []}
+    for i in range(args.mixed_steps):
+        engine.add_request([50 + (t * 7 + i) % 400 for t in range(args.mixed_prompt_len)], params)
+        for cell in ("mixed", "decode"):
+            for _ in range(4):  # (the decode after an arrival: the newcomer has its drafts by then)
+                if cell == "mixed":
+                    break
+                engine.step()
+            kinds.clear()
+            with OpCounter() as counter:
+                wall, kernels = kernel_ms(engine.step, args.device)
+            launched = sum(c for op, c in counter.counts.items() if op not in VIEWS)
+            kind = "mixed" if "mixed" in kinds else "decode" if "uniform_decode" in kinds else None
+            if kind == cell:
+                cells[cell].append((wall, kernels, launched))
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
+    row = {"method": method, "concurrency": concurrency, "mixed_prompt_len": args.mixed_prompt_len}
+    for cell, runs in cells.items():
+        row.update({f"{cell}_steps": len(runs), f"{cell}_wall_ms": med([r[0] for r in runs]),
+                    f"{cell}_kernel_ms": med([r[1] for r in runs if r[1] is not None]),
+                    f"{cell}_launching_ops": med([r[2] for r in runs])})
+    print(json.dumps(row), flush=True)
+    del engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="DEFAULT")
@@ -167,10 +248,17 @@ def main() -> None:
     parser.add_argument("--profiled-steps", type=int, default=20)
     parser.add_argument("--variants", default="fused,unfused",
                         help="fused (whole decode steps as one graph, the default) and/or unfused (op by op)")
+    parser.add_argument("--mixed-steps", type=int, default=0,
+                        help="instead of steady decode: this many arrivals, each one's mixed step timed alone "
+                             "(and a decode step after it)")
+    parser.add_argument("--mixed-prompt-len", type=int, default=130, help="an arrival's prompt tokens")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
-            for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]
+    if args.mixed_steps:
+        rows = [profile_mixed(args, m, c) for m in args.methods.split(",") for c in map(int, args.concurrency.split(","))]
+    else:
+        rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
+                for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]
     result = {"command": "PYTHONPATH=.:benchmarks python benchmarks/profile_spec_step.py " + shlex.join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "commit": commit(), "rows": rows}
