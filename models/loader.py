@@ -20,7 +20,8 @@ import torch
 from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
 from models.config import ModelConfig, RopeScaling, model_kind, preset, read_json
 from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
-from models.gguf_loader import config_from_gguf, is_4bit, load_gguf, open_gguf
+from models.gguf_file import config_from_gguf, open_gguf
+from models.gguf_loader import is_4bit, load_gguf
 from models.parallel import TensorParallel
 from models.transformer import CausalLM, build_model
 

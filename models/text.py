@@ -223,7 +223,7 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     if kind == "hf":
         return tokenizer_from_dir(model)
     if kind == "gguf":
-        from models.gguf_loader import open_gguf
+        from models.gguf_file import open_gguf
 
         return tokenizer_from_gguf_metadata(open_gguf(model).metadata, model)
     return None

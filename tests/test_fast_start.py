@@ -141,14 +141,22 @@ def test_a_tensor_parallel_size_no_machine_serves_starts_no_worker(size, monkeyp
     assert len(err) == 1 and err[0].startswith("twogrid serve: error: --tensor-parallel-size"), err
 
 
-def test_the_other_front_ends_import_no_torch(bpe):
+@pytest.mark.parametrize("tokenizer", ["directory", "gguf"])
+def test_the_other_front_ends_import_no_torch(tokenizer, bpe):
     """Front ends 1..N start after front end 0's setup and gate /health (``FrontEnds.open_gate``): what they import
-    and their tokenizer (a Hugging Face tokenizer directory) leave torch out, so that they are up in a second or two,
-    not the four that importing torch took them beside the engine and the worker (on the H200 /health turned 200 a
-    second after the engine was ready, waiting for them)."""
+    and their tokenizer (a Hugging Face tokenizer directory, or the default model's GGUF, read by
+    ``models.gguf_file``) leave torch out, so that they are up in a second or two, not the four that importing torch
+    took them beside the engine and the worker (on the H200 /health turned 200 a second after the engine was ready,
+    waiting for them)."""
+    if tokenizer == "gguf":
+        from models.default_model import default_model_path
+
+        source = default_model_path()
+    else:
+        source = bpe
     code = ("import sys; import dispatcher.serve.frontend; from dispatcher.serve.app import build_app; "
             "from dispatcher.serve.client import EngineClient; from dispatcher.serve.metrics import EngineMetrics; "
-            f"from models.text import load_tokenizer; tok = load_tokenizer({bpe!r}); assert tok.encode('hello'); "
+            f"from models.text import load_tokenizer; tok = load_tokenizer({source!r}); assert tok.encode('hello'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,7 +33,7 @@ def chat(text: str) -> str:
 
 
 def test_gemma3_270m_gguf_greedy_tokens_match_transformers(gguf, texts):
-    from models.gguf_loader import config_from_gguf, open_gguf
+    from models.gguf_file import config_from_gguf, open_gguf
     from models.text import load_tokenizer
 
     kind, cfg = config_from_gguf(open_gguf(gguf))

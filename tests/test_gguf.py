@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from models.config import preset  # noqa: E402
-from models.gguf_loader import GGUFFile, load_gguf, permute_qk, unpermute_qk, write_gguf  # noqa: E402
+from models.gguf_file import GGUFFile  # noqa: E402
+from models.gguf_loader import load_gguf, permute_qk, unpermute_qk, write_gguf  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.loader import load_checkpoint, load_model, save_checkpoint  # noqa: E402
 from models.transformer import build_model  # noqa: E402
@@ -111,7 +112,8 @@ def test_4bit_projections_stay_4bit_on_the_cpu_in_bfloat16(pair, qtype, monkeypa
     own codes and scales, Q/K rows unpermuted): the weights they hold are the float32 dequantization's, and the
     served model's logits are the bfloat16-dequantized model's within bfloat16 rounding."""
     from models import gguf_loader
-    from models.gguf_loader import config_from_gguf, keep_int4, open_gguf
+    from models.gguf_file import config_from_gguf, open_gguf
+    from models.gguf_loader import keep_int4
     from models.int4 import Int4Linear, int4_available
 
     if not int4_available("cpu", torch.bfloat16):

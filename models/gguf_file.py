@@ -1,0 +1,299 @@
+"""A GGUF file's header, read without torch: ``GGUFFile`` (the metadata and tensor table, parsed with ``struct`` over a
+memory map; its tensors on demand, which import torch when asked for), ``open_gguf`` (one parse per file, shared by
+the config, tokenizer and weight readers) and ``config_from_gguf`` (the model's shape from the metadata). The
+tokenizer (``models.text``) and a model's shape (``models.loader.read_model_config``) read GGUFs through this module
+alone, so that the front ends that tokenize import no torch; the weights are ``models.gguf_loader``'s.
+
+The ``gguf`` package's GGUFReader builds a numpy view per metadata string and takes about 7 s on the 49K-token
+vocabulary of SmolLM2-135M, longer than the whole load may take: hence this parser. The format's constants and every
+dequantization come from the ``gguf`` package.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from models.config import CheckpointError, ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    import torch
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                      "qwen3moe": "qwen3_moe", "granite": "granite", "granitemoe": "granitemoe", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text", "phi3": "phi3"}
+"""general.architecture -> the Hugging Face model_type its tensors map to (llama with experts: mixtral)."""
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    """In torch order (GGUF lists dimensions fastest first)."""
+    ggml_type: int
+    start: int
+    """Absolute byte offset of the data in the file."""
+    nbytes: int
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, and its tensors on demand (memory-mapped)."""
+
+    def __init__(self, path: str):
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read the GGUF file ({exc})") from None
+        size = len(self._map)
+        try:
+            self.metadata, tensors, end = self._parse()
+        except (struct.error, UnicodeDecodeError, IndexError, OverflowError, MemoryError) as exc:
+            raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from None
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-end // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, ggml_type, offset in tensors:
+            try:
+                qtype = GGMLQuantizationType(ggml_type)
+            except ValueError:
+                raise CheckpointError(f"{path}: tensor {name!r} has unknown ggml type {ggml_type}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            if dims and dims[0] % block:
+                raise CheckpointError(f"{path}: tensor {name!r} has rows of {dims[0]} values, not a multiple of "
+                                      f"{qtype.name}'s block of {block}")
+            info = TensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + offset, count // block * type_size)
+            if info.start + info.nbytes > size:
+                raise CheckpointError(f"{path}: truncated GGUF file: tensor {name!r} ends at byte "
+                                      f"{info.start + info.nbytes}, the file has {size} bytes")
+            self.tensors[name] = info
+
+    # -- header ----------------------------------------------------------------------------------------------
+    def _parse(self):
+        buf = self._map
+        if buf[:4] != b"GGUF":
+            raise CheckpointError(f"{self.path}: not a GGUF file (no GGUF magic bytes)")
+        version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise CheckpointError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        pos = 24
+        metadata = {}
+        for _ in range(num_kv):
+            key, pos = self._string(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            metadata[key], pos = self._value(pos + 4, vtype)
+        tensors = []
+        for _ in range(num_tensors):
+            name, pos = self._string(pos)
+            (ndims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{ndims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndims)
+            pos += 4 + 8 * ndims + 12
+            tensors.append((name, dims, ggml_type, offset))
+        return metadata, tensors, pos
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._map, pos)
+        end = pos + 8 + n
+        if end > len(self._map):
+            raise IndexError(f"a string of {n} bytes at byte {pos} runs past the end of the file")
+        return self._map[pos + 8:end].decode("utf-8"), end
+
+    def _value(self, pos: int, vtype: int):
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype]
+            return struct.unpack_from(fmt, self._map, pos)[0], pos + struct.calcsize(fmt)
+        if vtype == _STRING:
+            return self._string(pos)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", self._map, pos)
+            pos += 12
+            if etype in _SCALARS:
+                fmt = _SCALARS[etype]
+                width = struct.calcsize(fmt)
+                if pos + count * width > len(self._map):
+                    raise IndexError(f"an array of {count} values at byte {pos} runs past the end of the file")
+                values = np.frombuffer(self._map, dtype=np.dtype(fmt), count=count, offset=pos).tolist()
+                return values, pos + count * width
+            out = []
+            for _ in range(count):
+                v, pos = self._value(pos, etype)
+                out.append(v)
+            return out, pos
+        raise ValueError(f"unknown GGUF metadata value type {vtype} at byte {pos}")
+
+    # -- tensors ---------------------------------------------------------------------------------------------
+    def tensor(self, name: str, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """The tensor dequantized to float32 by the ``gguf`` package, then cast to ``dtype`` (default float32)."""
+        import torch
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        dtype = dtype or torch.float32
+
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.ggml_type)
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        if qtype == GGMLQuantizationType.F32:
+            return torch.from_numpy(raw.view(np.float32).reshape(info.shape).copy()).to(dtype)
+        if qtype == GGMLQuantizationType.F16:
+            return torch.from_numpy(raw.view(np.float16).reshape(info.shape).copy()).to(dtype)
+        if qtype == GGMLQuantizationType.BF16:
+            return torch.from_numpy(raw.view(np.int16).reshape(info.shape).copy()).view(torch.bfloat16).to(dtype)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_values = info.shape[-1] if info.shape else 1
+        rows = raw.reshape(-1, row_values // block * type_size)
+        try:
+            values = dequantize(rows, qtype)
+        except NotImplementedError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {qtype.name}, which the gguf package cannot "
+                                  f"dequantize") from None
+        return torch.from_numpy(values.reshape(info.shape)).to(dtype)
+
+    def int4_groups(self, name: str) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None":
+        """A Q4_0 / Q4_1 matrix as (codes, scale, zero) (``models.int4.ggml_int4_groups``); None for other types."""
+        import torch
+        from gguf.constants import GGMLQuantizationType
+
+        from models.int4 import INT4_TYPES, ggml_int4_groups
+
+        info = self.tensors[name]
+        type_name = GGMLQuantizationType(info.ggml_type).name
+        if type_name not in INT4_TYPES or len(info.shape) != 2:
+            return None
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return tuple(torch.from_numpy(a) for a in ggml_int4_groups(raw, type_name, info.shape))
+
+
+_OPENED: dict[tuple, GGUFFile] = {}
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """A parsed GGUFFile, shared by the config, tokenizer and weight readers of one load (the header of a 49K-token
+    vocabulary takes a while to parse); a file changed since (mtime, size) is parsed again."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _OPENED:
+        if len(_OPENED) >= 4:
+            _OPENED.pop(next(iter(_OPENED)))
+        _OPENED[key] = GGUFFile(path)
+    return _OPENED[key]
+
+
+def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
+    """(the Hugging Face model_type its tensors map to, the model's shape) from the metadata and tensor table."""
+    md, t = f.metadata, f.tensors
+    arch = md.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def need(key):
+        value = md.get(f"{arch}.{key}")
+        if value is None:
+            raise CheckpointError(f"{f.path}: metadata {arch}.{key} is missing")
+        if isinstance(value, list):
+            raise CheckpointError(f"{f.path}: metadata {arch}.{key} varies per layer, which is not supported")
+        return value
+
+    if "token_embd.weight" not in t:
+        raise CheckpointError(f"{f.path}: tensor 'token_embd.weight' is missing")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(md.get(f"{arch}.attention.key_length") or md.get(f"{arch}.rope.dimension_count") or
+                   hidden // heads)
+    experts = int(md.get(f"{arch}.expert_count") or 0)
+    kind = GGUF_ARCHITECTURES[arch] if not (arch == "llama" and experts) else "mixtral"
+    scaling = None
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear" or arch == "gemma3" and md.get(f"{arch}.rope.scaling.factor"):
+        scaling = RopeScaling("linear", float(need("rope.scaling.factor")))
+    elif scaling_type == "yarn":
+        factor = float(need("rope.scaling.factor"))
+        scaling = RopeScaling("yarn", factor, original_max_position_embeddings=int(
+            need("rope.scaling.original_context_length")), attention_factor=0.1 * math.log(factor) + 1.0)
+    elif scaling_type not in ("none", None):
+        raise CheckpointError(f"{f.path}: rope scaling type {scaling_type!r} is not supported (none, linear or yarn)")
+    if "rope_factors_long.weight" in t:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
+        original = int(need("rope.scaling.original_context_length"))
+        scaling = RopeScaling("longrope", int(need("context_length")) / original,
+                              original_max_position_embeddings=original,
+                              attention_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+                              short_factor=tuple(f.tensor("rope_factors_short.weight").tolist()),
+                              long_factor=tuple(f.tensor("rope_factors_long.weight").tolist()))
+    eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    cfg = dict(
+        vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=int(need("block_count")),
+        num_heads=heads, num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or heads), head_dim=head_dim,
+        intermediate_size=int(md.get(f"{arch}.feed_forward_length") or 0),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in t,
+        max_position_embeddings=int(md.get(f"{arch}.context_length", 8192)),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        attention_bias="blk.0.attn_q.bias" in t, qk_norm="blk.0.attn_q_norm.weight" in t,
+    )
+    cfg.update(_arch_extras(f, arch, cfg))
+    if experts:
+        moe_inter = md.get(f"{arch}.expert_feed_forward_length")
+        if moe_inter is None and "blk.0.ffn_up_exps.weight" in t:
+            moe_inter = t["blk.0.ffn_up_exps.weight"].shape[1]
+        shared = md.get(f"{arch}.expert_shared_feed_forward_length")
+        if shared is None and "blk.0.ffn_up_shexp.weight" in t:
+            shared = t["blk.0.ffn_up_shexp.weight"].shape[0]
+        norm_topk = md.get(f"{arch}.expert_weights_norm", kind != "qwen2_moe")  # llama.cpp's defaults
+        cfg.update(num_experts=experts, num_experts_per_token=int(need("expert_used_count")),
+                   moe_intermediate_size=int(moe_inter or cfg["intermediate_size"]), norm_topk_prob=bool(norm_topk),
+                   shared_expert_intermediate_size=int(shared or 0) if kind == "qwen2_moe" else 0)
+    try:
+        out = ModelConfig(**cfg)
+        out.validate()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{f.path}: {exc}") from None
+    return kind, out
+
+
+def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
+    """What Granite, Gemma and Phi-3 add to the config, from their metadata and llama.cpp's own rules where the
+    converter writes none (Gemma 2 and 3: the sliding-window pattern, Gemma 3's local rope base, the attention
+    scale of the 27B models, as llama.cpp's llama-model.cpp sets them)."""
+    md, layers, hidden, heads = f.metadata, cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
+    if arch in ("granite", "granitemoe"):
+        logit = float(md.get(f"{arch}.logit_scale", 1.0))
+        return dict(embedding_scale=float(md.get(f"{arch}.embedding_scale", 1.0)),
+                    residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)), logit_scale=1.0 / logit,
+                    attention_scale=float(md.get(f"{arch}.attention.scale", 0.0)))
+    if arch in ("gemma2", "gemma3"):
+        big = layers == (46 if arch == "gemma2" else 62)  # the 27B models scale by hidden / heads
+        window = int(md.get(f"{arch}.attention.sliding_window") or 0)
+        pattern = int(md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if arch == "gemma3" else tuple(
+            range(0, layers, 2))
+        return dict(hidden_act="gelu_tanh", embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
+                    attention_scale=(hidden / heads if big else cfg["head_dim"]) ** -0.5,
+                    final_logit_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
+                    attn_logit_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0),
+                    sliding_window=window, sliding_layers=sliding if window else (),
+                    local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3"
+                    else 0.0)
+    if arch == "phi3":
+        if cfg["head_dim"] != int(md.get("phi3.rope.dimension_count") or cfg["head_dim"]):
+            raise CheckpointError(f"{f.path}: phi3.rope.dimension_count below the head size (partial rotary) is not "
+                                  f"supported")
+        window = int(md.get("phi3.attention.sliding_window") or 0)
+        if window and window < cfg["max_position_embeddings"]:
+            return dict(sliding_window=window, sliding_layers=tuple(range(layers)))
+    return {}
