@@ -167,10 +167,12 @@ def test_together_rotates_the_servers_and_pairs_each_round_with_no_speculation(s
     monkeypatch.setattr(spec, "kv_blocks", lambda model, gib: 123)
     args = argparse.Namespace(model="x.gguf", tokenizer=None, port=8123, max_model_len=4096, device="cpu",
                               api_server_count=1, waves=1, fixed_acceptance=None, no_fuse_decode_steps=False,
-                              rounds=3, kv_gib=1.0)
+                              rounds=3, kv_gib=1.0, step_trace_dir=str(tmp_path / "traces"))
     result = {"rows": [], "servers": [], "errors": []}
     methods = [spec.parse_method(m) for m in ("none", "ngram:3")]
     spec.measure_together(result, methods, ["separate"], [16], args, str(tmp_path), lambda: None)
+    traces = [s.cmd[s.cmd.index("--step-trace") + 1] for s in started]  # (each server its own trace)
+    assert traces == [str(tmp_path / "traces" / f"trace-separate-{m}.jsonl") for m in ("none", "ngram-k3")]
     assert [(r, m) for r, m, _ in order] == [(0, "none"), (0, "ngram"), (1, "ngram"), (1, "none"),
                                              (2, "none"), (2, "ngram")]
     assert [w for _, _, w in order] == [None, None, 0, 0, 0, 0]  # a warm-up wave before each server's first run
