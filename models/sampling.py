@@ -193,6 +193,16 @@ class SlotPenalties:
     """(slots, K) the drafts each slot's step verifies: row j of a slot counts its first j."""
 
 
+def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: torch.Tensor, bit: torch.Tensor) -> None:
+    """Structured outputs inside a captured graph: -inf in ``logits`` (rows, vocab) wherever ``bitmask`` (rows,
+    ceil(vocab / 32)) int32, xgrammar's packed format (bit t % 32 of word t // 32 set allows token t), clears the
+    token; ``word`` and ``bit``: arange(vocab) // 32 (int64) and % 32 (int32), on the device. Three kernels over
+    (rows, vocab), no host synchronization (xgrammar's own kernel, which the op-by-op path uses, takes row indices
+    and checks shapes on the host); a row of all bits set is left as it is."""
+    allowed = (bitmask[:, word] >> bit) & 1
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def sample_by_slot(logits: torch.Tensor, slots: torch.Tensor, rows_per_slot: int, positions: torch.Tensor,
                    temperature: torch.Tensor, seeds: torch.Tensor, min_p: torch.Tensor,
                    penalties: SlotPenalties | None = None, greedy_only: bool = False,

@@ -352,16 +352,27 @@ class Successor:
         pass
 
 
-def constrained_engine(spec=None, overlap=True, device="cpu"):
+def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=True):
+    """tiny-dense with the ``Successor`` stand-in for xgrammar; its worker set up as a server with a tokenizer
+    sets it up (structured outputs on: the fused decode steps have their constrained pairs)."""
+    import dataclasses
+
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
     from dispatcher.plan.config import resolve
+    from dispatcher.runtime.decode_step import FusedDecode
     from models.config import preset
 
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=400, block_size=8,
-                                      max_model_len=128, async_scheduling=overlap))
+                                      max_model_len=128, async_scheduling=overlap,
+                                      fuse_decode_steps=fuse_decode_steps))
     core.structured = Successor(core.model_config.vocab_size)
     core.structured.requests = core.scheduler.requests
+    worker = core.worker
+    worker.wcfg = dataclasses.replace(worker.wcfg, structured_outputs=True)
+    if worker.fused is not None:
+        worker.fused = FusedDecode(worker, core.plan)
+        worker.fused.capture(progress=False)
     return core
 
 
@@ -449,26 +460,26 @@ def test_a_deferred_bitmask_is_taken_from_the_next_message():
         core.worker.execute(step.message)
 
 
-def test_constrained_decode_steps_run_op_by_op_while_unconstrained_ones_fuse():
-    constrained_decodes_run_op_by_op("cpu")
+def test_constrained_decode_steps_fuse_once_their_graphs_are_captured():
+    constrained_decodes_fuse("cpu")
 
 
-def constrained_decodes_run_op_by_op(device: str) -> None:
-    """Fused decode steps (``dispatcher.runtime.decode_step``) take the greedy argmax inside the graph, where no
-    grammar bitmask can reach it: a uniform-decode step with a constrained row runs op by op (its outputs follow
-    the grammar), all constrained or one among unconstrained; the same engine fuses the unconstrained steps."""
+def constrained_decodes_fuse(device: str) -> None:
+    """Without a drafter a constrained uniform decode runs as two graphs (``FusedDecode.constrained``: the forward,
+    then, the engine's bitmask uploaded, the masked sampling and the rest), captured on demand: the first such step
+    of a size runs op by op and asks for them, the gap after it captures them, the next ones fuse; the outputs
+    follow the grammar, all constrained or one among unconstrained, greedy or sampled, and equal an engine's that
+    never fuses; unconstrained steps fuse as always."""
     from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE
     from test_pipeline import prompts
 
-    core = constrained_engine(overlap=False, device=device)
-    assert core.worker.fused is not None
     so = StructuredOutputsParams(choice=("stand-in",))
     p = [q[:10] for q in prompts(4, 3)]  # (one prefill step)
 
-    def run(constrained: list[bool]) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
-        ids = [core.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True,
+    def run(core, constrained: list[bool], temperature: float) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
+        ids = [core.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True, temperature=temperature, seed=i,
                                                   structured_outputs=so if c else None))
-               for q, c in zip(p, constrained)]
+               for i, (q, c) in enumerate(zip(p, constrained))]
         out, decodes = {rid: [] for rid in ids}, []
         while core.has_unfinished():
             step = core.schedule()
@@ -481,14 +492,24 @@ def constrained_decodes_run_op_by_op(device: str) -> None:
                 decodes.append((step.message.constrained, result.fused))
         return [out[rid] for rid in ids], decodes
 
-    for constrained in ([True] * 4, [False, True, False, False]):
-        outs, decodes = run(constrained)
-        for q, c, out in zip(p, constrained, outs):
-            if c:
-                assert out == [(q[-1] + 1 + k) % 512 for k in range(8)]
-        assert len(decodes) >= 5 and all(c and not fused for c, fused in decodes), decodes
+    core = constrained_engine(overlap=False, device=device)
+    plain = constrained_engine(overlap=False, device=device, fuse_decode_steps=False)
+    assert core.worker.fused is not None and core.worker.fused.constrained
+    first = True
+    for temperature in (0.0, 0.8):
+        for constrained in ([True] * 4, [False, True, False, False]):
+            outs, decodes = run(core, constrained, temperature)
+            assert outs == run(plain, constrained, temperature)[0]
+            for q, c, out in zip(p, constrained, outs):
+                if c:
+                    assert out == [(q[-1] + 1 + k) % 512 for k in range(8)]
+            assert len(decodes) >= 5 and all(c for c, _ in decodes), decodes
+            fused = [f for _, f in decodes]
+            assert fused == ([False] + [True] * (len(fused) - 1) if first else [True] * len(fused)), decodes
+            first = False
+    assert core.worker.fused.constrained_captured and not core.worker.fused.constrained_demand
     fused_before = core.stats.fused_steps
-    _, decodes = run([False] * 4)
+    _, decodes = run(core, [False] * 4, 0.0)
     assert decodes and all(fused for _, fused in decodes) and core.stats.fused_steps > fused_before
 
 
@@ -739,3 +760,25 @@ def test_each_choice_of_n_has_its_own_tool_calls():
             assert calls == {0: ['{"city": "Oslo"}'], 1: ['{"city": "Rome"}']}
 
     run(go())
+
+
+def test_the_graphs_bitmask_masks_as_xgrammars_kernel():
+    """``apply_packed_bitmask`` (the constrained fused step's masking, capturable) against xgrammar's kernel (the op
+    by op path's): the same -inf cells for random packed bitmasks, bit 31 (a negative int32 word) and a vocabulary
+    that is not a multiple of 32 included; a row of all bits set is untouched."""
+    import xgrammar
+
+    from models.sampling import apply_packed_bitmask
+
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    words = -(-vocab // 32)
+    logits = torch.randn(5, vocab, generator=gen)
+    bits = torch.randint(-2**31, 2**31 - 1, (5, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[3] = -1
+    ours, theirs = logits.clone(), logits.clone()
+    apply_packed_bitmask(ours, bits, torch.arange(vocab) // 32, (torch.arange(vocab) % 32).to(torch.int32))
+    xgrammar.apply_token_bitmask_inplace(theirs, bits, vocab_size=vocab)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs)) and torch.equal(ours[3], logits[3])
+    assert 0 < int(torch.isinf(ours).sum()) < 4 * vocab

@@ -51,12 +51,13 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
         assert sum(compiles) == 0, compiles
 
 
-def test_constrained_greedy_decode_steps_run_op_by_op_on_cuda_graphs():
-    """Greedy without a drafter on CUDA graphs: uniform-decode steps with a constrained row run op by op and follow
-    their grammar, while unconstrained ones replay the fused step graph (tests/test_structured.py's CPU test)."""
-    from test_structured import constrained_decodes_run_op_by_op
+def test_constrained_decode_steps_fuse_on_cuda_graphs():
+    """Without a drafter on CUDA graphs: a constrained uniform decode's two graphs are captured between steps on
+    demand, then replayed around the bitmask's upload; the outputs follow their grammar and equal op by op's
+    (tests/test_structured.py's CPU test)."""
+    from test_structured import constrained_decodes_fuse
 
-    constrained_decodes_run_op_by_op("cuda")
+    constrained_decodes_fuse("cuda")
 
 
 def test_every_constraint_gives_valid_output_served_on_the_gpu(tmp_path):

@@ -29,10 +29,18 @@ kernel a step (a graph per variant would double the capture time and memory).
 
 A step runs fused (``FusedDecode.key_for``) when it is a uniform decode on a FULL graph, every request samples
 with temperature, seed, min_p and the penalties alone (no top-k, no top-p, no other processing of the logits:
-logit bias, allowed tokens, bad words, min_tokens), without logprobs and without a grammar (structured outputs: the
-sampler takes no bitmask), the drafter proposes as many drafts as it verified (K = q - 1; no tier change
-mid-step) with FULL graphs at n', and the fixed-acceptance mode is the one captured; any other step runs op by op
-(``ModelWorker.submit``). A draft model and the block drafters always run op by op.
+logit bias, allowed tokens, bad words, min_tokens), without logprobs, the drafter proposes as many drafts as it
+verified (K = q - 1; no tier change mid-step) with FULL graphs at n', and the fixed-acceptance mode is the one
+captured; any other step runs op by op (``ModelWorker.submit``). A draft model and the block drafters always run op
+by op.
+
+A step that a grammar constrains (structured outputs) needs the engine's bitmask, which it fills once the step
+before is done, while this one's forward may already run. Without a drafter (q = 1) it runs as two graphs
+(``FusedDecode.constrained``): the forward to the logits (kept in a static buffer); then, the bitmask uploaded into
+``bitmask`` (every bit set for an unconstrained row), the masked sampling and the rest of the step
+(``models.sampling.apply_packed_bitmask``, then as above). The pair of a size is captured on demand: the first
+constrained step of that size runs op by op and asks for it, the next gap between steps captures it, so a server
+that never sees a structured request captures nothing more. With a drafter constrained steps run op by op.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, 
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
 from models.fused import count_accepted, use_triton
-from models.sampling import SlotPenalties, accepted_drafts, fixed_accepted, sample_by_slot
+from models.sampling import SlotPenalties, accepted_drafts, apply_packed_bitmask, fixed_accepted, sample_by_slot
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -100,6 +108,27 @@ class FusedDecode:
         self.fixed = worker.fixed_acceptance_on
         """The fixed-acceptance mode the graphs were built in (a step in the other runs op by op)."""
         self.graphs: dict[FusedKey, Replayable] = {k: Replayable(self._step(k)) for k in self.keys}
+        self.constrained: dict[FusedKey, tuple[Replayable, Replayable]] = {
+            k: tuple(Replayable(fn) for fn in self._constrained_step(k)) for k in self.keys
+            if worker.wcfg.structured_outputs and self.method is None}
+        """Structured outputs without a drafter: a step that a grammar constrains as two graphs, the forward to the
+        logits, then (once the engine's bitmask is in ``bitmask``) the masked sampling and the rest."""
+        vocab = worker.model.cfg.vocab_size
+        words = -(-vocab // 32) if self.constrained else 0
+        self.bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32, device=self.device)
+        """Per request: the grammar's packed bitmask of the step running (every bit set: unconstrained)."""
+        self._host_bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+        self._vocab_word = torch.arange(vocab if words else 0, device=self.device) // 32
+        self._vocab_bit = (torch.arange(vocab if words else 0, device=self.device) % 32).to(torch.int32)
+        self._logits: torch.Tensor | None = None
+        """The constrained step's logits between its two graphs (allocated by the first eager run)."""
+        self.constrained_captured: set[FusedKey] = set()
+        self.constrained_demand: dict[FusedKey, None] = {}
+        """Constrained steps' graph pairs asked for (a constrained step found its pair uncaptured and ran op by op):
+        captured between steps, oldest first (``capture_demanded_constrained``). Only what structured requests use
+        is captured: a server that never sees one pays nothing."""
+        self._constrained_failed: set[FusedKey] = set()
         lengths = sorted({min(n, self.state.token_ids.shape[1]) for n in NGRAM_LENGTHS})
         self.ngram_lengths = np.asarray(lengths) if self.method == "ngram" else np.zeros(0, np.int64)
         self.ngram: dict[tuple[int, int, int], Replayable] = {
@@ -134,12 +163,13 @@ class FusedDecode:
     def key_for(self, step, slots: np.ndarray) -> FusedKey | None:
         """The fused graph that runs this step, or None (the step runs op by op); host-side checks only."""
         t = step.target
-        if t.mode != MODE_FULL or t.kind != UNIFORM_DECODE or step.new_requests or step.constrained \
-                or not len(slots):  # (the graph's argmax cannot take a grammar bitmask)
+        if t.mode != MODE_FULL or t.kind != UNIFORM_DECODE or step.new_requests or not len(slots):
             return None
         key = FusedKey(t.graph, step.draft.graph if step.draft is not None else None,
                        step.draft_next.graph if step.draft_next is not None else None, step.num_new_drafts)
         if key not in self.graphs or self.worker.fixed_acceptance_on != self.fixed:
+            return None
+        if step.constrained and key not in self.constrained:  # (with a drafter a grammar's steps run op by op)
             return None
         st = self.state
         samples = st.fused_sampling(slots) if self.samples else st.plain_greedy(slots)
@@ -148,16 +178,30 @@ class FusedDecode:
         return key
 
     # -- a step --------------------------------------------------------------------------------------------------
-    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, host_slots: np.ndarray) -> None:
+    def run(self, key: FusedKey, slots: torch.Tensor, max_seq_len: int, host_slots: np.ndarray,
+            grammar=None) -> None:
         """Replay ``key``'s graph for ``slots`` (the step's slots padded to n' with the dummy slot, on the device;
         ``host_slots`` the step's own, on the host), then the n-gram lookup's for the step's longest sequence.
         Without Triton the closure runs eagerly and skips work by what the host knows of the requests
-        (``greedy_only``, ``penalized``); with it a graph samples and counts every row as the request state says."""
+        (``greedy_only``, ``penalized``); with it a graph samples and counts every row as the request state says.
+        ``grammar``: a constrained step's (rows, packed bitmask (rows, words) int32) on the host, or a function
+        that waits for them (the engine fills them once the step before is done): the forward's graph runs first,
+        the sampling's once they are in."""
         n = key.target.size
         self.slots[:n].copy_(slots)
         if not use_triton(self.slots):
             self.greedy_only = self.state.plain_greedy(host_slots)
             self.penalized = self.state.extras.counts_tokens(host_slots)
+        if grammar is not None:
+            forward, sample = self.constrained[key]
+            forward.replay()
+            rows, bits = grammar() if callable(grammar) else grammar
+            host = self._host_bitmask[:n]
+            host.numpy().fill(-1)  # (the step before is done, its copy from here too: constrained steps wait for it)
+            host.numpy()[rows] = bits
+            self.bitmask[:n].copy_(host, non_blocking=True)
+            sample.replay()
+            return
         self.graphs[key].replay()
         if self.method == "ngram" and key.num_new_drafts:
             bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))
@@ -166,55 +210,89 @@ class FusedDecode:
 
     def _step(self, key: FusedKey):
         """The closure a fused graph captures (see the module's docstring)."""
-        st, tgt, worker = self.state, self.target, self.worker
-        n, q, k = key.target.size, key.target.q, key.num_new_drafts
-        run_target = tgt.graphs[key.target][0].fn
-        fixed = self.fixed
+        n, q = key.target.size, key.target.q
 
         def run() -> None:
-            slots = self.slots[:n]
-            valid = slots != st.dummy
-            computed = torch.where(valid, st.num_computed[slots], 0)
-            positions = computed[:, None] + self._arange[None, :q]
-            ids = st.token_ids[slots, computed][:, None]
-            drafts = st.drafts[slots, : q - 1]
-            if q > 1:
-                ids = torch.cat([ids, drafts], dim=1)
-            block_rows = torch.where(valid, slots, 0)
-            self._load(tgt, block_rows, valid, ids, positions)
-            run_target()
-            cols = computed[:, None] + 1 + self._arange[None, :q]  # (the positions of the tokens drawn)
-            ex = st.extras
-            penalties = SlotPenalties(ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts) \
-                if ex.output_counts is not None else None  # (on the CPU: none before the first penalized request)
-            tokens = sample_by_slot(worker.model.compute_logits(tgt.bufs.hidden_out[: n * q]), slots, q,
-                                    cols.flatten(), st.temperature, st.seed, ex.min_p, penalties, self.greedy_only,
-                                    self.penalized)
-            tokens = tokens.view(n, q)
-            accepted = torch.zeros_like(computed)
-            if q > 1:
-                num_drafts = torch.full_like(computed, q - 1)
-                if fixed:
-                    accepted = fixed_accepted(st.seed[slots], computed + 1, num_drafts, q - 1, worker.fixed_alpha)
-                    tokens = torch.where(self._arange[None, :q] < accepted[:, None],
-                                         torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
-                else:
-                    accepted = accepted_drafts(tokens, drafts, num_drafts)
-            rows = slots[:, None].expand_as(cols)
-            keep = self._arange[None, :q] <= accepted[:, None]
-            st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
-            st.num_computed[slots] = computed + 1 + accepted
-            if penalties is not None:
-                self._count(slots, block_rows, valid, tokens, accepted, keep)
-            out = self.out[:n]
-            out[:, 0].copy_(accepted)
-            out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
-            if self.method in EAGLE_LIKE:
-                conf = self._eagle(key, slots, block_rows, valid, tokens, accepted, computed + 1 + accepted)
-                if k:
-                    out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
+            inputs = self._inputs(n, q)
+            self._finish(key, inputs, self._forward(key, inputs))
 
         return run
+
+    def _constrained_step(self, key: FusedKey):
+        """The two closures of a constrained step: the forward, its logits kept in ``_logits``; then the grammar's
+        bitmask (``bitmask``, uploaded between them) applied and the rest of the step as ``_step``'s."""
+        n, q = key.target.size, key.target.q
+
+        def forward() -> None:
+            logits = self._forward(key, self._inputs(n, q))
+            if self._logits is None or self._logits.dtype != logits.dtype:  # (the first, eager, run allocates)
+                self._logits = torch.empty(len(self.slots) * q, logits.shape[1], dtype=logits.dtype,
+                                           device=self.device)
+            self._logits[: n * q].copy_(logits)
+
+        def sample() -> None:
+            logits = self._logits[: n * q]
+            apply_packed_bitmask(logits, self.bitmask[:n], self._vocab_word, self._vocab_bit)  # (q = 1: a row each)
+            self._finish(key, self._inputs(n, q), logits)
+
+        return forward, sample
+
+    def _inputs(self, n: int, q: int) -> tuple[torch.Tensor, ...]:
+        """The step's requests as the state holds them before it runs: slots, which are real, their computed
+        tokens, their drafts, their block-table rows."""
+        st = self.state
+        slots = self.slots[:n]
+        valid = slots != st.dummy
+        computed = torch.where(valid, st.num_computed[slots], 0)
+        return slots, valid, computed, st.drafts[slots, : q - 1], torch.where(valid, slots, 0)
+
+    def _forward(self, key: FusedKey, inputs) -> torch.Tensor:
+        """The target's forward over the step's tokens (each request's last token and its drafts) -> logits."""
+        st, tgt = self.state, self.target
+        q = key.target.q
+        slots, valid, computed, drafts, block_rows = inputs
+        positions = computed[:, None] + self._arange[None, :q]
+        ids = st.token_ids[slots, computed][:, None]
+        if q > 1:
+            ids = torch.cat([ids, drafts], dim=1)
+        self._load(tgt, block_rows, valid, ids, positions)
+        tgt.graphs[key.target][0].fn()
+        return self.worker.model.compute_logits(tgt.bufs.hidden_out[: key.target.size * q])
+
+    def _finish(self, key: FusedKey, inputs, logits: torch.Tensor) -> None:
+        """From the logits: the tokens drawn and verified, the state advanced, the drafter, the result rows."""
+        st, worker = self.state, self.worker
+        n, q, k = key.target.size, key.target.q, key.num_new_drafts
+        slots, valid, computed, drafts, block_rows = inputs
+        cols = computed[:, None] + 1 + self._arange[None, :q]  # (the positions of the tokens drawn)
+        ex = st.extras
+        penalties = SlotPenalties(ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts) \
+            if ex.output_counts is not None else None  # (on the CPU: none before the first penalized request)
+        tokens = sample_by_slot(logits, slots, q, cols.flatten(), st.temperature, st.seed, ex.min_p, penalties,
+                                self.greedy_only, self.penalized)
+        tokens = tokens.view(n, q)
+        accepted = torch.zeros_like(computed)
+        if q > 1:
+            num_drafts = torch.full_like(computed, q - 1)
+            if self.fixed:
+                accepted = fixed_accepted(st.seed[slots], computed + 1, num_drafts, q - 1, worker.fixed_alpha)
+                tokens = torch.where(self._arange[None, :q] < accepted[:, None],
+                                     torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
+            else:
+                accepted = accepted_drafts(tokens, drafts, num_drafts)
+        rows = slots[:, None].expand_as(cols)
+        keep = self._arange[None, :q] <= accepted[:, None]
+        st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+        st.num_computed[slots] = computed + 1 + accepted
+        if penalties is not None:
+            self._count(slots, block_rows, valid, tokens, accepted, keep)
+        out = self.out[:n]
+        out[:, 0].copy_(accepted)
+        out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
+        if self.method in EAGLE_LIKE:
+            conf = self._eagle(key, slots, block_rows, valid, tokens, accepted, computed + 1 + accepted)
+            if k:
+                out[:, 1 + self.width : 1 + self.width + k].copy_(conf.view(torch.int32))
 
     def _count(self, slots, block_rows, valid, tokens, accepted, keep) -> None:
         """The step's accepted tokens into the penalized requests' output counts (``SamplingExtras.count``): one
@@ -317,6 +395,37 @@ class FusedDecode:
         del keep, pool
         free_device_bytes(self.device)
         return total / 2**30
+
+    def constrained_ready(self, key: FusedKey) -> bool:
+        """A constrained step of ``key`` can run as its two graphs; if not, they are asked for (once)."""
+        if key in self.constrained_captured:
+            return True
+        if key in self.constrained and key not in self._constrained_failed:
+            self.constrained_demand[key] = None
+        return False
+
+    @torch.inference_mode()
+    def capture_demanded_constrained(self) -> None:
+        """Capture the oldest asked-for constrained pair into the shared pool, between steps (as delayed capture
+        does: no synchronization, thread-local capture mode), then mark it; on the CPU only the mark. Out of memory
+        leaves that size's constrained steps op by op, with a warning."""
+        key = next(iter(self.constrained_demand))
+        del self.constrained_demand[key]
+        start = time.perf_counter()
+        if self.target.cuda_graphs:
+            pool, stream = shared_pool(self.device), capture_stream(self.device)
+            self._reset()
+            try:
+                for graph in self.constrained[key]:
+                    graph.capture(pool, stream, between_steps=True)
+            except torch.cuda.OutOfMemoryError:
+                self._constrained_failed.add(key)
+                log.warning("out of GPU memory capturing the constrained decode step for %d requests: its "
+                            "structured requests' steps stay op by op", key.target.size)
+                return
+        self.constrained_captured.add(key)
+        log.info("captured the constrained decode step (structured outputs) for %d requests in %.0f ms",
+                 key.target.size, (time.perf_counter() - start) * 1e3)
 
     def capture_order(self) -> list[FusedKey]:
         """Every step graph, by q, widest first (as ``capture``)."""

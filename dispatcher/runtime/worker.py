@@ -334,6 +334,9 @@ class ModelWorker:
         delayed = self.delayed
         if not self.capture_pending:
             return None
+        if delayed is None or delayed.done:  # (what is left: the constrained steps' graphs asked for)
+            self.fused.capture_demanded_constrained()
+            return None
         count = delayed.run(budget_s, stop)
         if delayed.done and not delayed.error:  # (after an error its graphs left stay uncaptured: steps check)
             self.delayed = None
@@ -341,8 +344,9 @@ class ModelWorker:
 
     @property
     def capture_pending(self) -> bool:
-        """Delayed capture has graphs left to capture (not after an error ended it)."""
-        return self.delayed is not None and not self.delayed.done
+        """Delayed capture has graphs left to capture (not after an error ended it), or a constrained step asked for
+        its two graphs (``FusedDecode.constrained_ready``)."""
+        return (self.delayed is not None and not self.delayed.done) or bool(self.fused and self.fused.constrained_demand)
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> int:
@@ -433,6 +437,8 @@ class ModelWorker:
         if self.fused is not None:
             slots = unpack(step.slots)
             key = self.fused.key_for(step, slots)
+            if key is not None and step.constrained and not self.fused.constrained_ready(key):
+                key = None  # (op by op this time: its two graphs are captured in the next gap, on demand)
             if key is not None:
                 if self.delayed is None or key in self.fused.captured:
                     return self._submit_fused(step, key, slots)
@@ -498,12 +504,36 @@ class ModelWorker:
         self._release_and_map(step, freed, updates)
         if step.step_id in self.fail_steps:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
-        self.fused.run(key, dev_slots, step.max_seq_len, slots)
+        grammar = (lambda: self._grammar_rows(step, clock)) if step.constrained else None
+        self.fused.run(key, dev_slots, step.max_seq_len, slots, grammar)
         rows = self.fused.out[: len(slots)]
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
                         fused=True)
+
+    def _grammar_rows(self, step: Step, clock: "_Clock") -> tuple[np.ndarray, np.ndarray]:
+        """A constrained fused step's (rows, bitmask (rows, words) int32) on the host."""
+        rows = unpack(step.grammar_rows)
+        return rows, self._grammar_bits(step.step_id, step.grammar, clock, len(rows))
+
+    def _grammar_bits(self, step_id: int, grammar: GrammarBitmask | None, clock: "_Clock",
+                      num_rows: int) -> np.ndarray:
+        """A constrained step's packed bitmask, (rows, ceil(vocab / 32)) int32: the one that came with the step, or
+        the next message (the engine fills it once the previous step's tokens are in, while this step's forward
+        runs; the wait is idle time, ``_Clock.idle``)."""
+        if grammar is None:
+            if self.receive_grammar is None:
+                raise RuntimeError(f"step {step_id} is constrained but came without its grammar bitmask")
+            grammar = clock.idle(lambda: self.receive_grammar(step_id))
+        if grammar.step_id != step_id:
+            raise RuntimeError(f"step {step_id} got the grammar bitmask of step {grammar.step_id}")
+        words = -(-self.model.cfg.vocab_size // 32)
+        bits = np.frombuffer(grammar.bitmask, np.int32)
+        if bits.size != num_rows * words:
+            raise ValueError(f"step {step_id}: the grammar bitmask has {bits.size} words, not {num_rows} rows of "
+                             f"{words}")
+        return bits.reshape(num_rows, words)
 
     def _collect_fused(self, pending: "_Pending") -> StepResult:
         """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
@@ -720,26 +750,14 @@ class ModelWorker:
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, plan: "_StepPlan") -> None:
         """Structured outputs: in each constrained request's logit row, the tokens its grammar forbids get -inf
-        before sampling (and logprobs), by xgrammar's kernel on the device. The packed bitmask came with the step,
-        or comes as the next message (``receive_grammar``): the engine fills it once the previous step's tokens
-        are in, while this step's forward runs."""
+        before sampling (and logprobs), by xgrammar's kernel on the device (``_grammar_bits``: the bitmask)."""
         rows = plan.grammar_logit_rows
         if not len(rows):
             return
         import xgrammar
 
-        grammar = plan.grammar
-        if grammar is None:
-            if self.receive_grammar is None:
-                raise RuntimeError(f"step {plan.step_id} is constrained but came without its grammar bitmask")
-            grammar = plan.clock.idle(lambda: self.receive_grammar(plan.step_id))
-        if grammar.step_id != plan.step_id:
-            raise RuntimeError(f"step {plan.step_id} got the grammar bitmask of step {grammar.step_id}")
         words = -(-logits.shape[1] // 32)
-        bits = np.frombuffer(grammar.bitmask, np.int32)
-        if bits.size != len(rows) * words:
-            raise ValueError(f"step {plan.step_id}: the grammar bitmask has {bits.size} words, not {len(rows)} rows "
-                             f"of {words}")
+        bits = self._grammar_bits(plan.step_id, plan.grammar, plan.clock, len(rows)).reshape(-1)
         if bits.size % 2:  # (uploaded as int64 words: int32 pairs, in the step's one copy of the bitmask)
             bits = np.concatenate([bits, np.zeros(1, np.int32)])
         bits = bits.view(np.int64)
