@@ -420,6 +420,19 @@ if triton is not None:
         x = tl.where(x > 0, x / scale, x * scale)
         return x - freq * count.to(tl.float32) - tl.where(present, pres, 0.0)
 
+    @triton.jit
+    def _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr, seen_ptr,
+                   drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES: tl.constexpr):
+        """A row's logits start..start + BLOCK as float32 (-inf past n), penalized (``_penalized_row``) when its
+        slot is; and which of them are in the row."""
+        valid = start + cols < n
+        x = tl.load(base + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        if PENALTIES:
+            if penalized:
+                x = _penalized_row(x, start + cols, valid, param, num_drafts, rep, pres, freq, counts_ptr, seen_ptr,
+                                   drafts_ptr, stride_counts, stride_seen, stride_drafts)
+        return x, valid
+
     @triton.jit(do_not_specialize=["rows_per_slot"])  # (1 or q: one compiled kernel)
     def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, penalized_ptr, pen_ptr,
                        counts_ptr, seen_ptr, drafts_ptr, stride_x, stride_counts, stride_seen, stride_drafts, n,
@@ -460,12 +473,8 @@ if triton is not None:
         best_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
         if (temp == 0.0) | (min_p > 0.0):  # the row's largest logit (and its first index)
             for start in range(0, n, BLOCK):
-                valid = start + cols < n
-                x = tl.load(base + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
-                if PENALTIES:
-                    if penalized:
-                        x = _penalized_row(x, start + cols, valid, param, num_drafts, rep, pres, freq, counts_ptr,
-                                           seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts)
+                x, _ = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
+                                  seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES)
                 m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
                 best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first stays)
                 best = tl.maximum(best, m)
@@ -480,12 +489,8 @@ if triton is not None:
             top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
             top_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
             for start in range(0, n, BLOCK):
-                mask = start + cols < n
-                x = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                if PENALTIES:
-                    if penalized:
-                        x = _penalized_row(x, start + cols, mask, param, num_drafts, rep, pres, freq, counts_ptr,
-                                           seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts)
+                x, mask = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
+                                     seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES)
                 scaled = tl.math.div_rn(x, t)
                 bits = _splitmix64(key + (start + cols).to(tl.uint64) * 0x9E3779B97F4A7C15) >> 40  # 24 random bits
                 u = tl.minimum((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 1.0 / 16777216.0)
