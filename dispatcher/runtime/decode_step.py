@@ -110,9 +110,10 @@ class FusedDecode:
         self.graphs: dict[FusedKey, Replayable] = {k: Replayable(self._step(k)) for k in self.keys}
         self.constrained: dict[FusedKey, tuple[Replayable, Replayable]] = {
             k: tuple(Replayable(fn) for fn in self._constrained_step(k)) for k in self.keys
-            if worker.wcfg.structured_outputs and self.method is None}
+            if worker.wcfg.structured_outputs and self.method is None and worker.model.tp is None}
         """Structured outputs without a drafter: a step that a grammar constrains as two graphs, the forward to the
-        logits, then (once the engine's bitmask is in ``bitmask``) the masked sampling and the rest."""
+        logits, then (once the engine's bitmask is in ``bitmask``) the masked sampling and the rest. Not with tensor
+        parallelism: they are captured between steps on demand, and ranks capture only in step."""
         vocab = worker.model.cfg.vocab_size
         words = -(-vocab // 32) if self.constrained else 0
         self.bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32, device=self.device)
