@@ -5,8 +5,8 @@ capturing costs.
 caches (Triton's kernels, the graph memory estimate: a first start on a machine) and again with them warm, then
 with ``--delayed-cudagraph-capture`` warm and cold. Per start, from the moment the process is spawned: /health's
 first 200 (``health_s``), the first token of a streamed request sent then (``first_token_s``), the worker's phases
-(``twogrid:startup_phase_seconds{phase}``: imports, weights, grid_fit, kv_sizing, kv_allocation, kernels, capture,
-measure), the front end's own view (its log's "serving N s after the server process started"; its own setup and
+(``twogrid:startup_phase_seconds{phase}``: imports, settings, weights, grid_fit, kv_sizing, kv_allocation, kernels,
+capture, measure), the front end's own view (its log's "serving N s after the server process started"; its own setup and
 when it started the engine process, from "front end set up N s ... (the engine process started at M s)"), the
 graphs captured when /health turned 200 and, delayed, when the last one was (``capture_done_s``).
 

@@ -1,4 +1,4 @@
-"""Start-up (issue 33): the worker's phases (``WorkerReady.startup``: imports, weights, grid_fit, kv_sizing,
+"""Start-up (issue 33): the worker's phases (``WorkerReady.startup``: imports, settings, weights, grid_fit, kv_sizing,
 kv_allocation, kernels, capture, measure), what is kept across restarts under $TWOGRID_CACHE (the step cost fitted
 grids come from; Triton's kernels), and the messages and metrics that carry capture progress. CPU, tiny presets."""
 
@@ -117,3 +117,13 @@ def test_gpu_memory_utilization_is_this_servers_share_of_the_device(caplog):
     with caplog.at_level("WARNING"):
         assert kv_cache_bytes(start, now, 0.9, 2 * gib, 0) == 88 * gib  # 126 - 10 - 2 GiB is more than is free
     assert "only 88.00 GiB of the device is free" in caplog.text
+
+
+def test_waiting_for_the_servers_settings_is_its_own_phase():
+    """The worker starts before the front end has read the model and planned (``twogrid serve`` spawns it first):
+    the time from its imports' end to its ``WorkerInit`` is ``settings``, not ``imports`` (on the H200 "imports"
+    read 4.4 s, of which the wait for the front end's setup was an unknown share)."""
+    imported = seconds_since_start() - 1.0  # (as if this process's imports had ended a second ago)
+    _, ready = build_worker(init_for({}), imported_s=imported)
+    assert list(ready.startup) == list(STARTUP_PHASES)
+    assert ready.startup["settings"] >= 1.0 and abs(ready.startup["imports"] - imported) < 0.01

@@ -54,10 +54,12 @@ capture on the CPU, whose static backend captures nothing)."""
 IDLE_CHECK_S = 0.002
 """Delayed capture with a step in flight: after the gap's budget, how often the worker checks whether it has gone
 idle (every step done and none waiting), when it captures without a budget."""
-STARTUP_PHASES = ("imports", "weights", "grid_fit", "kv_sizing", "kv_allocation", "kernels", "capture",
+STARTUP_PHASES = ("imports", "settings", "weights", "grid_fit", "kv_sizing", "kv_allocation", "kernels", "capture",
                   "measure")
-"""The worker's start-up phases (``WorkerReady.startup``, seconds): the process's start to ``build_worker``
-(interpreter and imports), loading the weights, measuring the step cost for fitted grids
+"""The worker's start-up phases (``WorkerReady.startup``, seconds): the process's start to its imports' end
+(interpreter and imports), waiting for the server's settings (``WorkerInit``: the front end sends them once its own
+setup has read the model and planned; the worker starts before, so that its imports overlap that), loading the
+weights, measuring the step cost for fitted grids
 (``fit_cudagraph_capture_sizes``), sizing the KV cache from free memory (the graphs' memory estimate included),
 allocating it and the static buffers, the first compile (or disk-cache load) of the kernels eager steps launch,
 capturing the graphs (0 under delayed capture, which captures between steps), timing graphs for adaptive
@@ -75,9 +77,12 @@ def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, num_layer
 class _Phases:
     """Start-up phases' seconds, in STARTUP_PHASES order (``WorkerReady.startup``)."""
 
-    def __init__(self):
+    def __init__(self, imported_s: float | None = None):
+        """``imported_s``: the process's age when its imports were done (None: counted in the imports)."""
         self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
-        self.seconds["imports"] = seconds_since_start() or 0.0
+        age = seconds_since_start() or 0.0
+        self.seconds["imports"] = min(imported_s, age) if imported_s is not None else age
+        self.seconds["settings"] = age - self.seconds["imports"]
         self._t = time.perf_counter()
 
     def done(self, phase: str, **known: float) -> None:
@@ -119,12 +124,14 @@ def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel
     return device, tp
 
 
-def build_worker(init: WorkerInit, capture_hook=None) -> tuple[ModelWorker, WorkerReady]:
+def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None = None) -> tuple[ModelWorker,
+                                                                                                  WorkerReady]:
     """Load the model, size the KV cache (from free memory when init.num_kv_blocks is 0), capture the graphs (or,
     with delayed capture, leave them to the gaps between steps). ``capture_hook``: delayed capture's test hook.
     A tensor-parallel rank loads its shard, checks that every rank resolved the same plan and takes the smallest
-    KV cache any rank fits, before capturing (in step with the others)."""
-    phases = _Phases()
+    KV cache any rank fits, before capturing (in step with the others). ``imported_s``: the process's age when its
+    imports were done (the rest, to now, went to waiting for ``init``)."""
+    phases = _Phases(imported_s)
     device, tp = join_tensor_parallel(init)
     at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
     cfg = resolve_init(init)
@@ -340,6 +347,7 @@ def capture_delay_from_env():
 
 
 def serve(ipc_dir: str) -> int:
+    imported_s = seconds_since_start()  # (this module's imports are done: the rest is waiting for the settings)
     ignore_stop_signals()  # the engine stops its worker (Shutdown), once it has drained
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -349,7 +357,7 @@ def serve(ipc_dir: str) -> int:
     rank = int(os.environ.get(TP_RANK_ENV) or 0)
     try:
         init = decode_init(_receive(pull, ipc_dir))
-        worker, ready = build_worker(init, capture_delay_from_env())
+        worker, ready = build_worker(init, capture_delay_from_env(), imported_s)
         worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
         push.send(encode(WorkerError(-1, f"{'' if not rank else f'rank {rank}: '}{type(exc).__name__}: {exc}")))

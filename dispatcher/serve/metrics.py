@@ -144,7 +144,7 @@ class EngineMetrics:
         self._graphs_planned = gauge("cudagraphs_planned", "CUDA graphs the capture plan holds, by runner and kind.",
                                      ("runner", "kind"))
         self._startup_s = gauge("startup_phase_seconds", "Seconds of each phase of the worker's start-up (imports, "
-                                "weights, grid_fit, kv_sizing, kv_allocation, kernels, capture, measure).",
+                                "settings, weights, grid_fit, kv_sizing, kv_allocation, kernels, capture, measure).",
                                 ("phase",))
 
     # -- engine hooks -------------------------------------------------------------------------------------------
