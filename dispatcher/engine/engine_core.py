@@ -167,7 +167,9 @@ class EngineCore:
     ``collect``, ``model_config``, ``device_name`` and ``measure_av_curve`` (the serving engine's worker process)."""
 
     def __init__(self, cfg: ResolvedConfig, args: EngineArgs, capture: bool = True, progress: bool = False,
-                 worker=None):
+                 worker=None, structured: StructuredOutputs | None = None):
+        """``structured``: the structured outputs, built already (``structured_outputs``; the serving engine builds
+        them while its worker loads); by default built here."""
         self.cfg = cfg
         self.args = args
         self.plan = build_plan(cfg)
@@ -175,7 +177,7 @@ class EngineCore:
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
                                      enable_prefix_caching=args.enable_prefix_caching)
         self.capture_report = None
-        tokenizer = _tokenizer(args)
+        tokenizer = structured.tokenizer if structured is not None else _tokenizer(args)
         if worker is None:
             dtype = args.dtype or default_dtype(args.model, args.device)
             worker = ModelWorker(
@@ -222,8 +224,9 @@ class EngineCore:
         self._seeds = np.random.default_rng(args.seed)
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
-        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                            cfg.max_num_seqs, args.structured_compile_timeout_s)
+        self.structured = structured or StructuredOutputs(tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids, cfg.max_num_seqs,
+                                                          args.structured_compile_timeout_s)
         """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
         ``structured.start()``)."""
         self._said_no_drafts = False
@@ -592,6 +595,14 @@ class PromptLogprobs:
             self.entries[start + j] = {prompt[start + j]: v[0], **{t: x for t, x in zip(top, v[1:])
                                                                    if t != prompt[start + j]}}
             self.ranks[start + j] = rank
+
+
+def structured_outputs(cfg: ResolvedConfig, args: EngineArgs, vocab_size: int) -> StructuredOutputs:
+    """An engine's structured outputs for ``args``' tokenizer (``_tokenizer``) and a model of ``vocab_size`` tokens,
+    as ``EngineCore`` builds them; the EOS ids are ``args.eos_token_ids`` (given: nothing here waits for the
+    model)."""
+    return StructuredOutputs(_tokenizer(args), vocab_size, tuple(args.eos_token_ids), cfg.max_num_seqs,
+                             args.structured_compile_timeout_s)
 
 
 def _tokenizer(args: EngineArgs):

@@ -20,6 +20,7 @@ leaves its engine orphaned: within a second it stops its worker, removes the ipc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -81,30 +82,42 @@ class EngineService:
         engine's own heavy imports (torch, through the engine core) run while the worker starts (``serve`` started
         them), not before."""
         loop = asyncio.get_running_loop()
-        structured = self.init.worker.structured_outputs  # (the server has a tokenizer)
-        xgrammar = loop.run_in_executor(None, _import_xgrammar) if structured else None  # (while the worker loads)
         await self.process.to_worker.send(encode_step(self.process.init))
         from dispatcher.engine.engine_core import EngineArgs, EngineCore
 
-        ready = await _await_ready(self.process)
-        self._cuda_graphs = ready.cuda_graphs
         w = self.init.worker
-        args = EngineArgs(w.model, device=w.device, num_kv_blocks=ready.num_kv_blocks, block_size=w.block_size,
+        args = EngineArgs(w.model, device=w.device, num_kv_blocks=1, block_size=w.block_size,
                           max_model_len=w.max_model_len, seed=w.seed, step_trace=self.init.step_trace,
                           fixed_acceptance=w.fixed_acceptance, eos_token_ids=tuple(self.init.eos_token_ids),
                           tokenizer=self.init.tokenizer,
                           structured_compile_timeout_s=self.init.structured_compile_timeout_s,
                           enable_prefix_caching=self.init.enable_prefix_caching,
                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
-        self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready))
+        structured = loop.run_in_executor(None, self._structured_outputs, args)  # (while the worker loads)
+        ready = await _await_ready(self.process)
+        self._cuda_graphs = ready.cuda_graphs
+        args = dataclasses.replace(args, num_kv_blocks=ready.num_kv_blocks)
+        self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready),
+                               structured=await structured)
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
-        if xgrammar is not None and await xgrammar and self.core.structured.tokenizer is not None:
-            await loop.run_in_executor(None, self.core.structured.start)  # (its vocabulary table: off the loop)
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
                                                      [list(t) for t in self.core.tiers]))
         return ready
+
+    def _structured_outputs(self, args):
+        """The engine's structured outputs, built while the worker loads (none of it waits for the worker): the
+        tokenizer, and where the server has one, xgrammar imported and its vocabulary table built (a second or
+        two)."""
+        from dispatcher.engine.engine_core import structured_outputs
+        from models.loader import read_model_config
+
+        w = self.init.worker
+        structured = structured_outputs(resolve_init(w), args, read_model_config(w.model, w.quantization).vocab_size)
+        if w.structured_outputs and structured.tokenizer is not None and _import_xgrammar():
+            structured.start()
+        return structured
 
     # -- the front end's messages --------------------------------------------------------------------------------
     async def receive(self) -> None:
