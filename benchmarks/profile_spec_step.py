@@ -255,7 +255,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.mixed_steps:
-        rows = [profile_mixed(args, m, c) for m in args.methods.split(",") for c in map(int, args.concurrency.split(","))]
+        rows = [profile_mixed(args, m, c) for m in args.methods.split(",")
+                for c in map(int, args.concurrency.split(","))]
     else:
         rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
                 for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]

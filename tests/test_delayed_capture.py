@@ -309,7 +309,8 @@ def test_serve_runs_steps_without_their_graphs_then_a_worker_killed_mid_capture_
 
 def test_delayed_capture_reads_the_graph_memory_estimate_capture_first_cached():
     """The estimate is keyed by the graphs, not by when they are captured: a delayed-capture restart of a setup that
-    captured first reads the cached estimate instead of capturing samples again (3.3 s of a 10.6 s start on the H200)."""
+    captured first reads the cached estimate instead of capturing samples again (3.3 s of a 10.6 s start on the
+    H200)."""
     from dispatcher.plan.capture_plan import build_plan
     from dispatcher.runtime.process import graph_memory_plan_key
 

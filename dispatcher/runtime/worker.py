@@ -346,7 +346,8 @@ class ModelWorker:
     def capture_pending(self) -> bool:
         """Delayed capture has graphs left to capture (not after an error ended it), or a constrained step asked for
         its two graphs (``FusedDecode.constrained_ready``)."""
-        return (self.delayed is not None and not self.delayed.done) or bool(self.fused and self.fused.constrained_demand)
+        delayed = self.delayed is not None and not self.delayed.done
+        return delayed or bool(self.fused and self.fused.constrained_demand)
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> int:
