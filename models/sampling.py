@@ -196,10 +196,11 @@ class SlotPenalties:
 def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: torch.Tensor, bit: torch.Tensor) -> None:
     """Structured outputs inside a captured graph: -inf in ``logits`` (rows, vocab) wherever ``bitmask`` (rows,
     ceil(vocab / 32)) int32, xgrammar's packed format (bit t % 32 of word t // 32 set allows token t), clears the
-    token; ``word`` and ``bit``: arange(vocab) // 32 (int64) and % 32 (int32), on the device. Three kernels over
+    token; ``word`` and ``bit``: arange(vocab) // 32 (int64) and % 32 (int32), on the device. Four kernels over
     (rows, vocab), no host synchronization (xgrammar's own kernel, which the op-by-op path uses, takes row indices
     and checks shapes on the host); a row of all bits set is left as it is."""
-    allowed = (bitmask[:, word] >> bit) & 1
+    allowed = bitmask[:, word]  # (one (rows, vocab) int32 temporary, shifted and masked in place)
+    allowed.bitwise_right_shift_(bit).bitwise_and_(1)
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 

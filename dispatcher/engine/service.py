@@ -94,7 +94,11 @@ class EngineService:
                           enable_prefix_caching=self.init.enable_prefix_caching,
                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         structured = loop.run_in_executor(None, self._structured_outputs, args)  # (while the worker loads)
-        ready = await _await_ready(self.process)
+        try:
+            ready = await _await_ready(self.process)
+        except BaseException:
+            structured.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its error is not the story)
+            raise
         self._cuda_graphs = ready.cuda_graphs
         args = dataclasses.replace(args, num_kv_blocks=ready.num_kv_blocks)
         self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready),

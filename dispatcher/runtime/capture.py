@@ -20,10 +20,8 @@ On the CPU (no CUDA graphs) a unit's capture is only the mark, so the mechanism 
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,7 +30,7 @@ import torch
 from dispatcher.messages import CaptureProgress, GraphCount
 from dispatcher.plan.capture_plan import FULL_DECODE, FUSED_STEP
 from dispatcher.runtime.decode_step import KIND as FUSED_KIND
-from dispatcher.runtime.graphs import CaptureOOMError
+from dispatcher.runtime.graphs import CaptureOOMError, gc_off
 
 log = logging.getLogger("twogrid.worker")
 
@@ -70,19 +68,6 @@ class Unit:
     """The GraphKey or FusedKey captured ((WARM_UP, tokens) for a warm-up)."""
     capture: Callable[[], None]
     """Captures it and marks it captured."""
-
-
-@contextmanager
-def gc_off():
-    """No collection while a unit is captured (as ``graphs.frozen_gc`` at start-up, without its full collection:
-    the worker froze its start-up heap)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _units(worker, warm_up_tokens: dict[int, list[int]]) -> list[Unit]:

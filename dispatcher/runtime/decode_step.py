@@ -55,7 +55,7 @@ import torch
 from dispatcher.plan.capture_plan import EAGLE_LIKE, FULL_DECODE, FUSED_STEP, next_steps_runner, one_token_steps
 from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE, GraphKey, dispatchers_for_plan
 from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, capture_stream,
-                                       estimate_kind_memory, free_device_bytes, frozen_gc, input_length,
+                                       estimate_kind_memory, free_device_bytes, frozen_gc, gc_off, input_length,
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
 from models.fused import count_accepted, use_triton
@@ -122,8 +122,9 @@ class FusedDecode:
                                         pin_memory=self.device.type == "cuda")
         self._vocab_word = torch.arange(vocab if words else 0, device=self.device) // 32
         self._vocab_bit = (torch.arange(vocab if words else 0, device=self.device) % 32).to(torch.int32)
-        self._logits: torch.Tensor | None = None
-        """The constrained step's logits between its two graphs (allocated by the first eager run)."""
+        self._logits = self._logits_buffer(max(cap, 1) * self.width) if self.constrained else None
+        """The constrained step's logits between its two graphs, allocated here (the KV sizing's probe counts it)
+        with ``compute_logits``' row stride (the padded vocabulary: the sampler's kernel is compiled for it)."""
         self.constrained_captured: set[FusedKey] = set()
         self.constrained_demand: dict[FusedKey, None] = {}
         """Constrained steps' graph pairs asked for (a constrained step found its pair uncaptured and ran op by op):
@@ -225,11 +226,7 @@ class FusedDecode:
         n, q = key.target.size, key.target.q
 
         def forward() -> None:
-            logits = self._forward(key, self._inputs(n, q))
-            if self._logits is None or self._logits.dtype != logits.dtype:  # (the first, eager, run allocates)
-                self._logits = torch.empty(len(self.slots) * q, logits.shape[1], dtype=logits.dtype,
-                                           device=self.device)
-            self._logits[: n * q].copy_(logits)
+            self._logits[: n * q].copy_(self._forward(key, self._inputs(n, q)))
 
         def sample() -> None:
             logits = self._logits[: n * q]
@@ -237,6 +234,13 @@ class FusedDecode:
             self._finish(key, self._inputs(n, q), logits)
 
         return forward, sample
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """(rows, vocab) in ``compute_logits``' dtype and row stride: float32 on the CPU, else the LM head's."""
+        model = self.worker.model
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        dtype = torch.float32 if self.device.type == "cpu" else head.dtype
+        return torch.empty(rows, head.shape[0], dtype=dtype, device=self.device)[:, : model.cfg.vocab_size]
 
     def _inputs(self, n: int, q: int) -> tuple[torch.Tensor, ...]:
         """The step's requests as the state holds them before it runs: slots, which are real, their computed
@@ -408,8 +412,9 @@ class FusedDecode:
     @torch.inference_mode()
     def capture_demanded_constrained(self) -> None:
         """Capture the oldest asked-for constrained pair into the shared pool, between steps (as delayed capture
-        does: no synchronization, thread-local capture mode), then mark it; on the CPU only the mark. Out of memory
-        leaves that size's constrained steps op by op, with a warning."""
+        does: no synchronization, thread-local capture mode, no garbage collection), then mark it; on the CPU only
+        the mark. A capture that fails (out of memory, or refused) leaves that size's constrained steps op by op,
+        with a warning."""
         key = next(iter(self.constrained_demand))
         del self.constrained_demand[key]
         start = time.perf_counter()
@@ -417,12 +422,14 @@ class FusedDecode:
             pool, stream = shared_pool(self.device), capture_stream(self.device)
             self._reset()
             try:
-                for graph in self.constrained[key]:
-                    graph.capture(pool, stream, between_steps=True)
-            except torch.cuda.OutOfMemoryError:
+                with gc_off():
+                    for graph in self.constrained[key]:
+                        graph.capture(pool, stream, between_steps=True)
+            except Exception as exc:  # (out of memory, or a capture the device refused: never the server's end)
                 self._constrained_failed.add(key)
-                log.warning("out of GPU memory capturing the constrained decode step for %d requests: its "
-                            "structured requests' steps stay op by op", key.target.size)
+                log.warning("capturing the constrained decode step for %d requests failed (%s: %s): its structured "
+                            "requests' steps stay op by op", key.target.size, type(exc).__name__, exc,
+                            exc_info=not isinstance(exc, torch.cuda.OutOfMemoryError))
                 return
         self.constrained_captured.add(key)
         log.info("captured the constrained decode step (structured outputs) for %d requests in %.0f ms",

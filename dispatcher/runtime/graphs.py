@@ -775,6 +775,20 @@ def frozen_gc():
         gc.unfreeze()
 
 
+@contextmanager
+def gc_off():
+    """No collection while a graph is captured between steps (as ``frozen_gc`` at start-up, without its full
+    collection: the worker froze its start-up heap): a collection that frees device or pinned memory mid-capture
+    can invalidate the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 ESTIMATE_REPEATS = 16
 """The median-size graph is captured this many times, so that the per-graph growth is measured finer than the
 driver's 2 MiB allocation granularity."""

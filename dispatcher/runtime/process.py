@@ -97,15 +97,16 @@ class _Phases:
         return {k: round(v, 3) for k, v in self.seconds.items()}
 
 
-def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel | None]:
+def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel | None, MemorySnapshot | None]:
     """A tensor-parallel rank (``init.tensor_parallel_size`` > 1): its device (``cuda:RANK`` on CUDA; on the CPU its
     share of the cores) and its group, joined through $TWOGRID_TP_INIT_METHOD as rank $TWOGRID_TP_RANK. Delayed
     capture and fitted grids are refused: the ranks must capture the same graphs in the same order, and a gap's
-    budget or a measured grid would differ between them."""
+    budget or a measured grid would differ between them. With them, on CUDA, the device's memory before anything
+    of this process's but its CUDA context (the communicator's buffers count against the server's share)."""
     device = torch.device(init.device)
     size = init.tensor_parallel_size
     if size == 1:
-        return device, None
+        return device, None, MemorySnapshot.take(device) if device.type == "cuda" else None
     rank, method = int(os.environ[TP_RANK_ENV]), os.environ[TP_INIT_ENV]
     cfg = resolve_init(init)
     if what := tensor_parallel_capture_conflict(cfg):
@@ -118,10 +119,11 @@ def join_tensor_parallel(init: WorkerInit) -> tuple[torch.device, TensorParallel
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
     tp = init_distributed(rank, size, method, device)
     log.info("tensor parallel rank %d of %d on %s (%s)", rank, size, device, "nccl" if device.type == "cuda" else
              "gloo")
-    return device, tp
+    return device, tp, at_start
 
 
 def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None = None) -> tuple[ModelWorker,
@@ -132,8 +134,7 @@ def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None =
     KV cache any rank fits, before capturing (in step with the others). ``imported_s``: the process's age when its
     imports were done (the rest, to now, went to waiting for ``init``)."""
     phases = _Phases(imported_s)
-    device, tp = join_tensor_parallel(init)
-    at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
+    device, tp, at_start = join_tensor_parallel(init)
     cfg = resolve_init(init)
     dtype = getattr(torch, init.dtype)
     start = time.perf_counter()
@@ -225,9 +226,11 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
 
 def graph_memory_plan_key(plan) -> dict:
     """The plan as the graph-memory cache keys it: everything but when the graphs are captured (a delayed-capture
-    server captures the same graphs as one that captures first, so it reads the estimate that one cached)."""
+    server captures the same graphs as one that captures first, so it reads the estimate that one cached) and where
+    fitted grids' step cost was read from (measured on the first start, the cache file after: the same sizes)."""
     data = plan.to_dict()
-    return {**data, "config": {k: v for k, v in data["config"].items() if k != "delayed_cudagraph_capture"}}
+    left_out = ("delayed_cudagraph_capture", "grid_cost_source")
+    return {**data, "config": {k: v for k, v in data["config"].items() if k not in left_out}}
 
 
 def graph_memory_estimate(probe: ModelWorker, plan) -> float:
@@ -275,17 +278,21 @@ def kv_cache_bytes(at_start: MemorySnapshot, now: MemorySnapshot, utilization: f
     processes' memory does not count against it (two servers at 0.45 share a GPU), what this process took since it
     started does (the torch allocator's growth: weights, static buffers; other growth of the memory in use:
     libraries' workspaces), and so do the graphs (estimated). ``probe_kv_bytes``: the sizing probe's small cache,
-    held now, which the real one replaces. Never more than is free now: where other processes leave less than the
-    share, the cache takes what is free (with a warning). Servers sharing a device start one after another: memory
-    another process takes while this one loads counts as this one's growth (vLLM's sizing has the same limit)."""
+    held now, which the real one replaces. The rest of the device stays free (the eager steps' activations and the
+    sampler's buffers come from it, as before). A share that other processes leave no room for is refused
+    (RuntimeError naming the flag) rather than squeezed into what is free. Servers sharing a device start one after
+    another: memory another process takes while this one loads counts as this one's growth (vLLM's sizing has the
+    same limit)."""
     own = (now.torch_reserved - at_start.torch_reserved - probe_kv_bytes) + max(0, now.non_torch - at_start.non_torch)
     share = int(utilization * now.total - own - graph_bytes)
     free = int(now.free + probe_kv_bytes - graph_bytes)
     if share > free:
-        log.warning("gpu_memory_utilization = %s would give the KV cache %.2f GiB, but only %.2f GiB of the "
-                    "device is free (other processes hold the rest): the cache takes what is free", utilization,
-                    share / 2**30, max(free, 0) / 2**30)
-        return free
+        raise RuntimeError(
+            f"gpu_memory_utilization = {utilization} asks {utilization * now.total / 2**30:.1f} GiB of this device "
+            f"for this server, which would give its KV cache {share / 2**30:.1f} GiB, but {max(free, 0) / 2**30:.1f} "
+            f"GiB is free (other processes and this one's CUDA context hold "
+            f"{(now.total - now.free - now.torch_reserved - max(0, now.non_torch - at_start.non_torch)) / 2**30:.1f}"
+            f" GiB): lower --gpu-memory-utilization (servers sharing a GPU: shares summing below 1)")
     return share
 
 
