@@ -311,6 +311,8 @@ class ModelWorker:
         t0 = time.perf_counter()
         later: dict[int, list[int]] = {}
         launches = self._warm_up_sampling()
+        if self.wcfg.structured_outputs:  # (as ``capture`` does: the first constrained step compiles nothing)
+            launches += self._warm_up_grammar()
         for i, rt in enumerate(self.runtimes):
             tokens = rt.eager_warm_up_tokens()
             launches += rt.warm_up_eager([n for n in tokens if n <= DELAYED_WARM_UP_MAX_TOKENS])
