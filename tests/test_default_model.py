@@ -30,7 +30,7 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
+def hf_tokenizer(gguf_path, gguf_read_once):
     return _transformers().AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                                       gguf_file=os.path.basename(gguf_path))
 
@@ -86,7 +86,7 @@ def float32_answers(short_convs):
     return llm.chat(short_convs, SamplingParams(max_tokens=16))
 
 
-def test_greedy_chat_answers_match_transformers(gguf_path, float32_answers):
+def test_greedy_chat_answers_match_transformers(gguf_path, float32_answers, gguf_read_once):
     AutoModelForCausalLM = _transformers().AutoModelForCausalLM
 
     outs = float32_answers

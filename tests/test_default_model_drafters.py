@@ -34,39 +34,57 @@ def test_the_shipped_head_accepts_drafts_on_held_out_prompts(texts):
     assert rates[0] > rates[1] > rates[2] > 0
 
 
+EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3}
+
+
 @pytest.fixture(scope="module")
-def greedy_fp32(texts):
-    llm = LLM(max_num_seqs=8, dtype=torch.float32)
-    prompts = chat(llm, texts, HELD_OUT[8:12])
-    return prompts, [list(o.outputs[0].token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=40))]
+def plain_fp32() -> LLM:
+    """The default model in float32 without speculation: one engine for the module's references (building one is
+    several seconds on a 2-core CPU)."""
+    return LLM(max_num_seqs=8, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eagle3_fp32() -> LLM:
+    """The default model in float32 with the shipped EAGLE-3 head, shared by the tests that compare it with
+    ``plain_fp32`` (each counts the drafts it accepted itself)."""
+    return LLM(max_num_seqs=8, dtype=torch.float32, speculative_config=EAGLE3)
+
+
+@pytest.fixture(scope="module")
+def greedy_fp32(texts, plain_fp32):
+    prompts = chat(plain_fp32, texts, HELD_OUT[8:12])
+    return prompts, [list(o.outputs[0].token_ids) for o in plain_fp32.generate(prompts, SamplingParams(max_tokens=40))]
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "eagle3", "num_speculative_tokens": 3},
+    EAGLE3,
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "DEFAULT"},
 ], ids=["eagle3-shipped-head", "ngram", "draft_model-itself"])
-def test_every_drafter_is_lossless_on_the_default_model(greedy_fp32, spec):
+def test_every_drafter_is_lossless_on_the_default_model(greedy_fp32, spec, request):
     """In float32 (bfloat16 verification of 1 + K rows can break near-ties otherwise than one-row steps, as on a
     GPU): the same greedy tokens with the drafter as without."""
     if spec.get("model") == "DEFAULT":
         spec = {**spec, "model": default_model_path()}
     prompts, reference = greedy_fp32
-    llm = LLM(max_num_seqs=8, dtype=torch.float32, speculative_config=spec)
+    llm = (request.getfixturevalue("eagle3_fp32") if spec is EAGLE3
+           else LLM(max_num_seqs=8, dtype=torch.float32, speculative_config=spec))
+    accepted = llm.stats.num_accepted_tokens
     out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=40))]
     assert out == reference
-    assert llm.stats.num_accepted_tokens > 0
+    assert llm.stats.num_accepted_tokens > accepted
 
 
-def test_the_shipped_head_is_lossless_with_penalties_and_bad_words(texts):
+def test_the_shipped_head_is_lossless_with_penalties_and_bad_words(texts, plain_fp32, eagle3_fp32):
     """Issue 31: greedy with a presence and a repetition penalty, a logit bias and bad words, with the EAGLE-3 head
     as without speculation (float32), drafts accepted: the verifier draws from the same processed logits, each
     position's counts and bad-word context including the drafts before it."""
-    plain = LLM(max_num_seqs=8, dtype=torch.float32)
+    plain, sd = plain_fp32, eagle3_fp32
     prompts = chat(plain, texts, HELD_OUT[12:15])
     params = SamplingParams(max_tokens=40, presence_penalty=0.4, repetition_penalty=1.15,
                             logit_bias={plain.tokenizer.encode(" the", False)[0]: -2.0}, bad_words=("very", "just"))
     reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
-    sd = LLM(max_num_seqs=8, dtype=torch.float32, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    accepted = sd.stats.num_accepted_tokens
     assert [list(o.outputs[0].token_ids) for o in sd.generate(prompts, params)] == reference
-    assert sd.stats.num_accepted_tokens > 0
+    assert sd.stats.num_accepted_tokens > accepted

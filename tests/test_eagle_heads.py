@@ -369,7 +369,7 @@ def test_the_trainer_learns_a_targets_continuations(target):
     in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
     in_draft[draft_ids] = True
     before = trainer.evaluate(head, target, seqs, draft_ids, in_draft, args, torch.device("cpu"))
-    args.train_seconds = 25.0
+    args.train_seconds = 12.0  # (60-100 steps on a 2-core CPU: the first draft agrees ~0.6 of the time, from ~0)
     report = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
     assert report["steps"] >= 20 and report["history"][-1]["loss"] < report["history"][0]["loss"]
     assert report["held_out_acc"][0] > before[0] + 0.3, (before, report["held_out_acc"])

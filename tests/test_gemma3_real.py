@@ -32,14 +32,14 @@ def chat(text: str) -> str:
     return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
 
 
-def test_gemma3_270m_gguf_greedy_tokens_match_transformers(gguf, texts):
+def test_gemma3_270m_gguf_greedy_tokens_match_transformers(gguf, texts, gguf_read_once):
     from models.gguf_file import config_from_gguf, open_gguf
     from models.text import load_tokenizer
 
     kind, cfg = config_from_gguf(open_gguf(gguf))
     assert kind == "gemma3_text" and cfg.sliding_window == 512 and len(cfg.sliding_layers) == 15
     long_text = next(t for t in texts[::2] if len(t) > 3000)[:4000]
-    prompts = [chat(t[:600]) for t in texts[0:8:2]] + [chat(long_text)]
+    prompts = [chat(t[:600]) for t in texts[0:4:2]] + [chat(long_text)]  # 23 and 179 tokens, and 699
     hf_tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     ours_tok = load_tokenizer(gguf)
     ids = [ours_tok.encode(p) for p in prompts]

@@ -40,18 +40,19 @@ def server(tmp_path_factory):
         default_model_path()
     except DefaultModelError as exc:
         pytest.skip(f"the default model is not available: {exc}")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*")))
+    tmp = _private_tmp()
     srv = Server(["--device", "cpu", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len",
                   "512", "--served-model-name", "smol", "--shutdown-timeout", "5"],
-                 str(tmp_path_factory.mktemp("e2e") / "server.log"), key=KEY)
+                 str(tmp_path_factory.mktemp("e2e") / "server.log"), key=KEY, env={"TMPDIR": tmp})
     try:
         srv.wait_healthy(180)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     yield srv, srv.base
     srv.stop()
-    leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "twogrid-ipc-*"))) - before
+    leftover = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")))
     assert not leftover, leftover
+    os.rmdir(tmp)  # (empty: nothing else was left either)
 
 
 def _client(base: str) -> openai.AsyncOpenAI:
@@ -172,8 +173,8 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
     back at 0; a disconnect frees its blocks; SIGTERM ends every process and leaves no ipc or metrics directory."""
     import aiohttp
 
-    before = _leftovers()
-    srv = _multi_front_end_server(tmp_path, 3, "--max-num-seqs", "64", "--shutdown-timeout", "5")
+    tmp = _private_tmp()
+    srv = _multi_front_end_server(tmp_path, 3, "--max-num-seqs", "64", "--shutdown-timeout", "5", tmpdir=tmp)
     try:
         assert len(_children(srv)) == 3  # the engine and two front ends
 
@@ -221,7 +222,7 @@ def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
         assert srv.wait(60) == 0
     finally:
         srv.stop()
-    assert not _leftovers() - before
+    assert not _leftovers(tmp)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balancing is Linux's")
@@ -272,30 +273,34 @@ def test_several_front_ends_fail_fast_when_the_engine_or_a_front_end_dies(tmp_pa
     or metrics directory is left."""
     import aiohttp
 
-    before = _leftovers()
-    srv = _multi_front_end_server(tmp_path, 2, "--max-num-seqs", "16", "--shutdown-timeout", "60")
+    tmp = _private_tmp()
+    srv = _multi_front_end_server(tmp_path, 2, "--max-num-seqs", "16", "--shutdown-timeout", "60", tmpdir=tmp)
     try:
         cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read() for pid in _children(srv)}
         engine = next(pid for pid, c in cmdlines.items() if b"dispatcher.engine.service" in c)
         front_end = next(pid for pid, c in cmdlines.items() if b"dispatcher.serve.frontend" in c)
 
-        async def one(session) -> str:
+        async def one(session, streaming: asyncio.Event) -> str:
             body = {"model": "smol", "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
                     "stream": True}
             try:
                 async with session.post(srv.base + "/v1/completions", json=body,
                                         headers={"Authorization": f"Bearer {KEY}"}) as r:
                     async for _ in r.content:
-                        pass
+                        streaming.set()
                 return "ended"
             except aiohttp.ClientError:
                 return "ended"
+            finally:
+                streaming.set()
 
         async def go():
             connector = aiohttp.TCPConnector(force_close=True)
             async with aiohttp.ClientSession(connector=connector) as session:
-                tasks = [asyncio.create_task(one(session)) for _ in range(8)]
-                await asyncio.sleep(3.0)
+                streaming = [asyncio.Event() for _ in range(8)]
+                tasks = [asyncio.create_task(one(session, s)) for s in streaming]
+                # every stream in flight (its first chunk in): 400 tokens each take far longer than the kill
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in streaming)), 60)
                 os.kill(engine if victim == "engine" else front_end, signal.SIGKILL)
                 t0 = time.monotonic()
                 ends = await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -306,16 +311,25 @@ def test_several_front_ends_fail_fast_when_the_engine_or_a_front_end_dies(tmp_pa
         assert srv.wait(20) == 1
     finally:
         srv.stop()
-    assert not _leftovers() - before
+    assert not _leftovers(tmp)
 
 
-def _leftovers() -> set[str]:
-    """The server's private directories in the temporary directory (ipc, multiprocess metrics)."""
-    tmp = tempfile.gettempdir()
-    return set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+def _private_tmp() -> str:
+    """A temporary directory for one server alone (its $TMPDIR): what it leaves there is its own, whatever other
+    processes (another test run on the machine) do in the shared one meanwhile. Short, as socket paths must be."""
+    return tempfile.mkdtemp(prefix="tg-")
 
 
-def _multi_front_end_server(tmp_path, count: int, *args: str) -> Server:
+def _leftovers(tmp: str) -> set[str]:
+    """The server's private directories left in its temporary directory (ipc, multiprocess metrics); the directory
+    itself is removed when they are none."""
+    left = set(glob.glob(os.path.join(tmp, "twogrid-ipc-*")) + glob.glob(os.path.join(tmp, "twogrid-metrics-*")))
+    if not left:
+        os.rmdir(tmp)  # (empty, or this fails: anything else left counts too)
+    return left
+
+
+def _multi_front_end_server(tmp_path, count: int, *args: str, tmpdir: str | None = None) -> Server:
     """The default model on the CPU behind ``count`` front-end processes, healthy (skips without the model)."""
     from models.default_model import DefaultModelError, default_model_path
 
@@ -324,7 +338,8 @@ def _multi_front_end_server(tmp_path, count: int, *args: str) -> Server:
     except DefaultModelError as exc:
         pytest.skip(f"the default model is not available: {exc}")
     srv = Server(["--device", "cpu", "--max-model-len", "512", "--served-model-name", "smol", "--api-server-count",
-                  str(count), *args], str(tmp_path / "server.log"), key=KEY)
+                  str(count), *args], str(tmp_path / "server.log"), key=KEY,
+                 env={"TMPDIR": tmpdir} if tmpdir else None)
     try:
         return srv.wait_healthy(180)
     except RuntimeError as exc:

@@ -129,18 +129,28 @@ class ChildProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     async def aclose_with(self, goodbye: bytes | None, timeout_s: float) -> None:
-        """``close`` without blocking the event loop: send ``goodbye``, await the exit for up to ``timeout_s``."""
+        """``close`` without blocking the event loop: send ``goodbye``, await the exit for up to ``timeout_s``. A
+        child that has not connected yet gets ``goodbye`` once it does (a PUSH socket without a peer refuses it
+        rather than queue it): a start-up that fails at once stops its engine at once, not after ``timeout_s``."""
         if self._closed:
             return
         self.stopping = True
         if self.alive():
-            if goodbye is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            exited = asyncio.ensure_future(self.wait_exit())
+            while goodbye is not None and not exited.done():
                 try:
                     await self.to_child.send(goodbye, zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # (not connected yet)
+                    if loop.time() >= deadline:
+                        break
+                    await asyncio.wait({exited}, timeout=0.02)
                 except zmq.ZMQError:
-                    pass
+                    break
             try:
-                await asyncio.wait_for(self.wait_exit(), timeout_s)
+                await asyncio.wait_for(exited, max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 pass
         ChildProcess.close(self, None, 0.0)
