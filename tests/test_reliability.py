@@ -46,8 +46,8 @@ MODEL, VOCAB = "tiny-dense", 512
 KEY = "sk-rel-15"
 TOKENS_MAX_LEN = 1040
 TOKENS_ARGS = ["--model", MODEL, "--device", "cpu", "--max-model-len", str(TOKENS_MAX_LEN), "--max-num-seqs", "64",
-               "--max-num-batched-tokens", "256", "--num-kv-blocks", "160", "--shutdown-timeout", "3"]
-SHUTDOWN_TIMEOUT_S = 3.0
+               "--max-num-batched-tokens", "256", "--num-kv-blocks", "160", "--shutdown-timeout", "1"]
+SHUTDOWN_TIMEOUT_S = 1.0
 FAIL_STEP = 40
 FAULTY_SEQS = 4
 FAULTY_ARGS = ["--model", MODEL, "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", str(FAULTY_SEQS)]
@@ -867,8 +867,9 @@ def test_a_worker_killed_while_idle_is_noticed(text_server):
 
 
 LONG_TOKENS = TOKENS_MAX_LEN - 40
-"""Longer than SHUTDOWN_TIMEOUT_S lasts at any step time above 3 ms; two of them and the short streams fit in the KV
-cache (no preemption)."""
+"""Longer than SHUTDOWN_TIMEOUT_S lasts at any step time above 1 ms (an idle 2-core machine takes ~3 ms a step here:
+with a 3 s timeout the long streams finished first there); two of them and the short streams fit in the KV cache (no
+preemption)."""
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference):
@@ -911,3 +912,20 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tokens_server, reference)
     assert code == 0
     assert SHUTDOWN_TIMEOUT_S <= exit_s <= SHUTDOWN_TIMEOUT_S + 20, exit_s
     assert not os.path.exists(ipc) and process_state(worker) is None
+
+
+def test_a_worker_closed_before_it_connects_still_gets_its_shutdown():
+    """``WorkerProcess.close`` right after the spawn, while the worker still imports (its socket not yet connected):
+    the Shutdown waits for the connection instead of being refused and dropped, so the worker exits within a few
+    seconds, long before the 30 s after which it would be SIGKILLed, and leaves nothing."""
+    from dispatcher.engine.ipc import WorkerProcess
+    from dispatcher.messages import WorkerInit
+
+    process = WorkerProcess(WorkerInit("tiny-dense", "cpu", "float32", "default", 4, 64, {}, {}, 16, 64, 5, 32, 0.9,
+                                       0, False))
+    pid, ipc = process.pid, process.dir
+    t0 = time.monotonic()
+    process.close(timeout_s=30.0)
+    assert time.monotonic() - t0 < 20.0
+    assert process.proc.returncode is not None and process.proc.returncode >= 0, process.proc.returncode
+    assert not os.path.exists(ipc) and process_state(pid) is None

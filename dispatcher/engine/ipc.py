@@ -105,19 +105,26 @@ class ChildProcess:
         return f"exited with code {code}"
 
     def close(self, goodbye: bytes | None = None, timeout_s: float = 10.0) -> None:
-        """Send ``goodbye`` (the child's cue to exit), wait ``timeout_s``, SIGKILL its process group if it is still
-        there, close the sockets, remove the directory."""
+        """Send ``goodbye`` (the child's cue to exit; a child not connected yet gets it once it connects), wait
+        ``timeout_s`` in all, SIGKILL its process group if it is still there, close the sockets, remove the
+        directory."""
         if self._closed:
             return
         self._closed = self.stopping = True
         if self.alive():
-            if goodbye is not None:
-                try:
+            deadline = time.monotonic() + timeout_s
+            while goodbye is not None and self.alive():  # (as ``aclose_with``: a child not connected yet gets it
+                try:  # once it connects, not never)
                     self.to_child.send(goodbye, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.02)
                 except zmq.ZMQError:
-                    pass
+                    break
             try:
-                self.proc.wait(timeout_s)
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         if self.alive():
