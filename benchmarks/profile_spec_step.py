@@ -210,10 +210,9 @@ def profile_mixed(args, method: str, concurrency: int) -> dict:
     for i in range(args.mixed_steps):
         engine.add_request([50 + (t * 7 + i) % 400 for t in range(args.mixed_prompt_len)], params)
         for cell in ("mixed", "decode"):
-            for _ in range(4):  # (the decode after an arrival: the newcomer has its drafts by then)
-                if cell == "mixed":
-                    break
-                engine.step()
+            if cell == "decode":  # (a few steps after the arrival: the newcomer has its drafts by then)
+                for _ in range(4):
+                    engine.step()
             kinds.clear()
             with OpCounter() as counter:
                 wall, kernels = kernel_ms(engine.step, args.device)

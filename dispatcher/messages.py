@@ -88,13 +88,18 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     it (the step computes from there)."""
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words a grammar bitmask row takes: one bit a token, ceil(vocab_size / 32)."""
+    return -(-vocab_size // 32)
+
+
 class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True, tag="grammar"):
     """Structured outputs: the tokens each constrained sampling request of a step may produce next (xgrammar's
     packed bitmask: bit t % 32 of word t // 32 set allows token t), one row per ``Step.grammar_rows`` entry."""
 
     step_id: int
     bitmask: bytes
-    """int32 (len(grammar_rows), ceil(vocab_size / 32))."""
+    """int32 (len(grammar_rows), ``bitmask_words(vocab_size)``)."""
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):

@@ -35,6 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
+from dispatcher.messages import bitmask_words
 from scheduler.request import RequestError
 from scheduler.structured import StructuredOutputsParams
 
@@ -76,7 +77,7 @@ class StructuredOutputs:
         self.eos_token_ids = list(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.timeout_s = timeout_s
-        self.words = -(-vocab_size // 32)
+        self.words = bitmask_words(vocab_size)
         """int32 words per bitmask row."""
         self._xgr = None
         self._compiler = None
@@ -261,6 +262,6 @@ class StructuredOutputs:
 
 def unpack_bitmask(data: bytes, vocab_size: int) -> np.ndarray:
     """The allowed tokens of packed bitmask rows, as bool (rows, vocab_size) (tests and checks)."""
-    words = np.frombuffer(data, np.int32).reshape(-1, -(-vocab_size // 32))
+    words = np.frombuffer(data, np.int32).reshape(-1, bitmask_words(vocab_size))
     bits = (words[:, :, None].view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
     return bits.reshape(len(words), -1)[:, :vocab_size].astype(bool)

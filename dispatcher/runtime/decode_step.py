@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dispatcher.messages import bitmask_words
 from dispatcher.plan.capture_plan import EAGLE_LIKE, FULL_DECODE, FUSED_STEP, next_steps_runner, one_token_steps
 from dispatcher.plan.dispatch import MODE_FULL, UNIFORM_DECODE, GraphKey, dispatchers_for_plan
 from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, capture_stream,
@@ -115,7 +116,7 @@ class FusedDecode:
         logits, then (once the engine's bitmask is in ``bitmask``) the masked sampling and the rest. Not with tensor
         parallelism: they are captured between steps on demand, and ranks capture only in step."""
         vocab = worker.model.cfg.vocab_size
-        words = -(-vocab // 32) if self.constrained else 0
+        words = bitmask_words(vocab) if self.constrained else 0
         self.bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32, device=self.device)
         """Per request: the grammar's packed bitmask of the step running (every bit set: unconstrained)."""
         self._host_bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32,
@@ -186,9 +187,9 @@ class FusedDecode:
         ``host_slots`` the step's own, on the host), then the n-gram lookup's for the step's longest sequence.
         Without Triton the closure runs eagerly and skips work by what the host knows of the requests
         (``greedy_only``, ``penalized``); with it a graph samples and counts every row as the request state says.
-        ``grammar``: a constrained step's (rows, packed bitmask (rows, words) int32) on the host, or a function
-        that waits for them (the engine fills them once the step before is done): the forward's graph runs first,
-        the sampling's once they are in."""
+        ``grammar``: a constrained step's function that returns its (rows, packed bitmask (rows, words) int32) on
+        the host, waiting for them if need be (the engine fills them once the step before is done): the forward's
+        graph runs first, the sampling's once they are in."""
         n = key.target.size
         self.slots[:n].copy_(slots)
         if not use_triton(self.slots):
@@ -197,7 +198,7 @@ class FusedDecode:
         if grammar is not None:
             forward, sample = self.constrained[key]
             forward.replay()
-            rows, bits = grammar() if callable(grammar) else grammar
+            rows, bits = grammar()
             host = self._host_bitmask[:n]
             host.numpy().fill(-1)  # (the step before is done, its copy from here too: constrained steps wait for it)
             host.numpy()[rows] = bits

@@ -283,7 +283,8 @@ def kv_cache_bytes(at_start: MemorySnapshot, now: MemorySnapshot, utilization: f
     (RuntimeError naming the flag) rather than squeezed into what is free. Servers sharing a device start one after
     another: memory another process takes while this one loads counts as this one's growth (vLLM's sizing has the
     same limit)."""
-    own = (now.torch_reserved - at_start.torch_reserved - probe_kv_bytes) + max(0, now.non_torch - at_start.non_torch)
+    grown = max(0, now.non_torch - at_start.non_torch)  # (libraries' workspaces: this process's, it is assumed)
+    own = now.torch_reserved - at_start.torch_reserved - probe_kv_bytes + grown
     share = int(utilization * now.total - own - graph_bytes)
     free = int(now.free + probe_kv_bytes - graph_bytes)
     if share > free:
@@ -291,8 +292,8 @@ def kv_cache_bytes(at_start: MemorySnapshot, now: MemorySnapshot, utilization: f
             f"gpu_memory_utilization = {utilization} asks {utilization * now.total / 2**30:.1f} GiB of this device "
             f"for this server, which would give its KV cache {share / 2**30:.1f} GiB, but {max(free, 0) / 2**30:.1f} "
             f"GiB is free (other processes and this one's CUDA context hold "
-            f"{(now.total - now.free - now.torch_reserved - max(0, now.non_torch - at_start.non_torch)) / 2**30:.1f}"
-            f" GiB): lower --gpu-memory-utilization (servers sharing a GPU: shares summing below 1)")
+            f"{(now.non_torch - grown) / 2**30:.1f} GiB): lower --gpu-memory-utilization (servers sharing a GPU: "
+            f"shares summing below 1)")
     return share
 
 

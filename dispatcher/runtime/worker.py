@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, CaptureProgress, GrammarBitmask, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, CaptureProgress, GrammarBitmask, Step, StepResult, bitmask_words, pack, unpack
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
@@ -398,7 +398,7 @@ class ModelWorker:
         for rows in (1, 2, 16):
             hidden = torch.zeros(rows, self.model.cfg.hidden_size, dtype=self.wcfg.dtype, device=self.device)
             logits = self.model.compute_logits(hidden)[torch.arange(rows, device=self.device)]
-            words = -(-logits.shape[1] // 32)
+            words = bitmask_words(logits.shape[1])
             full = torch.full((rows * words + 2,), -1, dtype=torch.int32, device=self.device)
             for start in (0, 2):  # (the step's bitmask follows its int64 row ids in one upload: an odd count of
                 # rows leaves it 8 bytes off a 16-byte boundary, which Triton specializes on)
@@ -531,7 +531,7 @@ class ModelWorker:
             grammar = clock.idle(lambda: self.receive_grammar(step_id))
         if grammar.step_id != step_id:
             raise RuntimeError(f"step {step_id} got the grammar bitmask of step {grammar.step_id}")
-        words = -(-self.model.cfg.vocab_size // 32)
+        words = bitmask_words(self.model.cfg.vocab_size)
         bits = np.frombuffer(grammar.bitmask, np.int32)
         if bits.size != num_rows * words:
             raise ValueError(f"step {step_id}: the grammar bitmask has {bits.size} words, not {num_rows} rows of "
@@ -759,7 +759,7 @@ class ModelWorker:
             return
         import xgrammar
 
-        words = -(-logits.shape[1] // 32)
+        words = bitmask_words(logits.shape[1])
         bits = self._grammar_bits(plan.step_id, plan.grammar, plan.clock, len(rows)).reshape(-1)
         if bits.size % 2:  # (uploaded as int64 words: int32 pairs, in the step's one copy of the bitmask)
             bits = np.concatenate([bits, np.zeros(1, np.int32)])
