@@ -130,7 +130,8 @@ class FusedDecode:
         self.constrained_demand: dict[FusedKey, None] = {}
         """Constrained steps' graph pairs asked for (a constrained step found its pair uncaptured and ran op by op):
         captured between steps, oldest first (``capture_demanded_constrained``). Only what structured requests use
-        is captured: a server that never sees one pays nothing."""
+        is captured: a server that never sees one captures nothing more (it holds the buffers above: the logits,
+        n' x vocabulary, allocated at start so that the KV sizing counts them)."""
         self._constrained_failed: set[FusedKey] = set()
         lengths = sorted({min(n, self.state.token_ids.shape[1]) for n in NGRAM_LENGTHS})
         self.ngram_lengths = np.asarray(lengths) if self.method == "ngram" else np.zeros(0, np.int64)
