@@ -7,7 +7,7 @@ the server's drift over time falls on both alike; each run follows a warm-up wav
 The schema (``SCHEMA``) is an array of 16 to 64 objects (a bounded name, a number, up to 3 enum tags): at least
 about 400 tokens of JSON, so that every one of the 256 output tokens is constrained (with EOS ignored a finished
 grammar would leave the rest free). With bench-moe's random weights each token is the allowed one the random model
-scores highest: the grammar's work per token (a matcher advanced, a bitmask row filled, sent and applied) is what
+scores highest: the grammar's work per token (a matcher advanced, a bitmask row filled and applied) is what
 a real model's would be. Separate from the sampling-parameter benchmark: only ``--response-format`` differs
 between the two runs of a round.
 

@@ -86,6 +86,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     num_computed: int = 0
     """Tokens whose KV the request already has: its cached prefix, in the blocks the step's ``block_updates`` give
     it (the step computes from there)."""
+    grammar_id: int = -1
+    """Structured outputs: the compiled grammar that constrains the request (``Step.grammars`` defined it, with this
+    step or before); -1: none."""
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -93,13 +96,15 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True, tag="grammar"):
-    """Structured outputs: the tokens each constrained sampling request of a step may produce next (xgrammar's
-    packed bitmask: bit t % 32 of word t // 32 set allows token t), one row per ``Step.grammar_rows`` entry."""
+class GrammarDef(msgspec.Struct, array_like=True, frozen=True):
+    """Structured outputs: a grammar the engine compiled, for the worker to keep until ``Step.dropped_grammars``
+    names it (the worker advances each constrained request's matcher and fills the bitmask itself)."""
 
-    step_id: int
-    bitmask: bytes
-    """int32 (len(grammar_rows), ``bitmask_words(vocab_size)``)."""
+    grammar_id: int
+    compiled: str
+    """xgrammar's ``CompiledGrammar.serialize_json()``."""
+    tokenizer_info: str = ""
+    """xgrammar's ``TokenizerInfo.serialize_json()``, with the first grammar only (the worker keeps it)."""
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
@@ -133,10 +138,11 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     token's log-probability to return (``prompt_logprobs``)."""
     grammar_rows: bytes = b""
     """int32: the rows (batch order) of the sampling requests a grammar constrains (structured outputs: they verify
-    no drafts); empty in an unconstrained step."""
-    grammar: GrammarBitmask | None = None
-    """Their bitmask, when the engine had it as it sent the step; None with ``grammar_rows``: it follows as the next
-    message (asynchronous scheduling: the rows depend on the tokens of the step still running)."""
+    no drafts); empty in an unconstrained step. The worker fills their bitmask from its matchers."""
+    grammars: list[GrammarDef] = []
+    """Grammars defined before the step's new requests are set up."""
+    dropped_grammars: bytes = b""
+    """int32: ids of grammars the worker forgets (no request it holds uses them)."""
 
     @property
     def num_reqs(self) -> int:
@@ -314,7 +320,7 @@ class WorkerError(msgspec.Struct, array_like=True, frozen=True, tag="error"):
     message: str
 
 
-ToWorker = Step | GrammarBitmask | Shutdown
+ToWorker = Step | Shutdown
 ToEngine = StepResult | WorkerReady | WorkerError | CaptureProgress
 
 _encoder = msgspec.msgpack.Encoder()
@@ -327,7 +333,7 @@ def encode(message: ToWorker | StepResult | WorkerInit | WorkerReady | WorkerErr
     return _encoder.encode(message)
 
 
-def decode_to_worker(data: bytes) -> Step | GrammarBitmask | Shutdown:
+def decode_to_worker(data: bytes) -> Step | Shutdown:
     """A message for the worker; msgspec.ValidationError / DecodeError on anything else (never pickle)."""
     return _to_worker.decode(data)
 

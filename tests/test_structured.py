@@ -142,51 +142,118 @@ def tokenizer():
 def grammars(tokenizer):
     from dispatcher.engine.structured import StructuredOutputs
 
-    g = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], max_num_seqs=8)
+    g = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
     g.start()
     yield g
     g.close()
 
 
-def allowed(grammars, request_ids) -> np.ndarray:
-    from dispatcher.engine.structured import unpack_bitmask
+def on_worker(grammars, so, slot: int = 0):
+    """A worker's grammars (``WorkerGrammars`` on the CPU) holding the engine's compile of ``so``, with a matcher
+    at ``slot``."""
+    import torch
 
-    return unpack_bitmask(grammars.bitmask(request_ids), grammars.vocab_size)
+    from dispatcher.messages import GrammarDef
+    from dispatcher.runtime.grammar import WorkerGrammars
+
+    compiled = grammars.compile(so)
+    worker = WorkerGrammars(grammars.vocab_size, torch.device("cpu"))
+    worker.define(GrammarDef(compiled.grammar_id, compiled.serialized, grammars.tokenizer_info_json))
+    worker.start(slot, compiled.grammar_id, [])
+    return worker
 
 
-class Out:
-    def __init__(self, rid, tokens, finished=False):
-        self.request_id, self.new_token_ids, self.finished = rid, tokens, finished
+def allowed(worker, slots) -> np.ndarray:
+    import torch
+
+    from dispatcher.runtime.grammar import unpack_bitmask
+
+    out = torch.empty((len(slots), worker.words), dtype=torch.int32)
+    worker.fill(np.asarray(slots), out)
+    return unpack_bitmask(out.numpy(), worker.vocab_size)
+
+
+def sampled(worker, slot: int, tokens) -> None:
+    """``tokens`` as the worker's steps sample them, one a step, for ``slot``."""
+    import torch
+
+    for t in tokens:
+        worker.note_sampled(np.asarray([slot]), torch.tensor([t]))
 
 
 def test_the_bitmask_allows_exactly_the_grammar_and_then_only_eos(grammars, tokenizer):
     """A choice grammar: the first token's mask holds every token that starts one of the choices and nothing
-    else; after the whole choice only EOS is allowed; after EOS (terminated), or for a request that left, every
-    token is."""
+    else; after the whole choice only EOS is allowed; after EOS (terminated), or for a slot without a grammar,
+    every token is."""
     eos = tokenizer.eos_token_id
-    grammars.add("r", grammars.compile(StructuredOutputsParams(choice=("yes", "no"))))
-    mask = allowed(grammars, ["r"])[0]
+    worker = on_worker(grammars, StructuredOutputsParams(choice=("yes", "no")))
+    mask = allowed(worker, [0])[0]
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     texts = {i: tokenizer.decode([i]) for i in np.nonzero(mask)[0].tolist()}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts.values()), texts
     assert vocab["yes"] in texts and vocab["no"] in texts and not mask[eos]
-    grammars.advance([Out("r", tokenizer.encode("yes", False))])
-    mask = allowed(grammars, ["r"])[0]
+    sampled(worker, 0, tokenizer.encode("yes", False))
+    mask = allowed(worker, [0])[0]
     assert mask.sum() == 1 and mask[eos]
-    grammars.advance([Out("r", [eos])])
-    assert allowed(grammars, ["r", "gone"]).all()
-    grammars.advance([Out("r", [], finished=True)])
-    assert "r" not in grammars.matchers
+    sampled(worker, 0, [eos])
+    assert allowed(worker, [0, 5]).all()
 
 
 def test_json_schema_output_valid_token_by_token(grammars, tokenizer):
     """Feeding a valid object token by token, each token is in the mask the step before it had."""
-    grammars.add("p", grammars.compile(StructuredOutputsParams(json=json.dumps(PERSON))))
+    worker = on_worker(grammars, StructuredOutputsParams(json=json.dumps(PERSON)))
     for t in tokenizer.encode('{"name": "Bo", "age": 42}', False):
-        assert allowed(grammars, ["p"])[0][t], tokenizer.decode([t])
-        grammars.advance([Out("p", [t])])
-    assert allowed(grammars, ["p"])[0].sum() == 1  # EOS alone
-    grammars.remove("p")
+        assert allowed(worker, [0])[0][t], tokenizer.decode([t])
+        sampled(worker, 0, [t])
+    assert allowed(worker, [0])[0].sum() == 1  # EOS alone
+
+
+def test_a_token_sampled_before_a_slot_changed_hands_is_never_accepted(grammars, tokenizer):
+    """A request admitted again (preempted, then back with its output so far) or a new one in a freed slot starts
+    its matcher from what the engine sends: a token the worker sampled for the slot before that is dropped, even
+    though its copy to the host is read after."""
+    so = StructuredOutputsParams(json=json.dumps(PERSON))
+    worker = on_worker(grammars, so)
+    prefix = tokenizer.encode('{"name": "Bo"', False)
+    sampled(worker, 0, prefix)
+    gid = grammars.compile(so).grammar_id
+    worker.start(0, gid, prefix[:2])  # (re-admitted with two of them: the engine dropped the rest)
+    mask = allowed(worker, [0])[0]
+    assert mask[prefix[2]] and not mask[tokenizer.encode("{", False)[0]]
+
+
+def test_the_engine_sends_each_grammar_once_and_drops_idle_ones(grammars, monkeypatch):
+    """``for_step``: a grammar goes to the worker with the first request it constrains (the tokenizer's table with
+    the very first), not again while the worker holds it; once no slot uses it, it stays for the next request
+    until ``WORKER_IDLE_GRAMMARS`` others wait behind it, then the worker is told to drop it."""
+    from types import SimpleNamespace
+
+    from dispatcher.engine import structured as S
+    from dispatcher.messages import unpack
+
+    monkeypatch.setattr(S, "WORKER_IDLE_GRAMMARS", 1)
+    regexes = [grammars.compile(StructuredOutputsParams(regex=f"a{{{i}}}")) for i in (1, 2, 3)]
+
+    def step(new: dict, freed=()):
+        reqs = [SimpleNamespace(request_id=rid) for rid in new]
+        for rid, (_, c) in new.items():
+            grammars.add(rid, c)
+        out = SimpleNamespace(new_requests=reqs, slots=np.asarray([slot for slot, _ in new.values()], np.int64),
+                              freed_slots=np.asarray(freed, np.int64))
+        ids, defs, drops = grammars.for_step(out)
+        return ids, [d.grammar_id for d in defs], unpack(drops).tolist() if drops else [], defs
+
+    r0, r1, r2 = regexes
+    ids, defined, dropped, defs = step({"a": (0, r0), "b": (1, r0), "c": (2, None)})
+    assert ids == [r0.grammar_id] * 2 + [-1] and defined == [r0.grammar_id] and not dropped
+    assert defs[0].tokenizer_info == grammars.tokenizer_info_json != ""
+    ids, defined, dropped, defs = step({"d": (3, r1)}, freed=(0,))
+    assert defined == [r1.grammar_id] and defs[0].tokenizer_info == ""  # (r0: one slot still uses it)
+    assert step({"e": (0, r0)}, freed=(1,))[1] == []  # (held)
+    assert step({}, freed=(0, 3))[2] == [r0.grammar_id]  # (two idle, one kept: the last used)
+    assert step({"f": (0, r1)})[1] == [] and step({"g": (1, r0)})[1] == [r0.grammar_id]
+    for rid in "abcdefg":
+        grammars.remove(rid)
 
 
 def test_a_grammar_compiles_once_and_errors_name_the_field(grammars):
@@ -260,7 +327,7 @@ def test_without_a_tokenizer_structured_requests_are_refused():
     from dispatcher.engine.structured import StructuredOutputs
 
     with pytest.raises(RequestError, match="tokenizer"):
-        StructuredOutputs(None, 512, [2], 4).compile(StructuredOutputsParams(choice=("a",)))
+        StructuredOutputs(None, 512, [2]).compile(StructuredOutputsParams(choice=("a",)))
 
 
 def test_a_checkpoint_without_a_tokenizer_runs_on_token_ids_and_refuses_structured_requests(tmp_path):
@@ -295,7 +362,7 @@ def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
         for name, parallel in [("get_weather", True), (None, False), (None, True)]:
             so = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, parallel), where="tools")
             so.validate()
-            compiled = grammars.compile(so)
+            compiled = grammars.compile(so).grammar
             m = grammars._xgr.GrammarMatcher(compiled)
             assert m.accept_string(text), (parser.name, name)
             assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
@@ -304,7 +371,7 @@ def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
                 ("get_weather", {"city": "Oslo"})]
             assert not grammars._xgr.GrammarMatcher(compiled).accept_string("Sure, " + text)
         wrong = grammars._xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(
-            structural_tag=parser.structural_tag(tools, "get_time", True))))
+            structural_tag=parser.structural_tag(tools, "get_time", True))).grammar)
         assert not wrong.accept_string(text)
 
 
@@ -313,48 +380,78 @@ def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+FIRST = 100
+"""The stand-in grammar's first token."""
+
+
 class Successor:
-    """A stand-in for the engine's grammars: a request may only produce (its last token + 1) mod the vocabulary.
-    Its mask depends on the previous step's token, as a real grammar's does, read from the scheduler's request:
-    a bitmask filled before that token is in allows the wrong token."""
+    """A stand-in for xgrammar (its matcher and batch calls, as ``WorkerGrammars`` uses them): a constrained
+    request's first token is ``FIRST``, each next one its last token + 1 (mod the vocabulary). Its mask depends on
+    the previous step's token, as a real grammar's does: a bitmask filled before that token is accepted allows the
+    wrong token."""
 
-    def __init__(self, vocab: int):
-        self.vocab, self.words = vocab, -(-vocab // 32)
-        self.matchers: dict[str, object] = {}
-        self.requests: dict = {}
+    class TokenizerInfo:
+        @staticmethod
+        def deserialize_json(text):
+            return text
 
-    def compile(self, params):
-        return params
+    class CompiledGrammar:
+        @staticmethod
+        def deserialize_json(text, info):
+            return text
 
-    def add(self, request_id, grammar):
-        self.matchers[request_id] = grammar
+    class GrammarMatcher:
+        def __init__(self, compiled):
+            self.next = FIRST
 
-    def remove(self, request_id):
-        self.matchers.pop(request_id, None)
+        def is_terminated(self):
+            return False
 
-    def advance(self, outputs):
-        for o in outputs:
-            if o.finished:
-                self.matchers.pop(o.request_id, None)
+        def accept_token(self, token):
+            ok, self.next = token == self.next, (token + 1) % 512
+            return ok
 
-    def bitmask(self, request_ids):
-        words = np.zeros((len(request_ids), self.words), np.uint32)
-        for i, rid in enumerate(request_ids):
-            req = self.requests.get(rid)
-            if req is None:
-                words[i] = 0xFFFFFFFF
-                continue
-            nxt = (req.all_token_ids[-1] + 1) % self.vocab
-            words[i, nxt // 32] = 1 << (nxt % 32)
-        return words.view(np.int32).tobytes()
+    class BatchGrammarMatcher:
+        def __init__(self, threads):
+            pass
 
-    def close(self):
-        pass
+        @staticmethod
+        def batch_accept_token(matchers, tokens):
+            return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+
+        def batch_fill_next_token_bitmask(self, matchers, out, rows):
+            words = out.numpy().view(np.uint32)
+            for m, row in zip(matchers, rows):
+                words[row] = 0
+                words[row, m.next // 32] = 1 << (m.next % 32)
+
+
+class StandInGrammars:
+    """The engine's side of the stand-in: every constraint compiles to grammar 0."""
+
+    def __new__(cls, vocab: int):
+        from dispatcher.engine.structured import Compiled, StructuredOutputs
+
+        engine = StructuredOutputs(None, vocab, [])
+        engine.tokenizer_info_json = "stand-in"
+        engine.compile = lambda params: Compiled(0, None, "successor")
+        return engine
+
+
+def use_stand_in(core) -> None:
+    """``core`` (and its in-process worker) on the ``Successor`` stand-in."""
+    from dispatcher.runtime.grammar import WorkerGrammars
+
+    core.structured = StandInGrammars(core.model_config.vocab_size)
+    worker = core.worker
+    worker.grammars = WorkerGrammars(core.model_config.vocab_size, worker.device)
+    worker.grammars._xgr, worker.grammars._batch = Successor, Successor.BatchGrammarMatcher(1)
 
 
 def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=True):
     """tiny-dense with the ``Successor`` stand-in for xgrammar; its worker set up as a server with a tokenizer
     sets it up (structured outputs on: the fused decode steps have their constrained pairs)."""
+
     import dataclasses
 
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
@@ -366,8 +463,7 @@ def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=400, block_size=8,
                                       max_model_len=128, async_scheduling=overlap,
                                       fuse_decode_steps=fuse_decode_steps))
-    core.structured = Successor(core.model_config.vocab_size)
-    core.structured.requests = core.scheduler.requests
+    use_stand_in(core)
     worker = core.worker
     worker.wcfg = dataclasses.replace(worker.wcfg, structured_outputs=True)
     if worker.fused is not None:
@@ -406,7 +502,7 @@ def test_constrained_requests_produce_only_what_their_grammar_allows(spec):
             outs = run_mixed(core, p, temperature=temperature)
             for i, (prompt, out) in enumerate(zip(p, outs)):
                 if i % 2 == 0:
-                    assert out == [(prompt[-1] + 1 + k) % 512 for k in range(12)], (i, out)
+                    assert out == [(FIRST + k) % 512 for k in range(12)], (i, out)
             results.append(outs)
         if spec is not None:
             assert core.stats.num_draft_tokens > 0  # (the unconstrained ones drafted)
@@ -427,37 +523,6 @@ def test_constrained_requests_verify_no_drafts():
         seen += int(step.message.constrained)
         core.update(step, core.execute(step))
     assert seen == 8 and core.stats.num_draft_tokens == 0
-
-
-def test_a_deferred_bitmask_is_taken_from_the_next_message():
-    """The worker process's path: a constrained step sent without its bitmask waits for it
-    (``receive_grammar``; the wait is not the step's device time), and a bitmask for another step fails the
-    step."""
-    import xgrammar  # noqa: F401  (as the worker process does at start: the first bitmask's import is no step's)
-
-    from dispatcher.messages import GrammarBitmask, decode_to_worker, encode
-
-    core = constrained_engine()
-    core.add_request([9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True,
-                                                 structured_outputs=StructuredOutputsParams(choice=("x",))))
-    step = core.schedule()
-    bits = core.grammar_bitmask(step)
-    asked = []
-
-    def receive(step_id):
-        asked.append(step_id)
-        time.sleep(3.0)  # (the engine updating the step before: the device's idle time, not this step's)
-        return decode_to_worker(encode(bits))
-
-    core.worker.receive_grammar = receive
-    result = core.worker.execute(step.message)
-    assert asked == [step.out.step_id] and core.finish(step, result).sampled[0, 0] == 12
-    assert result.device_ms < 2500
-    core.update(step, core.finish(step, result))
-    step = core.schedule()
-    core.worker.receive_grammar = lambda step_id: GrammarBitmask(step_id + 7, bits.bitmask)
-    with pytest.raises(RuntimeError, match="bitmask of step"):
-        core.worker.execute(step.message)
 
 
 def test_constrained_decode_steps_fuse_once_their_graphs_are_captured():
@@ -502,7 +567,7 @@ def constrained_decodes_fuse(device: str) -> None:
             assert outs == run(plain, constrained, temperature)[0]
             for q, c, out in zip(p, constrained, outs):
                 if c:
-                    assert out == [(q[-1] + 1 + k) % 512 for k in range(8)]
+                    assert out == [(FIRST + k) % 512 for k in range(8)]
             assert len(decodes) >= 5 and all(c for c, _ in decodes), decodes
             fused = [f for _, f in decodes]
             assert fused == ([False] + [True] * (len(fused) - 1) if first else [True] * len(fused)), decodes
@@ -520,9 +585,9 @@ def test_a_failed_step_drops_its_requests_grammars():
     so = StructuredOutputsParams(choice=("stand-in",))
     rid = core.add_request(list(range(3, 23)), SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
     step = core.schedule()
-    assert core.fail_step(step.out) == [rid] and not core.structured.matchers and not core.has_unfinished()
+    assert core.fail_step(step) == [rid] and not core.structured.requests and not core.has_unfinished()
     assert core.scheduler.kv.num_free == core.scheduler.config.num_kv_blocks
-    assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [10, 11, 12]
+    assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [FIRST, FIRST + 1, FIRST + 2]
 
 
 def test_identical_constrained_requests_back_to_back_with_the_prefix_cache():
@@ -562,7 +627,7 @@ def test_identical_constrained_requests_back_to_back_with_the_prefix_cache():
         (first, _), (second, cached) = texts
         assert re.fullmatch(pattern, first) and second == first, texts
         assert cached == (len(prompt) - 1) // 8 * 8 > 8, texts  # (its full blocks but the last token's)
-    assert not core.structured.matchers
+    assert not core.structured.requests
     core.close()
 
 

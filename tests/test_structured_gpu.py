@@ -1,7 +1,7 @@
 """Structured outputs on the GPU (issue 31): the bitmask applied by xgrammar's Triton kernel to graph-computed logits,
 with no kernel compiled while serving, constrained greedy steps never replayed as fused step graphs, and the 24
 constraints of tests/test_structured_serve.py through a served default model with CUDA graphs and asynchronous
-scheduling (each constrained step's bitmask sent after it)."""
+scheduling (each constrained step's bitmask filled by the worker while its forward runs)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
     tokenizer (a BPE within tiny-dense's 512 tokens), as a server that takes structured requests has: only then
     does its worker warm the bitmask kernel up."""
     from test_pipeline import prompts
-    from test_structured import Successor, run_mixed
+    from test_structured import FIRST, run_mixed, use_stand_in
     from textdata import train_bpe
 
     from dispatcher.engine.engine_core import EngineArgs, EngineCore
@@ -32,8 +32,7 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
         core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", num_kv_blocks=800, block_size=16,
                                           max_model_len=256, async_scheduling=overlap, tokenizer=tokenizer))
         assert core.worker.wcfg.structured_outputs
-        core.structured = Successor(core.model_config.vocab_size)
-        core.structured.requests = core.scheduler.requests
+        use_stand_in(core)
         compiles = []
         collect = core.worker.collect
 
@@ -47,7 +46,7 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
             outs = run_mixed(core, p, constrained_every=constrained_every, temperature=0.7)
             for i, (prompt, out) in enumerate(zip(p, outs)):
                 if i % constrained_every == 0:
-                    assert out == [(prompt[-1] + 1 + k) % 512 for k in range(12)], (i, out)
+                    assert out == [(FIRST + k) % 512 for k in range(12)], (i, out)
         assert sum(compiles) == 0, compiles
 
 

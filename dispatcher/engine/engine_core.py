@@ -23,7 +23,7 @@ from dispatcher.engine.config import EngineArgs, scheduler_config
 from dispatcher.engine.cost import CostCurve, load_step_costs
 from dispatcher.engine.structured import StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
-from dispatcher.messages import F32, I32, GrammarBitmask, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
+from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepResult, pack, unpack
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
@@ -112,21 +112,22 @@ class ScheduledStep:
 
 
 def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.ndarray,
-                 prompt_rows: np.ndarray | None = None) -> Step:
+                 prompt_rows: np.ndarray | None = None, grammars: tuple | None = None) -> Step:
     """The scheduler's step as the worker sees it: new requests once, then slots and counts, the rows a grammar
-    constrains (their bitmask comes with ``EngineCore.with_grammar`` or after the step) and the prompt rows whose
-    log-probabilities are asked for."""
+    constrains (the worker fills their bitmask), the grammars it gets and drops (``grammars``:
+    ``StructuredOutputs.for_step``'s) and the prompt rows whose log-probabilities are asked for."""
     first = len(out.slots) - len(out.new_requests)
     new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
-    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids), sampling_spec(req), computed)
-           for req, slot, computed in zip(out.new_requests, new_slots, new_computed)]
+    grammar_ids, defs, drops = grammars or ([-1] * len(new_slots), [], b"")
+    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids), sampling_spec(req), computed, gid)
+           for req, slot, computed, gid in zip(out.new_requests, new_slots, new_computed, grammar_ids)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
                 int((out.num_computed + out.num_scheduled).max()),
                 pack(np.stack(out.block_updates) if len(out.block_updates[0]) else np.zeros((3, 0))),
                 descs.target, descs.draft, descs.draft_next,
                 prompt_logprob_rows=pack(prompt_rows) if prompt_rows is not None else b"",
-                grammar_rows=pack(grammar_rows))
+                grammar_rows=pack(grammar_rows), grammars=defs, dropped_grammars=drops)
 
 
 def sampling_spec(req: Request) -> SamplingSpec:
@@ -225,10 +226,9 @@ class EngineCore:
         self.eos_token_ids = (self.model_config.eos_token_ids if args.eos_token_ids is None
                               else tuple(args.eos_token_ids))
         self.structured = structured or StructuredOutputs(tokenizer, self.model_config.vocab_size,
-                                                          self.eos_token_ids, cfg.max_num_seqs,
-                                                          args.structured_compile_timeout_s)
-        """Structured outputs' grammars and matchers (xgrammar, loaded at the first structured request or by
-        ``structured.start()``)."""
+                                                          self.eos_token_ids, args.structured_compile_timeout_s)
+        """Structured outputs' grammars (xgrammar, loaded at the first structured request or by
+        ``structured.start()``; the worker keeps the matchers)."""
         self._said_no_drafts = False
 
     def capture_gap(self) -> None:
@@ -319,12 +319,14 @@ class EngineCore:
         self.structured.remove(request_id)
         return self.scheduler.finish_request(request_id, reason)
 
-    def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
+    def fail_step(self, step: ScheduledStep, later: list[SchedulerOutput] = ()) -> list[str]:
         """A step the worker failed: ``Scheduler.fail_step`` (its requests and those sharing a block it registered
-        end), their grammars dropped. Returns the ids of the requests it ends."""
-        ids = self.scheduler.fail_step(out, later)
+        end), their grammars dropped, and the grammars it sent taken as not received (sent again when needed).
+        Returns the ids of the requests it ends."""
+        ids = self.scheduler.fail_step(step.out, later)
         for rid in ids:
             self.structured.remove(rid)
+        self.structured.step_failed(step.message)
         return ids
 
     def has_unfinished(self) -> bool:
@@ -358,8 +360,8 @@ class EngineCore:
             self._release_computed(out)
         rows = self._prompt_logprob_rows(out) if self._prompt_logprobs else None
         grammar_rows = np.nonzero(self.scheduler.structured[out.slots] & out.samples)[0]
-        return ScheduledStep(out, descs, step_message(out, descs, grammar_rows, rows),
-                             (time.perf_counter() - t0) * 1e3, prompt_rows=rows)
+        message = step_message(out, descs, grammar_rows, rows, self.structured.for_step(out))
+        return ScheduledStep(out, descs, message, (time.perf_counter() - t0) * 1e3, prompt_rows=rows)
 
     def _release_computed(self, out: SchedulerOutput) -> None:
         """Queue the children held for a first child whose prompt this step computes to its end."""
@@ -379,21 +381,8 @@ class EngineCore:
                 counts[row] = max(0, min(start + int(known[row]), len(req.prompt_token_ids) - 1) - start)
         return counts if counts.any() else None
 
-    def grammar_bitmask(self, step: ScheduledStep) -> GrammarBitmask:
-        """The step's constrained rows' bitmask, from their matchers as they are now: after the update of every
-        step before it (the matchers must hold each request's last token)."""
-        requests = step.out.requests
-        ids = [requests[r].request_id for r in unpack(step.message.grammar_rows).tolist()]
-        return GrammarBitmask(step.out.step_id, self.structured.bitmask(ids))
-
-    def with_grammar(self, step: ScheduledStep) -> None:
-        """A constrained step's message with its bitmask in it."""
-        step.message = msgspec.structs.replace(step.message, grammar=self.grammar_bitmask(step))
-
     def submit(self, step: ScheduledStep) -> None:
-        """Queue a step on the worker (returns before it has run); a constrained step takes its bitmask now."""
-        if step.message.constrained and step.message.grammar is None:
-            self.with_grammar(step)
+        """Queue a step on the worker (returns before it has run)."""
         step.submitted_at = time.perf_counter()
         step.pending = self.worker.submit(step.message)
         self.capture_gap()
@@ -456,8 +445,10 @@ class EngineCore:
                 pl = self._prompt_logprobs.pop(o.request_id, None)
                 if pl is not None:
                     o.prompt_logprobs, o.prompt_logprob_ranks = pl.entries, pl.ranks
-        if self.structured.matchers:
-            self.structured.advance(outputs)
+        if self.structured.requests:
+            for o in outputs:
+                if o.finished:
+                    self.structured.remove(o.request_id)
         self.stats.record_drafts(self.scheduler.last_spec_decode)
         if self.auto_tiers is not None:
             self._rechoose_tiers()
@@ -487,16 +478,13 @@ class EngineCore:
 
     def run(self) -> Iterator[list[RequestOutput]]:
         """Steps until nothing is live, each step's outputs as it completes. With asynchronous scheduling the next
-        step is submitted before the last one's result is waited for, so the device runs them back to back; a step
-        that a grammar constrains waits for the one before (its bitmask depends on that step's tokens)."""
+        step is submitted before the last one's result is waited for, so the device runs them back to back (a step
+        that a grammar constrains too: the worker fills its bitmask once the step before has sampled)."""
         depth = 2 if self.async_scheduling else 1
         in_flight: deque[ScheduledStep] = deque()
         while self.scheduler.has_unfinished() or in_flight:
             step = self.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
-                if step.message.constrained and in_flight:
-                    done = in_flight.popleft()
-                    yield self.update(done, self.wait(done))
                 self.submit(step)
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
@@ -601,7 +589,7 @@ def structured_outputs(cfg: ResolvedConfig, args: EngineArgs, vocab_size: int) -
     """An engine's structured outputs for ``args``' tokenizer (``_tokenizer``) and a model of ``vocab_size`` tokens,
     as ``EngineCore`` builds them; the EOS ids are ``args.eos_token_ids`` (given: nothing here waits for the
     model)."""
-    return StructuredOutputs(_tokenizer(args), vocab_size, tuple(args.eos_token_ids), cfg.max_num_seqs,
+    return StructuredOutputs(_tokenizer(args), vocab_size, tuple(args.eos_token_ids),
                              args.structured_compile_timeout_s)
 
 

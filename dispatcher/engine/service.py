@@ -198,9 +198,8 @@ class EngineService:
 
     # -- the step task ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Steps until drained (or the worker dies: WorkerDied). A step that a grammar constrains goes out at once;
-        when a step is still running its bitmask follows once that step's result is in (vLLM's deferred grammar
-        bitmask): the device runs the new step's forward meanwhile, and only its sampling waits."""
+        """Steps until drained (or the worker dies: WorkerDied). A step that a grammar constrains goes out like any
+        other: the worker fills its bitmask (``dispatcher.runtime.grammar``)."""
         core, in_flight = self.core, self._in_flight
         depth = 2 if core.async_scheduling else 1
         while not self._draining or in_flight or core.has_unfinished() or self._compiling:
@@ -213,26 +212,18 @@ class EngineService:
             # that arrive mid-run waiting for the running ones to finish.
             await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
-            deferred = None
             if step is not None:
-                if step.message.constrained and in_flight:
-                    deferred = step  # (its bitmask after the running step's update)
-                elif step.message.constrained:
-                    core.with_grammar(step)
                 await self.process.to_worker.send(encode_step(step.message))
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
-                await self._finish(in_flight.popleft(), deferred)
+                await self._finish(in_flight.popleft())
 
-    async def _finish(self, step: ScheduledStep, deferred: ScheduledStep | None = None) -> None:
-        """Take a step's result: the scheduler's update, the bitmask of the ``deferred`` step sent after it (which
-        the worker waits for), then one Outputs to the front end."""
+    async def _finish(self, step: ScheduledStep) -> None:
+        """Take a step's result: the scheduler's update, then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
         if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
-            ids = core.fail_step(step.out, [s.out for s in self._in_flight])
-            if deferred is not None:  # (the worker waits for it whatever became of this step)
-                await self._send_grammar(deferred)
+            ids = core.fail_step(step, [s.out for s in self._in_flight])
             message = f"step failed: {result.message}"
             await self._send_by_front_end(ids, lambda fe_ids: Outputs(failed=[Failure(fe_ids, message)]),
                                           Outputs(queue=self._queue_state()))
@@ -240,8 +231,6 @@ class EngineService:
                 self._front_end.pop(rid, None)
             return
         outputs = core.update(step, core.finish(step, result))
-        if deferred is not None:
-            await self._send_grammar(deferred)
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         out = step.out
         record = StepRecord(target.kind, self._mode(target.mode), step.eager_cause,
@@ -260,9 +249,6 @@ class EngineService:
         for d in deltas:
             if d.finish_reason is not None:
                 self._front_end.pop(d.request_id, None)
-
-    async def _send_grammar(self, step: ScheduledStep) -> None:
-        await self.process.to_worker.send(encode_step(self.core.grammar_bitmask(step)))
 
     async def _send_by_front_end(self, request_ids: list[str], per_front_end, first: Outputs) -> None:
         """``per_front_end(ids)`` to each front end with requests among ``request_ids``, merged with ``first``

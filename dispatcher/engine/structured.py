@@ -1,24 +1,25 @@
-"""Structured outputs in the engine: grammars compiled with xgrammar off the step loop and cached, one matcher per
-constrained request, advanced with its tokens, and each step's token bitmask.
+"""Structured outputs in the engine: grammars compiled with xgrammar off the step loop and cached, and sent to the
+worker, which keeps a matcher per constrained request and fills each step's token bitmask
+(``dispatcher.runtime.grammar``).
 
-The design is vLLM v1's (``StructuredOutputManager`` in the engine core, ``apply_grammar_bitmask`` in the GPU model
-runner) and SGLang's (the grammar on the scheduler's side, the mask applied in the sampler):
+The design is vLLM v1's (``StructuredOutputManager``: compiles in a thread pool, requests wait for their grammar)
+and SGLang's (the matchers beside the model runner, the mask filled while the forward runs):
 
 - **Compile**: a request's constraint (``scheduler.structured.StructuredOutputsParams``) compiles in a thread pool
   of this process (xgrammar releases the GIL while it computes token masks, so a step never waits for a compile),
-  once per constraint: xgrammar's compiler keeps compiled grammars in an LRU cache of ``CACHE_BYTES``, and a
-  constraint already compiling is not compiled twice. The request joins the scheduler only once its grammar is
-  ready (vLLM's ``WAITING_FOR_FSM``); a compile that fails or takes more than ``COMPILE_TIMEOUT_S`` refuses it
-  (400), and the compile thread's work is not lost (the cache keeps it). The engine process rather than the front
-  end compiles because the matchers live here (a compiled grammar does not travel between processes cheaply) and
-  one cache serves every front end.
-- **Match**: a ``GrammarMatcher`` per request, advanced by ``advance`` with the tokens each step appended (the
-  scheduler's update path). Structured requests verify no drafts (``Scheduler.structured``): the drafts stay on the
-  worker, so the engine cannot check them against the grammar.
-- **Mask**: ``bitmask`` fills one packed int32 row per constrained sampling row of a step (bit ``t % 32`` of word
-  ``t // 32`` set: token ``t`` allowed) with xgrammar's multi-threaded batch fill; the rows travel in the step
-  message and the worker applies them to the logits on the device before sampling
-  (``ModelWorker._apply_grammar_bitmask``). A finished or terminated grammar's row allows every token.
+  once per constraint: compiled grammars stay in a cache of ``CACHE_BYTES`` (xgrammar's, and ours of their
+  serialized form), and a constraint already compiling is not compiled twice. The request joins the scheduler only
+  once its grammar is ready (vLLM's ``WAITING_FOR_FSM``); a compile that fails or takes more than
+  ``COMPILE_TIMEOUT_S`` refuses it (400), and the compile thread's work is not lost (the cache keeps it). The
+  engine compiles rather than the front end because one cache then serves every front end, and rather than the
+  worker because a compile must never hold up a step.
+- **Send**: the worker gets each grammar once, serialized (``GrammarDef``, with the first step that admits a
+  request it constrains), and keeps it while a request it holds uses it and ``WORKER_IDLE_GRAMMARS`` more after
+  that (least recently used dropped first, ``Step.dropped_grammars``): ``for_step`` keeps the engine's account of
+  what the worker holds, from the same messages the worker reads.
+- **Match and mask**: on the worker, which samples the tokens: the engine never waits for a bitmask, so a step that
+  a grammar constrains is scheduled and overlapped like any other. Structured requests verify no drafts
+  (``Scheduler.structured``).
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 import threading
-import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
-import numpy as np
-
-from dispatcher.messages import bitmask_words
+from dispatcher.messages import GrammarDef, pack
 from scheduler.request import RequestError
-from scheduler.structured import StructuredOutputsParams
+from scheduler.structured import StructuredOutputsParams, xgrammar_threads
 
 log = logging.getLogger("twogrid.structured")
 
@@ -45,11 +44,12 @@ COMPILE_TIMEOUT_S = 10.0
 """A request whose grammar has not compiled this long after it arrived (queueing for a compile thread included) is
 refused: a hostile constraint within the static limits (``scheduler.structured``) costs at most this wait."""
 COMPILE_WORKERS = 2
-"""Grammars compiled at once (each compile uses ``_threads()`` threads of its own)."""
-LOG_EVERY_STEPS = 2000
-"""Constrained steps between two lines of bitmask and matcher timings."""
+"""Grammars compiled at once (each compile uses ``xgrammar_threads()`` threads of its own)."""
 CACHE_BYTES = 512 << 20
-"""xgrammar's compiled-grammar cache (vLLM's default, VLLM_XGRAMMAR_CACHE_MB = 512)."""
+"""xgrammar's compiled-grammar cache (vLLM's default, VLLM_XGRAMMAR_CACHE_MB = 512), and ours of the grammars'
+serialized form."""
+WORKER_IDLE_GRAMMARS = 32
+"""Grammars the worker keeps after their last request left (a new request with one of them sends nothing)."""
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -61,36 +61,49 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def _threads() -> int:
-    """Threads of one compile or one bitmask fill: half the cores, at most 8 (vLLM's choice)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+@dataclass(frozen=True)
+class Compiled:
+    """A constraint's compiled grammar, as the engine keeps it and the worker gets it."""
+
+    grammar_id: int
+    """Its id on the wire (``NewRequest.grammar_id``)."""
+    grammar: object
+    """xgrammar's CompiledGrammar."""
+    serialized: str
+    """``grammar.serialize_json()`` (what ``GrammarDef`` carries)."""
 
 
 class StructuredOutputs:
-    """The engine's grammars and matchers. ``tokenizer``: models.text.Tokenizer (None: a preset without one, which
-    refuses every structured request); ``vocab_size``: the model's (the bitmask's width)."""
+    """The engine's grammars. ``tokenizer``: models.text.Tokenizer (None: a preset without one, which refuses every
+    structured request); ``vocab_size``: the model's."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_num_seqs: int,
-                 timeout_s: float = COMPILE_TIMEOUT_S):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, timeout_s: float = COMPILE_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.max_num_seqs = max_num_seqs
         self.timeout_s = timeout_s
-        self.words = bitmask_words(vocab_size)
-        """int32 words per bitmask row."""
         self._xgr = None
         self._compiler = None
-        self._batch = None
+        self.tokenizer_info_json = ""
+        """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
+        self._info_sent = False
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._compiling: dict[tuple, Future] = {}
         self._lock = threading.Lock()
-        self.matchers: dict[str, object] = {}
-        """Each live structured request's xgrammar GrammarMatcher."""
-        self._bitmask = None
-        self._timing = [0, 0.0, 0.0, 0]
-        """Since the last log line: constrained steps, seconds advancing matchers, seconds filling, rows."""
+        self._cache_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Compiled] = OrderedDict()
+        """Compiled constraints by key, least recently used first, their serialized sizes within CACHE_BYTES."""
+        self._cache_bytes = 0
+        self._next_id = 0
+        self.requests: dict[str, Compiled] = {}
+        """Each live structured request's grammar."""
+        self._slot_grammar: dict[int, int] = {}
+        """The worker's constrained slots and their grammar ids (``for_step``'s account)."""
+        self._worker_refs: dict[int, int] = {}
+        """Grammar ids the worker holds and how many of its slots use each."""
+        self._worker_idle: OrderedDict[int, None] = OrderedDict()
+        """Grammar ids the worker holds that no slot uses, least recently used first."""
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,18 +114,16 @@ class StructuredOutputs:
         with self._init_lock:
             if self._compiler is not None:
                 return
-            import torch
             import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
 
             hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            self._batch = xgr.BatchGrammarMatcher(_threads())
-            self._bitmask = torch.full((self.max_num_seqs, self.words), -1, dtype=torch.int32)
+            self.tokenizer_info_json = info.serialize_json()
             self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="twogrid-grammar")
             self._xgr = xgr
-            self._compiler = xgr.GrammarCompiler(info, max_threads=_threads(), cache_enabled=True,
+            self._compiler = xgr.GrammarCompiler(info, max_threads=xgrammar_threads(), cache_enabled=True,
                                                  cache_limit_bytes=CACHE_BYTES)
 
     def close(self) -> None:
@@ -144,7 +155,24 @@ class StructuredOutputs:
         with self._lock:
             self._compiling.pop(key, None)
 
-    def _compile(self, params: StructuredOutputsParams):
+    def _compile(self, params: StructuredOutputsParams) -> Compiled:
+        with self._cache_lock:
+            compiled = self._cache.get(params.key)
+            if compiled is not None:
+                self._cache.move_to_end(params.key)
+                return compiled
+        grammar = self._compile_grammar(params)
+        serialized = grammar.serialize_json()
+        with self._cache_lock:
+            compiled = Compiled(self._next_id, grammar, serialized)
+            self._next_id += 1
+            self._cache[params.key] = compiled
+            self._cache_bytes += len(serialized)
+            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+                self._cache_bytes -= len(self._cache.popitem(last=False)[1].serialized)
+        return compiled
+
+    def _compile_grammar(self, params: StructuredOutputsParams):
         c, kind = self._compiler, params.kind
         value = getattr(params, kind)
         if kind == "json":
@@ -195,73 +223,57 @@ class StructuredOutputs:
         return RequestError(f"{params.where}: the grammar did not compile within {self.timeout_s:.0f} s (the limit "
                             f"for one constraint); simplify it")
 
-    # -- matchers ------------------------------------------------------------------------------------------------
-    def add(self, request_id: str, grammar) -> None:
-        self.matchers[request_id] = self._xgr.GrammarMatcher(grammar)
+    # -- requests, and what the worker holds ---------------------------------------------------------------------
+    def add(self, request_id: str, compiled: Compiled) -> None:
+        self.requests[request_id] = compiled
 
     def remove(self, request_id: str) -> None:
-        self.matchers.pop(request_id, None)
+        self.requests.pop(request_id, None)
 
-    def advance(self, outputs) -> None:
-        """Each structured request's new tokens into its matcher (the step's outputs, after the scheduler's update),
-        all of them in one xgrammar call (a structured request gains one token a step: it verifies no drafts). A
-        finished request's matcher goes. A token its grammar refuses cannot be sampled under the mask; if one is
-        (a defect), the request is logged and runs on unconstrained rather than failing the step."""
-        t0 = time.perf_counter()
-        live = [(o, m) for o in outputs if (m := self.matchers.get(o.request_id)) is not None and o.new_token_ids]
-        taking = [(o, m) for o, m in live if not m.is_terminated()]  # (after EOS under ignore_eos: free)
-        if taking:
-            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([m for _, m in taking],
-                                                                  [o.new_token_ids[0] for o, _ in taking])
-            for (o, m), accepted in zip(taking, ok):
-                if not accepted:
-                    log.error("request %s: token %d is outside its grammar; it runs on unconstrained", o.request_id,
-                              o.new_token_ids[0])
-                    self.matchers.pop(o.request_id)
-                elif len(o.new_token_ids) > 1:  # (not from a structured request's step; kept exact anyway)
-                    for t in o.new_token_ids[1:]:
-                        if m.is_terminated() or not m.accept_token(t):
-                            break
-        for o in outputs:
-            if o.finished:
-                self.matchers.pop(o.request_id, None)
-        self._timing[1] += time.perf_counter() - t0
+    def step_failed(self, message) -> None:
+        """A step the worker failed (``Step`` ``message``): the grammars it defined (and the tokenizer's table) are
+        taken as not held (the worker may have failed before it read them), and the slots using them as holding
+        none."""
+        failed = {d.grammar_id for d in message.grammars}
+        if not failed:
+            return
+        if any(d.tokenizer_info for d in message.grammars):
+            self._info_sent = False
+        for gid in failed:
+            self._worker_refs.pop(gid, None)
+            self._worker_idle.pop(gid, None)
+        self._slot_grammar = {s: g for s, g in self._slot_grammar.items() if g not in failed}
 
-    def bitmask(self, request_ids: list[str]) -> bytes:
-        """int32 (len(request_ids), words): each request's allowed next tokens, packed (all allowed for one whose
-        grammar ended or that left)."""
-        t0 = time.perf_counter()
-        n = len(request_ids)
-        mask = self._bitmask[:n]
-        live, rows = [], []
-        for i, rid in enumerate(request_ids):
-            m = self.matchers.get(rid)
-            if m is not None and not m.is_terminated():
-                live.append(m)
-                rows.append(i)
-        if len(rows) < n:
-            mask.fill_(-1)
-        if live:
-            self._batch.batch_fill_next_token_bitmask(live, mask, rows)
-        data = mask.numpy().tobytes()
-        self._note_step(n, time.perf_counter() - t0)
-        return data
+    def for_step(self, out) -> tuple[list[int], list[GrammarDef], bytes]:
+        """A step's structured-output fields (``SchedulerOutput`` ``out``): each new request's grammar id (-1: none),
+        the grammars the worker gets first with this step, and the ids it drops. Freed slots release their
+        grammars first, as the worker forgets them first."""
+        if not self._slot_grammar and not self.requests:
+            return [-1] * len(out.new_requests), [], b""
+        for slot in list(out.freed_slots):
+            gid = self._slot_grammar.pop(slot, None)
+            if gid is not None:
+                self._worker_refs[gid] -= 1
+                if not self._worker_refs[gid]:
+                    del self._worker_refs[gid]
+                    self._worker_idle[gid] = None
+        first = len(out.slots) - len(out.new_requests)
+        ids, defs = [], []
+        for req, slot in zip(out.new_requests, out.slots[first:].tolist()):
+            compiled = self.requests.get(req.request_id)
+            if compiled is None:
+                ids.append(-1)
+                continue
+            gid = compiled.grammar_id
+            if gid not in self._worker_refs and gid not in self._worker_idle:
+                defs.append(GrammarDef(gid, compiled.serialized, "" if self._info_sent else self.tokenizer_info_json))
+                self._info_sent = True  # (the worker keeps the first)
+            self._worker_idle.pop(gid, None)
+            self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1
+            self._slot_grammar[slot] = gid
+            ids.append(gid)
+        drops = []
+        while len(self._worker_idle) > WORKER_IDLE_GRAMMARS:
+            drops.append(self._worker_idle.popitem(last=False)[0])
+        return ids, defs, pack(drops) if drops else b""
 
-    def _note_step(self, rows: int, fill_s: float) -> None:
-        """Every LOG_EVERY_STEPS constrained steps, one line: rows a step and the host's milliseconds for the
-        bitmask (fill and copy) and for advancing the matchers (what asynchronous scheduling must hide)."""
-        steps, _, filled, rows_total = self._timing
-        self._timing = [steps + 1, self._timing[1], filled + fill_s, rows_total + rows]
-        if self._timing[0] >= LOG_EVERY_STEPS:
-            steps, advanced, filled, rows_total = self._timing
-            log.info("structured outputs: %d constrained steps, %.0f rows a step, bitmask %.2f ms a step, matchers "
-                     "advanced %.2f ms a step", steps, rows_total / steps, 1e3 * filled / steps,
-                     1e3 * advanced / steps)
-            self._timing = [0, 0.0, 0.0, 0]
-
-
-def unpack_bitmask(data: bytes, vocab_size: int) -> np.ndarray:
-    """The allowed tokens of packed bitmask rows, as bool (rows, vocab_size) (tests and checks)."""
-    words = np.frombuffer(data, np.int32).reshape(-1, bitmask_words(vocab_size))
-    bits = (words[:, :, None].view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
-    return bits.reshape(len(words), -1)[:, :vocab_size].astype(bool)

@@ -34,8 +34,8 @@ verified (K = q - 1; no tier change mid-step) with FULL graphs at n', and the fi
 captured; any other step runs op by op (``ModelWorker.submit``). A draft model and the block drafters always run op
 by op.
 
-A step that a grammar constrains (structured outputs) needs the engine's bitmask, which it fills once the step
-before is done, while this one's forward may already run. Without a drafter (q = 1) it runs as two graphs
+A step that a grammar constrains (structured outputs) needs its bitmask, which the worker fills
+(``dispatcher.runtime.grammar``) once the step before has sampled, while this one's forward runs. Without a drafter (q = 1) it runs as two graphs
 (``FusedDecode.constrained``): the forward to the logits (kept in a static buffer); then, the bitmask uploaded into
 ``bitmask`` (every bit set for an unconstrained row), the masked sampling and the rest of the step
 (``models.sampling.apply_packed_bitmask``, then as above). The pair of a size is captured on demand: the first
@@ -113,7 +113,7 @@ class FusedDecode:
             k: tuple(Replayable(fn) for fn in self._constrained_step(k)) for k in self.keys
             if worker.wcfg.structured_outputs and self.method is None and worker.model.tp is None}
         """Structured outputs without a drafter: a step that a grammar constrains as two graphs, the forward to the
-        logits, then (once the engine's bitmask is in ``bitmask``) the masked sampling and the rest. Not with tensor
+        logits, then (once the worker's bitmask is in ``bitmask``) the masked sampling and the rest. Not with tensor
         parallelism: they are captured between steps on demand, and ranks capture only in step."""
         vocab = worker.model.cfg.vocab_size
         words = bitmask_words(vocab) if self.constrained else 0
@@ -121,6 +121,8 @@ class FusedDecode:
         """Per request: the grammar's packed bitmask of the step running (every bit set: unconstrained)."""
         self._host_bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
+        self._bitmask_copied = torch.cuda.Event() if self.device.type == "cuda" and words else None
+        """After the last copy of ``_host_bitmask`` to the device (the next fill waits for it)."""
         self._vocab_word = torch.arange(vocab if words else 0, device=self.device) // 32
         self._vocab_bit = (torch.arange(vocab if words else 0, device=self.device) % 32).to(torch.int32)
         self._logits = self._logits_buffer(max(cap, 1) * self.width) if self.constrained else None
@@ -188,9 +190,9 @@ class FusedDecode:
         ``host_slots`` the step's own, on the host), then the n-gram lookup's for the step's longest sequence.
         Without Triton the closure runs eagerly and skips work by what the host knows of the requests
         (``greedy_only``, ``penalized``); with it a graph samples and counts every row as the request state says.
-        ``grammar``: a constrained step's function that returns its (rows, packed bitmask (rows, words) int32) on
-        the host, waiting for them if need be (the engine fills them once the step before is done): the forward's
-        graph runs first, the sampling's once they are in."""
+        ``grammar``: a constrained step's function that fills its packed bitmask, int32 (n', words) on the host
+        (``WorkerGrammars.fill``, once the step before has sampled): the forward's graph is queued first, the
+        sampling's once the bitmask is uploaded."""
         n = key.target.size
         self.slots[:n].copy_(slots)
         if not use_triton(self.slots):
@@ -199,11 +201,13 @@ class FusedDecode:
         if grammar is not None:
             forward, sample = self.constrained[key]
             forward.replay()
-            rows, bits = grammar()
+            if self._bitmask_copied is not None:
+                self._bitmask_copied.synchronize()  # (the last constrained step's copy from the host buffer)
             host = self._host_bitmask[:n]
-            host.numpy().fill(-1)  # (the step before is done, its copy from here too: constrained steps wait for it)
-            host.numpy()[rows] = bits
+            grammar(host)
             self.bitmask[:n].copy_(host, non_blocking=True)
+            if self._bitmask_copied is not None:
+                self._bitmask_copied.record()
             sample.replay()
             return
         self.graphs[key].replay()

@@ -29,7 +29,7 @@ import zmq
 
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled, seconds_since_start
 from dispatcher.configure import tensor_parallel_capture_conflict
-from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, GrammarBitmask, Shutdown, WorkerError,
+from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, Shutdown, WorkerError,
                                  WorkerInit, WorkerReady, decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
                                           build_plan)
@@ -379,7 +379,6 @@ def serve(ipc_dir: str) -> int:
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps, rank), daemon=True)
     sender.start()
     inbox = _Inbox(pull, ipc_dir, results, steps, lambda: _next_frame(worker, pull, push, ipc_dir, steps))
-    worker.receive_grammar = inbox.grammar
     while True:
         message = inbox.next()
         if message is None:
@@ -389,9 +388,6 @@ def serve(ipc_dir: str) -> int:
             sender.join(timeout=30)
             push.close(linger=1000)
             return 0
-        if isinstance(message, GrammarBitmask):  # (its step failed before it took it)
-            log.debug("dropped the grammar bitmask of step %d", message.step_id)
-            continue
         try:
             steps.put(results, worker.submit(message))
         except Exception as exc:
@@ -436,32 +432,16 @@ def _next_frame(worker: ModelWorker, pull: zmq.Socket, push: zmq.Socket, ipc_dir
 
 
 class _Inbox:
-    """The engine's messages in order, with room to put one back: a constrained step whose bitmask follows it
-    (``ModelWorker.receive_grammar``) takes the next message in the middle of its submit."""
+    """The engine's messages in order (a malformed frame refused with a WorkerError)."""
 
     def __init__(self, pull: zmq.Socket, ipc_dir: str, results: queue.Queue, steps: "_InFlight", next_frame):
         self.pull, self.ipc_dir, self.results, self.steps = pull, ipc_dir, results, steps
         self.next_frame = next_frame
         """The main loop's next frame (``_next_frame``: delayed capture takes the gap before it)."""
-        self._back = None
 
     def next(self):
         """The next message; None for a malformed frame (refused with a WorkerError)."""
-        if self._back is not None:
-            message, self._back = self._back, None
-            return message
         return self._decode(self.next_frame())
-
-    def grammar(self, step_id: int) -> GrammarBitmask:
-        """The bitmask of step ``step_id``, which the engine sends right after it (no capture in between: the step
-        waits for it); RuntimeError (the step fails) for anything else, which stays for the main loop."""
-        message = self._back if self._back is not None else self._decode(_receive(self.pull, self.ipc_dir))
-        self._back = None
-        if isinstance(message, GrammarBitmask):
-            return message
-        self._back = message
-        raise RuntimeError(f"step {step_id} waited for its grammar bitmask and got "
-                           f"{type(message).__name__ if message is not None else 'a malformed frame'}")
 
     def _decode(self, frame: bytes):
         try:

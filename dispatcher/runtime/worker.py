@@ -15,13 +15,12 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
 
-from dispatcher.messages import F32, CaptureProgress, GrammarBitmask, Step, StepResult, bitmask_words, pack, unpack
+from dispatcher.messages import F32, CaptureProgress, Step, StepResult, bitmask_words, pack, unpack
 from dispatcher.plan.autotier import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
@@ -30,6 +29,7 @@ from dispatcher.plan.dispatch import MODE_EAGER
 from dispatcher.runtime.capture import BackgroundCapture, capture_first_reason
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
+from dispatcher.runtime.grammar import WorkerGrammars
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.sampling_state import SamplingExtras
@@ -200,10 +200,10 @@ class ModelWorker:
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
         self.upload, self.download = Upload(self.device), Download(self.device)
         self.grammar_upload = Upload(self.device, capacity=1 << 12)
-        """The bitmask of a constrained step (structured outputs), uploaded apart: it may come after the step."""
-        self.receive_grammar: Callable[[int], GrammarBitmask] | None = None
-        """The worker process's way to wait for a step's bitmask sent after it (None in-process: the engine sends
-        every bitmask with its step)."""
+        """The bitmask of a constrained step run op by op (structured outputs), uploaded apart: it is filled once
+        the step's forward is queued."""
+        self.grammars = WorkerGrammars(self.model.cfg.vocab_size, self.device)
+        """Structured outputs' matchers (the engine's grammars): each constrained step's bitmask."""
         self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
         """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
         self.fixed_acceptance_on = False
@@ -437,6 +437,7 @@ class ModelWorker:
         """Queue a step on the device; nothing here waits for the device. A uniform decode that a fused graph holds
         runs as one replay (``_submit_fused``), any other step op by op."""
         not_captured = None
+        self.grammars.admit(step)
         if self.fused is not None:
             slots = unpack(step.slots)
             key = self.fused.key_for(step, slots)
@@ -465,6 +466,8 @@ class ModelWorker:
         hidden = self.runtime.execute(step.target, inputs)
         prompt_lp = self._prompt_logprobs(plan, dev, inputs, hidden) if len(plan.prompt_rows) else []
         tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
+        if step.constrained:
+            self.grammars.note_sampled(plan.host_sampling_slots, tokens[:, 0])
         self._advance(plan, dev, tokens, accepted, first_pos)
         drafts = bool(self.drafter is not None and step.num_new_drafts and plan.num_sampling)
         if drafts or step.draft is not None:  # (step 0 writes the drafter's KV every step: drafting.py)
@@ -507,36 +510,15 @@ class ModelWorker:
         self._release_and_map(step, freed, updates)
         if step.step_id in self.fail_steps:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
-        grammar = (lambda: self._grammar_rows(step, clock)) if step.constrained else None
+        grammar = (lambda host: clock.idle(lambda: self.grammars.fill(slots, host))) if step.constrained else None
         self.fused.run(key, dev_slots, step.max_seq_len, slots, grammar)
         rows = self.fused.out[: len(slots)]
+        if step.constrained:
+            self.grammars.note_sampled(slots, rows[:, 1])
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
                         fused=True)
-
-    def _grammar_rows(self, step: Step, clock: "_Clock") -> tuple[np.ndarray, np.ndarray]:
-        """A constrained fused step's (rows, bitmask (rows, words) int32) on the host."""
-        rows = unpack(step.grammar_rows)
-        return rows, self._grammar_bits(step.step_id, step.grammar, clock, len(rows))
-
-    def _grammar_bits(self, step_id: int, grammar: GrammarBitmask | None, clock: "_Clock",
-                      num_rows: int) -> np.ndarray:
-        """A constrained step's packed bitmask, (rows, ceil(vocab / 32)) int32: the one that came with the step, or
-        the next message (the engine fills it once the previous step's tokens are in, while this step's forward
-        runs; the wait is idle time, ``_Clock.idle``)."""
-        if grammar is None:
-            if self.receive_grammar is None:
-                raise RuntimeError(f"step {step_id} is constrained but came without its grammar bitmask")
-            grammar = clock.idle(lambda: self.receive_grammar(step_id))
-        if grammar.step_id != step_id:
-            raise RuntimeError(f"step {step_id} got the grammar bitmask of step {grammar.step_id}")
-        words = bitmask_words(self.model.cfg.vocab_size)
-        bits = np.frombuffer(grammar.bitmask, np.int32)
-        if bits.size != num_rows * words:
-            raise ValueError(f"step {step_id}: the grammar bitmask has {bits.size} words, not {num_rows} rows of "
-                             f"{words}")
-        return bits.reshape(num_rows, words)
 
     def _collect_fused(self, pending: "_Pending") -> StepResult:
         """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
@@ -753,14 +735,17 @@ class ModelWorker:
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, plan: "_StepPlan") -> None:
         """Structured outputs: in each constrained request's logit row, the tokens its grammar forbids get -inf
-        before sampling (and logprobs), by xgrammar's kernel on the device (``_grammar_bits``: the bitmask)."""
+        before sampling (and logprobs), by xgrammar's kernel on the device (the bitmask: ``WorkerGrammars.fill``,
+        while the step's forward runs)."""
         rows = plan.grammar_logit_rows
         if not len(rows):
             return
         import xgrammar
 
         words = bitmask_words(logits.shape[1])
-        bits = self._grammar_bits(plan.step_id, plan.grammar, plan.clock, len(rows)).reshape(-1)
+        host = torch.empty((len(rows), words), dtype=torch.int32)
+        plan.clock.idle(lambda: self.grammars.fill(plan.grammar_slots, host))
+        bits = host.numpy().reshape(-1)
         if bits.size % 2:  # (uploaded as int64 words: int32 pairs, in the step's one copy of the bitmask)
             bits = np.concatenate([bits, np.zeros(1, np.int32)])
         bits = bits.view(np.int64)
@@ -907,8 +892,8 @@ class _StepPlan:
     step_id: int = 0
     grammar_logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """The logit row of each constrained request (structured outputs), in the step's bitmask order."""
-    grammar: GrammarBitmask | None = None
-    """The step's bitmask, if it came with the step."""
+    grammar_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Their slots."""
     clock: "_Clock | None" = None
 
     @property
@@ -944,11 +929,13 @@ class _StepPlan:
             within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
             prompt_rows = np.repeat(starts, count) + within
         # a constrained request verifies no drafts: its one logit row is the first of its verify rows
-        grammar_rows = (np.cumsum(nver) - nver)[np.searchsorted(sampling, unpack(step.grammar_rows))]
+        constrained = unpack(step.grammar_rows)
+        grammar_rows = (np.cumsum(nver) - nver)[np.searchsorted(sampling, constrained)]
         return cls(slots, sched, drafts, slots[req], offset, offset - known[req],
                    np.concatenate([[0], np.cumsum(sched)]), sampling, np.nonzero(~samples)[0], logit_rows, cells,
                    grid, ends - 1, width, int(sched.max()) if n else 0, step.max_seq_len, -1, prompt_rows,
-                   step_id=step.step_id, grammar_logit_rows=grammar_rows.astype(np.int64), grammar=step.grammar)
+                   step_id=step.step_id, grammar_logit_rows=grammar_rows.astype(np.int64),
+                   grammar_slots=slots[constrained])
 
 
 @dataclass

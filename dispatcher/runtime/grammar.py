@@ -1,0 +1,179 @@
+"""Structured outputs on the worker: each constrained request's xgrammar matcher, advanced by the tokens this
+worker sampled, and each constrained step's token bitmask, filled while the step's forward runs on the device.
+
+The engine compiles grammars (off its step loop, ``dispatcher.engine.structured``) and sends each once
+(``Step.grammars``, xgrammar's serialized form); a request admitted with ``NewRequest.grammar_id`` gets a matcher
+here, which first accepts the request's output so far (a preempted request comes back with it). The worker knows
+a request's next token before the engine does, so nothing crosses a process boundary between a step's sampling and
+the next step's mask: a constrained step launches its forward, then reads the previous step's tokens (a small copy
+queued after that step's sampling, ``note_sampled``), advances the matchers, fills the mask (xgrammar's
+multi-threaded batch fill) and uploads it before the sampling. SGLang keeps its grammars beside the model runner
+the same way; vLLM's engine core fills the mask in the process that runs the model when it has one worker.
+
+A matcher belongs to a slot and a generation: a token sampled for a slot whose request left or was set up again
+(preempted, then admitted with its output so far) after the step that sampled it is never accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dispatcher.messages import GrammarDef, Step, bitmask_words, unpack
+from scheduler.structured import xgrammar_threads
+
+log = logging.getLogger("twogrid.worker")
+
+LOG_EVERY_STEPS = 2000
+"""Constrained steps between two log lines of the host's grammar time."""
+
+
+@dataclass
+class _Sampled:
+    """One step's sampled tokens on their way to the host: the slots, each slot's matcher generation then, the
+    tokens' host copy and the event after it (None on the CPU)."""
+
+    slots: list[int]
+    generations: list[int]
+    host: torch.Tensor
+    event: object
+
+
+class WorkerGrammars:
+    """The worker's matchers, by slot. ``vocab_size``: the model's (a bitmask row's width)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self.device = device
+        self.compiled: dict[int, object] = {}
+        """The engine's grammars by id (``GrammarDef``)."""
+        self.matchers: dict[int, tuple[object, int]] = {}
+        """slot -> (matcher, generation)."""
+        self._generation = 0
+        self._sampled: deque[_Sampled] = deque()
+        self._xgr = None
+        self._info = None
+        self._batch = None
+        self._timing = [0, 0.0, 0.0, 0]
+        """Since the last log line: constrained steps, seconds advancing, seconds filling, rows."""
+
+    # -- what a step changes ---------------------------------------------------------------------------------
+    def admit(self, step: Step) -> None:
+        """A step's changes before it runs: grammars defined and dropped, freed slots' matchers gone, each admitted
+        constrained request's matcher set up."""
+        for d in step.grammars:
+            self.define(d)
+        if step.dropped_grammars:
+            for gid in unpack(step.dropped_grammars).tolist():
+                self.compiled.pop(gid, None)
+        if self.matchers and step.freed_slots:
+            for slot in unpack(step.freed_slots).tolist():
+                self.matchers.pop(slot, None)
+        for r in step.new_requests:
+            self.matchers.pop(r.slot, None)
+            if r.grammar_id >= 0:
+                self.start(r.slot, r.grammar_id, unpack(r.token_ids)[r.num_prompt_tokens:].tolist())
+
+    def define(self, d: GrammarDef) -> None:
+        xgr = self._backend()
+        if d.tokenizer_info:
+            self._info = xgr.TokenizerInfo.deserialize_json(d.tokenizer_info)
+        if self._info is None:
+            raise RuntimeError(f"grammar {d.grammar_id} came before the tokenizer's information")
+        self.compiled[d.grammar_id] = xgr.CompiledGrammar.deserialize_json(d.compiled, self._info)
+
+    def start(self, slot: int, grammar_id: int, output_ids: list[int]) -> None:
+        """A matcher for the request at ``slot``, past its output so far."""
+        compiled = self.compiled.get(grammar_id)
+        if compiled is None:
+            raise RuntimeError(f"slot {slot}: grammar {grammar_id} was never defined (or was dropped)")
+        matcher = self._xgr.GrammarMatcher(compiled)
+        for t in output_ids:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
+        self._generation += 1
+        self.matchers[slot] = (matcher, self._generation)
+
+    # -- tokens and masks ------------------------------------------------------------------------------------
+    def note_sampled(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
+        """A step's sampled tokens (``tokens[i]`` for ``slots[i]``, on the device, queued already): copied to the
+        host behind the step, and accepted by their matchers when the next mask is filled."""
+        gens = [e[1] if (e := self.matchers.get(s)) is not None else -1 for s in slots.tolist()]
+        if not any(g >= 0 for g in gens):
+            return
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(len(gens), dtype=torch.int32, pin_memory=cuda)
+        host.copy_(tokens.to(torch.int32), non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._sampled.append(_Sampled(slots.tolist(), gens, host, event))
+
+    def _catch_up(self) -> None:
+        """Every noted step's tokens accepted, oldest first (each waits for its copy, long done by now)."""
+        while self._sampled:
+            s = self._sampled.popleft()
+            if s.event is not None:
+                s.event.synchronize()
+            taking, tokens = [], []
+            for slot, gen, t in zip(s.slots, s.generations, s.host.tolist()):
+                e = self.matchers.get(slot)
+                if e is not None and e[1] == gen and not e[0].is_terminated():
+                    taking.append(slot)
+                    tokens.append(t)
+            if not taking:
+                continue
+            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([self.matchers[s][0] for s in taking], tokens)
+            for slot, t, accepted in zip(taking, tokens, ok):
+                if not accepted:  # (the mask forbade it: a defect; the request goes on unconstrained)
+                    log.error("slot %d: token %d is outside its grammar; the request runs on unconstrained", slot, t)
+                    self.matchers.pop(slot)
+
+    def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
+        """``out`` (len(slots), words) int32 on the host: each slot's allowed next tokens (every bit set for a
+        slot without a live matcher), after the tokens sampled so far."""
+        t0 = time.perf_counter()
+        self._catch_up()
+        t1 = time.perf_counter()
+        out.fill_(-1)
+        rows, live = [], []
+        for i, slot in enumerate(slots.tolist()):
+            e = self.matchers.get(slot)
+            if e is not None and not e[0].is_terminated():
+                rows.append(i)
+                live.append(e[0])
+        if live:
+            self._batch.batch_fill_next_token_bitmask(live, out, rows)
+        self._note(len(slots), t1 - t0, time.perf_counter() - t1)
+
+    def _note(self, rows: int, advance_s: float, fill_s: float) -> None:
+        steps, advanced, filled, total = self._timing
+        self._timing = [steps + 1, advanced + advance_s, filled + fill_s, total + rows]
+        if steps + 1 >= LOG_EVERY_STEPS:
+            steps, advanced, filled, total = self._timing
+            log.info("structured outputs: %d constrained steps, %.0f rows a step, matchers advanced %.2f ms and "
+                     "bitmask filled %.2f ms a step (host time while the forward runs)", steps, total / steps,
+                     1e3 * advanced / steps, 1e3 * filled / steps)
+            self._timing = [0, 0.0, 0.0, 0]
+
+    def _backend(self):
+        if self._xgr is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(xgrammar_threads())
+            self._xgr = xgr
+        return self._xgr
+
+
+def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The allowed tokens of packed bitmask rows (int32 (rows, words)), as bool (rows, vocab_size) (tests, checks)."""
+    words = np.ascontiguousarray(bits, np.int32).reshape(len(bits), -1)
+    table = (words[:, :, None].view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    return table.reshape(len(words), -1)[:, :vocab_size].astype(bool)
