@@ -13,7 +13,6 @@ compile (the engine refuses it, naming the field) or take too long (refused afte
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 
@@ -112,12 +111,6 @@ class StructuredOutputsParams:
             if kind == "json" and not isinstance(doc, (dict, bool)):
                 raise StructuredOutputError(f"{field} must be a JSON schema (an object), got {type(doc).__name__}")
             check_schema(field, doc)
-
-
-def xgrammar_threads() -> int:
-    """Threads of one grammar compile (the engine) or one bitmask fill (the worker): half the cores, at most 8
-    (vLLM's choice)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _check_size(field: str, size: int, limit: int) -> None:

@@ -35,8 +35,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from dispatcher.messages import GrammarDef, pack
+from dispatcher.runtime.grammar import xgrammar_threads
 from scheduler.request import RequestError
-from scheduler.structured import StructuredOutputsParams, xgrammar_threads
+from scheduler.structured import StructuredOutputsParams
 
 log = logging.getLogger("twogrid.structured")
 

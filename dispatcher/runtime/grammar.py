@@ -17,6 +17,7 @@ A matcher belongs to a slot and a generation: a token sampled for a slot whose r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,12 +26,17 @@ import numpy as np
 import torch
 
 from dispatcher.messages import GrammarDef, Step, bitmask_words, unpack
-from scheduler.structured import xgrammar_threads
 
 log = logging.getLogger("twogrid.worker")
 
 LOG_EVERY_STEPS = 2000
 """Constrained steps between two log lines of the host's grammar time."""
+
+
+def xgrammar_threads() -> int:
+    """Threads of one grammar compile (the engine) or one bitmask fill (here): half the cores, at most 8 (vLLM's
+    choice)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 @dataclass
