@@ -148,7 +148,7 @@ class WorkerGrammars:
         t0 = time.perf_counter()
         self._catch_up()
         t1 = time.perf_counter()
-        out.fill_(-1)
+        out.numpy().fill(-1)  # (numpy's: torch's would wake its OpenMP threads, whose spinning slows xgrammar's)
         rows, live = [], []
         for i, slot in enumerate(slots.tolist()):
             e = self.matchers.get(slot)
