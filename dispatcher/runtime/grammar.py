@@ -68,6 +68,9 @@ class WorkerGrammars:
         self._batch = None
         self._timing = [0, 0.0, 0.0, 0]
         """Since the last log line: constrained steps, seconds advancing, seconds filling, rows."""
+        self.before_fill = None
+        """The worker process's wait for the results of the steps before to be sent (``_InFlight.wait_sent``):
+        the fill holds the GIL, which the result thread needs; None in-process."""
 
     # -- what a step changes ---------------------------------------------------------------------------------
     def admit(self, step: Step) -> None:
@@ -145,6 +148,8 @@ class WorkerGrammars:
     def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
         """``out`` (len(slots), words) int32 on the host: each slot's allowed next tokens (every bit set for a
         slot without a live matcher), after the tokens sampled so far."""
+        if self.before_fill is not None:
+            self.before_fill()
         t0 = time.perf_counter()
         self._catch_up()
         t1 = time.perf_counter()

@@ -51,6 +51,8 @@ FAIL_STEPS_ENV = "TWOGRID_FAIL_STEPS"
 CAPTURE_DELAY_ENV = "TWOGRID_CAPTURE_DELAY_S"
 """A test hook, off unless set: under delayed capture each unit's capture takes this many seconds more (a slow
 capture on the CPU, whose static backend captures nothing)."""
+RESULT_WAIT_S = 1.0
+"""The most a constrained step's bitmask fill waits for the results before it to be sent (``_InFlight.wait_sent``)."""
 IDLE_CHECK_S = 0.002
 """Delayed capture with a step in flight: after the gap's budget, how often the worker checks whether it has gone
 idle (every step done and none waiting), when it captures without a budget."""
@@ -379,6 +381,7 @@ def serve(ipc_dir: str) -> int:
     sender = threading.Thread(target=_send_results, args=(worker, results, ctx, ipc_dir, steps, rank), daemon=True)
     sender.start()
     inbox = _Inbox(pull, ipc_dir, results, steps, lambda: _next_frame(worker, pull, push, ipc_dir, steps))
+    worker.grammars.before_fill = steps.wait_sent
     while True:
         message = inbox.next()
         if message is None:
@@ -403,6 +406,19 @@ class _InFlight:
 
     def __init__(self):
         self.queued = self.sent = 0
+        self._sent = threading.Condition()
+
+    def mark_sent(self) -> None:
+        with self._sent:
+            self.sent += 1
+            self._sent.notify_all()
+
+    def wait_sent(self) -> None:
+        """Until every item handed over so far is sent (at most RESULT_WAIT_S). A constrained step's bitmask fill
+        waits for this first: xgrammar holds the GIL for milliseconds, and the result thread needs it to send the
+        previous step's result, which the engine's next step waits for."""
+        with self._sent:
+            self._sent.wait_for(lambda: self.sent >= self.queued, RESULT_WAIT_S)
 
     def put(self, results: queue.Queue, item) -> None:
         self.queued += 1
@@ -497,7 +513,7 @@ def _send_results(worker: ModelWorker, results: queue.Queue, ctx: zmq.Context, i
                 if rank:
                     _rank_failed(rank, ipc_dir)
                 push.send(encode(WorkerError(item.step.step_id, f"{type(exc).__name__}: {exc}")))
-        steps.sent += 1
+        steps.mark_sent()
 
 
 if __name__ == "__main__":
