@@ -391,9 +391,11 @@ class Successor:
     wrong token."""
 
     class TokenizerInfo:
-        @staticmethod
-        def deserialize_json(text):
-            return text
+        stop_token_ids = ()
+
+        @classmethod
+        def deserialize_json(cls, text):
+            return cls()
 
     class CompiledGrammar:
         @staticmethod

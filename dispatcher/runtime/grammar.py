@@ -59,8 +59,11 @@ class WorkerGrammars:
         self.device = device
         self.compiled: dict[int, object] = {}
         """The engine's grammars by id (``GrammarDef``)."""
-        self.matchers: dict[int, tuple[object, int]] = {}
-        """slot -> (matcher, generation)."""
+        self.matchers: dict[int, list] = {}
+        """slot -> [matcher, generation, terminated]: terminated once it took a stop token (kept here: asking
+        xgrammar costs a call a request a step)."""
+        self._stops: frozenset[int] = frozenset()
+        """The tokenizer's stop tokens (a matcher terminates by taking one)."""
         self._generation = 0
         self._sampled: deque[_Sampled] = deque()
         self._xgr = None
@@ -93,6 +96,7 @@ class WorkerGrammars:
         xgr = self._backend()
         if d.tokenizer_info:
             self._info = xgr.TokenizerInfo.deserialize_json(d.tokenizer_info)
+            self._stops = frozenset(self._info.stop_token_ids)
         if self._info is None:
             raise RuntimeError(f"grammar {d.grammar_id} came before the tokenizer's information")
         self.compiled[d.grammar_id] = xgr.CompiledGrammar.deserialize_json(d.compiled, self._info)
@@ -107,7 +111,7 @@ class WorkerGrammars:
             if matcher.is_terminated() or not matcher.accept_token(t):
                 break
         self._generation += 1
-        self.matchers[slot] = (matcher, self._generation)
+        self.matchers[slot] = [matcher, self._generation, matcher.is_terminated()]
 
     # -- tokens and masks ------------------------------------------------------------------------------------
     def note_sampled(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
@@ -134,16 +138,19 @@ class WorkerGrammars:
             taking, tokens = [], []
             for slot, gen, t in zip(s.slots, s.generations, s.host.tolist()):
                 e = self.matchers.get(slot)
-                if e is not None and e[1] == gen and not e[0].is_terminated():
-                    taking.append(slot)
+                if e is not None and e[1] == gen and not e[2]:
+                    taking.append(e)
                     tokens.append(t)
             if not taking:
                 continue
-            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([self.matchers[s][0] for s in taking], tokens)
-            for slot, t, accepted in zip(taking, tokens, ok):
+            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([e[0] for e in taking], tokens)
+            for e, t, accepted in zip(taking, tokens, ok):
                 if not accepted:  # (the mask forbade it: a defect; the request goes on unconstrained)
+                    slot = next(slot for slot, held in self.matchers.items() if held is e)
                     log.error("slot %d: token %d is outside its grammar; the request runs on unconstrained", slot, t)
-                    self.matchers.pop(slot)
+                    del self.matchers[slot]
+                elif t in self._stops:
+                    e[2] = True
 
     def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
         """``out`` (len(slots), words) int32 on the host: each slot's allowed next tokens (every bit set for a
@@ -157,7 +164,7 @@ class WorkerGrammars:
         rows, live = [], []
         for i, slot in enumerate(slots.tolist()):
             e = self.matchers.get(slot)
-            if e is not None and not e[0].is_terminated():
+            if e is not None and not e[2]:
                 rows.append(i)
                 live.append(e[0])
         if live:

@@ -815,7 +815,8 @@ def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
 
 class _Clock:
     """A step's device time: CUDA events around its work (read once the step is done), or wall time on the CPU;
-    less a wait for the host inside the step (a constrained step's bitmask filled after its forward), which is idle time."""
+    less a wait for the host inside the step (a constrained step's bitmask, filled after its forward), which is
+    idle time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
