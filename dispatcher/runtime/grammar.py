@@ -33,10 +33,23 @@ LOG_EVERY_STEPS = 2000
 """Constrained steps between two log lines of the host's grammar time."""
 
 
+FILL_THREADS_ENV = "TWOGRID_GRAMMAR_FILL_THREADS"
+"""Threads of one bitmask fill, when set (default ``xgrammar_threads()``)."""
+
+
 def xgrammar_threads() -> int:
     """Threads of one grammar compile (the engine) or one bitmask fill (here): half the cores, at most 8 (vLLM's
     choice)."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def fill_threads() -> int:
+    value = os.environ.get(FILL_THREADS_ENV, "")
+    if not value:
+        return xgrammar_threads()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"${FILL_THREADS_ENV}: {value!r} is not a thread count (an integer >= 1)")
+    return int(value)
 
 
 @dataclass
@@ -185,7 +198,7 @@ class WorkerGrammars:
         if self._xgr is None:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher(xgrammar_threads())
+            self._batch = xgr.BatchGrammarMatcher(fill_threads())
             self._xgr = xgr
         return self._xgr
 
