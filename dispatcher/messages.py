@@ -10,6 +10,8 @@ messages are msgspec Structs encoded as msgpack arrays (no field names on the wi
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import numpy as np
 
@@ -94,6 +96,12 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
 def bitmask_words(vocab_size: int) -> int:
     """int32 words a grammar bitmask row takes: one bit a token, ceil(vocab_size / 32)."""
     return -(-vocab_size // 32)
+
+
+def xgrammar_threads() -> int:
+    """Threads of one grammar compile (the engine) or one bitmask fill (the worker): half the cores, at most 8
+    (vLLM's choice)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarDef(msgspec.Struct, array_like=True, frozen=True):

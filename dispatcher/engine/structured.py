@@ -34,8 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from dispatcher.messages import GrammarDef, pack
-from dispatcher.runtime.grammar import xgrammar_threads
+from dispatcher.messages import GrammarDef, pack, xgrammar_threads
 from scheduler.request import RequestError
 from scheduler.structured import StructuredOutputsParams
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dispatcher.messages import GrammarDef, Step, bitmask_words, unpack
+from dispatcher.messages import GrammarDef, Step, bitmask_words, unpack, xgrammar_threads
 
 log = logging.getLogger("twogrid.worker")
 
@@ -35,12 +35,6 @@ LOG_EVERY_STEPS = 2000
 
 FILL_THREADS_ENV = "TWOGRID_GRAMMAR_FILL_THREADS"
 """Threads of one bitmask fill, when set (default ``xgrammar_threads()``)."""
-
-
-def xgrammar_threads() -> int:
-    """Threads of one grammar compile (the engine) or one bitmask fill (here): half the cores, at most 8 (vLLM's
-    choice)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def fill_threads() -> int:
