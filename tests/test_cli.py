@@ -160,12 +160,29 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--step-trace", "/no/such/dir/t.jsonl"], "--step-trace: the directory '/no/such/dir' does not exist"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list of strings"),
     (["--allowed-headers", '["x", 1]'], "--allowed-headers must be a JSON list of strings"),
+    (["--host", "203.0.113.7"], "--host: cannot listen on '203.0.113.7': cannot assign requested address"),
+    (["--host", "no-such-host.invalid"], "--host: cannot listen on 'no-such-host.invalid': "),
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     """One line naming the flag, exit code 2, before any model is read (a preset here: nothing would be slow)."""
     rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.strip().startswith(f"twogrid serve: error: {line}"), err
+
+
+def test_serve_refuses_a_port_in_use_before_anything_starts():
+    """Another server on the port: one line naming --host/--port, exit code 2, from the first checks (no engine
+    process is started for nothing)."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", "--port", str(port))
+    assert rc == 2 and out == "" and err.strip() == (
+        f"twogrid serve: error: --host/--port: cannot listen on 127.0.0.1:{port}: address already in use (another "
+        f"server there? give another --port)")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")

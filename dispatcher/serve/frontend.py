@@ -99,6 +99,14 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def probe_listen(host: str, port: int) -> None:
+    """Bind ``host``:``port`` on every address it resolves to, and let go (OSError when another server listens
+    there): ``serve`` asks before it starts its engine, so a port in use costs no engine start."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        _bound(family, kind, proto, address, reuse_port=False).close()
+
+
 def own_socket(inherited: socket.socket) -> socket.socket:
     """Front end 1..N-1's listening socket: its own, on ``inherited``'s address, in its SO_REUSEPORT group (the
     inherited one closed here, front end 0 keeps it); ``inherited`` itself where there is no such balancing."""

@@ -191,6 +191,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     did when every check came first). ConfigError names the flag."""
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    from dispatcher.serve.frontend import probe_listen
+
+    try:  # (a port in use fails here, before the engine starts; _listen still handles one taken since)
+        probe_listen(args.host, args.port)
+    except OSError as exc:
+        raise _cannot_listen(exc, args) from None
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -483,13 +489,19 @@ async def _listen(app, args):
         socks = listening_sockets(args.host, args.port) if args.api_server_count > 1 else None
         return await start_http(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                                 socks=socks), socks
-    except OSError as exc:  # (the port taken, the host unknown or not this machine's)
-        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"--host: cannot listen on {args.host!r}: {(exc.strerror or str(exc)).lower()} (give "
-                              f"an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)") from None
-        reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
-        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another "
-                          f"server there? give another --port)") from None
+    except OSError as exc:
+        raise _cannot_listen(exc, args) from None
+
+
+def _cannot_listen(exc: OSError, args) -> ConfigError:
+    """The ConfigError for an OSError from listening on --host / --port (the port taken, the host unknown or not
+    this machine's)."""
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"--host: cannot listen on {args.host!r}: {(exc.strerror or str(exc)).lower()} (give an "
+                           f"address of this machine, e.g. 0.0.0.0 or 127.0.0.1)")
+    reason = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
+    return ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port}: {reason} (another server there? "
+                       f"give another --port)")
 
 
 def _force_exit(engine, front_ends) -> None:
