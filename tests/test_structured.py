@@ -256,6 +256,47 @@ def test_the_engine_sends_each_grammar_once_and_drops_idle_ones(grammars, monkey
         grammars.remove(rid)
 
 
+def test_the_bitmask_fill_keeps_the_faster_thread_count(monkeypatch):
+    """Until a thread count is chosen, fills of 32 live rows or more take turns between one thread and xgrammar's
+    pool and are timed; after 32 of each the faster a row is kept (one thread here: the stand-in's pool is slow),
+    and every mask is the same whichever filled it. ``$TWOGRID_GRAMMAR_FILL_THREADS`` fixes the count, and a bad
+    value is refused naming it."""
+    import torch
+
+    from dispatcher.messages import GrammarDef
+    from dispatcher.runtime import grammar as G
+
+    class SlowPool(Successor):
+        class BatchGrammarMatcher(Successor.BatchGrammarMatcher):
+            def __init__(self, threads):
+                self.threads = threads
+
+            def batch_fill_next_token_bitmask(self, matchers, out, rows):
+                if self.threads > 1:
+                    time.sleep(0.002)
+                super().batch_fill_next_token_bitmask(matchers, out, rows)
+
+    monkeypatch.setattr(G, "xgrammar_threads", lambda: 4)
+    monkeypatch.delenv(G.FILL_THREADS_ENV, raising=False)
+    worker = G.WorkerGrammars(512, torch.device("cpu"))
+    worker.backend(SlowPool)
+    worker.define(GrammarDef(0, "", "stand-in"))
+    for slot in range(40):
+        worker.start(slot, 0, [])
+    out = torch.empty((40, worker.words), dtype=torch.int32)
+    masks = []
+    for _ in range(2 * G.TRIAL_FILLS):
+        assert worker.fill_threads is None
+        worker.fill(np.arange(40), out)
+        masks.append(out.clone())
+    assert worker.fill_threads == 1 and all(torch.equal(m, masks[0]) for m in masks)
+    monkeypatch.setenv(G.FILL_THREADS_ENV, "3")
+    assert G.fill_thread_counts() == (3,)
+    monkeypatch.setenv(G.FILL_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match="TWOGRID_GRAMMAR_FILL_THREADS: 'many'"):
+        G.fill_thread_counts()
+
+
 def test_a_grammar_compiles_once_and_errors_name_the_field(grammars):
     so = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"k": {"enum": list(range(900))}}}))
     first = grammars.compile_future(so)
@@ -447,7 +488,7 @@ def use_stand_in(core) -> None:
     core.structured = StandInGrammars(core.model_config.vocab_size)
     worker = core.worker
     worker.grammars = WorkerGrammars(core.model_config.vocab_size, worker.device)
-    worker.grammars._xgr, worker.grammars._batch = Successor, Successor.BatchGrammarMatcher(1)
+    worker.grammars.backend(Successor)
 
 
 def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=True):

@@ -34,16 +34,24 @@ LOG_EVERY_STEPS = 2000
 
 
 FILL_THREADS_ENV = "TWOGRID_GRAMMAR_FILL_THREADS"
-"""Threads of one bitmask fill, when set (default ``xgrammar_threads()``)."""
+"""Threads of one bitmask fill, when set (by default measured: ``WorkerGrammars.fill``)."""
+TRIAL_FILLS = 32
+"""Fills timed with each thread count before the faster one is kept."""
+TRIAL_MIN_ROWS = 32
+"""Fills of fewer live rows are not timed (nor are they where the choice matters)."""
 
 
-def fill_threads() -> int:
+def fill_thread_counts() -> tuple[int, ...]:
+    """The thread counts a bitmask fill may use: ``$TWOGRID_GRAMMAR_FILL_THREADS``'s, else one thread and
+    xgrammar's pool (``xgrammar_threads``), between which the worker measures (on a busy host the pool can be the
+    slower: 1.83 ms for 248 rows on the H200's serving host, where one thread filled 256 in 0.5-0.7 ms on an idle
+    2-core machine)."""
     value = os.environ.get(FILL_THREADS_ENV, "")
     if not value:
-        return xgrammar_threads()
+        return tuple(sorted({1, xgrammar_threads()}))
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"${FILL_THREADS_ENV}: {value!r} is not a thread count (an integer >= 1)")
-    return int(value)
+    return (int(value),)
 
 
 @dataclass
@@ -75,7 +83,12 @@ class WorkerGrammars:
         self._sampled: deque[_Sampled] = deque()
         self._xgr = None
         self._info = None
-        self._batch = None
+        self._batches: dict[int, object] = {}
+        """xgrammar's batch matcher by thread count (``fill_thread_counts``)."""
+        self._fill_s: dict[int, list[float]] = {}
+        """While no count is chosen: each timed fill's seconds a row, by thread count."""
+        self.fill_threads: int | None = None
+        """The thread count chosen (None while the counts are timed)."""
         self._timing = [0, 0.0, 0.0, 0]
         """Since the last log line: constrained steps, seconds advancing, seconds filling, rows."""
         self.before_fill = None
@@ -100,7 +113,7 @@ class WorkerGrammars:
                 self.start(r.slot, r.grammar_id, unpack(r.token_ids)[r.num_prompt_tokens:].tolist())
 
     def define(self, d: GrammarDef) -> None:
-        xgr = self._backend()
+        xgr = self.backend()
         if d.tokenizer_info:
             self._info = xgr.TokenizerInfo.deserialize_json(d.tokenizer_info)
             self._stops = frozenset(self._info.stop_token_ids)
@@ -175,8 +188,31 @@ class WorkerGrammars:
                 rows.append(i)
                 live.append(e[0])
         if live:
-            self._batch.batch_fill_next_token_bitmask(live, out, rows)
+            self._fill(live, out, rows)
         self._note(len(slots), t1 - t0, time.perf_counter() - t1)
+
+    def _fill(self, live: list, out: torch.Tensor, rows: list[int]) -> None:
+        """xgrammar's batch fill with the chosen thread count; until one is chosen, fills of TRIAL_MIN_ROWS rows or
+        more take turns between the counts and are timed (the mask is the same whichever fills it), and after
+        TRIAL_FILLS of each the faster a row is kept."""
+        timed = self.fill_threads is None and len(live) >= TRIAL_MIN_ROWS
+        if not timed:
+            threads = self.fill_threads or max(self._batches)
+        else:
+            threads = min(self._fill_s, key=lambda c: len(self._fill_s[c]))
+        t0 = time.perf_counter()
+        self._batches[threads].batch_fill_next_token_bitmask(live, out, rows)
+        if timed:
+            self._fill_s[threads].append((time.perf_counter() - t0) / len(live))
+            if all(len(v) >= TRIAL_FILLS for v in self._fill_s.values()):
+                self._choose()
+
+    def _choose(self) -> None:
+        per_row = {c: float(np.median(v)) for c, v in self._fill_s.items()}
+        self.fill_threads = min(per_row, key=per_row.get)
+        self._batches = {self.fill_threads: self._batches[self.fill_threads]}
+        log.info("structured outputs: the bitmask fills with %d thread(s) (measured, microseconds a row: %s)",
+                 self.fill_threads, ", ".join(f"{c} thread(s) {1e6 * t:.2f}" for c, t in sorted(per_row.items())))
 
     def _note(self, rows: int, advance_s: float, fill_s: float) -> None:
         steps, advanced, filled, total = self._timing
@@ -188,11 +224,15 @@ class WorkerGrammars:
                      1e3 * advanced / steps, 1e3 * filled / steps)
             self._timing = [0, 0.0, 0.0, 0]
 
-    def _backend(self):
+    def backend(self, xgr=None):
+        """xgrammar, imported at the first grammar (``xgr``: a stand-in with its API, for tests)."""
         if self._xgr is None:
-            import xgrammar as xgr
-
-            self._batch = xgr.BatchGrammarMatcher(fill_threads())
+            if xgr is None:
+                import xgrammar as xgr
+            counts = fill_thread_counts()
+            self._batches = {c: xgr.BatchGrammarMatcher(c) for c in counts}
+            self._fill_s = {c: [] for c in counts}
+            self.fill_threads = counts[0] if len(counts) == 1 else None
             self._xgr = xgr
         return self._xgr
 
