@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this (CPU) machine, the ignored folders that a GPU call carries (scripts/gpu_check.sh reads them):
 #   .whl/       wheels missing on the device machine (Python 3.12, x86-64), installed there by scripts/gpu_env.sh:
-#               the versions installed here of msgspec, pyzmq, gguf, aiohttp-cors, xgrammar, openai, jsonschema
-#               and their needs
+#               the versions installed here of msgspec, pyzmq, gguf, aiohttp-cors, xgrammar, openai, jsonschema,
+#               py-spy and their needs
 #   .gpu_data/  sharegpt.json (the ShareGPT prompts) and smollm2-tokenizer/ (SmolLM2's tokenizer as a directory)
 #   .gpu_gguf/  the default model's GGUF (98 MB) in pieces of PART_MIB MiB (default 27: p00-p03): a call carries at
 #               most 64 MiB with the tracked tree (~21 MiB), so the pieces travel over three calls made within the
@@ -14,7 +14,8 @@ set -euo pipefail
 part_mib=${1:-27}
 wheels=(msgspec pyzmq gguf aiohttp-cors xgrammar apache-tvm-ffi openai httpx2 httpcore2 truststore jiter pydantic
         pydantic-core annotated-types typing-inspection sniffio distro
-        jsonschema jsonschema-specifications referencing rpds-py)  # (jsonschema: the served structured-output test)
+        jsonschema jsonschema-specifications referencing rpds-py  # (jsonschema: the served structured-output test)
+        py-spy)  # (scripts/gpu_spy.sh's profiler; pip install py-spy here first)
 mkdir -p .whl .gpu_data .gpu_gguf
 for name in "${wheels[@]}"; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n "s/^Version: //p" || true)
