@@ -18,8 +18,9 @@ host's launches) and its operators launched outside graph replays, beside a deco
         --concurrency 16 --mixed-steps 8 --out $OUT/profile_mixed_step.json
 
 ``--compilation-config '{"cudagraph_mode": "FULL"}'`` runs the same on FULL graphs over the token grid, where a
-mixed step's attention is inside the graph (what a FULL graph for small mixed steps would save; on the CPU's static
-backend a mixed step then launches 186 operators outside graphs, against 570 op by op around PIECEWISE graphs).
+mixed step's attention is inside the graph (what a FULL graph for small mixed steps would save; the GPU tells: on
+the CPU's static backend a mixed step launches 186 operators outside graphs then, and 570 with PIECEWISE, whose
+pieces run there as plain code).
 
 ``--model DEFAULT`` is the default model (its GGUF installed or cached); a preset name or a JSON ModelConfig works
 too (``--fixed-acceptance`` then sets the acceptance, as random heads accept nothing).
