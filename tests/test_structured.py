@@ -157,7 +157,7 @@ def on_worker(grammars, so, slot: int = 0):
     from dispatcher.runtime.grammar import WorkerGrammars
 
     compiled = grammars.compile(so)
-    worker = WorkerGrammars(grammars.vocab_size, torch.device("cpu"))
+    worker = WorkerGrammars(grammars.vocab_size, torch.device("cpu"), 8)
     worker.define(GrammarDef(compiled.grammar_id, compiled.serialized, grammars.tokenizer_info_json))
     worker.start(slot, compiled.grammar_id, [])
     return worker
@@ -278,7 +278,7 @@ def test_the_bitmask_fill_keeps_the_faster_thread_count(monkeypatch):
 
     monkeypatch.setattr(G, "xgrammar_threads", lambda: 4)
     monkeypatch.delenv(G.FILL_THREADS_ENV, raising=False)
-    worker = G.WorkerGrammars(512, torch.device("cpu"))
+    worker = G.WorkerGrammars(512, torch.device("cpu"), 40)
     worker.backend(SlowPool)
     worker.define(GrammarDef(0, "", "stand-in"))
     for slot in range(40):
@@ -487,7 +487,7 @@ def use_stand_in(core) -> None:
 
     core.structured = StandInGrammars(core.model_config.vocab_size)
     worker = core.worker
-    worker.grammars = WorkerGrammars(core.model_config.vocab_size, worker.device)
+    worker.grammars = WorkerGrammars(core.model_config.vocab_size, worker.device, worker.wcfg.max_num_seqs + 1)
     worker.grammars.backend(Successor)
 
 

@@ -59,24 +59,27 @@ class _Sampled:
     """One step's sampled tokens on their way to the host: the slots, each slot's matcher generation then, the
     tokens' host copy and the event after it (None on the CPU)."""
 
-    slots: list[int]
-    generations: list[int]
+    slots: np.ndarray
+    generations: np.ndarray
     host: torch.Tensor
     event: object
 
 
 class WorkerGrammars:
-    """The worker's matchers, by slot. ``vocab_size``: the model's (a bitmask row's width)."""
+    """The worker's matchers, by slot (``num_slots`` of them). ``vocab_size``: the model's (a bitmask row's width)."""
 
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, num_slots: int):
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self.device = device
         self.compiled: dict[int, object] = {}
         """The engine's grammars by id (``GrammarDef``)."""
-        self.matchers: dict[int, list] = {}
-        """slot -> [matcher, generation, terminated]: terminated once it took a stop token (kept here: asking
-        xgrammar costs a call a request a step)."""
+        self.matchers: list = [None] * num_slots
+        """Each slot's matcher (None: unconstrained)."""
+        self.generation = np.full(num_slots, -1, np.int64)
+        """Each slot's matcher's generation (-1: none): a token noted under another generation is not its."""
+        self.terminated = np.zeros(num_slots, bool)
+        """Each slot's matcher took a stop token (kept here: asking xgrammar costs a call a request a step)."""
         self._stops: frozenset[int] = frozenset()
         """The tokenizer's stop tokens (a matcher terminates by taking one)."""
         self._generation = 0
@@ -104,11 +107,11 @@ class WorkerGrammars:
         if step.dropped_grammars:
             for gid in unpack(step.dropped_grammars).tolist():
                 self.compiled.pop(gid, None)
-        if self.matchers and step.freed_slots:
+        if step.freed_slots:
             for slot in unpack(step.freed_slots).tolist():
-                self.matchers.pop(slot, None)
+                self.forget(slot)
         for r in step.new_requests:
-            self.matchers.pop(r.slot, None)
+            self.forget(r.slot)
             if r.grammar_id >= 0:
                 self.start(r.slot, r.grammar_id, unpack(r.token_ids)[r.num_prompt_tokens:].tolist())
 
@@ -131,14 +134,20 @@ class WorkerGrammars:
             if matcher.is_terminated() or not matcher.accept_token(t):
                 break
         self._generation += 1
-        self.matchers[slot] = [matcher, self._generation, matcher.is_terminated()]
+        self.matchers[slot] = matcher
+        self.generation[slot] = self._generation
+        self.terminated[slot] = matcher.is_terminated()
+
+    def forget(self, slot: int) -> None:
+        self.matchers[slot] = None
+        self.generation[slot] = -1
 
     # -- tokens and masks ------------------------------------------------------------------------------------
     def note_sampled(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
         """A step's sampled tokens (``tokens[i]`` for ``slots[i]``, on the device, queued already): copied to the
         host behind the step, and accepted by their matchers when the next mask is filled."""
-        gens = [e[1] if (e := self.matchers.get(s)) is not None else -1 for s in slots.tolist()]
-        if not any(g >= 0 for g in gens):
+        gens = self.generation[slots]
+        if not (gens >= 0).any():
             return
         cuda = tokens.device.type == "cuda"
         host = torch.empty(len(gens), dtype=torch.int32, pin_memory=cuda)
@@ -147,7 +156,7 @@ class WorkerGrammars:
         if cuda:
             event = torch.cuda.Event()
             event.record()
-        self._sampled.append(_Sampled(slots.tolist(), gens, host, event))
+        self._sampled.append(_Sampled(np.asarray(slots, np.int64), gens, host, event))
 
     def _catch_up(self) -> None:
         """Every noted step's tokens accepted, oldest first (each waits for its copy, long done by now)."""
@@ -155,22 +164,18 @@ class WorkerGrammars:
             s = self._sampled.popleft()
             if s.event is not None:
                 s.event.synchronize()
-            taking, tokens = [], []
-            for slot, gen, t in zip(s.slots, s.generations, s.host.tolist()):
-                e = self.matchers.get(slot)
-                if e is not None and e[1] == gen and not e[2]:
-                    taking.append(e)
-                    tokens.append(t)
-            if not taking:
+            taking = np.nonzero((s.generations >= 0) & (self.generation[s.slots] == s.generations)
+                                & ~self.terminated[s.slots])[0]
+            if not len(taking):
                 continue
-            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([e[0] for e in taking], tokens)
-            for e, t, accepted in zip(taking, tokens, ok):
+            slots, tokens = s.slots[taking].tolist(), s.host.numpy()[taking].tolist()
+            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([self.matchers[i] for i in slots], tokens)
+            for slot, t, accepted in zip(slots, tokens, ok):
                 if not accepted:  # (the mask forbade it: a defect; the request goes on unconstrained)
-                    slot = next(slot for slot, held in self.matchers.items() if held is e)
                     log.error("slot %d: token %d is outside its grammar; the request runs on unconstrained", slot, t)
-                    del self.matchers[slot]
+                    self.forget(slot)
                 elif t in self._stops:
-                    e[2] = True
+                    self.terminated[slot] = True
 
     def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
         """``out`` (len(slots), words) int32 on the host: each slot's allowed next tokens (every bit set for a
@@ -181,14 +186,9 @@ class WorkerGrammars:
         self._catch_up()
         t1 = time.perf_counter()
         out.numpy().fill(-1)  # (numpy's: torch's would wake its OpenMP threads, whose spinning slows xgrammar's)
-        rows, live = [], []
-        for i, slot in enumerate(slots.tolist()):
-            e = self.matchers.get(slot)
-            if e is not None and not e[2]:
-                rows.append(i)
-                live.append(e[0])
-        if live:
-            self._fill(live, out, rows)
+        rows = np.nonzero((self.generation[slots] >= 0) & ~self.terminated[slots])[0]
+        if len(rows):
+            self._fill([self.matchers[i] for i in slots[rows].tolist()], out, rows.tolist())
         self._note(len(slots), t1 - t0, time.perf_counter() - t1)
 
     def _fill(self, live: list, out: torch.Tensor, rows: list[int]) -> None:

@@ -202,7 +202,7 @@ class ModelWorker:
         self.grammar_upload = Upload(self.device, capacity=1 << 12)
         """The bitmask of a constrained step run op by op (structured outputs), uploaded apart: it is filled once
         the step's forward is queued."""
-        self.grammars = WorkerGrammars(self.model.cfg.vocab_size, self.device)
+        self.grammars = WorkerGrammars(self.model.cfg.vocab_size, self.device, wcfg.max_num_seqs + 1)
         """Structured outputs' matchers (the engine's grammars): each constrained step's bitmask."""
         self.fixed_alpha = torch.zeros((), dtype=torch.float32, device=self.device)
         """Fixed acceptance's per-draft probability (a device scalar: fused graphs read it where it lies)."""
