@@ -178,8 +178,9 @@ class WorkerGrammars:
                     self.terminated[slot] = True
 
     def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
-        """``out`` (len(slots), words) int32 on the host: each slot's allowed next tokens (every bit set for a
-        slot without a live matcher), after the tokens sampled so far."""
+        """``out`` (at least len(slots) rows, words) int32 on the host: row i the allowed next tokens of
+        ``slots[i]``, after the tokens sampled so far; every bit set in the rows of slots without a live matcher
+        and in the rows past them (a fused step's padding)."""
         if self.before_fill is not None:
             self.before_fill()
         t0 = time.perf_counter()
