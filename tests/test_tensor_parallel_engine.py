@@ -60,3 +60,38 @@ def test_the_offline_api_splits_the_model_and_stops_its_ranks():
     assert not any(r.alive() for r in ranks) and not any(os.path.exists(r.dir) for r in ranks)
     with pytest.raises(ConfigError, match="tensor_parallel_size: tensor_parallel_size = 3 does not divide"):
         LLM("tiny-moe", device="cpu", max_model_len=256, tensor_parallel_size=3)
+
+
+def test_two_ranks_hold_the_grammars_and_give_one_workers_constrained_tokens(tmp_path):
+    """Structured outputs under tensor parallelism: every rank gets the engine's grammars and keeps its own
+    matchers (dispatcher/runtime/grammar.py), so both ranks mask alike and the constrained greedy tokens are one
+    worker's, each output whole and valid (real xgrammar matchers; tiny-dense given the default model's
+    vocabulary and tokenizer)."""
+    import dataclasses
+    import re
+
+    from models.config import preset
+    from models.default_model import default_model_path
+    from models.loader import save_checkpoint
+    from models.text import load_tokenizer
+    from models.transformer import build_model
+    from scheduler.structured import StructuredOutputsParams
+
+    tok = load_tokenizer(default_model_path())
+    model = str(tmp_path)  # (a checkpoint: each rank loads its shard)
+    save_checkpoint(build_model(dataclasses.replace(preset("tiny-dense"), vocab_size=49152), "cpu", torch.float32,
+                                seed=1), model, "llama")
+    email = r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=email))
+    prompts = [tok.encode(f"Write e-mail address number {i}.") for i in range(4)]
+    kw = dict(eos_token_ids=(tok.eos_token_id,), tokenizer=default_model_path())
+    one, _ = _engine(model, **kw)
+    want = one.generate(prompts, params)
+    two, worker = _engine(model, tp=2, **kw)
+    try:
+        got = two.generate(prompts, params)
+    finally:
+        worker.close()
+    assert got == want
+    for out in got:
+        assert out[-1] == tok.eos_token_id and re.fullmatch(email, tok.decode(out[:-1])), tok.decode(out)
