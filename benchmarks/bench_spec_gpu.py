@@ -58,7 +58,7 @@ import urllib.request
 # (importing _common puts the repository on sys.path)
 from _common import commit, join_runs, kv_blocks, markdown_grid, stop_server, write_json
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, launch, make_row, run_bench, serve_command, wait_healthy
-from dispatcher.plan.autotier import fixed_acceptance_rate
+from dispatcher.plan.acceptance import fixed_acceptance_rate
 from dispatcher.plan.config import SPEC_METHODS
 
 METHODS = "none,ngram:3,eagle3:1,eagle3:3,eagle3:5"

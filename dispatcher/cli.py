@@ -13,7 +13,7 @@ from dispatcher.configure import (add_prefix_caching_arg, compact_sizes, config_
                                   format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
-from dispatcher.plan.capture_plan import build_plan
+from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +142,8 @@ def auto_config(args: argparse.Namespace):
 def _plan_auto_tiers(args: argparse.Namespace) -> int:
     """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
     from dispatcher.engine.cost import load_step_costs
-    from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan, render_choice
+    from dispatcher.plan.acceptance import acceptance_profile
+    from dispatcher.plan.autotier import chooser_for_plan, render_choice
 
     cfg = auto_config(args)
     plan = build_plan(cfg)
@@ -182,6 +183,7 @@ def load_step_cost(path: str, model: str | None, flag: str):
 def _plan_autotune(args: argparse.Namespace) -> int:
     """``plan --autotune COST``: the grids the padding-cost rule fits to COST's step times, beside the defaults."""
     from dispatcher.plan import gridfit, grids
+    from dispatcher.plan.padding import expected_padding
 
     cost = load_step_cost(args.autotune, args.cost_model, "--autotune")
     default_cfg = config_from_args(args)
@@ -205,7 +207,7 @@ def _plan_autotune(args: argparse.Namespace) -> int:
 
         shapes = [record_shape(r) for r in read_traces(args.padding_trace, "--padding-trace")
                   if isinstance(r, dict) and "tokens" in r]
-        padding = {name: gridfit.expected_padding(shapes, plan, cost) for name, plan in plans.items()}
+        padding = {name: expected_padding(shapes, plan, cost) for name, plan in plans.items()}
     graphs = {name: plan.num_graphs for name, plan in plans.items()}
     if args.json:
         print(json.dumps({"source": cost.source, "eps": {"prefill": grids.PREFILL_EPS, "decode": grids.DECODE_EPS},
@@ -267,7 +269,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
     acceptance = None
     if args.acceptance is not None:
-        from dispatcher.plan.autotier import acceptance_profile
+        from dispatcher.plan.acceptance import acceptance_profile
 
         if not cfg.num_speculative_tokens:
             raise ConfigError("--acceptance needs a speculative method (--speculative-config)")
@@ -358,7 +360,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     choice = None
     if cfg.auto_tiers:
         from dispatcher.engine.simulate import auto_step_costs, draft_layers
-        from dispatcher.plan.autotier import acceptance_profile, chooser_for_plan
+        from dispatcher.plan.acceptance import acceptance_profile
+        from dispatcher.plan.autotier import chooser_for_plan
 
         acceptance = (cfg.acceptance_prior if args.acceptance is None
                       else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))

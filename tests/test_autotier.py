@@ -14,9 +14,9 @@ import pytest
 from dispatcher.cli import main
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
-from dispatcher.plan.autotier import (AutoTiers, StepCostTable, TierChooser, acceptance_profile, chooser_for_plan,
-                                      decode_step_costs, estimate_acceptance, expected_tokens, staircase,
-                                      trace_step_costs)
+from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
+from dispatcher.plan.autotier import (AutoTiers, StepCostTable, TierChooser, chooser_for_plan, decode_step_costs,
+                                      staircase, trace_step_costs)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams

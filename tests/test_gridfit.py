@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher.plan import gridfit, grids
+from dispatcher.plan.padding import expected_padding
 from dispatcher.plan.capture_plan import build_plan
 from dispatcher.plan.config import ConfigError, resolve
 
@@ -152,7 +153,7 @@ def test_expected_padding_prices_each_batch_on_its_graph():
     cost = gridfit.StepCost(((1, 1.0), (64, 1.0)), ((1, ((1, 1.0), (8, 8.0))),), "t")
     cfg = resolve({"decode_cudagraph_capture_request_sizes": [4, 8], "prefill_cudagraph_capture_token_sizes": [8]},
                   None, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    out = gridfit.expected_padding([(3, 3, 1, True), (40, 2, 39, False)], build_plan(cfg), cost)
+    out = expected_padding([(3, 3, 1, True), (40, 2, 39, False)], build_plan(cfg), cost)
     T = gridfit.step_time(((1, 1.0), (8, 8.0)))
     assert out["priced_steps"] == 1 and out["eager_steps"] == 1
     assert math.isclose(out["padding_ms"], round(T(4) - T(3), 3))

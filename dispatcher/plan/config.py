@@ -14,7 +14,9 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dispatcher.plan import grids
+from dispatcher.plan import gridfit, grids
+from dispatcher.plan.acceptance import DEFAULT_ACCEPTANCE_RATE, acceptance_profile
+from dispatcher.plan.errors import ConfigError
 
 MAX_SPECULATIVE_TOKENS = 63
 """Largest K accepted (q = 1 + K <= 64 tokens a request)."""
@@ -26,10 +28,6 @@ SM100_MAX_PREFILL_TOKENS = 8192
 """sm100 default PIECEWISE cap, before min(., max_num_batched_tokens)."""
 SM100_DECODE_TOKEN_BUDGET = 4096
 """sm100 default for max_decode_cudagraph_capture_tokens (an interim memory safeguard)."""
-
-
-class ConfigError(ValueError):
-    """A configuration the engine refuses; the message names the field, the value and the limit."""
 
 
 class CUDAGraphMode(str, enum.Enum):
@@ -442,12 +440,10 @@ def resolve(
     else:
         sizing = _resolve_new(cc, platform, max_num_seqs, max_num_batched_tokens, interactivity, warn)
         if fit and step_cost is not None:
-            from dispatcher.plan.gridfit import fit_decode
-
             sizing = _fitted(sizing, step_cost, 1 + k_max, interactivity)
             if len(step_cost.decode_points(1)) >= 2:  # (with every size of the target's decode grid: a step
                 # fuses where the drafter's one-token graphs have its size too, decode_step.FusedDecode._keys)
-                one_token = tuple(sorted(set(fit_decode(max_num_seqs, step_cost, 1))
+                one_token = tuple(sorted(set(gridfit.fit_decode(max_num_seqs, step_cost, 1))
                                          | set(sizing.decode.request_sizes or ())))
     dec = sizing.decode
     q_max = 1 + k_max
@@ -621,8 +617,6 @@ def _resolve_speculative(sc: SpeculativeConfig, max_num_seqs: int, warn: list[st
 
 def _resolve_auto(sc: SpeculativeConfig, k_max: int) -> dict[str, Any]:
     """The ``"auto"`` fields: the candidate K (0..K_max, K_max among them) and the prior acceptance."""
-    from dispatcher.plan.autotier import DEFAULT_ACCEPTANCE_RATE, acceptance_profile
-
     name = "auto_tier_candidates"
     candidates = tuple(range(k_max + 1))
     if sc.auto_tier_candidates is not UNSET:
@@ -728,8 +722,6 @@ def _fitted(sizing: "_Sizing", step_cost, query_len: int, interactivity: bool) -
     """``sizing`` with its prefill and decode grids fitted to ``step_cost`` (``dispatcher.plan.gridfit``) up to its
     caps; the decode grid at the largest q in use. A kind without a cap (off sm100, the legacy decode reach) or
     without a measured curve keeps its list."""
-    from dispatcher.plan import gridfit
-
     prefill = sizing.prefill_token_sizes
     if prefill and len(step_cost.prefill) >= 2:
         prefill = _with_interactivity(gridfit.fit_prefill(sizing.max_prefill_tokens, step_cost), interactivity)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dispatcher.messages import F32, CaptureProgress, Step, StepResult, bitmask_words, pack, unpack
-from dispatcher.plan.autotier import fixed_acceptance_rate
+from dispatcher.plan.acceptance import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
