@@ -364,6 +364,100 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(g
     assert ticks >= 10 and str(err).startswith("response_format")
 
 
+def test_a_refused_compile_that_has_not_started_is_cancelled(grammars, monkeypatch):
+    """Requests refused at the compile timeout stop holding the pool: a compile nobody waits for any more is
+    cancelled if it has not started (one that runs goes on, its grammar to the cache), so an ordinary request after
+    them compiles in time. A cached grammar is answered at once, without a pool thread."""
+    from dispatcher.engine import structured as S
+
+    started, release = [], threading.Event()
+    real = grammars._compile
+
+    def slow(params):
+        started.append(params.regex)
+        if params.regex.startswith("slow"):
+            release.wait(5)
+        return real(params)
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+    monkeypatch.setattr(grammars, "timeout_s", 0.3)
+    cached = grammars.compile(StructuredOutputsParams(regex="cached+"))
+    errors = []
+
+    def refused(regex):
+        with pytest.raises(RequestError, match="did not compile within"):
+            grammars.compile(StructuredOutputsParams(regex=regex))
+        errors.append(regex)
+
+    hostile = [threading.Thread(target=refused, args=(f"slow{i}+",)) for i in range(S.COMPILE_WORKERS + 2)]
+    for t in hostile:
+        t.start()
+    for t in hostile:
+        t.join(10)
+    assert len(errors) == len(hostile)
+    t0 = time.perf_counter()
+    assert grammars.compile(StructuredOutputsParams(regex="cached+")) is cached  # (while the pool is busy)
+    assert time.perf_counter() - t0 < 0.1
+    release.set()
+    assert grammars.compile(StructuredOutputsParams(regex="ordinary+")).grammar_id >= 0
+    assert len([r for r in started if r.startswith("slow")]) == S.COMPILE_WORKERS  # (the queued two: cancelled)
+    deadline = time.monotonic() + 5
+    while grammars._compiling and time.monotonic() < deadline:  # (the two that ran finish after the release)
+        time.sleep(0.01)
+    assert not grammars._compiling and not grammars._waiters
+
+
+def test_grammars_sent_with_a_failed_step_are_sent_again_and_still_dropped(grammars, tokenizer, monkeypatch):
+    """A step can fail after the worker read its grammars (a kernel error) or before: the engine sends them again
+    with their next use, and keeps them in its account, so that the worker, which may hold them, is told to drop
+    them once idle. Six define-fail-free cycles leave the worker with no more than the idle limit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dispatcher.engine import structured as S
+    from dispatcher.messages import NewRequest, SamplingSpec, pack
+    from dispatcher.runtime.grammar import WorkerGrammars
+
+    monkeypatch.setattr(S, "WORKER_IDLE_GRAMMARS", 2)
+    engine = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
+    engine.start()
+    worker = WorkerGrammars(49152, torch.device("cpu"), 4)
+
+    def step(new=None, freed=(), read=True):
+        reqs, slots = [], []
+        if new:
+            engine.add(new[0], engine.compile(new[1]))
+            reqs, slots = [SimpleNamespace(request_id=new[0])], [0]
+        out = SimpleNamespace(new_requests=reqs, slots=np.asarray(slots, np.int64),
+                              freed_slots=np.asarray(freed, np.int64))
+        gids, defs, drops = engine.for_step(out)
+        msg = SimpleNamespace(grammars=defs, dropped_grammars=drops, freed_slots=pack(list(freed)),
+                              new_requests=[NewRequest(0, pack([1, 2, 3]), 3, SamplingSpec(0.0, 0, 1.0, 0, -1), 0, g)
+                                            for g in gids])
+        if read:
+            worker.admit(msg)
+        return msg
+
+    for k in range(6):
+        msg = step((f"r{k}", StructuredOutputsParams(regex=f"a{{{k + 1}}}")))
+        engine.remove(f"r{k}")  # (EngineCore.fail_step ends the request)
+        engine.step_failed(msg)
+        step(freed=(0,))  # (its slot comes back freed)
+    assert len(worker.compiled) <= S.WORKER_IDLE_GRAMMARS, sorted(worker.compiled)
+    # A step that failed before the worker read it: the grammar goes again with the next use.
+    so = StructuredOutputsParams(regex="b{3}")
+    lost = step(("x", so), read=False)
+    assert [d.grammar_id for d in lost.grammars] == [engine.compile(so).grammar_id]
+    engine.remove("x")
+    engine.step_failed(lost)
+    step(freed=(0,))
+    again = step(("y", so))
+    assert [d.grammar_id for d in again.grammars] == [d.grammar_id for d in lost.grammars]
+    assert worker.matchers[0] is not None
+    engine.close()
+
+
 def test_without_a_tokenizer_structured_requests_are_refused():
     from dispatcher.engine.structured import StructuredOutputs
 
@@ -631,6 +725,43 @@ def test_a_failed_step_drops_its_requests_grammars():
     assert core.fail_step(step) == [rid] and not core.structured.requests and not core.has_unfinished()
     assert core.scheduler.kv.num_free == core.scheduler.config.num_kv_blocks
     assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [FIRST, FIRST + 1, FIRST + 2]
+
+
+def test_a_failed_first_chunk_ends_the_choices_held_behind_it():
+    """n > 1: the other choices wait for the first one's prompt; a step that fails on its first chunk (a 100-token
+    prompt over 64-token steps) ends them too, rather than leaving them held with nothing to schedule them."""
+    core = constrained_engine(overlap=False)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    rid = core.add_request(list(range(3, 103)), SamplingParams(max_tokens=4, n=2, temperature=1.0,
+                                                               structured_outputs=so))
+    step = core.schedule()
+    ended = core.fail_step(step)
+    assert len(ended) == 2 and all(rid in e for e in ended)
+    assert not core.has_unfinished() and core.schedule() is None
+    assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [FIRST, FIRST + 1, FIRST + 2]
+
+
+def test_held_choices_take_the_first_ones_grammar_without_compiling_on_the_loop():
+    """The serving engine compiles a request's grammar off the step loop; its other choices, queued from
+    ``schedule`` once the first one's prompt is computed, take that grammar: no compile (nor a wait for a compile
+    thread that other requests hold) inside a step."""
+    core = constrained_engine(overlap=False)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    grammar = core.structured.compile(so)
+
+    def no_compile(_):
+        raise AssertionError("compiled on the step loop")
+
+    core.structured.compile = no_compile
+    requests = core.make_requests(list(range(3, 23)), SamplingParams(max_tokens=3, n=3, temperature=1.0,
+                                                                     ignore_eos=True, structured_outputs=so), "r")
+    core.queue_all(requests, grammar)
+    done = {}
+    while core.has_unfinished():
+        step = core.schedule()
+        for o in core.update(step, core.finish(step, core.worker.collect(core.worker.submit(step.message)))):
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert sorted(done.values()) == [[FIRST, FIRST + 1, FIRST + 2]] * 3
 
 
 def test_identical_constrained_requests_back_to_back_with_the_prefix_cache():

@@ -216,7 +216,9 @@ class EngineCore:
         self.trace = TraceWriter(args.step_trace)
         self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
-        self._held: dict[str, list[Request]] = {}
+        self._held: dict[str, tuple[list[Request], object]] = {}
+        """A first choice's id -> the other choices of its request (n > 1), queued once its prompt is computed, and
+        their compiled grammar (None: none, or the offline engine's, compiled when they are queued)."""
         """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
         queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
         a step registers serve the steps after it) instead of computing them again."""
@@ -277,7 +279,7 @@ class EngineCore:
         (``grammar``: their compiled grammar, as ``queue`` takes it; the children's comes from the cache)."""
         self.queue(requests[0], grammar)
         if len(requests) > 1:
-            self._held[requests[0].request_id] = requests[1:]
+            self._held[requests[0].request_id] = (requests[1:], grammar)
 
     def queue(self, request: Request, grammar=None) -> None:
         """Queue a request made by ``make_request``. A structured request needs its compiled grammar: ``grammar``
@@ -302,7 +304,7 @@ class EngineCore:
         self._prompt_logprobs.pop(request_id, None)
         self.structured.remove(request_id)
         self._release(request_id)
-        for held in self._held.values():
+        for held, _ in self._held.values():
             for i, r in enumerate(held):
                 if r.request_id == request_id:
                     del held[i]
@@ -310,9 +312,11 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def _release(self, first_id: str) -> None:
-        """Queue the children held back for ``first_id``."""
-        for request in self._held.pop(first_id, ()):
-            self.queue(request)
+        """Queue the children held back for ``first_id``, with the first's grammar (a compile here would hold the
+        step loop)."""
+        held, grammar = self._held.pop(first_id, ((), None))
+        for request in held:
+            self.queue(request, grammar)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
         """End a live request from outside the step loop (a stop string matched): ``Scheduler.finish_request``."""
@@ -321,9 +325,11 @@ class EngineCore:
 
     def fail_step(self, step: ScheduledStep, later: list[SchedulerOutput] = ()) -> list[str]:
         """A step the worker failed: ``Scheduler.fail_step`` (its requests and those sharing a block it registered
-        end), their grammars dropped, and the grammars it sent taken as not received (sent again when needed).
-        Returns the ids of the requests it ends."""
+        end, and the other choices held for a first choice among them), their grammars dropped, and the grammars it
+        sent taken as not received (sent again when needed). Returns the ids of the requests it ends."""
         ids = self.scheduler.fail_step(step.out, later)
+        for rid in list(ids):
+            ids += [r.request_id for r in self._held.pop(rid, ((), None))[0]]
         for rid in ids:
             self.structured.remove(rid)
         self.structured.step_failed(step.message)

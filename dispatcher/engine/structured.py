@@ -90,7 +90,10 @@ class StructuredOutputs:
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._compiling: dict[tuple, Future] = {}
-        self._lock = threading.Lock()
+        self._waiters: dict[tuple, int] = {}
+        """Requests waiting for each compile in ``_compiling`` (a compile none waits for any more is cancelled
+        before it starts)."""
+        self._lock = threading.RLock()  # (a future cancelled under it runs ``_done``, which takes it too)
         self._cache_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Compiled] = OrderedDict()
         """Compiled constraints by key, least recently used first, their serialized sizes within CACHE_BYTES."""
@@ -104,6 +107,9 @@ class StructuredOutputs:
         """Grammar ids the worker holds and how many of its slots use each."""
         self._worker_idle: OrderedDict[int, None] = OrderedDict()
         """Grammar ids the worker holds that no slot uses, least recently used first."""
+        self._resend: set[int] = set()
+        """Grammar ids sent with a step that failed: the worker may not have read them, so the next use sends them
+        again (they stay in the account above, so that they are dropped as any other)."""
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,11 +148,19 @@ class StructuredOutputs:
         except ImportError as exc:
             raise RequestError(f"{params.where}: structured outputs need xgrammar, which cannot be imported here "
                                f"({exc}): pip install xgrammar") from None
+        with self._cache_lock:
+            compiled = self._cache.get(params.key)
+            if compiled is not None:  # (at once: no wait for a pool thread that others' compiles may hold)
+                self._cache.move_to_end(params.key)
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
         with self._lock:
             fut = self._compiling.get(params.key)
             created = fut is None
             if created:
                 fut = self._compiling[params.key] = self._pool.submit(self._compile, params)
+            self._waiters[params.key] = self._waiters.get(params.key, 0) + 1
         if created:  # (outside the lock: a compile done already runs its callback here, and that takes the lock)
             fut.add_done_callback(lambda _, key=params.key: self._done(key))
         return fut
@@ -154,6 +168,20 @@ class StructuredOutputs:
     def _done(self, key: tuple) -> None:
         with self._lock:
             self._compiling.pop(key, None)
+            self._waiters.pop(key, None)
+
+    def _stop_waiting(self, params: StructuredOutputsParams, fut: Future) -> None:
+        """A request stopped waiting for ``fut`` (refused at the timeout): when no other request waits for it, a
+        compile that has not started yet is cancelled, so that refused requests do not hold the pool's threads
+        (one that runs goes on, and its grammar reaches the cache)."""
+        with self._lock:
+            left = self._waiters.get(params.key, 0) - 1
+            if left > 0:
+                self._waiters[params.key] = left
+                return
+            self._waiters.pop(params.key, None)
+            if self._compiling.get(params.key) is fut:
+                fut.cancel()
 
     def _compile(self, params: StructuredOutputsParams) -> Compiled:
         with self._cache_lock:
@@ -203,6 +231,7 @@ class StructuredOutputs:
         try:
             fut.result(timeout=self.timeout_s)
         except FutureTimeout:
+            self._stop_waiting(params, fut)
             raise self._timeout(params) from None
         except Exception:
             pass
@@ -215,6 +244,7 @@ class StructuredOutputs:
         waiting.add_done_callback(_retrieve)  # (its error is read from ``fut``; asyncio must not report it)
         done, _ = await asyncio.wait([waiting], timeout=self.timeout_s)
         if not done:
+            self._stop_waiting(params, fut)
             raise self._timeout(params)
         return self.result(params, fut)
 
@@ -232,17 +262,11 @@ class StructuredOutputs:
 
     def step_failed(self, message) -> None:
         """A step the worker failed (``Step`` ``message``): the grammars it defined (and the tokenizer's table) are
-        taken as not held (the worker may have failed before it read them), and the slots using them as holding
-        none."""
-        failed = {d.grammar_id for d in message.grammars}
-        if not failed:
-            return
+        sent again with their next use, as the worker may have failed before it read them. The account of slots
+        and idle grammars stays: the failed requests' slots come back freed, and the worker drops what it got."""
+        self._resend.update(d.grammar_id for d in message.grammars)
         if any(d.tokenizer_info for d in message.grammars):
             self._info_sent = False
-        for gid in failed:
-            self._worker_refs.pop(gid, None)
-            self._worker_idle.pop(gid, None)
-        self._slot_grammar = {s: g for s, g in self._slot_grammar.items() if g not in failed}
 
     def for_step(self, out) -> tuple[list[int], list[GrammarDef], bytes]:
         """A step's structured-output fields (``SchedulerOutput`` ``out``): each new request's grammar id (-1: none),
@@ -265,9 +289,10 @@ class StructuredOutputs:
                 ids.append(-1)
                 continue
             gid = compiled.grammar_id
-            if gid not in self._worker_refs and gid not in self._worker_idle:
+            if (gid not in self._worker_refs and gid not in self._worker_idle) or gid in self._resend:
                 defs.append(GrammarDef(gid, compiled.serialized, "" if self._info_sent else self.tokenizer_info_json))
                 self._info_sent = True  # (the worker keeps the first)
+                self._resend.discard(gid)
             self._worker_idle.pop(gid, None)
             self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1
             self._slot_grammar[slot] = gid
