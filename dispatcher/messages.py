@@ -148,7 +148,8 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag="step"):
     """int32: the rows (batch order) of the sampling requests a grammar constrains (structured outputs: they verify
     no drafts); empty in an unconstrained step. The worker fills their bitmask from its matchers."""
     grammars: list[GrammarDef] = []
-    """Grammars defined before the step's new requests are set up."""
+    """Grammars defined before the step's new requests are set up; one that none of them uses is sent ahead (its
+    requests wait in the engine until ``StepResult.grammars_ready`` names it), and read off the step's path."""
     dropped_grammars: bytes = b""
     """int32: ids of grammars the worker forgets (no request it holds uses them)."""
 
@@ -199,6 +200,9 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """Delayed capture: the step's graphs that were not captured yet, so that it ran without them: ``"step"`` (its
     fused decode-step graph: it ran op by op), ``"target"``, ``"draft"``, ``"draft_next"`` (that forward ran
     eagerly). Empty once every graph is captured."""
+    grammars_ready: bytes = b""
+    """int32 ids of the grammars sent ahead (``Step.grammars`` with no request of their step) that the worker has
+    read since its last result: the engine admits the requests waiting for them."""
 
 
 class GraphCount(msgspec.Struct, array_like=True, frozen=True):

@@ -256,6 +256,39 @@ def test_the_engine_sends_each_grammar_once_and_drops_idle_ones(grammars, monkey
         grammars.remove(rid)
 
 
+def test_the_worker_keeps_idle_grammars_within_a_byte_limit(tokenizer, monkeypatch):
+    """Idle grammars are dropped by bytes too (a schema within the limits can compile to tens of MB): with room for
+    one, the second to go idle pushes the first out, though the count limit allows many."""
+    from types import SimpleNamespace
+
+    from dispatcher.engine import structured as S
+    from dispatcher.messages import unpack
+
+    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
+    grammars.start()
+
+    small = grammars.compile(StructuredOutputsParams(regex="x{1,3}"))
+    large = grammars.compile(StructuredOutputsParams(regex="y{1,3}"))
+    monkeypatch.setattr(S, "WORKER_IDLE_BYTES", max(len(small.serialized), len(large.serialized)))
+
+    def step(new: dict, freed=()):
+        for rid, (_, c) in new.items():
+            grammars.add(rid, c)
+        out = SimpleNamespace(new_requests=[SimpleNamespace(request_id=rid) for rid in new],
+                              slots=np.asarray([slot for slot, _ in new.values()], np.int64),
+                              freed_slots=np.asarray(freed, np.int64))
+        drops = grammars.for_step(out)[2]
+        return unpack(drops).tolist() if drops else []
+
+    assert step({"s": (0, small), "l": (1, large)}) == []
+    assert step({}, freed=(0,)) == []  # (one idle: within the bytes)
+    assert step({}, freed=(1,)) == [small.grammar_id]
+    for rid in "sl":
+        grammars.remove(rid)
+    assert list(grammars._worker_idle) == [large.grammar_id]
+    grammars.close()
+
+
 def test_the_bitmask_fill_keeps_the_faster_thread_count(monkeypatch):
     """Until a thread count is chosen, fills of 32 live rows or more take turns between one thread and xgrammar's
     pool and are timed; after 32 of each the faster a row is kept (one thread here: the stand-in's pool is slow),
@@ -739,6 +772,62 @@ def test_a_failed_first_chunk_ends_the_choices_held_behind_it():
     assert len(ended) == 2 and all(rid in e for e in ended)
     assert not core.has_unfinished() and core.schedule() is None
     assert run_mixed(core, [[7, 8, 9]], constrained_every=1)[0][:3] == [FIRST, FIRST + 1, FIRST + 2]
+
+
+def test_a_new_grammar_is_read_ahead_while_the_others_run(monkeypatch):
+    """Reading a grammar takes the worker time (xgrammar's ``deserialize_json``: 19 ms for a 0.36 MB JSON schema,
+    seconds for a hostile one). While another request runs, a new grammar goes ahead with the next step, the worker
+    reads it in a thread of its own, and its request waits in the engine until a step result says it is read: the
+    running request's steps go on meanwhile without waiting for it. With nothing running, the step that admits the
+    request reads it (it stalls no one)."""
+    from dispatcher.engine.structured import Compiled
+
+    core = constrained_engine(overlap=False)
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_read(text, info):
+        reading.set()
+        assert release.wait(10)
+        return text
+
+    monkeypatch.setattr(Successor.CompiledGrammar, "deserialize_json", staticmethod(slow_read))
+    so = StructuredOutputsParams(choice=("stand-in",))
+    out: dict[str, list[int]] = {}
+    carried, admitted = [], []
+
+    def step() -> float:
+        s = core.schedule()
+        t0 = time.perf_counter()
+        core.submit(s)
+        result = core.worker.collect(s.pending)
+        wall = time.perf_counter() - t0
+        carried.extend(d.grammar_id for d in s.message.grammars)
+        admitted.extend(r.grammar_id for r in s.message.new_requests if r.grammar_id >= 0)
+        for o in core.update(s, core.finish(s, result)):
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return wall
+
+    plain = core.add_request([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        step()
+    rid = core.add_request([7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
+    assert 0 in core._parked and not admitted
+    before = len(out[plain])
+    walls = [step() for _ in range(5)]
+    assert reading.is_set() and carried == [0] and not admitted  # (sent ahead, read off the step's path)
+    assert len(out[plain]) == before + 5 and max(walls) < 2.0, walls
+    release.set()
+    while core.has_unfinished():
+        step()
+    assert out[rid] == [FIRST, FIRST + 1, FIRST + 2, FIRST + 3] and len(out[plain]) == 100
+    assert carried == [0] and admitted == [0]
+    # Nothing running now: a new grammar goes with the step that admits its request.
+    core.structured.compile = lambda params: Compiled(1, None, "successor")
+    rid = core.add_request([9, 10], SamplingParams(max_tokens=2, ignore_eos=True, structured_outputs=so))
+    assert not core._parked
+    while core.has_unfinished():
+        step()
+    assert out[rid] == [FIRST, FIRST + 1] and carried == [0, 1] and admitted == [0, 1]
 
 
 def test_held_choices_take_the_first_ones_grammar_without_compiling_on_the_loop():

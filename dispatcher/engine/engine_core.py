@@ -219,6 +219,9 @@ class EngineCore:
         self._held: dict[str, tuple[list[Request], object]] = {}
         """A first choice's id -> the other choices of its request (n > 1), queued once its prompt is computed, and
         their compiled grammar (None: none, or the offline engine's, compiled when they are queued)."""
+        self._parked: dict[int, list[Request]] = {}
+        """Structured requests by grammar id, while the worker reads their grammar, sent ahead so that no step waits
+        for it (``StructuredOutputs.send_ahead``): they join the scheduler when a step result says it is read."""
         """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
         queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
         a step registers serve the steps after it) instead of computing them again."""
@@ -296,14 +299,39 @@ class EngineCore:
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         if request.params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = PromptLogprobs(len(request.prompt_token_ids))
-        self.scheduler.add_request(request)
         self._next_id += 1
+        if so is not None and self._park(request):
+            return
+        self.scheduler.add_request(request)
+
+    def _park(self, request: Request) -> bool:
+        """Whether ``request`` waits for the worker to read its grammar: not while no request holds a slot (a step
+        that reads it stalls no one running), nor once the worker holds it."""
+        compiled = self.structured.requests[request.request_id]
+        gid = compiled.grammar_id
+        if gid not in self._parked and (self.structured.worker_has(compiled) or not self.scheduler.order):
+            return False
+        self.structured.send_ahead(compiled)
+        self._parked.setdefault(gid, []).append(request)
+        return True
+
+    def _unpark(self, grammar_ids) -> None:
+        """The requests waiting for these grammars into the scheduler."""
+        for gid in grammar_ids:
+            self.structured.ready(gid)
+            for request in self._parked.pop(gid, ()):
+                self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request at any point of the step cycle; False when it is not live."""
         self._prompt_logprobs.pop(request_id, None)
         self.structured.remove(request_id)
         self._release(request_id)
+        for parked in self._parked.values():
+            for i, r in enumerate(parked):
+                if r.request_id == request_id:
+                    del parked[i]
+                    return True
         for held, _ in self._held.values():
             for i, r in enumerate(held):
                 if r.request_id == request_id:
@@ -333,10 +361,11 @@ class EngineCore:
         for rid in ids:
             self.structured.remove(rid)
         self.structured.step_failed(step.message)
+        self._unpark([d.grammar_id for d in step.message.grammars if d.grammar_id in self._parked])
         return ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._held)
+        return self.scheduler.has_unfinished() or bool(self._held) or bool(self._parked)
 
     # -- a step ----------------------------------------------------------------------------------------------
     @property
@@ -356,6 +385,8 @@ class EngineCore:
         """The next step and its descriptors; None when nothing can be scheduled (nothing is live, or every live
         request is in a step still running, ``in_flight`` of them)."""
         t0 = time.perf_counter()
+        if self._parked and not self.scheduler.order:  # (no request holds a slot: the step may read it)
+            self._unpark(list(self._parked))
         out = self.scheduler.schedule()
         if len(out.slots) == 0:
             if self.scheduler.has_unfinished() and not in_flight:
@@ -401,6 +432,8 @@ class EngineCore:
 
     def finish(self, step: ScheduledStep, result: StepResult, wait_s: float = 0.0) -> ModelResult:
         """A step's result as the scheduler takes it, counted in the stats and the step trace."""
+        if result.grammars_ready:
+            self._unpark(unpack(result.grammars_ready).tolist())
         planned = step.descs.target
         if result.not_captured:  # delayed capture: what ran without its graph
             step.descs = without_graphs(step.descs, result.not_captured, step.out.shape.num_tokens,
@@ -488,7 +521,7 @@ class EngineCore:
         that a grammar constrains too: the worker fills its bitmask once the step before has sampled)."""
         depth = 2 if self.async_scheduling else 1
         in_flight: deque[ScheduledStep] = deque()
-        while self.scheduler.has_unfinished() or in_flight:
+        while self.has_unfinished() or in_flight:
             step = self.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
                 self.submit(step)

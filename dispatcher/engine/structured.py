@@ -13,10 +13,13 @@ and SGLang's (the matchers beside the model runner, the mask filled while the fo
   ``COMPILE_TIMEOUT_S`` refuses it (400), and the compile thread's work is not lost (the cache keeps it). The
   engine compiles rather than the front end because one cache then serves every front end, and rather than the
   worker because a compile must never hold up a step.
-- **Send**: the worker gets each grammar once, serialized (``GrammarDef``, with the first step that admits a
-  request it constrains), and keeps it while a request it holds uses it and ``WORKER_IDLE_GRAMMARS`` more after
-  that (least recently used dropped first, ``Step.dropped_grammars``): ``for_step`` keeps the engine's account of
-  what the worker holds, from the same messages the worker reads.
+- **Send**: the worker gets each grammar once, serialized (``GrammarDef``), and keeps it while a request it holds
+  uses it and ``WORKER_IDLE_GRAMMARS`` (within ``WORKER_IDLE_BYTES``) more after that (least recently used dropped
+  first, ``Step.dropped_grammars``): ``for_step`` keeps the engine's account of what the worker holds, from the
+  same messages the worker reads. Reading a grammar takes the worker time (19 ms for a 0.36 MB JSON schema, seconds
+  for a hostile one), so while other requests run a new grammar is sent ahead (``send_ahead``) with the next step,
+  the worker reads it in a thread of its own, and its requests wait in the engine (``EngineCore``) until a step
+  result says it is read (``ready``); with nothing else running, it goes with the step that admits its request.
 - **Match and mask**: on the worker, which samples the tokens: the engine never waits for a bitmask, so a step that
   a grammar constrains is scheduled and overlapped like any other. Structured requests verify no drafts
   (``Scheduler.structured``).
@@ -50,6 +53,8 @@ CACHE_BYTES = 512 << 20
 serialized form."""
 WORKER_IDLE_GRAMMARS = 32
 """Grammars the worker keeps after their last request left (a new request with one of them sends nothing)."""
+WORKER_IDLE_BYTES = 256 << 20
+"""... and their serialized bytes at most (a hostile schema within the limits compiles to tens of MB)."""
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -107,6 +112,12 @@ class StructuredOutputs:
         """Grammar ids the worker holds and how many of its slots use each."""
         self._worker_idle: OrderedDict[int, None] = OrderedDict()
         """Grammar ids the worker holds that no slot uses, least recently used first."""
+        self._sizes: dict[int, int] = {}
+        """The serialized bytes of each grammar the worker holds."""
+        self._ahead: dict[int, Compiled] = {}
+        """Grammars to send ahead with the next step (``send_ahead``)."""
+        self._reading: set[int] = set()
+        """Grammars sent ahead that the worker has not said it read (each holds a reference until then)."""
         self._resend: set[int] = set()
         """Grammar ids sent with a step that failed: the worker may not have read them, so the next use sends them
         again (they stay in the account above, so that they are dropped as any other)."""
@@ -260,6 +271,40 @@ class StructuredOutputs:
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def worker_has(self, compiled: Compiled) -> bool:
+        """Whether the worker holds ``compiled`` read (or will, from the step before its request's: nothing is
+        read ahead then)."""
+        gid = compiled.grammar_id
+        held = gid in self._worker_refs or gid in self._worker_idle
+        return held and gid not in self._resend and gid not in self._reading
+
+    def send_ahead(self, compiled: Compiled) -> None:
+        """Send ``compiled`` with the next step, before any request uses it (``ready`` says when it is read)."""
+        if compiled.grammar_id not in self._reading:
+            self._ahead[compiled.grammar_id] = compiled
+
+    def ready(self, grammar_id: int) -> None:
+        """The worker read a grammar sent ahead (``StepResult.grammars_ready``), or its requests go without waiting
+        for that (nothing else runs, or the step that carried it failed): one sent from now on goes with the step
+        that admits its request."""
+        if self._ahead.pop(grammar_id, None) is None and grammar_id in self._reading:
+            self._reading.discard(grammar_id)
+            self._release_ref(grammar_id)
+
+    def _release_ref(self, grammar_id: int) -> None:
+        self._worker_refs[grammar_id] -= 1
+        if not self._worker_refs[grammar_id]:
+            del self._worker_refs[grammar_id]
+            self._worker_idle[grammar_id] = None
+
+    def _define(self, compiled: Compiled) -> GrammarDef:
+        """``compiled``'s definition for the worker (the tokenizer's table with the very first)."""
+        self._sizes[compiled.grammar_id] = len(compiled.serialized)
+        self._resend.discard(compiled.grammar_id)
+        info = "" if self._info_sent else self.tokenizer_info_json
+        self._info_sent = True  # (the worker keeps the first)
+        return GrammarDef(compiled.grammar_id, compiled.serialized, info)
+
     def step_failed(self, message) -> None:
         """A step the worker failed (``Step`` ``message``): the grammars it defined (and the tokenizer's table) are
         sent again with their next use, as the worker may have failed before it read them. The account of slots
@@ -277,12 +322,15 @@ class StructuredOutputs:
         for slot in list(out.freed_slots):
             gid = self._slot_grammar.pop(slot, None)
             if gid is not None:
-                self._worker_refs[gid] -= 1
-                if not self._worker_refs[gid]:
-                    del self._worker_refs[gid]
-                    self._worker_idle[gid] = None
+                self._release_ref(gid)
         first = len(out.slots) - len(out.new_requests)
         ids, defs = [], []
+        for gid, compiled in self._ahead.items():
+            defs.append(self._define(compiled))
+            self._worker_idle.pop(gid, None)
+            self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1  # (held while it is read)
+            self._reading.add(gid)
+        self._ahead.clear()
         for req, slot in zip(out.new_requests, out.slots[first:].tolist()):
             compiled = self.requests.get(req.request_id)
             if compiled is None:
@@ -290,15 +338,16 @@ class StructuredOutputs:
                 continue
             gid = compiled.grammar_id
             if (gid not in self._worker_refs and gid not in self._worker_idle) or gid in self._resend:
-                defs.append(GrammarDef(gid, compiled.serialized, "" if self._info_sent else self.tokenizer_info_json))
-                self._info_sent = True  # (the worker keeps the first)
-                self._resend.discard(gid)
+                defs.append(self._define(compiled))
             self._worker_idle.pop(gid, None)
             self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1
             self._slot_grammar[slot] = gid
             ids.append(gid)
         drops = []
-        while len(self._worker_idle) > WORKER_IDLE_GRAMMARS:
-            drops.append(self._worker_idle.popitem(last=False)[0])
+        while self._worker_idle and (len(self._worker_idle) > WORKER_IDLE_GRAMMARS
+                                     or sum(self._sizes.get(g, 0) for g in self._worker_idle) > WORKER_IDLE_BYTES):
+            gid = self._worker_idle.popitem(last=False)[0]
+            self._sizes.pop(gid, None)
+            drops.append(gid)
         return ids, defs, pack(drops) if drops else b""
 

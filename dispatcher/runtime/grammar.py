@@ -12,6 +12,11 @@ the same way; vLLM's engine core fills the mask in the process that runs the mod
 
 A matcher belongs to a slot and a generation: a token sampled for a slot whose request left or was set up again
 (preempted, then admitted with its output so far) after the step that sampled it is never accepted.
+
+Reading a grammar (xgrammar's ``deserialize_json``) takes time: 19 ms for a 0.36 MB JSON schema on a 2-core machine,
+seconds for a hostile one within the limits. A grammar that no request of its step uses is one the engine sent
+ahead (its requests wait in the engine meanwhile): it is read in a thread of its own (xgrammar releases the GIL), and
+the step results say which have been read (``StepResult.grammars_ready``), so that no step waits for one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +80,9 @@ class WorkerGrammars:
         self.device = device
         self.compiled: dict[int, object] = {}
         """The engine's grammars by id (``GrammarDef``)."""
+        self._reading: dict[int, Future] = {}
+        """Grammars sent ahead, being read in ``_reader``'s thread, by id."""
+        self._reader: ThreadPoolExecutor | None = None
         self.matchers: list = [None] * num_slots
         """Each slot's matcher (None: unconstrained)."""
         self.generation = np.full(num_slots, -1, np.int64)
@@ -102,11 +111,18 @@ class WorkerGrammars:
     def admit(self, step: Step) -> None:
         """A step's changes before it runs: grammars defined and dropped, freed slots' matchers gone, each admitted
         constrained request's matcher set up."""
+        used = {r.grammar_id for r in step.new_requests}
         for d in step.grammars:
-            self.define(d)
+            if d.grammar_id in used:
+                self.define(d)
+            else:
+                self.define_ahead(d)
         if step.dropped_grammars:
             for gid in unpack(step.dropped_grammars).tolist():
                 self.compiled.pop(gid, None)
+                reading = self._reading.pop(gid, None)
+                if reading is not None:
+                    reading.cancel()
         if step.freed_slots:
             for slot in unpack(step.freed_slots).tolist():
                 self.forget(slot)
@@ -116,16 +132,52 @@ class WorkerGrammars:
                 self.start(r.slot, r.grammar_id, unpack(r.token_ids)[r.num_prompt_tokens:].tolist())
 
     def define(self, d: GrammarDef) -> None:
+        """Read a grammar now (a request of this step uses it)."""
+        xgr = self._with_info(d)
+        self._reading.pop(d.grammar_id, None)
+        self.compiled[d.grammar_id] = xgr.CompiledGrammar.deserialize_json(d.compiled, self._info)
+
+    def define_ahead(self, d: GrammarDef) -> None:
+        """Read a grammar in the reader's thread (no request of this step uses it: the engine sent it ahead)."""
+        xgr = self._with_info(d)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="twogrid-grammar-read")
+        self.compiled.pop(d.grammar_id, None)
+        self._reading[d.grammar_id] = self._reader.submit(xgr.CompiledGrammar.deserialize_json, d.compiled,
+                                                          self._info)
+
+    def _with_info(self, d: GrammarDef):
         xgr = self.backend()
         if d.tokenizer_info:
             self._info = xgr.TokenizerInfo.deserialize_json(d.tokenizer_info)
             self._stops = frozenset(self._info.stop_token_ids)
         if self._info is None:
             raise RuntimeError(f"grammar {d.grammar_id} came before the tokenizer's information")
-        self.compiled[d.grammar_id] = xgr.CompiledGrammar.deserialize_json(d.compiled, self._info)
+        return xgr
+
+    @property
+    def reading(self) -> bool:
+        return bool(self._reading)
+
+    def ready(self) -> list[int]:
+        """The grammars sent ahead that have been read since the last call (for ``StepResult.grammars_ready``)."""
+        done = [gid for gid, fut in self._reading.items() if fut.done()]
+        for gid in done:
+            self._take_read(gid)
+        return done
+
+    def _take_read(self, grammar_id: int) -> None:
+        """A grammar sent ahead, into ``compiled`` (waiting for its reading if it is not done)."""
+        fut = self._reading.pop(grammar_id)
+        try:
+            self.compiled[grammar_id] = fut.result()
+        except Exception as exc:  # (the request that uses it fails its step: "never defined")
+            log.error("grammar %d could not be read: %s", grammar_id, exc)
 
     def start(self, slot: int, grammar_id: int, output_ids: list[int]) -> None:
         """A matcher for the request at ``slot``, past its output so far."""
+        if grammar_id in self._reading:  # (a request the engine admitted before it heard the grammar was read)
+            self._take_read(grammar_id)
         compiled = self.compiled.get(grammar_id)
         if compiled is None:
             raise RuntimeError(f"slot {slot}: grammar {grammar_id} was never defined (or was dropped)")

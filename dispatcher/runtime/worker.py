@@ -438,6 +438,7 @@ class ModelWorker:
         runs as one replay (``_submit_fused``), any other step op by op."""
         not_captured = None
         self.grammars.admit(step)
+        ready = self.grammars.ready() if self.grammars.reading else ()
         if self.fused is not None:
             slots = unpack(step.slots)
             key = self.fused.key_for(step, slots)
@@ -445,7 +446,7 @@ class ModelWorker:
                 key = None  # (op by op this time: its two graphs are captured in the next gap, on demand)
             if key is not None:
                 if self.delayed is None or key in self.fused.captured:
-                    return self._submit_fused(step, key, slots)
+                    return self._submit_fused(step, key, slots, ready)
                 self.delayed.note(FUSED_STEP, key)
                 not_captured = [FUSED_STEP]
         if self.delayed is not None:
@@ -485,7 +486,7 @@ class ModelWorker:
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit,
-                        not_captured=not_captured)
+                        not_captured=not_captured, grammars_ready=pack(list(ready)) if ready else b"")
 
     def _without_uncaptured(self, step: Step, not_captured: list[str]) -> tuple[Step, list[str] | None]:
         """Delayed capture: the step with each forward whose graph is not captured yet set to run eagerly (and that
@@ -499,7 +500,7 @@ class ModelWorker:
                 not_captured.append(role)
         return (msgspec.structs.replace(step, **changes) if changes else step), not_captured or None
 
-    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray) -> "_Pending":
+    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray, ready=()) -> "_Pending":
         """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
         one copy with the step's state changes; the result rows copied back as they lie."""
         padded = np.full(key.target.size, self.state.dummy, np.int64)
@@ -518,7 +519,7 @@ class ModelWorker:
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
-                        fused=True)
+                        fused=True, grammars_ready=pack(list(ready)) if ready else b"")
 
     def _collect_fused(self, pending: "_Pending") -> StepResult:
         """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
@@ -527,7 +528,8 @@ class ModelWorker:
         conf = pack(rows[:, 1 + width : 1 + width + step.num_new_drafts].view(np.float32), F32) if pending.drafted \
             else b""
         return StepResult(step.step_id, pack(rows[:, 1 : 1 + width]), pack(rows[:, 0]), width, conf,
-                          pending.clock.ms(), jit_compiles=pending.jit_compiles, jit_ms=pending.jit_ms, fused=True)
+                          pending.clock.ms(), jit_compiles=pending.jit_compiles, jit_ms=pending.jit_ms, fused=True,
+                          grammars_ready=pending.grammars_ready)
 
     def _jit_compiles(self, step_id: int) -> tuple[int, float]:
         """Triton compiles during this step's launches (count, ms), logged with the kernels that needed them."""
@@ -565,7 +567,7 @@ class ModelWorker:
                           prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
                           width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
-                          not_captured=pending.not_captured or [], **prompt)
+                          not_captured=pending.not_captured or [], grammars_ready=pending.grammars_ready, **prompt)
 
     def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
         """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
@@ -792,6 +794,8 @@ class _Pending:
     """A fused decode step (``_submit_fused``): its download is the result rows."""
     not_captured: list[str] | None = None
     """Delayed capture: the step's graphs it ran without (``StepResult.not_captured``)."""
+    grammars_ready: bytes = b""
+    """``StepResult.grammars_ready``."""
 
 
 class _Sections:
