@@ -535,11 +535,15 @@ class Scheduler:
         """A step the worker failed: its requests end (aborted), the blocks it registered are forgotten (their KV
         was never written), and so are those that the steps after it (``later``, scheduled before the failure was
         known) registered for its requests; a request that shares such a block (it found it in the cache) ends
-        too. Returns the ids of the requests the failure ends."""
+        too. So do the blocks those steps registered after a suspect one in their request's chain (computed over
+        KV never written, by a request that found it in the cache, or one its client aborted since): their hashes
+        would pass that KV on to whoever finds them once the suspect block is computed again. Returns the ids of
+        the requests the failure ends."""
         ids = [r.request_id for r in out.requests]
         failed = set(ids)
         suspect = [(b, h) for rid, b, h in out.registered]
         suspect += [(b, h) for step in later for rid, b, h in step.registered if rid in failed]
+        self.kv.unregister(_chained_onto({h for _, h in suspect}, later))
         for rid in ids:
             self.abort(rid)
         for slot in self.kv.slots_holding(self.kv.unregister(suspect)).tolist():
@@ -751,3 +755,18 @@ def _token_logprobs(result: ModelResult, row: int, tokens: list[int], top: int |
     values, ids = result.logprobs[row], result.logprob_ids[row]
     return [{t: float(values[j, 0]), **{int(i): float(v) for i, v in zip(ids[j, :top], values[j, 1 : 1 + top])}}
             for j, t in enumerate(tokens)]
+
+
+def _chained_onto(bad: set, steps) -> list[tuple[int, bytes]]:
+    """The (block, hash) registrations of ``steps`` that come after one of the ``bad`` hashes in their request's
+    chain of block hashes (a block's hash covers every block before it, so these were computed over a bad one)."""
+    out = []
+    for step in steps:
+        after: dict[str, set] = {}
+        for req in step.requests:
+            chain = req.block_hashes
+            first = next((i for i, h in enumerate(chain) if h in bad), None)
+            if first is not None:
+                after[req.request_id] = set(chain[first + 1 :])
+        out += [(b, h) for rid, b, h in step.registered if h in after.get(rid, ())]
+    return out

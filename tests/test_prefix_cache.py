@@ -307,6 +307,33 @@ def test_failed_step_takes_its_blocks_back():
     assert step.out.num_computed.tolist() == [0], "a block the failed step never wrote was found in the cache"
 
 
+@pytest.mark.parametrize("client_abort", [False, True], ids=["failed with it", "aborted before"])
+def test_blocks_computed_over_a_failed_steps_blocks_leave_the_cache(client_abort):
+    """Asynchronous scheduling: the step after a failing one admits B = P + Q, which found P's blocks (registered
+    by the failing step, never written) and registers Q's, computed over them. B ends with the failure (or its
+    client aborted it before); Q's blocks must leave the cache too: once P is computed again and cached, a request
+    P + Q + x would otherwise find P's good blocks, then Q's bad ones, and read wrong KV without an error."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    P, Q = prompt_of(8), prompt_of(8, 5)
+    engine = make_engine(None, 64, 64, True)
+    engine.add_request(P + [5], params, "first")
+    failing = engine.schedule()
+    engine.add_request(P + Q + [6], params, "hit")
+    later = engine.schedule(1)
+    assert later.out.num_computed.tolist() == [9, 8]  # ("hit" found the failing step's blocks)
+    if client_abort:
+        assert engine.abort("hit")
+    ended = engine.scheduler.fail_step(failing.out, [later.out])
+    assert sorted(ended) == (["first"] if client_abort else ["first", "hit"])
+    engine.update(later, engine.execute(later))  # (the worker runs the step in flight)
+    for _ in engine.run():
+        pass
+    check_pool(engine)
+    engine.generate([P + Q + [7]], params)  # (computes P again: its blocks cached again)
+    got = engine.generate([P + Q + [8]], params)[0]
+    assert got == make_engine(None, 64, 64, False).generate([P + Q + [8]], params)[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [None, {"method": "eagle3", "num_speculative_tokens": 3}], ids=["no-sd", "eagle3"])
 def test_cached_equals_uncached_through_graphs_on_gpu(spec):
