@@ -331,3 +331,15 @@ def test_requests_at_max_model_len_fit_their_block_table_with_two_steps_in_fligh
     outputs = e.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [len(o) for o in outputs] == [24] * 8
     assert e.scheduler.kv.num_free == 400
+
+
+def test_a_failed_step_forgets_its_requests_prompt_logprobs():
+    """A request that a failed step ends leaves nothing behind: its prompt log-probabilities collected so far (a
+    dict per prompt position) are freed, as an abort frees them."""
+    core = engine()
+    rid = core.add_request(list(range(3, 83)), SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=5))
+    s1 = core.schedule()  # (the prompt's first 32-token chunk)
+    core.update(s1, core.execute(s1))
+    assert rid in core._prompt_logprobs
+    assert core.fail_step(core.schedule()) == [rid] and not core.has_unfinished()
+    assert not core._prompt_logprobs

@@ -830,6 +830,97 @@ def test_a_new_grammar_is_read_ahead_while_the_others_run(monkeypatch):
     assert out[rid] == [FIRST, FIRST + 1] and carried == [0, 1] and admitted == [0, 1]
 
 
+def test_choices_of_a_request_with_a_new_grammar_run_together():
+    """n = 3 with a grammar the worker has not got, on an idle engine: the step that admits the first choice reads
+    the grammar in line and computes the prompt, which releases the other two; they wait for nothing more (the
+    worker has the grammar from that step on) and run beside the first, not after it."""
+    core = constrained_engine(overlap=False)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    requests = core.make_requests(list(range(3, 23)), SamplingParams(max_tokens=20, n=3, temperature=1.0,
+                                                                     ignore_eos=True, structured_outputs=so), "r")
+    core.queue_all(requests, core.structured.compile(so))
+    admitted_at, first_done_at = {}, None
+    for step_no in range(1, 100):
+        if not core.has_unfinished():
+            break
+        step = core.schedule()
+        admitted_at.update((r.request_id, step_no) for r in step.out.new_requests)
+        for o in core.update(step, core.execute(step)):
+            if o.finished and o.request_id == requests[0].request_id:
+                first_done_at = step_no
+    assert max(admitted_at.values()) <= 2 < first_done_at, (admitted_at, first_done_at)
+
+
+def test_a_request_waiting_for_a_grammar_its_step_reads_in_line_waits_no_more():
+    """A full engine (two slots): R_a (grammar 0) waits in the scheduler; R_c (grammar 0) arrives while another
+    request runs and waits in the engine for the grammar to be read ahead. The step that would send it ahead admits
+    R_a, so the grammar goes in line with R_a and the worker reads it there: R_c joins the scheduler at once."""
+    import dataclasses
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=2, max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", num_kv_blocks=400, block_size=8,
+                                      max_model_len=128, async_scheduling=False))
+    use_stand_in(core)
+    core.worker.wcfg = dataclasses.replace(core.worker.wcfg, structured_outputs=True)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    short = core.add_request([3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    core.add_request([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True, structured_outputs=so))
+    assert not core._parked  # (nothing ran yet)
+    done = set()
+    while short not in done:
+        done |= {o.request_id for o in core.step() if o.finished}
+    late = core.add_request([9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True, structured_outputs=so))
+    assert 0 in core._parked
+    step = core.schedule()
+    assert [r.grammar_id for r in step.message.new_requests] == [0] and not core._parked
+    assert [d.grammar_id for d in step.message.grammars] == [0]
+    out = [t for o in core.update(step, core.execute(step)) for t in o.new_token_ids if o.request_id == late]
+    while core.has_unfinished():
+        out += [t for o in core.step() for t in o.new_token_ids if o.request_id == late]
+    assert out == [FIRST, FIRST + 1, FIRST + 2]
+
+
+def test_a_failed_step_does_not_lose_the_news_that_a_grammar_was_read(monkeypatch):
+    """The worker says a grammar sent ahead is read in the next step's result; when that step fails, the news is
+    lost with it: the requests waiting for the grammar join the scheduler anyway (the worker waits for a reading
+    still under way when it sets them up), rather than waiting while anything else runs."""
+    from dispatcher.runtime.worker import InjectedFault
+
+    release = threading.Event()
+    monkeypatch.setattr(Successor.CompiledGrammar, "deserialize_json",
+                        staticmethod(lambda text, info: (release.wait(10), text)[1]))
+    core = constrained_engine(overlap=True)
+    so = StructuredOutputsParams(choice=("stand-in",))
+    plain = core.add_request([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(2):
+        core.step()
+    rid = core.add_request([7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
+    s1 = core.schedule()
+    assert [d.grammar_id for d in s1.message.grammars] == [0]  # (ahead)
+    core.update(s1, core.execute(s1))
+    release.set()
+    core.worker.grammars._reading[0].result()  # (read now; the next submit takes the news)
+    s2 = core.schedule()
+    core.worker.fail_steps = frozenset({s2.out.step_id})
+    with pytest.raises(InjectedFault):
+        core.submit(s2)
+    other = core.add_request([9, 9, 9], SamplingParams(max_tokens=60, ignore_eos=True))
+    s3 = core.schedule(1)
+    core.submit(s3)
+    failed = core.fail_step(s2, [s3.out])  # (what the service does with the worker's error for s2)
+    assert plain in failed and other not in failed and not core._parked
+    out = [t for o in core.update(s3, core.wait(s3)) for t in o.new_token_ids if o.request_id == rid]
+    for _ in range(6):
+        out += [t for o in core.step() for t in o.new_token_ids if o.request_id == rid]
+    assert out == [FIRST, FIRST + 1, FIRST + 2, FIRST + 3]  # (while "other" still runs)
+    assert core.has_unfinished()
+
+
 def test_held_choices_take_the_first_ones_grammar_without_compiling_on_the_loop():
     """The serving engine compiles a request's grammar off the step loop; its other choices, queued from
     ``schedule`` once the first one's prompt is computed, take that grammar: no compile (nor a wait for a compile

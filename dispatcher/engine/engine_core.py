@@ -361,7 +361,9 @@ class EngineCore:
         for rid in ids:
             self.structured.remove(rid)
         self.structured.step_failed(step.message)
-        self._unpark([d.grammar_id for d in step.message.grammars if d.grammar_id in self._parked])
+        self._unpark(list(self._parked))  # (a grammar it carried may be lost, a notice that one was read too)
+        for rid in ids:
+            self._prompt_logprobs.pop(rid, None)
         return ids
 
     def has_unfinished(self) -> bool:
@@ -398,6 +400,8 @@ class EngineCore:
         rows = self._prompt_logprob_rows(out) if self._prompt_logprobs else None
         grammar_rows = np.nonzero(self.scheduler.structured[out.slots] & out.samples)[0]
         message = step_message(out, descs, grammar_rows, rows, self.structured.for_step(out))
+        if self._parked:  # (grammars this step's own requests use go in line: theirs wait no more)
+            self._unpark([gid for gid in self._parked if not self.structured.awaiting(gid)])
         return ScheduledStep(out, descs, message, (time.perf_counter() - t0) * 1e3, prompt_rows=rows)
 
     def _release_computed(self, out: SchedulerOutput) -> None:

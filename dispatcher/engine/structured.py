@@ -278,6 +278,10 @@ class StructuredOutputs:
         held = gid in self._worker_refs or gid in self._worker_idle
         return held and gid not in self._resend and gid not in self._reading
 
+    def awaiting(self, grammar_id: int) -> bool:
+        """Whether ``grammar_id`` is sent ahead and not known to be read yet (its requests wait in the engine)."""
+        return grammar_id in self._ahead or grammar_id in self._reading
+
     def send_ahead(self, compiled: Compiled) -> None:
         """Send ``compiled`` with the next step, before any request uses it (``ready`` says when it is read)."""
         if compiled.grammar_id not in self._reading:
@@ -325,6 +329,9 @@ class StructuredOutputs:
                 self._release_ref(gid)
         first = len(out.slots) - len(out.new_requests)
         ids, defs = [], []
+        used = {c.grammar_id for c in map(self.requests.get, (r.request_id for r in out.new_requests)) if c}
+        for gid in used & self._ahead.keys():  # (a request of this step uses it: it goes in line, read in the step)
+            del self._ahead[gid]
         for gid, compiled in self._ahead.items():
             defs.append(self._define(compiled))
             self._worker_idle.pop(gid, None)
@@ -343,6 +350,8 @@ class StructuredOutputs:
             self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1
             self._slot_grammar[slot] = gid
             ids.append(gid)
+        for gid in used & self._reading:  # (the worker takes it read, waiting for it if it must: no notice comes)
+            self.ready(gid)
         drops = []
         while self._worker_idle and (len(self._worker_idle) > WORKER_IDLE_GRAMMARS
                                      or sum(self._sizes.get(g, 0) for g in self._worker_idle) > WORKER_IDLE_BYTES):
