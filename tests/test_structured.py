@@ -811,7 +811,7 @@ def test_a_new_grammar_is_read_ahead_while_the_others_run(monkeypatch):
     for _ in range(3):
         step()
     rid = core.add_request([7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=so))
-    assert 0 in core._parked and not admitted
+    assert 0 in core._parked and core.num_parked == 1 and not admitted
     before = len(out[plain])
     walls = [step() for _ in range(5)]
     assert reading.is_set() and carried == [0] and not admitted  # (sent ahead, read off the step's path)

@@ -366,6 +366,11 @@ class EngineCore:
             self._prompt_logprobs.pop(rid, None)
         return ids
 
+    @property
+    def num_parked(self) -> int:
+        """Requests waiting for the worker to read their grammar (they count as waiting)."""
+        return sum(len(requests) for requests in self._parked.values())
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held) or bool(self._parked)
 

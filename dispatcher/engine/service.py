@@ -309,7 +309,8 @@ class EngineService:
 
     def _queue_state(self) -> QueueState:
         sched = self.core.scheduler
-        return QueueState(len(sched.order), len(sched.waiting), sched.kv.num_free, sched.kv.num_blocks)
+        return QueueState(len(sched.order), len(sched.waiting) + self.core.num_parked, sched.kv.num_free,
+                          sched.kv.num_blocks)
 
     async def _receive(self, step: ScheduledStep) -> StepResult | WorkerError:
         sock = self.process.to_engine
