@@ -122,6 +122,10 @@ class Fp8Source:
 
     def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = self.source.get(name)
+        if not t.dtype.is_floating_point:  # (integer codes: a quantization whose config this loader did not read)
+            raise CheckpointError(f"{self.where}: tensor {self.describe(name)!r} is {t.dtype}, not a float: a "
+                                  f"quantized checkpoint whose method is not supported (only FP8 is; its "
+                                  f"quantization_config says which method it uses)")
         if t.dtype != FP8:
             if t.dtype.is_floating_point and t.itemsize == 1:
                 raise CheckpointError(f"{self.where}: tensor {name!r} is {t.dtype}, which is not supported (FP8 "

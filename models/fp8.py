@@ -74,7 +74,7 @@ def checkpoint_scheme(hf: dict, path: str, quantization: str | None = None) -> F
     scheme for an unquantized checkpoint. QuantizationError for every method that is not FP8, naming it."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise QuantizationError(f"--quantization {quantization!r} is not supported (one of {', '.join(QUANTIZATIONS)})")
-    q = hf.get("quantization_config")
+    q = hf.get("quantization_config") or hf.get("compression_config")  # (the older name; vLLM reads both)
     if not q:
         return Fp8Scheme(online=True) if quantization == "fp8" else None
     if not isinstance(q, dict):

@@ -234,6 +234,10 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
                               attention_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
                               short_factor=tuple(f.tensor("rope_factors_short.weight").tolist()),
                               long_factor=tuple(f.tensor("rope_factors_long.weight").tolist()))
+    biased = [n for n in ("blk.0.attn_output.bias", "blk.0.attn_q.bias") if n in t]
+    if biased and (biased[0] == "blk.0.attn_output.bias" or kind not in ("qwen2", "qwen2_moe")):
+        raise CheckpointError(f"{f.path}: attention biases ({biased[0]}) are not supported for {arch} (only "
+                              f"Qwen2's q/k/v biases are)")
     eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     cfg = dict(
         vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=int(need("block_count")),

@@ -29,6 +29,17 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "
                  "gemma2", "gemma3_text", "phi3")
 """Hugging Face ``model_type`` values this loader reads."""
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+ARCH_DEFAULTS = {
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5},
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256,
+               "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3_text": {"rope_theta": 1e6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"},
+    "granite": {"attention_multiplier": 1.0},
+    "granitemoe": {"attention_multiplier": 1.0},
+}
+"""transformers' defaults (its config classes) for keys a config.json leaves out, where they are not the Llama
+defaults (rope_theta 10000, rms_norm_eps 1e-6, silu) this loader otherwise assumes."""
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
@@ -53,11 +64,17 @@ def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
     params = hf.get("rope_parameters") or {}
     local = 0.0
     if "full_attention" in params or "sliding_attention" in params:  # per layer type (Gemma 3)
-        local = float((params.get("sliding_attention") or {}).get("rope_theta") or 0.0)
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+            raise CheckpointError(f"{path}: rope_parameters.sliding_attention.rope_type "
+                                  f"{sliding.get('rope_type', sliding.get('type'))!r} is not supported (the "
+                                  f"sliding-window layers' rope must be 'default')")
+        local = float(sliding.get("rope_theta") or 0.0)
         params = params.get("full_attention") or {}
     if hf.get("model_type") == "gemma3_text":
         local = float(hf.get("rope_local_base_freq") or local or 10000.0)
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    default_theta = ARCH_DEFAULTS.get(hf.get("model_type"), {}).get("rope_theta", 10000.0)
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or default_theta)
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
@@ -75,7 +92,10 @@ def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
         if kind == "yarn":
             if scaling.get("mscale") or scaling.get("mscale_all_dim"):
                 raise CheckpointError(f"{path}: yarn rope scaling with mscale / mscale_all_dim is not supported")
-            factor = float(scaling["factor"])
+            if scaling.get("factor") is None and original:  # (transformers: the context over the original)
+                factor = int(hf["max_position_embeddings"]) / int(original)
+            else:
+                factor = float(scaling["factor"])
             attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
             return theta, RopeScaling("yarn", factor, original_max_position_embeddings=int(original),
                                       beta_fast=float(scaling.get("beta_fast") or 32),
@@ -116,6 +136,8 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         named = f"model_type {kind!r}" + (f" ({arch})" if arch else "")
         raise CheckpointError(f"{path}: {named} is not supported; supported model types: {', '.join(ARCHITECTURES)}")
 
+    hf = {**{k: v for k, v in ARCH_DEFAULTS.get(kind, {}).items() if k != "rope_theta"}, **hf}
+
     def need(key, *alternatives):
         for k in (key, *alternatives):
             if hf.get(k) is not None:
@@ -125,9 +147,13 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
-    if kind == "phi3" and float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise CheckpointError(f"{path}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported (1.0: "
-                              f"rotary over the whole head, as Phi-3 and Phi-4 14B have)")
+    partial = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if kind == "phi3" and float(partial or 1.0) != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor {partial} is not supported (1.0: rotary over the whole "
+                              f"head, as Phi-3 and Phi-4 14B have)")
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{path}: use_bidirectional_attention = true (an encoder, such as EmbeddingGemma) is "
+                              f"not supported: this server runs causal language models")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{path}: mlp_bias = true is not supported")
     if hf.get("shared_intermediate_size"):
@@ -152,7 +178,7 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
             "eos_token_id")),
-        attention_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        attention_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True))), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
     )
     if kind in ("granite", "granitemoe"):
@@ -307,6 +333,7 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
     source = SafetensorsDir(path, norm_shift=1.0 if hf["model_type"] in GEMMA_TYPES else 0.0)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     try:
+        _check_tied_head(cfg, source)
         model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len,
                                        tp=tp), hf["model_type"], source, scheme)
         for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
@@ -317,6 +344,17 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
         return model
     finally:
         source.close()
+
+
+def _check_tied_head(cfg: ModelConfig, source: SafetensorsDir) -> None:
+    """A config that ties the LM head to the embedding, in a checkpoint whose own ``lm_head.weight`` differs from
+    it, is refused: transformers serves the stored head, vLLM the embedding, and one of them is wrong."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if cfg.tie_word_embeddings and head in source.file_of and embed in source.file_of:
+        if not torch.equal(source.get(head), source.get(embed)):
+            raise CheckpointError(f"{source.where}: config.json sets tie_word_embeddings (the LM head is the "
+                                  f"embedding), but the checkpoint's {head} differs from {embed}: set "
+                                  f"tie_word_embeddings to false to serve the stored head")
 
 
 def save_checkpoint(model: CausalLM, path: str, model_type: str) -> None:

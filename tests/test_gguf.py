@@ -260,3 +260,15 @@ def test_bad_gguf_files_get_one_clear_error_each(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory or file, and not a preset"):
         load_model(str(tmp_path / "absent.gguf"), "cpu", torch.float32)
     assert not os.path.exists(tmp_path / "absent.gguf")
+
+
+def test_attention_biases_a_gguf_architecture_has_not_are_refused(tmp_path):
+    """llama.cpp writes a Llama with attention biases (q/k permuted like their weights, an output bias): the loader
+    would read them wrong, so it refuses them, naming the tensor."""
+    from models.checkpoint import CheckpointError
+
+    cfg = preset("tiny-dense").with_(attention_bias=True)
+    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    write_gguf(model, str(tmp_path / "biased.gguf"), "llama")
+    with pytest.raises(CheckpointError, match=r"attention biases \(blk.0.attn_q.bias\) are not supported for llama"):
+        load_gguf(str(tmp_path / "biased.gguf"))

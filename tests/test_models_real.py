@@ -260,3 +260,109 @@ def test_longrope_uses_its_long_factors_past_the_original_context(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configs that change the forward: read as transformers reads them, or refused (never loaded silently wrong)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _saved_and_edited(tmp_path, name: str, extra: dict, edit=None):
+    """``ARCHS[name]`` with ``extra``, saved by transformers, config.json then changed by ``edit``; the reference
+    model transformers loads back from it."""
+    cfg_cls, model_cls, base = ARCHS[name]
+    ARCHS[f"{name}+"] = (cfg_cls, model_cls, {**base, **extra})
+    try:
+        model = hf_model(f"{name}+")
+    finally:
+        del ARCHS[f"{name}+"]
+    model.save_pretrained(tmp_path)
+    if edit is not None:
+        path = tmp_path / "config.json"
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    return getattr(transformers, model_cls).from_pretrained(tmp_path, attn_implementation="eager",
+                                                            dtype=torch.float32).eval()
+
+
+def _without(*keys):
+    return lambda config: [config.pop(k, None) for k in keys]
+
+
+@pytest.mark.parametrize("name, extra, keys", [
+    ("mixtral", {}, ("rope_theta", "rope_parameters")),
+    ("mixtral", {}, ("rms_norm_eps",)),
+    ("phi3", {"rope_parameters": None}, ("rms_norm_eps",)),
+    ("gemma2", {}, ("attn_logit_softcapping", "final_logit_softcapping")),
+    ("gemma2", {}, ("query_pre_attn_scalar",)),
+    ("gemma2", {}, ("hidden_activation", "hidden_act")),
+    ("gemma3", {"rope_parameters": None}, ("rope_parameters",)),
+    ("granite", {}, ("attention_multiplier",)),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": None,
+                                   "original_max_position_embeddings": 64}}, ()),
+    ("qwen2_moe", {"qkv_bias": False}, ()),
+], ids=["mixtral theta", "mixtral eps", "phi3 eps", "gemma2 softcaps", "gemma2 query scalar", "gemma2 activation",
+        "gemma3 theta", "granite attention", "yarn factor from the context", "qwen2-moe no qkv bias"])
+def test_a_key_left_out_means_what_transformers_makes_of_it(tmp_path, name, extra, keys):
+    """A config.json without a key that changes the forward gets transformers' default for that architecture
+    (Mixtral's rope_theta 1e6, Gemma 2's soft-capping 50 / 30, ...), not the Llama default."""
+    ref = _saved_and_edited(tmp_path, name, {k: v for k, v in extra.items() if v is not None}, _without(*keys))
+    ours = load_checkpoint(str(tmp_path), "cpu", torch.float32, max_model_len=MAX_MODEL_LEN)
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([p])).logits[0] for p in PROMPTS])
+    torch.testing.assert_close(ragged_logits(ours, PROMPTS), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, extra, edit, words", [
+    ("gemma3", {"use_bidirectional_attention": True}, None, "use_bidirectional_attention"),
+    ("phi3", {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                "partial_rotary_factor": 0.5}},
+     _without("partial_rotary_factor"), "partial_rotary_factor 0.5"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}},
+     None, "sliding_attention.rope_type 'linear'"),
+], ids=["bidirectional gemma", "partial rotary in rope_parameters", "sliding layers' rope scaling"])
+def test_a_config_that_changes_the_forward_unsupported_is_refused(tmp_path, name, extra, edit, words):
+    _saved_and_edited(tmp_path, name, extra, edit)
+    with pytest.raises(CheckpointError, match=words):
+        load_checkpoint(str(tmp_path), "cpu", torch.float32, max_model_len=MAX_MODEL_LEN)
+
+
+def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+    """tie_word_embeddings, and an lm_head.weight that differs from the embedding: transformers serves the stored
+    head, vLLM the embedding; refused, naming the key."""
+    from safetensors.torch import load_file, save_file
+
+    _saved_and_edited(tmp_path, "qwen2", {"tie_word_embeddings": True})
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tie_word_embeddings"):
+        load_checkpoint(str(tmp_path), "cpu", torch.float32)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # (the same: tied, loads)
+    save_file(tensors, path, metadata={"format": "pt"})
+    load_checkpoint(str(tmp_path), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["undeclared", "compression_config"])
+def test_integer_weights_are_never_read_as_floats(tmp_path, declared):
+    """int8 codes where a float weight belongs (a quantized checkpoint whose config this loader does not read, or
+    one under compressed-tensors' older key ``compression_config``) are refused, not copied in as floats."""
+    from safetensors.torch import load_file, save_file
+
+    _saved_and_edited(tmp_path, "llama", {})
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = (tensors[name] * 500).round().clamp(-127, 127).to(torch.int8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    if declared:
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["compression_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                            "type": "int", "num_bits": 8, "strategy": "channel"}}}}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'int' 8-bit" if declared else "is torch.int8, not a float"):
+        load_checkpoint(str(tmp_path), "cpu", torch.float32)
