@@ -5,6 +5,7 @@ parameters from any ``TensorSource`` (a safetensors directory, ``models.loader``
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator, Protocol
 
 import torch
@@ -13,6 +14,8 @@ from models.config import CheckpointError, ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
 from models.parallel import param_pieces, take_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
+
+log = logging.getLogger("twogrid.loader")
 
 
 def serving_dtype(device: str | torch.device, weights_4bit: bool = False) -> torch.dtype:
@@ -116,6 +119,7 @@ class Fp8Source:
 
     def __init__(self, source: TensorSource, scheme: Fp8Scheme | None):
         self.source, self.scheme, self.where = source, scheme, source.where
+        self.warned_unquantized = False
 
     def describe(self, name: str) -> str:
         return self.source.describe(name)
@@ -170,6 +174,11 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
     module = model.get_submodule(ours.rpartition(".")[0])
     weight, scale, block = module.weight, module.weight_scale, module.block
     parts = [source.get_fp8(key) for key in theirs]
+    if not source.scheme.online and any(sc is None for _, sc in parts) and not source.warned_unquantized:
+        source.warned_unquantized = True  # (vLLM keeps these in bf16; here they are quantized per channel)
+        log.warning("%s: the checkpoint keeps %s unquantized (its quantization_config ignores it); it is served "
+                    "quantized to FP8 per channel, which is not what the checkpoint's authors measured",
+                    source.where, " + ".join(source.describe(k) for k, (_, sc) in zip(theirs, parts) if sc is None))
     rows = [w.shape[0] for w, _ in parts]
     if any(w.dim() != 2 or w.shape[1] != weight.shape[1] for w, _ in parts) or sum(rows) != weight.shape[0]:
         names = " + ".join(source.describe(k) for k in theirs)

@@ -251,3 +251,34 @@ def test_fp8_kv_cache_holds_twice_the_tokens_within_fp8_error(original, tmp_path
     assert engine.worker.kv_caches[0].dtype == FP8
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [len(o) for o in out] == [8, 8, 8]
+
+
+def test_a_projection_an_fp8_checkpoint_leaves_unquantized_is_said_to_be_quantized(tmp_path, monkeypatch, caplog):
+    """An FP8 checkpoint whose config leaves a projection unquantized (``modules_to_not_convert``), loaded where FP8
+    GEMMs run: that projection is quantized per channel with the others (vLLM keeps it in bf16), and the log says
+    so, naming it."""
+    import logging
+
+    import models.transformer as T
+    from models.config import preset
+    from models.loader import load_checkpoint, save_checkpoint
+    from models.transformer import build_model
+
+    model = build_model(preset("tiny-dense"), "cpu", torch.float32, seed=0)
+    save_checkpoint(model, str(tmp_path), "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    kept = "model.layers.1.self_attn.o_proj.weight"
+    for name in list(tensors):
+        if name.endswith("_proj.weight") and name != kept:
+            w = tensors[name].float()
+            scale = w.abs().max() / 448
+            tensors[name], tensors[name + "_scale"] = (w / scale).to(torch.float8_e4m3fn), scale.reshape(())
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "modules_to_not_convert": ["model.layers.1.self_attn.o_proj"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(T, "fp8_gemm_available", lambda device: True)
+    with caplog.at_level(logging.WARNING, logger="twogrid.loader"):
+        load_checkpoint(str(tmp_path), "cpu", torch.bfloat16)
+    assert [r.getMessage() for r in caplog.records if kept in r.getMessage() and "per channel" in r.getMessage()]
