@@ -199,7 +199,7 @@ def keep_int4(model: CausalLM, f: GGUFFile, kind: str) -> int:
             groups = [f.int4_groups(n) for n in names]
             if any(g is None for g in groups):
                 continue
-            if kind in ("llama", "mixtral"):
+            if kind in PERMUTED:
                 groups = [tuple(unpermute_qk(a, heads[t]) for a in g) if t in heads else g
                           for t, g in zip(sources, groups)]
             if model.tp is not None:  # a tensor-parallel rank's rows or whole groups of columns

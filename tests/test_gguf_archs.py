@@ -32,8 +32,9 @@ def _register_gemma_variants():
 _register_gemma_variants()
 
 
-def write_like_llama_cpp(hf, saved: str, path: str, arch: str) -> None:
-    """The GGUF llama.cpp's converter would write from the checkpoint saved in ``saved``."""
+def write_like_llama_cpp(hf, saved: str, path: str, arch: str, attention_qtype: str = "F32") -> None:
+    """The GGUF llama.cpp's converter would write from the checkpoint saved in ``saved`` (the attention
+    projections in ``attention_qtype``)."""
     from safetensors.torch import load_file
 
     c = hf.config
@@ -92,7 +93,12 @@ def write_like_llama_cpp(hf, saved: str, path: str, arch: str) -> None:
         if arch.startswith("granite") and g.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if g.endswith("attn_q.weight") else c.num_key_value_heads
             t = permute_qk(t, heads)
-        w.add_tensor(g, t.contiguous().numpy())
+        quant = gguf.GGMLQuantizationType[attention_qtype]
+        if g.startswith("blk.") and g.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                "attn_output.weight")) and attention_qtype != "F32":
+            w.add_tensor(g, gguf.quants.quantize(t.contiguous().numpy(), quant), raw_dtype=quant)
+        else:
+            w.add_tensor(g, t.contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -115,3 +121,20 @@ def test_llama_cpp_layout_gguf_loads_the_safetensors_weights(name, tmp_path):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), n
     torch.testing.assert_close(ragged_logits(from_gguf, PROMPTS), ragged_logits(from_st, PROMPTS), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_granites_4bit_attention_is_unpermuted_like_its_dequantized_one(tmp_path):
+    """On the CPU in bfloat16 a Q4_0 Granite GGUF keeps its attention projections 4-bit: their Q and K rows are
+    taken out of llama.cpp's order as the dequantized ones are (they were not: the rotary halves came scrambled)."""
+    from models.int4 import Int4Linear, int4_available
+
+    if not int4_available("cpu", torch.bfloat16):
+        pytest.skip("no int4 CPU GEMM in this torch")
+    hf = hf_model("granite", seed=4)
+    hf.save_pretrained(tmp_path / "hf")
+    write_like_llama_cpp(hf, str(tmp_path / "hf"), str(tmp_path / "m.gguf"), "granite", "Q4_0")
+    dense = load_gguf(str(tmp_path / "m.gguf"), "cpu", torch.float32, max_model_len=MAX_MODEL_LEN)
+    kept = load_gguf(str(tmp_path / "m.gguf"), "cpu", torch.bfloat16, max_model_len=MAX_MODEL_LEN)
+    qkv = kept.layers[0].qkv_proj
+    assert isinstance(qkv, Int4Linear)
+    torch.testing.assert_close(qkv.dequantized().float(), dense.layers[0].qkv_proj.weight, atol=2e-2, rtol=2e-2)

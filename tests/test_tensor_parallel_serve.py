@@ -72,6 +72,47 @@ def test_two_ranks_serve_and_a_killed_rank_ends_the_server_cleanly(tmp_path):
     assert not os.path.exists(ipc)
 
 
+RANK0_FAILS_ONCE = """
+import os
+if os.environ.get("TWOGRID_TP_RANK") == "0":
+    import dispatcher.runtime.worker as w
+    real, calls = w.ModelWorker.submit, [0]
+    def submit(self, step):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected: rank 0 only")
+        return real(self, step)
+    w.ModelWorker.submit = submit
+"""
+
+
+def test_a_step_that_fails_on_rank_0_alone_ends_the_group(tmp_path):
+    """A step error on rank 0 only (an out-of-memory on GPU 0, say) leaves rank 1 waiting in that step's
+    collectives: the next step would pair with it there and answer wrong tokens without an error. So the server
+    stops with an error, as when a rank dies, and no later request gets tokens other than one worker's."""
+    from dispatcher import LLM
+    from scheduler.request import SamplingParams
+
+    (tmp_path / "sitecustomize.py").write_text(RANK0_FAILS_ONCE)
+    rounds = [token_prompts(1, 512, 16, 17, seed=s)[0] for s in (1, 2, 3)]
+    want = [o.outputs[0].token_ids for o in LLM(MODEL, device="cpu", max_model_len=256, num_kv_blocks=96).generate(
+        [{"prompt_token_ids": p} for p in rounds], SamplingParams(max_tokens=1, temperature=0.0))]
+    server = Server(ARGS, str(tmp_path / "server.log"),
+                    env={"PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}).wait_healthy()
+    got = []
+    try:
+        for p in rounds:  # (one request at a time: each one 16-token prefill step)
+            (s,), _ = run_streams(server.base, [dict(request_body(p, 1, seed=1), temperature=0.0)])
+            got.append((s.tokens, s.error))
+        code = server.wait(30)
+    finally:
+        server.stop()
+    assert got[0][1] is not None and "rank 0 of the tensor-parallel group" in got[0][1], got[0]
+    for (tokens, error), w in zip(got[1:], want[1:]):
+        assert error is not None or tokens == w, (tokens, w)
+    assert code == 1
+
+
 def test_a_size_that_does_not_split_the_model_is_refused_before_serving():
     out = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--model", MODEL, "--device", "cpu",
                           "--tensor-parallel-size", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -222,6 +222,11 @@ class EngineService:
         """Take a step's result: the scheduler's update, then one Outputs to the front end."""
         core = self.core
         result = await self._receive(step)
+        if isinstance(result, WorkerError) and isinstance(self.process, WorkerGroup):
+            # (rank 0 failed alone: the other ranks wait in the step's collectives, and the next step would pair
+            # with this one there, silently wrong: the group cannot go on)
+            raise WorkerDied(f"step {result.step_id} failed on rank 0 of the tensor-parallel group, whose ranks can "
+                             f"no longer be kept in step: {result.message}")
         if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
             ids = core.fail_step(step, [s.out for s in self._in_flight])
             message = f"step failed: {result.message}"
