@@ -77,7 +77,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop |= (top_k[:, None] > 0) & (ranks >= top_k[:, None])
     if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        drop |= probs.cumsum(dim=-1) - probs > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p; a row at 1 keeps all (its float32 sum can pass 1)
+        drop |= (top_p[:, None] < 1) & (probs.cumsum(dim=-1) - probs > top_p[:, None])
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 

@@ -163,6 +163,8 @@ class SamplingParams:
     def _validate_extras(self, vocab_size: int | None, eos_token_ids: Iterable[int]) -> None:
         """n, min_p, the penalties, min_tokens, logit_bias, allowed_token_ids, bad words, prompt_logprobs: vLLM's
         ranges, and the worker's table limits."""
+        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
         if self.n > 1 and self.temperature == 0:

@@ -48,6 +48,18 @@ def test_greedy_and_seeded_sampling_do_not_depend_on_the_batch():
     assert len(set(draws.flatten().tolist())) > 5  # different seeds and positions draw different tokens
 
 
+def test_top_p_one_drops_nothing_beside_a_row_that_uses_top_p():
+    """A row at top_p 1 keeps every token, also in a batch where another row's top_p makes a top_p tensor (the
+    float32 running sum of its sorted probabilities can pass 1 and dropped the least likely tokens), so its seeded
+    sample does not depend on the batch."""
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(12)) * 1.5
+    assert not torch.isinf(apply_top_k_top_p(logits, None, torch.tensor([1.0]))).any()
+    seed, pos = torch.tensor([2980520]), torch.tensor([9])
+    alone = sample_tokens(logits, RowParams(torch.tensor([1.0]), None, None, seed), pos)
+    batch = RowParams(torch.tensor([1.0, 1.0]), None, torch.tensor([1.0, 0.9]), seed.repeat(2))
+    assert int(sample_tokens(logits.repeat(2, 1), batch, pos.repeat(2))[0]) == int(alone[0])
+
+
 def test_sampled_frequencies_follow_softmax_with_top_k_and_top_p():
     vocab, n = 6, 20000
     logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.04, 0.01])).expand(n, vocab)

@@ -224,3 +224,13 @@ def test_on_the_gpu_with_cuda_graphs(method):
         params = SamplingParams(max_tokens=40, ignore_eos=True, **kw)
         assert tokens(sd, params) == tokens(plain, params), name
     assert tokens(plain, SamplingParams(max_tokens=24, ignore_eos=True)) == before
+
+
+def test_a_seed_outside_int64_is_refused_before_it_reaches_a_step(plain):
+    """The offline API's seed range is the HTTP API's (int64): one outside it is a RequestError naming it, and the
+    request beside it is not taken down with a failed step."""
+    bystander = SamplingParams(max_tokens=3, ignore_eos=True)
+    for seed in (2**63, -2**63 - 1, 1.5, True):
+        with pytest.raises(RequestError, match="seed must be an integer"):
+            plain.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=3, temperature=1.0, seed=seed), bystander])
+    assert len(plain.generate([[8, 9]], bystander)[0].outputs[0].token_ids) == 3
