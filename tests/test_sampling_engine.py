@@ -176,6 +176,16 @@ def test_prompt_logprobs_agree_with_each_prefix(chunk):
             assert ranks[p] == 1 + sum(v > ref[prompt[p]] for v in ref.values())
 
 
+def test_prompt_logprobs_zero_gives_each_prompt_tokens_own_logprob_only(plain):
+    """prompt_logprobs 0 (what ``echo`` with ``logprobs`` 0 asks): each prompt token's own log-probability and rank,
+    no top tokens (the step's empty top-token section took the engine down)."""
+    prompt = [7, 3, 99, 250, 3]
+    out = plain.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert all(list(entry) == [t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:]))
+    assert all(r >= 1 for r in out.prompt_logprob_ranks[1:])
+
+
 def test_prompt_logprobs_skip_the_prefix_cache():
     """A prompt whose blocks the prefix cache holds is computed again for a request asking for its prompt's
     logprobs (as vLLM does): every entry is there, equal to a cold run's."""

@@ -1046,8 +1046,10 @@ LLAMA_OUT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pari
              '{"name": "get_time", "parameters": {}}')
 
 
-@pytest.mark.parametrize("name,text,content", [("hermes", HERMES_OUT, "I will check.\n"),
-                                               ("llama3_json", LLAMA_OUT, None)])
+@pytest.mark.parametrize("name,text,content", [
+    ("hermes", HERMES_OUT, "I will check.\n"),
+    ("hermes", HERMES_OUT + "\n\nIt is sunny.\n\nAnything else?", "I will check.\n\n\nIt is sunny.\n\nAnything else?"),
+    ("llama3_json", LLAMA_OUT, None)], ids=["hermes", "hermes, text after the calls", "llama3_json"])
 def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
     parser = PARSERS[name]
     got_content, calls = parser.parse(text)
@@ -1070,7 +1072,8 @@ def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
 
 @pytest.mark.parametrize("name,text", [("hermes", "Plain answer, no call."), ("hermes", "<tool_call>\nnot json"),
                                        ("llama3_json", "Plain answer {with braces}"),
-                                       ("llama3_json", '{"city": "Paris"}')])
+                                       ("llama3_json", '{"city": "Paris"}'),
+                                       ("llama3_json", '{"name": "Alice", "age": 30}')])
 def test_text_that_is_not_a_call_stays_content(name, text):
     content, calls = PARSERS[name].parse(text)
     assert calls == [] and content == text

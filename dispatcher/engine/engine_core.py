@@ -462,9 +462,9 @@ class EngineCore:
                                      result.fused, result.not_captured))
         if result.prompt_logprobs:
             top = result.num_prompt_top_logprobs
-            step.prompt_logprobs = (unpack(result.prompt_logprobs, F32, (-1, 1 + top)),
-                                    unpack(result.prompt_logprob_ids, I32, (-1, top)),
-                                    unpack(result.prompt_logprob_ranks, I32))
+            values = unpack(result.prompt_logprobs, F32, (-1, 1 + top))
+            step.prompt_logprobs = (values, unpack(result.prompt_logprob_ids, I32, (len(values), top)),
+                                    unpack(result.prompt_logprob_ranks, I32))  # (top may be 0: no ids)
         return model_result(result, step.out)
 
     def execute(self, step: ScheduledStep) -> ModelResult:

@@ -101,8 +101,12 @@ def _call_from_json(text: str, arguments_keys=("arguments", "parameters")) -> To
     return _call_from_obj(obj, arguments_keys)
 
 
-def _call_from_obj(obj, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
+def _call_from_obj(obj, arguments_keys=("arguments", "parameters"), need_arguments: bool = False) -> ToolCall | None:
+    """A call from a parsed object with a string ``name`` (and, with ``need_arguments``, one of the arguments keys:
+    Llama 3's JSON calls are plain objects, and content such as ``{"name": "Alice"}`` is not one)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if need_arguments and not any(k in obj for k in arguments_keys):
         return None
     args = next((obj[k] for k in arguments_keys if k in obj), {})
     return ToolCall.of(obj["name"], args)
@@ -134,6 +138,8 @@ class _HermesStream(ToolStream):
         self.buf = ""
         self.in_call = False
         self.seen_call = False
+        self.spaces = ""
+        """Whitespace after a call, held until content follows it (dropped if a call or the end does)."""
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buf += delta
@@ -158,11 +164,19 @@ class _HermesStream(ToolStream):
                 break
             content.append(self._content(self.buf[:start]))
             self.buf, self.in_call, self.seen_call = self.buf[start + len(HermesParser.OPEN):], True, True
+            self.spaces = ""
         return "".join(content), calls
 
     def _content(self, text: str) -> str:
-        """Text outside calls; after a call, whitespace between calls is not content."""
-        return text if not self.seen_call or text.strip() else ""
+        """Text outside calls; after a call, whitespace between calls (or after the last) is not content, and
+        whitespace before content is, however the text arrives in pieces."""
+        if not self.seen_call:
+            return text
+        text, self.spaces = self.spaces + text, ""
+        if text.strip():
+            return text
+        self.spaces = text
+        return ""
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
@@ -223,7 +237,7 @@ class _Llama3Stream(ToolStream):
             except ValueError:
                 self.buf = rest
                 break
-            call = _call_from_obj(obj)
+            call = _call_from_obj(obj, need_arguments=True)
             if call is None:  # JSON, but not a call: everything from here on is content
                 self.mode = "content"
                 text, self.buf = rest, ""
