@@ -131,7 +131,7 @@ class Fp8Source:
                                   f"quantized checkpoint whose method is not supported (only FP8 is; its "
                                   f"quantization_config says which method it uses)")
         if t.dtype != FP8:
-            if t.dtype.is_floating_point and t.itemsize == 1:
+            if t.itemsize == 1:
                 raise CheckpointError(f"{self.where}: tensor {name!r} is {t.dtype}, which is not supported (FP8 "
                                       f"weights are float8_e4m3fn)")
             return t, None

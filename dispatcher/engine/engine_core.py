@@ -217,14 +217,13 @@ class EngineCore:
         self.stats = EngineStats(accepted_per_pos=[0] * self.scheduler.k_max)
         self._next_id = 0
         self._held: dict[str, tuple[list[Request], object]] = {}
-        """A first choice's id -> the other choices of its request (n > 1), queued once its prompt is computed, and
-        their compiled grammar (None: none, or the offline engine's, compiled when they are queued)."""
+        """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
+        queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
+        a step registers serve the steps after it) instead of computing them again; with the first's compiled
+        grammar (None: none, or the offline engine's, compiled when they are queued)."""
         self._parked: dict[int, list[Request]] = {}
         """Structured requests by grammar id, while the worker reads their grammar, sent ahead so that no step waits
         for it (``StructuredOutputs.send_ahead``): they join the scheduler when a step result says it is read."""
-        """n > 1: the children after the first, by the first's id, until a step schedules the rest of its prompt:
-        queued then, so that the next step admits them and they find the prompt's KV blocks (prefix caching: blocks
-        a step registers serve the steps after it) instead of computing them again."""
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         """Requests with ``prompt_logprobs`` until their first output, which carries them."""
         self._seeds = np.random.default_rng(args.seed)
@@ -327,17 +326,8 @@ class EngineCore:
         self._prompt_logprobs.pop(request_id, None)
         self.structured.remove(request_id)
         self._release(request_id)
-        for parked in self._parked.values():
-            for i, r in enumerate(parked):
-                if r.request_id == request_id:
-                    del parked[i]
-                    return True
-        for held, _ in self._held.values():
-            for i, r in enumerate(held):
-                if r.request_id == request_id:
-                    del held[i]
-                    return True
-        return self.scheduler.abort(request_id)
+        waiting = [*self._parked.values(), *(held for held, _ in self._held.values())]
+        return _remove_request(waiting, request_id) or self.scheduler.abort(request_id)
 
     def _release(self, first_id: str) -> None:
         """Queue the children held back for ``first_id``, with the first's grammar (a compile here would hold the
@@ -675,3 +665,13 @@ def _read_curve(path: str) -> CostCurve:
         raise ValueError(f"av_cost_table {path!r}: not a step-cost curve {{\"tokens\": [...], \"ms\": [...]}} "
                          f"({exc})") from None
     return _curve(data, path)
+
+
+def _remove_request(groups: list[list[Request]], request_id: str) -> bool:
+    """Remove the request ``request_id`` from whichever of ``groups`` holds it; whether one did."""
+    for group in groups:
+        for i, r in enumerate(group):
+            if r.request_id == request_id:
+                del group[i]
+                return True
+    return False

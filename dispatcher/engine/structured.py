@@ -159,13 +159,11 @@ class StructuredOutputs:
         except ImportError as exc:
             raise RequestError(f"{params.where}: structured outputs need xgrammar, which cannot be imported here "
                                f"({exc}): pip install xgrammar") from None
-        with self._cache_lock:
-            compiled = self._cache.get(params.key)
-            if compiled is not None:  # (at once: no wait for a pool thread that others' compiles may hold)
-                self._cache.move_to_end(params.key)
-                done: Future = Future()
-                done.set_result(compiled)
-                return done
+        compiled = self._from_cache(params.key)
+        if compiled is not None:  # (at once: no wait for a pool thread that others' compiles may hold)
+            done: Future = Future()
+            done.set_result(compiled)
+            return done
         with self._lock:
             fut = self._compiling.get(params.key)
             created = fut is None
@@ -194,12 +192,17 @@ class StructuredOutputs:
             if self._compiling.get(params.key) is fut:
                 fut.cancel()
 
-    def _compile(self, params: StructuredOutputsParams) -> Compiled:
+    def _from_cache(self, key: tuple) -> Compiled | None:
         with self._cache_lock:
-            compiled = self._cache.get(params.key)
+            compiled = self._cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(params.key)
-                return compiled
+                self._cache.move_to_end(key)
+            return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Compiled:
+        compiled = self._from_cache(params.key)
+        if compiled is not None:
+            return compiled
         grammar = self._compile_grammar(params)
         serialized = grammar.serialize_json()
         with self._cache_lock:
@@ -295,6 +298,10 @@ class StructuredOutputs:
             self._reading.discard(grammar_id)
             self._release_ref(grammar_id)
 
+    def _take_ref(self, grammar_id: int) -> None:
+        self._worker_idle.pop(grammar_id, None)
+        self._worker_refs[grammar_id] = self._worker_refs.get(grammar_id, 0) + 1
+
     def _release_ref(self, grammar_id: int) -> None:
         self._worker_refs[grammar_id] -= 1
         if not self._worker_refs[grammar_id]:
@@ -334,8 +341,7 @@ class StructuredOutputs:
             del self._ahead[gid]
         for gid, compiled in self._ahead.items():
             defs.append(self._define(compiled))
-            self._worker_idle.pop(gid, None)
-            self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1  # (held while it is read)
+            self._take_ref(gid)  # (held while it is read)
             self._reading.add(gid)
         self._ahead.clear()
         for req, slot in zip(out.new_requests, out.slots[first:].tolist()):
@@ -346,8 +352,7 @@ class StructuredOutputs:
             gid = compiled.grammar_id
             if (gid not in self._worker_refs and gid not in self._worker_idle) or gid in self._resend:
                 defs.append(self._define(compiled))
-            self._worker_idle.pop(gid, None)
-            self._worker_refs[gid] = self._worker_refs.get(gid, 0) + 1
+            self._take_ref(gid)
             self._slot_grammar[slot] = gid
             ids.append(gid)
         for gid in used & self._reading:  # (the worker takes it read, waiting for it if it must: no notice comes)

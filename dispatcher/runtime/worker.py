@@ -438,7 +438,7 @@ class ModelWorker:
         runs as one replay (``_submit_fused``), any other step op by op."""
         not_captured = None
         self.grammars.admit(step)
-        ready = self.grammars.ready() if self.grammars.reading else ()
+        ready = pack(self.grammars.ready()) if self.grammars.reading else b""
         if self.fused is not None:
             slots = unpack(step.slots)
             key = self.fused.key_for(step, slots)
@@ -486,7 +486,7 @@ class ModelWorker:
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit,
-                        not_captured=not_captured, grammars_ready=pack(list(ready)) if ready else b"")
+                        not_captured=not_captured, grammars_ready=ready)
 
     def _without_uncaptured(self, step: Step, not_captured: list[str]) -> tuple[Step, list[str] | None]:
         """Delayed capture: the step with each forward whose graph is not captured yet set to run eagerly (and that
@@ -500,7 +500,7 @@ class ModelWorker:
                 not_captured.append(role)
         return (msgspec.structs.replace(step, **changes) if changes else step), not_captured or None
 
-    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray, ready=()) -> "_Pending":
+    def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray, ready: bytes = b"") -> "_Pending":
         """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
         one copy with the step's state changes; the result rows copied back as they lie."""
         padded = np.full(key.target.size, self.state.dummy, np.int64)
@@ -519,7 +519,7 @@ class ModelWorker:
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, None, self.download.start(rows.flatten()), clock, bool(key.num_new_drafts), *jit,
-                        fused=True, grammars_ready=pack(list(ready)) if ready else b"")
+                        fused=True, grammars_ready=ready)
 
     def _collect_fused(self, pending: "_Pending") -> StepResult:
         """A fused step's result from its rows: accepted drafts, the tokens at the step width, the confidences."""
