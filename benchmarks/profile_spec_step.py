@@ -195,7 +195,8 @@ def profile_mixed(args, method: str, concurrency: int) -> dict:
     """``--mixed-steps M``: what a served step costs when a request arrives. ``concurrency`` requests decode
     (synchronous steps, fused as served); M times a request of ``--mixed-prompt-len`` tokens joins, and the step
     that prefills it beside everyone's decode (a mixed step, op by op around the PIECEWISE graphs) is run alone: its
-    wall time, kernel time and operators launched outside graph replays; then as many steady decode steps, alike."""
+    wall time, kernel time and operators launched outside graph replays; then as many steady decode steps, alike.
+    2M arrivals: the even ones' steps timed plainly, the odd ones' profiled (kernels, operators counted)."""
     k = 0 if method == "none" else int(method.split(":")[1])
     spec = None if method == "none" else {"method": method.split(":")[0], "num_speculative_tokens": k}
     cfg = resolve(json.loads(args.compilation_config), spec, platform="sm100",
@@ -213,26 +214,50 @@ def profile_mixed(args, method: str, concurrency: int) -> dict:
     engine.worker.submit = lambda step: kinds.append(step.target.kind if step.target else "none") or submit(step)
     for _ in range(args.warm_steps):
         engine.step()
-    cells: dict[str, list[tuple[float, float | None, int]]] = {"mixed": [], "decode": []}
-    for i in range(args.mixed_steps):
+    w = engine.worker  # (each phase's host time in a timed mixed step: launches, no synchronization)
+    phases = {"schedule": Timed(engine, "schedule"), "update": Timed(engine, "update"),
+              "upload": Timed(w, "_upload"), "state": Timed(w, "_apply_state_changes"),
+              "inputs": Timed(w, "_target_inputs"), "forward": Timed(w.runtime, "execute"),
+              "verify": Timed(w, "_verify"), "advance": Timed(w, "_advance"), "collect": Timed(w, "collect")}
+    if w.drafter is not None:
+        phases["draft"] = Timed(w.drafter, "propose")
+    host: dict[str, list[float]] = {name: [] for name in phases}
+    walls: dict[str, list[float]] = {"mixed": [], "decode": []}
+    counted: dict[str, list[tuple[float | None, int]]] = {"mixed": [], "decode": []}
+    for i in range(2 * args.mixed_steps):  # (even arrivals timed alone; odd ones profiled and their ops counted,
+        # whose dispatch hooks would inflate the wall time)
         engine.add_request([50 + (t * 7 + i) % 400 for t in range(args.mixed_prompt_len)], params)
         for cell in ("mixed", "decode"):
             if cell == "decode":  # (a few steps after the arrival: the newcomer has its drafts by then)
                 for _ in range(4):
                     engine.step()
             kinds.clear()
-            with OpCounter() as counter:
-                wall, kernels = kernel_ms(engine.step, args.device)
-            launched = sum(c for op, c in counter.counts.items() if op not in VIEWS)
+            if i % 2 == 0:
+                for t in phases.values():
+                    t.calls.clear()
+                sync(args.device)
+                t0 = time.perf_counter()
+                engine.step()
+                sync(args.device)
+                wall, kernels, launched = (time.perf_counter() - t0) * 1e3, None, 0
+                if cell == "mixed" and "mixed" in kinds:
+                    for name, t in phases.items():
+                        host[name].append(sum(t.calls))
+            else:
+                with OpCounter() as counter:
+                    _, kernels = kernel_ms(engine.step, args.device)
+                launched = sum(c for op, c in counter.counts.items() if op not in VIEWS)
             kind = "mixed" if "mixed" in kinds else "decode" if "uniform_decode" in kinds else None
             if kind == cell:
-                cells[cell].append((wall, kernels, launched))
+                walls[cell].append(wall) if i % 2 == 0 else counted[cell].append((kernels, launched))
     med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
-    row = {"method": method, "concurrency": concurrency, "mixed_prompt_len": args.mixed_prompt_len}
-    for cell, runs in cells.items():
-        row.update({f"{cell}_steps": len(runs), f"{cell}_wall_ms": med([r[0] for r in runs]),
-                    f"{cell}_kernel_ms": med([r[1] for r in runs if r[1] is not None]),
-                    f"{cell}_launching_ops": med([r[2] for r in runs])})
+    row = {"method": method, "concurrency": concurrency, "mixed_prompt_len": args.mixed_prompt_len,
+           "compilation_config": json.loads(args.compilation_config)}
+    for cell in walls:
+        row.update({f"{cell}_steps": len(walls[cell]), f"{cell}_wall_ms": med(walls[cell]),
+                    f"{cell}_kernel_ms": med([r[0] for r in counted[cell] if r[0] is not None]),
+                    f"{cell}_launching_ops": med([r[1] for r in counted[cell]])})
+    row["mixed_host_ms"] = {name: med(xs) for name, xs in host.items()}
     print(json.dumps(row), flush=True)
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

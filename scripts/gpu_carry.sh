@@ -4,14 +4,14 @@
 #               the versions installed here of msgspec, pyzmq, gguf, aiohttp-cors, xgrammar, openai, jsonschema,
 #               py-spy and their needs
 #   .gpu_data/  sharegpt.json (the ShareGPT prompts) and smollm2-tokenizer/ (SmolLM2's tokenizer as a directory)
-#   .gpu_gguf/  the default model's GGUF (98 MB) in pieces of PART_MIB MiB (default 27: p00-p03): a call carries at
-#               most 64 MiB with the tracked tree (~21 MiB), so the pieces travel over three calls made within the
-#               machine's 30 s warm window, each copying its pieces out of the tree (cp .gpu_gguf/p0* /root/), the
-#               last joining them into the cache:
+#   .gpu_gguf/  the default model's GGUF (98 MB) in three pieces: p00 of FIRST_MIB MiB (default 18: it travels with
+#               .whl and .gpu_data), p01 and p02 the rest in halves (~38 MiB). A call carries at most 64 MiB with the
+#               tracked tree (~22 MiB), so the pieces travel over three calls made within the machine's 30 s warm
+#               window, each copying its piece out of the tree (to /root), the last joining them into the cache:
 #               scripts/gpu_chain.sh 1|2|3 does it, checked against the pinned sha256
-# Run from the repository root after `pip install -e '.[test]'`:  bash scripts/gpu_carry.sh [PART_MIB]
+# Run from the repository root after `pip install -e '.[test]'`:  bash scripts/gpu_carry.sh [FIRST_MIB]
 set -euo pipefail
-part_mib=${1:-27}
+first_mib=${1:-18}
 wheels=(msgspec pyzmq gguf aiohttp-cors xgrammar apache-tvm-ffi openai httpx2 httpcore2 truststore jiter pydantic
         pydantic-core annotated-types typing-inspection sniffio distro
         jsonschema jsonschema-specifications referencing rpds-py  # (jsonschema: the served structured-output test)
@@ -43,5 +43,9 @@ print(gguf)
 PY
 gguf=$(python3 -c "from models.default_model import default_model_path; print(default_model_path())")
 rm -f .gpu_gguf/p*
-split -b "${part_mib}M" -d -a 2 "$gguf" .gpu_gguf/p
+size=$(stat -c %s "$gguf")
+first=$((first_mib * 2**20)); half=$(( (size - first + 1) / 2 ))
+head -c "$first" "$gguf" > .gpu_gguf/p00
+tail -c +"$((first + 1))" "$gguf" | head -c "$half" > .gpu_gguf/p01
+tail -c +"$((first + half + 1))" "$gguf" > .gpu_gguf/p02
 du -sh .whl .gpu_data .gpu_gguf/*
