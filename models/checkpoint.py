@@ -9,6 +9,7 @@ import logging
 from typing import Iterator, Protocol
 
 import torch
+from torch import nn
 
 from models.config import CheckpointError, ModelConfig
 from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
@@ -119,7 +120,6 @@ class Fp8Source:
 
     def __init__(self, source: TensorSource, scheme: Fp8Scheme | None):
         self.source, self.scheme, self.where = source, scheme, source.where
-        self.warned_unquantized = False
 
     def describe(self, name: str) -> str:
         return self.source.describe(name)
@@ -170,20 +170,18 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
     """An ``Fp8Linear``'s weight and scale from the checkpoint's parts (fused along rows): FP8 parts copied with
     their scales (a per-tensor scale repeated per row; block scales as they are when every part starts on a block
     row), parts in a float dtype quantized (``--quantization fp8``); block parts that do not start on a block row
-    are dequantized and requantized as one. Returns the scale's parameter name."""
+    are dequantized and requantized as one. A projection the checkpoint leaves unquantized stays so
+    (``_keep_unquantized``). Returns the name of the parameter set beside the weight (its scale, or the weight)."""
     module = model.get_submodule(ours.rpartition(".")[0])
     weight, scale, block = module.weight, module.weight_scale, module.block
     parts = [source.get_fp8(key) for key in theirs]
-    if not source.scheme.online and any(sc is None for _, sc in parts) and not source.warned_unquantized:
-        source.warned_unquantized = True  # (vLLM keeps these in bf16; here they are quantized per channel)
-        log.warning("%s: the checkpoint keeps %s unquantized (its quantization_config ignores it); it is served "
-                    "quantized to FP8 per channel, which is not what the checkpoint's authors measured",
-                    source.where, " + ".join(source.describe(k) for k, (_, sc) in zip(theirs, parts) if sc is None))
     rows = [w.shape[0] for w, _ in parts]
     if any(w.dim() != 2 or w.shape[1] != weight.shape[1] for w, _ in parts) or sum(rows) != weight.shape[0]:
         names = " + ".join(source.describe(k) for k in theirs)
         got = " + ".join(str(tuple(w.shape)) for w, _ in parts)
         raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(weight.shape)} for {ours}")
+    if not source.scheme.online and any(sc is None for _, sc in parts):
+        return _keep_unquantized(model, ours, theirs, parts, source)
     starts = [sum(rows[:i]) for i in range(len(rows))]
     aligned = block is None or source.scheme.block == block and all(
         s % block[0] == 0 and sc is not None for s, (_, sc) in zip(starts, parts))
@@ -207,6 +205,29 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
             else:
                 scale.narrow(0, start // block[0], sc.shape[0]).copy_(sc)
     return ours.removesuffix("weight") + "weight_scale"
+
+
+def _keep_unquantized(model: CausalLM, ours: str, theirs: list[str], parts, source: Fp8Source) -> str:
+    """A projection the FP8 checkpoint leaves unquantized (its ``modules_to_not_convert`` / ``ignore``), served as
+    the checkpoint holds it, as vLLM does: the ``Fp8Linear`` built for it becomes an ``nn.Linear`` in the serving
+    dtype, its bias kept, its weight the parts' values (an FP8 part of a fused projection dequantized beside an
+    unquantized one). Returns the weight's name."""
+    from models.transformer import no_default_init
+
+    path = ours.rpartition(".")[0]
+    parent, _, child = path.rpartition(".")
+    old = model.get_submodule(path)
+    dtype = model.embed_tokens.weight.dtype
+    with no_default_init():
+        plain = nn.Linear(old.in_features, old.out_features, bias=False, device=old.weight.device, dtype=dtype)
+    plain.requires_grad_(False)
+    plain.weight.copy_(torch.cat([w.float() if sc is None else dequantize(w, sc, source.scheme.block)
+                                  for w, sc in parts]))
+    plain.bias = old.bias  # (the loader sets it by its own name, before or after)
+    setattr(model.get_submodule(parent), child, plain)
+    log.info("%s: %s kept in %s, unquantized as the checkpoint holds it (its quantization_config ignores it)",
+             source.where, " + ".join(source.describe(k) for k in theirs), str(dtype).removeprefix("torch."))
+    return ours
 
 
 def fold_residual_scale(model: CausalLM) -> None:

@@ -37,7 +37,7 @@ from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.fused import argmax_prob
 from models.layers import RMSNorm, RotaryEmbedding
-from models.transformer import CausalLM, DecoderLayer, _no_default_init, padded_vocab
+from models.transformer import CausalLM, DecoderLayer, no_default_init, padded_vocab
 
 log = logging.getLogger("twogrid")
 
@@ -185,7 +185,7 @@ def build_draft_head(target: CausalLM, seed: int, method: str = "eagle") -> Eagl
 
 def _place(target: CausalLM, cfg: ModelConfig, shape: HeadShape) -> EagleHead:
     param = next(target.parameters())
-    with torch.device(param.device), _no_default_init():
+    with torch.device(param.device), no_default_init():
         return EagleHead(target, cfg, shape).to(param.dtype)
 
 

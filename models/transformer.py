@@ -298,7 +298,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
         if seed is not None:
             return shard_model(build_model(cfg, device, dtype, seed, None, max_model_len),
                                build_model(cfg, device, dtype, None, None, max_model_len, tp), tp)
-    with torch.device(device), _no_default_init():
+    with torch.device(device), no_default_init():
         model = CausalLM(cfg, kept, tp).to(dtype)
         model.rotary = make_rotary(cfg, max_model_len)
     if seed is not None:
@@ -315,7 +315,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
 
 
 @contextmanager
-def _no_default_init():
+def no_default_init():
     """nn.Linear and nn.Embedding constructed without their random initialization (as transformers'
     no_init_weights does): it would cost seconds on a real model whose weights are all loaded after."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters

@@ -253,32 +253,45 @@ def test_fp8_kv_cache_holds_twice_the_tokens_within_fp8_error(original, tmp_path
     assert [len(o) for o in out] == [8, 8, 8]
 
 
-def test_a_projection_an_fp8_checkpoint_leaves_unquantized_is_said_to_be_quantized(tmp_path, monkeypatch, caplog):
+def test_a_projection_an_fp8_checkpoint_leaves_unquantized_stays_unquantized(tmp_path, monkeypatch, caplog):
     """An FP8 checkpoint whose config leaves a projection unquantized (``modules_to_not_convert``), loaded where FP8
-    GEMMs run: that projection is quantized per channel with the others (vLLM keeps it in bf16), and the log says
-    so, naming it."""
+    GEMMs run: that projection is served as the checkpoint holds it (vLLM keeps it in bf16), the others in FP8;
+    a fused projection with one unquantized part (q_proj beside FP8 k_proj and v_proj) stays unquantized whole,
+    its FP8 parts dequantized; the log names them; the logits match the checkpoint's values loaded without FP8
+    GEMMs (dequantized everywhere)."""
     import logging
 
     import models.transformer as T
     from models.config import preset
+    from models.fp8 import Fp8Linear
     from models.loader import load_checkpoint, save_checkpoint
     from models.transformer import build_model
 
     model = build_model(preset("tiny-dense"), "cpu", torch.float32, seed=0)
     save_checkpoint(model, str(tmp_path), "llama")
     tensors = load_file(tmp_path / "model.safetensors")
-    kept = "model.layers.1.self_attn.o_proj.weight"
+    kept = ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight")
     for name in list(tensors):
-        if name.endswith("_proj.weight") and name != kept:
+        if name.endswith("_proj.weight") and name not in kept:
             w = tensors[name].float()
             scale = w.abs().max() / 448
             tensors[name], tensors[name + "_scale"] = (w / scale).to(torch.float8_e4m3fn), scale.reshape(())
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "modules_to_not_convert": ["model.layers.1.self_attn.o_proj"]}
+                                     "modules_to_not_convert": [k.removesuffix(".weight") for k in kept]}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    want = load_checkpoint(str(tmp_path), "cpu", torch.float32)  # (no FP8 GEMMs here: every projection dequantized)
     monkeypatch.setattr(T, "fp8_gemm_available", lambda device: True)
-    with caplog.at_level(logging.WARNING, logger="twogrid.loader"):
-        load_checkpoint(str(tmp_path), "cpu", torch.bfloat16)
-    assert [r.getMessage() for r in caplog.records if kept in r.getMessage() and "per channel" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="twogrid.loader"):
+        got = load_checkpoint(str(tmp_path), "cpu", torch.float32)
+    plain = {n for n, m in got.projections() if not isinstance(m, Fp8Linear)}
+    assert plain == {"layers.1.o_proj", "layers.0.qkv_proj"}, plain
+    assert all(isinstance(m, Fp8Linear) for n, m in got.projections() if n not in plain)
+    for name in plain:
+        assert got.get_submodule(name).weight.dtype == torch.float32
+        assert torch.equal(got.get_submodule(name).weight, want.get_submodule(name).weight)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert all(k in said for k in kept) and "unquantized" in said
+    logits, expected = ragged_logits(got, PROMPTS), ragged_logits(want, PROMPTS)
+    assert float((logits - expected).norm() / expected.norm()) < FP8_LOGIT_ERROR
