@@ -148,6 +148,22 @@ def test_adaptive_verification_runs_are_reproducible_whatever_the_timings(tmp_pa
     assert list(tmp_path.glob("av_cost/*.json"))
 
 
+def test_measured_step_costs_are_kept_apart_per_kv_cache_dtype_and_parallel_size(tmp_path, monkeypatch):
+    """A step-cost curve measured with an FP8 KV cache (or FP8 weights, or another tensor-parallel size) is not the
+    default setup's: each setup measures and keeps its own, and a rerun of one reads its own back."""
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
+    plain = engine(spec, max_num_seqs=16, budget=256)
+    assert len(list(tmp_path.glob("av_cost/*.json"))) == 1
+    fp8_kv = engine(spec, max_num_seqs=16, budget=256, kv_cache_dtype="fp8")
+    assert len(list(tmp_path.glob("av_cost/*.json"))) == 2
+    assert engine(spec, max_num_seqs=16, budget=256).scheduler.config.step_ms == plain.scheduler.config.step_ms
+    assert len(list(tmp_path.glob("av_cost/*.json"))) == 2
+    key = plain._cache_key(["sizes"])
+    plain.worker.tensor_parallel_size = 2  # (a WorkerGroup's RemoteWorker says its ranks)
+    assert plain._cache_key(["sizes"]) not in (key, fp8_kv._cache_key(["sizes"]))
+
+
 def test_av_cost_table_file_is_used_and_bad_ones_are_clear_errors(tmp_path):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
     table = tmp_path / "curve.json"

@@ -56,6 +56,7 @@ def test_the_offline_api_splits_the_model_and_stops_its_ranks():
     with LLM("tiny-moe", device="cpu", max_model_len=256, tensor_parallel_size=2) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         ranks = llm._worker.process.ranks
+        assert llm._worker.tensor_parallel_size == 2  # (what keys its cached step costs apart from one rank's)
     assert got == want
     assert not any(r.alive() for r in ranks) and not any(os.path.exists(r.dir) for r in ranks)
     with pytest.raises(ConfigError, match="tensor_parallel_size: tensor_parallel_size = 3 does not divide"):

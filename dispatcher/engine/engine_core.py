@@ -556,9 +556,17 @@ class EngineCore:
     # -- measured step costs (adaptive verification's curve, auto tiers' table) -----------------------------------
     def _cached(self, name: str, parts: list, measure, what: str) -> dict | None:
         """``cache.cached_json`` keyed by device, model, dtype and ``parts`` (so that a rerun of one setup reuses
-        the measurement)."""
-        return cached_json(name, [self.worker.device_name, str(self.model_config), str(self.args.dtype), *parts],
-                           measure, what)
+        the measurement), and what else changes a step's cost where it is not the default: the tensor-parallel
+        size, FP8 weights, an FP8 KV cache."""
+        return cached_json(name, self._cache_key(parts), measure, what)
+
+    def _cache_key(self, parts: list) -> list:
+        key = [self.worker.device_name, str(self.model_config), str(self.args.dtype), *parts]
+        tp = getattr(self.worker, "tensor_parallel_size", 1)
+        extra = {"tensor_parallel_size": tp if tp != 1 else None, "quantization": self.args.quantization,
+                 "kv_cache_dtype": self.args.kv_cache_dtype if self.args.kv_cache_dtype != "auto" else None}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        return key + [extra] if extra else key  # (the default setup's key as before: its cached files stay valid)
 
     def _av_cost_curve(self) -> CostCurve | None:
         """The curve adaptive verification steers by: from ``av_cost_table``, else measured on this runtime once

@@ -433,6 +433,7 @@ class RemoteWorker(WorkerInfo):
     def __init__(self, process: "WorkerProcess | WorkerGroup"):
         self.process = process
         super().__init__(process.ready or process.start())
+        self.tensor_parallel_size = len(process.ranks) if isinstance(process, WorkerGroup) else 1
         self.capture_progress = self.ready.capture_progress
         """Delayed capture's latest progress (None: every graph was captured before the worker was ready)."""
 
