@@ -85,7 +85,8 @@ class Timed:
 
         def timed(*a, **kw):
             t0 = time.perf_counter()
-            out = inner(*a, **kw)
+            with torch.profiler.record_function(f"phase.{name.strip('_')}"):  # (a range only while profiling)
+                out = inner(*a, **kw)
             self.calls.append((time.perf_counter() - t0) * 1e3)
             return out
 
@@ -191,6 +192,32 @@ def kernel_ms(fn, device: str) -> tuple[float, float | None]:
     return wall, sum(k.time_range.elapsed_us() for k in kernels) / 1e3
 
 
+def host_profile(engine, kinds: list, params, args) -> dict:
+    """One more arrival's mixed step under the profiler (host and device): where its host time goes, by phase
+    (``phase.*`` ranges, inclusive) and by the ``--host-top`` operators and runtime calls of most self time, and how
+    often it waits for the device (synchronizations, blocking copies)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    engine.add_request([60 + (t * 11) % 400 for t in range(args.mixed_prompt_len)], params)
+    kinds.clear()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    sync(args.device)
+    with torch_profile(activities=activities) as prof:
+        engine.step()
+        sync(args.device)
+    if "mixed" not in kinds:
+        return {"mixed_host_profile": None}
+    table = prof.key_averages()
+    host = [e for e in table if e.self_cpu_time_total > 0]
+    top = sorted(host, key=lambda e: -e.self_cpu_time_total)[: args.host_top]
+    phases = {e.key.removeprefix("phase."): round(e.cpu_time_total / 1e3, 3) for e in table
+              if e.key.startswith("phase.")}
+    waits = {e.key: e.count for e in table if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaStreamWaitEvent")
+             or (e.key.startswith("aten::") and e.key.endswith(("item", "_local_scalar_dense", "nonzero")))}
+    return {"mixed_phase_cpu_ms": phases, "mixed_waits": waits,
+            "mixed_host_top": [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)] for e in top]}
+
+
 def profile_mixed(args, method: str, concurrency: int) -> dict:
     """``--mixed-steps M``: what a served step costs when a request arrives. ``concurrency`` requests decode
     (synchronous steps, fused as served); M times a request of ``--mixed-prompt-len`` tokens joins, and the step
@@ -258,6 +285,8 @@ def profile_mixed(args, method: str, concurrency: int) -> dict:
                     f"{cell}_kernel_ms": med([r[0] for r in counted[cell] if r[0] is not None]),
                     f"{cell}_launching_ops": med([r[1] for r in counted[cell]])})
     row["mixed_host_ms"] = {name: med(xs) for name, xs in host.items()}
+    if args.host_top:
+        row.update(host_profile(engine, kinds, params, args))
     print(json.dumps(row), flush=True)
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -283,6 +312,9 @@ def main() -> None:
                         help="instead of steady decode: this many arrivals, each one's mixed step timed alone "
                              "(and a decode step after it)")
     parser.add_argument("--mixed-prompt-len", type=int, default=130, help="an arrival's prompt tokens")
+    parser.add_argument("--host-top", type=int, default=0, metavar="N",
+                        help="with --mixed-steps: one more mixed step under the profiler: host time by phase, the N "
+                             "operators and runtime calls of most self time, the waits for the device")
     parser.add_argument("--compilation-config", default="{}", metavar="JSON",
                         help="the engine's compilation config, as serve's -O takes it (e.g. '{\"cudagraph_mode\": "
                              "\"FULL\"}': mixed steps on FULL graphs over the token grid)")
