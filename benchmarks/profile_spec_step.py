@@ -207,11 +207,13 @@ def host_profile(engine, kinds: list, params, args) -> dict:
         sync(args.device)
     if "mixed" not in kinds:
         return {"mixed_host_profile": None}
+    if args.host_trace:  # (the step's timeline, host threads and device: chrome://tracing or Perfetto)
+        prof.export_chrome_trace(args.host_trace.replace("{method}", args.current_method.replace(":", "-")))
     table = prof.key_averages()
     host = [e for e in table if e.self_cpu_time_total > 0]
     top = sorted(host, key=lambda e: -e.self_cpu_time_total)[: args.host_top]
-    phases = {e.key.removeprefix("phase."): round(e.cpu_time_total / 1e3, 3) for e in table
-              if e.key.startswith("phase.")}
+    phases = {e.name.removeprefix("phase."): round((e.time_range.end - e.time_range.start) / 1e3, 3)
+              for e in prof.events() if e.name.startswith("phase.")}
     waits = {e.key: e.count for e in table if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaStreamWaitEvent")
              or (e.key.startswith("aten::") and e.key.endswith(("item", "_local_scalar_dense", "nonzero")))}
     return {"mixed_phase_cpu_ms": phases, "mixed_waits": waits,
@@ -315,14 +317,18 @@ def main() -> None:
     parser.add_argument("--host-top", type=int, default=0, metavar="N",
                         help="with --mixed-steps: one more mixed step under the profiler: host time by phase, the N "
                              "operators and runtime calls of most self time, the waits for the device")
+    parser.add_argument("--host-trace", default=None, metavar="PATH",
+                        help="with --host-top: that step's timeline as a Chrome trace ({method} in PATH: each method's)")
     parser.add_argument("--compilation-config", default="{}", metavar="JSON",
                         help="the engine's compilation config, as serve's -O takes it (e.g. '{\"cudagraph_mode\": "
                              "\"FULL\"}': mixed steps on FULL graphs over the token grid)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.mixed_steps:
-        rows = [profile_mixed(args, m, c) for m in args.methods.split(",")
-                for c in map(int, args.concurrency.split(","))]
+        rows = []
+        for m in args.methods.split(","):
+            args.current_method = m
+            rows += [profile_mixed(args, m, c) for c in map(int, args.concurrency.split(","))]
     else:
         rows = [profile(args, m, c, v == "fused") for m in args.methods.split(",")
                 for c in map(int, args.concurrency.split(",")) for v in args.variants.split(",")]
