@@ -66,7 +66,7 @@ class _Drafter:
             if s >= 1 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
                 rt.execute_next(step.draft_next, m)
             else:
-                tokens_s = torch.stack([token if s == 0 else drafts[:, j - 1], pos[s], kv_slots[s], slots_s])
+                tokens_s = (token if s == 0 else drafts[:, j - 1], pos[s], kv_slots[s], slots_s)
                 inputs_s = StepInputs(tokens_s, one, seq_lens[s], slots_s, 1, plan.max_seq_len + s + 1)
                 # (no copy of the feature: execute copies it into its aux buffer before the replay overwrites it)
                 out = rt.execute(step.draft_next, inputs_s, feature)

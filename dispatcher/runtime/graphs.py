@@ -300,7 +300,8 @@ class GraphRuntime:
         self._estimate_samples: dict[tuple[str, int | None], tuple[float, ...]] = {}
         self._primed = False
         self._pad_rows = torch.from_numpy(_PAD_ROWS).to(self.device).expand(-1, self.max_num_tokens)
-        self._counts = torch.arange(capacity + 1, device=self.device)
+        self._counts = torch.arange(max(capacity, self.max_num_tokens) + 1, device=self.device)
+        """0, 1, ..., the widest step's tokens: padded requests' query starts and zeros are views of it."""
         self._build_closures()
 
     # -- closures over the static buffers --------------------------------------------------------------------
@@ -629,12 +630,14 @@ class GraphRuntime:
     # -- replay ----------------------------------------------------------------------------------------------
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
                query_start: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor, max_query_len: int,
-               max_seq_len: int) -> "StepInputs":
+               max_seq_len: int, kv_slots: torch.Tensor | None = None) -> "StepInputs":
         """A forward's inputs from device tensors: per token its id, position and block-table row (its KV slot is
-        looked up here); per request its query start, sequence length (context with this step's tokens) and
-        block-table row; host-side bounds on the query and sequence lengths."""
-        return StepInputs(torch.stack([input_ids, positions, self.kv_slots(token_rows, positions), token_rows]),
-                          query_start, seq_lens, req_rows, max_query_len, max_seq_len)
+        looked up here, unless given: ``kv_slots``); per request its query start, sequence length (context with
+        this step's tokens) and block-table row; host-side bounds on the query and sequence lengths."""
+        if kv_slots is None:
+            kv_slots = self.kv_slots(token_rows, positions)
+        return StepInputs((input_ids, positions, kv_slots, token_rows), query_start, seq_lens, req_rows,
+                          max_query_len, max_seq_len)
 
     def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The KV-cache slot of each (block-table row, position), any shape."""
@@ -647,27 +650,28 @@ class GraphRuntime:
         (slot -1, position -1). With ``num_reqs`` (a FULL graph's request slots and query-length bound) the
         per-request metadata covers all num_tokens rows: padded rows in padded requests (sequence length 0), in
         runs of at most ``max_query_len`` rows, the last taking the rest (as ``models.attention.pack_requests``
-        lays them out); without, exactly the real requests over the real rows (eager attention)."""
+        lays them out); without, exactly the real requests over the real rows (eager attention). One launch: the
+        buffer's every section concatenated into it, the padding from views of constant buffers."""
         n, r = inputs.num_tokens, inputs.num_reqs
-        rows = self.bufs.rows(num_tokens)
-        rows[:4, :n].copy_(inputs.tokens)
-        rows[4, :n].copy_(inputs.tokens[1])
-        if num_tokens > n:
-            rows[:, n:].copy_(self._pad_rows[:, : num_tokens - n])
         reqs = r if num_reqs is None else num_reqs
         if r + (num_tokens > n and num_reqs is not None) > reqs:
             raise ValueError(f"num_reqs: the step's {r} requests and {num_tokens - n} padded rows (which need a "
                              f"padded request) do not fit the graph's {reqs} request slots")
-        query_start, seq_lens, req_rows = self.bufs.requests(num_tokens, reqs)
-        query_start[: r + 1].copy_(inputs.query_start)
-        seq_lens[:r].copy_(inputs.seq_lens)
-        req_rows[:r].copy_(inputs.req_rows)
-        if reqs > r:
-            torch.clamp(self._counts[1 : reqs - r + 1] * max_query_len + n, max=num_tokens, out=query_start[r + 1 :])
-            query_start[reqs].fill_(num_tokens)
-            seq_lens[r:].zero_()
-            req_rows[r:].zero_()
+        t, pad = inputs.tokens, self._pad_rows[:, : num_tokens - n]
+        zeros = self._counts[:1].expand(reqs - r)
+        starts = self._padded_starts(n, reqs - r, max_query_len, num_tokens) if reqs > r else []
+        torch.cat([t[0], pad[0], t[1], pad[1], t[2], pad[2], t[3], pad[3], t[1], pad[4],  # INPUT_ROWS
+                   inputs.query_start, *starts, inputs.seq_lens, zeros, inputs.req_rows, zeros],
+                  out=self.bufs.inputs[: input_length(num_tokens, reqs)])
         return RequestLayout(reqs, r, inputs.max_query_len, inputs.max_seq_len)
+
+    def _padded_starts(self, n: int, k: int, max_query_len: int, num_tokens: int) -> list[torch.Tensor]:
+        """The query starts of ``k`` padded requests after ``n`` real rows of ``num_tokens``: min(n + j *
+        max_query_len, num_tokens) for j = 1..k - 1, then num_tokens, as views of ``_counts`` (no launch)."""
+        below = min(k - 1, max(0, (num_tokens - n - 1) // max_query_len))  # (the starts before num_tokens)
+        c = self._counts
+        return [c[n + max_query_len : n + max_query_len * below + 1 : max_query_len],
+                c[num_tokens : num_tokens + 1].expand(k - below)]
 
     def _load_host(self, host: np.ndarray, num_tokens: int, num_reqs: int | None = None,
                    max_query_len: int | None = None) -> RequestLayout:
@@ -731,8 +735,9 @@ class GraphRuntime:
 class StepInputs:
     """One forward's real rows, on the device."""
 
-    tokens: torch.Tensor
-    """(4, num_tokens) int64: input ids, positions, KV slots, block-table rows (a request's tokens contiguous)."""
+    tokens: torch.Tensor | tuple[torch.Tensor, ...]
+    """(4, num_tokens) int64, or its four rows: input ids, positions, KV slots, block-table rows (a request's tokens
+    contiguous)."""
     query_start: torch.Tensor
     """(num_reqs + 1,) int64: where each request's query starts among the tokens."""
     seq_lens: torch.Tensor
@@ -746,7 +751,7 @@ class StepInputs:
 
     @property
     def num_tokens(self) -> int:
-        return self.tokens.shape[1]
+        return self.tokens[0].shape[0]
 
     @property
     def num_reqs(self) -> int:
