@@ -124,13 +124,15 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, cfg, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, dtype, device,
-                 aux_size: int = 0, request_capacity: int | None = None, proposes: bool = False, aux_out_size: int = 0):
+                 aux_size: int = 0, request_capacity: int | None = None, proposes: bool = False, aux_out_size: int = 0,
+                 block_table: torch.Tensor | None = None):
         t = max_num_tokens
         capacity = request_capacity or max_num_reqs + 1
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         return cls(
             inputs=z(input_length(t, capacity), dt=torch.int64), request_capacity=capacity,
-            block_table=torch.full((max_num_reqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+            block_table=block_table if block_table is not None else
+            torch.full((max_num_reqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
             residual=z(t, cfg.hidden_size), q=z(t, cfg.num_heads, cfg.head_dim),
             attn_out=z(t, cfg.num_heads, cfg.head_dim),
             hidden_out=z(t, cfg.hidden_size), aux=z(t, aux_size) if aux_size else None,
@@ -271,10 +273,12 @@ class GraphRuntime:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], graph_sets: Iterable[GraphSet], *, max_num_tokens: int,
                  max_num_reqs: int, max_blocks_per_seq: int, runner: str = "target", use_cuda_graphs: bool = True,
-                 proposes: bool = False, aux_size: int | None = None):
+                 proposes: bool = False, aux_size: int | None = None, block_table: torch.Tensor | None = None):
         """``proposes``: every forward also takes each row's greedy token and its probability from the model's
         logits, inside the graph (``proposals``): an EAGLE drafter's one-token steps, whose every row proposes.
-        ``aux_size``: the width of a drafter's second input (default: its hidden size)."""
+        ``aux_size``: the width of a drafter's second input (default: its hidden size). ``block_table``: another
+        runtime's (max_num_reqs, max_blocks_per_seq) table, shared (a drafter's KV sits in the same blocks as its
+        target's); default: its own."""
         self.model = model
         self.kv_caches = kv_caches
         self.runner = runner
@@ -291,7 +295,8 @@ class GraphRuntime:
                                            model.dtype, self.device,
                                            aux_size=(aux_size or model.cfg.hidden_size) if model.needs_aux else 0,
                                            request_capacity=capacity, proposes=proposes,
-                                           aux_out_size=len(model.aux_layers) * model.cfg.hidden_size)
+                                           aux_out_size=len(model.aux_layers) * model.cfg.hidden_size,
+                                           block_table=block_table)
         self.graphs: dict[GraphKey, list[Replayable]] = {}
         self.captured: set[GraphKey] = set()
         """Graphs captured whole (every piece of a PIECEWISE size): what delayed capture lets a step replay."""

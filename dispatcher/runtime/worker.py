@@ -190,7 +190,8 @@ class ModelWorker:
             self.draft_runtimes = [
                 GraphRuntime(head, draft_kv, plan.for_runner(r), max_num_tokens=widest, max_num_reqs=wcfg.max_num_seqs,
                              max_blocks_per_seq=wcfg.max_blocks_per_seq, runner=r, use_cuda_graphs=wcfg.use_cuda_graphs,
-                             proposes=is_next_steps(r), aux_size=None if is_next_steps(r) else step0_aux)
+                             proposes=is_next_steps(r), aux_size=None if is_next_steps(r) else step0_aux,
+                             block_table=self.runtime.bufs.block_table)
                 for r in model_runners(plan.config)[1:]
             ]
             kind = (EagleDrafter if method in EAGLE_LIKE
@@ -629,14 +630,14 @@ class ModelWorker:
                            else None)
 
     def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
-        """Freed slots' block-table rows cleared, new KV blocks entered, in every runner's table."""
+        """Freed slots' block-table rows cleared, new KV blocks entered, in the block table every runner shares (the
+        drafter's KV sits in the target's blocks)."""
+        table = self.runtime.bufs.block_table
         if len(step.freed_slots):
-            for rt in self.runtimes:
-                rt.bufs.block_table.index_fill_(0, freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
+            table.index_fill_(0, freed_slots, -1)  # (x[idx] = -1 copies -1 from the host: a sync)
         updates = block_updates.view(3, -1)
         if updates.shape[1]:
-            for rt in self.runtimes:
-                rt.bufs.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+            table[updates[0], updates[1]] = updates[2].to(torch.int32)
 
     def _apply_state_changes(self, step: Step, plan: "_StepPlan", dev: "_DeviceStep") -> None:
         """Freed slots forgotten, new KV blocks entered, admitted requests set up."""
