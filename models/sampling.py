@@ -138,13 +138,13 @@ class RowParams:
     """Per-row sampling parameters on the device, and what the host knows of them (so that choosing the sampler
     reads nothing back from the device)."""
 
-    temperature: torch.Tensor
-    """0 is greedy."""
+    temperature: torch.Tensor | None
+    """0 is greedy. None with ``all_greedy`` (as ``seeds``: the argmax reads neither)."""
     top_k: torch.Tensor | None
     """0: off; None when no row uses it (no sort at all)."""
     top_p: torch.Tensor | None
     """1: off; None when no row uses it."""
-    seeds: torch.Tensor
+    seeds: torch.Tensor | None
     all_greedy: bool = False
     """Every row has temperature 0: the argmax, and nothing else."""
     min_p: torch.Tensor | None = None

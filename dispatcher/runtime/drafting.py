@@ -46,10 +46,8 @@ class _Drafter:
     def _last(dev, tokens, accepted, first_pos):
         """Per sampling request: the row of the target's output that is its last new token, that token, and its
         position."""
-        nd = dev.num_drafts[dev.sampling_rows]
-        last_row = dev.last_rows[dev.sampling_rows] - nd + accepted
         last_tok = tokens.gather(1, accepted[:, None]).squeeze(1)
-        return last_row, last_tok, first_pos + accepted
+        return dev.sampling_first_row + accepted, last_tok, first_pos + accepted
 
     def _one_token_steps(self, step, plan, slots_s, token, first_pos, feature, drafts, conf, first: int) -> None:
         """Drafts ``first``..K-1 on the one-token runner (``runtimes[1]``), each reading the draft before it (the
@@ -58,8 +56,9 @@ class _Drafter:
         positions and KV slots are computed at once; after the first, a FULL graph has advanced its own inputs, so
         the later steps are bare replays (``execute_next``)."""
         m, n = plan.num_sampling, drafts.shape[1] - first
-        rt, one = self.runtimes[1], torch.arange(m + 1, device=drafts.device)
-        pos = (first_pos[:, None] + torch.arange(n, device=drafts.device)[None, :]).t()  # (n, m)
+        rt = self.runtimes[1]
+        one = rt.iota(m + 1)
+        pos = (first_pos[:, None] + rt.iota(n)[None, :]).t()  # (n, m)
         kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
         for s in range(n):
             j = first + s
@@ -81,8 +80,8 @@ class EagleDrafter(_Drafter):
         if not k or not m:  # step 0 wrote the head's KV; no drafts this step
             return
         slots_s = dev.sampling_slots
-        last_row, _, last_pos = self._last(dev, tokens, accepted, first_pos)
-        feature = out[last_row]
+        last_pos = first_pos + accepted
+        feature = out[dev.sampling_first_row + accepted]  # (the row of each request's last new token)
         drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
         conf = torch.empty(m, k, dtype=torch.float32, device=features.device)
         drafts[:, 0], conf[:, 0] = self._propose(feature)
@@ -96,13 +95,14 @@ class EagleDrafter(_Drafter):
         produced there; a request mid-prefill its next prompt token) at the row's own position: the head's KV entry
         at position p holds (token p + 1, the target's feature at p), so that every position 0..p a head query
         attends to is written (SpecForge trains it so: index i pairs token i + 1 with feature i)."""
-        ids, positions, _, rows = inputs.tokens
-        ids_d = torch.roll(ids, -1)
-        ends = dev.last_rows[dev.prefill_rows]
-        ids_d[ends] = state.token_ids[dev.slots[dev.prefill_rows], positions[ends] + 1]
+        t = inputs.tokens
+        ids_d = torch.roll(t[0], -1)
+        # (a request mid-prefill: its next prompt token, at its sequence length)
+        ids_d[dev.prefill_ends] = state.token_ids[dev.prefill_slots, inputs.seq_lens[dev.prefill_rows]]
         ids_d[dev.logit_rows] = tokens.flatten()[dev.verify_cells]
-        return self.runtimes[0].inputs(ids_d, positions, rows, inputs.query_start, inputs.seq_lens,
-                                       inputs.req_rows, inputs.max_query_len, inputs.max_seq_len)
+        # (the KV slots are the target's: the drafter's KV sits in the same blocks)
+        return self.runtimes[0].inputs(ids_d, t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
+                                       inputs.max_query_len, inputs.max_seq_len, kv_slots=t[2])
 
 
 class BlockDrafter(_Drafter):

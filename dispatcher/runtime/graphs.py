@@ -644,6 +644,10 @@ class GraphRuntime:
         return StepInputs((input_ids, positions, kv_slots, token_rows), query_start, seq_lens, req_rows,
                           max_query_len, max_seq_len)
 
+    def iota(self, n: int) -> torch.Tensor:
+        """0, 1, ..., n - 1 on the device, a view of a constant buffer (no launch) as far as it reaches."""
+        return self._counts[:n] if n < len(self._counts) else torch.arange(n, device=self.device)
+
     def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The KV-cache slot of each (block-table row, position), any shape."""
         bs = self.kv_caches[0].shape[2]

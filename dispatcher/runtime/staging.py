@@ -60,6 +60,18 @@ def as_float(column: torch.Tensor) -> torch.Tensor:
     return column.view(torch.float64).float()
 
 
+def f32_words(values) -> np.ndarray:
+    """Float values as float32, two to an int64 word (an upload column; ``as_f32`` reads them on the device without a
+    conversion)."""
+    f32 = np.asarray(values, np.float32)
+    return np.concatenate([f32, np.zeros(len(f32) % 2, np.float32)]).view(np.int64)
+
+
+def as_f32(column: torch.Tensor) -> torch.Tensor:
+    """The float32 values of a ``f32_words`` column (one more, 0, for an odd count)."""
+    return column.view(torch.float32)
+
+
 class Download:
     """The results of one step, copied back once. ``start`` queues the copy; ``wait`` synchronizes and returns the
     host array (a view of pinned memory, valid until the buffer's next use two steps later)."""

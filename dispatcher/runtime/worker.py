@@ -33,7 +33,7 @@ from dispatcher.runtime.grammar import WorkerGrammars
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.sampling_state import SamplingExtras
-from dispatcher.runtime.staging import Download, Upload, as_float
+from dispatcher.runtime.staging import Download, Upload, as_f32, f32_words
 from models.attention import allocate_kv_cache, kv_cache_dtype
 from models.config import PRESETS, ModelConfig
 from models.default_model import shipped_head
@@ -132,11 +132,12 @@ class RequestState:
         them: no sort at all; the logits' processing None when no row changes its logits). ``drafts()`` and
         ``tail(width)``: the rows' drafts before them and last tokens, when needed (``SamplingExtras.processing``)."""
         processing, min_p = self.extras.processing(slots, host_slots, positions, drafts, tail)
+        if not (self.host_temperature[host_slots] > 0).any():  # the argmax of the processed logits, nothing else
+            return RowParams(None, None, None, None, all_greedy=True, min_p=min_p, processing=processing)
         return RowParams(self.temperature[slots],
                          self.top_k[slots] if self.host_top_k[host_slots].any() else None,
                          self.top_p[slots] if (self.host_top_p[host_slots] < 1).any() else None,
-                         self.seed[slots], all_greedy=not (self.host_temperature[host_slots] > 0).any(),
-                         min_p=min_p, processing=processing)
+                         self.seed[slots], min_p=min_p, processing=processing)
 
     def tail(self, slots: torch.Tensor, first_pos: torch.Tensor, positions: torch.Tensor,
              drafts: torch.Tensor | None, width: int) -> torch.Tensor:
@@ -608,26 +609,37 @@ class ModelWorker:
 
     # -- the step's columns on the device -------------------------------------------------------------------
     def _upload(self, step: Step, plan: "_StepPlan") -> "_DeviceStep":
-        """Every host-side column of the step in one host-to-device copy."""
+        """Every host-side column of the step in one host-to-device copy, with the columns the host derives from
+        them (``_DeviceStep``), so that the device computes none of them."""
         new = step.new_requests
         new_tokens = [unpack(r.token_ids) for r in new]
         lens = np.asarray([len(t) for t in new_tokens], np.int64)
+        new_slots = np.asarray([r.slot for r in new], np.int64)
         sp = [r.sampling for r in new]
+        s, width, n = plan.sampling_rows, plan.width, len(plan.token_slot)
+        advance = plan.num_scheduled.copy()
+        advance[s] -= plan.num_drafts[s]
+        drafted = np.nonzero(plan.token_draft >= 0)[0]
+        cell_request = plan.verify_cells // width
+        within = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
         cols = self.upload(
-            plan.slots, plan.num_scheduled, plan.num_drafts, plan.token_slot, plan.token_offset, plan.token_draft,
-            plan.query_start, plan.sampling_rows, plan.prefill_rows, plan.logit_rows, plan.verify_cells,
-            plan.grid.reshape(-1), plan.last_rows,
+            np.concatenate([plan.token_slot, plan.slots]), np.concatenate([plan.token_offset, plan.num_scheduled]),
+            plan.query_start, plan.logit_rows, plan.verify_cells, plan.grid.reshape(-1), advance,
+            drafted, plan.token_slot[drafted], plan.token_draft[drafted],
+            plan.slots[s], advance[s], plan.num_drafts[s], plan.logit_rows[plan.grid[:, 0]],
+            cell_request, plan.verify_cells % width, plan.slots[s][cell_request],
+            plan.prefill_rows, plan.slots[plan.prefill_rows], plan.last_rows[plan.prefill_rows],
             unpack(step.freed_slots).astype(np.int64), unpack(step.block_updates).astype(np.int64),
-            np.asarray([r.slot for r in new], np.int64), lens,
+            new_slots, np.repeat(new_slots, lens), within,
             np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
-            np.asarray([s.temperature for s in sp], np.float64), np.asarray([s.top_k for s in sp], np.int64),
-            np.asarray([s.top_p for s in sp], np.float64), np.asarray([s.seed for s in sp], np.int64),
-            np.asarray([r.num_computed for r in new], np.int64),
+            f32_words([x.temperature for x in sp] + [x.top_p for x in sp]), np.asarray([x.top_k for x in sp], np.int64),
+            np.asarray([x.seed for x in sp], np.int64), np.asarray([r.num_computed for r in new], np.int64),
             *self.state.extras.columns(new), *([plan.prompt_rows] if len(plan.prompt_rows) else []),
         )
         base, prompt = _DeviceStep.num_columns(), len(cols) - (1 if len(plan.prompt_rows) else 0)
-        return _DeviceStep(*cols[:base], extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols)
-                           else None)
+        lookup_slots, lookup_offsets = cols[:2]
+        return _DeviceStep(lookup_slots[:n], lookup_slots[n:], lookup_slots, lookup_offsets, *cols[2:base],
+                           extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols) else None)
 
     def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
         """Freed slots' block-table rows cleared, new KV blocks entered, in the block table every runner shares (the
@@ -644,16 +656,14 @@ class ModelWorker:
         st = self.state
         self._release_and_map(step, dev.freed_slots, dev.block_updates)
         if step.new_requests:
-            slots, lens = dev.new_slots, dev.new_lens
-            rows = torch.repeat_interleave(slots, lens, output_size=dev.new_tokens.numel())
-            starts = torch.cumsum(lens, 0) - lens
-            cols = torch.arange(dev.new_tokens.numel(), device=self.device) - torch.repeat_interleave(
-                starts, lens, output_size=dev.new_tokens.numel())
+            slots, k = dev.new_slots, len(step.new_requests)
+            rows, cols = dev.new_token_rows, dev.new_token_cols
             st.token_ids[rows, cols] = dev.new_tokens
             st.num_computed[slots] = dev.new_num_computed  # (its cached prefix's tokens; 0 without one)
-            st.temperature[slots] = as_float(dev.new_temperature)
+            floats = as_f32(dev.new_floats)
+            st.temperature[slots] = floats[:k]
             st.top_k[slots] = dev.new_top_k
-            st.top_p[slots] = as_float(dev.new_top_p)
+            st.top_p[slots] = floats[k : 2 * k]
             st.seed[slots] = dev.new_seed
             st.extras.admit(dev.extras, rows, cols, dev.new_tokens)
 
@@ -669,14 +679,13 @@ class ModelWorker:
     def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
         """The target's inputs from the request state: each request's query reads its tokens from position
         num_computed on, then its drafts."""
-        st = self.state
+        st, n = self.state, len(plan.token_slot)
         slot_t = dev.token_slot
-        pos = st.num_computed[slot_t] + dev.token_offset
+        counts = st.num_computed[dev.lookup_slots] + dev.lookup_offsets  # positions, then sequence lengths
+        pos, seq_lens = counts[:n], counts[n:]
         ids = st.token_ids[slot_t, pos]
-        if plan.width > 1:  # (width 1: no drafts anywhere, every token a known one)
-            drafted = st.drafts[slot_t, dev.token_draft.clamp(min=0)]
-            ids = torch.where(dev.token_draft < 0, ids, drafted)
-        seq_lens = st.num_computed[dev.slots] + dev.num_scheduled
+        if len(dev.draft_rows):  # (the drafts' rows read the drafts)
+            ids[dev.draft_rows] = st.drafts[dev.draft_slots, dev.draft_index]
         return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len,
                                    plan.max_seq_len)
 
@@ -686,44 +695,38 @@ class ModelWorker:
         sample there: models.sampling), and the drafts accepted while they equal those.
         -> (tokens (m, 1 + K), accepted (m,), position of the first sampled token (m,))."""
         st, m, width = self.state, plan.num_sampling, plan.width
-        slots_s = dev.sampling_slots
-        if width == 1:  # no speculative decoding: a request's one logit row, no drafts (fewer small ops: each
-            # costs a CPU decode step tens of microseconds)
-            return self._verify_one(plan, dev, hidden, slots_s)
-        nd = dev.num_drafts[dev.sampling_rows]
-        first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows] - nd
         if m == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty, None
+        slots_s, nd = dev.sampling_slots, dev.sampling_drafts
+        first_pos = st.num_computed[slots_s] + dev.sampling_known
+        if width == 1:  # no speculative decoding: a request's one logit row, no drafts (fewer small ops: each
+            # costs a CPU decode step tens of microseconds)
+            return self._verify_one(plan, dev, hidden, first_pos)
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         self._apply_grammar_bitmask(logits, plan)
-        request = torch.div(dev.verify_cells, width, rounding_mode="floor")
-        positions = first_pos[request] + dev.verify_cells % width
+        request, rows_s = dev.cell_request, dev.cell_slot
+        positions = first_pos[request] + dev.cell_index
         drafts = st.drafts[slots_s, : width - 1]
-        rows_s = slots_s[request]
         before = lambda: torch.where(  # noqa: E731 (each row's drafts before it)
-            torch.arange(width - 1, device=self.device)[None, :] < (dev.verify_cells % width)[:, None], drafts[request],
-            -1)
+            self.runtime.iota(width - 1)[None, :] < dev.cell_index[:, None], drafts[request], -1)
         params = st.row_params(rows_s, plan.host_sampling_slots[plan.verify_cells // width], positions, before,
                                lambda w: st.tail(rows_s, first_pos[request], positions, drafts[request], w))
         tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         if self.fixed_acceptance_on:
             accepted = fixed_accepted(st.seed[slots_s], first_pos, nd, width - 1, self.fixed_alpha)
-            tokens = torch.where(torch.arange(width, device=self.device)[None, :] < accepted[:, None],
+            tokens = torch.where(self.runtime.iota(width)[None, :] < accepted[:, None],
                                  torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
             accepted = accepted_drafts(tokens, drafts, nd)
         return tokens, accepted, first_pos, logits
 
-    def _verify_one(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor, slots_s: torch.Tensor):
-        """``_verify`` at width 1: logit row r is sampling request r's (the grid and the verify cells are the
+    def _verify_one(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor, first_pos: torch.Tensor):
+        """``_verify`` at width 1 (m > 0): logit row r is sampling request r's (the grid and the verify cells are the
         identity), its token drawn at first_pos, nothing accepted."""
-        m, st = plan.num_sampling, self.state
-        first_pos = st.num_computed[slots_s] + dev.num_scheduled[dev.sampling_rows]
-        accepted = torch.zeros(m, dtype=torch.int64, device=self.device)
-        if m == 0:
-            return torch.zeros(0, 1, dtype=torch.int64, device=self.device), accepted, accepted, None
+        m, st, slots_s = plan.num_sampling, self.state, dev.sampling_slots
+        accepted = self.runtime.iota(1).expand(m)  # (zeros, a view: read only)
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         self._apply_grammar_bitmask(logits, plan)
@@ -762,7 +765,7 @@ class ModelWorker:
         """The request state after the step: new tokens stored at their positions, computed counts advanced (a
         sampling request by its known tokens and accepted drafts)."""
         st = self.state
-        st.num_computed[dev.slots] += dev.num_scheduled
+        st.num_computed.index_add_(0, dev.slots, dev.advance)  # (a sampling request's accepted drafts below)
         if plan.num_sampling == 0:
             return
         slots_s = dev.sampling_slots
@@ -772,10 +775,10 @@ class ModelWorker:
             if counted:
                 st.extras.count(slots_s, tokens.view(-1, 1), None)
             return
-        st.num_computed[slots_s] -= dev.num_drafts[dev.sampling_rows] - accepted
-        cols = first_pos[:, None] + torch.arange(plan.width, device=self.device)[None, :]
+        st.num_computed.index_add_(0, slots_s, accepted)
+        cols = first_pos[:, None] + self.runtime.iota(plan.width)[None, :]
         rows = slots_s[:, None].expand_as(cols)
-        keep = torch.arange(plan.width, device=self.device)[None, :] <= accepted[:, None]
+        keep = self.runtime.iota(plan.width)[None, :] <= accepted[:, None]
         st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
         if counted:
             st.extras.count(slots_s, tokens, keep)
@@ -946,29 +949,51 @@ class _StepPlan:
 
 @dataclass
 class _DeviceStep:
-    """The step's columns on the device (views of one upload), in ``ModelWorker._upload``'s order."""
+    """The step's columns on the device (views of one upload, ``ModelWorker._upload``): the host's columns and what
+    the host derives from them, so that the device indexes one with another nowhere."""
 
-    slots: torch.Tensor
-    num_scheduled: torch.Tensor
-    num_drafts: torch.Tensor
     token_slot: torch.Tensor
-    token_offset: torch.Tensor
-    token_draft: torch.Tensor
+    """Per token: its request's slot."""
+    slots: torch.Tensor
+    """Per request: its slot."""
+    lookup_slots: torch.Tensor
+    """``token_slot`` then ``slots`` (one column): the computed counts the target's inputs add to."""
+    lookup_offsets: torch.Tensor
+    """Per token its place in its request's query, then per request its scheduled tokens: with the computed
+    counts, the tokens' positions, then the requests' sequence lengths."""
     query_start: torch.Tensor
-    sampling_rows: torch.Tensor
-    prefill_rows: torch.Tensor
     logit_rows: torch.Tensor
     verify_cells: torch.Tensor
     grid: torch.Tensor
-    last_rows: torch.Tensor
+    advance: torch.Tensor
+    """Per request: its computed count's increase before acceptance (scheduled tokens less drafts)."""
+    draft_rows: torch.Tensor
+    """The step's tokens that are drafts; their slots and which draft each is:"""
+    draft_slots: torch.Tensor
+    draft_index: torch.Tensor
+    sampling_slots: torch.Tensor
+    """Per sampling request: its slot, its tokens known before the drafts, its drafts, and its first verify row."""
+    sampling_known: torch.Tensor
+    sampling_drafts: torch.Tensor
+    sampling_first_row: torch.Tensor
+    cell_request: torch.Tensor
+    """Per logit row: its sampling request, its index among that request's verify rows, and the request's slot."""
+    cell_index: torch.Tensor
+    cell_slot: torch.Tensor
+    prefill_rows: torch.Tensor
+    """The requests mid-prefill (they do not sample), their slots and the rows of their last tokens."""
+    prefill_slots: torch.Tensor
+    prefill_ends: torch.Tensor
     freed_slots: torch.Tensor
     block_updates: torch.Tensor
     new_slots: torch.Tensor
-    new_lens: torch.Tensor
+    new_token_rows: torch.Tensor
+    """The admitted requests' tokens' places in ``RequestState.token_ids`` (slot, position)."""
+    new_token_cols: torch.Tensor
     new_tokens: torch.Tensor
-    new_temperature: torch.Tensor
+    new_floats: torch.Tensor
+    """The admitted requests' temperatures then top-p's (``staging.f32_words``)."""
     new_top_k: torch.Tensor
-    new_top_p: torch.Tensor
     new_seed: torch.Tensor
     new_num_computed: torch.Tensor
     extras: list[torch.Tensor]
@@ -978,9 +1003,6 @@ class _DeviceStep:
 
     @classmethod
     def num_columns(cls) -> int:
-        """The upload's columns before ``extras`` (one per field above it)."""
-        return len(dataclasses.fields(cls)) - 2
-
-    @property
-    def sampling_slots(self) -> torch.Tensor:
-        return self.slots[self.sampling_rows]
+        """The upload's columns before ``extras``: one per field above it, but the two whose column ``lookup_slots``
+        is."""
+        return len(dataclasses.fields(cls)) - 4
