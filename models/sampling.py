@@ -52,10 +52,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt, width: int | None = None) -> torch.Tensor:
     """Uniform floats in (0, 1), a function of (seed, position, salt[, column]) only: (n,), or (n, width) with one
     number per column (a token id). ``salt``: an int or an (n,) tensor."""
-    key = _mix(seeds.long() * _M1 + positions.long() * 0x632BE59BD9B4E019 + salt * 0x2545F4914F6CDD1D)
+    key = _mix(_long(seeds) * _M1 + _long(positions) * 0x632BE59BD9B4E019 + salt * 0x2545F4914F6CDD1D)
     if width is not None:
         key = key[:, None] + torch.arange(width, device=key.device, dtype=torch.int64)[None, :] * _M1
     return unit_interval(_shr(_mix(key), 40))  # 24 random bits
+
+
+def _long(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int64 (no conversion launched when it is)."""
+    return t if t.dtype == torch.int64 else t.long()
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
@@ -252,9 +257,8 @@ def accepted_drafts(target_tokens: torch.Tensor, drafts: torch.Tensor, num_draft
     k = drafts.shape[1]
     if k == 0:
         return torch.zeros(target_tokens.shape[0], dtype=torch.int64, device=target_tokens.device)
-    valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
-    match = (target_tokens[:, :k] == drafts) & valid
-    return torch.cumprod(match.long(), dim=1).sum(dim=1)
+    leading = torch.cumprod(target_tokens[:, :k] == drafts, dim=1).sum(dim=1)  # (int64: the leading matches)
+    return torch.minimum(leading, num_drafts)
 
 
 def fixed_accepted(seeds: torch.Tensor, first_pos: torch.Tensor, num_drafts: torch.Tensor, k: int,
@@ -265,8 +269,9 @@ def fixed_accepted(seeds: torch.Tensor, first_pos: torch.Tensor, num_drafts: tor
     arange = torch.arange(k, device=seeds.device)
     u = uniform(seeds[:, None].expand(-1, k).reshape(-1),  # (repeat_interleave would sync)
                 (first_pos[:, None] + arange[None, :]).reshape(-1), FIXED_ACCEPTANCE)
-    ok = (u.view(-1, k) < alpha) & (arange[None, :] < num_drafts[:, None])
-    return torch.cumprod(ok.long(), dim=1).sum(dim=1)
+    return torch.minimum(torch.cumprod(u.view(-1, k) < alpha, dim=1).sum(dim=1), num_drafts)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) the tokens whose probability is below min_p times the row's largest (0: off): in logits,
     those more than -log(min_p) below the row's maximum (no softmax needed)."""

@@ -96,10 +96,8 @@ class EagleDrafter(_Drafter):
         at position p holds (token p + 1, the target's feature at p), so that every position 0..p a head query
         attends to is written (SpecForge trains it so: index i pairs token i + 1 with feature i)."""
         t = inputs.tokens
-        ids_d = torch.roll(t[0], -1)
-        # (a request mid-prefill: its next prompt token, at its sequence length)
-        ids_d[dev.prefill_ends] = state.token_ids[dev.prefill_slots, inputs.seq_lens[dev.prefill_rows]]
-        ids_d[dev.logit_rows] = tokens.flatten()[dev.verify_cells]
+        next_prompt = state.token_ids[dev.prefill_slots, inputs.seq_lens[dev.prefill_rows]]  # (at its sequence length)
+        ids_d = torch.cat([t[0], next_prompt, tokens.flatten()])[dev.step0_sources]
         # (the KV slots are the target's: the drafter's KV sits in the same blocks)
         return self.runtimes[0].inputs(ids_d, t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
                                        inputs.max_query_len, inputs.max_seq_len, kv_slots=t[2])

@@ -11,7 +11,6 @@ before it collects step t, and the device never waits for the host in between.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -465,10 +464,10 @@ class ModelWorker:
         self._apply_state_changes(step, plan, dev)
         if step.step_id in self.fail_steps:
             raise InjectedFault(f"step {step.step_id} failed on purpose ($TWOGRID_FAIL_STEPS)")
-        inputs = self._target_inputs(plan, dev)
+        inputs, first_pos, positions = self._target_inputs(plan, dev)
         hidden = self.runtime.execute(step.target, inputs)
         prompt_lp = self._prompt_logprobs(plan, dev, inputs, hidden) if len(plan.prompt_rows) else []
-        tokens, accepted, first_pos, logits = self._verify(plan, dev, hidden)
+        tokens, accepted, logits = self._verify(plan, dev, hidden, first_pos, positions)
         if step.constrained:
             self.grammars.note_sampled(plan.host_sampling_slots, tokens[:, 0])
         self._advance(plan, dev, tokens, accepted, first_pos)
@@ -616,30 +615,49 @@ class ModelWorker:
         lens = np.asarray([len(t) for t in new_tokens], np.int64)
         new_slots = np.asarray([r.slot for r in new], np.int64)
         sp = [r.sampling for r in new]
-        s, width, n = plan.sampling_rows, plan.width, len(plan.token_slot)
+        s, width = plan.sampling_rows, plan.width
         advance = plan.num_scheduled.copy()
-        advance[s] -= plan.num_drafts[s]
+        advance[s] -= plan.num_drafts[s]  # (a sampling request's accepted drafts are added on the device)
         drafted = np.nonzero(plan.token_draft >= 0)[0]
-        cell_request = plan.verify_cells // width
-        within = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
-        cols = self.upload(
-            np.concatenate([plan.token_slot, plan.slots]), np.concatenate([plan.token_offset, plan.num_scheduled]),
-            plan.query_start, plan.logit_rows, plan.verify_cells, plan.grid.reshape(-1), advance,
-            drafted, plan.token_slot[drafted], plan.token_draft[drafted],
-            plan.slots[s], advance[s], plan.num_drafts[s], plan.logit_rows[plan.grid[:, 0]],
-            cell_request, plan.verify_cells % width, plan.slots[s][cell_request],
-            plan.prefill_rows, plan.slots[plan.prefill_rows], plan.last_rows[plan.prefill_rows],
-            unpack(step.freed_slots).astype(np.int64), unpack(step.block_updates).astype(np.int64),
-            new_slots, np.repeat(new_slots, lens), within,
-            np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
-            f32_words([x.temperature for x in sp] + [x.top_p for x in sp]), np.asarray([x.top_k for x in sp], np.int64),
-            np.asarray([x.seed for x in sp], np.int64), np.asarray([r.num_computed for r in new], np.int64),
-            *self.state.extras.columns(new), *([plan.prompt_rows] if len(plan.prompt_rows) else []),
-        )
-        base, prompt = _DeviceStep.num_columns(), len(cols) - (1 if len(plan.prompt_rows) else 0)
-        lookup_slots, lookup_offsets = cols[:2]
-        return _DeviceStep(lookup_slots[:n], lookup_slots[n:], lookup_slots, lookup_offsets, *cols[2:base],
-                           extras=cols[base:prompt], prompt_rows=cols[prompt] if prompt < len(cols) else None)
+        cell_request, cell_index = plan.verify_cells // width, plan.verify_cells % width
+        lookup = [plan.token_slot, plan.slots, plan.slots[s], plan.slots[s][cell_request]]
+        columns = dict(
+            lookup_slots=np.concatenate(lookup),
+            lookup_offsets=np.concatenate([plan.token_offset, plan.num_scheduled, advance[s],
+                                           advance[s][cell_request] + cell_index]),
+            query_start=plan.query_start, logit_rows=plan.logit_rows, verify_cells=plan.verify_cells,
+            grid=plan.grid.reshape(-1), advance=advance, draft_rows=drafted, draft_slots=plan.token_slot[drafted],
+            draft_index=plan.token_draft[drafted], sampling_drafts=plan.num_drafts[s],
+            sampling_first_row=plan.logit_rows[plan.grid[:, 0]], cell_request=cell_request, cell_index=cell_index,
+            prefill_rows=plan.prefill_rows, prefill_slots=plan.slots[plan.prefill_rows],
+            step0_sources=self._step0_sources(plan),
+            freed_slots=unpack(step.freed_slots).astype(np.int64),
+            block_updates=unpack(step.block_updates).astype(np.int64),
+            new_slots=new_slots, new_token_rows=np.repeat(new_slots, lens),
+            new_token_cols=np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens),
+            new_tokens=np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
+            new_floats=f32_words([x.temperature for x in sp] + [x.top_p for x in sp]),
+            new_top_k=np.asarray([x.top_k for x in sp], np.int64), new_seed=np.asarray([x.seed for x in sp], np.int64),
+            new_num_computed=np.asarray([r.num_computed for r in new], np.int64))
+        extras = self.state.extras.columns(new)
+        cols = self.upload(*columns.values(), *extras, *([plan.prompt_rows] if len(plan.prompt_rows) else []))
+        dev = dict(zip(columns, cols))
+        token_slot, slots, sampling_slots, cell_slot = dev["lookup_slots"].split([len(x) for x in lookup])
+        return _DeviceStep(**dev, token_slot=token_slot, slots=slots, sampling_slots=sampling_slots,
+                           cell_slot=cell_slot, extras=cols[len(columns):len(columns) + len(extras)],
+                           prompt_rows=cols[-1] if len(plan.prompt_rows) else None)
+
+    @staticmethod
+    def _step0_sources(plan: "_StepPlan") -> np.ndarray:
+        """Per token row, where an EAGLE-style drafter's step 0 reads its token (the one after the row's): in
+        [the target's input ids (n) | each mid-prefill request's next prompt token | the step's sampled tokens
+        (m x width)]: the next row's id, but at a mid-prefill request's last row its next prompt token, and at a
+        verify row the token sampled there (``EagleDrafter._step0_inputs``)."""
+        n, p = len(plan.token_slot), len(plan.prefill_rows)
+        sources = np.arange(1, n + 1)
+        sources[plan.last_rows[plan.prefill_rows]] = n + np.arange(p)
+        sources[plan.logit_rows] = n + p + plan.verify_cells
+        return sources
 
     def _release_and_map(self, step: Step, freed_slots: torch.Tensor, block_updates: torch.Tensor) -> None:
         """Freed slots' block-table rows cleared, new KV blocks entered, in the block table every runner shares (the
@@ -676,30 +694,34 @@ class ModelWorker:
             st.host_num_logprobs[r.slot] = s.num_logprobs
             st.host_num_prompt_logprobs[r.slot] = max(s.num_prompt_logprobs, 0)
 
-    def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> StepInputs:
+    def _target_inputs(self, plan: "_StepPlan", dev: "_DeviceStep") -> tuple[StepInputs, torch.Tensor, torch.Tensor]:
         """The target's inputs from the request state: each request's query reads its tokens from position
-        num_computed on, then its drafts."""
-        st, n = self.state, len(plan.token_slot)
-        slot_t = dev.token_slot
-        counts = st.num_computed[dev.lookup_slots] + dev.lookup_offsets  # positions, then sequence lengths
-        pos, seq_lens = counts[:n], counts[n:]
-        ids = st.token_ids[slot_t, pos]
+        num_computed on, then its drafts. With them, from the same gather of the computed counts
+        (``_DeviceStep.lookup_slots``), each sampling request's first verified position and each logit row's
+        position: -> (inputs, first positions (m,), logit rows' positions)."""
+        st = self.state
+        counts = st.num_computed[dev.lookup_slots] + dev.lookup_offsets
+        pos, seq_lens, first_pos, positions = counts.split([len(c) for c in (dev.token_slot, dev.slots,
+                                                                               dev.sampling_slots, dev.cell_slot)])
+        ids = st.token_ids[dev.token_slot, pos]
         if len(dev.draft_rows):  # (the drafts' rows read the drafts)
             ids[dev.draft_rows] = st.drafts[dev.draft_slots, dev.draft_index]
-        return self.runtime.inputs(ids, pos, slot_t, dev.query_start, seq_lens, dev.slots, plan.max_query_len,
-                                   plan.max_seq_len)
+        inputs = self.runtime.inputs(ids, pos, dev.token_slot, dev.query_start, seq_lens, dev.slots,
+                                     plan.max_query_len, plan.max_seq_len)
+        return inputs, first_pos, positions
 
     # -- verification and sampling --------------------------------------------------------------------------
-    def _verify(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor):
+    def _verify(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor, first_pos: torch.Tensor,
+                positions: torch.Tensor):
         """Per sampling request: the target's token drawn at each verified position (its argmax, or its seeded
-        sample there: models.sampling), and the drafts accepted while they equal those.
-        -> (tokens (m, 1 + K), accepted (m,), position of the first sampled token (m,))."""
+        sample there: models.sampling), and the drafts accepted while they equal those. ``first_pos``: each
+        request's first verified position; ``positions``: each logit row's (``_target_inputs``).
+        -> (tokens (m, 1 + K), accepted (m,), logits)."""
         st, m, width = self.state, plan.num_sampling, plan.width
         if m == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return torch.zeros(0, width, dtype=torch.int64, device=self.device), empty, empty, None
+            return (torch.zeros(0, width, dtype=torch.int64, device=self.device),
+                    torch.zeros(0, dtype=torch.int64, device=self.device), None)
         slots_s, nd = dev.sampling_slots, dev.sampling_drafts
-        first_pos = st.num_computed[slots_s] + dev.sampling_known
         if width == 1:  # no speculative decoding: a request's one logit row, no drafts (fewer small ops: each
             # costs a CPU decode step tens of microseconds)
             return self._verify_one(plan, dev, hidden, first_pos)
@@ -707,7 +729,6 @@ class ModelWorker:
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         self._apply_grammar_bitmask(logits, plan)
         request, rows_s = dev.cell_request, dev.cell_slot
-        positions = first_pos[request] + dev.cell_index
         drafts = st.drafts[slots_s, : width - 1]
         before = lambda: torch.where(  # noqa: E731 (each row's drafts before it)
             self.runtime.iota(width - 1)[None, :] < dev.cell_index[:, None], drafts[request], -1)
@@ -720,13 +741,12 @@ class ModelWorker:
                                  torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
         else:
             accepted = accepted_drafts(tokens, drafts, nd)
-        return tokens, accepted, first_pos, logits
+        return tokens, accepted, logits
 
     def _verify_one(self, plan: "_StepPlan", dev: "_DeviceStep", hidden: torch.Tensor, first_pos: torch.Tensor):
         """``_verify`` at width 1 (m > 0): logit row r is sampling request r's (the grid and the verify cells are the
         identity), its token drawn at first_pos, nothing accepted."""
         m, st, slots_s = plan.num_sampling, self.state, dev.sampling_slots
-        accepted = self.runtime.iota(1).expand(m)  # (zeros, a view: read only)
         with torch.profiler.record_function("twogrid.logits"):
             logits = self.model.compute_logits(hidden[dev.logit_rows])
         self._apply_grammar_bitmask(logits, plan)
@@ -737,7 +757,7 @@ class ModelWorker:
             params = st.row_params(slots_s, host_slots, first_pos, lambda: None,
                                    lambda w: st.tail(slots_s, first_pos, first_pos, None, w))
             tokens = sample_tokens(logits, params, first_pos)
-        return tokens.view(m, 1), accepted, first_pos, logits
+        return tokens.view(m, 1), self.runtime.iota(1).expand(m), logits  # (nothing accepted: zeros, a view)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, plan: "_StepPlan") -> None:
         """Structured outputs: in each constrained request's logit row, the tokens its grammar forbids get -inf
@@ -952,15 +972,12 @@ class _DeviceStep:
     """The step's columns on the device (views of one upload, ``ModelWorker._upload``): the host's columns and what
     the host derives from them, so that the device indexes one with another nowhere."""
 
-    token_slot: torch.Tensor
-    """Per token: its request's slot."""
-    slots: torch.Tensor
-    """Per request: its slot."""
     lookup_slots: torch.Tensor
-    """``token_slot`` then ``slots`` (one column): the computed counts the target's inputs add to."""
+    """The slots whose computed counts the step reads, in one gather (``_target_inputs``): ``token_slot``, ``slots``,
+    ``sampling_slots``, ``cell_slot``; ``lookup_offsets`` the offsets added to them: per token its place in its
+    request's query (its position), per request its scheduled tokens (its sequence length), per sampling request its
+    tokens known before the drafts (its first verified position), per logit row that plus its verify index."""
     lookup_offsets: torch.Tensor
-    """Per token its place in its request's query, then per request its scheduled tokens: with the computed
-    counts, the tokens' positions, then the requests' sequence lengths."""
     query_start: torch.Tensor
     logit_rows: torch.Tensor
     verify_cells: torch.Tensor
@@ -971,19 +988,17 @@ class _DeviceStep:
     """The step's tokens that are drafts; their slots and which draft each is:"""
     draft_slots: torch.Tensor
     draft_index: torch.Tensor
-    sampling_slots: torch.Tensor
-    """Per sampling request: its slot, its tokens known before the drafts, its drafts, and its first verify row."""
-    sampling_known: torch.Tensor
     sampling_drafts: torch.Tensor
+    """Per sampling request: its drafts and its first verify row."""
     sampling_first_row: torch.Tensor
     cell_request: torch.Tensor
-    """Per logit row: its sampling request, its index among that request's verify rows, and the request's slot."""
+    """Per logit row: its sampling request, and its index among that request's verify rows."""
     cell_index: torch.Tensor
-    cell_slot: torch.Tensor
     prefill_rows: torch.Tensor
-    """The requests mid-prefill (they do not sample), their slots and the rows of their last tokens."""
+    """The requests mid-prefill (they do not sample) and their slots."""
     prefill_slots: torch.Tensor
-    prefill_ends: torch.Tensor
+    step0_sources: torch.Tensor
+    """Per token row, where an EAGLE-style drafter's step 0 reads its token (``ModelWorker._step0_sources``)."""
     freed_slots: torch.Tensor
     block_updates: torch.Tensor
     new_slots: torch.Tensor
@@ -996,13 +1011,13 @@ class _DeviceStep:
     new_top_k: torch.Tensor
     new_seed: torch.Tensor
     new_num_computed: torch.Tensor
+    token_slot: torch.Tensor
+    """Views of ``lookup_slots``: per token its request's slot, per request its slot, per sampling request its slot,
+    per logit row its request's slot."""
+    slots: torch.Tensor
+    sampling_slots: torch.Tensor
+    cell_slot: torch.Tensor
     extras: list[torch.Tensor]
     """The admitted requests' ``SamplingExtras.columns`` (empty on the fast path)."""
     prompt_rows: torch.Tensor | None
     """The token rows whose next prompt token's log-probability the step returns (None: none)."""
-
-    @classmethod
-    def num_columns(cls) -> int:
-        """The upload's columns before ``extras``: one per field above it, but the two whose column ``lookup_slots``
-        is."""
-        return len(dataclasses.fields(cls)) - 4
