@@ -796,12 +796,12 @@ class ModelWorker:
                 st.extras.count(slots_s, tokens.view(-1, 1), None)
             return
         st.num_computed.index_add_(0, slots_s, accepted)
-        cols = first_pos[:, None] + self.runtime.iota(plan.width)[None, :]
-        rows = slots_s[:, None].expand_as(cols)
-        keep = self.runtime.iota(plan.width)[None, :] <= accepted[:, None]
-        st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+        iota = self.runtime.iota(plan.width)[None, :]
+        kept = torch.minimum(iota, accepted[:, None])  # (m, width): the cells past the kept ones repeat the last
+        # kept one (the same token to the same place), so that nothing past it is written
+        st.token_ids[slots_s[:, None].expand_as(kept), first_pos[:, None] + kept] = tokens.gather(1, kept)
         if counted:
-            st.extras.count(slots_s, tokens, keep)
+            st.extras.count(slots_s, tokens, iota <= accepted[:, None])
 
 
 @dataclass
