@@ -17,7 +17,8 @@ NGRAM_MATCH_CONFIDENCE = 0.8
 
 
 def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: int, max_n: int,
-                  match_confidence: float = NGRAM_MATCH_CONFIDENCE) -> tuple[torch.Tensor, torch.Tensor]:
+                  match_confidence: float = NGRAM_MATCH_CONFIDENCE,
+                  iota: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt-lookup drafts for m requests at once, with no host synchronization and no per-request loop.
 
     ``history``: (m, L) tokens by position, request i's valid through ``last_pos[i]`` (<= L - 1; the token there is
@@ -31,12 +32,14 @@ def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: 
     e = n - 1..L - 1) says the n tokens ending at e equal the last n (a match of n + 1 tokens is one of n), and
     ``score[:, e]`` gains L for every n >= ``min_n`` that matched there, over a base of e - L: the largest score is
     the longest n's latest end, and a request with no match scores -1, which places its proposals past the
-    history."""
+    history. ``iota``: 0, 1, ... on the device (int64, longer than L, max_n and K), a constant buffer the aranges
+    are views of (default: made here)."""
     m, length = history.shape
-    device = history.device
-    last_pos = last_pos.to(torch.int64)
-    ends = torch.arange(length, dtype=torch.int32, device=device)
-    back = (last_pos[:, None] - torch.arange(max_n, device=device)[None, :]).clamp(min=0)
+    if iota is None or len(iota) <= max(length, max_n, k):
+        iota = torch.arange(max(length, max_n, k) + 1, device=history.device)
+    last_pos = last_pos if last_pos.dtype == torch.int64 else last_pos.long()
+    ends = iota[:length]
+    back = (last_pos[:, None] - iota[None, :max_n]).clamp(min=0)
     tail = history.gather(1, back)  # tail[:, i]: the token i before the last
     match = ends[None, :] < last_pos[:, None]  # an occurrence ends before the last token
     score = (ends - length).repeat(m, 1)
@@ -47,8 +50,9 @@ def propose_ngram(history: torch.Tensor, last_pos: torch.Tensor, k: int, min_n: 
         if i + 1 >= min_n:
             score[:, i:].add_(match, alpha=length)
     best = score.amax(dim=1)
-    follow = best[:, None] % length + torch.arange(1, k + 1, device=device)[None, :]
+    follow = best[:, None] % length + iota[None, 1 : k + 1]
     found = follow <= last_pos[:, None]
     last = history.gather(1, last_pos[:, None])
     drafts = torch.where(found, history.gather(1, follow.clamp(max=length - 1)), last)
-    return drafts, torch.where(found, match_confidence, 0.0).to(torch.float32)
+    conf = torch.where(found, match_confidence, 0.0)  # (float32, unless the default dtype is another)
+    return drafts, conf if conf.dtype == torch.float32 else conf.float()

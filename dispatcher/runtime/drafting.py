@@ -36,11 +36,23 @@ from models.drafters import propose_ngram
 class _Drafter:
     def __init__(self, head, runtimes, method: str, block_size: int):
         self.head, self.runtimes, self.method, self.block_size = head, runtimes, method, block_size
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _propose(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence)."""
+    def _propose(self, feature: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts from the head's output rows, with the head's probability of each (its confidence), into
+        ``out`` (ids, probabilities) if given."""
         with torch.profiler.record_function("twogrid.draft_logits"):
-            return self.head.propose(feature)
+            return self.head.propose(feature, out=out)
+
+    def _draft_buffers(self, m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m, k) views of the drafter's buffers for a step's drafts and their confidences (allocated once), each
+        draft's column contiguous: the head's proposal kernel and the graphs' proposals are copied there."""
+        if self._scratch is None or self._scratch[0].shape[0] < k:
+            rows = self.runtimes[0].max_num_reqs
+            self._scratch = (torch.empty(k, rows, dtype=torch.int64, device=device),
+                             torch.empty(k, rows, dtype=torch.float32, device=device))
+        ids, conf = self._scratch
+        return ids[:k, :m].t(), conf[:k, :m].t()
 
     @staticmethod
     def _last(dev, tokens, accepted, first_pos):
@@ -58,8 +70,9 @@ class _Drafter:
         m, n = plan.num_sampling, drafts.shape[1] - first
         rt = self.runtimes[1]
         one = rt.iota(m + 1)
-        pos = (first_pos[:, None] + rt.iota(n)[None, :]).t()  # (n, m)
-        kv_slots, seq_lens = rt.kv_slots(slots_s[None, :].expand_as(pos), pos), pos + 1
+        ends = (first_pos[:, None] + rt.iota(n + 1)[None, :]).t()  # (n + 1, m): step s's positions, then lengths
+        pos, seq_lens = ends[:n], ends[1:]
+        kv_slots = rt.kv_slots(slots_s[None, :].expand_as(pos), pos)
         for s in range(n):
             j = first + s
             if s >= 1 and step.draft_next.mode == MODE_FULL:  # the graph advanced its own inputs: replay it
@@ -82,9 +95,8 @@ class EagleDrafter(_Drafter):
         slots_s = dev.sampling_slots
         last_pos = first_pos + accepted
         feature = out[dev.sampling_first_row + accepted]  # (the row of each request's last new token)
-        drafts = torch.empty(m, k, dtype=torch.int64, device=features.device)
-        conf = torch.empty(m, k, dtype=torch.float32, device=features.device)
-        drafts[:, 0], conf[:, 0] = self._propose(feature)
+        drafts, conf = self._draft_buffers(m, k, features.device)
+        self._propose(feature, out=(drafts[:, 0], conf[:, 0]))
         if k > 1:  # draft j reads draft j - 1 at the head position of its feature, last_pos - 1 + j (_step0_inputs)
             self._one_token_steps(step, plan, slots_s, drafts[:, 0], last_pos, feature, drafts, conf, first=1)
         state.drafts[slots_s, :k] = drafts
@@ -139,8 +151,7 @@ class DraftModelDrafter(_Drafter):
             return
         slots_s = dev.sampling_slots
         _, last_tok, last_pos = self._last(dev, tokens, accepted, first_pos)
-        drafts = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
-        conf = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
+        drafts, conf = self._draft_buffers(m, k, hidden.device)
         self._one_token_steps(step, plan, slots_s, last_tok, last_pos, None, drafts, conf, first=0)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
@@ -153,11 +164,14 @@ class NgramDrafter(_Drafter):
     def __init__(self, min_n: int, max_n: int):
         super().__init__(None, [], "ngram", 0)
         self.min_n, self.max_n = min_n, max_n
+        self._iota: torch.Tensor | None = None
 
     def propose(self, step, plan, dev, inputs, hidden, tokens, accepted, first_pos, state) -> None:
         k, slots_s = step.num_new_drafts, dev.sampling_slots
         length = min(plan.max_seq_len + 1, state.token_ids.shape[1])  # last_pos <= the step's sequence length
         history = state.token_ids[:, :length].index_select(0, slots_s)
-        drafts, conf = propose_ngram(history, first_pos + accepted, k, self.min_n, self.max_n)
+        if self._iota is None or len(self._iota) <= max(length, self.max_n, k):  # (once: its aranges' buffer)
+            self._iota = torch.arange(max(state.token_ids.shape[1], self.max_n, k) + 1, device=slots_s.device)
+        drafts, conf = propose_ngram(history, first_pos + accepted, k, self.min_n, self.max_n, iota=self._iota)
         state.drafts[slots_s, :k] = drafts
         state.draft_conf[slots_s, :k] = conf
