@@ -108,8 +108,10 @@ class EagleDrafter(_Drafter):
         at position p holds (token p + 1, the target's feature at p), so that every position 0..p a head query
         attends to is written (SpecForge trains it so: index i pairs token i + 1 with feature i)."""
         t = inputs.tokens
-        next_prompt = state.token_ids[dev.prefill_slots, inputs.seq_lens[dev.prefill_rows]]  # (at its sequence length)
-        ids_d = torch.cat([t[0], next_prompt, tokens.flatten()])[dev.step0_sources]
+        sources = [t[0], tokens.flatten()]
+        if len(plan.prefill_rows):  # (a request mid-prefill reads its next prompt token, at its sequence length)
+            sources.insert(1, state.token_ids[dev.prefill_slots, inputs.seq_lens[dev.prefill_rows]])
+        ids_d = torch.cat(sources)[dev.step0_sources]
         # (the KV slots are the target's: the drafter's KV sits in the same blocks)
         return self.runtimes[0].inputs(ids_d, t[1], t[3], inputs.query_start, inputs.seq_lens, inputs.req_rows,
                                        inputs.max_query_len, inputs.max_seq_len, kv_slots=t[2])

@@ -737,8 +737,8 @@ class ModelWorker:
         tokens = sample_tokens(logits, params, positions)[dev.grid.view(m, width)]
         if self.fixed_acceptance_on:
             accepted = fixed_accepted(st.seed[slots_s], first_pos, nd, width - 1, self.fixed_alpha)
-            tokens = torch.where(self.runtime.iota(width)[None, :] < accepted[:, None],
-                                 torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
+            head = tokens[:, :-1]  # (the accepted drafts stand as the tokens there; tokens is the step's own)
+            torch.where(self.runtime.iota(width - 1)[None, :] < accepted[:, None], drafts, head, out=head)
         else:
             accepted = accepted_drafts(tokens, drafts, nd)
         return tokens, accepted, logits
