@@ -148,7 +148,8 @@ class DraftModelDrafter(_Drafter):
         t = inputs.tokens
         catch_up = self.runtimes[0]
         catch_up.execute(step.draft, catch_up.inputs(t[0], t[1], t[3], inputs.query_start, inputs.seq_lens,
-                                                     inputs.req_rows, inputs.max_query_len, inputs.max_seq_len))
+                                                     inputs.req_rows, inputs.max_query_len, inputs.max_seq_len,
+                                                     kv_slots=t[2]))  # (its KV sits in the target's blocks)
         if not k or not m:  # the catch-up wrote the draft model's KV; no drafts this step
             return
         slots_s = dev.sampling_slots

@@ -630,7 +630,7 @@ class ModelWorker:
             draft_index=plan.token_draft[drafted], sampling_drafts=plan.num_drafts[s],
             sampling_first_row=plan.logit_rows[plan.grid[:, 0]], cell_request=cell_request, cell_index=cell_index,
             prefill_rows=plan.prefill_rows, prefill_slots=plan.slots[plan.prefill_rows],
-            step0_sources=self._step0_sources(plan),
+            step0_sources=self._step0_sources(plan) if self.method in EAGLE_LIKE else np.zeros(0, np.int64),
             freed_slots=unpack(step.freed_slots).astype(np.int64),
             block_updates=unpack(step.block_updates).astype(np.int64),
             new_slots=new_slots, new_token_rows=np.repeat(new_slots, lens),
@@ -642,7 +642,8 @@ class ModelWorker:
         extras = self.state.extras.columns(new)
         cols = self.upload(*columns.values(), *extras, *([plan.prompt_rows] if len(plan.prompt_rows) else []))
         dev = dict(zip(columns, cols))
-        token_slot, slots, sampling_slots, cell_slot = dev["lookup_slots"].split([len(x) for x in lookup])
+        ends = np.cumsum([len(x) for x in lookup]).tolist()  # (slices: views, as a split is, at less host time)
+        token_slot, slots, sampling_slots, cell_slot = (dev["lookup_slots"][a:b] for a, b in zip([0] + ends, ends))
         return _DeviceStep(**dev, token_slot=token_slot, slots=slots, sampling_slots=sampling_slots,
                            cell_slot=cell_slot, extras=cols[len(columns):len(columns) + len(extras)],
                            prompt_rows=cols[-1] if len(plan.prompt_rows) else None)
