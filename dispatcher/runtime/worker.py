@@ -642,8 +642,7 @@ class ModelWorker:
         extras = self.state.extras.columns(new)
         cols = self.upload(*columns.values(), *extras, *([plan.prompt_rows] if len(plan.prompt_rows) else []))
         dev = dict(zip(columns, cols))
-        ends = np.cumsum([len(x) for x in lookup]).tolist()  # (slices: views, as a split is, at less host time)
-        token_slot, slots, sampling_slots, cell_slot = (dev["lookup_slots"][a:b] for a, b in zip([0] + ends, ends))
+        token_slot, slots, sampling_slots, cell_slot = _slices(dev["lookup_slots"], [len(x) for x in lookup])
         return _DeviceStep(**dev, token_slot=token_slot, slots=slots, sampling_slots=sampling_slots,
                            cell_slot=cell_slot, extras=cols[len(columns):len(columns) + len(extras)],
                            prompt_rows=cols[-1] if len(plan.prompt_rows) else None)
@@ -702,8 +701,8 @@ class ModelWorker:
         position: -> (inputs, first positions (m,), logit rows' positions)."""
         st = self.state
         counts = st.num_computed[dev.lookup_slots] + dev.lookup_offsets
-        pos, seq_lens, first_pos, positions = counts.split([len(c) for c in (dev.token_slot, dev.slots,
-                                                                               dev.sampling_slots, dev.cell_slot)])
+        pos, seq_lens, first_pos, positions = _slices(counts, [len(c) for c in (dev.token_slot, dev.slots,
+                                                                                dev.sampling_slots, dev.cell_slot)])
         ids = st.token_ids[dev.token_slot, pos]
         if len(dev.draft_rows):  # (the drafts' rows read the drafts)
             ids[dev.draft_rows] = st.drafts[dev.draft_slots, dev.draft_index]
@@ -833,6 +832,15 @@ class _Sections:
         part = self.flat[self.at : self.at + size]
         self.at += size
         return part
+
+
+def _slices(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive views of ``t`` of these sizes (as ``t.split(sizes)``, at less host time)."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(t[at : at + n])
+        at += n
+    return out
 
 
 def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
