@@ -611,10 +611,6 @@ class ModelWorker:
         """Every host-side column of the step in one host-to-device copy, with the columns the host derives from
         them (``_DeviceStep``), so that the device computes none of them."""
         new = step.new_requests
-        new_tokens = [unpack(r.token_ids) for r in new]
-        lens = np.asarray([len(t) for t in new_tokens], np.int64)
-        new_slots = np.asarray([r.slot for r in new], np.int64)
-        sp = [r.sampling for r in new]
         s, width = plan.sampling_rows, plan.width
         advance = plan.num_scheduled.copy()
         advance[s] -= plan.num_drafts[s]  # (a sampling request's accepted drafts are added on the device)
@@ -632,13 +628,7 @@ class ModelWorker:
             prefill_rows=plan.prefill_rows, prefill_slots=plan.slots[plan.prefill_rows],
             step0_sources=self._step0_sources(plan) if self.method in EAGLE_LIKE else np.zeros(0, np.int64),
             freed_slots=unpack(step.freed_slots).astype(np.int64),
-            block_updates=unpack(step.block_updates).astype(np.int64),
-            new_slots=new_slots, new_token_rows=np.repeat(new_slots, lens),
-            new_token_cols=np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens),
-            new_tokens=np.concatenate(new_tokens).astype(np.int64) if new else np.zeros(0, np.int64),
-            new_floats=f32_words([x.temperature for x in sp] + [x.top_p for x in sp]),
-            new_top_k=np.asarray([x.top_k for x in sp], np.int64), new_seed=np.asarray([x.seed for x in sp], np.int64),
-            new_num_computed=np.asarray([r.num_computed for r in new], np.int64))
+            block_updates=unpack(step.block_updates).astype(np.int64), **_admission_columns(new))
         extras = self.state.extras.columns(new)
         cols = self.upload(*columns.values(), *extras, *([plan.prompt_rows] if len(plan.prompt_rows) else []))
         dev = dict(zip(columns, cols))
@@ -832,6 +822,26 @@ class _Sections:
         part = self.flat[self.at : self.at + size]
         self.at += size
         return part
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+_ADMISSION = ("new_slots", "new_token_rows", "new_token_cols", "new_tokens", "new_floats", "new_top_k", "new_seed",
+              "new_num_computed")
+
+
+def _admission_columns(new: list) -> dict[str, np.ndarray]:
+    """The upload's columns that admit ``new`` requests (``_DeviceStep.new_slots`` on), all empty without any."""
+    if not new:
+        return dict.fromkeys(_ADMISSION, _NO_ROWS)
+    tokens = [unpack(r.token_ids) for r in new]
+    lens = np.asarray([len(t) for t in tokens], np.int64)
+    slots = np.asarray([r.slot for r in new], np.int64)
+    sp = [r.sampling for r in new]
+    return dict(zip(_ADMISSION, (
+        slots, np.repeat(slots, lens), np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens),
+        np.concatenate(tokens).astype(np.int64), f32_words([x.temperature for x in sp] + [x.top_p for x in sp]),
+        np.asarray([x.top_k for x in sp], np.int64), np.asarray([x.seed for x in sp], np.int64),
+        np.asarray([r.num_computed for r in new], np.int64))))
 
 
 def _slices(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
