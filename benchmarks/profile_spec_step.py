@@ -18,9 +18,10 @@ host's launches) and its operators launched outside graph replays, beside a deco
         --concurrency 16 --mixed-steps 8 --out $OUT/profile_mixed_step.json
 
 ``--compilation-config '{"cudagraph_mode": "FULL"}'`` runs the same on FULL graphs over the token grid, where a
-mixed step's attention is inside the graph (what a FULL graph for small mixed steps would save; the GPU tells: on
-the CPU's static backend a mixed step launches 186 operators outside graphs then, and 570 with PIECEWISE, whose
-pieces run there as plain code).
+mixed step's attention is inside the graph (what a FULL graph for small mixed steps would save; on the H200 at
+8b70614 it saved the forward's host time but not the step's: docs/headline.md). On the CPU's static backend FULL
+leaves only the glue around one replay to count (eagle3 K = 3: 113 operators at b19b0a6, 218 before; PIECEWISE
+pieces run there as plain code and count too).
 
 ``--model DEFAULT`` is the default model (its GGUF installed or cached); a preset name or a JSON ModelConfig works
 too (``--fixed-acceptance`` then sets the acceptance, as random heads accept nothing).
