@@ -1,0 +1,23 @@
+# Sourced first by a device call's command, from the repository root (after scripts/gpu_chain.sh where the default
+# model is needed):  source scripts/gpu_session.sh <commit>; part NAME LIMIT cmd...; ...; finish
+# - the carried wheels installed (scripts/gpu_env.sh), TWOGRID_COMMIT set (the device's .git can be older than the
+#   tree it ran);
+# - part: one step under its own time limit, its output in $OUT/r/NAME.log, the servers it left killed, its exit code,
+#   seconds and result lines printed (TAILN=k: the last k; a step cut off keeps what it saved);
+# - finish: every JSON in $OUT/r copied to $OUT and the whole folder in $OUT/rest.tgz (a call brings back 8 files);
+# - D, T: the ShareGPT prompts and SmolLM2's tokenizer in .gpu_data (scripts/gpu_carry.sh); SMOL: the default
+#   model's shape as a ModelConfig JSON (random weights: profile_spec_step --model "$SMOL" --fixed-acceptance A).
+set -uo pipefail
+source scripts/gpu_env.sh
+export TWOGRID_COMMIT=${1:?usage: source scripts/gpu_session.sh COMMIT}
+R=$OUT/r; mkdir -p "$R"
+part() {
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  pkill -f "[d]ispatcher serve"; pkill -f "[p]y-spy"; sleep 1
+  echo "== $name rc=$rc $((SECONDS - t0)) s"
+  grep -E '^\{|passed|failed|error' "$R/$name.log" | tail -"${TAILN:-8}" | cut -c1-900
+}
+finish() { cp "$R"/*.json "$OUT"/ 2>/dev/null; tar czf "$OUT/rest.tgz" -C "$R" .; ls -la "$OUT" | tail -n +2; }
+D=.gpu_data/sharegpt.json; T=.gpu_data/smollm2-tokenizer
+SMOL='{"vocab_size": 49152, "hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "intermediate_size": 1536, "tie_word_embeddings": true, "rope_theta": 100000.0, "max_position_embeddings": 8192, "eos_token_ids": [2]}'
