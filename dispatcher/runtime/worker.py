@@ -632,7 +632,7 @@ class ModelWorker:
         extras = self.state.extras.columns(new)
         cols = self.upload(*columns.values(), *extras, *([plan.prompt_rows] if len(plan.prompt_rows) else []))
         dev = dict(zip(columns, cols))
-        token_slot, slots, sampling_slots, cell_slot = _slices(dev["lookup_slots"], [len(x) for x in lookup])
+        token_slot, slots, sampling_slots, cell_slot = _Sections(dev["lookup_slots"]).split([len(x) for x in lookup])
         return _DeviceStep(**dev, token_slot=token_slot, slots=slots, sampling_slots=sampling_slots,
                            cell_slot=cell_slot, extras=cols[len(columns):len(columns) + len(extras)],
                            prompt_rows=cols[-1] if len(plan.prompt_rows) else None)
@@ -691,8 +691,8 @@ class ModelWorker:
         position: -> (inputs, first positions (m,), logit rows' positions)."""
         st = self.state
         counts = st.num_computed[dev.lookup_slots] + dev.lookup_offsets
-        pos, seq_lens, first_pos, positions = _slices(counts, [len(c) for c in (dev.token_slot, dev.slots,
-                                                                                dev.sampling_slots, dev.cell_slot)])
+        pos, seq_lens, first_pos, positions = _Sections(counts).split(
+            [len(c) for c in (dev.token_slot, dev.slots, dev.sampling_slots, dev.cell_slot)])
         ids = st.token_ids[dev.token_slot, pos]
         if len(dev.draft_rows):  # (the drafts' rows read the drafts)
             ids[dev.draft_rows] = st.drafts[dev.draft_slots, dev.draft_index]
@@ -813,15 +813,19 @@ class _Pending:
 
 
 class _Sections:
-    """Reads a step's download section by section."""
+    """Consecutive sections of a flat array or tensor, taken in order (a step's download; the upload's joined
+    columns): views, at less host time than a torch split."""
 
-    def __init__(self, flat: np.ndarray):
+    def __init__(self, flat: np.ndarray | torch.Tensor):
         self.flat, self.at = flat, 0
 
-    def take(self, size: int) -> np.ndarray:
+    def take(self, size: int) -> np.ndarray | torch.Tensor:
         part = self.flat[self.at : self.at + size]
         self.at += size
         return part
+
+    def split(self, sizes: list[int]) -> list:
+        return [self.take(n) for n in sizes]
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -842,15 +846,6 @@ def _admission_columns(new: list) -> dict[str, np.ndarray]:
         np.concatenate(tokens).astype(np.int64), f32_words([x.temperature for x in sp] + [x.top_p for x in sp]),
         np.asarray([x.top_k for x in sp], np.int64), np.asarray([x.seed for x in sp], np.int64),
         np.asarray([r.num_computed for r in new], np.int64))))
-
-
-def _slices(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive views of ``t`` of these sizes (as ``t.split(sizes)``, at less host time)."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(t[at : at + n])
-        at += n
-    return out
 
 
 def _per_request(values: np.ndarray, plan: "_StepPlan", n: int) -> np.ndarray:
