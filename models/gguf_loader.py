@@ -112,10 +112,12 @@ def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFSource:
-    """A GGUF file's tensors under their Hugging Face names, dequantized (float32, then the model's dtype)."""
+    """A GGUF file's tensors under their Hugging Face names, dequantized (float32, then the model's dtype) on
+    ``device`` (``GGUFFile.tensor``)."""
 
-    def __init__(self, f: GGUFFile, kind: str, cfg: ModelConfig, dtype: torch.dtype):
-        self.file, self.where, self.cfg, self.dtype, self.kind = f, f.path, cfg, dtype, kind
+    def __init__(self, f: GGUFFile, kind: str, cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.file, self.where, self.cfg, self.dtype, self.kind, self.device = f, f.path, cfg, dtype, kind, device
         self.permuted = kind in PERMUTED
         self._stacked: dict[str, torch.Tensor] = {}
 
@@ -144,7 +146,7 @@ class GGUFSource:
         if g not in self._stacked:  # one expert of a stacked tensor
             if len(self._stacked) >= 3:  # one layer's gate, up and down experts at a time
                 self._stacked.clear()
-            self._stacked[g] = self.file.tensor(g, self.dtype)
+            self._stacked[g] = self.file.tensor(g, self.dtype, self.device)
         stacked = self._stacked[g]
         if expert >= stacked.shape[0]:
             raise CheckpointError(f"{self.where}: {g} holds {stacked.shape[0]} experts, expected "
@@ -155,7 +157,7 @@ class GGUFSource:
         """GGUF tensor ``g`` (which holds Hugging Face tensor ``name``), dequantized, in the Hugging Face layout."""
         if g not in self.file.tensors:
             raise CheckpointError(f"{self.where}: tensor {g!r} is missing (needed for {name})")
-        t = self.file.tensor(g, self.dtype)
+        t = self.file.tensor(g, self.dtype, self.device)
         if g.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(1, -1)  # (hidden,) in GGUF, (1, hidden) in the Hugging Face layout
         if self.permuted and (g.endswith("attn_q.weight") or g.endswith("attn_k.weight")):
@@ -248,7 +250,7 @@ def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
     except QuantizationError as exc:
         raise CheckpointError(str(exc)) from None
     model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len, tp=tp),
-                       kind, GGUFSource(f, kind, cfg, dtype), scheme)
+                       kind, GGUFSource(f, kind, cfg, dtype, device), scheme)
     if scheme is None and int4_available(device, dtype):
         kept = keep_int4(model, f, kind)
         if kept:

@@ -11,14 +11,11 @@ dtype (bfloat16: 8 bits of mantissa, where the bfloat16 dequantization rounds ev
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
 GROUP_SIZE = 32
 """Values a GGUF Q4_0 / Q4_1 block holds, one scale and zero each: the int4 GEMM's group size."""
-INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}
-"""The ggml types kept 4-bit, with their block's bytes."""
 
 
 def int4_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -26,22 +23,6 @@ def int4_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     In float32 that GEMM is several times slower than dense (no fast path), so float32 dequantizes, exactly."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"))
-
-
-def ggml_int4_groups(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
-    """A Q4_0 / Q4_1 tensor's bytes -> (codes (rows, cols) uint8 in 0..15, scale and zero (rows, cols / 32)
-    float32) with value = (code - 8) * scale + zero. A block's 16 bytes of codes hold values 0..15 in their low
-    nibbles and 16..31 in their high ones."""
-    rows, cols = shape
-    blocks = raw.reshape(rows, cols // GROUP_SIZE, INT4_TYPES[type_name])
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q4_1":
-        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
-    else:
-        zero = np.zeros_like(scale)
-    packed = blocks[..., INT4_TYPES[type_name] - 16:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols)
-    return codes, scale, zero
 
 
 class Int4Linear(nn.Module):

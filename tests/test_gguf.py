@@ -204,6 +204,44 @@ def test_k_quants_dequantize_as_transformers_does(tmp_path):
         assert got.bfloat16().shape == (6, 512)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_types_decode_exactly_as_the_gguf_package_on_the_load_device(tmp_path, qtype):
+    """Q8_0 / Q4_0 / Q4_1 are decoded by torch where the weights go (the GPU at a server's start): the same float32
+    values, bit for bit, as the gguf package's numpy dequantization, for a matrix and for stacked experts (3-D);
+    and the 4-bit types' int4 groups give those values back as (code - 8) * scale + zero."""
+    rng = np.random.default_rng(3)
+    kind = gguf.GGMLQuantizationType[qtype]
+    arrays = {"matrix": rng.standard_normal((48, 96)).astype(np.float32) * 0.1,
+              "experts": rng.standard_normal((3, 16, 64)).astype(np.float32)}
+    arrays["matrix"][5, :32] = 0.0  # a block of zeros (scale 0)
+    raws = {name: gguf.quants.quantize(a, kind) for name, a in arrays.items()}
+    w = gguf.GGUFWriter(str(tmp_path / "b.gguf"), "llama")
+    for name, raw in raws.items():
+        w.add_tensor(name, raw, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(str(tmp_path / "b.gguf"))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for name, a in arrays.items():
+        want = torch.from_numpy(gguf.quants.dequantize(raws[name], kind).reshape(a.shape))
+        for device in devices:
+            got = f.tensor(name, device=device)
+            assert got.device.type == device and got.dtype == torch.float32 and got.shape == a.shape
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=f"{name} on {device}")
+        assert f.tensor(name, torch.bfloat16).dtype == torch.bfloat16
+    groups = f.int4_groups("matrix")
+    if qtype == "Q8_0":
+        assert groups is None
+    else:
+        codes, scale, zero = groups
+        assert codes.shape == (48, 96) and scale.shape == zero.shape == (48, 3) and int(codes.max()) <= 15
+        values = (codes.float() - 8).reshape(48, 3, 32) * scale[..., None] + zero[..., None]
+        want = torch.from_numpy(gguf.quants.dequantize(raws["matrix"], kind))
+        torch.testing.assert_close(values.reshape(48, 96), want, rtol=0, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bad files
 # ---------------------------------------------------------------------------------------------------------------
