@@ -3,7 +3,7 @@ capturing costs.
 
 ``--part startup``: per model and workload, ``twogrid serve`` started fresh four times: capturing first with empty
 caches (Triton's kernels, the graph memory estimate: a first start on a machine) and again with them warm, then
-with ``--delayed-cudagraph-capture`` warm and cold. Per start, from the moment the process is spawned: /health's
+with ``--delayed-cudagraph-capture`` warm and cold (``--starts`` picks others, e.g. ``delayed:cold,delayed:warm``). Per start, from the moment the process is spawned: /health's
 first 200 (``health_s``), the first token of a streamed request sent then (``first_token_s``), the worker's phases
 (``twogrid:startup_phase_seconds{phase}``: imports, settings, weights, grid_fit, kv_sizing, kv_allocation, kernels,
 capture, measure), the front end's own view (its log's "serving N s after the server process started"; its own setup and
@@ -113,19 +113,20 @@ async def first_token_at(port: int, prompt: str) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def one_start(model: str, workload: str, mode: str, cache: str, args, out_dir: str) -> dict:
+def one_start(model: str, workload: str, mode: str, temperature: str, cache: str, args, out_dir: str) -> dict:
     """Start a server, time /health and the first token from the spawn, read its start-up from /metrics and its
-    log; delayed: wait until every graph is captured. ``cache`` names the $TWOGRID_CACHE it runs with."""
+    log; delayed: wait until every graph is captured. ``cache``: the $TWOGRID_CACHE it runs with, ``temperature``
+    (cold or warm) what it holds."""
     extra = ["--delayed-cudagraph-capture"] if mode == "delayed" else []
-    log_path = os.path.join(out_dir, f"server-startup-{os.path.basename(model)}-{workload}-{mode}-{cache}.log")
-    env = {**os.environ, "TWOGRID_CACHE": args.cache_dirs[cache]}
+    log_path = os.path.join(out_dir, f"server-startup-{os.path.basename(model)}-{workload}-{mode}-{temperature}.log")
+    env = {**os.environ, "TWOGRID_CACHE": cache}
     env.pop("TRITON_CACHE_DIR", None)  # (under $TWOGRID_CACHE: cold means no kernel either)
     t0 = time.monotonic()
     proc = subprocess.Popen(serve_command(model, workload, args.port, args, extra), stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, env=env)
     proc.log_path = log_path
     try:
-        wait_healthy(proc, f"{mode} ({cache})", args.port, poll_s=0.05)
+        wait_healthy(proc, f"{mode} ({temperature})", args.port, poll_s=0.05)
         health = time.monotonic()
         first = asyncio.run(first_token_at(args.port, "Explain CUDA graphs in one paragraph."))
         metrics = scrape(args.port)
@@ -142,7 +143,7 @@ def one_start(model: str, workload: str, mode: str, cache: str, args, out_dir: s
         text = open(log_path, encoding="utf-8", errors="replace").read()
         after = SERVING_AFTER.search(text)
         row = {"part": "startup", "model": os.path.basename(model), "workload": workload, "mode": mode,
-               "cache": cache, "health_s": round(health - t0, 2), "first_token_s": round(first - t0, 2),
+               "cache": temperature, "health_s": round(health - t0, 2), "first_token_s": round(first - t0, 2),
                "front_end_serving_after_s": float(after.group(1)) if after else None,
                **front_end_setup(text),
                "worker_phases_s": {k: float(v) for k, v in PHASE.findall(metrics)},
@@ -153,22 +154,37 @@ def one_start(model: str, workload: str, mode: str, cache: str, args, out_dir: s
         stop_server(proc)
 
 
-STARTS = (("capture-first", "a", "cold"), ("capture-first", "a", "warm"), ("delayed", "a", "warm"),
-          ("delayed", "b", "cold"))
-"""Per model and workload, the four starts in order: (mode, $TWOGRID_CACHE used, what it holds): both caches are
-emptied first, so the first start on a cache is cold and the next ones on it warm."""
+STARTS = ("capture-first:cold", "capture-first:warm", "delayed:warm", "delayed:cold")
+"""Per model and workload, the starts ``--starts`` names by default, in order (MODE:CACHE): a cold start runs on a
+fresh, empty $TWOGRID_CACHE (Triton's kernels, the graph memory estimate), a warm one on the cache of the start
+before it."""
+
+
+def start_plan(starts: str, scratch: str) -> list[tuple[str, str, str]]:
+    """``--starts`` -> [(mode, cold or warm, its $TWOGRID_CACHE)]; a warm start first, or an unknown mode, is an
+    error naming it."""
+    plan: list[tuple[str, str, str]] = []
+    for i, start in enumerate(starts.split(",")):
+        mode, _, temperature = start.partition(":")
+        if mode not in ("capture-first", "delayed") or temperature not in ("cold", "warm"):
+            raise ValueError(f"--starts: {start!r} is not MODE:CACHE with MODE capture-first or delayed and CACHE "
+                             f"cold or warm")
+        if temperature == "warm" and not plan:
+            raise ValueError(f"--starts: {start!r} comes first, so no start before it warmed a cache")
+        cache = os.path.join(scratch, f"cache-{i}") if temperature == "cold" else plan[-1][2]
+        plan.append((mode, temperature, cache))
+    return plan
 
 
 def part_startup(args, result: dict, out_dir: str, save) -> None:
     for name in args.models.split(","):
         model = model_path(name)
         for workload in args.workloads.split(","):
-            for cache_dir in args.cache_dirs.values():
-                shutil.rmtree(cache_dir, ignore_errors=True)
-                os.makedirs(cache_dir)
-            for mode, cache, temperature in STARTS:
-                row = one_start(model, workload, mode, cache, args, out_dir)
-                row["cache"] = temperature
+            for mode, temperature, cache_dir in args.start_plan:
+                if temperature == "cold":
+                    shutil.rmtree(cache_dir, ignore_errors=True)
+                    os.makedirs(cache_dir)
+                row = one_start(model, workload, mode, temperature, cache_dir, args, out_dir)
                 replace_row(result, row, ("part", "model", "workload", "mode", "cache"))
                 log(f"{name} {workload} {mode} ({temperature}): /health {row['health_s']} s, first token "
                     f"{row['first_token_s']} s, phases {row['worker_phases_s']}"
@@ -288,6 +304,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="SmolLM2's tokenizer directory, for the bench-moe preset")
     parser.add_argument("--models", default="bench-moe", help="bench-moe and/or default (the default model's GGUF)")
     parser.add_argument("--workloads", default="no-sd,eagle3-k7")
+    parser.add_argument("--starts", default=",".join(STARTS),
+                        help="--part startup: MODE:CACHE in order, MODE capture-first or delayed, CACHE cold (a fresh "
+                             "cache) or warm (the previous start's) (default: %(default)s)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--port", type=int, default=8150)
     parser.add_argument("--device", default="cuda")
@@ -320,7 +339,10 @@ def main() -> None:
     result.setdefault("commands", []).append("PYTHONPATH=.:benchmarks python benchmarks/bench_startup_gpu.py "
                                              + shlex.join(sys.argv[1:]))
     scratch = tempfile.mkdtemp(prefix="twogrid-startup-")
-    args.cache_dirs = {"a": os.path.join(scratch, "cache-a"), "b": os.path.join(scratch, "cache-b")}
+    try:
+        args.start_plan = start_plan(args.starts, scratch)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     def save() -> None:
         write_json(args.out, result)

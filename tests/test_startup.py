@@ -4,6 +4,7 @@ grids come from; Triton's kernels), and the messages and metrics that carry capt
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
@@ -127,3 +128,20 @@ def test_waiting_for_the_servers_settings_is_its_own_phase():
     _, ready = build_worker(init_for({}), imported_s=imported)
     assert list(ready.startup) == list(STARTUP_PHASES)
     assert ready.startup["settings"] >= 1.0 and abs(ready.startup["imports"] - imported) < 0.01
+
+
+def test_startup_benchmark_starts_warm_on_the_cache_of_the_start_before(monkeypatch, tmp_path):
+    """``bench_startup_gpu.py --starts``: a cold start gets a fresh cache, a warm one the previous start's; a warm
+    start first or an unknown mode is refused naming it (a GPU session runs only the starts it has time for)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "benchmarks"))
+    bench = importlib.import_module("bench_startup_gpu")
+    plan = bench.start_plan("delayed:cold,delayed:warm,capture-first:cold,capture-first:warm", str(tmp_path))
+    assert [(m, t) for m, t, _ in plan] == [("delayed", "cold"), ("delayed", "warm"), ("capture-first", "cold"),
+                                           ("capture-first", "warm")]
+    assert plan[0][2] == plan[1][2] != plan[2][2] == plan[3][2]
+    default = bench.start_plan(",".join(bench.STARTS), str(tmp_path))
+    assert [c for _, _, c in default] == [default[0][2]] * 3 + [default[3][2]] and default[3][2] != default[0][2]
+    for bad, named in (("delayed:warm", "comes first"), ("eager:cold", "'eager:cold'"), ("delayed", "'delayed'")):
+        with pytest.raises(ValueError, match=named):
+            bench.start_plan(bad, str(tmp_path))
