@@ -248,10 +248,12 @@ class SchedulerStats(SpecDecodeSummary):
     accepted_per_pos: list[int] = field(default_factory=list)
     """K_max entries: at position j, the verify events that accepted more than j drafts (vLLM's
     ``num_accepted_tokens_per_pos``); they sum to ``drafts_accepted``."""
-    verified_per_pos: list[int] = field(default_factory=list)
-    """K_max entries: at position j, the verify events that verified more than j drafts (so could accept the draft at
-    j): accepted_per_pos[j] / verified_per_pos[j] is position j's acceptance even when steps verify different K
-    (tiers), where accepted_per_pos[j] / num_drafts would count the events that never verified j as rejections."""
+    reached_per_pos: list[int] = field(default_factory=list)
+    """K_max entries: at position j, the verify events that verified more than j drafts and accepted every draft
+    before j (so reached the draft at j): accepted_per_pos[j] / reached_per_pos[j] is the draft at j's acceptance
+    given the ones before it were accepted, however many drafts each step verified (tiers). Auto tiers estimate
+    from these conditional rates: the unconditional ones of deep positions, measured only when a tier verified
+    that deep, go stale when the first position's acceptance moves (an n-gram drafter's as outputs repeat)."""
 
     @property
     def num_accepted_tokens(self) -> int:
@@ -271,7 +273,7 @@ class SchedulerStats(SpecDecodeSummary):
         self.drafts_verified += num_draft_tokens
         self.drafts_accepted += step.num_accepted_tokens
         add_per_pos(self.accepted_per_pos, per_pos)
-        add_per_pos(self.verified_per_pos, _at_least_per_pos(drafts, k))
+        add_per_pos(self.reached_per_pos, _reached_per_pos(drafts, accepted, k))
         return step
 
 
@@ -283,6 +285,12 @@ def _at_least_per_pos(counts: np.ndarray, k: int) -> list[int]:
         more += hist[j]
         per_pos[j - 1] = more
     return per_pos
+
+
+def _reached_per_pos(drafts: np.ndarray, accepted: np.ndarray, k: int) -> list[int]:
+    """Per position j in 0..k-1, the verify events with more than j drafts and at least j accepted."""
+    deep_enough = np.minimum(drafts - 1, accepted)  # the deepest position each event reached (-1: none)
+    return _at_least_per_pos(deep_enough + 1, k)
 
 
 def add_per_pos(total: list[int], per_pos) -> None:
@@ -348,7 +356,7 @@ class Scheduler:
         self._queries = self._hits = 0
         """Prefix-cache queries and hits (tokens) of the step being scheduled."""
         self._step = 0
-        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max, verified_per_pos=[0] * self.k_max)
+        self.stats = SchedulerStats(accepted_per_pos=[0] * self.k_max, reached_per_pos=[0] * self.k_max)
         self.last_spec_decode = NO_DRAFTS
         """What the last ``update`` added to the speculative-decoding counters (the step's share, for metrics)."""
         self._av_sizes = np.asarray(c.av_sizes, dtype=np.int64)

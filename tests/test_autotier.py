@@ -129,12 +129,12 @@ def test_estimate_follows_counts_and_keeps_the_priors_ratio_where_none_verified(
 
 # -- re-choosing at runtime ---------------------------------------------------------------------------------------
 def drive(auto: AutoTiers, rates, events_per_step: int, steps: int, state) -> list:
-    """Feed the controller ``steps`` steps of verify events at per-position ``rates``; returns the tiers after each
-    change. ``state``: the cumulative counters (accepted, verified), updated."""
+    """Feed the controller ``steps`` steps of verify events (every one verifying all positions) at per-position
+    ``rates``; returns the tiers after each change. ``state``: the cumulative counters (accepted, reached), updated."""
     changes = []
     for _ in range(steps):
         for j, p in enumerate(rates):
-            state[1][j] += events_per_step
+            state[1][j] += events_per_step if j == 0 else int(round(rates[j - 1] * events_per_step))
             state[0][j] += int(round(p * events_per_step))
         if auto.observe(state[0], state[1]):
             changes.append(auto.choice.tiers)
@@ -307,11 +307,32 @@ def test_k0_tiers_in_the_plan_and_the_scheduler():
         sched.set_tiers(((1, 8, 4),))
 
 
-def test_verified_per_pos_counts_events_that_could_accept_each_position():
+def test_reached_per_pos_counts_events_that_reached_each_position():
+    """An event reaches position j when it verified the draft at j and accepted every draft before it."""
     cfg = resolve({}, AUTO, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
     stats = Scheduler(scheduler_config(cfg, 64, 4, 64)).stats
     stats.observe_drafts(np.array([3, 1, 0, 2]), np.array([2, 1, 0, 0]))
-    assert stats.accepted_per_pos == [2, 1, 0] and stats.verified_per_pos == [3, 2, 1]
+    assert stats.accepted_per_pos == [2, 1, 0] and stats.reached_per_pos == [3, 1, 1]
+    stats.observe_drafts(np.array([3, 3]), np.array([3, 1]))
+    assert stats.accepted_per_pos == [4, 2, 1] and stats.reached_per_pos == [5, 3, 2]
+
+
+def test_deep_positions_follow_the_first_when_a_shallow_tier_runs_long():
+    """The H200 run at 1024 streams (n-gram, 1a73855): early in the run K = 3 verified at acceptance 0.3 a position
+    (0.3, 0.25, 0.21 unconditional: 0.85 given the one before); later only a K = 1 tier ran, and position 0 rose to
+    0.7. Read as plain rates, positions 1-2 kept their early values (0.25 / 0.21 under a first position of 0.7) and
+    locked the tiers at K <= 1; given the position before, they follow it (0.7 x 0.85, ...)."""
+    prior = (0.6, 0.36, 0.216)
+    early = (0.3, 0.255, 0.217)
+    accepted = [1000 * p for p in early]
+    reached = [1000, 300, 255]
+    # then 5000 events at K = 1, accepting 0.7
+    accepted[0] += 3500
+    reached[0] += 5000
+    est = estimate_acceptance(accepted, reached, prior, prior_weight=32)
+    assert est[0] == pytest.approx((3800 + 32 * 0.6) / 6032)  # 0.63: the window holds both phases
+    assert est[1] / est[0] == pytest.approx((255 + 32 * 0.6) / (300 + 32), rel=1e-9)  # 0.83: the early ratio
+    assert est[1] > 0.5 and est[2] > 0.4  # not the stale 0.25 and 0.21
 
 
 def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):

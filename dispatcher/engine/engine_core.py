@@ -501,7 +501,7 @@ class EngineCore:
         """``"auto"`` tiers: count the step; every ``auto_tier_interval`` steps choose again from the scheduler's
         per-position counters, and switch (with a log line) when the tiers change."""
         stats, auto = self.scheduler.stats, self.auto_tiers
-        if auto.observe(stats.accepted_per_pos, stats.verified_per_pos):
+        if auto.observe(stats.accepted_per_pos, stats.reached_per_pos):
             self.scheduler.set_tiers(auto.tiers)
             self.tier_version += 1
             log.info("speculative tiers changed (auto, measured acceptance %s): %s",

@@ -286,7 +286,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             if auto is not None:
                 steps_by_k[step.num_new_drafts] += 1
                 stats = scheduler.stats
-                if auto.observe(stats.accepted_per_pos, stats.verified_per_pos):
+                if auto.observe(stats.accepted_per_pos, stats.reached_per_pos):
                     scheduler.set_tiers(auto.tiers)
                     tier_changes.append({"after_step": step.step_id, "tiers": auto.choice.as_config(),
                                          "acceptance": [round(p, 4) for p in auto.choice.acceptance]})

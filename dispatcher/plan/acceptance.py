@@ -72,21 +72,19 @@ def fixed_acceptance_rate(mean_length: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def estimate_acceptance(accepted: Sequence[float], verified: Sequence[float], prior: Sequence[float],
+def estimate_acceptance(accepted: Sequence[float], reached: Sequence[float], prior: Sequence[float],
                         prior_weight: float = PRIOR_WEIGHT) -> tuple[float, ...]:
-    """Per-position acceptance from counts: at position j, (accepted_j + w * target_j) / (verified_j + w), the
-    target being the prior at j = 0 and, later, the estimate at j - 1 times the prior's ratio p_j / p_{j-1} (a
-    position verified by few events follows the one before it, as the prior does); never above position j - 1."""
+    """Per-position acceptance from counts: ``accepted[j]`` events accepted the draft at j out of ``reached[j]`` that
+    reached it (verified it, every draft before it accepted). Position 0 is (accepted_0 + w * p_0) / (reached_0 +
+    w); each later one is the one before times its conditional rate (accepted_j + w * r_j) / (reached_j + w), r_j the
+    prior's p_j / p_{j-1}. Conditional rates keep deep positions true when the first one moves while only a shallow
+    tier verifies (a deep position reached by few events follows the one before it, as the prior does)."""
     out: list[float] = []
     for j, p in enumerate(prior):
         a = float(accepted[j]) if j < len(accepted) else 0.0
-        v = float(verified[j]) if j < len(verified) else 0.0
-        if j == 0:
-            target = p
-        else:
-            ratio = p / prior[j - 1] if prior[j - 1] > 0 else 0.0
-            target = out[-1] * ratio
-        est = (a + prior_weight * target) / (v + prior_weight) if v + prior_weight > 0 else target
-        est = min(max(est, 0.0), 1.0)
-        out.append(min(est, out[-1]) if out else est)
+        n = float(reached[j]) if j < len(reached) else 0.0
+        target = p if j == 0 else (p / prior[j - 1] if prior[j - 1] > 0 else 0.0)
+        rate = (a + prior_weight * target) / (n + prior_weight) if n + prior_weight > 0 else target
+        rate = min(max(rate, 0.0), 1.0)
+        out.append(rate if j == 0 else out[-1] * rate)
     return tuple(out)

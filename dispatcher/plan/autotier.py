@@ -13,11 +13,12 @@ n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K), K allowed at n only where its q's c
 FULL decode graphs) reach n; where none reaches, the smallest candidate. Equal neighbours merge into tiers, returned
 in the configuration's ``[[min_batch, K], ...]`` form (``TierChooser``).
 
-At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: per
-position, drafts accepted over drafts verified at that position (events that verified fewer drafts cannot accept
-it), in a window whose counts halve in weight every ``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior
-with ``PRIOR_WEIGHT`` pseudo events (a position not verified lately keeps the prior's ratio to the position before
-it). Hysteresis: a batch size
+At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: the
+first position's acceptance, and each later position's given the one before it (its drafts accepted over the events
+that reached it: verified it with every draft before it accepted), in a window whose counts halve in weight every
+``WINDOW_HALF_LIFE_STEPS`` steps, smoothed towards the prior with ``PRIOR_WEIGHT`` pseudo events
+(``estimate_acceptance``: a position reached by few events lately keeps the prior's ratio to the position before
+it, so deep positions follow the first one when only a shallow tier runs). Hysteresis: a batch size
 changes its K only when the new K beats the one in force there by more than ``HYSTERESIS``.
 
 The table's costs are graph replays over empty contexts (no attention work, no prefills riding along); served steps
@@ -394,9 +395,9 @@ class AutoTiers:
         k = len(self.prior)
         self._steps = 0
         self._seen_accepted = [0] * k
-        self._seen_verified = [0] * k
+        self._seen_reached = [0] * k
         self._accepted = [0.0] * k
-        self._verified = [0.0] * k
+        self._reached = [0.0] * k
 
     @property
     def tiers(self) -> tuple[tuple[int, int, int], ...]:
@@ -405,16 +406,16 @@ class AutoTiers:
 
     def acceptance(self) -> tuple[float, ...]:
         """The acceptance per position the window's counts give (the prior before any)."""
-        return estimate_acceptance(self._accepted, self._verified, self.prior, self.prior_weight)
+        return estimate_acceptance(self._accepted, self._reached, self.prior, self.prior_weight)
 
     def observe_step(self, num_reqs: int, q: int, device_ms: float) -> bool:
         """A served uniform decode step's device time (``num_reqs``: the padded request count its graph ran at), for
         the next choices' costs (``MeasuredCosts``); False when not kept."""
         return self.served_costs and self.costs.observe(num_reqs, q, device_ms)
 
-    def observe(self, accepted_per_pos: Sequence[int], verified_per_pos: Sequence[int], steps: int = 1) -> bool:
+    def observe(self, accepted_per_pos: Sequence[int], reached_per_pos: Sequence[int], steps: int = 1) -> bool:
         """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
-        and ``verified_per_pos``). Every ``interval`` steps: the window takes what they added, the acceptance is
+        and ``reached_per_pos``). Every ``interval`` steps: the window takes what they added, the acceptance is
         estimated and the tiers chosen again. True when the tiers changed."""
         self._steps += steps
         if self._steps < self.interval:
@@ -422,10 +423,10 @@ class AutoTiers:
         self._steps = 0
         for j in range(len(self.prior)):
             a = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
-            v = verified_per_pos[j] if j < len(verified_per_pos) else 0
+            v = reached_per_pos[j] if j < len(reached_per_pos) else 0
             self._accepted[j] = self.decay * self._accepted[j] + (a - self._seen_accepted[j])
-            self._verified[j] = self.decay * self._verified[j] + (v - self._seen_verified[j])
-            self._seen_accepted[j], self._seen_verified[j] = a, v
+            self._reached[j] = self.decay * self._reached[j] + (v - self._seen_reached[j])
+            self._seen_accepted[j], self._seen_reached[j] = a, v
         new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis, self.costs.by_batch())
         changed = new.tiers != self.choice.tiers
         self.choice = new
