@@ -2,8 +2,9 @@
 # model is needed):  source scripts/gpu_session.sh <commit>; part NAME LIMIT cmd...; ...; finish
 # - the carried wheels installed (scripts/gpu_env.sh), TWOGRID_COMMIT set (the device's .git can be older than the
 #   tree it ran);
-# - part: one step under its own time limit, its output in $OUT/r/NAME.log, the servers it left killed, its exit code,
-#   seconds and result lines printed (TAILN=k: the last k; a step cut off keeps what it saved);
+# - part: one step under its own time limit, its output in $OUT/r/NAME.log, the servers and GPU processes it left
+#   killed, its exit code, seconds and result lines printed (TAILN=k: the last k; a step cut off keeps what it
+#   saved); pytest under it: pass -o addopts= so that its summary line prints (pyproject's -q plus yours hides it);
 # - finish: every JSON in $OUT/r copied to $OUT and the whole folder in $OUT/rest.tgz (a call brings back 8 files);
 # - D, T: the ShareGPT prompts and SmolLM2's tokenizer in .gpu_data (scripts/gpu_carry.sh); SMOL: the default
 #   model's shape as a ModelConfig JSON (random weights: profile_spec_step --model "$SMOL" --fixed-acceptance A).
@@ -15,6 +16,9 @@ part() {
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
   pkill -f "[d]ispatcher serve"; pkill -f "[p]y-spy"; sleep 1
+  # (a worker whose server was killed with its step can hold the GPU's memory a while: the next part's server
+  # would find the device full)
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
   echo "== $name rc=$rc $((SECONDS - t0)) s"
   grep -E '^\{|passed|failed|error' "$R/$name.log" | tail -"${TAILN:-8}" | cut -c1-900
 }
