@@ -4,7 +4,8 @@ dequantized at load to the serving dtype; on the CPU in bfloat16, Q4_0 and Q4_1 
 (``keep_int4``: the int4 CPU GEMM reads a quarter of the bytes).
 
 The header (metadata and tensor table) and the model's shape are ``models.gguf_file``'s (it imports no torch); the
-format's constants and every dequantization come from the ``gguf`` package.
+format's constants come from the ``gguf`` package, and so does every dequantization but Q8_0's, Q4_0's and Q4_1's,
+which ``models.gguf_file.decode_blocks`` does with torch on the device the weights go to.
 
 llama.cpp's converter reorders the rows of Llama-family Q and K projections (each head's rotary halves
 interleaved, for its GPT-J-style rotary); ``unpermute_qk`` undoes that, so that these weights serve the
