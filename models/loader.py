@@ -431,8 +431,12 @@ def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype
     rank's shard (``models.parallel``), read alone from a checkpoint."""
     kind = model_kind(name_or_path)
     if kind == "hf":
-        return load_checkpoint(name_or_path, device, dtype, quantization, max_model_len, tp)
-    if kind == "gguf":
-        return load_gguf(name_or_path, device, dtype, quantization, max_model_len, tp)
-    scheme = quantization_scheme({}, "--quantization", quantization)
-    return build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len, tp)
+        model = load_checkpoint(name_or_path, device, dtype, quantization, max_model_len, tp)
+    elif kind == "gguf":
+        model = load_gguf(name_or_path, device, dtype, quantization, max_model_len, tp)
+    else:
+        scheme = quantization_scheme({}, "--quantization", quantization)
+        model = build_model(preset(name_or_path), device, dtype, seed, scheme, max_model_len, tp)
+    if torch.device(device).type == "cuda":  # the load's transients (a GGUF decoded on the device, FP8 quantized
+        torch.cuda.empty_cache()  # at load) released: the KV cache's sizing counts what the allocator reserves
+    return model

@@ -147,22 +147,21 @@ def test_startup_benchmark_starts_warm_on_the_cache_of_the_start_before(monkeypa
             bench.start_plan(bad, str(tmp_path))
 
 
-def test_a_draft_models_load_on_cuda_empties_the_allocators_cache_before_the_kv_sizing(monkeypatch):
-    """Method draft_model on CUDA: the sizing probe (``_size_kv_cache``) loads the draft LM before its memory
-    snapshot, and a GGUF draft's tensors are decoded on the device; what the decoding left reserved in the
-    allocator's cache would count as this server's weights and shrink the KV cache, so the cache is emptied after
-    the draft's load as after the target's (``build_worker``)."""
-    from types import SimpleNamespace
-
+def test_a_load_on_cuda_leaves_nothing_reserved_for_the_kv_sizing(monkeypatch, tmp_path):
+    """The target's load and a draft model's (which the KV sizing probe loads before its memory snapshot) go through
+    ``load_model``; on CUDA a GGUF's tensors are decoded on the device, and what the decoding left reserved in the
+    allocator's cache would count as this server's weights and shrink the KV cache: ``load_model`` empties the cache
+    after any load on CUDA, and only there."""
     import torch
 
-    from dispatcher.runtime import worker as worker_module
+    from models import loader
 
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(12))
     events = []
-    draft = SimpleNamespace(cfg=SimpleNamespace(vocab_size=512, max_position_embeddings=4096))
-    monkeypatch.setattr(worker_module, "load_model", lambda *args: events.append("load") or draft)
+    monkeypatch.setattr(loader, "load_gguf", lambda *args: events.append(("load", str(args[1]))) or "model")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    worker = SimpleNamespace(device=torch.device("cuda", 0), k_max=3, model=SimpleNamespace(cfg=draft.cfg),
-                             wcfg=SimpleNamespace(dtype=torch.bfloat16, seed=0, quantization=None, max_model_len=64))
-    assert worker_module.ModelWorker._draft_model(worker, "draft.gguf") is draft
-    assert events == ["load", "empty_cache"]
+    assert loader.load_model(str(path), "cuda", torch.bfloat16) == "model"
+    assert loader.load_model(str(path), torch.device("cuda", 1), torch.bfloat16) == "model"
+    assert loader.load_model(str(path), "cpu", torch.float32) == "model"
+    assert events == [("load", "cuda"), "empty_cache", ("load", "cuda:1"), "empty_cache", ("load", "cpu")]

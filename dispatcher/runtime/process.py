@@ -141,8 +141,6 @@ def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None =
     dtype = getattr(torch, init.dtype)
     start = time.perf_counter()
     model = load_model(init.model, device, dtype, init.seed, init.quantization, init.max_model_len, tp)
-    if device.type == "cuda":  # (the load's transients, e.g. a GGUF's tensors decoded on the device, would otherwise
-        torch.cuda.empty_cache()  # stay reserved by the allocator and count as weights in the KV cache's sizing)
     phases.done("weights")
     wcfg = WorkerConfig(init.model, str(device), dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,

@@ -264,8 +264,6 @@ class ModelWorker:
     def _draft_model(self, name: str):
         """The draft LM of method draft_model: loaded like the target; its vocabulary must be the target's."""
         draft = load_model(name, self.device, self.wcfg.dtype, self.wcfg.seed, self.wcfg.quantization)
-        if self.device.type == "cuda":  # (as for the target: a GGUF's tensors decoded on the device leave transients
-            torch.cuda.empty_cache()  # reserved, which the KV cache's sizing, after the probe's load, would count)
         if draft.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"speculative model {name!r} has a vocabulary of {draft.cfg.vocab_size} tokens, the "
                              f"target {self.model.cfg.vocab_size}: a draft model must share the target's tokenizer")
