@@ -338,11 +338,12 @@ def main() -> None:
                   output_len=OUTPUT_LEN, fixed_acceptance_eagle3_bench_moe=FIXED_ACCEPTANCE)
     result.setdefault("commands", []).append("PYTHONPATH=.:benchmarks python benchmarks/bench_startup_gpu.py "
                                              + shlex.join(sys.argv[1:]))
-    scratch = tempfile.mkdtemp(prefix="twogrid-startup-")
     try:
-        args.start_plan = start_plan(args.starts, scratch)
+        start_plan(args.starts, "")  # (checked before the scratch folder exists)
     except ValueError as exc:
         parser.error(str(exc))
+    scratch = tempfile.mkdtemp(prefix="twogrid-startup-")
+    args.start_plan = start_plan(args.starts, scratch)
 
     def save() -> None:
         write_json(args.out, result)
