@@ -205,6 +205,37 @@ def test_served_step_costs_move_the_choice_where_the_table_underestimates_a_k():
     assert auto.costs.ratio[1, 6] > 1.4 and 1.15 < auto.costs.ratio[0, 6] < 1.2
 
 
+def test_a_cost_drift_every_k_shares_does_not_flip_the_tiers():
+    """Within a run contexts grow, and every K's served step grows dearer alike (on the H200 at 1024 streams the
+    eagle3 auto server ran K = 2 through a round, then at its tail switched to K = 0, whose cost had been measured
+    early, at short contexts, and ran a whole round at K = 0: 0.99x where K = 2 had given 1.20x). Here served cost
+    = table x the K's own factor (K = 0: 1.0, K = 2: 1.2) x a drift from 1 to 2.5 over the run. Early drafts are
+    poor, so K = 0 runs a while (its cost measured at a low drift); then the drafts are good and K = 2 beats K = 0
+    by 20 % whatever the drift: once back at K = 2 the tiers must stay there as the drift grows, and each K's own
+    factor is learnt."""
+    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 3: [(1, 1.6), (64, 1.6)]})
+    chooser = TierChooser(table, [0, 2], 64)
+    auto = AutoTiers(chooser, [0.8, 0.6], interval=4, prior_weight=8, half_life_steps=16)
+    own = {1: 1.0, 3: 1.2}
+    accepted, reached, ks = [0, 0], [0, 0], []
+    for step in range(600):
+        drift = 1.0 + 1.5 * step / 600
+        k = int(auto.choice.k_of_batch[64])
+        ks.append(k)
+        auto.observe_step(64, 1 + k, table.ms(64, 1 + k) * own[1 + k] * drift)
+        if k:  # 64 verify events: poor for the first 40 steps, then 0.8 / 0.75 given the one before (2.4 tokens)
+            first, second = (6, 3) if step < 40 else (51, 38)
+            accepted[0] += first
+            reached[0] += 64
+            accepted[1] += second
+            reached[1] += first
+        auto.observe(accepted, reached)
+    assert 0 in ks[:100], ks  # the poor start: K = 0 ran (and its cost was measured early)
+    back = ks.index(2, ks.index(0))
+    assert back < 200 and all(k == 2 for k in ks[back:]), ks
+    assert auto.costs.ratio[1, 6] / auto.costs.ratio[0, 6] == pytest.approx(1.2, rel=0.1)
+
+
 def test_served_step_costs_are_kept_only_where_they_apply():
     chooser = TierChooser(SMALL, [0, 1], 8)
     auto = AutoTiers(chooser, [0.5], interval=1)

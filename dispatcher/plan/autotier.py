@@ -25,10 +25,13 @@ The table's costs are graph replays over empty contexts (no attention work, no p
 cost more, and not by the same factor at every q (on the H200 with the default model a K = 3 step measured 1.5x a
 plain one in the table and 1.9x served at 16-256 streams). So ``AutoTiers`` also takes each served uniform decode
 step's device time (``observe_step``) and keeps, per (K, batch-size bucket of powers of two), the ratio of served to
-table cost (``MeasuredCosts``: a running mean behind ``COST_PRIOR_STEPS`` pseudo steps at ratio 1, then an
-exponential average over about ``COST_MEMORY_STEPS`` steps); each choice weighs the table's cost times that ratio.
-A (K, bucket) never served keeps ratio 1, so when the K in force turns out dearer than its table cost, the others
-look better and get tried: each is measured where it runs, and kept (a ratio is only updated by its own steps).
+table cost as K's own factor times the bucket's drift (``MeasuredCosts``); each choice weighs the table's cost times
+that ratio. The drift, which grows with the contexts through a run, follows whichever K runs; a K's own factor is
+learnt over its first ``SWITCH_IN_STEPS`` steps at a bucket. A (K, bucket) never served has factor 1, so when the K
+in force turns out dearer than its table cost, the others look better and get tried, each measured where it runs.
+(With one ratio per (K, bucket), updated by its own steps only, a K measured early at short contexts looked cheaper
+than the K in force at long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0
+(0.99x) at a round's tail.)
 """
 
 from __future__ import annotations
@@ -53,7 +56,11 @@ HYSTERESIS = 0.05
 COST_PRIOR_STEPS = 8.0
 """Pseudo steps at ratio 1 (the table's own cost) behind a (K, bucket)'s measured cost ratio."""
 COST_MEMORY_STEPS = 64
-"""Served steps a cost ratio averages over once it has that many (an exponential average after them)."""
+"""Served steps counted per (K, bucket) at most (``MeasuredCosts.steps``)."""
+SWITCH_IN_STEPS = 16
+"""Steps over which a K's own cost factor is learnt when it starts running at a batch-size bucket (its drift held)."""
+DRIFT_MEMORY_STEPS = 16.0
+"""Steps a bucket's cost drift averages over (an exponential average: contexts grow by a token a step)."""
 COST_RATIO_BOUNDS = (0.25, 8.0)
 """A served step's ratio to its table cost is clipped to these (a step that waited for a kernel's compile)."""
 WINDOW_HALF_LIFE_STEPS = 128
@@ -340,16 +347,31 @@ class TierChooser:
 
 class MeasuredCosts:
     """Served uniform decode steps' device time over the table's cost of the same (requests, q), per candidate K and
-    batch-size bucket (bucket b: b.bit_length() - 1 of the padded request count, so 1, 2-3, 4-7, ...)."""
+    batch-size bucket (bucket b: b.bit_length() - 1 of the padded request count, so 1, 2-3, 4-7, ...), as K's own
+    factor times the bucket's drift: ``ratio`` = ``own`` x ``drift``. The drift is what every K's served cost shares
+    and moves with (contexts grow through a run and start short at the next), followed by the steps of whichever K
+    runs at the bucket; K's own factor is learnt over its first ``SWITCH_IN_STEPS`` steps there after another K ran
+    (the drift held meanwhile; a mean behind ``COST_PRIOR_STEPS`` pseudo steps at its previous value, 1 where K was
+    never served). So a K measured long ago, at other contexts, is compared at today's: the K in force no longer
+    looks dearer than the ones it displaced merely because its contexts grew."""
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
         self.index = {k: i for i, k in enumerate(chooser.candidates)}
         buckets = max(1, int(chooser.max_num_seqs).bit_length())
-        self.ratio = np.ones((len(chooser.candidates), buckets))
+        self.own = np.ones((len(chooser.candidates), buckets))
+        self.drift = np.ones(buckets)
         self.steps = np.zeros((len(chooser.candidates), buckets), np.int64)
+        """Served steps kept per (K, bucket), up to COST_MEMORY_STEPS."""
+        self._window = np.zeros((len(chooser.candidates), buckets), np.int64)
+        self._running = np.full(buckets, -1)
         self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
         self._bucket_of[1:] = [min(int(n).bit_length() - 1, buckets - 1) for n in range(1, chooser.max_num_seqs + 1)]
+
+    @property
+    def ratio(self) -> np.ndarray:
+        """(candidates, buckets) served-to-table cost ratios: each K's own factor times its bucket's drift."""
+        return self.own * self.drift[None, :]
 
     def observe(self, num_reqs: int, q: int, device_ms: float) -> bool:
         """One served uniform decode of ``num_reqs`` (padded) requests at q that took ``device_ms``; False (nothing
@@ -362,8 +384,14 @@ class MeasuredCosts:
             return False
         b = self._bucket_of[num_reqs]
         x = min(max(device_ms / table_ms, COST_RATIO_BOUNDS[0]), COST_RATIO_BOUNDS[1])
+        if self._running[b] != i:  # another K ran here last: learn this one's own factor afresh
+            self._running[b], self._window[i, b] = i, 0
         self.steps[i, b] = min(self.steps[i, b] + 1, COST_MEMORY_STEPS)
-        self.ratio[i, b] += (x - self.ratio[i, b]) / (COST_PRIOR_STEPS + self.steps[i, b])
+        if self._window[i, b] < SWITCH_IN_STEPS:
+            self._window[i, b] += 1
+            self.own[i, b] += (x / self.drift[b] - self.own[i, b]) / (COST_PRIOR_STEPS + self._window[i, b])
+        else:
+            self.drift[b] += (x / self.own[i, b] - self.drift[b]) / DRIFT_MEMORY_STEPS
         return True
 
     def by_batch(self) -> np.ndarray:
