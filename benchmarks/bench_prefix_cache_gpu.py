@@ -123,6 +123,7 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: 
             "output_tok_s": round(b["output_throughput"], 1), "ttft_ms_p50": round(b["p50_ttft_ms"], 2),
             "ttft_ms_p99": round(b["p99_ttft_ms"], 2), "ttft_ms_mean": round(b["mean_ttft_ms"], 2),
             "tpot_ms_mean": round(b["mean_tpot_ms"], 3), "prefix_cache_hit_rate": b.get("prefix_cache_hit_rate"),
+            "server_ttft_ms_mean": b.get("server_ttft_ms_mean"),
             "prefix_cache_queries": b.get("prefix_cache_queries"), "prefix_cache_hits": b.get("prefix_cache_hits"),
             "eager_steps": b.get("eager_steps"), "eager_steps_by_reason": b.get("eager_steps_by_reason"),
             "cudagraph_steps_by_kind_mode": b.get("cudagraph_steps_by_kind_mode"),

@@ -538,6 +538,23 @@ def test_bench_reports_the_servers_fused_decode_steps():
     assert deltas["fused_decode_steps"] == 2 and deltas["cudagraph_steps"] == 3
 
 
+def test_bench_reports_the_servers_own_time_to_first_token():
+    """``server_ttft_ms_mean``: the server's TTFT (a request's arrival at a front end to its first token's send)
+    over the run, from its histogram's sum and count; beside the client's TTFT it tells how much of a TTFT the
+    client's own process took. None when the run produced no first token."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+    from dispatcher.serve.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m", CollectorRegistry())
+    metrics.on_first_token(5.0, 10)  # before the run: not counted
+    before = parse_counters(metrics.render().decode())
+    assert counter_deltas(before, before)["server_ttft_ms_mean"] is None
+    for ttft_s in (0.010, 0.030, 0.020):
+        metrics.on_first_token(ttft_s, 100)
+    deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
+    assert deltas["server_first_tokens"] == 3 and deltas["server_ttft_ms_mean"] == pytest.approx(20.0)
+
+
 def test_spec_decode_fields_from_the_counters():
     """The speculative-decoding fields as deltas of a server's counters: the per-position list in position order,
     the mean acceptance length null without drafts; an older twogrid server without num_drafts gets none of them."""

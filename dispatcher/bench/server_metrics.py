@@ -2,8 +2,9 @@
 the steps' device time (over the run's duration: how busy the GPU was), the decode steps that ran as one fused graph,
 the engine steps that reached a front end while it was behind (its outputs merged: the serving path, not the GPU, was
 the limit), and speculative decoding's counters as vLLM names them (verify events, drafts verified, accepted in all and
-per position; the mean acceptance length follows), and the prefix cache's queries and hits in tokens (the hit rate
-follows).
+per position; the mean acceptance length follows), the prefix cache's queries and hits in tokens (the hit rate
+follows), and the server's own time to first token (from a request's arrival at a front end to its first token's
+send: its mean beside the client's tells the client's share of a TTFT).
 
 A twogrid server exports them on ``/metrics``; other servers do not, and then the result simply has no such fields.
 """
@@ -33,6 +34,8 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "spec_decode_accepted_per_pos": ("twogrid:spec_decode_num_accepted_tokens_per_pos_total", ("position",)),
     "prefix_cache_queries": ("twogrid:prefix_cache_queries_total", ()),
     "prefix_cache_hits": ("twogrid:prefix_cache_hits_total", ()),
+    "server_ttft_seconds": ("twogrid:time_to_first_token_seconds_sum", ()),
+    "server_first_tokens": ("twogrid:time_to_first_token_seconds_count", ()),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 PER_POSITION = "spec_decode_accepted_per_pos"
@@ -85,8 +88,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     verify events ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
     ``spec_decode_accepted_per_pos`` ([accepted at position 0, 1, ...]) and ``mean_acceptance_length`` (1 +
     accepted / drafts; None without drafts), ``prefix_cache_queries``, ``prefix_cache_hits`` and
-    ``prefix_cache_hit_rate`` (hits / queries; None without queries). ``before`` = {} gives the totals since the
-    server started."""
+    ``prefix_cache_hit_rate`` (hits / queries; None without queries), ``server_ttft_seconds`` and
+    ``server_first_tokens`` (the server's TTFT histogram's sum and count) and ``server_ttft_ms_mean`` (None without
+    first tokens). ``before`` = {} gives the totals since the server started."""
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}
@@ -115,6 +119,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     queries = out.get("prefix_cache_queries")
     if queries is not None:
         out["prefix_cache_hit_rate"] = round(out["prefix_cache_hits"] / queries, 4) if queries else None
+    first_tokens = out.get("server_first_tokens")
+    if first_tokens is not None:
+        out["server_ttft_ms_mean"] = round(1e3 * out["server_ttft_seconds"] / first_tokens, 3) if first_tokens else None
     return out
 
 
