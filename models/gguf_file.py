@@ -152,7 +152,7 @@ class GGUFFile:
         info = self.tensors[name]
         qtype = GGMLQuantizationType(info.ggml_type)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        if qtype.name in BLOCK_BYTES:
+        if qtype.name in TORCH_DECODED:
             values = decode_blocks(torch.from_numpy(raw.copy()).to(device), qtype.name, info.shape)
             return values.to(dtype)
         if qtype == GGMLQuantizationType.F32:
@@ -189,10 +189,9 @@ class GGUFFile:
         return codes.reshape(info.shape), scale, zero
 
 
-BLOCK_VALUES = 32
-"""Values in a Q8_0, Q4_0 or Q4_1 block, which holds one fp16 scale ``d`` (and for Q4_1 an fp16 offset ``m``)."""
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-"""The block types ``decode_blocks`` reads, with their bytes a block (ggml's block_q8_0, block_q4_0, block_q4_1)."""
+TORCH_DECODED = ("Q8_0", "Q4_0", "Q4_1")
+"""The block types ``decode_blocks`` reads (ggml's block_q8_0, block_q4_0, block_q4_1: 32 values, one fp16 scale
+``d``, for Q4_1 an fp16 offset ``m``; their sizes are the gguf package's ``GGML_QUANT_SIZES``)."""
 
 
 def block_fields(raw: "torch.Tensor", type_name: str, shape) -> tuple:
@@ -200,9 +199,11 @@ def block_fields(raw: "torch.Tensor", type_name: str, shape) -> tuple:
     uint8 0..15 for the 4-bit types; d (..., groups) float32; m (..., groups) float32 for Q4_1, else None).
     A 4-bit block's 16 bytes of codes hold values 0..15 in their low nibbles and 16..31 in their high ones."""
     import torch
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     cols = shape[-1] if shape else 1
-    blocks = raw.reshape(-1, cols // BLOCK_VALUES, BLOCK_BYTES[type_name])
+    blocks = raw.reshape(-1, cols // block_values, block_bytes)
     half = lambda a, b: blocks[..., a:b].contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
     d = half(0, 2)
     if type_name == "Q8_0":
