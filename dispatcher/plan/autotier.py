@@ -55,8 +55,6 @@ HYSTERESIS = 0.05
 """A batch size changes its K only for more than 5 % more expected tokens per second."""
 COST_PRIOR_STEPS = 8.0
 """Pseudo steps at ratio 1 (the table's own cost) behind a (K, bucket)'s measured cost ratio."""
-COST_MEMORY_STEPS = 64
-"""Served steps counted per (K, bucket) at most (``MeasuredCosts.steps``)."""
 SWITCH_IN_STEPS = 16
 """Steps over which a K's own cost factor is learnt when it starts running at a batch-size bucket (its drift held)."""
 DRIFT_MEMORY_STEPS = 16.0
@@ -362,7 +360,7 @@ class MeasuredCosts:
         self.own = np.ones((len(chooser.candidates), buckets))
         self.drift = np.ones(buckets)
         self.steps = np.zeros((len(chooser.candidates), buckets), np.int64)
-        """Served steps kept per (K, bucket), up to COST_MEMORY_STEPS."""
+        """Served steps observed per (K, bucket)."""
         self._window = np.zeros((len(chooser.candidates), buckets), np.int64)
         self._running = np.full(buckets, -1)
         self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
@@ -386,7 +384,7 @@ class MeasuredCosts:
         x = min(max(device_ms / table_ms, COST_RATIO_BOUNDS[0]), COST_RATIO_BOUNDS[1])
         if self._running[b] != i:  # another K ran here last: learn this one's own factor afresh
             self._running[b], self._window[i, b] = i, 0
-        self.steps[i, b] = min(self.steps[i, b] + 1, COST_MEMORY_STEPS)
+        self.steps[i, b] += 1
         if self._window[i, b] < SWITCH_IN_STEPS:
             self._window[i, b] += 1
             self.own[i, b] += (x / self.drift[b] - self.own[i, b]) / (COST_PRIOR_STEPS + self._window[i, b])
