@@ -208,11 +208,13 @@ def test_cpu_attention_matches_the_reference(contexts, rows):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(16, 8, 64), (32, 4, 128), (9, 3, 64), (6, 2, 16)])
-def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("bound", [None, 1024], ids=["every-step", "first-steps"])
+def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_heads, head_dim, bound):
     """Every compiled variant of the attention kernels (tiles, one query block or not, split or not, the merge's
     padded split count, programmatic launch or not) that some eager step's sizes produce is among those
     ``eager_launch_shapes`` launches at start-up: a variant met first while serving stalls its step for Triton's
-    compile."""
+    compile. Delayed capture's start-up (``bound``) warms only the variants of steps and sequences of up to 1024
+    tokens, fewer than all, and those cover every such step."""
     import triton
 
     from models.fused import PDL_MAX_TOKENS
@@ -222,15 +224,20 @@ def test_the_eager_warm_up_launches_every_variant_a_step_can_need(heads, kv_head
         return launch.tiles, launch.one_qblock, launch.splits > 1, triton.next_power_of_2(launch.splits), pdl
 
     sms, max_tokens, width = 132, 2048, 4096 + 32
+    limit = bound or width
+    shapes = eager_launch_shapes(heads, kv_heads, head_dim, min(max_tokens, limit), min(width, limit), sms)
     warmed = {variant(plan_launch(q, heads, kv_heads, head_dim, 1, q, width, sms, num_kv_splits=s), pdl)
-              for q, s, pdl in eager_launch_shapes(heads, kv_heads, head_dim, max_tokens, width, sms)}
+              for q, s, pdl in shapes}
+    if bound is not None:
+        assert set(shapes) < set(eager_launch_shapes(heads, kv_heads, head_dim, max_tokens, width, sms))
     seen = set()
-    for max_q in (1, 2, 3, 5, 8, 9, 12, 16, 17, 33, 64, 65, 100, 512, 2048):
+    for max_q in (1, 2, 3, 5, 8, 9, 12, 16, 17, 33, 64, 65, 100, 512, 1000, 1024, 2048):
         for reqs in (1, 2, 7, 64, 255):
             tokens = min(max_tokens, max_q * reqs)
-            if tokens < max_q:
+            if tokens < max_q or tokens > limit:
                 continue
-            for context in (16, 300, 1000, 4096, width):
-                seen.add(variant(plan_launch(tokens, heads, kv_heads, head_dim, reqs, max_q, context, sms),
-                                 tokens <= PDL_MAX_TOKENS))
+            for context in (16, 300, 767, 768, 1000, 1024, 1280, 4096, width):
+                if context >= max_q and context <= limit:
+                    seen.add(variant(plan_launch(tokens, heads, kv_heads, head_dim, reqs, max_q, context, sms),
+                                     tokens <= PDL_MAX_TOKENS))
     assert seen <= warmed, seen - warmed

@@ -58,8 +58,8 @@ def slow_units(monkeypatch):
 
     real = capture_mod.BackgroundCapture.__init__
 
-    def init(self, worker, warm_up_tokens=None, hook_=None):
-        real(self, worker, warm_up_tokens, hook)
+    def init(self, worker, warm_ups=None, hook_=None):
+        real(self, worker, warm_ups, hook)
 
     monkeypatch.setattr(capture_mod.BackgroundCapture, "__init__", init)
     return order
@@ -196,6 +196,30 @@ def test_delayed_capture_on_cuda_graphs(spec):
     delayed.stats = type(delayed.stats)()
     assert delayed.generate(prompts(), p) == engine_for(spec, False, device="cuda").generate(prompts(), p)
     assert delayed.stats.fused_steps >= 1 and not delayed.stats.eager_by_reason
+
+
+@pytest.mark.gpu
+def test_delayed_capture_leaves_wide_attention_warm_ups_to_the_gaps_and_warms_every_one():
+    """On CUDA, a delayed start warms eager attention for sequences of up to DELAYED_WARM_UP_MAX_TOKENS only (the
+    first steps'); the wider split merges are units between steps, and once capture ends no eager attention variant
+    is left for a served step to compile."""
+    from dispatcher.runtime.worker import DELAYED_WARM_UP_MAX_TOKENS
+
+    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", dtype=torch.float32, num_kv_blocks=1024,
+                                      block_size=16, max_model_len=4096, seed=5))
+    worker, rt = core.worker, core.worker.runtimes[0]
+    deferred = {key[1] for _, key in worker.delayed.pending if key[0] == capture_mod.WARM_UP
+                and isinstance(key[1], tuple)}
+    wide = set(rt.eager_attention_shapes()) - set(rt.eager_attention_shapes(DELAYED_WARM_UP_MAX_TOKENS))
+    assert deferred and deferred == wide
+    worker.capture_between_steps(None)
+    assert worker.delayed is None
+    worker.jit.take()
+    rt.warm_up_eager([], attention=None)
+    count, _, kernels = worker.jit.take()
+    assert count == 0, kernels
 
 
 @pytest.mark.gpu

@@ -2,12 +2,12 @@
 the device, and captures its graphs between steps.
 
 The unit is one size: a runner's graph of one size (every piece of a PIECEWISE size), or a fused decode step's
-graph with its n-gram lookup graphs; besides them, the eager warm-up forwards left out of start-up (the larger token
-counts; start-up warms the first sizes only). A unit is captured whole before a step may replay it (its key joins
-the runtime's ``captured`` set last), so that no step ever replays a graph that is half captured; each is captured
-once. Order: the largest graph of each kind first (``anchors``: it sizes the shared memory pool), then the units
-the steps met uncaptured (``note``: demand, oldest first), then the plan's order (the warm-ups, then per runner its
-kinds widest first and each kind's sizes largest first, the fused steps last).
+graph with its n-gram lookup graphs; besides them, the eager warm-ups left out of start-up (forwards of the larger
+token counts, attention's wider split merges: start-up warms the first sizes only). A unit is captured whole before
+a step may replay it (its key joins the runtime's ``captured`` set last), so that no step ever replays a graph that
+is half captured; each is captured once. Order: the largest graph of each kind first (``anchors``: it sizes the
+shared memory pool), then the units the steps met uncaptured (``note``: demand, oldest first), then the plan's order
+(the warm-ups, then per runner its kinds widest first and each kind's sizes largest first, the fused steps last).
 
 ``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
 step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), while idle
@@ -70,14 +70,28 @@ class Unit:
     """Captures it and marks it captured."""
 
 
-def _units(worker, warm_up_tokens: dict[int, list[int]]) -> list[Unit]:
-    """Every unit in the plan's order: the deferred eager warm-ups, each runtime's graphs (``capture_order``), the
-    fused steps (``FusedDecode.capture_order``)."""
+@dataclass
+class DeferredWarmUp:
+    """A runtime's eager warm-ups that start-up left to the gaps between steps (``GraphRuntime.warm_up_eager``)."""
+
+    forwards: list[int]
+    """Token counts of whole eager forwards."""
+    attention: list[tuple[int, int, bool]]
+    """Eager attention launches (``eager_attention_shapes``)."""
+
+
+def _units(worker, warm_ups: dict[int, DeferredWarmUp]) -> list[Unit]:
+    """Every unit in the plan's order: the deferred eager warm-ups (forwards, then attention launches), each
+    runtime's graphs (``capture_order``), the fused steps (``FusedDecode.capture_order``)."""
     units: list[Unit] = []
     for i, rt in enumerate(worker.runtimes):
-        for tokens in warm_up_tokens.get(i, []):
+        later = warm_ups.get(i, DeferredWarmUp([], []))
+        for tokens in later.forwards:
             units.append(Unit(rt.runner, WARM_UP, None, tokens, (WARM_UP, tokens),
-                              lambda rt=rt, tokens=tokens: rt.warm_up_eager([tokens], attention=False)))
+                              lambda rt=rt, tokens=tokens: rt.warm_up_eager([tokens], attention=[])))
+        for shape in later.attention:
+            units.append(Unit(rt.runner, WARM_UP, None, shape[0], (WARM_UP, shape),
+                              lambda rt=rt, shape=shape: rt.warm_up_eager([], attention=[shape])))
     for rt in worker.runtimes:
         for key in rt.capture_order():
             units.append(Unit(rt.runner, key.kind, key.q, key.size, key,
@@ -92,12 +106,12 @@ def _units(worker, warm_up_tokens: dict[int, list[int]]) -> list[Unit]:
 class BackgroundCapture:
     """The worker's graphs still to capture (``ModelWorker.delayed``)."""
 
-    def __init__(self, worker, warm_up_tokens: dict[int, list[int]] | None = None, hook=None):
-        """``warm_up_tokens``: per runtime index, the eager warm-up forwards left for later; ``hook(unit)``: called
-        inside each unit's capture (tests: a slow or failing capture on the CPU)."""
+    def __init__(self, worker, warm_ups: dict[int, DeferredWarmUp] | None = None, hook=None):
+        """``warm_ups``: per runtime index, the eager warm-ups left for later; ``hook(unit)``: called inside each
+        unit's capture (tests: a slow or failing capture on the CPU)."""
         self.worker = worker
         self.hook = hook
-        units = _units(worker, warm_up_tokens or {})
+        units = _units(worker, warm_ups or {})
         graphs = [u for u in units if u.kind != WARM_UP]
         self.pending: dict[tuple[str, object], Unit] = {(u.runner, u.key): u for u in units}
         largest: dict[tuple[str, str, int | None], tuple[str, object]] = {}

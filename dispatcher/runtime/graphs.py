@@ -558,21 +558,36 @@ class GraphRuntime:
         widest = self.max_num_reqs if self.bufs.proposals is not None else self.max_num_tokens
         return sorted({min(n, widest) for n in EAGER_WARM_UP_TOKENS + (widest,)})
 
+    def eager_attention_shapes(self, within_tokens: int | None = None) -> list[tuple[int, int, bool]]:
+        """The eager attention launches that compile every variant a step can need (``eager_launch_shapes``:
+        query-length bound, split count, programmatic launch); with ``within_tokens``, those of steps of at most that
+        many tokens over sequences of at most that many (delayed capture's first steps: no context is long enough
+        yet for the wider splits' merges)."""
+        from models.triton_attention import eager_launch_shapes, sm_count
+
+        cfg = self.model.cfg
+        max_tokens, max_context = self.max_num_tokens, self.bufs.block_table.shape[1] * self.kv_caches[0].shape[2]
+        if within_tokens is not None:
+            max_tokens, max_context = min(max_tokens, within_tokens), min(max_context, within_tokens)
+        return eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_tokens, max_context,
+                                   sm_count(self.device))
+
     @torch.inference_mode()
-    def warm_up_eager(self, forwards: list[int] | None = None, attention: bool = True) -> int:
+    def warm_up_eager(self, forwards: list[int] | None = None,
+                      attention: list[tuple[int, int, bool]] | None = None) -> int:
         """Launch, over padded rows, what eager steps can launch, so that Triton compiles it now rather than stall
-        a served step (~0.5 s a kernel variant): every variant of eager attention (between PIECEWISE pieces, or in
-        an eager step: ``eager_launch_shapes``), and whole eager forwards at token counts on each side of every
-        size threshold of the other kernels' launch choices (``forwards``, default ``eager_warm_up_tokens``).
-        Later starts load the kernels from Triton's disk cache. The number of launches (0 on the CPU)."""
+        a served step (~0.5 s a kernel variant): eager attention's variants (between PIECEWISE pieces, or in an
+        eager step: ``attention``, default every one, ``eager_attention_shapes``), and whole eager forwards at token
+        counts on each side of every size threshold of the other kernels' launch choices (``forwards``, default
+        ``eager_warm_up_tokens``). Later starts load the kernels from Triton's disk cache. The number of launches
+        (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0
-        from models.triton_attention import eager_launch_shapes, prepare_paged_attention, sm_count
+        from models.triton_attention import prepare_paged_attention
 
-        cfg, b = self.model.cfg, self.bufs
+        b = self.bufs
         max_context = b.block_table.shape[1] * self.kv_caches[0].shape[2]
-        shapes = eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_num_tokens, max_context,
-                                     sm_count(self.device)) if attention else []
+        shapes = self.eager_attention_shapes() if attention is None else attention
         for max_query_len, splits, pdl in shapes:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), max_query_len, 1, max_query_len)
             meta = b.meta(max_query_len, layout.num_reqs, max_query_len, max_context)

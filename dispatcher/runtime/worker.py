@@ -25,7 +25,7 @@ from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
 from dispatcher.plan.dispatch import MODE_EAGER
-from dispatcher.runtime.capture import BackgroundCapture, capture_first_reason
+from dispatcher.runtime.capture import BackgroundCapture, DeferredWarmUp, capture_first_reason
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.grammar import WorkerGrammars
@@ -47,8 +47,9 @@ log = logging.getLogger("twogrid.worker")
 PROMPT_LOGPROB_CHUNK_ROWS = 512
 """Prompt rows whose log-probabilities are computed at once (their logits are rows x vocabulary floats)."""
 DELAYED_WARM_UP_MAX_TOKENS = 1024
-"""Delayed capture warms eager forwards of up to this many tokens at start-up (the first steps' sizes: every
-kernel variant below the fused MoE's 1024-token limit); the wider ones are warmed between steps."""
+"""Delayed capture warms eager forwards of up to this many tokens, and eager attention over sequences of up to this
+many, at start-up (the first steps' sizes: every kernel variant below the fused MoE's 1024-token limit, the split
+contexts' merges of up to 4 splits); the wider ones are warmed between steps."""
 DRAFT_ROLES = ("draft", "draft_next")
 """A step's drafter forwards (``Step.draft``, ``Step.draft_next``), on ``draft_runtimes[0]`` and ``[1]``."""
 
@@ -306,18 +307,19 @@ class ModelWorker:
         return self.capture(progress=progress)
 
     def start_delayed_capture(self, hook=None) -> int:
-        """Serve before capture (``delayed_cudagraph_capture``): warm the eager forwards of the first sizes (up to
-        DELAYED_WARM_UP_MAX_TOKENS) and the samplers now, leave the wider warm-ups and every graph to
-        ``capture_between_steps``. ``hook``: BackgroundCapture's test hook. Returns the graphs left to capture."""
+        """Serve before capture (``delayed_cudagraph_capture``): warm the eager forwards and attention of the first
+        sizes (steps and sequences of up to DELAYED_WARM_UP_MAX_TOKENS) and the samplers now, leave the wider
+        warm-ups and every graph to ``capture_between_steps``. ``hook``: BackgroundCapture's test hook. Returns the graphs left to capture."""
         t0 = time.perf_counter()
-        later: dict[int, list[int]] = {}
+        later: dict[int, DeferredWarmUp] = {}
         launches = self._warm_up_sampling()
         if self.wcfg.structured_outputs:  # (as ``capture`` does: the first constrained step compiles nothing)
             launches += self._warm_up_grammar()
         for i, rt in enumerate(self.runtimes):
-            tokens = rt.eager_warm_up_tokens()
-            launches += rt.warm_up_eager([n for n in tokens if n <= DELAYED_WARM_UP_MAX_TOKENS])
-            later[i] = [n for n in tokens if n > DELAYED_WARM_UP_MAX_TOKENS]
+            tokens, first = rt.eager_warm_up_tokens(), rt.eager_attention_shapes(DELAYED_WARM_UP_MAX_TOKENS)
+            launches += rt.warm_up_eager([n for n in tokens if n <= DELAYED_WARM_UP_MAX_TOKENS], first)
+            later[i] = DeferredWarmUp([n for n in tokens if n > DELAYED_WARM_UP_MAX_TOKENS],
+                                      [s for s in rt.eager_attention_shapes() if s not in first])
             if rt.cuda_graphs and rt.graph_sets:
                 rt.prime_capture_stream()
         if launches and self.jit is not None:
