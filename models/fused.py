@@ -433,7 +433,10 @@ if triton is not None:
                                    drafts_ptr, stride_counts, stride_seen, stride_drafts)
         return x, valid
 
-    @triton.jit(do_not_specialize=["rows_per_slot"])  # (1 or q: one compiled kernel)
+    # (rows_per_slot: 1 or q, one compiled kernel; the per-row parameters are views at a step's row offsets, whose
+    # alignment varies: specialized on it, a served step met a variant the warm-up had not)
+    @triton.jit(do_not_specialize=["rows_per_slot"],
+                do_not_specialize_on_alignment=["temp_ptr", "seed_ptr", "min_p_ptr", "pos_ptr", "slot_ptr"])
     def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, penalized_ptr, pen_ptr,
                        counts_ptr, seen_ptr, drafts_ptr, stride_x, stride_counts, stride_seen, stride_drafts, n,
                        rows_per_slot, BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr,

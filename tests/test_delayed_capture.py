@@ -210,8 +210,8 @@ def test_delayed_capture_leaves_wide_attention_warm_ups_to_the_gaps_and_warms_ev
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", dtype=torch.float32, num_kv_blocks=1024,
                                       block_size=16, max_model_len=4096, seed=5))
     worker, rt = core.worker, core.worker.runtimes[0]
-    deferred = {key[1] for _, key in worker.delayed.pending if key[0] == capture_mod.WARM_UP
-                and isinstance(key[1], tuple)}
+    deferred = {key[1] for _, key in worker.delayed.pending
+                if isinstance(key, tuple) and key[0] == capture_mod.WARM_UP and isinstance(key[1], tuple)}
     wide = set(rt.eager_attention_shapes()) - set(rt.eager_attention_shapes(DELAYED_WARM_UP_MAX_TOKENS))
     assert deferred and deferred == wide
     worker.capture_between_steps(None)
