@@ -250,15 +250,16 @@ def part_capture(args, result: dict, out_dir: str, save) -> None:
                    "steps_during_capture": sum(len(v) for v in delayed.values()) + 1}
             replace_row(result, row, ("part", "model", "workload"))
             save()
-            # (b) after capture: capture-first and delayed side by side, alternating runs
+            # (b) after capture: capture-first and delayed side by side, alternating runs. Started one after the
+            # other: a server sizes its KV cache from the memory it took since it started, so another's load
+            # meanwhile would count as its own (kv_cache_bytes)
             procs = {}
             try:
                 for i, (mode, extra) in enumerate((("capture-first", []),
                                                    ("delayed", ["--delayed-cudagraph-capture"]))):
                     procs[mode] = launch(serve_command(model, workload, base_port + i, args, extra),
                                          os.path.join(out_dir, f"server-after-{stem}-{mode}.log"))
-                for i, (mode, proc) in enumerate(procs.items()):
-                    wait_healthy(proc, mode, base_port + i)
+                    wait_healthy(procs[mode], mode, base_port + i)
                 while True:  # the delayed server first captures everything
                     counts = graph_counts(scrape(base_port + 1))
                     if counts["captured"] >= counts["planned"]:
