@@ -515,3 +515,10 @@ def test_jit_watch_reports_each_compile_once_with_its_constants():
     count, seconds, kernels = watch.take()
     assert count == 1 and seconds >= 0 and kernels == ["_merge_splits_kernel(SPLITS_PAD=4)"]
     assert watch.take() == (0, 0.0, []) and watch.history[-1] == "r key=('k',)"
+    # compiles set aside (delayed capture's units in a gap between steps) are no step's: the step around them
+    # reports its own only
+    watch._after(fn=fn, compile={"constants": {(index["SPLITS_PAD"],): 8}}, repr="a", key=("a",))
+    with watch.set_aside():
+        watch._after(fn=fn, compile={"constants": {(index["SPLITS_PAD"],): 16}}, repr="b", key=("b",))
+    count, _, kernels = watch.take()
+    assert count == 1 and kernels == ["_merge_splits_kernel(SPLITS_PAD=8)"]

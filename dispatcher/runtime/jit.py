@@ -8,6 +8,7 @@ Inert where Triton (or its hooks) is missing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 
@@ -44,6 +45,17 @@ class JitWatch:
         self.seconds += time.perf_counter() - self._t0
         self.kernels.append(_describe(fn, (compile or {}).get("constants") or {}))
         return False
+
+    @contextlib.contextmanager
+    def set_aside(self):
+        """Compiles inside are no step's (delayed capture's units between steps, which load their kernels then):
+        the counts that ``take`` returns next are those from before and after."""
+        count, seconds, kernels = self.count, self.seconds, self.kernels
+        self.count, self.seconds, self.kernels = 0, 0.0, []
+        try:
+            yield
+        finally:
+            self.count, self.seconds, self.kernels = count, seconds, kernels
 
     def take(self) -> tuple[int, float, list[str]]:
         """Compiles since the last call: (count, seconds, kernels)."""

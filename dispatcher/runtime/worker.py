@@ -11,6 +11,7 @@ before it collects step t, and the device never waits for the host in between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -342,7 +343,8 @@ class ModelWorker:
         if delayed is None or delayed.done:  # (what is left: the constrained steps' graphs asked for)
             self.fused.capture_demanded_constrained()
             return None
-        count = delayed.run(budget_s, stop)
+        with self.jit.set_aside() if self.jit is not None else contextlib.nullcontext():
+            count = delayed.run(budget_s, stop)
         if delayed.done and not delayed.error:  # (after an error its graphs left stay uncaptured: steps check)
             self.delayed = None
         return delayed.progress() if count or delayed.done else None
