@@ -6,13 +6,10 @@ attention paths (``models.attention``, ``models.triton_attention``) and the grap
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from models.attention import _CPUPlan
 
 
 @dataclass
@@ -37,9 +34,10 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     """Host-side bound on any request's sequence length, for eager calls (it decides whether contexts are split
     across programs); None: the block table's width in tokens, the only bound a CUDA graph may assume."""
-    cpu_plan: "_CPUPlan | None" = field(default=None, repr=False, compare=False)
-    """The CPU path's gather plan, built by the first layer's attention and reused by the others (a step's
-    metadata is not changed once built: each step builds its own)."""
+    cpu_plan: Any = field(default=None, repr=False, compare=False)
+    """The CPU path's gather plan (``models.attention._CPUPlan``, typed loosely: this module imports nothing from the
+    attention paths), built by the first layer's attention and reused by the others (a step's metadata is not
+    changed once built: each step builds its own)."""
 
     @property
     def num_reqs(self) -> int:
