@@ -91,13 +91,25 @@ def client(port: int, requests: list, cap: int, ready, go, results) -> None:
             await prime_connections(session, endpoint, cap)
             ready.put(1)
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
-            outputs, duration = await run_requests(session, endpoint, requests, cap, np.zeros(len(requests)), "",
-                                                   True)
+            turns, duration = await run_requests(session, endpoint, requests, cap, np.zeros(len(requests)), "",
+                                                 True)
             end = time.perf_counter()
+            outputs = [o for request_turns in turns for o in request_turns]  # (one turn a request here)
             assert all(o.success for o in outputs), next(o.error for o in outputs if not o.success)
             results.put((end - duration, end))
 
     asyncio.run(main())
+
+
+async def _next(queue, procs: list) -> object:
+    """The queue's next item, waiting on the event loop (the front end shares it); a client process that ended
+    without putting one (it failed: its traceback is above) ends the benchmark with an error."""
+    while queue.empty():
+        if any(p.exitcode not in (None, 0) for p in procs):
+            raise SystemExit(f"a client process failed (exit code "
+                             f"{next(p.exitcode for p in procs if p.exitcode not in (None, 0))})")
+        await asyncio.sleep(0.02)
+    return queue.get()
 
 
 async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> dict:
@@ -109,16 +121,12 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     for proc in procs:
         proc.start()
     for _ in procs:
-        while ready.empty():
-            await asyncio.sleep(0.02)
-        ready.get()
+        await _next(ready, procs)
     n0, cpu0 = len(engine.step_times), time.process_time()
     go.set()
     spans = []
     while len(spans) < len(procs):
-        while results.empty():
-            await asyncio.sleep(0.02)
-        spans.append(results.get())
+        spans.append(await _next(results, procs))
     cpu_s = time.process_time() - cpu0
     for proc in procs:
         proc.join()

@@ -592,3 +592,20 @@ def test_spec_decode_fields_from_the_counters():
     deltas = counter_deltas(parse_counters(text), parse_counters(text))
     assert deltas["padded_tokens"] == 0 and not any(k.startswith("spec_decode") or k == "mean_acceptance_length"
                                                     for k in deltas)
+
+
+def test_the_front_end_benchmark_streams_through_the_real_front_end(bpe, tmp_path):
+    """``benchmarks/bench_serve_frontend.py`` (the front end's CPU per streamed event, behind docs/bench's
+    serve_frontend_cpu.json) runs end to end on a small load: its clients' requests all complete (it broke once when
+    ``run_requests`` began returning each request's turns) and it reports a cost per event."""
+    from textdata import SHAREGPT
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "frontend.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_serve_frontend.py"), "--tokenizer",
+                           bpe, "--data", SHAREGPT, "--concurrency", "8", "--step-ms", "10", "--output-len", "8",
+                           "--waves", "1", "--warmup", "0", "--repeat", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    median = json.loads(out.read_text())["median"]
+    assert median["output_tok_s"] > 0 and median["cpu_us_per_event"] > 0
