@@ -39,9 +39,10 @@ class SimulatedEngine(EngineClient):
     """``EngineClient`` with its engine process replaced by a step loop here: requests are taken where they would
     be sent, and every step feeds ``_take`` the message the engine would send."""
 
-    def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int]):
+    def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int], stream_interval: int = 1):
         init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=1 << 20))
-        super().__init__(init, tokenizer, "bench-moe", SamplingParams(), EngineMetrics("bench-moe"))
+        super().__init__(init, tokenizer, "bench-moe", SamplingParams(), EngineMetrics("bench-moe"),
+                         stream_interval=stream_interval)
         self.ready = True
         self.step_s, self.tokens_per_step, self.token_ids = step_s, tokens_per_step, token_ids
         self.running: dict[str, list[int]] = {}
@@ -150,7 +151,7 @@ async def main_async(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     requests = sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)
     token_ids = tokenizer.encode(" ".join(r.prompt for r in requests[:50]), False)
-    engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids)
+    engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
     stop = asyncio.Event()
@@ -169,7 +170,8 @@ async def main_async(args) -> dict:
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {"benchmark": "serve_frontend", "commit": commit(), "command": " ".join(["python", *sys.argv]),
             "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
-            "tokens_per_step": args.tokens_per_step, "output_len": args.output_len, "clients": args.clients,
+            "tokens_per_step": args.tokens_per_step, "stream_interval": args.stream_interval,
+            "output_len": args.output_len, "clients": args.clients,
             "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
 
@@ -180,6 +182,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=40.0, help="the simulated engine's step period")
     p.add_argument("--tokens-per-step", type=int, default=3, help="new tokens per request a step")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="serve's --stream-interval (an event is then a step's tokens for a request, not a chunk)")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--waves", type=int, default=2, help="prompts = waves x concurrency")
     p.add_argument("--clients", type=int, default=1, help="client processes")

@@ -129,3 +129,56 @@ def test_tokens_before_a_failed_step_reach_the_client_before_its_error(monkeypat
                                      Outputs(failed=[Failure(["r"], "step failed: boom")])], 8))
     assert [t for ids, _ in got[:-1] for t in ids] == [100, 101]
     assert got[-1] == "EngineError: step failed: boom"
+
+
+async def _outputs_one_step_at_a_time(num_steps: int, stream_interval: int, tokens_per_step: int = 1,
+                                      stop_at: int | None = None) -> list[list[int]]:
+    """One request; its steps reach the socket one at a time, the front end keeping up (each step read and taken
+    before the next is sent); the last finishes it (or the ``stop_at``-th, with a stop reason). The token ids of
+    each output its consumer gets."""
+    ctx = zmq.asyncio.Context()
+    engine = _Engine(ctx, f"interval{stream_interval}-{num_steps}-{tokens_per_step}")
+    client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
+                            SamplingParams(max_tokens=8), stream_interval=stream_interval)
+    client.process, client.ready = engine, True
+    stream = client.generate("r", None, [1, 2, 3], SamplingParams(max_tokens=num_steps * tokens_per_step))
+    outs: list[list[int]] = []
+
+    async def consume():
+        async for out in stream:
+            outs.append(list(out.outputs[0].token_ids))
+
+    loop = asyncio.get_running_loop()
+    receiver, consumer = loop.create_task(client._receive()), loop.create_task(consume())
+    try:
+        last = num_steps - 1 if stop_at is None else stop_at
+        for i in range(last + 1):
+            ids = [100 + tokens_per_step * i + j for j in range(tokens_per_step)]
+            reason = ("length" if stop_at is None else "stop") if i == last else None
+            await engine.engine_side.send(encode(Outputs([Delta("r", ids, reason)])))
+            for _ in range(20):  # (the front end reads it and, if it is due, the consumer takes it)
+                await asyncio.sleep(0)
+        await asyncio.wait_for(consumer, 5)
+        return outs
+    finally:
+        receiver.cancel()
+        engine.from_child.close(0)
+        engine.engine_side.close(0)
+        ctx.term()
+
+
+def test_a_stream_interval_holds_tokens_back_after_the_first_until_enough_wait():
+    """--stream-interval N (vLLM's): a request's first tokens go out at once (its time to first token), then one
+    output per N new tokens, and whatever waits when it ends; with 1, every step's tokens go out as they come.
+    Nothing is lost or reordered."""
+    every = asyncio.run(_outputs_one_step_at_a_time(10, 1))
+    assert every == [[100 + i] for i in range(10)]
+    held = asyncio.run(_outputs_one_step_at_a_time(10, 4))
+    assert held == [[100], [101, 102, 103, 104], [105, 106, 107, 108], [109]]
+    # speculative steps bring several tokens at once: an output once at least N wait
+    multi = asyncio.run(_outputs_one_step_at_a_time(5, 4, tokens_per_step=3))
+    assert [len(o) for o in multi] == [3, 6, 6]
+    assert [t for o in multi for t in o] == list(range(100, 115))
+    # a request that ends early (a stop) sends what waited at once
+    stopped = asyncio.run(_outputs_one_step_at_a_time(10, 4, stop_at=2))
+    assert stopped == [[100], [101, 102]]

@@ -167,14 +167,16 @@ def test_sigterm_stops_cleanly(server):
 
 
 def test_several_front_end_processes_share_the_port_and_the_metrics(tmp_path):
-    """--api-server-count 3: two more front-end processes serve the same port through the one engine; 48 concurrent
+    """--api-server-count 3 (and --stream-interval 4, which every front end takes): two more front-end processes
+    serve the same port through the one engine; 48 concurrent
     requests (streamed and not, many connections, so the kernel spreads them) all complete with their token
     counts; every /metrics scrape, whichever process answers it, shows the whole server's totals and the queue
     back at 0; a disconnect frees its blocks; SIGTERM ends every process and leaves no ipc or metrics directory."""
     import aiohttp
 
     tmp = _private_tmp()
-    srv = _multi_front_end_server(tmp_path, 3, "--max-num-seqs", "64", "--shutdown-timeout", "5", tmpdir=tmp)
+    srv = _multi_front_end_server(tmp_path, 3, "--max-num-seqs", "64", "--shutdown-timeout", "5",
+                                  "--stream-interval", "4", tmpdir=tmp)  # (which the other front ends get too)
     try:
         assert len(_children(srv)) == 3  # the engine and two front ends
 

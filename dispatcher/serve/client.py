@@ -21,8 +21,9 @@ import zmq.asyncio
 from dispatcher.child import parent_gone
 from dispatcher.engine.ipc import ChildProcess, bind_pair, spawn_engine
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
-from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Drain, EngineDead, EngineInit,
-                                        EngineStarted, Outputs, decode_to_front, encode, front_end_sockets)
+from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead,
+                                        EngineInit, EngineStarted, Outputs, decode_to_front, encode,
+                                        front_end_sockets)
 from dispatcher.messages import CaptureProgress, WorkerReady, decode_or_refuse
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
@@ -56,9 +57,12 @@ class EngineClient:
     engine process and waits until its worker has captured."""
 
     def __init__(self, init: EngineInit, tokenizer, served_model_name: str, default_params: SamplingParams,
-                 metrics=None, log_level: str = "info", front_end: int = 0):
+                 metrics=None, log_level: str = "info", front_end: int = 0, stream_interval: int = 1):
         self.init = init
         self.front_end = front_end
+        self.stream_interval = stream_interval
+        """``--stream-interval``: after a request's first output, its next goes out once this many new tokens are
+        waiting (or it ended): fewer, larger chunks a request at high concurrency (vLLM's flag)."""
         """This front-end process's index (``--api-server-count``): 0 starts the engine, the others ``attach``."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -141,7 +145,7 @@ class EngineClient:
         if not self.ready:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
-        stream = self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = _Stream(self.stream_interval)
         self._send(AddRequest(request_id, list(prompt_token_ids), params, self.front_end))
         return self._stream(request_id, stream)
 
@@ -152,8 +156,7 @@ class EngineClient:
         try:
             while True:
                 await stream.ready.wait()
-                stream.ready.clear()
-                items, stream.items = stream.items, []
+                items = stream.take()
                 out, error = self._collect(request_id, items)
                 if out is not None:
                     yield out
@@ -367,17 +370,34 @@ class _AttachedEngine:
 
 class _Stream:
     """A request's undelivered items (the engine's deltas, an abort's final output, an error) and the event that
-    wakes its consumer."""
+    wakes its consumer: at once for the request's first tokens, its end, an abort or an error; else once
+    ``interval`` new tokens are waiting (``--stream-interval``)."""
 
-    __slots__ = ("items", "ready")
+    __slots__ = ("items", "ready", "interval", "waiting_tokens", "delivered")
 
-    def __init__(self):
+    def __init__(self, interval: int = 1):
         self.items: list = []
         self.ready = asyncio.Event()
+        self.interval = interval
+        self.waiting_tokens = 0
+        self.delivered = False
+        """Some tokens went out already (the first output is never held back: time to first token)."""
 
     def put(self, item) -> None:
         self.items.append(item)
+        if self.interval > 1 and self.delivered and isinstance(item, Delta) and item.finish_reason is None:
+            self.waiting_tokens += len(item.new_token_ids)
+            if self.waiting_tokens < self.interval:
+                return
         self.ready.set()
+
+    def take(self) -> list:
+        """What waits, for the consumer (which the event woke)."""
+        items, self.items = self.items, []
+        self.ready.clear()
+        self.waiting_tokens = 0
+        self.delivered = self.delivered or any(isinstance(i, Delta) and i.new_token_ids for i in items)
+        return items
 
 
 __all__ = ["EngineClient", "EngineError", "CompletionOutput", "RequestOutput", "RequestError"]

@@ -64,6 +64,7 @@ class FrontEndInit(msgspec.Struct, array_like=True, frozen=True):
     """``--chat-template``'s text (None: the tokenizer's)."""
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    stream_interval: int = 1
 
 
 def multiprocess_metrics_dir() -> str:
@@ -161,7 +162,7 @@ class FrontEnds:
                 log_level=self.args.log_level, shutdown_timeout=self.args.shutdown_timeout,
                 engine_pid=self.engine.process.pid, cors=self.cors, chat_template=self.args.chat_template,
                 tool_call_parser=self.args.tool_call_parser,
-                enable_auto_tool_choice=self.args.enable_auto_tool_choice)))
+                enable_auto_tool_choice=self.args.enable_auto_tool_choice, stream_interval=self.args.stream_interval)))
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         fds = tuple(sock.fileno() for sock in self.socks)
         for index in range(1, self.args.api_server_count):
@@ -231,7 +232,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
         tokenizer.chat_template = init.chat_template
     name = init.served_model_name
     engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name, multiprocess=True),
-                          init.log_level, index)
+                          init.log_level, index, init.stream_interval)
     engine.gate = gate_file(ipc_dir)
     engine.attach(ipc_dir, init.engine_pid)
     app = build_app(engine, api_key=init.api_key, log_requests=init.log_requests, cors=init.cors,

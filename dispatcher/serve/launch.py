@@ -94,6 +94,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="front-end processes (HTTP, tokenization, detokenization) sharing the port, as vLLM's flag: "
                         "one Python process streams ~15-20K events a second, so more keep the GPU fed at hundreds "
                         "of concurrent streams (default: %(default)s)")
+    h.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                   help="as vLLM's flag: after a request's first streamed tokens, send its next chunk once this many "
+                        "new tokens wait (or it ends): fewer, larger chunks at high concurrency, where each chunk "
+                        "costs a front end a write (default: %(default)s, every step's tokens at once)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets requests in flight finish (a second SIGINT / SIGTERM exits at once; "
                         "default: %(default)s)")
@@ -135,6 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 1 <= args.api_server_count <= MAX_API_SERVERS:
         raise ConfigError(f"--api-server-count must be in 1..{MAX_API_SERVERS}, got {args.api_server_count}")
+    if args.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be a token count >= 1, got {args.stream_interval}")
     if args.api_server_count > 1:  # before anything imports prometheus-client, which reads it once
         from dispatcher.serve.frontend import multiprocess_metrics_dir
 
@@ -395,7 +401,8 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
         engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                          args.api_server_count, engine_args.enable_prefix_caching,
                                          args.tokenizer or init.model, args.structured_compile_timeout_s),
-                              tokenizer, name, defaults, metrics, args.log_level)
+                              tokenizer, name, defaults, metrics, args.log_level,
+                              stream_interval=args.stream_interval)
         cors = cors_config(args)
         app = build_app(engine, api_key=args.api_key, log_requests=args.log_requests, cors=cors,
                         tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
