@@ -99,6 +99,8 @@ def serve_command(policy: str, spec: dict | None, port: int, args, served_name: 
            "--api-server-count", str(args.api_server_count)]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
+    if getattr(args, "stream_interval", 1) != 1:  # (the benchmarks that offer --stream-interval)
+        cmd += ["--stream-interval", str(args.stream_interval)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd

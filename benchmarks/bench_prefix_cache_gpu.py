@@ -273,6 +273,8 @@ def main() -> None:
     parser.add_argument("--default-model", default=None, help="default: the default model's GGUF")
     parser.add_argument("--port", type=int, default=8123, help="caching on's port (off's: the next)")
     parser.add_argument("--api-server-count", type=int, default=4)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the servers' --stream-interval (tokens a "
+                        "chunk after the first)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")

@@ -391,6 +391,8 @@ def main() -> None:
                         "(models.default_model.default_model_path)")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--api-server-count", type=int, default=4, help="the servers' front-end processes")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the servers' --stream-interval (tokens a "
+                        "chunk after the first)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")

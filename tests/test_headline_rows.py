@@ -61,3 +61,16 @@ def test_paired_ratio_compares_each_batch_with_the_same_batch(headline):
     assert separate["paired_ratio_median"] == 1.25  # vllm-default's time over ours, batch by batch: 2.0, 0.5, 1.25
     assert rows[0]["paired_ratio_median"] == 1.0
     assert "paired_ratio_median" not in rows[2]  # batches that do not pair up are not compared
+
+
+def test_the_served_benchmarks_pass_their_stream_interval_to_every_server(headline):
+    """bench_spec_gpu / bench_prefix_cache_gpu --stream-interval N reaches each server's command line (1, serve's
+    default, adds nothing: the commands of runs made before the flag stay comparable)."""
+    args = argparse.Namespace(model="bench-moe", max_model_len=2048, device="cuda", api_server_count=4,
+                              tokenizer=None, stream_interval=4)
+    cmd = headline.serve_command("separate", None, 8100, args)
+    assert cmd[cmd.index("--stream-interval") + 1] == "4"
+    args.stream_interval = 1
+    assert "--stream-interval" not in headline.serve_command("separate", None, 8100, args)
+    del args.stream_interval  # (the benchmarks without the option)
+    assert "--stream-interval" not in headline.serve_command("separate", None, 8100, args)
