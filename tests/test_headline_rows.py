@@ -74,3 +74,14 @@ def test_the_served_benchmarks_pass_their_stream_interval_to_every_server(headli
     assert "--stream-interval" not in headline.serve_command("separate", None, 8100, args)
     del args.stream_interval  # (the benchmarks without the option)
     assert "--stream-interval" not in headline.serve_command("separate", None, 8100, args)
+
+
+def test_the_quantization_benchmark_compares_settings_round_by_round(monkeypatch):
+    """bench_quant_gpu's speed-up is the median of round-by-round ratios to bf16 (a round's host load is shared by
+    the settings run in it), not a ratio of medians; bf16 has none."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    quant = importlib.import_module("bench_quant_gpu")
+    out = quant.paired_summary({"bf16": [100.0, 80.0, 120.0], "fp8-weights": [110.0, 84.0, 120.0]})
+    assert out["bf16"] == {"median": 100.0, "runs": [100.0, 80.0, 120.0]}
+    assert out["fp8-weights"]["median"] == 110.0
+    assert out["fp8-weights"]["speedups"] == [1.1, 1.05, 1.0] and out["fp8-weights"]["speedup"] == 1.05
