@@ -29,11 +29,18 @@ class _Engine:
         return True
 
 
-def _client(engine: _Engine, metrics=None) -> C.EngineClient:
+def _client(engine: _Engine, metrics=None, stream_interval: int = 1) -> C.EngineClient:
     client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
-                            SamplingParams(max_tokens=8), metrics=metrics)
+                            SamplingParams(max_tokens=8), metrics=metrics, stream_interval=stream_interval)
     client.process, client.ready = engine, True
     return client
+
+
+def _close(ctx: zmq.asyncio.Context, engine: _Engine, receiver: asyncio.Task) -> None:
+    receiver.cancel()
+    engine.from_child.close(0)
+    engine.engine_side.close(0)
+    ctx.term()
 
 
 async def _outputs_after(num_queued_steps: int, metrics=None) -> list[list[int]]:
@@ -50,10 +57,7 @@ async def _outputs_after(num_queued_steps: int, metrics=None) -> list[list[int]]
     try:
         return [list(out.outputs[0].token_ids) async for out in stream]
     finally:
-        task.cancel()
-        engine.from_child.close(0)
-        engine.engine_side.close(0)
-        ctx.term()
+        _close(ctx, engine, task)
 
 
 def test_steps_queued_behind_a_busy_front_end_reach_the_client_as_one_output():
@@ -138,9 +142,7 @@ async def _outputs_one_step_at_a_time(num_steps: int, stream_interval: int, toke
     each output its consumer gets."""
     ctx = zmq.asyncio.Context()
     engine = _Engine(ctx, f"interval{stream_interval}-{num_steps}-{tokens_per_step}")
-    client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
-                            SamplingParams(max_tokens=8), stream_interval=stream_interval)
-    client.process, client.ready = engine, True
+    client = _client(engine, stream_interval=stream_interval)
     stream = client.generate("r", None, [1, 2, 3], SamplingParams(max_tokens=num_steps * tokens_per_step))
     outs: list[list[int]] = []
 
@@ -161,10 +163,7 @@ async def _outputs_one_step_at_a_time(num_steps: int, stream_interval: int, toke
         await asyncio.wait_for(consumer, 5)
         return outs
     finally:
-        receiver.cancel()
-        engine.from_child.close(0)
-        engine.engine_side.close(0)
-        ctx.term()
+        _close(ctx, engine, receiver)
 
 
 def test_a_stream_interval_holds_tokens_back_after_the_first_until_enough_wait():
