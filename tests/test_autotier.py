@@ -15,8 +15,8 @@ from dispatcher.cli import main
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
-from dispatcher.plan.autotier import (STALE_STEPS, AutoTiers, MeasuredCosts, StepCostTable, TierChooser,
-                                      chooser_for_plan, decode_step_costs, staircase, trace_step_costs)
+from dispatcher.plan.autotier import (STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, MeasuredCosts, StepCostTable,
+                                      TierChooser, chooser_for_plan, decode_step_costs, staircase, trace_step_costs)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams
@@ -253,6 +253,54 @@ def test_two_ks_sharing_a_bucket_keep_its_drift_moving():
     k0, k2, k4 = costs.ratio[:, 9]  # (bucket 9: 512..1023 requests)
     assert k2 == pytest.approx(truth, rel=0.03) and k4 == pytest.approx(truth, rel=0.03)
     assert k0 >= truth / 1.6  # (the first factor learnt, over 16 steps while the drift rose by a few %: ~1.56)
+
+
+def test_a_ks_own_factor_is_the_plain_mean_of_its_first_steps():
+    """A first step that waited for a compile (clipped to 8x) then fifteen at the table's cost: K's own factor is
+    their plain mean, and a K truly better keeps the tiers (an own factor weighed towards that one step made K = 0
+    run a whole re-choice interval at two thirds of the throughput; found in review)."""
+    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 3: [(1, 1.6), (64, 1.6)]})
+    costs = MeasuredCosts(TierChooser(table, [0, 2], 64))
+    xs = [8.0] + [1.0] * (SWITCH_IN_STEPS - 1)
+    for x in xs:
+        costs.observe(64, 3, table.ms(64, 3) * x)
+    assert costs.drift[6] == 1.0 and costs.own[1, 6] == pytest.approx(sum(xs) / len(xs))
+    auto = AutoTiers(TierChooser(table, [0, 2], 64), [0.8, 0.6], interval=64, prior_weight=1e9)
+    ks = []
+    for step in range(640):
+        k = int(auto.choice.k_of_batch[64])
+        ks.append(k)
+        auto.observe_step(64, 1 + k, table.ms(64, 1 + k) * (8.0 if step == 0 else 1.0))
+        auto.observe([0, 0], [0, 0])
+    assert ks.count(0) == 0, ks.index(0)
+
+
+@pytest.mark.parametrize("turn", [20, 70])
+def test_two_ks_sharing_a_bucket_by_long_turns_keep_its_drift_moving(turn):
+    """test_two_ks_sharing_a_bucket_keep_its_drift_moving with the batch crossing the tiers' border every 20 or 70
+    steps: a K that comes back moves the drift (when each return learnt its own factor again, drift held, the
+    contexts' growth went into the own factors and K = 0 ended 3x below the truth; found in review)."""
+    table = StepCostTable({q: [(1, 1.0 + 0.15 * (q - 1)), (1024, 2.0 + 0.5 * (q - 1))] for q in (1, 3, 5)})
+    costs = MeasuredCosts(TierChooser(table, [0, 2, 4], 1024))
+    for step in range(600):
+        n, k = (700, 4) if (step // turn) % 2 else (900, 2)
+        costs.observe(n, 1 + k, table.ms(n, 1 + k) * 1.5 * (1.0 + 1.5 * step / 600))
+    truth = 1.5 * (1.0 + 1.5 * 599 / 600)
+    k0, k2, k4 = costs.ratio[:, 9]
+    assert k2 == pytest.approx(truth, rel=0.05) and k4 == pytest.approx(truth, rel=0.1)
+    assert k0 >= truth / 1.7  # (within about the first factor learnt, 1.5x plus the growth over its 16 steps)
+
+
+def test_a_bucket_the_k_in_force_visits_now_and_then_still_moves_its_drift():
+    """K = 2 in force; the batch sits at 400 requests (bucket 8) and reaches 600 (bucket 9) every 17th step: bucket
+    9's drift follows the contexts as bucket 8's does (found in review: each visit restarted K's learning there and
+    the drift never moved)."""
+    table = StepCostTable({q: [(1, 1.0 + 0.15 * (q - 1)), (1024, 2.0 + 0.5 * (q - 1))] for q in (1, 3, 5)})
+    costs = MeasuredCosts(TierChooser(table, [0, 2, 4], 1024))
+    for step in range(1200):
+        n = 600 if step % 17 == 0 else 400
+        costs.observe(n, 3, table.ms(n, 3) * 1.5 * (1.0 + 1.5 * step / 1200))
+    assert costs.ratio[0, 9] == pytest.approx(costs.ratio[0, 8], rel=0.25)
 
 
 def test_a_bucket_served_again_after_long_re_anchors_its_drift():

@@ -198,6 +198,35 @@ def test_delayed_capture_on_cuda_graphs(spec):
     assert delayed.stats.fused_steps >= 1 and not delayed.stats.eager_by_reason
 
 
+def test_delayed_capture_starts_on_a_cpu_without_triton():
+    """Triton is a test extra (Linux x86_64 only): a CPU install without it starts with delayed capture as with
+    capture first (found in review: the deferred attention warm-ups imported the Triton kernels on the CPU too)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # `import triton` raises ImportError, as where it is not installed
+        import torch
+        from dispatcher.engine.engine_core import EngineArgs, EngineCore
+        from dispatcher.plan.config import resolve
+        from models.config import preset
+        from scheduler.request import SamplingParams
+
+        for delayed in (False, True):
+            cfg = resolve({"delayed_cudagraph_capture": delayed}, None, platform="sm100", max_num_seqs=8,
+                          max_num_batched_tokens=64)
+            core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32,
+                                              num_kv_blocks=64, block_size=4, max_model_len=96, seed=5))
+            print(delayed, core.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0)))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = run.stdout.split("\n")[:2]
+    assert first.split(" ", 1)[1] == second.split(" ", 1)[1]  # (the same tokens)
+
+
 @pytest.mark.gpu
 def test_delayed_capture_leaves_wide_attention_warm_ups_to_the_gaps_and_warms_every_one():
     """On CUDA, a delayed start warms eager attention for sequences of up to DELAYED_WARM_UP_MAX_TOKENS only (the

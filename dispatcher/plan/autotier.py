@@ -27,13 +27,13 @@ plain one in the table and 1.9x served at 16-256 streams). So ``AutoTiers`` also
 step's device time (``observe_step``) and keeps, per (K, batch-size bucket of powers of two), the ratio of served to
 table cost as K's own factor times the bucket's drift (``MeasuredCosts``); each choice weighs the table's cost times
 that ratio. The drift, which grows with the contexts through a run, follows every K that runs there; a K's own
-factor is learnt over its first ``SWITCH_IN_STEPS`` steps at a bucket, and a bucket left unserved for long has its
-drift re-anchored by its next step. A (K, bucket) never served has factor 1, so when the K in force turns out dearer
+factor is learnt once, over its first ``SWITCH_IN_STEPS`` steps at a bucket, and a bucket left unserved for long has
+its drift re-anchored by its next step. A (K, bucket) never served has factor 1, so when the K in force turns out dearer
 than its table cost, the others look better and get tried, each measured where it runs. (With one ratio per (K,
 bucket), updated by its own steps only, a K measured early at short contexts looked cheaper than the K in force at
 long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0 (0.99x) at a round's
-tail. With the drift held whenever the K at a bucket changed, two K's sharing a bucket by turns never moved it, and
-a K never served there looked ever cheaper: the same flip, 0.90x in a round.)
+tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never moved it, and a K
+never served there looked ever cheaper: the same flip, 0.90x in a round.)
 """
 
 from __future__ import annotations
@@ -55,15 +55,10 @@ RECHOOSE_INTERVAL_STEPS = 64
 """Engine steps between two re-choices."""
 HYSTERESIS = 0.05
 """A batch size changes its K only for more than 5 % more expected tokens per second."""
-COST_PRIOR_STEPS = 8.0
-"""Pseudo steps at ratio 1 (the table's own cost) behind a (K, bucket)'s measured cost ratio."""
 SWITCH_IN_STEPS = 16
-"""Steps over which a K's own cost factor is learnt when it starts running at a batch-size bucket (its drift held)."""
+"""A K's first steps at a batch-size bucket, whose mean (against the drift) is its own cost factor there."""
 DRIFT_MEMORY_STEPS = 16.0
 """Steps a bucket's cost drift averages over (an exponential average: contexts grow by a token a step)."""
-RECENT_STEPS = 16
-"""A K not served at a bucket in this many steps (served steps, any batch size) starts there afresh: its own cost
-factor is learnt again."""
 STALE_STEPS = 256
 """A bucket nothing was served at in this many steps has an old drift: the next step re-anchors it."""
 COST_RATIO_BOUNDS = (0.25, 8.0)
@@ -355,20 +350,19 @@ class MeasuredCosts:
     batch-size bucket (bucket b: b.bit_length() - 1 of the padded request count, so 1, 2-3, 4-7, ...), as K's own
     factor times the bucket's drift: ``ratio`` = ``own`` x ``drift``. The drift is what every K's served cost shares
     and moves with (contexts grow through a run and start short at the next): every step of a K whose own factor is
-    known moves it. A K that starts running at a bucket (not served there in the last ``RECENT_STEPS`` steps) learns
-    its own factor over its first ``SWITCH_IN_STEPS`` steps there, against the drift that the others running there
-    keep moving or that it holds meanwhile (a plain mean where K was never served there, else behind
-    ``COST_PRIOR_STEPS`` pseudo steps at its previous value). At a bucket nothing ran at for ``STALE_STEPS`` steps the
-    drift is old (the contexts were other): there a K's first step sets the drift from its own factor (that of the K
-    served there last where it was never served there), and nothing is learnt about own factors.
+    known moves it. A K's own factor is learnt once a bucket, from its first ``SWITCH_IN_STEPS`` steps there (their
+    plain mean against the drift, which the other K's running there keep moving, or which it holds meanwhile), and
+    kept: a K that comes back moves the drift at once. At a bucket nothing ran at for ``STALE_STEPS`` steps the drift
+    is old (the contexts were other): there a K's first step sets the drift from its own factor (that of the K served
+    there last, where it was never served there), and nothing is learnt about own factors.
 
     So a K measured long ago, at other contexts, is compared at today's, and two K's that share a bucket (tiers that
     split it, a batch that moves across their border) both keep its drift moving: with the drift held whenever a K
-    had not run in the step before (30997fb), each K's own factor took the contexts' growth, and a K never served
-    there kept its factor of 1 and looked ever cheaper (on the H200 at 1024 streams eagle3's tiers went to K = 0 at
-    873 requests and up, 0.90x no SD in a round where K = 3 gave 1.27x). A K never served at a bucket has factor 1,
-    so where the K in force turns out dearer than its table cost, the others look better and get tried, each
-    measured where it runs."""
+    came back (30997fb: each return learnt its own factor again), each K's own factor took the contexts' growth, and
+    a K never served there kept its factor of 1 and looked ever cheaper (on the H200 at 1024 streams eagle3's tiers
+    went to K = 0 at 873 requests and up, 0.90x no SD in a round where K = 3 gave 1.27x). A K never served at a bucket
+    has factor 1, so where the K in force turns out dearer than its table cost, the others look better and get tried,
+    each measured where it runs."""
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
@@ -406,16 +400,13 @@ class MeasuredCosts:
         if self._clock - last_here > STALE_STEPS and last_here >= 0:  # an old drift: re-anchored, nothing learnt
             if not self.steps[i, b]:
                 self.own[i, b] = self.own[int(self._seen[:, b].argmax()), b]
+                self._window[i, b] = SWITCH_IN_STEPS
             self.drift[b] = x / self.own[i, b]
-            self._window[i, b] = SWITCH_IN_STEPS
-        elif self._clock - self._seen[i, b] > RECENT_STEPS:  # K starts running here: its own factor learnt afresh
-            self._window[i, b] = 0
-        prior = COST_PRIOR_STEPS if self.steps[i, b] else 0.0
         self.steps[i, b] += 1
         self._seen[i, b] = self._clock
-        if self._window[i, b] < SWITCH_IN_STEPS:
+        if self._window[i, b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their plain mean
             self._window[i, b] += 1
-            self.own[i, b] += (x / self.drift[b] - self.own[i, b]) / (prior + self._window[i, b])
+            self.own[i, b] += (x / self.drift[b] - self.own[i, b]) / self._window[i, b]
         else:
             self.drift[b] += (x / self.own[i, b] - self.drift[b]) / DRIFT_MEMORY_STEPS
         return True

@@ -340,10 +340,10 @@ class ModelWorker:
         delayed = self.delayed
         if not self.capture_pending:
             return None
-        if delayed is None or delayed.done:  # (what is left: the constrained steps' graphs asked for)
-            self.fused.capture_demanded_constrained()
-            return None
-        with self.jit.set_aside() if self.jit is not None else contextlib.nullcontext():
+        with self.jit.set_aside() if self.jit is not None else contextlib.nullcontext():  # (no step's compiles)
+            if delayed is None or delayed.done:  # (what is left: the constrained steps' graphs asked for)
+                self.fused.capture_demanded_constrained()
+                return None
             count = delayed.run(budget_s, stop)
         if delayed.done and not delayed.error:  # (after an error its graphs left stay uncaptured: steps check)
             self.delayed = None
