@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import os
 import statistics
@@ -97,7 +98,7 @@ def client(port: int, requests: list, cap: int, ready, go, results) -> None:
             end = time.perf_counter()
             outputs = [o for request_turns in turns for o in request_turns]  # (one turn a request here)
             assert all(o.success for o in outputs), next(o.error for o in outputs if not o.success)
-            results.put((end - duration, end))
+            results.put((end - duration, end, [o.ttft for o in outputs]))
 
     asyncio.run(main())
 
@@ -131,7 +132,8 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     cpu_s = time.process_time() - cpu0
     for proc in procs:
         proc.join()
-    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
+    ttfts = sorted(t for _, _, ts in spans for t in ts)
     tokens = len(requests) * args.output_len
     events = tokens / args.tokens_per_step
     steps = [t for t in engine.step_times[n0:] if start <= t[0] <= end]
@@ -140,7 +142,8 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     return {"wall_s": round(end - start, 3), "output_tok_s": round(tokens / (end - start)),
             "front_end_cpu_cores": round(cpu_s / (end - start), 3), "cpu_us_per_event": round(cpu_s / events * 1e6, 1),
             "cpu_us_per_token": round(cpu_s / tokens * 1e6, 1), "step_period_ms": round(period_ms, 2),
-            "step_efficiency": round(args.step_ms / period_ms, 3)}
+            "step_efficiency": round(args.step_ms / period_ms, 3),
+            "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2), "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2)}
 
 
 async def main_async(args) -> dict:
@@ -150,6 +153,9 @@ async def main_async(args) -> dict:
 
     tokenizer = load_tokenizer(args.tokenizer)
     requests = sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)
+    if args.prompt_repeat > 1:  # (long prompts: what tokenizing a burst of arrivals costs)
+        requests = [dataclasses.replace(r, prompt=" ".join([r.prompt] * args.prompt_repeat),
+                                        prompt_len=r.prompt_len * args.prompt_repeat) for r in requests]
     token_ids = tokenizer.encode(" ".join(r.prompt for r in requests[:50]), False)
     engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
@@ -171,6 +177,7 @@ async def main_async(args) -> dict:
     return {"benchmark": "serve_frontend", "commit": commit(), "command": " ".join(["python", *sys.argv]),
             "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
             "tokens_per_step": args.tokens_per_step, "stream_interval": args.stream_interval,
+            "prompt_repeat": args.prompt_repeat,
             "output_len": args.output_len, "clients": args.clients,
             "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
@@ -185,6 +192,7 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="serve's --stream-interval (an event is then a step's tokens for a request, not a chunk)")
     p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--prompt-repeat", type=int, default=1, help="each prompt this many times over (longer prompts)")
     p.add_argument("--waves", type=int, default=2, help="prompts = waves x concurrency")
     p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--warmup", type=int, default=1)
@@ -197,7 +205,8 @@ def main() -> None:
     m = result["median"]
     print(f"median: {m['cpu_us_per_event']:.0f} us of front-end CPU per streamed event ({m['cpu_us_per_token']:.0f} "
           f"per token): one process streams ~{result['events_per_s_at_one_core']} events/s at one core; "
-          f"{m['front_end_cpu_cores']:.2f} cores used here, step efficiency {m['step_efficiency']:.2f}")
+          f"{m['front_end_cpu_cores']:.2f} cores used here, step efficiency {m['step_efficiency']:.2f}, TTFT mean "
+          f"{m['ttft_ms_mean']:.1f} ms")
     write_json(args.out, result)
 
 

@@ -64,6 +64,11 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text in one call of the tokenizers library (parallel over the cores, the GIL released
+        while it runs)."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -37,6 +37,7 @@ from dispatcher.serve import protocol as P
 from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dispatcher.serve.metrics import EngineMetrics, RequestTimer
 from dispatcher.serve.protocol import ApiError
+from dispatcher.serve.tokenizing import Tokenizing
 from dispatcher.serve.tools import DEFAULT_FORCED_PARSER, PARSERS, ToolParser, ToolStream
 from models.text import bad_words_token_ids
 from scheduler.request import RequestError, SamplingParams
@@ -52,7 +53,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 LOG_PROMPT_CHARS = 4096
 """With ``log_requests``, a prompt is logged up to this many characters."""
 TOKENIZE_IN_THREAD_CHARS = 16384
-"""Prompts longer than this are tokenized in a thread, so the event loop keeps streaming other requests."""
+"""Conversations longer than this are rendered through the chat template in a thread, so the event loop keeps
+streaming other requests (prompts are tokenized off the loop always: ``Tokenizing``)."""
 
 SERVER_KEY: web.AppKey[Server] = web.AppKey("twogrid_server")
 
@@ -235,6 +237,8 @@ class Server:
         self._token_text: dict[int, str] = {}
         self._live: set[str] = set()
         """Engine ids of the generation requests in flight."""
+        self.tokenizing = Tokenizing(engine.tokenizer) if engine.tokenizer is not None else None
+        """Prompts arriving together, tokenized together off the event loop."""
 
     # -- middlewares --------------------------------------------------------------------------------------------
     @web.middleware
@@ -304,7 +308,7 @@ class Server:
                                          add_generation_prompt=req.add_generation_prompt)
         else:
             text = req.prompt
-        ids = await self._in_thread("prompt", len(text), tok.encode, text, req.add_special_tokens)
+        ids = await self._encode("prompt", text, req.add_special_tokens)
         strs = [tok.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
         return _json(P.TokenizeResponse(len(ids), self.engine.max_model_len, ids, strs))
 
@@ -442,7 +446,7 @@ class Server:
             tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
             prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
                                            tok.apply_chat_template, messages, add_generation_prompt=True, **tools)
-            return prompt, await self._in_thread("messages", len(prompt), tok.encode, prompt, False)
+            return prompt, await self._encode("messages", prompt, False)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, list):
             vocab = tok.vocab_size if tok is not None else None
@@ -453,7 +457,15 @@ class Server:
         if tok is None:
             raise ApiError(400, "this model has no tokenizer (a preset with random weights): send 'prompt' as token "
                                 "ids", param="prompt")
-        return prompt, await self._in_thread("prompt", len(prompt), tok.encode, prompt)
+        return prompt, await self._encode("prompt", prompt, True)
+
+    async def _encode(self, param: str, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids, batched with the other prompts of this turn of the loop (``Tokenizing``); a
+        ValueError is the client's: 400 naming ``param``."""
+        try:
+            return await self.tokenizing.encode(text, add_special_tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=param) from None
 
     @staticmethod
     async def _in_thread(param: str, size: int, fn, *args, **kwargs):

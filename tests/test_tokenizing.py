@@ -1,0 +1,55 @@
+"""The front end's prompt tokenization (dispatcher/serve/tokenizing.py): prompts that arrive in one turn of the
+event loop are tokenized by one batch call off the loop, each gets exactly what the one-text call gives it, a prompt
+the tokenizer refuses fails alone, and a request that went away takes nothing with it."""
+
+import asyncio
+
+import pytest
+
+from dispatcher.serve.tokenizing import Tokenizing
+
+
+def test_prompts_arriving_together_are_tokenized_in_one_batch_as_one_by_one(bpe, texts):
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(bpe)
+    prompts = texts[:40] + texts[-2:]  # (four-byte characters too)
+
+    async def go():
+        tokenizing = Tokenizing(tok)
+        got = await asyncio.gather(*(tokenizing.encode(p, i % 2 == 0) for i, p in enumerate(prompts)))
+        return tokenizing.batches, got
+
+    batches, got = asyncio.run(go())
+    assert batches == 2  # (one a value of add_special_tokens)
+    assert got == [tok.encode(p, i % 2 == 0) for i, p in enumerate(prompts)]
+
+
+class Picky:
+    """encode refuses texts with 'x'; its batch call fails if any text does."""
+
+    def encode(self, text, add_special_tokens=True):
+        if "x" in text:
+            raise ValueError(f"cannot tokenize {text!r}")
+        return [len(text)]
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+
+def test_a_prompt_the_tokenizer_refuses_fails_alone_and_a_request_gone_takes_nothing_with_it():
+    async def go():
+        tokenizing = Tokenizing(Picky())
+        good = asyncio.ensure_future(tokenizing.encode("abc"))
+        bad = asyncio.ensure_future(tokenizing.encode("xyz"))
+        gone = asyncio.ensure_future(tokenizing.encode("abcdef"))
+        await asyncio.sleep(0)  # (all three waiting for their batch)
+        gone.cancel()
+        other = await tokenizing.encode("ab")
+        with pytest.raises(ValueError, match="cannot tokenize 'xyz'"):
+            await bad
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await good, other
+
+    assert asyncio.run(go()) == ([3], [2])
