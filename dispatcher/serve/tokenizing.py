@@ -13,6 +13,8 @@ class Tokenizing:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._waiting: dict[bool, list[tuple[str, asyncio.Future]]] = {}
+        self._running: set[asyncio.Task] = set()
+        """The batches' tasks, held until done (the loop keeps only weak references to tasks)."""
         self.batches = 0
         """Batch calls made (tests, metrics)."""
 
@@ -30,7 +32,9 @@ class Tokenizing:
         waiting, self._waiting = self._waiting, {}
         for add_special_tokens, items in waiting.items():
             self.batches += 1
-            asyncio.get_running_loop().create_task(self._run(add_special_tokens, items))
+            task = asyncio.get_running_loop().create_task(self._run(add_special_tokens, items))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _run(self, add_special_tokens: bool, items: list[tuple[str, asyncio.Future]]) -> None:
         texts = [text for text, _ in items]
