@@ -252,6 +252,8 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
         backend = Backend.from_file(tok_path)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
+    backend.no_padding()  # (a prompt is never padded nor cut: a batch call would pad each to the batch's longest,
+    backend.no_truncation()  # and a truncation setting would cut long prompts silently, where the engine says why)
     cfg_path = os.path.join(path, "tokenizer_config.json")
     cfg = read_json(cfg_path, "the tokenizer config") if os.path.isfile(cfg_path) else {}
     template = cfg.get("chat_template")

@@ -53,3 +53,32 @@ def test_a_prompt_the_tokenizer_refuses_fails_alone_and_a_request_gone_takes_not
         return await good, other
 
     assert asyncio.run(go()) == ([3], [2])
+
+
+def test_a_checkpoint_s_padding_or_truncation_setting_changes_no_prompt(bpe, tmp_path):
+    """Some checkpoints' tokenizer.json carries padding (the batch call would pad each prompt to the batch's longest)
+    or truncation (a long prompt cut silently): a served prompt gets the same ids batched or alone, and whole (found
+    in review)."""
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer as Backend
+
+    from models.text import load_tokenizer
+
+    plain = load_tokenizer(bpe)
+    d = tmp_path / "padded"
+    shutil.copytree(bpe, d)
+    backend = Backend.from_file(os.path.join(d, "tokenizer.json"))
+    backend.enable_padding(pad_id=0, pad_token=backend.id_to_token(0))
+    backend.enable_truncation(max_length=8)
+    backend.save(os.path.join(d, "tokenizer.json"))
+    tok = load_tokenizer(str(d))
+    prompts = ["hi", "a much longer prompt than the first one, with many more tokens in it"]
+
+    async def go():
+        tokenizing = Tokenizing(tok)
+        return await asyncio.gather(*(tokenizing.encode(p) for p in prompts))
+
+    assert asyncio.run(go()) == [plain.encode(p) for p in prompts] == [tok.encode(p) for p in prompts]
+    assert len(tok.encode(prompts[1])) > 8

@@ -56,12 +56,18 @@ class Tokenizing:
         if batch is not None and len(texts) > 1:
             try:
                 return batch(texts, add_special_tokens)
-            except Exception:  # one bad text fails the call: find it, prompt by prompt
-                pass
+            except BaseException as exc:  # one bad text fails the call: find it, prompt by prompt
+                _reraise_interrupts(exc)
         out: list = []
         for text in texts:
             try:
                 out.append(self.tokenizer.encode(text, add_special_tokens))
-            except Exception as exc:
+            except BaseException as exc:  # (the tokenizers library's panics derive from BaseException)
+                _reraise_interrupts(exc)
                 out.append(exc)
         return out
+
+
+def _reraise_interrupts(exc: BaseException) -> None:
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
