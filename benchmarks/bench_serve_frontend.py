@@ -107,9 +107,9 @@ async def _next(queue, procs: list) -> object:
     """The queue's next item, waiting on the event loop (the front end shares it); a client process that ended
     without putting one (it failed: its traceback is above) ends the benchmark with an error."""
     while queue.empty():
-        if any(p.exitcode not in (None, 0) for p in procs):
-            raise SystemExit(f"a client process failed (exit code "
-                             f"{next(p.exitcode for p in procs if p.exitcode not in (None, 0))})")
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise SystemExit(f"a client process failed (exit code {failed[0]})")
         await asyncio.sleep(0.02)
     return queue.get()
 
@@ -143,7 +143,8 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
             "front_end_cpu_cores": round(cpu_s / (end - start), 3), "cpu_us_per_event": round(cpu_s / events * 1e6, 1),
             "cpu_us_per_token": round(cpu_s / tokens * 1e6, 1), "step_period_ms": round(period_ms, 2),
             "step_efficiency": round(args.step_ms / period_ms, 3),
-            "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2), "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2)}
+            "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2),
+            "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2)}
 
 
 async def main_async(args) -> dict:

@@ -558,6 +558,11 @@ class GraphRuntime:
         widest = self.max_num_reqs if self.bufs.proposals is not None else self.max_num_tokens
         return sorted({min(n, widest) for n in EAGER_WARM_UP_TOKENS + (widest,)})
 
+    @property
+    def context_width(self) -> int:
+        """The block table's width in tokens: the longest sequence a request can hold."""
+        return self.bufs.block_table.shape[1] * self.kv_caches[0].shape[2]
+
     def eager_attention_shapes(self, within_tokens: int | None = None) -> list[tuple[int, int, bool]]:
         """The eager attention launches that compile every variant a step can need (``eager_launch_shapes``:
         query-length bound, split count, programmatic launch); with ``within_tokens``, those of steps of at most that
@@ -568,7 +573,7 @@ class GraphRuntime:
         from models.triton_attention import eager_launch_shapes, sm_count
 
         cfg = self.model.cfg
-        max_tokens, max_context = self.max_num_tokens, self.bufs.block_table.shape[1] * self.kv_caches[0].shape[2]
+        max_tokens, max_context = self.max_num_tokens, self.context_width
         if within_tokens is not None:
             max_tokens, max_context = min(max_tokens, within_tokens), min(max_context, within_tokens)
         return eager_launch_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_tokens, max_context,
@@ -587,8 +592,7 @@ class GraphRuntime:
             return 0
         from models.triton_attention import prepare_paged_attention
 
-        b = self.bufs
-        max_context = b.block_table.shape[1] * self.kv_caches[0].shape[2]
+        b, max_context = self.bufs, self.context_width
         shapes = self.eager_attention_shapes() if attention is None else attention
         for max_query_len, splits, pdl in shapes:
             layout = self._load_host(np.zeros((4, 0), dtype=np.int64), max_query_len, 1, max_query_len)

@@ -310,7 +310,8 @@ class ModelWorker:
     def start_delayed_capture(self, hook=None) -> int:
         """Serve before capture (``delayed_cudagraph_capture``): warm the eager forwards and attention of the first
         sizes (steps and sequences of up to DELAYED_WARM_UP_MAX_TOKENS) and the samplers now, leave the wider
-        warm-ups and every graph to ``capture_between_steps``. ``hook``: BackgroundCapture's test hook. Returns the graphs left to capture."""
+        warm-ups and every graph to ``capture_between_steps``. ``hook``: BackgroundCapture's test hook. Returns the
+        graphs left to capture."""
         t0 = time.perf_counter()
         later: dict[int, DeferredWarmUp] = {}
         launches = self._warm_up_sampling()

@@ -462,21 +462,17 @@ class Server:
     async def _encode(self, param: str, text: str, add_special_tokens: bool) -> list[int]:
         """``text``'s token ids, batched with the other prompts of this turn of the loop (``Tokenizing``); a
         ValueError is the client's: 400 naming ``param``."""
-        try:
+        with _client_error(param):
             return await self.tokenizing.encode(text, add_special_tokens)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=param) from None
 
     @staticmethod
     async def _in_thread(param: str, size: int, fn, *args, **kwargs):
         """``fn(*args)``; in a worker thread for inputs of more than TOKENIZE_IN_THREAD_CHARS characters. A
         ValueError (models.text.TemplateError: a template that fails on these messages) is the client's: 400."""
-        try:
+        with _client_error(param):
             if size > TOKENIZE_IN_THREAD_CHARS:
                 return await asyncio.to_thread(fn, *args, **kwargs)
             return fn(*args, **kwargs)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=param) from None
 
     def _sampling_params(self, req, prompt_len: int, chat: bool, structured=None) -> SamplingParams:
         max_tokens = self._max_tokens(req, prompt_len, chat)
@@ -805,6 +801,16 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _client_error(param: str):
+    """A ValueError raised inside (a prompt or conversation the tokenizer or the chat template refuses) is the
+    client's: ApiError 400 naming ``param``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from None
 
 
 def _json(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -60,10 +60,10 @@ class EngineClient:
                  metrics=None, log_level: str = "info", front_end: int = 0, stream_interval: int = 1):
         self.init = init
         self.front_end = front_end
+        """This front-end process's index (``--api-server-count``): 0 starts the engine, the others ``attach``."""
         self.stream_interval = stream_interval
         """``--stream-interval``: after a request's first output, its next goes out once this many new tokens are
         waiting (or it ended): fewer, larger chunks a request at high concurrency (vLLM's flag)."""
-        """This front-end process's index (``--api-server-count``): 0 starts the engine, the others ``attach``."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = init.worker.max_model_len
