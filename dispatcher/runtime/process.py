@@ -56,6 +56,10 @@ RESULT_WAIT_S = 1.0
 IDLE_CHECK_S = 0.002
 """Delayed capture with a step in flight: after the gap's budget, how often the worker checks whether it has gone
 idle (every step done and none waiting), when it captures without a budget."""
+IDLE_AFTER_S = 0.02
+"""Delayed capture: how long the worker must have had every step's result sent and no frame waiting before it
+counts as idle and captures without a budget. A loaded engine sends its next step within a few ms of a result
+(its update and schedule); a unit started in that window would delay that step by its whole length."""
 STARTUP_PHASES = ("imports", "settings", "weights", "grid_fit", "kv_sizing", "kv_allocation", "kernels", "capture",
                   "measure")
 """The worker's start-up phases (``WorkerReady.startup``, seconds): the process's start to its imports' end
@@ -431,12 +435,16 @@ class _InFlight:
 
 def _next_frame(worker: ModelWorker, pull: zmq.Socket, push: zmq.Socket, ipc_dir: str, steps: _InFlight) -> bytes:
     """The engine's next frame; meanwhile delayed capture takes the gap (``ModelWorker.capture_between_steps``):
-    with a step in flight at most GAP_BUDGET_S (once a gap), while idle until a frame arrives. Each gap's progress
-    goes to the engine (``CaptureProgress``)."""
-    budget_spent = False
+    at most GAP_BUDGET_S once a gap (paced: ``BackgroundCapture.gap_allowed``), then, once the worker has been
+    idle for IDLE_AFTER_S, until a frame arrives. Each gap's progress goes to the engine (``CaptureProgress``)."""
+    budget_spent, idle_since = False, None
     waiting = lambda: bool(pull.poll(0)) or parent_gone()  # noqa: E731
     while worker.capture_pending and not waiting():
-        idle = steps.idle
+        if steps.idle:
+            idle_since = idle_since or time.perf_counter()
+        else:
+            idle_since = None
+        idle = idle_since is not None and time.perf_counter() - idle_since >= IDLE_AFTER_S
         if idle or not budget_spent:
             progress = worker.capture_between_steps(None if idle else GAP_BUDGET_S, waiting)
             budget_spent = True
