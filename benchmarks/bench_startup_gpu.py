@@ -214,6 +214,10 @@ def step_intervals(trace_path: str, during_only: bool) -> dict[str, list[float]]
     return out
 
 
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
+
+
 def part_capture(args, result: dict, out_dir: str, save) -> None:
     base_port = args.port
     for name in args.models.split(","):
@@ -243,10 +247,12 @@ def part_capture(args, result: dict, out_dir: str, save) -> None:
                 if len(ms) >= 5 and len(eager.get(key, [])) >= 5:
                     groups.append({"step": key, "steps": len(ms), "delayed_median_ms": round(statistics.median(ms), 3),
                                    "eager_median_ms": round(statistics.median(eager[key]), 3),
-                                   "ratio": round(statistics.median(ms) / statistics.median(eager[key]), 3)})
+                                   "ratio": round(statistics.median(ms) / statistics.median(eager[key]), 3),
+                                   "p90_ratio": round(p90(ms) / p90(eager[key]), 3)})
             row = {"part": "during_capture", "model": os.path.basename(model), "workload": workload,
                    "concurrency": args.concurrency_during, "groups": groups,
                    "worst_ratio": max((g["ratio"] for g in groups), default=None),
+                   "worst_p90_ratio": max((g["p90_ratio"] for g in groups), default=None),
                    "steps_during_capture": sum(len(v) for v in delayed.values()) + 1}
             replace_row(result, row, ("part", "model", "workload"))
             save()
