@@ -179,34 +179,18 @@ def test_a_capture_that_fails_leaves_its_steps_eager_and_right(monkeypatch):
     assert engine.stats.eager_by_reason[NOT_CAPTURED_YET] == engine.stats.steps - engine.stats.fused_steps
 
 
-def test_gaps_after_eager_steps_take_one_unit_in_four_and_after_replayed_steps_each(slow_units):
-    """A unit captured with a step in flight delays the next step by its whole length, so gaps are paced: after a
-    step that ran without its graph only one gap in EAGER_GAPS_PER_UNIT captures (most eager steps wait for no
-    capture, and capture still moves under a load that never idles), after a step that replayed its graph every
-    gap does (that step's graph saved the time)."""
-    engine = engine_for(None, True)
-    delayed, gap = engine.worker.delayed, capture_mod.GAP_BUDGET_S
-    engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0))
-    step = engine.schedule()
-    engine.update(step, engine.execute(step))
-    assert delayed.last_step_eager
-    counts = [len(delayed.captured_keys)]
-    for _ in range(2 * capture_mod.EAGER_GAPS_PER_UNIT):
-        engine.worker.capture_between_steps(gap)
-        counts.append(len(delayed.captured_keys))
-    per_gap = [b - a for a, b in zip(counts, counts[1:])]  # (the engine's submit took a gap already)
-    took = [i for i, n in enumerate(per_gap) if n]
-    assert set(per_gap) == {0, 1} and len(took) == 2 and took[1] - took[0] == capture_mod.EAGER_GAPS_PER_UNIT
-    step = engine.schedule()  # (a decode without its graph demands it; then every unit but three, demand first)
-    engine.update(step, engine.execute(step))
-    delayed.run(None, stop=lambda: len(delayed.pending) <= 3)
-    before = len(delayed.captured_keys)
-    step = engine.schedule()  # (replays its graph; the engine's submit takes a gap, then two more gaps)
-    engine.update(step, engine.execute(step))
-    engine.worker.capture_between_steps(gap)
-    engine.worker.capture_between_steps(gap)
-    assert engine.stats.fused_steps == 1 and not delayed.last_step_eager
-    assert len(delayed.captured_keys) == before + 3
+def test_each_graph_unit_is_timed_and_the_last_log_line_gives_each_kinds_unit_time(slow_units, caplog):
+    """What a unit costs decides how much a step waits for one: every graph unit's capture time is kept by runner
+    and kind, and the line that ends delayed capture gives each kind's median and longest."""
+    engine = engine_for({"method": "eagle3", "num_speculative_tokens": 3}, True)
+    delayed = engine.worker.delayed
+    with caplog.at_level("INFO", logger="twogrid.worker"):
+        engine.worker.capture_between_steps(None)
+    assert {kind: len(s) for kind, s in delayed.unit_seconds.items()} == delayed.totals
+    assert min(min(s) for s in delayed.unit_seconds.values()) >= 0.002  # (each unit sleeps 2 ms in the hook)
+    line = next(r.getMessage() for r in caplog.records if "units, ms a graph" in r.getMessage())
+    for runner, kind in delayed.totals:
+        assert f"{runner} {kind} " in line
 
 
 @pytest.mark.gpu

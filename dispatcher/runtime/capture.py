@@ -11,13 +11,11 @@ shared memory pool), then the units the steps met uncaptured (``note``: demand, 
 
 ``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
 step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), while idle
-until a step arrives (``stop``) or nothing is left. A unit taken with a step in flight delays the next step by its
-whole length (on a small model a FULL graph's unit is 10-20 ms of host time, as long as an eager step), so such
-gaps are paced (``gap_allowed``): after a step that replayed its graphs every gap takes a unit (the next step,
-most often the same size, replays too and has the time the graph saves to absorb it); after a step that ran
-eagerly one gap in EAGER_GAPS_PER_UNIT does, so that most eager steps wait for no capture and capture still
-progresses under a load that never leaves the worker idle. A step that finds its graph uncaptured runs without it
-(``ModelWorker.submit``: op by op instead of fused, or that forward eagerly) and says so in its result.
+until a step arrives (``stop``) or nothing is left. A unit taken with a step in flight delays the next step by up to
+its whole length: on a host-bound model that is several eager steps (the default model on the H200: 40-75 ms a
+unit, median, against 18-24 ms eager steps), on a device-bound one it overlaps the step in flight (bench-moe). A
+step that finds its graph uncaptured runs without it (``ModelWorker.submit``: op by op instead of fused, or that
+forward eagerly) and says so in its result.
 
 On the CPU (no CUDA graphs) a unit's capture is only the mark, so the mechanism is the same for the static backend;
 ``hook`` (tests) runs inside each unit's capture, before the mark.
@@ -45,8 +43,6 @@ WARM_UP = "eager_warm_up"
 GAP_BUDGET_S = 0.002
 """Capture time a gap between two steps may take while a step is in flight (the unit that crosses it finishes):
 a later step waits for at most this plus one unit."""
-EAGER_GAPS_PER_UNIT = 4
-"""With a step in flight that ran (partly) eagerly, one gap in this many takes a unit (``gap_allowed``)."""
 REQUEST_KINDS = (FULL_DECODE, FUSED_KIND)
 """Unit kinds sized in requests (the others in tokens)."""
 PROGRESS_EVERY = 0.1
@@ -139,9 +135,6 @@ class BackgroundCapture:
         self.seconds = 0.0
         self.error = ""
         self._next_log = PROGRESS_EVERY
-        self.last_step_eager = False
-        """Whether the last step submitted ran any forward without its graph (the worker sets it)."""
-        self._eager_gaps = 0
         self.unit_seconds: dict[tuple[str, str], list[float]] = {}
         """Each graph unit's capture time by (runner, kind), in seconds (the start-up log's summary)."""
 
@@ -166,25 +159,12 @@ class BackgroundCapture:
         key = next(iter(self.pending))
         return key, self.pending[key]
 
-    def gap_allowed(self) -> bool:
-        """Whether a gap with a step in flight may take a unit: always after a step that replayed its graphs, once
-        in EAGER_GAPS_PER_UNIT gaps after one that ran eagerly (each call is a gap)."""
-        if not self.last_step_eager:
-            return True
-        self._eager_gaps += 1
-        if self._eager_gaps < EAGER_GAPS_PER_UNIT:
-            return False
-        self._eager_gaps = 0
-        return True
-
     @torch.inference_mode()
     def run(self, budget_s: float | None, stop: Callable[[], bool] = lambda: False) -> int:
         """Capture units until ``stop()`` (a step is waiting) or, with ``budget_s``, that many seconds are spent (at
-        least one unit: the unit is never cut; none where ``gap_allowed`` says no), or nothing is left. Returns the
-        graphs captured. A capture that fails (out of memory, or refused by the device) ends delayed capture
-        (``error``): the rest stay uncaptured and their steps run without them."""
-        if budget_s is not None and not self.gap_allowed():
-            return 0
+        least one unit: the unit is never cut), or nothing is left. Returns the graphs captured. A capture that fails
+        (out of memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their
+        steps run without them."""
         start = time.perf_counter()
         count = attempted = 0
         while not self.done and not stop():

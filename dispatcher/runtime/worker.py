@@ -452,14 +452,11 @@ class ModelWorker:
                 key = None  # (op by op this time: its two graphs are captured in the next gap, on demand)
             if key is not None:
                 if self.delayed is None or key in self.fused.captured:
-                    if self.delayed is not None:
-                        self.delayed.last_step_eager = False
                     return self._submit_fused(step, key, slots, ready)
                 self.delayed.note(FUSED_STEP, key)
                 not_captured = [FUSED_STEP]
         if self.delayed is not None:
             step, not_captured = self._without_uncaptured(step, not_captured or [])
-            self.delayed.last_step_eager = not_captured is not None  # (paces the gaps: BackgroundCapture.gap_allowed)
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
