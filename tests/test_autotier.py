@@ -498,3 +498,22 @@ def test_step_records_carry_tier_changes():
     rec = StepRecord("uniform_decode", "FULL", None, 0, 0, 0, 0.001, tiers=[[1, 8, 3], [9, 16, 0]])
     out = decode_to_front(encode(Outputs(steps=[rec, StepRecord("mixed", "FULL", None, 0, 0, 0, 0.0)])))
     assert out.steps[0].tiers == [[1, 8, 3], [9, 16, 0]] and out.steps[1].tiers is None
+
+
+def test_a_k_never_served_that_drafts_more_is_weighed_at_the_served_ks_factor():
+    """Served K = 3 steps cost twice their table at 16 requests. K = 5, never served there, must not look cheaper
+    for that: it is weighed at K = 3's factor, and with 11 % more tokens a step for a table cost 12 % higher K = 3
+    stays (at factor 1, K = 5 looked 1.8x cheaper than it had any reason to and was taken: on the H200 the tiers at
+    16 streams then moved among K = 2 to 5 and ran 0.92x of fixed K = 3). K = 0, drafting less, keeps factor 1, so
+    that it is still tried where the K in force turns out dear (``test_served_step_costs_move_the_choice...``)."""
+    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)], 6: [(1, 1.68), (64, 1.68)]})
+    acceptance = [0.65, 0.42, 0.28, 0.16, 0.10]  # 2.35 tokens a step at K = 3, 2.61 at K = 5
+    auto = AutoTiers(TierChooser(table, [3, 5], 64), acceptance, interval=4, prior_weight=1e9)
+    with_k0 = MeasuredCosts(TierChooser(table, [0, 3, 5], 64))
+    assert auto.choice.k_of_batch[16] == 3
+    for _ in range(32):
+        assert auto.observe_step(16, 4, 3.0) and with_k0.observe(16, 4, 3.0)
+        auto.observe([0] * 5, [0] * 5)
+    assert auto.costs.ratio[:, 4] == pytest.approx([2.0, 2.0])  # (bucket 4: 16..31 requests)
+    assert auto.choice.k_of_batch[16] == 3
+    assert with_k0.ratio[:, 4] == pytest.approx([1.0, 2.0, 2.0])

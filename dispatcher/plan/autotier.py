@@ -28,8 +28,11 @@ step's device time (``observe_step``) and keeps, per (K, batch-size bucket of po
 table cost as K's own factor times the bucket's drift (``MeasuredCosts``); each choice weighs the table's cost times
 that ratio. The drift, which grows with the contexts through a run, follows every K that runs there; a K's own
 factor is learnt once, over its first ``SWITCH_IN_STEPS`` steps at a bucket, and a bucket left unserved for long has
-its drift re-anchored by its next step. A (K, bucket) never served has factor 1, so when the K in force turns out dearer
-than its table cost, the others look better and get tried, each measured where it runs. (With one ratio per (K,
+its drift re-anchored by its next step. A (K, bucket) never served has factor 1 where it drafts less than every K
+served there, so when the K in force turns out dearer than its table cost, drafting less looks better and gets tried,
+measured where it runs; a K drafting more is weighed at the dearest factor of the smaller K's served there (on the
+H200 at 16 streams, where untried K's were weighed at factor 1 beside a served K = 3 at ~1.9, the tiers there moved
+among K = 2 to 5 and ran 0.92x of fixed K = 3). (With one ratio per (K,
 bucket), updated by its own steps only, a K measured early at short contexts looked cheaper than the K in force at
 long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0 (0.99x) at a round's
 tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never moved it, and a K
@@ -361,8 +364,9 @@ class MeasuredCosts:
     came back (30997fb: each return learnt its own factor again), each K's own factor took the contexts' growth, and
     a K never served there kept its factor of 1 and looked ever cheaper (on the H200 at 1024 streams eagle3's tiers
     went to K = 0 at 873 requests and up, 0.90x no SD in a round where K = 3 gave 1.27x). A K never served at a bucket
-    has factor 1, so where the K in force turns out dearer than its table cost, the others look better and get tried,
-    each measured where it runs."""
+    drafting less than every K served there has factor 1, so where the K in force turns out dearer than its table
+    cost, drafting less looks better and gets tried, measured where it runs; one drafting more is weighed at the
+    dearest factor of the smaller K's served there (``ratio``)."""
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
@@ -381,8 +385,17 @@ class MeasuredCosts:
 
     @property
     def ratio(self) -> np.ndarray:
-        """(candidates, buckets) served-to-table cost ratios: each K's own factor times its bucket's drift."""
-        return self.own * self.drift[None, :]
+        """(candidates, buckets) served-to-table cost ratios: each K's own factor times its bucket's drift. A K never
+        served at a bucket is weighed at no less than the dearest own factor of the smaller K's served there (the
+        served overhead over the table grows with q: drafting more never looks cheaper than what drafting less
+        measured); a K below every served one keeps factor 1, so that drafting less is still tried."""
+        own = self.own.copy()
+        for b in range(own.shape[1]):
+            for i in np.nonzero(self.steps[:, b] == 0)[0]:
+                below = self.steps[:i, b] > 0
+                if below.any():
+                    own[i, b] = max(own[i, b], self.own[:i, b][below].max())
+        return own * self.drift[None, :]
 
     def observe(self, num_reqs: int, q: int, device_ms: float) -> bool:
         """One served uniform decode of ``num_reqs`` (padded) requests at q that took ``device_ms``; False (nothing
