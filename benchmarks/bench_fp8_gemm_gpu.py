@@ -1,0 +1,93 @@
+"""bf16 ``F.linear`` against the FP8 GEMM paths at bench-dense's projection shapes (Llama-3.2-1B: qkv, o, gate_up,
+down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--quantization fp8`` runs: per-token
+activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), and the per-token
+activation quantization alone. Each is timed as a CUDA graph of 20 calls replayed 50 times, the median of 5, in us a
+call. GPU only.
+
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from models.fp8 import quantize_per_channel, quantize_rows
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+"""bench-dense's projections, (out, in)."""
+ROWS = (256, 1024)
+CALLS_PER_GRAPH, REPLAYS, REPEATS = 20, 50, 5
+
+
+def timed_us(fn) -> float:
+    """us a call of ``fn``: CALLS_PER_GRAPH calls captured in one graph (after three eager ones on a side stream),
+    replayed REPLAYS times; the median of REPEATS."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (REPLAYS * CALLS_PER_GRAPH) * 1e3)
+    return round(statistics.median(times), 2)
+
+
+def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, float]:
+    x = torch.randn(num_rows, in_features, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = (t.cuda() for t in quantize_per_channel(w.float()))
+    xq, xs = quantize_rows(x)
+    one = torch.ones(1, device="cuda")
+    return {
+        "bf16": timed_us(lambda: torch.nn.functional.linear(x, w)),
+        "fp8_rowwise": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                                         out_dtype=torch.bfloat16)),
+        "fp8_tensor": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                        out_dtype=torch.bfloat16)),
+        "quant_rows": timed_us(lambda: quantize_rows(x)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for num_rows in ROWS:
+        total: dict[str, float] = {}
+        for name, (n, k) in SHAPES.items():
+            us = measure(num_rows, n, k)
+            print(num_rows, name, us, flush=True)
+            rows.append({"rows": num_rows, "projection": name, "out_in": [n, k], "us": us})
+            for path, v in us.items():
+                total[path] = total.get(path, 0.0) + v
+        total = {path: round(v, 1) for path, v in total.items()}
+        print(num_rows, "sum us", total, flush=True)
+        rows.append({"rows": num_rows, "projection": "sum", "us": total})
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"command": "PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py",
+                       "commit": os.environ.get("TWOGRID_COMMIT"), "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
