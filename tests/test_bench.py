@@ -553,6 +553,11 @@ def test_bench_reports_the_servers_own_time_to_first_token():
         metrics.on_first_token(ttft_s, 100)
     deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
     assert deltas["server_first_tokens"] == 3 and deltas["server_ttft_ms_mean"] == pytest.approx(20.0)
+    assert deltas["server_queue_ms_mean"] is None and deltas["server_prefill_ms_mean"] is None
+    for queue_s, prefill_s in ((0.002, 0.004), (0.006, 0.008)):  # the engine's part of two of them
+        metrics.on_engine_times(queue_s, prefill_s)
+    deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
+    assert deltas["server_queue_ms_mean"] == pytest.approx(4.0) and deltas["server_prefill_ms_mean"] == pytest.approx(6.0)
 
 
 def test_spec_decode_fields_from_the_counters():

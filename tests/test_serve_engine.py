@@ -141,3 +141,27 @@ def test_spec_decode_counters_of_a_served_run_agree_with_the_tokens(tmp_path):
     assert from_verify <= accepted + drafts <= from_verify + k * n
     assert run["mean_acceptance_length"] == round(1 + accepted / drafts, 4)
     assert 1.8 < run["mean_acceptance_length"] < 3.2
+
+
+def test_the_engines_part_of_each_ttft_is_counted_once_a_request(tmp_path):
+    """``request_queue_time_seconds`` and ``request_prefill_time_seconds`` (vLLM's names): once per request, n = 2
+    included (its first choice's), on its first token; their sum, the engine's part, lies within the server's TTFT
+    (arrival at the front end to the first token's send), so that a benchmark can tell how much of a TTFT the
+    front end took."""
+    from dispatcher.bench.server_metrics import counter_deltas, parse_counters
+
+    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "128", "--num-kv-blocks", "256"], str(tmp_path / "server.log"))
+    try:
+        srv.wait_healthy()
+        before = parse_counters(http_get(srv.base + "/metrics")[1].decode())
+        for body in ({"prompt": [5, 6, 7], "max_tokens": 4}, {"prompt": [5, 6, 8] * 20, "max_tokens": 2},
+                     {"prompt": [9, 10], "max_tokens": 3, "n": 2, "temperature": 0.7}):
+            status, out = http_post(srv.base + "/v1/completions", json.dumps(body).encode())
+            assert status == 200, out
+        run = counter_deltas(before, parse_counters(http_get(srv.base + "/metrics")[1].decode()))
+    finally:
+        srv.stop()
+    assert run["server_engine_first_tokens"] == run["server_first_tokens"] == 3
+    assert run["server_queue_ms_mean"] >= 0 and run["server_prefill_ms_mean"] > 0
+    assert run["server_queue_ms_mean"] + run["server_prefill_ms_mean"] <= run["server_ttft_ms_mean"]

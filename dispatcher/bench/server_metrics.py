@@ -36,6 +36,9 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "prefix_cache_hits": ("twogrid:prefix_cache_hits_total", ()),
     "server_ttft_seconds": ("twogrid:time_to_first_token_seconds_sum", ()),
     "server_first_tokens": ("twogrid:time_to_first_token_seconds_count", ()),
+    "server_queue_seconds": ("twogrid:request_queue_time_seconds_sum", ()),
+    "server_prefill_seconds": ("twogrid:request_prefill_time_seconds_sum", ()),
+    "server_engine_first_tokens": ("twogrid:request_prefill_time_seconds_count", ()),
 }
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 PER_POSITION = "spec_decode_accepted_per_pos"
@@ -90,7 +93,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     accepted / drafts; None without drafts), ``prefix_cache_queries``, ``prefix_cache_hits`` and
     ``prefix_cache_hit_rate`` (hits / queries; None without queries), ``server_ttft_seconds`` and
     ``server_first_tokens`` (the server's TTFT histogram's sum and count) and ``server_ttft_ms_mean`` (None without
-    first tokens). ``before`` = {} gives the totals since the server started."""
+    first tokens), and of it the engine's part: ``server_queue_ms_mean`` (waiting in the engine) and
+    ``server_prefill_ms_mean`` (the prompt's steps), from ``server_queue_seconds``, ``server_prefill_seconds`` and
+    ``server_engine_first_tokens``. ``before`` = {} gives the totals since the server started."""
     if before is None or after is None:
         return {}
     out: dict[str, Any] = {}
@@ -122,6 +127,11 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     first_tokens = out.get("server_first_tokens")
     if first_tokens is not None:
         out["server_ttft_ms_mean"] = round(1e3 * out["server_ttft_seconds"] / first_tokens, 3) if first_tokens else None
+    engine_first = out.get("server_engine_first_tokens")
+    if engine_first is not None:
+        for part in ("queue", "prefill"):
+            seconds = out[f"server_{part}_seconds"]
+            out[f"server_{part}_ms_mean"] = round(1e3 * seconds / engine_first, 3) if engine_first else None
     return out
 
 

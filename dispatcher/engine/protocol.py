@@ -72,6 +72,11 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     """On a request's first delta, with ``prompt_logprobs``: per prompt token its log-probability and the top
     others' (None for the first token)."""
     prompt_logprob_ranks: list[int | None] | None = None
+    queue_s: float | None = None
+    """On a request's first delta: seconds from the engine taking it to its first step (its grammar's compile
+    included)."""
+    prefill_s: float | None = None
+    """On a request's first delta: seconds from its first step to this delta (its prompt's steps)."""
 
 
 class StepRecord(msgspec.Struct, array_like=True, frozen=True):

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,10 @@ class EngineService:
         self._compiling: dict[str, asyncio.Task] = {}
         """Structured requests whose grammar compiles, by each of their engine request ids (they join the scheduler
         when it is ready)."""
+        self._times: dict[str, list] = {}
+        """Requests before their first token, by their first engine request id: [arrival here, first scheduled or
+        None] (``time.perf_counter``): their first delta carries the queue and prefill times (vLLM's
+        ``request_queue_time_seconds`` and ``request_prefill_time_seconds``)."""
 
     async def start(self) -> WorkerReady:
         """Wait for the worker (load, KV cache, capture), then build the scheduler. WorkerDied if it cannot. The
@@ -137,6 +142,7 @@ class EngineService:
                 self._wake.set()
 
     async def _add(self, msg: AddRequest) -> None:
+        arrival = time.perf_counter()
         if not 0 <= msg.front_end < len(self.outboxes):
             log.warning("request %s names front end %d of %d: dropped", msg.request_id, msg.front_end,
                         len(self.outboxes))
@@ -146,18 +152,19 @@ class EngineService:
                 raise RequestError("the server is shutting down")
             requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id)
             if msg.params.structured_outputs is not None:  # its grammar compiles first, off the step loop
-                task = asyncio.get_running_loop().create_task(self._add_compiled(msg, requests))
+                task = asyncio.get_running_loop().create_task(self._add_compiled(msg, requests, arrival))
                 for r in requests:
                     self._compiling[r.request_id] = task
                 return
-            self._queue(msg, requests)
+            self._queue(msg, requests, arrival)
         except RequestError as exc:  # checked again here, before the request costs any device time
             await self._refuse(msg, exc)
 
-    def _queue(self, msg: AddRequest, requests: list, grammar=None) -> None:
+    def _queue(self, msg: AddRequest, requests: list, arrival: float, grammar=None) -> None:
         """``make_requests``' requests into the scheduler (``EngineCore.queue_all``: the first now, the other
-        choices once its prompt is computed)."""
+        choices once its prompt is computed); ``arrival``: when the engine took the request."""
         self.core.queue_all(requests, grammar)
+        self._times[requests[0].request_id] = [arrival, None]
         if len(self.outboxes) > 1:
             for r in requests:
                 self._front_end[r.request_id] = msg.front_end
@@ -166,7 +173,7 @@ class EngineService:
     async def _refuse(self, msg: AddRequest, exc: RequestError) -> None:
         await self.outboxes[msg.front_end].send(encode(Outputs(refused=[Refusal(msg.request_id, str(exc))])))
 
-    async def _add_compiled(self, msg: AddRequest, requests: list) -> None:
+    async def _add_compiled(self, msg: AddRequest, requests: list, arrival: float) -> None:
         """A structured request once its grammar has compiled (in the pool, ``StructuredOutputs.compile_async``);
         refused when it does not compile in time. Aborted meanwhile (its first choice): dropped."""
         first = requests[0].request_id
@@ -176,7 +183,7 @@ class EngineService:
                 return
             if self._draining:
                 raise RequestError("the server is shutting down")
-            self._queue(msg, requests, grammar)
+            self._queue(msg, requests, arrival, grammar)
         except RequestError as exc:
             if first in self._compiling:
                 await self._refuse(msg, exc)
@@ -188,6 +195,7 @@ class EngineService:
     async def _abort(self, msg: Abort) -> None:
         for rid in msg.request_ids:
             self._front_end.pop(rid, None)
+            self._times.pop(rid, None)
             self._compiling.pop(rid, None)  # (its compile goes on for the cache; the request is dropped)
             if msg.finish_reason == FinishReason.STOP.value:
                 self.core.finish_request(rid, FinishReason.STOP)
@@ -213,10 +221,27 @@ class EngineService:
             await asyncio.sleep(0)
             step = core.schedule(len(in_flight)) if len(in_flight) < depth else None
             if step is not None:
+                if self._times and step.out.new_requests:
+                    self._scheduled(step.out.new_requests)
                 await self.process.to_worker.send(encode_step(step.message))
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):
                 await self._finish(in_flight.popleft())
+
+    def _scheduled(self, requests: list) -> None:
+        """Requests a step admits: the first admission ends a request's queue time."""
+        now = time.perf_counter()
+        for req in requests:
+            t = self._times.get(req.request_id)
+            if t is not None and t[1] is None:
+                t[1] = now
+
+    def _first_token_times(self, request_id: str, now: float) -> tuple[float | None, float | None]:
+        """(queue s, prefill s) for a request's first delta, (None, None) after it or without a record."""
+        t = self._times.pop(request_id, None) if self._times else None
+        if t is None or t[1] is None:
+            return None, None
+        return t[1] - t[0], now - t[1]
 
     async def _finish(self, step: ScheduledStep) -> None:
         """Take a step's result: the scheduler's update, then one Outputs to the front end."""
@@ -234,6 +259,7 @@ class EngineService:
                                           Outputs(queue=self._queue_state()))
             for rid in ids:
                 self._front_end.pop(rid, None)
+                self._times.pop(rid, None)
             return
         outputs = core.update(step, core.finish(step, result))
         target, spec = step.descs.target, core.scheduler.last_spec_decode
@@ -243,8 +269,10 @@ class EngineService:
                             result.device_ms / 1e3, spec.num_drafts, spec.num_draft_tokens,
                             list(spec.accepted_per_pos), self._tiers_changed(), out.prefix_cache_queries,
                             out.prefix_cache_hits, result.fused)
+        now = time.perf_counter()
         deltas = [Delta(o.request_id, o.new_token_ids, o.finish_reason.value if o.finish_reason else None,
-                        o.logprobs, o.num_cached_tokens, o.prompt_logprobs, o.prompt_logprob_ranks) for o in outputs]
+                        o.logprobs, o.num_cached_tokens, o.prompt_logprobs, o.prompt_logprob_ranks,
+                        *self._first_token_times(o.request_id, now)) for o in outputs]
         if len(self.outboxes) == 1:
             await self.outbox.send(encode(Outputs(deltas, [record], self._queue_state())))
             return

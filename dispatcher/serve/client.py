@@ -270,6 +270,8 @@ class EngineClient:
                 stream = streams.get(self.processor.parent_of(d.request_id))
             if stream is not None:
                 stream.put(d)
+            if d.queue_s is not None and self.metrics is not None:
+                self.metrics.on_engine_times(d.queue_s, d.prefill_s)
         for s in msg.steps:
             if self.metrics is not None:
                 self.metrics.on_step(s.kind, s.mode, s.eager_cause, s.padded_tokens, s.accepted_tokens,

@@ -93,6 +93,12 @@ class EngineMetrics:
         self._generation_tokens = counter("generation_tokens", "Output tokens sent to clients.").labels(model_name)
         self._ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
                                TTFT_BUCKETS_S).labels(model_name)
+        self._queue_time = histogram("request_queue_time_seconds", "Time a request waited in the engine before its "
+                                     "first step (its grammar's compile included): of the TTFT, the engine's "
+                                     "queue.", TTFT_BUCKETS_S).labels(model_name)
+        self._prefill_time = histogram("request_prefill_time_seconds", "Time from a request's first step to its "
+                                       "first token in the engine: of the TTFT, its prompt's steps.",
+                                       TTFT_BUCKETS_S).labels(model_name)
         self._itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request (one "
                               "observation per output, which may carry several tokens: speculative decoding, or "
                               "a front end behind the engine).", ITL_BUCKETS_S).labels(model_name)
@@ -233,6 +239,12 @@ class EngineMetrics:
     def on_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)
         self._prompt_tokens.inc(prompt_tokens)
+
+    def on_engine_times(self, queue_s: float, prefill_s: float) -> None:
+        """The engine's part of a request's TTFT (its first delta): queued, then its prompt's steps (the rest of
+        the TTFT is the front end's: parsing, the chat template, tokenizing, and streaming the token out)."""
+        self._queue_time.observe(queue_s)
+        self._prefill_time.observe(prefill_s)
 
     def on_tokens(self, num_tokens: int, itl_s: float | None) -> None:
         """An output of ``num_tokens`` tokens reached the client, ``itl_s`` after the request's previous one (None
