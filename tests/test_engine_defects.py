@@ -266,10 +266,19 @@ def test_token_ids_numpy_integers_pass_and_booleans_do_not():
     assert e.scheduler.requests[rid].prompt_token_ids == [5, 6, 7]
     for bad, message in [([5, True], "prompt token True is not an integer token id"),
                          ([5, 6.0], "prompt token 6.0 is not an integer token id"),
-                         ([5, -1], "prompt token -1 is outside the vocabulary 0..511")]:
+                         ([5, -1], "prompt token -1 is outside the vocabulary 0..511"),
+                         ([5, 512], "prompt token 512 is outside the vocabulary 0..511"),
+                         ([2**70, 5], f"prompt token {2**70} is outside the vocabulary 0..511"),
+                         (np.array([5, 600]), "prompt token 600 is outside the vocabulary 0..511"),
+                         (np.array([True, False]), "prompt token True is not an integer token id"),
+                         ([5, np.int64(-3)], "prompt token -3 is outside the vocabulary 0..511")]:
         with pytest.raises(RequestError) as info:
             e.add_request(bad, GREEDY)
         assert str(info.value) == message
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 512, 100)]
+    rid = e.add_request(ids, GREEDY)  # (plain ints: checked with numpy, the list kept as given)
+    assert e.scheduler.requests[rid].prompt_token_ids == ids
+    assert all(type(t) is int for t in e.scheduler.requests[rid].prompt_token_ids)
 
 
 # 11 ------------------------------------------------------------------------------------------------------------
