@@ -9,10 +9,10 @@ import asyncio
 from collections import deque
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
-from dispatcher.engine.protocol import AddRequest, Drain, Outputs, decode_to_front
+from dispatcher.engine.protocol import Abort, AddRequest, Drain, Outputs, decode_to_front
 from dispatcher.engine.protocol import encode as encode_core
 from dispatcher.engine.service import EngineService
-from dispatcher.messages import decode_to_worker
+from dispatcher.messages import WorkerError, decode_to_worker
 from dispatcher.messages import encode as encode_step
 from dispatcher.plan.config import resolve
 from models.config import preset
@@ -105,3 +105,89 @@ def test_a_request_arriving_mid_run_joins_the_running_ones_at_once():
     # first still runs.
     assert second[0] - sent_when_queued <= 3, (sent_when_queued, second[:3])
     assert second[0] < first[-1], (second[0], first[-1])
+
+
+# -- the engine's part of each TTFT (queue_s, prefill_s on a request's first delta) ----------------------------------
+
+def _service(worker=_InstantWorker, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64):
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_kv_blocks, block_size=8,
+                                      max_model_len=128))
+    inbox, outbox = _Inbox(), _Outbox()
+    service = EngineService(None, worker(core), inbox, [outbox])
+    service.core = core
+    return service, inbox, outbox
+
+
+def _drive(service, inbox, script) -> None:
+    """``script(put)`` sends the front end's messages while the service runs; then the service drains."""
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        receiver, runner = loop.create_task(service.receive()), loop.create_task(service.run())
+        await script(inbox.queue.put_nowait)
+        while service.core.has_unfinished() or service._in_flight:
+            await asyncio.sleep(0)
+        inbox.queue.put_nowait(encode_core(Drain()))
+        await asyncio.wait_for(runner, 60)
+        receiver.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def _timed(outbox) -> list[str]:
+    """The requests whose delta carried the engine's times, in order."""
+    return [d.request_id for out in outbox.sent for d in out.deltas if d.queue_s is not None]
+
+
+def test_each_request_gets_its_engine_times_once_and_none_are_left_behind():
+    """Under preemption (a small KV cache), an n = 3 request (its first choice timed) and aborts before a first
+    token (a waiting request, an n = 2 request by its choices): the times ride on each request's first delta only,
+    that delta carries tokens, and nothing is left in the service's table once it drains."""
+    service, inbox, outbox = _service(num_kv_blocks=20, max_num_seqs=8, max_num_batched_tokens=32)
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def script(put):
+        for i in range(12):
+            put(encode_core(AddRequest(f"r{i}", list(range(5, 35)), long)))
+        put(encode_core(AddRequest("n3", [5, 6, 7], SamplingParams(max_tokens=3, n=3, temperature=0.7))))
+        put(encode_core(AddRequest("gone", [5, 6, 7], long)))
+        put(encode_core(AddRequest("gone2", [5, 6, 8], SamplingParams(max_tokens=3, n=2, temperature=0.7))))
+        await asyncio.sleep(0)
+        put(encode_core(Abort(["gone", "0_gone2", "1_gone2"])))
+
+    _drive(service, inbox, script)
+    assert service.core.scheduler.stats.preemptions > 0
+    assert service._times == {}
+    assert sorted(_timed(outbox)) == sorted([f"r{i}" for i in range(12)] + ["0_n3"])
+    for out in outbox.sent:
+        for d in out.deltas:
+            if d.queue_s is not None:
+                assert d.queue_s >= 0 and d.prefill_s >= 0 and d.new_token_ids
+
+
+def test_a_failed_step_drops_its_requests_times():
+    """The worker fails the first step: its request fails without times and leaves no entry; a later one is timed."""
+
+    class FailingFirst(_InstantWorker):
+        failed = False
+
+        def send(self, frame: bytes) -> _Done:
+            step = decode_to_worker(frame)
+            if not self.failed:
+                self.failed = True
+                self.results.append(encode_step(WorkerError(step.step_id, "boom")))
+                return _Done(None)
+            return super().send(frame)
+
+    service, inbox, outbox = _service(FailingFirst)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def script(put):
+        put(encode_core(AddRequest("a", [5, 6, 7], params)))
+        while not any(out.failed for out in outbox.sent):
+            await asyncio.sleep(0)
+        put(encode_core(AddRequest("b", [5, 6, 7], params)))
+
+    _drive(service, inbox, script)
+    assert service._times == {}
+    assert _timed(outbox) == ["b"]

@@ -435,8 +435,8 @@ class _InFlight:
 
 def _next_frame(worker: ModelWorker, pull: zmq.Socket, push: zmq.Socket, ipc_dir: str, steps: _InFlight) -> bytes:
     """The engine's next frame; meanwhile delayed capture takes the gap (``ModelWorker.capture_between_steps``):
-    at most GAP_BUDGET_S once a gap (paced: ``BackgroundCapture.gap_allowed``), then, once the worker has been
-    idle for IDLE_AFTER_S, until a frame arrives. Each gap's progress goes to the engine (``CaptureProgress``)."""
+    at most GAP_BUDGET_S once a gap, then, once the worker has been idle for IDLE_AFTER_S, until a frame arrives.
+    Each gap's progress goes to the engine (``CaptureProgress``)."""
     budget_spent, idle_since = False, None
     waiting = lambda: bool(pull.poll(0)) or parent_gone()  # noqa: E731
     while worker.capture_pending and not waiting():
