@@ -163,7 +163,6 @@ def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
                        unpack(result.num_accepted).astype(np.int64), conf, logprobs, ids)
 
 
-
 def checked_token_ids(prompt_token_ids, vocab: int) -> list[int]:
     """The prompt's token ids as a list of ints; RequestError names the first one that is not an integer token id
     of the vocabulary 0..vocab-1 (a bool is not). Checked with numpy where every id is a plain int (a front end's
@@ -185,6 +184,7 @@ def checked_token_ids(prompt_token_ids, vocab: int) -> list[int]:
         if not 0 <= t < vocab:
             raise RequestError(f"prompt token {int(t)} is outside the vocabulary 0..{vocab - 1}")
     return [int(t) for t in ids]
+
 
 class EngineCore:
     """The step loop over a worker: an in-process ModelWorker (built here), or any object with the same ``submit``,

@@ -567,7 +567,7 @@ class GraphRuntime:
         """The eager attention launches that compile every variant a step can need (``eager_launch_shapes``:
         query-length bound, split count, programmatic launch); with ``within_tokens``, those of steps of at most that
         many tokens over sequences of at most that many (delayed capture's first steps: no context is long enough
-        yet for the wider splits' merges). None off CUDA (no Triton there: it may not be installed)."""
+        yet for the wider splits' merges). Empty off CUDA (no Triton there: it may not be installed)."""
         if self.device.type != "cuda":
             return []
         from models.triton_attention import eager_launch_shapes, sm_count
