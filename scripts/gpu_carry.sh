@@ -43,9 +43,14 @@ print(gguf)
 PY
 gguf=$(python3 -c "from models.default_model import default_model_path; print(default_model_path())")
 rm -f .gpu_gguf/p*
-size=$(stat -c %s "$gguf")
-first=$((first_mib * 2**20)); half=$(( (size - first + 1) / 2 ))
-head -c "$first" "$gguf" > .gpu_gguf/p00
-tail -c +"$((first + 1))" "$gguf" | head -c "$half" > .gpu_gguf/p01
-tail -c +"$((first + half + 1))" "$gguf" > .gpu_gguf/p02
+python3 - "$gguf" "$first_mib" <<'PY'
+import sys
+# (in Python: `tail | head -c` under pipefail ended the script on tail's SIGPIPE before the last piece was cut)
+data = open(sys.argv[1], "rb").read()
+first = int(sys.argv[2]) * 2**20
+half = (len(data) - first + 1) // 2
+for name, piece in (("p00", data[:first]), ("p01", data[first:first + half]), ("p02", data[first + half:])):
+    with open(f".gpu_gguf/{name}", "wb") as fh:
+        fh.write(piece)
+PY
 du -sh .whl .gpu_data .gpu_gguf/*
