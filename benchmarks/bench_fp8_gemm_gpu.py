@@ -1,8 +1,7 @@
 """bf16 ``F.linear`` against the FP8 GEMM paths at bench-dense's projection shapes (Llama-3.2-1B: qkv, o, gate_up,
-down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (FP8 checkpoints with per-channel scales: per-token
-activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path) alone and with the
-dynamic per-tensor activation quantization before it (``fp8_tensor_dynamic``: what ``--quantization fp8`` runs since
-it holds weights per tensor), and the per-token and per-tensor activation quantizations alone. Each is timed as a CUDA graph of 20 calls replayed 50 times, the median of 5, in us a
+down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--quantization fp8`` runs: per-token
+activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), and the per-token
+activation quantization alone. Each is timed as a CUDA graph of 20 calls replayed 50 times, the median of 5, in us a
 call. GPU only.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
@@ -17,7 +16,7 @@ import statistics
 
 import torch
 
-from models.fp8 import quantize_per_channel, quantize_per_tensor, quantize_rows, quantize_tensor, tensor_fp8_linear
+from models.fp8 import quantize_per_channel, quantize_rows
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 """bench-dense's projections, (out, in)."""
@@ -56,7 +55,6 @@ def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, flo
     wq, ws = (t.cuda() for t in quantize_per_channel(w.float()))
     xq, xs = quantize_rows(x)
     one = torch.ones(1, device="cuda")
-    wt, wts = (t.cuda() for t in quantize_per_tensor(w.float()))
     return {
         "bf16": timed_us(lambda: torch.nn.functional.linear(x, w)),
         "fp8_rowwise": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
@@ -64,8 +62,6 @@ def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, flo
         "fp8_tensor": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                         out_dtype=torch.bfloat16)),
         "quant_rows": timed_us(lambda: quantize_rows(x)),
-        "quant_tensor": timed_us(lambda: quantize_tensor(x)),
-        "fp8_tensor_dynamic": timed_us(lambda: tensor_fp8_linear(x, wt, wts)),
     }
 
 

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from models.config import CheckpointError, ModelConfig
-from models.fp8 import (FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel,
-                        quantize_per_tensor)
+from models.fp8 import FP8, Fp8Scheme, dequantize, fake_quantize_, quantize_blocks, quantize_per_channel
 from models.parallel import param_pieces, take_pieces
 from models.transformer import VOCAB_PARAMS, CausalLM
 
@@ -170,8 +169,8 @@ class Fp8Source:
 def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) -> str:
     """An ``Fp8Linear``'s weight and scale from the checkpoint's parts (fused along rows): FP8 parts copied with
     their scales (a per-tensor scale repeated per row; block scales as they are when every part starts on a block
-    row), parts in a float dtype quantized (``--quantization fp8``: the fused weight as one tensor, one scale);
-    block parts that do not start on a block row are dequantized and requantized as one. A projection the checkpoint leaves unquantized stays so
+    row), parts in a float dtype quantized (``--quantization fp8``); block parts that do not start on a block row
+    are dequantized and requantized as one. A projection the checkpoint leaves unquantized stays so
     (``_keep_unquantized``). Returns the name of the parameter set beside the weight (its scale, or the weight)."""
     module = model.get_submodule(ours.rpartition(".")[0])
     weight, scale, block = module.weight, module.weight_scale, module.block
@@ -186,9 +185,9 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
     starts = [sum(rows[:i]) for i in range(len(rows))]
     aligned = block is None or source.scheme.block == block and all(
         s % block[0] == 0 and sc is not None for s, (_, sc) in zip(starts, parts))
-    if module.per_tensor or not aligned:
+    if not aligned:
         full = torch.cat([w.float() if sc is None else dequantize(w, sc, source.scheme.block) for w, sc in parts])
-        q, s = quantize_per_tensor(full) if module.per_tensor else quantize_blocks(full, block)
+        q, s = quantize_blocks(full, block)
         weight.copy_(q)
         scale.copy_(s)
     else:

@@ -8,24 +8,20 @@ What loads:
   DeepSeek). The value is ``weight * scale`` (the block scale despite its name too).
 - ``quant_method == "compressed-tensors"`` whose weights are 8-bit floats (llm-compressor's FP8 schemes): scales
   ``*.weight_scale`` per tensor, per output channel (out, 1) or per block.
-- ``--quantization fp8`` (vLLM's name) on a checkpoint that is not quantized: each projection is quantized at load
-  with one scale for the whole (fused) weight, amax / 448, as vLLM's online FP8 does.
+- ``--quantization fp8`` (vLLM's name) on a checkpoint that is not quantized: each projection is quantized at load,
+  one scale per output channel (amax / 448).
 
 Every other method (AWQ, GPTQ, bitsandbytes, GGUF-in-safetensors, compressed-tensors int4, ...) is refused by
 ``checkpoint_scheme`` with one error naming it. A float8 tensor in a checkpoint that does not say how it is scaled
-is refused too. Activations are quantized at run time, as vLLM's "dynamic" activation scheme does (a checkpoint's
-static ``input_scale`` is not needed for that): per token beside per-channel weights, per 1x128 group beside block
-weights, per tensor beside ``--quantization fp8``'s per-tensor weights.
+is refused too. Activations are always quantized per token (or per 1x128 group for block weights) at run time,
+as vLLM's "dynamic" activation scheme does; a checkpoint's static ``input_scale`` is not needed for that.
 
 How it runs: on the CPU, and on GPUs without FP8 tensor cores (compute capability below 8.9), the weights are
 dequantized at load to the serving dtype (the model computes with the FP8 checkpoint's values, no memory saved).
 On Hopper and Ada the projections stay FP8 (``Fp8Linear``): per-channel weights through ``torch._scaled_mm`` with
-row-wise scales, per-tensor weights (``--quantization fp8``) through ``torch._scaled_mm`` with tensor-wise scales
-(cuBLASLt's FP8 GEMM: at bench-dense's shapes and 256 rows 38.9 us a layer against 57.1 row-wise and 61.8 in bf16,
-``docs/bench/fp8_gemm_h200.json``), block weights through a Triton GEMM in the design of vLLM's and SGLang's
+row-wise scales (cuBLASLt), block weights through a Triton GEMM in the design of vLLM's and SGLang's
 ``w8a8_block_fp8_matmul`` (per-token-group activation scales times per-block weight scales, applied per 128-wide
-step of the reduction); a per-token activation quantization is one Triton kernel, a per-tensor one two (partial
-amaxes, then the rounding). Shapes are static and nothing reads
+step of the reduction); the activation quantization is one Triton kernel. Shapes are static and nothing reads
 back to the host, so both run inside CUDA graphs. The LM head, the embedding, norms and MoE routers stay in the
 serving dtype (vLLM does the same); MoE experts are dequantized at load.
 """
@@ -67,14 +63,9 @@ class Fp8Scheme:
     scale_suffix: str = "weight_scale"
     online: bool = False
 
-    @property
-    def per_tensor(self) -> bool:
-        """Whether ``Fp8Linear`` holds one scale a weight (online quantization), not one per channel or block."""
-        return self.online
-
     def describe(self) -> str:
         if self.online:
-            return "fp8 (quantized at load, one scale a weight)"
+            return "fp8 (quantized at load, per output channel)"
         return f"fp8 ({'%dx%d block' % self.block if self.block else 'per-tensor / per-channel'} scales)"
 
 
@@ -166,15 +157,6 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight (rows, cols) -> (FP8 weight, float32 scale (1,)): the whole weight scaled so that its largest magnitude
-    is 448 (an all-zero weight gets scale 1)."""
-    w = weight.float()
-    amax = w.abs().amax().reshape(1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (rows, cols) -> (FP8 weight, float32 scale (ceil(rows / b0), ceil(cols / b1))), one scale a block."""
     rows, cols = weight.shape
@@ -191,9 +173,9 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 
 @torch.no_grad()
 def fake_quantize_(weight: torch.Tensor) -> None:
-    """weight (rows, cols) replaced in place by its per-tensor FP8 rounding (quantized, then dequantized): what
+    """weight (rows, cols) replaced in place by its per-channel FP8 rounding (quantized, then dequantized): what
     ``--quantization fp8`` serves where there are no FP8 GEMMs (the values of the FP8 model, in the serving dtype)."""
-    weight.copy_(dequantize(*quantize_per_tensor(weight), None))
+    weight.copy_(dequantize(*quantize_per_channel(weight), None))
 
 
 def fp8_gemm_available(device: torch.device | str) -> bool:
@@ -224,40 +206,6 @@ if triton is not None:
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + g, scale)
-
-    @triton.jit
-    def _amax_parts_kernel(x_ptr, part_ptr, rows, cols, rows_per_program, stride_x, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
-        """Program p: the largest magnitude of rows [p * rows_per_program, (p + 1) * rows_per_program), stored at
-        part_ptr[p] (the tensor's amax is the largest part)."""
-        pdl_enter(PDL)
-        p = tl.program_id(0)
-        first = p.to(tl.int64) * rows_per_program
-        last = tl.minimum(first + rows_per_program, rows)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for row in range(first, last):
-            for start in range(0, cols, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=0.0)
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        tl.store(part_ptr + p, tl.max(amax, axis=0))
-
-    @triton.jit
-    def _quant_tensor_kernel(x_ptr, q_ptr, part_ptr, s_ptr, num_parts, stride_x, stride_q, cols, BLOCK: tl.constexpr,
-                             PARTS: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, BLOCK columns): the values divided by the tensor's scale (the largest of the num_parts
-        partial amaxes / 448, at least 1e-10 / 448), rounded to e4m3; program (0, 0) also stores the scale."""
-        pdl_enter(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        parts = tl.load(part_ptr + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < num_parts, other=0.0)
-        scale = tl.maximum(tl.max(parts, axis=0), 1e-10) / 448.0
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < cols
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + offs, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty),
-                 mask=mask)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(s_ptr, scale)
 
     @triton.jit
     def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,
@@ -315,38 +263,6 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q, scale
 
 
-AMAX_PROGRAMS = 128
-"""Programs of the per-tensor amax's first pass (each takes a run of rows): few enough that the quantization
-kernel reads every partial amax, enough to spread a prefill's rows over the GPU."""
-
-
-def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, cols) -> (FP8 x, float32 scale (1,)): dynamic quantization with one scale for the whole tensor,
-    amax / 448. On the GPU two Triton kernels: partial amaxes over runs of rows, then the rounding (each program
-    takes the largest partial); nothing is read back. (torch's amax reduction took 8.8 us a call at 256 x 2048 on
-    the H200, more than the FP8 GEMM saves.)"""
-    rows, cols = x.shape
-    if not use_triton(x):
-        scale = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1).clamp(min=1e-10) / FP8_MAX
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    q = torch.empty(rows, cols, dtype=FP8, device=x.device)
-    scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    if not rows:
-        scale.fill_(1e-10 / FP8_MAX)
-    else:
-        num_parts = min(rows, AMAX_PROGRAMS)
-        parts = torch.empty(num_parts, dtype=torch.float32, device=x.device)
-        block = min(triton.next_power_of_2(cols), 4096)
-        warps = 4 if block >= 1024 else 1
-        _amax_parts_kernel[(num_parts,)](x, parts, rows, cols, -(-rows // num_parts), x.stride(0), BLOCK=block,
-                                         num_warps=warps, **launch_options(x))
-        _quant_tensor_kernel[(rows, triton.cdiv(cols, block))](x, q, parts, scale, num_parts, x.stride(0),
-                                                               q.stride(0), cols, BLOCK=block,
-                                                               PARTS=triton.next_power_of_2(num_parts),
-                                                               num_warps=warps, **launch_options(x))
-    return q, scale
-
-
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ dequantized(weight (out, in), its block scales)^T: x quantized per token and group of
@@ -378,39 +294,22 @@ def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                             out_dtype=x.dtype)
 
 
-def tensor_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (rows, in) @ (weight (out, in) * weight_scale (1,))^T: x quantized with one dynamic scale, then one
-    ``torch._scaled_mm`` with tensor-wise scales."""
-    if x.shape[0] == 0:
-        return x.new_empty(0, weight.shape[0])
-    xq, xs = quantize_tensor(x)
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, bias=bias, out_dtype=x.dtype)
-
-
 class Fp8Linear(nn.Module):
     """A projection held in FP8: ``weight`` (out, in) float8_e4m3fn and ``weight_scale`` float32, per output
-    channel (out,), per ``block`` (ceil(out / b0), ceil(in / b1)) or, ``per_tensor``, one (1,); ``bias`` in the
-    serving dtype."""
+    channel (out,) or per ``block`` (ceil(out / b0), ceil(in / b1)); ``bias`` in the serving dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
-                 dtype: torch.dtype, per_tensor: bool = False):
+                 dtype: torch.dtype):
         super().__init__()
-        if per_tensor and block is not None:
-            raise ValueError("an Fp8Linear is scaled per tensor or per block, not both")
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.per_tensor = per_tensor
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
-        shape = (1,) if per_tensor else (out_features,) if block is None else (
-            -(-out_features // block[0]), -(-in_features // block[1]))
+        shape = (out_features,) if block is None else (-(-out_features // block[0]), -(-in_features // block[1]))
         self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.per_tensor:
-            y = tensor_fp8_linear(flat, self.weight, self.weight_scale, self.bias)
-        elif self.block is None:
+        if self.block is None:
             y = channel_fp8_linear(flat, self.weight, self.weight_scale, self.bias)
         else:
             y = block_fp8_linear(flat, self.weight, self.weight_scale, self.block, self.bias)
@@ -418,9 +317,8 @@ class Fp8Linear(nn.Module):
 
     @torch.no_grad()
     def load_float(self, weight: torch.Tensor) -> None:
-        """Set the weight from a float tensor (out, in), quantized per tensor, per channel or per block."""
-        q, s = (quantize_per_tensor(weight) if self.per_tensor else quantize_per_channel(weight)
-                if self.block is None else quantize_blocks(weight, self.block))
+        """Set the weight from a float tensor (out, in), quantized per channel or per block."""
+        q, s = quantize_per_channel(weight) if self.block is None else quantize_blocks(weight, self.block)
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
 
@@ -429,8 +327,7 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, self.block)
 
     def extra_repr(self) -> str:
-        scales = "per-tensor" if self.per_tensor else "per-channel" if self.block is None else \
-            f"{self.block[0]}x{self.block[1]} block"
+        scales = "per-channel" if self.block is None else f"{self.block[0]}x{self.block[1]} block"
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 {scales} scales"
 
     def _apply(self, fn, recurse=True):

@@ -127,7 +127,7 @@ def linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | Non
     """A projection: nn.Linear, or ``Fp8Linear`` scaled as ``fp8`` says."""
     if fp8 is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    return Fp8Linear(in_features, out_features, bias, fp8.block, torch.get_default_dtype(), fp8.per_tensor)
+    return Fp8Linear(in_features, out_features, bias, fp8.block, torch.get_default_dtype())
 
 
 class DenseMLP(nn.Module):

@@ -286,7 +286,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
     one). Modules skip their default initialization (every weight is set after); the rotary tables stay float32.
     ``fp8``: a checkpoint's FP8 scheme (or ``--quantization fp8``): where the device has FP8 GEMMs
     (``models.fp8.fp8_gemm_available``) the projections are built as ``Fp8Linear``; elsewhere they stay in
-    ``dtype`` and the loader dequantizes into them. Random weights are quantized after their draw, as the scheme says.
+    ``dtype`` and the loader dequantizes into them. Random weights are quantized per channel after their draw.
     ``max_model_len``: the longest sequence served (LongRoPE's choice of factors; default the model's positions).
     ``tp``: a tensor-parallel rank's shard; random weights are the whole model's (drawn whole, then cut), so that
     every size serves the same model."""

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from dispatcher.engine.engine_core import EngineArgs, EngineCore  # noqa: E402
 from dispatcher.plan.config import resolve  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
-from models.fp8 import FP8, FP8_MAX, dequantize, quantize_per_channel, quantize_per_tensor  # noqa: E402
+from models.fp8 import FP8, FP8_MAX, dequantize, quantize_per_channel  # noqa: E402
 from models.loader import load_checkpoint, load_model  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from test_models_real import PROMPTS, assert_graphs_match_eager, hf_model, ragged_logits  # noqa: E402
@@ -120,18 +120,13 @@ def test_fp8_checkpoint_loads_its_dequantized_weights(fp8_checkpoint, original):
     assert float((got - want).norm() / want.norm()) < FP8_LOGIT_ERROR, name
 
 
-def test_online_fp8_quantization_rounds_each_projection_per_tensor(original):
-    """--quantization fp8 on an unquantized checkpoint: every projection is its e4m3 rounding with one scale for
-    the whole fused weight, as vLLM's online FP8 (the embedding and the norms are untouched), the logits within
-    FP8's error; an FP8 checkpoint refuses it."""
+def test_online_fp8_quantization_rounds_each_projection_per_channel(original):
+    """--quantization fp8 on an unquantized checkpoint: every projection is its per-channel e4m3 rounding (the
+    embedding and the norms are untouched), the logits within FP8's error; an FP8 checkpoint refuses it."""
     base = load_checkpoint(original, "cpu", torch.float32)
     quant = load_model(original, "cpu", torch.float32, quantization="fp8")
     w = base.layers[0].mlp.gate_up_proj.weight
-    q, scale = quantize_per_tensor(w)
-    assert torch.equal(scale, (w.abs().max() / FP8_MAX).reshape(1))
-    assert torch.equal(quant.layers[0].mlp.gate_up_proj.weight, dequantize(q, scale, None))
-    qkv = base.layers[1].qkv_proj.weight  # fused q, k, v: one scale for the three
-    assert torch.equal(quant.layers[1].qkv_proj.weight, dequantize(*quantize_per_tensor(qkv), None))
+    assert torch.equal(quant.layers[0].mlp.gate_up_proj.weight, dequantize(*quantize_per_channel(w), None))
     assert not torch.equal(quant.layers[0].mlp.gate_up_proj.weight, w)
     assert torch.equal(quant.embed_tokens.weight, base.embed_tokens.weight)
     want, got = ragged_logits(base, PROMPTS), ragged_logits(quant, PROMPTS)
@@ -141,7 +136,7 @@ def test_online_fp8_quantization_rounds_each_projection_per_tensor(original):
 
 
 def test_online_fp8_on_a_preset_serves_through_the_engine():
-    """A preset with --quantization fp8 runs through EngineCore (random weights rounded per tensor)."""
+    """A preset with --quantization fp8 runs through EngineCore (random weights rounded per channel)."""
     cfg = resolve({}, None, platform="default", max_num_seqs=4, max_num_batched_tokens=16)
     args = dict(num_kv_blocks=32, block_size=8, max_model_len=64, use_cuda_graphs=False)
     out = EngineCore(cfg, EngineArgs("tiny-dense", quantization="fp8", **args)).generate(
@@ -198,25 +193,6 @@ def test_fp8_tensors_without_a_scheme_or_a_scale_are_refused(fp8_checkpoint, tmp
     with pytest.raises(CheckpointError, match="'model.layers.0.mlp.up_proj.weight' has no scale "
                                               "'model.layers.0.mlp.up_proj.weight_scale'"):
         load_checkpoint(str(tmp_path / "noscale"))
-
-
-@pytest.mark.gpu
-def test_gpu_online_fp8_runs_per_tensor_gemms_inside_graphs(original):
-    """On the H200 --quantization fp8 holds each projection in FP8 with one scale (Fp8Linear per tensor:
-    ``torch._scaled_mm`` with tensor-wise scales, the activations' scale their dynamic amax): its weights are the
-    CPU path's, its logits within FP8's error of bf16, and greedy tokens through captured graphs equal eager ones."""
-    from models.fp8 import Fp8Linear
-
-    model = load_model(original, "cuda", torch.bfloat16, quantization="fp8")
-    layer = model.layers[0]
-    assert isinstance(layer.qkv_proj, Fp8Linear) and layer.qkv_proj.per_tensor
-    assert layer.qkv_proj.weight_scale.shape == (1,) and layer.qkv_proj.bias is not None  # (Qwen2's q/k/v biases)
-    cpu = load_model(original, "cpu", torch.float32, quantization="fp8")
-    assert torch.equal(layer.mlp.gate_up_proj.dequantized().cpu(), cpu.layers[0].mlp.gate_up_proj.weight)
-    want = ragged_logits(load_checkpoint(original, "cuda", torch.bfloat16), PROMPTS, "cuda")
-    got = ragged_logits(model, PROMPTS, "cuda")
-    assert float((got - want).norm() / want.norm()) < FP8_W8A8_LOGIT_ERROR
-    assert_graphs_match_eager(original, "online fp8", quantization="fp8")
 
 
 @pytest.mark.gpu
