@@ -15,8 +15,9 @@ from dispatcher.cli import main
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
-from dispatcher.plan.autotier import (STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, MeasuredCosts, StepCostTable,
-                                      TierChooser, chooser_for_plan, decode_step_costs, staircase, trace_step_costs)
+from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, HostFloor,
+                                      MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan, decode_step_costs,
+                                      staircase, trace_step_costs, valley)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams
@@ -102,6 +103,28 @@ def test_the_staircase_is_the_best_non_increasing_choice():
                    if all(p[j] >= p[j + 1] for j in range(cols - 1)))
         assert sum(score[got[j], j] for j in range(cols)) == best
     assert staircase(np.ones((3, 5))).tolist() == [0] * 5  # ties: the smaller K
+
+
+def test_the_valley_is_the_best_choice_that_falls_then_rises():
+    """K falls as n grows and may rise again after (drafting pays at small batches and again where the host sets
+    the pace): the best such choice by brute force; on equal totals the staircase (nothing rises)."""
+    rng = np.random.default_rng(2)
+
+    def is_valley(p):
+        turn = next((j for j in range(len(p) - 1) if p[j] < p[j + 1]), len(p))
+        return all(p[j] <= p[j + 1] for j in range(turn, len(p) - 1))
+
+    for _ in range(200):
+        rows, cols = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+        score = rng.integers(0, 4, size=(rows, cols)).astype(float)
+        got = valley(score)
+        assert is_valley(list(got))
+        total = lambda p: sum(score[p[j], j] for j in range(cols))  # noqa: E731
+        best = max(total(p) for p in itertools.product(range(rows), repeat=cols) if is_valley(p))
+        assert total(got) == best
+        if total(staircase(score)) == best:
+            assert valley(score).tolist() == staircase(score).tolist()
+    assert valley(np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])).tolist() == [0, 0, 1]
 
 
 # -- acceptance -------------------------------------------------------------------------------------------------
@@ -203,6 +226,47 @@ def test_served_step_costs_move_the_choice_where_the_table_underestimates_a_k():
     serve(1, 1.2, steps=64)
     assert auto.choice.k_of_batch[64] == 0
     assert auto.costs.ratio[1, 6] == pytest.approx(2.0) and auto.costs.ratio[0, 6] == pytest.approx(1.2)
+
+
+def test_where_the_host_sets_the_pace_a_k_that_drafts_more_is_chosen():
+    """At 1024 streams of the default model on the H200 the GPU was busy 56% of a run without drafting: steps came
+    back every 7.3 ms for 3.9 ms of device time, and n-gram K = 3 gave 1.26x no SD while the auto tiers, weighing
+    device time alone (K = 3's 2x a plain step for 2.08 tokens), chose K = 0 and ran 0.95x. Here K = 3 costs twice
+    K = 0 on the device for 1.9 tokens a step, so K = 0 runs; its steps' periods are 1.9x their device time (the
+    host's pace): after a re-choice K = 3 runs, since its steps hide behind the host's, and it stays once its own
+    host-bound periods are measured. Where the periods equal the device times, K = 0 stays."""
+    table = StepCostTable({1: [(1, 4.0), (1024, 4.0)], 4: [(1, 8.0), (1024, 8.0)]})
+    acceptance = [0.5, 0.25, 0.15]  # 1.9 tokens a step at K = 3: 1.9 / 8 < 1 / 4
+    for periods, want in (((7.5, 12.5), 3), ((4.0, 8.0), 0)):
+        auto = AutoTiers(TierChooser(table, [0, 3], 1024), acceptance, interval=4, prior_weight=1e9)
+        assert auto.choice.k_of_batch[1024] == 0
+        for _ in range(64):
+            k = int(auto.choice.k_of_batch[1024])
+            device_ms = table.ms(1024, 1 + k)
+            assert auto.observe_step(1024, 1 + k, device_ms, periods[k > 0])
+            auto.observe([0, 0, 0], [0, 0, 0])
+        assert auto.choice.k_of_batch[1024] == want, periods
+        assert auto.choice.k_of_batch[1] == 0  # (nothing served there: the table alone)
+    assert auto.host.floor_ms[10] == pytest.approx(0.0)  # (device-bound: the floor stays below every step)
+
+
+def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_others():
+    """A step whose period exceeds its device time by more than 15% measures the floor (the first sets it, then an
+    average over DRIFT_MEMORY_STEPS); one that does not pulls it towards its period where the floor is above it and
+    never raises it; invalid times and batch sizes are not kept."""
+    floor = HostFloor(TierChooser(SMALL, [0, 1], 8))
+    assert not floor.observe(4, 10.0, 11.0) and floor.floor_ms[2] == 0.0  # (bucket 2: 4..7 requests)
+    assert floor.observe(4, 10.0, 20.0) and floor.floor_ms[2] == pytest.approx(20.0)
+    assert floor.observe(5, 10.0, 36.0) and floor.floor_ms[2] == pytest.approx(28.0)  # (second step: weight 1/2)
+    assert not floor.observe(4, 12.0, 12.0)
+    assert floor.floor_ms[2] == pytest.approx(28.0 + (12.0 - 28.0) / DRIFT_MEMORY_STEPS)
+    assert not floor.observe(4, 30.0, 30.0) and floor.floor_ms[2] < 28.0  # (above the floor: no rise)
+    assert not floor.observe(0, 1.0, 5.0) and not floor.observe(9, 1.0, 5.0) and not floor.observe(4, 1.0, float("nan"))
+    assert floor.by_batch()[4:8] == pytest.approx([floor.floor_ms[2]] * 4) and floor.by_batch()[1] == 0.0
+    chooser = TierChooser(SMALL, [0, 1], 8)
+    floor_ms = np.full(9, 30.0)  # every step at least 30 ms: the K yielding more tokens wins everywhere
+    assert chooser.choose([0.5], floor_ms=floor_ms).tiers == ((1, 1),)
+    assert chooser.throughput([0.5], floor_ms=floor_ms)[:, 8] == pytest.approx([8 / 30.0 * 1e3, 12 / 40.0 * 1e3])
 
 
 def test_a_cost_drift_every_k_shares_does_not_flip_the_tiers():

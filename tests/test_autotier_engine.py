@@ -178,13 +178,18 @@ def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
 
 def test_served_decode_steps_feed_the_tiers_cost_ratios_unless_a_table_was_given(tmp_path):
     """Without a given table the tiers weigh the served uniform decodes' time against their step costs (ratios
-    kept for the K in force); with ``spec_cost_table`` the table is taken as it is."""
+    kept for the K in force) and their periods (the host's floor); with ``spec_cost_table`` the table is taken as it is."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
     served = make_engine(spec)
+    seen = []
+    observe = served.auto_tiers.observe_step
+    served.auto_tiers.observe_step = lambda *args: seen.append(args) or observe(*args)
     served.generate(prompts, params)
     assert served.auto_tiers.costs.steps.sum() > 0
+    # each with its period (its result after the one before: at least its own device time, the host's part too)
+    assert seen and all(period is not None and period > 0 for _, _, _, period in seen)
     given = make_engine(spec, spec_cost_table=write_table(tmp_path / "cost.json", {1: [[1, 5.0], [4, 5.0]],
                                                                                  2: [[1, 6.0], [4, 6.0]],
                                                                                  3: [[1, 7.0], [4, 7.0]]}))

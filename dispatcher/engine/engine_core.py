@@ -103,6 +103,7 @@ class ScheduledStep:
     pending: object = None
     """The worker's handle while the step runs."""
     submitted_at: float = 0.0
+    """When it went to the worker (time.perf_counter; 0: not recorded)."""
     eager_cause: str | None = None
     """Why the target ran eagerly (dispatch.EAGER_CAUSES), set when the result is taken; None on a graph."""
     prompt_rows: np.ndarray | None = None
@@ -226,6 +227,8 @@ class EngineCore:
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.auto_tiers: autotier.AutoTiers | None = None
+        self._last_result_at = 0.0
+        """When the last step's result was taken (``finish``): the next one's period starts there."""
         """``"auto"`` speculative tiers: the decision and its state (None with fixed K or hand-written tiers)."""
         self.tier_version = 0
         """Counts the tier changes (``"auto"``), so that a caller can tell when to report them."""
@@ -460,8 +463,9 @@ class EngineCore:
         if target.graph is None:
             reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
+        period_ms = self._period_ms(step)
         if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
-            self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms)  # (its graph's cost, served)
+            self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms, period_ms)  # (served costs)
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
         self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
                                      step.descs.drafts(), reason[1] if reason else None,
@@ -474,6 +478,15 @@ class EngineCore:
             step.prompt_logprobs = (values, unpack(result.prompt_logprob_ids, I32, (len(values), top)),
                                     unpack(result.prompt_logprob_ranks, I32))  # (top may be 0: no ids)
         return model_result(result, step.out)
+
+    def _period_ms(self, step: ScheduledStep) -> float | None:
+        """The step's period: from the later of its submission and the last step's result to its own result (where
+        results come back to back, the pace the whole pipeline kept, host and device); None when its submission
+        was not recorded."""
+        now = time.perf_counter()
+        start = max(self._last_result_at, step.submitted_at)
+        self._last_result_at = now
+        return (now - start) * 1e3 if step.submitted_at else None
 
     def execute(self, step: ScheduledStep) -> ModelResult:
         self.submit(step)

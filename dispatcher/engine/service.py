@@ -223,6 +223,7 @@ class EngineService:
             if step is not None:
                 if self._times and step.out.new_requests:
                     self._scheduled(step.out.new_requests)
+                step.submitted_at = time.perf_counter()
                 await self.process.to_worker.send(encode_step(step.message))
                 in_flight.append(step)
             if in_flight and (len(in_flight) == depth or step is None):

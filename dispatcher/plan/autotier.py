@@ -10,8 +10,9 @@ The decision is pure and deterministic (no torch, no clock): given
 
 it gives each batch size n the K among the candidates that maximizes the expected output tokens per second,
 n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K), K allowed at n only where its q's costs (in the engine: its captured
-FULL decode graphs) reach n; where none reaches, the smallest candidate. Equal neighbours merge into tiers, returned
-in the configuration's ``[[min_batch, K], ...]`` form (``TierChooser``).
+FULL decode graphs) reach n; where none reaches, the smallest candidate; K falls as n grows and may rise again
+(``valley``). Equal neighbours merge into tiers, returned in the configuration's ``[[min_batch, K], ...]`` form
+(``TierChooser``).
 
 At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: the
 first position's acceptance, and each later position's given the one before it (its drafts accepted over the events
@@ -37,6 +38,12 @@ bucket), updated by its own steps only, a K measured early at short contexts loo
 long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0 (0.99x) at a round's
 tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never moved it, and a K
 never served there looked ever cheaper: the same flip, 0.90x in a round.)
+
+Where the host sets the pace (the GPU idle between steps: at 1024 streams of the default model on the H200 it was
+busy 56% of a run without drafting, and a fixed K = 3 gave 1.26-1.30x no SD where device costs alone chose K = 0 or
+1), each step's period, its result after the one before, exceeds its device time; ``HostFloor`` keeps what the host
+needs a step per bucket, and a K's step is weighed at its device cost or that floor, whichever is longer, so a K
+that yields more tokens a step for device time that hides behind the host's is chosen there.
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ STALE_STEPS = 256
 """A bucket nothing was served at in this many steps has an old drift: the next step re-anchors it."""
 COST_RATIO_BOUNDS = (0.25, 8.0)
 """A served step's ratio to its table cost is clipped to these (a step that waited for a kernel's compile)."""
+HOST_BOUND_SLACK = 0.15
+"""A served step whose period (its result after the one before) exceeds its device time by more than this share
+waited on the host side: its period is what the host needs a step (``HostFloor``)."""
 WINDOW_HALF_LIFE_STEPS = 128
 """Steps after which a count weighs half: the acceptance is that of the last few hundred steps. When nothing is
 verified for a while (every tier at K = 0), the estimate returns to the prior, and drafting is tried again."""
@@ -213,6 +223,8 @@ class TierChoice:
     acceptance: tuple[float, ...]
     cost_ratio: np.ndarray | None = None
     """(candidates, n) the served-to-table cost ratios the choice weighed (None: the table's costs alone)."""
+    floor_ms: np.ndarray | None = None
+    """(n,) the host's time a step the choice weighed (None: none)."""
 
     def resolved(self, max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
         """(min_batch, max_batch, K) per tier, the scheduler's form."""
@@ -232,7 +244,12 @@ INVALID = -1e9
 
 def staircase(score: np.ndarray) -> np.ndarray:
     """For a (candidates, n) score matrix, candidates in increasing K: the candidate index per column, never rising
-    from one column to the next, that maximizes the total score; ties go to the smaller K. A dynamic program over
+    from one column to the next, that maximizes the total score; ties go to the smaller K (``_staircase``)."""
+    return _staircase(score)[0]
+
+
+def _staircase(score: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``staircase`` and the best total of every prefix of the columns (index m: columns 0..m-1). A dynamic program over
     the candidates, from the largest K (the first columns) down, each step a few array operations over the columns:
     best[i][n], the best total of columns 1..n using candidates K_max..K_i, is the best of best[i + 1][n] and,
     for the last run of candidate i over columns m+1..n, max over m <= n of best[i + 1][m] + S_i[n] - S_i[m]
@@ -263,7 +280,24 @@ def staircase(score: np.ndarray) -> np.ndarray:
             out[m:n] = i
             n = m
         step -= 1
-    return out
+    return out, best
+
+
+def valley(score: np.ndarray) -> np.ndarray:
+    """Like ``staircase``, but the candidate may rise again after it fell: falling over the first columns, then
+    never falling, whichever split maximizes the total score (on equal totals the fewest rising columns, so the
+    staircase itself where rising gains nothing). Drafting pays at small batches, where the device has room, and
+    again at large ones where the host sets each step's pace (``HostFloor``). The best falling total of every
+    prefix and the best rising total of every suffix are two staircases' (the second over the columns reversed)."""
+    width = score.shape[1]
+    fall, down = _staircase(score)
+    up = _staircase(score[:, ::-1])[1]  # up[j]: the last j columns, never falling
+    totals = down + up[::-1]  # split m: columns :m fall, m: rise
+    top = totals.max()
+    m = int(np.nonzero(totals >= top - 1e-9 * max(1.0, abs(top)))[0][-1])
+    if m == width:
+        return fall
+    return np.concatenate((staircase(score[:, :m]), staircase(score[:, m:][:, ::-1])[::-1]))
 
 
 def merge_tiers(k_of_batch: np.ndarray) -> tuple[tuple[int, int], ...]:
@@ -298,26 +332,33 @@ class TierChooser:
         self.valid = np.isfinite(self.ms)
         self._n = n
 
-    def throughput(self, acceptance: Sequence[float], cost_ratio: np.ndarray | None = None) -> np.ndarray:
+    def throughput(self, acceptance: Sequence[float], cost_ratio: np.ndarray | None = None,
+                   floor_ms: np.ndarray | None = None) -> np.ndarray:
         """Expected output tokens per second for each candidate (rows) and batch size (columns, 0..max_num_seqs):
         n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K) * 1000, the step's ms times ``cost_ratio`` (same shape) if
-        given; -inf where K cannot run n on its graphs."""
+        given, and no less than ``floor_ms`` (per batch size: what the host needs a step) if given; -inf where K
+        cannot run n on its graphs."""
         tokens = np.array([expected_tokens(acceptance, k) for k in self.candidates])[:, None]
         ms = self.ms if cost_ratio is None else self.ms * cost_ratio
+        if floor_ms is not None:
+            ms = np.maximum(ms, floor_ms[None, :])
         with np.errstate(divide="ignore", invalid="ignore"):
             tps = np.where(self.valid, self._n[None, :] * tokens / ms * 1e3, -np.inf)
         return tps
 
     def choose(self, acceptance: Sequence[float], current: np.ndarray | None = None,
-               hysteresis: float = 0.0, cost_ratio: np.ndarray | None = None) -> TierChoice:
+               hysteresis: float = 0.0, cost_ratio: np.ndarray | None = None,
+               floor_ms: np.ndarray | None = None) -> TierChoice:
         """K for every batch size, merged into tiers. Each batch size n scores each K by its expected tokens/s over
-        the best K's there (1 for the best); K may only fall as n grows (a staircase: measured costs are noisy, and
-        a per-size argmax would split a range into many tiers over differences of a fraction of a percent); the
-        staircase with the highest total score wins (``staircase``), ties going to the smaller K. With ``current`` (K
+        the best K's there (1 for the best); K may only fall as n grows, then rise again where the host sets the
+        pace (a valley: measured costs are noisy, and a per-size argmax would split a range into many tiers over
+        differences of a fraction of a percent); the valley with the highest total score wins (``valley``), ties
+        going to the smaller K and to fewer rising batch sizes. With ``current`` (K
         per batch size, a TierChoice's ``k_of_batch``) the K in force at n scores ``1 + hysteresis`` times more, so
         that it changes only for a K that beats it there by more than that (or where it can no longer run).
-        ``cost_ratio``: served-to-table step costs (``MeasuredCosts.by_batch``)."""
-        tps = self.throughput(acceptance, cost_ratio)
+        ``cost_ratio``: served-to-table step costs (``MeasuredCosts.by_batch``); ``floor_ms``: the host's time a
+        step (``HostFloor.by_batch``)."""
+        tps = self.throughput(acceptance, cost_ratio, floor_ms)
         best = tps.max(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             score = np.where(np.isfinite(tps) & (best > 0), tps / best, 0.0)
@@ -330,14 +371,14 @@ class TierChooser:
             ok = np.isfinite(tps[rows, cols])
             score[rows[ok], cols[ok]] *= 1.0 + hysteresis
         k_of = np.empty(self.max_num_seqs + 1, np.int64)
-        k_of[1:] = np.array(self.candidates)[staircase(score[:, 1:])]
+        k_of[1:] = np.array(self.candidates)[valley(score[:, 1:])]
         k_of[0] = k_of[1] if self.max_num_seqs >= 1 else 0
-        return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance), cost_ratio)
+        return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance), cost_ratio, floor_ms)
 
     def explain(self, choice: TierChoice) -> list[dict[str, Any]]:
         """Per chosen tier: its batch range, its K, and each candidate's expected tokens/s at the range's ends (None
         where the candidate cannot run there)."""
-        tps = self.throughput(choice.acceptance, choice.cost_ratio)
+        tps = self.throughput(choice.acceptance, choice.cost_ratio, choice.floor_ms)
         rows = []
         for lo, hi, k in choice.resolved(self.max_num_seqs):
             per_k = {}
@@ -429,6 +470,45 @@ class MeasuredCosts:
         return self.ratio[:, self._bucket_of]
 
 
+class HostFloor:
+    """What the host needs a step, per batch-size bucket (``MeasuredCosts``'): where the host sets the pace (the
+    engine, the worker's launches or the front ends' streaming: at 1024 streams of the default model on the H200 the
+    GPU was busy 56% of a run without drafting), a step's period, its result after the one before, is longer than
+    its device time, and a K that drafts more costs less than its device time says: its steps hide behind the
+    host's and yield more tokens each. A step whose period exceeds its device time by more than
+    ``HOST_BOUND_SLACK`` measures the floor (an exponential average over ``DRIFT_MEMORY_STEPS``, the first such step
+    setting it); any other step only bounds it (the floor moves, by the same average, towards its period where it
+    was above it), so that where the device sets the pace the floor stays below every step and weighs nothing. The floor is the same for every K (the host's work a step does not depend much on
+    how many tokens each request drafted), so a K never served at a host-bound bucket is weighed at its device cost
+    or the floor, whichever is longer."""
+
+    def __init__(self, chooser: TierChooser):
+        buckets = max(1, int(chooser.max_num_seqs).bit_length())
+        self.floor_ms = np.zeros(buckets)
+        self.steps = np.zeros(buckets, np.int64)
+        """Host-bound steps observed per bucket."""
+        self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
+        self._bucket_of[1:] = [min(int(n).bit_length() - 1, buckets - 1) for n in range(1, chooser.max_num_seqs + 1)]
+
+    def observe(self, num_reqs: int, device_ms: float, period_ms: float) -> bool:
+        """One served step of ``num_reqs`` (padded) requests: True when its period measured the floor (host-bound),
+        False when it only bounded it or was not a valid pair of times."""
+        if not (1 <= num_reqs < len(self._bucket_of) and _is_ms(device_ms) and _is_ms(period_ms)):
+            return False
+        b = self._bucket_of[num_reqs]
+        if period_ms <= device_ms * (1.0 + HOST_BOUND_SLACK):  # (the floor is at most this period)
+            self.floor_ms[b] += (min(self.floor_ms[b], period_ms) - self.floor_ms[b]) / DRIFT_MEMORY_STEPS
+            return False
+        self.steps[b] += 1
+        weight = max(1.0 / self.steps[b], 1.0 / DRIFT_MEMORY_STEPS)
+        self.floor_ms[b] += (period_ms - self.floor_ms[b]) * weight
+        return True
+
+    def by_batch(self) -> np.ndarray:
+        """(0..max_num_seqs,) each batch size's floor, its bucket's."""
+        return self.floor_ms[self._bucket_of]
+
+
 class AutoTiers:
     """The engine's (and simulate's) tiers under ``"auto"``: chosen from the prior at start, then every
     ``interval`` steps from the scheduler's per-position counters (``observe``), with hysteresis."""
@@ -446,6 +526,8 @@ class AutoTiers:
         """Weight the window's counts keep at each re-choice."""
         self.costs = MeasuredCosts(chooser)
         """Served steps' cost against the table's (``observe_step``), weighed from the next re-choice on."""
+        self.host = HostFloor(chooser)
+        """What the host needs a step, from the served steps' periods (``observe_step``)."""
         self.served_costs = served_costs
         self.choice = chooser.choose(self.prior)
         self.changes = 0
@@ -466,10 +548,15 @@ class AutoTiers:
         """The acceptance per position the window's counts give (the prior before any)."""
         return estimate_acceptance(self._accepted, self._reached, self.prior, self.prior_weight)
 
-    def observe_step(self, num_reqs: int, q: int, device_ms: float) -> bool:
-        """A served uniform decode step's device time (``num_reqs``: the padded request count its graph ran at), for
-        the next choices' costs (``MeasuredCosts``); False when not kept."""
-        return self.served_costs and self.costs.observe(num_reqs, q, device_ms)
+    def observe_step(self, num_reqs: int, q: int, device_ms: float, period_ms: float | None = None) -> bool:
+        """A served uniform decode step's device time (``num_reqs``: the padded request count its graph ran at) and
+        its period (its result after the one before; None: unknown), for the next choices' costs (``MeasuredCosts``,
+        ``HostFloor``); False when its device time was not kept."""
+        if not self.served_costs:
+            return False
+        if period_ms is not None:
+            self.host.observe(num_reqs, device_ms, period_ms)
+        return self.costs.observe(num_reqs, q, device_ms)
 
     def observe(self, accepted_per_pos: Sequence[int], reached_per_pos: Sequence[int], steps: int = 1) -> bool:
         """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
@@ -485,7 +572,8 @@ class AutoTiers:
             self._accepted[j] = self.decay * self._accepted[j] + (a - self._seen_accepted[j])
             self._reached[j] = self.decay * self._reached[j] + (v - self._seen_reached[j])
             self._seen_accepted[j], self._seen_reached[j] = a, v
-        new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis, self.costs.by_batch())
+        new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis, self.costs.by_batch(),
+                                  self.host.by_batch())
         changed = new.tiers != self.choice.tiers
         self.choice = new
         self.changes += changed
