@@ -535,8 +535,10 @@ class EngineCore:
         if auto.observe(stats.accepted_per_pos, stats.reached_per_pos):
             self.scheduler.set_tiers(auto.tiers)
             self.tier_version += 1
-            log.info("speculative tiers changed (auto, measured acceptance %s): %s",
-                     ", ".join(f"{p:.2f}" for p in auto.choice.acceptance), auto.choice.text())
+            host = auto.host.describe()
+            log.info("speculative tiers changed (auto, measured acceptance %s%s): %s",
+                     ", ".join(f"{p:.2f}" for p in auto.choice.acceptance), f"; {host}" if host else "",
+                     auto.choice.text())
 
     def step(self) -> list[RequestOutput]:
         """One step, synchronously: schedule, run, update."""

@@ -508,6 +508,13 @@ class HostFloor:
         """(0..max_num_seqs,) each batch size's floor, its bucket's."""
         return self.floor_ms[self._bucket_of]
 
+    def describe(self) -> str:
+        """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
+        top = len(self._bucket_of) - 1
+        parts = [f"{1 << b}-{min((2 << b) - 1, top)} requests {ms:.1f} ms"
+                 for b, ms in enumerate(self.floor_ms) if self.steps[b] and ms > 0]
+        return "host floor a step: " + ", ".join(parts) if parts else ""
+
 
 class AutoTiers:
     """The engine's (and simulate's) tiers under ``"auto"``: chosen from the prior at start, then every
