@@ -262,9 +262,12 @@ def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_other
     assert floor.floor_ms[2] == pytest.approx(28.0 + (12.0 - 28.0) / DRIFT_MEMORY_STEPS)
     assert not floor.observe(4, 30.0, 30.0) and floor.floor_ms[2] < 28.0  # (above the floor: no rise)
     assert not floor.observe(0, 1.0, 5.0) and not floor.observe(9, 1.0, 5.0) and not floor.observe(4, 1.0, float("nan"))
-    assert floor.by_batch()[4:8] == pytest.approx([floor.floor_ms[2]] * 4) and floor.by_batch()[1] == 0.0
+    assert floor.by_batch()[4:9] == pytest.approx([floor.floor_ms[2]] * 5) and floor.by_batch()[1] == 0.0
+    # (8 requests, bucket 3, measured nothing: the floor below it; once measured lower, still no less than below)
     assert floor.describe() == f"host floor a step: 4-7 requests {floor.floor_ms[2]:.1f} ms"
     assert HostFloor(TierChooser(SMALL, [0, 1], 8)).describe() == ""
+    assert floor.observe(8, 1.0, 5.0) and floor.floor_ms[3] == pytest.approx(5.0)
+    assert floor.by_batch()[8] == pytest.approx(floor.floor_ms[2])
     chooser = TierChooser(SMALL, [0, 1], 8)
     floor_ms = np.full(9, 30.0)  # every step at least 30 ms: the K yielding more tokens wins everywhere
     assert chooser.choose([0.5], floor_ms=floor_ms).tiers == ((1, 1),)

@@ -505,8 +505,10 @@ class HostFloor:
         return True
 
     def by_batch(self) -> np.ndarray:
-        """(0..max_num_seqs,) each batch size's floor, its bucket's."""
-        return self.floor_ms[self._bucket_of]
+        """(0..max_num_seqs,) each batch size's floor: its bucket's, and no less than any smaller bucket's (the host's
+        work a step grows with the requests in it), so a bucket the batch has just reached starts from the floor
+        measured below it."""
+        return np.maximum.accumulate(self.floor_ms)[self._bucket_of]
 
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
