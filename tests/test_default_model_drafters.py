@@ -88,3 +88,28 @@ def test_the_shipped_head_is_lossless_with_penalties_and_bad_words(texts, plain_
     accepted = sd.stats.num_accepted_tokens
     assert [list(o.outputs[0].token_ids) for o in sd.generate(prompts, params)] == reference
     assert sd.stats.num_accepted_tokens > accepted
+
+
+def test_the_trainers_second_turns_carry_the_prompt_the_answer_and_a_follow_up():
+    """scripts/train_eagle3.py --follow-ups: each training prompt's chat with the target's own answer and a generic
+    follow-up, in the default model's template, ending where the assistant answers; follow-ups in turn; a chat
+    longer than the limit left out."""
+    import importlib.util
+    import os
+
+    from models.text import load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("train_eagle3", os.path.join(
+        os.path.dirname(__file__), "..", "scripts", "train_eagle3.py"))
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    tok = load_tokenizer(default_model_path())
+    answers = [tok.encode("Two plus two is four."), tok.encode("Blue. " * 300)]
+    chats = trainer.follow_up_ids(tok, ["What is 2+2?", "Name a color."], answers, 2, 200)
+    assert len(chats) == 2  # (the second prompt's answer makes its chats longer than 200 tokens)
+    text = [tok.decode(c, skip_special_tokens=False) for c in chats]
+    for t, ask in zip(text, trainer.FOLLOW_UPS[:2]):
+        assert t.index("What is 2+2?") < t.index("Two plus two is four.") < t.index(ask)
+        assert t == tok.decode(tok.encode_chat([{"role": "user", "content": "What is 2+2?"},
+                                                {"role": "assistant", "content": "Two plus two is four."},
+                                                {"role": "user", "content": ask}]), skip_special_tokens=False)
