@@ -250,6 +250,46 @@ def test_where_the_host_sets_the_pace_a_k_that_drafts_more_is_chosen():
     assert auto.host.floor_ms[10] == pytest.approx(0.0)  # (device-bound: the floor stays below every step)
 
 
+def test_on_a_host_bound_load_the_auto_tiers_reach_the_best_fixed_k_within_a_round():
+    """A served round at 1024 streams, modelled on the H200's default-model runs (d1a03f0): device ms by (requests,
+    q) as served, the table 1.3x cheaper (empty contexts), and the host's ms a step 0.3 + 0.0029 a request + 0.0042
+    a token (fitted to the no-SD and K = 3 runs' periods: 7.3 and 13.1 ms), the period the longer of the two; drafts
+    accepted at random with the measured per-position rates. Over 400 steps (a round) the auto tiers, starting from
+    the device-only choice, yield at least 0.97 of the best fixed K's tokens per second, at a steady batch and at one
+    that ramps up, and K = 0 (what device costs alone chose) is far from it."""
+    rates = [0.63, 0.38, 0.23, 0.14, 0.08]
+    sizes = [1, 64, 256, 1024]
+    served = {1: [1.0, 1.2, 1.9, 3.9], 2: [1.2, 1.4, 2.3, 5.2], 3: [1.3, 1.6, 2.8, 7.0], 4: [1.5, 1.9, 3.4, 9.0],
+              5: [1.6, 2.1, 3.9, 11.0], 6: [1.8, 2.4, 4.5, 13.0]}
+    table = StepCostTable({q: [(n, ms / 1.3) for n, ms in zip(sizes, v)] for q, v in served.items()})
+    given = np.array([rates[0]] + [rates[j] / rates[j - 1] for j in range(1, 5)])
+
+    def round_tok_s(k_fixed, batch):
+        rng = np.random.default_rng(0)
+        auto = AutoTiers(TierChooser(table, range(6), 1024), rates, interval=64) if k_fixed is None else None
+        accepted, reached, tokens_total, ms_total = [0] * 5, [0] * 5, 0.0, 0.0
+        for step in range(400):
+            n = batch(step)
+            k = k_fixed if auto is None else int(auto.choice.k_of_batch[n])
+            ok = np.cumprod(rng.random((n, k)) < given[:k], axis=1)
+            tokens = float(n + ok.sum())
+            device_ms = float(np.interp(n, sizes, served[1 + k]))
+            period_ms = max(device_ms, 0.3 + 0.0029 * n + 0.0042 * tokens)
+            tokens_total, ms_total = tokens_total + tokens, ms_total + period_ms
+            if auto is not None:
+                for j in range(k):
+                    reached[j] += int(ok[:, j - 1].sum()) if j else n
+                    accepted[j] += int(ok[:, j].sum())
+                auto.observe_step(n, 1 + k, device_ms, period_ms)
+                auto.observe(accepted, reached)
+        return tokens_total / ms_total
+
+    for batch in (lambda step: 1024, lambda step: min(1024, 16 + 8 * step)):
+        fixed = [round_tok_s(k, batch) for k in range(6)]
+        assert fixed[0] < 0.8 * max(fixed)
+        assert round_tok_s(None, batch) >= 0.97 * max(fixed), fixed
+
+
 def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_others():
     """A step whose period exceeds its device time by more than 15% measures the floor (the first sets it, then an
     average over DRIFT_MEMORY_STEPS); one that does not pulls it towards its period where the floor is above it and
