@@ -142,8 +142,9 @@ def auto_config(args: argparse.Namespace):
 def _plan_auto_tiers(args: argparse.Namespace) -> int:
     """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
     from dispatcher.engine.cost import load_step_costs
+    from dispatcher.engine.trace import read_traces
     from dispatcher.plan.acceptance import acceptance_profile
-    from dispatcher.plan.autotier import chooser_for_plan, render_choice
+    from dispatcher.plan.autotier import chooser_for_plan, render_choice, trace_host_floor
 
     cfg = auto_config(args)
     plan = build_plan(cfg)
@@ -151,18 +152,22 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
     acceptance = (cfg.acceptance_prior if args.acceptance is None
                   else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
     chooser = chooser_for_plan(costs, plan)
-    choice = chooser.choose(acceptance)
+    host = None  # (step traces: the served steps' periods give the host floor, as the engine weighs it)
+    if args.auto_tiers.endswith(".jsonl"):
+        host = trace_host_floor(read_traces(args.auto_tiers, "--auto-tiers"), chooser)
+    choice = chooser.choose(acceptance, floor_ms=host.by_batch() if host is not None else None)
     if args.json:
         print(json.dumps({"tiers": choice.as_config(), "acceptance": list(acceptance),
                           "candidates": list(chooser.candidates),
                           "reach": {str(k): v for k, v in chooser.reach.items()},
                           "ranges": [{**r, "tokens_per_s": {str(k): v for k, v in r["tokens_per_s"].items()}}
                                      for r in chooser.explain(choice)],
-                          "graphs": plan.num_graphs}, indent=2 if args.pretty else None))
+                          "graphs": plan.num_graphs,
+                          "host_floor": host.describe() if host is not None else ""}, indent=2 if args.pretty else None))
         return 0
     print(f"auto tiers for {cfg.method} K <= {cfg.num_speculative_tokens} at max_num_seqs {cfg.max_num_seqs}, step "
           f"costs {costs.source}; the plan captures {plan.num_graphs} graphs (every candidate K over its reach)")
-    print(render_choice(chooser, choice))
+    print(render_choice(chooser, choice, host.describe() if host is not None else ""))
     return 0
 
 

@@ -583,6 +583,31 @@ def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):
     assert "--acceptance is for --auto-tiers" in capsys.readouterr().err
 
 
+def test_plan_auto_tiers_over_step_traces_weighs_the_host_floor_their_periods_give(tmp_path, capsys):
+    """Step traces carry each step's period: ``plan --auto-tiers TRACES.jsonl`` takes the step costs and the host
+    floor from them, as the engine does. Plain steps at 1024 requests took 4 ms on the device, K = 3 steps 8 ms;
+    at 1.9 tokens a K = 3 step K = 0 wins on device time alone, but the periods (7.5 ms: the GPU waited for the host)
+    make K = 3 the choice there; the floor is printed (and in the JSON)."""
+    steps = [{"kind": "uniform_decode", "mode": "FULL", "q": q, "padded_requests": n, "device_ms": ms * n / 1024}
+             for n in (1, 512, 1024) for q, ms in ((1, 4.0), (4, 8.0))]
+    host_bound = [dict(r, period_ms=7.5) for r in steps if r["padded_requests"] == 1024 and r["q"] == 1]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "auto_tier_candidates": [0, 3],
+                       "num_speculative_tokens_per_batch_size": "auto"})
+    tiers = {}
+    for name, records in (("device", steps), ("host", steps + host_bound * 4)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path),
+                     "--acceptance", "0.5,0.25,0.15", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        tiers[name] = data["tiers"]
+        assert (data["host_floor"] == "host floor a step: 1024 requests 7.5 ms") == (name == "host")
+    assert tiers["device"][-1][1] == 0 and tiers["host"][-1] == [1024, 3], tiers
+    assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers",
+                 str(tmp_path / "host.jsonl"), "--acceptance", "0.5,0.25,0.15"]) == 0
+    assert "host floor a step: 1024 requests 7.5 ms (each K's step weighed no shorter)" in capsys.readouterr().out
+
+
 # -- the gauge --------------------------------------------------------------------------------------------------
 def test_tier_gauge_shows_the_tiers_in_force():
     from prometheus_client.parser import text_string_to_metric_families

@@ -41,7 +41,8 @@ def _brief(desc) -> dict[str, Any]:
 
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
                 eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0,
-                k: int | None = None, fused: bool = False, not_captured=()) -> dict[str, Any]:
+                k: int | None = None, fused: bool = False, not_captured=(),
+                period_ms: float | None = None) -> dict[str, Any]:
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
     descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
@@ -50,7 +51,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     in the cache: the step computes the rest); ``"fused": true`` when the whole step ran as one graph
     (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
     because they were not captured yet (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``,
-    ``"draft_next"``: that forward ran eagerly)."""
+    ``"draft_next"``: that forward ran eagerly); ``period_ms``, the step's result after the last one's (from its
+    submission where that came later): above ``device_ms``, the GPU waited for the host."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -70,6 +72,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         host_ms=round(host_ms, 4),
         device_ms=round(device_ms, 4),
     )
+    if period_ms is not None:
+        rec["period_ms"] = round(period_ms, 4)
     if eager_reason is not None:
         rec["eager_reason"] = eager_reason
     if drafts:

@@ -176,6 +176,18 @@ def trace_step_costs(records: Iterable[Any], where: str) -> StepCostTable:
                          where)
 
 
+def trace_host_floor(records: Iterable[Any], chooser: "TierChooser") -> "HostFloor":
+    """The host floor (``HostFloor``) the served steps of step traces give: each FULL uniform decode's device time
+    and period (``period_ms``), in the traces' order; traces without periods give none."""
+    floor = HostFloor(chooser)
+    for rec in records:
+        if (isinstance(rec, dict) and rec.get("kind") == "uniform_decode" and rec.get("mode") == "FULL"
+                and _is_count(rec.get("padded_requests")) and _is_ms(rec.get("device_ms"))
+                and _is_ms(rec.get("period_ms"))):
+            floor.observe(rec["padded_requests"], float(rec["device_ms"]), float(rec["period_ms"]))
+    return floor
+
+
 def decode_step_costs(method: str | None, candidates: Sequence[int],
                       tables: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]],
                       source: str = "") -> StepCostTable:
@@ -513,8 +525,9 @@ class HostFloor:
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         top = len(self._bucket_of) - 1
-        parts = [f"{1 << b}-{min((2 << b) - 1, top)} requests {ms:.1f} ms"
-                 for b, ms in enumerate(self.floor_ms) if self.steps[b] and ms > 0]
+        spans = [(1 << b, min((2 << b) - 1, top)) for b in range(len(self.floor_ms))]
+        parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
+                 for (lo, hi), n, ms in zip(spans, self.steps, self.floor_ms) if n and ms > 0]
         return "host floor a step: " + ", ".join(parts) if parts else ""
 
 
@@ -602,10 +615,12 @@ def chooser_for_plan(costs: StepCostTable, plan) -> TierChooser:
     return TierChooser(costs, cfg.tier_candidates, cfg.max_num_seqs, reach or None)
 
 
-def render_choice(chooser: TierChooser, choice: TierChoice) -> str:
-    """``plan --auto-tiers``' text: the acceptance and tokens per step per K, then per tier the expected tokens/s of
-    every K at the tier's ends, the chosen one marked."""
-    lines = ["acceptance per draft position: " + ", ".join(f"{p:.3f}" for p in choice.acceptance),
+def render_choice(chooser: TierChooser, choice: TierChoice, host_floor: str = "") -> str:
+    """``plan --auto-tiers``' text: the host floor the choice weighed (``HostFloor.describe``, if any), the acceptance
+    and tokens per step per K, then per tier the expected tokens/s of every K at the tier's ends, the chosen one
+    marked."""
+    host = [f"{host_floor} (each K's step weighed no shorter)"] if host_floor else []
+    lines = host + ["acceptance per draft position: " + ", ".join(f"{p:.3f}" for p in choice.acceptance),
              "expected tokens a step: " + ", ".join(f"K={k}: {expected_tokens(choice.acceptance, k):.3f}"
                                                     for k in chooser.candidates)]
     missing = [k for k in chooser.candidates if not chooser.reach[k]]
