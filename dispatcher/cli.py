@@ -162,8 +162,8 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
                           "reach": {str(k): v for k, v in chooser.reach.items()},
                           "ranges": [{**r, "tokens_per_s": {str(k): v for k, v in r["tokens_per_s"].items()}}
                                      for r in chooser.explain(choice)],
-                          "graphs": plan.num_graphs,
-                          "host_floor": host.describe() if host is not None else ""}, indent=2 if args.pretty else None))
+                          "graphs": plan.num_graphs, "host_floor": host.describe() if host is not None else ""},
+                         indent=2 if args.pretty else None))
         return 0
     print(f"auto tiers for {cfg.method} K <= {cfg.num_speculative_tokens} at max_num_seqs {cfg.max_num_seqs}, step "
           f"costs {costs.source}; the plan captures {plan.num_graphs} graphs (every candidate K over its reach)")

@@ -365,6 +365,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if not 0 <= args.follow_ups <= len(FOLLOW_UPS):
+        ap.error(f"--follow-ups must be 0..{len(FOLLOW_UPS)} (the distinct follow-up questions), got {args.follow_ups}")
 
     from dispatcher.llm import LLM
     from models.default_model import DEFAULT_MODEL_NAME, default_model_path

@@ -15,9 +15,9 @@ from dispatcher.cli import main
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
-from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, HostFloor,
-                                      MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan, decode_step_costs,
-                                      staircase, trace_step_costs, valley)
+from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, INVALID, STALE_STEPS, SWITCH_IN_STEPS, AutoTiers,
+                                      HostFloor, MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan,
+                                      decode_step_costs, staircase, trace_step_costs, valley)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams
@@ -125,6 +125,29 @@ def test_the_valley_is_the_best_choice_that_falls_then_rises():
         if total(staircase(score)) == best:
             assert valley(score).tolist() == staircase(score).tolist()
     assert valley(np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])).tolist() == [0, 0, 1]
+    for _ in range(300):  # float scores, each K valid up to its reach (INVALID past it), some K everywhere
+        rows, cols = int(rng.integers(2, 4)), int(rng.integers(2, 7))
+        score = rng.random((rows, cols))
+        for i, r in enumerate(rng.integers(1, cols + 1, size=rows)):
+            score[i, r:] = INVALID
+        score[int(rng.integers(rows)), :] = rng.random(cols)
+        got = valley(score)
+        best = max(sum(score[p[j], j] for j in range(cols)) for p in itertools.product(range(rows), repeat=cols)
+                   if is_valley(p))
+        assert sum(score[got[j], j] for j in range(cols)) == pytest.approx(best, abs=1e-12)
+
+
+def test_past_every_ks_reach_the_smallest_k_and_the_valley_before_it_is_kept():
+    """Batch sizes no K's graphs reach get the smallest K (whatever the valley before them chose), and they do not
+    weigh in the choice below them: a host floor from 600 requests up makes K = 3 the choice there, with the graphs
+    reaching 1000 or 1016 requests of 1024 alike."""
+    table = StepCostTable({1: [(1, 2.0), (1024, 4.0)], 4: [(1, 2.5), (1024, 10.0)]})
+    floor = np.zeros(1025)
+    floor[600:] = 9.0
+    for top in (1000, 1016):
+        choice = TierChooser(table, [0, 3], 1024, {0: top, 3: top}).choose([0.5, 0.25, 0.15], floor_ms=floor)
+        assert choice.k_of_batch[600] == 3 and choice.k_of_batch[top] == 3, choice.tiers
+        assert (choice.k_of_batch[top + 1:] == 0).all() and choice.tiers[-1] == (top + 1, 0), choice.tiers
 
 
 # -- acceptance -------------------------------------------------------------------------------------------------
@@ -291,23 +314,30 @@ def test_on_a_host_bound_load_the_auto_tiers_reach_the_best_fixed_k_within_a_rou
 
 
 def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_others():
-    """A step whose period exceeds its device time by more than 15% measures the floor (the first sets it, then an
-    average over DRIFT_MEMORY_STEPS); one that does not pulls it towards its period where the floor is above it and
-    never raises it; invalid times and batch sizes are not kept."""
+    """A step whose period exceeds its device time by more than 15% measures the floor (its period, at most 4x its
+    device time: the mean of the first steps, then an average over DRIFT_MEMORY_STEPS); one that does not pulls it
+    towards its period where the floor is above it and never raises it. A bucket's floor weighs from its fourth
+    host-bound step; before, and where none was measured, the nearest smaller bucket's that weighs (so one stalled
+    step weighs nothing, and a bucket measured lower keeps its own). Invalid times and batch sizes are not kept."""
     floor = HostFloor(TierChooser(SMALL, [0, 1], 8))
     assert not floor.observe(4, 10.0, 11.0) and floor.floor_ms[2] == 0.0  # (bucket 2: 4..7 requests)
     assert floor.observe(4, 10.0, 20.0) and floor.floor_ms[2] == pytest.approx(20.0)
     assert floor.observe(5, 10.0, 36.0) and floor.floor_ms[2] == pytest.approx(28.0)  # (second step: weight 1/2)
+    assert floor.observe(5, 10.0, 500.0) and floor.floor_ms[2] == pytest.approx(32.0)  # (a stall: 4x device, 40)
+    assert not floor.by_batch().any() and floor.describe() == ""  # (three steps: not yet)
+    assert floor.observe(4, 10.0, 32.0) and floor.floor_ms[2] == pytest.approx(32.0)
+    assert floor.by_batch()[4:8] == pytest.approx([32.0] * 4) and floor.by_batch()[1] == 0.0
+    assert floor.by_batch()[8] == pytest.approx(32.0)  # (8 requests, bucket 3, measured nothing: the floor below)
     assert not floor.observe(4, 12.0, 12.0)
-    assert floor.floor_ms[2] == pytest.approx(28.0 + (12.0 - 28.0) / DRIFT_MEMORY_STEPS)
-    assert not floor.observe(4, 30.0, 30.0) and floor.floor_ms[2] < 28.0  # (above the floor: no rise)
+    assert floor.floor_ms[2] == pytest.approx(32.0 + (12.0 - 32.0) / DRIFT_MEMORY_STEPS)
+    assert not floor.observe(4, 40.0, 40.0) and floor.floor_ms[2] < 32.0  # (above the floor: no rise)
     assert not floor.observe(0, 1.0, 5.0) and not floor.observe(9, 1.0, 5.0) and not floor.observe(4, 1.0, float("nan"))
-    assert floor.by_batch()[4:9] == pytest.approx([floor.floor_ms[2]] * 5) and floor.by_batch()[1] == 0.0
-    # (8 requests, bucket 3, measured nothing: the floor below it; once measured lower, still no less than below)
     assert floor.describe() == f"host floor a step: 4-7 requests {floor.floor_ms[2]:.1f} ms"
-    assert HostFloor(TierChooser(SMALL, [0, 1], 8)).describe() == ""
-    assert floor.observe(8, 1.0, 5.0) and floor.floor_ms[3] == pytest.approx(5.0)
-    assert floor.by_batch()[8] == pytest.approx(floor.floor_ms[2])
+    for _ in range(4):
+        assert floor.observe(8, 1.0, 3.0)
+    assert floor.by_batch()[8] == pytest.approx(3.0)  # (measured, lower than below: its own)
+    stalled = HostFloor(TierChooser(SMALL, [0, 1], 8))
+    assert stalled.observe(1, 1.0, 80.0) and not stalled.by_batch().any()  # (one stalled step weighs nothing)
     chooser = TierChooser(SMALL, [0, 1], 8)
     floor_ms = np.full(9, 30.0)  # every step at least 30 ms: the K yielding more tokens wins everywhere
     assert chooser.choose([0.5], floor_ms=floor_ms).tiers == ((1, 1),)

@@ -115,8 +115,35 @@ def test_tiers_follow_fixed_acceptance_as_it_drifts(tmp_path, caplog):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     ks = [r["k"] for r in records]
     assert ks[0] == 3 and ks[-1] == 0
-    # each step's period beside its device time (where it is longer, the GPU waited for the host)
-    assert all(r["period_ms"] > 0 for r in records)
+    # a step queued behind the one before has its period beside its device time (where it is longer, the GPU waited
+    # for the host); the first step, submitted with nothing before it, has none
+    assert "period_ms" not in records[0] and sum("period_ms" in r for r in records) > len(records) // 2
+    assert all(r["period_ms"] > 0 for r in records if "period_ms" in r)
+
+
+def test_a_steps_period_runs_from_the_last_result_when_it_was_queued_behind_it(monkeypatch):
+    """Two deep: a step submitted before the last step's result was taken runs from that result to its own; one
+    submitted after it (the pipeline empty, or synchronous steps) or never recorded has no period, and a failed
+    step's end starts the next one's."""
+    import types
+
+    from dispatcher.engine import engine_core
+
+    clock = iter([5.0, 9.0, 15.0, 24.0, 25.0, 27.0, 30.0])
+    monkeypatch.setattr(engine_core.time, "perf_counter", lambda: next(clock))
+    core = engine_core.EngineCore.__new__(engine_core.EngineCore)
+    core._last_result_at = 0.0
+    step = lambda at: types.SimpleNamespace(submitted_at=at)  # noqa: E731
+    assert core._period_ms(step(1.0)) is None  # (A: the first, nothing before it; its result at 5)
+    assert core._period_ms(step(2.0)) == pytest.approx(4000.0)  # (B: queued behind A; 5 -> 9)
+    assert core._period_ms(step(6.0)) == pytest.approx(6000.0)  # (C: queued behind B; 9 -> 15)
+    assert core._period_ms(step(20.0)) is None  # (D: submitted after C's result, 15)
+    assert core._period_ms(step(0.0)) is None  # (E: not recorded)
+    core.scheduler = types.SimpleNamespace(fail_step=lambda out, later: [])
+    core.structured = types.SimpleNamespace(remove=lambda rid: None, step_failed=lambda message: None)
+    core._held, core._parked, core._prompt_logprobs = {}, {}, {}
+    core.fail_step(types.SimpleNamespace(out=None, message=None))  # (failed at 27)
+    assert core._period_ms(step(26.0)) == pytest.approx(3000.0)  # (27 -> 30)
 
 
 def test_measured_step_costs_are_kept_and_reused(tmp_path, monkeypatch):
@@ -181,7 +208,8 @@ def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
 
 def test_served_decode_steps_feed_the_tiers_cost_ratios_unless_a_table_was_given(tmp_path):
     """Without a given table the tiers weigh the served uniform decodes' time against their step costs (ratios
-    kept for the K in force) and their periods (the host's floor); with ``spec_cost_table`` the table is taken as it is."""
+    kept for the K in force) and their periods (the host's floor); with ``spec_cost_table`` the table is taken as it
+    is."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
@@ -191,8 +219,9 @@ def test_served_decode_steps_feed_the_tiers_cost_ratios_unless_a_table_was_given
     served.auto_tiers.observe_step = lambda *args: seen.append(args) or observe(*args)
     served.generate(prompts, params)
     assert served.auto_tiers.costs.steps.sum() > 0
-    # each with its period (its result after the one before: at least its own device time, the host's part too)
-    assert seen and all(period is not None and period > 0 for _, _, _, period in seen)
+    # with its period where it was queued behind the step before (its result after that one's), None where not
+    periods = [period for _, _, _, period in seen]
+    assert seen and any(p is not None for p in periods) and all(p > 0 for p in periods if p is not None)
     given = make_engine(spec, spec_cost_table=write_table(tmp_path / "cost.json", {1: [[1, 5.0], [4, 5.0]],
                                                                                  2: [[1, 6.0], [4, 6.0]],
                                                                                  3: [[1, 7.0], [4, 7.0]]}))

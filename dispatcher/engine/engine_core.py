@@ -227,9 +227,9 @@ class EngineCore:
             if curve is not None:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.auto_tiers: autotier.AutoTiers | None = None
-        self._last_result_at = 0.0
-        """When the last step's result was taken (``finish``): the next one's period starts there."""
         """``"auto"`` speculative tiers: the decision and its state (None with fixed K or hand-written tiers)."""
+        self._last_result_at = 0.0
+        """When the last step's result was taken (``finish``, ``fail_step``): the next one's period starts there."""
         self.tier_version = 0
         """Counts the tier changes (``"auto"``), so that a caller can tell when to report them."""
         if cfg.auto_tiers:
@@ -366,6 +366,7 @@ class EngineCore:
         """A step the worker failed: ``Scheduler.fail_step`` (its requests and those sharing a block it registered
         end, and the other choices held for a first choice among them), their grammars dropped, and the grammars it
         sent taken as not received (sent again when needed). Returns the ids of the requests it ends."""
+        self._last_result_at = time.perf_counter()
         ids = self.scheduler.fail_step(step.out, later)
         for rid in list(ids):
             ids += [r.request_id for r in self._held.pop(rid, ((), None))[0]]
@@ -480,13 +481,15 @@ class EngineCore:
         return model_result(result, step.out)
 
     def _period_ms(self, step: ScheduledStep) -> float | None:
-        """The step's period: from the later of its submission and the last step's result to its own result (where
-        results come back to back, the pace the whole pipeline kept, host and device); None when its submission
-        was not recorded."""
+        """The step's period: from the last step's result to its own, the pace the whole pipeline kept, host and
+        device, where it was submitted before that result was taken (queued behind it: its host work overlapped the
+        last step's); None otherwise (submitted after it, the pipeline empty or synchronous: its period would add the
+        host's work to the device's, not overlap them) or where its submission was not recorded."""
         now = time.perf_counter()
-        start = max(self._last_result_at, step.submitted_at)
+        queued = 0.0 < step.submitted_at < self._last_result_at
+        period_ms = (now - self._last_result_at) * 1e3 if queued else None
         self._last_result_at = now
-        return (now - start) * 1e3 if step.submitted_at else None
+        return period_ms
 
     def execute(self, step: ScheduledStep) -> ModelResult:
         self.submit(step)

@@ -73,6 +73,11 @@ STALE_STEPS = 256
 """A bucket nothing was served at in this many steps has an old drift: the next step re-anchors it."""
 COST_RATIO_BOUNDS = (0.25, 8.0)
 """A served step's ratio to its table cost is clipped to these (a step that waited for a kernel's compile)."""
+HOST_FLOOR_MIN_STEPS = 4
+"""Host-bound steps a bucket needs before its floor weighs (one stalled step, a collection or a burst of
+admissions, is no pace)."""
+HOST_FLOOR_MAX_RATIO = 4.0
+"""A host-bound step's period weighs at most this many times its device time."""
 HOST_BOUND_SLACK = 0.15
 """A served step whose period (its result after the one before) exceeds its device time by more than this share
 waited on the host side: its period is what the host needs a step (``HostFloor``)."""
@@ -305,8 +310,7 @@ def valley(score: np.ndarray) -> np.ndarray:
     fall, down = _staircase(score)
     up = _staircase(score[:, ::-1])[1]  # up[j]: the last j columns, never falling
     totals = down + up[::-1]  # split m: columns :m fall, m: rise
-    top = totals.max()
-    m = int(np.nonzero(totals >= top - 1e-9 * max(1.0, abs(top)))[0][-1])
+    m = int(np.nonzero(totals >= totals.max() - 1e-9 * max(1, width))[0][-1])  # (scores are at most ~1 a column)
     if m == width:
         return fall
     return np.concatenate((staircase(score[:, :m]), staircase(score[:, m:][:, ::-1])[::-1]))
@@ -382,8 +386,10 @@ class TierChooser:
             rows = cur_i[cols]
             ok = np.isfinite(tps[rows, cols])
             score[rows[ok], cols[ok]] *= 1.0 + hysteresis
-        k_of = np.empty(self.max_num_seqs + 1, np.int64)
-        k_of[1:] = np.array(self.candidates)[valley(score[:, 1:])]
+        k_of = np.full(self.max_num_seqs + 1, self.fallback, np.int64)  # (past every K's reach: the smallest K)
+        reach = int(np.nonzero(np.isfinite(tps).any(axis=0))[0].max(initial=0))
+        if reach:
+            k_of[1:reach + 1] = np.array(self.candidates)[valley(score[:, 1:reach + 1])]
         k_of[0] = k_of[1] if self.max_num_seqs >= 1 else 0
         return TierChoice(merge_tiers(k_of), k_of, tuple(float(p) for p in acceptance), cost_ratio, floor_ms)
 
@@ -488,11 +494,14 @@ class HostFloor:
     GPU was busy 56% of a run without drafting), a step's period, its result after the one before, is longer than
     its device time, and a K that drafts more costs less than its device time says: its steps hide behind the
     host's and yield more tokens each. A step whose period exceeds its device time by more than
-    ``HOST_BOUND_SLACK`` measures the floor (an exponential average over ``DRIFT_MEMORY_STEPS``, the first such step
-    setting it); any other step only bounds it (the floor moves, by the same average, towards its period where it
-    was above it), so that where the device sets the pace the floor stays below every step and weighs nothing. The floor is the same for every K (the host's work a step does not depend much on
-    how many tokens each request drafted), so a K never served at a host-bound bucket is weighed at its device cost
-    or the floor, whichever is longer."""
+    ``HOST_BOUND_SLACK`` measures the floor (its period, at most ``HOST_FLOOR_MAX_RATIO`` times its device time: the
+    plain mean of the first ``DRIFT_MEMORY_STEPS`` such steps, then an exponential average over as many); any other
+    step only bounds it (the floor moves, by the same average, towards its period where it was above it), so that
+    where the device sets the pace the floor stays below every step and weighs nothing. A bucket's floor weighs once
+    ``HOST_FLOOR_MIN_STEPS`` host-bound steps measured it; one that has none yet starts from the nearest smaller
+    bucket's that weighs (the host's work a step grows with its requests). The floor is the same for every K (the
+    host's work a step does not depend much on how many tokens each request drafted), so a K never served at a
+    host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
     def __init__(self, chooser: TierChooser):
         buckets = max(1, int(chooser.max_num_seqs).bit_length())
@@ -513,21 +522,29 @@ class HostFloor:
             return False
         self.steps[b] += 1
         weight = max(1.0 / self.steps[b], 1.0 / DRIFT_MEMORY_STEPS)
-        self.floor_ms[b] += (period_ms - self.floor_ms[b]) * weight
+        self.floor_ms[b] += (min(period_ms, device_ms * HOST_FLOOR_MAX_RATIO) - self.floor_ms[b]) * weight
         return True
 
+    def by_bucket(self) -> np.ndarray:
+        """Each bucket's floor as it weighs: its own once HOST_FLOOR_MIN_STEPS host-bound steps measured it, else the
+        nearest smaller bucket's that weighs (a bucket the batch has just reached starts from the floor below it),
+        else 0."""
+        out = np.zeros_like(self.floor_ms)
+        below = 0.0
+        for b, (ms, n) in enumerate(zip(self.floor_ms, self.steps)):
+            below = out[b] = ms if n >= HOST_FLOOR_MIN_STEPS else below
+        return out
+
     def by_batch(self) -> np.ndarray:
-        """(0..max_num_seqs,) each batch size's floor: its bucket's, and no less than any smaller bucket's (the host's
-        work a step grows with the requests in it), so a bucket the batch has just reached starts from the floor
-        measured below it."""
-        return np.maximum.accumulate(self.floor_ms)[self._bucket_of]
+        """(0..max_num_seqs,) each batch size's floor, its bucket's (``by_bucket``)."""
+        return self.by_bucket()[self._bucket_of]
 
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         top = len(self._bucket_of) - 1
         spans = [(1 << b, min((2 << b) - 1, top)) for b in range(len(self.floor_ms))]
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
-                 for (lo, hi), n, ms in zip(spans, self.steps, self.floor_ms) if n and ms > 0]
+                 for (lo, hi), n, ms in zip(spans, self.steps, self.floor_ms) if n >= HOST_FLOOR_MIN_STEPS and ms > 0]
         return "host floor a step: " + ", ".join(parts) if parts else ""
 
 
@@ -538,8 +555,8 @@ class AutoTiers:
     def __init__(self, chooser: TierChooser, prior: Sequence[float], interval: int = RECHOOSE_INTERVAL_STEPS,
                  hysteresis: float = HYSTERESIS, prior_weight: float = PRIOR_WEIGHT,
                  half_life_steps: float = WINDOW_HALF_LIFE_STEPS, served_costs: bool = True):
-        """``served_costs``: weigh the served steps' cost against the table's (``observe_step``); False takes the
-        table as it is (a table a user gave)."""
+        """``served_costs``: weigh the served steps' cost against the table's and their periods (``observe_step``);
+        False takes the table as it is, with no host floor (a table a user gave: the choice follows it alone)."""
         if interval < 1:
             raise ValueError(f"auto tiers: the re-choice interval must be >= 1 step, got {interval}")
         self.chooser, self.prior = chooser, tuple(prior)
