@@ -1,8 +1,9 @@
 """bf16 ``F.linear`` against the FP8 GEMM paths at bench-dense's projection shapes (Llama-3.2-1B: qkv, o, gate_up,
 down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--quantization fp8`` runs: per-token
-activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), and the per-token
-activation quantization alone. Each is timed as a CUDA graph of 20 calls replayed 50 times, the median of 5, in us a
-call. GPU only.
+activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), the per-token
+activation quantization alone, and ``fp8_unit_then_scale`` (the tensor-wise GEMM with unit scales, then the
+per-token and per-channel scales multiplied in: not measured yet). Each is timed as a CUDA graph of 20 calls replayed
+50 times, the median of 5, in us a call. GPU only.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
 """
@@ -62,7 +63,17 @@ def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, flo
         "fp8_tensor": timed_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                         out_dtype=torch.bfloat16)),
         "quant_rows": timed_us(lambda: quantize_rows(x)),
+        "fp8_unit_then_scale": timed_us(lambda: unit_then_scale(xq, xs, wq, ws)),
     }
+
+
+def unit_then_scale(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The per-token x per-channel product as cuBLASLt's tensor-wise FP8 GEMM with unit scales (bf16 out: |values|
+    up to 448^2 x K fit), then the per-token and the per-channel scales, two multiplies: whether scaling after a
+    fast GEMM (an epilogue a consumer kernel could take over) beats the row-wise GEMM at these shapes."""
+    one = torch.ones(1, device=xq.device)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return y.mul_(xs).mul_(ws.view(1, -1))
 
 
 def main() -> None:
