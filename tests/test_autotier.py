@@ -624,7 +624,8 @@ def test_plan_auto_tiers_over_step_traces_weighs_the_host_floor_their_periods_gi
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "auto_tier_candidates": [0, 3],
                        "num_speculative_tokens_per_batch_size": "auto"})
     tiers = {}
-    for name, records in (("device", steps), ("host", steps + host_bound * 4)):
+    junk = [dict(steps[-1], period_ms=p) for p in ("slow", -7.5, None, float("inf"))]  # (not periods: skipped)
+    for name, records in (("device", steps + junk), ("host", steps + host_bound * 4)):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path),
