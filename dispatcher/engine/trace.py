@@ -51,8 +51,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     in the cache: the step computes the rest); ``"fused": true`` when the whole step ran as one graph
     (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
     because they were not captured yet (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``,
-    ``"draft_next"``: that forward ran eagerly); ``period_ms``, the step's result after the last one's (from its
-    submission where that came later): above ``device_ms``, the GPU waited for the host."""
+    ``"draft_next"``: that forward ran eagerly); ``period_ms``, the step's result after the last one's where it was
+    queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host."""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
