@@ -347,6 +347,12 @@ class TierChooser:
                 self.ms[i, 1 : top + 1] = costs.ms(n[1 : top + 1], 1 + k)
         self.valid = np.isfinite(self.ms)
         self._n = n
+        self.num_buckets = max(1, int(max_num_seqs).bit_length())
+        """Batch-size buckets the served costs are kept by (``MeasuredCosts``, ``HostFloor``): bucket b holds the
+        padded request counts of bit length b + 1 (1, 2-3, 4-7, ...), the last one everything above."""
+        self.bucket_of = np.zeros(max_num_seqs + 1, np.int64)
+        """Each batch size's bucket (entry 0 unused)."""
+        self.bucket_of[1:] = [min(int(n).bit_length() - 1, self.num_buckets - 1) for n in range(1, max_num_seqs + 1)]
 
     def throughput(self, acceptance: Sequence[float], cost_ratio: np.ndarray | None = None,
                    floor_ms: np.ndarray | None = None) -> np.ndarray:
@@ -430,7 +436,7 @@ class MeasuredCosts:
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
         self.index = {k: i for i, k in enumerate(chooser.candidates)}
-        buckets = max(1, int(chooser.max_num_seqs).bit_length())
+        buckets = chooser.num_buckets
         self.own = np.ones((len(chooser.candidates), buckets))
         self.drift = np.ones(buckets)
         self.steps = np.zeros((len(chooser.candidates), buckets), np.int64)
@@ -439,8 +445,7 @@ class MeasuredCosts:
         self._clock = 0
         self._seen = np.full((len(chooser.candidates), buckets), -(1 << 40))
         """The clock (observed steps) at each (K, bucket)'s last step."""
-        self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
-        self._bucket_of[1:] = [min(int(n).bit_length() - 1, buckets - 1) for n in range(1, chooser.max_num_seqs + 1)]
+        self._bucket_of = chooser.bucket_of
 
     @property
     def ratio(self) -> np.ndarray:
@@ -504,12 +509,10 @@ class HostFloor:
     host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
     def __init__(self, chooser: TierChooser):
-        buckets = max(1, int(chooser.max_num_seqs).bit_length())
-        self.floor_ms = np.zeros(buckets)
-        self.steps = np.zeros(buckets, np.int64)
+        self.floor_ms = np.zeros(chooser.num_buckets)
+        self.steps = np.zeros(chooser.num_buckets, np.int64)
         """Host-bound steps observed per bucket."""
-        self._bucket_of = np.zeros(chooser.max_num_seqs + 1, np.int64)
-        self._bucket_of[1:] = [min(int(n).bit_length() - 1, buckets - 1) for n in range(1, chooser.max_num_seqs + 1)]
+        self._bucket_of = chooser.bucket_of
 
     def observe(self, num_reqs: int, device_ms: float, period_ms: float) -> bool:
         """One served step of ``num_reqs`` (padded) requests: True when its period measured the floor (host-bound),
