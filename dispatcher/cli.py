@@ -141,20 +141,18 @@ def auto_config(args: argparse.Namespace):
 
 def _plan_auto_tiers(args: argparse.Namespace) -> int:
     """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
-    from dispatcher.engine.cost import load_step_costs
-    from dispatcher.engine.trace import read_traces
+    from dispatcher.engine.cost import read_step_costs
     from dispatcher.plan.acceptance import acceptance_profile
     from dispatcher.plan.autotier import chooser_for_plan, render_choice, trace_host_floor
 
     cfg = auto_config(args)
     plan = build_plan(cfg)
-    costs = load_step_costs(args.auto_tiers)
+    costs, records = read_step_costs(args.auto_tiers)
     acceptance = (cfg.acceptance_prior if args.acceptance is None
                   else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
     chooser = chooser_for_plan(costs, plan)
-    host = None  # (step traces: the served steps' periods give the host floor, as the engine weighs it)
-    if args.auto_tiers.endswith(".jsonl"):
-        host = trace_host_floor(read_traces(args.auto_tiers, "--auto-tiers"), chooser)
+    # (step traces: the served steps' periods give the host floor, as the engine weighs it)
+    host = trace_host_floor(records, chooser) if records is not None else None
     choice = chooser.choose(acceptance, floor_ms=host.by_batch() if host is not None else None)
     if args.json:
         print(json.dumps({"tiers": choice.as_config(), "acceptance": list(acceptance),

@@ -232,9 +232,16 @@ def load_cost_table(path: str, model: str | None = None) -> StepCostModel:
 def load_step_costs(path: str, flag: str = "--auto-tiers") -> "autotier.StepCostTable":
     """A step-cost table file (``autotier.StepCostTable``'s JSON), or step traces (``.jsonl``, several joined by
     commas). Here, not in the pure ``dispatcher.plan``: reading traces is the engine's."""
-    if path.endswith(".jsonl"):
-        table = autotier.trace_step_costs(read_traces(path, flag), f"{flag}: {path!r}")
+    return read_step_costs(path, flag)[0]
+
+
+def read_step_costs(path: str, flag: str = "--auto-tiers") -> tuple["autotier.StepCostTable", list | None]:
+    """``load_step_costs``' table and, from step traces, their records (None from a table file), for what else the
+    traces tell (``autotier.trace_host_floor``) without reading them again."""
+    records = read_traces(path, flag) if path.endswith(".jsonl") else None
+    if records is not None:
+        table = autotier.trace_step_costs(records, f"{flag}: {path!r}")
     else:
         table = autotier.StepCostTable.from_json(load_json_file(path, flag), f"{flag}: {path!r}")
     table.source = path
-    return table
+    return table, records
