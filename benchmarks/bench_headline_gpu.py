@@ -70,6 +70,8 @@ POLICIES = {
     "trtllm": {"decode_cudagraph_capture_request_sizes": [1, 2, 4] + list(range(8, 129, 8)),
                "prefill_cudagraph_capture_token_sizes": [], "max_decode_cudagraph_capture_tokens": None},
 }
+POLICIES["separate-full-mixed"] = {"max_full_mixed_cudagraph_capture_tokens": 512}
+"""Separate grids with mixed steps of up to 512 tokens on FULL graphs (attention inside: one launch a step)."""
 POLICIES["vllm-default-twin"] = dict(POLICIES["vllm-default"])
 POLICIES["separate-sglang-prefill"] = {"prefill_cudagraph_capture_token_sizes":
                                        POLICIES["sglang"]["prefill_cudagraph_capture_token_sizes"]}

@@ -185,6 +185,39 @@ def test_full_mode_token_graphs_generate_as_eager():
     assert full.generate(prompts, params) == eager.generate(prompts, params)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_full_mixed_graphs_generate_as_piecewise_with_an_eagle3_head(device, tmp_path):
+    """max_full_mixed_cudagraph_capture_tokens: mixed steps up to the cap replay FULL graphs over tokens, for the
+    target and the EAGLE-3 head's step 0, larger ones PIECEWISE; uniform decodes keep their fused FULL graphs; and
+    greedy speculative generation gives the tokens the PIECEWISE engine gives (on the GPU: under CUDA graphs)."""
+    import dataclasses
+    import json
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from scheduler.request import SamplingParams
+    from test_runtime import random_prompts
+
+    args = EngineArgs(preset("tiny-dense"), num_kv_blocks=300, block_size=8, max_model_len=160, device=device)
+    cc = dict(platform="sm100", max_num_seqs=8, max_num_batched_tokens=256)
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    prompts = random_prompts(10, 4, vocab=300) + [list(range(5, 105))]  # (a 100-token prompt: above the cap)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    trace = tmp_path / "trace.jsonl"
+    on = EngineCore(resolve({"max_full_mixed_cudagraph_capture_tokens": 64}, spec, **cc),
+                    dataclasses.replace(args, step_trace=str(trace)))
+    off = EngineCore(resolve({}, spec, **cc), args)
+    assert on.generate(prompts, params) == off.generate(prompts, params)
+    on.close()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    mixed = {(r["mode"], r["graph"][0] if r["graph"] else None, r["tokens"] <= 64) for r in steps
+             if r["kind"] == "mixed"}
+    assert ("FULL", "full", True) in mixed and ("PIECEWISE", "piecewise", False) in mixed
+    assert {m for m in mixed if m[2]} == {("FULL", "full", True)}  # (every mixed step within the cap)
+    assert any(r["kind"] == "mixed" and r["mode"] == "FULL" and r["draft"][0]["graph"][0] == "full" for r in steps)
+
+
 @pytest.mark.parametrize("contexts, rows", [((37, 37, 37), [0, 1, 2]), ((37, 37), [1, 0]), ((12, 30), [0, 1]),
                                             ((20, 20, -1), [0, 1, 0])])
 def test_cpu_attention_matches_the_reference(contexts, rows):

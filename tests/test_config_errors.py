@@ -51,8 +51,8 @@ BAD = [
      "--compilation-config: unknown field 'max_prefill_cudagraph_capture_token' (did you mean "
      "'max_prefill_cudagraph_capture_tokens'?); known fields: cudagraph_mode, max_prefill_cudagraph_capture_tokens, "
      "prefill_cudagraph_capture_token_sizes, max_decode_cudagraph_capture_requests, "
-     "decode_cudagraph_capture_request_sizes, max_decode_cudagraph_capture_tokens, interactivity, "
-     "cudagraph_capture_sizes, max_cudagraph_capture_size, delayed_cudagraph_capture, fit_cudagraph_capture_sizes"),
+     "decode_cudagraph_capture_request_sizes, max_decode_cudagraph_capture_tokens, "
+     "max_full_mixed_cudagraph_capture_tokens, interactivity, cudagraph_capture_sizes, max_cudagraph_capture_size, delayed_cudagraph_capture, fit_cudagraph_capture_sizes"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
      "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max, "
@@ -151,6 +151,18 @@ BAD = [
     ({"decode_cudagraph_capture_request_sizes": []}, AV5, {},
      "adaptive_verification needs FULL varlen graphs, capped at the decode cap times (1 + K), but "
      "decode_cudagraph_capture_request_sizes is []: give it sizes or set adaptive_verification to false"),
+    # FULL mixed graphs
+    ({"max_full_mixed_cudagraph_capture_tokens": -8}, None, {},
+     "max_full_mixed_cudagraph_capture_tokens must be >= 1, got -8"),
+    ({"max_full_mixed_cudagraph_capture_tokens": "256"}, None, {},
+     "max_full_mixed_cudagraph_capture_tokens must be an integer, got '256' (str)"),
+    ({"max_full_mixed_cudagraph_capture_tokens": 256, "cudagraph_mode": "PIECEWISE"}, None, {},
+     "max_full_mixed_cudagraph_capture_tokens = 256 needs cudagraph_mode FULL_AND_PIECEWISE, got PIECEWISE (FULL "
+     "already runs every mixed step in a FULL graph; the others capture no token-keyed FULL graphs): set it to 0 or "
+     "change the mode"),
+    ({"max_full_mixed_cudagraph_capture_tokens": 4, "prefill_cudagraph_capture_token_sizes": [16, 64]}, None, {},
+     "max_full_mixed_cudagraph_capture_tokens = 4 covers no size of the prefill grid (its smallest is 16): FULL "
+     "mixed graphs take the prefill grid's sizes up to it"),
     # engine limits
     ({}, None, {"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ({}, None, {"max_num_batched_tokens": "8k"}, "max_num_batched_tokens must be an integer, got '8k' (str)"),

@@ -1,5 +1,6 @@
 """Property tests (hypothesis): over random configurations and batches, dispatch picks the smallest covering
-graph of the batch's kind, never a FULL graph for a mixed batch, and never a decode graph over the budget."""
+graph of the batch's kind, never a FULL graph for a mixed batch but a token-keyed one (mode FULL's, or FULL mixed
+graphs below the PIECEWISE ones), and never a decode graph over the budget."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def configs(draw, methods=METHODS, ks=(0, 1, 2, 3, 5, 7, 15)):
         cc["max_decode_cudagraph_capture_tokens"] = budget
     mode = draw(st.sampled_from(MODES))
     cc["cudagraph_mode"] = mode
+    if mode == "FULL_AND_PIECEWISE" and sizing in ("default", "caps") and draw(st.booleans()):
+        cc["max_full_mixed_cudagraph_capture_tokens"] = draw(st.sampled_from([1, 8, 200, 512, 16384]))
     if spec and mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY") and sizing != "empty" and draw(st.booleans()):
         spec["adaptive_verification"] = True
     limits = dict(platform=platform, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
@@ -81,6 +84,11 @@ def target_of(cfg):
 
 
 def expected_by_tokens(sets, mode_full, num_tokens, max_num_batched_tokens):
+    """By tokens: FULL mixed graphs first where FULL_AND_PIECEWISE has them (max_full_mixed_...), else the mode's
+    token set."""
+    full_mixed = smallest_at_least(sets.get((FULL, None), ()), num_tokens) if (PIECEWISE, None) in sets else None
+    if full_mixed is not None and num_tokens <= max_num_batched_tokens:
+        return (FULL, full_mixed)
     kind = FULL if mode_full else PIECEWISE
     padded = smallest_at_least(sets.get((kind, None), ()), num_tokens) if num_tokens <= max_num_batched_tokens else None
     return (kind, padded)
@@ -126,7 +134,7 @@ def test_mixed_batch_never_gets_a_decode_graph(cfg, data):
     desc = d.dispatch(num_tokens, num_reqs, num_tokens - num_reqs + 1, False)
     assert desc.kind == MIXED
     mode_full = cfg.cudagraph_mode.value == "FULL"
-    if not mode_full:
+    if not mode_full and not cfg.full_mixed_token_sizes:
         assert desc.mode != "FULL"
     kind, padded = expected_by_tokens(sets, mode_full, num_tokens, cfg.max_num_batched_tokens)
     if padded is None:
@@ -157,8 +165,8 @@ def test_adaptive_verification_gets_smallest_varlen_graph(cfg, data):
     if padded is not None:
         assert desc.mode == "FULL" and desc.num_tokens == padded and desc.graph == (av[0], None, padded)
         assert desc.num_reqs >= len(lens)
-    else:
-        assert desc.mode != "FULL"
+    else:  # by tokens: FULL only on a token-keyed FULL graph (mode FULL's, or a FULL mixed one)
+        assert desc.mode != "FULL" or desc.graph.kind == FULL
 
 
 @SETTINGS

@@ -142,3 +142,19 @@ def test_sm100_defaults_capture_fewer_graphs_than_main_and_reach_further():
     assert main[("target", FULL_DECODE, 8)] == (80, 128) and new[("target", FULL_DECODE, 8)] == (48, 512)
     assert main[("target", PIECEWISE, None)] == (83, 1024) and new[("target", PIECEWISE, None)] == (39, 8192)
     assert build_plan(cfg).num_graphs < baseline_plan(cfg).num_graphs
+
+
+def test_full_mixed_graphs_mirror_the_prefill_grid_up_to_their_cap_for_the_target_and_step_0():
+    """max_full_mixed_cudagraph_capture_tokens: the target and an EAGLE head's step 0 (which mirrors it) capture
+    FULL graphs at the prefill grid's sizes up to the cap, beside their PIECEWISE sets; the one-token steps, the
+    decode graphs and vLLM's shared list are unchanged; 0 (the default) captures none."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    off = build_plan(resolve({}, spec, **SM100))
+    on = build_plan(resolve({"max_full_mixed_cudagraph_capture_tokens": 256}, spec, **SM100))
+    grid = next(g.sizes for g in off.graph_sets if g.kind == PIECEWISE)
+    full = {g.runner: g.sizes for g in on.graph_sets if g.kind == FULL}
+    assert full == {"target": tuple(s for s in grid if s <= 256), "eagle3": tuple(s for s in grid if s <= 256)}
+    assert [g for g in on.graph_sets if g.kind != FULL] == list(off.graph_sets)
+    assert baseline_plan(on.config).graph_sets == baseline_plan(off.config).graph_sets
+    assert on.config.to_dict()["max_full_mixed_cudagraph_capture_tokens"] == 256
+    assert resolve({"max_full_mixed_cudagraph_capture_tokens": 0}, spec, **SM100).full_mixed_token_sizes == ()

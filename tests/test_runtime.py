@@ -65,10 +65,14 @@ def run_both(rt, dispatcher, host, is_decode, q):
     return desc, replayed, eager
 
 
+@pytest.mark.parametrize("full_mixed", [0, 16], ids=["piecewise-mixed", "full-mixed"])
 @pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
-def test_every_kind_matches_eager_on_cpu(model_name):
+def test_every_kind_matches_eager_on_cpu(model_name, full_mixed):
+    """Every graph kind's replay gives the eager forward's rows: FULL decode, adaptive verification, PIECEWISE
+    mixed, and with max_full_mixed_cudagraph_capture_tokens the mixed step in a FULL graph over tokens."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": True}
-    cfg, rt, disp = make_runtime(model_name, "cpu", torch.float32, {}, spec)
+    cc = {"max_full_mixed_cudagraph_capture_tokens": full_mixed}
+    cfg, rt, disp = make_runtime(model_name, "cpu", torch.float32, cc, spec)
     seen = set()
     for num_reqs, q, decode in [(3, 4, True), (7, 4, True), (5, 1, True), (2, 8, False), (13, 4, True)]:
         host = decode_batch(rt, num_reqs, q, ctx=11)
@@ -82,7 +86,8 @@ def test_every_kind_matches_eager_on_cpu(model_name):
     desc, replayed, eager = run_both(rt, disp, host, True, 3)
     seen.add((desc.kind, desc.mode))
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
-    assert {("uniform_decode", "FULL"), ("mixed", "PIECEWISE"), ("adaptive_verification", "FULL")} <= seen
+    mixed = ("mixed", "FULL") if full_mixed else ("mixed", "PIECEWISE")
+    assert {("uniform_decode", "FULL"), mixed, ("adaptive_verification", "FULL")} <= seen
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

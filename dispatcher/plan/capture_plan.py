@@ -21,7 +21,8 @@ FULL_DECODE = "full_decode"
 FULL_VARLEN = "full_varlen"
 """Tokens. The whole forward for an adaptive-verification step (per-request query lengths 1..1 + K)."""
 FULL = "full"
-"""Tokens. cudagraph_mode FULL: the whole forward for every batch, on the prefill grid."""
+"""Tokens. The whole forward on the prefill grid: every batch in cudagraph_mode FULL; in FULL_AND_PIECEWISE the
+mixed steps up to max_full_mixed_cudagraph_capture_tokens (beside the PIECEWISE set, which takes larger ones)."""
 
 KIND_UNIT = {PIECEWISE: "tokens", FULL_DECODE: "requests", FULL_VARLEN: "tokens", FULL: "tokens"}
 FUSED_STEP = "step"
@@ -205,6 +206,13 @@ def _token_sets(cfg: ResolvedConfig, runner: str, sizes: tuple[int, ...] | None 
     return [GraphSet(runner, kind, None, sizes, ((1, cfg.max_num_batched_tokens),))] if kind else []
 
 
+def _full_mixed_sets(cfg: ResolvedConfig, runner: str) -> list[GraphSet]:
+    """FULL_AND_PIECEWISE with ``max_full_mixed_cudagraph_capture_tokens``: FULL graphs over the prefill grid's
+    sizes up to it, for the mixed steps they cover (``Dispatcher.dispatch``)."""
+    sizes = cfg.full_mixed_token_sizes
+    return [GraphSet(runner, FULL, None, sizes, ((1, sizes[-1]),))] if sizes else []
+
+
 def build_plan(cfg: ResolvedConfig) -> CapturePlan:
     """Graph sets per runner (SPEC section 4 table). Empty sets are kept, so that a disabled kind shows."""
     mode = cfg.cudagraph_mode
@@ -213,7 +221,7 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
         return CapturePlan(cfg, ())
     target_q = lambda t: 1 + t.num_speculative_tokens  # noqa: E731
     # Target
-    sets += _token_sets(cfg, "target")
+    sets += _token_sets(cfg, "target") + _full_mixed_sets(cfg, "target")
     if mode.has_full_decode:
         sets += _decode_sets(cfg, "target", target_q)
         if cfg.adaptive_verification:
@@ -222,7 +230,7 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
     method = cfg.method
     if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target (every step, a K = 0 tier's
         # too: its KV follows the target's, runtime/drafting.py), then one-token steps where a tier drafts
-        sets += _token_sets(cfg, method)
+        sets += _token_sets(cfg, method) + _full_mixed_sets(cfg, method)
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, target_q)
         one_token = _one_token_tiers(cfg)

@@ -87,6 +87,11 @@ class CompilationConfig:
     max_decode_cudagraph_capture_tokens: Any = UNSET
     """Tokens. Capture uniform decode only when n * q <= this budget (q = 1 included); ``null`` means no
     budget. Adaptive verification is exempt. Default: 4096 on sm100, none elsewhere."""
+    max_full_mixed_cudagraph_capture_tokens: Any = UNSET
+    """Tokens (0: off, the default). In FULL_AND_PIECEWISE, mixed and prefill steps of up to this many tokens replay
+    FULL graphs over the prefill grid's sizes up to it (attention inside the graph: one launch a step, where a
+    PIECEWISE step launches a graph and an attention call per layer), larger ones PIECEWISE graphs as before. Meant
+    for small models and low concurrency, where a mixed step's launches, not its kernels, set its time."""
     interactivity: Any = UNSET
     """Bool. Adds every token count up to 32 to the prefill grid (65 sizes at 8192)."""
     cudagraph_capture_sizes: Any = UNSET
@@ -253,6 +258,9 @@ class ResolvedConfig:
     one_token_request_sizes: tuple[int, ...] | None = None
     """The one-token draft steps' own request grid (up to max_num_seqs) when fitted (the decode curve at q = 1);
     None: the default decode grid."""
+    full_mixed_token_sizes: tuple[int, ...] = ()
+    """``max_full_mixed_cudagraph_capture_tokens``: the prefill sizes up to it, captured FULL for mixed steps too
+    (empty: off)."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -300,6 +308,8 @@ class ResolvedConfig:
             "interactivity": self.interactivity,
             "max_prefill_cudagraph_capture_tokens": self.max_prefill_tokens,
             "prefill_cudagraph_capture_token_sizes": list(self.prefill_token_sizes),
+            "max_full_mixed_cudagraph_capture_tokens": self.full_mixed_token_sizes[-1]
+            if self.full_mixed_token_sizes else 0,
             "max_decode_cudagraph_capture_requests": self.max_decode_requests,
             "decode_cudagraph_capture_request_sizes": list(self.decode_request_sizes)
             if self.decode_request_sizes is not None
@@ -481,6 +491,7 @@ def resolve(
         max_prefill_tokens=sizing.max_prefill_tokens,
         prefill_token_sizes=prefill_sizes,
         max_decode_requests=max_decode,
+        full_mixed_token_sizes=_full_mixed_sizes(cc, mode, prefill_sizes),
         decode_request_sizes=dec.request_sizes,
         decode_token_sizes=dec.token_sizes,
         decode_sizes_explicit=cc.decode_cudagraph_capture_request_sizes is not UNSET,
@@ -635,6 +646,24 @@ def _resolve_auto(sc: SpeculativeConfig, k_max: int) -> dict[str, Any]:
     prior = DEFAULT_ACCEPTANCE_RATE if sc.acceptance_prior is UNSET else sc.acceptance_prior
     return {"auto_tiers": True, "tier_candidates": candidates,
             "acceptance_prior": acceptance_profile(prior, k_max, "acceptance_prior")}
+
+
+def _full_mixed_sizes(cc, mode: CUDAGraphMode, prefill_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """``max_full_mixed_cudagraph_capture_tokens``: the prefill sizes up to it (FULL graphs for mixed steps)."""
+    name, cap = "max_full_mixed_cudagraph_capture_tokens", cc.max_full_mixed_cudagraph_capture_tokens
+    if cap is UNSET or (_is_int(cap) and cap == 0):
+        return ()
+    cap = _positive_int(name, cap)
+    if mode is not CUDAGraphMode.FULL_AND_PIECEWISE:
+        raise ConfigError(f"{name} = {cap} needs cudagraph_mode FULL_AND_PIECEWISE, got {mode.value} (FULL already "
+                          f"runs every mixed step in a FULL graph; the others capture no token-keyed FULL graphs): "
+                          f"set it to 0 or change the mode")
+    sizes = tuple(s for s in prefill_sizes if s <= cap)
+    if not sizes:
+        first = f"its smallest is {prefill_sizes[0]}" if prefill_sizes else "it is empty"
+        raise ConfigError(f"{name} = {cap} covers no size of the prefill grid ({first}): FULL mixed graphs take "
+                          f"the prefill grid's sizes up to it")
+    return sizes
 
 
 def _resolve_legacy(cc, max_num_seqs, max_num_batched_tokens, interactivity, warn):

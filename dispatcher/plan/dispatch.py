@@ -10,7 +10,8 @@ every request is a decode) and gets back a frozen BatchDescriptor:
 - adaptive verification (a decode step whose requests verify different numbers of drafts): the FULL varlen
   graph of the smallest size >= the step's tokens; else PIECEWISE by tokens; else eager.
 - mixed / prefill: the PIECEWISE graph of the smallest size >= tokens (FULL on the same grid in mode FULL);
-  else eager.
+  else eager. With ``max_full_mixed_cudagraph_capture_tokens`` (FULL_AND_PIECEWISE), every step that runs by
+  tokens first takes the FULL graph of the smallest size >= tokens up to that cap.
 
 Padding: padded rows write their KV to slot -1 and are never sampled; padded requests have sequence length 0.
 """
@@ -96,10 +97,15 @@ class Dispatcher:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         sets = list(graph_sets)
-        token_sets = [g for g in sets if g.kind in (PIECEWISE, FULL)]
-        assert len(token_sets) <= 1, "a runner has one token-keyed graph set"
-        self._token_kind = token_sets[0].kind if token_sets else None
-        token_sizes = token_sets[0].sizes if token_sets else ()
+        by_kind = {g.kind: g for g in sets if g.kind in (PIECEWISE, FULL)}
+        assert len(by_kind) == len([g for g in sets if g.kind in (PIECEWISE, FULL)]), "one token set of each kind"
+        main = by_kind.get(PIECEWISE, by_kind.get(FULL))
+        self._token_kind = main.kind if main else None
+        token_sizes = main.sizes if main else ()
+        full_mixed = by_kind.get(FULL) if self._token_kind == PIECEWISE else None
+        self._full_below = _padding_table(full_mixed.sizes, max_num_batched_tokens) if full_mixed else None
+        """FULL_AND_PIECEWISE with FULL mixed graphs: by tokens, the FULL graph that covers a step (0: none), tried
+        before the PIECEWISE ones."""
         # Graphs can be wider than the batch limits (a budget-derived size); tables stop at the limits.
         self._token_pad = _padding_table(token_sizes, max_num_batched_tokens)
         self._token_mode = MODE_FULL if self._token_kind == FULL else MODE_PIECEWISE
@@ -119,8 +125,15 @@ class Dispatcher:
 
     # -- precomputation ----------------------------------------------------------------------------------
     def _by_tokens(self, kind: str, num_tokens: int, num_reqs: int, q: int | None) -> BatchDescriptor:
-        """Token-keyed fallback: PIECEWISE (or FULL in mode FULL) when a graph covers, else eager."""
+        """By tokens: a FULL mixed graph when one covers (FULL_AND_PIECEWISE with
+        max_full_mixed_cudagraph_capture_tokens), else PIECEWISE (FULL in mode FULL) when a graph covers, else
+        eager."""
         padded = self._token_pad[num_tokens] if num_tokens <= self.max_num_batched_tokens else 0
+        if self._full_below is not None and num_tokens <= self.max_num_batched_tokens:
+            full = self._full_below[num_tokens]
+            if full:
+                return _new(BatchDescriptor, (MODE_FULL, kind, full, min(full, self.max_num_seqs), q,
+                                              GraphKey(FULL, None, full)))
         if not padded:
             return _new(BatchDescriptor, (MODE_EAGER, kind, num_tokens, num_reqs, q, None))
         if self._token_kind == FULL:
@@ -183,10 +196,7 @@ class Dispatcher:
             if found is not None:
                 return found
             return _new(BatchDescriptor, (MODE_EAGER, MIXED, num_tokens, num_reqs, None, None))
-        padded = self._token_pad[num_tokens]
-        if padded:
-            return _new(BatchDescriptor, (MODE_PIECEWISE, MIXED, padded, num_reqs, None, self._token_keys[padded]))
-        return _new(BatchDescriptor, (MODE_EAGER, MIXED, num_tokens, num_reqs, None, None))
+        return self._by_tokens(MIXED, num_tokens, num_reqs, None)
 
     def dispatch_query_lens(self, query_lens: list[int], is_decode: bool) -> BatchDescriptor:
         """Convenience for tests and tools: dispatch from per-request query lengths."""
