@@ -52,7 +52,8 @@ BAD = [
      "'max_prefill_cudagraph_capture_tokens'?); known fields: cudagraph_mode, max_prefill_cudagraph_capture_tokens, "
      "prefill_cudagraph_capture_token_sizes, max_decode_cudagraph_capture_requests, "
      "decode_cudagraph_capture_request_sizes, max_decode_cudagraph_capture_tokens, "
-     "max_full_mixed_cudagraph_capture_tokens, interactivity, cudagraph_capture_sizes, max_cudagraph_capture_size, delayed_cudagraph_capture, fit_cudagraph_capture_sizes"),
+     "max_full_mixed_cudagraph_capture_tokens, interactivity, cudagraph_capture_sizes, max_cudagraph_capture_size, "
+     "delayed_cudagraph_capture, fit_cudagraph_capture_sizes"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 1}, {},
      "--speculative-config: unknown field 'temperature'; known fields: method, num_speculative_tokens, "
      "num_speculative_tokens_per_batch_size, adaptive_verification, model, prompt_lookup_min, prompt_lookup_max, "
