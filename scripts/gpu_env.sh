@@ -1,7 +1,10 @@
 # Sourced by the GPU scripts on the device machine: the repository and benchmarks/ importable, unbuffered output,
-# and the carried wheels (.whl: msgspec, pyzmq, gguf, missing there) installed into /tmp/site.
+# and the carried wheels (.whl: msgspec, pyzmq, gguf, missing there) installed into /tmp/site (a later call of the same
+# lease, which cannot carry them beside a GGUF piece, finds them there).
 export PYTHONPATH=.:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
+elif [ -d /tmp/site ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
