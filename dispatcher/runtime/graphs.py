@@ -47,7 +47,7 @@ programmatic launches at 256 tokens, the fused MoE's limit of 1024), and the ste
 
 CAP_FIELD = {
     PIECEWISE: "max_prefill_cudagraph_capture_tokens",
-    FULL: "max_prefill_cudagraph_capture_tokens",
+    FULL: "max_prefill_cudagraph_capture_tokens (mode FULL) or max_full_mixed_cudagraph_capture_tokens",
     FULL_DECODE: "max_decode_cudagraph_capture_requests (or max_decode_cudagraph_capture_tokens)",
     FULL_VARLEN: "max_decode_cudagraph_capture_requests (the adaptive-verification cap is it times 1 + K)",
 }
