@@ -15,7 +15,9 @@ from dispatcher.cli import main
 from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
-from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, INVALID, STALE_STEPS, SWITCH_IN_STEPS, AutoTiers,
+from dispatcher.plan import autotier
+from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, STALE_STEPS, SWITCH_IN_STEPS,
+                                      AutoTiers,
                                       HostFloor, MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan,
                                       decode_step_costs, staircase, trace_step_costs, valley)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
@@ -338,6 +340,17 @@ def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_other
     assert floor.by_batch()[8] == pytest.approx(3.0)  # (measured, lower than below: its own)
     stalled = HostFloor(TierChooser(SMALL, [0, 1], 8))
     assert stalled.observe(1, 1.0, 80.0) and not stalled.by_batch().any()  # (one stalled step weighs nothing)
+    paced = HostFloor(TierChooser(SMALL, [0, 1], 8))  # (bucket 2: four stragglers, then steps the device paced)
+    for _ in range(4):
+        assert paced.observe(4, 10.0, 20.0)
+    assert paced.by_batch()[4] == pytest.approx(20.0) and paced.share[2] == 1.0
+    for _ in range(8):  # above the floor, paced by the device: no test of it, the share stays
+        assert not paced.observe(4, 25.0, 25.0)
+    assert paced.share[2] == 1.0 and paced.by_batch()[4] == pytest.approx(20.0)
+    for _ in range(8):  # below the floor and paced by the device: the floor was no pace, it stops weighing
+        assert not paced.observe(4, 12.0, 12.0)
+    assert paced.share[2] < 0.5 and paced.floor_ms[2] > 12.0
+    assert paced.by_batch()[4] == 0.0 and paced.describe() == ""
     chooser = TierChooser(SMALL, [0, 1], 8)
     floor_ms = np.full(9, 30.0)  # every step at least 30 ms: the K yielding more tokens wins everywhere
     assert chooser.choose([0.5], floor_ms=floor_ms).tiers == ((1, 1),)
@@ -682,3 +695,34 @@ def test_a_k_never_served_that_drafts_more_is_weighed_at_the_served_ks_factor():
     assert auto.costs.ratio[:, 4] == pytest.approx([2.0, 2.0])  # (bucket 4: 16..31 requests)
     assert auto.choice.k_of_batch[16] == 3
     assert with_k0.ratio[:, 4] == pytest.approx([1.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("min_share, want", [(None, 3), (0.0, 5)], ids=["floor-off", "stragglers-as-floor"])
+def test_stragglers_where_the_device_sets_the_pace_make_no_host_floor(monkeypatch, min_share, want):
+    """At 16 streams of the default model on the H200 (GPU busy 94%) auto tiers chose K = 5 and ran 0.96x of K = 3:
+    the few steps that waited on the host (arrivals, the front ends' bursts) measured a floor about K = 5's own step
+    time, which cost K = 3 as much as K = 5. Here K = 3 yields 13% more tokens a ms than K = 5 on the device, and
+    one step in twelve straggles to 2.5 ms: the floor is measured (the stragglers' periods) but does not weigh (most
+    steps that tested it were paced by the device), and K = 3 runs. Weighing the stragglers' floor (a minimum share
+    of 0, as before) chooses K = 5."""
+    if min_share is not None:
+        monkeypatch.setattr(autotier, "HOST_BOUND_MIN_SHARE", min_share)
+    table = StepCostTable({1: [(1, 1.04), (64, 1.04)], 4: [(1, 1.36), (64, 1.36)], 6: [(1, 1.7), (64, 1.7)]})
+    cumulative = [0.65, 0.40, 0.27, 0.16, 0.09]  # (1 + their sums: 2.32 tokens a step at K = 3, 2.57 at K = 5)
+    given = np.array([cumulative[0]] + [cumulative[j] / cumulative[j - 1] for j in range(1, 5)])
+    auto = AutoTiers(TierChooser(table, [0, 3, 5], 64), cumulative, interval=16)
+    rng = np.random.default_rng(0)
+    accepted, reached = [0] * 5, [0] * 5
+    for step in range(800):
+        k = int(auto.choice.k_of_batch[16])
+        ok = np.cumprod(rng.random((16, k)) < given[:k], axis=1)
+        for j in range(k):
+            reached[j] += int(ok[:, j - 1].sum()) if j else 16
+            accepted[j] += int(ok[:, j].sum())
+        device_ms = table.ms(16, 1 + k)
+        auto.observe_step(16, 1 + k, device_ms, 2.5 if step % 12 == 0 else device_ms)
+        auto.observe(accepted, reached)
+    assert auto.choice.k_of_batch[16] == want
+    bucket = auto.chooser.bucket_of[16]
+    assert auto.host.steps[bucket] >= HOST_FLOOR_MIN_STEPS and auto.host.floor_ms[bucket] > 1.36
+    assert (auto.host.by_batch()[16] == 0) == (min_share is None)

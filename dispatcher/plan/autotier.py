@@ -78,6 +78,12 @@ HOST_FLOOR_MIN_STEPS = 4
 admissions, is no pace)."""
 HOST_FLOOR_MAX_RATIO = 4.0
 """A host-bound step's period weighs at most this many times its device time."""
+HOST_BOUND_MIN_SHARE = 0.5
+"""A bucket's floor weighs only while at least this share of the steps that tested it was host-bound (an average
+over DRIFT_MEMORY_STEPS steps; a step tests the floor when it was host-bound or its device time was below the
+floor): where the device sets the pace of most steps, the stragglers that waited on the host measure a floor about
+the running K's own step time, and weighing it would cost a shorter K as much as the running one (at 16 streams of
+the default model on the H200, GPU busy 94%, auto tiers chose K = 5 over K = 3 and ran 0.96x of it)."""
 HOST_BOUND_SLACK = 0.15
 """A served step whose period (its result after the one before) exceeds its device time by more than this share
 waited on the host side: its period is what the host needs a step (``HostFloor``)."""
@@ -503,8 +509,9 @@ class HostFloor:
     plain mean of the first ``DRIFT_MEMORY_STEPS`` such steps, then an exponential average over as many); any other
     step only bounds it (the floor moves, by the same average, towards its period where it was above it), so that
     where the device sets the pace the floor stays below every step and weighs nothing. A bucket's floor weighs once
-    ``HOST_FLOOR_MIN_STEPS`` host-bound steps measured it; one that has none yet starts from the nearest smaller
-    bucket's that weighs (the host's work a step grows with its requests). The floor is the same for every K (the
+    ``HOST_FLOOR_MIN_STEPS`` host-bound steps measured it, and while at least ``HOST_BOUND_MIN_SHARE`` of its recent
+    steps are host-bound (a bucket the device mostly paces has none); one that has no steps measured yet starts from
+    the nearest smaller bucket's that weighs (the host's work a step grows with its requests). The floor is the same for every K (the
     host's work a step does not depend much on how many tokens each request drafted), so a K never served at a
     host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
@@ -512,6 +519,12 @@ class HostFloor:
         self.floor_ms = np.zeros(chooser.num_buckets)
         self.steps = np.zeros(chooser.num_buckets, np.int64)
         """Host-bound steps observed per bucket."""
+        self.tested = np.zeros(chooser.num_buckets, np.int64)
+        """Steps per bucket that tested its floor: host-bound ones, and those the device paced although their device
+        time was below the floor (had the floor been the host's pace, they would have waited for it)."""
+        self.share = np.zeros(chooser.num_buckets)
+        """Per bucket, the host-bound share of the steps that tested its floor (the mean of the first
+        DRIFT_MEMORY_STEPS, then an exponential average over as many)."""
         self._bucket_of = chooser.bucket_of
 
     def observe(self, num_reqs: int, device_ms: float, period_ms: float) -> bool:
@@ -520,7 +533,11 @@ class HostFloor:
         if not (1 <= num_reqs < len(self._bucket_of) and _is_ms(device_ms) and _is_ms(period_ms)):
             return False
         b = self._bucket_of[num_reqs]
-        if period_ms <= device_ms * (1.0 + HOST_BOUND_SLACK):  # (the floor is at most this period)
+        host_bound = period_ms > device_ms * (1.0 + HOST_BOUND_SLACK)
+        if host_bound or device_ms < self.floor_ms[b]:  # (a step above the floor that the device paced says nothing)
+            self.tested[b] += 1
+            self.share[b] += (host_bound - self.share[b]) * max(1.0 / self.tested[b], 1.0 / DRIFT_MEMORY_STEPS)
+        if not host_bound:  # (the floor is at most this period)
             self.floor_ms[b] += (min(self.floor_ms[b], period_ms) - self.floor_ms[b]) / DRIFT_MEMORY_STEPS
             return False
         self.steps[b] += 1
@@ -529,13 +546,17 @@ class HostFloor:
         return True
 
     def by_bucket(self) -> np.ndarray:
-        """Each bucket's floor as it weighs: its own once HOST_FLOOR_MIN_STEPS host-bound steps measured it, else the
-        nearest smaller bucket's that weighs (a bucket the batch has just reached starts from the floor below it),
-        else 0."""
+        """Each bucket's floor as it weighs: before HOST_FLOOR_MIN_STEPS host-bound steps measured it, the nearest
+        smaller bucket's that weighs (a bucket the batch has just reached starts from the floor below it), else 0;
+        after, its own while at least HOST_BOUND_MIN_SHARE of the steps that tested it were host-bound, else 0 (the
+        device paces the bucket: its host-bound steps were stragglers)."""
         out = np.zeros_like(self.floor_ms)
         below = 0.0
-        for b, (ms, n) in enumerate(zip(self.floor_ms, self.steps)):
-            below = out[b] = ms if n >= HOST_FLOOR_MIN_STEPS else below
+        for b, (ms, n, share) in enumerate(zip(self.floor_ms, self.steps, self.share)):
+            if n < HOST_FLOOR_MIN_STEPS:
+                out[b] = below
+            elif share >= HOST_BOUND_MIN_SHARE:
+                below = out[b] = ms
         return out
 
     def by_batch(self) -> np.ndarray:
@@ -546,8 +567,10 @@ class HostFloor:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         top = len(self._bucket_of) - 1
         spans = [(1 << b, min((2 << b) - 1, top)) for b in range(len(self.floor_ms))]
+        weighs = self.by_bucket()
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
-                 for (lo, hi), n, ms in zip(spans, self.steps, self.floor_ms) if n >= HOST_FLOOR_MIN_STEPS and ms > 0]
+                 for (lo, hi), n, ms, w in zip(spans, self.steps, self.floor_ms, weighs)
+                 if n >= HOST_FLOOR_MIN_STEPS and ms > 0 and w == ms]
         return "host floor a step: " + ", ".join(parts) if parts else ""
 
 
