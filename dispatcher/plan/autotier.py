@@ -509,11 +509,11 @@ class HostFloor:
     plain mean of the first ``DRIFT_MEMORY_STEPS`` such steps, then an exponential average over as many); any other
     step only bounds it (the floor moves, by the same average, towards its period where it was above it), so that
     where the device sets the pace the floor stays below every step and weighs nothing. A bucket's floor weighs once
-    ``HOST_FLOOR_MIN_STEPS`` host-bound steps measured it, and while at least ``HOST_BOUND_MIN_SHARE`` of its recent
-    steps are host-bound (a bucket the device mostly paces has none); one that has no steps measured yet starts from
-    the nearest smaller bucket's that weighs (the host's work a step grows with its requests). The floor is the same for every K (the
-    host's work a step does not depend much on how many tokens each request drafted), so a K never served at a
-    host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
+    ``HOST_FLOOR_MIN_STEPS`` host-bound steps measured it, and while at least ``HOST_BOUND_MIN_SHARE`` of the steps
+    that tested it were host-bound (a bucket the device mostly paces has none: its stragglers are no pace); before,
+    the nearest smaller bucket's that weighs (the host's work a step grows with its requests). The floor is the same
+    for every K (the host's work a step does not depend much on how many tokens each request drafted), so a K never
+    served at a host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
     def __init__(self, chooser: TierChooser):
         self.floor_ms = np.zeros(chooser.num_buckets)
