@@ -13,7 +13,10 @@
    (renormalized) as soft labels; step k feeds the head's own output of step k - 1 and attends over step 0's keys
    causally plus its own earlier steps' keys at the same position (SpecForge's cached-attention TTT), loss weights
    0.8^k over response tokens whose target token is in the draft vocabulary. AdamW, warm-up then cosine decay, for
-   ``--train-seconds``.
+   ``--train-seconds``. ``--validation-prompts N --validate-seconds S``: the first N training prompts are kept out
+   (answered greedily and once sampled), the head is measured on them every S seconds and at the end, and the best
+   by step-weighted top-1 agreement is kept (the head overfits 450 prompts: held-out top-1 0.64 against 0.72 on
+   its training data); the held-out prompts stay untouched for the measure.
 4. **Measure**: per-step top-1 agreement on held-out sequences; then the saved head served by twogrid (greedy, K in
    ``--eval-k``) on the held-out prompts: mean acceptance length and per-position acceptance, and how many outputs
    equal the greedy output without speculation.
@@ -248,7 +251,14 @@ def build_head(target, draft_ids: torch.Tensor, device) -> EagleHead:
     return head
 
 
-def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
+def validation_score(acc: list[float]) -> float:
+    """A head's validation top-1 agreement per TTT step, weighed as the loss weighs the steps (LOSS_DECAY ** k)."""
+    return sum(a * LOSS_DECAY ** k for k, a in enumerate(acc))
+
+
+def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs=()) -> dict:
+    """``val_seqs`` with ``args.validate_seconds`` > 0: every that many seconds the head's agreement on them is
+    measured, and the head that scored best (``validation_score``) is the one kept, the last one included."""
     aux_layers = head.shape.aux_layers
     in_draft = torch.zeros(target.cfg.vocab_size, dtype=torch.bool, device=device)
     in_draft[draft_ids] = True
@@ -257,12 +267,27 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
     rng = random.Random(args.seed)
     start, step, history = time.time(), 0, []
     epoch = 0
+    every = getattr(args, "validate_seconds", 0.0) if val_seqs else 0.0
+    validation, kept = [], None  # (kept: (score, step, the parameters on the CPU) of the best head so far)
+
+    def validate() -> None:
+        nonlocal kept
+        acc = evaluate(head, target, val_seqs, draft_ids, in_draft, args, device)
+        validation.append({"step": step, "seconds": round(time.time() - start, 1), "acc": acc})
+        log(f"validation at step {step}: {' '.join(f'{a:.3f}' for a in acc)}")
+        if kept is None or validation_score(acc) > kept[0]:
+            kept = (validation_score(acc), step, {k: v.detach().cpu().clone() for k, v in head.state_dict().items()})
+
+    next_check = every
     while time.time() - start < args.train_seconds:
         epoch += 1
         for batch in batches(train_seqs, args.tokens_per_batch, rng):
             elapsed = time.time() - start
             if elapsed >= args.train_seconds:
                 break
+            if every and elapsed >= next_check:
+                validate()
+                next_check = elapsed + every
             warm = min(1.0, (step + 1) / 50)
             progress = min(1.0, elapsed / args.train_seconds)
             for g in opt.param_groups:
@@ -283,8 +308,14 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device) -> dict:
                 history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": value,
                                 "acc": [round(a, 4) for a in acc]})
                 log(f"step {step} epoch {epoch} loss {value:.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
-    return {"steps": step, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history,
-            "held_out_acc": evaluate(head, target, held_seqs, draft_ids, in_draft, args, device)}
+    report = {"steps": step, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history}
+    if every:
+        validate()  # (the last head competes too)
+        head.load_state_dict(kept[2])
+        report.update(validation=validation, kept_step=kept[1])
+        log(f"kept the head of step {kept[1]} (validation score {kept[0]:.4f})")
+    report["held_out_acc"] = evaluate(head, target, held_seqs, draft_ids, in_draft, args, device)
+    return report
 
 
 @torch.no_grad()
@@ -361,12 +392,19 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--tokens-per-batch", type=int, default=32768)
     ap.add_argument("--train-seconds", type=float, default=240)
+    ap.add_argument("--validation-prompts", type=int, default=0, help="training prompts kept out of training to choose "
+                    "the head by (with --validate-seconds)")
+    ap.add_argument("--validate-seconds", type=float, default=0.0, help="measure the head on the validation prompts "
+                    "this often and keep the best (0: keep the last)")
     ap.add_argument("--eval-k", default="3")
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not 0 <= args.follow_ups <= len(FOLLOW_UPS):
         ap.error(f"--follow-ups must be 0..{len(FOLLOW_UPS)} (the distinct follow-up questions), got {args.follow_ups}")
+    if args.validation_prompts < 0 or args.validate_seconds < 0 or bool(args.validation_prompts) != bool(
+            args.validate_seconds):
+        ap.error("--validation-prompts N and --validate-seconds S go together, both > 0 (or both 0: keep the last head)")
 
     from dispatcher.llm import LLM
     from models.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -384,7 +422,12 @@ def main() -> None:
 
     t1 = time.time()
     temps = tuple(float(t) for t in args.temperatures.split(","))
+    val_ids, train_ids = train_ids[:args.validation_prompts], train_ids[args.validation_prompts:]
+    train_prompts = train_prompts[args.validation_prompts:]
+    if args.validation_prompts and not train_ids:
+        ap.error(f"--validation-prompts {args.validation_prompts} leaves no training prompt")
     train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed, temps)
+    val_seqs = generate(llm, val_ids, 2, args.max_tokens, args.seed + 2) if val_ids else []
     if args.follow_ups:
         greedy = [s[n:] for s, n in train_seqs[:len(train_ids)]]  # (sample 0 of every prompt: greedy)
         second = follow_up_ids(llm.tokenizer, train_prompts, greedy, args.follow_ups, limit)
@@ -400,12 +443,12 @@ def main() -> None:
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage:.4f} of the response tokens "
         f"({len(counts)} distinct)")
     report["data"] = {"source": os.path.basename(args.data), "train_prompts": len(train_ids),
-                      "held_out_prompts": len(held_ids), "train_sequences": len(train_seqs),
+                      "validation_prompts": len(val_ids), "held_out_prompts": len(held_ids), "train_sequences": len(train_seqs),
                       "train_response_tokens": gen_tokens, "distinct_response_tokens": len(counts),
                       "draft_vocab_coverage": round(coverage, 4), "generate_seconds": round(time.time() - t1, 1)}
 
     head = build_head(target, draft_ids, device)
-    report["training"] = train(head, target, train_seqs, held_seqs, draft_ids, args, device)
+    report["training"] = train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs)
     log(f"held-out top-1 agreement per step: {report['training']['held_out_acc']}")
     head_dir = os.path.join(args.out, "head")
     save_eagle3_head(head, head_dir, extra_config={"twogrid_provenance": {

@@ -373,3 +373,34 @@ def test_the_trainer_learns_a_targets_continuations(target):
     report = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
     assert report["steps"] >= 20 and report["history"][-1]["loss"] < report["history"][0]["loss"]
     assert report["held_out_acc"][0] > before[0] + 0.3, (before, report["held_out_acc"])
+
+
+def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(target):
+    """``--validation-prompts N --validate-seconds S``: the head is measured on prompts kept out of training every S
+    seconds and at the end, and the one that scored best (top-1 agreement per TTT step weighed as the loss weighs
+    them) is the head the trainer returns, whichever step it came from."""
+    import argparse
+
+    spec = importlib.util.spec_from_file_location("train_eagle3", os.path.join(
+        os.path.dirname(__file__), "..", "scripts", "train_eagle3.py"))
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, TARGET.vocab_size, 6)] for _ in range(14)]
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)
+    outs = EngineCore(cfg, EngineArgs(TARGET, num_kv_blocks=64, block_size=16, max_model_len=128)).generate(
+        prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    seqs = [(p + o, len(p)) for p, o in zip(prompts, outs)]
+    train_seqs, val_seqs = seqs[:10], seqs[10:]
+    draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
+    head = trainer.build_head(target, draft_ids, torch.device("cpu"))
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=6.0, seed=0, validate_seconds=1.5)
+    report = trainer.train(head, target, train_seqs, val_seqs, draft_ids, args, torch.device("cpu"), val_seqs)
+    checks = report["validation"]
+    assert len(checks) >= 3 and checks[0]["step"] < checks[-1]["step"] == report["steps"]
+    best = max(checks, key=lambda c: trainer.validation_score(c["acc"]))
+    assert report["kept_step"] == best["step"]
+    assert report["held_out_acc"] == best["acc"]  # (held out = the validation prompts here: the kept head's scores)
+    in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
+    in_draft[draft_ids] = True
+    assert trainer.evaluate(head, target, val_seqs, draft_ids, in_draft, args, torch.device("cpu")) == best["acc"]
