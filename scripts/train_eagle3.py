@@ -404,7 +404,8 @@ def main() -> None:
         ap.error(f"--follow-ups must be 0..{len(FOLLOW_UPS)} (the distinct follow-up questions), got {args.follow_ups}")
     if args.validation_prompts < 0 or args.validate_seconds < 0 or bool(args.validation_prompts) != bool(
             args.validate_seconds):
-        ap.error("--validation-prompts N and --validate-seconds S go together, both > 0 (or both 0: keep the last head)")
+        ap.error("--validation-prompts N and --validate-seconds S go together, both > 0 "
+                 "(or both 0: keep the last head)")
 
     from dispatcher.llm import LLM
     from models.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -443,7 +444,8 @@ def main() -> None:
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage:.4f} of the response tokens "
         f"({len(counts)} distinct)")
     report["data"] = {"source": os.path.basename(args.data), "train_prompts": len(train_ids),
-                      "validation_prompts": len(val_ids), "held_out_prompts": len(held_ids), "train_sequences": len(train_seqs),
+                      "validation_prompts": len(val_ids), "held_out_prompts": len(held_ids),
+                      "train_sequences": len(train_seqs),
                       "train_response_tokens": gen_tokens, "distinct_response_tokens": len(counts),
                       "draft_vocab_coverage": round(coverage, 4), "generate_seconds": round(time.time() - t1, 1)}
 
