@@ -348,21 +348,27 @@ def test_random_eagle3_heads_read_three_target_features(target):
     assert target.rotary.cos.dtype == torch.float32 and head.rotary is target.rotary
 
 
+def _trainer_and_continuations(seed: int, num_prompts: int):
+    """scripts/train_eagle3.py as a module, and the tiny target's greedy continuations of random prompts, as the
+    trainer takes them ((token ids, prompt length) each)."""
+    spec = importlib.util.spec_from_file_location("train_eagle3", os.path.join(
+        os.path.dirname(__file__), "..", "scripts", "train_eagle3.py"))
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, TARGET.vocab_size, 6)] for _ in range(num_prompts)]
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)
+    outs = EngineCore(cfg, EngineArgs(TARGET, num_kv_blocks=64, block_size=16, max_model_len=128)).generate(
+        prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    return trainer, [(p + o, len(p)) for p, o in zip(prompts, outs)]
+
+
 def test_the_trainer_learns_a_targets_continuations(target):
     """scripts/train_eagle3.py's loop on the tiny target: after a few hundred steps over the target's own greedy
     continuations, the head's first draft agrees with the target's greedy token far more often than at the start."""
     import argparse
 
-    spec = importlib.util.spec_from_file_location("train_eagle3", os.path.join(
-        os.path.dirname(__file__), "..", "scripts", "train_eagle3.py"))
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(3, TARGET.vocab_size, 6)] for _ in range(12)]
-    cfg = resolve({}, None, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)
-    outs = EngineCore(cfg, EngineArgs(TARGET, num_kv_blocks=64, block_size=16, max_model_len=128)).generate(
-        prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-    seqs = [(p + o, len(p)) for p, o in zip(prompts, outs)]
+    trainer, seqs = _trainer_and_continuations(5, 12)
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
     args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=0.0, seed=0)
@@ -381,16 +387,7 @@ def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(t
     them) is the head the trainer returns, whichever step it came from."""
     import argparse
 
-    spec = importlib.util.spec_from_file_location("train_eagle3", os.path.join(
-        os.path.dirname(__file__), "..", "scripts", "train_eagle3.py"))
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
-    rng = np.random.default_rng(7)
-    prompts = [[int(t) for t in rng.integers(3, TARGET.vocab_size, 6)] for _ in range(14)]
-    cfg = resolve({}, None, platform="sm100", max_num_seqs=16, max_num_batched_tokens=256)
-    outs = EngineCore(cfg, EngineArgs(TARGET, num_kv_blocks=64, block_size=16, max_model_len=128)).generate(
-        prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-    seqs = [(p + o, len(p)) for p, o in zip(prompts, outs)]
+    trainer, seqs = _trainer_and_continuations(7, 14)
     train_seqs, val_seqs = seqs[:10], seqs[10:]
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
