@@ -97,26 +97,24 @@ class Dispatcher:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         sets = list(graph_sets)
-        by_kind = {g.kind: g for g in sets if g.kind in (PIECEWISE, FULL)}
-        assert len(by_kind) == len([g for g in sets if g.kind in (PIECEWISE, FULL)]), "one token set of each kind"
-        main = by_kind.get(PIECEWISE, by_kind.get(FULL))
-        self._token_kind = main.kind if main else None
-        token_sizes = main.sizes if main else ()
-        full_mixed = by_kind.get(FULL) if self._token_kind == PIECEWISE else None
-        self._full_below = _padding_table(full_mixed.sizes, max_num_batched_tokens) if full_mixed else None
-        """FULL_AND_PIECEWISE with FULL mixed graphs: by tokens, the FULL graph that covers a step (0: none), tried
-        before the PIECEWISE ones."""
+        token_sets = [g for g in sets if g.kind in (PIECEWISE, FULL)]
+        by_kind = {g.kind: g for g in token_sets}
+        assert len(by_kind) == len(token_sets), "a runner has one token-keyed graph set of each kind"
+        piecewise, full = by_kind.get(PIECEWISE), by_kind.get(FULL)
+        self._token_kind = PIECEWISE if piecewise else FULL if full else None
         # Graphs can be wider than the batch limits (a budget-derived size); tables stop at the limits.
-        self._token_pad = _padding_table(token_sizes, max_num_batched_tokens)
-        self._token_mode = MODE_FULL if self._token_kind == FULL else MODE_PIECEWISE
-        self._token_keys = {s: GraphKey(self._token_kind, None, s) for s in token_sizes}
+        piecewise_sizes = piecewise.sizes if piecewise else ()
+        self._token_pad = _padding_table(piecewise_sizes, max_num_batched_tokens)
+        self._token_keys = {s: GraphKey(PIECEWISE, None, s) for s in piecewise_sizes}
         varlen = [g for g in sets if g.kind == FULL_VARLEN]
         self._varlen: list[BatchDescriptor] | None = None
         if varlen:
             self._varlen = self._varlen_row(varlen[0].sizes, ADAPTIVE_VERIFICATION)
         elif self._token_kind == FULL:
-            self._varlen = self._varlen_row(token_sizes, ADAPTIVE_VERIFICATION)
-        self._full_mixed = self._varlen_row(token_sizes, MIXED) if self._token_kind == FULL else None
+            self._varlen = self._varlen_row(full.sizes, ADAPTIVE_VERIFICATION)
+        self._full_tokens = self._varlen_row(full.sizes, MIXED) if full else None
+        """FULL graphs by tokens, tried before the PIECEWISE ones: every batch's in mode FULL, the mixed steps' up to
+        max_full_mixed_cudagraph_capture_tokens in FULL_AND_PIECEWISE."""
         decode_sizes = {g.q: g.sizes for g in sets if g.kind == FULL_DECODE}
         self._varlen_for_uniform = bool(varlen)
         self._uniform: dict[int, list[BatchDescriptor]] = {}
@@ -125,20 +123,16 @@ class Dispatcher:
 
     # -- precomputation ----------------------------------------------------------------------------------
     def _by_tokens(self, kind: str, num_tokens: int, num_reqs: int, q: int | None) -> BatchDescriptor:
-        """By tokens: a FULL mixed graph when one covers (FULL_AND_PIECEWISE with
-        max_full_mixed_cudagraph_capture_tokens), else PIECEWISE (FULL in mode FULL) when a graph covers, else
-        eager."""
-        padded = self._token_pad[num_tokens] if num_tokens <= self.max_num_batched_tokens else 0
-        if self._full_below is not None and num_tokens <= self.max_num_batched_tokens:
-            full = self._full_below[num_tokens]
-            if full:
-                return _new(BatchDescriptor, (MODE_FULL, kind, full, min(full, self.max_num_seqs), q,
-                                              GraphKey(FULL, None, full)))
-        if not padded:
-            return _new(BatchDescriptor, (MODE_EAGER, kind, num_tokens, num_reqs, q, None))
-        if self._token_kind == FULL:
-            num_reqs = min(padded, self.max_num_seqs)
-        return _new(BatchDescriptor, (self._token_mode, kind, padded, num_reqs, q, self._token_keys[padded]))
+        """By tokens: a FULL graph over tokens when one covers (mode FULL's, or FULL_AND_PIECEWISE's FULL mixed
+        graphs), else PIECEWISE when a graph covers, else eager."""
+        if num_tokens <= self.max_num_batched_tokens:
+            full = self._full_tokens[num_tokens] if self._full_tokens is not None else None
+            if full is not None:
+                return full if kind == MIXED else full._replace(kind=kind, q=q)
+            padded = self._token_pad[num_tokens]
+            if padded:
+                return _new(BatchDescriptor, (MODE_PIECEWISE, kind, padded, num_reqs, q, self._token_keys[padded]))
+        return _new(BatchDescriptor, (MODE_EAGER, kind, num_tokens, num_reqs, q, None))
 
     def _uniform_row(self, q: int, sizes: tuple[int, ...]) -> list[BatchDescriptor]:
         pad = _padding_table(sizes, self.max_num_seqs)
@@ -191,11 +185,6 @@ class Dispatcher:
                 if found is not None:
                     return found
             return self._by_tokens(ADAPTIVE_VERIFICATION, num_tokens, num_reqs, None)
-        if self._full_mixed is not None:
-            found = self._full_mixed[num_tokens]
-            if found is not None:
-                return found
-            return _new(BatchDescriptor, (MODE_EAGER, MIXED, num_tokens, num_reqs, None, None))
         return self._by_tokens(MIXED, num_tokens, num_reqs, None)
 
     def dispatch_query_lens(self, query_lens: list[int], is_decode: bool) -> BatchDescriptor:
