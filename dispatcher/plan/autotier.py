@@ -552,12 +552,17 @@ class HostFloor:
         device paces the bucket: its host-bound steps were stragglers)."""
         out = np.zeros_like(self.floor_ms)
         below = 0.0
-        for b, (ms, n, share) in enumerate(zip(self.floor_ms, self.steps, self.share)):
+        for b, (ms, n, own) in enumerate(zip(self.floor_ms, self.steps, self._own_weighs())):
             if n < HOST_FLOOR_MIN_STEPS:
                 out[b] = below
-            elif share >= HOST_BOUND_MIN_SHARE:
+            elif own:
                 below = out[b] = ms
         return out
+
+    def _own_weighs(self) -> np.ndarray:
+        """Per bucket: its own floor weighs (measured by HOST_FLOOR_MIN_STEPS host-bound steps, and host-bound in
+        HOST_BOUND_MIN_SHARE of the steps that tested it)."""
+        return (self.steps >= HOST_FLOOR_MIN_STEPS) & (self.share >= HOST_BOUND_MIN_SHARE)
 
     def by_batch(self) -> np.ndarray:
         """(0..max_num_seqs,) each batch size's floor, its bucket's (``by_bucket``)."""
@@ -567,10 +572,8 @@ class HostFloor:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         top = len(self._bucket_of) - 1
         spans = [(1 << b, min((2 << b) - 1, top)) for b in range(len(self.floor_ms))]
-        weighs = self.by_bucket()
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
-                 for (lo, hi), n, ms, w in zip(spans, self.steps, self.floor_ms, weighs)
-                 if n >= HOST_FLOOR_MIN_STEPS and ms > 0 and w == ms]
+                 for (lo, hi), ms, own in zip(spans, self.floor_ms, self._own_weighs()) if own and ms > 0]
         return "host floor a step: " + ", ".join(parts) if parts else ""
 
 
