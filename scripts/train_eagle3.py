@@ -267,7 +267,7 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
     rng = random.Random(args.seed)
     start, step, history = time.time(), 0, []
     epoch = 0
-    every = getattr(args, "validate_seconds", 0.0) if val_seqs else 0.0
+    every = args.validate_seconds if val_seqs else 0.0
     validation, kept = [], None  # (kept: (score, step, the parameters on the CPU) of the best head so far)
 
     def validate() -> None:
@@ -275,8 +275,9 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
         acc = evaluate(head, target, val_seqs, draft_ids, in_draft, args, device)
         validation.append({"step": step, "seconds": round(time.time() - start, 1), "acc": acc})
         log(f"validation at step {step}: {' '.join(f'{a:.3f}' for a in acc)}")
-        if kept is None or validation_score(acc) > kept[0]:
-            kept = (validation_score(acc), step, {k: v.detach().cpu().clone() for k, v in head.state_dict().items()})
+        score = validation_score(acc)
+        if kept is None or score > kept[0]:
+            kept = (score, step, {k: v.detach().cpu().clone() for k, v in head.state_dict().items()})
 
     next_check = every
     while time.time() - start < args.train_seconds:

@@ -371,7 +371,7 @@ def test_the_trainer_learns_a_targets_continuations(target):
     trainer, seqs = _trainer_and_continuations(5, 12)
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
-    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=0.0, seed=0)
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=0.0, seed=0, validate_seconds=0.0)
     in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
     in_draft[draft_ids] = True
     before = trainer.evaluate(head, target, seqs, draft_ids, in_draft, args, torch.device("cpu"))
