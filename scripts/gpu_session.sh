@@ -18,7 +18,9 @@ part() {
   pkill -f "[d]ispatcher serve"; pkill -f "[p]y-spy"; sleep 1
   # (a worker whose server was killed with its step can hold the GPU's memory a while: the next part's server
   # would find the device full)
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  # (KEEP_GPU_PROCS=1: none killed, for a trainer started with setsid that outlives this call)
+  [ -n "${KEEP_GPU_PROCS:-}" ] || nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null \
+    | xargs -r kill -9 2>/dev/null
   echo "== $name rc=$rc $((SECONDS - t0)) s"
   grep -E '^\{|passed|failed|error' "$R/$name.log" | tail -"${TAILN:-8}" | cut -c1-900
 }
