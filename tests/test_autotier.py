@@ -275,6 +275,21 @@ def test_where_the_host_sets_the_pace_a_k_that_drafts_more_is_chosen():
     assert auto.host.floor_ms[10] == pytest.approx(0.0)  # (device-bound: the floor stays below every step)
 
 
+def test_the_choice_at_the_last_served_batch_says_each_ks_weighed_step_and_tokens_per_second():
+    """The log line of a change says why at the batch size last served: each K's step as the choice weighed it (the
+    table's ms times its served ratio, no shorter than the host floor) and its expected tokens/s, the K in force
+    marked. Before any served step: nothing (or the table's alone, at a batch size asked for)."""
+    table = StepCostTable({1: [(1, 4.0), (1024, 4.0)], 4: [(1, 8.0), (1024, 8.0)]})
+    auto = AutoTiers(TierChooser(table, [0, 3], 1024), [0.5, 0.25, 0.15], interval=4, prior_weight=1e9)
+    assert auto.describe_batch() == ""
+    assert auto.describe_batch(1024) == "at 1024 requests: K=0 4.00 ms 256.0k tok/s *, K=3 8.00 ms 243.2k tok/s"
+    for _ in range(8):  # K = 0 served, host-bound: its steps come back every 7.5 ms for 4 ms of device time
+        auto.observe_step(1024, 1, 4.0, 7.5)
+        auto.observe([0, 0, 0], [0, 0, 0])
+    assert auto.describe_batch() == "at 1024 requests: K=0 7.50 ms 136.5k tok/s, K=3 8.00 ms 243.2k tok/s *"
+    assert auto.describe_batch(5000) == ""
+
+
 def test_on_a_host_bound_load_the_auto_tiers_reach_the_best_fixed_k_within_a_round():
     """A served round at 1024 streams, modelled on the H200's default-model runs (d1a03f0): device ms by (requests,
     q) as served, the table 1.3x cheaper (empty contexts), and the host's ms a step 0.3 + 0.0029 a request + 0.0042

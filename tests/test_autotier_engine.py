@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -111,6 +112,7 @@ def test_tiers_follow_fixed_acceptance_as_it_drifts(tmp_path, caplog):
     assert e.tiers[-1] == (e.tiers[-1][0], 4, 0) and e.tier_version >= 1  # four requests: no drafts any more
     changes = [r.getMessage() for r in caplog.records if "speculative tiers changed (auto" in r.getMessage()]
     assert len(changes) == e.tier_version and changes[-1].endswith(json.dumps(e.auto_tiers.choice.as_config()))
+    assert re.search(r"; at \d+ requests: K=0 [\d.]+ ms [\d.k]+ tok/s \*", changes[-1]), changes[-1]  # (why)
     e.close()
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     ks = [r["k"] for r in records]

@@ -538,10 +538,9 @@ class EngineCore:
         if auto.observe(stats.accepted_per_pos, stats.reached_per_pos):
             self.scheduler.set_tiers(auto.tiers)
             self.tier_version += 1
-            host = auto.host.describe()
+            why = "".join(f"; {part}" for part in (auto.host.describe(), auto.describe_batch()) if part)
             log.info("speculative tiers changed (auto, measured acceptance %s%s): %s",
-                     ", ".join(f"{p:.2f}" for p in auto.choice.acceptance), f"; {host}" if host else "",
-                     auto.choice.text())
+                     ", ".join(f"{p:.2f}" for p in auto.choice.acceptance), why, auto.choice.text())
 
     def step(self) -> list[RequestOutput]:
         """One step, synchronously: schedule, run, update."""

@@ -597,6 +597,8 @@ class AutoTiers:
         self.host = HostFloor(chooser)
         """What the host needs a step, from the served steps' periods (``observe_step``)."""
         self.served_costs = served_costs
+        self.last_num_reqs = 0
+        """The padded request count of the last served uniform decode step (0: none yet): ``describe_batch``'s."""
         self.choice = chooser.choose(self.prior)
         self.changes = 0
         """Times the tiers changed after the first choice."""
@@ -620,11 +622,28 @@ class AutoTiers:
         """A served uniform decode step's device time (``num_reqs``: the padded request count its graph ran at) and
         its period (its result after the one before; None: unknown), for the next choices' costs (``MeasuredCosts``,
         ``HostFloor``); False when its device time was not kept."""
+        self.last_num_reqs = num_reqs
         if not self.served_costs:
             return False
         if period_ms is not None:
             self.host.observe(num_reqs, device_ms, period_ms)
         return self.costs.observe(num_reqs, q, device_ms)
+
+    def describe_batch(self, num_reqs: int | None = None) -> str:
+        """Why the choice in force runs its K at ``num_reqs`` requests (default: the last served step's): each K's step
+        as the choice weighed it (the table's ms times its served ratio, no shorter than the host floor) and its
+        expected tokens/s there, the K in force marked; "" before any served step."""
+        n = self.last_num_reqs if num_reqs is None else num_reqs
+        if not 1 <= n <= self.chooser.max_num_seqs:
+            return ""
+        ch = self.choice
+        ms = self.chooser.ms[:, n] * (ch.cost_ratio[:, n] if ch.cost_ratio is not None else 1.0)
+        if ch.floor_ms is not None:
+            ms = np.maximum(ms, ch.floor_ms[n])
+        tps = self.chooser.throughput(ch.acceptance, ch.cost_ratio, ch.floor_ms)[:, n]
+        parts = [f"K={k} {m:.2f} ms {_short(t)} tok/s{' *' if k == ch.k_of_batch[n] else ''}"
+                 for k, m, t in zip(self.chooser.candidates, ms, tps) if np.isfinite(t)]
+        return f"at {n} requests: " + ", ".join(parts)
 
     def observe(self, accepted_per_pos: Sequence[int], reached_per_pos: Sequence[int], steps: int = 1) -> bool:
         """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
