@@ -21,6 +21,12 @@
    ``--eval-k``) on the held-out prompts: mean acceptance length and per-position acceptance, and how many outputs
    equal the greedy output without speculation.
 
+``--save-data FILE`` keeps the generated sequences (.npz, about 10 MB for the default model's run) and
+``--load-data FILE`` trains on them without generating again; ``--init-head DIR`` trains a saved head further (the
+shipped one, an earlier run's ``OUT/head``: its draft vocabulary kept) instead of a fresh one. On a device whose
+calls are cut at ten minutes, start the trainer with ``setsid`` (scripts/gpu_session.sh: ``KEEP_GPU_PROCS=1``) and
+let the next calls wait for ``OUT/train_eagle3.json``.
+
 Writes ``OUT/head`` (config.json + model.safetensors in SpecForge's format, bfloat16) and ``OUT/train_eagle3.json``
 (provenance: data, counts, steps, losses, the measured acceptance, the command).
 
@@ -37,6 +43,8 @@ import os
 import random
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -124,6 +132,40 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], size: int, vocab_si
         used = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in used][:size - len(chosen)]
     return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+SPLITS = ("train", "validation", "held_out")
+"""The sequence sets ``--save-data`` writes and ``--load-data`` reads."""
+
+
+def save_sequences(path: str, splits: dict[str, list[tuple[list[int], int]]], meta: dict, vocab_size: int) -> None:
+    """The generated sequences (token ids, prompt length), per split, and what made them (``meta``), in one
+    compressed .npz: token ids as uint16 where the vocabulary fits (the default model's 13,600 sequences: about
+    10 MB), so that a later run (``--load-data``) trains without generating again."""
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    arrays = {"meta": np.asarray(json.dumps(meta))}
+    for name in SPLITS:
+        seqs = splits[name]
+        arrays[f"{name}_tokens"] = np.asarray([t for ids, _ in seqs for t in ids], dtype)
+        arrays[f"{name}_lengths"] = np.asarray([len(ids) for ids, _ in seqs], np.int64)
+        arrays[f"{name}_starts"] = np.asarray([start for _, start in seqs], np.int64)
+    np.savez_compressed(path, **arrays)
+
+
+def load_sequences(path: str) -> tuple[dict[str, list[tuple[list[int], int]]], dict]:
+    """``save_sequences``' splits and meta; a file that is not one is refused (SystemExit naming it)."""
+    try:
+        with np.load(path) as data:
+            meta = json.loads(str(data["meta"]))
+            splits = {}
+            for name in SPLITS:
+                tokens = data[f"{name}_tokens"].astype(np.int64)
+                ends = np.cumsum(data[f"{name}_lengths"])
+                splits[name] = [(tokens[end - n:end].tolist(), int(start)) for end, n, start in
+                                zip(ends, data[f"{name}_lengths"], data[f"{name}_starts"])]
+    except (OSError, KeyError, ValueError) as exc:
+        raise SystemExit(f"--load-data {path}: not a file --save-data wrote ({exc})") from None
+    return splits, meta
 
 
 def batches(sequences, tokens_per_batch: int, rng: random.Random):
@@ -251,6 +293,21 @@ def build_head(target, draft_ids: torch.Tensor, device) -> EagleHead:
     return head
 
 
+def resume_head(target, path: str) -> EagleHead:
+    """A saved EAGLE-3 head (the shipped one, an earlier run's OUT/head) to train further: float32 master weights,
+    every parameter trainable, its draft vocabulary kept. Refused (SystemExit naming both) where its shape is not
+    the one ``build_head`` makes for this target with that vocabulary (the layer boundaries and norms the
+    training-time test reads)."""
+    from models.eagle import load_draft_head
+
+    head = load_draft_head(path, target, "eagle3")
+    want = HeadShape(aux_layers=default_aux_layers(target.cfg.num_layers),
+                     draft_vocab_size=head.shape.draft_vocab_size)
+    if head.shape != want:
+        raise SystemExit(f"--init-head {path}: its shape {head.shape} is not the one this trainer trains ({want})")
+    return head.float().train().requires_grad_(True)
+
+
 def validation_score(acc: list[float]) -> float:
     """A head's validation top-1 agreement per TTT step, weighed as the loss weighs the steps (LOSS_DECAY ** k)."""
     return sum(a * LOSS_DECAY ** k for k, a in enumerate(acc))
@@ -374,9 +431,29 @@ def _spec_counts(stats) -> tuple[int, int, list[int]]:
     return stats.num_drafts, stats.num_accepted_tokens, list(stats.accepted_per_pos)
 
 
+def generate_data(llm, args, ap, held_ids, train_ids, train_prompts, limit):
+    """(training, validation, held-out sequences, training prompts): the target's own responses (``generate``) to
+    the training prompts (the first ``--validation-prompts`` kept for validation) and their second turns, and two
+    to each held-out prompt (the first greedy: the served measure's baseline)."""
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    val_ids, train_ids = train_ids[:args.validation_prompts], train_ids[args.validation_prompts:]
+    train_prompts = train_prompts[args.validation_prompts:]
+    if args.validation_prompts and not train_ids:
+        ap.error(f"--validation-prompts {args.validation_prompts} leaves no training prompt")
+    train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed, temps)
+    val_seqs = generate(llm, val_ids, 2, args.max_tokens, args.seed + 2) if val_ids else []
+    if args.follow_ups:
+        greedy = [s[n:] for s, n in train_seqs[:len(train_ids)]]  # (sample 0 of every prompt: greedy)
+        second = follow_up_ids(llm.tokenizer, train_prompts, greedy, args.follow_ups, limit)
+        train_seqs += generate(llm, second, args.follow_up_samples, args.max_tokens, args.seed + 7, temps)
+        log(f"{len(second)} second turns, {args.follow_up_samples} responses each")
+    held_seqs = generate(llm, held_ids, 2, args.max_tokens, args.seed + 1)
+    return train_seqs, val_seqs, held_seqs, len(train_ids)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="ShareGPT JSON (prompts)")
+    ap.add_argument("--data", default=None, help="ShareGPT JSON (prompts; not with --load-data)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="the target (default: the default model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -397,12 +474,19 @@ def main() -> None:
                     "the head by (with --validate-seconds)")
     ap.add_argument("--validate-seconds", type=float, default=0.0, help="measure the head on the validation prompts "
                     "this often and keep the best (0: keep the last)")
+    ap.add_argument("--save-data", default=None, help="write the generated sequences here (.npz) for --load-data")
+    ap.add_argument("--load-data", default=None, help="train on the sequences --save-data wrote (nothing generated: "
+                    "the data flags are the file's)")
+    ap.add_argument("--init-head", default=None, help="train this saved EAGLE-3 head further (its draft vocabulary "
+                    "kept) instead of a fresh one")
     ap.add_argument("--eval-k", default="3")
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not 0 <= args.follow_ups <= len(FOLLOW_UPS):
         ap.error(f"--follow-ups must be 0..{len(FOLLOW_UPS)} (the distinct follow-up questions), got {args.follow_ups}")
+    if bool(args.data) == bool(args.load_data):
+        ap.error("give the prompts (--data SHAREGPT.json) or the sequences an earlier run saved (--load-data FILE)")
     if args.validation_prompts < 0 or args.validate_seconds < 0 or bool(args.validation_prompts) != bool(
             args.validate_seconds):
         ap.error("--validation-prompts N and --validate-seconds S go together, both > 0 "
@@ -417,47 +501,61 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(model, device=args.device, max_num_seqs=512, max_model_len=args.max_model_len, kv_cache_memory_gib=24)
     target = llm.engine.worker.model
-    train_prompts, held_prompts = read_prompts(args.data, args.held_out_every)
-    limit = args.max_model_len - args.max_tokens - 16
-    train_ids, held_ids = chat_ids(llm.tokenizer, train_prompts, limit), chat_ids(llm.tokenizer, held_prompts, limit)
-    log(f"target {model} loaded; {len(train_ids)} training and {len(held_ids)} held-out prompts")
+    log(f"target {model} loaded")
 
     t1 = time.time()
-    temps = tuple(float(t) for t in args.temperatures.split(","))
-    val_ids, train_ids = train_ids[:args.validation_prompts], train_ids[args.validation_prompts:]
-    train_prompts = train_prompts[args.validation_prompts:]
-    if args.validation_prompts and not train_ids:
-        ap.error(f"--validation-prompts {args.validation_prompts} leaves no training prompt")
-    train_seqs = generate(llm, train_ids, args.samples, args.max_tokens, args.seed, temps)
-    val_seqs = generate(llm, val_ids, 2, args.max_tokens, args.seed + 2) if val_ids else []
-    if args.follow_ups:
-        greedy = [s[n:] for s, n in train_seqs[:len(train_ids)]]  # (sample 0 of every prompt: greedy)
-        second = follow_up_ids(llm.tokenizer, train_prompts, greedy, args.follow_ups, limit)
-        train_seqs += generate(llm, second, args.follow_up_samples, args.max_tokens, args.seed + 7, temps)
-        log(f"{len(second)} second turns, {args.follow_up_samples} responses each")
-    held_seqs = generate(llm, held_ids, 2, args.max_tokens, args.seed + 1)
+    if args.load_data:
+        splits, meta = load_sequences(args.load_data)
+        if meta["target"] != os.path.basename(model):
+            ap.error(f"--load-data {args.load_data}: generated by {meta['target']}, not {os.path.basename(model)}")
+        if meta["validation_prompts"] != args.validation_prompts:
+            ap.error(f"--load-data {args.load_data} holds {meta['validation_prompts']} validation prompts: pass "
+                     f"--validation-prompts {meta['validation_prompts']}")
+        train_seqs, val_seqs, held_seqs = (splits[name] for name in SPLITS)
+        held_ids = [ids[:n] for ids, n in held_seqs[:meta["held_out_prompts"]]]
+        num_train_prompts = meta["train_prompts"]
+        log(f"{len(train_seqs)} training sequences from {args.load_data} (generated by: {meta['command']})")
+    else:
+        train_prompts, held_prompts = read_prompts(args.data, args.held_out_every)
+        limit = args.max_model_len - args.max_tokens - 16
+        train_ids, held_ids = (chat_ids(llm.tokenizer, train_prompts, limit),
+                               chat_ids(llm.tokenizer, held_prompts, limit))
+        log(f"{len(train_ids)} training and {len(held_ids)} held-out prompts")
+        train_seqs, val_seqs, held_seqs, num_train_prompts = generate_data(llm, args, ap, held_ids, train_ids,
+                                                                           train_prompts, limit)
     baseline = [s[n:n + args.eval_tokens] for s, n in held_seqs[:len(held_ids)]]  # greedy, without speculation
+    if args.save_data:
+        meta = {"target": os.path.basename(model), "command": report["command"], "train_prompts": num_train_prompts,
+                "validation_prompts": args.validation_prompts, "held_out_prompts": len(held_ids)}
+        save_sequences(args.save_data, dict(zip(SPLITS, (train_seqs, val_seqs, held_seqs))), meta,
+                       target.cfg.vocab_size)
+        log(f"sequences saved to {args.save_data}")
     gen_tokens = sum(len(s) - n for s, n in train_seqs)
-    log(f"generated {len(train_seqs)} training responses ({gen_tokens} tokens) in {time.time() - t1:.1f} s")
-    draft_ids = draft_vocabulary(train_seqs, args.draft_vocab, target.cfg.vocab_size).to(device)
+    log(f"{len(train_seqs)} training responses ({gen_tokens} tokens) in {time.time() - t1:.1f} s")
+    head = resume_head(target, args.init_head) if args.init_head else None
+    draft_ids = (head.draft_to_target.clone() if head is not None else
+                 draft_vocabulary(train_seqs, args.draft_vocab, target.cfg.vocab_size).to(device))
     counts = collections.Counter(t for s, n in train_seqs for t in s[n:])
     coverage = sum(counts[t] for t in draft_ids.tolist()) / max(1, gen_tokens)
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage:.4f} of the response tokens "
         f"({len(counts)} distinct)")
-    report["data"] = {"source": os.path.basename(args.data), "train_prompts": len(train_ids),
-                      "validation_prompts": len(val_ids), "held_out_prompts": len(held_ids),
+    report["data"] = {"source": os.path.basename(args.load_data or args.data), "train_prompts": num_train_prompts,
+                      "validation_prompts": args.validation_prompts, "held_out_prompts": len(held_ids),
                       "train_sequences": len(train_seqs),
                       "train_response_tokens": gen_tokens, "distinct_response_tokens": len(counts),
                       "draft_vocab_coverage": round(coverage, 4), "generate_seconds": round(time.time() - t1, 1)}
+    if args.init_head:
+        report["data"]["init_head"] = args.init_head
 
-    head = build_head(target, draft_ids, device)
+    head = head if head is not None else build_head(target, draft_ids, device)
     report["training"] = train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs)
     log(f"held-out top-1 agreement per step: {report['training']['held_out_acc']}")
     head_dir = os.path.join(args.out, "head")
     save_eagle3_head(head, head_dir, extra_config={"twogrid_provenance": {
         "target": DEFAULT_MODEL_NAME if args.model is None else os.path.basename(model),
         "recipe": "scripts/train_eagle3.py (EAGLE-3 with training-time test)", "ttt_steps": args.ttt,
-        "train_seconds": args.train_seconds, "steps": report["training"]["steps"]}})
+        "train_seconds": args.train_seconds, "steps": report["training"]["steps"],
+        **({"init_head": args.init_head} if args.init_head else {})}})
     log(f"saved {head_dir}")
     with open(os.path.join(args.out, "train_eagle3.json"), "w") as fh:
         json.dump(report, fh, indent=1)

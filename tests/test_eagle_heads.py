@@ -401,3 +401,100 @@ def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(t
     in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
     in_draft[draft_ids] = True
     assert trainer.evaluate(head, target, val_seqs, draft_ids, in_draft, args, torch.device("cpu")) == best["acc"]
+
+
+def test_the_trainer_saves_its_sequences_and_trains_them_again_from_a_saved_head(target, tmp_path):
+    """``--save-data`` / ``--load-data``: the sequences come back as they were generated, split by split, with what
+    made them (a file that is not one is refused by name). ``--init-head``: a head the trainer saved trains further
+    from where it stopped (its draft vocabulary kept, float32, every parameter trainable: its agreement does not
+    start over), and a head of another shape is refused naming both shapes."""
+    import argparse
+
+    trainer, seqs = _trainer_and_continuations(5, 12)
+    splits = {"train": seqs[:8], "validation": seqs[8:10], "held_out": seqs[10:]}
+    meta = {"target": "tiny", "command": "train_eagle3.py ...", "train_prompts": 8, "validation_prompts": 2,
+            "held_out_prompts": 2}
+    path = str(tmp_path / "seqs.npz")
+    trainer.save_sequences(path, splits, meta, TARGET.vocab_size)
+    loaded, loaded_meta = trainer.load_sequences(path)
+    assert loaded == splits and loaded_meta == meta
+    (tmp_path / "bad.npz").write_bytes(b"not an npz")
+    with pytest.raises(SystemExit, match="bad.npz: not a file --save-data wrote"):
+        trainer.load_sequences(str(tmp_path / "bad.npz"))
+
+    draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
+    head = trainer.build_head(target, draft_ids, torch.device("cpu"))
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=8.0, seed=0, validate_seconds=0.0)
+    first = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))["held_out_acc"]
+    assert first[0] > 0.3, first
+    save_eagle3_head(head, str(tmp_path / "head"))
+    resumed = trainer.resume_head(target, str(tmp_path / "head"))
+    assert torch.equal(resumed.draft_to_target, draft_ids)
+    params = list(resumed.parameters())
+    assert params and all(p.dtype == torch.float32 and p.requires_grad for p in params)
+    in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
+    in_draft[draft_ids] = True
+    again = trainer.evaluate(resumed, target, seqs, draft_ids, in_draft, args, torch.device("cpu"))
+    assert again[0] > first[0] - 0.05, (first, again)  # (bfloat16 on disk: nearly the same head)
+    args.train_seconds = 3.0
+    report = trainer.train(resumed, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
+    assert report["steps"] >= 5 and report["held_out_acc"][0] > first[0] - 0.05
+
+    other = EagleHead(target, head.cfg, HeadShape(aux_layers=(1, 2, 3), draft_vocab_size=256)).init_random(0)
+    save_eagle3_head(other, str(tmp_path / "other"))
+    with pytest.raises(SystemExit, match="its shape .* is not the one this trainer trains"):
+        trainer.resume_head(target, str(tmp_path / "other"))
+
+
+@pytest.fixture(scope="module")
+def llama8(bpe, tmp_path_factory) -> str:
+    """A tiny random 8-layer Llama checkpoint with the ``bpe`` tokenizer and its chat template (an EAGLE-3 head's
+    three layer boundaries need more layers than the session's 2-layer ``tiny_llama``)."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama8")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(bpe, f), path / f)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=transformers.AutoTokenizer.from_pretrained(bpe).vocab_size,
+                                   hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                                   eos_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head(llama8, texts, tmp_path):
+    """scripts/train_eagle3.py as a user runs it, on the CPU: prompts in, the target's answers generated and saved
+    (--save-data), a head trained, saved and served (its report); then a second run trains that head further on
+    the saved sequences (--load-data --init-head) without generating, and its report says so. Bad combinations are
+    refused naming the flags."""
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": t[:200]}]}
+                                for i, t in enumerate(texts[:20])]))
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_eagle3.py")
+    common = ["--model", llama8, "--device", "cpu", "--max-tokens", "24", "--max-model-len", "256", "--ttt", "2",
+              "--tokens-per-batch", "2048", "--draft-vocab", "128", "--eval-tokens", "16", "--train-seconds", "3",
+              "--validation-prompts", "2", "--validate-seconds", "1"]
+
+    def run(*args):
+        return subprocess.run([sys.executable, script, *common, *args], capture_output=True, text=True, timeout=600)
+
+    first = run("--data", str(data), "--out", str(tmp_path / "a"), "--samples", "2",
+                "--save-data", str(tmp_path / "seqs.npz"))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    a = json.loads((tmp_path / "a" / "train_eagle3.json").read_text())
+    assert a["data"]["train_prompts"] == 16 and a["data"]["held_out_prompts"] == 2 and a["served"]
+    second = run("--load-data", str(tmp_path / "seqs.npz"), "--out", str(tmp_path / "b"),
+                 "--init-head", str(tmp_path / "a" / "head"))
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    b = json.loads((tmp_path / "b" / "train_eagle3.json").read_text())
+    assert b["data"]["source"] == "seqs.npz" and b["data"]["init_head"].endswith("head")
+    assert b["data"]["train_sequences"] == a["data"]["train_sequences"] and b["served"]
+    assert "training sequences from" in second.stdout and "held-out prompts" not in second.stdout  # (none made)
+    both = run("--data", str(data), "--load-data", str(tmp_path / "seqs.npz"), "--out", str(tmp_path / "c"))
+    assert both.returncode == 2 and "--data SHAREGPT.json) or the sequences" in both.stderr
+    other = subprocess.run([sys.executable, script, *common[:-4], "--load-data", str(tmp_path / "seqs.npz"),
+                            "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "holds 2 validation prompts: pass --validation-prompts 2" in other.stderr
