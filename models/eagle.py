@@ -46,8 +46,9 @@ EAGLE1_ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlama
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 feature boundaries: 2, L // 2, L - 3 (inputs to those layers)."""
-    return (2, num_layers // 2, num_layers - 3)
+    """vLLM's default EAGLE-3 feature boundaries: 2, L // 2, L - 3 (inputs to those layers), each kept within
+    0..L (a target of fewer than 5 layers: the tiny presets)."""
+    return tuple(min(max(b, 0), num_layers) for b in (2, num_layers // 2, num_layers - 3))
 
 
 @dataclass(frozen=True)

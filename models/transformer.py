@@ -145,8 +145,9 @@ class CausalLM(nn.Module):
         """The residual stream at ``boundary`` into its columns of ``aux_out`` (when the boundary is kept)."""
         if aux_out is not None and boundary in self.aux_layers:
             h = self.cfg.hidden_size
-            j = self.aux_layers.index(boundary)
-            aux_out[:, j * h:(j + 1) * h].copy_(residual)
+            for j, b in enumerate(self.aux_layers):  # (a boundary named twice fills both its places)
+                if b == boundary:
+                    aux_out[:, j * h:(j + 1) * h].copy_(residual)
 
     @property
     def num_layers(self) -> int:

@@ -498,3 +498,26 @@ def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head
     other = subprocess.run([sys.executable, script, *common[:-4], "--load-data", str(tmp_path / "seqs.npz"),
                             "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds 2 validation prompts: pass --validation-prompts 2" in other.stderr
+
+
+def test_a_shallow_targets_eagle3_head_reads_boundaries_within_its_layers_and_round_trips(tmp_path):
+    """vLLM's default boundaries (2, L // 2, L - 3) kept within 0..L: a 2-layer target (the tiny presets) reads
+    boundaries 2, 1 and 0, every feature column written (none left as the buffer's garbage), and its head saves and
+    loads back."""
+    assert default_aux_layers(2) == (2, 1, 0) and default_aux_layers(1) == (1, 0, 0)
+    assert default_aux_layers(30) == (2, 15, 27)
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=128, tie_word_embeddings=False)
+    shallow = build_model(cfg, "cpu", torch.float32, seed=0)
+    head = build_draft_head(shallow, seed=1, method="eagle3")
+    assert head.shape.aux_layers == (2, 1, 0)
+    seqs = [[5, 6, 7, 8], [9, 10]]
+    hidden, aux = target_features(shallow, seqs, head.shape.aux_layers)
+    again = target_features(shallow, seqs, head.shape.aux_layers)[1]
+    assert torch.isfinite(aux).all() and torch.equal(aux, again)
+    emb = shallow.embed_tokens(torch.tensor([5, 6, 7, 8, 9, 10]))
+    assert torch.equal(aux[:, 2 * 64:], emb)  # (boundary 0: the embedding)
+    _, twice = target_features(shallow, seqs, (0, 0))
+    assert torch.equal(twice[:, :64], emb) and torch.equal(twice[:, 64:], emb)
+    save_eagle3_head(head, str(tmp_path / "head"))
+    assert load_draft_head(str(tmp_path / "head"), shallow, "eagle3").shape.aux_layers == (2, 1, 0)
