@@ -360,6 +360,12 @@ class TierChooser:
         """Each batch size's bucket (entry 0 unused)."""
         self.bucket_of[1:] = [min(int(n).bit_length() - 1, self.num_buckets - 1) for n in range(1, max_num_seqs + 1)]
 
+    def step_ms(self, cost_ratio: np.ndarray | None = None, floor_ms: np.ndarray | None = None) -> np.ndarray:
+        """(candidates, 0..max_num_seqs) each K's step as a choice weighs it: the table's ms, times ``cost_ratio``
+        (same shape) if given, no shorter than ``floor_ms`` (per batch size) if given; inf where K cannot run."""
+        ms = self.ms if cost_ratio is None else self.ms * cost_ratio
+        return ms if floor_ms is None else np.maximum(ms, floor_ms[None, :])
+
     def throughput(self, acceptance: Sequence[float], cost_ratio: np.ndarray | None = None,
                    floor_ms: np.ndarray | None = None) -> np.ndarray:
         """Expected output tokens per second for each candidate (rows) and batch size (columns, 0..max_num_seqs):
@@ -367,9 +373,7 @@ class TierChooser:
         given, and no less than ``floor_ms`` (per batch size: what the host needs a step) if given; -inf where K
         cannot run n on its graphs."""
         tokens = np.array([expected_tokens(acceptance, k) for k in self.candidates])[:, None]
-        ms = self.ms if cost_ratio is None else self.ms * cost_ratio
-        if floor_ms is not None:
-            ms = np.maximum(ms, floor_ms[None, :])
+        ms = self.step_ms(cost_ratio, floor_ms)
         with np.errstate(divide="ignore", invalid="ignore"):
             tps = np.where(self.valid, self._n[None, :] * tokens / ms * 1e3, -np.inf)
         return tps
@@ -637,9 +641,7 @@ class AutoTiers:
         if not 1 <= n <= self.chooser.max_num_seqs:
             return ""
         ch = self.choice
-        ms = self.chooser.ms[:, n] * (ch.cost_ratio[:, n] if ch.cost_ratio is not None else 1.0)
-        if ch.floor_ms is not None:
-            ms = np.maximum(ms, ch.floor_ms[n])
+        ms = self.chooser.step_ms(ch.cost_ratio, ch.floor_ms)[:, n]
         tps = self.chooser.throughput(ch.acceptance, ch.cost_ratio, ch.floor_ms)[:, n]
         parts = [f"K={k} {m:.2f} ms {_short(t)} tok/s{' *' if k == ch.k_of_batch[n] else ''}"
                  for k, m, t in zip(self.chooser.candidates, ms, tps) if np.isfinite(t)]
