@@ -199,6 +199,9 @@ class SpecDecodeStep(NamedTuple):
 
 NO_DRAFTS = SpecDecodeStep()
 
+RISE_AFTER_STEPS = 16
+"""Steps after K fell during which a uniform decode does not let it rise again (``_new_drafts``)."""
+
 
 def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float | None:
     """vLLM's mean acceptance length: the tokens a verify event yields, 1 + accepted / drafts (the target's own
@@ -322,6 +325,10 @@ class Scheduler:
         self._k_of_batch = tier_table(c.tiers, c.max_num_seqs) if c.tiers else np.zeros(c.max_num_seqs + 1, np.int64)
         self.tiers = c.tiers
         """The tiers in force (``set_tiers`` switches them)."""
+        self._proposed = 0
+        """The drafts the last step proposed (``_new_drafts``)."""
+        self._fell_at = -RISE_AFTER_STEPS
+        """The step at which the drafts proposed last fell (``_new_drafts``)."""
         self.kv = KVBlockManager(c.num_kv_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         n = c.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)
@@ -363,7 +370,9 @@ class Scheduler:
 
     def set_tiers(self, tiers) -> None:
         """Switch the speculative tiers ((min_batch, max_batch, K) each, K = 0 allowed, K <= K_max) from the next
-        step on (``"auto"`` tiers). A request keeps the drafts it has: a step verifies min(its drafts, the new K)."""
+        step on (``"auto"`` tiers). A request keeps the drafts it has: a step verifies min(its drafts, the new K);
+        where the new K drafts more, the next step proposes it (a switch, not a batch at a border: ``_new_drafts``
+        does not wait)."""
         c = self.config
         tiers = tuple((int(lo), int(hi), int(k)) for lo, hi, k in tiers)
         for lo, hi, k in tiers:
@@ -371,6 +380,7 @@ class Scheduler:
                 raise ValueError(f"tier {lo}..{hi}: K = {k} is outside 0..{self.k_max} (K_max)")
         self._k_of_batch = tier_table(tiers, c.max_num_seqs)
         self.tiers = tiers
+        self._fell_at = -RISE_AFTER_STEPS
 
     # -- requests ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -647,6 +657,22 @@ class Scheduler:
         room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
         return np.minimum(drafts, np.maximum(room - 1, 0))
 
+    def _new_drafts(self, num_reqs: int, drafts: np.ndarray, is_decode: bool) -> int:
+        """The drafts the drafter proposes after this step: its batch size's tier K, except that within
+        ``RISE_AFTER_STEPS`` steps of a fall a uniform decode proposes what it verifies rather than more. A fused step
+        graph proposes as many drafts as it verifies (q - 1), so each rise runs its step op by op, and a batch that
+        hovers at a tier's border (a request ends, the next arrives a step or two later: at a concurrency equal to
+        the border) would rise and fall every few steps. A batch that only shrinks (a run's tail) rises at once, and
+        so does an arrival's step or one after a change of the tiers (``set_tiers``)."""
+        k = int(self._k_of_batch[min(num_reqs, self.config.max_num_seqs)]) if self.k_max else 0
+        held = int(drafts[0]) if len(drafts) else k
+        if is_decode and held < k and (drafts == held).all() and self._step - self._fell_at < RISE_AFTER_STEPS:
+            k = held
+        if k < self._proposed:
+            self._fell_at = self._step
+        self._proposed = k
+        return k
+
     def _output(self, pick: _RunningPick, new: list[Request], new_slots: list[int], new_chunks: list[int],
                 updates: list, preempted: int) -> SchedulerOutput:
         """Stage 5: the step as the dispatcher and the worker see it."""
@@ -665,7 +691,7 @@ class Scheduler:
         if c.enable_prefix_caching:
             self._register_running(pick.slots)
         self.pending_gain[slots] += np.where(samples, 1 + drafts, 0)
-        num_new_drafts = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
+        num_new_drafts = self._new_drafts(len(slots), drafts, is_decode)
         # what the drafter proposes after this step (a structured request verifies none)
         self.num_drafts[slots] = np.where(samples & ~self.structured[slots], num_new_drafts, 0)
         rows, cols, ids = (np.concatenate(parts) for parts in zip(*updates))

@@ -589,6 +589,58 @@ def test_k0_tiers_in_the_plan_and_the_scheduler():
         sched.set_tiers(((1, 8, 4),))
 
 
+def test_a_batch_at_a_tiers_border_does_not_rise_again_right_after_it_fell():
+    """Within RISE_AFTER_STEPS steps of K falling, a uniform decode whose batch shrank into a tier that drafts more
+    proposes what it verifies (a fused step graph proposes q - 1 drafts: each rise is a step op by op, and at a
+    concurrency equal to a tier's border a request ends and the next arrives a step or two later); after them it
+    rises. A batch that only shrinks rises at once, and so does an arrival's step or one after a tiers switch; K
+    falls at once."""
+    from scheduler.scheduler import RISE_AFTER_STEPS
+
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 2]]}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(scheduler_config(cfg, 256, 4, 256))
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    def step():
+        out = sched.schedule()
+        n = len(out.slots)
+        sched.update(out, ModelResult(np.full((n, 4), 9), np.zeros(n, np.int64)))
+        return out
+
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [5, 6, 7], params))
+    assert step().num_new_drafts == 3  # (3 requests: the K = 3 tier)
+    sched.abort("r0")  # a batch that only shrinks: K stays 3 (the K = 3 tier)
+    assert step().num_new_drafts == 3
+    sched.add_request(Request("r3", [5, 6, 7], params))
+    sched.add_request(Request("r4", [5, 6, 7], params))  # 4 requests: K falls at once
+    out = step()
+    assert not out.shape.is_decode and out.num_new_drafts == 2
+    out = step()
+    assert out.shape.is_decode and list(out.num_drafts) == [2] * 4 and out.num_new_drafts == 2
+    sched.abort("r1")  # back to 3, right after the fall: no rise
+    outs = [step() for _ in range(RISE_AFTER_STEPS - 1)]
+    assert all(o.shape.is_decode and list(o.num_drafts) == [2] * 3 for o in outs)
+    assert [o.num_new_drafts for o in outs] == [2] * (RISE_AFTER_STEPS - 2) + [3]
+    out = step()
+    assert list(out.num_drafts) == [3] * 3 and out.num_new_drafts == 3
+    sched.add_request(Request("r5", [5, 6, 7], params))  # 4 again: falls
+    assert step().num_new_drafts == 2
+    sched.abort("r2")
+    sched.abort("r3")
+    sched.add_request(Request("r6", [5, 6, 7], params))  # 3, one arriving: its step is no uniform decode
+    out = step()
+    assert not out.shape.is_decode and out.num_new_drafts == 3
+    sched.add_request(Request("r7", [5, 6, 7], params))  # 4: falls again
+    assert step().num_new_drafts == 2
+    sched.set_tiers(((1, 8, 3),))  # a switch to more: at once, right after the fall
+    out = step()
+    assert list(out.num_drafts) == [2] * 4 and out.num_new_drafts == 3
+    sched.set_tiers(((1, 8, 1),))  # and to less
+    assert step().num_new_drafts == 1
+
+
 def test_reached_per_pos_counts_events_that_reached_each_position():
     """An event reaches position j when it verified the draft at j and accepted every draft before it."""
     cfg = resolve({}, AUTO, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
