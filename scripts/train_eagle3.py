@@ -21,7 +21,7 @@
    ``--eval-k``) on the held-out prompts: mean acceptance length and per-position acceptance, and how many outputs
    equal the greedy output without speculation.
 
-``--save-data FILE`` keeps the generated sequences (.npz, about 10 MB for the default model's run) and
+``--save-data FILE`` keeps the generated sequences (a compressed .npz of uint16 token ids where the vocabulary fits) and
 ``--load-data FILE`` trains on them without generating again; ``--init-head DIR`` trains a saved head further (the
 shipped one, an earlier run's ``OUT/head``: its draft vocabulary kept) instead of a fresh one. On a device whose
 calls are cut at ten minutes, start the trainer with ``setsid`` (scripts/gpu_session.sh: ``KEEP_GPU_PROCS=1``) and
@@ -140,8 +140,8 @@ SPLITS = ("train", "validation", "held_out")
 
 def save_sequences(path: str, splits: dict[str, list[tuple[list[int], int]]], meta: dict, vocab_size: int) -> None:
     """The generated sequences (token ids, prompt length), per split, and what made them (``meta``), in one
-    compressed .npz: token ids as uint16 where the vocabulary fits (the default model's 13,600 sequences: about
-    10 MB), so that a later run (``--load-data``) trains without generating again."""
+    compressed .npz (token ids as uint16 where the vocabulary fits), so that a later run (``--load-data``) trains
+    without generating again."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     arrays = {"meta": np.asarray(json.dumps(meta))}
     for name in SPLITS:
