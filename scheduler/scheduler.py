@@ -200,7 +200,8 @@ class SpecDecodeStep(NamedTuple):
 NO_DRAFTS = SpecDecodeStep()
 
 RISE_AFTER_STEPS = 16
-"""Steps after K fell during which a uniform decode does not let it rise again (``_new_drafts``)."""
+"""Steps, the fall's own included, during which a uniform decode does not let K rise again after it fell
+(``_new_drafts``)."""
 
 
 def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float | None:
@@ -662,11 +663,16 @@ class Scheduler:
         ``RISE_AFTER_STEPS`` steps of a fall a uniform decode proposes what it verifies rather than more. A fused step
         graph proposes as many drafts as it verifies (q - 1), so each rise runs its step op by op, and a batch that
         hovers at a tier's border (a request ends, the next arrives a step or two later: at a concurrency equal to
-        the border) would rise and fall every few steps. A batch that only shrinks (a run's tail) rises at once, and
-        so does an arrival's step or one after a change of the tiers (``set_tiers``)."""
+        the border) would rise and fall every few steps. A batch that shrinks with no fall before (a run's tail
+        through tiers that draft ever more) rises at once, and so does an arrival's step or one after a change of the
+        tiers (``set_tiers``). Held only where the step verifies every draft the last one proposed (not where
+        adaptive verification verified fewer: that cut is no border), and an empty step changes nothing."""
         k = int(self._k_of_batch[min(num_reqs, self.config.max_num_seqs)]) if self.k_max else 0
-        held = int(drafts[0]) if len(drafts) else k
-        if is_decode and held < k and (drafts == held).all() and self._step - self._fell_at < RISE_AFTER_STEPS:
+        if num_reqs == 0:
+            return k
+        held = int(drafts[0])
+        if (is_decode and held == self._proposed < k and (drafts == held).all()
+                and self._step - self._fell_at < RISE_AFTER_STEPS):
             k = held
         if k < self._proposed:
             self._fell_at = self._step

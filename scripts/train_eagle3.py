@@ -149,7 +149,8 @@ def save_sequences(path: str, splits: dict[str, list[tuple[list[int], int]]], me
         arrays[f"{name}_tokens"] = np.asarray([t for ids, _ in seqs for t in ids], dtype)
         arrays[f"{name}_lengths"] = np.asarray([len(ids) for ids, _ in seqs], np.int64)
         arrays[f"{name}_starts"] = np.asarray([start for _, start in seqs], np.int64)
-    np.savez_compressed(path, **arrays)
+    with open(path, "wb") as fh:  # (a path given is the path written: numpy would add ".npz" to a bare name)
+        np.savez_compressed(fh, **arrays)
 
 
 def load_sequences(path: str) -> tuple[dict[str, list[tuple[list[int], int]]], dict]:
@@ -157,14 +158,16 @@ def load_sequences(path: str) -> tuple[dict[str, list[tuple[list[int], int]]], d
     try:
         with np.load(path) as data:
             meta = json.loads(str(data["meta"]))
+            for key in ("target", "command", "train_prompts", "validation_prompts", "held_out_prompts"):
+                meta[key]  # noqa: B018 (each must be there)
             splits = {}
             for name in SPLITS:
                 tokens = data[f"{name}_tokens"].astype(np.int64)
                 ends = np.cumsum(data[f"{name}_lengths"])
                 splits[name] = [(tokens[end - n:end].tolist(), int(start)) for end, n, start in
                                 zip(ends, data[f"{name}_lengths"], data[f"{name}_starts"])]
-    except (OSError, KeyError, ValueError) as exc:
-        raise SystemExit(f"--load-data {path}: not a file --save-data wrote ({exc})") from None
+    except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"--load-data {path}: not a file --save-data wrote ({type(exc).__name__}: {exc})") from None
     return splits, meta
 
 
@@ -301,6 +304,9 @@ def resume_head(target, path: str) -> EagleHead:
     from models.eagle import load_draft_head
 
     head = load_draft_head(path, target, "eagle3")
+    if head.draft_to_target is None:
+        raise SystemExit(f"--init-head {path}: the head has no draft vocabulary of its own (its LM head is the "
+                         f"target's): this trainer trains heads with a pruned one (--draft-vocab)")
     want = HeadShape(aux_layers=default_aux_layers(target.cfg.num_layers),
                      draft_vocab_size=head.shape.draft_vocab_size)
     if head.shape != want:
@@ -543,7 +549,8 @@ def main() -> None:
                       "validation_prompts": args.validation_prompts, "held_out_prompts": len(held_ids),
                       "train_sequences": len(train_seqs),
                       "train_response_tokens": gen_tokens, "distinct_response_tokens": len(counts),
-                      "draft_vocab_coverage": round(coverage, 4), "generate_seconds": round(time.time() - t1, 1)}
+                      "draft_vocab_coverage": round(coverage, 4),
+                      ("load_seconds" if args.load_data else "generate_seconds"): round(time.time() - t1, 1)}
     if args.init_head:
         report["data"]["init_head"] = args.init_head
 

@@ -4,6 +4,7 @@ command, the metrics gauge. No torch here (the engine runs are in test_autotier_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -589,37 +590,48 @@ def test_k0_tiers_in_the_plan_and_the_scheduler():
         sched.set_tiers(((1, 8, 4),))
 
 
+def _border_scheduler(**config) -> tuple[Scheduler, object]:
+    """A scheduler with tiers K = 3 below 4 requests and K = 2 from 4, and a step function (drafts confidence 0.99
+    unless given, nothing accepted)."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 2]]}
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(dataclasses.replace(scheduler_config(cfg, 256, 4, 256), **config))
+
+    def step(conf: float = 0.99):
+        out = sched.schedule()
+        n = len(out.slots)
+        if n:
+            sched.update(out, ModelResult(np.full((n, 4), 9), np.zeros(n, np.int64),
+                                          np.full((n, out.num_new_drafts), conf, np.float32)))
+        return out
+
+    return sched, step
+
+
 def test_a_batch_at_a_tiers_border_does_not_rise_again_right_after_it_fell():
     """Within RISE_AFTER_STEPS steps of K falling, a uniform decode whose batch shrank into a tier that drafts more
     proposes what it verifies (a fused step graph proposes q - 1 drafts: each rise is a step op by op, and at a
     concurrency equal to a tier's border a request ends and the next arrives a step or two later); after them it
-    rises. A batch that only shrinks rises at once, and so does an arrival's step or one after a tiers switch; K
-    falls at once."""
+    rises. A batch that shrinks with no fall before rises at once, and so does an arrival's step or one after a
+    tiers switch; K falls at once."""
     from scheduler.scheduler import RISE_AFTER_STEPS
 
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 2]]}
-    cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    sched = Scheduler(scheduler_config(cfg, 256, 4, 256))
+    sched, step = _border_scheduler()
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-
-    def step():
-        out = sched.schedule()
-        n = len(out.slots)
-        sched.update(out, ModelResult(np.full((n, 4), 9), np.zeros(n, np.int64)))
-        return out
-
-    for i in range(3):
-        sched.add_request(Request(f"r{i}", [5, 6, 7], params))
-    assert step().num_new_drafts == 3  # (3 requests: the K = 3 tier)
-    sched.abort("r0")  # a batch that only shrinks: K stays 3 (the K = 3 tier)
-    assert step().num_new_drafts == 3
-    sched.add_request(Request("r3", [5, 6, 7], params))
-    sched.add_request(Request("r4", [5, 6, 7], params))  # 4 requests: K falls at once
+    for i in range(5):
+        sched.add_request(Request(f"a{i}", [5, 6, 7], params))
+    assert step().num_new_drafts == 2  # (5 requests: the K = 2 tier)
+    assert list(step().num_drafts) == [2] * 5
+    sched.abort("a0")
+    sched.abort("a1")  # a batch that shrinks with no fall before: rises at once
+    out = step()
+    assert out.shape.is_decode and list(out.num_drafts) == [2] * 3 and out.num_new_drafts == 3
+    sched.add_request(Request("r3", [5, 6, 7], params))  # 4 requests: K falls at once
     out = step()
     assert not out.shape.is_decode and out.num_new_drafts == 2
     out = step()
     assert out.shape.is_decode and list(out.num_drafts) == [2] * 4 and out.num_new_drafts == 2
-    sched.abort("r1")  # back to 3, right after the fall: no rise
+    sched.abort("a2")  # back to 3, right after the fall: no rise
     outs = [step() for _ in range(RISE_AFTER_STEPS - 1)]
     assert all(o.shape.is_decode and list(o.num_drafts) == [2] * 3 for o in outs)
     assert [o.num_new_drafts for o in outs] == [2] * (RISE_AFTER_STEPS - 2) + [3]
@@ -627,8 +639,8 @@ def test_a_batch_at_a_tiers_border_does_not_rise_again_right_after_it_fell():
     assert list(out.num_drafts) == [3] * 3 and out.num_new_drafts == 3
     sched.add_request(Request("r5", [5, 6, 7], params))  # 4 again: falls
     assert step().num_new_drafts == 2
-    sched.abort("r2")
-    sched.abort("r3")
+    sched.abort("a3")
+    sched.abort("a4")
     sched.add_request(Request("r6", [5, 6, 7], params))  # 3, one arriving: its step is no uniform decode
     out = step()
     assert not out.shape.is_decode and out.num_new_drafts == 3
@@ -639,6 +651,38 @@ def test_a_batch_at_a_tiers_border_does_not_rise_again_right_after_it_fell():
     assert list(out.num_drafts) == [2] * 4 and out.num_new_drafts == 3
     sched.set_tiers(((1, 8, 1),))  # and to less
     assert step().num_new_drafts == 1
+
+
+def test_the_border_hold_leaves_adaptive_verification_and_empty_steps_alone():
+    """Adaptive verification verifying fewer drafts than were proposed (a cautious step) is no border: the next
+    proposal is still the tier's K, right after a fall too. An empty step (every request about to finish) changes
+    nothing: a batch that then only shrinks still rises at once."""
+    sched, step = _border_scheduler(adaptive_verification=True, av_sizes=(1, 2, 3, 4, 6, 8, 12, 16),
+                                    step_ms=lambda t: 1.0 + 0.5 * t)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [5, 6, 7], params))
+    step(), step()
+    sched.add_request(Request("r3", [5, 6, 7], params))
+    assert step().num_new_drafts == 2  # (the fall)
+    step(0.01)  # drafts of confidence 0.01: the next step verifies none of them
+    out = step()
+    assert list(out.num_drafts) == [0] * 4 and out.num_new_drafts == 2
+    assert list(step().num_drafts) == [2] * 4
+
+    sched, step = _border_scheduler()
+    for i in range(4):
+        sched.add_request(Request(f"a{i}", [5, 6, 7], params))
+    for _ in range(4):
+        step()  # steady at 4 requests (K = 2), no fall
+    for i in range(4):
+        sched.abort(f"a{i}")
+    assert len(step().slots) == 0  # an empty step
+    for i in range(4):
+        sched.add_request(Request(f"b{i}", [5, 6, 7], params))
+    step(), step()
+    sched.abort("b0")  # shrinks to 3 with no fall before: rises at once
+    assert step().num_new_drafts == 3
 
 
 def test_reached_per_pos_counts_events_that_reached_each_position():

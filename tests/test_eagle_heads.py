@@ -418,9 +418,14 @@ def test_the_trainer_saves_its_sequences_and_trains_them_again_from_a_saved_head
     trainer.save_sequences(path, splits, meta, TARGET.vocab_size)
     loaded, loaded_meta = trainer.load_sequences(path)
     assert loaded == splits and loaded_meta == meta
+    trainer.save_sequences(str(tmp_path / "bare"), splits, meta, TARGET.vocab_size)  # (the name as given)
+    assert trainer.load_sequences(str(tmp_path / "bare"))[0] == splits
     (tmp_path / "bad.npz").write_bytes(b"not an npz")
-    with pytest.raises(SystemExit, match="bad.npz: not a file --save-data wrote"):
-        trainer.load_sequences(str(tmp_path / "bad.npz"))
+    np.save(tmp_path / "array.npy", np.arange(4))
+    np.savez(tmp_path / "other.npz", meta=np.asarray(json.dumps({"target": "tiny"})))
+    for bad in ("bad.npz", "array.npy", "other.npz"):
+        with pytest.raises(SystemExit, match=f"{bad}: not a file --save-data wrote"):
+            trainer.load_sequences(str(tmp_path / bad))
 
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
@@ -444,6 +449,10 @@ def test_the_trainer_saves_its_sequences_and_trains_them_again_from_a_saved_head
     save_eagle3_head(other, str(tmp_path / "other"))
     with pytest.raises(SystemExit, match="its shape .* is not the one this trainer trains"):
         trainer.resume_head(target, str(tmp_path / "other"))
+    whole = EagleHead(target, head.cfg, HeadShape(aux_layers=head.shape.aux_layers)).init_random(0)
+    save_eagle3_head(whole, str(tmp_path / "whole"))
+    with pytest.raises(SystemExit, match="no draft vocabulary of its own"):
+        trainer.resume_head(target, str(tmp_path / "whole"))
 
 
 @pytest.fixture(scope="module")
@@ -491,6 +500,7 @@ def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     b = json.loads((tmp_path / "b" / "train_eagle3.json").read_text())
     assert b["data"]["source"] == "seqs.npz" and b["data"]["init_head"].endswith("head")
+    assert "load_seconds" in b["data"] and "generate_seconds" in a["data"]
     assert b["data"]["train_sequences"] == a["data"]["train_sequences"] and b["served"]
     assert "training sequences from" in second.stdout and "held-out prompts" not in second.stdout  # (none made)
     both = run("--data", str(data), "--load-data", str(tmp_path / "seqs.npz"), "--out", str(tmp_path / "c"))
