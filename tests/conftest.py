@@ -69,20 +69,11 @@ def bpe(texts, tmp_path_factory):
 def tiny_llama(bpe, tmp_path_factory) -> str:
     """A tiny random Llama checkpoint directory (transformers' save_pretrained) with the ``bpe`` tokenizer and its
     ChatML template: a model with text and a chat template that loads and runs in a second on the CPU."""
-    import shutil
+    from textdata import write_tiny_llama
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny_llm")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(bpe, f), path / f)
-    vocab = transformers.AutoTokenizer.from_pretrained(bpe).vocab_size
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.1, eos_token_id=None)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return write_tiny_llama(bpe, tmp_path_factory.mktemp("tiny_llm"))
 
 
 @pytest.fixture(scope="module")

@@ -459,19 +459,10 @@ def test_the_trainer_saves_its_sequences_and_trains_them_again_from_a_saved_head
 def llama8(bpe, tmp_path_factory) -> str:
     """A tiny random 8-layer Llama checkpoint with the ``bpe`` tokenizer and its chat template (an EAGLE-3 head's
     three layer boundaries need more layers than the session's 2-layer ``tiny_llama``)."""
-    import shutil
+    from textdata import write_tiny_llama
 
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("llama8")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(bpe, f), path / f)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=transformers.AutoTokenizer.from_pretrained(bpe).vocab_size,
-                                   hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                                   eos_token_id=None)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    pytest.importorskip("transformers")
+    return write_tiny_llama(bpe, tmp_path_factory.mktemp("llama8"), num_layers=8)
 
 
 def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head(llama8, texts, tmp_path):

@@ -1,4 +1,5 @@
-"""Shared by the text tests: the ShareGPT prompts' path, a ChatML template and its special tokens, a BPE trainer."""
+"""Shared by the text tests: the ShareGPT prompts' path, a ChatML template and its special tokens, a BPE trainer, a
+tiny random Llama checkpoint with that tokenizer."""
 
 import os
 
@@ -36,3 +37,22 @@ def train_bpe(texts: list[str], path: str, vocab_size: int, chat_template: str |
         json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": chat_template or CHATML,
                    "tokenizer_class": "PreTrainedTokenizerFast"}, fh)
     return path
+
+
+def write_tiny_llama(bpe: str, path, num_layers: int = 2) -> str:
+    """A tiny random Llama checkpoint (transformers' save_pretrained) of ``num_layers`` layers written to ``path``,
+    with the ``bpe`` tokenizer directory's tokenizer and its ChatML template (needs torch and transformers)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(bpe, f), os.path.join(path, f))
+    vocab = transformers.AutoTokenizer.from_pretrained(bpe).vocab_size
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, initializer_range=0.1, eos_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
