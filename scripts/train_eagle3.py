@@ -136,6 +136,8 @@ def draft_vocabulary(sequences: list[tuple[list[int], int]], size: int, vocab_si
 
 SPLITS = ("train", "validation", "held_out")
 """The sequence sets ``--save-data`` writes and ``--load-data`` reads."""
+META = ("target", "command", "train_prompts", "validation_prompts", "held_out_prompts")
+"""What a saved file says of its sequences (``save_sequences``' meta)."""
 
 
 def save_sequences(path: str, splits: dict[str, list[tuple[list[int], int]]], meta: dict, vocab_size: int) -> None:
@@ -158,8 +160,9 @@ def load_sequences(path: str) -> tuple[dict[str, list[tuple[list[int], int]]], d
     try:
         with np.load(path) as data:
             meta = json.loads(str(data["meta"]))
-            for key in ("target", "command", "train_prompts", "validation_prompts", "held_out_prompts"):
-                meta[key]  # noqa: B018 (each must be there)
+            missing = [key for key in META if key not in meta]
+            if missing:
+                raise KeyError(f"its meta lacks {', '.join(missing)}")
             splits = {}
             for name in SPLITS:
                 tokens = data[f"{name}_tokens"].astype(np.int64)
@@ -531,16 +534,19 @@ def main() -> None:
                                                                            train_prompts, limit)
     baseline = [s[n:n + args.eval_tokens] for s, n in held_seqs[:len(held_ids)]]  # greedy, without speculation
     if args.save_data:
-        meta = {"target": os.path.basename(model), "command": report["command"], "train_prompts": num_train_prompts,
-                "validation_prompts": args.validation_prompts, "held_out_prompts": len(held_ids)}
+        meta = dict(zip(META, (os.path.basename(model), report["command"], num_train_prompts, args.validation_prompts,
+                               len(held_ids))))
         save_sequences(args.save_data, dict(zip(SPLITS, (train_seqs, val_seqs, held_seqs))), meta,
                        target.cfg.vocab_size)
         log(f"sequences saved to {args.save_data}")
     gen_tokens = sum(len(s) - n for s, n in train_seqs)
     log(f"{len(train_seqs)} training responses ({gen_tokens} tokens) in {time.time() - t1:.1f} s")
-    head = resume_head(target, args.init_head) if args.init_head else None
-    draft_ids = (head.draft_to_target.clone() if head is not None else
-                 draft_vocabulary(train_seqs, args.draft_vocab, target.cfg.vocab_size).to(device))
+    if args.init_head:
+        head = resume_head(target, args.init_head)
+        draft_ids = head.draft_to_target.clone()
+    else:
+        draft_ids = draft_vocabulary(train_seqs, args.draft_vocab, target.cfg.vocab_size).to(device)
+        head = build_head(target, draft_ids, device)
     counts = collections.Counter(t for s, n in train_seqs for t in s[n:])
     coverage = sum(counts[t] for t in draft_ids.tolist()) / max(1, gen_tokens)
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage:.4f} of the response tokens "
@@ -554,7 +560,6 @@ def main() -> None:
     if args.init_head:
         report["data"]["init_head"] = args.init_head
 
-    head = head if head is not None else build_head(target, draft_ids, device)
     report["training"] = train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs)
     log(f"held-out top-1 agreement per step: {report['training']['held_out_acc']}")
     head_dir = os.path.join(args.out, "head")
