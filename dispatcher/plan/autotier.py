@@ -345,6 +345,9 @@ class TierChooser:
         self.reach = {k: max(0, min(limit.get(k, max_num_seqs), costs.reach(1 + k), max_num_seqs))
                       for k in self.candidates}
         self.fallback = self.candidates[0]
+        self._candidate_index = np.full(max(self.candidates) + 1, -1, np.int64)
+        """K -> its row among the candidates (-1: not one)."""
+        self._candidate_index[list(self.candidates)] = np.arange(len(self.candidates))
         n = np.arange(max_num_seqs + 1, dtype=np.float64)
         self.ms = np.full((len(self.candidates), max_num_seqs + 1), np.inf)
         for i, k in enumerate(self.candidates):
@@ -396,8 +399,8 @@ class TierChooser:
             score = np.where(np.isfinite(tps) & (best > 0), tps / best, 0.0)
         score = np.where(np.isfinite(tps), score, INVALID)
         if current is not None:
-            index = {k: i for i, k in enumerate(self.candidates)}
-            cur_i = np.array([index.get(int(k), -1) for k in current])
+            cur_i = self._candidate_index[np.clip(current, 0, len(self._candidate_index) - 1)]
+            cur_i[(current < 0) | (current >= len(self._candidate_index))] = -1
             cols = np.nonzero(cur_i >= 0)[0]
             rows = cur_i[cols]
             ok = np.isfinite(tps[rows, cols])
@@ -446,16 +449,35 @@ class MeasuredCosts:
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
         self.index = {k: i for i, k in enumerate(chooser.candidates)}
-        buckets = chooser.num_buckets
-        self.own = np.ones((len(chooser.candidates), buckets))
-        self.drift = np.ones(buckets)
-        self.steps = np.zeros((len(chooser.candidates), buckets), np.int64)
-        """Served steps observed per (K, bucket)."""
-        self._window = np.zeros((len(chooser.candidates), buckets), np.int64)
+        num, buckets = len(chooser.candidates), chooser.num_buckets
+        # Python lists, not arrays: ``observe`` runs on every served step, and a list's scalars cost a fraction of
+        # an array's (``own``, ``drift`` and ``steps`` are their array views, for a choice).
+        self._own = [[1.0] * buckets for _ in range(num)]
+        self._drift = [1.0] * buckets
+        self._steps = [[0] * buckets for _ in range(num)]
+        self._window = [[0] * buckets for _ in range(num)]
         self._clock = 0
-        self._seen = np.full((len(chooser.candidates), buckets), -(1 << 40))
-        """The clock (observed steps) at each (K, bucket)'s last step."""
-        self._bucket_of = chooser.bucket_of
+        self._last_clock = [-1] * buckets
+        """The clock (observed steps) at each bucket's last step (-1: none yet)."""
+        self._last_k = [0] * buckets
+        """The candidate index of each bucket's last step."""
+        self._bucket_of = chooser.bucket_of.tolist()
+        self._table_ms = chooser.ms.tolist()
+
+    @property
+    def own(self) -> np.ndarray:
+        """(candidates, buckets) each K's own cost factor."""
+        return np.array(self._own)
+
+    @property
+    def drift(self) -> np.ndarray:
+        """(buckets,) each bucket's drift."""
+        return np.array(self._drift)
+
+    @property
+    def steps(self) -> np.ndarray:
+        """(candidates, buckets) served steps observed per (K, bucket)."""
+        return np.array(self._steps, np.int64)
 
     @property
     def ratio(self) -> np.ndarray:
@@ -463,13 +485,10 @@ class MeasuredCosts:
         served at a bucket is weighed at no less than the dearest own factor of the smaller K's served there (the
         served overhead over the table grows with q: drafting more never looks cheaper than what drafting less
         measured); a K below every served one keeps factor 1, so that drafting less is still tried."""
-        own = self.own.copy()
-        for b in range(own.shape[1]):
-            for i in np.nonzero(self.steps[:, b] == 0)[0]:
-                below = self.steps[:i, b] > 0
-                if below.any():
-                    own[i, b] = max(own[i, b], self.own[:i, b][below].max())
-        return own * self.drift[None, :]
+        own, served = self.own, self.steps > 0
+        dearest = np.maximum.accumulate(np.where(served, own, -np.inf), axis=0)  # (over the K's up to each)
+        below = np.vstack((np.full((1, own.shape[1]), -np.inf), dearest[:-1]))  # (over the smaller K's)
+        return np.where(served, own, np.maximum(own, below)) * self.drift[None, :]
 
     def observe(self, num_reqs: int, q: int, device_ms: float) -> bool:
         """One served uniform decode of ``num_reqs`` (padded) requests at q that took ``device_ms``; False (nothing
@@ -477,25 +496,26 @@ class MeasuredCosts:
         i = self.index.get(q - 1)
         if i is None or not 1 <= num_reqs <= self.chooser.max_num_seqs or not _is_ms(device_ms):
             return False
-        table_ms = self.chooser.ms[i, num_reqs]
-        if not np.isfinite(table_ms):
+        table_ms = self._table_ms[i][num_reqs]
+        if not math.isfinite(table_ms):
             return False
         b = self._bucket_of[num_reqs]
+        own, window = self._own[i], self._window[i]
         x = min(max(device_ms / table_ms, COST_RATIO_BOUNDS[0]), COST_RATIO_BOUNDS[1])
         self._clock += 1
-        last_here = self._seen[:, b].max()
-        if self._clock - last_here > STALE_STEPS and last_here >= 0:  # an old drift: re-anchored, nothing learnt
-            if not self.steps[i, b]:
-                self.own[i, b] = self.own[int(self._seen[:, b].argmax()), b]
-                self._window[i, b] = SWITCH_IN_STEPS
-            self.drift[b] = x / self.own[i, b]
-        self.steps[i, b] += 1
-        self._seen[i, b] = self._clock
-        if self._window[i, b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their plain mean
-            self._window[i, b] += 1
-            self.own[i, b] += (x / self.drift[b] - self.own[i, b]) / self._window[i, b]
+        last_here = self._last_clock[b]
+        if last_here >= 0 and self._clock - last_here > STALE_STEPS:  # an old drift: re-anchored, nothing learnt
+            if not self._steps[i][b]:
+                own[b] = self._own[self._last_k[b]][b]
+                window[b] = SWITCH_IN_STEPS
+            self._drift[b] = x / own[b]
+        self._steps[i][b] += 1
+        self._last_clock[b], self._last_k[b] = self._clock, i
+        if window[b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their plain mean
+            window[b] += 1
+            own[b] += (x / self._drift[b] - own[b]) / window[b]
         else:
-            self.drift[b] += (x / self.own[i, b] - self.drift[b]) / DRIFT_MEMORY_STEPS
+            self._drift[b] += (x / own[b] - self._drift[b]) / DRIFT_MEMORY_STEPS
         return True
 
     def by_batch(self) -> np.ndarray:
@@ -520,16 +540,17 @@ class HostFloor:
     served at a host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
     def __init__(self, chooser: TierChooser):
-        self.floor_ms = np.zeros(chooser.num_buckets)
-        self.steps = np.zeros(chooser.num_buckets, np.int64)
+        # (Python lists, as ``MeasuredCosts``': ``observe`` runs on every served step)
+        self.floor_ms = [0.0] * chooser.num_buckets
+        self.steps = [0] * chooser.num_buckets
         """Host-bound steps observed per bucket."""
-        self.tested = np.zeros(chooser.num_buckets, np.int64)
+        self.tested = [0] * chooser.num_buckets
         """Steps per bucket that tested its floor: host-bound ones, and those the device paced although their device
         time was below the floor (had the floor been the host's pace, they would have waited for it)."""
-        self.share = np.zeros(chooser.num_buckets)
+        self.share = [0.0] * chooser.num_buckets
         """Per bucket, the host-bound share of the steps that tested its floor (the mean of the first
         DRIFT_MEMORY_STEPS, then an exponential average over as many)."""
-        self._bucket_of = chooser.bucket_of
+        self._bucket_of = chooser.bucket_of.tolist()
 
     def observe(self, num_reqs: int, device_ms: float, period_ms: float) -> bool:
         """One served step of ``num_reqs`` (padded) requests: True when its period measured the floor (host-bound),
@@ -537,16 +558,17 @@ class HostFloor:
         if not (1 <= num_reqs < len(self._bucket_of) and _is_ms(device_ms) and _is_ms(period_ms)):
             return False
         b = self._bucket_of[num_reqs]
+        floor = self.floor_ms[b]
         host_bound = period_ms > device_ms * (1.0 + HOST_BOUND_SLACK)
-        if host_bound or device_ms < self.floor_ms[b]:  # (a step above the floor that the device paced says nothing)
+        if host_bound or device_ms < floor:  # (a step above the floor that the device paced says nothing)
             self.tested[b] += 1
             self.share[b] += (host_bound - self.share[b]) * max(1.0 / self.tested[b], 1.0 / DRIFT_MEMORY_STEPS)
         if not host_bound:  # (the floor is at most this period)
-            self.floor_ms[b] += (min(self.floor_ms[b], period_ms) - self.floor_ms[b]) / DRIFT_MEMORY_STEPS
+            self.floor_ms[b] = floor + (min(floor, period_ms) - floor) / DRIFT_MEMORY_STEPS
             return False
         self.steps[b] += 1
         weight = max(1.0 / self.steps[b], 1.0 / DRIFT_MEMORY_STEPS)
-        self.floor_ms[b] += (min(period_ms, device_ms * HOST_FLOOR_MAX_RATIO) - self.floor_ms[b]) * weight
+        self.floor_ms[b] = floor + (min(period_ms, device_ms * HOST_FLOOR_MAX_RATIO) - floor) * weight
         return True
 
     def by_bucket(self) -> np.ndarray:
@@ -554,7 +576,7 @@ class HostFloor:
         smaller bucket's that weighs (a bucket the batch has just reached starts from the floor below it), else 0;
         after, its own while at least HOST_BOUND_MIN_SHARE of the steps that tested it were host-bound, else 0 (the
         device paces the bucket: its host-bound steps were stragglers)."""
-        out = np.zeros_like(self.floor_ms)
+        out = np.zeros(len(self.floor_ms))
         below = 0.0
         for b, (ms, n, own) in enumerate(zip(self.floor_ms, self.steps, self._own_weighs())):
             if n < HOST_FLOOR_MIN_STEPS:
@@ -566,7 +588,7 @@ class HostFloor:
     def _own_weighs(self) -> np.ndarray:
         """Per bucket: its own floor weighs (measured by HOST_FLOOR_MIN_STEPS host-bound steps, and host-bound in
         HOST_BOUND_MIN_SHARE of the steps that tested it)."""
-        return (self.steps >= HOST_FLOOR_MIN_STEPS) & (self.share >= HOST_BOUND_MIN_SHARE)
+        return (np.array(self.steps) >= HOST_FLOOR_MIN_STEPS) & (np.array(self.share) >= HOST_BOUND_MIN_SHARE)
 
     def by_batch(self) -> np.ndarray:
         """(0..max_num_seqs,) each batch size's floor, its bucket's (``by_bucket``)."""
