@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.configure import (add_prefix_caching_arg, compact_sizes, config_from_args, detect_platform,
-                                  format_table, render_plan, resolve_device)
+from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, compact_sizes, config_from_args,
+                                  detect_platform, format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
@@ -291,7 +291,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
                           block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace,
-                          acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching)
+                          acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching,
+                          admission_wait_steps=args.admission_wait_steps)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -621,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"],
                    help="H200 step-time curves from SPEC section 1 (default: %(default)s)")
     add_prefix_caching_arg(k)
+    add_admission_wait_arg(k)
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_simulate)

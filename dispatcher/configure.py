@@ -89,6 +89,25 @@ def add_prefix_caching_arg(group) -> None:
                             "(automatic prefix caching; --no-enable-prefix-caching turns it off; default: on)")
 
 
+def add_admission_wait_arg(group) -> None:
+    """``--admission-wait-steps N``: arrivals wait up to N steps while every running request decodes
+    (``SchedulerConfig.admission_wait_steps``)."""
+    group.add_argument("--admission-wait-steps", type=_admission_wait_steps, default=0, metavar="N",
+                       help="while every running request decodes, a new request waits up to N steps so that arrivals "
+                            "a step or two apart start in one mixed step (fewer steps off the decode graphs, at up to "
+                            "N steps of time to first token; default: 0, admitted at once)")
+
+
+def _admission_wait_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--admission-wait-steps must be an integer >= 0, got {text!r}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace):
     platform = detect_platform() if args.platform == "auto" else Platform(args.platform)
     return resolve(

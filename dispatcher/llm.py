@@ -47,7 +47,7 @@ class LLM:
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
                  platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
                  enable_prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int = 0):
         """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
         (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
         if model is None:
@@ -88,7 +88,7 @@ class LLM:
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
             eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching,
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype, admission_wait_steps=admission_wait_steps)
         self._worker = None
         if tensor_parallel_size != 1:
             from dispatcher.engine.ipc import tensor_parallel_worker

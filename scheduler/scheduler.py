@@ -72,6 +72,12 @@ class SchedulerConfig:
     next_token_key: bool = False
     """A block's KV depends on the token after it too (an EAGLE-style drafter's entry at position p holds token
     p + 1): its hash carries that token, and it is cached only once that token is known."""
+    admission_wait_steps: int = 0
+    """While every running request decodes, a request that arrived waits up to this many steps before it is
+    admitted, so that arrivals one or two steps apart start in one mixed step rather than one each (0: admitted at
+    the first step with room). A mixed step runs op by op around PIECEWISE graphs where a uniform decode replays one
+    graph, and speculative decoding staggers the finishes (each request accepts its own drafts), so that without a
+    wait nearly every other step at 256 streams is mixed (``_hold_arrivals``)."""
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -357,6 +363,10 @@ class Scheduler:
         self._order_arr = np.zeros(0, np.int64)
         self._order_dirty = False
         self.waiting: deque[Request] = deque()
+        self._arrived_at: dict[str, int] = {}
+        """Waiting requests' arrival step (``admission_wait_steps``); a preempted request has none (it is not held)."""
+        self._backlog = False
+        """The last admission left requests waiting (tokens, slots or KV blocks ran out): they are not held."""
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
         self._registered: list[tuple[str, int, bytes]] = []
@@ -390,6 +400,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.config.admission_wait_steps:
+            self._arrived_at[request.request_id] = self._step
         self._hash_prompt(request)
 
     def _hash_prompt(self, req: Request) -> list[bytes]:
@@ -442,6 +454,7 @@ class Scheduler:
             self._remove_running(self._slot_of(req))
         else:
             self.waiting.remove(req)
+            self._arrived_at.pop(request_id, None)
         req.status, req.finish_reason = status, reason
         if status is RequestStatus.ABORTED:
             self.stats.aborted += 1
@@ -514,8 +527,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - int(pick.num_scheduled.sum())
         # A step that preempted admits nothing: the blocks it freed go to the running requests first (vLLM's rule),
         # so that a request is never preempted and re-admitted in one step.
-        new, new_slots, new_chunks, new_updates = self._admit(budget) if not preempted else ([], [], [], [])
+        admit = not preempted and not self._hold_arrivals(pick)
+        new, new_slots, new_chunks, new_updates = self._admit(budget) if admit else ([], [], [], [])
         return self._output(pick, new, new_slots, new_chunks, [grown, *new_updates], preempted)
+
+    def _hold_arrivals(self, pick: _RunningPick) -> bool:
+        """Whether the waiting requests wait this step (``admission_wait_steps``): every picked request decodes, the
+        last admission left no request waiting (a backlog is admitted as fast as room allows), and the first in line
+        arrived fewer than that many steps ago (a preempted one, back in line, never waits)."""
+        wait = self.config.admission_wait_steps
+        if not wait or self._backlog or not self.waiting or not len(pick.slots) or not pick.decoding.all():
+            return False
+        arrived = self._arrived_at.get(self.waiting[0].request_id)
+        return arrived is not None and self._step - arrived < wait
 
     # -- prefix caching --------------------------------------------------------------------------------------
     def _cached_prefix(self, req: Request) -> list[int]:
@@ -626,6 +650,7 @@ class Scheduler:
             if self.kv.blocks_for(computed + chunk + c.lookahead_tokens) - len(hit) > self.kv.num_free_besides(hit):
                 break
             self.waiting.popleft()
+            self._arrived_at.pop(req.request_id, None)
             slot = self._start(req, computed)
             updates.append(self.kv.share(slot, hit))
             updates.append(self.kv.grow(np.array([slot]), np.array([computed + chunk + c.lookahead_tokens])))
@@ -640,6 +665,7 @@ class Scheduler:
             slots.append(slot)
             chunks.append(chunk)
             budget -= chunk
+        self._backlog = bool(self.waiting)
         return new, slots, chunks, updates
 
     def _verify_lengths(self, slots: np.ndarray, drafts: np.ndarray, is_decode: bool) -> np.ndarray:

@@ -39,12 +39,13 @@ def setups(draw):
     # request holds: drafts of two steps in flight and the drafter's lookahead past prompt + max_tokens
     num_blocks = draw(st.integers(per_request, per_request * 3 // 2))
     acceptance = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    wait = draw(st.sampled_from([0, 0, 2, 5]))  # admission_wait_steps
     add = st.tuples(st.just("add"), st.integers(1, max_prompt), st.integers(1, max_out), st.booleans())
     ops = draw(st.lists(st.one_of(
         add, add, st.tuples(st.just("step")), st.tuples(st.just("step")),
         st.tuples(st.just("abort"), st.integers(0, 30)),
     ), min_size=6, max_size=40))
-    return cfg, block_size, num_blocks, acceptance, ops
+    return cfg, block_size, num_blocks, acceptance, wait, ops
 
 
 def check_step(sched: Scheduler, out, dispatcher) -> None:
@@ -96,8 +97,8 @@ def check_spec_decode(spec, out, outputs, k_max: int) -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_scheduler_invariants(setup):
-    cfg, block_size, num_blocks, acceptance, ops = setup
-    sc = scheduler_config(cfg, num_blocks, block_size, max_model_len=80)
+    cfg, block_size, num_blocks, acceptance, wait, ops = setup
+    sc = scheduler_config(cfg, num_blocks, block_size, max_model_len=80, admission_wait_steps=wait)
     sched = Scheduler(sc)
     model = FakeModel(VOCAB, acceptance, cfg.max_num_seqs)
     dispatcher = dispatchers_for_plan(build_plan(cfg))["target"]
@@ -238,3 +239,47 @@ def test_bad_requests_get_clear_errors():
     with pytest.raises(RequestError, match="already live"):
         sched.add_request(Request("ok", [1], SamplingParams()))
     assert sched.has_unfinished()
+
+
+def _started_at(sched, model, adds: dict[int, list[Request]], steps: int) -> dict[str, int]:
+    """Run ``steps`` steps, adding ``adds[i]`` before step i; the step at which each request first ran."""
+    started: dict[str, int] = {}
+    for i in range(steps):
+        for req in adds.get(i, []):
+            sched.add_request(req)
+        out = sched.schedule()
+        for req in out.requests:
+            started.setdefault(req.request_id, i)
+        sched.update(out, model.run(out))
+    return started
+
+
+def test_arrivals_wait_for_one_mixed_step_while_the_batch_decodes():
+    """admission_wait_steps = 4: requests arriving one step apart while the running one decodes start together,
+    four steps after the first of them arrived; with nothing running, or 0, a request starts at once."""
+    model = FakeModel(VOCAB, 0.0, 4)
+
+    def req(name, max_tokens=30):
+        return Request(name, model.greedy_reference(name + "p", 0, 6), SamplingParams(max_tokens=max_tokens))
+
+    held = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=64, block_size=4, max_model_len=80, admission_wait_steps=4))
+    started = _started_at(held, model, {0: [req("a")], 3: [req("b")], 4: [req("c")]}, 12)
+    assert started == {"a": 0, "b": 7, "c": 7}  # (b waits steps 3-6: four steps; c joins its step)
+    plain = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=64, block_size=4, max_model_len=80))
+    assert _started_at(plain, model, {0: [req("a")], 3: [req("b")], 4: [req("c")]}, 12) == {"a": 0, "b": 3, "c": 4}
+
+
+def test_a_backlog_and_a_preempted_request_are_not_held():
+    """A request the last admission left waiting (no slot was free) starts as soon as a slot frees, and a preempted
+    request back in line is not held: the wait only batches arrivals."""
+    model = FakeModel(VOCAB, 0.0, 4)
+    sched = Scheduler(SchedulerConfig(2, 64, num_kv_blocks=64, block_size=4, max_model_len=80, admission_wait_steps=8))
+    reqs = [Request(f"r{i}", model.greedy_reference(f"r{i}p", 0, 10), SamplingParams(max_tokens=n))
+            for i, n in enumerate((3, 20, 20))]
+    started = _started_at(sched, model, {0: reqs}, 6)
+    assert started == {"r0": 0, "r1": 0, "r2": 3}  # (r0's third token ends it in step 2; r1 decodes on)
+    tight = Scheduler(SchedulerConfig(4, 64, num_kv_blocks=2 * 21, block_size=4, max_model_len=80,
+                                      admission_wait_steps=1000))
+    long = [Request(f"q{i}", model.greedy_reference(f"q{i}p", 0, 30), SamplingParams(max_tokens=50)) for i in range(4)]
+    run_to_end(tight, model, long)  # (would never end if a preempted request were held behind decoding ones)
+    assert tight.stats.preemptions > 0 and all(len(r.output_token_ids) == 50 for r in long)

@@ -170,3 +170,20 @@ def test_auto_tiers_at_no_acceptance_stop_drafting_and_beat_a_fixed_k(capsys):
     assert "auto tiers: [[1, 3], [146, 1]] at start" in out and "steps by K (the tier's K" in out
     assert main(["simulate", "--acceptance", "0.5"]) == 2
     assert "--acceptance needs a speculative method" in capsys.readouterr().err
+
+
+def test_simulate_admission_wait_batches_arrivals_into_fewer_mixed_steps(capsys):
+    """``--admission-wait-steps``: under speculation (staggered finishes) the arrivals start in fewer mixed steps, every
+    request still served in full; a negative count is refused naming the flag."""
+    spec = '{"method": "eagle3", "num_speculative_tokens": 3}'
+    mixed = []
+    for wait in ("0", "6"):
+        assert main(["simulate", "--platform", "sm100", "--num-prompts", "96", "--concurrency", "16", "--output-len",
+                     "48", "--speculative-config", spec, "--admission-wait-steps", wait, "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert s["requests"] == 96 and s["output_tokens"] == 96 * 48
+        mixed.append(s["by_kind"]["mixed"]["steps"])
+    assert mixed[1] < mixed[0] * 0.7, mixed
+    with pytest.raises(SystemExit):
+        main(["simulate", "--admission-wait-steps", "-1"])
+    assert "--admission-wait-steps must be an integer >= 0, got '-1'" in capsys.readouterr().err

@@ -67,11 +67,14 @@ class EngineArgs:
     the model's (a preset has none, nor a checkpoint without tokenizer.json: they refuse structured requests)."""
     structured_compile_timeout_s: float = COMPILE_TIMEOUT_S
     """A structured request whose grammar has not compiled this long after it arrived is refused."""
+    admission_wait_steps: int = 0
+    """While every running request decodes, arrivals wait up to this many steps (``--admission-wait-steps``,
+    ``SchedulerConfig.admission_wait_steps``)."""
 
 
 def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 8192,
                      step_ms: Callable[[np.ndarray], np.ndarray] | None = None,
-                     enable_prefix_caching: bool = False) -> SchedulerConfig:
+                     enable_prefix_caching: bool = False, admission_wait_steps: int = 0) -> SchedulerConfig:
     """The scheduler's configuration for a resolved config: its speculative tiers, adaptive-verification sizes
     and, for a model drafter, the KV lookahead (the drafter writes up to K + 1 positions past a step). Tiers with K = 0
     stay (their steps draft nothing); K_max bounds what ``Scheduler.set_tiers`` may switch to (``"auto"`` tiers).
@@ -83,7 +86,8 @@ def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 
     return SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, num_kv_blocks, block_size, max_model_len,
                            tiers, cfg.adaptive_verification, tuple(av), step_ms,
                            cfg.num_speculative_tokens + 1 if model_drafter else 0, cfg.num_speculative_tokens,
-                           enable_prefix_caching, enable_prefix_caching and cfg.method in EAGLE_LIKE)
+                           enable_prefix_caching, enable_prefix_caching and cfg.method in EAGLE_LIKE,
+                           admission_wait_steps)
 
 
 def max_model_len_limit(cfg: ResolvedConfig, max_position_embeddings: int, block_size: int = 16) -> tuple[int, int]:

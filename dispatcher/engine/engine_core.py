@@ -200,7 +200,8 @@ class EngineCore:
         self.plan = build_plan(cfg)
         self.dispatchers = dispatchers_for_plan(self.plan)
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
-                                     enable_prefix_caching=args.enable_prefix_caching)
+                                     enable_prefix_caching=args.enable_prefix_caching,
+                                     admission_wait_steps=args.admission_wait_steps)
         self.capture_report = None
         tokenizer = structured.tokenizer if structured is not None else _tokenizer(args)
         if worker is None:

@@ -97,6 +97,7 @@ class EngineService:
                           tokenizer=self.init.tokenizer,
                           structured_compile_timeout_s=self.init.structured_compile_timeout_s,
                           enable_prefix_caching=self.init.enable_prefix_caching,
+                          admission_wait_steps=self.init.admission_wait_steps,
                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
         structured = loop.run_in_executor(None, self._structured_outputs, args)  # (while the worker loads)
         try:

@@ -195,7 +195,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
-             enable_prefix_caching: bool = True) -> SimulationResult:
+             enable_prefix_caching: bool = True, admission_wait_steps: int = 0) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
@@ -210,7 +210,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     max_model_len = max(p.num_tokens for p in prompts) + output_len
     sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
                                  step_ms=lambda t: costs.step_ms(MODE_FULL, t),
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 admission_wait_steps=admission_wait_steps)
     # A request holds at most max_blocks_per_seq blocks (prompt, output, drafts being verified, the drafter's
     # lookahead): by default every slot gets that many, so nothing is preempted.
     per_request = sched_cfg.max_blocks_per_seq

@@ -83,9 +83,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
-    from dispatcher.configure import add_prefix_caching_arg
+    from dispatcher.configure import add_admission_wait_arg, add_prefix_caching_arg
 
     add_prefix_caching_arg(k)
+    add_admission_wait_arg(k)
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -298,6 +299,7 @@ def _setup(args: argparse.Namespace):
                              block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
                              step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)),
                              enable_prefix_caching=args.enable_prefix_caching,
+                             admission_wait_steps=args.admission_wait_steps,
                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     log.info("%s", render_plan(build_plan(cfg)))
     name = args.served_model_name or _model_name(model)
@@ -400,7 +402,8 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
                                 num_speculative_tokens=cfg.num_speculative_tokens)
         engine = EngineClient(EngineInit(init, list(engine_args.eos_token_ids), engine_args.step_trace,
                                          args.api_server_count, engine_args.enable_prefix_caching,
-                                         args.tokenizer or init.model, args.structured_compile_timeout_s),
+                                         args.tokenizer or init.model, args.structured_compile_timeout_s,
+                                         engine_args.admission_wait_steps),
                               tokenizer, name, defaults, metrics, args.log_level,
                               stream_interval=args.stream_interval)
         cors = cors_config(args)
