@@ -75,6 +75,9 @@ POLICIES["separate-full-mixed"] = {"max_full_mixed_cudagraph_capture_tokens": 51
 POLICIES["vllm-default-twin"] = dict(POLICIES["vllm-default"])
 POLICIES["separate-sglang-prefill"] = {"prefill_cudagraph_capture_token_sizes":
                                        POLICIES["sglang"]["prefill_cudagraph_capture_token_sizes"]}
+POLICY_FLAGS = {f"separate-wait{n}": ["--admission-wait-steps", str(n)] for n in (2, 4, 8)}
+"""Policies that are separate grids with other server flags: arrivals held up to N steps (``--admission-wait-steps``)."""
+POLICIES.update({name: {} for name in POLICY_FLAGS})
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
              "eagle3-tiers-7-3-1": {"method": "eagle3", "num_speculative_tokens": 7,
@@ -105,7 +108,7 @@ def serve_command(policy: str, spec: dict | None, port: int, args, served_name: 
         cmd += ["--stream-interval", str(args.stream_interval)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd
+    return cmd + POLICY_FLAGS.get(policy, [])
 
 
 def launch(cmd: list[str], name: str, port: int, log_path: str, wait: bool = True) -> subprocess.Popen:

@@ -202,6 +202,9 @@ class EngineCore:
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
                                      enable_prefix_caching=args.enable_prefix_caching,
                                      admission_wait_steps=args.admission_wait_steps)
+        if args.admission_wait_steps:
+            log.info("arrivals wait up to %d steps while every running request decodes (--admission-wait-steps)",
+                     args.admission_wait_steps)
         self.capture_report = None
         tokenizer = structured.tokenizer if structured is not None else _tokenizer(args)
         if worker is None:
