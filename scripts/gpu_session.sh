@@ -6,6 +6,7 @@
 #   killed, its exit code, seconds and result lines printed (TAILN=k: the last k; a step cut off keeps what it
 #   saved); pytest under it: pass -o addopts= so that its summary line prints (pyproject's -q plus yours hides it);
 # - finish: every JSON in $OUT/r copied to $OUT and the whole folder in $OUT/rest.tgz (a call brings back 8 files);
+# - work longer than a call (tests, then benchmarks, across the calls of one lease): scripts/gpu_background.sh;
 # - D, T: the ShareGPT prompts and SmolLM2's tokenizer in .gpu_data (scripts/gpu_carry.sh); SMOL: the default
 #   model's shape as a ModelConfig JSON (random weights: profile_spec_step --model "$SMOL" --fixed-acceptance A).
 set -uo pipefail
