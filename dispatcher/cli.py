@@ -277,6 +277,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--acceptance needs a speculative method (--speculative-config)")
         acceptance = acceptance_profile(args.acceptance, cfg.num_speculative_tokens)
+    costs = args.cost_model
+    if args.cost_table:
+        from dispatcher.engine.cost import load_cost_table
+
+        costs = load_cost_table(args.cost_table)
     if args.dataset_name == "prefix_repetition":
         if args.dataset:
             raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not prefix_repetition")
@@ -290,7 +295,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
-                          block_size=args.block_size, cost_model=args.cost_model, step_trace=args.step_trace,
+                          block_size=args.block_size, cost_model=costs, step_trace=args.step_trace,
                           acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching,
                           admission_wait_steps=args.admission_wait_steps)
     except TraceError as exc:
@@ -621,6 +626,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache capacity in blocks (default: room for every slot's longest request)")
     k.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"],
                    help="H200 step-time curves from SPEC section 1 (default: %(default)s)")
+    k.add_argument("--cost-table", default=None, metavar="FILE",
+                   help="price the steps with times measured on a GPU instead: step traces of a real run of the same "
+                        "configuration (.jsonl, several joined with commas; their times hold the drafter's forwards), "
+                        "a {\"FULL\", \"PIECEWISE\", \"NONE\"} table or a runtime benchmark's JSON (replay's "
+                        "--cost-table)")
     add_prefix_caching_arg(k)
     add_admission_wait_arg(k)
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")

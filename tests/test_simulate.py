@@ -187,3 +187,25 @@ def test_simulate_admission_wait_batches_arrivals_into_fewer_mixed_steps(capsys)
     with pytest.raises(SystemExit):
         main(["simulate", "--admission-wait-steps", "-1"])
     assert "--admission-wait-steps must be an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, capsys):
+    """``--cost-table TRACE.jsonl``: each step is priced at the traces' median device time of its mode and padded size
+    (a real run's times hold the drafter's forwards: no drafter share is added), and the summary names the traces."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"mode": "FULL", "padded_tokens": n, "device_ms": 1.0 + n / 100} for n in (4, 8, 16, 32, 64)]
+    lines += [{"mode": "PIECEWISE", "padded_tokens": n, "device_ms": 5.0 + n / 100} for n in (64, 512, 2048, 8192)]
+    lines += [{"mode": "NONE", "padded_tokens": n, "device_ms": 20.0} for n in (1, 16384)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    spec = '{"method": "eagle3", "num_speculative_tokens": 3}'
+    base = ["simulate", "--platform", "sm100", "--num-prompts", "32", "--concurrency", "8", "--output-len", "16",
+            "--speculative-config", spec, "--json"]
+    assert main(base + ["--cost-table", str(trace)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["draft_device_ms"] == 0.0 and s["cost_model"] == f"step traces {trace}"
+    decode = s["by_kind"]["uniform_decode"]
+    assert decode["full"] > 0 and s["device_ms_by_mode"]["FULL"] >= decode["full"] * 1.04  # (at least 4 tokens)
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["draft_device_ms"] > 0  # (a preset charges the head's forwards)
+    assert main(base + ["--cost-table", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

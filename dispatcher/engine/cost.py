@@ -81,6 +81,9 @@ class StepCostModel:
     num_layers: int = 24
     name: str = "custom"
     """Where the curves come from: a preset's name, or the table file (and model) they were read from."""
+    whole_steps: bool = False
+    """The curves are whole steps' device time, a drafter's forwards included (step traces of a real run): a
+    simulation adds nothing for the drafter."""
 
     @classmethod
     def preset(cls, name: str) -> "StepCostModel":
@@ -182,7 +185,8 @@ def _runtime_table(data: dict[str, Any], path: str, model: str | None) -> StepCo
                          f"table {path} ({model})")
 
 
-def _median_model(points: dict[str, list[tuple[int, float]]], missing: str, name: str) -> StepCostModel:
+def _median_model(points: dict[str, list[tuple[int, float]]], missing: str, name: str,
+                  whole_steps: bool = False) -> StepCostModel:
     """Each mode's median curve through its (tokens, ms) points; ConfigError ``missing`` (with ``{mode}``) when
     FULL or NONE has fewer than two token counts (PIECEWISE may be left out)."""
     curves = {}
@@ -191,7 +195,8 @@ def _median_model(points: dict[str, list[tuple[int, float]]], missing: str, name
             curves[mode] = _median_curve(pts)
         elif mode != MODE_PIECEWISE:
             raise ConfigError(missing.replace("{mode}", mode))
-    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE), name=name)
+    return StepCostModel(curves[MODE_FULL], curves[MODE_EAGER], curves.get(MODE_PIECEWISE), name=name,
+                         whole_steps=whole_steps)
 
 
 def trace_table(records: list[Any], path: str) -> StepCostModel:
@@ -205,7 +210,7 @@ def trace_table(records: list[Any], path: str) -> StepCostModel:
             points[rec["mode"]].append((rec["padded_tokens"], float(rec["device_ms"])))
     return _median_model(points, f"--cost-table: the step traces {path} have fewer than two token counts of {{mode}} "
                                  f"steps with a device time: add a trace that has them (a run under another policy)",
-                         f"step traces {path}")
+                         f"step traces {path}", whole_steps=True)
 
 
 def load_cost_table(path: str, model: str | None = None) -> StepCostModel:

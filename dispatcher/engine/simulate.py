@@ -120,6 +120,8 @@ def drafter_ms(costs: StepCostModel, descs: StepDescriptors, num_drafts: int, me
     """A model drafter's share of a step: ``draft_layers`` decoder layers of the cost model's stack per forward (a
     head's one; a draft model's its own count): step 0 (EAGLE, draft model) or one block forward, then the
     one-token steps (EAGLE's K - 1, a draft model's K: ``one_token_steps``)."""
+    if costs.whole_steps:  # (step traces' times hold the drafter's forwards)
+        return 0.0
     share = min(draft_layers, costs.num_layers) / costs.num_layers
     ms = 0.0
     if descs.draft is not None:
@@ -191,13 +193,14 @@ class SimulationResult:
 
 
 def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: int, acceptance_rate: float = 0.7,
-             num_kv_blocks: int | None = None, block_size: int = 16, cost_model: str = "bench-moe",
+             num_kv_blocks: int | None = None, block_size: int = 16, cost_model: str | StepCostModel = "bench-moe",
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
              enable_prefix_caching: bool = True, admission_wait_steps: int = 0) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
-    the fake drafter's per-position acceptance (instead of ``acceptance_rate``)."""
+    the fake drafter's per-position acceptance (instead of ``acceptance_rate``). ``cost_model``: a preset's name or
+    a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
@@ -205,7 +208,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {num_kv_blocks}")
     plan = build_plan(cfg)
     dispatchers = dispatchers_for_plan(plan)
-    costs = StepCostModel.preset(cost_model)
+    costs = StepCostModel.preset(cost_model) if isinstance(cost_model, str) else cost_model
     layers = draft_layers(cfg)
     max_model_len = max(p.num_tokens for p in prompts) + output_len
     sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
@@ -323,7 +326,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "draft_acceptance_rate": round(scheduler.stats.drafts_accepted / max(1, scheduler.stats.drafts_verified), 4),
         "host_ms_per_step": round(host_ms_total / max(1, steps), 4),
         "wall_seconds": round(time.perf_counter() - wall, 3),
-        "cost_model": cost_model,
+        "cost_model": costs.name,
         "config": plan.to_dict()["config"],
     }
     if auto is not None:
