@@ -27,8 +27,8 @@ from dispatcher.messages import F32, I32, NewRequest, SamplingSpec, Step, StepRe
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
-from dispatcher.plan.dispatch import (UNIFORM_DECODE, StepDescriptors, dispatch_step, dispatchers_for_plan, eager_reason,
-                                      not_captured_reason, without_graphs)
+from dispatcher.plan.dispatch import (UNIFORM_DECODE, StepDescriptors, dispatch_step, dispatchers_for_plan,
+                                      eager_reason, not_captured_reason, without_graphs)
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
