@@ -311,6 +311,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
     print(f"eager steps {s['eager_steps']} of {s['steps']}; padded tokens {s['padded_tokens']} "
           f"({padded:.2f}% of {s['real_tokens']} real)")
+    by_kind, device = s["device_ms_by_kind"], sum(s["device_ms_by_kind"].values())
+    print("device time by step kind: " + ", ".join(f"{k} {ms / 1e3:.2f} s ({ms / max(device, 1e-9):.0%})"
+                                                    for k, ms in by_kind.items() if ms))
     print(f"output {s['output_tokens_per_second']:.0f} tok/s over {s['simulated_seconds']:.2f} simulated s; "
           f"mean TTFT {s['mean_ttft_ms']} ms, mean TPOT {s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
           f"draft acceptance {s['draft_acceptance_rate']:.3f}")

@@ -66,6 +66,10 @@ def test_simulate_json_summary(capsys):
         assert set(v) == {"steps", "full", "piecewise", "eager"} and v["steps"] == v["full"] + v["piecewise"] + v["eager"]
     assert s["by_kind"]["adaptive_verification"]["full"] > 0
     assert s["requests"] == 64 and s["output_tokens"] == 64 * 32
+    by_kind = s["device_ms_by_kind"]  # (every step's device time, the drafter's included, by its kind)
+    assert set(by_kind) == set(s["by_kind"]) and by_kind["uniform_decode"] > 0 and by_kind["mixed"] > 0
+    total = sum(s["device_ms_by_mode"].values()) + s["draft_device_ms"]
+    assert abs(sum(by_kind.values()) - total) < 0.5
 
 
 def test_simulate_rejects_bad_flags(capsys):

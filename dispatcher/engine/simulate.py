@@ -31,8 +31,8 @@ import numpy as np
 
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_DECODE, build_plan, one_token_steps
-from dispatcher.plan.dispatch import (MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors, dispatch_step,
-                                      dispatchers_for_plan)
+from dispatcher.plan.dispatch import (BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors,
+                                      dispatch_step, dispatchers_for_plan)
 from dispatcher.plan.config import ConfigError
 from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec
@@ -287,6 +287,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             totals["real_tokens"] += s.num_tokens
             totals["device_ms_" + desc.mode] += target_ms
             totals["draft_ms"] += draft_ms
+            totals["device_ms_kind_" + desc.kind] += device_ms
             if auto is not None:
                 steps_by_k[step.num_new_drafts] += 1
                 stats = scheduler.stats
@@ -318,6 +319,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "mean_tpot_ms": round(float(np.mean(tpot)), 3) if tpot else None,
         "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)},
         "draft_device_ms": round(totals["draft_ms"], 1),
+        "device_ms_by_kind": {k: round(totals["device_ms_kind_" + k], 1) for k in BATCH_KINDS},
         "preemptions": scheduler.stats.preemptions,
         "prefix_cache_queries": scheduler.stats.prefix_cache_queries,
         "prefix_cache_hits": scheduler.stats.prefix_cache_hits,
