@@ -292,9 +292,9 @@ def closed_loop(engine, prompts: list[list[int]], params, conc: int) -> int:
 def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: list[dict], args) -> dict:
     """A result row from one or more ``twogrid bench`` results of one server at one concurrency (interleaved
     rounds): output tok/s is all rounds' tokens over their summed durations (each round's tok/s beside it), TPOT
-    and TTFT are the rounds' medians; the server's counters (eager steps, padded tokens, steps, fused steps, device
-    time) are summed (and the engine steps that reached a front end still behind on earlier ones), and GPU busy is
-    their device time over the runs' durations."""
+    and TTFT are the rounds' medians; the server's counters (eager steps, padded tokens, steps, fused steps, mixed
+    steps, device time) are summed (and the engine steps that reached a front end still behind on earlier ones), and
+    GPU busy is their device time over the runs' durations."""
     def median(key: str) -> float:
         return statistics.median(b.get(key, float("nan")) for b in benches)
 
@@ -310,7 +310,10 @@ def make_row(policy: str, workload: str, acceptance: str, conc: int, benches: li
            "eager_steps": int(sum(b.get("eager_steps", 0) for b in benches)),
            "padded_tokens": int(sum(b["padded_tokens"] for b in benches)),
            "steps": int(sum(b["cudagraph_steps"] for b in benches)),
-           "fused_steps": int(sum(b.get("fused_decode_steps", 0) for b in benches)), "device_s": round(device_s, 3),
+           "fused_steps": int(sum(b.get("fused_decode_steps", 0) for b in benches)),
+           "mixed_steps": int(sum(sum(b.get("cudagraph_steps_by_kind_mode", {}).get("mixed", {}).values())
+                                  for b in benches)),
+           "device_s": round(device_s, 3),
            "gpu_busy": round(device_s / sum(b["duration"] for b in benches), 3),
            "front_end_backlog_steps": int(sum(b.get("front_end_backlog_steps", 0) for b in benches)),
            "completed": completed, "failed": failed, "waves": args.waves, "num_prompts": completed + failed,

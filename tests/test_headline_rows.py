@@ -30,7 +30,9 @@ def bench_result(tokens: int, duration: float, device_s: float, eager: int = 0) 
 def test_rounds_give_tokens_over_time_and_summed_counters(headline):
     args = argparse.Namespace(model="bench-moe", waves=1)
     fast, slow = bench_result(1000, 1.0, 0.9, eager=2), bench_result(1000, 4.0, 3.8, eager=1)
+    fast["cudagraph_steps_by_kind_mode"] = {"mixed": {"PIECEWISE": 3, "NONE": 1}, "uniform_decode": {"FULL": 96}}
     row = headline.make_row("separate", "eagle3-k7", "fixed-3.0", 16, [fast, slow, fast], args)
+    assert row["mixed_steps"] == 8  # (the arrivals' steps, every mode: the rounds that report them)
     assert row["output_tok_s"] == pytest.approx(3000 / 6.0, abs=0.1)  # not the median round's 1000 tok/s
     assert row["round_tok_s"] == [1000.0, 250.0, 1000.0] and row["rounds"] == 3
     assert (row["eager_steps"], row["padded_tokens"], row["steps"], row["completed"]) == (5, 15, 300, 12)
