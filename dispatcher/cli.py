@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, compact_sizes, config_from_args,
-                                  detect_platform, format_table, render_plan, resolve_device)
+from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, compact_sizes,
+                                  config_from_args, detect_platform, format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
 from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
@@ -265,6 +265,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dispatcher.engine.workload import make_prompts, prefix_repetition_prompts
 
     cfg = config_from_args(args)
+    check_admission_wait(args)
     for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

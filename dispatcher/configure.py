@@ -92,20 +92,16 @@ def add_prefix_caching_arg(group) -> None:
 def add_admission_wait_arg(group) -> None:
     """``--admission-wait-steps N``: arrivals wait up to N steps while every running request decodes
     (``SchedulerConfig.admission_wait_steps``)."""
-    group.add_argument("--admission-wait-steps", type=_admission_wait_steps, default=0, metavar="N",
+    group.add_argument("--admission-wait-steps", type=int, default=0, metavar="N",
                        help="while every running request decodes, a new request waits up to N steps so that arrivals "
                             "a step or two apart start in one mixed step (fewer steps off the decode graphs, at up to "
                             "N steps of time to first token; default: 0, admitted at once)")
 
 
-def _admission_wait_steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--admission-wait-steps must be an integer >= 0, got {text!r}")
-    return value
+def check_admission_wait(args: argparse.Namespace) -> None:
+    """ConfigError (one line naming the flag) for a negative ``--admission-wait-steps``."""
+    if args.admission_wait_steps < 0:
+        raise ConfigError(f"--admission-wait-steps must be a step count >= 0, got {args.admission_wait_steps}")
 
 
 def config_from_args(args: argparse.Namespace):

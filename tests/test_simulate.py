@@ -188,9 +188,8 @@ def test_simulate_admission_wait_batches_arrivals_into_fewer_mixed_steps(capsys)
         assert s["requests"] == 96 and s["output_tokens"] == 96 * 48
         mixed.append(s["by_kind"]["mixed"]["steps"])
     assert mixed[1] < mixed[0] * 0.7, mixed
-    with pytest.raises(SystemExit):
-        main(["simulate", "--admission-wait-steps", "-1"])
-    assert "--admission-wait-steps must be an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert main(["simulate", "--admission-wait-steps", "-1"]) == 2
+    assert "--admission-wait-steps must be a step count >= 0, got -1" in capsys.readouterr().err
 
 
 def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, capsys):

@@ -142,6 +142,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--api-server-count must be in 1..{MAX_API_SERVERS}, got {args.api_server_count}")
     if args.stream_interval < 1:
         raise ConfigError(f"--stream-interval must be a token count >= 1, got {args.stream_interval}")
+    from dispatcher.configure import check_admission_wait
+
+    check_admission_wait(args)
     if args.api_server_count > 1:  # before anything imports prometheus-client, which reads it once
         from dispatcher.serve.frontend import multiprocess_metrics_dir
 
