@@ -10,8 +10,9 @@
 ``model`` takes a Hugging Face checkpoint directory, a .gguf file or a preset name (random weights, no
 tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
 and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``,
-``enable_prefix_caching`` (default True, as vLLM's), ...). Each output's ``num_cached_tokens`` counts its prompt
-tokens found in the prefix cache.
+``enable_prefix_caching`` (default True, as vLLM's), ``admission_wait_steps`` (``--admission-wait-steps``: a
+request added while a batch decodes waits up to that many steps; prompts given together arrive at once), ...).
+Each output's ``num_cached_tokens`` counts its prompt tokens found in the prefix cache.
 """
 
 from __future__ import annotations

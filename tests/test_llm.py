@@ -141,6 +141,23 @@ def test_stats_count_speculative_decoding_as_vllm_does():
     assert plain.stats.num_drafts == 0 and plain.stats.mean_acceptance_length is None
 
 
+def test_admission_wait_reaches_the_scheduler_and_leaves_the_greedy_tokens_alone():
+    """``admission_wait_steps`` (the offline API's): the scheduler holds arrivals by it, and every prompt gets the
+    tokens it gets without it (prompts given together all arrive at once: none is held past the wait)."""
+    prompts = [[5 + i, 6, 7 + i % 3] for i in range(10)]
+    params = [SamplingParams(max_tokens=6 + 3 * (i % 4), ignore_eos=True) for i in range(10)]
+    outs = []
+    for wait in (0, 4):
+        llm = LLM("tiny-dense", admission_wait_steps=wait, **OPTIONS)
+        assert llm.engine.scheduler.config.admission_wait_steps == wait
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] and all(len(o) == p.max_tokens for o, p in zip(outs[1], params))
+    from dispatcher.plan.config import ConfigError
+
+    with pytest.raises(ConfigError, match="admission_wait_steps must be a step count >= 0, got -1"):
+        LLM("tiny-dense", admission_wait_steps=-1, **OPTIONS)
+
+
 def test_presets_take_token_ids_only_and_bad_models_fail_clearly(tmp_path):
     llm = LLM("tiny-dense", **OPTIONS)
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))

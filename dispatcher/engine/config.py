@@ -12,7 +12,7 @@ import numpy as np
 from dispatcher.engine.structured import COMPILE_TIMEOUT_S
 from dispatcher.plan import autotier, grids
 from dispatcher.plan.capture_plan import EAGLE_LIKE, MODEL_DRAFTERS
-from dispatcher.plan.config import ResolvedConfig
+from dispatcher.plan.config import ConfigError, ResolvedConfig
 from models.config import ModelConfig
 from scheduler.scheduler import SchedulerConfig
 
@@ -80,6 +80,8 @@ def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 
     stay (their steps draft nothing); K_max bounds what ``Scheduler.set_tiers`` may switch to (``"auto"`` tiers).
     With prefix caching, an EAGLE-style drafter's blocks are keyed by the token after them too (its KV entry at
     position p holds token p + 1: ``scheduler.block_hash``)."""
+    if not isinstance(admission_wait_steps, int) or admission_wait_steps < 0:
+        raise ConfigError(f"admission_wait_steps must be a step count >= 0, got {admission_wait_steps!r}")
     tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers) if cfg.method else ()
     av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
     model_drafter = cfg.method in MODEL_DRAFTERS
