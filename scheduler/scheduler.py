@@ -612,7 +612,7 @@ class Scheduler:
         known = self.num_tokens[slots] + self.pending_gain[slots]
         uncomputed = known - computed
         decoding = (uncomputed == 1) & (known > self.prompt_len[slots])
-        k_step = int(self._k_of_batch[min(len(slots), c.max_num_seqs)]) if self.k_max else 0
+        k_step = self._tier_k(len(slots))
         drafts = np.where(decoding, np.minimum(self.num_drafts[slots], k_step), 0)
         demand = uncomputed + drafts
         count = int(np.searchsorted(np.cumsum(demand), c.max_num_batched_tokens, side="right"))
@@ -684,6 +684,10 @@ class Scheduler:
         room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
         return np.minimum(drafts, np.maximum(room - 1, 0))
 
+    def _tier_k(self, num_reqs: int) -> int:
+        """The K of the tier in force at a batch of ``num_reqs`` requests (0 without speculative decoding)."""
+        return int(self._k_of_batch[min(num_reqs, self.config.max_num_seqs)]) if self.k_max else 0
+
     def _new_drafts(self, num_reqs: int, drafts: np.ndarray, is_decode: bool) -> int:
         """The drafts the drafter proposes after this step: its batch size's tier K, except that within
         ``RISE_AFTER_STEPS`` steps of a fall a uniform decode proposes what it verifies rather than more. A fused step
@@ -693,7 +697,7 @@ class Scheduler:
         through tiers that draft ever more) rises at once, and so does an arrival's step or one after a change of the
         tiers (``set_tiers``). Held only where the step verifies every draft the last one proposed (not where
         adaptive verification verified fewer: that cut is no border), and an empty step changes nothing."""
-        k = int(self._k_of_batch[min(num_reqs, self.config.max_num_seqs)]) if self.k_max else 0
+        k = self._tier_k(num_reqs)
         if num_reqs == 0:
             return k
         held = int(drafts[0])

@@ -345,9 +345,11 @@ class TierChooser:
         self.reach = {k: max(0, min(limit.get(k, max_num_seqs), costs.reach(1 + k), max_num_seqs))
                       for k in self.candidates}
         self.fallback = self.candidates[0]
+        self.index = {k: i for i, k in enumerate(self.candidates)}
+        """K -> its row among the candidates."""
         self._candidate_index = np.full(max(self.candidates) + 1, -1, np.int64)
-        """K -> its row among the candidates (-1: not one)."""
-        self._candidate_index[list(self.candidates)] = np.arange(len(self.candidates))
+        """``index`` as an array over 0..max K (-1: not a candidate), for a whole table of K's at once."""
+        self._candidate_index[list(self.index)] = list(self.index.values())
         n = np.arange(max_num_seqs + 1, dtype=np.float64)
         self.ms = np.full((len(self.candidates), max_num_seqs + 1), np.inf)
         for i, k in enumerate(self.candidates):
@@ -448,7 +450,7 @@ class MeasuredCosts:
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
-        self.index = {k: i for i, k in enumerate(chooser.candidates)}
+        self.index = chooser.index
         num, buckets = len(chooser.candidates), chooser.num_buckets
         # Python lists, not arrays: ``observe`` runs on every served step, and a list's scalars cost a fraction of
         # an array's (``own``, ``drift`` and ``steps`` are their array views, for a choice).
