@@ -75,9 +75,9 @@ POLICIES["separate-full-mixed"] = {"max_full_mixed_cudagraph_capture_tokens": 51
 POLICIES["vllm-default-twin"] = dict(POLICIES["vllm-default"])
 POLICIES["separate-sglang-prefill"] = {"prefill_cudagraph_capture_token_sizes":
                                        POLICIES["sglang"]["prefill_cudagraph_capture_token_sizes"]}
-POLICY_FLAGS = {f"separate-wait{n}": ["--admission-wait-steps", str(n)] for n in (2, 4, 8)}
+POLICY_FLAGS = {f"separate-wait{n}": ["--admission-wait-steps", str(n)] for n in (0, 2, 4, 8)}
 """Policies that are separate grids with other server flags: arrivals held up to N steps
-(``--admission-wait-steps``)."""
+(``--admission-wait-steps``; ``separate`` itself holds them 4 under speculative decoding, the default)."""
 POLICIES.update({name: {} for name in POLICY_FLAGS})
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},

@@ -92,15 +92,15 @@ def add_prefix_caching_arg(group) -> None:
 def add_admission_wait_arg(group) -> None:
     """``--admission-wait-steps N``: arrivals wait up to N steps while every running request decodes
     (``SchedulerConfig.admission_wait_steps``)."""
-    group.add_argument("--admission-wait-steps", type=int, default=0, metavar="N",
+    group.add_argument("--admission-wait-steps", type=int, default=None, metavar="N",
                        help="while every running request decodes, a new request waits up to N steps so that arrivals "
                             "a step or two apart start in one mixed step (fewer steps off the decode graphs, at up to "
-                            "N steps of time to first token; default: 0, admitted at once)")
+                            "N steps of time to first token; default: 4 under speculative decoding, else 0)")
 
 
 def check_admission_wait(args: argparse.Namespace) -> None:
     """ConfigError (one line naming the flag) for a negative ``--admission-wait-steps``."""
-    if args.admission_wait_steps < 0:
+    if args.admission_wait_steps is not None and args.admission_wait_steps < 0:
         raise ConfigError(f"--admission-wait-steps must be a step count >= 0, got {args.admission_wait_steps}")
 
 

@@ -11,7 +11,8 @@
 tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
 and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``,
 ``enable_prefix_caching`` (default True, as vLLM's), ``admission_wait_steps`` (``--admission-wait-steps``: a
-request added while a batch decodes waits up to that many steps; prompts given together arrive at once), ...).
+request added while a batch decodes waits up to that many steps; default 4 under speculative decoding, else 0;
+prompts given together arrive at once), ...).
 Each output's ``num_cached_tokens`` counts its prompt tokens found in the prefix cache.
 """
 
@@ -48,7 +49,7 @@ class LLM:
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
                  platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
                  enable_prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int = 0):
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int | None = None):
         """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
         (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
         if model is None:

@@ -62,12 +62,13 @@ def workloads(draw):
     ), min_size=4, max_size=24))
     per_request = -(-(MAX_MODEL_LEN + 4 + 4) // BLOCK)  # prompt + output + drafts + lookahead
     num_blocks = draw(st.integers(per_request, 3 * per_request))  # one to three requests' worth: preemption
-    wait = draw(st.sampled_from([0, 0, 3]))  # the graph run's admission_wait_steps (the eager run's is 0)
+    wait = draw(st.sampled_from([0, None, 3]))  # the graph run's admission_wait_steps (None: the default, 4 under
+    # speculative decoding; the eager run's is 0)
     return spec, budget, num_blocks, wait, ops
 
 
 def make_engine(spec, budget, num_blocks, graphs: bool, cost_table: str, spec_costs: str | None = None,
-                wait: int = 0) -> EngineCore:
+                wait: int | None = 0) -> EngineCore:
     if not graphs and spec and spec.get("adaptive_verification"):  # adaptive verification needs FULL graphs
         spec = {k: v for k, v in spec.items() if k != "adaptive_verification"}
     cc = {} if graphs else {"cudagraph_mode": "NONE"}

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dispatcher import LLM, SamplingParams  # noqa: E402
+from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from scheduler.request import RequestError  # noqa: E402
 
@@ -139,6 +140,16 @@ def test_stats_count_speculative_decoding_as_vllm_does():
     plain = LLM("tiny-dense", **OPTIONS)
     plain.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert plain.stats.num_drafts == 0 and plain.stats.mean_acceptance_length is None
+
+
+def test_admission_wait_defaults_to_four_steps_under_speculative_decoding_only():
+    """Unset, arrivals wait up to 4 steps when a drafter is configured (its staggered finishes make arrivals come a
+    few at a time) and are admitted at once without one; a wait given, 0 included, is the one in force."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    waits = [LLM("tiny-dense", **kw, **OPTIONS).engine.scheduler.config.admission_wait_steps
+             for kw in ({}, {"speculative_config": ngram}, {"speculative_config": ngram, "admission_wait_steps": 0},
+                        {"admission_wait_steps": 2})]
+    assert waits == [0, SD_ADMISSION_WAIT_STEPS, 0, 2] and SD_ADMISSION_WAIT_STEPS == 4
 
 
 def test_admission_wait_reaches_the_scheduler_and_leaves_the_greedy_tokens_alone():

@@ -202,9 +202,10 @@ class EngineCore:
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
                                      enable_prefix_caching=args.enable_prefix_caching,
                                      admission_wait_steps=args.admission_wait_steps)
-        if args.admission_wait_steps:
-            log.info("arrivals wait up to %d steps while every running request decodes (--admission-wait-steps)",
-                     args.admission_wait_steps)
+        if sched_cfg.admission_wait_steps:
+            log.info("arrivals wait up to %d steps while every running request decodes (--admission-wait-steps%s)",
+                     sched_cfg.admission_wait_steps,
+                     "" if args.admission_wait_steps is not None else ": the default under speculative decoding")
         self.capture_report = None
         tokenizer = structured.tokenizer if structured is not None else _tokenizer(args)
         if worker is None:

@@ -40,8 +40,8 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     or the model); None: the model's."""
     structured_compile_timeout_s: float = 10.0
     """``--structured-outputs-config``'s ``compile_timeout_s``."""
-    admission_wait_steps: int = 0
-    """``--admission-wait-steps``."""
+    admission_wait_steps: int | None = None
+    """``--admission-wait-steps`` (None: the default, ``admission_wait_for``)."""
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):

@@ -197,7 +197,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
-             enable_prefix_caching: bool = True, admission_wait_steps: int = 0) -> SimulationResult:
+             enable_prefix_caching: bool = True, admission_wait_steps: int | None = None) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``). ``cost_model``: a preset's name or
     a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's)."""
