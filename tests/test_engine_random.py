@@ -178,11 +178,50 @@ def test_random_runs_match_eager_and_end_exactly(tmp_path_factory, workload):
     # The eager run has no adaptive verification (it needs FULL graphs): it verifies other drafts, which leaves greedy
     # tokens alone but not sampled ones (another acceptance path draws other random numbers). So does the graph run's
     # admission wait under speculation: its requests start in other steps, and tiers give them other K's.
-    other_drafts = bool(spec and (spec.get("adaptive_verification") or wait))
+    held = wait if wait is not None else 4 if spec else 0  # (None: the default, 4 steps under speculation)
+    other_drafts = bool(spec and (spec.get("adaptive_verification") or held))
     for i, r in enumerate(adds):
         rid = f"req-{i}"
         if rid not in graphs[2] and rid not in eager[2] and not (other_drafts and r["sampled"]):
             assert graphs[0][rid] == eager[0][rid], f"{rid}: graphs and eager disagree ({spec})"
+
+
+def test_an_eagle_head_on_its_own_fitted_token_grid_generates_as_eager():
+    """Fitted grids (``fit_cudagraph_capture_sizes``) give an EAGLE-style head's step 0 the powers of two of the
+    target's token grid (``gridfit.head_token_grid``): a mixed step then pads the head's rows to another size than
+    the target's, and every request's greedy tokens stay those of an eager run."""
+    from dispatcher.plan.capture_plan import build_plan
+    from dispatcher.plan.gridfit import StepCost
+
+    cost = StepCost(((1, 1.0), (4, 1.1), (8, 1.6), (16, 3.0), (32, 6.0)), ((4, ((1, 1.2), (4, 3.0))),), "test")
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    prompts = [[(11 * i + 5 * j) % 400 + 3 for j in range(n)] for i, n in enumerate((3, 6, 11, 13, 21, 27, 9))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs, shapes = [], set()
+    for graphs in (True, False):
+        cc = {"fit_cudagraph_capture_sizes": True} if graphs else {"cudagraph_mode": "NONE"}
+        cfg = resolve(cc, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=32,
+                      step_cost=cost if graphs else None)
+        if graphs:
+            sets = {g.runner: g.sizes for g in build_plan(cfg).graph_sets if g.kind == "piecewise"}
+            assert sets["eagle3"] == (1, 2, 4, 8, 16, 32) and len(sets["target"]) > len(sets["eagle3"])
+        engine = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=64, block_size=BLOCK,
+                                            max_model_len=MAX_MODEL_LEN, seed=11))
+        tokens: dict[str, list[int]] = {}
+        for p in prompts:
+            tokens[engine.add_request(p, params)] = []
+        while engine.has_unfinished():
+            step = engine.schedule()
+            if step is None:
+                continue
+            d = step.descs
+            if graphs and d.draft is not None and d.draft.mode == "PIECEWISE":
+                shapes.add((d.target.num_tokens, d.draft.num_tokens))
+            for o in engine.update(step, engine.execute(step)):
+                tokens[o.request_id] += o.new_token_ids
+        outs.append(tokens)
+    assert any(t != d for t, d in shapes), shapes  # (some step padded the head's rows past the target's)
+    assert outs[0] == outs[1] and all(len(t) == 10 for t in outs[0].values())
 
 
 @st.composite

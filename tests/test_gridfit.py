@@ -105,6 +105,11 @@ def test_resolve_fits_the_grids_within_the_caps_and_refuses_size_lists():
     assert set(sets[("target", "full_decode")]) <= set(sets[("eagle3_next_steps", "full_decode")])
     assert one <= set(sets[("eagle3_next_steps", "full_decode")])
     assert max(sets[("target", "full_decode")]) == 512  # (the 4096-token budget at q = 8)
+    # the head's step 0: the powers of two of the target's token grid, and its largest (gridfit.head_token_grid)
+    assert sets[("eagle3", "piecewise")] == tuple(1 << i for i in range(14))
+    assert set(sets[("eagle3", "piecewise")]) < set(sets[("target", "piecewise")])
+    assert dict(((g.runner, g.kind), g.sizes) for g in build_plan(plain).graph_sets)[("eagle3", "piecewise")] == \
+        plain.prefill_token_sizes  # (the default grids, until a cost is measured: the target's)
     capped = resolve({"fit_cudagraph_capture_sizes": True, "max_prefill_cudagraph_capture_tokens": 2048}, None,
                      platform="sm100", step_cost=cost)
     assert capped.prefill_token_sizes == gridfit.fit_prefill(2048, cost)
@@ -166,7 +171,7 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding():
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "total: 238 graphs by default, 243 fitted (+2.1%)" in text
+    assert "total: 238 graphs by default, 186 fitted (-21.8%)" in text  # (the head's step 0: 14 sizes, not 71)
     assert "target             full_decode  8       48      31" in text
     assert "target graph memory (estimated from the measured capture's samples)" in text
     assert text.count(f"expected padding on {TRACE}") == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dispatcher.plan import grids
+from dispatcher.plan import gridfit, grids
 from dispatcher.plan.config import CUDAGraphMode, ResolvedConfig, Tier
 
 # Graph kinds (the "kind" field of a plan entry).
@@ -230,7 +230,7 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
     method = cfg.method
     if method in ONE_TOKEN_DRAFTERS:  # step 0 over the target's rows mirrors the target (every step, a K = 0 tier's
         # too: its KV follows the target's, runtime/drafting.py), then one-token steps where a tier drafts
-        sets += _token_sets(cfg, method) + _full_mixed_sets(cfg, method)
+        sets += _token_sets(cfg, method, _step0_token_sizes(cfg)) + _full_mixed_sets(cfg, method)
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, target_q)
         one_token = _one_token_tiers(cfg)
@@ -243,6 +243,15 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
         else:
             sets += _token_sets(cfg, method)
     return CapturePlan(cfg, tuple(sets))
+
+
+def _step0_token_sizes(cfg: ResolvedConfig) -> tuple[int, ...] | None:
+    """A drafter's step-0 token grid: the target's (None), except an EAGLE-style head's under grids fitted to a
+    measured step cost, which takes the powers of two of the target's (``gridfit.head_token_grid``: its one layer
+    pads cheaply)."""
+    if cfg.method in EAGLE_LIKE and cfg.fit_sizes and cfg.grid_cost_source is not None:
+        return gridfit.head_token_grid(cfg.prefill_token_sizes)
+    return None
 
 
 def _av_serves(cfg: ResolvedConfig) -> tuple[tuple[int, int], ...]:

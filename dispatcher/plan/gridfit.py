@@ -234,6 +234,19 @@ def fit_decode(cap_requests: int, cost: StepCost, query_len: int, eps: float = g
     return fitted_grid(cap_requests, points, eps)
 
 
+def head_token_grid(target_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """An EAGLE-style head's step-0 token grid beside the target's fitted one: the target's sizes that are powers of
+    two, and its largest. Step 0 runs the head (one decoder layer) over the target's rows; padded to the next power
+    of two it costs at most one more head forward, a few percent of a step whose target runs all its layers (the
+    fit's bound eps scaled by the step's cost over the head's, about the target's layer count L, gives a local step
+    2 * eps * L * n / e(n) of an octave or more once eps * L >= 1/2: L >= 15 at ``grids.PREFILL_EPS``), while each
+    size it leaves out is a graph fewer to capture and hold. The largest stays, so that every step the target's
+    grid takes the head's takes too."""
+    if not target_sizes:
+        return ()
+    return tuple(n for n in target_sizes if n & (n - 1) == 0 or n == target_sizes[-1])
+
+
 def measurement_sizes(cap: int) -> tuple[int, ...]:
     """The sizes the server measures a curve at (``fit_cudagraph_capture_sizes``): 1, every power of four, the
     powers of two from 64 on, and the cap: where the curve bends (expert activation below ~100 tokens, the GEMMs'
