@@ -592,10 +592,10 @@ def test_k0_tiers_in_the_plan_and_the_scheduler():
 
 def _border_scheduler(**config) -> tuple[Scheduler, object]:
     """A scheduler with tiers K = 3 below 4 requests and K = 2 from 4, and a step function (drafts confidence 0.99
-    unless given, nothing accepted)."""
+    unless given, nothing accepted); arrivals admitted at once (no admission wait: the steps here are the tiers')."""
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3], [4, 2]]}
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
-    sched = Scheduler(dataclasses.replace(scheduler_config(cfg, 256, 4, 256), **config))
+    sched = Scheduler(dataclasses.replace(scheduler_config(cfg, 256, 4, 256, admission_wait_steps=0), **config))
 
     def step(conf: float = 0.99):
         out = sched.schedule()
@@ -711,6 +711,28 @@ def test_deep_positions_follow_the_first_when_a_shallow_tier_runs_long():
     assert est[0] == pytest.approx((3800 + 32 * 0.6) / 6032)  # 0.63: the window holds both phases
     assert est[1] / est[0] == pytest.approx((255 + 32 * 0.6) / (300 + 32), rel=1e-9)  # 0.83: the early ratio
     assert est[1] > 0.5 and est[2] > 0.4  # not the stale 0.25 and 0.21
+
+
+def test_a_deep_position_keeps_its_measured_rate_while_a_shallow_k_runs():
+    """While only K = 1 verifies, positions 1.. are not reached: their counts are kept, not faded, so their rate given
+    the position before stays the measured 0.8 rather than returning to the prior's 0.6 (which would make K = 3
+    look poorer than it is and keep the tiers shallow); the first position still follows what is verified, and with
+    nothing verified at all it returns to the prior, so that drafting is tried again."""
+    chooser = TierChooser(recorded_h200("bench-moe"), [0, 1, 3, 7], 1024)
+    auto = AutoTiers(chooser, acceptance_profile(0.6, 7), interval=8)
+    state = ([0] * 7, [0] * 7)
+    drive(auto, acceptance_profile(0.8, 7), 100, 8 * 4, state)  # every position verified at 0.8 a draft
+    for _ in range(8 * 60):  # then K = 1 alone, 15 half-lives: its first position at 0.7
+        state[1][0] += 100
+        state[0][0] += 70
+        auto.observe(state[0], state[1])
+    est = auto.acceptance()
+    assert est[0] == pytest.approx(0.7, abs=0.01)
+    assert [est[j] / est[j - 1] for j in range(1, 7)] == pytest.approx([0.8] * 6, abs=0.02)
+    for _ in range(8 * 250):  # nothing verified (every tier at K = 0): the first position back to the prior
+        auto.observe(state[0], state[1])
+    est = auto.acceptance()
+    assert est[0] == pytest.approx(0.6, abs=0.01) and est[1] / est[0] == pytest.approx(0.8, abs=0.02)
 
 
 def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):

@@ -296,7 +296,8 @@ def test_every_method_runs_with_graphs_off(spec):
 def test_drafts_past_max_tokens_are_not_verified_in_mixed_steps():
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=64)
-    sched = Scheduler(scheduler_config(cfg, num_kv_blocks=100, block_size=4, max_model_len=100))
+    sched = Scheduler(scheduler_config(cfg, num_kv_blocks=100, block_size=4, max_model_len=100,
+                                       admission_wait_steps=0))  # ("new" admitted beside "short" at once)
     model = FakeModel(1000, 1.0, 4)
     sched.add_request(Request("short", [3] * 8, SamplingParams(max_tokens=3, ignore_eos=True)))
     out = sched.schedule()
