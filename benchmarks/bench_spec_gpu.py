@@ -218,6 +218,22 @@ def merge(paths: list[str], out: str | None) -> dict:
     return merged
 
 
+TIER_CHANGE = "speculative tiers changed"
+"""The engine's log line at each change of ``"auto"`` tiers (the acceptance, host floor and each K's weighed step)."""
+TIER_LINES_KEPT = 12
+
+
+def tier_changes(path: str, seen: int) -> tuple[list[str], int]:
+    """An auto server's tier changes logged after its first ``seen`` (the last ``TIER_LINES_KEPT`` of them, each cut
+    to 600 characters), and how many it has logged: a row's record of why its tiers moved."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = [line.strip()[:600] for line in fh if TIER_CHANGE in line]
+    except OSError:
+        return [], seen
+    return lines[seen:][-TIER_LINES_KEPT:], len(lines)
+
+
 def log_tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -255,6 +271,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
                                          "log_tail": log_tail(log_path)})
                 continue
             server = {"policy": policy, "method": method, "k": k, "start_s": round(time.monotonic() - t0, 1)}
+            seen = 0  # (tier changes already in a row)
             result["servers"].append(server)
             log(f"server {name}: ready in {server['start_s']:.1f} s")
             for conc in concs:
@@ -277,6 +294,8 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
                 row["fused_steps"] = round(fused_steps(metrics) - fused0)  # (the bench's warm-up wave included)
                 if spec:
                     row["chosen_k"] = chosen_k(metrics, conc) if k < 0 else k
+                if k < 0:
+                    row["tier_changes"], seen = tier_changes(log_path, seen)
                 result["rows"].append(row)
                 save()
                 al = row["mean_acceptance_length"]
@@ -312,14 +331,15 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
     ``--rounds`` rounds of one run a server in rotating order; a row per cell from its runs (see the docstring)."""
     servers = [(m, k, spec, p) for m, k, spec in methods for p in policies]
     blocks = kv_blocks(args.model, args.kv_gib)
-    procs = []
+    procs, logs = [], []
+    seen = [0] * len(servers)  # (each auto server's tier changes already in a row)
     try:
         for i, (method, k, spec, policy) in enumerate(servers):
             stem = f"{policy}-{label(method, k).replace(':', '-k')}"
             cmd = (serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
                    + server_flags(args, spec, k, stem))
-            procs.append(launch(cmd, f"{policy} {label(method, k)}", args.port + i,
-                                os.path.join(out_dir, f"server-{stem}.log"), wait=False))
+            logs.append(os.path.join(out_dir, f"server-{stem}.log"))
+            procs.append(launch(cmd, f"{policy} {label(method, k)}", args.port + i, logs[-1], wait=False))
         t0 = time.monotonic()
         for i, (proc, (method, k, _, policy)) in enumerate(zip(procs, servers)):
             wait_healthy(proc, f"{policy} {label(method, k)}", args.port + i)
@@ -341,6 +361,8 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
                                                                            args.no_fuse_decode_steps, conc)]
                 chosen = chosen_k(scrape(f"http://127.0.0.1:{args.port + i}"), conc) if k < 0 else k
                 result["rows"].append(together_row(servers, runs, i, conc, args, chosen))
+                if k < 0:
+                    result["rows"][-1]["tier_changes"], seen[i] = tier_changes(logs[i], seen[i])
             log(f"c={conc}: " + ", ".join(f"{label(r['method'], r['k'])} {r['output_tok_s']:.0f}"
                                          + (f" ({r['vs_no_sd']:.2f}x)" if "vs_no_sd" in r else "")
                                          for r in result["rows"] if r["concurrency"] == conc))

@@ -184,6 +184,21 @@ def test_together_rotates_the_servers_and_pairs_each_round_with_no_speculation(s
     assert ngram["vs_no_sd"] == 1.5  # (not 1100 / 1000: the paired ratios stand)
 
 
+def test_an_auto_servers_tier_changes_go_into_each_rows_record(spec, tmp_path):
+    """``tier_changes``: the log's "speculative tiers changed" lines after those already in a row (each row the changes
+    of its own concurrency), at most ``TIER_LINES_KEPT`` of the newest; a missing log gives none."""
+    log = tmp_path / "server.log"
+    change = "INFO speculative tiers changed (auto, measured acceptance 0.70/0.49): [[1, {k}]]\n"
+    log.write_text("INFO ready\n" + change.format(k=3) + "INFO step\n" + change.format(k=1))
+    lines, seen = spec.tier_changes(str(log), 0)
+    assert seen == 2 and [line.endswith(f"[[1, {k}]]") for k, line in zip((3, 1), lines)] == [True, True]
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write("".join(change.format(k=k) for k in range(20)))
+    lines, seen = spec.tier_changes(str(log), seen)
+    assert seen == 22 and len(lines) == spec.TIER_LINES_KEPT and lines[-1].endswith("[[1, 19]]")
+    assert spec.tier_changes(str(tmp_path / "none.log"), 5) == ([], 5)
+
+
 def write(path, rows: list[dict], commit: str, model: str = "SmolLM2-135M-Instruct.Q4_1.gguf") -> str:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump({"command": f"bench_spec_gpu.py ({commit})", "commit": commit, "model": model, "output_len": 256,
