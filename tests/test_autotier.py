@@ -811,12 +811,14 @@ def test_step_records_carry_tier_changes():
     assert out.steps[0].tiers == [[1, 8, 3], [9, 16, 0]] and out.steps[1].tiers is None
 
 
-def test_a_k_never_served_that_drafts_more_is_weighed_at_the_served_ks_factor():
-    """Served K = 3 steps cost twice their table at 16 requests. K = 5, never served there, must not look cheaper
-    for that: it is weighed at K = 3's factor, and with 11 % more tokens a step for a table cost 12 % higher K = 3
-    stays (at factor 1, K = 5 looked 1.8x cheaper than it had any reason to and was taken: on the H200 the tiers at
-    16 streams then moved among K = 2 to 5 and ran 0.92x of fixed K = 3). K = 0, drafting less, keeps factor 1, so
-    that it is still tried where the K in force turns out dear (``test_served_step_costs_move_the_choice...``)."""
+def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhead():
+    """Served K = 3 steps cost twice their table at 16 requests (1.5 ms over it). K = 5, never served there, must not
+    look cheaper for that: it is weighed at its table cost plus those 1.5 ms (3.18 ms, 1.89x its table), and with
+    11 % more tokens a step it beats K = 3 by 4.8 %, under the hysteresis, so K = 3 stays (at factor 1, K = 5 looked
+    1.8x cheaper than it had any reason to and was taken: on the H200 the tiers at 16 streams then moved among K = 2
+    to 5 and ran 0.92x of fixed K = 3; at K = 3's factor, 2.0x, it would be priced 3.36 ms). K = 0, drafting less,
+    keeps factor 1, so that it is still tried where the K in force turns out dear
+    (``test_served_step_costs_move_the_choice...``)."""
     table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)], 6: [(1, 1.68), (64, 1.68)]})
     acceptance = [0.65, 0.42, 0.28, 0.16, 0.10]  # 2.35 tokens a step at K = 3, 2.61 at K = 5
     auto = AutoTiers(TierChooser(table, [3, 5], 64), acceptance, interval=4, prior_weight=1e9)
@@ -825,9 +827,29 @@ def test_a_k_never_served_that_drafts_more_is_weighed_at_the_served_ks_factor():
     for _ in range(32):
         assert auto.observe_step(16, 4, 3.0) and with_k0.observe(16, 4, 3.0)
         auto.observe([0] * 5, [0] * 5)
-    assert auto.costs.ratio[:, 4] == pytest.approx([2.0, 2.0])  # (bucket 4: 16..31 requests)
+    assert auto.costs.ratio[0, 4] == pytest.approx(2.0)  # (bucket 4: 16..31 requests)
+    assert auto.costs.by_batch()[:, 16] == pytest.approx([2.0, 1.0 + 1.5 / 1.68])
     assert auto.choice.k_of_batch[16] == 3
-    assert with_k0.ratio[:, 4] == pytest.approx([1.0, 2.0, 2.0])
+    assert with_k0.by_batch()[:, 16] == pytest.approx([1.0, 2.0, 1.0 + 1.5 / 1.68])
+    assert with_k0.by_batch()[:, 40] == pytest.approx([1.0, 1.0, 1.0])  # (bucket 5: nothing served there)
+
+
+def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_shallow():
+    """At 1024 requests K = 1 runs (its table 10 ms a step, K = 3's 16 ms: K = 1 yields more tokens/s by the table)
+    and is served at 18 ms: 8 ms of attention over the contexts and host work that the table's empty-context replays
+    leave out and that K = 3's step pays alike. Weighed with that overhead in ms, K = 3 costs 24 ms for 2.53 tokens
+    against 18 ms for 1.70: 12 % more tokens/s, and the tiers move to it; weighed at K = 1's factor (28.8 ms) it would
+    look 7 % poorer and K = 1 would stay (bench-moe on the H200 at 1024 streams: the tiers settled on K = 1 where
+    fixed K = 3 ran 3 % faster)."""
+    table = StepCostTable({2: [(1, 5.0), (1024, 10.0)], 4: [(1, 8.0), (1024, 16.0)]})
+    acceptance = [0.7, 0.49, 0.343]
+    auto = AutoTiers(TierChooser(table, [1, 3], 1024), acceptance, interval=4, prior_weight=1e9)
+    assert auto.choice.k_of_batch[1024] == 1
+    for _ in range(32):
+        assert auto.observe_step(1024, 2, 18.0)
+        auto.observe([0] * 3, [0] * 3)
+    assert auto.costs.by_batch()[:, 1024] == pytest.approx([1.8, 24.0 / 16.0])
+    assert auto.choice.k_of_batch[1024] == 3
 
 
 @pytest.mark.parametrize("min_share, want", [(None, 3), (0.0, 5)], ids=["floor-off", "stragglers-as-floor"])

@@ -32,9 +32,10 @@ that ratio. The drift, which grows with the contexts through a run, follows ever
 factor is learnt once, over its first ``SWITCH_IN_STEPS`` steps at a bucket, and a bucket left unserved for long has
 its drift re-anchored by its next step. A (K, bucket) never served has factor 1 where it drafts less than every K
 served there, so when the K in force turns out dearer than its table cost, drafting less looks better and gets tried,
-measured where it runs; a K drafting more is weighed at the dearest factor of the smaller K's served there (on the
-H200 at 16 streams, where untried K's were weighed at factor 1 beside a served K = 3 at ~1.9, the tiers there moved
-among K = 2 to 5 and ran 0.92x of fixed K = 3). (With one ratio per (K,
+measured where it runs; a K drafting more is weighed at its table cost plus the largest overhead in ms (served less
+table) of the smaller K's served there (on the H200 at 16 streams, where untried K's were weighed at factor 1 beside
+a served K = 3 at ~1.9, the tiers there moved among K = 2 to 5 and ran 0.92x of fixed K = 3; weighed at the smaller
+K's factor, they priced the deeper K's high wherever the contexts' attention made the overhead: ``by_batch``). (With one ratio per (K,
 bucket), updated by its own steps only, a K measured early at short contexts looked cheaper than the K in force at
 long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0 (0.99x) at a round's
 tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never moved it, and a K
@@ -450,8 +451,8 @@ class MeasuredCosts:
     a K never served there kept its factor of 1 and looked ever cheaper (on the H200 at 1024 streams eagle3's tiers
     went to K = 0 at 873 requests and up, 0.90x no SD in a round where K = 3 gave 1.27x). A K never served at a bucket
     drafting less than every K served there has factor 1, so where the K in force turns out dearer than its table
-    cost, drafting less looks better and gets tried, measured where it runs; one drafting more is weighed at the
-    dearest factor of the smaller K's served there (``ratio``)."""
+    cost, drafting less looks better and gets tried, measured where it runs; one drafting more is weighed at its
+    table cost plus the smaller served K's overhead in ms (``by_batch``)."""
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
@@ -488,14 +489,9 @@ class MeasuredCosts:
 
     @property
     def ratio(self) -> np.ndarray:
-        """(candidates, buckets) served-to-table cost ratios: each K's own factor times its bucket's drift. A K never
-        served at a bucket is weighed at no less than the dearest own factor of the smaller K's served there (the
-        served overhead over the table grows with q: drafting more never looks cheaper than what drafting less
-        measured); a K below every served one keeps factor 1, so that drafting less is still tried."""
-        own, served = self.own, self.steps > 0
-        dearest = np.maximum.accumulate(np.where(served, own, -np.inf), axis=0)  # (over the K's up to each)
-        below = np.vstack((np.full((1, own.shape[1]), -np.inf), dearest[:-1]))  # (over the smaller K's)
-        return np.where(served, own, np.maximum(own, below)) * self.drift[None, :]
+        """(candidates, buckets) each K's own factor times its bucket's drift: a K served at the bucket is weighed
+        at it there (``by_batch`` weighs the others)."""
+        return self.own * self.drift[None, :]
 
     def observe(self, num_reqs: int, q: int, device_ms: float) -> bool:
         """One served uniform decode of ``num_reqs`` (padded) requests at q that took ``device_ms``; False (nothing
@@ -526,8 +522,26 @@ class MeasuredCosts:
         return True
 
     def by_batch(self) -> np.ndarray:
-        """(candidates, 0..max_num_seqs) each batch size's ratio, its bucket's."""
-        return self.ratio[:, self._bucket_of]
+        """(candidates, 0..max_num_seqs) the served-to-table cost ratio each K is weighed at, per batch size: a K
+        served at the size's bucket, its ``ratio``; one never served there that drafts more than a K served there,
+        its table cost plus the largest overhead in ms (served less table) of those smaller K's at that size, as a
+        ratio to its own table cost: the overhead is mostly the attention over the contexts and the step's host work,
+        which do not grow with q, so it carries over in ms, not as a factor, and drafting more never looks cheaper
+        than what drafting less measured (on the H200 at 16 streams of the default model, K = 3 served at 1.9x its
+        table: K = 5 then served at 2.12x K = 3's table, where K = 3's overhead in ms predicts 2.1x and its factor
+        2.28x; at 1024 streams of bench-moe, weighed by K = 1's factor, K = 3 lost the choice to K = 1 and ran 3%
+        faster when fixed); one that drafts less than every K served there, its ``ratio`` (factor 1 times the drift),
+        so that drafting less is still tried."""
+        ratio = self.ratio[:, self._bucket_of]
+        served = (self.steps > 0)[:, self._bucket_of]
+        table = self.chooser.ms
+        finite = served & self.chooser.valid
+        overhead = np.where(finite, (ratio - 1.0) * np.where(finite, table, 0.0), -np.inf)  # served ms less table
+        dearest = np.maximum.accumulate(overhead, axis=0)  # (over the K's up to each)
+        below = np.vstack((np.full((1, table.shape[1]), -np.inf), dearest[:-1]))  # (over the smaller K's)
+        extend = ~served & np.isfinite(below) & self.chooser.valid
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(extend, 1.0 + below / np.where(extend, table, 1.0), ratio)
 
 
 class HostFloor:
