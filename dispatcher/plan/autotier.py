@@ -527,11 +527,11 @@ class MeasuredCosts:
         its table cost plus the largest overhead in ms (served less table) of those smaller K's at that size, as a
         ratio to its own table cost: the overhead is mostly the attention over the contexts and the step's host work,
         which do not grow with q, so it carries over in ms, not as a factor, and drafting more never looks cheaper
-        than what drafting less measured (on the H200 at 16 streams of the default model, K = 3 served at 1.9x its
-        table: K = 5 then served at 2.12x K = 3's table, where K = 3's overhead in ms predicts 2.1x and its factor
-        2.28x; at 1024 streams of bench-moe, weighed by K = 1's factor, K = 3 lost the choice to K = 1 and ran 3%
-        faster when fixed); one that drafts less than every K served there, its ``ratio`` (factor 1 times the drift),
-        so that drafting less is still tried."""
+        than what drafting less measured (on the H200 at 16 streams of the default model, K = 3 served at about 1.9x
+        its table and K = 5 at 2.12x K = 3's table; with K = 5's table 1.1-1.3x K = 3's (not recorded), K = 3's
+        overhead in ms predicts 2.0-2.2x, its factor 2.1-2.5x; at 1024 streams of bench-moe, weighed by K = 1's
+        factor, K = 3 lost the choice to K = 1 and ran 3% faster when fixed); one that drafts less than every K
+        served there, its ``ratio`` (factor 1 times the drift), so that drafting less is still tried."""
         ratio = self.ratio[:, self._bucket_of]
         served = (self.steps > 0)[:, self._bucket_of]
         table = self.chooser.ms
