@@ -42,6 +42,8 @@ bg_wait() {
 bg_collect() {
   mkdir -p "$R/bg"
   cp "$BG"/*.log "$R/bg/" 2>/dev/null
-  find "$BG" -name '*.json' -exec cp {} "$R/bg/" \; 2>/dev/null
+  # (the results a job wrote, not the per-run JSONs of twogrid bench under a bench/ folder: a matrix writes
+  # hundreds, and a call brings back 8 files of at most 16 MiB)
+  find "$BG" -name '*.json' -not -path '*/bench/*' -exec cp {} "$R/bg/" \; 2>/dev/null
   true
 }
