@@ -38,8 +38,8 @@ a served K = 3 at ~1.9, the tiers there moved among K = 2 to 5 and ran 0.92x of 
 K's factor, they priced the deeper K's high wherever the contexts' attention made the overhead: ``by_batch``).
 (With one ratio per (K, bucket), updated by its own steps only, a K measured early at short contexts looked cheaper
 than the K in force at long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0
-(0.99x) at a round's tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never moved it, and a K
-never served there looked ever cheaper: the same flip, 0.90x in a round.)
+(0.99x) at a round's tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never
+moved it, and a K never served there looked ever cheaper: the same flip, 0.90x in a round.)
 
 Where the host sets the pace (the GPU idle between steps: at 1024 streams of the default model on the H200 it was
 busy 56% of a run without drafting, and a fixed K = 3 gave 1.26-1.30x no SD where device costs alone chose K = 0 or
