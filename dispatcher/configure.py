@@ -95,7 +95,8 @@ def add_admission_wait_arg(group) -> None:
     group.add_argument("--admission-wait-steps", type=int, default=None, metavar="N",
                        help="while every running request decodes, a new request waits up to N steps so that arrivals "
                             "a step or two apart start in one mixed step (fewer steps off the decode graphs, at up to "
-                            "N steps of time to first token; default: 4 under speculative decoding, else 0)")
+                            "N steps of time to first token; default under speculative decoding: up to 4 steps and "
+                            "25 ms by the steps' recent pace; without it 0)")
 
 
 def check_admission_wait(args: argparse.Namespace) -> None:

@@ -11,8 +11,8 @@
 tokenizer: token-id prompts only, for benchmarks); None is the default model. Engine options are EngineCore's
 and the configuration's (``max_num_seqs``, ``compilation_config``, ``speculative_config``,
 ``enable_prefix_caching`` (default True, as vLLM's), ``admission_wait_steps`` (``--admission-wait-steps``: a
-request added while a batch decodes waits up to that many steps; default 4 under speculative decoding, else 0;
-prompts given together arrive at once), ...).
+request added while a batch decodes waits up to that many steps; default under speculative decoding up to 4 steps
+and 25 ms by the steps' pace, else 0; prompts given together arrive at once), ...).
 Each output's ``num_cached_tokens`` counts its prompt tokens found in the prefix cache.
 """
 

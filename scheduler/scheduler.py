@@ -27,7 +27,7 @@ every request of a step is decoding (``BatchShape.is_decode``).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -392,6 +392,14 @@ class Scheduler:
         self._k_of_batch = tier_table(tiers, c.max_num_seqs)
         self.tiers = tiers
         self._fell_at = -RISE_AFTER_STEPS
+
+    def set_admission_wait(self, steps: int) -> None:
+        """Hold arrivals up to ``steps`` steps from the next admission on (``admission_wait_steps``; the engine's
+        default under speculative decoding follows the steps' pace). A request that arrived while it was 0 is not
+        held."""
+        if steps < 0:
+            raise ValueError(f"admission_wait_steps must be a step count >= 0, got {steps}")
+        self.config = replace(self.config, admission_wait_steps=int(steps))
 
     # -- requests ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

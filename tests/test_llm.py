@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dispatcher import LLM, SamplingParams  # noqa: E402
-from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS  # noqa: E402
+from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS, AdmissionPace  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from scheduler.request import RequestError  # noqa: E402
 
@@ -150,6 +150,30 @@ def test_admission_wait_defaults_to_four_steps_under_speculative_decoding_only()
              for kw in ({}, {"speculative_config": ngram}, {"speculative_config": ngram, "admission_wait_steps": 0},
                         {"admission_wait_steps": 2})]
     assert waits == [0, SD_ADMISSION_WAIT_STEPS, 0, 2] and SD_ADMISSION_WAIT_STEPS == 4
+
+
+def test_the_default_wait_follows_the_steps_pace_and_a_given_one_stays(caplog):
+    """The default wait holds arrivals at most ``SD_ADMISSION_WAIT_MS`` (25 ms) by the steps' recent pace: steps of
+    2 ms keep 4 steps, 12 ms ones give 2 (the default model at 1024 streams), 40 ms ones none, and a faster pace
+    brings it back, each change a log line; near a border it does not flap; a wait given is never paced."""
+    pace = AdmissionPace()
+    assert all(pace.observe(2.0) is None for _ in range(200)) and pace.steps == 4
+    assert [s for s in (pace.observe(12.0) for _ in range(400)) if s is not None] == [3, 2]  # (the pace rising)
+    assert all(pace.observe(ms) is None for ms in [12.0, 13.0, 12.2, 12.8] * 100)  # (around 12.5 ms: 2 or 1)
+    assert pace.observe(float("nan")) is None and pace.observe(0.0) is None
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    engine = LLM("tiny-dense", speculative_config=ngram, **OPTIONS).engine
+    with caplog.at_level("INFO", logger="twogrid.engine"):
+        for ms in [40.0] * 300:
+            engine._pace_admission(ms)
+    assert engine.scheduler.config.admission_wait_steps == 0 and "arrivals wait up to 0 steps" in caplog.text
+    for ms in [3.0] * 300:
+        engine._pace_admission(ms)
+    assert engine.scheduler.config.admission_wait_steps == SD_ADMISSION_WAIT_STEPS
+    with pytest.raises(ValueError, match="admission_wait_steps must be a step count >= 0, got -1"):
+        engine.scheduler.set_admission_wait(-1)
+    assert LLM("tiny-dense", speculative_config=ngram, admission_wait_steps=3, **OPTIONS).engine.admission_pace is None
+    assert LLM("tiny-dense", **OPTIONS).engine.admission_pace is None
 
 
 def test_admission_wait_reaches_the_scheduler_and_leaves_the_greedy_tokens_alone():

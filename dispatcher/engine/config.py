@@ -4,6 +4,7 @@ the runtime, torch and Triton)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -77,6 +78,45 @@ SD_ADMISSION_WAIT_STEPS = 4
 come a few at a time, and each batch of them costs a mixed step off the decode graphs. Served on the H200 it made
 eagle3 and n-gram faster at 16-1024 streams (docs/headline.md, "The admission wait, served"); without drafting the
 streams finish in lockstep and a wait gains nothing, so it stays 0 there."""
+
+
+SD_ADMISSION_WAIT_MS = 25.0
+"""The default wait's bound in time: by the recent steps' pace (``AdmissionPace``) it holds an arrival no more steps
+than this many ms take. On the default model on the H200 that is the 4 steps up to 256 streams (steps of 1.5-4.5
+ms) and 2 at 1024 (12 ms steps: there wait 2 measured 1.38x no SD, wait 4 1.35x); where steps take tens of ms an
+arrival's mixed step is a smaller share of a step and the wait a larger part of its time to first token, and it
+waits one step or none."""
+PACE_STEPS = 64.0
+"""Steps the pace averages over (an exponential average of the steps' periods)."""
+PACE_MARGIN = 0.1
+"""The pace must pass a step count's border by this share before the wait changes (no flapping at a border)."""
+
+
+class AdmissionPace:
+    """The default admission wait under speculative decoding, in steps, from the steps' recent pace: at most
+    ``SD_ADMISSION_WAIT_STEPS``, and no more steps than ``SD_ADMISSION_WAIT_MS`` takes at the pace."""
+
+    def __init__(self):
+        self.ms: float | None = None
+        """The pace: an exponential average of the steps' periods (None before the first)."""
+        self.steps = SD_ADMISSION_WAIT_STEPS
+
+    def _fit(self, ms: float) -> int:
+        return min(SD_ADMISSION_WAIT_STEPS, int(SD_ADMISSION_WAIT_MS // ms)) if ms > 0 else SD_ADMISSION_WAIT_STEPS
+
+    def observe(self, step_ms: float) -> int | None:
+        """One step's period (or, where none was measured, its device time), in ms; the wait in steps when it
+        changes, else None."""
+        if not (step_ms > 0 and math.isfinite(step_ms)):
+            return None
+        self.ms = step_ms if self.ms is None else self.ms + (step_ms - self.ms) / PACE_STEPS
+        steps = self._fit(self.ms)
+        if steps == self.steps:
+            return None
+        if self._fit(self.ms * (1 + PACE_MARGIN if steps > self.steps else 1 - PACE_MARGIN)) != steps:
+            return None  # (not past the border by the margin yet)
+        self.steps = steps
+        return steps
 
 
 def admission_wait_for(cfg: ResolvedConfig, admission_wait_steps: int | None) -> int:

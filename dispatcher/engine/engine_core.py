@@ -19,7 +19,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from dispatcher.engine.config import EngineArgs, scheduler_config
+from dispatcher.engine.config import SD_ADMISSION_WAIT_MS, AdmissionPace, EngineArgs, scheduler_config
 from dispatcher.engine.cost import CostCurve, load_step_costs
 from dispatcher.engine.structured import StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
@@ -233,6 +233,8 @@ class EngineCore:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.auto_tiers: autotier.AutoTiers | None = None
         """``"auto"`` speculative tiers: the decision and its state (None with fixed K or hand-written tiers)."""
+        self.admission_pace = AdmissionPace() if args.admission_wait_steps is None and cfg.method else None
+        """The default admission wait under speculative decoding, following the steps' pace (None: a wait given)."""
         self._last_result_at = 0.0
         """When the last step's result was taken (``finish``, ``fail_step``): the next one's period starts there."""
         self.tier_version = 0
@@ -470,6 +472,8 @@ class EngineCore:
             reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
         period_ms = self._period_ms(step)
+        if self.admission_pace is not None:
+            self._pace_admission(period_ms if period_ms is not None else result.device_ms)
         if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
             self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms, period_ms)  # (served costs)
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
@@ -484,6 +488,16 @@ class EngineCore:
             step.prompt_logprobs = (values, unpack(result.prompt_logprob_ids, I32, (len(values), top)),
                                     unpack(result.prompt_logprob_ranks, I32))  # (top may be 0: no ids)
         return model_result(result, step.out)
+
+    def _pace_admission(self, step_ms: float) -> None:
+        """The default admission wait: a step's period into the pace, and the wait in steps changed (with a log
+        line) where the pace moved it."""
+        steps = self.admission_pace.observe(step_ms)
+        if steps is not None:
+            self.scheduler.set_admission_wait(steps)
+            log.info("arrivals wait up to %d steps while the batch decodes (steps of %.1f ms: the default under "
+                     "speculative decoding holds them at most %.0f ms; --admission-wait-steps sets a fixed wait)",
+                     steps, self.admission_pace.ms, SD_ADMISSION_WAIT_MS)
 
     def _period_ms(self, step: ScheduledStep) -> float | None:
         """The step's period: from the last step's result to its own, the pace the whole pipeline kept, host and
