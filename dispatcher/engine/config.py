@@ -82,7 +82,7 @@ streams finish in lockstep and a wait gains nothing, so it stays 0 there."""
 
 SD_ADMISSION_WAIT_MS = 25.0
 """The default wait's bound in time: by the recent steps' pace (``AdmissionPace``) it holds an arrival no more steps
-than this many ms take. On the default model on the H200 that is the 4 steps up to 256 streams (steps of 1.5-4.5
+than this many ms take. On the default model on the H200 that is the 4 steps up to 256 streams (steps of 2-4.5
 ms) and 2 at 1024 (12 ms steps: there wait 2 measured 1.38x no SD, wait 4 1.35x); where steps take tens of ms an
 arrival's mixed step is a smaller share of a step and the wait a larger part of its time to first token, and it
 waits one step or none."""
