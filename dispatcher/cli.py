@@ -322,6 +322,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"prefix cache: {s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens found "
               f"({s['prefix_cache_hit_rate']:.1%})")
     print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
+    if s["admission_wait_steps"] or s["admission_wait_changes"]:
+        paced = "".join(f", {c['steps']} after step {c['after_step']} ({c['pace_ms']:.1f} ms steps)"
+                        for c in s["admission_wait_changes"])
+        print(f"arrivals held up to {s['admission_wait_steps']} steps while the batch decodes at the end"
+              + (f" (the default's pace: 4 at start{paced})" if s["admission_wait_changes"] else ""))
     if "auto_tiers" in s:
         print_auto_tiers(s["auto_tiers"])
     if args.step_trace:

@@ -192,6 +192,25 @@ def test_simulate_admission_wait_batches_arrivals_into_fewer_mixed_steps(capsys)
     assert "--admission-wait-steps must be a step count >= 0, got -1" in capsys.readouterr().err
 
 
+def test_simulate_paces_the_default_admission_wait_as_the_engine_does(capsys):
+    """Under speculative decoding with no ``--admission-wait-steps``, arrivals are held as the engine holds them: up
+    to 4 steps, and no more than 25 ms of its decode steps (bench-moe at 512 streams: ~14 ms steps, one step); a wait
+    given stays as given; without drafting none; the text names the changes."""
+    spec = '{"method": "eagle3", "num_speculative_tokens": 3}'
+    base = ["simulate", "--platform", "sm100", "--concurrency", "512", "--num-prompts", "512", "--output-len", "48"]
+    waits = []
+    for extra in (["--speculative-config", spec], ["--speculative-config", spec, "--admission-wait-steps", "3"], []):
+        assert main(base + extra + ["--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        waits.append((s["admission_wait_steps"], [c["steps"] for c in s["admission_wait_changes"]]))
+        if s["admission_wait_changes"]:
+            assert 12.5 < s["admission_wait_changes"][-1]["pace_ms"] < 25.0  # (25 ms: one step of it)
+    assert waits == [(1, [1]), (3, []), (0, [])]
+    assert main(base + ["--speculative-config", spec]) == 0
+    assert "arrivals held up to 1 steps while the batch decodes at the end (the default's pace: 4 at start, 1 after" \
+        in capsys.readouterr().out
+
+
 def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, capsys):
     """``--cost-table TRACE.jsonl``: each step is priced at the traces' median device time of its mode and padded size
     (a real run's times hold the drafter's forwards: no drafter share is added), and the summary names the traces."""

@@ -93,8 +93,9 @@ PACE_MARGIN = 0.1
 
 
 class AdmissionPace:
-    """The default admission wait under speculative decoding, in steps, from the steps' recent pace: at most
-    ``SD_ADMISSION_WAIT_STEPS``, and no more steps than ``SD_ADMISSION_WAIT_MS`` takes at the pace."""
+    """The default admission wait under speculative decoding, in steps, from the recent pace of the steps where
+    every request decodes (arrivals are held across those only: a burst's prefill steps are no pace of a wait): at
+    most ``SD_ADMISSION_WAIT_STEPS``, and no more steps than ``SD_ADMISSION_WAIT_MS`` takes at the pace."""
 
     def __init__(self):
         self.ms: float | None = None

@@ -472,7 +472,7 @@ class EngineCore:
             reason = not_captured_reason(planned) if planned.graph is not None else eager_reason(target, self.plan)
         step.eager_cause = reason[0] if reason else None
         period_ms = self._period_ms(step)
-        if self.admission_pace is not None:
+        if self.admission_pace is not None and step.out.shape.is_decode:  # (arrivals are held across decodes only)
             self._pace_admission(period_ms if period_ms is not None else result.device_ms)
         if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
             self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms, period_ms)  # (served costs)

@@ -226,6 +226,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
                           f"least {per_request}")
     scheduler = Scheduler(sched_cfg)
     pace = AdmissionPace() if admission_wait_steps is None and cfg.method else None  # (as the engine's)
+    wait_changes: list[dict[str, Any]] = []
     auto = None
     tier_changes: list[dict[str, Any]] = []
     steps_by_k: Counter = Counter()
@@ -275,8 +276,9 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             device_ms = target_ms + draft_ms
             result = model.run(step)
             clock_ms += device_ms
-            if pace is not None and (wait := pace.observe(device_ms)) is not None:
+            if pace is not None and s.is_decode and (wait := pace.observe(device_ms)) is not None:
                 scheduler.set_admission_wait(wait)
+                wait_changes.append({"after_step": step.step_id, "steps": wait, "pace_ms": round(pace.ms, 3)})
             host_ms_total += host_ms
             for o in scheduler.update(step, result):
                 if o.new_token_ids and o.request_id not in first_token:
@@ -333,6 +335,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "wall_seconds": round(time.perf_counter() - wall, 3),
         "cost_model": costs.name,
         "config": plan.to_dict()["config"],
+        "admission_wait_steps": scheduler.config.admission_wait_steps,
+        "admission_wait_changes": wait_changes,
     }
     if auto is not None:
         summary["auto_tiers"] = {"initial": initial_tiers, "final": auto.choice.as_config(), "changes": tier_changes,
