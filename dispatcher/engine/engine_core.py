@@ -204,8 +204,8 @@ class EngineCore:
                                      admission_wait_steps=args.admission_wait_steps)
         if sched_cfg.admission_wait_steps:
             log.info("arrivals wait up to %d steps while every running request decodes (--admission-wait-steps%s)",
-                     sched_cfg.admission_wait_steps,
-                     "" if args.admission_wait_steps is not None else ": the default under speculative decoding")
+                     sched_cfg.admission_wait_steps, "" if args.admission_wait_steps is not None else
+                     f": the default under speculative decoding, no more than {SD_ADMISSION_WAIT_MS:.0f} ms of steps")
         self.capture_report = None
         tokenizer = structured.tokenizer if structured is not None else _tokenizer(args)
         if worker is None:
