@@ -77,7 +77,8 @@ POLICIES["separate-sglang-prefill"] = {"prefill_cudagraph_capture_token_sizes":
                                        POLICIES["sglang"]["prefill_cudagraph_capture_token_sizes"]}
 POLICY_FLAGS = {f"separate-wait{n}": ["--admission-wait-steps", str(n)] for n in (0, 2, 4, 8)}
 """Policies that are separate grids with other server flags: arrivals held up to N steps
-(``--admission-wait-steps``; ``separate`` itself holds them 4 under speculative decoding, the default)."""
+(``--admission-wait-steps``; ``separate`` itself holds them by the default under speculative decoding: up to 4
+steps and 25 ms at the decode steps' pace)."""
 POLICIES.update({name: {} for name in POLICY_FLAGS})
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7},
              "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},

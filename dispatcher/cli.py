@@ -323,10 +323,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"({s['prefix_cache_hit_rate']:.1%})")
     print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
     if s["admission_wait_steps"] or s["admission_wait_changes"]:
+        from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS
+
         paced = "".join(f", {c['steps']} after step {c['after_step']} ({c['pace_ms']:.1f} ms steps)"
                         for c in s["admission_wait_changes"])
         print(f"arrivals held up to {s['admission_wait_steps']} steps while the batch decodes at the end"
-              + (f" (the default's pace: 4 at start{paced})" if s["admission_wait_changes"] else ""))
+              + (f" (the default's pace: {SD_ADMISSION_WAIT_STEPS} at start{paced})" if s["admission_wait_changes"]
+                 else ""))
     if "auto_tiers" in s:
         print_auto_tiers(s["auto_tiers"])
     if args.step_trace:

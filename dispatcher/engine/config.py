@@ -102,8 +102,9 @@ class AdmissionPace:
         """The pace: an exponential average of the steps' periods (None before the first)."""
         self.steps = SD_ADMISSION_WAIT_STEPS
 
-    def _fit(self, ms: float) -> int:
-        return min(SD_ADMISSION_WAIT_STEPS, int(SD_ADMISSION_WAIT_MS // ms)) if ms > 0 else SD_ADMISSION_WAIT_STEPS
+    @staticmethod
+    def _fit(ms: float) -> int:
+        return min(SD_ADMISSION_WAIT_STEPS, int(SD_ADMISSION_WAIT_MS // ms))  # (ms > 0: only positive steps observed)
 
     def observe(self, step_ms: float) -> int | None:
         """One step's period (or, where none was measured, its device time), in ms; the wait in steps when it
@@ -118,6 +119,12 @@ class AdmissionPace:
             return None  # (not past the border by the margin yet)
         self.steps = steps
         return steps
+
+
+def admission_pace_for(cfg: ResolvedConfig, admission_wait_steps: int | None) -> AdmissionPace | None:
+    """The pace of the default wait (``admission_wait_for``'s under speculative decoding); None where a wait was
+    given or nothing drafts (the wait stays as it is)."""
+    return AdmissionPace() if admission_wait_steps is None and cfg.method else None
 
 
 def admission_wait_for(cfg: ResolvedConfig, admission_wait_steps: int | None) -> int:

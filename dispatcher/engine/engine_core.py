@@ -19,7 +19,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from dispatcher.engine.config import SD_ADMISSION_WAIT_MS, AdmissionPace, EngineArgs, scheduler_config
+from dispatcher.engine.config import SD_ADMISSION_WAIT_MS, EngineArgs, admission_pace_for, scheduler_config
 from dispatcher.engine.cost import CostCurve, load_step_costs
 from dispatcher.engine.structured import StructuredOutputs
 from dispatcher.engine.trace import TraceWriter, step_record
@@ -233,7 +233,7 @@ class EngineCore:
                 self.scheduler = Scheduler(replace(sched_cfg, step_ms=curve))
         self.auto_tiers: autotier.AutoTiers | None = None
         """``"auto"`` speculative tiers: the decision and its state (None with fixed K or hand-written tiers)."""
-        self.admission_pace = AdmissionPace() if args.admission_wait_steps is None and cfg.method else None
+        self.admission_pace = admission_pace_for(cfg, args.admission_wait_steps)
         """The default admission wait under speculative decoding, following the steps' pace (None: a wait given)."""
         self._last_result_at = 0.0
         """When the last step's result was taken (``finish``, ``fail_step``): the next one's period starts there."""

@@ -38,7 +38,7 @@ from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec
 from dispatcher.engine.cost import StepCostModel
 from scheduler.request import Request, SamplingParams
-from dispatcher.engine.config import AdmissionPace, scheduler_config
+from dispatcher.engine.config import admission_pace_for, scheduler_config
 from scheduler.scheduler import BatchShape, ModelResult, Scheduler, SchedulerOutput
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -225,7 +225,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
                           f"tokens with drafts and lookahead: {per_request} blocks of {block_size} tokens); give at "
                           f"least {per_request}")
     scheduler = Scheduler(sched_cfg)
-    pace = AdmissionPace() if admission_wait_steps is None and cfg.method else None  # (as the engine's)
+    pace = admission_pace_for(cfg, admission_wait_steps)  # (as the engine's)
     wait_changes: list[dict[str, Any]] = []
     auto = None
     tier_changes: list[dict[str, Any]] = []
