@@ -248,7 +248,7 @@ def test_served_step_costs_move_the_choice_where_the_table_underestimates_a_k():
 
     serve(4, 3.0)
     assert auto.choice.k_of_batch[64] == 0 and auto.choice.k_of_batch[1] == 3
-    assert auto.costs.ratio[1, 6] > 1.4  # (bucket 6: 64..127 requests)
+    assert auto.costs.ratio[1, 6] > 1.4  # (bucket 6: 33..64 requests)
     serve(1, 1.2, steps=64)
     assert auto.choice.k_of_batch[64] == 0
     assert auto.costs.ratio[1, 6] == pytest.approx(2.0) and auto.costs.ratio[0, 6] == pytest.approx(1.2)
@@ -331,6 +331,24 @@ def test_on_a_host_bound_load_the_auto_tiers_reach_the_best_fixed_k_within_a_rou
         assert round_tok_s(None, batch) >= 0.97 * max(fixed), fixed
 
 
+def test_a_power_of_two_shares_its_bucket_with_the_batch_sizes_just_below_it():
+    """At N concurrent streams the batch hovers at and a little below N, a power of two in most deployments: its
+    steps keep one bucket's costs and host floor, so the tiers cannot split at N (with buckets starting at the
+    powers, served on the H200 at c506f82, the tiers went ``[[563, 1], [1024, 3]]`` at 1024 streams)."""
+    chooser = TierChooser(SMALL, [0, 1], 1024)
+    bucket_of = chooser.bucket_of
+    assert chooser.num_buckets == 11 and bucket_of[1] == 0 and bucket_of[2] == 1 and bucket_of[1024] == 10
+    for n in (4, 16, 64, 256, 1024):
+        assert bucket_of[n] == bucket_of[n // 2 + 1] != bucket_of[n // 2]
+        assert (np.diff(bucket_of[n // 2 + 1 : n + 1]) == 0).all()
+    assert TierChooser(SMALL, [0, 1], 1000).bucket_of[1000] == 10 and TierChooser(SMALL, [0, 1], 1).num_buckets == 1
+    floor = HostFloor(chooser)
+    for _ in range(HOST_FLOOR_MIN_STEPS):
+        assert floor.observe(1024, 4.0, 7.5)
+    assert floor.by_batch()[513:] == pytest.approx([7.5] * 512) and not floor.by_batch()[:513].any()
+    assert floor.describe() == "host floor a step: 513-1024 requests 7.5 ms"
+
+
 def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_others():
     """A step whose period exceeds its device time by more than 15% measures the floor (its period, at most 4x its
     device time: the mean of the first steps, then an average over DRIFT_MEMORY_STEPS); one that does not pulls it
@@ -338,19 +356,19 @@ def test_the_host_floor_is_measured_by_host_bound_steps_and_bounded_by_the_other
     host-bound step; before, and where none was measured, the nearest smaller bucket's that weighs (so one stalled
     step weighs nothing, and a bucket measured lower keeps its own). Invalid times and batch sizes are not kept."""
     floor = HostFloor(TierChooser(SMALL, [0, 1], 8))
-    assert not floor.observe(4, 10.0, 11.0) and floor.floor_ms[2] == 0.0  # (bucket 2: 4..7 requests)
+    assert not floor.observe(4, 10.0, 11.0) and floor.floor_ms[2] == 0.0  # (bucket 2: 3..4 requests)
     assert floor.observe(4, 10.0, 20.0) and floor.floor_ms[2] == pytest.approx(20.0)
-    assert floor.observe(5, 10.0, 36.0) and floor.floor_ms[2] == pytest.approx(28.0)  # (second step: weight 1/2)
-    assert floor.observe(5, 10.0, 500.0) and floor.floor_ms[2] == pytest.approx(32.0)  # (a stall: 4x device, 40)
+    assert floor.observe(3, 10.0, 36.0) and floor.floor_ms[2] == pytest.approx(28.0)  # (second step: weight 1/2)
+    assert floor.observe(3, 10.0, 500.0) and floor.floor_ms[2] == pytest.approx(32.0)  # (a stall: 4x device, 40)
     assert not floor.by_batch().any() and floor.describe() == ""  # (three steps: not yet)
     assert floor.observe(4, 10.0, 32.0) and floor.floor_ms[2] == pytest.approx(32.0)
-    assert floor.by_batch()[4:8] == pytest.approx([32.0] * 4) and floor.by_batch()[1] == 0.0
-    assert floor.by_batch()[8] == pytest.approx(32.0)  # (8 requests, bucket 3, measured nothing: the floor below)
+    assert floor.by_batch()[3:5] == pytest.approx([32.0] * 2) and not floor.by_batch()[1:3].any()
+    assert floor.by_batch()[5:9] == pytest.approx([32.0] * 4)  # (5-8 requests, bucket 3, measured nothing: below's)
     assert not floor.observe(4, 12.0, 12.0)
     assert floor.floor_ms[2] == pytest.approx(32.0 + (12.0 - 32.0) / DRIFT_MEMORY_STEPS)
     assert not floor.observe(4, 40.0, 40.0) and floor.floor_ms[2] < 32.0  # (above the floor: no rise)
     assert not floor.observe(0, 1.0, 5.0) and not floor.observe(9, 1.0, 5.0) and not floor.observe(4, 1.0, float("nan"))
-    assert floor.describe() == f"host floor a step: 4-7 requests {floor.floor_ms[2]:.1f} ms"
+    assert floor.describe() == f"host floor a step: 3-4 requests {floor.floor_ms[2]:.1f} ms"
     for _ in range(4):
         assert floor.observe(8, 1.0, 3.0)
     assert floor.by_batch()[8] == pytest.approx(3.0)  # (measured, lower than below: its own)
@@ -418,7 +436,7 @@ def test_two_ks_sharing_a_bucket_keep_its_drift_moving():
         n, k = (700, 4) if (step // 3) % 2 else (900, 2)
         costs.observe(n, 1 + k, table.ms(n, 1 + k) * 1.5 * drift)
     truth = 1.5 * (1.0 + 1.5 * 599 / 600)
-    k0, k2, k4 = costs.ratio[:, 9]  # (bucket 9: 512..1023 requests)
+    k0, k2, k4 = costs.ratio[:, costs.chooser.bucket_of[900]]  # (513..1024 requests)
     assert k2 == pytest.approx(truth, rel=0.03) and k4 == pytest.approx(truth, rel=0.03)
     assert k0 >= truth / 1.6  # (the first factor learnt, over 16 steps while the drift rose by a few %: ~1.56)
 
@@ -454,21 +472,22 @@ def test_two_ks_sharing_a_bucket_by_long_turns_keep_its_drift_moving(turn):
         n, k = (700, 4) if (step // turn) % 2 else (900, 2)
         costs.observe(n, 1 + k, table.ms(n, 1 + k) * 1.5 * (1.0 + 1.5 * step / 600))
     truth = 1.5 * (1.0 + 1.5 * 599 / 600)
-    k0, k2, k4 = costs.ratio[:, 9]
+    k0, k2, k4 = costs.ratio[:, costs.chooser.bucket_of[900]]
     assert k2 == pytest.approx(truth, rel=0.05) and k4 == pytest.approx(truth, rel=0.1)
     assert k0 >= truth / 1.7  # (within about the first factor learnt, 1.5x plus the growth over its 16 steps)
 
 
 def test_a_bucket_the_k_in_force_visits_now_and_then_still_moves_its_drift():
-    """K = 2 in force; the batch sits at 400 requests (bucket 8) and reaches 600 (bucket 9) every 17th step: bucket
-    9's drift follows the contexts as bucket 8's does (found in review: each visit restarted K's learning there and
+    """K = 2 in force; the batch sits at 400 requests (bucket 257-512) and reaches 600 (513-1024) every 17th step:
+    the second bucket's drift follows the contexts as the first one's does (found in review: each visit restarted K's learning there and
     the drift never moved)."""
     table = StepCostTable({q: [(1, 1.0 + 0.15 * (q - 1)), (1024, 2.0 + 0.5 * (q - 1))] for q in (1, 3, 5)})
     costs = MeasuredCosts(TierChooser(table, [0, 2, 4], 1024))
     for step in range(1200):
         n = 600 if step % 17 == 0 else 400
         costs.observe(n, 3, table.ms(n, 3) * 1.5 * (1.0 + 1.5 * step / 1200))
-    assert costs.ratio[0, 9] == pytest.approx(costs.ratio[0, 8], rel=0.25)
+    at_600, at_400 = costs.chooser.bucket_of[[600, 400]]
+    assert at_600 != at_400 and costs.ratio[0, at_600] == pytest.approx(costs.ratio[0, at_400], rel=0.25)
 
 
 def test_a_bucket_served_again_after_long_re_anchors_its_drift():
@@ -484,7 +503,7 @@ def test_a_bucket_served_again_after_long_re_anchors_its_drift():
         costs.observe(8, 3, table.ms(8, 3) * 1.1)
     for _ in range(20):
         costs.observe(900, 1, table.ms(900, 1) * 1.2)
-    k0, k2 = costs.ratio[:, 9]
+    k0, k2 = costs.ratio[:, costs.chooser.bucket_of[900]]
     assert k0 == pytest.approx(1.2, rel=0.02) and k2 / k0 == pytest.approx(1.0, rel=0.05)
 
 
@@ -763,7 +782,7 @@ def test_plan_auto_tiers_over_step_traces_weighs_the_host_floor_their_periods_gi
     """Step traces carry each step's period: ``plan --auto-tiers TRACES.jsonl`` takes the step costs and the host
     floor from them, as the engine does. Plain steps at 1024 requests took 4 ms on the device, K = 3 steps 8 ms;
     at 1.9 tokens a K = 3 step K = 0 wins on device time alone, but the periods (7.5 ms: the GPU waited for the host)
-    make K = 3 the choice there; the floor is printed (and in the JSON)."""
+    make K = 3 the choice there and across its bucket; the floor is printed (and in the JSON)."""
     steps = [{"kind": "uniform_decode", "mode": "FULL", "q": q, "padded_requests": n, "device_ms": ms * n / 1024}
              for n in (1, 512, 1024) for q, ms in ((1, 4.0), (4, 8.0))]
     host_bound = [dict(r, period_ms=7.5) for r in steps if r["padded_requests"] == 1024 and r["q"] == 1]
@@ -778,11 +797,11 @@ def test_plan_auto_tiers_over_step_traces_weighs_the_host_floor_their_periods_gi
                      "--acceptance", "0.5,0.25,0.15", "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         tiers[name] = data["tiers"]
-        assert (data["host_floor"] == "host floor a step: 1024 requests 7.5 ms") == (name == "host")
-    assert tiers["device"][-1][1] == 0 and tiers["host"][-1] == [1024, 3], tiers
+        assert (data["host_floor"] == "host floor a step: 513-1024 requests 7.5 ms") == (name == "host")
+    assert tiers["device"][-1][1] == 0 and tiers["host"][-1] == [513, 3], tiers  # (1024's bucket: 513..1024)
     assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers",
                  str(tmp_path / "host.jsonl"), "--acceptance", "0.5,0.25,0.15"]) == 0
-    assert "host floor a step: 1024 requests 7.5 ms (each K's step weighed no shorter)" in capsys.readouterr().out
+    assert "host floor a step: 513-1024 requests 7.5 ms (each K's step weighed no shorter)" in capsys.readouterr().out
 
 
 # -- the gauge --------------------------------------------------------------------------------------------------
@@ -827,11 +846,11 @@ def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhea
     for _ in range(32):
         assert auto.observe_step(16, 4, 3.0) and with_k0.observe(16, 4, 3.0)
         auto.observe([0] * 5, [0] * 5)
-    assert auto.costs.ratio[0, 4] == pytest.approx(2.0)  # (bucket 4: 16..31 requests)
+    assert auto.costs.ratio[0, 4] == pytest.approx(2.0)  # (bucket 4: 9..16 requests)
     assert auto.costs.by_batch()[:, 16] == pytest.approx([2.0, 1.0 + 1.5 / 1.68])
     assert auto.choice.k_of_batch[16] == 3
     assert with_k0.by_batch()[:, 16] == pytest.approx([1.0, 2.0, 1.0 + 1.5 / 1.68])
-    assert with_k0.by_batch()[:, 40] == pytest.approx([1.0, 1.0, 1.0])  # (bucket 5: nothing served there)
+    assert with_k0.by_batch()[:, 40] == pytest.approx([1.0, 1.0, 1.0])  # (bucket 6, 33..64: nothing served there)
 
 
 def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_shallow():

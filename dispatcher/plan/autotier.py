@@ -364,12 +364,19 @@ class TierChooser:
                 self.ms[i, 1 : top + 1] = costs.ms(n[1 : top + 1], 1 + k)
         self.valid = np.isfinite(self.ms)
         self._n = n
-        self.num_buckets = max(1, int(max_num_seqs).bit_length())
-        """Batch-size buckets the served costs are kept by (``MeasuredCosts``, ``HostFloor``): bucket b holds the
-        padded request counts of bit length b + 1 (1, 2-3, 4-7, ...), the last one everything above."""
+        self.num_buckets = (max(max_num_seqs, 1) - 1).bit_length() + 1
+        """Batch-size buckets the served costs are kept by (``MeasuredCosts``, ``HostFloor``): ``bucket_of``."""
         self.bucket_of = np.zeros(max_num_seqs + 1, np.int64)
-        """Each batch size's bucket (entry 0 unused)."""
-        self.bucket_of[1:] = [min(int(n).bit_length() - 1, self.num_buckets - 1) for n in range(1, max_num_seqs + 1)]
+        """Each batch size's bucket (entry 0 unused): bucket b holds the padded request counts above 2^(b-1) up to
+        2^b (1, 2, 3-4, 5-8, ..., 513-1024), so that a power of two shares its bucket with the counts just below
+        it. The batch at N concurrent streams hovers at and a little below N (a request ends, the next one arrives a
+        step or more later: held by the admission wait), and N is a power of two in most deployments and
+        benchmarks: with buckets starting at the powers (1, 2-3, 4-7, ...) its steps fell in two buckets with
+        their own measured costs and host floors, and the tiers split there, K at N other than just below it (on
+        the H200 at c506f82, default model: ``[[563, 1], [1024, 3]]`` at 1024 streams, ``[[256, 1], [512, 3]]`` at
+        256, ``[[4, 4], [16, 3]]`` at 16), a batch crossing the border every few steps; auto tiers ran
+        0.91-0.95x the best fixed K at 16 and 1024 streams."""
+        self.bucket_of[1:] = [(n - 1).bit_length() for n in range(1, max_num_seqs + 1)]
 
     def step_ms(self, cost_ratio: np.ndarray | None = None, floor_ms: np.ndarray | None = None) -> np.ndarray:
         """(candidates, 0..max_num_seqs) each K's step as a choice weighs it: the table's ms, times ``cost_ratio``
@@ -436,7 +443,7 @@ class TierChooser:
 
 class MeasuredCosts:
     """Served uniform decode steps' device time over the table's cost of the same (requests, q), per candidate K and
-    batch-size bucket (bucket b: b.bit_length() - 1 of the padded request count, so 1, 2-3, 4-7, ...), as K's own
+    batch-size bucket (``TierChooser.bucket_of``: 1, 2, 3-4, 5-8, ... padded requests), as K's own
     factor times the bucket's drift: ``ratio`` = ``own`` x ``drift``. The drift is what every K's served cost shares
     and moves with (contexts grow through a run and start short at the next): every step of a K whose own factor is
     known moves it. A K's own factor is learnt once a bucket, from its first ``SWITCH_IN_STEPS`` steps there (their
@@ -618,7 +625,7 @@ class HostFloor:
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         top = len(self._bucket_of) - 1
-        spans = [(1 << b, min((2 << b) - 1, top)) for b in range(len(self.floor_ms))]
+        spans = [((1 << b >> 1) + 1, min(1 << b, top)) for b in range(len(self.floor_ms))]
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
                  for (lo, hi), ms, own in zip(spans, self.floor_ms, self._own_weighs()) if own and ms > 0]
         return "host floor a step: " + ", ".join(parts) if parts else ""
