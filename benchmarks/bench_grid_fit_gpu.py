@@ -51,6 +51,8 @@ def serve_command(policy: str, workload: str, port: int, args) -> list[str]:
         cmd += ["--tokenizer", args.tokenizer]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec), "--fixed-acceptance", str(fixed)]
+    if args.step_trace_dir:  # (benchmarks/trace_by_kind.py says where each server's device time went)
+        cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-gridfit-{workload}-{policy}.jsonl")]
     return cmd
 
 
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each of the three servers'")
     parser.add_argument("--api-server-count", type=int, default=4)
+    parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     from models.config import PRESETS
@@ -156,6 +159,8 @@ def main() -> None:
     if unknown := set(args.policies.split(",")) - set(GRID_POLICIES):
         parser.error(f"--policies: unknown {', '.join(sorted(unknown))} (known: {', '.join(GRID_POLICIES)})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.step_trace_dir:
+        os.makedirs(args.step_trace_dir, exist_ok=True)
     out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else os.getcwd()
     result = {"rows": [], "servers": {}}
     if args.out and os.path.exists(args.out):
