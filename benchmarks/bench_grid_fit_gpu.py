@@ -110,7 +110,8 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
                        "graphs": servers[policy]["total_graphs"],
                        "padded_tokens": [int(b.get("padded_tokens", 0)) for b in runs[policy]],
                        "eager_steps": [int(b.get("eager_steps", 0)) for b in runs[policy]],
-                       "tpot_ms_median": round(statistics.median(b["mean_tpot_ms"] for b in runs[policy]), 3)}
+                       "tpot_ms_median": round(statistics.median(b["mean_tpot_ms"] for b in runs[policy]), 3),
+                       "ttft_ms_median": round(statistics.median(b["mean_ttft_ms"] for b in runs[policy]), 3)}
                 if policy == FITTED:
                     for other in policies:
                         if other != FITTED:
