@@ -299,4 +299,5 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
     unset = [n for n, _ in model.named_parameters() if n not in done]
     if unset:
         raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")
+    model.fuse_fp8_quantization()  # (the projections are final: some may have been left unquantized)
     return model

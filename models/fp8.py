@@ -21,7 +21,9 @@ dequantized at load to the serving dtype (the model computes with the FP8 checkp
 On Hopper and Ada the projections stay FP8 (``Fp8Linear``): per-channel weights through ``torch._scaled_mm`` with
 row-wise scales (cuBLASLt), block weights through a Triton GEMM in the design of vLLM's and SGLang's
 ``w8a8_block_fp8_matmul`` (per-token-group activation scales times per-block weight scales, applied per 128-wide
-step of the reduction); the activation quantization is one Triton kernel. Shapes are static and nothing reads
+step of the reduction); the activation quantization is one Triton kernel, and before a per-channel projection
+none of its own: the norm or the MLP activation that feeds it quantizes its output in its kernel (``QuantRows``,
+``CausalLM.fuse_fp8_quantization``). Shapes are static and nothing reads
 back to the host, so both run inside CUDA graphs. The LM head, the embedding, norms and MoE routers stay in the
 serving dtype (vLLM does the same); MoE experts are dequantized at load.
 """
@@ -29,16 +31,17 @@ serving dtype (vLLM does the same); MoE experts are dequantized at load.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from models.fused import launch_options, triton, use_triton
+from models.fused import launch_options, rms_norm, silu_mul, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
 
-    from models.fused import pdl_enter
+    from models.fused import act_mul_cols, pdl_enter, rms_norm_row
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -192,20 +195,63 @@ def fp8_gemm_available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _fp8_scale(amax):
+        """The scale of values whose largest magnitude is ``amax``: amax / 448, at least 1e-10 / 448."""
+        return tl.maximum(amax, 1e-10) / 448.0
+
+    @triton.jit
+    def _store_fp8(q_ptr, offs, mask, x, scale):
+        tl.store(q_ptr + offs, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, cols, GROUP: tl.constexpr,
                            BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, group of GROUP columns): the group's scale amax / 448 (at least 1e-10 / 448) and its
-        values divided by it, rounded to e4m3."""
+        """Program (row, group of GROUP columns): the group's scale (``_fp8_scale``) and its values divided by it,
+        rounded to e4m3."""
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         offs = g * GROUP + tl.arange(0, BLOCK)
         mask = (tl.arange(0, BLOCK) < GROUP) & (offs < cols)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        scale = _fp8_scale(tl.max(tl.abs(x), axis=0))
+        _store_fp8(q_ptr + row * stride_q, offs, mask, x, scale)
         tl.store(s_ptr + row * stride_s + g, scale)
+
+    @triton.jit
+    def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, res_out_ptr, s_ptr, stride_x, stride_r, stride_q,
+                               stride_ro, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """``models.fused``'s RMSNorm of a row (and residual add), rounded to the row's dtype, then quantized to
+        e4m3 with its per-row scale, as ``_quant_rows_kernel`` would quantize the norm's output."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols, mask, y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n, eps,
+                                     HAS_RES, BLOCK)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = _fp8_scale(tl.max(tl.abs(y), axis=0))
+        _store_fp8(q_ptr + row * stride_q, cols, mask, y, scale)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _act_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                              PDL: tl.constexpr):
+        """``models.fused``'s act(gate) * up of a row, rounded to the row's dtype, quantized to e4m3 with its
+        per-row scale: one program a row, over its columns BLOCK at a time twice (the row's largest magnitude, then
+        the values, computed again: cheaper than holding a row of intermediate width)."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = act_mul_cols(x_row, cols, cols < n, n, GELU).to(x_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = _fp8_scale(tl.max(amax, axis=0))
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = act_mul_cols(x_row, cols, cols < n, n, GELU).to(x_ptr.dtype.element_ty).to(tl.float32)
+            _store_fp8(q_ptr + row * stride_q, cols, cols < n, y, scale)
+        tl.store(s_ptr + row, scale)
 
     @triton.jit
     def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,
@@ -263,6 +309,51 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q, scale
 
 
+class QuantRows(NamedTuple):
+    """Activations already quantized per token for a per-channel ``Fp8Linear``, by the kernel that produced them
+    (``rms_norm_quant``, ``act_mul_quant``): e4m3 values (rows, cols), float32 scales (rows, 1), and the dtype of
+    the projection's output."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``models.fused.rms_norm`` for a per-channel FP8 projection: its output quantized per token in the same
+    kernel (``QuantRows``, bit for bit ``quantize_rows`` of ``rms_norm``'s output), the residual as there. Elsewhere
+    than on the GPU, the two steps."""
+    if not use_triton(x) or x.shape[0] == 0:
+        out = rms_norm(x, weight, eps, residual)
+        normed, res = (out, None) if residual is None else out
+        quant = QuantRows(*quantize_rows(normed), x.dtype)
+        return quant if residual is None else (quant, res)
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res_in = residual if residual is not None else x
+    _rms_norm_quant_kernel[(rows,)](x, res_in, weight, q, res_out, scale, x.stride(0), res_in.stride(0), q.stride(0),
+                                    res_out.stride(0), n, eps, HAS_RES=residual is not None,
+                                    BLOCK=triton.next_power_of_2(n), num_warps=4, **launch_options(x))
+    quant = QuantRows(q, scale, x.dtype)
+    return quant if residual is None else (quant, res_out)
+
+
+def act_mul_quant(x: torch.Tensor, act: str = "silu") -> QuantRows:
+    """``models.fused.silu_mul`` for a per-channel FP8 projection: act(x[:, :n]) * x[:, n:] quantized per token in
+    the same kernel (``QuantRows``, bit for bit ``quantize_rows`` of ``silu_mul``'s output). Elsewhere than on the
+    GPU, the two steps."""
+    if not use_triton(x) or x.shape[0] == 0:
+        return QuantRows(*quantize_rows(silu_mul(x, act)), x.dtype)
+    rows, n = x.shape[0], x.shape[-1] // 2
+    q = torch.empty(rows, n, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _act_mul_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, BLOCK=min(1024, triton.next_power_of_2(n)),
+                                   GELU=act == "gelu_tanh", num_warps=4, **launch_options(x))
+    return QuantRows(q, scale, x.dtype)
+
+
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ dequantized(weight (out, in), its block scales)^T: x quantized per token and group of
@@ -307,7 +398,10 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
+        if isinstance(x, QuantRows):  # (quantized per token by the kernel before: per-channel weights only)
+            return torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale.view(1, -1),
+                                    bias=self.bias, out_dtype=x.dtype)
         flat = x.reshape(-1, self.in_features)
         if self.block is None:
             y = channel_fp8_linear(flat, self.weight, self.weight_scale, self.bias)

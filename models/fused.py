@@ -178,10 +178,10 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n,
-                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        row = tl.program_id(0)
+    def rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """One row's RMSNorm, after the residual add (stored at ``res_out_ptr``) with HAS_RES: (its columns, their
+        mask, the normed values times the weight in float32, unrounded)."""
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -192,7 +192,15 @@ if triton is not None:
         xf = x.to(tl.float32)
         normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        return cols, mask, normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n,
+                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        cols, mask, y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n, eps,
+                                     HAS_RES, BLOCK)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -256,6 +264,18 @@ if triton is not None:
                 tl.store(dst + stride_kind + dims, v, mask=mask)
 
     @triton.jit
+    def act_mul_cols(row_ptr, cols, mask, n, GELU: tl.constexpr):
+        """act(gate) * up at ``cols`` of a row (gate its first n columns, up the next n) in float32, unrounded: act
+        silu or (GELU) tanh-approximated GELU, rounded to the row's dtype before the product."""
+        g = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(row_ptr + n + cols, mask=mask, other=0.0)
+        if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 2 sigmoid(2 y) - 1
+            a = (g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))).to(row_ptr.dtype.element_ty)
+        else:
+            a = (g * tl.sigmoid(g)).to(row_ptr.dtype.element_ty)
+        return a.to(tl.float32) * u.to(tl.float32)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, GELU: tl.constexpr,
                          PDL: tl.constexpr):
         """act(gate) * up, act silu or (GELU) tanh-approximated GELU."""
@@ -263,14 +283,8 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
-        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-        if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 2 sigmoid(2 y) - 1
-            a = (g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))).to(out_ptr.dtype.element_ty)
-        else:
-            a = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + cols, (a.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        y = act_mul_cols(x_ptr + row * stride_x, cols, mask, n, GELU)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _combine_row(y_ptr, inv_ptr, w_ptr, stride_y, t, cols, mask, TOP_K: tl.constexpr, BLOCK: tl.constexpr):

@@ -10,20 +10,27 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fp8 import Fp8Linear, Fp8Scheme
+from models.fp8 import Fp8Linear, Fp8Scheme, act_mul_quant, rms_norm_quant
 from models.parallel import TensorParallel
 from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
-                          silu_mul)
+                          silu_mul, use_triton)
 
 
 class RMSNorm(nn.Module):
+    quant_out = False
+    """Its output feeds a projection held in FP8 per output channel: on the GPU the norm's kernel quantizes it per
+    token (``models.fp8.rms_norm_quant``) for the projection (``CausalLM.fuse_fp8_quantization`` sets it)."""
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given; the norm as ``QuantRows`` where
+        ``quant_out`` and on the GPU."""
+        if self.quant_out and use_triton(x) and x.shape[0]:
+            return rms_norm_quant(x, self._parameters["weight"], self.eps, residual)
         return rms_norm(x, self._parameters["weight"], self.eps, residual)  # (not self.weight: nn.Module's
         # attribute fallback costs a microsecond, and a CPU decode step norms 61 times)
 
@@ -142,8 +149,14 @@ class DenseMLP(nn.Module):
         self.act = act
         self.tp = tp
 
+    quant_down = False
+    """``down_proj`` is held in FP8 per output channel: on the GPU the activation's kernel quantizes its output per
+    token (``models.fp8.act_mul_quant``; ``CausalLM.fuse_fp8_quantization`` sets it)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.act))  # (.forward: no hooks)
+        h = self.gate_up_proj.forward(x)  # (.forward: no hooks)
+        act = act_mul_quant(h, self.act) if self.quant_down and use_triton(h) and h.shape[0] else silu_mul(h, self.act)
+        out = self.down_proj.forward(act)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):

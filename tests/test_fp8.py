@@ -195,6 +195,32 @@ def test_fp8_tensors_without_a_scheme_or_a_scale_are_refused(fp8_checkpoint, tmp
         load_checkpoint(str(tmp_path / "noscale"))
 
 
+def test_norms_and_activations_feeding_per_channel_fp8_projections_quantize_their_rows():
+    """``CausalLM.fuse_fp8_quantization``: a norm before an ``Fp8Linear`` of per-channel scales (the attention's
+    qkv, the MLP's gate_up) and the activation before the down projection quantize their output in their own
+    kernel on the GPU; nothing before a block-scaled or an unquantized projection does (the model's last norm
+    feeds the LM head, in the serving dtype), and marking again after a projection was left unquantized unmarks
+    its producer."""
+    from torch import nn
+
+    from models.config import preset
+    from models.fp8 import Fp8Linear, Fp8Scheme
+    from models.transformer import CausalLM
+
+    cfg = preset("tiny-dense")
+    with torch.device("meta"):
+        per_channel, blocks, plain = (CausalLM(cfg, s) for s in (Fp8Scheme(), Fp8Scheme(block=(32, 32)), None))
+    assert isinstance(per_channel.layers[0].qkv_proj, Fp8Linear)
+    assert per_channel.fuse_fp8_quantization() == 3 * cfg.num_layers
+    assert blocks.fuse_fp8_quantization() == 0 and plain.fuse_fp8_quantization() == 0
+    assert not per_channel.norm.quant_out
+    layer = per_channel.layers[1]
+    with torch.device("meta"):
+        layer.mlp.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+    assert per_channel.fuse_fp8_quantization() == 3 * cfg.num_layers - 1
+    assert not layer.post_attention_layernorm.quant_out and layer.mlp.quant_down and layer.input_layernorm.quant_out
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     """On the H200 the projections stay FP8 (Fp8Linear: torch._scaled_mm per channel, the Triton block GEMM for
@@ -209,6 +235,11 @@ def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     want = ragged_logits(load_checkpoint(original, "cuda", torch.bfloat16), PROMPTS, "cuda")
     got = ragged_logits(model, PROMPTS, "cuda")
     assert float((got - want).norm() / want.norm()) < FP8_W8A8_LOGIT_ERROR, name
+    producers = [m for m in model.modules() if getattr(m, "quant_out", False) or getattr(m, "quant_down", False)]
+    assert len(producers) == (0 if name == "block-128" else 3 * len(model.layers))  # (norms and activations)
+    for m in producers:  # each projection quantizing its input itself: the same logits, bit for bit
+        m.quant_out = m.quant_down = False
+    assert torch.equal(ragged_logits(model, PROMPTS, "cuda"), got), name
     assert_graphs_match_eager(path, name)
     assert_graphs_match_eager(path, name + " with an FP8 KV cache", kv_cache_dtype="fp8")
 

@@ -519,6 +519,32 @@ def test_fp8_activation_quantization_matches_torch(rows, cols, group):
         assert ((back - x32).abs() <= x32.abs() / 16 + 2 ** -9 * s_ref.max()).all()
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_fp8_norm_and_activation_quantize_in_their_own_kernels_as_two_steps_would(residual):
+    """A norm or an MLP activation feeding a per-channel FP8 projection quantizes its rows in its own kernel
+    (``rms_norm_quant``, ``act_mul_quant``): the same e4m3 values and scales as ``quantize_rows`` of the unfused
+    kernel's output, the residual as ``rms_norm`` leaves it; the activation over a row wider than one block (its
+    two passes) and with GELU too."""
+    from models.fp8 import FP8, act_mul_quant, quantize_rows, rms_norm_quant
+
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(5, 96, generator=gen) * 3).to(DEV, DT)
+    w = (torch.rand(96, generator=gen) + 0.5).to(DEV, DT)
+    res = (torch.randn(5, 96, generator=gen)).to(DEV, DT) if residual else None
+    got = rms_norm_quant(x, w, 1e-6, res)
+    want = fused.rms_norm(x, w, 1e-6, res)
+    (got_q, got_res), (want_norm, want_res) = (got, want) if residual else ((got, None), (want, None))
+    want_q, want_s = quantize_rows(want_norm)
+    assert got_q.q.dtype == FP8 and got_q.scale.shape == (5, 1) and got_q.dtype == DT
+    assert torch.equal(got_q.q.float(), want_q.float()) and torch.equal(got_q.scale, want_s)
+    assert got_res is None or torch.equal(got_res, want_res)
+    h = (torch.randn(3, 2 * 1100, generator=gen) * 2).to(DEV, DT)
+    for act in ("silu", "gelu_tanh"):
+        got = act_mul_quant(h, act)
+        want_q, want_s = quantize_rows(fused.silu_mul(h, act))
+        assert torch.equal(got.q.float(), want_q.float()) and torch.equal(got.scale, want_s), act
+
+
 @pytest.mark.parametrize("rows,out,inp,block", [(3, 256, 320, (128, 128)), (20, 96, 64, (32, 32))])
 def test_block_fp8_gemm_matches_the_dequantized_product(rows, out, inp, block):
     """The block-scaled FP8 GEMM (per-token-group activation scales times per-block weight scales, one

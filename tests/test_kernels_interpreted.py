@@ -55,6 +55,10 @@ FUSED_KERNELS = {
                        + [dict(BLOCK=4096, HAS_MIN_P=1, HAS_SLOTS=1, PENALTIES=1)]),
     "_count_kernel": ("i64 i64 i64 u8 i32", [dict(Q_PAD=q) for q in (1, 4)]),
     "_penalize_kernel": ("fp32 i64 i32 u8 fp32 fp32 fp32 i64", [dict(BLOCK=4096, NUM_DRAFTS=k) for k in (0, 3)]),
+    # (models/fp8.py's, named with their module)
+    "fp8._rms_norm_quant_kernel": ("bf16 bf16 bf16 fp8e4nv bf16 fp32", [dict(HAS_RES=r, BLOCK=2048, PDL=1)
+                                                                         for r in (0, 1)]),
+    "fp8._act_mul_quant_kernel": ("bf16 fp8e4nv fp32", [dict(BLOCK=1024, GELU=g, PDL=1) for g in (0, 1)]),
 }
 
 
@@ -70,9 +74,8 @@ def test_fused_kernels_build_for_hopper_on_the_cpu(name):
     from triton.backends.compiler import GPUTarget
 
     nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
-    from models import fused
-
-    fn = getattr(fused, name)
+    module, _, kernel = name.rpartition(".")
+    fn = getattr(importlib.import_module(f"models.{module or 'fused'}"), kernel)
     pointers, variants = FUSED_KERNELS[name]
     kinds = iter(pointers.split())
     signature = {}
