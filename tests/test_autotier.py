@@ -479,8 +479,8 @@ def test_two_ks_sharing_a_bucket_by_long_turns_keep_its_drift_moving(turn):
 
 def test_a_bucket_the_k_in_force_visits_now_and_then_still_moves_its_drift():
     """K = 2 in force; the batch sits at 400 requests (bucket 257-512) and reaches 600 (513-1024) every 17th step:
-    the second bucket's drift follows the contexts as the first one's does (found in review: each visit restarted K's learning there and
-    the drift never moved)."""
+    the second bucket's drift follows the contexts as the first one's does (found in review: each visit restarted
+    K's learning there and the drift never moved)."""
     table = StepCostTable({q: [(1, 1.0 + 0.15 * (q - 1)), (1024, 2.0 + 0.5 * (q - 1))] for q in (1, 3, 5)})
     costs = MeasuredCosts(TierChooser(table, [0, 2, 4], 1024))
     for step in range(1200):
