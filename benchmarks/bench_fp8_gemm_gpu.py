@@ -2,7 +2,9 @@
 down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--quantization fp8`` runs: per-token
 activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), the per-token
 activation quantization alone, and ``fp8_unit_then_scale`` (the tensor-wise GEMM with unit scales, then the
-per-token and per-channel scales multiplied in: not measured yet). Each is timed as a CUDA graph of 20 calls replayed
+per-token and per-channel scales multiplied in: not measured yet); then the kernels before a projection, the norm and
+the SiLU-and-multiply, alone, followed by the quantization, and quantizing in their own kernels
+(``measure_producers``). Each is timed as a CUDA graph of 20 calls replayed
 50 times, the median of 5, in us a call. GPU only.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
@@ -67,6 +69,33 @@ def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, flo
     }
 
 
+HIDDEN, INTERMEDIATE = 2048, 8192
+"""bench-dense's widths: the norms' and the down projection's input."""
+ACT_LAUNCHES = ((1024, 4), (2048, 8), (4096, 8))
+"""``act_mul_quant``'s (block, num_warps) choices timed."""
+
+
+def measure_producers(num_rows: int) -> dict[str, float]:
+    """The kernels before a per-channel FP8 projection: the norm (with the residual add) and the SiLU-and-multiply,
+    each alone (what bf16 runs), followed by the per-token quantization (the two steps), and quantizing in its own
+    kernel (``rms_norm_quant``, ``act_mul_quant`` at each of ACT_LAUNCHES)."""
+    from models.fp8 import act_mul_quant, rms_norm_quant
+    from models.fused import rms_norm, silu_mul
+
+    x = torch.randn(num_rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    h = torch.randn(num_rows, 2 * INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
+    us = {"norm": timed_us(lambda: rms_norm(x, w, 1e-5, res)),
+          "norm_then_quant": timed_us(lambda: quantize_rows(rms_norm(x, w, 1e-5, res)[0])),
+          "norm_quant": timed_us(lambda: rms_norm_quant(x, w, 1e-5, res)),
+          "act": timed_us(lambda: silu_mul(h)),
+          "act_then_quant": timed_us(lambda: quantize_rows(silu_mul(h)))}
+    for block, warps in ACT_LAUNCHES:
+        us[f"act_quant_{block}_{warps}w"] = timed_us(lambda b=block, nw=warps: act_mul_quant(h, block=b, num_warps=nw))
+    return us
+
+
 def unit_then_scale(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
                     one: torch.Tensor) -> torch.Tensor:
     """The per-token x per-channel product as cuBLASLt's tensor-wise FP8 GEMM with unit scales (bf16 out: |values|
@@ -93,6 +122,9 @@ def main() -> None:
         total = {path: round(v, 1) for path, v in total.items()}
         print(num_rows, "sum us", total, flush=True)
         rows.append({"rows": num_rows, "projection": "sum", "us": total})
+        producers = measure_producers(num_rows)
+        print(num_rows, "producers us", producers, flush=True)
+        rows.append({"rows": num_rows, "projection": "producers", "us": producers})
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"command": "PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py",

@@ -340,17 +340,19 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     return quant if residual is None else (quant, res_out)
 
 
-def act_mul_quant(x: torch.Tensor, act: str = "silu") -> QuantRows:
+def act_mul_quant(x: torch.Tensor, act: str = "silu", block: int = 2048, num_warps: int = 8) -> QuantRows:
     """``models.fused.silu_mul`` for a per-channel FP8 projection: act(x[:, :n]) * x[:, n:] quantized per token in
-    the same kernel (``QuantRows``, bit for bit ``quantize_rows`` of ``silu_mul``'s output). Elsewhere than on the
+    the same kernel (``QuantRows``, bit for bit ``quantize_rows`` of ``silu_mul``'s output), one program a row over
+    its columns ``block`` at a time (``benchmarks/bench_fp8_gemm_gpu.py`` times the choices). Elsewhere than on the
     GPU, the two steps."""
     if not use_triton(x) or x.shape[0] == 0:
         return QuantRows(*quantize_rows(silu_mul(x, act)), x.dtype)
     rows, n = x.shape[0], x.shape[-1] // 2
     q = torch.empty(rows, n, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _act_mul_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, BLOCK=min(1024, triton.next_power_of_2(n)),
-                                   GELU=act == "gelu_tanh", num_warps=4, **launch_options(x))
+    _act_mul_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n,
+                                   BLOCK=min(block, triton.next_power_of_2(n)), GELU=act == "gelu_tanh",
+                                   num_warps=num_warps, **launch_options(x))
     return QuantRows(q, scale, x.dtype)
 
 

@@ -539,10 +539,10 @@ def test_fp8_norm_and_activation_quantize_in_their_own_kernels_as_two_steps_woul
     assert torch.equal(got_q.q.float(), want_q.float()) and torch.equal(got_q.scale, want_s)
     assert got_res is None or torch.equal(got_res, want_res)
     h = (torch.randn(3, 2 * 1100, generator=gen) * 2).to(DEV, DT)
-    for act in ("silu", "gelu_tanh"):
-        got = act_mul_quant(h, act)
+    for act, block in (("silu", 2048), ("silu", 512), ("gelu_tanh", 512)):  # (512: three blocks a row)
+        got = act_mul_quant(h, act, block=block)
         want_q, want_s = quantize_rows(fused.silu_mul(h, act))
-        assert torch.equal(got.q.float(), want_q.float()) and torch.equal(got.scale, want_s), act
+        assert torch.equal(got.q.float(), want_q.float()) and torch.equal(got.scale, want_s), (act, block)
 
 
 @pytest.mark.parametrize("rows,out,inp,block", [(3, 256, 320, (128, 128)), (20, 96, 64, (32, 32))])

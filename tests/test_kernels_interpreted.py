@@ -58,7 +58,8 @@ FUSED_KERNELS = {
     # (models/fp8.py's, named with their module)
     "fp8._rms_norm_quant_kernel": ("bf16 bf16 bf16 fp8e4nv bf16 fp32", [dict(HAS_RES=r, BLOCK=2048, PDL=1)
                                                                          for r in (0, 1)]),
-    "fp8._act_mul_quant_kernel": ("bf16 fp8e4nv fp32", [dict(BLOCK=1024, GELU=g, PDL=1) for g in (0, 1)]),
+    "fp8._act_mul_quant_kernel": ("bf16 fp8e4nv fp32", [dict(BLOCK=b, GELU=g, PDL=1) for b in (1024, 2048)
+                                                         for g in (0, 1)]),
 }
 
 
