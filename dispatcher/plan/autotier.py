@@ -374,8 +374,7 @@ class TierChooser:
         benchmarks: with buckets starting at the powers (1, 2-3, 4-7, ...) its steps fell in two buckets with
         their own measured costs and host floors, and the tiers split there, K at N other than just below it (on
         the H200 at c506f82, default model: ``[[563, 1], [1024, 3]]`` at 1024 streams, ``[[256, 1], [512, 3]]`` at
-        256, ``[[4, 4], [16, 3]]`` at 16), a batch crossing the border every few steps; auto tiers ran
-        0.91-0.95x the best fixed K at 16 and 1024 streams."""
+        256, ``[[4, 4], [16, 3]]`` at 16), a batch crossing the border every few steps."""
         self.bucket_of[1:] = [(n - 1).bit_length() for n in range(1, max_num_seqs + 1)]
 
     def step_ms(self, cost_ratio: np.ndarray | None = None, floor_ms: np.ndarray | None = None) -> np.ndarray:
