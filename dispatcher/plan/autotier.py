@@ -376,6 +376,10 @@ class TierChooser:
         the H200 at c506f82, default model: ``[[563, 1], [1024, 3]]`` at 1024 streams, ``[[256, 1], [512, 3]]`` at
         256, ``[[4, 4], [16, 3]]`` at 16), a batch crossing the border every few steps."""
         self.bucket_of[1:] = [(n - 1).bit_length() for n in range(1, max_num_seqs + 1)]
+        ends = [np.searchsorted(self.bucket_of[1:], np.arange(self.num_buckets), side).tolist()
+                for side in ("left", "right")]
+        self.bucket_spans = [(lo + 1, hi) for lo, hi in zip(*ends)]
+        """Each bucket's smallest and largest batch size (``bucket_of`` rises with the batch size)."""
 
     def step_ms(self, cost_ratio: np.ndarray | None = None, floor_ms: np.ndarray | None = None) -> np.ndarray:
         """(candidates, 0..max_num_seqs) each K's step as a choice weighs it: the table's ms, times ``cost_ratio``
@@ -567,6 +571,7 @@ class HostFloor:
     served at a host-bound bucket is weighed at its device cost or the floor, whichever is longer."""
 
     def __init__(self, chooser: TierChooser):
+        self._spans = chooser.bucket_spans
         # (Python lists, as ``MeasuredCosts``': ``observe`` runs on every served step)
         self.floor_ms = [0.0] * chooser.num_buckets
         self.steps = [0] * chooser.num_buckets
@@ -623,10 +628,8 @@ class HostFloor:
 
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
-        top = len(self._bucket_of) - 1
-        spans = [((1 << b >> 1) + 1, min(1 << b, top)) for b in range(len(self.floor_ms))]
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
-                 for (lo, hi), ms, own in zip(spans, self.floor_ms, self._own_weighs()) if own and ms > 0]
+                 for (lo, hi), ms, own in zip(self._spans, self.floor_ms, self._own_weighs()) if own and ms > 0]
         return "host floor a step: " + ", ".join(parts) if parts else ""
 
 
