@@ -380,10 +380,16 @@ def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ (weight (out, in) * weight_scale (out,)[:, None])^T: x quantized per token, then one
     ``torch._scaled_mm`` with row-wise scales (scale_a per token, scale_b per output channel)."""
-    xq, xs = quantize_rows(x)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), bias=bias,
+    return rowwise_fp8_gemm(QuantRows(*quantize_rows(x), x.dtype), weight, weight_scale, bias)
+
+
+def rowwise_fp8_gemm(x: QuantRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows quantized per token times an FP8 weight (out, in) scaled per output channel: one ``torch._scaled_mm``
+    with row-wise scales (scale_a per token, scale_b per output channel), output in ``x.dtype``."""
+    return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=x.dtype)
 
 
@@ -402,8 +408,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         if isinstance(x, QuantRows):  # (quantized per token by the kernel before: per-channel weights only)
-            return torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale.view(1, -1),
-                                    bias=self.bias, out_dtype=x.dtype)
+            return rowwise_fp8_gemm(x, self.weight, self.weight_scale, self.bias)
         flat = x.reshape(-1, self.in_features)
         if self.block is None:
             y = channel_fp8_linear(flat, self.weight, self.weight_scale, self.bias)
