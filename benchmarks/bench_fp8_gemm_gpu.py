@@ -3,8 +3,8 @@ down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--qu
 activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), the per-token
 activation quantization alone, and ``fp8_unit_then_scale`` (the tensor-wise GEMM with unit scales, then the
 per-token and per-channel scales multiplied in: not measured yet); then the kernels before a projection, the norm and
-the SiLU-and-multiply, alone, followed by the quantization, and quantizing in their own kernels
-(``measure_producers``). Each is timed as a CUDA graph of 20 calls replayed
+the SiLU-and-multiply, alone, followed by the quantization, and quantizing in their own kernels, and the norm
+applying an FP8 projection's scales (``norm_scaled``: ``Fp8Linear.scale_out``) (``measure_producers``). Each is timed as a CUDA graph of 20 calls replayed
 50 times, the median of 5, in us a call. GPU only.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
@@ -71,7 +71,7 @@ def measure(num_rows: int, out_features: int, in_features: int) -> dict[str, flo
 
 HIDDEN, INTERMEDIATE = 2048, 8192
 """bench-dense's widths: the norms' and the down projection's input."""
-ACT_LAUNCHES = ((1024, 4), (2048, 8), (4096, 8))
+ACT_LAUNCHES = ((1024, 4), (2048, 8), (4096, 8), (8192, 16))
 """``act_mul_quant``'s (block, num_warps) choices timed."""
 
 
@@ -86,7 +86,9 @@ def measure_producers(num_rows: int) -> dict[str, float]:
     res = torch.randn_like(x)
     w = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
     h = torch.randn(num_rows, 2 * INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
+    scales = (torch.rand(num_rows, 1, device="cuda") * 1e-3, torch.rand(HIDDEN, device="cuda") * 0.02)
     us = {"norm": timed_us(lambda: rms_norm(x, w, 1e-5, res)),
+          "norm_scaled": timed_us(lambda: rms_norm(x, w, 1e-5, res, scales)),
           "norm_then_quant": timed_us(lambda: quantize_rows(rms_norm(x, w, 1e-5, res)[0])),
           "norm_quant": timed_us(lambda: rms_norm_quant(x, w, 1e-5, res)),
           "act": timed_us(lambda: silu_mul(h)),

@@ -178,13 +178,18 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, xs_ptr, cs_ptr, row, stride_x, stride_r, stride_ro, n, eps,
+                     HAS_RES: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
         """One row's RMSNorm, after the residual add (stored at ``res_out_ptr``) with HAS_RES: (its columns, their
-        mask, the normed values times the weight in float32, unrounded)."""
+        mask, the normed values times the weight in float32, unrounded). SCALED: x is an FP8 projection's product
+        with unit scales (``models.fp8.ScaledRows``), multiplied here by the row's scale (``xs_ptr``) and each
+        column's (``cs_ptr``) and rounded to x's dtype, as the row-wise scaled GEMM would have written it."""
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if SCALED:
+            cs = tl.load(cs_ptr + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) * tl.load(xs_ptr + row) * cs).to(x_ptr.dtype.element_ty)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
             x = x.to(res_out_ptr.dtype.element_ty)
@@ -195,12 +200,13 @@ if triton is not None:
         return cols, mask, normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n,
-                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xs_ptr, cs_ptr, stride_x, stride_r, stride_o,
+                         stride_ro, n, eps, HAS_RES: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0)
-        cols, mask, y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n, eps,
-                                     HAS_RES, BLOCK)
+        cols, mask, y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, xs_ptr, cs_ptr, row, stride_x, stride_r,
+                                     stride_ro, n, eps, HAS_RES, SCALED, BLOCK)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -664,8 +670,12 @@ def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, se
                            BLOCK=PENALIZE_BLOCK, NUM_DRAFTS=num_drafts, num_warps=8)
 
 
-def rms_norm(x, weight, eps, residual=None):
-    """norm(x), or (norm(x + residual), x + residual)."""
+def rms_norm(x, weight, eps, residual=None, scales=None):
+    """norm(x), or (norm(x + residual), x + residual). ``scales`` = (per-row (rows, 1), per-column (cols,)), float32:
+    x is an FP8 projection's product with unit scales (``models.fp8.ScaledRows``), to be scaled by both first (on
+    the GPU inside the norm's kernel)."""
+    if scales is not None and not use_triton(x):
+        x, scales = (x.float() * scales[0] * scales[1]).to(x.dtype), None
     if x.is_cpu and not INTERPRETED:  # (the CPU path, without the calls between)
         return _rms_norm_cpu(x, weight, eps, residual)
     if not use_triton(x) or x.shape[0] == 0:
@@ -674,9 +684,11 @@ def rms_norm(x, weight, eps, residual=None):
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     res_in = residual if residual is not None else x
-    _rms_norm_kernel[(x.shape[0],)](x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), out.stride(0),
-                                    res_out.stride(0), n, eps, HAS_RES=residual is not None,
-                                    BLOCK=triton.next_power_of_2(n), num_warps=4, **launch_options(x))
+    xs, cs = scales if scales is not None else (x, x)
+    _rms_norm_kernel[(x.shape[0],)](x, res_in, weight, out, res_out, xs, cs, x.stride(0), res_in.stride(0),
+                                    out.stride(0), res_out.stride(0), n, eps, HAS_RES=residual is not None,
+                                    SCALED=scales is not None, BLOCK=triton.next_power_of_2(n), num_warps=4,
+                                    **launch_options(x))
     return out if residual is None else (out, res_out)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from models import fused_moe
 from models.config import RopeScaling
-from models.fp8 import Fp8Linear, Fp8Scheme, act_mul_quant, rms_norm_quant
+from models.fp8 import Fp8Linear, Fp8Scheme, ScaledRows, act_mul_quant, rms_norm_quant
 from models.parallel import TensorParallel
 from models.fused import (moe_combine, moe_combine_add_norm, moe_route, rms_norm, rotary_torch, rotate_prepared,
                           silu_mul, use_triton)
@@ -26,12 +26,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | ScaledRows, residual: torch.Tensor | None = None):
         """norm(x), or (norm(x + residual), x + residual) when a residual is given; the norm as ``QuantRows`` where
-        ``quant_out`` and on the GPU."""
+        ``quant_out`` and on the GPU. x may be an FP8 projection's ``ScaledRows``: its scales applied in the norm's
+        kernel."""
+        scales = None
+        if isinstance(x, ScaledRows):
+            x, scales = x.unit, (x.row_scale, x.col_scale)
         if self.quant_out and use_triton(x) and x.shape[0]:
-            return rms_norm_quant(x, self._parameters["weight"], self.eps, residual)
-        return rms_norm(x, self._parameters["weight"], self.eps, residual)  # (not self.weight: nn.Module's
+            return rms_norm_quant(x, self._parameters["weight"], self.eps, residual, scales)
+        return rms_norm(x, self._parameters["weight"], self.eps, residual, scales)  # (not self.weight: nn.Module's
         # attribute fallback costs a microsecond, and a CPU decode step norms 61 times)
 
 
@@ -151,11 +155,20 @@ class DenseMLP(nn.Module):
 
     quant_down = False
     """``down_proj`` is held in FP8 per output channel: on the GPU the activation's kernel quantizes its output per
-    token (``models.fp8.act_mul_quant``; ``CausalLM.fuse_fp8_quantization`` sets it)."""
+    token (``models.fp8.act_mul_quant``; ``CausalLM.fuse_fp8_quantization`` sets it) in steps of at least
+    ``ACT_QUANT_MIN_ROWS`` rows."""
+
+    ACT_QUANT_MIN_ROWS = 512
+    """On the H200 at bench-dense's width (8192), ``act_mul_quant`` (one program a row) took 5.65 us at 256 rows
+    against 5.07 for the activation and the quantization as two kernels, and 17.2 against 18.9 us at 1024 rows
+    (docs/bench/fp8_gemm_h200.json): fewer rows quantize in a kernel of their own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj.forward(x)  # (.forward: no hooks)
-        act = act_mul_quant(h, self.act) if self.quant_down and use_triton(h) and h.shape[0] else silu_mul(h, self.act)
+        if self.quant_down and use_triton(h) and h.shape[0] >= self.ACT_QUANT_MIN_ROWS:
+            act = act_mul_quant(h, self.act)
+        else:
+            act = silu_mul(h, self.act)
         out = self.down_proj.forward(act)
         return out if self.tp is None else self.tp.all_reduce(out)
 

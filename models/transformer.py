@@ -191,18 +191,26 @@ class CausalLM(nn.Module):
         (``Fp8Linear``), have its kernel quantize its output per token on the GPU (``RMSNorm.quant_out``,
         ``DenseMLP.quant_down``), so that the projection's activation quantization is no kernel of its own: on the
         H200 at 256 rows of bench-dense that kernel cost 6.9 us a layer beside 57 us of FP8 GEMMs
-        (docs/bench/fp8_gemm_h200.json). Called once the projections are final (a checkpoint may leave some
-        unquantized); returns how many producers quantize."""
+        (docs/bench/fp8_gemm_h200.json). And where such a projection's output goes straight into the residual add
+        and RMSNorm (o_proj, a dense MLP's down_proj; not under tensor parallelism, Gemma's extra norms or a bias),
+        have it leave its scales to that norm's kernel (``Fp8Linear.scale_out``). Called once the projections are
+        final (a checkpoint may leave some unquantized); returns how many modules changed their output."""
         def per_channel(m: nn.Module) -> bool:
             return isinstance(m, Fp8Linear) and m.block is None
 
+        def into_norm(m: nn.Module, layer: DecoderLayer) -> bool:
+            return per_channel(m) and m.bias is None and self.tp is None and layer.attn_output_norm is None
+
         for layer in self.layers:
             layer.input_layernorm.quant_out = per_channel(layer.qkv_proj)
+            layer.o_proj.scale_out = into_norm(layer.o_proj, layer)
             mlp = layer.mlp
             if isinstance(mlp, DenseMLP):
                 layer.post_attention_layernorm.quant_out = per_channel(mlp.gate_up_proj)
                 mlp.quant_down = per_channel(mlp.down_proj)
-        return sum(bool(getattr(m, "quant_out", False) or getattr(m, "quant_down", False)) for m in self.modules())
+                mlp.down_proj.scale_out = into_norm(mlp.down_proj, layer)
+        flags = ("quant_out", "quant_down", "scale_out")
+        return sum(any(getattr(m, flag, False) for flag in flags) for m in self.modules())
 
     def next_norms(self) -> list[RMSNorm]:
         """The norm that ends each layer: the next layer's input norm, the final norm after the last layer."""
@@ -213,8 +221,8 @@ class CausalLM(nn.Module):
                 aux_out: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (tokens, hidden), normed: the FULL path, and eager. With ``aux_out``, the residual
         stream at each of ``aux_layers`` is written there too."""
-        x, residual = self.begin(input_ids, aux)
-        rotary = self.rotary if use_triton(x) else self.rotary.at(positions)  # (the torch path: rows looked up once)
+        x, residual = self.begin(input_ids, aux)  # (x may be QuantRows: ``fuse_fp8_quantization``)
+        rotary = self.rotary if use_triton(residual) else self.rotary.at(positions)  # (the torch path: rows looked up once)
         # (lists, not ModuleList indexing a layer: that costs a CPU decode step 0.1 ms)
         for i, (layer, next_norm) in enumerate(zip(list(self.layers), self.next_norms())):
             self.keep_aux(aux_out, i, residual)

@@ -6,6 +6,7 @@ error of the original; every other quantization method is refused with one error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -200,7 +201,8 @@ def test_norms_and_activations_feeding_per_channel_fp8_projections_quantize_thei
     qkv, the MLP's gate_up) and the activation before the down projection quantize their output in their own
     kernel on the GPU; nothing before a block-scaled or an unquantized projection does (the model's last norm
     feeds the LM head, in the serving dtype), and marking again after a projection was left unquantized unmarks
-    its producer."""
+    its producer. The per-channel o_proj and down_proj leave their scales to the residual add and norm that read
+    them (``scale_out``); under Gemma's norms after attention and the MLP they do not."""
     from torch import nn
 
     from models.config import preset
@@ -211,14 +213,20 @@ def test_norms_and_activations_feeding_per_channel_fp8_projections_quantize_thei
     with torch.device("meta"):
         per_channel, blocks, plain = (CausalLM(cfg, s) for s in (Fp8Scheme(), Fp8Scheme(block=(32, 32)), None))
     assert isinstance(per_channel.layers[0].qkv_proj, Fp8Linear)
-    assert per_channel.fuse_fp8_quantization() == 3 * cfg.num_layers
+    assert per_channel.fuse_fp8_quantization() == 5 * cfg.num_layers
+    assert all(layer.o_proj.scale_out and layer.mlp.down_proj.scale_out for layer in per_channel.layers)
+    assert not any(layer.qkv_proj.scale_out or layer.mlp.gate_up_proj.scale_out for layer in per_channel.layers)
     assert blocks.fuse_fp8_quantization() == 0 and plain.fuse_fp8_quantization() == 0
     assert not per_channel.norm.quant_out
     layer = per_channel.layers[1]
     with torch.device("meta"):
         layer.mlp.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-    assert per_channel.fuse_fp8_quantization() == 3 * cfg.num_layers - 1
+    assert per_channel.fuse_fp8_quantization() == 5 * cfg.num_layers - 1
     assert not layer.post_attention_layernorm.quant_out and layer.mlp.quant_down and layer.input_layernorm.quant_out
+    with torch.device("meta"):
+        gemma = CausalLM(dataclasses.replace(cfg, sandwich_norms=True), Fp8Scheme())
+    assert gemma.fuse_fp8_quantization() == 3 * cfg.num_layers
+    assert not any(layer.o_proj.scale_out or layer.mlp.down_proj.scale_out for layer in gemma.layers)
 
 
 @pytest.mark.gpu
@@ -235,11 +243,17 @@ def test_gpu_fp8_gemms_inside_graphs(fp8_checkpoint, original):
     want = ragged_logits(load_checkpoint(original, "cuda", torch.bfloat16), PROMPTS, "cuda")
     got = ragged_logits(model, PROMPTS, "cuda")
     assert float((got - want).norm() / want.norm()) < FP8_W8A8_LOGIT_ERROR, name
-    producers = [m for m in model.modules() if getattr(m, "quant_out", False) or getattr(m, "quant_down", False)]
-    assert len(producers) == (0 if name == "block-128" else 3 * len(model.layers))  # (norms and activations)
-    for m in producers:  # each projection quantizing its input itself: the same logits, bit for bit
+    flags = ("quant_out", "quant_down", "scale_out")
+    marked = [m for m in model.modules() if any(getattr(m, flag, False) for flag in flags)]
+    # (norms and activations quantizing; o_proj and down_proj leaving their scales to the norm)
+    assert len(marked) == (0 if name == "block-128" else 5 * len(model.layers))
+    for m in marked:  # every projection scaling its own output: the same logits, within a bf16 rounding of o and
+        m.scale_out = False  # down's output
+    unscaled = ragged_logits(model, PROMPTS, "cuda")
+    assert float((unscaled - got).norm() / got.norm()) < 0.02, name
+    for m in marked:  # each projection also quantizing its input itself: the same logits, bit for bit
         m.quant_out = m.quant_down = False
-    assert torch.equal(ragged_logits(model, PROMPTS, "cuda"), got), name
+    assert torch.equal(ragged_logits(model, PROMPTS, "cuda"), unscaled), name
     assert_graphs_match_eager(path, name)
     assert_graphs_match_eager(path, name + " with an FP8 KV cache", kv_cache_dtype="fp8")
 

@@ -5,6 +5,7 @@ the CPU suite checks the kernels' logic on every commit. Shapes are smaller unde
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 
@@ -543,6 +544,63 @@ def test_fp8_norm_and_activation_quantize_in_their_own_kernels_as_two_steps_woul
         got = act_mul_quant(h, act, block=block)
         want_q, want_s = quantize_rows(fused.silu_mul(h, act))
         assert torch.equal(got.q.float(), want_q.float()) and torch.equal(got.scale, want_s), (act, block)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_norm_scales_an_fp8_projections_unit_product_as_the_rowwise_gemm_would(residual):
+    """An FP8 o_proj or down_proj leaves its per-token and per-channel scales to the residual add and norm that
+    read its output (``ScaledRows``): the norm's kernel, plain or quantizing, gives bit for bit what it gives on
+    the scaled product (``ScaledRows.value``, the row-wise scaled GEMM's output), the residual too."""
+    from models.fp8 import ScaledRows, rms_norm_quant
+
+    gen = torch.Generator().manual_seed(11)
+    unit = (torch.randn(6, 96, generator=gen) * 300).to(DEV, DT)
+    row_scale, col_scale = torch.rand(6, 1, generator=gen) * 1e-3, torch.rand(96, generator=gen) * 0.02
+    rows = ScaledRows(unit, row_scale.to(DEV), col_scale.to(DEV))
+    w = (torch.rand(96, generator=gen) + 0.5).to(DEV, DT)
+    res = torch.randn(6, 96, generator=gen).to(DEV, DT) if residual else None
+    scales = (rows.row_scale, rows.col_scale)
+    got, want = fused.rms_norm(unit, w, 1e-6, res, scales), fused.rms_norm(rows.value(), w, 1e-6, res)
+    for a, b in zip(*((got, want) if residual else ((got,), (want,)))):
+        assert torch.equal(a, b)
+    got, want = rms_norm_quant(unit, w, 1e-6, res, scales), rms_norm_quant(rows.value(), w, 1e-6, res)
+    (got_q, got_res), (want_q, want_res) = (got, want) if residual else ((got, None), (want, None))
+    assert torch.equal(got_q.q.float(), want_q.q.float()) and torch.equal(got_q.scale, want_q.scale)
+    assert got_res is None or torch.equal(got_res, want_res)
+
+
+def test_an_fp8_model_with_its_quantization_and_scales_fused_gives_the_unfused_logits():
+    """A whole per-channel FP8 model's forward (ragged prompts), its producers quantizing their rows and o_proj and
+    down_proj leaving their scales to the norms (``CausalLM.fuse_fp8_quantization``, every activation row count
+    fused): the logits of the same model with nothing fused, bit for bit once the scales are the projections' own
+    (scaled in the norm they round once more: within that rounding)."""
+    import sys
+
+    from models.config import preset
+    from models.fp8 import Fp8Scheme
+    from models.transformer import CausalLM
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_models_real import ragged_logits
+
+    try:
+        torch._scaled_mm(*(torch.zeros(16, 16, device=DEV).to(torch.float8_e4m3fn),) * 2,
+                         scale_a=torch.ones((), device=DEV), scale_b=torch.ones((), device=DEV))
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    model = CausalLM(preset("tiny-dense"), Fp8Scheme()).to(DEV, DT).init_random(0)
+    prompts = [[1, 5, 9, 33, 2], [7] * 6]
+    assert model.fuse_fp8_quantization() == 5 * model.cfg.num_layers
+    for layer in model.layers:
+        layer.mlp.ACT_QUANT_MIN_ROWS = 0
+    fused_logits = ragged_logits(model, prompts, DEV)
+    for m in model.modules():
+        m.scale_out = False
+    unscaled = ragged_logits(model, prompts, DEV)
+    assert float((fused_logits - unscaled).norm() / unscaled.norm()) < (0.02 if GPU else 1e-5)
+    for m in model.modules():
+        m.quant_out = m.quant_down = False
+    assert torch.equal(ragged_logits(model, prompts, DEV), unscaled)
 
 
 @pytest.mark.parametrize("rows,out,inp,block", [(3, 256, 320, (128, 128)), (20, 96, 64, (32, 32))])

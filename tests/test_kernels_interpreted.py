@@ -37,8 +37,8 @@ def test_triton_kernels_pass_in_the_interpreter():
 
 FUSED_KERNELS = {
     # kernel: (pointer types in order, constexpr variants): what the entry points in models/fused.py launch
-    "_rms_norm_kernel": ("bf16 bf16 bf16 bf16 bf16", [dict(HAS_RES=r, BLOCK=1024, PDL=p) for r in (0, 1)
-                                                      for p in (0, 1)]),
+    "_rms_norm_kernel": ("bf16 bf16 bf16 bf16 bf16 fp32 fp32", [dict(HAS_RES=r, SCALED=sc, BLOCK=1024, PDL=p)
+                                                                for r in (0, 1) for sc in (0, 1) for p in (0, 1)]),
     "_rotary_write_kv_kernel": ("bf16 i64 fp32 fp32 bf16 i64 bf16 bf16",
                                 [dict(NUM_HEADS=h, NUM_KV_HEADS=kv, HEADS_PAD=pad, KV_HEADS_PAD=kv, HEAD_DIM=d,
                                       QK_NORM=qk, KV_FP8=0, PDL=p)
@@ -56,8 +56,8 @@ FUSED_KERNELS = {
     "_count_kernel": ("i64 i64 i64 u8 i32", [dict(Q_PAD=q) for q in (1, 4)]),
     "_penalize_kernel": ("fp32 i64 i32 u8 fp32 fp32 fp32 i64", [dict(BLOCK=4096, NUM_DRAFTS=k) for k in (0, 3)]),
     # (models/fp8.py's, named with their module)
-    "fp8._rms_norm_quant_kernel": ("bf16 bf16 bf16 fp8e4nv bf16 fp32", [dict(HAS_RES=r, BLOCK=2048, PDL=1)
-                                                                         for r in (0, 1)]),
+    "fp8._rms_norm_quant_kernel": ("bf16 bf16 bf16 fp8e4nv bf16 fp32 fp32 fp32",
+                                   [dict(HAS_RES=r, SCALED=sc, BLOCK=2048, PDL=1) for r in (0, 1) for sc in (0, 1)]),
     "fp8._act_mul_quant_kernel": ("bf16 fp8e4nv fp32", [dict(BLOCK=b, GELU=g, PDL=1) for b in (1024, 2048)
                                                          for g in (0, 1)]),
 }
