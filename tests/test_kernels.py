@@ -572,8 +572,9 @@ def test_a_norm_scales_an_fp8_projections_unit_product_as_the_rowwise_gemm_would
 def test_an_fp8_model_with_its_quantization_and_scales_fused_gives_the_unfused_logits():
     """A whole per-channel FP8 model's forward (ragged prompts), its producers quantizing their rows and o_proj and
     down_proj leaving their scales to the norms (``CausalLM.fuse_fp8_quantization``, every activation row count
-    fused): the logits of the same model with nothing fused, bit for bit once the scales are the projections' own
-    (scaled in the norm they round once more: within that rounding)."""
+    fused): the logits of the same model with nothing fused, bit for bit once the scales are the projections' own;
+    with the scales in the norm, within float32's rounding (in bf16 on the GPU, where o and down's output is
+    rounded once more before its scales: closer than the model with the same weights unquantized)."""
     import sys
 
     from models.config import preset
@@ -583,13 +584,14 @@ def test_an_fp8_model_with_its_quantization_and_scales_fused_gives_the_unfused_l
     sys.path.insert(0, os.path.dirname(__file__))
     from test_models_real import ragged_logits
 
+    zeros = torch.zeros(16, 16, device=DEV).to(torch.float8_e4m3fn)
     try:
-        torch._scaled_mm(*(torch.zeros(16, 16, device=DEV).to(torch.float8_e4m3fn),) * 2,
-                         scale_a=torch.ones((), device=DEV), scale_b=torch.ones((), device=DEV))
+        torch._scaled_mm(zeros, zeros.t(), scale_a=torch.ones((), device=DEV), scale_b=torch.ones((), device=DEV))
     except (RuntimeError, NotImplementedError) as err:
         pytest.skip(f"torch._scaled_mm does not run here: {err}")
     model = CausalLM(preset("tiny-dense"), Fp8Scheme()).to(DEV, DT).init_random(0)
     prompts = [[1, 5, 9, 33, 2], [7] * 6]
+    reference = ragged_logits(CausalLM(preset("tiny-dense")).to(DEV, DT).init_random(0), prompts, DEV)
     assert model.fuse_fp8_quantization() == 5 * model.cfg.num_layers
     for layer in model.layers:
         layer.mlp.ACT_QUANT_MIN_ROWS = 0
@@ -597,7 +599,8 @@ def test_an_fp8_model_with_its_quantization_and_scales_fused_gives_the_unfused_l
     for m in model.modules():
         m.scale_out = False
     unscaled = ragged_logits(model, prompts, DEV)
-    assert float((fused_logits - unscaled).norm() / unscaled.norm()) < (0.02 if GPU else 1e-5)
+    moved = float((fused_logits - unscaled).norm() / unscaled.norm())
+    assert moved < (float((unscaled - reference).norm() / reference.norm()) if GPU else 1e-5)
     for m in model.modules():
         m.quant_out = m.quant_down = False
     assert torch.equal(ragged_logits(model, prompts, DEV), unscaled)
