@@ -159,8 +159,8 @@ class DenseMLP(nn.Module):
     ``ACT_QUANT_MIN_ROWS`` rows."""
 
     ACT_QUANT_MIN_ROWS = 512
-    """On the H200 at bench-dense's width (8192), ``act_mul_quant`` (one program a row) took 5.65 us at 256 rows
-    against 5.07 for the activation and the quantization as two kernels, and 17.2 against 18.9 us at 1024 rows
+    """On the H200 at bench-dense's width (8192), ``act_mul_quant`` (one program a row) took 5.66 us at 256 rows
+    against 5.06 for the activation and the quantization as two kernels, and 17.25 against 18.8 us at 1024 rows
     (docs/bench/fp8_gemm_h200.json): fewer rows quantize in a kernel of their own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
