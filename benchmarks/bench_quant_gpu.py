@@ -110,7 +110,7 @@ def measure_model(model: str, settings: list[str], concurrencies: list[int], pro
     rows: dict[str, dict] = {}
     try:
         for i, setting in enumerate(settings):
-            log_path = os.path.join(args.log_dir, f"quant-{model}-{setting}.log")
+            log_path = os.path.join(args.log_dir, f"quant-{os.path.basename(model)}-{setting}.log")
             procs[setting] = launch(serve_command(model, setting, args.port + i, args), f"{model} {setting}",
                                     args.port + i, log_path)
             rows[setting] = {"model": model, "setting": setting, "flags": SETTINGS[setting],
@@ -125,7 +125,8 @@ def measure_model(model: str, settings: list[str], concurrencies: list[int], pro
             for rnd in range(args.rounds):
                 for setting in settings if rnd % 2 == 0 else settings[::-1]:
                     i = settings.index(setting)
-                    bench = run_bench(f"http://127.0.0.1:{args.port + i}", conc, f"{model}-{setting}-r{rnd}",
+                    bench = run_bench(f"http://127.0.0.1:{args.port + i}", conc,
+                                      f"{os.path.basename(model)}-{setting}-r{rnd}",
                                       os.path.join(args.log_dir, "quant-bench"), args, procs[setting].pid,
                                       served_name=model)
                     tok_s[setting].append(bench["output_throughput"])
@@ -154,7 +155,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="ShareGPT JSON (the bench's prompts)")
     p.add_argument("--tokenizer", required=True, help="SmolLM2's tokenizer (a directory or its GGUF)")
-    p.add_argument("--models", default="bench-dense,bench-moe")
+    p.add_argument("--models", default="bench-dense,bench-moe", help="presets or checkpoints (a GGUF path: the default "
+                   "model's real weights)")
     p.add_argument("--settings", default="bf16,fp8-weights,fp8-kv", help=f"of {', '.join(SETTINGS)}")
     p.add_argument("--concurrencies", default="256,1024")
     p.add_argument("--rounds", type=int, default=3, help="runs of each server per concurrency, alternated")
