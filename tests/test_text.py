@@ -77,6 +77,32 @@ def hf_gguf_tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+@pytest.mark.parametrize("source", ["gguf", "spm_gguf"])
+def test_transformers_gguf_tokenizer_kept_in_the_cache_loads_back_as_converted(source, texts, bpe_gguf, spm_gguf,
+                                                                                tmp_path, monkeypatch):
+    """tests/hfgguf.py keeps transformers' tokenizer of a GGUF in the cache for the real-model tests: read back, it
+    is the tokenizer transformers built (the same tokenizer.json, special tokens and chat template) and encodes and
+    decodes the prompts as it does."""
+    from hfgguf import hf_tokenizer_from_gguf
+
+    monkeypatch.setenv("TWOGRID_CACHE", str(tmp_path / "cache"))
+    path = {"gguf": bpe_gguf, "spm_gguf": spm_gguf}[source]
+    converted = hf_tokenizer_from_gguf(path)
+    (folder,) = (tmp_path / "cache" / "hf_from_gguf").iterdir()
+    kept = hf_tokenizer_from_gguf(path)
+    assert kept.name_or_path == str(folder) and type(kept) is type(converted)
+    assert json.loads(kept.backend_tokenizer.to_str()) == json.loads(converted.backend_tokenizer.to_str())
+    assert kept.special_tokens_map == converted.special_tokens_map and kept.chat_template == converted.chat_template
+    for text in texts:
+        ids = converted(text)["input_ids"]
+        assert kept(text)["input_ids"] == ids and kept.encode(text) == converted.encode(text), text[:80]
+        assert kept.decode(ids) == converted.decode(ids), text[:80]
+    if converted.chat_template:
+        conv = [{"role": "user", "content": texts[0]}]
+        assert (kept.apply_chat_template(conv, add_generation_prompt=True, return_dict=False)
+                == converted.apply_chat_template(conv, add_generation_prompt=True, return_dict=False))
+
+
 @pytest.mark.parametrize("source", ["dir", "gguf", "spm_gguf"])
 def test_encode_and_decode_match_transformers_on_sharegpt(source, texts, bpe, bpe_gguf, spm_gguf):
     path = {"dir": bpe, "gguf": bpe_gguf, "spm_gguf": spm_gguf}[source]
