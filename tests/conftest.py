@@ -94,3 +94,53 @@ def gguf_read_once():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
         yield
+
+
+def _interpreted_device_calls_patch_nothing_twice() -> None:
+    """Under TRITON_INTERPRET=1, Triton patches triton.language's builtins when a kernel launches (restored after
+    it) and again at every call of a @triton.jit helper from inside the kernel (``InterpretedFunction.__call__``,
+    never restored there), each time walking the language modules with ``inspect.getmembers``: a third of the
+    interpreted MoE tests' time. Here a helper's call during a launch that has patched its language modules already
+    patches nothing: a module stays patched until the launch ends, so the interpreter runs in the same state.
+    Without those internals (another Triton) nothing changes."""
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    real_patch = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if real_patch is None or executor is None or not callable(getattr(interpreter, "_LangPatchScope", None)):
+        return
+    launches: list[set[int]] = []  # for each running launch, the language modules patched since it began
+    real_launch = executor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    modules: dict = {}  # a function's language modules (those among its module's globals)
+
+    def patch_lang(fn):
+        mods = modules.get(fn)
+        if mods is None:
+            mods = modules[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                           if inspect.ismodule(v) and v in (tl, tl.core))
+        if launches and mods <= launches[-1]:
+            return interpreter._LangPatchScope()  # (patched already: nothing to restore either)
+        scope = real_patch(fn)
+        if launches:
+            launches[-1] |= mods
+        return scope
+
+    executor.__call__ = launch
+    interpreter._patch_lang = patch_lang
+
+
+if INTERPRETED:
+    _interpreted_device_calls_patch_nothing_twice()

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_pass_in_the_interpreter():
-    """Two interpreter processes side by side, about 60 s each (the Triton MoE and routing-layout tests and the
+    """Two interpreter processes side by side, 50-60 s each (the Triton MoE and routing-layout tests and the
     dense model's static path; the rest): the interpreter is single-threaded numpy, and CI's second core is
     otherwise idle meanwhile."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
