@@ -1,11 +1,12 @@
 """bf16 ``F.linear`` against the FP8 GEMM paths at bench-dense's projection shapes (Llama-3.2-1B: qkv, o, gate_up,
-down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (what ``--quantization fp8`` runs: per-token
-activation scales, per-channel weight scales), with per-tensor scales (cuBLASLt's FP8 path), the per-token
-activation quantization alone, and ``fp8_unit_then_scale`` (the tensor-wise GEMM with unit scales, then the
-per-token and per-channel scales multiplied in: not measured yet); then the kernels before a projection, the norm and
-the SiLU-and-multiply, alone, followed by the quantization, and quantizing in their own kernels, and the norm
-applying an FP8 projection's scales (``norm_scaled``: ``Fp8Linear.scale_out``) (``measure_producers``). Each is timed as a CUDA graph of 20 calls replayed
-50 times, the median of 5, in us a call. GPU only.
+down), 256 and 1024 rows: ``torch._scaled_mm`` with row-wise scales (per-token activation scales, per-channel weight
+scales: what ``--quantization fp8`` runs for qkv and gate_up), with per-tensor scales (cuBLASLt's FP8 path: o and
+down run it with unit scales, ``Fp8Linear.scale_out``), the per-token activation quantization alone, and
+``fp8_unit_then_scale`` (the tensor-wise GEMM with unit scales, then the per-token and per-channel scales multiplied
+in by two torch ops); then the kernels before a projection, the norm and the SiLU-and-multiply, alone, followed by
+the quantization, and quantizing in their own kernels, and the norm applying an FP8 projection's scales
+(``norm_scaled``) (``measure_producers``). Each is timed as a CUDA graph of 20 calls replayed 50 times, the median
+of 5, in us a call. GPU only.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm_gpu.py --out docs/bench/fp8_gemm_h200.json
 """
