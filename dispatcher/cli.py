@@ -143,7 +143,7 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
     """``plan --auto-tiers COST``: the tiers "auto" would choose from a step-cost table and an acceptance, and why."""
     from dispatcher.engine.cost import read_step_costs
     from dispatcher.plan.acceptance import acceptance_profile
-    from dispatcher.plan.autotier import chooser_for_plan, render_choice, trace_host_floor
+    from dispatcher.plan.autotier import HostFloor, chooser_for_plan, render_choice, trace_host_floor
 
     cfg = auto_config(args)
     plan = build_plan(cfg)
@@ -151,21 +151,22 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
     acceptance = (cfg.acceptance_prior if args.acceptance is None
                   else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
     chooser = chooser_for_plan(costs, plan)
-    # (step traces: the served steps' periods give the host floor, as the engine weighs it)
-    host = trace_host_floor(records, chooser) if records is not None else None
-    choice = chooser.choose(acceptance, floor_ms=host.by_batch() if host is not None else None)
+    # (step traces: the served steps' periods give the host floor, as the engine weighs it; without them, as the
+    # engine starts: no bucket's pace known)
+    host = trace_host_floor(records, chooser) if records is not None else HostFloor(chooser)
+    choice = chooser.choose(acceptance, floor_ms=host.by_batch(), unpaced=host.unpaced_by_batch())
     if args.json:
         print(json.dumps({"tiers": choice.as_config(), "acceptance": list(acceptance),
                           "candidates": list(chooser.candidates),
                           "reach": {str(k): v for k, v in chooser.reach.items()},
                           "ranges": [{**r, "tokens_per_s": {str(k): v for k, v in r["tokens_per_s"].items()}}
                                      for r in chooser.explain(choice)],
-                          "graphs": plan.num_graphs, "host_floor": host.describe() if host is not None else ""},
+                          "graphs": plan.num_graphs, "host_floor": host.describe()},
                          indent=2 if args.pretty else None))
         return 0
     print(f"auto tiers for {cfg.method} K <= {cfg.num_speculative_tokens} at max_num_seqs {cfg.max_num_seqs}, step "
           f"costs {costs.source}; the plan captures {plan.num_graphs} graphs (every candidate K over its reach)")
-    print(render_choice(chooser, choice, host.describe() if host is not None else ""))
+    print(render_choice(chooser, choice, host.describe()))
     return 0
 
 
@@ -382,12 +383,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if cfg.auto_tiers:
         from dispatcher.engine.simulate import auto_step_costs, draft_layers
         from dispatcher.plan.acceptance import acceptance_profile
-        from dispatcher.plan.autotier import chooser_for_plan
+        from dispatcher.plan.autotier import HostFloor, chooser_for_plan
 
         acceptance = (cfg.acceptance_prior if args.acceptance is None
                       else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
         table = auto_step_costs(cfg, plan, dispatchers_for_plan(plan), costs, draft_layers(cfg))
-        choice = chooser_for_plan(table, plan).choose(acceptance)
+        chooser = chooser_for_plan(table, plan)
+        choice = chooser.choose(acceptance, unpaced=HostFloor(chooser).unpaced_by_batch())  # (as the engine starts)
     if not 0.0 <= args.prefix_cache_hit_rate < 1.0:
         raise ConfigError(f"--prefix-cache-hit-rate must be in [0, 1), got {args.prefix_cache_hit_rate}")
     result = replay(records, plan, dispatchers_for_plan(plan)["target"], costs,

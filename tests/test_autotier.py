@@ -17,9 +17,8 @@ from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
 from dispatcher.plan import autotier
-from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, STALE_STEPS, SWITCH_IN_STEPS,
-                                      AutoTiers,
-                                      HostFloor, MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan,
+from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, PACE_KNOWN_STEPS,
+                                      STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, HostFloor, MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan,
                                       decode_step_costs, staircase, trace_step_costs, valley)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
@@ -194,7 +193,7 @@ def test_tiers_follow_the_acceptance_as_it_drifts_with_hysteresis():
     chooser = TierChooser(recorded_h200("bench-moe"), [0, 3, 7], 1024)
     auto = AutoTiers(chooser, acceptance_profile(0.6, 7), interval=8)
     start = auto.choice.tiers
-    assert start == ((1, 7), (11, 3), (228, 0))
+    assert start == ((1, 7), (12, 3), (234, 0))  # (11 and 228 on the table alone: no bucket's pace known yet)
     state = ([0] * 7, [0] * 7)
     assert drive(auto, acceptance_profile(0.6, 7), 100, 7, state) == []  # before the interval: nothing
     # the same acceptance, measured: hysteresis holds the tiers (a few percent either way changes nothing)
@@ -203,12 +202,12 @@ def test_tiers_follow_the_acceptance_as_it_drifts_with_hysteresis():
     assert auto.choice.tiers == start and auto.changes == 0
     # the drafts get better: more drafting, further out
     changes = drive(auto, acceptance_profile(0.9, 7), 100, 400, state)
-    assert changes and auto.choice.tiers[0] == (1, 7) and auto.choice.tiers[1][0] > 11  # K = 7 further out
-    assert all(k for _, k in auto.choice.tiers[:2]) and (auto.choice.tiers[-1][1] or auto.choice.tiers[-1][0] > 228)
+    assert changes and auto.choice.tiers[0] == (1, 7) and auto.choice.tiers[1][0] > 12  # K = 7 further out
+    assert all(k for _, k in auto.choice.tiers[:2]) and (auto.choice.tiers[-1][1] or auto.choice.tiers[-1][0] > 234)
     high = auto.choice.tiers
     # then worse than useless: no drafting anywhere
     drive(auto, acceptance_profile(0.02, 7), 100, 400, state)  # (the window forgets over a few hundred steps)
-    assert auto.choice.tiers[-1][1] == 0 and auto.choice.tiers[-1][0] < 228  # drafting where it was almost free only
+    assert auto.choice.tiers[-1][1] == 0 and auto.choice.tiers[-1][0] < 234  # drafting where it was almost free only
     drive(auto, acceptance_profile(0.02, 7), 100, 1200, state)
     assert auto.choice.tiers == ((1, 0),)  # (K = 7 costs 18 % more than K = 0 at one request on the H200)
     assert auto.changes >= 2
@@ -761,9 +760,9 @@ def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):
                        "num_speculative_tokens_per_batch_size": "auto"})
     assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "tiers: [[1, 7], [11, 3], [228, 0]]" in out
+    assert "tiers: [[1, 7], [12, 3], [234, 0]]" in out
     assert "expected tokens a step: K=0: 1.000, K=3: 2.176, K=7: 2.458" in out
-    row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["228..1024", "0"])
+    row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["234..1024", "0"])
     assert row[3] == "*" and "*" not in row[4:]  # K = 0's column is the one marked
     # a fixed-K config is planned as "auto" over 0..K; --acceptance overrides the prior; JSON
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
@@ -832,14 +831,14 @@ def test_step_records_carry_tier_changes():
 
 def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhead():
     """Served K = 3 steps cost twice their table at 16 requests (1.5 ms over it). K = 5, never served there, must not
-    look cheaper for that: it is weighed at its table cost plus those 1.5 ms (3.18 ms, 1.89x its table), and with
-    11 % more tokens a step it beats K = 3 by 4.8 %, under the hysteresis, so K = 3 stays (at factor 1, K = 5 looked
+    look cheaper for that: it is weighed at its table cost plus those 1.5 ms (3.2 ms, 1.88x its table), and with
+    11 % more tokens a step it beats K = 3 by 4.1 %, under the hysteresis, so K = 3 stays (at factor 1, K = 5 looked
     1.8x cheaper than it had any reason to and was taken: on the H200 the tiers at 16 streams then moved among K = 2
-    to 5 and ran 0.92x of fixed K = 3; at K = 3's factor, 2.0x, it would be priced 3.36 ms). K = 0, drafting less,
+    to 5 and ran 0.92x of fixed K = 3; at K = 3's factor, 2.0x, it would be priced 3.4 ms). K = 0, drafting less,
     keeps factor 1, so that it is still tried where the K in force turns out dear
     (``test_served_step_costs_move_the_choice...``)."""
-    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)], 6: [(1, 1.68), (64, 1.68)]})
-    acceptance = [0.65, 0.42, 0.28, 0.16, 0.10]  # 2.35 tokens a step at K = 3, 2.61 at K = 5
+    table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)], 6: [(1, 1.7), (64, 1.7)]})
+    acceptance = [0.65, 0.42, 0.28, 0.16, 0.10]  # 2.35 tokens a step at K = 3, 2.61 at K = 5 (2% fewer a ms)
     auto = AutoTiers(TierChooser(table, [3, 5], 64), acceptance, interval=4, prior_weight=1e9)
     with_k0 = MeasuredCosts(TierChooser(table, [0, 3, 5], 64))
     assert auto.choice.k_of_batch[16] == 3
@@ -847,9 +846,9 @@ def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhea
         assert auto.observe_step(16, 4, 3.0) and with_k0.observe(16, 4, 3.0)
         auto.observe([0] * 5, [0] * 5)
     assert auto.costs.ratio[0, 4] == pytest.approx(2.0)  # (bucket 4: 9..16 requests)
-    assert auto.costs.by_batch()[:, 16] == pytest.approx([2.0, 1.0 + 1.5 / 1.68])
+    assert auto.costs.by_batch()[:, 16] == pytest.approx([2.0, 1.0 + 1.5 / 1.7])
     assert auto.choice.k_of_batch[16] == 3
-    assert with_k0.by_batch()[:, 16] == pytest.approx([1.0, 2.0, 1.0 + 1.5 / 1.68])
+    assert with_k0.by_batch()[:, 16] == pytest.approx([1.0, 2.0, 1.0 + 1.5 / 1.7])
     assert with_k0.by_batch()[:, 40] == pytest.approx([1.0, 1.0, 1.0])  # (bucket 6, 33..64: nothing served there)
 
 
@@ -869,6 +868,33 @@ def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_sha
         auto.observe([0] * 3, [0] * 3)
     assert auto.costs.by_batch()[:, 1024] == pytest.approx([1.8, 24.0 / 16.0])
     assert auto.choice.k_of_batch[1024] == 3
+
+
+@pytest.mark.parametrize("period_ms, want_unpaced, want_k", [(None, True, 4), (3.3, False, 4), (1.206, False, 2)],
+                         ids=["no-step-yet", "host-paced", "device-paced"])
+def test_a_near_tie_where_no_step_showed_the_pace_goes_to_the_larger_k(period_ms, want_unpaced, want_k):
+    """On the H200 at 256 streams of the default model, device costs put K = 2, 3 and 4 within 0.5% at a batch-size
+    bucket no step had reached; the tiers ran K = 2 there for ~400 steps until the bucket's host floor (3.3 ms a step,
+    above K = 2's device time) made K = 4 win, and ran 0.95x of fixed K = 4. Here K = 4 yields 0.5% fewer tokens a
+    ms on the device than K = 2: before any step at the bucket it is chosen (a floor can only favour it; without one
+    the loss is the margin); once steps show the host's pace (3.3 ms periods) it stays, the floor weighing; once 16
+    steps show the device's (periods = device time), a near tie goes to the smaller K again."""
+    table = StepCostTable({3: [(1, 1.0), (512, 1.0)], 5: [(1, 1.206), (512, 1.206)]})
+    acceptance = [0.6, 0.4, 0.25, 0.15]  # 2.0 tokens a step at K = 2, 2.4 at K = 4
+    chooser = TierChooser(table, [2, 4], 512)
+    assert chooser.choose(acceptance).k_of_batch[200] == 2  # (the table alone)
+    auto = AutoTiers(chooser, acceptance, interval=4, prior_weight=1e9)
+    assert auto.host.unpaced_by_batch()[[1, 200, 512]].all() and auto.choice.k_of_batch[200] == 4
+    if period_ms is not None:
+        for _ in range(PACE_KNOWN_STEPS):
+            auto.observe_step(200, 5, 1.206, period_ms)
+            auto.observe([0] * 4, [0] * 4)
+    unpaced = auto.host.unpaced_by_batch()
+    assert unpaced[200] == want_unpaced and unpaced[300] == (period_ms != 3.3)  # (a floor below carries up)
+    assert unpaced[20]  # (a bucket below: nothing carries down)
+    fresh = chooser.choose(acceptance, floor_ms=auto.host.by_batch(), unpaced=unpaced)  # (no hysteresis)
+    assert fresh.k_of_batch[200] == want_k
+    assert auto.choice.k_of_batch[200] == 4  # (in force: held by the hysteresis where it is no longer the best)
 
 
 @pytest.mark.parametrize("min_share, want", [(None, 3), (0.0, 5)], ids=["floor-off", "stragglers-as-floor"])

@@ -287,7 +287,7 @@ def test_replay_under_auto_tiers_reshapes_decodes_to_the_chosen_k(tmp_path, caps
     r = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", auto, "--acceptance", "0.6")
     a = r["auto_tiers"]
     # bench-moe's curves, the drafter's share, 0.6 decaying; K = 0 still pays the head's step 0 (it runs every step)
-    assert a["initial"] == [[1, 3], [406, 0]]
+    assert a["initial"] == [[1, 3], [422, 0]]
     records = [json.loads(line) for line in open(trace, encoding="utf-8")]
     assert len(a["k_per_step"]) == len(records)
     for rec, k in zip(records, a["k_per_step"]):

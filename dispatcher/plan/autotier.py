@@ -45,7 +45,12 @@ Where the host sets the pace (the GPU idle between steps: at 1024 streams of the
 busy 56% of a run without drafting, and a fixed K = 3 gave 1.26-1.30x no SD where device costs alone chose K = 0 or
 1), each step's period, its result after the one before, exceeds its device time; ``HostFloor`` keeps what the host
 needs a step per bucket, and a K's step is weighed at its device cost or that floor, whichever is longer, so a K
-that yields more tokens a step for device time that hides behind the host's is chosen there.
+that yields more tokens a step for device time that hides behind the host's is chosen there. At a bucket whose pace
+no step has shown yet (no floor weighs there, and fewer than ``PACE_KNOWN_STEPS`` steps ran there), K's within
+``UNPACED_NEAR_TIE`` of the best count as tied and the tie goes to the larger K: a floor, once measured, can only
+favour it, and without one the loss is the tie's margin (on the H200 at 256 streams of the default model, device
+costs alone put K = 2, 3 and 4 within 0.5% at a bucket no step had reached; the tiers ran K = 2 for ~400 steps
+until the bucket's floor, 3.3 ms a step, made K = 4 win, and ran 0.95x of fixed K = 4).
 """
 
 from __future__ import annotations
@@ -86,6 +91,12 @@ over DRIFT_MEMORY_STEPS steps; a step tests the floor when it was host-bound or 
 floor): where the device sets the pace of most steps, the stragglers that waited on the host measure a floor about
 the running K's own step time, and weighing it would cost a shorter K as much as the running one (at 16 streams of
 the default model on the H200, GPU busy 94%, auto tiers chose K = 5 over K = 3 and ran 0.96x of it)."""
+PACE_KNOWN_STEPS = 16
+"""Served steps at a batch-size bucket after which its pace is known: without HOST_FLOOR_MIN_STEPS host-bound ones
+among them, the device sets it."""
+UNPACED_NEAR_TIE = 0.01
+"""At a bucket whose pace is not known yet, K's within this share of the best expected tokens/s count as tied, and
+the tie goes to the larger K."""
 HOST_BOUND_SLACK = 0.15
 """A served step whose period (its result after the one before) exceeds its device time by more than this share
 waited on the host side: its period is what the host needs a step (``HostFloor``)."""
@@ -401,7 +412,7 @@ class TierChooser:
 
     def choose(self, acceptance: Sequence[float], current: np.ndarray | None = None,
                hysteresis: float = 0.0, cost_ratio: np.ndarray | None = None,
-               floor_ms: np.ndarray | None = None) -> TierChoice:
+               floor_ms: np.ndarray | None = None, unpaced: np.ndarray | None = None) -> TierChoice:
         """K for every batch size, merged into tiers. Each batch size n scores each K by its expected tokens/s over
         the best K's there (1 for the best); K may only fall as n grows, then rise again where the host sets the
         pace (a valley: measured costs are noisy, and a per-size argmax would split a range into many tiers over
@@ -410,11 +421,16 @@ class TierChooser:
         per batch size, a TierChoice's ``k_of_batch``) the K in force at n scores ``1 + hysteresis`` times more, so
         that it changes only for a K that beats it there by more than that (or where it can no longer run).
         ``cost_ratio``: served-to-table step costs (``MeasuredCosts.by_batch``); ``floor_ms``: the host's time a
-        step (``HostFloor.by_batch``)."""
+        step (``HostFloor.by_batch``); ``unpaced``: per batch size, True where no step has shown the pace yet
+        (``HostFloor.unpaced_by_batch``): there the K's within UNPACED_NEAR_TIE of the best tie, and the larger wins."""
         tps = self.throughput(acceptance, cost_ratio, floor_ms)
         best = tps.max(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             score = np.where(np.isfinite(tps) & (best > 0), tps / best, 0.0)
+        if unpaced is not None:
+            tied = unpaced[None, :] & (score >= 1.0 - UNPACED_NEAR_TIE)
+            rank = np.arange(len(self.candidates), dtype=np.float64)[:, None]
+            score = np.where(tied, 1.0 + 1e-6 * rank, score)  # (far below any margin; above the staircase's ties)
         score = np.where(np.isfinite(tps), score, INVALID)
         if current is not None:
             cur_i = self._candidate_index[np.clip(current, 0, len(self._candidate_index) - 1)]
@@ -579,6 +595,8 @@ class HostFloor:
         self.tested = [0] * chooser.num_buckets
         """Steps per bucket that tested its floor: host-bound ones, and those the device paced although their device
         time was below the floor (had the floor been the host's pace, they would have waited for it)."""
+        self.seen = [0] * chooser.num_buckets
+        """Served steps observed per bucket (``PACE_KNOWN_STEPS``)."""
         self.share = [0.0] * chooser.num_buckets
         """Per bucket, the host-bound share of the steps that tested its floor (the mean of the first
         DRIFT_MEMORY_STEPS, then an exponential average over as many)."""
@@ -590,6 +608,7 @@ class HostFloor:
         if not (1 <= num_reqs < len(self._bucket_of) and _is_ms(device_ms) and _is_ms(period_ms)):
             return False
         b = self._bucket_of[num_reqs]
+        self.seen[b] += 1
         floor = self.floor_ms[b]
         host_bound = period_ms > device_ms * (1.0 + HOST_BOUND_SLACK)
         if host_bound or device_ms < floor:  # (a step above the floor that the device paced says nothing)
@@ -626,6 +645,13 @@ class HostFloor:
         """(0..max_num_seqs,) each batch size's floor, its bucket's (``by_bucket``)."""
         return self.by_bucket()[self._bucket_of]
 
+    def unpaced_by_batch(self) -> np.ndarray:
+        """(0..max_num_seqs,) True at the batch sizes whose bucket has no floor that weighs (``by_bucket``: its own
+        or one below it) and saw fewer than PACE_KNOWN_STEPS served steps: nothing says yet whether the host or the
+        device sets the pace there."""
+        unpaced = (self.by_bucket() <= 0.0) & (np.array(self.seen) < PACE_KNOWN_STEPS)
+        return unpaced[self._bucket_of]
+
     def describe(self) -> str:
         """The buckets host-bound steps were measured at, with their floors ("" where none): for the log line."""
         parts = [f"{lo}{f'-{hi}' if hi > lo else ''} requests {ms:.1f} ms"
@@ -655,7 +681,7 @@ class AutoTiers:
         self.served_costs = served_costs
         self.last_num_reqs = 0
         """The padded request count of the last served uniform decode step (0: none yet): ``describe_batch``'s."""
-        self.choice = chooser.choose(self.prior)
+        self.choice = chooser.choose(self.prior, unpaced=self.host.unpaced_by_batch())
         self.changes = 0
         """Times the tiers changed after the first choice."""
         k = len(self.prior)
@@ -717,7 +743,7 @@ class AutoTiers:
             self._reached[j] = decay * self._reached[j] + (v - self._seen_reached[j])
             self._seen_accepted[j], self._seen_reached[j] = a, v
         new = self.chooser.choose(self.acceptance(), self.choice.k_of_batch, self.hysteresis, self.costs.by_batch(),
-                                  self.host.by_batch())
+                                  self.host.by_batch(), self.host.unpaced_by_batch())
         changed = new.tiers != self.choice.tiers
         self.choice = new
         self.changes += changed
