@@ -94,18 +94,26 @@ class Timed:
         setattr(obj, name, timed)
 
 
-def kernel_ms_per_step(steps, num_steps: int) -> float | None:
+def kernel_ms_per_step(steps, num_steps: int, top: int = 0) -> tuple[float | None, list]:
     """The summed duration of the CUDA kernels ``num_steps`` more steps ran, per step (the device's busy time,
-    without the gaps where it waited for the host)."""
+    without the gaps where it waited for the host; kernels inside graph replays included), and the ``top`` kernel
+    names of most time: [name, launches a step, us a step] each."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         done = sum(1 for _ in zip(range(num_steps), steps))
         torch.cuda.synchronize()
+    if not done:
+        return None, []
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith("twogrid.")]
-    return round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / max(done, 1), 4) if done else None
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for k in kernels:
+        by_name[k.name[:120]].append(k.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return (round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / done, 4),
+            [[name, round(len(us) / done, 2), round(sum(us) / done, 2)] for name, us in ranked])
 
 
 def model_arg(text: str):
@@ -148,7 +156,8 @@ def profile(args, method: str, concurrency: int, fused: bool) -> dict:
     device_ms = (engine.stats.device_ms - stats0[1]) / max(n, 1)
     with OpCounter() as counter:
         next(steps, None)
-    kernel_ms = kernel_ms_per_step(steps, args.profiled_steps) if args.device == "cuda" else None
+    kernel_ms, top_kernels = (kernel_ms_per_step(steps, args.profiled_steps, args.kernel_top) if args.device == "cuda"
+                              else (None, []))
     for _ in steps:
         pass
     launched = {op: c for op, c in counter.counts.items() if op not in VIEWS}
@@ -161,7 +170,8 @@ def profile(args, method: str, concurrency: int, fused: bool) -> dict:
            "worker_submit_ms": med(worker_submit.calls),
            "kernel_ms_per_step": kernel_ms, "ops_outside_graphs": sum(counter.counts.values()),
            "launching_ops_outside_graphs": sum(launched.values()),
-           "top_launching_ops": collections.Counter(launched).most_common(args.top)}
+           "top_launching_ops": collections.Counter(launched).most_common(args.top),
+           **({"top_kernels": top_kernels} if args.kernel_top else {})}
     print(json.dumps(row), flush=True)
     del engine, steps
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -309,6 +319,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--profiled-steps", type=int, default=20)
+    parser.add_argument("--kernel-top", type=int, default=0, metavar="N",
+                        help="per row, the N kernels of most device time a step (inside graph replays too)")
     parser.add_argument("--variants", default="fused,unfused",
                         help="fused (whole decode steps as one graph, the default) and/or unfused (op by op)")
     parser.add_argument("--mixed-steps", type=int, default=0,
