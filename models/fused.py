@@ -570,6 +570,142 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+if triton is not None:
+
+    @triton.jit
+    def _decode_inputs_kernel(ids_ptr, pos_ptr, valid_ptr, table_rows_ptr, block_table_ptr, inputs_ptr, num_reqs, q,
+                              stride_ids, stride_pos, stride_bt, block_size, Q_PAD: tl.constexpr):
+        """Program per request r of a FULL decode step of num_reqs requests x q tokens: its q rows of the five
+        input rows (token, position, KV slot, block-table row, token position) and its metadata (query start,
+        sequence length, block-table row), where ``StaticBuffers`` packs them in ``inputs`` for num_reqs * q rows.
+        A padded request (``valid`` 0): token 0, position 0, slot -1, token position -1, sequence length 0."""
+        r = tl.program_id(0)
+        cols = tl.arange(0, Q_PAD)
+        in_q = cols < q
+        live = tl.load(valid_ptr + r) != 0
+        table_row = tl.load(table_rows_ptr + r).to(tl.int64)
+        ids = tl.load(ids_ptr + r * stride_ids + cols, mask=in_q, other=0)
+        pos = tl.load(pos_ptr + r * stride_pos + cols, mask=in_q, other=0)
+        block = tl.load(block_table_ptr + table_row * stride_bt + pos // block_size, mask=in_q & live, other=0)
+        num_rows = num_reqs * q
+        rows = inputs_ptr + r * q + cols
+        tl.store(rows, tl.where(live, ids, 0), mask=in_q)
+        tl.store(rows + num_rows, tl.where(live, pos, 0), mask=in_q)
+        tl.store(rows + 2 * num_rows, tl.where(live, block.to(tl.int64) * block_size + pos % block_size, -1), mask=in_q)
+        tl.store(rows + 3 * num_rows, table_row + cols * 0, mask=in_q)
+        tl.store(rows + 4 * num_rows, tl.where(live, pos, -1), mask=in_q)
+        meta = inputs_ptr + 5 * num_rows
+        tl.store(meta + r, r * q)
+        if r == num_reqs - 1:
+            tl.store(meta + num_reqs, num_reqs * q)
+        last = tl.load(pos_ptr + r * stride_pos + q - 1)
+        tl.store(meta + num_reqs + 1 + r, tl.where(live, last + 1, 0))
+        tl.store(meta + 2 * num_reqs + 1 + r, table_row)
+
+    @triton.jit
+    def _advance_inputs_kernel(proposals_ptr, inputs_ptr, block_table_ptr, num_tokens, num_reqs, stride_bt,
+                               block_size, BLOCK: tl.constexpr):
+        """A proposing runtime's inputs of num_tokens rows and num_reqs requests (``StaticBuffers``' packing) moved
+        to its next one-token step: each row's token its proposal; a real row (position >= 0) one position on, its KV
+        slot looked up again (a padded slot stays -1); a real request (sequence length > 0) one token longer."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tok = i < num_tokens
+        pos = tl.load(inputs_ptr + num_tokens + i, mask=tok, other=-1)
+        slot = tl.load(inputs_ptr + 2 * num_tokens + i, mask=tok, other=-1)
+        table_row = tl.load(inputs_ptr + 3 * num_tokens + i, mask=tok, other=0)
+        live = pos >= 0
+        new_pos = tl.where(live, pos + 1, pos)
+        writes = live & (slot >= 0)
+        block = tl.load(block_table_ptr + table_row * stride_bt + new_pos // block_size, mask=tok & writes, other=0)
+        tl.store(inputs_ptr + i, tl.load(proposals_ptr + i, mask=tok, other=0), mask=tok)
+        tl.store(inputs_ptr + num_tokens + i, new_pos, mask=tok)
+        tl.store(inputs_ptr + 2 * num_tokens + i, tl.where(writes, block.to(tl.int64) * block_size
+                                                          + new_pos % block_size, -1), mask=tok)
+        tl.store(inputs_ptr + 4 * num_tokens + i, new_pos, mask=tok)
+        req = i < num_reqs
+        seq_lens = inputs_ptr + 5 * num_tokens + num_reqs + 1 + i
+        seq_len = tl.load(seq_lens, mask=req, other=0)
+        tl.store(seq_lens, tl.where(seq_len > 0, seq_len + 1, seq_len), mask=req)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _accept_kernel(tokens_ptr, drafts_ptr, given_ptr, accepted_ptr, slots_ptr, computed_ptr, token_ids_ptr,
+                       num_computed_ptr, out_ptr, q, width, stride_drafts, stride_token_ids, stride_out,
+                       Q_PAD: tl.constexpr, W_PAD: tl.constexpr, GIVEN: tl.constexpr):
+        """Program per request r of a fused decode step: its drafts accepted (the leading ones equal to the tokens
+        drawn at their positions; GIVEN: read from ``given``), its tokens up to them written after its computed
+        ones in its slot's token row and its computed count moved past them, and its result row (accepted, then its
+        q tokens, the last repeated to ``width``)."""
+        r = tl.program_id(0)
+        cols = tl.arange(0, Q_PAD)
+        in_q = cols < q
+        tokens = tl.load(tokens_ptr + r * q + cols, mask=in_q, other=0)
+        if GIVEN:
+            accepted = tl.load(given_ptr + r)
+        else:
+            is_draft = cols < q - 1
+            drafts = tl.load(drafts_ptr + r * stride_drafts + cols, mask=is_draft, other=-1)
+            accepted = tl.min(tl.where(is_draft & (tokens != drafts), cols, q - 1), axis=0).to(tl.int64)
+        tl.store(accepted_ptr + r, accepted)
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        computed = tl.load(computed_ptr + r)
+        tl.store(token_ids_ptr + slot * stride_token_ids + computed + 1 + cols, tokens, mask=in_q & (cols <= accepted))
+        tl.store(num_computed_ptr + slot, computed + 1 + accepted)
+        w = tl.arange(0, W_PAD)
+        row = out_ptr + r * stride_out
+        tl.store(row + 1 + w, tl.load(tokens_ptr + r * q + tl.minimum(w, q - 1), mask=w < width), mask=w < width)
+        tl.store(row, accepted)
+
+
+def accept_drafts(tokens: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor, computed: torch.Tensor,
+                  token_ids: torch.Tensor, num_computed: torch.Tensor, out: torch.Tensor, width: int,
+                  given: torch.Tensor | None = None) -> torch.Tensor:
+    """A fused decode step's verification in one kernel, as ``FusedDecode._finish``'s torch path: per request
+    (tokens (n, q) drawn, drafts (n, q - 1), its slot and computed count) its accepted drafts (``given``: those,
+    the fixed-acceptance mode's), its tokens up to them into ``token_ids`` and ``num_computed`` (the request state's,
+    int64), its ``out`` row (int32: accepted, then the tokens to ``width``). Returns the accepted counts (n,)."""
+    n, q = tokens.shape
+    accepted = torch.empty(n, dtype=torch.int64, device=tokens.device)
+    if n == 0:
+        return accepted
+    tokens = tokens.contiguous()
+    drafts_arg = drafts if q > 1 else tokens  # (no drafts: never read)
+    _accept_kernel[(n,)](tokens, drafts_arg, given if given is not None else accepted, accepted, slots, computed,
+                         token_ids, num_computed, out, q, width, drafts_arg.stride(0), token_ids.stride(0),
+                         out.stride(0), Q_PAD=triton.next_power_of_2(q), W_PAD=triton.next_power_of_2(width),
+                         GIVEN=given is not None, num_warps=1)
+    return accepted
+
+
+def decode_inputs(inputs: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                  table_rows: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+    """A FULL decode step's inputs for n requests of q tokens (``ids`` and ``positions`` (n, q) int64, each row
+    contiguous; ``valid`` (n,) bool, ``table_rows`` (n,) the requests' block-table rows) packed into ``inputs`` (a
+    ``StaticBuffers.inputs``, int64) in one kernel, as ``FusedDecode._load``'s torch path packs them."""
+    n, q = ids.shape
+    if n == 0:
+        return
+    assert q == 1 or (ids.stride(1) == 1 and positions.stride(1) == 1), "rows of ids and positions must be contiguous"
+    _decode_inputs_kernel[(n,)](ids, positions, valid.view(torch.uint8), table_rows, block_table, inputs, n, q,
+                                ids.stride(0), positions.stride(0), block_table.stride(0), block_size,
+                                Q_PAD=triton.next_power_of_2(q), num_warps=1)
+
+
+ADVANCE_BLOCK = 256
+"""Rows per program of ``advance_inputs``."""
+
+
+def advance_inputs(inputs: torch.Tensor, proposals: torch.Tensor, num_tokens: int, num_reqs: int,
+                   block_table: torch.Tensor, block_size: int) -> None:
+    """``GraphRuntime._advance_inputs``' moves of the packed inputs (token, position, KV slot, token position,
+    sequence length), in one kernel."""
+    grid = (triton.cdiv(max(num_tokens, num_reqs), ADVANCE_BLOCK),)
+    _advance_inputs_kernel[grid](proposals, inputs, block_table, num_tokens, num_reqs, block_table.stride(0),
+                                 block_size, BLOCK=ADVANCE_BLOCK, num_warps=4)
+
+
 def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of (rows, vocab) logits: the argmax (int64, the first of equal values, as torch.argmax) and, with

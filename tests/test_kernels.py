@@ -758,3 +758,99 @@ def test_fused_sampler_penalizes_and_counts_as_the_torch_path():
     take = (penalized[slots][:, None] & keep).to(torch.int32)
     expected.index_put_((slots[:, None].expand(n, q), tokens), take, accumulate=True)
     assert torch.equal(counted, counts + expected)
+
+
+def test_decode_inputs_and_their_advance_pack_what_the_torch_paths_pack(monkeypatch):
+    """A fused decode step's inputs for n requests x q tokens (``FusedDecode._load``: per row its token, position,
+    KV slot, block-table row and token position; per request its query start, sequence length and block-table row)
+    and a proposing runtime's move to its next one-token step (``GraphRuntime._advance_inputs``), one kernel each
+    (``models.fused.decode_inputs``, ``advance_inputs``), against their torch paths: real and padded requests, KV
+    slots through a random block table, a real row that writes no KV, the buffer past the step untouched."""
+    from types import SimpleNamespace
+
+    from dispatcher.runtime import decode_step, graphs
+
+    block_size, width, n = 16, 8, 7
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 500, (10, width), generator=gen, dtype=torch.int32).to(DEV)
+    valid = torch.tensor([1, 1, 0, 1, 1, 0, 1], dtype=torch.bool, device=DEV)
+    block_rows = torch.where(valid, torch.randperm(10, generator=gen)[:n].to(DEV), 0)
+    fd = SimpleNamespace(_arange=torch.arange(64, device=DEV))
+
+    def runtime(num_tokens: int, proposals: torch.Tensor):
+        bufs = SimpleNamespace(inputs=torch.full((graphs.input_length(num_tokens, n) + 5,), 777, dtype=torch.int64,
+                                                 device=DEV), block_table=table, aux=None, proposals=(proposals,))
+        bufs.rows = lambda t: graphs.StaticBuffers.rows(bufs, t)
+        bufs.requests = lambda t, r: graphs.StaticBuffers.requests(bufs, t, r)
+        rt = SimpleNamespace(bufs=bufs, block_size=block_size)
+        rt.kv_slots = lambda rows, positions: graphs.GraphRuntime.kv_slots(rt, rows, positions)
+        return rt
+
+    for q in (4, 1):
+        computed = torch.randint(0, width * block_size - q - 3, (n,), generator=gen).to(DEV)
+        positions = computed[:, None] + torch.arange(q, device=DEV)[None, :]
+        ids = torch.randint(0, 1000, (n, q), generator=gen).to(DEV)
+        proposals = torch.randint(0, 1000, (n * q,), generator=gen).to(DEV)
+        packed = []
+        for kernel in (True, False):
+            monkeypatch.setattr(decode_step, "use_triton", lambda t, k=kernel: k and fused.use_triton(t))
+            monkeypatch.setattr(graphs, "use_triton", lambda t, k=kernel: k and fused.use_triton(t))
+            rt = runtime(n * q, proposals)
+            decode_step.FusedDecode._load(fd, rt, block_rows, valid, ids, positions)
+            steps = [rt.bufs.inputs.clone()]
+            if q == 1:  # (one-token steps: the drafter's runtime moves on, twice; row 3 writes no KV)
+                rt.bufs.rows(n)[2, 3] = -1
+                for _ in range(2):
+                    graphs.GraphRuntime._advance_inputs(rt, n, n)
+                    steps.append(rt.bufs.inputs.clone())
+            packed.append(steps)
+        got, want = packed
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (a != b).nonzero().flatten().tolist()
+        rows = got[-1][:5 * n * q].view(5, n * q)
+        assert (rows[2][~valid.repeat_interleave(q)] == -1).all() and (got[-1][-5:] == 777).all()
+    assert torch.equal(rows[1][valid], (positions[:, 0] + 2)[valid])  # (two steps on)
+
+
+@pytest.mark.parametrize("q,given", [(4, False), (4, True), (1, False)], ids=["verify", "fixed", "no-drafts"])
+def test_accept_drafts_verifies_and_advances_the_state_as_the_torch_path(q, given):
+    """A fused step's verification in one kernel (``models.fused.accept_drafts``) against ``FusedDecode._finish``'s
+    torch path: the leading drafts equal to the tokens drawn are accepted (``models.sampling.accepted_drafts``; or
+    the fixed-acceptance mode's counts, given), the tokens up to them land after each slot's computed ones, the
+    computed counts move past them, and each result row holds the count and the tokens (the last repeated to the
+    width); padded requests write only the dummy slot's row."""
+    from models.sampling import accepted_drafts
+
+    gen = torch.Generator().manual_seed(7)
+    n, width, num_slots, max_len = 9, 6, 12, 64
+    dummy = num_slots - 1
+    slots = torch.randperm(num_slots - 1, generator=gen)[:n]
+    slots[-2:] = dummy  # (two padded requests)
+    computed = torch.randint(0, max_len - q - 1, (n,), generator=gen)
+    computed[-2:] = 0
+    drafts = torch.randint(0, 5, (n, q - 1), generator=gen)
+    tokens = torch.randint(0, 5, (n, q), generator=gen)
+    if q > 1:  # (most drafts match: long accepted runs)
+        tokens = torch.where(torch.rand(n, q, generator=gen) < 0.7, torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
+    token_ids = torch.randint(0, 1000, (num_slots, max_len), generator=gen)
+    num_computed = torch.randint(0, 50, (num_slots,), generator=gen)
+    fixed = torch.randint(0, q, (n,), generator=gen) if given else None
+    want_acc = fixed if given else accepted_drafts(tokens, drafts, torch.full((n,), q - 1)) if q > 1 \
+        else torch.zeros(n, dtype=torch.int64)
+    want_ids, want_num = token_ids.clone(), num_computed.clone()
+    cols = computed[:, None] + 1 + torch.arange(q)[None, :]
+    keep = torch.arange(q)[None, :] <= want_acc[:, None]
+    real = slots != dummy
+    want_ids[slots[real][:, None].expand(-1, q)[keep[real]], cols[real][keep[real]]] = tokens[real][keep[real]]
+    want_num[slots[real]] = (computed + 1 + want_acc)[real]
+    out = torch.full((n + 2, 1 + width + 3), -7, dtype=torch.int32)
+    args = [t.to(DEV) for t in (tokens, drafts, slots, computed, token_ids, num_computed, out)]
+    acc = fused.accept_drafts(*args, width, fixed.to(DEV) if given else None)
+    assert torch.equal(acc.cpu(), want_acc)
+    assert torch.equal(args[4].cpu()[:dummy], want_ids[:dummy]) and torch.equal(args[5].cpu()[:dummy], want_num[:dummy])
+    got_out = args[6].cpu()
+    assert torch.equal(got_out[:n, 0], want_acc.int())
+    assert torch.equal(got_out[:n, 1:1 + width], tokens[:, torch.arange(width).clamp(max=q - 1)].int())
+    assert (got_out[n:] == -7).all() and (got_out[:n, 1 + width:] == -7).all()
+    if q > 1 and not given:
+        assert 0 < int(want_acc.sum()) < n * (q - 1)  # (some accepted, not all)

@@ -59,7 +59,7 @@ from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, 
                                        estimate_kind_memory, free_device_bytes, frozen_gc, gc_off, input_length,
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
-from models.fused import count_accepted, use_triton
+from models.fused import accept_drafts, count_accepted, decode_inputs, use_triton
 from models.sampling import SlotPenalties, accepted_drafts, apply_packed_bitmask, fixed_accepted, sample_by_slot
 
 log = logging.getLogger("twogrid.runtime")
@@ -282,24 +282,28 @@ class FusedDecode:
         tokens = sample_by_slot(logits, slots, q, cols.flatten(), st.temperature, st.seed, ex.min_p, penalties,
                                 self.greedy_only, self.penalized)
         tokens = tokens.view(n, q)
-        accepted = torch.zeros_like(computed)
-        if q > 1:
-            num_drafts = torch.full_like(computed, q - 1)
-            if self.fixed:
-                accepted = fixed_accepted(st.seed[slots], computed + 1, num_drafts, q - 1, worker.fixed_alpha)
-                tokens = torch.where(self._arange[None, :q] < accepted[:, None],
-                                     torch.cat([drafts, drafts[:, :1]], dim=1), tokens)
-            else:
-                accepted = accepted_drafts(tokens, drafts, num_drafts)
-        rows = slots[:, None].expand_as(cols)
-        keep = self._arange[None, :q] <= accepted[:, None]
-        st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
-        st.num_computed[slots] = computed + 1 + accepted
+        out = self.out[:n]
+        given = None
+        if q > 1 and self.fixed:
+            given = fixed_accepted(st.seed[slots], computed + 1, torch.full_like(computed, q - 1), q - 1,
+                                   worker.fixed_alpha)
+            tokens = torch.where(self._arange[None, :q] < given[:, None], torch.cat([drafts, drafts[:, :1]], dim=1),
+                                 tokens)
+        keep = None
+        if use_triton(tokens):  # (one kernel: the verification, the state's tokens and counts, the result rows)
+            accepted = accept_drafts(tokens, drafts, slots, computed, st.token_ids, st.num_computed, out, self.width,
+                                     given)
+        else:
+            accepted = given if given is not None else torch.zeros_like(computed) if q == 1 else \
+                accepted_drafts(tokens, drafts, torch.full_like(computed, q - 1))
+            rows = slots[:, None].expand_as(cols)
+            keep = self._arange[None, :q] <= accepted[:, None]
+            st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
+            st.num_computed[slots] = computed + 1 + accepted
+            out[:, 0].copy_(accepted)
+            out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
         if penalties is not None:
             self._count(slots, block_rows, valid, tokens, accepted, keep)
-        out = self.out[:n]
-        out[:, 0].copy_(accepted)
-        out[:, 1 : 1 + self.width].copy_(tokens[:, self._arange[: self.width].clamp(max=q - 1)])
         if self.method in EAGLE_LIKE:
             conf = self._eagle(key, slots, block_rows, valid, tokens, accepted, computed + 1 + accepted)
             if k:
@@ -318,7 +322,11 @@ class FusedDecode:
     def _load(self, rt, block_rows, valid, ids, positions) -> None:
         """A runner's FULL decode inputs for n requests of q tokens (ids and positions (n, q)), in the static
         buffers where its graph reads them; padded requests (``valid`` False) as ``GraphRuntime.load_inputs`` pads:
-        slot -1, token position -1, sequence length 0."""
+        slot -1, token position -1, sequence length 0. With Triton one kernel (about 15 launches otherwise: at 16
+        requests on the H200 a K = 3 step's glue between its forwards took 176 us more than a plain step's)."""
+        if use_triton(ids):
+            decode_inputs(rt.bufs.inputs, ids, positions, valid, block_rows, rt.bufs.block_table, rt.block_size)
+            return
         n, q = ids.shape
         live = valid[:, None].expand(n, q)
         table_rows = block_rows[:, None].expand(n, q)

@@ -36,7 +36,7 @@ import torch
 from dispatcher.plan.dispatch import MODE_FULL, MODE_PIECEWISE, BatchDescriptor, GraphKey
 from dispatcher.plan.capture_plan import FULL, FULL_DECODE, FULL_VARLEN, PIECEWISE, GraphSet
 from models.attention_metadata import AttentionMetadata, RequestLayout, pack_requests
-from models.fused import programmatic_launch
+from models.fused import advance_inputs, programmatic_launch, use_triton
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -335,8 +335,13 @@ class GraphRuntime:
         """Inside a proposing runtime's FULL graph, after its proposals: its inputs become the next one-token step
         of the same requests (``execute_next``): each row's token is its proposal and its feature this step's
         output; real rows move one position on (their KV slot looked up again), real requests one token longer;
-        padded rows and requests (position -1, slot -1, sequence length 0) stay padded."""
+        padded rows and requests (position -1, slot -1, sequence length 0) stay padded. With Triton one kernel."""
         b = self.bufs
+        if use_triton(b.inputs):
+            advance_inputs(b.inputs, b.proposals[0], num_tokens, num_reqs, b.block_table, self.block_size)
+            if b.aux is not None:
+                b.aux[:num_tokens].copy_(b.hidden_out[:num_tokens])
+            return
         rows = b.rows(num_tokens)
         rows[0].copy_(b.proposals[0][:num_tokens])
         live = rows[1] >= 0
@@ -561,7 +566,7 @@ class GraphRuntime:
     @property
     def context_width(self) -> int:
         """The block table's width in tokens: the longest sequence a request can hold."""
-        return self.bufs.block_table.shape[1] * self.kv_caches[0].shape[2]
+        return self.bufs.block_table.shape[1] * self.block_size
 
     def eager_attention_shapes(self, within_tokens: int | None = None) -> list[tuple[int, int, bool]]:
         """The eager attention launches that compile every variant a step can need (``eager_launch_shapes``:
@@ -669,9 +674,14 @@ class GraphRuntime:
         """0, 1, ..., n - 1 on the device, a view of a constant buffer (no launch) as far as it reaches."""
         return self._counts[:n] if n < len(self._counts) else torch.arange(n, device=self.device)
 
+    @property
+    def block_size(self) -> int:
+        """Tokens a KV-cache block holds."""
+        return self.kv_caches[0].shape[2]
+
     def kv_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The KV-cache slot of each (block-table row, position), any shape."""
-        bs = self.kv_caches[0].shape[2]
+        bs = self.block_size
         return torch.add(positions % bs, self.bufs.block_table[token_rows, positions // bs], alpha=bs)  # (int64)
 
     def load_inputs(self, inputs: "StepInputs", num_tokens: int, num_reqs: int | None = None,
