@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 rc=0
 if want tests; then
-  python3 -m pytest -m "gpu or kernels" -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest -m "gpu or kernels" -o addopts= -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if want bench; then
@@ -67,7 +67,7 @@ if [[ "$what" == *" quant "* ]]; then
 fi
 if [[ "$what" == *" tp "* ]]; then
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-  python3 -m pytest -m gpu -p no:cacheprovider tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log"
+  python3 -m pytest -m gpu -o addopts= -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log"
   rc=$(( rc || PIPESTATUS[0] ))
   python3 benchmarks/bench_tp_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
     --out "$OUT/tp_h200x2.json" --log-dir "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log"

@@ -20,7 +20,7 @@ def test_triton_kernels_pass_in_the_interpreter():
     dense model's static path; the rest): the interpreter is single-threaded numpy, and CI's second core is
     otherwise idle meanwhile."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    halves = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "kernels", "-k", k,
+    halves = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "kernels", "-k", k,
                                 "tests/test_kernels.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
               for k in ("triton_moe or routing_layout or (static_padded and dense)",
