@@ -67,7 +67,8 @@ if [[ "$what" == *" quant "* ]]; then
 fi
 if [[ "$what" == *" tp "* ]]; then
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-  python3 -m pytest -m gpu -o addopts= -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log"
+  python3 -m pytest -m gpu -o addopts= -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py 2>&1 \
+    | tee "$OUT/tp_tests.log"
   rc=$(( rc || PIPESTATUS[0] ))
   python3 benchmarks/bench_tp_gpu.py --data .gpu_data/sharegpt.json --tokenizer .gpu_data/smollm2-tokenizer \
     --out "$OUT/tp_h200x2.json" --log-dir "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log"
