@@ -870,6 +870,27 @@ def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_sha
     assert auto.choice.k_of_batch[1024] == 3
 
 
+def test_a_k_tried_at_a_bucket_is_judged_once_its_switch_in_steps_are_measured():
+    """K = 3 runs at 16 requests at twice its table cost (2.6 ms); K = 1, never served there, is weighed at its table
+    cost (1.0 ms: drafting less is tried) and wins. Served, it costs 2.3 ms (the overhead is mostly the contexts'
+    attention and the host's work, which K = 1 pays too) and K = 3 is back. Each change comes as soon as the K's
+    switch-in steps (SWITCH_IN_STEPS) measured it, not at the next 64-step interval: on the H200 with the default
+    model each such trial of a smaller K ran until the interval, and auto tiers ran 0.93-0.96x the best fixed K at
+    16-256 streams (82f4592)."""
+    table = StepCostTable({2: [(1, 1.0), (64, 1.0)], 4: [(1, 1.3), (64, 1.3)]})
+    acceptance = [0.7, 0.49, 0.343]  # 1.7 tokens a step at K = 1, 2.53 at K = 3
+    auto = AutoTiers(TierChooser(table, [1, 3], 64), acceptance, interval=64, prior_weight=1e9)
+    assert auto.choice.k_of_batch[16] == 3
+    changed_at = []
+    for step in range(1, 65):
+        k = int(auto.choice.k_of_batch[16])
+        auto.observe_step(16, 1 + k, 2.6 if k == 3 else 2.3)
+        if auto.observe([0] * 3, [0] * 3):
+            changed_at.append((step, int(auto.choice.k_of_batch[16])))
+    assert changed_at == [(SWITCH_IN_STEPS, 1), (2 * SWITCH_IN_STEPS, 3)]
+    assert auto.costs.by_batch()[:, 16] == pytest.approx([2.3, 2.0])
+
+
 @pytest.mark.parametrize("period_ms, want_unpaced, want_k", [(None, True, 4), (3.3, False, 4), (1.206, False, 2)],
                          ids=["no-step-yet", "host-paced", "device-paced"])
 def test_a_near_tie_where_no_step_showed_the_pace_goes_to_the_larger_k(period_ms, want_unpaced, want_k):

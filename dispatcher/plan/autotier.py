@@ -14,7 +14,8 @@ FULL decode graphs) reach n; where none reaches, the smallest candidate; K falls
 (``valley``). Equal neighbours merge into tiers, returned in the configuration's ``[[min_batch, K], ...]`` form
 (``TierChooser``).
 
-At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps from the scheduler's counters: the
+At runtime ``AutoTiers`` re-chooses every ``RECHOOSE_INTERVAL_STEPS`` steps (and as soon as a K's switch-in steps
+at a bucket have measured its served cost there: a K tried is judged at once) from the scheduler's counters: the
 first position's acceptance, and each later position's given the one before it (its drafts accepted over the events
 that reached it: verified it with every draft before it accepted), in a window whose counts halve in weight every
 ``WINDOW_HALF_LIFE_STEPS`` steps while steps verify the position, smoothed towards the prior with ``PRIOR_WEIGHT``
@@ -497,6 +498,9 @@ class MeasuredCosts:
         """The candidate index of each bucket's last step."""
         self._bucket_of = chooser.bucket_of.tolist()
         self._table_ms = chooser.ms.tolist()
+        self.judged = False
+        """A K's own factor at a bucket was learnt (its switch-in steps measured) since ``AutoTiers`` last chose:
+        it chooses again at once (``AutoTiers.observe``)."""
 
     @property
     def own(self) -> np.ndarray:
@@ -543,6 +547,7 @@ class MeasuredCosts:
         if window[b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their plain mean
             window[b] += 1
             own[b] += (x / self._drift[b] - own[b]) / window[b]
+            self.judged |= window[b] == SWITCH_IN_STEPS
         else:
             self._drift[b] += (x / own[b] - self._drift[b]) / DRIFT_MEMORY_STEPS
         return True
@@ -672,8 +677,8 @@ class AutoTiers:
             raise ValueError(f"auto tiers: the re-choice interval must be >= 1 step, got {interval}")
         self.chooser, self.prior = chooser, tuple(prior)
         self.interval, self.hysteresis, self.prior_weight = interval, hysteresis, prior_weight
-        self.decay = 0.5 ** (interval / half_life_steps)
-        """Weight the window's counts keep at each re-choice."""
+        self.half_life_steps = half_life_steps
+        """Steps after which a count of the window weighs half."""
         self.costs = MeasuredCosts(chooser)
         """Served steps' cost against the table's (``observe_step``), weighed from the next re-choice on."""
         self.host = HostFloor(chooser)
@@ -727,18 +732,25 @@ class AutoTiers:
 
     def observe(self, accepted_per_pos: Sequence[int], reached_per_pos: Sequence[int], steps: int = 1) -> bool:
         """``steps`` more steps ran; the counters are cumulative (the scheduler's ``SchedulerStats.accepted_per_pos``
-        and ``reached_per_pos``). Every ``interval`` steps: the window takes what they added, the acceptance is
-        estimated and the tiers chosen again. True when the tiers changed."""
+        and ``reached_per_pos``). Every ``interval`` steps, and as soon as a K's switch-in steps at a bucket have
+        measured its cost there (``MeasuredCosts.judged``): the window takes what they added, its older counts
+        fading by the steps since the last choice, the acceptance is estimated and the tiers chosen again. True when
+        the tiers changed. (On the H200 with the default model, 82f4592, the served log showed smaller K's tried at
+        one bucket after another, each weighed at its table cost, 1.6-2x below what served steps cost there, and
+        each run until the next interval, 64 steps, before it was found dear: auto tiers ran 0.93-0.96x the best
+        fixed K at 16-256 streams.)"""
         self._steps += steps
-        if self._steps < self.interval:
+        if self._steps < self.interval and not self.costs.judged:
             return False
+        decay_all = 0.5 ** (self._steps / self.half_life_steps)
         self._steps = 0
+        self.costs.judged = False
         for j in range(len(self.prior)):
             a = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
             v = reached_per_pos[j] if j < len(reached_per_pos) else 0
             # (a later position no step verified this interval keeps its counts: fading them would return its
             # rate, given the one before, to the prior's, and a shallow K in force would never measure it back)
-            decay = 1.0 if j and v == self._seen_reached[j] else self.decay
+            decay = 1.0 if j and v == self._seen_reached[j] else decay_all
             self._accepted[j] = decay * self._accepted[j] + (a - self._seen_accepted[j])
             self._reached[j] = decay * self._reached[j] + (v - self._seen_reached[j])
             self._seen_accepted[j], self._seen_reached[j] = a, v
