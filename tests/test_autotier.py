@@ -17,9 +17,9 @@ from dispatcher.engine.config import scheduler_config
 from dispatcher.engine.cost import load_step_costs
 from dispatcher.plan.acceptance import acceptance_profile, estimate_acceptance, expected_tokens
 from dispatcher.plan import autotier
-from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, PACE_KNOWN_STEPS,
-                                      STALE_STEPS, SWITCH_IN_STEPS, AutoTiers, HostFloor, MeasuredCosts, StepCostTable, TierChooser, chooser_for_plan,
-                                      decode_step_costs, staircase, trace_step_costs, valley)
+from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, PACE_KNOWN_STEPS, STALE_STEPS,
+                                      SWITCH_IN_STEPS, AutoTiers, HostFloor, MeasuredCosts, StepCostTable, TierChooser,
+                                      chooser_for_plan, decode_step_costs, staircase, trace_step_costs, valley)
 from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams

@@ -18,11 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_triton_kernels_pass_in_the_interpreter():
     """Two interpreter processes side by side, 50-60 s each (the Triton MoE and routing-layout tests and the
     dense model's static path; the rest): the interpreter is single-threaded numpy. Each runs its tests in one
-    process (``-p no:xdist``: the suite's own workers are already two)."""
+    process (``-o addopts=``: without pyproject's ``-n 2``, as the suite's own workers are already two)."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    halves = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-m",
-                                "kernels", "-k", k, "tests/test_kernels.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    halves = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+                                "-m", "kernels", "-k", k, "tests/test_kernels.py"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for k in ("triton_moe or routing_layout or (static_padded and dense)",
                         "not (triton_moe or routing_layout or (static_padded and dense))")]
     total = 0

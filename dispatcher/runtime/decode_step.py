@@ -7,9 +7,10 @@ one-token steps, or n-gram lookup) and the results laid out for the one copy bac
 runners' graphs, that is about 40 (no drafter) to 170 (EAGLE-3, K = 3) PyTorch launches a step, each costing the
 host microseconds; on the H200 with the default model the host then sets the step time (1.6 ms of host time for
 0.96 ms of kernels without drafting, 6.4 ms for 1.37 ms with an EAGLE-3 head at K = 3:
-``benchmarks/profile_spec_step.py``). Captured whole, a step costs the host one graph launch; inside it, where there is Triton, the
-inputs' packing (``_load``), a one-token step's advance and the verification (``_finish``) are one kernel each
-(``models.fused.decode_inputs``, ``advance_inputs``, ``accept_drafts``; the torch paths run on the CPU).
+``benchmarks/profile_spec_step.py``). Captured whole, a step costs the host one graph launch; inside it, where
+there is Triton, the inputs' packing (``_load``), a one-token step's advance and the verification (``_finish``) are
+one kernel each (``models.fused.decode_inputs``, ``advance_inputs``, ``accept_drafts``; the torch paths run on the
+CPU).
 
 One graph per (q, n') of the target's FULL decode graphs (and the drafter's FULL graphs at the same n'), over
 static buffers: ``slots`` in (the step's request slots, padded with ``RequestState.dummy``, a row no request
