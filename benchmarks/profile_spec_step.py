@@ -94,10 +94,24 @@ class Timed:
         setattr(obj, name, timed)
 
 
-def kernel_ms_per_step(steps, num_steps: int, top: int = 0) -> tuple[float | None, list]:
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma", "_scaled_mm")),
+                ("attention", ("_paged_attention_kernel", "_merge_splits_kernel")),
+                ("norm_rope_act", ("_rms_norm", "_rotary_write_kv_kernel", "_silu_mul_kernel", "_act_mul_quant")),
+                ("sample", ("_argmax_prob_kernel", "_sample_kernel", "_count_kernel", "_penalize_kernel")),
+                ("step_kernels", ("_decode_inputs_kernel", "_advance_inputs_kernel", "_accept_kernel")))
+"""Kernel names by kind (a name containing one of the fragments); the rest, PyTorch's own kernels and copies
+between the forwards, is ``glue``."""
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in name for p in parts)), "glue")
+
+
+def kernel_ms_per_step(steps, num_steps: int, top: int = 0) -> tuple[float | None, list, dict]:
     """The summed duration of the CUDA kernels ``num_steps`` more steps ran, per step (the device's busy time,
     without the gaps where it waited for the host; kernels inside graph replays included), and the ``top`` kernel
-    names of most time: [name, launches a step, us a step] each."""
+    names of most time: [name, launches a step, us a step] each, and every kernel by kind (``kernel_kind``:
+    launches and us a step)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.cuda.synchronize()
@@ -105,15 +119,20 @@ def kernel_ms_per_step(steps, num_steps: int, top: int = 0) -> tuple[float | Non
         done = sum(1 for _ in zip(range(num_steps), steps))
         torch.cuda.synchronize()
     if not done:
-        return None, []
+        return None, [], {}
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith("twogrid.")]
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for k in kernels:
         by_name[k.name[:120]].append(k.time_range.elapsed_us())
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, us in by_name.items():
+        kinds[kernel_kind(name)][0] += len(us) / done
+        kinds[kernel_kind(name)][1] += sum(us) / done
     return (round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / done, 4),
-            [[name, round(len(us) / done, 2), round(sum(us) / done, 2)] for name, us in ranked])
+            [[name, round(len(us) / done, 2), round(sum(us) / done, 2)] for name, us in ranked],
+            {kind: [round(n, 1), round(us, 1)] for kind, (n, us) in sorted(kinds.items())})
 
 
 def model_arg(text: str):
@@ -156,8 +175,8 @@ def profile(args, method: str, concurrency: int, fused: bool) -> dict:
     device_ms = (engine.stats.device_ms - stats0[1]) / max(n, 1)
     with OpCounter() as counter:
         next(steps, None)
-    kernel_ms, top_kernels = (kernel_ms_per_step(steps, args.profiled_steps, args.kernel_top) if args.device == "cuda"
-                              else (None, []))
+    kernel_ms, top_kernels, kernel_kinds = (kernel_ms_per_step(steps, args.profiled_steps, args.kernel_top)
+                                            if args.device == "cuda" else (None, [], {}))
     for _ in steps:
         pass
     launched = {op: c for op, c in counter.counts.items() if op not in VIEWS}
@@ -171,7 +190,7 @@ def profile(args, method: str, concurrency: int, fused: bool) -> dict:
            "kernel_ms_per_step": kernel_ms, "ops_outside_graphs": sum(counter.counts.values()),
            "launching_ops_outside_graphs": sum(launched.values()),
            "top_launching_ops": collections.Counter(launched).most_common(args.top),
-           **({"top_kernels": top_kernels} if args.kernel_top else {})}
+           **({"top_kernels": top_kernels, "kernels_by_kind": kernel_kinds} if args.kernel_top else {})}
     print(json.dumps(row), flush=True)
     del engine, steps
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
