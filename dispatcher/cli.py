@@ -299,7 +299,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
                           block_size=args.block_size, cost_model=costs, step_trace=args.step_trace,
                           acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching,
-                          admission_wait_steps=args.admission_wait_steps)
+                          admission_wait_steps=args.admission_wait_steps,
+                          decode_overhead_us=args.decode_overhead_us)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -645,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "configuration (.jsonl, several joined with commas; their times hold the drafter's forwards), "
                         "a {\"FULL\", \"PIECEWISE\", \"NONE\"} table or a runtime benchmark's JSON (replay's "
                         "--cost-table)")
+    k.add_argument("--decode-overhead-us", type=float, default=0.0, metavar="US",
+                   help="microseconds a uniform decode step costs per request beyond the cost model (what serving adds "
+                        "to graph replays over empty contexts: attention over the contexts, the host's work); with "
+                        "\"auto\" tiers they weigh these served costs as the engine's do (default: 0, the table alone)")
     add_prefix_caching_arg(k)
     add_admission_wait_arg(k)
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")

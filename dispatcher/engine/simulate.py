@@ -20,6 +20,7 @@ uniform decode per (requests, q) (``auto_step_costs``) and the prior acceptance,
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -31,8 +32,8 @@ import numpy as np
 
 from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import DRAFT_MODEL, FULL_DECODE, build_plan, one_token_steps
-from dispatcher.plan.dispatch import (BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE, StepDescriptors,
-                                      dispatch_step, dispatchers_for_plan)
+from dispatcher.plan.dispatch import (BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE, UNIFORM_DECODE,
+                                      StepDescriptors, dispatch_step, dispatchers_for_plan)
 from dispatcher.plan.config import ConfigError
 from dispatcher.engine.trace import StepTally, TraceWriter, step_record
 from dispatcher.engine.workload import PromptSpec
@@ -197,13 +198,20 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              step_trace: str | None = None, ignore_eos: bool = True, keep_outputs: bool = False,
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
-             enable_prefix_caching: bool = True, admission_wait_steps: int | None = None) -> SimulationResult:
+             enable_prefix_caching: bool = True, admission_wait_steps: int | None = None,
+             decode_overhead_us: float = 0.0) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``). ``cost_model``: a preset's name or
-    a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's)."""
+    a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's).
+    ``decode_overhead_us``: microseconds a uniform decode step costs per request beyond the cost model's (what served
+    steps add to graph replays over empty contexts: the contexts' attention, the host's work; on the H200 the default
+    model's served plain decode took about 1.1 ms more than its table at 256 requests, whatever K); with it, ``"auto"``
+    tiers weigh the served steps' costs as the engine's do (``AutoTiers.observe_step``)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(decode_overhead_us) and decode_overhead_us >= 0):
+        raise ConfigError(f"--decode-overhead-us must be a number >= 0, got {decode_overhead_us}")
     if num_kv_blocks is not None and num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {num_kv_blocks}")
     plan = build_plan(cfg)
@@ -274,6 +282,10 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             target_ms = costs.step_ms(desc.mode, desc.num_tokens)
             draft_ms = drafter_ms(costs, descs, step.num_new_drafts, cfg.method, layers)
             device_ms = target_ms + draft_ms
+            if desc.kind == UNIFORM_DECODE and decode_overhead_us:
+                device_ms += decode_overhead_us * 1e-3 * len(step.slots)
+                if auto is not None and desc.mode == MODE_FULL:
+                    auto.observe_step(desc.num_reqs, desc.q, device_ms)
             result = model.run(step)
             clock_ms += device_ms
             if pace is not None and s.is_decode and (wait := pace.observe(device_ms)) is not None:
