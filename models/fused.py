@@ -627,9 +627,6 @@ if triton is not None:
         seq_len = tl.load(seq_lens, mask=req, other=0)
         tl.store(seq_lens, tl.where(seq_len > 0, seq_len + 1, seq_len), mask=req)
 
-
-if triton is not None:
-
     @triton.jit
     def _accept_kernel(tokens_ptr, drafts_ptr, given_ptr, accepted_ptr, slots_ptr, computed_ptr, token_ids_ptr,
                        num_computed_ptr, out_ptr, q, width, stride_drafts, stride_token_ids, stride_out,

@@ -339,17 +339,15 @@ class GraphRuntime:
         b = self.bufs
         if use_triton(b.inputs):
             advance_inputs(b.inputs, b.proposals[0], num_tokens, num_reqs, b.block_table, self.block_size)
-            if b.aux is not None:
-                b.aux[:num_tokens].copy_(b.hidden_out[:num_tokens])
-            return
-        rows = b.rows(num_tokens)
-        rows[0].copy_(b.proposals[0][:num_tokens])
-        live = rows[1] >= 0
-        positions = torch.where(live, rows[1] + 1, rows[1])
-        rows[2].copy_(torch.where(live & (rows[2] >= 0), self.kv_slots(rows[3], positions.clamp(min=0)), -1))
-        rows[1::3].copy_(positions.expand(2, num_tokens))  # positions and token positions (INPUT_ROWS 1 and 4)
-        seq_lens = b.requests(num_tokens, num_reqs)[1]
-        seq_lens.copy_(torch.where(seq_lens > 0, seq_lens + 1, seq_lens))
+        else:
+            rows = b.rows(num_tokens)
+            rows[0].copy_(b.proposals[0][:num_tokens])
+            live = rows[1] >= 0
+            positions = torch.where(live, rows[1] + 1, rows[1])
+            rows[2].copy_(torch.where(live & (rows[2] >= 0), self.kv_slots(rows[3], positions.clamp(min=0)), -1))
+            rows[1::3].copy_(positions.expand(2, num_tokens))  # positions and token positions (INPUT_ROWS 1 and 4)
+            seq_lens = b.requests(num_tokens, num_reqs)[1]
+            seq_lens.copy_(torch.where(seq_lens > 0, seq_lens + 1, seq_lens))
         if b.aux is not None:
             b.aux[:num_tokens].copy_(b.hidden_out[:num_tokens])
 
