@@ -300,7 +300,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           block_size=args.block_size, cost_model=costs, step_trace=args.step_trace,
                           acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching,
                           admission_wait_steps=args.admission_wait_steps,
-                          decode_overhead_us=args.decode_overhead_us)
+                          decode_overhead_us=args.decode_overhead_us,
+                          decode_overhead_per_token_us=args.decode_overhead_per_token_us)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -650,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="microseconds a uniform decode step costs per request beyond the cost model (what serving adds "
                         "to graph replays over empty contexts: attention over the contexts, the host's work); with "
                         "\"auto\" tiers they weigh these served costs as the engine's do (default: 0, the table alone)")
+    k.add_argument("--decode-overhead-per-token-us", type=float, default=0.0, metavar="US",
+                   help="the same per query token (q a request: the part that grows with the rows verified, attention "
+                        "over the contexts for each) (default: 0)")
     add_prefix_caching_arg(k)
     add_admission_wait_arg(k)
     p.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON line per step to FILE")

@@ -199,19 +199,23 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
              enable_prefix_caching: bool = True, admission_wait_steps: int | None = None,
-             decode_overhead_us: float = 0.0) -> SimulationResult:
+             decode_overhead_us: float = 0.0, decode_overhead_per_token_us: float = 0.0) -> SimulationResult:
     """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``). ``cost_model``: a preset's name or
     a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's).
     ``decode_overhead_us``: microseconds a uniform decode step costs per request beyond the cost model's (what served
     steps add to graph replays over empty contexts: the contexts' attention, the host's work; on the H200 the default
     model's served plain decode took about 1.1 ms more than its table at 256 requests, whatever K); with it, ``"auto"``
-    tiers weigh the served steps' costs as the engine's do (``AutoTiers.observe_step``)."""
+    tiers weigh the served steps' costs as the engine's do (``AutoTiers.observe_step``).
+    ``decode_overhead_per_token_us``: the same per query token (q a request), for the part of what serving adds that
+    grows with the rows verified (attention over the contexts for each of them)."""
     for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if not (math.isfinite(decode_overhead_us) and decode_overhead_us >= 0):
-        raise ConfigError(f"--decode-overhead-us must be a number >= 0, got {decode_overhead_us}")
+    for flag, value in (("--decode-overhead-us", decode_overhead_us),
+                        ("--decode-overhead-per-token-us", decode_overhead_per_token_us)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag} must be a number >= 0, got {value}")
     if num_kv_blocks is not None and num_kv_blocks < 1:
         raise ConfigError(f"--num-kv-blocks must be >= 1, got {num_kv_blocks}")
     plan = build_plan(cfg)
@@ -282,8 +286,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
             target_ms = costs.step_ms(desc.mode, desc.num_tokens)
             draft_ms = drafter_ms(costs, descs, step.num_new_drafts, cfg.method, layers)
             device_ms = target_ms + draft_ms
-            if desc.kind == UNIFORM_DECODE and decode_overhead_us:
-                device_ms += decode_overhead_us * 1e-3 * len(step.slots)
+            if desc.kind == UNIFORM_DECODE and (decode_overhead_us or decode_overhead_per_token_us):
+                device_ms += 1e-3 * len(step.slots) * (decode_overhead_us + decode_overhead_per_token_us * desc.q)
                 if auto is not None and desc.mode == MODE_FULL:
                     auto.observe_step(desc.num_reqs, desc.q, device_ms)
             result = model.run(step)
