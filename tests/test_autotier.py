@@ -829,14 +829,17 @@ def test_step_records_carry_tier_changes():
     assert out.steps[0].tiers == [[1, 8, 3], [9, 16, 0]] and out.steps[1].tiers is None
 
 
-def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhead():
+def test_a_k_never_served_at_a_bucket_is_weighed_at_the_least_its_step_can_cost():
     """Served K = 3 steps cost twice their table at 16 requests (1.5 ms over it). K = 5, never served there, must not
     look cheaper for that: it is weighed at its table cost plus those 1.5 ms (3.2 ms, 1.88x its table), and with
     11 % more tokens a step it beats K = 3 by 4.1 %, under the hysteresis, so K = 3 stays (at factor 1, K = 5 looked
     1.8x cheaper than it had any reason to and was taken: on the H200 the tiers at 16 streams then moved among K = 2
     to 5 and ran 0.92x of fixed K = 3; at K = 3's factor, 2.0x, it would be priced 3.4 ms). K = 0, drafting less,
-    keeps factor 1, so that it is still tried where the K in force turns out dear
-    (``test_served_step_costs_move_the_choice...``)."""
+    is weighed at its table plus K = 3's overhead in proportion to its query rows (1 of 4: 1.375 ms), the least an
+    overhead that grows at most with the rows leaves it, so that it is still tried where even that beats the K in
+    force (``test_served_step_costs_move_the_choice...``) but no longer at its bare table cost, 1.6-2x below what
+    served steps cost (on the H200 with the default model the tiers then tried one smaller K after another,
+    82f4592). With K = 0 served too, K = 5 takes the larger of the two overheads."""
     table = StepCostTable({1: [(1, 1.0), (64, 1.0)], 4: [(1, 1.5), (64, 1.5)], 6: [(1, 1.7), (64, 1.7)]})
     acceptance = [0.65, 0.42, 0.28, 0.16, 0.10]  # 2.35 tokens a step at K = 3, 2.61 at K = 5 (2% fewer a ms)
     auto = AutoTiers(TierChooser(table, [3, 5], 64), acceptance, interval=4, prior_weight=1e9)
@@ -848,8 +851,16 @@ def test_a_k_never_served_that_drafts_more_is_weighed_with_the_served_ks_overhea
     assert auto.costs.ratio[0, 4] == pytest.approx(2.0)  # (bucket 4: 9..16 requests)
     assert auto.costs.by_batch()[:, 16] == pytest.approx([2.0, 1.0 + 1.5 / 1.7])
     assert auto.choice.k_of_batch[16] == 3
-    assert with_k0.by_batch()[:, 16] == pytest.approx([1.0, 2.0, 1.0 + 1.5 / 1.7])
+    assert with_k0.by_batch()[:, 16] == pytest.approx([1.0 + 1.5 / 4, 2.0, 1.0 + 1.5 / 1.7])
     assert with_k0.by_batch()[:, 40] == pytest.approx([1.0, 1.0, 1.0])  # (bucket 6, 33..64: nothing served there)
+    for _ in range(16):
+        with_k0.observe(16, 1, 1.2)
+    assert with_k0.by_batch()[:, 16] == pytest.approx([1.2, 2.0, 1.0 + 1.5 / 1.7])
+    k0_dear = MeasuredCosts(TierChooser(table, [0, 3, 5], 64))
+    for q, ms in ((1, 2.0), (4, 1.8)):  # (K = 0 1.0 ms over its table, K = 3 0.3: K = 5 takes K = 0's)
+        for _ in range(SWITCH_IN_STEPS):
+            k0_dear.observe(16, q, ms)
+    assert k0_dear.by_batch()[:, 16] == pytest.approx([2.0, 1.2, 1.0 + 1.0 / 1.7])
 
 
 def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_shallow():
@@ -872,7 +883,7 @@ def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_sha
 
 def test_a_k_tried_at_a_bucket_is_judged_once_its_switch_in_steps_are_measured():
     """K = 3 runs at 16 requests at twice its table cost (2.6 ms); K = 1, never served there, is weighed at its table
-    cost (1.0 ms: drafting less is tried) and wins. Served, it costs 2.3 ms (the overhead is mostly the contexts'
+    cost plus half K = 3's overhead (1.65 ms: its share by query rows, the least it can cost) and wins by 6%. Served, it costs 2.3 ms (the overhead is mostly the contexts'
     attention and the host's work, which K = 1 pays too) and K = 3 is back. Each change comes as soon as the K's
     switch-in steps (SWITCH_IN_STEPS) measured it, not at the next 64-step interval: on the H200 with the default
     model each such trial of a smaller K ran until the interval, and auto tiers ran 0.93-0.96x the best fixed K at

@@ -31,12 +31,15 @@ step's device time (``observe_step``) and keeps, per (K, batch-size bucket of po
 table cost as K's own factor times the bucket's drift (``MeasuredCosts``); each choice weighs the table's cost times
 that ratio. The drift, which grows with the contexts through a run, follows every K that runs there; a K's own
 factor is learnt once, over its first ``SWITCH_IN_STEPS`` steps at a bucket, and a bucket left unserved for long has
-its drift re-anchored by its next step. A (K, bucket) never served has factor 1 where it drafts less than every K
-served there, so when the K in force turns out dearer than its table cost, drafting less looks better and gets tried,
-measured where it runs; a K drafting more is weighed at its table cost plus the largest overhead in ms (served less
-table) of the smaller K's served there (on the H200 at 16 streams, where untried K's were weighed at factor 1 beside
-a served K = 3 at ~1.9, the tiers there moved among K = 2 to 5 and ran 0.92x of fixed K = 3; weighed at the smaller
-K's factor, they priced the deeper K's high wherever the contexts' attention made the overhead: ``by_batch``).
+its drift re-anchored by its next step. A (K, bucket) never served is weighed at the least its step can cost given
+the K's served there: its table cost plus each served K's overhead (served less table, in ms) times min(1, q' / q),
+all of it for a K that drafts more, a share in proportion to the query rows for one that drafts less (an overhead
+that grows with q, at most in proportion: the contexts' attention and the step's host work), so drafting less is
+still tried where even that beats the K in force, measured where it runs (``by_batch``). (On the H200 at 16 streams,
+where untried K's were weighed at factor 1 beside a served K = 3 at ~1.9, the tiers there moved among K = 2 to 5 and
+ran 0.92x of fixed K = 3; weighed at the smaller K's factor, they priced the deeper K's high wherever the contexts'
+attention made the overhead; with smaller K's at factor 1, 82f4592, one smaller K after another was tried and found
+dear at every bucket, 0.91-0.96x the best fixed K.)
 (With one ratio per (K, bucket), updated by its own steps only, a K measured early at short contexts looked cheaper
 than the K in force at long ones: on the H200 at 1024 streams eagle3's tiers went from K = 2 (1.20x no SD) to K = 0
 (0.99x) at a round's tail. With the drift held whenever a K came back to a bucket, two K's sharing it by turns never
@@ -477,9 +480,7 @@ class MeasuredCosts:
     came back (30997fb: each return learnt its own factor again), each K's own factor took the contexts' growth, and
     a K never served there kept its factor of 1 and looked ever cheaper (on the H200 at 1024 streams eagle3's tiers
     went to K = 0 at 873 requests and up, 0.90x no SD in a round where K = 3 gave 1.27x). A K never served at a bucket
-    drafting less than every K served there has factor 1, so where the K in force turns out dearer than its table
-    cost, drafting less looks better and gets tried, measured where it runs; one drafting more is weighed at its
-    table cost plus the smaller served K's overhead in ms (``by_batch``)."""
+    is weighed at the least its step can cost given the K's served there (``by_batch``)."""
 
     def __init__(self, chooser: TierChooser):
         self.chooser = chooser
@@ -498,6 +499,8 @@ class MeasuredCosts:
         """The candidate index of each bucket's last step."""
         self._bucket_of = chooser.bucket_of.tolist()
         self._table_ms = chooser.ms.tolist()
+        self._rows = 1.0 + np.array(chooser.candidates, np.float64)
+        """Each candidate's query rows a request, q = 1 + K (``by_batch``)."""
         self.judged = False
         """A K's own factor at a bucket was learnt (its switch-in steps measured) since ``AutoTiers`` last chose:
         it chooses again at once (``AutoTiers.observe``)."""
@@ -554,25 +557,28 @@ class MeasuredCosts:
 
     def by_batch(self) -> np.ndarray:
         """(candidates, 0..max_num_seqs) the served-to-table cost ratio each K is weighed at, per batch size: a K
-        served at the size's bucket, its ``ratio``; one never served there that drafts more than a K served there,
-        its table cost plus the largest overhead in ms (served less table) of those smaller K's at that size, as a
-        ratio to its own table cost: the overhead is mostly the attention over the contexts and the step's host work,
-        which do not grow with q, so it carries over in ms, not as a factor, and drafting more never looks cheaper
-        than what drafting less measured (on the H200 at 16 streams of the default model, K = 3 served at about 1.9x
-        its table and K = 5 at 2.12x K = 3's table; with K = 5's table 1.1-1.3x K = 3's (not recorded), K = 3's
-        overhead in ms predicts 2.0-2.2x, its factor 2.1-2.5x; at 1024 streams of bench-moe, weighed by K = 1's
-        factor, K = 3 lost the choice to K = 1 and ran 3% faster when fixed); one that drafts less than every K
-        served there, its ``ratio`` (factor 1 times the drift), so that drafting less is still tried."""
+        served at the size's bucket, its ``ratio``; one never served there, the least its step can cost given what
+        the K's served there cost, as a ratio to its own table cost. A served step's overhead over its table (served
+        less table, in ms) is the contexts' attention and the step's host work: a + b q with a, b >= 0 for q = 1 + K
+        query rows a request (the fixed part, and the part that grows with the rows and the drafter's steps), so a
+        K at q' costs at least its table plus each served K's overhead times min(1, q' / q): all of it for a K that
+        drafts more, its share in proportion to the rows for one that drafts less (and never less than its table
+        times the bucket's drift, what a K never served there was weighed at before). A K that drafts more never
+        looks cheaper than what drafting less measured (on the H200 at 16 streams of the default model, K = 3 served
+        at about 1.9x its table and K = 5 at 2.12x K = 3's table; at 1024 streams of bench-moe, weighed by K = 1's
+        factor, K = 3 lost the choice to K = 1 and ran 3% faster when fixed), and one that drafts less is still tried
+        where even its least cost beats the K in force. (Weighed at its table cost times the drift, a smaller K looked
+        1.6-2x cheaper than it was wherever the served K's overhead was mostly the fixed part: on the H200 with the
+        default model, 82f4592, the tiers tried one smaller K after another at every bucket, each found dear, and
+        auto ran 0.91-0.96x the best fixed K at 16-1024 streams.)"""
         ratio = self.ratio[:, self._bucket_of]
-        served = (self.steps > 0)[:, self._bucket_of]
-        table = self.chooser.ms
-        finite = served & self.chooser.valid
-        overhead = np.where(finite, (ratio - 1.0) * np.where(finite, table, 0.0), -np.inf)  # served ms less table
-        dearest = np.maximum.accumulate(overhead, axis=0)  # (over the K's up to each)
-        below = np.vstack((np.full((1, table.shape[1]), -np.inf), dearest[:-1]))  # (over the smaller K's)
-        extend = ~served & np.isfinite(below) & self.chooser.valid
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(extend, 1.0 + below / np.where(extend, table, 1.0), ratio)
+        served = (self.steps > 0)[:, self._bucket_of] & self.chooser.valid
+        table = np.where(self.chooser.valid, self.chooser.ms, 1.0)
+        overhead = np.where(served, (ratio - 1.0) * table, -np.inf)  # (candidates, n): served ms less table
+        share = np.minimum(1.0, self._rows[:, None] / self._rows[None, :])  # [i, s]: K_i's share of K_s's overhead
+        least = (share[:, :, None] * overhead[None, :, :]).max(axis=1)  # (candidates, n); -inf where none served
+        extend = ~served & np.isfinite(least) & self.chooser.valid
+        return np.where(extend, np.maximum(ratio, 1.0 + least / table), ratio)
 
 
 class HostFloor:
