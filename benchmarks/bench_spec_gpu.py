@@ -22,7 +22,9 @@ fraction would count the others' memory as used), and at each concurrency ``--ro
 rotating order (A B C, B C A, C A B, ...), the first round after a warm-up wave each: a row's ``output_tok_s`` is
 the median of its runs (``round_tok_s``), its ``vs_no_sd`` the median of its runs' ratios to the ``none`` server's
 run of the same round and policy (``vs_no_sd_runs``), so that the machine's drift falls on both sides of a ratio
-(run to run, one server at a time, the 16-stream cells spread by 25%).
+(run to run, one server at a time, the 16-stream cells spread by 25%). An ``auto`` server's row adds the same
+paired ratio to every fixed-K server of its policy (``vs_fixed``, no SD included) and the least of them
+(``vs_best_fixed``, ``best_fixed``): auto against the best fixed K, round by round.
 
 The JSON (``--out``) is rewritten after every row; ``--resume`` keeps the rows of an existing ``--out`` and
 measures only the missing cells (no server for a (method, policy) whose concurrencies are all done). A server that
@@ -188,6 +190,8 @@ def markdown(rows: list[dict]) -> str:
             notes.append(f"AL {r['mean_acceptance_length']:.2f}")
         if r.get("tiers") == "auto" and r.get("chosen_k") is not None:
             notes.append(f"K {r['chosen_k']}")
+        if r.get("vs_best_fixed") is not None:
+            notes.append(f"{r['vs_best_fixed']:.2f}x {r['best_fixed']}")
         text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
         return text + (f", {r['eager_steps']} eager" if r["eager_steps"] > 1 else "")
 
@@ -390,7 +394,28 @@ def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int
         ratios = [b["output_throughput"] / n["output_throughput"] for b, n in zip(runs[i], runs[none])]
         row["vs_no_sd_runs"] = [round(r, 3) for r in ratios]
         row["vs_no_sd"] = round(statistics.median(ratios), 3)
+    if k < 0:
+        row.update(vs_fixed(servers, runs, i))
     return row
+
+
+def vs_fixed(servers: list[tuple], runs: list[list[dict]], i: int) -> dict:
+    """An ``"auto"`` server's paired ratios to every fixed-K server of its policy (no SD as K = 0, other methods'
+    too): per fixed server the median over rounds of auto's tok/s over that server's in the same round
+    (``vs_fixed``, by label), and the least of them (``vs_best_fixed``, issue 29's measure: auto against the best
+    fixed K). Paired by round, as ``vs_no_sd``: the rounds of one cell move together (the host's load; at 256
+    streams of the default model every server's first round ran 5-17% below its others, 82f4592), and the best of
+    several medians, each noisy, sits above every true one."""
+    policy = servers[i][3]
+    ratios = {}
+    for j, (method, k, _, pol) in enumerate(servers):
+        if pol == policy and k >= 0 and j != i:
+            paired = [a["output_throughput"] / b["output_throughput"] for a, b in zip(runs[i], runs[j])]
+            ratios[label(method, k)] = round(statistics.median(paired), 3)
+    if not ratios:
+        return {}
+    best = min(ratios, key=ratios.get)
+    return {"vs_fixed": ratios, "vs_best_fixed": ratios[best], "best_fixed": best}
 
 
 def main() -> None:

@@ -184,6 +184,25 @@ def test_together_rotates_the_servers_and_pairs_each_round_with_no_speculation(s
     assert ngram["vs_no_sd"] == 1.5  # (not 1100 / 1000: the paired ratios stand)
 
 
+def test_an_auto_server_is_paired_with_every_fixed_k_round_by_round(spec):
+    """An ``"auto"`` row carries, per fixed-K server of its policy (no SD as K = 0), the median over rounds of its
+    tok/s over that server's in the same round (``vs_fixed``), and the least of them (``vs_best_fixed``, issue 29's
+    measure). Here the rounds of the cell move together (the first 20% low): by median tok/s auto is 0.95x of K = 5
+    (95 against 100, from different rounds), paired round by round 0.988x (0.988, 0.99, 0.922); other policies'
+    servers are not its baseline."""
+    e3 = {"method": "eagle3"}
+    servers = [("none", 0, None, "separate"), ("eagle3", 3, e3, "separate"), ("eagle3", 5, e3, "separate"),
+               ("eagle3", -5, e3, "separate"), ("eagle3", 3, e3, "vllm")]
+    tok_s = {0: [50, 62, 62], 1: [78, 97, 98], 2: [80, 100, 103], 3: [79, 99, 95], 4: [1, 1, 1]}
+    runs = [[bench_result(10 * t, 10.0) for t in tok_s[i]] for i in range(len(servers))]
+    out = spec.vs_fixed(servers, runs, 3)
+    assert out == {"vs_fixed": {"none": 1.58, "eagle3:3": 1.013, "eagle3:5": 0.988}, "vs_best_fixed": 0.988,
+                   "best_fixed": "eagle3:5"}
+    row = spec.together_row(servers, runs, 3, 16, ARGS, chosen=5)
+    assert row["tiers"] == "auto" and row["vs_best_fixed"] == 0.988 and row["chosen_k"] == 5
+    assert row["output_tok_s"] == 95.0 and "vs_fixed" not in spec.together_row(servers, runs, 2, 16, ARGS)
+
+
 def test_an_auto_servers_tier_changes_go_into_each_rows_record(spec, tmp_path):
     """``tier_changes``: the log's "speculative tiers changed" lines after those already in a row (each row the changes
     of its own concurrency), at most ``TIER_LINES_KEPT`` of the newest; a missing log gives none."""
