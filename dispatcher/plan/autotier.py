@@ -77,7 +77,7 @@ RECHOOSE_INTERVAL_STEPS = 64
 HYSTERESIS = 0.05
 """A batch size changes its K only for more than 5 % more expected tokens per second."""
 SWITCH_IN_STEPS = 16
-"""A K's first steps at a batch-size bucket, whose mean (against the drift) is its own cost factor there."""
+"""A K's first steps at a batch-size bucket, whose median (against the drift) is its own cost factor there."""
 DRIFT_MEMORY_STEPS = 16.0
 """Steps a bucket's cost drift averages over (an exponential average: contexts grow by a token a step)."""
 STALE_STEPS = 256
@@ -469,11 +469,12 @@ class MeasuredCosts:
     batch-size bucket (``TierChooser.bucket_of``: 1, 2, 3-4, 5-8, ... padded requests), as K's own
     factor times the bucket's drift: ``ratio`` = ``own`` x ``drift``. The drift is what every K's served cost shares
     and moves with (contexts grow through a run and start short at the next): every step of a K whose own factor is
-    known moves it. A K's own factor is learnt once a bucket, from its first ``SWITCH_IN_STEPS`` steps there (their
-    plain mean against the drift, which the other K's running there keep moving, or which it holds meanwhile), and
-    kept: a K that comes back moves the drift at once. At a bucket nothing ran at for ``STALE_STEPS`` steps the drift
-    is old (the contexts were other): there a K's first step sets the drift from its own factor (that of the K served
-    there last, where it was never served there), and nothing is learnt about own factors.
+    known moves it. A K's own factor is learnt once a bucket, from its first ``SWITCH_IN_STEPS`` steps there (the
+    median of their ratios over the drift, which the other K's running there keep moving, or which it holds
+    meanwhile: a step that waited, for a kernel's compile say, does not move it), and kept: a K that comes back
+    moves the drift at once. At a bucket nothing ran at for ``STALE_STEPS`` steps the drift is old (the contexts were
+    other): there a K's first step sets the drift from its own factor (that of the K served there last, where it
+    was never served there), and nothing is learnt about own factors.
 
     So a K measured long ago, at other contexts, is compared at today's, and two K's that share a bucket (tiers that
     split it, a batch that moves across their border) both keep its drift moving: with the drift held whenever a K
@@ -492,6 +493,9 @@ class MeasuredCosts:
         self._drift = [1.0] * buckets
         self._steps = [[0] * buckets for _ in range(num)]
         self._window = [[0] * buckets for _ in range(num)]
+        self._switch_in: list[list[list[float]]] = [[[] for _ in range(buckets)] for _ in range(num)]
+        """Per (K, bucket), while its switch-in steps run: each one's ratio over the drift (its own factor is their
+        median)."""
         self._clock = 0
         self._last_clock = [-1] * buckets
         """The clock (observed steps) at each bucket's last step (-1: none yet)."""
@@ -547,10 +551,14 @@ class MeasuredCosts:
             self._drift[b] = x / own[b]
         self._steps[i][b] += 1
         self._last_clock[b], self._last_k[b] = self._clock, i
-        if window[b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their plain mean
+        if window[b] < SWITCH_IN_STEPS:  # K's first steps here: its own factor, their median
             window[b] += 1
-            own[b] += (x / self._drift[b] - own[b]) / window[b]
-            self.judged |= window[b] == SWITCH_IN_STEPS
+            samples = self._switch_in[i][b]
+            samples.append(x / self._drift[b])
+            own[b] = statistics.median(samples)
+            if window[b] == SWITCH_IN_STEPS:
+                self.judged = True
+                samples.clear()
         else:
             self._drift[b] += (x / own[b] - self._drift[b]) / DRIFT_MEMORY_STEPS
         return True
