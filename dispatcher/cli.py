@@ -267,9 +267,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     check_admission_wait(args)
-    for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size"):
+    for name in ("num_prompts", "concurrency", "output_len", "input_len", "block_size", "multi_turn"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    num_prompts = args.num_prompts * args.multi_turn  # (user turns: --num-prompts counts conversations)
     if not 0.0 <= args.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
     acceptance = None
@@ -287,13 +288,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.dataset_name == "prefix_repetition":
         if args.dataset:
             raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not prefix_repetition")
-        prompts = prefix_repetition_prompts(args.num_prompts, args.prefix_repetition_prefix_len,
+        prompts = prefix_repetition_prompts(num_prompts, args.prefix_repetition_prefix_len,
                                             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
                                             args.seed)
     else:
         if args.dataset_name == "sharegpt" and not args.dataset:
             raise ConfigError("--dataset-name sharegpt needs --dataset (a ShareGPT JSON file)")
-        prompts = make_prompts(args.num_prompts, args.seed, args.dataset, args.input_len)
+        prompts = make_prompts(num_prompts, args.seed, args.dataset, args.input_len)
     try:
         result = simulate(cfg, prompts, concurrency=args.concurrency, output_len=args.output_len,
                           acceptance_rate=args.acceptance_rate, num_kv_blocks=args.num_kv_blocks,
@@ -301,7 +302,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           acceptance=acceptance, enable_prefix_caching=args.enable_prefix_caching,
                           admission_wait_steps=args.admission_wait_steps,
                           decode_overhead_us=args.decode_overhead_us,
-                          decode_overhead_per_token_us=args.decode_overhead_per_token_us)
+                          decode_overhead_per_token_us=args.decode_overhead_per_token_us, turns=args.multi_turn)
     except TraceError as exc:
         raise ConfigError(f"--step-trace: {exc}") from None
     s = result.summary
@@ -310,8 +311,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     rows = [(kind, v["steps"], v["full"], v["piecewise"], v["eager"]) for kind, v in s["by_kind"].items()]
     padded = s["padded_tokens"] / max(1, s["real_tokens"]) * 100
-    print(f"simulated {s['requests']} requests, concurrency {args.concurrency}, output {args.output_len} tokens, "
-          f"cost model {s['cost_model']} (drafter forwards: {s['draft_device_ms'] / 1e3:.2f} s of the device time)")
+    turns = f" ({args.num_prompts} conversations of {args.multi_turn} turns)" if args.multi_turn > 1 else ""
+    print(f"simulated {s['requests']} requests{turns}, concurrency {args.concurrency}, output {args.output_len} "
+          f"tokens, cost model {s['cost_model']} (drafter forwards: {s['draft_device_ms'] / 1e3:.2f} s of the device "
+          f"time)")
     print(format_table(["step kind", "steps", "FULL", "PIECEWISE", "eager"], rows, [False, True, True, True, True]))
     print(f"eager steps {s['eager_steps']} of {s['steps']}; padded tokens {s['padded_tokens']} "
           f"({padded:.2f}% of {s['real_tokens']} real)")
@@ -319,7 +322,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print("device time by step kind: " + ", ".join(f"{k} {ms / 1e3:.2f} s ({ms / max(device, 1e-9):.0%})"
                                                     for k, ms in by_kind.items() if ms))
     print(f"output {s['output_tokens_per_second']:.0f} tok/s over {s['simulated_seconds']:.2f} simulated s; "
-          f"mean TTFT {s['mean_ttft_ms']} ms, mean TPOT {s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
+          f"TTFT mean {s['mean_ttft_ms']} / p50 {s['p50_ttft_ms']} / p99 {s['p99_ttft_ms']} ms, mean TPOT "
+          f"{s['mean_tpot_ms']} ms; preemptions {s['preemptions']}; "
           f"draft acceptance {s['draft_acceptance_rate']:.3f}")
     if s["prefix_cache_queries"]:
         print(f"prefix cache: {s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens found "
@@ -620,6 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256, help="requests in total (default: %(default)s)")
     w.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default: %(default)s)")
+    w.add_argument("--multi-turn", type=int, default=1, metavar="TURNS",
+                   help="conversations of TURNS user turns, each sent with the conversation so far (its earlier turns "
+                        "and answers) as soon as the one before finishes, as a chat client does: what prefix caching "
+                        "saves on chat; --num-prompts counts conversations, --concurrency caps those in flight "
+                        "(default: %(default)s, single requests)")
     w.add_argument("--dataset-name", default=None, choices=["random", "sharegpt", "prefix_repetition"],
                    help="random (lognormal lengths, --input-len), sharegpt (--dataset) or prefix_repetition (shared "
                         "prefixes, --prefix-repetition-*: what prefix caching saves); default: sharegpt with "

@@ -8,7 +8,7 @@ import pytest
 
 from dispatcher.cli import main
 from dispatcher.plan.config import ConfigError, resolve
-from dispatcher.engine.simulate import drafter_ms, simulate
+from dispatcher.engine.simulate import ClosedLoop, drafter_ms, simulate
 from dispatcher.engine.trace import read_trace
 from dispatcher.engine.workload import load_sharegpt, make_prompts
 
@@ -294,3 +294,56 @@ def test_a_served_overhead_that_grows_with_the_query_rows_is_priced_per_token_an
     assert auto["output_tokens_per_second"] >= 0.97 * max(fixed), (auto["output_tokens_per_second"], fixed)
     with pytest.raises(ConfigError, match="--decode-overhead-per-token-us must be a number >= 0, got nan"):
         run(k3, float("nan"))
+
+
+class Recorder:
+    """A scheduler stand-in for ``ClosedLoop``: the requests it was given, in order."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_request(self, request):
+        self.added.append(request)
+
+
+def test_a_conversations_next_turn_carries_the_conversation_so_far_and_starts_when_the_turn_before_ends():
+    """``ClosedLoop`` with three conversations of two turns, two in flight: the first turns of two conversations go
+    out; when one ends its next turn goes out at once, its prompt the turn's prompt, the answer, then its own new
+    tokens; a conversation starts only when another one ends, and the requests are numbered in order."""
+    prompts = make_prompts(6, seed=2)
+    loop = ClosedLoop(prompts, turns=2, concurrency=2, output_len=3, ignore_eos=True, vocab_size=500)
+    sched = Recorder()
+    assert loop.send(sched) == ["req-0", "req-1"] and loop.pending()
+    first = sched.added[0].prompt_token_ids
+    assert len(first) == prompts[0].num_tokens and loop.send(sched) == []
+    loop.output("req-0", [7, 8], finished=False)
+    loop.output("req-0", [9], finished=True)
+    assert loop.send(sched) == ["req-2"]
+    second = sched.added[2].prompt_token_ids
+    assert second[:len(first) + 3] == first + [7, 8, 9] and len(second) == len(first) + 3 + prompts[1].num_tokens
+    loop.output("req-2", [1, 2, 3], finished=True)  # (conversation 0 is done: conversation 2 starts)
+    assert loop.send(sched) == ["req-3"]
+    assert sched.added[3].prompt_token_ids[:5] != second[:5]
+    assert loop.longest() == max(prompts[2 * i].num_tokens + prompts[2 * i + 1].num_tokens for i in range(3)) + 6
+
+
+def test_multi_turn_conversations_find_their_history_in_the_prefix_cache(capsys):
+    """``simulate --multi-turn 4``: 64 conversations of four turns at 64 streams, every turn answered; with caching
+    on, the later turns find the conversation so far (70% of the prompt tokens hit) and the time to first token
+    falls at least 1.5x against caching off (2.15x: one 16,384-token mixed step of bench-moe's H200 costs against
+    two; at 256 streams of four ShareGPT turns the scheduler gives 3.0x, where the H200's served runs gave
+    0.9-1.1x: docs/reference.md)."""
+    base = ["simulate", "--platform", "sm100", "--multi-turn", "4", "--num-prompts", "64", "--concurrency", "64",
+            "--output-len", "256", "--json"]
+    runs = []
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        assert main(base + [flag]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    on, off = runs
+    assert on["requests"] == off["requests"] == 256 and on["turns"] == 4 and on["output_tokens"] == 256 * 256
+    assert on["prefix_cache_hit_rate"] > 0.6 and off["prefix_cache_queries"] == 0
+    assert off["p50_ttft_ms"] > 1.5 * on["p50_ttft_ms"], (off["p50_ttft_ms"], on["p50_ttft_ms"])
+    assert main(base[:-1] + ["--multi-turn", "0"]) == 2
+    assert "--multi-turn must be >= 1, got 0" in capsys.readouterr().err
+    assert main(base[:-1]) == 0
+    assert "256 requests (64 conversations of 4 turns)" in capsys.readouterr().out

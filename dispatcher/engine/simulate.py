@@ -187,6 +187,66 @@ def prompt_tokens(spec: PromptSpec, request_id: str, vocab_size: int) -> list[in
     return np.concatenate([shared, ids]).tolist()
 
 
+class ClosedLoop:
+    """The simulated clients: at most ``concurrency`` conversations in flight, each sending its turns one after the
+    other (a single turn without ``turns``), the next at once when the one before finishes, with the conversation so
+    far before its own tokens (the prompt and the answer of every turn before, as a chat client resends them; no
+    template tokens between). Request ids ``req-0``, ``req-1``, ... in submission order."""
+
+    def __init__(self, prompts: list[PromptSpec], turns: int, concurrency: int, output_len: int, ignore_eos: bool,
+                 vocab_size: int):
+        self.conversations = [prompts[i:i + turns] for i in range(0, len(prompts), turns)]
+        self.concurrency, self.output_len, self.ignore_eos, self.vocab_size = concurrency, output_len, ignore_eos, \
+            vocab_size
+        self.next_conversation = 0
+        self.in_flight = 0
+        self.submitted = 0
+        self.ready: list[tuple[int, int, list[int]]] = []
+        """Next turns to send: (conversation, turn, the conversation so far)."""
+        self.turn_of: dict[str, tuple[int, int, list[int]]] = {}
+        """Each live request's (conversation, turn, prompt) while a later turn follows it."""
+        self.answers: dict[str, list[int]] = defaultdict(list)
+
+    def longest(self) -> int:
+        """The most tokens a request can hold: a conversation's every turn and answer."""
+        return max(sum(p.num_tokens for p in c) + len(c) * self.output_len for c in self.conversations)
+
+    def pending(self) -> bool:
+        return self.next_conversation < len(self.conversations) or bool(self.ready)
+
+    def send(self, scheduler: Scheduler) -> list[str]:
+        """Queue the turns that are due; their request ids."""
+        while self.next_conversation < len(self.conversations) and self.in_flight < self.concurrency:
+            self.ready.append((self.next_conversation, 0, []))
+            self.next_conversation += 1
+            self.in_flight += 1
+        sent = []
+        for conv, turn, history in self.ready:
+            rid = f"req-{self.submitted}"
+            self.submitted += 1
+            prompt = history + prompt_tokens(self.conversations[conv][turn], rid, self.vocab_size)
+            scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=self.output_len,
+                                                                      ignore_eos=self.ignore_eos), eos_token_id=0))
+            if turn + 1 < len(self.conversations[conv]):
+                self.turn_of[rid] = (conv, turn, prompt)
+            sent.append(rid)
+        self.ready.clear()
+        return sent
+
+    def output(self, request_id: str, new_token_ids, finished: bool) -> None:
+        """A request's new tokens; when it finished, its conversation's next turn is due (or a new conversation)."""
+        later = self.turn_of.get(request_id)
+        if later is not None:
+            self.answers[request_id].extend(new_token_ids)
+        if not finished:
+            return
+        if later is None:
+            self.in_flight -= 1
+            return
+        conv, turn, prompt = self.turn_of.pop(request_id)
+        self.ready.append((conv, turn + 1, prompt + self.answers.pop(request_id)))
+
+
 @dataclass
 class SimulationResult:
     summary: dict[str, Any]
@@ -199,8 +259,11 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
              vocab_size: int = 32000, acceptance: Sequence[float] | None = None,
              auto_tier_interval: int = autotier.RECHOOSE_INTERVAL_STEPS,
              enable_prefix_caching: bool = True, admission_wait_steps: int | None = None,
-             decode_overhead_us: float = 0.0, decode_overhead_per_token_us: float = 0.0) -> SimulationResult:
-    """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop). ``acceptance``:
+             decode_overhead_us: float = 0.0, decode_overhead_per_token_us: float = 0.0,
+             turns: int = 1) -> SimulationResult:
+    """Run the workload to completion with at most ``concurrency`` requests in flight (closed loop; with ``turns``
+    > 1, conversations of ``turns`` of the prompts each, every turn sent with the conversation so far when the one
+    before finishes: ``ClosedLoop``). ``acceptance``:
     the fake drafter's per-position acceptance (instead of ``acceptance_rate``). ``cost_model``: a preset's name or
     a ``StepCostModel`` (``load_cost_table``: a measured table, or step traces whose times hold the drafter's).
     ``decode_overhead_us``: microseconds a uniform decode step costs per request beyond the cost model's (what served
@@ -209,7 +272,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     tiers weigh the served steps' costs as the engine's do (``AutoTiers.observe_step``).
     ``decode_overhead_per_token_us``: the same per query token (q a request), for the part of what serving adds that
     grows with the rows verified (attention over the contexts for each of them)."""
-    for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size)):
+    for flag, value in (("--concurrency", concurrency), ("--output-len", output_len), ("--block-size", block_size),
+                        ("--multi-turn", turns)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--decode-overhead-us", decode_overhead_us),
@@ -222,7 +286,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     dispatchers = dispatchers_for_plan(plan)
     costs = StepCostModel.preset(cost_model) if isinstance(cost_model, str) else cost_model
     layers = draft_layers(cfg)
-    max_model_len = max(p.num_tokens for p in prompts) + output_len
+    clients = ClosedLoop(prompts, turns, concurrency, output_len, ignore_eos, vocab_size)
+    max_model_len = clients.longest()
     sched_cfg = scheduler_config(cfg, num_kv_blocks or 1, block_size, max_model_len,
                                  step_ms=lambda t: costs.step_ms(MODE_FULL, t),
                                  enable_prefix_caching=enable_prefix_caching,
@@ -258,23 +323,12 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
     finished_at: dict[str, float] = {}
     out_tokens: dict[str, int] = defaultdict(int)
     outputs: dict[str, list[int]] = {}
-    next_prompt = 0
     wall = time.perf_counter()
 
-    def submit() -> None:
-        nonlocal next_prompt
-        spec = prompts[next_prompt]
-        rid = f"req-{next_prompt}"
-        prompt_ids = prompt_tokens(spec, rid, vocab_size)
-        scheduler.add_request(Request(rid, prompt_ids, SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos),
-                                      eos_token_id=0))
-        submitted[rid] = clock_ms
-        next_prompt += 1
-
     try:
-        while next_prompt < len(prompts) or scheduler.has_unfinished():
-            while next_prompt < len(prompts) and len(scheduler.requests) < concurrency:
-                submit()
+        while clients.pending() or scheduler.has_unfinished():
+            for rid in clients.send(scheduler):
+                submitted[rid] = clock_ms
             t0 = time.perf_counter()
             step = scheduler.schedule()
             if len(step.slots) == 0:
@@ -304,6 +358,7 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
                     outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     finished_at[o.request_id] = clock_ms
+                clients.output(o.request_id, o.new_token_ids, o.finished)
             tally.add(desc.kind, desc.mode, s.num_tokens, desc.num_tokens)
             totals["real_tokens"] += s.num_tokens
             totals["device_ms_" + desc.mode] += target_ms
@@ -333,10 +388,13 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "real_tokens": totals["real_tokens"],
         "by_kind": counts["by_kind"],
         "requests": len(done),
+        "turns": turns,
         "output_tokens": total_out,
         "simulated_seconds": round(clock_ms / 1e3, 4),
         "output_tokens_per_second": round(total_out / (clock_ms / 1e3), 1) if clock_ms else 0.0,
         "mean_ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
+        "p50_ttft_ms": round(float(np.percentile(ttft, 50)), 3) if ttft else None,
+        "p99_ttft_ms": round(float(np.percentile(ttft, 99)), 3) if ttft else None,
         "mean_tpot_ms": round(float(np.mean(tpot)), 3) if tpot else None,
         "device_ms_by_mode": {m: round(totals["device_ms_" + m], 1) for m in (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)},
         "draft_device_ms": round(totals["draft_ms"], 1),
