@@ -331,8 +331,8 @@ def test_multi_turn_conversations_find_their_history_in_the_prefix_cache(capsys)
     """``simulate --multi-turn 4``: 64 conversations of four turns at 64 streams, every turn answered; with caching
     on, the later turns find the conversation so far (70% of the prompt tokens hit) and the time to first token
     falls at least 1.5x against caching off (2.15x: one 16,384-token mixed step of bench-moe's H200 costs against
-    two; at 256 streams of four ShareGPT turns the scheduler gives 3.0x, where the H200's served runs gave
-    0.9-1.1x: docs/reference.md)."""
+    two; at the H200 benchmark's shape, 256 streams of four ShareGPT turns and 128 output tokens, it gives 2.0x,
+    where the served runs gave 0.9-1.1x: docs/reference.md)."""
     base = ["simulate", "--platform", "sm100", "--multi-turn", "4", "--num-prompts", "64", "--concurrency", "64",
             "--output-len", "256", "--json"]
     runs = []
