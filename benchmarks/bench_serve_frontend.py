@@ -8,7 +8,8 @@ new token ids for every running request (3 is K = 7 at a mean acceptance length 
 connections opened before the clock starts. Reported: the front end's CPU per streamed event and per token, the
 events a second one process could stream at that cost, and whether it kept up (the achieved step period against
 ``--step-ms``: a saturated front end delays the step loop that shares its event loop). Median of ``--repeat`` runs
-after ``--warmup``.
+after ``--warmup``. The collector is set as ``twogrid serve``'s front ends set it (``freeze_startup_heap``), or left
+as CPython sets it with ``--python-gc``.
 
     python benchmarks/bench_serve_frontend.py --tokenizer .gpu_data/smollm2-tokenizer --data sharegpt.json \\
         --concurrency 256 --step-ms 40 --out result.json
@@ -29,6 +30,7 @@ import types
 import numpy as np
 from _common import commit, write_json
 
+from dispatcher.child import freeze_startup_heap
 from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Outputs, QueueState, StepRecord, decode_to_front,
                                         encode)
 from dispatcher.serve.client import EngineClient
@@ -161,6 +163,8 @@ async def main_async(args) -> dict:
     engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
+    if not args.python_gc:
+        freeze_startup_heap()  # (as twogrid serve's front ends do once they serve)
     stop = asyncio.Event()
     loop_task = asyncio.create_task(engine.loop(stop))
     runs = []
@@ -178,7 +182,7 @@ async def main_async(args) -> dict:
     return {"benchmark": "serve_frontend", "commit": commit(), "command": " ".join(["python", *sys.argv]),
             "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
             "tokens_per_step": args.tokens_per_step, "stream_interval": args.stream_interval,
-            "prompt_repeat": args.prompt_repeat,
+            "prompt_repeat": args.prompt_repeat, "python_gc": args.python_gc,
             "output_len": args.output_len, "clients": args.clients,
             "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
@@ -198,6 +202,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
+                   "comparison): no start-up heap frozen, no raised young-generation threshold")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args()
     import uvloop

@@ -1,0 +1,187 @@
+"""What one step costs the engine process's host at a large batch, on this machine's CPU: the serving engine's step
+loop (``EngineService.run``: schedule, the scheduler's update, each front end's deltas encoded and sent) over
+``--requests`` decoding requests, with the worker process replaced by one that answers each step at once with
+random tokens (no model runs), and the front ends by sockets that take the frames. Reported: the step period's
+median and p90 in steady state (``--steps`` steps after ``--warmup``), and the garbage collector's work meanwhile
+(collections per generation and their ms), with the collector as ``twogrid serve`` sets it (``freeze_startup_heap``)
+or as CPython leaves it (``--python-gc``).
+
+    python benchmarks/bench_engine_host_cpu.py --requests 1024 --front-ends 4 --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+from collections import deque
+
+import numpy as np
+from _common import commit, write_json
+
+from dispatcher.child import freeze_startup_heap
+from dispatcher.engine.engine_core import EngineArgs, EngineCore
+from dispatcher.engine.protocol import AddRequest
+from dispatcher.engine.protocol import encode as encode_core
+from dispatcher.engine.service import EngineService
+from dispatcher.messages import StepResult, decode_to_worker
+from dispatcher.messages import encode as encode_step
+from dispatcher.plan.config import resolve
+from models.config import preset
+from scheduler.request import SamplingParams
+
+
+class _Done:
+    """An awaitable already resolved, as a ZeroMQ socket's send and recv are when nothing blocks them."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # (a generator: never reached)
+
+
+class InstantWorker:
+    """The worker process's sockets: each step is answered at once, one random token a request."""
+
+    def __init__(self, vocab_size: int):
+        self.to_worker = self.to_engine = self
+        self.results: deque[bytes] = deque()
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(0)
+
+    def send(self, frame: bytes) -> _Done:
+        step = decode_to_worker(frame)
+        n = step.num_reqs
+        sampled = self.rng.integers(3, self.vocab_size, (n, 1), dtype=np.int32)
+        self.results.append(encode_step(StepResult(step.step_id, sampled.tobytes(), np.zeros(n, np.int32).tobytes(),
+                                                   1, device_ms=1.0)))
+        return _Done(None)
+
+    def poll(self, timeout_ms: float) -> _Done:
+        return _Done(bool(self.results))
+
+    def recv(self) -> _Done:
+        return _Done(self.results.popleft())
+
+    def alive(self) -> bool:
+        return True
+
+
+class FrontEndSink:
+    """A front end's socket: counts the frames and bytes the engine sends it."""
+
+    def __init__(self):
+        self.frames = self.bytes = 0
+
+    def send(self, frame: bytes) -> _Done:
+        self.frames += 1
+        self.bytes += len(frame)
+        return _Done(None)
+
+
+class Inbox:
+    def __init__(self):
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def recv(self) -> bytes:
+        return await self.queue.get()
+
+
+class GcWatch:
+    """The collector's collections and their time per generation, once ``on`` (a ``gc.callbacks`` hook)."""
+
+    def __init__(self):
+        self.on = False
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+
+
+def run(args) -> dict:
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=args.requests, max_num_batched_tokens=16384)
+    max_tokens = args.warmup + args.steps + 64
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=args.requests * (16 + max_tokens // 16),
+                                      block_size=16, max_model_len=args.prompt_len + max_tokens + 16))
+    inbox, sinks = Inbox(), [FrontEndSink() for _ in range(args.front_ends)]
+    service = EngineService(None, InstantWorker(core.model_config.vocab_size), inbox, sinks)
+    service.core = core
+    watch = GcWatch()
+    if not args.python_gc:
+        freeze_startup_heap()  # (as each process of twogrid serve does once it is ready)
+    done_at: list[float] = []
+    finish = service._finish
+
+    async def timed_finish(step) -> None:
+        await finish(step)
+        done_at.append(time.perf_counter())
+        if len(done_at) == args.warmup:
+            watch.on = True
+
+    service._finish = timed_finish
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(service.receive()), loop.create_task(service.run())]
+        rng = np.random.default_rng(1)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        for i in range(args.requests):
+            ids = rng.integers(3, core.model_config.vocab_size, args.prompt_len).tolist()
+            inbox.queue.put_nowait(encode_core(AddRequest(f"r{i}", ids, params, i % args.front_ends)))
+        while len(done_at) < args.warmup + args.steps:
+            await asyncio.sleep(0)
+        watch.on = False
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
+    periods = np.diff(done_at[args.warmup - 1:args.warmup + args.steps]) * 1e3
+    return {"ms_per_step_median": round(float(np.median(periods)), 3),
+            "ms_per_step_p90": round(float(np.percentile(periods, 90)), 3),
+            "ms_per_step_mean": round(float(np.mean(periods)), 3),
+            "ms_per_step_max": round(float(np.max(periods)), 3),
+            "gc_collections": watch.count, "gc_ms": [round(s * 1e3, 1) for s in watch.seconds],
+            "gc_ms_per_step": round(sum(watch.seconds) * 1e3 / args.steps, 3),
+            "frames_per_step": round(sum(s.frames for s in sinks) / len(done_at), 2),
+            "gc_threshold": list(gc.get_threshold())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=1024, help="decoding requests in every step")
+    p.add_argument("--front-ends", type=int, default=4, help="front ends the deltas go to")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=100, help="steps before the measured ones (the prompts' included)")
+    p.add_argument("--steps", type=int, default=1000, help="measured steps")
+    p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
+                   "comparison): no start-up heap frozen, no raised young-generation threshold")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = run(args)
+    print(f"{args.requests} requests, {args.front_ends} front ends: {result['ms_per_step_median']:.3f} ms a step "
+          f"(median; p90 {result['ms_per_step_p90']:.3f}, max {result['ms_per_step_max']:.1f}); collector "
+          f"{result['gc_ms_per_step']:.3f} ms a step ({result['gc_collections']} collections by generation)")
+    write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
+                          "command": "python benchmarks/bench_engine_host_cpu.py " + " ".join(
+                              a for a in __import__("sys").argv[1:]),
+                          "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
+                          "python_gc": args.python_gc, **result})
+
+
+if __name__ == "__main__":
+    main()
