@@ -196,8 +196,8 @@ class ClosedLoop:
     def __init__(self, prompts: list[PromptSpec], turns: int, concurrency: int, output_len: int, ignore_eos: bool,
                  vocab_size: int):
         self.conversations = [prompts[i:i + turns] for i in range(0, len(prompts), turns)]
-        self.concurrency, self.output_len, self.ignore_eos, self.vocab_size = concurrency, output_len, ignore_eos, \
-            vocab_size
+        self.concurrency, self.output_len = concurrency, output_len
+        self.ignore_eos, self.vocab_size = ignore_eos, vocab_size
         self.next_conversation = 0
         self.in_flight = 0
         self.submitted = 0
@@ -244,7 +244,7 @@ class ClosedLoop:
             self.in_flight -= 1
             return
         conv, turn, prompt = self.turn_of.pop(request_id)
-        self.ready.append((conv, turn + 1, prompt + self.answers.pop(request_id)))
+        self.ready.append((conv, turn + 1, prompt + self.answers.pop(request_id, [])))
 
 
 @dataclass
