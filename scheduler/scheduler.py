@@ -559,14 +559,16 @@ class Scheduler:
         hashes = self._hash_prompt(req)  # (a preempted request's output too)
         return self.kv.lookup(hashes) if hashes else []
 
-    def _register(self, slot: int, req: Request, num_blocks: int) -> None:
-        """Offer the slot's first ``num_blocks`` blocks to the cache: full, and their KV right once the step being
+    def _register(self, slots: np.ndarray, num_blocks: np.ndarray) -> None:
+        """Offer each slot's first ``num_blocks[i]`` blocks to the cache: full, and their KV right once the step being
         scheduled has run (known tokens only)."""
         c = self.config
-        hashes = req.block_hashes
-        if len(hashes) < num_blocks:
-            extend_block_hashes(hashes, req.token_ids, num_blocks, c.block_size, c.next_token_key)
-        self.kv.register(slot, hashes, num_blocks, req.request_id, self._registered)
+        reqs = [self.slot_request[s] for s in slots.tolist()]
+        for req, n in zip(reqs, num_blocks.tolist()):
+            if len(req.block_hashes) < n:
+                extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)
+        self.kv.register(slots, [r.block_hashes for r in reqs], num_blocks, [r.request_id for r in reqs],
+                         self._registered)
 
     def _full_blocks(self, num_computed, num_tokens):
         """Blocks whose KV is right after a step that computes up to ``num_computed`` of ``num_tokens`` known
@@ -579,8 +581,8 @@ class Scheduler:
         completes one block in every ``block_size`` tokens of a request)."""
         upto = self._full_blocks(self.num_computed[slots], self.num_tokens[slots])
         done = upto > self.kv.num_registered[slots]
-        for slot, n in zip(slots[done].tolist(), upto[done].tolist()):
-            self._register(slot, self.slot_request[slot], n)
+        if done.any():
+            self._register(slots[done], upto[done])
 
     def fail_step(self, out: SchedulerOutput, later: list[SchedulerOutput] = ()) -> list[str]:
         """A step the worker failed: its requests end (aborted), the blocks it registered are forgotten (their KV
@@ -663,7 +665,7 @@ class Scheduler:
             updates.append(self.kv.share(slot, hit))
             updates.append(self.kv.grow(np.array([slot]), np.array([computed + chunk + c.lookahead_tokens])))
             if c.enable_prefix_caching:  # at once: a request admitted after it in this step may share its blocks
-                self._register(slot, req, int(self._full_blocks(computed + chunk, req.num_tokens)))
+                self._register(np.array([slot]), np.array([self._full_blocks(computed + chunk, req.num_tokens)]))
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = computed
                 if c.enable_prefix_caching:
