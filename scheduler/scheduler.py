@@ -796,26 +796,34 @@ class Scheduler:
         room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
         take = np.minimum(counts, room)
         self.num_tokens[slots] += take
-        length_done = (counts >= room).tolist()
-        check_stop = self.checks_stop[slots].tolist()
+        length_done = counts >= room
+        check_stop = self.checks_stop[slots]
+        special = (length_done | check_stop).tolist()
+        requests, width, want_logprobs = out.requests, result.sampled.shape[1], result.logprobs is not None
         outputs: list[RequestOutput] = []
         finished_slots = []
-        for i, (row, n, toks) in enumerate(zip(rows.tolist(), take.tolist(), result.sampled[rows].tolist())):
-            req = out.requests[row]
-            new_tokens = toks[:n]
-            reason = FinishReason.LENGTH if length_done[i] else None
-            if check_stop[i]:
-                stops = req.params.stop_token_ids
-                eos = () if req.params.ignore_eos else req.eos_token_ids
-                for j, t in enumerate(new_tokens):
-                    if t in eos or t in stops:
-                        self.num_tokens[slots[i]] -= len(new_tokens) - j - 1
-                        new_tokens = new_tokens[: j + 1]
-                        reason = FinishReason.STOP
-                        break
-            cached = None if req.output_token_ids else req.num_cached_tokens
-            req.output_token_ids.extend(new_tokens)
-            logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs)
+        # (one pass of plain Python over every sampling request, 1,024 a step at 1,024 streams: what only some
+        # requests need, the stop checks, the end by length and the log-probabilities, is tested for first)
+        for i, (row, n, toks, odd) in enumerate(zip(rows.tolist(), take.tolist(), result.sampled[rows].tolist(),
+                                                     special)):
+            req = requests[row]
+            new_tokens = toks if n == width else toks[:n]
+            reason = None
+            if odd:
+                reason = FinishReason.LENGTH if length_done[i] else None
+                if check_stop[i]:
+                    stops = req.params.stop_token_ids
+                    eos = () if req.params.ignore_eos else req.eos_token_ids
+                    for j, t in enumerate(new_tokens):
+                        if t in eos or t in stops:
+                            self.num_tokens[slots[i]] -= len(new_tokens) - j - 1
+                            new_tokens = new_tokens[: j + 1]
+                            reason = FinishReason.STOP
+                            break
+            known = req.output_token_ids
+            cached = None if known else req.num_cached_tokens
+            known.extend(new_tokens)
+            logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs) if want_logprobs else None
             if reason is not None:
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = reason
