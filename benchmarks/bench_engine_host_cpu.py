@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import statistics
+import sys
 import time
 from collections import deque
 
@@ -23,7 +25,7 @@ from _common import commit, write_json
 
 from dispatcher.child import freeze_startup_heap
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
-from dispatcher.engine.protocol import AddRequest
+from dispatcher.engine.protocol import AddRequest, decode_to_front
 from dispatcher.engine.protocol import encode as encode_core
 from dispatcher.engine.service import EngineService
 from dispatcher.messages import StepResult, decode_to_worker
@@ -45,20 +47,25 @@ class _Done:
 
 
 class InstantWorker:
-    """The worker process's sockets: each step is answered at once, one random token a request."""
+    """The worker process's sockets: each step is answered at once with random tokens, each request's drafts
+    accepted one after the other at ``acceptance_rate`` (a speculative step: 1 + K columns)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, acceptance_rate: float):
         self.to_worker = self.to_engine = self
         self.results: deque[bytes] = deque()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.acceptance_rate = vocab_size, acceptance_rate
         self.rng = np.random.default_rng(0)
 
     def send(self, frame: bytes) -> _Done:
         step = decode_to_worker(frame)
         n = step.num_reqs
-        sampled = self.rng.integers(3, self.vocab_size, (n, 1), dtype=np.int32)
-        self.results.append(encode_step(StepResult(step.step_id, sampled.tobytes(), np.zeros(n, np.int32).tobytes(),
-                                                   1, device_ms=1.0)))
+        drafts = np.frombuffer(step.num_drafts, np.int32)
+        width = 1 + int(drafts.max(initial=0))
+        sampled = self.rng.integers(3, self.vocab_size, (n, width), dtype=np.int32)
+        right = np.cumprod(self.rng.random((n, width - 1)) < self.acceptance_rate, axis=1)
+        accepted = np.minimum(right.sum(axis=1), drafts).astype(np.int32)
+        self.results.append(encode_step(StepResult(step.step_id, sampled.tobytes(), accepted.tobytes(), width,
+                                                   device_ms=1.0)))
         return _Done(None)
 
     def poll(self, timeout_ms: float) -> _Done:
@@ -76,11 +83,18 @@ class FrontEndSink:
 
     def __init__(self):
         self.frames = self.bytes = 0
+        self.last = b""
 
     def send(self, frame: bytes) -> _Done:
         self.frames += 1
         self.bytes += len(frame)
+        self.last = frame
         return _Done(None)
+
+    def refusal(self) -> str | None:
+        """The reason of a refusal in the last frame, if it held one."""
+        refused = decode_to_front(self.last).refused if self.last else []
+        return refused[0].message if refused else None
 
 
 class Inbox:
@@ -113,12 +127,14 @@ class GcWatch:
 
 
 def run(args) -> dict:
-    cfg = resolve({}, None, platform="sm100", max_num_seqs=args.requests, max_num_batched_tokens=16384)
-    max_tokens = args.warmup + args.steps + 64
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    cfg = resolve({}, spec, platform="sm100", max_num_seqs=args.requests, max_num_batched_tokens=16384)
+    drafts = cfg.num_speculative_tokens or 0
+    max_tokens = (args.warmup + args.steps + 64) * (1 + drafts)  # (room for every accepted draft: none ends)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=args.requests * (16 + max_tokens // 16),
-                                      block_size=16, max_model_len=args.prompt_len + max_tokens + 16))
+                                      block_size=16, max_model_len=args.prompt_len + max_tokens + 64))
     inbox, sinks = Inbox(), [FrontEndSink() for _ in range(args.front_ends)]
-    service = EngineService(None, InstantWorker(core.model_config.vocab_size), inbox, sinks)
+    service = EngineService(None, InstantWorker(core.model_config.vocab_size, args.acceptance_rate), inbox, sinks)
     service.core = core
     watch = GcWatch()
     if not args.python_gc:
@@ -144,6 +160,14 @@ def run(args) -> dict:
             inbox.queue.put_nowait(encode_core(AddRequest(f"r{i}", ids, params, i % args.front_ends)))
         while len(done_at) < args.warmup + args.steps:
             await asyncio.sleep(0)
+            for task in tasks:
+                if task.done():  # (the step loop failed: its error, not a hang)
+                    task.result()
+                    raise RuntimeError("the engine's step loop ended before the measured steps")
+            if not core.has_unfinished() and inbox.queue.empty():  # (ended or refused: it would wait forever)
+                reasons = [r for r in (sink.refusal() for sink in sinks) if r]
+                raise RuntimeError("no request runs before the measured steps are done: "
+                                   + (f"refused ({reasons[0]})" if reasons else "they ended (max_tokens)"))
         watch.on = False
         for task in tasks:
             task.cancel()
@@ -166,6 +190,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1024, help="decoding requests in every step")
     p.add_argument("--front-ends", type=int, default=4, help="front ends the deltas go to")
     p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="as serve's (a drafter with K drafts a step: the worker answers K + 1 columns)")
+    p.add_argument("--acceptance-rate", type=float, default=0.7,
+                   help="with --speculative-config: a draft is accepted with this probability after the one before")
     p.add_argument("--warmup", type=int, default=100, help="steps before the measured ones (the prompts' included)")
     p.add_argument("--steps", type=int, default=1000, help="measured steps")
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
@@ -180,6 +208,7 @@ def main() -> None:
                           "command": "python benchmarks/bench_engine_host_cpu.py " + " ".join(
                               a for a in __import__("sys").argv[1:]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
+                          "speculative_config": args.speculative_config,
                           "python_gc": args.python_gc, **result})
 
 

@@ -14,20 +14,34 @@ ROOT = b"twogrid prefix cache"
 """The parent hash of a sequence's first block."""
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+"""Packers of the short token runs a step's full blocks hash (a decode step fills a block or two a request)."""
+_PACKERS_UP_TO = 128
+"""Token counts packed with a cached packer (prompts' longer runs parse their format each time)."""
+
+
 def extend_block_hashes(hashes: list[bytes], token_ids, num_blocks: int, block_size: int,
                         next_token_key: bool) -> list[bytes]:
     """Append to ``hashes`` (the hashes of a sequence's first blocks) those of its blocks up to ``num_blocks``;
     ``token_ids(start, end)`` gives the sequence's tokens in [start, end), which must reach ``num_blocks`` blocks
-    (and one token past them with ``next_token_key``). Returns ``hashes``."""
+    (and one token past them with ``next_token_key``). Returns ``hashes``. (Called for every block a step fills, ~160
+    a step at 1,024 requests under speculative decoding: the packer is cached, the loop kept to the hash.)"""
     start = len(hashes)
     if num_blocks <= start:
         return hashes
     extra = 1 if next_token_key else 0
     tokens = token_ids(start * block_size, num_blocks * block_size + extra)
-    data = struct.pack(f"<{len(tokens)}i", *tokens)
-    width = 4 * block_size
+    n = len(tokens)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = struct.Struct(f"<{n}i")
+        if n <= _PACKERS_UP_TO:
+            _PACKERS[n] = packer
+    data = packer.pack(*tokens)
+    width, span = 4 * block_size, 4 * (block_size + extra)
     parent = hashes[-1] if hashes else ROOT
-    for i in range(num_blocks - start):
-        parent = hashlib.sha256(parent + data[i * width : (i + 1) * width + 4 * extra]).digest()
-        hashes.append(parent)
+    sha, append = hashlib.sha256, hashes.append
+    for offset in range(0, (num_blocks - start) * width, width):
+        parent = sha(parent + data[offset:offset + span]).digest()
+        append(parent)
     return hashes
