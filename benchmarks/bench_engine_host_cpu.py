@@ -1,7 +1,8 @@
 """What one step costs the engine process's host at a large batch, on this machine's CPU: the serving engine's step
 loop (``EngineService.run``: schedule, the scheduler's update, each front end's deltas encoded and sent) over
 ``--requests`` decoding requests, with the worker process replaced by one that answers each step at once with
-random tokens (no model runs), and the front ends by sockets that take the frames. Reported: the step period's
+random tokens (no model runs; with ``--speculative-config``, 1 + K of them a request, the drafts accepted at
+``--acceptance-rate``), and the front ends by sockets that take the frames. Reported: the step period's
 median and p90 in steady state (``--steps`` steps after ``--warmup``), and the garbage collector's work meanwhile
 (collections per generation and their ms), with the collector as ``twogrid serve`` sets it (``freeze_startup_heap``)
 or as CPython leaves it (``--python-gc``).
@@ -15,7 +16,6 @@ import argparse
 import asyncio
 import gc
 import json
-import statistics
 import sys
 import time
 from collections import deque
@@ -35,8 +35,9 @@ from models.config import preset
 from scheduler.request import SamplingParams
 
 
-class _Done:
-    """An awaitable already resolved, as a ZeroMQ socket's send and recv are when nothing blocks them."""
+class Done:
+    """An awaitable already resolved, as a ZeroMQ socket's send, poll and recv are when nothing blocks them:
+    awaiting it does not yield to the event loop (the worst case the step loop must survive)."""
 
     def __init__(self, value):
         self.value = value
@@ -46,36 +47,49 @@ class _Done:
         yield  # (a generator: never reached)
 
 
-class InstantWorker:
-    """The worker process's sockets: each step is answered at once with random tokens, each request's drafts
-    accepted one after the other at ``acceptance_rate`` (a speculative step: 1 + K columns)."""
+class InstantSockets:
+    """The worker process's two sockets, answered in-process: a step sent is answered at once (``answer``), its
+    result waits to be received."""
 
-    def __init__(self, vocab_size: int, acceptance_rate: float):
+    def __init__(self):
         self.to_worker = self.to_engine = self
         self.results: deque[bytes] = deque()
+
+    def answer(self, step):
+        """The step's result (a StepResult or WorkerError)."""
+        raise NotImplementedError
+
+    def send(self, frame: bytes) -> Done:
+        self.results.append(encode_step(self.answer(decode_to_worker(frame))))
+        return Done(None)
+
+    def poll(self, timeout_ms: float) -> Done:
+        return Done(bool(self.results))
+
+    def recv(self) -> Done:
+        return Done(self.results.popleft())
+
+    def alive(self) -> bool:
+        return True
+
+
+class InstantWorker(InstantSockets):
+    """Each step answered with random tokens, each request's drafts accepted one after the other at
+    ``acceptance_rate`` (a speculative step: 1 + K columns); no model runs."""
+
+    def __init__(self, vocab_size: int, acceptance_rate: float):
+        super().__init__()
         self.vocab_size, self.acceptance_rate = vocab_size, acceptance_rate
         self.rng = np.random.default_rng(0)
 
-    def send(self, frame: bytes) -> _Done:
-        step = decode_to_worker(frame)
+    def answer(self, step) -> StepResult:
         n = step.num_reqs
         drafts = np.frombuffer(step.num_drafts, np.int32)
         width = 1 + int(drafts.max(initial=0))
         sampled = self.rng.integers(3, self.vocab_size, (n, width), dtype=np.int32)
         right = np.cumprod(self.rng.random((n, width - 1)) < self.acceptance_rate, axis=1)
         accepted = np.minimum(right.sum(axis=1), drafts).astype(np.int32)
-        self.results.append(encode_step(StepResult(step.step_id, sampled.tobytes(), accepted.tobytes(), width,
-                                                   device_ms=1.0)))
-        return _Done(None)
-
-    def poll(self, timeout_ms: float) -> _Done:
-        return _Done(bool(self.results))
-
-    def recv(self) -> _Done:
-        return _Done(self.results.popleft())
-
-    def alive(self) -> bool:
-        return True
+        return StepResult(step.step_id, sampled.tobytes(), accepted.tobytes(), width, device_ms=1.0)
 
 
 class FrontEndSink:
@@ -85,11 +99,11 @@ class FrontEndSink:
         self.frames = self.bytes = 0
         self.last = b""
 
-    def send(self, frame: bytes) -> _Done:
+    def send(self, frame: bytes) -> Done:
         self.frames += 1
         self.bytes += len(frame)
         self.last = frame
-        return _Done(None)
+        return Done(None)
 
     def refusal(self) -> str | None:
         """The reason of a refusal in the last frame, if it held one."""
@@ -98,11 +112,13 @@ class FrontEndSink:
 
 
 class Inbox:
+    """The engine's request socket: what the front ends sent, in order."""
+
     def __init__(self):
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def recv(self) -> bytes:
-        return await self.queue.get()
+        return await self.queue.get()  # (no yield when a frame is waiting, as ZeroMQ's)
 
 
 class GcWatch:
@@ -205,8 +221,7 @@ def main() -> None:
           f"(median; p90 {result['ms_per_step_p90']:.3f}, max {result['ms_per_step_max']:.1f}); collector "
           f"{result['gc_ms_per_step']:.3f} ms a step ({result['gc_collections']} collections by generation)")
     write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
-                          "command": "python benchmarks/bench_engine_host_cpu.py " + " ".join(
-                              a for a in __import__("sys").argv[1:]),
+                          "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
                           "speculative_config": args.speculative_config,
                           "python_gc": args.python_gc, **result})

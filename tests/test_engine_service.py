@@ -6,74 +6,46 @@ not wait until they finish."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import os
+import sys
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.protocol import Abort, AddRequest, Drain, Outputs, decode_to_front
 from dispatcher.engine.protocol import encode as encode_core
 from dispatcher.engine.service import EngineService
-from dispatcher.messages import WorkerError, decode_to_worker
-from dispatcher.messages import encode as encode_step
+from dispatcher.messages import WorkerError
 from dispatcher.plan.config import resolve
 from models.config import preset
 from scheduler.request import SamplingParams
 
-
-class _Done:
-    """An awaitable that is already resolved (as a ZeroMQ socket's recv and poll are when a frame is waiting):
-    awaiting it does not yield to the event loop."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __await__(self):
-        return self.value
-        yield  # (a generator: never reached)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_engine_host_cpu import Done, Inbox, InstantSockets  # noqa: E402  (the sockets' stand-ins, shared)
 
 
-class _InstantWorker:
-    """The worker process's two sockets, answered in-process: a step sent is run at once, its result waits."""
+class _InstantWorker(InstantSockets):
+    """A step sent is run at once by the in-process worker, its result waits."""
 
     def __init__(self, core: EngineCore):
-        self.core, self.results = core, deque()
-        self.to_worker, self.to_engine = self, self
+        super().__init__()
+        self.core = core
 
-    def send(self, frame: bytes) -> _Done:
-        step = decode_to_worker(frame)
-        self.results.append(encode_step(self.core.worker.collect(self.core.worker.submit(step))))
-        return _Done(None)
-
-    def poll(self, timeout_ms: float) -> _Done:
-        return _Done(bool(self.results))
-
-    def recv(self) -> _Done:
-        return _Done(self.results.popleft())
-
-    def alive(self) -> bool:
-        return True
-
-
-class _Inbox:
-    def __init__(self):
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def recv(self) -> bytes:
-        return await self.queue.get()  # (no yield when a frame is waiting, as ZeroMQ's)
+    def answer(self, step):
+        return self.core.worker.collect(self.core.worker.submit(step))
 
 
 class _Outbox:
     def __init__(self):
         self.sent: list[Outputs] = []
 
-    def send(self, frame: bytes) -> _Done:
+    def send(self, frame: bytes) -> Done:
         self.sent.append(decode_to_front(frame))
-        return _Done(None)
+        return Done(None)
 
 
 def test_a_request_arriving_mid_run_joins_the_running_ones_at_once():
     cfg = resolve({}, None, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=64, block_size=8, max_model_len=128))
-    inbox, outbox = _Inbox(), _Outbox()
+    inbox, outbox = Inbox(), _Outbox()
     service = EngineService(None, _InstantWorker(core), inbox, [outbox])
     service.core = core
     params = SamplingParams(max_tokens=48, ignore_eos=True)
@@ -113,7 +85,7 @@ def _service(worker=_InstantWorker, num_kv_blocks=64, max_num_seqs=8, max_num_ba
     cfg = resolve({}, None, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_kv_blocks, block_size=8,
                                       max_model_len=128))
-    inbox, outbox = _Inbox(), _Outbox()
+    inbox, outbox = Inbox(), _Outbox()
     service = EngineService(None, worker(core), inbox, [outbox])
     service.core = core
     return service, inbox, outbox
@@ -171,13 +143,11 @@ def test_a_failed_step_drops_its_requests_times():
     class FailingFirst(_InstantWorker):
         failed = False
 
-        def send(self, frame: bytes) -> _Done:
-            step = decode_to_worker(frame)
+        def answer(self, step):
             if not self.failed:
                 self.failed = True
-                self.results.append(encode_step(WorkerError(step.step_id, "boom")))
-                return _Done(None)
-            return super().send(frame)
+                return WorkerError(step.step_id, "boom")
+            return super().answer(step)
 
     service, inbox, outbox = _service(FailingFirst)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
