@@ -108,11 +108,12 @@ def rss_bytes(pid: int) -> int:
 
 
 def process_state(pid: int) -> str | None:
-    """The process's state letter (R, S, Z for a zombie, ...), None when there is no such process."""
+    """The process's state letter (R, S, Z for a zombie, ...), None when there is no such process (gone before its
+    stat file opened, or between the open and the read: ESRCH)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
 
 
