@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 from _common import commit, write_json
@@ -48,19 +49,16 @@ class Done:
 
 
 class InstantSockets:
-    """The worker process's two sockets, answered in-process: a step sent is answered at once (``answer``), its
-    result waits to be received."""
+    """The worker process's two sockets, answered in-process: a step sent is answered at once by ``answer`` (a step
+    to its StepResult or WorkerError), its result waits to be received."""
 
-    def __init__(self):
+    def __init__(self, answer: Callable):
         self.to_worker = self.to_engine = self
         self.results: deque[bytes] = deque()
-
-    def answer(self, step):
-        """The step's result (a StepResult or WorkerError)."""
-        raise NotImplementedError
+        self._answer = answer
 
     def send(self, frame: bytes) -> Done:
-        self.results.append(encode_step(self.answer(decode_to_worker(frame))))
+        self.results.append(encode_step(self._answer(decode_to_worker(frame))))
         return Done(None)
 
     def poll(self, timeout_ms: float) -> Done:
@@ -78,7 +76,7 @@ class InstantWorker(InstantSockets):
     ``acceptance_rate`` (a speculative step: 1 + K columns); no model runs."""
 
     def __init__(self, vocab_size: int, acceptance_rate: float):
-        super().__init__()
+        super().__init__(self.answer)
         self.vocab_size, self.acceptance_rate = vocab_size, acceptance_rate
         self.rng = np.random.default_rng(0)
 

@@ -26,7 +26,7 @@ class _InstantWorker(InstantSockets):
     """A step sent is run at once by the in-process worker, its result waits."""
 
     def __init__(self, core: EngineCore):
-        super().__init__()
+        super().__init__(self.answer)  # (a subclass's own answer, where it has one)
         self.core = core
 
     def answer(self, step):
