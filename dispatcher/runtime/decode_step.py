@@ -297,8 +297,12 @@ class FusedDecode:
             accepted = accept_drafts(tokens, drafts, slots, computed, st.token_ids, st.num_computed, out, self.width,
                                      given)
         else:
-            accepted = given if given is not None else torch.zeros_like(computed) if q == 1 else \
-                accepted_drafts(tokens, drafts, torch.full_like(computed, q - 1))
+            if given is not None:
+                accepted = given
+            elif q == 1:
+                accepted = torch.zeros_like(computed)
+            else:
+                accepted = accepted_drafts(tokens, drafts, torch.full_like(computed, q - 1))
             rows = slots[:, None].expand_as(cols)
             keep = self._arange[None, :q] <= accepted[:, None]
             st.token_ids[rows, cols] = torch.where(keep, tokens, st.token_ids[rows, cols])
