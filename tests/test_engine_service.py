@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.protocol import Abort, AddRequest, Drain, Outputs, decode_to_front
@@ -187,3 +188,69 @@ def test_the_engines_steps_run_no_garbage_collection_with_the_collector_as_the_s
         runs[name] = json.loads(out.read_text())
     assert runs["server"]["gc_collections"] == [0, 0, 0] and runs["server"]["gc_threshold"][0] == 50_000
     assert runs["python"]["gc_collections"][0] >= 200 and runs["python"]["gc_threshold"][0] == 700
+
+
+class _Rank:
+    """A tensor-parallel rank's process as WorkerGroup sees it; ``kill`` makes it one SIGKILLed."""
+
+    def __init__(self, pid: int):
+        self.pid, self.killed = pid, False
+
+    def alive(self) -> bool:
+        return not self.killed
+
+    def exit_description(self) -> str:
+        return "killed by signal SIGKILL" if self.killed else "running"
+
+    async def wait_exit(self, poll_s: float) -> None:
+        while not self.killed:
+            await asyncio.sleep(poll_s)
+
+
+def _failing_group_run(rank_1_dies_after_s: float | None) -> tuple[str, float]:
+    """A two-rank group whose rank 0 fails the first step (its collective broke) and whose rank 1 is killed
+    ``rank_1_dies_after_s`` after rank 0's error is sent (None: never): the WorkerDied the engine's loop raises, and
+    how long after the error it came."""
+    from dispatcher.engine.ipc import WorkerDied, WorkerGroup
+
+    class Group(WorkerGroup):
+        def __init__(self, core):  # (no processes: rank 0's sockets answered in-process)
+            self.ranks = [_Rank(100), _Rank(101)]
+            self.sockets = InstantSockets(self.answer)
+            self.to_worker = self.to_engine = self.sockets
+            self.failed_at = None
+
+        def answer(self, step):
+            self.failed_at = time.monotonic()
+            if rank_1_dies_after_s is not None:
+                asyncio.get_running_loop().call_later(rank_1_dies_after_s, setattr, self.ranks[1], "killed", True)
+            return WorkerError(step.step_id, "gloo: Connection closed by peer")
+
+    service, inbox, _ = _service(Group)
+
+    async def scenario():
+        inbox.queue.put_nowait(encode_core(AddRequest("a", [5, 6, 7], SamplingParams(max_tokens=4))))
+        receiver = asyncio.get_running_loop().create_task(service.receive())
+        try:
+            await service.run()
+        except WorkerDied as exc:
+            return str(exc), time.monotonic() - service.process.failed_at
+        finally:
+            receiver.cancel()
+        raise AssertionError("the loop went on after rank 0 failed")
+
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_tensor_parallel_step_that_failed_because_a_rank_died_names_that_rank():
+    """Rank 0's collective fails as soon as another rank dies, often before the engine sees that rank's exit (CI
+    saw it: the error named only rank 0's broken collective). The engine waits up to RANK_EXIT_GRACE_S for a rank's
+    exit and names it, the cause; where none exits it fails with rank 0's error after that wait."""
+    from dispatcher.engine.service import RANK_EXIT_GRACE_S
+
+    message, waited_s = _failing_group_run(0.05)
+    assert "rank 1 (pid 101) killed by signal SIGKILL" in message and "Connection closed by peer" in message
+    assert waited_s < RANK_EXIT_GRACE_S
+    message, waited_s = _failing_group_run(None)
+    assert "rank 1" not in message and "failed on rank 0" in message and "Connection closed by peer" in message
+    assert RANK_EXIT_GRACE_S <= waited_s < RANK_EXIT_GRACE_S + 1.0

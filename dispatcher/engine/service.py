@@ -53,6 +53,8 @@ log = logging.getLogger("twogrid.engine")
 LIVENESS_S = 0.25
 """How often the engine checks that the worker process is alive while it waits for it (a dead worker is noticed
 within this)."""
+RANK_EXIT_GRACE_S = 0.5
+"""How long a tensor-parallel step that failed on rank 0 waits to see whether another rank died (and caused it)."""
 
 
 class EngineService:
@@ -243,10 +245,16 @@ class EngineService:
         core = self.core
         result = await self._receive(step)
         if isinstance(result, WorkerError) and isinstance(self.process, WorkerGroup):
-            # (rank 0 failed alone: the other ranks wait in the step's collectives, and the next step would pair
-            # with this one there, silently wrong: the group cannot go on)
-            raise WorkerDied(f"step {result.step_id} failed on rank 0 of the tensor-parallel group, whose ranks can "
-                             f"no longer be kept in step: {result.message}")
+            # (the group cannot go on: the other ranks wait in the step's collectives, and the next step would pair
+            # with this one there, silently wrong. Rank 0's collective fails as soon as another rank dies, often
+            # before that rank's exit is seen: a short wait names the rank that died, the cause)
+            try:
+                await asyncio.wait_for(self.process.wait_exit(0.01), RANK_EXIT_GRACE_S)
+                cause = f"the worker process {self.process.exit_description()}; "
+            except asyncio.TimeoutError:
+                cause = ""
+            raise WorkerDied(f"{cause}step {result.step_id} failed on rank 0 of the tensor-parallel group, whose "
+                             f"ranks can no longer be kept in step: {result.message}")
         if isinstance(result, WorkerError):  # (with the requests that found its blocks in the prefix cache)
             ids = core.fail_step(step, [s.out for s in self._in_flight])
             message = f"step failed: {result.message}"
