@@ -245,10 +245,71 @@ def ttt_logits(head: EagleHead, aux: torch.Tensor, ids: torch.Tensor, num_steps:
     return out
 
 
-def batch_targets(target, seqs, aux_layers, draft_ids: torch.Tensor, device):
+class TargetFeatures:
+    """The target's features of the training sequences (its final hidden states and its residual stream at the
+    head's layers, as ``target_features`` gives them), computed once before training and held on the training
+    device: every batch of every epoch reads its rows here instead of running the target again, which leaves the
+    target only its LM head (the soft labels) per batch. On a 2-core CPU the target's forward over a batch of the
+    default model took twice as long as the head's training step with training-time test; it runs once here
+    instead of once an epoch."""
+
+    def __init__(self, target, sequences: list[tuple[list[int], int]], aux_layers: tuple[int, ...],
+                 tokens_per_chunk: int):
+        device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
+        lens = np.array([len(s) for s, _ in sequences], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lens)])
+        width = target.cfg.hidden_size
+        self.hidden = torch.empty(int(self.starts[-1]), width, dtype=dtype, device=device)
+        self.aux = torch.empty(int(self.starts[-1]), len(aux_layers) * width, dtype=dtype, device=device)
+        first = 0
+        with torch.no_grad():
+            while first < len(sequences):  # (consecutive sequences, at most tokens_per_chunk tokens at a time)
+                last = first + 1
+                while last < len(sequences) and self.starts[last + 1] - self.starts[first] <= tokens_per_chunk:
+                    last += 1
+                hidden, aux = target_features(target, [s for s, _ in sequences[first:last]], aux_layers)
+                rows = slice(int(self.starts[first]), int(self.starts[last]))
+                self.hidden[rows], self.aux[rows] = hidden, aux
+                first = last
+
+    @staticmethod
+    def nbytes(target, sequences, aux_layers: tuple[int, ...]) -> int:
+        """What the features of ``sequences`` take on the device."""
+        element = next(target.parameters()).element_size()
+        return sum(len(s) for s, _ in sequences) * (1 + len(aux_layers)) * target.cfg.hidden_size * element
+
+    def rows(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states, aux features) of the sequences ``indices``, their rows in that order."""
+        rows = np.concatenate([np.arange(self.starts[i], self.starts[i + 1]) for i in indices])
+        rows = torch.from_numpy(rows).to(self.hidden.device)
+        return self.hidden.index_select(0, rows), self.aux.index_select(0, rows)
+
+
+def feature_cache(target, sequences, aux_layers: tuple[int, ...], args) -> TargetFeatures | None:
+    """``TargetFeatures`` of the training sequences where they fit in ``--feature-cache-gib`` (and, on a GPU, in its
+    free memory with 16 GiB to spare for training); else None (logged): the target then runs every batch."""
+    limit_gib = args.feature_cache_gib
+    if limit_gib <= 0:
+        return None
+    need = TargetFeatures.nbytes(target, sequences, aux_layers)
+    device = next(target.parameters()).device
+    free = torch.cuda.mem_get_info(device)[0] - (16 << 30) if device.type == "cuda" else need
+    if need > limit_gib * (1 << 30) or need > free:
+        log(f"the target's features would take {need / (1 << 30):.1f} GiB, beyond --feature-cache-gib "
+            f"{limit_gib:g}{'' if need <= free else ' or the free device memory'}: the target runs every batch")
+        return None
+    start = time.time()
+    cache = TargetFeatures(target, sequences, aux_layers, args.tokens_per_batch)
+    log(f"the target's features of {len(sequences)} sequences kept on {device}: {need / (1 << 30):.1f} GiB in "
+        f"{time.time() - start:.1f} s")
+    return cache
+
+
+def batch_targets(target, seqs, aux_layers, draft_ids: torch.Tensor, device, features=None):
     """One batch's inputs and labels, padded to (batch, T): token ids, the target's features, its distribution
-    over the draft vocabulary (renormalized, bf16), its greedy token, and the response mask."""
-    hidden, aux = target_features(target, [s for s, _ in seqs], aux_layers)
+    over the draft vocabulary (renormalized, bf16), its greedy token, and the response mask. ``features``: the
+    target's (hidden, aux) rows of ``seqs`` where they were kept (``TargetFeatures.rows``), else the target runs."""
+    hidden, aux = features if features is not None else target_features(target, [s for s, _ in seqs], aux_layers)
     with torch.inference_mode():
         logits = target.compute_logits(hidden)
         greedy = logits.argmax(-1)
@@ -331,6 +392,10 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
     params = [p for n, p in head.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(args.seed)
+    cached_at = time.time()
+    cache = feature_cache(target, train_seqs, aux_layers, args)
+    cache_report = {"gib": round(TargetFeatures.nbytes(target, train_seqs, aux_layers) / (1 << 30), 2),
+                    "seconds": round(time.time() - cached_at, 1)} if cache is not None else None
     start, step, history = time.time(), 0, []
     epoch = 0
     every = args.validate_seconds if val_seqs else 0.0
@@ -360,7 +425,8 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
             for g in opt.param_groups:
                 g["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
             ids, feats, probs, best, response = batch_targets(target, [train_seqs[i] for i in batch], aux_layers,
-                                                              draft_ids, device)
+                                                              draft_ids, device,
+                                                              cache.rows(batch) if cache is not None else None)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logits = ttt_logits(head, feats.float(), ids, args.ttt)
                 loss, stats = step_loss(logits, probs, best, response, in_draft, draft_ids)
@@ -375,7 +441,9 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
                 history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": value,
                                 "acc": [round(a, 4) for a in acc]})
                 log(f"step {step} epoch {epoch} loss {value:.3f} acc/step {' '.join(f'{a:.2f}' for a in acc)}")
-    report = {"steps": step, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history}
+    report = {"steps": step, "epochs": epoch, "seconds": round(time.time() - start, 1), "history": history,
+              "feature_cache": cache_report}
+    del cache
     if every:
         validate()  # (the last head competes too)
         head.load_state_dict(kept[2])
@@ -474,10 +542,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--temperatures", default="0.6,0.8,1.0", help="of the sampled responses, in turn")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="the generating engine's KV cache (default: 24 "
+                    "on a GPU, 2 on the CPU)")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt", type=int, default=7, help="training-time-test steps")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--tokens-per-batch", type=int, default=32768)
+    ap.add_argument("--feature-cache-gib", type=float, default=48.0, help="keep the target's features of the "
+                    "training sequences on the device, computed once, where they fit in this many GiB (0: run the "
+                    "target every batch)")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--validation-prompts", type=int, default=0, help="training prompts kept out of training to choose "
                     "the head by (with --validate-seconds)")
@@ -508,7 +581,9 @@ def main() -> None:
     model = args.model or default_model_path()
     report: dict = {"command": " ".join(sys.argv), "target": os.path.basename(model), "args": vars(args)}
     t0 = time.time()
-    llm = LLM(model, device=args.device, max_num_seqs=512, max_model_len=args.max_model_len, kv_cache_memory_gib=24)
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (2.0 if device.type == "cpu" else 24.0)
+    llm = LLM(model, device=args.device, max_num_seqs=512, max_model_len=args.max_model_len,
+              kv_cache_memory_gib=kv_gib)
     target = llm.engine.worker.model
     log(f"target {model} loaded")
 

@@ -371,14 +371,45 @@ def test_the_trainer_learns_a_targets_continuations(target):
     trainer, seqs = _trainer_and_continuations(5, 12)
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
-    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=0.0, seed=0, validate_seconds=0.0)
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, feature_cache_gib=1.0, train_seconds=0.0, seed=0,
+                              validate_seconds=0.0)
     in_draft = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
     in_draft[draft_ids] = True
     before = trainer.evaluate(head, target, seqs, draft_ids, in_draft, args, torch.device("cpu"))
     args.train_seconds = 12.0  # (60-100 steps on a 2-core CPU: the first draft agrees ~0.6 of the time, from ~0)
     report = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
+    assert report["feature_cache"] is not None  # (the trainer's default: the target's features kept)
     assert report["steps"] >= 20 and report["history"][-1]["loss"] < report["history"][0]["loss"]
     assert report["held_out_acc"][0] > before[0] + 0.3, (before, report["held_out_acc"])
+
+
+def test_the_trainers_kept_features_give_the_batches_the_target_gives(target, capsys):
+    """``--feature-cache-gib``: the target's features of the training sequences, computed once in chunks of
+    consecutive sequences, give every batch (sequences in any order) the inputs and labels that running the target
+    over that batch gives; features beyond the limit are not kept (logged), and the target runs every batch."""
+    import argparse
+    import random
+
+    trainer, seqs = _trainer_and_continuations(3, 10)
+    draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
+    aux_layers = (2, 4, 5)
+    cache = trainer.TargetFeatures(target, seqs, aux_layers, tokens_per_chunk=100)  # (two sequences a chunk)
+    assert cache.hidden.shape == (sum(len(s) for s, _ in seqs), TARGET.hidden_size)
+    for batch in trainer.batches(seqs, 150, random.Random(1)) + [[9, 0, 4]]:
+        chosen = [seqs[i] for i in batch]
+        ran = trainer.batch_targets(target, chosen, aux_layers, draft_ids, torch.device("cpu"))
+        kept = trainer.batch_targets(target, chosen, aux_layers, draft_ids, torch.device("cpu"), cache.rows(batch))
+        for a, b in zip(ran, kept):
+            torch.testing.assert_close(a, b)
+    need = trainer.TargetFeatures.nbytes(target, seqs, aux_layers)
+    assert need == cache.hidden.nbytes + cache.aux.nbytes
+    small = argparse.Namespace(feature_cache_gib=need / 2 / (1 << 30), tokens_per_batch=400)
+    assert trainer.feature_cache(target, seqs, aux_layers, small) is None
+    assert "beyond --feature-cache-gib" in capsys.readouterr().out
+    assert trainer.feature_cache(target, seqs, aux_layers, argparse.Namespace(feature_cache_gib=0.0,
+                                                                              tokens_per_batch=400)) is None
+    assert trainer.feature_cache(target, seqs, aux_layers, argparse.Namespace(feature_cache_gib=1.0,
+                                                                              tokens_per_batch=400)) is not None
 
 
 def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(target):
@@ -391,7 +422,8 @@ def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(t
     train_seqs, val_seqs = seqs[:10], seqs[10:]
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
-    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=6.0, seed=0, validate_seconds=1.5)
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, feature_cache_gib=0.0, train_seconds=6.0, seed=0,
+                              validate_seconds=1.5)
     report = trainer.train(head, target, train_seqs, val_seqs, draft_ids, args, torch.device("cpu"), val_seqs)
     checks = report["validation"]
     assert len(checks) >= 3 and checks[0]["step"] < checks[-1]["step"] == report["steps"]
@@ -429,7 +461,8 @@ def test_the_trainer_saves_its_sequences_and_trains_them_again_from_a_saved_head
 
     draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
     head = trainer.build_head(target, draft_ids, torch.device("cpu"))
-    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, train_seconds=8.0, seed=0, validate_seconds=0.0)
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, feature_cache_gib=0.0, train_seconds=8.0, seed=0,
+                              validate_seconds=0.0)
     first = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))["held_out_acc"]
     assert first[0] > 0.3, first
     save_eagle3_head(head, str(tmp_path / "head"))
