@@ -4,7 +4,8 @@ output tokens each with EOS ignored, at several concurrencies, the drafts accept
 ``--fixed-acceptance``).
 
 Methods (``--methods``): ``none`` (no speculative config) or ``METHOD:K`` (``--speculative-config '{"method":
-METHOD, "num_speculative_tokens": K}'``; eagle3 without a "model" is the default model's own head). Policies
+METHOD, "num_speculative_tokens": K}'``; eagle3 without a "model" is the default model's own head;
+``METHOD:K@HEAD_DIR`` the head in HEAD_DIR, its rows' method ``METHOD@NAME``: two heads side by side). Policies
 (``--policies``): the headline's names and ``--compilation-config``s (bench_headline_gpu.POLICIES). One server per
 (method, policy), every concurrency run against it after a warm-up wave of as many requests, as the headline's
 (``--waves`` x N requests at N streams, at least ``--min-prompts``), the server's flags the headline's but the model.
@@ -76,9 +77,19 @@ def log(msg: str) -> None:
 
 def parse_method(text: str) -> tuple[str, int, dict | None]:
     """``none`` -> (none, 0, None); ``eagle3:3`` -> (eagle3, 3, its speculative config); ``eagle3:auto7`` ->
-    (eagle3, -7, K up to 7 with ``"auto"`` tiers): a negative K stands for auto tiers up to -K."""
+    (eagle3, -7, K up to 7 with ``"auto"`` tiers): a negative K stands for auto tiers up to -K. ``eagle3:3@DIR``:
+    the draft head in DIR (``"model"``), its method named ``eagle3@NAME`` in the rows (NAME: DIR's last two path
+    components), so that two heads are measured side by side."""
     if text == "none":
         return "none", 0, None
+    text, at, head_dir = text.partition("@")
+    if at:
+        method, k, spec = parse_method(text)
+        if method not in ("eagle", "eagle3", "mtp") or not head_dir:
+            raise ValueError(f"{text}@{head_dir}: a draft head's directory goes after a head method's K "
+                             f"(eagle:K@DIR, eagle3:K@DIR, mtp:K@DIR)")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(os.path.normpath(head_dir).split(os.sep)[-2:]).strip("-"))
+        return f"{method}@{name}", k, dict(spec, model=head_dir)
     method, sep, k = text.partition(":")
     auto = k.startswith("auto")
     digits = k[4:] if auto else k

@@ -52,6 +52,13 @@ def test_method_names(spec):
         with pytest.raises(ValueError):
             spec.parse_method(bad)
     assert [spec.label(*spec.parse_method(m)[:2]) for m in spec.METHODS.split(",")] == spec.METHODS.split(",")
+    assert spec.parse_method("eagle3:3@/root/e3 new/head") == (
+        "eagle3@e3_new-head", 3, {"method": "eagle3", "num_speculative_tokens": 3, "model": "/root/e3 new/head"})
+    method, k, config = spec.parse_method("eagle3:auto5@heads/b/")
+    assert (spec.label(method, k), config["model"]) == ("eagle3@heads-b:auto5", "heads/b/")
+    for bad in ("ngram:3@/root/h", "eagle3:3@", "none@/root/h"):
+        with pytest.raises(ValueError):
+            spec.parse_method(bad)
 
 
 def test_row_has_the_acceptance_length_and_the_rate_per_position(spec):
