@@ -231,12 +231,17 @@ def ttt_logits(head: EagleHead, aux: torch.Tensor, ids: torch.Tensor, num_steps:
         kk = rotate(kk.reshape(b * t, -1, d), cos, sin).view(b, t, nkv, 1, d).permute(0, 2, 3, 1, 4)
         keys.append(kk)
         values.append(v.reshape(b, t, nkv, 1, d).permute(0, 2, 3, 1, 4))
-        scores = [(q @ keys[0].transpose(-1, -2)).float() * scale + causal]  # (b, nkv, group, t, t)
-        scores += [((q * kj).sum(-1, keepdim=True)).float() * scale for kj in keys[1:]]
-        w = torch.softmax(torch.cat(scores, -1), dim=-1).to(q.dtype)
-        attn = w[..., :t] @ values[0]
-        for j, vj in enumerate(values[1:], start=1):
-            attn = attn + w[..., t + j - 1:t + j] * vj
+        scores = (q @ keys[0].transpose(-1, -2)).float() * scale + causal  # (b, nkv, group, t, t)
+        if k:  # (steps 1..k's keys at each query's own index: k more scores a row, one split of the weights, whose
+            # backward is one gradient tensor, where a slice per step would fill and add one of the whole width each)
+            own_keys = torch.stack(keys[1:], -2)  # (b, nkv, 1, t, k, d)
+            scores = torch.cat([scores, (q.unsqueeze(-2) * own_keys).sum(-1).float() * scale], -1)
+        w = torch.softmax(scores, dim=-1).to(q.dtype)
+        if k:
+            w, w_own = w.split([t, k], -1)
+            attn = w @ values[0] + (w_own.unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
+        else:
+            attn = w @ values[0]
         attn = attn.permute(0, 3, 1, 2, 4).reshape(b, t, cfg.q_size)
         h = feature + layer.o_proj(attn)
         gate, up = layer.mlp.gate_up_proj(_rms(h, layer.post_attention_layernorm.weight, eps).to(h.dtype)).chunk(2, -1)
