@@ -231,11 +231,12 @@ def ttt_logits(head: EagleHead, aux: torch.Tensor, ids: torch.Tensor, num_steps:
         kk = rotate(kk.reshape(b * t, -1, d), cos, sin).view(b, t, nkv, 1, d).permute(0, 2, 3, 1, 4)
         keys.append(kk)
         values.append(v.reshape(b, t, nkv, 1, d).permute(0, 2, 3, 1, 4))
-        scores = (q @ keys[0].transpose(-1, -2)).float() * scale + causal  # (b, nkv, group, t, t)
+        q = q * scale  # (before the product: one pass over q, not one over the (t, t) scores and its gradient)
+        scores = (q @ keys[0].transpose(-1, -2)).float() + causal  # (b, nkv, group, t, t)
         if k:  # (steps 1..k's keys at each query's own index: k more scores a row, one split of the weights, whose
             # backward is one gradient tensor, where a slice per step would fill and add one of the whole width each)
             own_keys = torch.stack(keys[1:], -2)  # (b, nkv, 1, t, k, d)
-            scores = torch.cat([scores, (q.unsqueeze(-2) * own_keys).sum(-1).float() * scale], -1)
+            scores = torch.cat([scores, (q.unsqueeze(-2) * own_keys).sum(-1).float()], -1)
         w = torch.softmax(scores, dim=-1).to(q.dtype)
         if k:
             w, w_own = w.split([t, k], -1)
