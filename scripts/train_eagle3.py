@@ -579,6 +579,12 @@ def main() -> None:
             args.validate_seconds):
         ap.error("--validation-prompts N and --validate-seconds S go together, both > 0 "
                  "(or both 0: keep the last head)")
+    for flag, directory in (("--out", args.out), ("--save-data", os.path.dirname(os.path.abspath(args.save_data or
+                                                                                                   args.out)))):
+        try:  # (now, not after minutes of generating: where nothing can be written, say so before)
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"{flag}: cannot create {directory}: {exc.strerror}")
 
     from dispatcher.llm import LLM
     from models.default_model import DEFAULT_MODEL_NAME, default_model_path

@@ -515,11 +515,12 @@ def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head
         return subprocess.run([sys.executable, script, *common, *args], capture_output=True, text=True, timeout=600)
 
     first = run("--data", str(data), "--out", str(tmp_path / "a"), "--samples", "2",
-                "--save-data", str(tmp_path / "seqs.npz"))
+                "--save-data", str(tmp_path / "data" / "seqs.npz"))  # (its directory made: not there yet)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     a = json.loads((tmp_path / "a" / "train_eagle3.json").read_text())
     assert a["data"]["train_prompts"] == 16 and a["data"]["held_out_prompts"] == 2 and a["served"]
-    second = run("--load-data", str(tmp_path / "seqs.npz"), "--out", str(tmp_path / "b"),
+    assert "the target's features of" in first.stdout  # (kept on the device: the default)
+    second = run("--load-data", str(tmp_path / "data" / "seqs.npz"), "--out", str(tmp_path / "b"),
                  "--init-head", str(tmp_path / "a" / "head"))
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     b = json.loads((tmp_path / "b" / "train_eagle3.json").read_text())
@@ -527,9 +528,12 @@ def test_the_trainer_runs_end_to_end_and_again_from_its_saved_sequences_and_head
     assert "load_seconds" in b["data"] and "generate_seconds" in a["data"]
     assert b["data"]["train_sequences"] == a["data"]["train_sequences"] and b["served"]
     assert "training sequences from" in second.stdout and "held-out prompts" not in second.stdout  # (none made)
-    both = run("--data", str(data), "--load-data", str(tmp_path / "seqs.npz"), "--out", str(tmp_path / "c"))
+    both = run("--data", str(data), "--load-data", str(tmp_path / "data" / "seqs.npz"), "--out", str(tmp_path / "c"))
     assert both.returncode == 2 and "--data SHAREGPT.json) or the sequences" in both.stderr
-    other = subprocess.run([sys.executable, script, *common[:-4], "--load-data", str(tmp_path / "seqs.npz"),
+    (tmp_path / "file").write_text("")
+    nowhere = run("--data", str(data), "--out", str(tmp_path / "c"), "--save-data", str(tmp_path / "file" / "s.npz"))
+    assert nowhere.returncode == 2 and "--save-data: cannot create" in nowhere.stderr  # (before generating)
+    other = subprocess.run([sys.executable, script, *common[:-4], "--load-data", str(tmp_path / "data" / "seqs.npz"),
                             "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds 2 validation prompts: pass --validation-prompts 2" in other.stderr
 
