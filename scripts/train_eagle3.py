@@ -232,7 +232,7 @@ def ttt_logits(head: EagleHead, aux: torch.Tensor, ids: torch.Tensor, num_steps:
         keys.append(kk)
         values.append(v.reshape(b, t, nkv, 1, d).permute(0, 2, 3, 1, 4))
         q = q * scale  # (before the product: one pass over q, not one over the (t, t) scores and its gradient)
-        scores = (q @ keys[0].transpose(-1, -2)).float() + causal  # (b, nkv, group, t, t)
+        scores = q @ keys[0].transpose(-1, -2) + causal  # (b, nkv, group, t, t), float32 (the mask's: one pass)
         if k:  # (steps 1..k's keys at each query's own index: k more scores a row, one split of the weights, whose
             # backward is one gradient tensor, where a slice per step would fill and add one of the whole width each)
             own_keys = torch.stack(keys[1:], -2)  # (b, nkv, 1, t, k, d)
