@@ -43,7 +43,7 @@ class SimulatedEngine(EngineClient):
     be sent, and every step feeds ``_take`` the message the engine would send."""
 
     def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int], stream_interval: int = 1):
-        init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=1 << 20))
+        init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=1 << 20), num_front_ends=1)
         super().__init__(init, tokenizer, "bench-moe", SamplingParams(), EngineMetrics("bench-moe"),
                          stream_interval=stream_interval)
         self.ready = True

@@ -30,7 +30,7 @@ class _Engine:
 
 
 def _client(engine: _Engine, metrics=None, stream_interval: int = 1) -> C.EngineClient:
-    client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096)), None, "m",
+    client = C.EngineClient(SimpleNamespace(worker=SimpleNamespace(max_model_len=4096), num_front_ends=1), None, "m",
                             SamplingParams(max_tokens=8), metrics=metrics, stream_interval=stream_interval)
     client.process, client.ready = engine, True
     return client
@@ -90,6 +90,26 @@ def test_the_backlog_is_counted_and_twogrid_bench_reports_it():
     before = parse_counters(kept_up.render().decode())
     asyncio.run(_outputs_after(1, metrics=kept_up))
     assert counter_deltas(before, parse_counters(kept_up.render().decode()))["front_end_backlog_steps"] == 0
+
+
+def test_a_front_end_behind_the_engine_says_so_once_a_window(monkeypatch, caplog):
+    # Most steps reaching a front end merged with the ones before (it reads them together: it is behind) is said in
+    # a warning naming the flags that help, once a window; a front end that keeps up says nothing.
+    monkeypatch.setattr(C, "BEHIND_WINDOW_S", 0.0)
+    with caplog.at_level("WARNING", logger="twogrid.serve"):
+        asyncio.run(_outputs_after(1))
+    assert "behind the engine" not in caplog.text
+    with caplog.at_level("WARNING", logger="twogrid.serve"):
+        asyncio.run(_outputs_after(5))
+    assert "front end 0 is behind the engine: 4 of the 5 engine steps" in caplog.text
+    assert "--api-server-count, now 1" in caplog.text
+    behind = C._Behind(2, 4, now=0.0)
+    monkeypatch.setattr(C, "BEHIND_WINDOW_S", 30.0)
+    assert behind.add(3, 10.0) is None and behind.add(1, 29.0) is None  # (within the window: counted, not said)
+    assert "2 of the 5 engine steps of the last 31 s" in behind.add(1, 31.0)  # (2 of 5 merged: 40% > 25%)
+    assert behind.add(2, 40.0) is None  # (the next window: counted from 31 s)
+    assert "1 of the 3 engine steps of the last 31 s" in behind.add(1, 62.0)
+    assert behind.add(1, 95.0) is None  # (a window with none merged says nothing)
 
 
 async def _outputs_then(messages: list, max_tokens: int) -> list:

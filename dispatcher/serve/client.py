@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import AsyncIterator
 
 import zmq
@@ -21,7 +22,7 @@ import zmq.asyncio
 from dispatcher.child import parent_gone
 from dispatcher.engine.ipc import ChildProcess, bind_pair, spawn_engine
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
-from dispatcher.engine.protocol import (TO_CORE, TO_FRONT, Abort, AddRequest, Delta, Drain, EngineDead,
+from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Drain, EngineDead,
                                         EngineInit, EngineStarted, Outputs, decode_to_front, encode,
                                         front_end_sockets)
 from dispatcher.messages import CaptureProgress, WorkerReady, decode_or_refuse
@@ -36,6 +37,10 @@ MAX_QUEUED_STEPS = 64
 """At most this many of the engine's messages that queued up are taken at once, before the streams run: a front end
 behind the engine then writes each request one chunk for all those steps (and decodes its text once), where taking
 them one by one wrote a chunk a step and fell further behind (1024 single-token streams on the H200)."""
+BEHIND_WINDOW_S = 30.0
+BEHIND_SHARE = 0.25
+"""A front end that read more than this share of the engine's steps (those with outputs) merged with the steps
+before them, over a window of BEHIND_WINDOW_S, says so in a warning: it, not the engine, sets the streams' pace."""
 
 
 def log_capture_done(progress: CaptureProgress) -> None:
@@ -80,6 +85,7 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._task: asyncio.Task | None = None
+        self._behind = _Behind(front_end, init.num_front_ends, time.monotonic())
 
     async def start(self, process: ChildProcess | None = None) -> WorkerReady:
         """Send the engine process (``process``, from ``spawn_engine``; by default started now) its init and wait
@@ -250,6 +256,9 @@ class EngineClient:
                         self.capture, self.ready = msg.worker, True
                 if with_deltas > 1 and self.metrics is not None:  # (steps whose deltas go out merged)
                     self.metrics.on_backlog(with_deltas - 1)
+                warning = self._behind.add(with_deltas, time.monotonic())
+                if warning is not None:
+                    log.warning(warning)
         except EngineError as exc:
             self.dead = str(exc)
             log.error("the engine stopped: %s", exc)
@@ -368,6 +377,33 @@ class _AttachedEngine:
         self.to_child.close(linger=1000)  # (an Abort for what was left still leaves)
         self.from_child.close(linger=0)
         self.ctx.term()
+
+
+class _Behind:
+    """Whether this front end keeps up with the engine: the steps with outputs it read, and those that reached it
+    while it was still streaming the ones before (read together, their tokens go out merged, later), over windows
+    of BEHIND_WINDOW_S; ``add`` gives the warning for a window whose merged share exceeds BEHIND_SHARE."""
+
+    __slots__ = ("front_end", "num_front_ends", "steps", "merged", "since")
+
+    def __init__(self, front_end: int, num_front_ends: int, now: float):
+        self.front_end, self.num_front_ends = front_end, num_front_ends
+        self.steps, self.merged, self.since = 0, 0, now
+
+    def add(self, num_steps: int, now: float) -> str | None:
+        """``num_steps`` steps with outputs were read at once (more than one: all but the first merged)."""
+        self.steps += num_steps
+        self.merged += max(0, num_steps - 1)
+        if now - self.since < BEHIND_WINDOW_S:
+            return None
+        steps, merged, window = self.steps, self.merged, now - self.since
+        self.steps, self.merged, self.since = 0, 0, now
+        if not steps or merged <= BEHIND_SHARE * steps:
+            return None
+        return (f"front end {self.front_end} is behind the engine: {merged} of the {steps} engine steps of the last "
+                f"{window:.0f} s reached it while it was still streaming the ones before (their tokens went out "
+                f"merged, later); the front ends set the pace here: more of them would keep up (--api-server-count, "
+                f"now {self.num_front_ends}), and --stream-interval sends fewer chunks")
 
 
 class _Stream:
