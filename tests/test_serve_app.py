@@ -429,19 +429,35 @@ def test_the_cudagraph_metrics_line_reports_acceptance():
     from dispatcher.serve.launch import cudagraph_metrics_line
 
     m = EngineMetrics("m", num_speculative_tokens=2)
-    line = cudagraph_metrics_line(m.render().decode())
+    line, _ = cudagraph_metrics_line(m.render().decode())
     assert line == ("cudagraph metrics: 0 steps, 0 eager (none), 0 padded tokens; spec decode: 0 drafts, 0 draft "
                     "tokens, 0 accepted, mean acceptance length n/a, per-position acceptance rate n/a")
     m.on_step("uniform_decode", "FULL", padded_tokens=3, accepted_tokens=5, num_drafts=4, draft_tokens=8,
               accepted_per_pos=[3, 2])
     m.on_step("mixed", "NONE", "mixed_above_cap")
-    assert cudagraph_metrics_line(m.render().decode()) == (
+    assert cudagraph_metrics_line(m.render().decode())[0] == (
         "cudagraph metrics: 2 steps, 1 eager (mixed_above_cap 1), 3 padded tokens; spec decode: 4 drafts, 8 draft "
         "tokens, 5 accepted, mean acceptance length 2.25, per-position acceptance rate 0.750, 0.500")
     plain = EngineMetrics("m")
     plain.on_step("uniform_decode", "FULL")
     assert cudagraph_metrics_line(plain.render().decode()) == (
-        "cudagraph metrics: 1 steps, 0 eager (none), 0 padded tokens")
+        "cudagraph metrics: 1 steps, 0 eager (none), 0 padded tokens", 0.0)
+
+
+def test_the_cudagraph_metrics_line_says_how_busy_the_device_was_since_the_line_before():
+    """With the period since the line before, the line adds the share of it the device spent in steps (from the
+    steps' device seconds since then), and hands back the total for the next line; a period without steps, or the
+    first line of none, says nothing of it."""
+    from dispatcher.serve.launch import cudagraph_metrics_line
+
+    m = EngineMetrics("m")
+    m.on_step("uniform_decode", "FULL", device_seconds=2.5)
+    line, total = cudagraph_metrics_line(m.render().decode(), 0.0, 10.0)
+    assert line.endswith("0 padded tokens, device busy 25% of the last 10 s") and total == 2.5
+    m.on_step("uniform_decode", "FULL", device_seconds=5.6)
+    line, total = cudagraph_metrics_line(m.render().decode(), total, 10.0)
+    assert line.endswith("device busy 56% of the last 10 s") and total == pytest.approx(8.1)
+    assert "busy" not in cudagraph_metrics_line(m.render().decode(), total, 10.0)[0]  # (no step since)
 
 
 def test_sampling_params_logprobs():

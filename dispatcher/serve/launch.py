@@ -125,8 +125,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("observability")
     o.add_argument("--step-trace", default=None, metavar="FILE", help="append one JSON record per step to FILE")
     o.add_argument("--cudagraph-metrics", action="store_true",
-                   help=f"log graph hits, eager steps, padding and speculative decoding's acceptance (mean "
-                        f"acceptance length, per-position rates) every {CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
+                   help=f"log graph hits, eager steps, padding, the device's busy share and speculative "
+                        f"decoding's acceptance (mean acceptance length, per-position rates) every "
+                        f"{CUDAGRAPH_METRICS_PERIOD_S:.0f} s")
     o.add_argument("--log-requests", action="store_true", help="log each request (prompt text included)")
     o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     b = p.add_argument_group("benchmarking only")
@@ -539,26 +540,35 @@ def _force_exit(engine, front_ends) -> None:
 async def _watch(engine, cudagraph_metrics: bool, front_ends=None) -> None:
     """Returns when the engine dies or another front end exits (its clients' requests would run on unseen);
     with ``cudagraph_metrics``, logs ``cudagraph_metrics_line`` every CUDAGRAPH_METRICS_PERIOD_S."""
-    last = time.monotonic()
+    last, device_s = time.monotonic(), 0.0
     while engine.dead is None and (front_ends is None or front_ends.exited() is None):
         await asyncio.sleep(0.25)
         if cudagraph_metrics and time.monotonic() - last >= CUDAGRAPH_METRICS_PERIOD_S:
-            last = time.monotonic()
-            log.info("%s", cudagraph_metrics_line(engine.metrics.render().decode()))
+            now = time.monotonic()
+            line, total_s = cudagraph_metrics_line(engine.metrics.render().decode(), device_s, now - last)
+            log.info("%s", line)
+            last, device_s = now, total_s
 
 
-def cudagraph_metrics_line(metrics_text: str) -> str:
+def cudagraph_metrics_line(metrics_text: str, device_s_before: float = 0.0,
+                           period_s: float | None = None) -> tuple[str, float]:
     """``--cudagraph-metrics``' periodic line from the counters /metrics serves, totals since start: graph steps,
     eager steps by reason, padded tokens and, with speculative decoding, drafts and acceptance (vLLM's mean
-    acceptance length and per-position acceptance rates)."""
+    acceptance length and per-position acceptance rates); with ``period_s``, the share of the last ``period_s``
+    seconds the device spent in steps (the steps' device time since ``device_s_before``, the total at the line
+    before: running requests and a device busy well below 100% mean the host sets the pace). Returns the line and
+    the steps' device seconds so far."""
     from dispatcher.bench.server_metrics import counter_deltas, parse_counters
     from scheduler.scheduler import acceptance_rate_per_pos
 
     c = counter_deltas({}, parse_counters(metrics_text))
     eager = c.get("eager_steps_by_reason", {})
+    device_s = c.get("step_device_seconds", 0.0)
     line = (f"cudagraph metrics: {c.get('cudagraph_steps', 0)} steps, {c.get('eager_steps', 0)} eager "
             f"({', '.join(f'{k} {v}' for k, v in sorted(eager.items())) or 'none'}), "
             f"{c.get('padded_tokens', 0)} padded tokens")
+    if period_s and device_s > device_s_before:
+        line += f", device busy {(device_s - device_s_before) / period_s:.0%} of the last {period_s:.0f} s"
     per_pos = c.get("spec_decode_accepted_per_pos")
     if per_pos:  # (positions exist only with speculative decoding)
         drafts, length = c["spec_decode_num_drafts"], c["mean_acceptance_length"]
@@ -567,7 +577,7 @@ def cudagraph_metrics_line(metrics_text: str) -> str:
                  f"{c['spec_decode_num_accepted_tokens']} accepted, mean acceptance length "
                  f"{'n/a' if length is None else f'{length:.2f}'}, per-position acceptance rate "
                  f"{', '.join(f'{r:.3f}' for r in rates) or 'n/a'}")
-    return line
+    return line, device_s
 
 
 def _log_capture(ready, serving_after_s: float) -> None:
