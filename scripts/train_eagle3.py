@@ -430,14 +430,29 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
             progress = min(1.0, elapsed / args.train_seconds)
             for g in opt.param_groups:
                 g["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-            ids, feats, probs, best, response = batch_targets(target, [train_seqs[i] for i in batch], aux_layers,
-                                                              draft_ids, device,
-                                                              cache.rows(batch) if cache is not None else None)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = ttt_logits(head, feats.float(), ids, args.ttt)
-                loss, stats = step_loss(logits, probs, best, response, in_draft, draft_ids)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            try:
+                ids, feats, probs, best, response = batch_targets(
+                    target, [train_seqs[i] for i in batch], aux_layers, draft_ids, device,
+                    cache.rows(batch) if cache is not None else None)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    logits = ttt_logits(head, feats.float(), ids, args.ttt)
+                    loss, stats = step_loss(logits, probs, best, response, in_draft, draft_ids)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            except torch.cuda.OutOfMemoryError:
+                if cache is None:
+                    raise
+                out_of_memory = True  # (the kept features leave a long batch too little room: they go)
+            else:
+                out_of_memory = False
+            if out_of_memory:
+                cache, cache_report["dropped_at_step"] = None, step
+                opt.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log(f"out of device memory at step {step} with the target's features kept: they are dropped, the "
+                    f"target runs every batch from here (a smaller --feature-cache-gib keeps none)")
+                continue
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             step += 1

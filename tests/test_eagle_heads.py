@@ -412,6 +412,42 @@ def test_the_trainers_kept_features_give_the_batches_the_target_gives(target, ca
                                                                               tokens_per_batch=400)) is not None
 
 
+def test_the_trainer_drops_its_kept_features_when_a_batch_runs_out_of_device_memory(target, capsys, monkeypatch):
+    """A batch that runs out of device memory with the target's features kept drops them (logged, in the report)
+    and training goes on, the target running every batch; out of memory without them is the error it is."""
+    import argparse
+
+    trainer, seqs = _trainer_and_continuations(5, 8)
+    draft_ids = trainer.draft_vocabulary(seqs, 256, TARGET.vocab_size)
+    head = trainer.build_head(target, draft_ids, torch.device("cpu"))
+    real = trainer.ttt_logits
+
+    def out_of_memory_at(*failing: int):
+        """ttt_logits, raising CUDA's out-of-memory error at the ``failing`` calls (1-based)."""
+        calls = []
+
+        def ttt_logits(*args):
+            calls.append(1)
+            if len(calls) in failing:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+            return real(*args)
+        return ttt_logits, calls
+
+    args = argparse.Namespace(lr=3e-3, ttt=2, tokens_per_batch=400, feature_cache_gib=1.0, train_seconds=2.0,
+                              seed=0, validate_seconds=0.0)
+    stand_in, calls = out_of_memory_at(3)
+    monkeypatch.setattr(trainer, "ttt_logits", stand_in)
+    report = trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
+    assert report["feature_cache"]["dropped_at_step"] == 2 and report["steps"] >= 4
+    assert "out of device memory at step 2 with the target's features kept" in capsys.readouterr().out
+    stand_in, calls = out_of_memory_at(3, 6)
+    monkeypatch.setattr(trainer, "ttt_logits", stand_in)
+    args.train_seconds = 300.0
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # (the second, with nothing left to drop)
+        trainer.train(head, target, seqs, seqs, draft_ids, args, torch.device("cpu"))
+    assert len(calls) == 6
+
+
 def test_the_trainer_keeps_the_head_that_scored_best_on_its_validation_prompts(target):
     """``--validation-prompts N --validate-seconds S``: the head is measured on prompts kept out of training every S
     seconds and at the end, and the one that scored best (top-1 agreement per TTT step weighed as the loss weighs
