@@ -203,6 +203,8 @@ def markdown(rows: list[dict]) -> str:
             notes.append(f"K {r['chosen_k']}")
         if r.get("vs_best_fixed") is not None:
             notes.append(f"{r['vs_best_fixed']:.2f}x {r['best_fixed']}")
+        if r.get("vs_default_head") is not None:
+            notes.append(f"{r['vs_default_head']:.2f}x default head")
         text = f"{r['output_tok_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
         return text + (f", {r['eager_steps']} eager" if r["eager_steps"] > 1 else "")
 
@@ -407,7 +409,23 @@ def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int
         row["vs_no_sd"] = round(statistics.median(ratios), 3)
     if k < 0:
         row.update(vs_fixed(servers, runs, i))
+    row.update(vs_default_head(servers, runs, i))
     return row
+
+
+def vs_default_head(servers: list[tuple], runs: list[list[dict]], i: int) -> dict:
+    """A server of a head given by directory (``METHOD@NAME``): its paired ratios, round by round, to the server of
+    the same method, K and policy with the default head (``vs_default_head_runs``, their median
+    ``vs_default_head``): whether a retrained head beats the shipped one, measured as ``vs_no_sd`` is. {} for the
+    others, or where that server is not in the run."""
+    method, k, _, policy = servers[i]
+    base = method.partition("@")[0]
+    j = next((j for j, s in enumerate(servers) if (s[0], s[1], s[3]) == (base, k, policy)), None)
+    if base == method or j is None:
+        return {}
+    paired = [a["output_throughput"] / b["output_throughput"] for a, b in zip(runs[i], runs[j])]
+    return {"vs_default_head_runs": [round(r, 3) for r in paired],
+            "vs_default_head": round(statistics.median(paired), 3)}
 
 
 def vs_fixed(servers: list[tuple], runs: list[list[dict]], i: int) -> dict:

@@ -210,6 +210,24 @@ def test_an_auto_server_is_paired_with_every_fixed_k_round_by_round(spec):
     assert row["output_tok_s"] == 95.0 and "vs_fixed" not in spec.together_row(servers, runs, 2, 16, ARGS)
 
 
+def test_a_head_given_by_directory_is_paired_with_the_default_head_round_by_round(spec):
+    """``eagle3:3@DIR``'s rows carry the median over rounds of its tok/s over the default head's at the same K and
+    policy in the same round (``vs_default_head``): whether a retrained head beats the shipped one. No such row for
+    the default head's own servers, nor where the run has no default-head server at that K."""
+    e3 = {"method": "eagle3"}
+    head = dict(e3, model="/root/e3n/head")
+    servers = [("none", 0, None, "separate"), ("eagle3", 3, e3, "separate"),
+               ("eagle3@e3n-head", 3, head, "separate"), ("eagle3@e3n-head", 5, head, "separate")]
+    tok_s = {0: [50, 60, 62], 1: [80, 100, 90], 2: [84, 101, 99], 3: [85, 99, 97]}
+    runs = [[bench_result(10 * t, 10.0) for t in tok_s[i]] for i in range(len(servers))]
+    row = spec.together_row(servers, runs, 2, 16, ARGS)
+    assert row["vs_default_head_runs"] == [1.05, 1.01, 1.1] and row["vs_default_head"] == 1.05
+    assert row["method"] == "eagle3@e3n-head" and row["k"] == 3
+    assert "vs_default_head" not in spec.together_row(servers, runs, 1, 16, ARGS)
+    assert "vs_default_head" not in spec.together_row(servers, runs, 3, 16, ARGS)  # (no default head at K = 5)
+    assert "1.05x default head" in spec.markdown([spec.together_row(servers, runs, i, 16, ARGS) for i in range(3)])
+
+
 def test_an_auto_servers_tier_changes_go_into_each_rows_record(spec, tmp_path):
     """``tier_changes``: the log's "speculative tiers changed" lines after those already in a row (each row the changes
     of its own concurrency), at most ``TIER_LINES_KEPT`` of the newest; a missing log gives none."""
