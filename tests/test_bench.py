@@ -614,3 +614,19 @@ def test_the_front_end_benchmark_streams_through_the_real_front_end(bpe, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     median = json.loads(out.read_text())["median"]
     assert median["output_tok_s"] > 0 and median["cpu_us_per_event"] > 0
+
+
+def test_the_training_step_benchmark_times_both_ways_of_getting_the_targets_features(tmp_path):
+    """``benchmarks/bench_train_step.py`` (docs/bench/train_step_cpu.json) runs the trainer's step end to end on a
+    small target, with the target run for each batch and with its features kept, and reports both and their
+    ratio."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "train_step.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_train_step.py"), "--model",
+                           "tiny-dense", "--device", "cpu", "--sequences", "4", "--seq-len", "48",
+                           "--tokens-per-batch", "128", "--draft-vocab", "64", "--ttt", "2", "--steps", "1", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"target_runs", "features_kept"} and result["speedup"] > 0
+    assert all(parts["step_s"] >= parts["head_s"] > 0 for parts in result["modes"].values())
