@@ -4,7 +4,8 @@
 # root with C set to the commit:
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_train_head.sh 1
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2
-#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; the trainer started)
+#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; a training step
+#           timed both ways, bench_train_step.py; the trainer started)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; head, JSON, data back)
 #   call 5: carry [".gpu_tools"]                                           ... 5   (both heads served, 1 and 16 streams)
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which call 3 does not carry).
@@ -17,6 +18,8 @@ case "${1:-}" in
   2) bash scripts/gpu_chain.sh 2 ;;
   3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"
+     part trainstep 150 python benchmarks/bench_train_step.py --device cuda --out "$R/train_step_h200.json"
+     finish
      export KEEP_GPU_PROCS=1
      mkdir -p "$OUTDIR" && rm -rf /root/e3src && cp -r . /root/e3src && cd /root/e3src || exit 1
      setsid nohup python scripts/train_eagle3.py --data .gpu_data/sharegpt.json --out "$OUTDIR" --samples 20 \
@@ -24,7 +27,7 @@ case "${1:-}" in
        --validate-seconds 60 --train-seconds "${TRAIN_S:-480}" --lr "${LR:-3e-4}" \
        --init-head models/heads/smollm2-135m-instruct-eagle3 --seed 1 --kv-cache-gib 12 \
        --save-data "$OUTDIR/seqs.npz" --eval-k 3,5 > "$OUTDIR.log" 2>&1 < /dev/null &
-     for _ in $(seq 1 110); do sleep 5; [ -f "$OUTDIR/train_eagle3.json" ] && break; done
+     for _ in $(seq 1 80); do sleep 5; [ -f "$OUTDIR/train_eagle3.json" ] && break; done
      tail -5 "$OUTDIR.log"; nvidia-smi --query-gpu=memory.used --format=csv ;;
   4) for _ in $(seq 1 110); do grep -q '"total_seconds"' "$OUTDIR/train_eagle3.json" 2>/dev/null && break; sleep 5; done
      mkdir -p "$OUT/e3n" && cp -r "$OUTDIR/head" "$OUTDIR/train_eagle3.json" "$OUTDIR.log" "$OUT/e3n/" 2>/dev/null
