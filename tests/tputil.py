@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import traceback
+import uuid
 
 
 def _rank_main(fn, rank: int, size: int, init_file: str, queue, args) -> None:
@@ -51,7 +52,9 @@ def run_ranks(fn, size: int, tmp_dir: str, *args, timeout_s: float = 120.0) -> l
     is re-raised here as a RuntimeError carrying its traceback."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    init_file = os.path.join(tmp_dir, f"tp-init-{os.getpid()}-{id(fn)}")
+    # (a rendezvous file of its own each call: two runs of one function in one test shared one, and the second
+    # group's rank 0 could read the first group's rank 1 address from it, gone by then: refused, then a timeout)
+    init_file = os.path.join(tmp_dir, f"tp-init-{uuid.uuid4().hex}")
     procs = [ctx.Process(target=_rank_main, args=(fn, r, size, init_file, queue, args)) for r in range(size)]
     for p in procs:
         p.start()
