@@ -66,13 +66,11 @@ def run(args) -> dict:
             sync(device)
             t0 = time.perf_counter()
             features = cache.rows(batch) if mode == "features_kept" else None
-            ids, feats, probs, best, response = trainer.batch_targets(target, [seqs[j] for j in batch], aux_layers,
-                                                                      draft_ids, device, features)
+            inputs = trainer.batch_targets(target, [seqs[j] for j in batch], aux_layers, draft_ids, device,
+                                           features)
             sync(device)
             t1 = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = trainer.ttt_logits(head, feats.float(), ids, args.ttt)
-                loss, _ = trainer.step_loss(logits, probs, best, response, in_draft, draft_ids)
+            loss, _ = trainer.ttt_loss(head, inputs, args.ttt, in_draft, draft_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

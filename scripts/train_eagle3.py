@@ -353,6 +353,14 @@ def step_loss(logits: list[torch.Tensor], probs, best, response, in_draft: torch
     return loss, stats
 
 
+def ttt_loss(head: EagleHead, inputs: tuple, num_steps: int, in_draft: torch.Tensor, draft_ids: torch.Tensor):
+    """``step_loss`` of the head's training-time test over one batch's ``batch_targets`` (bfloat16 autocast on a
+    GPU): (weighted loss, per-step (correct, counted))."""
+    ids, feats, probs, best, response = inputs
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        return step_loss(ttt_logits(head, feats.float(), ids, num_steps), probs, best, response, in_draft, draft_ids)
+
+
 def build_head(target, draft_ids: torch.Tensor, device) -> EagleHead:
     """A fresh EAGLE-3 head in float32 (master weights): random layer, norms at 1, LM head the target's rows for the
     draft vocabulary."""
@@ -431,12 +439,9 @@ def train(head, target, train_seqs, held_seqs, draft_ids, args, device, val_seqs
             for g in opt.param_groups:
                 g["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
             try:
-                ids, feats, probs, best, response = batch_targets(
-                    target, [train_seqs[i] for i in batch], aux_layers, draft_ids, device,
-                    cache.rows(batch) if cache is not None else None)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    logits = ttt_logits(head, feats.float(), ids, args.ttt)
-                    loss, stats = step_loss(logits, probs, best, response, in_draft, draft_ids)
+                inputs = batch_targets(target, [train_seqs[i] for i in batch], aux_layers, draft_ids, device,
+                                       cache.rows(batch) if cache is not None else None)
+                loss, stats = ttt_loss(head, inputs, args.ttt, in_draft, draft_ids)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             except torch.cuda.OutOfMemoryError:
@@ -479,11 +484,8 @@ def evaluate(head, target, seqs, draft_ids, in_draft, args, device) -> list[floa
     """Per TTT step, top-1 agreement with the target's greedy token on held-out sequences."""
     totals = [[0, 0] for _ in range(args.ttt)]
     for batch in batches(seqs, args.tokens_per_batch, random.Random(0)):
-        ids, feats, probs, best, response = batch_targets(target, [seqs[i] for i in batch], head.shape.aux_layers,
-                                                          draft_ids, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = ttt_logits(head, feats.float(), ids, args.ttt)
-            _, stats = step_loss(logits, probs, best, response, in_draft, draft_ids)
+        inputs = batch_targets(target, [seqs[i] for i in batch], head.shape.aux_layers, draft_ids, device)
+        _, stats = ttt_loss(head, inputs, args.ttt, in_draft, draft_ids)
         for k, (c, n) in enumerate(stats):
             totals[k][0] += int(c)
             totals[k][1] += int(n)
