@@ -404,13 +404,18 @@ def together_row(servers: list[tuple], runs: list[list[dict]], i: int, conc: int
         row["chosen_k"] = chosen
     none = next((j for j, s in enumerate(servers) if s[0] == "none" and s[3] == policy), None)
     if none is not None and method != "none":
-        ratios = [b["output_throughput"] / n["output_throughput"] for b, n in zip(runs[i], runs[none])]
+        ratios = paired_ratios(runs[i], runs[none])
         row["vs_no_sd_runs"] = [round(r, 3) for r in ratios]
         row["vs_no_sd"] = round(statistics.median(ratios), 3)
     if k < 0:
         row.update(vs_fixed(servers, runs, i))
     row.update(vs_default_head(servers, runs, i))
     return row
+
+
+def paired_ratios(runs: list[dict], baseline_runs: list[dict]) -> list[float]:
+    """Each round's tok/s over the baseline server's in the same round (the servers' runs, round by round)."""
+    return [a["output_throughput"] / b["output_throughput"] for a, b in zip(runs, baseline_runs)]
 
 
 def vs_default_head(servers: list[tuple], runs: list[list[dict]], i: int) -> dict:
@@ -423,7 +428,7 @@ def vs_default_head(servers: list[tuple], runs: list[list[dict]], i: int) -> dic
     j = next((j for j, s in enumerate(servers) if (s[0], s[1], s[3]) == (base, k, policy)), None)
     if base == method or j is None:
         return {}
-    paired = [a["output_throughput"] / b["output_throughput"] for a, b in zip(runs[i], runs[j])]
+    paired = paired_ratios(runs[i], runs[j])
     return {"vs_default_head_runs": [round(r, 3) for r in paired],
             "vs_default_head": round(statistics.median(paired), 3)}
 
@@ -439,8 +444,7 @@ def vs_fixed(servers: list[tuple], runs: list[list[dict]], i: int) -> dict:
     ratios = {}
     for j, (method, k, _, pol) in enumerate(servers):
         if pol == policy and k >= 0 and j != i:
-            paired = [a["output_throughput"] / b["output_throughput"] for a, b in zip(runs[i], runs[j])]
-            ratios[label(method, k)] = round(statistics.median(paired), 3)
+            ratios[label(method, k)] = round(statistics.median(paired_ratios(runs[i], runs[j])), 3)
     if not ratios:
         return {}
     best = min(ratios, key=ratios.get)
