@@ -4,8 +4,8 @@
 # root with C set to the commit:
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_train_head.sh 1
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2
-#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; a training step
-#           timed both ways, bench_train_step.py; the trainer started)
+#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; the default
+#           model's GPU tests run, or with TRAINSTEP=1 a training step timed both ways; the trainer started)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; head, JSON, data back)
 #   call 5: carry [".gpu_tools"]                                           ... 5   (both heads served, 1 and 16 streams)
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which call 3 does not carry).
@@ -18,7 +18,16 @@ case "${1:-}" in
   2) bash scripts/gpu_chain.sh 2 ;;
   3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"
-     part trainstep 150 python benchmarks/bench_train_step.py --device cuda --out "$R/train_step_h200.json"
+     # the default model's GPU tests and its drafters' (tests/test_default_model_drafters.py runs on the device
+     # where there is one); TRAINSTEP=1 times a training step both ways instead (bench_train_step.py)
+     if [ -n "${TRAINSTEP:-}" ]; then
+       part trainstep 150 python benchmarks/bench_train_step.py --device cuda --out "$R/train_step_h200.json"
+     else
+       dm=tests/test_default_model.py
+       TAILN=14 part gputests 240 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
+         tests/test_default_model_drafters.py $dm::test_default_model_on_the_gpu_answers_like_the_cpu \
+         $dm::test_the_default_model_drafting_for_itself_on_the_gpu
+     fi
      finish
      export KEEP_GPU_PROCS=1
      mkdir -p "$OUTDIR" && rm -rf /root/e3src && cp -r . /root/e3src && cd /root/e3src || exit 1
