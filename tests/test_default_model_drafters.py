@@ -24,14 +24,14 @@ def chat(llm: LLM, texts: list[str], indices: list[int]) -> list[dict]:
 
 
 def test_the_shipped_head_accepts_drafts_on_held_out_prompts(texts):
-    """Measured for this sample (8 prompts, 96 tokens, on the CPU): 1.79 (the head before this one: 1.74); on the
-    50 held-out prompts at 256 tokens, served on an H200, 2.20 (models/heads/.../README.md). A random head would give
-    1.0."""
+    """Measured for this sample (8 prompts, 96 tokens, on the CPU): 1.95 (the heads before this one: 1.79, 1.74);
+    on the 50 held-out prompts at 256 tokens, served on an H200, 2.40 (models/heads/.../README.md). A random head
+    would give 1.0."""
     llm = LLM(max_num_seqs=16, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
     llm.generate(chat(llm, texts, HELD_OUT[:8]), SamplingParams(max_tokens=96))
     stats = llm.stats
     rates = stats.acceptance_rate_per_pos
-    assert stats.mean_acceptance_length >= 1.7, (stats.mean_acceptance_length, rates)
+    assert stats.mean_acceptance_length >= 1.85, (stats.mean_acceptance_length, rates)
     assert rates[0] > rates[1] > rates[2] > 0
 
 

@@ -11,7 +11,7 @@ from dispatcher.plan.errors import ConfigError
 
 DEFAULT_ACCEPTANCE_RATE = 0.6
 """The prior without ``acceptance_prior``: each draft accepted with 0.6 given the one before it was (p_j = 0.6^(j+1):
-mean acceptance length 2.18 at K = 3; the default model's shipped EAGLE-3 head measures 2.20 there)."""
+mean acceptance length 2.18 at K = 3; the default model's shipped EAGLE-3 head measures 2.40 there)."""
 PRIOR_WEIGHT = 32.0
 """Pseudo verify events of the prior at each position (a few steps of measured ones outweigh it)."""
 
