@@ -157,11 +157,13 @@ def _context_tiles(seq_len, q_len, row_lo, window, BLOCK_Q: tl.constexpr, BLOCK_
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_scale, window, softcap,
                  stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """One tile of keys start..start + BLOCK_N: scores, online softmax (log2 domain), the weighted values.
     MASKED: keys past kv_end are not loaded, and row r sees keys up to last_key[r] only (WINDOW: and past
     last_key[r] - window). K and V are converted to q's dtype (an FP8 cache); SOFTCAP: scores (in log2 units,
-    ``softcap`` too) become softcap * tanh(scores / softcap)."""
+    ``softcap`` too) become softcap * tanh(scores / softcap). DOT_PRECISION: tl.dot's input precision, "ieee" for
+    float32 queries (Triton's default there is TF32, whose 10-bit mantissa moved a float32 model's logits by ~1e-3)."""
     keys = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -176,7 +178,7 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_
     else:
         k = tl.load(ptrs)
         v = tl.load(ptrs + stride_kv_kind)
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     if MASKED:
@@ -189,7 +191,7 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, start, kv_end, last_key, qk_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -201,7 +203,7 @@ def _paged_attention_kernel(
     stride_bt, qk_scale, v_scale, window, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, KV head, context slice of the grid's third axis). Without SPLIT: the block's output
     rows; with: the slice's partial (unnormalized output, running max in log2 units, sum) for _merge_splits_kernel.
@@ -248,15 +250,15 @@ def _paged_attention_kernel(
     for t in range(lo, low):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
                                      softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
-                                     HEAD_DIM, True, WINDOW, SOFTCAP)
+                                     HEAD_DIM, True, WINDOW, SOFTCAP, DOT_PRECISION)
     for t in range(low, mid):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
                                      softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
-                                     HEAD_DIM, False, WINDOW, SOFTCAP)
+                                     HEAD_DIM, False, WINDOW, SOFTCAP, DOT_PRECISION)
     for t in range(mid, hi):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, bt_row, t * BLOCK_N, kv_end, last_key, qk_scale, window,
                                      softcap, stride_kv_kind, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N,
-                                     HEAD_DIM, True, WINDOW, SOFTCAP)
+                                     HEAD_DIM, True, WINDOW, SOFTCAP, DOT_PRECISION)
     acc = acc * v_scale
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -359,6 +361,12 @@ def eager_launch_shapes(num_heads: int, num_kv_heads: int, head_dim: int, max_nu
     return [(max_query_len, min(p, most), on) for max_query_len in by_tiles.values() for p in splits for on in pdl]
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The attention kernel's tl.dot input precision: IEEE for float32 (a float32 model computes in float32, as
+    torch's matmuls do with TF32 off, their default), TF32 (Triton's default, unused by 16-bit inputs) otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                             out: torch.Tensor, tiles: AttentionTiles | None = None,
                             num_kv_splits: int | None = None) -> Callable[..., None]:
@@ -386,7 +394,8 @@ def prepare_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     rest = (out, part_acc, part_ml, meta.block_table, meta.query_start, meta.seq_lens, meta.req_rows, meta.num_reqs,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1), meta.block_table.stride(0))
-    attend_consts = dict(consts, BLOCK_SIZE=block_size, SPLIT=splits > 1, num_stages=tiles.num_stages)
+    attend_consts = dict(consts, BLOCK_SIZE=block_size, SPLIT=splits > 1, DOT_PRECISION=dot_precision(q.dtype),
+                         num_stages=tiles.num_stages)
 
     def layer_args(layer: LayerAttention) -> tuple:
         return (scale * LOG2E * layer.k_scale, layer.v_scale, layer.window, layer.softcap * LOG2E)
