@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Auto tiers against every fixed K, served (issue 29), in four calls made within the machine's 30 s warm window, each
+# from the repository root with C set to the commit (the jobs run in the background: scripts/gpu_background.sh):
+#   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_auto_tiers.sh 1
+#           bench-moe (random weights, acceptance fixed at 3.0 of K = 7: the machinery) at 64-1024 streams
+#   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it)
+#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; bench-moe's results
+#           back; the default model with its shipped head, real acceptance: no SD, K = 3 / 4 / 5, auto up to 5,
+#           16-1024 streams, three rounds)
+#   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back;
+#           the default model's drafter tests and the float32 attention test on the GPU)
+# .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
+# Each JSON's rows carry vs_best_fixed (auto against the best fixed K, round by round): issue 29 asks 0.97x.
+set -uo pipefail
+kill_servers() {
+  pkill -f '[b]ench_spec_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
+}
+case "${1:-}" in
+  1) bash scripts/gpu_chain.sh 1
+     source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     mkdir -p /root/bg/moe
+     bg_start moe python benchmarks/bench_spec_gpu.py --data "$D" --model bench-moe --tokenizer "$T" \
+       --fixed-acceptance 3.0 --fixed-acceptance-of 7 --methods none,eagle3:1,eagle3:3,eagle3:auto7 \
+       --policies separate --concurrency 64,256,1024 --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
+       --out /root/bg/moe/spec_auto_moe_h200.json
+     bg_wait moe "${LIM:-200}" ;;
+  2) bash scripts/gpu_chain.sh 2
+     source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     bg_wait moe "${LIM:-300}" ;;
+  3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
+     source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     bg_wait moe 5
+     mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null
+     kill_servers; mkdir -p /root/bg/dm
+     bg_start dm python benchmarks/bench_spec_gpu.py --data "$D" \
+       --methods none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 --policies separate --concurrency 16,64,256,1024 \
+       --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
+       --out /root/bg/dm/spec_auto_h200.json
+     bg_wait dm "${LIM:-540}"; ls "$OUT/x" ;;
+  4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     bg_wait dm "${LIM:-300}"
+     mkdir -p "$OUT/x"; cp /root/bg/dm.log /root/bg/dm/*.json "$OUT/x/" 2>/dev/null
+     kill_servers
+     TAILN=14 part gputests 240 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
+       tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32
+     finish ;;
+  *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4" >&2; exit 2 ;;
+esac
