@@ -106,6 +106,12 @@ def label(method: str, k: int) -> str:
     return "none" if method == "none" else f"{method}:auto{-k}" if k < 0 else f"{method}:{k}"
 
 
+def file_stem(policy: str, method: str, k: int) -> str:
+    """A server's name in its log, trace and bench files: ``separate-eagle3-k3``, ``separate-eagle3.e3n-head-k3``
+    for a head by directory (letters, digits, '.', '_' and '-' only: the device tool brings no other name back)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{policy}-{label(method, k).replace(':', '-k').replace('@', '.')}")
+
+
 def tiers_of(k: int) -> str | int:
     """A row's ``tiers``: ``auto`` or the fixed K (0: no speculation)."""
     return "auto" if k < 0 else k
@@ -272,7 +278,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
         if not concs:
             log(f"server {i}/{len(todo)} {name}: measured already")
             continue
-        stem = f"{policy}-{label(method, k).replace(':', '-k')}"
+        stem = file_stem(policy, method, k)
         log_path = os.path.join(out_dir, f"server-{stem}.log")
         cmd = serve_command(policy, spec, args.port, args, SERVED_NAME) + server_flags(args, spec, k, stem)
         log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
@@ -352,7 +358,7 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
     seen = [0] * len(servers)  # (each auto server's tier changes already in a row)
     try:
         for i, (method, k, spec, policy) in enumerate(servers):
-            stem = f"{policy}-{label(method, k).replace(':', '-k')}"
+            stem = file_stem(policy, method, k)
             cmd = (serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
                    + server_flags(args, spec, k, stem))
             logs.append(os.path.join(out_dir, f"server-{stem}.log"))
@@ -370,7 +376,7 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
                 for i in [(rnd + j) % len(servers) for j in range(len(servers))]:
                     method, k, _, policy = servers[i]
                     base = f"http://127.0.0.1:{args.port + i}"
-                    stem = f"{policy}-{label(method, k).replace(':', '-k')}-r{rnd}"
+                    stem = f"{file_stem(policy, method, k)}-r{rnd}"
                     runs[i].append(run_bench(base, conc, stem, os.path.join(out_dir, "bench"), args, procs[i].pid,
                                              SERVED_NAME, warmups=None if rnd == 0 else 0))
             for i, (method, k, spec, policy) in enumerate(servers):

@@ -518,7 +518,7 @@ def test_static_padded_path_through_the_kernels_matches_eager(model_name):
 def test_fp8_activation_quantization_matches_torch(rows, cols, group):
     """Dynamic FP8 quantization per token (or per token and group of columns): the Triton kernel gives the torch
     path's scales and e4m3 values; dequantized, every value is within half an e4m3 step of the input."""
-    from models.fp8 import dequantize, quantize_rows
+    from models.fp8 import quantize_rows
 
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(DEV, DT) * 3
     q, s = quantize_rows(x, group)

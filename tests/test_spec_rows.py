@@ -56,6 +56,9 @@ def test_method_names(spec):
         "eagle3@e3_new-head", 3, {"method": "eagle3", "num_speculative_tokens": 3, "model": "/root/e3 new/head"})
     method, k, config = spec.parse_method("eagle3:auto5@heads/b/")
     assert (spec.label(method, k), config["model"]) == ("eagle3@heads-b:auto5", "heads/b/")
+    assert spec.file_stem("separate", method, k) == "separate-eagle3.heads-b-kauto5"
+    assert spec.file_stem("separate", "eagle3@e3_new-head", 3) == "separate-eagle3.e3_new-head-k3"
+    assert spec.file_stem("vllm", "none", 0) == "vllm-none"
     for bad in ("ngram:3@/root/h", "eagle3:3@", "none@/root/h"):
         with pytest.raises(ValueError):
             spec.parse_method(bad)
