@@ -8,9 +8,13 @@
 #           model's GPU tests run, or with TRAINSTEP=1 a training step timed both ways; the trainer started)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; head, JSON, data back)
 #   call 5: carry [".gpu_tools"]                                           ... 5   (both heads served, 1 and 16 streams)
+# A machine gone cold after call 4 (a later call answers warm: false) has lost the GGUF and the head: put the head
+# call 4 brought back into an ignored folder of the tree, carry it (and the GGUF's pieces, scripts/gpu_chain.sh 1-3)
+# over again, copy it out of the tree, and run call 5 with HEAD_DIR set to that copy.
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which call 3 does not carry).
-# TRAIN_S (480) and LR (3e-4) set the run: the shipped head trained on over answers sampled anew (--seed 1: seed 0
-# would regenerate its own data). Ship the new head only where it beats the shipped one, paired round by round.
+# TRAIN_S (480), LR (3e-4) and SEED (2) set the run: the shipped head trained on over answers sampled anew (its two
+# runs used seeds 0 and 1: the same seed would regenerate data it was trained on). Ship the new head only where it
+# beats the shipped one, paired round by round (bench_spec_gpu's vs_default_head).
 set -uo pipefail
 OUTDIR=/root/e3n
 case "${1:-}" in
@@ -34,7 +38,7 @@ case "${1:-}" in
      setsid nohup python scripts/train_eagle3.py --data .gpu_data/sharegpt.json --out "$OUTDIR" --samples 20 \
        --temperatures 0.3,0.5,0.7,0.9 --follow-ups 3 --follow-up-samples 4 --validation-prompts 25 \
        --validate-seconds 60 --train-seconds "${TRAIN_S:-480}" --lr "${LR:-3e-4}" \
-       --init-head models/heads/smollm2-135m-instruct-eagle3 --seed 1 --kv-cache-gib 12 \
+       --init-head models/heads/smollm2-135m-instruct-eagle3 --seed "${SEED:-2}" --kv-cache-gib 12 \
        --save-data "$OUTDIR/seqs.npz" --eval-k 3,5 > "$OUTDIR.log" 2>&1 < /dev/null &
      for _ in $(seq 1 80); do sleep 5; [ -f "$OUTDIR/train_eagle3.json" ] && break; done
      tail -5 "$OUTDIR.log"; nvidia-smi --query-gpu=memory.used --format=csv ;;
@@ -42,9 +46,11 @@ case "${1:-}" in
      mkdir -p "$OUT/e3n" && cp -r "$OUTDIR/head" "$OUTDIR/train_eagle3.json" "$OUTDIR.log" "$OUT/e3n/" 2>/dev/null
      cp "$OUTDIR/seqs.npz" "$OUT/" 2>/dev/null
      tail -12 "$OUTDIR.log"; ls -la "$OUT" "$OUT/e3n" ;;
-  5) source scripts/gpu_session.sh "${C:?set C to the commit}"
+  5) head=${HEAD_DIR:-$OUTDIR/head}
+     [ -f "$head/model.safetensors" ] || { echo "no head in $head: the machine went cold after call 4?" >&2; exit 1; }
+     source scripts/gpu_session.sh "${C:?set C to the commit}"
      part heads 560 python benchmarks/bench_spec_gpu.py --data "$D" --methods \
-       "none,eagle3:3,eagle3:3@$OUTDIR/head,eagle3:5,eagle3:5@$OUTDIR/head" --policies separate --concurrency 1,16 \
+       "none,eagle3:3,eagle3:3@$head,eagle3:5,eagle3:5@$head" --policies separate --concurrency 1,16 \
        --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 --out "$R/spec_heads_h200.json"
      finish ;;
   *) echo "usage: C=<commit> bash scripts/gpu_train_head.sh 1|2|3|4|5" >&2; exit 2 ;;
