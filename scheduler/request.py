@@ -14,6 +14,9 @@ MAX_LOGPROBS = 20
 """Top log-probabilities per output token at most (vLLM's default max_logprobs, OpenAI's limit)."""
 MAX_N = 256
 """Choices per request at most (``n``: each one a request of its own in the engine)."""
+MAX_TOP_K = 2**31 - 1
+"""``top_k`` at most (any value from the vocabulary's size up keeps every token, as 0 does; the bound keeps it an
+integer the worker's tables hold)."""
 MAX_TEMPERATURE = 2.0
 """vLLM's and OpenAI's upper bound."""
 MAX_ALLOWED_TOKEN_IDS = 1024
@@ -138,8 +141,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise RequestError(f"top_k must be an integer in 0..{MAX_TOP_K} (0: no top-k), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         for t in self.stop_token_ids:

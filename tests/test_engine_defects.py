@@ -369,3 +369,20 @@ def test_a_failed_step_forgets_its_requests_prompt_logprobs():
     assert rid in core._prompt_logprobs
     assert core.fail_step(core.schedule()) == [rid] and not core.has_unfinished()
     assert not core._prompt_logprobs
+
+
+def test_a_top_k_beyond_the_workers_integers_is_refused_and_the_running_requests_go_on():
+    """top_k = 2^63 passed the checks (>= 0) and failed the next step in the worker (an int64 table), with every
+    request in it: found by a hostile-input probe of `twogrid serve`. Refused now, naming the field and its limit."""
+    e = engine()
+    running = e.add_request([5, 6, 7] * 3, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, top_k=5))
+    e.step()
+    for top_k in (2**63, 2**31, -1):
+        with pytest.raises(RequestError, match=r"top_k must be an integer in 0\.\.2147483647"):
+            e.add_request([5, 6], SamplingParams(max_tokens=2, temperature=1.0, top_k=top_k))
+    kept = e.add_request([5, 6], SamplingParams(max_tokens=2, temperature=1.0, top_k=2**31 - 1))  # keeps every token
+    done = {}
+    while e.has_unfinished():
+        for out in e.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert len(done[running]) == 5 and len(done[kept]) == 2

@@ -502,6 +502,8 @@ BAD_REQUESTS = [
     ("temperature too high", {"prompt": "hi", "temperature": 2.5}, "temperature", "<= 2.0"),
     ("top_p zero", {"prompt": "hi", "top_p": 0}, "top_p", "> 0.0"),
     ("seed beyond int64", {"prompt": "hi", "seed": 2**64}, "seed", "<="),
+    ("top_k beyond int32", {"prompt": "hi", "top_k": 2**63, "temperature": 1}, "top_k", "<= 2147483647"),
+    ("top_k beyond uint64", {"prompt": "hi", "top_k": 2**64 + 5, "temperature": 1}, "top_k", "<="),
     ("logprobs too many", {"prompt": "hi", "logprobs": 21}, "logprobs", "<= 20"),
     ("n = 2 greedy", {"prompt": "hi", "n": 2, "temperature": 0}, "n", "greedy"),
     ("n = 0", {"prompt": "hi", "n": 0}, "n", ">= 1"),

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from scheduler.request import MAX_LOGPROBS, MAX_N
+from scheduler.request import MAX_LOGPROBS, MAX_N, MAX_TOP_K
 from scheduler.structured import StructuredOutputError, StructuredOutputsParams
 
 log = logging.getLogger("twogrid.serve")
@@ -131,7 +131,7 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """>= 1 (0 with ``echo``: the prompt alone)."""
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] | None = None
     """vLLM's extension; -1 and 0 disable it."""
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
