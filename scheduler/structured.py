@@ -29,8 +29,13 @@ MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_VALUES = 4096
 """Enumerated values (``enum`` entries, ``const``s) in one schema, or ``choice`` strings: 20,000 enum values took
 1.7 s to compile, 4096 about 0.3 s."""
-MAX_SCHEMA_PROPERTIES = 5000
-"""Object properties in one schema, all objects together (OpenAI's limit)."""
+MAX_SCHEMA_PROPERTIES = 256
+"""Object properties in one schema, all objects together, counted where the document writes them (a ``$ref`` to a
+definition counts the definition once, as xgrammar compiles it once). xgrammar's compiled grammar grows with their
+count squared, whatever the shape (flat, nested, in ``anyOf`` branches or array items; ~600 bytes a pair on
+SmolLM2's vocabulary): 256 gave 40-56 MB, 1,000 646 MB, 2,000 in ``anyOf`` branches ran this 24 GiB machine out of
+memory, and 3,000 in one object got the engine killed at 18.5 GB, its compile thread running on past the compile
+timeout (which refuses the request, but cannot stop the compile). OpenAI allows 5,000."""
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -151,4 +156,5 @@ def check_schema(field: str, doc) -> None:
         if values > MAX_SCHEMA_VALUES:
             raise StructuredOutputError(f"{field} enumerates more than {MAX_SCHEMA_VALUES} values (enum, const)")
         if properties > MAX_SCHEMA_PROPERTIES:
-            raise StructuredOutputError(f"{field} has more than {MAX_SCHEMA_PROPERTIES} object properties")
+            raise StructuredOutputError(f"{field} has more than {MAX_SCHEMA_PROPERTIES} object properties (all its "
+                                        f"objects together; the compiled grammar grows with their count squared)")

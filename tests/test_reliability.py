@@ -665,6 +665,10 @@ def test_hostile_structured_requests_are_refused_or_bounded(text_server):
             f"p{i}": {"type": "string", "description": "x" * 40} for i in range(3000)}})}, "response_format",
          "characters; at most"),
         ({"response_format": json_schema(_nested_schema(100))}, "response_format", "nests deeper than 64"),
+        ({"response_format": json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in
+                                                                           range(3000)},
+                                          "required": [f"p{i}" for i in range(3000)]})},  # (the engine's OOM, once)
+         "response_format", "more than 256 object properties"),
         ({"structured_outputs": {"choice": [str(i) for i in range(5000)]}}, "structured_outputs", "at most 4096"),
         ({"structured_outputs": {"regex": "[a-z]{1,100000}"}}, "structured_outputs", "at most 1000"),
         ({"guided_json": {"type": "object", "properties": {"a": {"pattern": "x{99999}"}}}}, "guided_json",

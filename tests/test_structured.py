@@ -22,8 +22,8 @@ from dispatcher.serve import protocol as P
 from dispatcher.serve.protocol import ApiError
 from dispatcher.serve.tools import PARSERS
 from scheduler.request import RequestError, SamplingParams
-from scheduler.structured import (MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES, MAX_SPEC_CHARS,
-                                  StructuredOutputsParams)
+from scheduler.structured import (MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_VALUES,
+                                  MAX_SPEC_CHARS, StructuredOutputsParams)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -108,7 +108,10 @@ def test_schema_limits_are_counted_without_recursion():
     ok.validate()
     for schema, words in [(nested(MAX_SCHEMA_DEPTH), "nests deeper"),
                           ({"anyOf": [{"enum": list(range(MAX_SCHEMA_VALUES // 2 + 1))}] * 2}, "enumerates"),
-                          ({"type": "object", "properties": {str(i): {} for i in range(5001)}}, "properties")]:
+                          ({"type": "object", "properties": {str(i): {} for i in range(MAX_SCHEMA_PROPERTIES + 1)}},
+                           "more than 256 object properties"),
+                          ({"anyOf": [{"type": "object", "properties": {str(i): {} for i in range(20)}}] * 13},
+                           "more than 256 object properties")]:
         with pytest.raises(ValueError, match=words):
             StructuredOutputsParams(json=json.dumps(schema)).validate()
     deep = "[" * 100_000 + "]" * 100_000
