@@ -162,6 +162,19 @@ class SamplingParams:
                 self.structured_outputs.validate()
             except StructuredOutputError as exc:
                 raise RequestError(str(exc)) from None
+            self._check_grammar_conflicts()
+
+    def _check_grammar_conflicts(self) -> None:
+        """``min_tokens`` and ``allowed_token_ids`` beside a grammar: where they forbid every token the grammar
+        allows (its end before min_tokens, its next token outside the allowed ones), no token is left to sample, and
+        the request would go on unconstrained, its output breaking the constraint; so the pair is refused."""
+        where = self.structured_outputs.where
+        if self.min_tokens:
+            raise RequestError(f"min_tokens cannot be combined with structured outputs ({where}): the grammar "
+                               f"decides where the output ends, and one ending sooner would leave no token to sample")
+        if self.allowed_token_ids is not None:
+            raise RequestError(f"allowed_token_ids cannot be combined with structured outputs ({where}): the "
+                               f"grammar decides which tokens may come next; constrain them in it instead")
 
     def _validate_extras(self, vocab_size: int | None, eos_token_ids: Iterable[int]) -> None:
         """n, min_p, the penalties, min_tokens, logit_bias, allowed_token_ids, bad words, prompt_logprobs: vLLM's

@@ -531,6 +531,11 @@ BAD_REQUESTS = [
     ("stop of a wrong type", {"prompt": "hi", "stop": [1]}, "stop[0]", "str"),
     ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}},
      "stream_options", "stream"),
+    ("min_tokens beside a grammar", {"prompt": "hi", "min_tokens": 10, "guided_json": {"type": "string",
+                                                                                     "maxLength": 2}},
+     "min_tokens", "guided_json"),
+    ("allowed_token_ids beside a grammar", {"prompt": "hi", "allowed_token_ids": [5], "guided_choice": ["yes"]},
+     "allowed_token_ids", "structured outputs (guided_choice)"),
 ]
 
 
