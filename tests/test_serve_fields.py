@@ -104,6 +104,12 @@ def test_echo_and_prompt_logprobs_in_vllms_shape():
             body = await r.json()
             assert body["choices"][0]["text"] == "Hey"
             assert c.engine.requests[body["id"]][2].max_tokens == 1
+            assert body["usage"]["completion_tokens"] == 0 and body["usage"]["total_tokens"] == 4  # (the one left out)
+            r = await c.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 0, "echo": True, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+            events = (await sse(r))[:-1]
+            assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "Hey"
+            assert events[-1]["usage"]["completion_tokens"] == 0
             # streamed: the first chunk carries the prompt
             r = await c.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 2, "echo": True, "stream": True})
             events = (await sse(r))[:-1]

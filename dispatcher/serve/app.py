@@ -205,6 +205,11 @@ class _Request:
     """Chat with tools whose calls are parsed out of each choice's output (tool_choice auto with a parser, required,
     named)."""
 
+    def usage(self) -> P.Usage:
+        """The request's usage so far: an echo alone (``echo_only``) completed no tokens, whatever it generated."""
+        return P.usage(len(self.prompt_token_ids), 0 if self.echo_only else self.completion_tokens,
+                       self.num_cached_tokens)
+
 
 @dataclasses.dataclass(frozen=True)
 class _ToolUse:
@@ -633,7 +638,7 @@ class Server:
                 break
             delta = await anext(outputs)
         self._finished(r)
-        usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
+        usage = r.usage()
         prompt_lp = self._prompt_logprobs_json(r)
         if r.chat:
             choices = []
@@ -727,7 +732,7 @@ class Server:
     # -- stream chunks ------------------------------------------------------------------------------------------
     def _chunk_usage(self, r: _Request) -> P.Usage | None:
         if r.continuous_usage:
-            return P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
+            return r.usage()
         return None
 
     def _role_chunk(self, r: _Request, index: int) -> bytes:
@@ -783,7 +788,7 @@ class Server:
         return P.ChatDelta(content=content or None, tool_calls=deltas or None)
 
     def _usage_chunk(self, r: _Request) -> bytes:
-        usage = P.usage(len(r.prompt_token_ids), r.completion_tokens, r.num_cached_tokens)
+        usage = r.usage()
         if r.chat:
             return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [], usage))
         return P.sse(P.Completion(r.response_id, r.created, r.model, [], usage))
