@@ -133,16 +133,25 @@ def check_regex(field: str, pattern: str) -> None:
                                         f"{MAX_REGEX_REPEAT} is allowed")
 
 
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose value maps names to schemas (its keys are names, not keywords)."""
+_DATA = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose value is data, not a schema."""
+SCHEMA, NAMES, DATA = range(3)
+
+
 def check_schema(field: str, doc) -> None:
     """A JSON schema's (or structural tag's) nesting, enumerated values, properties and patterns within the
-    limits; iterative, so that no nesting reaches Python's recursion limit."""
+    limits, and no keyword that xgrammar would ignore; iterative, so that no nesting reaches Python's recursion
+    limit."""
     values = properties = 0
-    stack = [(doc, 1)]
+    stack = [(doc, 1, SCHEMA)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, kind = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise StructuredOutputError(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        if isinstance(node, dict):
+        if isinstance(node, dict) and kind == SCHEMA:
+            _check_keywords(field, node)
             enum = node.get("enum")
             values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
             props = node.get("properties")
@@ -150,11 +159,28 @@ def check_schema(field: str, doc) -> None:
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 check_regex(f"{field} (a pattern)", pattern)
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+            stack.extend((v, depth + 1, DATA if k in _DATA else NAMES if k in _NAME_MAPS else SCHEMA)
+                         for k, v in node.items() if isinstance(v, (dict, list)))
+        elif isinstance(node, (dict, list)):
+            inner = DATA if kind == DATA else SCHEMA
+            stack.extend((v, depth + 1, inner) for v in (node.values() if isinstance(node, dict) else node)
+                         if isinstance(v, (dict, list)))
         if values > MAX_SCHEMA_VALUES:
             raise StructuredOutputError(f"{field} enumerates more than {MAX_SCHEMA_VALUES} values (enum, const)")
         if properties > MAX_SCHEMA_PROPERTIES:
             raise StructuredOutputError(f"{field} has more than {MAX_SCHEMA_PROPERTIES} object properties (all its "
                                         f"objects together; the compiled grammar grows with their count squared)")
+
+
+def _check_keywords(field: str, node: dict) -> None:
+    """Keywords xgrammar compiles as if they were absent (allowing any value there): refused, not ignored."""
+    if "not" in node:
+        raise StructuredOutputError(f"{field}: 'not' is not supported (the grammar compiler would ignore it)")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        raise StructuredOutputError(f"{field}: 'allOf' of {len(all_of)} schemas is not supported, only of one (the "
+                                    f"grammar compiler would ignore it); merge them into one schema")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        raise StructuredOutputError(f"{field}: '$ref' {ref[:80]!r} is not supported, only references within the "
+                                    f"schema ('#/...'; the grammar compiler would ignore it)")

@@ -1242,3 +1242,21 @@ def test_the_graphs_bitmask_masks_as_xgrammars_kernel():
     xgrammar.apply_token_bitmask_inplace(theirs, bits, vocab_size=vocab)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs)) and torch.equal(ours[3], logits[3])
     assert 0 < int(torch.isinf(ours).sum()) < 4 * vocab
+
+
+def test_schema_keywords_the_compiler_would_ignore_are_refused_not_dropped():
+    """xgrammar compiles 'not', an 'allOf' of several schemas and a '$ref' outside the schema as if they were absent
+    (any JSON passes there): found by a hostile-input probe, where such schemas got a 200 and output that ignored
+    them. Refused, naming the keyword; the same words as property names, data or a one-schema allOf pass."""
+    refused = [({"not": {"type": "string"}}, "'not' is not supported"),
+               ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "integer"}]}}},
+                "'allOf' of 2 schemas"),
+               ({"anyOf": [{"$ref": "http://example.com/s.json"}]}, "only references within the schema")]
+    for schema, words in refused:
+        with pytest.raises(ValueError, match=words):
+            StructuredOutputsParams(json=json.dumps(schema)).validate()
+    fine = {"$defs": {"x": {"type": "integer"}}, "type": "object",
+            "properties": {"not": {"type": "string"}, "allOf": {"allOf": [{"$ref": "#/$defs/x"}]},
+                           "$ref": {"enum": [{"not": 1}, {"$ref": "http://x"}]}, "r": {"$ref": "#"}},
+            "default": {"allOf": [1, 2]}}
+    StructuredOutputsParams(json=json.dumps(fine)).validate()

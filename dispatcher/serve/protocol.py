@@ -361,10 +361,10 @@ def logit_bias(req: _SamplingRequest) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in req.logit_bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise ApiError(400, f"'logit_bias' has the key {key!r}; keys are token ids", param="logit_bias") from None
+        if not (key.isascii() and key.isdigit()):  # (int() would take " 42", "+7" and "1_0" too)
+            raise ApiError(400, f"'logit_bias' has the key {key!r}; keys are token ids (decimal digits)",
+                           param="logit_bias")
+        out[int(key)] = value
     return out
 
 
@@ -515,9 +515,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise ApiError(400, f"'messages[{i}].content[{j}]': only text parts are supported, got type "
                                         f"{part.type!r}", param=f"messages[{i}].content[{j}]")
+                if part.text is None:
+                    raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
+                                   param=f"messages[{i}].content[{j}].text")
                 texts.append(part.text)
             content = "\n".join(texts)
         msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
