@@ -162,6 +162,14 @@ def test_x_request_id_is_the_request_id():
                              headers={"X-Request-Id": "s-1"})
             events = await sse(r)
             assert r.headers["X-Request-Id"] == "s-1" and events[0]["id"] == "chatcmpl-s-1"
+            # an id of 5,000 characters would be every log line's and the engine's: refused, naming the header
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"X-Request-Id": "x" * 5000})
+            err = await error_of(r, 400)
+            assert err["param"] == "X-Request-Id" and "at most 256" in err["message"]
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"X-Request-Id": "y" * 256})
+            assert (await r.json())["id"] == "cmpl-" + "y" * 256
 
     run(go())
 

@@ -52,6 +52,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) ``max_tokens`` when a completion request leaves it out."""
 LOG_PROMPT_CHARS = 4096
 """With ``log_requests``, a prompt is logged up to this many characters."""
+MAX_REQUEST_ID_CHARS = 256
+"""A client's X-Request-Id at most (it becomes the response's id, the engine's, and every log line's)."""
 TOKENIZE_IN_THREAD_CHARS = 16384
 """Conversations longer than this are rendered through the chat template in a thread, so the event loop keeps
 streaming other requests (prompts are tokenized off the loop always: ``Tokenizing``)."""
@@ -357,6 +359,10 @@ class Server:
         reason = self._unavailable()
         if reason is not None:
             raise ApiError(503, reason, reason="unavailable")
+        given = request.headers.get("X-Request-Id")
+        if given is not None and len(given) > MAX_REQUEST_ID_CHARS:
+            raise ApiError(400, f"'X-Request-Id' has {len(given)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                           param="X-Request-Id")
         body = await self._read_body(request)
         req = P.decode_request(body, P.ChatCompletionRequest if chat else P.CompletionRequest)
         self._check_model(req.model)
@@ -365,7 +371,6 @@ class Server:
         prompt, ids = await self._tokenize(req, chat)
         params = self._sampling_params(req, len(ids), chat, tools.forced if tools is not None and tools.forced
                                        else structured)
-        given = request.headers.get("X-Request-Id")
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
         echo = bool(getattr(req, "echo", False))
         r = _Request(self._engine_id(response_id), response_id, given or response_id, chat,
