@@ -59,6 +59,12 @@ FUSED_KERNELS = {
     "_advance_inputs_kernel": ("i64 i64 i32", [dict(BLOCK=256)]),
     "_accept_kernel": ("i64 i64 i64 i64 i64 i64 i64 i64 i32", [dict(Q_PAD=q, W_PAD=8, GIVEN=g) for q in (1, 4, 8)
                                                               for g in (0, 1)]),
+    # (models/triton_attention.py's: float32 queries take tl.dot's IEEE precision, 16-bit ones its default)
+    "triton_attention._paged_attention_kernel": (
+        "fp32 fp32 fp32 fp32 fp32 i32 i32 i32 i32",
+        [dict(GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_Q=q, BLOCK_M=16, BLOCK_N=64, SPLIT=sp, ONE_QBLOCK=q == 4,
+              WINDOW=0, SOFTCAP=0, DOT_PRECISION=dp, PDL=1)
+         for q in (4, 5) for sp in (0, 1) for dp in ("ieee", "tf32")]),
     # (models/fp8.py's, named with their module)
     "fp8._rms_norm_quant_kernel": ("bf16 bf16 bf16 fp8e4nv bf16 fp32 fp32 fp32",
                                    [dict(HAS_RES=r, SCALED=sc, BLOCK=2048, PDL=1) for r in (0, 1) for sc in (0, 1)]),
@@ -89,7 +95,7 @@ def test_fused_kernels_build_for_hopper_on_the_cpu(name):
             continue
         arg = param.name
         signature[arg] = ("*" + next(kinds) if arg.endswith("_ptr") else "i64" if arg.startswith("stride")
-                          else "fp32" if arg in ("eps", "k_inv", "v_inv") else "i32")
+                          else "fp32" if arg in ("eps", "k_inv", "v_inv", "qk_scale", "v_scale", "softcap") else "i32")
     target = GPUTarget("cuda", 90, 32)
     backend = nvidia.CUDABackend(target)
     options = backend.parse_options({})
