@@ -24,6 +24,10 @@ MAX_REGEX_CHARS = 4096
 MAX_REGEX_REPEAT = 1000
 """The largest count a regular expression's ``{m,n}`` may name: xgrammar unrolls bounded repetitions, and
 ``[a-z]{1,100000}`` alone took 0.7 s to compile."""
+MAX_GRAMMAR_RULES = 512
+"""Rules of an EBNF grammar (``::=``): xgrammar's compiled grammar can grow with their count squared (a chain of
+rules each naming the next twice: 400 rules 8.6 MB, 800 36 MB, 1,200 82 MB; 2,000, about 60 KB of text, ran out of
+6 GB of address space)."""
 MAX_SCHEMA_DEPTH = 64
 """Nesting of a JSON schema's objects and arrays (a schema of 30 nested objects is about 60 deep)."""
 MAX_SCHEMA_VALUES = 4096
@@ -108,6 +112,9 @@ class StructuredOutputsParams:
             check_regex(field, value)
             return
         _check_size(field, len(value), MAX_SPEC_CHARS)
+        if kind == "grammar" and value.count("::=") > MAX_GRAMMAR_RULES:
+            raise StructuredOutputError(f"{field} has {value.count('::=')} rules; at most {MAX_GRAMMAR_RULES} are "
+                                        f"allowed")
         if kind in ("json", "structural_tag"):
             try:
                 doc = json.loads(value)

@@ -22,8 +22,8 @@ from dispatcher.serve import protocol as P
 from dispatcher.serve.protocol import ApiError
 from dispatcher.serve.tools import PARSERS
 from scheduler.request import RequestError, SamplingParams
-from scheduler.structured import (MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_VALUES,
-                                  MAX_SPEC_CHARS, StructuredOutputsParams)
+from scheduler.structured import (MAX_GRAMMAR_RULES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES,
+                                  MAX_SCHEMA_VALUES, MAX_SPEC_CHARS, StructuredOutputsParams)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -114,6 +114,10 @@ def test_schema_limits_are_counted_without_recursion():
                            "more than 256 object properties")]:
         with pytest.raises(ValueError, match=words):
             StructuredOutputsParams(json=json.dumps(schema)).validate()
+    chain = "\n".join(["root ::= r0"] + [f'r{i} ::= r{i + 1} | r{i + 1} "x"' for i in range(MAX_GRAMMAR_RULES)]
+                      + [f'r{MAX_GRAMMAR_RULES} ::= "a"'])
+    with pytest.raises(ValueError, match=f"has {MAX_GRAMMAR_RULES + 2} rules; at most {MAX_GRAMMAR_RULES}"):
+        StructuredOutputsParams(grammar=chain).validate()
     deep = "[" * 100_000 + "]" * 100_000
     with pytest.raises(ValueError):
         StructuredOutputsParams(structural_tag=deep).validate()
