@@ -402,13 +402,14 @@ def test_unreachable_server_is_one_line(capsys):
 @pytest.mark.parametrize("content, needle", [
     (None, "cannot read"),
     ("[{not json", "is not JSON"),
+    (b"\x94\xff[", "is not UTF-8 text"),
     ('{"conversations": []}', "holds a JSON dict, not a list"),
     ('[{"id": 1, "conversations": [{"from": "gpt", "value": "x"}]}, 3]', "none of its 2 entries"),
 ])
 def test_bad_dataset_is_one_line(content, needle, tmp_path, capsys):
     path = tmp_path / "data.json"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     assert bench("--base-url", f"http://127.0.0.1:{free_port()}", "--dataset-path", str(path)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and str(path) in err and "--dataset-path" in err

@@ -83,6 +83,9 @@ def test_replay_rejects_a_file_that_is_not_a_trace(tmp_path, capsys):
     assert "line 2: not a JSON step record" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    bad.write_bytes(first_record.encode() + b"\x94\xff binary\n")  # (a traceback before)
+    assert main(["replay", str(bad)]) == 2
+    assert "line 2: not UTF-8 text" in capsys.readouterr().err
 
 
 RUNTIME_JSON = os.path.join(os.path.dirname(__file__), "..", "docs", "bench", "runtime_h200.json")

@@ -31,6 +31,8 @@ def read_result_file(path: str) -> list[dict[str, Any]]:
         raise BenchError(f"--plot: cannot read {path!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise BenchError(f"--plot: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise BenchError(f"--plot: {path!r} is not UTF-8 text (byte {exc.start}), so not JSON") from None
     items = data if isinstance(data, list) else [data]
     for item in items:
         missing = [f for f in NEEDED if not isinstance(item, dict) or f not in item]

@@ -136,8 +136,12 @@ def read_traces(paths: str, flag: str) -> list[Any]:
 def read_trace(path: str) -> list[dict[str, Any]]:
     """The records of a step trace; TraceError naming the line for one that is not JSON."""
     records = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{path!r} line {number}: not UTF-8 text, so not a JSON step record") from None
             if line.strip():
                 try:
                     records.append(json.loads(line))

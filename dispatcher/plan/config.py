@@ -173,6 +173,8 @@ def load_json_file(path: str, flag: str) -> Any:
         raise ConfigError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag}: {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{flag}: {path!r} is not UTF-8 text (byte {exc.start}), so not JSON") from None
 
 
 def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
