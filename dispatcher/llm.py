@@ -52,6 +52,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int | None = None):
         """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
         (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
+        dtype = _check_options(dtype, block_size, enable_prefix_caching, seed)
         if model is None:
             from models.default_model import default_model_path
 
@@ -76,6 +77,9 @@ class LLM:
         limit, extra = max_model_len_limit(self.config, model_cfg.max_position_embeddings, block_size)
         if max_model_len is None:
             max_model_len = limit
+        elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ConfigError(f"max_model_len must be an integer >= 1 (None: the model's {limit}), got "
+                              f"{max_model_len!r}")
         elif max_model_len > limit:
             raise ConfigError(f"max_model_len = {max_model_len} exceeds the model's max_position_embeddings "
                               f"({model_cfg.max_position_embeddings}) less {extra} positions for drafts and lookahead")
@@ -263,3 +267,28 @@ def _kv_blocks(cfg, device: str, kv_dtype: torch.dtype, block_size: int, max_tok
         raise ConfigError(f"kv_cache_memory_gib = {gib:.3f} holds {blocks} KV blocks of {block_size} tokens, fewer "
                           f"than one request of max_model_len needs ({per_seq}); raise it or lower max_model_len")
     return blocks
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+"""``dtype`` as a name: the model dtypes the kernels and graphs are built for."""
+
+
+def _check_options(dtype, block_size, enable_prefix_caching, seed) -> torch.dtype | None:
+    """ConfigError naming the argument for a value of the wrong type or range (what torch or numpy would have
+    raised later without naming it, or a truthy string taken as True); ``dtype`` as a torch dtype (None: the
+    model's default)."""
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, 'auto' or a torch dtype, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    elif dtype == "auto":
+        dtype = None
+    if dtype is not None and dtype not in DTYPES.values():
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if not isinstance(enable_prefix_caching, bool):
+        raise ConfigError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    return dtype

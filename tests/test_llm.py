@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from dispatcher import LLM, SamplingParams  # noqa: E402
 from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS, AdmissionPace  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
+from dispatcher.plan.config import ConfigError  # noqa: E402
 from scheduler.request import RequestError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,3 +227,26 @@ def test_twogrid_generate_command(model_dir, capsys):
     assert len(capsys.readouterr().out.split()) == 3
     assert main(["generate", "--model", "no/such/dir", "hi"]) == 2
     assert "no such directory or file, and not a preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_model_len=0), "max_model_len must be an integer >= 1"),  # (0 was taken, -1 named num_kv_blocks)
+    (dict(max_model_len=-1), "max_model_len must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 1"),  # (a ZeroDivisionError)
+    (dict(dtype="float16"), "dtype must be one of bfloat16, float32"),  # (torch's TypeError)
+    (dict(dtype=torch.int8), "dtype must be one of bfloat16, float32"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),  # (truthy: caching on)
+    (dict(seed="x"), "seed must be an integer"),
+])
+def test_bad_arguments_are_named_before_anything_loads(kwargs, words):
+    """Found by a hostile-input probe of the offline API: each raised a library's error that named nothing, or
+    was taken as something else."""
+    with pytest.raises(ConfigError, match=words):
+        LLM("tiny-dense", **{**OPTIONS, **kwargs})
+
+
+def test_dtype_by_name_and_a_non_boolean_ignore_eos():
+    llm = LLM("tiny-dense", dtype="float32", **OPTIONS)
+    assert llm.engine.args.dtype == torch.float32
+    with pytest.raises(RequestError, match="ignore_eos must be true or false, got 'no'"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos="no"))

@@ -276,7 +276,7 @@ def _setup(args: argparse.Namespace):
     except ValueError as exc:
         raise ConfigError(f"--speculative-config: {exc}") from None
     limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size)
-    max_model_len = args.max_model_len or limit
+    max_model_len = limit if args.max_model_len is None else args.max_model_len  # (0 is refused, not "unset")
     if not 1 <= max_model_len <= limit:
         raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
                           f"positions less {extra} for drafts and lookahead), got {max_model_len}")
