@@ -164,7 +164,9 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--host", "no-such-host.invalid"], "--host: cannot listen on 'no-such-host.invalid': "),
     (["--stream-interval", "0"], "--stream-interval must be a token count >= 1, got 0"),
     (["--admission-wait-steps", "-2"], "--admission-wait-steps must be a step count >= 0, got -2"),
-    (["--max-model-len", "0"], "--max-model-len must be in 1.."),  # (0 read as "unset" served the full length)
+    (["--max-model-len", "0"], "--max-model-len must be in 1.."),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0, got -1"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),  # (0 read as "unset" served the full length)
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     """One line naming the flag, exit code 2, before any model is read (a preset here: nothing would be slow)."""

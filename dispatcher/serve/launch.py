@@ -210,6 +210,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise _cannot_listen(exc, args) from None
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    if not 0 <= args.shutdown_timeout < float("inf"):  # (NaN fails this too)
+        raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout:g}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     args.structured_compile_timeout_s = structured_outputs_config(args.structured_outputs_config)
