@@ -571,7 +571,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
-            outs = llm.generate([p if llm.tokenizer else [int(t) for t in p.split()] for p in args.prompt], params)
+            outs = llm.generate([p if llm.tokenizer else _token_ids(p, args.model) for p in args.prompt], params)
     except ValueError as exc:  # CheckpointError, RequestError, TemplateError, ConfigError: one line each
         print(f"twogrid generate: error: {exc}", file=sys.stderr)
         return 2
@@ -581,6 +581,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.verbose:
             print(f"[{len(c.token_ids)} tokens, finish reason {c.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _token_ids(prompt: str, model: str) -> list[int]:
+    """A prompt for a model without a tokenizer (a preset): token ids separated by spaces."""
+    try:
+        return [int(t) for t in prompt.split()]
+    except ValueError:
+        raise ValueError(f"{model!r} has no tokenizer: give each prompt as token ids separated by spaces "
+                         f"(such as '5 6 7'), got {prompt[:40]!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

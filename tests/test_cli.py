@@ -204,6 +204,13 @@ def test_generate_temperature_is_the_servers_range():
     assert rc == 2 and err.strip() == "twogrid generate: error: temperature must be in [0, 2], got 5.0"
 
 
+def test_generate_on_a_preset_asks_for_token_ids_by_name():
+    """A text prompt for a model without a tokenizer said "invalid literal for int() with base 10" (the CLI probe)."""
+    rc, out, err = run("generate", "--model", "tiny-dense", "--device", "cpu", "--max-tokens", "2", "Hello world")
+    assert rc == 2 and err.strip() == ("twogrid generate: error: 'tiny-dense' has no tokenizer: give each prompt as "
+                                       "token ids separated by spaces (such as '5 6 7'), got 'Hello world'")
+
+
 def test_cli_llm_and_serve_share_their_pieces_without_an_import_circle():
     """detect_platform, config_from_args, render_plan and generation_defaults live in dispatcher.configure, which
     imports none of cli, llm and serve.launch; the command line imports the other two (its subcommands), they
