@@ -207,10 +207,14 @@ def _plan_autotune(args: argparse.Namespace) -> int:
     padding = None
     if args.padding_trace:
         from dispatcher.engine.replay import record_shape
-        from dispatcher.engine.trace import read_traces
+        from dispatcher.engine.trace import TraceError, check_step_records, read_traces
 
-        shapes = [record_shape(r) for r in read_traces(args.padding_trace, "--padding-trace")
-                  if isinstance(r, dict) and "tokens" in r]
+        records = read_traces(args.padding_trace, "--padding-trace")
+        try:
+            check_step_records(records, repr(args.padding_trace))
+        except TraceError as exc:
+            raise ConfigError(f"--padding-trace: {exc}") from None
+        shapes = [record_shape(r) for r in records]
         padding = {name: expected_padding(shapes, plan, cost) for name, plan in plans.items()}
     graphs = {name: plan.num_graphs for name, plan in plans.items()}
     if args.json:
@@ -359,7 +363,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from dispatcher.engine.cost import PRESETS, StepCostModel, load_cost_table
     from dispatcher.plan.dispatch import dispatchers_for_plan
     from dispatcher.engine.replay import replay
-    from dispatcher.engine.trace import TraceError, read_trace
+    from dispatcher.engine.trace import TraceError, check_step_records, read_trace
 
     try:
         records = read_trace(args.trace)
@@ -370,12 +374,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not args.cost_table and args.cost_model not in (None, *PRESETS):
         raise ConfigError(f"--cost-model: {args.cost_model!r} is not a preset ({', '.join(PRESETS)}); a model of a "
                           f"runtime benchmark's JSON is read with --cost-table")
-    needed = {"kind", "requests", "tokens", "mode", "padded_tokens"}
-    for i, rec in enumerate(records, 1):
-        missing = needed - set(rec) if isinstance(rec, dict) else needed
-        if missing or not ("q" in rec or "query_len_hist" in rec):
-            raise ConfigError(f"replay: record {i} of {args.trace!r} is not a step record (missing "
-                              f"{', '.join(sorted(missing)) or 'q / query_len_hist'})")
+    try:
+        check_step_records(records, repr(args.trace))
+    except TraceError as exc:
+        raise ConfigError(f"replay: {exc}") from None
     if args.cost_table:
         costs = load_cost_table(args.cost_table, args.cost_model)
     else:

@@ -164,7 +164,7 @@ def test_expected_padding_prices_each_batch_on_its_graph():
     assert math.isclose(out["padding_ms"], round(T(4) - T(3), 3))
 
 
-def test_plan_autotune_prints_both_grids_counts_memory_and_padding():
+def test_plan_autotune_prints_both_grids_counts_memory_and_padding(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--platform", "sm100", "--autotune",
                           RUNTIME_H200, "--cost-model", "bench-moe", "--speculative-config",
                           '{"method": "eagle3", "num_speculative_tokens": 7}', "--padding-trace", TRACE],
@@ -183,3 +183,11 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding():
     bad = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--cost-model", "x"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
     assert bad.returncode != 0 and "--cost-model is for --autotune" in bad.stderr
+    for content, words in [("", "holds no step records"),  # (0 steps, exit 0 before)
+                           ('{"step": 1, "kind": "mixed", "tokens": 5}\n', "mode must be one of")]:  # (KeyError)
+        trace = tmp_path / "t.jsonl"
+        trace.write_text(content)
+        bad = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--platform", "sm100", "--autotune",
+                              RUNTIME_H200, "--cost-model", "bench-moe", "--padding-trace", str(trace)],
+                             capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert bad.returncode == 2 and words in bad.stderr and "--padding-trace" in bad.stderr, bad.stderr

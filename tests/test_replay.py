@@ -83,6 +83,14 @@ def test_replay_rejects_a_file_that_is_not_a_trace(tmp_path, capsys):
     assert "line 2: not a JSON step record" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    rec = json.loads(first_record)
+    for change, words in [({"mode": "TURBO"}, "mode must be one of FULL, PIECEWISE, NONE, got 'TURBO'"),
+                          ({"tokens": -50}, "tokens must be an integer >= requests, got -50"),
+                          ({"kind": "banana"}, "kind must be one of"),
+                          ({"requests": None}, "requests must be an integer >= 1, got None")]:
+        bad.write_text(first_record + json.dumps({**rec, **change}) + "\n")  # (tracebacks or nonsense before)
+        assert main(["replay", str(bad)]) == 2
+        assert f"record 2 of {str(bad)!r} is not a step record: {words}" in capsys.readouterr().err
     bad.write_bytes(first_record.encode() + b"\x94\xff binary\n")  # (a traceback before)
     assert main(["replay", str(bad)]) == 2
     assert "line 2: not UTF-8 text" in capsys.readouterr().err

@@ -95,6 +95,46 @@ class TraceError(ValueError):
     pass
 
 
+def check_step_records(records: list[Any], source: str) -> None:
+    """TraceError naming the record and the field for one that is not a step record ``step_record`` writes: its
+    kind and mode known, its counts positive integers, its query lengths (``q``, or a histogram) at least 1."""
+    if not records:
+        raise TraceError(f"{source} holds no step records")
+    for i, rec in enumerate(records, 1):
+        problem = _step_record_problem(rec)
+        if problem is not None:
+            raise TraceError(f"record {i} of {source} is not a step record: {problem}")
+
+
+def _step_record_problem(rec: Any) -> str | None:
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    modes = (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)
+    for field, ok, want in (("kind", rec.get("kind") in BATCH_KINDS, f"one of {', '.join(BATCH_KINDS)}"),
+                            ("mode", rec.get("mode") in modes, f"one of {', '.join(modes)}"),
+                            ("requests", _count(rec.get("requests"), 1), "an integer >= 1"),
+                            ("tokens", _count(rec.get("tokens"), max(1, _int_or(rec.get("requests"), 1))),
+                             "an integer >= requests"),
+                            ("padded_tokens", _count(rec.get("padded_tokens"), 0), "an integer >= 0")):
+        if not ok:
+            return f"{field} must be {want}, got {rec.get(field, 'nothing')!r}"
+    if "q" in rec:
+        return None if _count(rec["q"], 1) else f"q must be an integer >= 1, got {rec['q']!r}"
+    hist = rec.get("query_len_hist")
+    if not (isinstance(hist, dict) and hist
+            and all(k.isdigit() and int(k) >= 1 and _count(n, 1) for k, n in hist.items())):
+        return f"query_len_hist must map query lengths >= 1 to counts >= 1 (or q be given), got {hist!r}"
+    return None
+
+
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if _count(value, 0) else default
+
+
 class TraceWriter:
     """Appends step records to a file (SPEC section 7: every step appends one record), each stamped with ``t_s``:
     seconds since the writer opened when the step's result came back (gaps between steps show as gaps in t_s)."""
