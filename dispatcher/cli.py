@@ -47,6 +47,19 @@ def add_prefix_repetition_args(group, with_output_len: bool) -> None:
                            help="prefix_repetition dataset: max_tokens of every request (default: %(default)s)")
 
 
+def _check_saved_plan(runners: Any, path: str) -> None:
+    """A saved plan's graph sets as ``plan --json`` writes them; ConfigError naming the entry otherwise."""
+    if not isinstance(runners, list):
+        raise ConfigError(f"--diff: {path!r}: 'runners' must be a list of graph sets, got {type(runners).__name__}")
+    for i, g in enumerate(runners):
+        ok = (isinstance(g, dict) and isinstance(g.get("runner"), str) and isinstance(g.get("kind"), str)
+              and (g.get("q") is None or isinstance(g["q"], int)) and isinstance(g.get("sizes"), list)
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in g["sizes"]))
+        if not ok:
+            raise ConfigError(f"--diff: {path!r}: runners[{i}] must be a graph set {{runner, kind, q, sizes}} as "
+                              f"plan --json writes it, got {json.dumps(g)[:120]}")
+
+
 def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """A diff side: a saved ``plan --json`` output, or a config file {platform, max_num_seqs,
     max_num_batched_tokens, compilation_config, speculative_config} (missing keys take the command's flags)."""
@@ -54,6 +67,7 @@ def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"--diff: {path!r} must hold a JSON object (a plan or a config)")
     if "runners" in data:
+        _check_saved_plan(data["runners"], path)
         return data
     known = {"platform", "max_num_seqs", "max_num_batched_tokens", "compilation_config", "speculative_config"}
     unknown = sorted(set(data) - known)

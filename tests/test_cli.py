@@ -90,6 +90,11 @@ def test_diff_names_a_bad_file(tmp_path):
     bad.write_text('{"compilation_config": {}, "max_num_seq": 3}')
     rc, _, err = run("plan", "--diff", str(bad), str(bad))
     assert rc == 2 and "unknown key 'max_num_seq'" in err
+    for runners, words in [('"x"', "'runners' must be a list of graph sets, got str"),  # (tracebacks before)
+                           ('[{"runner": "target"}]', "runners[0] must be a graph set {runner, kind, q, sizes}")]:
+        bad.write_text('{"runners": ' + runners + "}")
+        rc, _, err = run("plan", "--diff", str(bad), str(bad))
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_matrix_sweeps_the_issue_grid(capsys):
