@@ -171,6 +171,9 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--admission-wait-steps", "-2"], "--admission-wait-steps must be a step count >= 0, got -2"),
     (["--max-model-len", "0"], "--max-model-len must be in 1.."),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0, got -1"),
+    (["--step-trace", "/tmp"], "--step-trace: '/tmp' is a directory"),  # (a traceback once the model loaded)
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
+     "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),  # (0 read as "unset" served the full length)
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
@@ -178,6 +181,15 @@ def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.strip().startswith(f"twogrid serve: error: {line}"), err
+
+
+def test_a_draft_head_refused_by_the_worker_is_one_line_without_a_traceback():
+    """A head directory that is not there is found by the worker as it loads: its error (a ValueError naming the
+    setting) is logged as one line, not under a traceback (the CLI probe saw a multi-frame trace first)."""
+    rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", "--speculative-config",
+                       '{"method": "eagle3", "num_speculative_tokens": 3, "model": "/nonexistent/head"}')
+    assert rc != 0 and "Traceback" not in err, err
+    assert "worker start-up failed: DraftHeadError: --speculative-config model '/nonexistent/head'" in err, err
 
 
 def test_serve_refuses_a_port_in_use_before_anything_starts():

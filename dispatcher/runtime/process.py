@@ -375,7 +375,10 @@ def serve(ipc_dir: str) -> int:
         worker.fail_steps = fail_steps_from_env()
     except Exception as exc:  # the engine reports it and exits
         push.send(encode(WorkerError(-1, f"{'' if not rank else f'rank {rank}: '}{type(exc).__name__}: {exc}")))
-        log.error("worker start-up failed:\n%s", traceback.format_exc())
+        if isinstance(exc, ValueError):  # (a checkpoint, head or setting refused, its message naming it: no trace)
+            log.error("worker start-up failed: %s: %s", type(exc).__name__, exc)
+        else:
+            log.error("worker start-up failed:\n%s", traceback.format_exc())
         push.close(linger=2000)
         return 1
     push.send(encode(ready))

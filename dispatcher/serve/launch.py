@@ -296,6 +296,9 @@ def _setup(args: argparse.Namespace):
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
+        if not 1 <= args.fixed_acceptance <= 1 + cfg.num_speculative_tokens:  # (the worker's check, late)
+            raise ConfigError(f"--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = "
+                              f"[1, {1 + cfg.num_speculative_tokens}], got {args.fixed_acceptance:g}")
         log.warning("BENCHMARK MODE: --fixed-acceptance %.2f accepts drafts by a seeded draw, not by the model; the "
                     "output is not the model's", args.fixed_acceptance)
     eos = list(model_cfg.eos_token_ids)
@@ -336,6 +339,8 @@ def check_writable(path: str, flag: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag}: the directory {folder!r} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path!r} is a directory; name a file (a trace is one JSON-lines file)")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path!r} is not writable")
 
