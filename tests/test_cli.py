@@ -171,7 +171,10 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--admission-wait-steps", "-2"], "--admission-wait-steps must be a step count >= 0, got -2"),
     (["--max-model-len", "0"], "--max-model-len must be in 1.."),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0, got -1"),
-    (["--step-trace", "/tmp"], "--step-trace: '/tmp' is a directory"),  # (a traceback once the model loaded)
+    (["--step-trace", "/tmp"], "--step-trace: '/tmp' is a directory"),
+    (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent/d"}'],
+     "--speculative-config model: model '/nonexistent/d': no such directory"),  # (it said --model)
+    (["--tokenizer", "/nonexistent/tok.gguf"], "--tokenizer: "),  # (likewise)  # (a traceback once the model loaded)
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
      "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),  # (0 read as "unset" served the full length)

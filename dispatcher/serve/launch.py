@@ -255,9 +255,9 @@ def _setup(args: argparse.Namespace):
     cfg = config_from_args(args)
     try:
         model = args.model or default_model_path()
-        model_kind(model)
-        model_cfg = read_model_config(model, args.quantization)
-        tokenizer = load_tokenizer(args.tokenizer or model)
+        _named("--model", model_kind, model)
+        model_cfg = _named("--model", read_model_config, model, args.quantization)
+        tokenizer = _named("--tokenizer" if args.tokenizer else "--model", load_tokenizer, args.tokenizer or model)
         if args.tokenizer and tokenizer is None:
             raise ConfigError(f"--tokenizer: {args.tokenizer!r} has no tokenizer (give a checkpoint directory or a "
                               f".gguf file)")
@@ -270,13 +270,9 @@ def _setup(args: argparse.Namespace):
             args.chat_template = chat_template_text(args.chat_template)
             tokenizer.chat_template = args.chat_template
         if cfg.draft_model is not None and cfg.method == "draft_model":
-            check_draft_tokenizer(tokenizer, cfg.draft_model)
-    except CheckpointError as exc:
+            _named("--speculative-config model", check_draft_tokenizer, tokenizer, cfg.draft_model)
+    except CheckpointError as exc:  # (the default model's fetch)
         raise ConfigError(f"--model: {exc}") from None
-    except ConfigError:  # (a ValueError that already names its flag)
-        raise
-    except ValueError as exc:
-        raise ConfigError(f"--speculative-config: {exc}") from None
     limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size)
     max_model_len = limit if args.max_model_len is None else args.max_model_len  # (0 is refused, not "unset")
     if not 1 <= max_model_len <= limit:
@@ -331,6 +327,17 @@ def cors_config(args: argparse.Namespace):
             raise ConfigError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {getattr(args, name)!r}")
         lists[name] = tuple(value)
     return Cors(**lists, allow_credentials=args.allow_credentials)
+
+
+def _named(flag: str, fn, *args):
+    """``fn(*args)``, a ValueError it raises (a checkpoint, tokenizer or head refused) as a ConfigError naming
+    ``flag``; one that names its flag already (a ConfigError) as it is."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def check_writable(path: str, flag: str) -> None:
