@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, compact_sizes,
                                   config_from_args, detect_platform, format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
-from dispatcher.plan.config import ConfigError, Platform, load_json_file, parse_json_arg, resolve
+from dispatcher.plan.config import SPEC_METHODS, ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
 
@@ -88,8 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.matrix:
         from dispatcher.plan.plandiff import run_matrix
 
+        methods = tuple(args.methods.split(","))
+        unknown = [m for m in methods if m not in SPEC_METHODS]
+        if unknown:
+            raise ConfigError(f"--methods: {unknown[0]!r} is not a speculative method ({', '.join(SPEC_METHODS)})")
         start = time.perf_counter()
-        result = run_matrix(tuple(args.methods.split(",")))
+        result = run_matrix(methods)
         result["seconds"] = round(time.perf_counter() - start, 3)
         if args.json:
             print(json.dumps(result, indent=2))

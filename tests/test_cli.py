@@ -97,6 +97,13 @@ def test_diff_names_a_bad_file(tmp_path):
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_matrix_refuses_an_unknown_method():
+    """--methods eagle3,bogus swept, reported 1512 configs "rejected by validation" and exited 0 (the CLI probe)."""
+    for methods in ("eagle3,bogus", ""):
+        rc, _, err = run("plan", "--matrix", "--methods", methods)
+        assert rc == 2 and f"--methods: {methods.split(',')[-1]!r} is not a speculative method" in err, err
+
+
 def test_matrix_sweeps_the_issue_grid(capsys):
     assert main(["plan", "--matrix", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

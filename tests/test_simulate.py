@@ -324,3 +324,14 @@ def test_multi_turn_conversations_find_their_history_in_the_prefix_cache(capsys)
     assert "--multi-turn must be >= 1, got 0" in capsys.readouterr().err
     assert main(base[:-1]) == 0
     assert "256 requests (64 conversations of 4 turns)" in capsys.readouterr().out
+
+
+def test_a_synthetic_mean_the_clip_would_bend_is_refused():
+    """--input-len 5000 gave a mean of about 3,100 (the lengths are clipped at 4,096) and 10^8 ran at exit 0 (the
+    CLI probe): refused above 1,024, naming the flag and what gives longer prompts; up to it the mean holds."""
+    from dispatcher.engine.workload import SYNTHETIC_MEAN_MAX
+
+    with pytest.raises(ConfigError, match=r"--input-len must be in 1\.\.1024 .* got 5000; longer prompts"):
+        make_prompts(8, seed=0, input_len_mean=5000)
+    lens = [p.num_tokens for p in make_prompts(4000, seed=0, input_len_mean=SYNTHETIC_MEAN_MAX)]
+    assert 0.9 * SYNTHETIC_MEAN_MAX < sum(lens) / len(lens) < 1.1 * SYNTHETIC_MEAN_MAX
