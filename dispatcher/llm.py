@@ -53,6 +53,8 @@ class LLM:
         """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
         (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
         dtype = _check_options(dtype, block_size, enable_prefix_caching, seed)
+        if num_kv_blocks is not None and kv_cache_memory_gib is not None:
+            raise ConfigError("num_kv_blocks and kv_cache_memory_gib both size the KV cache: give one")
         if model is None:
             from models.default_model import default_model_path
 
@@ -233,6 +235,9 @@ class LLM:
 
 
 def _as_list(prompts) -> list:
+    if prompts is None or isinstance(prompts, (int, float, bytes)):
+        raise RequestError(f"prompts must be a string, a list of token ids, a {{'prompt': ...}} / "
+                           f"{{'prompt_token_ids': ...}} dict, or a list of these; got {type(prompts).__name__}")
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):

@@ -237,6 +237,7 @@ def test_twogrid_generate_command(model_dir, capsys):
     (dict(dtype=torch.int8), "dtype must be one of bfloat16, float32"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),  # (truthy: caching on)
     (dict(seed="x"), "seed must be an integer"),
+    (dict(kv_cache_memory_gib=1.0), "num_kv_blocks and kv_cache_memory_gib both size the KV cache"),  # (one won)
 ])
 def test_bad_arguments_are_named_before_anything_loads(kwargs, words):
     """Found by a hostile-input probe of the offline API: each raised a library's error that named nothing, or
@@ -250,3 +251,5 @@ def test_dtype_by_name_and_a_non_boolean_ignore_eos():
     assert llm.engine.args.dtype == torch.float32
     with pytest.raises(RequestError, match="ignore_eos must be true or false, got 'no'"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos="no"))
+    with pytest.raises(RequestError, match="prompts must be a string, .* got NoneType"):  # (a TypeError before)
+        llm.generate(None)
