@@ -169,6 +169,10 @@ def _plan_auto_tiers(args: argparse.Namespace) -> int:
     acceptance = (cfg.acceptance_prior if args.acceptance is None
                   else acceptance_profile(args.acceptance, cfg.num_speculative_tokens))
     chooser = chooser_for_plan(costs, plan)
+    if not any(chooser.reach.values()):  # (every tier would be K = 0 from no data, which the config refuses)
+        raise ConfigError(f"--auto-tiers: {args.auto_tiers!r} holds no step costs at q = "
+                          f"{', '.join(str(1 + k) for k in chooser.candidates)} (this config's 1 + K): measure "
+                          f"them with this speculative config")
     # (step traces: the served steps' periods give the host floor, as the engine weighs it; without them, as the
     # engine starts: no bucket's pace known)
     host = trace_host_floor(records, chooser) if records is not None else HostFloor(chooser)

@@ -774,6 +774,10 @@ def test_plan_auto_tiers_prints_the_choice_and_why(tmp_path, capsys):
     assert data["reach"] == {"0": 1024, "1": 0, "2": 0, "3": 1024}  # the table has no q = 2, 3
     assert main(["plan", "--auto-tiers", str(path)]) == 2
     assert "--auto-tiers needs --speculative-config" in capsys.readouterr().err
+    # no cost at any of the config's q: refused (K = 0 everywhere "chosen" from no data, at exit 0, before)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "auto_tier_candidates": [1, 2]})
+    assert main(["plan", "--platform", "sm100", "--speculative-config", spec, "--auto-tiers", str(path)]) == 2
+    assert "holds no step costs at q = 2, 3" in capsys.readouterr().err
     assert main(["plan", "--acceptance", "0.5"]) == 2
     assert "--acceptance is for --auto-tiers" in capsys.readouterr().err
 
