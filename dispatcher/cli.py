@@ -47,6 +47,18 @@ def add_prefix_repetition_args(group, with_output_len: bool) -> None:
                            help="prefix_repetition dataset: max_tokens of every request (default: %(default)s)")
 
 
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """plan's modes one at a time, and no flag of one mode given to another (it would be ignored)."""
+    modes = [flag for flag, on in (("--matrix", args.matrix), ("--diff", args.diff), ("--auto-tiers", args.auto_tiers),
+                                   ("--autotune", args.autotune)) if on]
+    if len(modes) > 1:
+        raise ConfigError(f"{modes[0]} and {modes[1]} are two of plan's modes: give one")
+    if args.methods is not None and not args.matrix:
+        raise ConfigError("--methods is for --matrix")
+    if args.pretty and not args.json:
+        raise ConfigError("--pretty is for --json")
+
+
 def _check_saved_plan(runners: Any, path: str) -> None:
     """A saved plan's graph sets as ``plan --json`` writes them; ConfigError naming the entry otherwise."""
     if not isinstance(runners, list):
@@ -85,10 +97,11 @@ def _load_plan_or_config(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    _check_plan_flags(args)
     if args.matrix:
         from dispatcher.plan.plandiff import run_matrix
 
-        methods = tuple(args.methods.split(","))
+        methods = tuple((args.methods if args.methods is not None else "eagle3").split(","))
         unknown = [m for m in methods if m not in SPEC_METHODS]
         if unknown:
             raise ConfigError(f"--methods: {unknown[0]!r} is not a speculative method ({', '.join(SPEC_METHODS)})")
@@ -630,7 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matrix", action="store_true",
                    help="sweep platforms x max_num_seqs x K x tiers x max_num_batched_tokens x sizing against the "
                         "legacy shared-list baseline")
-    p.add_argument("--methods", default="eagle3", help="speculative methods swept by --matrix (comma-separated)")
+    p.add_argument("--methods", default=None, help="speculative methods swept by --matrix (comma-separated; "
+                   "default eagle3)")
     p.add_argument("--auto-tiers", default=None, metavar="COST",
                    help="print the speculative tiers \"auto\" would choose, and every K's expected tokens/s per batch "
                         "range, from COST: ms per uniform decode step by (requests, q), {\"decode_step_ms\": {\"q\": "

@@ -104,6 +104,16 @@ def test_matrix_refuses_an_unknown_method():
         assert rc == 2 and f"--methods: {methods.split(',')[-1]!r} is not a speculative method" in err, err
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--methods", "eagle3"], "--methods is for --matrix"),  # (each was ignored at exit 0: the CLI probe)
+    (["--pretty"], "--pretty is for --json"),
+    (["--matrix", "--diff", "a.json", "b.json"], "--matrix and --diff are two of plan's modes: give one"),
+])
+def test_plan_refuses_flags_it_would_ignore(args, line):
+    rc, _, err = run("plan", *args)
+    assert rc == 2 and err.strip() == f"twogrid plan: error: {line}", err
+
+
 def test_matrix_sweeps_the_issue_grid(capsys):
     assert main(["plan", "--matrix", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
