@@ -319,11 +319,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--acceptance needs a speculative method (--speculative-config)")
         acceptance = acceptance_profile(args.acceptance, cfg.num_speculative_tokens)
-    costs = args.cost_model
+    costs = args.cost_model or "bench-moe"
     if args.cost_table:
         from dispatcher.engine.cost import load_cost_table
 
+        if args.cost_model is not None:
+            raise ConfigError("--cost-model and --cost-table both give the step costs: give one")
         costs = load_cost_table(args.cost_table)
+    if args.dataset_name == "random" and args.dataset:
+        raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random")
     if args.dataset_name == "prefix_repetition":
         if args.dataset:
             raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not prefix_repetition")
@@ -696,8 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache capacity in blocks (default: room for every slot's longest request)")
-    k.add_argument("--cost-model", default="bench-moe", choices=["bench-moe", "bench-moe-large"],
-                   help="H200 step-time curves from SPEC section 1 (default: %(default)s)")
+    k.add_argument("--cost-model", default=None, choices=["bench-moe", "bench-moe-large"],
+                   help="H200 step-time curves from SPEC section 1 (default: bench-moe)")
     k.add_argument("--cost-table", default=None, metavar="FILE",
                    help="price the steps with times measured on a GPU instead: step traces of a real run of the same "
                         "configuration (.jsonl, several joined with commas; their times hold the drafter's forwards), "

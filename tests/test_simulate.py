@@ -231,6 +231,11 @@ def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, c
     assert json.loads(capsys.readouterr().out)["draft_device_ms"] > 0  # (a preset charges the head's forwards)
     assert main(base + ["--cost-table", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+    # flags that were ignored at exit 0 (the CLI probe): refused, naming both
+    assert main(base + ["--cost-table", str(trace), "--cost-model", "bench-moe-large"]) == 2
+    assert "--cost-model and --cost-table both give the step costs" in capsys.readouterr().err
+    assert main(base + ["--dataset-name", "random", "--dataset", str(trace)]) == 2
+    assert "--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--decode-overhead-us", "--decode-overhead-per-token-us"],
