@@ -323,9 +323,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.cost_table:
         from dispatcher.engine.cost import load_cost_table
 
-        if args.cost_model is not None:
-            raise ConfigError("--cost-model and --cost-table both give the step costs: give one")
-        costs = load_cost_table(args.cost_table)
+        costs = load_cost_table(args.cost_table, args.cost_model)  # (--cost-model: the JSON's model, as replay)
     if args.dataset_name == "random" and args.dataset:
         raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random")
     if args.dataset_name == "prefix_repetition":
