@@ -310,6 +310,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     num_prompts = args.num_prompts * args.multi_turn  # (user turns: --num-prompts counts conversations)
+    if args.acceptance_rate is None:
+        args.acceptance_rate = 0.7
+    elif not cfg.num_speculative_tokens:
+        raise ConfigError("--acceptance-rate needs a speculative method (--speculative-config)")
     if not 0.0 <= args.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {args.acceptance_rate}")
     acceptance = None
@@ -402,6 +406,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from dispatcher.engine.replay import replay
     from dispatcher.engine.trace import TraceError, check_step_records, read_trace
 
+    check_execute_flags(args)
     try:
         records = read_trace(args.trace)
     except OSError as exc:
@@ -477,6 +482,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for mode, m in sorted(x["by_mode"].items()):
             print(f"  {mode}: {m['steps']} steps, {m['seconds']:.3f} s")
     return 0
+
+
+REPLAY_EXECUTE_DEFAULTS = {"model": "bench-moe", "context_len": 512, "repeats": 3}
+"""``replay --execute``'s flags left out (given without --execute, each is refused: nothing would read it)."""
+
+
+def check_execute_flags(args: argparse.Namespace) -> None:
+    """replay's execution flags only with --execute; their defaults filled in."""
+    for name, value in REPLAY_EXECUTE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+        elif not args.execute:
+            raise ConfigError(f"--{name.replace('_', '-')} is for --execute")
+    if args.device is not None and not args.execute:
+        raise ConfigError("--device is for --execute")
 
 
 def execute_replay(args: argparse.Namespace, records, plan, dispatcher) -> dict:
@@ -688,8 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len", type=int, default=230, help="mean synthetic prompt length (default: %(default)s)")
     w.add_argument("--output-len", type=int, default=256, help="output tokens per request, EOS ignored "
                                                                  "(default: %(default)s)")
-    w.add_argument("--acceptance-rate", type=float, default=0.7,
-                   help="probability a draft is right given the previous one was (default: %(default)s)")
+    w.add_argument("--acceptance-rate", type=float, default=None,
+                   help="probability a draft is right given the previous one was (default: 0.7)")
     w.add_argument("--acceptance", default=None, metavar="RATES",
                    help="the fake drafter's acceptance per draft position instead, \"0.8,0.6,0.45\" (continued by its "
                         "last ratio): with \"auto\" tiers, what the engine's re-choice learns")
@@ -746,14 +766,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--execute", action="store_true",
                    help="also run every recorded step shape, with dummy data, through the new configuration's graphs "
                         "and time it (on a GPU; the CPU runs it eagerly): measured device time beside the estimate")
-    x.add_argument("--model", default="bench-moe",
+    x.add_argument("--model", default=None,
                    help="the model to execute: a preset (random weights), a checkpoint directory or a .gguf file "
-                        "(default: %(default)s)")
+                        f"(default: {REPLAY_EXECUTE_DEFAULTS['model']})")
     x.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    x.add_argument("--context-len", type=int, default=512,
+    x.add_argument("--context-len", type=int, default=None,
                    help="cached tokens before each decode query (a trace does not record contexts; default: "
-                        "%(default)s)")
-    x.add_argument("--repeats", type=int, default=3, help="timed runs per distinct shape (default: %(default)s)")
+                        f"{REPLAY_EXECUTE_DEFAULTS['context_len']})")
+    x.add_argument("--repeats", type=int, default=None,
+                   help=f"timed runs per distinct shape (default: {REPLAY_EXECUTE_DEFAULTS['repeats']})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("serve", help="the serving backend: an OpenAI-compatible HTTP API over the engine and a worker "

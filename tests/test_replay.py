@@ -221,6 +221,9 @@ def test_replay_execute_times_every_recorded_shape(tmp_path, capsys):
     assert "--context-len must be >= 0, got -1" in capsys.readouterr().err
     assert main(["replay", trace, *flags, "--execute", "--device", "cpu", "--model", "no-such-model"]) == 2
     assert "--model: " in capsys.readouterr().err
+    for flag, value in (("--model", "x"), ("--device", "tpu"), ("--repeats", "0"), ("--context-len", "-5")):
+        assert main(["replay", trace, *flags, flag, value]) == 2  # (each was ignored at exit 0: the CLI probe)
+        assert f"{flag} is for --execute" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -234,6 +234,8 @@ def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, c
     # flags that were ignored at exit 0 (the CLI probe): refused, naming both
     assert main(base + ["--cost-table", str(trace), "--cost-model", "bench-moe-large"]) == 2  # (as replay)
     assert "--cost-model 'bench-moe-large' picks a model of a runtime benchmark's JSON" in capsys.readouterr().err
+    assert main(["simulate", "--num-prompts", "4", "--acceptance-rate", "0.3"]) == 2  # (no drafter: it was ignored)
+    assert "--acceptance-rate needs a speculative method" in capsys.readouterr().err
     assert main(base + ["--dataset-name", "random", "--dataset", str(trace)]) == 2
     assert "--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random" in capsys.readouterr().err
 
