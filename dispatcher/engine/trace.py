@@ -110,13 +110,12 @@ def _step_record_problem(rec: Any) -> str | None:
     if not isinstance(rec, dict):
         return f"a JSON {type(rec).__name__}, not an object"
     modes = (MODE_FULL, MODE_PIECEWISE, MODE_EAGER)
-    for field, ok, want in (("kind", rec.get("kind") in BATCH_KINDS, f"one of {', '.join(BATCH_KINDS)}"),
-                            ("mode", rec.get("mode") in modes, f"one of {', '.join(modes)}"),
-                            ("requests", _count(rec.get("requests"), 1), "an integer >= 1"),
-                            ("tokens", _count(rec.get("tokens"), max(1, _int_or(rec.get("requests"), 1))),
-                             "an integer >= requests"),
-                            ("padded_tokens", _count(rec.get("padded_tokens"), 0), "an integer >= 0")):
-        if not ok:
+    for field, want, ok in (("kind", f"one of {', '.join(BATCH_KINDS)}", lambda v: v in BATCH_KINDS),
+                            ("mode", f"one of {', '.join(modes)}", lambda v: v in modes),
+                            ("requests", "an integer >= 1", lambda v: _count(v, 1)),
+                            ("tokens", "an integer >= requests", lambda v: _count(v, rec["requests"])),
+                            ("padded_tokens", "an integer >= 0", lambda v: _count(v, 0))):
+        if not ok(rec.get(field)):  # (in order: tokens is compared with requests once requests passed)
             return f"{field} must be {want}, got {rec.get(field, 'nothing')!r}"
     if "q" in rec:
         return None if _count(rec["q"], 1) else f"q must be an integer >= 1, got {rec['q']!r}"
@@ -129,10 +128,6 @@ def _step_record_problem(rec: Any) -> str | None:
 
 def _count(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _int_or(value: Any, default: int) -> int:
-    return value if _count(value, 0) else default
 
 
 class TraceWriter:
