@@ -328,11 +328,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from dispatcher.engine.cost import load_cost_table
 
         costs = load_cost_table(args.cost_table, args.cost_model)  # (--cost-model: the JSON's model, as replay)
-    if args.dataset_name == "random" and args.dataset:
-        raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random")
+    if args.dataset and args.dataset_name in ("random", "prefix_repetition"):
+        raise ConfigError(f"--dataset (a ShareGPT file) is for --dataset-name sharegpt, not {args.dataset_name}")
     if args.dataset_name == "prefix_repetition":
-        if args.dataset:
-            raise ConfigError("--dataset (a ShareGPT file) is for --dataset-name sharegpt, not prefix_repetition")
         prompts = prefix_repetition_prompts(num_prompts, args.prefix_repetition_prefix_len,
                                             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
                                             args.seed)
