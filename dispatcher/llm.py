@@ -282,12 +282,10 @@ def _check_options(dtype, block_size, enable_prefix_caching, seed) -> torch.dtyp
     """ConfigError naming the argument for a value of the wrong type or range (what torch or numpy would have
     raised later without naming it, or a truthy string taken as True); ``dtype`` as a torch dtype (None: the
     model's default)."""
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in DTYPES:
+    if isinstance(dtype, str):
+        if dtype != "auto" and dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, 'auto' or a torch dtype, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    elif dtype == "auto":
-        dtype = None
+        dtype = DTYPES.get(dtype)  # ("auto": None, the model's default)
     if dtype is not None and dtype not in DTYPES.values():
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:

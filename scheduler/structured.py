@@ -112,9 +112,9 @@ class StructuredOutputsParams:
             check_regex(field, value)
             return
         _check_size(field, len(value), MAX_SPEC_CHARS)
-        if kind == "grammar" and value.count("::=") > MAX_GRAMMAR_RULES:
-            raise StructuredOutputError(f"{field} has {value.count('::=')} rules; at most {MAX_GRAMMAR_RULES} are "
-                                        f"allowed")
+        rules = value.count("::=") if kind == "grammar" else 0
+        if rules > MAX_GRAMMAR_RULES:
+            raise StructuredOutputError(f"{field} has {rules} rules; at most {MAX_GRAMMAR_RULES} are allowed")
         if kind in ("json", "structural_tag"):
             try:
                 doc = json.loads(value)
