@@ -38,8 +38,10 @@ MAX_SCHEMA_PROPERTIES = 256
 definition counts the definition once, as xgrammar compiles it once). xgrammar's compiled grammar grows with their
 count squared, whatever the shape (flat, nested, in ``anyOf`` branches or array items; ~600 bytes a pair on
 SmolLM2's vocabulary): 256 gave 40-56 MB, 1,000 646 MB, 2,000 in ``anyOf`` branches ran this 24 GiB machine out of
-memory, and 3,000 in one object got the engine killed at 18.5 GB, its compile thread running on past the compile
-timeout (which refuses the request, but cannot stop the compile). OpenAI allows 5,000."""
+memory, and 3,000 in one object got the engine killed at 18.5 GB, its compile (in a thread then) running on past the
+compile timeout. A compile now runs in a process of its own under a memory limit, killed at the timeout
+(``dispatcher.engine.grammar_process``); this limit keeps legitimate-looking schemas well inside it. OpenAI allows
+5,000."""
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import threading
 import time
 
@@ -377,9 +379,9 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(g
     gate = threading.Event()
     real = grammars._compile
 
-    def slow(params):
-        gate.wait(5)  # (xgrammar releases the GIL while it compiles, as this wait does)
-        return real(params)
+    def slow(params, deadline):
+        gate.wait(5)  # (a compile waits for its process, as this wait does)
+        return real(params, deadline)
 
     monkeypatch.setattr(grammars, "_compile", slow)
     monkeypatch.setattr(grammars, "timeout_s", 0.3)
@@ -406,18 +408,18 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(g
 
 def test_a_refused_compile_that_has_not_started_is_cancelled(grammars, monkeypatch):
     """Requests refused at the compile timeout stop holding the pool: a compile nobody waits for any more is
-    cancelled if it has not started (one that runs goes on, its grammar to the cache), so an ordinary request after
+    cancelled if it has not started (one that runs is stopped at its deadline), so an ordinary request after
     them compiles in time. A cached grammar is answered at once, without a pool thread."""
     from dispatcher.engine import structured as S
 
     started, release = [], threading.Event()
     real = grammars._compile
 
-    def slow(params):
+    def slow(params, deadline):
         started.append(params.regex)
         if params.regex.startswith("slow"):
             release.wait(5)
-        return real(params)
+        return real(params, deadline)
 
     monkeypatch.setattr(grammars, "_compile", slow)
     monkeypatch.setattr(grammars, "timeout_s", 0.3)
@@ -445,6 +447,73 @@ def test_a_refused_compile_that_has_not_started_is_cancelled(grammars, monkeypat
     while grammars._compiling and time.monotonic() < deadline:  # (the two that ran finish after the release)
         time.sleep(0.01)
     assert not grammars._compiling and not grammars._waiters
+
+
+def _slow_schema() -> str:
+    """Under every static limit, seconds to compile (4000 long enum values: 2.7 s here), little memory."""
+    return json.dumps({"type": "object", "properties": {"k": {"enum": [f"value 1 number {i} of many"
+                                                                        for i in range(4000)]}}, "required": ["k"]})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_compile_past_its_timeout_is_stopped_and_frees_its_slot(grammars, monkeypatch):
+    """xgrammar cannot stop a compile: at the timeout its process is killed, so a slow constraint holds a compile
+    slot (and its memory) no longer than the timeout, and the next constraint compiles at once in a new process."""
+    from dispatcher.engine import structured as S
+
+    monkeypatch.setattr(grammars, "timeout_s", 0.5)
+    pids = {p.pid for p in grammars._all_processes}
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match="did not compile within"):
+        grammars.compile(StructuredOutputsParams(json=_slow_schema(), where="response_format"))
+    deadline = time.monotonic() + 5
+    while grammars._compiling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not grammars._compiling and time.monotonic() - t0 < 2  # (not the 2.7 s the compile takes)
+    killed = pids - {p.pid for p in grammars._all_processes}
+    assert len(killed) == 1 and not any(map(_alive, killed))
+    for _ in range(2 * S.COMPILE_WORKERS):  # (every slot: the killed one's too)
+        assert grammars.compile(StructuredOutputsParams(regex=f"after{_}+")).grammar_id >= 0
+
+
+def test_a_compile_that_outgrows_its_memory_or_dies_is_refused_and_the_next_compiles(tokenizer, monkeypatch):
+    """A constraint whose compile needs more than ``COMPILE_MEMORY_BYTES`` is refused naming the limit (its process
+    held to it: a schema of this kind once took the engine down), as is one whose process is killed (the kernel's
+    OOM killer); the compiles after them run."""
+    from dispatcher.engine import grammar_process as GP
+    from dispatcher.engine import structured as S
+
+    monkeypatch.setattr(GP, "COMPILE_MEMORY_BYTES", 256 << 20)
+    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
+    grammars.start()
+    try:
+        wide = {"type": "object", "properties": {f"o{i}": {
+            "type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(50)},
+            "required": [f"p{j}" for j in range(50)]} for i in range(20)}, "required": [f"o{i}" for i in range(20)]}
+        with pytest.raises(RequestError, match=r"response_format does not compile: compiling it needs more than "
+                                               r"0.25 GiB of memory \(the limit for one constraint\)"):
+            grammars.compile(StructuredOutputsParams(json=json.dumps(wide), where="response_format"))
+        assert grammars.compile(StructuredOutputsParams(json=json.dumps(PERSON))).grammar_id >= 0
+
+        victim = grammars.compile_future(StructuredOutputsParams(json=_slow_schema()))
+        time.sleep(0.5)
+        busy = [p.pid for p in grammars._all_processes if p.pid is not None]
+        for pid in busy:  # (the idle one too: its next compile starts another)
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RequestError, match=r"does not compile: its compile process died \(signal SIGKILL\)"):
+            grammars.result(StructuredOutputsParams(json=_slow_schema()), victim)
+        for i in range(2 * S.COMPILE_WORKERS):
+            assert grammars.compile(StructuredOutputsParams(regex=f"alive{i}+")).grammar_id >= 0
+    finally:
+        grammars.close()
+    assert not any(map(_alive, busy))
 
 
 def test_grammars_sent_with_a_failed_step_are_sent_again_and_still_dropped(grammars, tokenizer, monkeypatch):
@@ -530,6 +599,11 @@ def test_a_checkpoint_without_a_tokenizer_runs_on_token_ids_and_refuses_structur
 def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
     """A forced call's structural tag accepts the parser's format for the named function (and, required, for any
     tool, several with parallel calls) and nothing else; the parser reads back what the grammar let through."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(grammars.tokenizer_info_json)
+    matcher = lambda so: xgr.GrammarMatcher(  # noqa: E731 (the grammar as the worker reads it)
+        xgr.CompiledGrammar.deserialize_json(grammars.compile(so).serialized, info))
     tools = [WEATHER, {"type": "function", "function": {"name": "get_time"}}]
     for parser, text in [(PARSERS["hermes"], '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
                                              '</tool_call>'),
@@ -537,16 +611,14 @@ def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
         for name, parallel in [("get_weather", True), (None, False), (None, True)]:
             so = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, parallel), where="tools")
             so.validate()
-            compiled = grammars.compile(so).grammar
-            m = grammars._xgr.GrammarMatcher(compiled)
+            m = matcher(so)
             assert m.accept_string(text), (parser.name, name)
             assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
             content, calls = parser.parse(text)
             assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
                 ("get_weather", {"city": "Oslo"})]
-            assert not grammars._xgr.GrammarMatcher(compiled).accept_string("Sure, " + text)
-        wrong = grammars._xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(
-            structural_tag=parser.structural_tag(tools, "get_time", True))).grammar)
+            assert not matcher(so).accept_string("Sure, " + text)
+        wrong = matcher(StructuredOutputsParams(structural_tag=parser.structural_tag(tools, "get_time", True)))
         assert not wrong.accept_string(text)
 
 
@@ -611,7 +683,7 @@ class StandInGrammars:
 
         engine = StructuredOutputs(None, vocab, [])
         engine.tokenizer_info_json = "stand-in"
-        engine.compile = lambda params: Compiled(0, None, "successor")
+        engine.compile = lambda params: Compiled(0, "successor")
         return engine
 
 
@@ -829,7 +901,7 @@ def test_a_new_grammar_is_read_ahead_while_the_others_run(monkeypatch):
     assert out[rid] == [FIRST, FIRST + 1, FIRST + 2, FIRST + 3] and len(out[plain]) == 100
     assert carried == [0] and admitted == [0]
     # Nothing running now: a new grammar goes with the step that admits its request.
-    core.structured.compile = lambda params: Compiled(1, None, "successor")
+    core.structured.compile = lambda params: Compiled(1, "successor")
     rid = core.add_request([9, 10], SamplingParams(max_tokens=2, ignore_eos=True, structured_outputs=so))
     assert not core._parked
     while core.has_unfinished():

@@ -5,14 +5,15 @@ worker, which keeps a matcher per constrained request and fills each step's toke
 The design is vLLM v1's (``StructuredOutputManager``: compiles in a thread pool, requests wait for their grammar)
 and SGLang's (the matchers beside the model runner, the mask filled while the forward runs):
 
-- **Compile**: a request's constraint (``scheduler.structured.StructuredOutputsParams``) compiles in a thread pool
-  of this process (xgrammar releases the GIL while it computes token masks, so a step never waits for a compile),
-  once per constraint: compiled grammars stay in a cache of ``CACHE_BYTES`` (xgrammar's, and ours of their
-  serialized form), and a constraint already compiling is not compiled twice. The request joins the scheduler only
-  once its grammar is ready (vLLM's ``WAITING_FOR_FSM``); a compile that fails or takes more than
-  ``COMPILE_TIMEOUT_S`` refuses it (400), and the compile thread's work is not lost (the cache keeps it). The
-  engine compiles rather than the front end because one cache then serves every front end, and rather than the
-  worker because a compile must never hold up a step.
+- **Compile**: a request's constraint (``scheduler.structured.StructuredOutputsParams``) compiles off the step
+  loop, once per constraint: ``COMPILE_WORKERS`` threads of this process each hand theirs to a compile process of
+  their own (``dispatcher.engine.grammar_process``: forked from a server with xgrammar imported, held to
+  ``COMPILE_MEMORY_BYTES``), and compiled grammars stay in a cache of ``CACHE_BYTES`` of their serialized form; a
+  constraint already compiling is not compiled twice. The request joins the scheduler only once its grammar is
+  ready (vLLM's ``WAITING_FOR_FSM``); a compile that fails, runs out of its memory or takes more than
+  ``COMPILE_TIMEOUT_S`` refuses it (400), and at the timeout its process is killed, so a hostile constraint costs at
+  most that time and memory. The engine compiles rather than the front end because one cache then serves every
+  front end, and rather than the worker because a compile must never hold up a step.
 - **Send**: the worker gets each grammar once, serialized (``GrammarDef``), and keeps it while a request it holds
   uses it and ``WORKER_IDLE_GRAMMARS`` (within ``WORKER_IDLE_BYTES``) more after that (least recently used dropped
   first, ``Step.dropped_grammars``): ``for_step`` keeps the engine's account of what the worker holds, from the
@@ -28,15 +29,18 @@ and SGLang's (the matchers beside the model runner, the mask filled while the fo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import queue
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from dispatcher.engine import grammar_process
+from dispatcher.engine.grammar_process import CompileFailed, CompileProcess, CompileTimeout
 from dispatcher.messages import GrammarDef, pack, xgrammar_threads
 from scheduler.request import RequestError
 from scheduler.structured import StructuredOutputsParams
@@ -44,13 +48,16 @@ from scheduler.structured import StructuredOutputsParams
 log = logging.getLogger("twogrid.structured")
 
 COMPILE_TIMEOUT_S = 10.0
-"""A request whose grammar has not compiled this long after it arrived (queueing for a compile thread included) is
-refused: a hostile constraint within the static limits (``scheduler.structured``) costs at most this wait."""
+"""A request whose grammar has not compiled this long after it arrived (queueing for a compile process included) is
+refused, and the compile's process killed: a hostile constraint within the static limits (``scheduler.structured``)
+costs at most this wait."""
+STARTUP_TIMEOUT_S = 60.0
+"""How long a compile process may take to start (the fork server imports xgrammar and torch: seconds)."""
 COMPILE_WORKERS = 2
-"""Grammars compiled at once (each compile uses ``xgrammar_threads()`` threads of its own)."""
+"""Grammars compiled at once, each in a process of its own (using ``xgrammar_threads()`` threads)."""
 CACHE_BYTES = 512 << 20
-"""xgrammar's compiled-grammar cache (vLLM's default, VLLM_XGRAMMAR_CACHE_MB = 512), and ours of the grammars'
-serialized form."""
+"""The compiled grammars kept, by their serialized size (vLLM's default for xgrammar's cache,
+VLLM_XGRAMMAR_CACHE_MB = 512)."""
 WORKER_IDLE_GRAMMARS = 32
 """Grammars the worker keeps after their last request left (a new request with one of them sends nothing)."""
 WORKER_IDLE_BYTES = 256 << 20
@@ -72,8 +79,6 @@ class Compiled:
 
     grammar_id: int
     """Its id on the wire (``NewRequest.grammar_id``)."""
-    grammar: object
-    """xgrammar's CompiledGrammar."""
     serialized: str
     """``grammar.serialize_json()`` (what ``GrammarDef`` carries)."""
 
@@ -87,13 +92,15 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
-        self._xgr = None
-        self._compiler = None
+        self._started = False
         self.tokenizer_info_json = ""
         """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
         self._info_sent = False
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._processes: queue.SimpleQueue[CompileProcess] = queue.SimpleQueue()
+        """The compile processes not in use (``COMPILE_WORKERS``; a pool thread takes one for a compile)."""
+        self._all_processes: list[CompileProcess] = []
         self._compiling: dict[tuple, Future] = {}
         self._waiters: dict[tuple, int] = {}
         """Requests waiting for each compile in ``_compiling`` (a compile none waits for any more is cancelled
@@ -124,12 +131,12 @@ class StructuredOutputs:
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Import xgrammar and build the tokenizer's vocabulary table (a second or two: the engine calls this while
-        its worker starts); a no-op without a tokenizer or when done."""
+        """Import xgrammar, build the tokenizer's vocabulary table and start the compile processes (a few seconds:
+        the engine calls this while its worker starts); a no-op without a tokenizer or when done."""
         if self.tokenizer is None:
             return
         with self._init_lock:
-            if self._compiler is not None:
+            if self._started:
                 return
             import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
@@ -138,14 +145,23 @@ class StructuredOutputs:
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
             self.tokenizer_info_json = info.serialize_json()
+            self._all_processes = [CompileProcess(self.tokenizer_info_json, xgrammar_threads(),
+                                                  grammar_process.COMPILE_MEMORY_BYTES)
+                                   for _ in range(COMPILE_WORKERS)]
+            for process in self._all_processes:
+                try:
+                    process.start(time.monotonic() + STARTUP_TIMEOUT_S)
+                except (CompileTimeout, CompileFailed):  # (the first compile starts it again)
+                    log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
+                self._processes.put(process)
             self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="twogrid-grammar")
-            self._xgr = xgr
-            self._compiler = xgr.GrammarCompiler(info, max_threads=xgrammar_threads(), cache_enabled=True,
-                                                 cache_limit_bytes=CACHE_BYTES)
+            self._started = True
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in self._all_processes:
+            process.close()
 
     # -- compiling -----------------------------------------------------------------------------------------------
     def compile_future(self, params: StructuredOutputsParams) -> Future:
@@ -168,7 +184,8 @@ class StructuredOutputs:
             fut = self._compiling.get(params.key)
             created = fut is None
             if created:
-                fut = self._compiling[params.key] = self._pool.submit(self._compile, params)
+                deadline = time.monotonic() + self.timeout_s
+                fut = self._compiling[params.key] = self._pool.submit(self._compile, params, deadline)
             self._waiters[params.key] = self._waiters.get(params.key, 0) + 1
         if created:  # (outside the lock: a compile done already runs its callback here, and that takes the lock)
             fut.add_done_callback(lambda _, key=params.key: self._done(key))
@@ -199,14 +216,18 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
             return compiled
 
-    def _compile(self, params: StructuredOutputsParams) -> Compiled:
+    def _compile(self, params: StructuredOutputsParams, deadline: float) -> Compiled:
         compiled = self._from_cache(params.key)
         if compiled is not None:
             return compiled
-        grammar = self._compile_grammar(params)
-        serialized = grammar.serialize_json()
+        process = self._processes.get()
+        try:
+            serialized = process.compile(params.kind, getattr(params, params.kind), not params.disable_any_whitespace,
+                                         deadline)
+        finally:
+            self._processes.put(process)
         with self._cache_lock:
-            compiled = Compiled(self._next_id, grammar, serialized)
+            compiled = Compiled(self._next_id, serialized)
             self._next_id += 1
             self._cache[params.key] = compiled
             self._cache_bytes += len(serialized)
@@ -214,30 +235,15 @@ class StructuredOutputs:
                 self._cache_bytes -= len(self._cache.popitem(last=False)[1].serialized)
         return compiled
 
-    def _compile_grammar(self, params: StructuredOutputsParams):
-        c, kind = self._compiler, params.kind
-        value = getattr(params, kind)
-        if kind == "json":
-            return c.compile_json_schema(value, any_whitespace=not params.disable_any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if kind == "regex":
-            return c.compile_regex(value)
-        if kind == "choice":
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in value))
-        if kind == "grammar":
-            return c.compile_grammar(value)
-        return c.compile_structural_tag(value)
-
     def result(self, params: StructuredOutputsParams, fut: Future):
         """A finished compile's grammar; RequestError naming the field when it failed."""
         try:
             return fut.result()
-        except Exception as exc:  # xgrammar's errors (RuntimeError, ValueError, its own types): the request's fault
+        except CompileTimeout:
+            raise self._timeout(params) from None
+        except CompileFailed as exc:  # xgrammar's message, or the limit the compile hit: the request's fault
             field = params.where if params.where != "structured_outputs" else f"structured_outputs.{params.kind}"
-            lines = str(exc).strip().splitlines()
-            message = _SOURCE_PREFIX.sub("", lines[-1]) if lines else type(exc).__name__
-            raise RequestError(f"{field} does not compile: {message}") from None
+            raise RequestError(f"{field} does not compile: {_SOURCE_PREFIX.sub('', str(exc))}") from None
 
     def compile(self, params: StructuredOutputsParams):
         """Compile now (the offline engine), waiting up to the timeout."""

@@ -1,0 +1,176 @@
+"""A grammar compile in a process of its own: killed at its deadline, and held to a memory limit, so that a hostile
+constraint within the static limits (``scheduler.structured``) costs the engine at most the compile timeout and
+``COMPILE_MEMORY_BYTES``, never its memory or a compile slot for good.
+
+xgrammar cannot interrupt a compile, and its compiled grammars grow with some constraints' size squared (a JSON
+schema's properties, an EBNF grammar's chained rules): compiled in the engine's threads, one hostile schema under
+every limit once ran the engine out of memory, and a slow one held its thread after its request was refused. So
+each compile slot owns a process (``CompileProcess``), forked from multiprocessing's fork server with xgrammar
+imported there once (``start_fork_server``), which holds the tokenizer's table and compiles one constraint at a
+time under ``RLIMIT_AS``; a compile past its deadline has its process killed, and the next compile starts another.
+vLLM and SGLang compile in threads of the engine and cannot stop a compile.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import resource
+import signal
+import threading
+import time
+
+COMPILE_MEMORY_BYTES = 2 << 30
+"""The address space one compile may add to its process (a grammar within the static limits compiles in tens of MB;
+the schema that once took the engine down needed 18 GB)."""
+
+_PRELOAD = ["xgrammar"]
+
+
+class CompileTimeout(Exception):
+    """The compile ran past its deadline; its process was killed."""
+
+
+class CompileFailed(Exception):
+    """The constraint does not compile (xgrammar's message, or the limit it hit)."""
+
+
+def compile_grammar(compiler, kind: str, value, any_whitespace: bool):
+    """xgrammar's CompiledGrammar for a constraint of ``kind`` (``StructuredOutputsParams.kind``) and ``value``."""
+    if kind == "json":
+        return compiler.compile_json_schema(value, any_whitespace=any_whitespace, strict_mode=True)
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "regex":
+        return compiler.compile_regex(value)
+    if kind == "choice":
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in value))
+    if kind == "grammar":
+        return compiler.compile_grammar(value)
+    return compiler.compile_structural_tag(value)
+
+
+def _limit_address_space(memory_bytes: int) -> None:
+    """This process may map ``memory_bytes`` more than it has mapped now (Linux; elsewhere no limit)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return
+    resource.setrlimit(resource.RLIMIT_AS, ((kib << 10) + memory_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int) -> None:
+    """The compile process: each job ``(kind, value, any_whitespace)`` answered ``("ok", serialized)`` or
+    ``("error", message)``, until the engine's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the engine decides when it stops)
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=threads,
+                                   cache_enabled=False)  # (the engine caches the serialized grammars)
+    _limit_address_space(memory_bytes)
+    conn.send(("ready", None))
+    while True:
+        try:
+            kind, value, any_whitespace = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer = ("ok", compile_grammar(compiler, kind, value, any_whitespace).serialize_json())
+        except MemoryError:
+            answer = ("error", _out_of_memory(memory_bytes))
+        except Exception as exc:  # xgrammar's errors: the constraint's fault
+            lines = str(exc).strip().splitlines()
+            message = lines[-1] if lines else type(exc).__name__
+            answer = ("error", _out_of_memory(memory_bytes) if "bad_alloc" in message else message)
+        conn.send(answer)
+
+
+def _out_of_memory(memory_bytes: int) -> str:
+    return f"compiling it needs more than {memory_bytes / (1 << 30):g} GiB of memory (the limit for one constraint)"
+
+
+_fork_server_lock = threading.Lock()
+
+
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server with xgrammar imported (a few seconds, once a process: the engine calls
+    it while its worker loads), so that a compile process starts in milliseconds."""
+    from multiprocessing import forkserver
+
+    with _fork_server_lock:
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+
+
+class CompileProcess:
+    """One compile at a time in a process of its own; the thread that calls ``compile`` owns it meanwhile."""
+
+    def __init__(self, tokenizer_info_json: str, threads: int, memory_bytes: int = COMPILE_MEMORY_BYTES):
+        self._args = (tokenizer_info_json, threads, memory_bytes)
+        self._process = None
+        self._conn = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self, deadline: float) -> None:
+        """Start the process (CompileTimeout when it is not ready by ``deadline``)."""
+        self.close()
+        start_fork_server()
+        ctx = multiprocessing.get_context("forkserver")
+        ours, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(theirs, *self._args), name="twogrid-grammar", daemon=True)
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        self._answer(deadline)  # ("ready")
+
+    def compile(self, kind: str, value, any_whitespace: bool, deadline: float) -> str:
+        """The constraint's grammar, serialized; CompileTimeout at ``deadline`` (``time.monotonic()``), CompileFailed
+        when it does not compile, its process dead or out of its memory."""
+        if time.monotonic() >= deadline:  # (it waited for a process past its time: nothing to kill)
+            raise CompileTimeout()
+        if self._process is None or not self._process.is_alive():
+            self.start(deadline)
+        try:
+            self._conn.send((kind, value, any_whitespace))
+        except OSError:  # (it died since)
+            self.start(deadline)
+            self._conn.send((kind, value, any_whitespace))
+        status, payload = self._answer(deadline)
+        if status != "ok":
+            raise CompileFailed(payload)
+        return payload
+
+    def _answer(self, deadline: float):
+        if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+            self.close()
+            raise CompileTimeout()
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(1)
+            code = self._process.exitcode
+            self.close()
+            raise CompileFailed(f"its compile process died ({_exit_reason(code)}); the constraint may need more "
+                                f"memory than the limit for one constraint") from None
+
+    def close(self) -> None:
+        """Kill the process (a no-op when there is none)."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(5)
+            self._process.close()
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+
+def _exit_reason(code) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
