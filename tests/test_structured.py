@@ -151,7 +151,7 @@ def tokenizer():
 def grammars(tokenizer):
     from dispatcher.engine.structured import StructuredOutputs
 
-    g = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
+    g = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], in_processes=True)  # (the server's)
     g.start()
     yield g
     g.close()
@@ -491,7 +491,7 @@ def test_a_compile_that_outgrows_its_memory_or_dies_is_refused_and_the_next_comp
     from dispatcher.engine import structured as S
 
     monkeypatch.setattr(GP, "COMPILE_MEMORY_BYTES", 256 << 20)
-    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id])
+    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], in_processes=True)
     grammars.start()
     try:
         wide = {"type": "object", "properties": {f"o{i}": {
@@ -514,6 +514,27 @@ def test_a_compile_that_outgrows_its_memory_or_dies_is_refused_and_the_next_comp
     finally:
         grammars.close()
     assert not any(map(_alive, busy))
+
+
+def test_an_offline_script_without_a_main_guard_compiles_its_constraints(tmp_path):
+    """The offline engine compiles in threads of its own process: a user's script need not guard its main module
+    (a compile process would import it again, running the script twice, and fail)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "unguarded.py"
+    script.write_text('print("script body")\n'
+                      "from dispatcher import LLM, SamplingParams\n"
+                      "from scheduler.structured import StructuredOutputsParams\n"
+                      "params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams("
+                      "choice=['red', 'blue']))\n"
+                      "out = LLM(max_model_len=256).generate(['Name a color.'], params)\n"
+                      "print('answer', out[0].outputs[0].text)\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("script body") == 1 and re.search(r"^answer (red|blue)$", proc.stdout, re.M), proc.stdout
 
 
 def test_grammars_sent_with_a_failed_step_are_sent_again_and_still_dropped(grammars, tokenizer, monkeypatch):

@@ -686,11 +686,11 @@ class PromptLogprobs:
 
 
 def structured_outputs(cfg: ResolvedConfig, args: EngineArgs, vocab_size: int) -> StructuredOutputs:
-    """An engine's structured outputs for ``args``' tokenizer (``_tokenizer``) and a model of ``vocab_size`` tokens,
-    as ``EngineCore`` builds them; the EOS ids are ``args.eos_token_ids`` (given: nothing here waits for the
-    model)."""
+    """The serving engine's structured outputs for ``args``' tokenizer (``_tokenizer``) and a model of ``vocab_size``
+    tokens, compiling in processes (its constraints come from anyone); the EOS ids are ``args.eos_token_ids``
+    (given: nothing here waits for the model)."""
     return StructuredOutputs(_tokenizer(args), vocab_size, tuple(args.eos_token_ids),
-                             args.structured_compile_timeout_s)
+                             args.structured_compile_timeout_s, in_processes=True)
 
 
 def _tokenizer(args: EngineArgs):

@@ -77,17 +77,18 @@ def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int) -> N
             return
         try:
             answer = ("ok", compile_grammar(compiler, kind, value, any_whitespace).serialize_json())
-        except MemoryError:
-            answer = ("error", _out_of_memory(memory_bytes))
         except Exception as exc:  # xgrammar's errors: the constraint's fault
-            lines = str(exc).strip().splitlines()
-            message = lines[-1] if lines else type(exc).__name__
-            answer = ("error", _out_of_memory(memory_bytes) if "bad_alloc" in message else message)
+            answer = ("error", _message(exc, memory_bytes))
         conn.send(answer)
 
 
-def _out_of_memory(memory_bytes: int) -> str:
-    return f"compiling it needs more than {memory_bytes / (1 << 30):g} GiB of memory (the limit for one constraint)"
+def _message(exc: Exception, memory_bytes: int | None = None) -> str:
+    """What a failed compile says: xgrammar's last line, or the memory limit it ran into."""
+    lines = str(exc).strip().splitlines()
+    message = lines[-1] if lines else type(exc).__name__
+    if memory_bytes is not None and (isinstance(exc, MemoryError) or "bad_alloc" in message):
+        return f"compiling it needs more than {memory_bytes / (1 << 30):g} GiB of memory (the limit for one constraint)"
+    return message
 
 
 _fork_server_lock = threading.Lock()
@@ -166,6 +167,30 @@ class CompileProcess:
         if self._conn is not None:
             self._conn.close()
         self._process = self._conn = None
+
+
+class CompileInThread:
+    """The same calls, compiling in the calling thread, where it cannot be stopped or held to a limit: the offline
+    engine's (its user's own constraints), whose script then need not guard its main module as a process's start
+    would ask (multiprocessing imports it again in the new process)."""
+
+    def __init__(self, tokenizer_info_json: str, threads: int):
+        import xgrammar as xgr
+
+        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json),
+                                             max_threads=threads, cache_enabled=False)
+
+    def start(self, deadline: float) -> None:
+        pass
+
+    def compile(self, kind: str, value, any_whitespace: bool, deadline: float) -> str:
+        try:
+            return compile_grammar(self._compiler, kind, value, any_whitespace).serialize_json()
+        except Exception as exc:  # xgrammar's errors: the constraint's fault
+            raise CompileFailed(_message(exc)) from None
+
+    def close(self) -> None:
+        pass
 
 
 def _exit_reason(code) -> str:

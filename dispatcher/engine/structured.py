@@ -40,7 +40,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from dispatcher.engine import grammar_process
-from dispatcher.engine.grammar_process import CompileFailed, CompileProcess, CompileTimeout
+from dispatcher.engine.grammar_process import CompileFailed, CompileInThread, CompileProcess, CompileTimeout
 from dispatcher.messages import GrammarDef, pack, xgrammar_threads
 from scheduler.request import RequestError
 from scheduler.structured import StructuredOutputsParams
@@ -85,10 +85,14 @@ class Compiled:
 
 class StructuredOutputs:
     """The engine's grammars. ``tokenizer``: models.text.Tokenizer (None: a preset without one, which refuses every
-    structured request); ``vocab_size``: the model's."""
+    structured request); ``vocab_size``: the model's; ``in_processes``: compile in processes that are killed at the
+    timeout and held to a memory limit (the server, which takes constraints from anyone), else in threads of this
+    process (the offline engine)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, timeout_s: float = COMPILE_TIMEOUT_S):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, timeout_s: float = COMPILE_TIMEOUT_S,
+                 in_processes: bool = False):
         self.tokenizer = tokenizer
+        self.in_processes = in_processes
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
@@ -98,8 +102,8 @@ class StructuredOutputs:
         self._info_sent = False
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._processes: queue.SimpleQueue[CompileProcess] = queue.SimpleQueue()
-        """The compile processes not in use (``COMPILE_WORKERS``; a pool thread takes one for a compile)."""
+        self._processes: queue.SimpleQueue[CompileProcess | CompileInThread] = queue.SimpleQueue()
+        """The compilers not in use (``COMPILE_WORKERS``; a pool thread takes one for a compile)."""
         self._all_processes: list[CompileProcess] = []
         self._compiling: dict[tuple, Future] = {}
         self._waiters: dict[tuple, int] = {}
@@ -145,15 +149,18 @@ class StructuredOutputs:
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
             self.tokenizer_info_json = info.serialize_json()
-            self._all_processes = [CompileProcess(self.tokenizer_info_json, xgrammar_threads(),
-                                                  grammar_process.COMPILE_MEMORY_BYTES)
-                                   for _ in range(COMPILE_WORKERS)]
-            for process in self._all_processes:
-                try:
-                    process.start(time.monotonic() + STARTUP_TIMEOUT_S)
-                except (CompileTimeout, CompileFailed):  # (the first compile starts it again)
-                    log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
-                self._processes.put(process)
+            if self.in_processes:
+                self._all_processes = [CompileProcess(self.tokenizer_info_json, xgrammar_threads(),
+                                                      grammar_process.COMPILE_MEMORY_BYTES)
+                                       for _ in range(COMPILE_WORKERS)]
+                for process in self._all_processes:
+                    try:
+                        process.start(time.monotonic() + STARTUP_TIMEOUT_S)
+                    except (CompileTimeout, CompileFailed):  # (the first compile starts it again)
+                        log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
+            here = CompileInThread(self.tokenizer_info_json, xgrammar_threads())  # (thread-safe: one for all)
+            for compiler in self._all_processes or [here] * COMPILE_WORKERS:
+                self._processes.put(compiler)
             self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="twogrid-grammar")
             self._started = True
 
