@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, compact_sizes,
                                   config_from_args, detect_platform, format_table, render_plan, resolve_device)
-from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS
+from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS, fill_prefix_repetition_flags
 from dispatcher.plan.config import SPEC_METHODS, ConfigError, Platform, load_json_file, parse_json_arg, resolve
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
@@ -33,18 +33,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_prefix_repetition_args(group, with_output_len: bool) -> None:
-    """vLLM's ``prefix_repetition`` dataset flags: ``--num-prompts // num-prefixes`` prompts per shared prefix."""
+    """vLLM's ``prefix_repetition`` dataset flags: ``--num-prompts // num-prefixes`` prompts per shared prefix (left
+    out: None, filled in by ``fill_prefix_repetition_flags``)."""
     d = PREFIX_REPETITION_DEFAULTS
-    group.add_argument("--prefix-repetition-prefix-len", type=int, default=d["prefix_len"],
-                       help="prefix_repetition dataset: tokens of each shared prefix (default: %(default)s)")
-    group.add_argument("--prefix-repetition-suffix-len", type=int, default=d["suffix_len"],
-                       help="prefix_repetition dataset: tokens after the prefix, each prompt's own (default: "
-                            "%(default)s)")
-    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=d["num_prefixes"],
-                       help="prefix_repetition dataset: distinct prefixes (default: %(default)s)")
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=None,
+                       help=f"prefix_repetition dataset: tokens of each shared prefix (default: {d['prefix_len']})")
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=None,
+                       help=f"prefix_repetition dataset: tokens after the prefix, each prompt's own (default: "
+                            f"{d['suffix_len']})")
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=None,
+                       help=f"prefix_repetition dataset: distinct prefixes (default: {d['num_prefixes']})")
     if with_output_len:
-        group.add_argument("--prefix-repetition-output-len", type=int, default=d["output_len"],
-                           help="prefix_repetition dataset: max_tokens of every request (default: %(default)s)")
+        group.add_argument("--prefix-repetition-output-len", type=int, default=None,
+                           help=f"prefix_repetition dataset: max_tokens of every request (default: "
+                                f"{d['output_len']})")
 
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
@@ -330,6 +332,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         costs = load_cost_table(args.cost_table, args.cost_model)  # (--cost-model: the JSON's model, as replay)
     if args.dataset and args.dataset_name in ("random", "prefix_repetition"):
         raise ConfigError(f"--dataset (a ShareGPT file) is for --dataset-name sharegpt, not {args.dataset_name}")
+    fill_prefix_repetition_flags(args)
     if args.dataset_name == "prefix_repetition":
         prompts = prefix_repetition_prompts(num_prompts, args.prefix_repetition_prefix_len,
                                             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,

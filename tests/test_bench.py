@@ -384,6 +384,10 @@ def free_port():
     (["--extra-body", "{x"], "--extra-body is not JSON"),
     (["--response-format", "{json_schema"], "--response-format: not JSON"),
     (["--structured-outputs", "[1]"], "--structured-outputs must be a JSON object"),
+    (["--prefix-repetition-prefix-len", "64"], "--prefix-repetition-prefix-len is for --dataset-name "
+                                               "prefix_repetition, not random"),  # (it was ignored)
+    (["--dataset-name", "prefix_repetition", "--prefix-repetition-output-len", "0"],
+     "--prefix-repetition-output-len must be >= 1"),
 ])
 def test_bad_flags_are_one_line(args, needle, capsys):
     base = [] if "--base-url" in args else ["--base-url", f"http://127.0.0.1:{free_port()}"]
@@ -558,7 +562,8 @@ def test_bench_reports_the_servers_own_time_to_first_token():
     for queue_s, prefill_s in ((0.002, 0.004), (0.006, 0.008)):  # the engine's part of two of them
         metrics.on_engine_times(queue_s, prefill_s)
     deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
-    assert deltas["server_queue_ms_mean"] == pytest.approx(4.0) and deltas["server_prefill_ms_mean"] == pytest.approx(6.0)
+    assert deltas["server_queue_ms_mean"] == pytest.approx(4.0)
+    assert deltas["server_prefill_ms_mean"] == pytest.approx(6.0)
 
 
 def test_spec_decode_fields_from_the_counters():

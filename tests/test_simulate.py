@@ -56,14 +56,16 @@ def test_trace_records_have_the_spec_fields(tmp_path):
 
 def test_simulate_json_summary(capsys):
     rc = main(["simulate", "--platform", "sm100", "--num-prompts", "64", "--concurrency", "16", "--output-len", "32",
-               "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": true}',
+               "--speculative-config",
+               '{"method": "dspark", "num_speculative_tokens": 5, "adaptive_verification": true}',
                "--json"])
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert {"steps", "eager_steps", "padded_tokens", "real_tokens", "by_kind"} <= set(s)
     assert set(s["by_kind"]) == {"uniform_decode", "mixed", "adaptive_verification"}
     for v in s["by_kind"].values():
-        assert set(v) == {"steps", "full", "piecewise", "eager"} and v["steps"] == v["full"] + v["piecewise"] + v["eager"]
+        assert set(v) == {"steps", "full", "piecewise", "eager"}
+        assert v["steps"] == v["full"] + v["piecewise"] + v["eager"]
     assert s["by_kind"]["adaptive_verification"]["full"] > 0
     assert s["requests"] == 64 and s["output_tokens"] == 64 * 32
     by_kind = s["device_ms_by_kind"]  # (every step's device time, the drafter's included, by its kind)
@@ -238,6 +240,8 @@ def test_simulate_priced_by_step_traces_adds_nothing_for_the_drafter(tmp_path, c
     assert "--acceptance-rate needs a speculative method" in capsys.readouterr().err
     assert main(base + ["--dataset-name", "random", "--dataset", str(trace)]) == 2
     assert "--dataset (a ShareGPT file) is for --dataset-name sharegpt, not random" in capsys.readouterr().err
+    assert main(base + ["--prefix-repetition-num-prefixes", "3"]) == 2
+    assert "--prefix-repetition-num-prefixes is for --dataset-name prefix_repetition" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--decode-overhead-us", "--decode-overhead-per-token-us"],

@@ -36,6 +36,7 @@ from dispatcher.bench.datasets import (Conversation, SampleRequest, prefix_repet
                                        sharegpt_conversations, sharegpt_requests)
 from dispatcher.bench.results import PERCENTILE_METRICS, compute_result, summary_lines
 from dispatcher.bench.server_metrics import counter_deltas, scrape
+from dispatcher.engine.workload import fill_prefix_repetition_flags
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 """A request's limit, as vLLM's (long outputs at high concurrency take minutes)."""
@@ -102,6 +103,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.dataset_name in ("random", "prefix_repetition") and args.dataset_path:
         raise BenchError(f"--dataset-path is for --dataset-name sharegpt; the {args.dataset_name} dataset reads no "
                          f"file")
+    fill_prefix_repetition_flags(args, BenchError)
     if args.multi_turn and (args.dataset_name != "sharegpt" or args.endpoint != "chat"):
         raise BenchError("--multi-turn sends ShareGPT conversations as chat messages: give --dataset-name sharegpt "
                          "--dataset-path FILE --endpoint chat")

@@ -17,6 +17,18 @@ PREFIX_REPETITION_DEFAULTS = {"prefix_len": 256, "suffix_len": 256, "num_prefixe
 """vLLM's defaults for the prefix_repetition dataset (``--prefix-repetition-*``)."""
 
 
+def fill_prefix_repetition_flags(args, error=ConfigError) -> None:
+    """``args``' ``--prefix-repetition-*`` flags (None: left out) filled in with their defaults, or ``error`` naming
+    one given beside another dataset (nothing would read it)."""
+    for name, value in PREFIX_REPETITION_DEFAULTS.items():
+        attr = f"prefix_repetition_{name}"
+        if getattr(args, attr, value) is None:
+            setattr(args, attr, value)
+        elif hasattr(args, attr) and args.dataset_name != "prefix_repetition":
+            raise error(f"--prefix-repetition-{name.replace('_', '-')} is for --dataset-name prefix_repetition"
+                        + (f", not {args.dataset_name}" if args.dataset_name else ""))
+
+
 @dataclass(frozen=True)
 class PromptSpec:
     text: str | None
