@@ -218,9 +218,9 @@ def _strip(name: str) -> str:
     return name.replace("midlayer.", "layers.0.")
 
 
-def read_head_config(path: str, target: CausalLM, method: str) -> tuple[ModelConfig, tuple[int, ...], dict]:
-    """The head's config.json, checked against the target and the method -> (its ModelConfig, the target
-    boundaries it reads (() for EAGLE-1), the raw config)."""
+def read_head_config(path: str, target: ModelConfig, method: str) -> tuple[ModelConfig, tuple[int, ...], dict]:
+    """The head's config.json, checked against the target's config and the method -> (its ModelConfig, the target
+    boundaries it reads (() for EAGLE-1), the raw config). ``twogrid serve`` calls it before anything starts."""
     from models.checkpoint import CheckpointError
     from models.loader import config_from_hf
 
@@ -244,7 +244,7 @@ def read_head_config(path: str, target: CausalLM, method: str) -> tuple[ModelCon
         cfg = config_from_hf({**hf, "model_type": hf.get("model_type") or "llama"}, cfg_path)
     except CheckpointError as exc:
         raise DraftHeadError(str(exc)) from None
-    t = target.cfg
+    t = target
     name = f"draft head {path!r}"
     if cfg.vocab_size != t.vocab_size:
         raise DraftHeadError(f"{name}: vocab_size = {cfg.vocab_size}, the target's is {t.vocab_size}: a head must "
@@ -273,7 +273,7 @@ def load_draft_head(path: str, target: CausalLM, method: str) -> EagleHead:
     dtype. Its parts follow the tensors there (fc's bias, the input norm, its own embedding and LM head); every
     tensor the head needs must be there and every tensor there must be used: anything else is a DraftHeadError
     naming it."""
-    cfg, aux, hf = read_head_config(path, target, method)
+    cfg, aux, hf = read_head_config(path, target.cfg, method)
     tensors = {_strip(k): v for k, v in _read_tensors(path).items()}
     draft_vocab = None
     if aux:

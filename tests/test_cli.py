@@ -1,6 +1,7 @@
 """The ``twogrid plan`` command as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,7 +61,8 @@ def test_warnings_are_shown(capsys):
     main(["plan", "--platform", "sm100", "--max-num-batched-tokens", "4096",
           "--compilation-config", '{"prefill_cudagraph_capture_token_sizes": [1, 8192]}'])
     out = capsys.readouterr().out
-    assert "warning: prefill_cudagraph_capture_token_sizes: dropped 1 size(s) above max_num_batched_tokens = 4096" in out
+    assert ("warning: prefill_cudagraph_capture_token_sizes: dropped 1 size(s) above max_num_batched_tokens = 4096"
+            in out)
 
 
 def test_diff_of_two_configs(tmp_path, capsys):
@@ -194,7 +196,7 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--tokenizer", "/nonexistent/tok.gguf"], "--tokenizer: "),  # (likewise)  # (a traceback once the model loaded)
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
      "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
-    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),  # (0 read as "unset" served the full length)
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     """One line naming the flag, exit code 2, before any model is read (a preset here: nothing would be slow)."""
@@ -203,13 +205,29 @@ def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     assert err.strip().startswith(f"twogrid serve: error: {line}"), err
 
 
-def test_a_draft_head_refused_by_the_worker_is_one_line_without_a_traceback():
-    """A head directory that is not there is found by the worker as it loads: its error (a ValueError naming the
-    setting) is logged as one line, not under a traceback (the CLI probe saw a multi-frame trace first)."""
-    rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", "--speculative-config",
-                       '{"method": "eagle3", "num_speculative_tokens": 3, "model": "/nonexistent/head"}')
+def test_a_draft_head_is_checked_before_anything_starts_and_its_weights_by_the_worker(tmp_path):
+    """A head's config.json is read against the target's before anything starts: a head that is not there, or one
+    made for another model, is one line with exit code 2 (the worker found them after the model loaded). Its
+    tensors are the worker's to read: a head without weights fails the worker's start-up with one line naming it,
+    not under a traceback (the CLI probe saw a multi-frame trace)."""
+    spec = lambda path: ["--speculative-config", json.dumps(  # noqa: E731
+        {"method": "eagle3", "num_speculative_tokens": 3, "model": str(path)})]
+    base = ["serve", "--model", "tiny-dense", "--device", "cpu"]
+    rc, _, err = run(*base, *spec("/nonexistent/head"))
+    assert rc == 2 and err.strip() == ("twogrid serve: error: --speculative-config model '/nonexistent/head': no "
+                                       "config.json (a draft head is a directory with config.json and "
+                                       "*.safetensors)"), err
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "heads",
+                           "smollm2-135m-instruct-eagle3")
+    rc, _, err = run(*base, *spec(shipped))
+    assert rc == 2 and f"draft head {shipped!r}: vocab_size = 49152, the target's is 512" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({  # (tiny-dense's shape, no weights beside it)
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "rope_theta": 10000.0,
+        "vocab_size": 512, "max_position_embeddings": 2048}))
+    rc, _, err = run(*base, *spec(tmp_path))
     assert rc != 0 and "Traceback" not in err, err
-    assert "worker start-up failed: DraftHeadError: --speculative-config model '/nonexistent/head'" in err, err
+    assert f"worker start-up failed: DraftHeadError: {tmp_path}: no *.safetensors with the draft head's weights" in err
 
 
 def test_serve_refuses_a_port_in_use_before_anything_starts():

@@ -271,6 +271,8 @@ def _setup(args: argparse.Namespace):
             tokenizer.chat_template = args.chat_template
         if cfg.draft_model is not None and cfg.method == "draft_model":
             _named("--speculative-config model", check_draft_tokenizer, tokenizer, cfg.draft_model)
+        if cfg.draft_model is not None and cfg.method in ("eagle", "eagle3"):
+            check_draft_head(cfg.draft_model, model_cfg, cfg.method)
     except CheckpointError as exc:  # (the default model's fetch)
         raise ConfigError(f"--model: {exc}") from None
     limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size)
@@ -338,6 +340,20 @@ def _named(flag: str, fn, *args):
         raise
     except ValueError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
+
+
+def check_draft_head(path: str, target, method: str) -> None:
+    """An EAGLE head's config.json against the target's config (``target``: ModelConfig), before the model loads:
+    ConfigError with the head's own message (it names the head and both values). Its tensors are checked as the
+    worker loads them."""
+    from models.eagle import DraftHeadError, read_head_config
+
+    try:
+        read_head_config(path, target, method)
+    except DraftHeadError as exc:
+        raise ConfigError(str(exc)) from None
+    except (OSError, ValueError) as exc:  # (config.json unreadable or not JSON)
+        raise ConfigError(f"--speculative-config model {path!r}: {exc}") from None
 
 
 def check_writable(path: str, flag: str) -> None:
