@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -560,6 +561,8 @@ def main() -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
         runner = asyncio.run
+    tempfile.tempdir = sys.argv[-1]  # (this process's temporary files, the grammar compilers' fork server's socket
+    # among them, in its ipc directory: the server removes it however the engine ends, a SIGKILL included)
     return profiled("engine", runner, serve(sys.argv[-1], int(sys.argv[1]) if len(sys.argv) > 2 else 1))
 
 
