@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -37,6 +38,28 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+
+    def validate(self, head_dim: int) -> None:
+        """ValueError naming the first field out of its range (the frequencies it gives would be NaN or wrong)."""
+        where = f"rope_scaling ({self.rope_type})"
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+        if type(self.original_max_position_embeddings) is not int or self.original_max_position_embeddings < 1:
+            raise ValueError(f"{where}: original_max_position_embeddings must be an integer >= 1, got "
+                             f"{self.original_max_position_embeddings!r}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"{where}: high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
+                             f"({self.low_freq_factor})")
+        if self.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(self, name)
+                if len(factors) != head_dim // 2:
+                    raise ValueError(f"{where}: {name} has {len(factors)} entries, expected head_dim / 2 = "
+                                     f"{head_dim // 2}")
+                if not all(type(f) in (int, float) and math.isfinite(f) and f > 0 for f in factors):
+                    raise ValueError(f"{where}: {name} must be finite numbers > 0")
 
 
 @dataclass(frozen=True)
@@ -116,9 +139,33 @@ class ModelConfig:
         return asdict(self)
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        """ValueError naming the first field of a wrong type or out of its range (a checkpoint's config read into
+        this: ``models.loader``, ``models.gguf_file``)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int:  # (not a bool, nor a float that torch would refuse later)
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings") + (("moe_intermediate_size",) if self.is_moe else
+                                                   ("intermediate_size",)):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, limit in (("vocab_size", MAX_VOCAB_SIZE), ("max_position_embeddings", MAX_POSITIONS)):
+            if getattr(self, name) > limit:
+                raise ValueError(f"{name} must be at most {limit:,} (this server's limit), got {getattr(self, name):,}")
+        for name in ("rms_norm_eps", "rope_theta", "embedding_scale", "residual_scale", "logit_scale"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("final_logit_softcap", "attn_logit_softcap", "attention_scale", "local_rope_theta",
+                     "num_experts", "shared_expert_intermediate_size", "sliding_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(self.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.is_moe and not 1 <= self.num_experts_per_token <= self.num_experts:
@@ -140,6 +187,19 @@ class ModelConfig:
         if bad or (self.sliding_layers and self.sliding_window < 1):
             raise ValueError(f"sliding_layers {list(self.sliding_layers)} need a sliding_window >= 1 and layer "
                              f"indices in 0..{self.num_layers - 1}")
+
+
+MAX_VOCAB_SIZE = 1 << 22
+"""The largest vocabulary a config may declare (real ones stop near 262,144; the embedding is allocated from it)."""
+MAX_POSITIONS = 1 << 22
+"""The most positions a config may declare (the rotary table is allocated for all of them: 2 GiB at head_dim 128 in
+float32; Qwen2.5-1M declares 1,010,000)."""
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+               "num_experts", "num_experts_per_token", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "max_position_embeddings", "sliding_window")
+_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps", "embedding_scale", "residual_scale", "logit_scale",
+                 "final_logit_softcap", "attn_logit_softcap", "attention_scale", "local_rope_theta")
 
 
 PRESETS: dict[str, ModelConfig] = {

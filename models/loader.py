@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 
 import torch
@@ -48,70 +49,119 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _eos_ids(*values) -> tuple[int, ...]:
-    """The union of eos_token_id values (an int, a list of ints or None), in first-seen order."""
+def _eos_ids(path: str, **values) -> tuple[int, ...]:
+    """The union of eos_token_id values (an int, a list of ints or None; ``values`` by the file that gives each), in
+    first-seen order; CheckpointError for anything else (a string id would leave generation without its EOS)."""
     out: list[int] = []
-    for v in values:
+    for where, v in values.items():
         for t in ([] if v is None else v if isinstance(v, list) else [v]):
-            if isinstance(t, int) and not isinstance(t, bool) and t not in out:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise CheckpointError(f"{path}: {where} eos_token_id must be an integer or a list of integers, got "
+                                      f"{v!r}")
+            if t not in out:
                 out.append(t)
     return tuple(out)
+
+
+_ABSENT = object()
+
+
+def _flag(d: dict, key: str, where: str, default: bool) -> bool:
+    """``d[key]``, a JSON boolean (``default`` where absent or null); CheckpointError naming it otherwise ("false"
+    as a string would read as true)."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _number(d: dict, key: str, where: str, default=_ABSENT, integer: bool = False):
+    """``d[key]`` as a float (a finite number) or, ``integer``, an int (a whole number, not a bool; 64.0 passes as
+    64), ``default`` where it is absent or null; CheckpointError naming ``where`` and the key otherwise."""
+    value = d.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise CheckpointError(f"{where}: missing {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CheckpointError(f"{where}: {key} must be a {'whole ' if integer else ''}number, got {value!r}")
+    if integer:
+        if value != int(value):
+            raise CheckpointError(f"{where}: {key} must be a whole number, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _object(d: dict, key: str, where: str) -> dict:
+    """``d[key]``, a JSON object ({} where absent or null); CheckpointError naming it otherwise."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: {key} must be an object, got {value!r}")
+    return value
 
 
 def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
     """(rope_theta, its scaling, the sliding-window layers' own base or 0) from ``rope_theta`` / ``rope_scaling``
     (and Gemma 3's ``rope_local_base_freq``) or (transformers 5) ``rope_parameters``, per layer type for Gemma 3."""
-    params = hf.get("rope_parameters") or {}
+    params = _object(hf, "rope_parameters", path)
     local = 0.0
     if "full_attention" in params or "sliding_attention" in params:  # per layer type (Gemma 3)
-        sliding = params.get("sliding_attention") or {}
+        sliding = _object(params, "sliding_attention", f"{path}: rope_parameters")
         if sliding.get("rope_type", sliding.get("type", "default")) != "default":
             raise CheckpointError(f"{path}: rope_parameters.sliding_attention.rope_type "
                                   f"{sliding.get('rope_type', sliding.get('type'))!r} is not supported (the "
                                   f"sliding-window layers' rope must be 'default')")
-        local = float(sliding.get("rope_theta") or 0.0)
-        params = params.get("full_attention") or {}
+        local = _number(sliding, "rope_theta", f"{path}: rope_parameters.sliding_attention", 0.0)
+        params = _object(params, "full_attention", f"{path}: rope_parameters")
     if hf.get("model_type") == "gemma3_text":
-        local = float(hf.get("rope_local_base_freq") or local or 10000.0)
+        local = _number(hf, "rope_local_base_freq", path, local or 10000.0)
     default_theta = ARCH_DEFAULTS.get(hf.get("model_type"), {}).get("rope_theta", 10000.0)
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or default_theta)
-    scaling = hf.get("rope_scaling") or params
+    theta = _number(hf, "rope_theta", path, _number(params, "rope_theta", f"{path}: rope_parameters", default_theta))
+    scaling = _object(hf, "rope_scaling", path) or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None, local
     if kind not in ("linear", "llama3", "yarn", "longrope", "su"):
         raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, linear, llama3, yarn or "
                               f"longrope)")
+    where = f"{path}: rope scaling {kind!r}"
+    num = lambda key, default=_ABSENT: _number(scaling, key, where, default)  # noqa: E731
     original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-    try:
-        if kind == "linear":
-            return theta, RopeScaling("linear", float(scaling["factor"])), local
-        if kind == "llama3":
-            return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                      float(scaling["high_freq_factor"]), int(original)), local
-        if kind == "yarn":
-            if scaling.get("mscale") or scaling.get("mscale_all_dim"):
-                raise CheckpointError(f"{path}: yarn rope scaling with mscale / mscale_all_dim is not supported")
-            if scaling.get("factor") is None and original:  # (transformers: the context over the original)
-                factor = int(hf["max_position_embeddings"]) / int(original)
-            else:
-                factor = float(scaling["factor"])
-            attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-            return theta, RopeScaling("yarn", factor, original_max_position_embeddings=int(original),
-                                      beta_fast=float(scaling.get("beta_fast") or 32),
-                                      beta_slow=float(scaling.get("beta_slow") or 1),
-                                      attention_factor=float(attention),
-                                      truncate=bool(scaling.get("truncate", True))), local
-        factor = float(scaling.get("factor") or int(hf["max_position_embeddings"]) / int(original))
-        attention = scaling.get("attention_factor") or (
-            math.sqrt(1 + math.log(factor) / math.log(int(original))) if factor > 1 else 1.0)
-        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=int(original),
-                                  attention_factor=float(attention),
-                                  short_factor=tuple(float(x) for x in scaling["short_factor"]),
-                                  long_factor=tuple(float(x) for x in scaling["long_factor"])), local
-    except (KeyError, TypeError) as exc:
-        missing = exc.args[0] if isinstance(exc, KeyError) else "original_max_position_embeddings"
-        raise CheckpointError(f"{path}: rope scaling {kind!r} is missing {missing!r}") from None
+    if original is not None:
+        original = _number({"original_max_position_embeddings": original}, "original_max_position_embeddings",
+                           where, integer=True)
+    if kind == "linear":
+        return theta, RopeScaling("linear", num("factor")), local
+    if kind == "llama3":
+        if original is None:
+            raise CheckpointError(f"{where} is missing 'original_max_position_embeddings'")
+        return theta, RopeScaling("llama3", num("factor"), num("low_freq_factor"), num("high_freq_factor"),
+                                  original), local
+    if original is None:
+        raise CheckpointError(f"{where} is missing 'original_max_position_embeddings'")
+    max_pos = _number(hf, "max_position_embeddings", path, integer=True)
+    if kind == "yarn":
+        if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+            raise CheckpointError(f"{path}: yarn rope scaling with mscale / mscale_all_dim is not supported")
+        factor = num("factor", max_pos / original)  # (transformers: the context over the original, if absent)
+        attention = num("attention_factor", 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        return theta, RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                                  beta_fast=num("beta_fast", 32.0), beta_slow=num("beta_slow", 1.0),
+                                  attention_factor=attention, truncate=bool(scaling.get("truncate", True))), local
+    factor = num("factor", max_pos / original)
+    attention = num("attention_factor", math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not isinstance(values, list):
+            raise CheckpointError(f"{where}: {key} must be a list of numbers, got {values!r}")
+        factors[key] = tuple(_number({key: v}, key, where) for v in values)
+    return theta, RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                              attention_factor=attention, **factors), local
 
 
 def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
@@ -123,9 +173,32 @@ def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
     if kind == "gemma2":
         return tuple(range(0, num_layers, 2))
     if kind == "gemma3_text":
-        pattern = int(hf.get("sliding_window_pattern") or 6)
+        pattern = _number(hf, "sliding_window_pattern", "config.json", 6, integer=True)
+        if pattern < 1:
+            raise CheckpointError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     return tuple(range(num_layers))
+
+
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+           "num_experts_per_token": "num_experts_per_tok"}
+"""ModelConfig's fields as config.json names them, where they differ (for errors)."""
+
+
+def _head_dim(hf: dict, hidden, heads):
+    """config.json's head_dim, hidden_size / num_attention_heads where it is absent or null (0 is refused by
+    ModelConfig.validate, not replaced)."""
+    if hf.get("head_dim") is not None:
+        return hf["head_dim"]
+    return hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else 0
+
+
+def _pre_attn_scale(hf: dict, path: str, head_dim) -> float:
+    """Gemma's attention scale: query_pre_attn_scalar ** -0.5 (head_dim's where absent)."""
+    scalar = _number(hf, "query_pre_attn_scalar", path, 0.0) or head_dim
+    if not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise CheckpointError(f"{path}: query_pre_attn_scalar must be > 0, got {scalar!r}")
+    return float(scalar) ** -0.5
 
 
 def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None = None) -> ModelConfig:
@@ -135,6 +208,13 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         arch = (hf.get("architectures") or [None])[0]
         named = f"model_type {kind!r}" + (f" ({arch})" if arch else "")
         raise CheckpointError(f"{path}: {named} is not supported; supported model types: {', '.join(ARCHITECTURES)}")
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"{path}: architectures must be a list of class names, got {archs!r}")
+    other = [a for a in archs or () if "ForCausalLM" not in a]
+    if other:  # (a classifier's or a base model's weights: no LM head, or one for another task)
+        raise CheckpointError(f"{path}: architectures {other[0]!r} is not a causal language model (a ...ForCausalLM "
+                              f"class); this server serves those only")
 
     hf = {**{k: v for k, v in ARCH_DEFAULTS.get(kind, {}).items() if k != "rope_theta"}, **hf}
 
@@ -147,9 +227,9 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
-    partial = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
-    if kind == "phi3" and float(partial or 1.0) != 1.0:
-        raise CheckpointError(f"{path}: partial_rotary_factor {partial} is not supported (1.0: rotary over the whole "
+    partial = hf.get("partial_rotary_factor") or _object(hf, "rope_parameters", path).get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:  # (transformers applies it to any model type)
+        raise CheckpointError(f"{path}: partial_rotary_factor {partial!r} is not supported (1.0: rotary over the whole "
                               f"head, as Phi-3 and Phi-4 14B have)")
     if hf.get("use_bidirectional_attention"):
         raise CheckpointError(f"{path}: use_bidirectional_attention = true (an encoder, such as EmbeddingGemma) is "
@@ -166,34 +246,39 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
                               f"{hf.get('mlp_only_layers')}: only models whose every layer is MoE are supported")
     heads, hidden = need("num_attention_heads"), need("hidden_size")
     theta, scaling, local_theta = _rope(hf, path)
-    max_pos = int(hf.get("max_position_embeddings", 8192))
-    window = hf.get("sliding_window")
+    max_pos = _number(hf, "max_position_embeddings", path, 8192, integer=True)
+    window = _number(hf, "sliding_window", path, 0, integer=True)
     if window and (kind in ("mistral", "mixtral") or hf.get("use_sliding_window")) and window < max_pos:
-        max_pos = int(window)  # full attention is exact up to the window: serve no further
+        max_pos = window  # full attention is exact up to the window: serve no further
     cfg = dict(
         vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"), num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
+        num_kv_heads=heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
+        head_dim=_head_dim(hf, hidden, heads),
         intermediate_size=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, eos_token_ids=_eos_ids(hf.get("eos_token_id"), (generation or {}).get(
-            "eos_token_id")),
-        attention_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get("qkv_bias", True))), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        rms_norm_eps=_number(hf, "rms_norm_eps", path, 1e-6),
+        tie_word_embeddings=_flag(hf, "tie_word_embeddings", path, False),
+        max_position_embeddings=max_pos, eos_token_ids=_eos_ids(path, **{"config.json's": hf.get("eos_token_id"),
+                                                                  "generation_config.json's": (generation or {}).get(
+                                                                      "eos_token_id")}),
+        attention_bias=kind == "qwen2" or (kind == "qwen2_moe" and _flag(hf, "qkv_bias", path, True)),
+        qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
     )
     if kind in ("granite", "granitemoe"):
-        cfg.update(embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
-                   residual_scale=float(hf.get("residual_multiplier", 1.0)),
-                   logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)),
-                   attention_scale=float(hf.get("attention_multiplier") or 0.0))
+        logits_scaling = _number(hf, "logits_scaling", path, 1.0)
+        if logits_scaling <= 0:
+            raise CheckpointError(f"{path}: logits_scaling must be > 0, got {logits_scaling}")
+        cfg.update(embedding_scale=_number(hf, "embedding_multiplier", path, 1.0),
+                   residual_scale=_number(hf, "residual_multiplier", path, 1.0), logit_scale=1.0 / logits_scaling,
+                   attention_scale=_number(hf, "attention_multiplier", path, 0.0))
     if kind in GEMMA_TYPES:
         cfg.update(embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
-                   attention_scale=float(hf.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
-                   final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-                   attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
-                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), local_rope_theta=local_theta)
-    if (kind in GEMMA_TYPES or kind == "phi3") and window and int(window) < max_pos:
-        cfg.update(sliding_window=int(window), sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"]))
+                   attention_scale=_pre_attn_scale(hf, path, cfg["head_dim"]),
+                   final_logit_softcap=_number(hf, "final_logit_softcapping", path, 0.0),
+                   attn_logit_softcap=_number(hf, "attn_logit_softcapping", path, 0.0),
+                   tie_word_embeddings=_flag(hf, "tie_word_embeddings", path, True), local_rope_theta=local_theta)
+    if (kind in GEMMA_TYPES or kind == "phi3") and window and window < max_pos:
+        cfg.update(sliding_window=window, sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"]))
     if kind in ("mixtral", "granitemoe"):
         cfg.update(num_experts=need("num_local_experts"), num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
@@ -201,14 +286,18 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         cfg.update(num_experts=need("num_experts", "num_local_experts"),
                    num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("moe_intermediate_size"),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                   norm_topk_prob=_flag(hf, "norm_topk_prob", path, False),
+                   shared_expert_intermediate_size=_number(hf, "shared_expert_intermediate_size", path, 0,
+                                                           integer=True)
                    if kind == "qwen2_moe" else 0)
     try:
         out = ModelConfig(**cfg)
         out.validate()
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+        message = str(exc)
+        for ours, theirs in HF_KEYS.items():  # (named as config.json names them)
+            message = re.sub(rf"\b{ours}\b", theirs, message)
+        raise CheckpointError(f"{path}: {message}") from None
     return out
 
 

@@ -99,3 +99,47 @@ def test_engine_serves_a_checkpoint_directory(tmp_path):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     assert from_dir.generate(prompts, params) == from_shape.generate(prompts, params)
+
+
+def _tiny_config(tmp_path) -> dict:
+    save_checkpoint(build_model(preset("tiny-dense"), "cpu", torch.float32), str(tmp_path), "llama")
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"hidden_size": "64"}, "hidden_size must be an integer, got '64'"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be an integer, got True"),  # (served 1 layer)
+    ({"intermediate_size": -128}, "intermediate_size must be >= 1, got -128"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be >= 1, got 0"),  # (0 was read as "absent")
+    ({"head_dim": 0}, "head_dim must be >= 1, got 0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a number, got nan"),  # (all-zero tokens, no error)
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0, got -1.0"),
+    ({"rms_norm_eps": [1e-6]}, r"rms_norm_eps must be a number, got \[1e-06\]"),  # (a TypeError traceback)
+    ({"rope_theta": 0}, "rope_theta must be > 0, got 0.0"),  # (0 was replaced by 10000)
+    ({"rope_theta": "1e4"}, "rope_theta must be a number, got '1e4'"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),  # (an AttributeError traceback)
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, r"rope_scaling \(linear\): factor must be a finite "
+                                                              r"number > 0, got 0.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4,
+                       "original_max_position_embeddings": 64}}, "high_freq_factor .4.0. must be above"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8,
+                       "original_max_position_embeddings": 64}}, "short_factor has 1 entries, expected head_dim / 2"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 1, got 0"),  # (every request refused)
+    ({"max_position_embeddings": 10 ** 12}, "max_position_embeddings must be at most 4,194,304"),  # (out of memory)
+    ({"vocab_size": 10 ** 13}, "vocab_size must be at most 4,194,304"),
+    ({"eos_token_id": "2"}, "eos_token_id must be an integer or a list of integers, got '2'"),  # (never stopped)
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),  # (read as true)
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),  # (transformers applies it)
+    ({"architectures": ["LlamaForSequenceClassification"]}, "'LlamaForSequenceClassification' is not a causal "
+                                                             "language model"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_a_config_value_of_a_wrong_type_or_range_is_refused_naming_its_key(tmp_path, edit, words):
+    """Each value a probe found loaded silently wrong (NaN or negative epsilons and rope bases gave all-zero tokens;
+    0 and "false" read as absent or true) or failing under a traceback: one CheckpointError naming config.json's
+    key, its value and the limit."""
+    from models.loader import read_hf_config
+
+    cfg = _tiny_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(CheckpointError, match=f"config.json: .*{words}"):
+        read_hf_config(str(tmp_path))
