@@ -272,7 +272,11 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
             need("rope.scaling.original_context_length")), attention_factor=0.1 * math.log(factor) + 1.0)
     elif scaling_type not in ("none", None):
         raise CheckpointError(f"{f.path}: rope scaling type {scaling_type!r} is not supported (none, linear or yarn)")
-    if "rope_factors_long.weight" in t:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
+    factors = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in t]
+    if len(factors) == 1:
+        raise CheckpointError(f"{f.path}: tensor {factors[0]!r} without its pair: LongRoPE needs both "
+                              f"rope_factors_long.weight and rope_factors_short.weight")
+    if factors:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
         original = int(need("rope.scaling.original_context_length"))
         scaling = RopeScaling("longrope", int(need("context_length")) / original,
                               original_max_position_embeddings=original,

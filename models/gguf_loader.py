@@ -237,6 +237,43 @@ def _int4_shard(groups: list[tuple[torch.Tensor, ...]], pieces) -> list[tuple[to
     return out
 
 
+EXTRA_READ = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+"""Tensors read besides the parameters: Llama 3's rope factors (``load_gguf``), Phi-3's LongRoPE factors
+(``models.gguf_file.config_from_gguf``, which refuses one without the other)."""
+
+
+def tensors_read(kind: str, cfg: ModelConfig) -> set[str]:
+    """The GGUF tensors a model of ``cfg`` reads (``fill_model``'s parameters by their GGUF names)."""
+    out = set(EXTRA_READ)
+    for _, theirs, _ in hf_names(cfg, kind):
+        for hf in theirs:
+            if hf.endswith("block_sparse_moe.input_linear.weight"):  # Granite-MoE: gate and up experts stacked
+                layer = hf.split(".")[2]
+                out.update(f"blk.{layer}.ffn_{x}_exps.weight" for x in ("gate", "up"))
+            else:
+                out.add(gguf_name(hf, kind)[0])
+    return out
+
+
+def check_all_tensors_read(f: GGUFFile, kind: str, cfg: ModelConfig) -> None:
+    """Refuse a file with a tensor the model would not read (a bias, a norm or a layer this loader does not serve,
+    a block past block_count): serving without it would compute something other than the file describes."""
+    unread = sorted(set(f.tensors) - tensors_read(kind, cfg))
+    if not unread:
+        return
+    name = unread[0]
+    arch = f.metadata.get("general.architecture")
+    layer = re.match(r"blk\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= cfg.num_layers:
+        why = f"{arch}.block_count is {cfg.num_layers}, so layer {layer.group(1)} does not exist"
+    elif name.endswith("attn_k_norm.weight") and not cfg.qk_norm:
+        why = "q/k norms are read only where the file has attn_q_norm as well"
+    else:
+        why = f"the {kind} model this metadata describes has no such tensor"
+    raise CheckpointError(f"{f.path}: tensor {name!r} ({len(unread)} unread in all) is not read by the loader: "
+                          f"{why}; refusing rather than serving the model without it")
+
+
 def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
               quantization: str | None = None, max_model_len: int | None = None,
               tp: TensorParallel | None = None) -> CausalLM:
@@ -245,6 +282,7 @@ def load_gguf(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
     ``quantization`` "fp8": the dequantized projections requantized to FP8 (``models.fp8``)."""
     f = open_gguf(path)
     kind, cfg = config_from_gguf(f)
+    check_all_tensors_read(f, kind, cfg)
     dtype = dtype or serving_dtype(device, is_4bit(f))
     try:
         scheme = checkpoint_scheme({}, path, quantization)

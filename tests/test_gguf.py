@@ -276,8 +276,9 @@ def test_block_types_decode_exactly_as_the_gguf_package_on_the_load_device(tmp_p
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _write(path, model_type="llama", edit=None, drop=()):
-    """A GGUF of the tiny llama, optionally with metadata replaced (``edit``) or tensors left out."""
+def _write(path, model_type="llama", edit=None, drop=(), add=None):
+    """A GGUF of the tiny llama, optionally with metadata replaced (``edit``), tensors left out (``drop``) or
+    added (``add``: name -> float32 array)."""
     model = random_model(model_type)
     write_gguf(model, str(path) + ".full", model_type)
     full = GGUFFile(str(path) + ".full")
@@ -295,6 +296,8 @@ def _write(path, model_type="llama", edit=None, drop=()):
     for name in full.tensors:
         if name not in drop:
             w.add_tensor(name, full.tensor(name).numpy())
+    for name, array in (add or {}).items():
+        w.add_tensor(name, np.asarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -339,3 +342,28 @@ def test_attention_biases_a_gguf_architecture_has_not_are_refused(tmp_path):
     write_gguf(model, str(tmp_path / "biased.gguf"), "llama")
     with pytest.raises(CheckpointError, match=r"attention biases \(blk.0.attn_q.bias\) are not supported for llama"):
         load_gguf(str(tmp_path / "biased.gguf"))
+
+
+@pytest.mark.parametrize("add, edit, name, why", [
+    ({"blk.2.attn_norm.weight": np.ones(64)}, None, "blk.2.attn_norm.weight", "llama.block_count is 2"),
+    ({}, {"llama.block_count": 1}, "blk.1.attn_k.weight", "llama.block_count is 1"),
+    ({"blk.0.ffn_down.bias": np.ones(64)}, None, "blk.0.ffn_down.bias", "has no such tensor"),
+    ({"output_norm.bias": np.ones(64)}, None, "output_norm.bias", "has no such tensor"),
+    ({f"blk.{i}.attn_k_norm.weight": np.ones(16) for i in range(2)}, None, "blk.0.attn_k_norm.weight",
+     "q/k norms are read only where the file has attn_q_norm as well"),
+])
+def test_a_tensor_the_model_does_not_read_is_refused(tmp_path, add, edit, name, why):
+    """A tensor the loader would leave unread (a bias or norm it does not serve, a block past block_count) is refused,
+    named: the model served without it would not be the file's (they were dropped silently)."""
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' \(\d+ unread in all\) is not read by the loader: "
+                                              rf".*{why}"):
+        load_gguf(_write(tmp_path / "extra.gguf", edit=edit, add=add))
+
+
+def test_llama3_rope_freqs_are_read(tmp_path):
+    """rope_freqs.weight (llama.cpp's form of Llama 3 rope scaling) is read, not refused: it divides the rotary
+    frequencies."""
+    plain = load_gguf(_write(tmp_path / "plain.gguf"))
+    scaled = load_gguf(_write(tmp_path / "freqs.gguf", add={"rope_freqs.weight": np.full(8, 4.0)}))
+    assert not torch.equal(plain.rotary.cos, scaled.rotary.cos)
+    torch.testing.assert_close(scaled.rotary.cos[4, :], plain.rotary.cos[1, :])  # 4 positions at 1/4 the frequency
