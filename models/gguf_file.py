@@ -263,9 +263,15 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     experts = int(md.get(f"{arch}.expert_count") or 0)
     kind = GGUF_ARCHITECTURES[arch] if not (arch == "llama" and experts) else "mixtral"
     scaling = None
-    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear" or arch == "gemma3" and md.get(f"{arch}.rope.scaling.factor"):
-        scaling = RopeScaling("linear", float(need("rope.scaling.factor")))
+    # llama.cpp (src/llama-model.cpp, load_hparams): the type defaults to "linear", the factor is
+    # rope.scaling.factor or the older rope.scale_linear, and absent (or 0) means no scaling
+    factor_key = next((f"{arch}.{k}" for k in ("rope.scaling.factor", "rope.scale_linear") if f"{arch}.{k}" in md),
+                      f"{arch}.rope.scaling.factor")
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "linear" if factor_key in md else "none")
+    if scaling_type == "linear":
+        if factor_key not in md:
+            raise CheckpointError(f"{f.path}: metadata {factor_key} is missing (needed for rope scaling type linear)")
+        scaling = RopeScaling("linear", float(md[factor_key]))
     elif scaling_type == "yarn":
         factor = float(need("rope.scaling.factor"))
         scaling = RopeScaling("yarn", factor, original_max_position_embeddings=int(

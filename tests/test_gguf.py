@@ -277,22 +277,27 @@ def test_block_types_decode_exactly_as_the_gguf_package_on_the_load_device(tmp_p
 
 
 def _write(path, model_type="llama", edit=None, drop=(), add=None):
-    """A GGUF of the tiny llama, optionally with metadata replaced (``edit``), tensors left out (``drop``) or
-    added (``add``: name -> float32 array)."""
+    """A GGUF of the tiny llama, optionally with metadata replaced or added (``edit``: key -> value, None to leave
+    it out, or (gguf.GGUFValueType, value)), tensors left out (``drop``) or added (``add``: name -> float32 array)."""
     model = random_model(model_type)
     write_gguf(model, str(path) + ".full", model_type)
     full = GGUFFile(str(path) + ".full")
     w = gguf.GGUFWriter(str(path), (edit or {}).get("general.architecture", full.metadata["general.architecture"]))
-    for key, value in full.metadata.items():
+    edit = edit or {}
+    for key, value in [*full.metadata.items(), *((k, v) for k, v in edit.items() if k not in full.metadata)]:
         if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
             continue
-        value = (edit or {}).get(key, value)
-        if isinstance(value, int) and not isinstance(value, bool):
+        value = edit.get(key, value)
+        if isinstance(value, tuple):  # (gguf.GGUFValueType, value): a type of one's choosing
+            w.add_key_value(key, value[1], value[0])
+        elif isinstance(value, int) and not isinstance(value, bool):
             w.add_uint32(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
     for name in full.tensors:
         if name not in drop:
             w.add_tensor(name, full.tensor(name).numpy())
@@ -367,3 +372,15 @@ def test_llama3_rope_freqs_are_read(tmp_path):
     scaled = load_gguf(_write(tmp_path / "freqs.gguf", add={"rope_freqs.weight": np.full(8, 4.0)}))
     assert not torch.equal(plain.rotary.cos, scaled.rotary.cos)
     torch.testing.assert_close(scaled.rotary.cos[4, :], plain.rotary.cos[1, :])  # 4 positions at 1/4 the frequency
+
+
+def test_a_rope_scaling_factor_without_a_type_is_linear_as_in_llama_cpp(tmp_path):
+    """llama.cpp's load_hparams defaults rope.scaling.type to "linear" and reads the factor from rope.scaling.factor
+    or the older rope.scale_linear: so does the loader (the factor was ignored)."""
+    for key in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):
+        model = load_gguf(_write(tmp_path / f"{key}.gguf", edit={key: 4.0}))
+        assert (model.cfg.rope_scaling.rope_type, model.cfg.rope_scaling.factor) == ("linear", 4.0), key
+    assert load_gguf(_write(tmp_path / "none.gguf")).cfg.rope_scaling is None
+    with pytest.raises(CheckpointError, match="metadata llama.rope.scaling.factor is missing .needed for rope scaling "
+                                              "type linear"):
+        load_gguf(_write(tmp_path / "nofactor.gguf", edit={"llama.rope.scaling.type": "linear"}))
