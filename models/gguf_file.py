@@ -65,7 +65,10 @@ class GGUFFile:
             self.metadata, tensors, end = self._parse()
         except (struct.error, UnicodeDecodeError, IndexError, OverflowError, MemoryError) as exc:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({type(exc).__name__}: {exc})") from None
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % 8:
+            raise CheckpointError(f"{path}: metadata general.alignment is {align!r}, expected a positive multiple of "
+                                  f"8 (the GGUF specification)")
         data_start = -(-end // align) * align
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, ggml_type, offset in tensors:
@@ -239,6 +242,30 @@ def open_gguf(path: str) -> GGUFFile:
     return _OPENED[key]
 
 
+_REQUIRED = object()
+
+
+def meta_number(f: GGUFFile, key: str, cast: type = int, default=_REQUIRED):
+    """Metadata ``key`` as an int (``cast`` int) or a float: a per-layer array whose entries are all equal stands for
+    its value; a missing key is ``default`` (none given: an error); any other value is refused, naming the key."""
+    value = f.metadata.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{f.path}: metadata {key} is missing")
+        return default
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            shown = value if len(value) <= 8 else [*value[:8], "..."]
+            raise CheckpointError(f"{f.path}: metadata {key} varies per layer ({shown}), which is not supported "
+                                  f"(one value for every layer is)")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            cast is int and isinstance(value, float) and not value.is_integer()):
+        raise CheckpointError(f"{f.path}: metadata {key} is {value!r}, expected "
+                              f"{'an integer' if cast is int else 'a number'}")
+    return cast(value)
+
+
 def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     """(the Hugging Face model_type its tensors map to, the model's shape) from the metadata and tensor table."""
     md, t = f.metadata, f.tensors
@@ -247,20 +274,14 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         raise CheckpointError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(GGUF_ARCHITECTURES)}")
 
-    def need(key):
-        value = md.get(f"{arch}.{key}")
-        if value is None:
-            raise CheckpointError(f"{f.path}: metadata {arch}.{key} is missing")
-        if isinstance(value, list):
-            raise CheckpointError(f"{f.path}: metadata {arch}.{key} varies per layer, which is not supported")
-        return value
+    def num(key, cast=int, default=_REQUIRED):
+        return meta_number(f, f"{arch}.{key}", cast, default)
 
     if "token_embd.weight" not in t:
         raise CheckpointError(f"{f.path}: tensor 'token_embd.weight' is missing")
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(md.get(f"{arch}.attention.key_length") or md.get(f"{arch}.rope.dimension_count") or
-                   hidden // heads)
-    experts = int(md.get(f"{arch}.expert_count") or 0)
+    hidden, heads = num("embedding_length"), num("attention.head_count")
+    head_dim = num("attention.key_length", int, 0) or num("rope.dimension_count", int, 0) or hidden // max(heads, 1)
+    experts = num("expert_count", int, 0)
     kind = GGUF_ARCHITECTURES[arch] if not (arch == "llama" and experts) else "mixtral"
     scaling = None
     # llama.cpp (src/llama-model.cpp, load_hparams): the type defaults to "linear", the factor is
@@ -271,11 +292,11 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     if scaling_type == "linear":
         if factor_key not in md:
             raise CheckpointError(f"{f.path}: metadata {factor_key} is missing (needed for rope scaling type linear)")
-        scaling = RopeScaling("linear", float(md[factor_key]))
+        scaling = RopeScaling("linear", meta_number(f, factor_key, float))
     elif scaling_type == "yarn":
-        factor = float(need("rope.scaling.factor"))
-        scaling = RopeScaling("yarn", factor, original_max_position_embeddings=int(
-            need("rope.scaling.original_context_length")), attention_factor=0.1 * math.log(factor) + 1.0)
+        factor = num("rope.scaling.factor", float)
+        scaling = RopeScaling("yarn", factor, original_max_position_embeddings=num(
+            "rope.scaling.original_context_length"), attention_factor=0.1 * math.log(max(factor, 1e-30)) + 1.0)
     elif scaling_type not in ("none", None):
         raise CheckpointError(f"{f.path}: rope scaling type {scaling_type!r} is not supported (none, linear or yarn)")
     factors = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in t]
@@ -283,38 +304,40 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         raise CheckpointError(f"{f.path}: tensor {factors[0]!r} without its pair: LongRoPE needs both "
                               f"rope_factors_long.weight and rope_factors_short.weight")
     if factors:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
-        original = int(need("rope.scaling.original_context_length"))
-        scaling = RopeScaling("longrope", int(need("context_length")) / original,
+        original = num("rope.scaling.original_context_length")
+        scaling = RopeScaling("longrope", num("context_length") / max(original, 1),
                               original_max_position_embeddings=original,
-                              attention_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+                              attention_factor=num("rope.scaling.attn_factor", float, 1.0),
                               short_factor=tuple(f.tensor("rope_factors_short.weight").tolist()),
                               long_factor=tuple(f.tensor("rope_factors_long.weight").tolist()))
     biased = [n for n in ("blk.0.attn_output.bias", "blk.0.attn_q.bias") if n in t]
     if biased and (biased[0] == "blk.0.attn_output.bias" or kind not in ("qwen2", "qwen2_moe")):
         raise CheckpointError(f"{f.path}: attention biases ({biased[0]}) are not supported for {arch} (only "
                               f"Qwen2's q/k/v biases are)")
-    eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [meta_number(f, f"tokenizer.ggml.{k}_token_id", int, None) for k in ("eos", "eot", "eom")]
     cfg = dict(
-        vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=int(need("block_count")),
-        num_heads=heads, num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or heads), head_dim=head_dim,
-        intermediate_size=int(md.get(f"{arch}.feed_forward_length") or 0),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
-        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=num("block_count"),
+        num_heads=heads, num_kv_heads=num("attention.head_count_kv", int, 0) or heads, head_dim=head_dim,
+        intermediate_size=num("feed_forward_length", int, 0),
+        rope_theta=num("rope.freq_base", float, 10000.0), rope_scaling=scaling,
+        rms_norm_eps=num("attention.layer_norm_rms_epsilon", float, 1e-6),
         tie_word_embeddings="output.weight" not in t,
-        max_position_embeddings=int(md.get(f"{arch}.context_length", 8192)),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        max_position_embeddings=num("context_length", int, 8192),
+        eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         attention_bias="blk.0.attn_q.bias" in t, qk_norm="blk.0.attn_q_norm.weight" in t,
     )
     cfg.update(_arch_extras(f, arch, cfg))
     if experts:
-        moe_inter = md.get(f"{arch}.expert_feed_forward_length")
+        moe_inter = num("expert_feed_forward_length", int, None)
         if moe_inter is None and "blk.0.ffn_up_exps.weight" in t:
             moe_inter = t["blk.0.ffn_up_exps.weight"].shape[1]
-        shared = md.get(f"{arch}.expert_shared_feed_forward_length")
+        shared = num("expert_shared_feed_forward_length", int, None)
         if shared is None and "blk.0.ffn_up_shexp.weight" in t:
             shared = t["blk.0.ffn_up_shexp.weight"].shape[0]
         norm_topk = md.get(f"{arch}.expert_weights_norm", kind != "qwen2_moe")  # llama.cpp's defaults
-        cfg.update(num_experts=experts, num_experts_per_token=int(need("expert_used_count")),
+        if not isinstance(norm_topk, bool):
+            raise CheckpointError(f"{f.path}: metadata {arch}.expert_weights_norm is {norm_topk!r}, expected a bool")
+        cfg.update(num_experts=experts, num_experts_per_token=num("expert_used_count"),
                    moe_intermediate_size=int(moe_inter or cfg["intermediate_size"]), norm_topk_prob=bool(norm_topk),
                    shared_expert_intermediate_size=int(shared or 0) if kind == "qwen2_moe" else 0)
     try:
@@ -329,30 +352,37 @@ def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
     """What Granite, Gemma and Phi-3 add to the config, from their metadata and llama.cpp's own rules where the
     converter writes none (Gemma 2 and 3: the sliding-window pattern, Gemma 3's local rope base, the attention
     scale of the 27B models, as llama.cpp's llama-model.cpp sets them)."""
-    md, layers, hidden, heads = f.metadata, cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
+    layers, hidden, heads = cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
+
+    def num(key, cast=int, default=_REQUIRED):
+        return meta_number(f, f"{arch}.{key}", cast, default)
+
     if arch in ("granite", "granitemoe"):
-        logit = float(md.get(f"{arch}.logit_scale", 1.0))
-        return dict(embedding_scale=float(md.get(f"{arch}.embedding_scale", 1.0)),
-                    residual_scale=float(md.get(f"{arch}.residual_scale", 1.0)), logit_scale=1.0 / logit,
-                    attention_scale=float(md.get(f"{arch}.attention.scale", 0.0)))
+        logit = num("logit_scale", float, 1.0)
+        if not logit > 0:
+            raise CheckpointError(f"{f.path}: metadata {arch}.logit_scale is {logit}, expected a number > 0 (the "
+                                  f"logits are divided by it)")
+        return dict(embedding_scale=num("embedding_scale", float, 1.0),
+                    residual_scale=num("residual_scale", float, 1.0), logit_scale=1.0 / logit,
+                    attention_scale=num("attention.scale", float, 0.0))
     if arch in ("gemma2", "gemma3"):
         big = layers == (46 if arch == "gemma2" else 62)  # the 27B models scale by hidden / heads
-        window = int(md.get(f"{arch}.attention.sliding_window") or 0)
-        pattern = int(md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+        window = num("attention.sliding_window", int, 0)
+        pattern = num("attention.sliding_window_pattern", int, 0) or (2 if arch == "gemma2" else 6)
         sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if arch == "gemma3" else tuple(
             range(0, layers, 2))
         return dict(hidden_act="gelu_tanh", embedding_scale=float(hidden) ** 0.5, sandwich_norms=True,
                     attention_scale=(hidden / heads if big else cfg["head_dim"]) ** -0.5,
-                    final_logit_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
-                    attn_logit_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0),
+                    final_logit_softcap=num("final_logit_softcapping", float, 0.0),
+                    attn_logit_softcap=num("attn_logit_softcapping", float, 0.0),
                     sliding_window=window, sliding_layers=sliding if window else (),
-                    local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3"
+                    local_rope_theta=num("rope.freq_base_swa", float, 10000.0) if arch == "gemma3"
                     else 0.0)
     if arch == "phi3":
-        if cfg["head_dim"] != int(md.get("phi3.rope.dimension_count") or cfg["head_dim"]):
+        if cfg["head_dim"] != (num("rope.dimension_count", int, 0) or cfg["head_dim"]):
             raise CheckpointError(f"{f.path}: phi3.rope.dimension_count below the head size (partial rotary) is not "
                                   f"supported")
-        window = int(md.get("phi3.attention.sliding_window") or 0)
+        window = num("attention.sliding_window", int, 0)
         if window and window < cfg["max_position_embeddings"]:
             return dict(sliding_window=window, sliding_layers=tuple(range(layers)))
     return {}

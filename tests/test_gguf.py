@@ -285,7 +285,7 @@ def _write(path, model_type="llama", edit=None, drop=(), add=None):
     w = gguf.GGUFWriter(str(path), (edit or {}).get("general.architecture", full.metadata["general.architecture"]))
     edit = edit or {}
     for key, value in [*full.metadata.items(), *((k, v) for k, v in edit.items() if k not in full.metadata)]:
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+        if key.startswith("GGUF.") or key == "general.architecture" or key == "general.alignment" and key not in edit:
             continue
         value = edit.get(key, value)
         if isinstance(value, tuple):  # (gguf.GGUFValueType, value): a type of one's choosing
@@ -384,3 +384,29 @@ def test_a_rope_scaling_factor_without_a_type_is_linear_as_in_llama_cpp(tmp_path
     with pytest.raises(CheckpointError, match="metadata llama.rope.scaling.factor is missing .needed for rope scaling "
                                               "type linear"):
         load_gguf(_write(tmp_path / "nofactor.gguf", edit={"llama.rope.scaling.type": "linear"}))
+
+
+def test_metadata_of_the_wrong_kind_is_refused_naming_the_key(tmp_path):
+    """A string for a number, a per-layer array whose entries differ, a general.alignment of 0 or not a multiple of 8
+    (the GGUF specification) get one clear error naming the key (they raised TypeError, ValueError or
+    ZeroDivisionError, or with alignment 7 loaded the tensors from the wrong bytes); a per-layer array of one value
+    is that value."""
+    T = gguf.GGUFValueType
+    plain = load_gguf(_write(tmp_path / "plain.gguf")).cfg
+    for key, field in (("llama.attention.head_count_kv", "num_kv_heads"),
+                       ("llama.feed_forward_length", "intermediate_size")):
+        model = load_gguf(_write(tmp_path / f"{key}.gguf", edit={key: [getattr(plain, field)] * 2}))
+        assert model.cfg == plain, key
+        with pytest.raises(CheckpointError, match=rf"metadata {key} varies per layer \(\[2, 4\]\), which is not "
+                                                  rf"supported"):
+            load_gguf(_write(tmp_path / f"{key}-differ.gguf", edit={key: [2, 4]}))
+    cases = {"llama.block_count": ((T.STRING, "two"), "'two', expected an integer"),
+             "llama.attention.layer_norm_rms_epsilon": ((T.STRING, "abc"), "'abc', expected a number"),
+             "llama.context_length": (512.5, "512.5, expected an integer")}
+    for key, (value, why) in cases.items():
+        with pytest.raises(CheckpointError, match=rf"metadata {key} is {why}"):
+            load_gguf(_write(tmp_path / f"{key}.gguf", edit={key: value}))
+    for value in (0, 7, (T.STRING, "32")):
+        with pytest.raises(CheckpointError, match=r"metadata general.alignment is .*, expected a positive multiple "
+                                                  r"of 8 \(the GGUF specification\)"):
+            load_gguf(_write(tmp_path / "align.gguf", edit={"general.alignment": value}))
