@@ -308,25 +308,29 @@ def _byte_alphabet() -> dict[int, str]:
 
 def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
     """The tokenizer a GGUF's metadata describes, built with ``tokenizers``."""
-    from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
     kind = md.get("tokenizer.ggml.model")
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise CheckpointError(f"{path}: metadata tokenizer.ggml.tokens is missing")
+    _check_gguf_tokens(md, tokens, path)
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     if kind == "gpt2":
         alphabet = _byte_alphabet()
         chars = set(alphabet.values())
         # a token spelled outside the byte alphabet (rare; a converter's plain-text special token) is respelled
-        vocab = {(t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
+        spelled = [t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        shadowed = next((i for i, t in enumerate(spelled) if vocab[t] != i), None)
+        if shadowed is not None:
+            raise CheckpointError(f"{path}: tokenizer.ggml.tokens[{shadowed}] {tokens[shadowed]!r}, respelled in the "
+                                  f"byte alphabet, is token {vocab[spelled[shadowed]]} "
+                                  f"{tokens[vocab[spelled[shadowed]]]!r}; each token must appear once")
         merges = md.get("tokenizer.ggml.merges")
         if not isinstance(merges, list):
             raise CheckpointError(f"{path}: metadata tokenizer.ggml.merges is missing (needed for a gpt2 tokenizer)")
-        backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        backend = _gguf_bpe(models.BPE, vocab, _gguf_merges(merges, vocab, path), path, fuse_unk=False)
         pre = md.get("tokenizer.ggml.pre", "default")
         if pre in GGUF_PRE_SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -343,10 +347,11 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
     elif kind == "llama":
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = md.get("tokenizer.ggml.merges")
-        merges = ([tuple(m.split(" ", 1)) for m in merges] if isinstance(merges, list) else
+        merges = (_gguf_merges(merges, vocab, path) if isinstance(merges, list) else
                   merges_from_scores(tokens, md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)))
         unk_id = md.get("tokenizer.ggml.unknown_token_id", 0)
-        backend = Backend(models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True))
+        backend = _gguf_bpe(models.BPE, vocab, merges, path, unk_token=tokens[unk_id], fuse_unk=True,
+                            byte_fallback=True)
         prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
                                                          prepend_scheme="first" if prefix else "never")
@@ -363,7 +368,7 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
 
     def named(key):
         i = md.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+        return tokens[i] if i is not None else None  # (in range: _check_gguf_tokens)
 
     special = {"bos_token": named("bos"), "eos_token": named("eos"), "unk_token": named("unknown"),
                "pad_token": named("padding")}
@@ -374,6 +379,67 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
     elif kind == "gpt2":
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     return Tokenizer(backend, md.get("tokenizer.chat_template"), {k: v for k, v in special.items() if v}, path)
+
+
+GGUF_SPECIAL_IDS = ("bos", "eos", "unknown", "padding", "eot", "eom")
+"""The tokenizer.ggml.<name>_token_id keys checked against the vocabulary."""
+
+
+def _check_gguf_tokens(md: dict, tokens: list, path: str) -> None:
+    """Refuse a GGUF vocabulary the tokenizer would build wrong: a token that is not a string or appears twice
+    (the later id would shadow the earlier), per-token arrays of another length than the tokens, a special token
+    id outside the vocabulary (the BOS was silently not added, an unknown id raised IndexError)."""
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise CheckpointError(f"{path}: tokenizer.ggml.tokens[{i}] is {token!r}, expected a string")
+        if token in seen:
+            raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {token!r} twice (ids {seen[token]} and {i}); "
+                                  f"each token must appear once")
+        seen[token] = i
+    for key in ("scores", "token_type"):
+        values = md.get(f"tokenizer.ggml.{key}")
+        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
+            count = f"{len(values)} entries" if isinstance(values, list) else repr(values)
+            raise CheckpointError(f"{path}: tokenizer.ggml.{key} has {count} for {len(tokens)} tokens "
+                                  f"(tokenizer.ggml.tokens); expected one per token")
+    for name in GGUF_SPECIAL_IDS:
+        i = md.get(f"tokenizer.ggml.{name}_token_id")
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{name}_token_id is {i!r}, outside the vocabulary of "
+                                  f"{len(tokens)} tokens (0..{len(tokens) - 1})")
+
+
+def _gguf_merges(merges: list, vocab: dict, path: str) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges' entries "left right" as pairs (split at the first space after the first character, as
+    llama.cpp's llama-vocab.cpp does), each of two tokens of the vocabulary whose concatenation is one too (what
+    ``tokenizers`` requires: a merged token outside the vocabulary made it panic); anything else is refused, naming
+    the entry."""
+    out = []
+    for i, m in enumerate(merges):
+        cut = m.find(" ", 1) if isinstance(m, str) else -1
+        if cut < 0 or cut == len(m) - 1:
+            raise CheckpointError(f"{path}: tokenizer.ggml.merges[{i}] is {m!r}, expected two tokens separated by a "
+                                  f"space")
+        left, right = m[:cut], m[cut + 1:]
+        absent = next((t for t in (left, right, left + right) if t not in vocab), None)
+        if absent is not None:
+            raise CheckpointError(f"{path}: tokenizer.ggml.merges[{i}] {m!r}: {absent!r} is not in the vocabulary "
+                                  f"(tokenizer.ggml.tokens)")
+        out.append((left, right))
+    return out
+
+
+def _gguf_bpe(bpe, vocab: dict, merges: list, path: str, **kw):
+    """The ``tokenizers`` BPE model of a GGUF vocabulary, in a ``tokenizers`` Tokenizer; its complaints as one
+    CheckpointError."""
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        return Backend(bpe(vocab, merges, **kw))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses from Rust
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens / merges: the tokenizers library refused the "
+                              f"vocabulary ({exc})") from None
 
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -410,3 +410,38 @@ def test_metadata_of_the_wrong_kind_is_refused_naming_the_key(tmp_path):
         with pytest.raises(CheckpointError, match=r"metadata general.alignment is .*, expected a positive multiple "
                                                   r"of 8 \(the GGUF specification\)"):
             load_gguf(_write(tmp_path / "align.gguf", edit={"general.alignment": value}))
+
+
+TOKENS = ["<unk>", "<s>", "</s>", "\u2581a", "\u2581b", "\u2581ab"]
+TOKEN_MD = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.scores": [0.0] * 6,
+            "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1], "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"tokenizer.ggml.unknown_token_id": 99}, r"tokenizer.ggml.unknown_token_id is 99, outside the vocabulary of 6 "
+                                              r"tokens \(0..5\)"),
+    ({"tokenizer.ggml.bos_token_id": 6}, r"tokenizer.ggml.bos_token_id is 6, outside the vocabulary of 6 tokens"),
+    ({"tokenizer.ggml.padding_token_id": "1"}, r"tokenizer.ggml.padding_token_id is '1', outside the vocabulary"),
+    ({"tokenizer.ggml.merges": ["\u2581a", "\u2581a b"]},
+     r"tokenizer.ggml.merges\[0\] is '\u2581a', expected two tokens separated by a space"),
+    ({"tokenizer.ggml.merges": [3]}, r"tokenizer.ggml.merges\[0\] is 3, expected two tokens separated by a space"),
+    ({"tokenizer.ggml.merges": ["\u2581a b", "zz yy"]}, r"tokenizer.ggml.merges\[0\] '\u2581a b': 'b' is not in "
+                                                       r"the vocabulary \(tokenizer.ggml.tokens\)"),
+    ({"tokenizer.ggml.merges": ["\u2581a \u2581b"]}, r"tokenizer.ggml.merges\[0\] '\u2581a \u2581b': '\u2581a\u2581b' "
+                                                    r"is not in the vocabulary"),
+    ({"tokenizer.ggml.tokens": TOKENS[:5] + ["\u2581a"]},
+     r"tokenizer.ggml.tokens has '\u2581a' twice \(ids 3 and 5\); each token must appear once"),
+    ({"tokenizer.ggml.scores": [0.0] * 4}, r"tokenizer.ggml.scores has 4 entries for 6 tokens "
+                                           r"\(tokenizer.ggml.tokens\); expected one per token"),
+    ({"tokenizer.ggml.token_type": [1] * 7}, r"tokenizer.ggml.token_type has 7 entries for 6 tokens"),
+])
+def test_a_bad_gguf_vocabulary_is_refused_naming_the_key(edit, message):
+    """Special token ids outside the vocabulary (unknown: IndexError; BOS: silently not added), malformed merges
+    (a TypeError from tokenizers), a token twice (the later id shadowed the earlier) and per-token arrays of another
+    length than the tokens (scores: silently cut short) are refused, naming the file and the key."""
+    from models.text import tokenizer_from_gguf_metadata
+
+    tokenizer_from_gguf_metadata(TOKEN_MD, "good.gguf")
+    with pytest.raises(CheckpointError, match=rf"^bad.gguf: {message}"):
+        tokenizer_from_gguf_metadata({**TOKEN_MD, **edit}, "bad.gguf")
