@@ -445,3 +445,11 @@ def test_a_bad_gguf_vocabulary_is_refused_naming_the_key(edit, message):
     tokenizer_from_gguf_metadata(TOKEN_MD, "good.gguf")
     with pytest.raises(CheckpointError, match=rf"^bad.gguf: {message}"):
         tokenizer_from_gguf_metadata({**TOKEN_MD, **edit}, "bad.gguf")
+
+
+def test_one_longrope_factor_tensor_without_the_other_is_refused(tmp_path):
+    """Phi-3's LongRoPE needs rope_factors_long and rope_factors_short: one alone is refused, named (the short one
+    alone was ignored, the long one alone raised KeyError)."""
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        with pytest.raises(CheckpointError, match=rf"tensor '{name}' without its pair: LongRoPE needs both"):
+            load_gguf(_write(tmp_path / f"{name}.gguf", add={name: np.ones(8)}))
