@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -326,6 +327,12 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         attention_bias="blk.0.attn_q.bias" in t, qk_norm="blk.0.attn_q_norm.weight" in t,
     )
+    past = sorted((int(m.group(1)), n) for n in t if (m := re.match(r"blk\.(\d+)\.", n)) and
+                  int(m.group(1)) >= cfg["num_layers"])
+    if past:  # (checked here, without torch, so that serve's check of the model finds it; models.gguf_loader
+        # refuses every other tensor the model does not read)
+        raise CheckpointError(f"{f.path}: tensor {past[0][1]!r} ({len(past)} in all) is in layer {past[0][0]}, past "
+                              f"{arch}.block_count {cfg['num_layers']}: refusing rather than serving part of the file")
     cfg.update(_arch_extras(f, arch, cfg))
     if experts:
         moe_inter = num("expert_feed_forward_length", int, None)

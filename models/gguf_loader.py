@@ -256,17 +256,14 @@ def tensors_read(kind: str, cfg: ModelConfig) -> set[str]:
 
 
 def check_all_tensors_read(f: GGUFFile, kind: str, cfg: ModelConfig) -> None:
-    """Refuse a file with a tensor the model would not read (a bias, a norm or a layer this loader does not serve,
-    a block past block_count): serving without it would compute something other than the file describes."""
+    """Refuse a file with a tensor the model would not read (a bias or a norm this loader does not serve; a block
+    past block_count is refused before, by ``config_from_gguf``): serving without it would compute something other
+    than the file describes."""
     unread = sorted(set(f.tensors) - tensors_read(kind, cfg))
     if not unread:
         return
     name = unread[0]
-    arch = f.metadata.get("general.architecture")
-    layer = re.match(r"blk\.(\d+)\.", name)
-    if layer and int(layer.group(1)) >= cfg.num_layers:
-        why = f"{arch}.block_count is {cfg.num_layers}, so layer {layer.group(1)} does not exist"
-    elif name.endswith("attn_k_norm.weight") and not cfg.qk_norm:
+    if name.endswith("attn_k_norm.weight") and not cfg.qk_norm:
         why = "q/k norms are read only where the file has attn_q_norm as well"
     else:
         why = f"the {kind} model this metadata describes has no such tensor"

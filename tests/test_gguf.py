@@ -349,9 +349,20 @@ def test_attention_biases_a_gguf_architecture_has_not_are_refused(tmp_path):
         load_gguf(str(tmp_path / "biased.gguf"))
 
 
+@pytest.mark.parametrize("add, edit, layer", [({"blk.2.attn_norm.weight": np.ones(64)}, None, 2),
+                                               ({}, {"llama.block_count": 1}, 1)])
+def test_a_layer_past_block_count_is_refused_before_the_weights_load(tmp_path, add, edit, layer):
+    """Tensors of a layer past block_count are refused by config_from_gguf (torch-free: what serve checks before it
+    starts), naming the first and the block count (they were dropped and the first block_count layers served)."""
+    from models.gguf_file import config_from_gguf
+
+    path = _write(tmp_path / "past.gguf", edit=edit, add=add)
+    with pytest.raises(CheckpointError, match=rf"tensor 'blk.{layer}.\w+.weight' \(\d+ in all\) is in layer {layer}, "
+                                              rf"past llama.block_count {layer}: refusing"):
+        config_from_gguf(GGUFFile(path))
+
+
 @pytest.mark.parametrize("add, edit, name, why", [
-    ({"blk.2.attn_norm.weight": np.ones(64)}, None, "blk.2.attn_norm.weight", "llama.block_count is 2"),
-    ({}, {"llama.block_count": 1}, "blk.1.attn_k.weight", "llama.block_count is 1"),
     ({"blk.0.ffn_down.bias": np.ones(64)}, None, "blk.0.ffn_down.bias", "has no such tensor"),
     ({"output_norm.bias": np.ones(64)}, None, "output_norm.bias", "has no such tensor"),
     ({f"blk.{i}.attn_k_norm.weight": np.ones(16) for i in range(2)}, None, "blk.0.attn_k_norm.weight",
