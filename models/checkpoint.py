@@ -176,10 +176,7 @@ def _fill_fp8(model: CausalLM, ours: str, theirs: list[str], source: Fp8Source) 
     weight, scale, block = module.weight, module.weight_scale, module.block
     parts = [source.get_fp8(key) for key in theirs]
     rows = [w.shape[0] for w, _ in parts]
-    if any(w.dim() != 2 or w.shape[1] != weight.shape[1] for w, _ in parts) or sum(rows) != weight.shape[0]:
-        names = " + ".join(source.describe(k) for k in theirs)
-        got = " + ".join(str(tuple(w.shape)) for w, _ in parts)
-        raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(weight.shape)} for {ours}")
+    _check_shapes(source, ours, theirs, [tuple(w.shape) for w, _ in parts], weight, model.full_cfg)
     if not source.scheme.online and any(sc is None for _, sc in parts):
         return _keep_unquantized(model, ours, theirs, parts, source)
     starts = [sum(rows[:i]) for i in range(len(rows))]
@@ -244,13 +241,25 @@ def fold_residual_scale(model: CausalLM) -> None:
             mlp.w2.mul_(scale)
 
 
-def _check_shapes(source, ours: str, theirs: list[str], shapes: list[tuple], target: torch.Tensor) -> None:
-    """CheckpointError unless the parts' shapes concatenated along dim 0 are ``target``'s."""
+def _part_rows(cfg: ModelConfig, num_parts: int, rows: int) -> list[int] | None:
+    """The rows each of a fused parameter's checkpoint parts holds: q, k and v (``num_parts`` 3), or two equal halves
+    (gate and up); None for a parameter of one part."""
+    if num_parts == 3:
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    return [rows // num_parts] * num_parts if num_parts > 1 else None
+
+
+def _check_shapes(source, ours: str, theirs: list[str], shapes: list[tuple], target: torch.Tensor,
+                  cfg: ModelConfig | None = None) -> None:
+    """CheckpointError unless the parts' shapes concatenated along dim 0 are ``target``'s, each part with its own
+    rows (``_part_rows``, where ``cfg`` is given: a sum alone would take q and k swapped, or gate and up uneven)."""
+    rows = _part_rows(cfg, len(theirs), target.shape[0]) if cfg is not None else None
     if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
-            s[0] for s in shapes) != target.shape[0]:
+            s[0] for s in shapes) != target.shape[0] or (rows is not None and [s[0] for s in shapes] != rows):
         names = " + ".join(source.describe(k) for k in theirs)
         got = " + ".join(str(s) for s in shapes)
-        raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {tuple(target.shape)} for {ours}")
+        want = " + ".join(str((r, *target.shape[1:])) for r in rows) if rows else str(tuple(target.shape))
+        raise CheckpointError(f"{source.where}: {names} has shape {got}, expected {want} for {ours}")
 
 
 def _meta_model(model: CausalLM) -> CausalLM:
@@ -280,9 +289,10 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
             pieces = param_pieces(ours, len(theirs), cfg, model.tp) if model.tp is not None else None
             if pieces is None:
                 parts = [source.get(key) for key in theirs]
-                _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], param_target(whole, ours))
+                _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], param_target(whole, ours), cfg)
             else:  # a tensor-parallel rank: the whole tensors' shapes checked, then only its slices read
-                _check_shapes(source, ours, theirs, [source.shape(key) for key in theirs], param_target(whole, ours))
+                _check_shapes(source, ours, theirs, [source.shape(key) for key in theirs], param_target(whole, ours),
+                              cfg)
                 parts = [take_pieces(lambda dim, start, stop, key=key: source.get_slice(key, dim, start, stop), p)
                          for key, p in zip(theirs, pieces)]
                 _check_shapes(source, ours, theirs, [tuple(p.shape) for p in parts], target)

@@ -306,6 +306,12 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
 # ---------------------------------------------------------------------------------------------------------------
 
 INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".input_scale", ".q_scale")
+"""Tensors a checkpoint may hold that the served model does without: rotary frequencies (computed from the config),
+an FP8 checkpoint's static activation scales (activations are quantized per token, dynamically, as vLLM does for
+dynamic schemes) and its query scales (the queries stay in the serving dtype). Any other tensor nothing reads is
+refused: a checkpoint with weights this loader would drop (biases, norms, layers past num_hidden_layers) is not
+the model it would serve."""
 
 
 def safetensors_keys(path: str) -> list[str]:
@@ -336,12 +342,15 @@ class SafetensorsDir:
 
         self.where, self.norm_shift = path, norm_shift
         index_path = os.path.join(path, INDEX_FILE)
+        weight_map = None
         if os.path.isfile(index_path):
             weight_map = read_json(index_path, "the shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index_path}: no 'weight_map' object naming each tensor's shard")
             files = sorted(set(weight_map.values()))
             for f in files:
+                if not isinstance(f, str) or os.path.basename(f) != f or f.startswith("."):
+                    raise CheckpointError(f"{index_path}: names shard {f!r}, which is not a file name in {path}")
                 if not os.path.isfile(os.path.join(path, f)):
                     raise CheckpointError(f"{index_path}: names shard {f!r}, which is not in {path}")
         else:
@@ -351,14 +360,27 @@ class SafetensorsDir:
         self.file_of: dict[str, str] = {}
         for f in files:
             for key in safetensors_keys(os.path.join(path, f)):
+                if key in self.file_of:  # (which one the model would get is an accident of order)
+                    raise CheckpointError(f"{path}: tensor {key!r} is in both {self.file_of[key]} and {f}")
                 self.file_of[key] = f
+        for key, f in (weight_map or {}).items():
+            if self.file_of.get(key) != f:
+                raise CheckpointError(f"{index_path}: maps tensor {key!r} to {f}, but "
+                                      + (f"it is in {self.file_of[key]}" if key in self.file_of else "no shard has it"))
+        self.read: set[str] = set()
+        """The tensors read so far (``unread``: what the model never used)."""
         self._handles = {}
         self._open = lambda f: safe_open(os.path.join(path, f), framework="pt")
+
+    def unread(self) -> list[str]:
+        """The checkpoint's tensors nothing has read, less those a served model does without (``IGNORED_SUFFIXES``)."""
+        return sorted(k for k in self.file_of if k not in self.read and not k.endswith(IGNORED_SUFFIXES))
 
     def _handle(self, name: str):
         f = self.file_of.get(name)
         if f is None:
             raise CheckpointError(f"{self.where}: tensor {name!r} is missing")
+        self.read.add(name)
         if f not in self._handles:
             try:
                 self._handles[f] = self._open(f)
@@ -428,11 +450,25 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
         for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
             names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv"]
             if all(n in source.file_of for n in names):
-                k_scale, v_scale = (float(source.get(n).float().reshape(-1)[0]) for n in names)
+                k_scale, v_scale = (_kv_scale(source, n) for n in names)
                 layer.attn = layer.attn._replace(k_scale=k_scale, v_scale=v_scale)
+        unread = source.unread()
+        if unread:
+            more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+            raise CheckpointError(f"{path}: the checkpoint has tensors this model does not use: "
+                                  f"{', '.join(map(repr, unread[:3]))}{more} (weights the loader would drop: an "
+                                  f"architecture or a setting config.json does not declare)")
         return model
     finally:
         source.close()
+
+
+def _kv_scale(source: SafetensorsDir, name: str) -> float:
+    """An FP8 KV cache's scale: one finite number > 0 (0 or NaN would zero or poison every cached key / value)."""
+    t = source.get(name).float().reshape(-1)
+    if t.numel() != 1 or not math.isfinite(float(t[0])) or float(t[0]) <= 0:
+        raise CheckpointError(f"{source.where}: {name} must be one finite number > 0, got {t.tolist()[:4]}")
+    return float(t[0])
 
 
 def _check_tied_head(cfg: ModelConfig, source: SafetensorsDir) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -143,3 +144,87 @@ def test_a_config_value_of_a_wrong_type_or_range_is_refused_naming_its_key(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(CheckpointError, match=f"config.json: .*{words}"):
         read_hf_config(str(tmp_path))
+
+
+def _tiny_tensors(tmp_path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    cfg = _tiny_config(tmp_path)
+    return cfg, load_file(str(tmp_path / "model.safetensors"))
+
+
+def _rewrite(tmp_path, shards: dict[str, dict], index: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    for name, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / name))
+    if index is not None:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def test_tensors_the_model_would_drop_are_refused(tmp_path):
+    """A tensor nothing reads means the checkpoint is not the model the loader would build (a bias, a q/k norm or a
+    layer that config.json does not declare, all dropped without a word before): refused, naming it. Rotary
+    frequencies, which the config determines, are not."""
+    cfg, tensors = _tiny_tensors(tmp_path)
+    _rewrite(tmp_path, {"model.safetensors": {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq":
+                                              torch.ones(8)}})
+    load_checkpoint(str(tmp_path))
+    for extra in ("model.layers.0.self_attn.o_proj.bias", "model.layers.2.self_attn.q_proj.weight", "foo.bar"):
+        _rewrite(tmp_path, {"model.safetensors": {**tensors, extra: torch.ones(64)}})
+        with pytest.raises(CheckpointError, match=f"has tensors this model does not use: '{re.escape(extra)}'"):
+            load_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))  # (served one layer)
+    _rewrite(tmp_path, {"model.safetensors": tensors})
+    with pytest.raises(CheckpointError, match="'model.layers.1.input_layernorm.weight', .* and 6 more"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_a_tensor_in_two_shards_or_against_its_index_is_refused(tmp_path):
+    """Which of two copies the model got was an accident of file order, and the index's weight_map was not read:
+    a tensor in two shards, a shard the index places elsewhere or outside the directory are refused."""
+    _, tensors = _tiny_tensors(tmp_path)
+    norm = {"model.norm.weight": torch.full((64,), 100.0)}
+    rest = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+    _rewrite(tmp_path, {"a.safetensors": tensors, "zz_stale.safetensors": norm})
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is in both a.safetensors and zz_stale"):
+        load_checkpoint(str(tmp_path))
+    index = {**{k: "a.safetensors" for k in rest}, "model.norm.weight": "a.safetensors"}
+    _rewrite(tmp_path, {"a.safetensors": rest, "b.safetensors": norm}, index)
+    with pytest.raises(CheckpointError, match="maps tensor 'model.norm.weight' to a.safetensors, but no shard has "
+                                              "it"):  # (the shards it names; before: a missing tensor, unexplained)
+        load_checkpoint(str(tmp_path))
+    _rewrite(tmp_path, {"a.safetensors": rest, "b.safetensors": norm},
+             {**index, "model.norm.weight": "../b.safetensors"})
+    with pytest.raises(CheckpointError, match="names shard '../b.safetensors', which is not a file name"):
+        load_checkpoint(str(tmp_path))
+    _rewrite(tmp_path, {"a.safetensors": rest, "b.safetensors": norm}, {**index, "model.norm.weight": "b.safetensors"})
+    assert torch.equal(load_checkpoint(str(tmp_path)).norm.weight, norm["model.norm.weight"])
+
+
+def test_each_part_of_a_fused_projection_has_its_own_shape(tmp_path):
+    """q and k swapped, or gate and up of uneven sizes, add up to the fused shape: each part is checked."""
+    _, tensors = _tiny_tensors(tmp_path)
+    p = "model.layers.0"
+    q, k = tensors[f"{p}.self_attn.q_proj.weight"], tensors[f"{p}.self_attn.k_proj.weight"]
+    _rewrite(tmp_path, {"model.safetensors": {**tensors, f"{p}.self_attn.q_proj.weight": k.repeat(1, 1)[:32],
+                                              f"{p}.self_attn.k_proj.weight": q}})
+    with pytest.raises(CheckpointError, match=r"has shape \(32, 64\) \+ \(64, 64\) \+ \(32, 64\), expected "
+                                              r"\(64, 64\) \+ \(32, 64\) \+ \(32, 64\)"):
+        load_checkpoint(str(tmp_path))
+    gate, up = tensors[f"{p}.mlp.gate_proj.weight"], tensors[f"{p}.mlp.up_proj.weight"]
+    _rewrite(tmp_path, {"model.safetensors": {**tensors, f"{p}.mlp.gate_proj.weight": torch.cat([gate, up[:64]]),
+                                              f"{p}.mlp.up_proj.weight": up[64:]}})
+    with pytest.raises(CheckpointError, match=r"expected \(128, 64\) \+ \(128, 64\)"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_an_fp8_kv_cache_scale_of_zero_or_nan_is_refused(tmp_path):
+    _, tensors = _tiny_tensors(tmp_path)
+    scales = {f"model.layers.{i}.self_attn.{x}_scale": torch.tensor(v) for i in range(2)
+              for x, v in (("k", 0.0), ("v", float("nan")))}
+    _rewrite(tmp_path, {"model.safetensors": {**tensors, **scales}})
+    with pytest.raises(CheckpointError, match=r"k_scale must be one finite number > 0, got \[0.0\]"):
+        load_checkpoint(str(tmp_path))
