@@ -140,10 +140,28 @@ class Fp8Source:
                                   f"quantization_config saying how it is scaled")
         scale_name = name.removesuffix("weight") + self.scheme.scale_suffix
         try:
-            return t, self.source.get(scale_name)
+            scale = self.source.get(scale_name)
         except CheckpointError:
             raise CheckpointError(f"{self.where}: FP8 tensor {name!r} has no scale {scale_name!r} "
                                   f"({self.scheme.describe()})") from None
+        self._check_scale(scale_name, scale, tuple(t.shape))
+        return t, scale
+
+    def _check_scale(self, name: str, scale: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """An FP8 weight's scale: finite and >= 0 (0: a block of zeros), one per tensor or per row, or one per block of the scheme's block
+        size ((ceil(rows / b0), ceil(cols / b1))); a grid of another size would be cropped or repeated into the
+        wrong rows."""
+        block, rows = self.scheme.block, shape[0] if shape else 1
+        if block is not None and len(shape) == 2:
+            want = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+            ok, what = tuple(scale.shape) == want, f"shape {want} ({block[0]}x{block[1]} blocks)"
+        else:
+            ok, what = scale.numel() in (1, rows) and scale.dim() <= 2, f"1 or {rows} values (per tensor or row)"
+        if not ok:
+            raise CheckpointError(f"{self.where}: FP8 scale {name!r} has shape {tuple(scale.shape)}, expected {what} "
+                                  f"for its weight of shape {shape} ({self.scheme.describe()})")
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise CheckpointError(f"{self.where}: FP8 scale {name!r} has values that are not finite numbers >= 0")
 
     def get(self, name: str) -> torch.Tensor:
         t, scale = self.get_fp8(name)

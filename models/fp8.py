@@ -90,6 +90,10 @@ def checkpoint_scheme(hf: dict, path: str, quantization: str | None = None) -> F
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
             raise QuantizationError(f"{path}: quantization_config.fmt {q.get('fmt')!r} is not supported (e4m3)")
+        if q.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise QuantizationError(f"{path}: quantization_config.activation_scheme {q.get('activation_scheme')!r} is "
+                                    f"not supported (dynamic or static; activations are quantized per token either "
+                                    f"way)")
         scheme = Fp8Scheme(_block(q.get("weight_block_size"), path, "weight_block_size"))
         if scheme.block:
             scheme = Fp8Scheme(scheme.block, "weight_scale_inv")
@@ -113,24 +117,52 @@ def _block(value, path: str, field: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
+CT_FORMATS = (None, "float-quantized", "naive-quantized")
+"""compressed-tensors formats whose FP8 weights are stored as float8_e4m3fn tensors, one per weight."""
+
+
 def _compressed_tensors(q: dict, path: str) -> Fp8Scheme:
-    """compressed-tensors: every config group's weights must be 8-bit floats (tensor, channel or block strategy)."""
+    """compressed-tensors: every config group's weights must be symmetric 8-bit floats (tensor, channel or block
+    strategy) in a format that stores them as such; what would change the weights' values or the activations and
+    KV cache beyond that (zero points, transforms, sparsity, integer activations or KV) is refused, named."""
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise QuantizationError(f"{path}: compressed-tensors quantization_config has no config_groups")
+    for key in ("sparsity_config", "transform_config"):
+        if q.get(key):
+            raise QuantizationError(f"{path}: compressed-tensors quantization_config.{key} is not supported (the "
+                                    f"weights it describes are not the stored ones)")
+    kv = q.get("kv_cache_scheme")
+    if kv and (not isinstance(kv, dict) or kv.get("type") != "float" or kv.get("num_bits") != 8):
+        raise QuantizationError(f"{path}: compressed-tensors kv_cache_scheme {kv!r} is not supported (an 8-bit float "
+                                f"KV cache: --kv-cache-dtype fp8)")
     blocks = set()
     for name, group in groups.items():
         w = (group or {}).get("weights") or {}
+        where = f"config_groups.{name}"
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise QuantizationError(
-                f"{path}: compressed-tensors config_groups.{name}.weights is {w.get('type')!r} {w.get('num_bits')}-bit "
+                f"{path}: compressed-tensors {where}.weights is {w.get('type')!r} {w.get('num_bits')}-bit "
                 f"(format {q.get('format')!r}), which is not supported; {UNSUPPORTED_HINT}")
+        if w.get("symmetric", True) is not True:
+            raise QuantizationError(f"{path}: compressed-tensors {where}.weights.symmetric {w.get('symmetric')!r} "
+                                    f"(asymmetric weights, zero points) is not supported")
+        act = (group or {}).get("input_activations")
+        if act and (act.get("type") != "float" or act.get("num_bits") != 8):
+            raise QuantizationError(f"{path}: compressed-tensors {where}.input_activations is {act.get('type')!r} "
+                                    f"{act.get('num_bits')}-bit, which is not supported (8-bit float activations)")
         strategy = w.get("strategy")
         if strategy not in ("tensor", "channel", "block"):
-            raise QuantizationError(f"{path}: compressed-tensors config_groups.{name}.weights.strategy {strategy!r} is "
+            raise QuantizationError(f"{path}: compressed-tensors {where}.weights.strategy {strategy!r} is "
                                     f"not supported (tensor, channel or block)")
-        blocks.add(_block(w.get("block_structure"), path, f"config_groups.{name}.weights.block_structure")
+        if strategy == "block" and w.get("block_structure") is None:
+            raise QuantizationError(f"{path}: compressed-tensors {where}.weights.strategy block without a "
+                                    f"block_structure is not supported (the scales' block size)")
+        blocks.add(_block(w.get("block_structure"), path, f"{where}.weights.block_structure")
                    if strategy == "block" else None)
+    if q.get("format") not in CT_FORMATS:
+        raise QuantizationError(f"{path}: compressed-tensors format {q.get('format')!r} is not supported (FP8 weights "
+                                f"stored as float8: {', '.join(map(str, CT_FORMATS[1:]))})")
     if len(blocks) > 1:
         raise QuantizationError(f"{path}: compressed-tensors config_groups mix scale layouts "
                                 f"{sorted(map(str, blocks))}")

@@ -158,6 +158,19 @@ def test_an_fp8_checkpoint_refuses_online_quantization(fp8_checkpoint):
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, "'int' 4-bit"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+    # fields that change what the weights are, loaded as if absent before (the checkpoint probe)
+    *[({**SCHEMES["compressed-tensors"][1], **extra}, named) for extra, named in [
+        ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
+        ({"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config"),
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "kv_cache_scheme"),
+        ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                              "symmetric": False}}}}, "asymmetric weights, zero points"),
+        ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                  "input_activations": {"num_bits": 8, "type": "int"}}}}, "input_activations is 'int'"),
+        ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+         "without a block_structure"),
+        ({"format": "pack-quantized"}, "format 'pack-quantized'")]],
+    ({"quant_method": "fp8", "activation_scheme": "per-token-asym"}, "activation_scheme 'per-token-asym'"),
 ])
 def test_other_quantization_methods_are_refused_by_name(original, tmp_path, config, named):
     """An AWQ or GPTQ checkpoint used to fail with "tensor ... is missing"; now one error names the method and
@@ -194,6 +207,31 @@ def test_fp8_tensors_without_a_scheme_or_a_scale_are_refused(fp8_checkpoint, tmp
     with pytest.raises(CheckpointError, match="'model.layers.0.mlp.up_proj.weight' has no scale "
                                               "'model.layers.0.mlp.up_proj.weight_scale'"):
         load_checkpoint(str(tmp_path / "noscale"))
+
+
+@pytest.mark.parametrize("scheme, edit, words", [
+    ("block-128", lambda s: s[:1], r"has shape \(1, 2\), expected shape \(2, 2\) \(128x128 blocks\)"),  # (cropped)
+    ("block-128", lambda s: torch.ones(3, 2), r"has shape \(3, 2\), expected shape \(2, 2\)"),
+    ("block-128", lambda s: s.max().reshape(()), r"has shape \(\), expected shape"),  # (a per-tensor scale, taken)
+    ("per-tensor", lambda s: torch.ones(2, 2), r"has shape \(2, 2\), expected 1 or 256 values"),  # (a traceback)
+    ("per-tensor", lambda s: s * float("nan"), "has values that are not finite numbers >= 0"),  # (all-zero tokens)
+    ("per-tensor", lambda s: -s, "has values that are not finite numbers >= 0"),
+])
+def test_an_fp8_scale_of_the_wrong_layout_or_value_is_refused(fp8_checkpoint, tmp_path, scheme, edit, words):
+    """An FP8 weight's scales must be one per tensor or row, or the scheme's grid of blocks: a grid of another size
+    was cropped or repeated into the wrong rows, a scalar taken for a block scheme (wrong tokens, no error)."""
+    import shutil
+
+    name, path = fp8_checkpoint
+    if name != scheme:
+        pytest.skip(f"a {scheme} case")
+    shutil.copytree(path, tmp_path / "bad")
+    tensors = load_file(str(tmp_path / "bad" / "model.safetensors"))
+    key = f"model.layers.0.self_attn.q_proj.{SCHEMES[scheme][2]}"
+    tensors[key] = edit(tensors[key]).contiguous()
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"FP8 scale '{key}' {words}"):
+        load_checkpoint(str(tmp_path / "bad"))
 
 
 def test_norms_and_activations_feeding_per_channel_fp8_projections_quantize_their_rows():
