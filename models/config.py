@@ -243,6 +243,8 @@ def read_json(path: str, what: str) -> dict:
             data = json.load(fh)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
     if not isinstance(data, dict):

@@ -197,11 +197,25 @@ class DraftHeadError(ValueError):
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    from models.loader import safetensors_keys
+
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(f))
+            try:
+                safetensors_keys(f)  # (a truncated or corrupt file named, not safetensors' own error)
+            except ValueError as exc:
+                raise DraftHeadError(str(exc)) from None
+            for key, tensor in load_file(f).items():
+                if key in out:
+                    raise DraftHeadError(f"draft head {path!r}: tensor {key!r} is in two files (which one is the "
+                                         f"head's is an accident of order)")
+                if not tensor.dtype.is_floating_point and key not in ("d2t", "t2d") or tensor.itemsize == 1 and \
+                        tensor.dtype.is_floating_point:
+                    raise DraftHeadError(f"draft head {path!r}: tensor {key!r} is {tensor.dtype}; a head's weights "
+                                         f"are floats of 16 or 32 bits (a quantized head is not supported)")
+                out[key] = tensor
         return out
     if glob.glob(os.path.join(path, "pytorch_model*.bin")):
         raise DraftHeadError(
@@ -222,15 +236,24 @@ def read_head_config(path: str, target: ModelConfig, method: str) -> tuple[Model
     """The head's config.json, checked against the target's config and the method -> (its ModelConfig, the target
     boundaries it reads (() for EAGLE-1), the raw config). ``twogrid serve`` calls it before anything starts."""
     from models.checkpoint import CheckpointError
+    from models.config import read_json
     from models.loader import config_from_hf
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise DraftHeadError(f"--speculative-config model {path!r}: no config.json (a draft head is a directory with "
                              f"config.json and *.safetensors)")
-    with open(cfg_path, encoding="utf-8") as fh:
-        hf = json.load(fh)
-    arch = (hf.get("architectures") or [""])[0]
+    try:
+        hf = read_json(cfg_path, "the draft head's config")
+        archs = hf.get("architectures") or [""]
+        arch = archs[0] if isinstance(archs, list) and isinstance(archs[0], str) else None
+        if arch is None:
+            raise CheckpointError(f"{cfg_path}: architectures must be a list of class names, got {archs!r}")
+        for key in ("num_hidden_layers", "draft_vocab_size", "target_hidden_size"):
+            if hf.get(key) is not None and (isinstance(hf[key], bool) or not isinstance(hf[key], int)):
+                raise CheckpointError(f"{cfg_path}: {key} must be an integer, got {hf[key]!r}")
+    except CheckpointError as exc:
+        raise DraftHeadError(str(exc)) from None
     eagle3 = arch in EAGLE3_ARCHITECTURES or ("draft_vocab_size" in hf and arch not in EAGLE1_ARCHITECTURES)
     if method == "eagle3" and not eagle3:
         raise DraftHeadError(f"{cfg_path}: architectures {arch!r} is not an EAGLE-3 head (one of "
@@ -260,7 +283,10 @@ def read_head_config(path: str, target: ModelConfig, method: str) -> tuple[Model
     if eagle3:
         ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
             hf.get("eagle_aux_hidden_state_layer_ids")
-        aux = tuple(int(i) for i in ids) if ids else default_aux_layers(t.num_layers)
+        if ids and (not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)):
+            raise DraftHeadError(f"{name}: eagle_aux_hidden_state_layer_ids must be a list of layer indices, got "
+                                 f"{ids!r}")
+        aux = tuple(ids) if ids else default_aux_layers(t.num_layers)
         if len(aux) < 2 or any(not 0 <= i <= t.num_layers for i in aux):
             raise DraftHeadError(f"{name}: eagle_aux_hidden_state_layer_ids = {list(aux)}: at least two boundaries in "
                                  f"0..{t.num_layers} (the target's layers)")
@@ -322,8 +348,14 @@ def _fill(head: EagleHead, tensors: dict[str, torch.Tensor], path: str) -> None:
             missing = [t for t in theirs if t not in tensors]
             if missing:
                 raise DraftHeadError(f"draft head {path!r}: tensor {missing[0]!r} is missing")
-            value = torch.cat([tensors[t] for t in theirs], dim=0)
             param = head.get_parameter(ours)
+            rows = ([head.cfg.q_size, head.cfg.kv_size, head.cfg.kv_size] if len(theirs) == 3 else
+                    [param.shape[0] // len(theirs)] * len(theirs))
+            if len(theirs) > 1 and [tensors[t].shape[0] if tensors[t].dim() else 0 for t in theirs] != rows:
+                raise DraftHeadError(f"draft head {path!r}: {' + '.join(theirs)} have "
+                                     f"{' + '.join(str(tensors[t].shape[0]) for t in theirs)} rows, expected "
+                                     f"{' + '.join(map(str, rows))}")
+            value = torch.cat([tensors[t] for t in theirs], dim=0)
             if ours == "own_embed.weight":
                 param = param[:head.cfg.vocab_size]
             if tuple(value.shape) != tuple(param.shape):
@@ -340,6 +372,8 @@ def _fill(head: EagleHead, tensors: dict[str, torch.Tensor], path: str) -> None:
             if d2t is None:
                 raise DraftHeadError(f"draft head {path!r}: draft_vocab_size = {head.shape.draft_vocab_size} needs "
                                      f"d2t (draft id -> target id offsets)")
+            if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+                raise DraftHeadError(f"draft head {path!r}: d2t is {d2t.dtype}, expected integer offsets")
             if d2t.shape != (head.shape.draft_vocab_size,):
                 raise DraftHeadError(f"draft head {path!r}: d2t has shape {tuple(d2t.shape)}, expected "
                                      f"({head.shape.draft_vocab_size},)")

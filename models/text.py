@@ -259,16 +259,27 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not named or len(named) != len(template):
+            raise CheckpointError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}} "
+                                  f"objects, got {str(template)[:80]!r}")
         template = named.get("default") or next(iter(named.values()), None)
-    for name in ("chat_template.jinja",):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
+    file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(file):
+        try:
             with open(file, encoding="utf-8") as fh:
                 template = fh.read()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{file}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     json_template = os.path.join(path, "chat_template.json")
     if template is None and os.path.isfile(json_template):
         template = read_json(json_template, "the chat template").get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}} objects, "
+                              f"got {str(template)[:80]!r}")
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    for key, text in special.items():
+        if text is not None and key in ("bos_token", "eos_token") and backend.token_to_id(text) is None:
+            raise CheckpointError(f"{cfg_path}: {key} {text!r} is not in {tok_path}'s vocabulary")
     bos = special["bos_token"]
     bos_id = backend.token_to_id(bos) if bos else None
     if cfg.get("add_bos_token") is True and bos_id is not None and backend.encode("a").ids[:1] != [bos_id]:

@@ -230,6 +230,18 @@ def test_a_draft_head_is_checked_before_anything_starts_and_its_weights_by_the_w
     assert f"worker start-up failed: DraftHeadError: {tmp_path}: no *.safetensors with the draft head's weights" in err
 
 
+def test_serve_refuses_a_model_whose_own_chat_template_does_not_parse(tiny_llama, tmp_path):
+    """Every chat request would get a 400: refused at start, as a broken --chat-template is, naming the way out."""
+    import shutil
+
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    cfg_path = tmp_path / "m" / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": "{% for m in messages %}"}))
+    rc, _, err = run("serve", "--model", str(tmp_path / "m"), "--device", "cpu")
+    assert rc == 2 and err.strip().startswith("twogrid serve: error: --model: chat template does not parse"), err
+    assert "give a working one with --chat-template" in err
+
+
 def test_serve_refuses_a_port_in_use_before_anything_starts():
     """Another server on the port: one line naming --host/--port, exit code 2, from the first checks (no engine
     process is started for nothing)."""

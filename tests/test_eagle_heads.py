@@ -270,7 +270,8 @@ def test_an_eagle1_head_matches_the_reference_forward(target, tmp_path):
     assert lossless(str(tmp_path / "e1"), "eagle")
 
 
-def rewrite(path, *, config: dict | None = None, drop: str | None = None, add: str | None = None):
+def rewrite(path, *, config: dict | None = None, drop: str | None = None, add: str | None = None, edit=None,
+            extra_file: dict | None = None):
     cfg_path = os.path.join(path, "config.json")
     if config:
         data = json.load(open(cfg_path))
@@ -286,6 +287,15 @@ def rewrite(path, *, config: dict | None = None, drop: str | None = None, add: s
         if add:
             tensors[add] = torch.zeros(3)
         save_file(tensors, st)
+    if edit:
+        from safetensors.torch import load_file, save_file
+
+        st = os.path.join(path, "model.safetensors")
+        save_file({k: v.contiguous() for k, v in edit(load_file(st)).items()}, st)
+    if extra_file:
+        from safetensors.torch import save_file
+
+        save_file(extra_file, os.path.join(path, "zz-extra.safetensors"))
 
 
 @pytest.mark.parametrize("change,message", [
@@ -298,6 +308,17 @@ def rewrite(path, *, config: dict | None = None, drop: str | None = None, add: s
     ({"drop": "fc.weight"}, "tensor 'fc.weight' is missing"),
     ({"add": "midlayer.extra.weight"}, "tensor 'layers.0.extra.weight' .* is not part of an EAGLE head"),
     ({"config": {"draft_vocab_size": 100}}, "lm_head.weight has 128 rows, draft_vocab_size is 100"),
+    # loaded silently wrong, or under a traceback, before (the checkpoint probe)
+    ({"edit": lambda t: {**t, "midlayer.self_attn.q_proj.weight": t["midlayer.self_attn.k_proj.weight"],
+                         "midlayer.self_attn.k_proj.weight": t["midlayer.self_attn.q_proj.weight"]}},
+     "q_proj.weight .* have 32 \\+ 64 \\+ 32 rows, expected 64 \\+ 32 \\+ 32"),
+    ({"edit": lambda t: {**t, "fc.weight": t["fc.weight"].to(torch.int8)}}, "'fc.weight' is torch.int8; a head's "
+                                                                              "weights are floats"),  # (cast)
+    ({"edit": lambda t: {**t, "d2t": t["d2t"].float() + 0.5}}, "d2t is torch.float32, expected integer offsets"),
+    ({"extra_file": {"fc.weight": torch.zeros(3)}}, "tensor 'fc.weight' is in two files"),  # (the last one won)
+    ({"config": {"draft_vocab_size": "x"}}, "draft_vocab_size must be an integer, got 'x'"),
+    ({"config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", "b"]}}},
+     "eagle_aux_hidden_state_layer_ids must be a list of layer indices"),
 ])
 def test_heads_that_do_not_fit_are_refused(target, tmp_path, change, message):
     with torch.no_grad():

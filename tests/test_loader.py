@@ -228,3 +228,13 @@ def test_an_fp8_kv_cache_scale_of_zero_or_nan_is_refused(tmp_path):
     _rewrite(tmp_path, {"model.safetensors": {**tensors, **scales}})
     with pytest.raises(CheckpointError, match=r"k_scale must be one finite number > 0, got \[0.0\]"):
         load_checkpoint(str(tmp_path))
+
+
+def test_a_config_that_is_not_utf8_text_is_refused_naming_the_file(tmp_path):
+    """A UnicodeDecodeError traceback before (config.json, generation_config.json, tokenizer_config.json)."""
+    from models.loader import read_hf_config
+
+    cfg = _tiny_config(tmp_path)
+    (tmp_path / "config.json").write_bytes(json.dumps(cfg).encode("utf-16"))
+    with pytest.raises(CheckpointError, match=r"config.json: the model config is not UTF-8 text \(byte 0: invalid"):
+        read_hf_config(str(tmp_path))

@@ -175,6 +175,27 @@ def test_bad_templates_and_tokenizers_give_one_clear_error(bpe, tmp_path):
         tokenizer_from_dir(str(tmp_path))
 
 
+@pytest.mark.parametrize("edit, words", [
+    ({"chat_template": 5}, "chat_template must be a string or a list of {name, template} objects, got '5'"),
+    ({"chat_template": ["x", 3]}, "chat_template must be a string or a list"),  # (read as no template)
+    ({"eos_token": "NOPE"}, "eos_token 'NOPE' is not in .*tokenizer.json's vocabulary"),  # (no EOS for chat)
+    ({"bos_token": "<nope>", "add_bos_token": True}, "bos_token '<nope>' is not in"),  # (BOS silently not added)
+])
+def test_a_tokenizer_config_the_tokenizer_cannot_honour_is_refused(bpe, tmp_path, edit, words):
+    import json
+    import shutil
+
+    shutil.copytree(bpe, tmp_path / "t")
+    cfg_path = tmp_path / "t" / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+    with pytest.raises(CheckpointError, match=f"tokenizer_config.json: {words}"):
+        tokenizer_from_dir(str(tmp_path / "t"))
+    (tmp_path / "t" / "chat_template.jinja").write_bytes(b"{{ \xff }}")
+    cfg_path.write_text(json.dumps({}))
+    with pytest.raises(CheckpointError, match=r"chat_template.jinja: not UTF-8 text \(byte 3"):
+        tokenizer_from_dir(str(tmp_path / "t"))
+
+
 @pytest.mark.parametrize("source", ["dir", "spm_gguf"])
 def test_streamed_chunks_concatenate_to_the_full_text_and_never_split_a_character(source, texts, bpe, spm_gguf):
     tok = load_tokenizer(bpe if source == "dir" else spm_gguf)

@@ -269,6 +269,9 @@ def _setup(args: argparse.Namespace):
                 raise ConfigError("--chat-template: this model has no tokenizer (a preset): give --tokenizer too")
             args.chat_template = chat_template_text(args.chat_template)
             tokenizer.chat_template = args.chat_template
+        elif tokenizer is not None and tokenizer.chat_template:  # (else every chat request would get a 400)
+            check_chat_template(tokenizer.chat_template, "--tokenizer" if args.tokenizer else "--model",
+                                " (the model's own template: give a working one with --chat-template)")
         if cfg.draft_model is not None and cfg.method == "draft_model":
             _named("--speculative-config model", check_draft_tokenizer, tokenizer, cfg.draft_model)
         if cfg.draft_model is not None and cfg.method in ("eagle", "eagle3"):
@@ -400,8 +403,6 @@ def structured_outputs_config(text: str | None) -> float:
 def chat_template_text(value: str) -> str:
     """``--chat-template``: a file's text, or the value itself when it is a template (it has ``{{`` or ``{%``);
     ConfigError otherwise, and for a template that does not parse."""
-    from models.text import TemplateError, render_chat_template
-
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as fh:
@@ -410,12 +411,20 @@ def chat_template_text(value: str) -> str:
             raise ConfigError(f"--chat-template: cannot read {value!r} ({exc})") from None
     elif "{{" not in value and "{%" not in value:
         raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    check_chat_template(value, "--chat-template")
+    return value
+
+
+def check_chat_template(template: str, flag: str, hint: str = "") -> None:
+    """ConfigError naming ``flag`` for a chat template that does not parse (one that raises for a message it does
+    not expect is the request's 400)."""
+    from models.text import TemplateError, render_chat_template
+
     try:
-        render_chat_template(value, [{"role": "user", "content": "hi"}])
+        render_chat_template(template, [{"role": "user", "content": "hi"}])
     except TemplateError as exc:
         if "does not parse" in str(exc):
-            raise ConfigError(f"--chat-template: {exc}") from None
-    return value
+            raise ConfigError(f"{flag}: {exc}{hint}") from None
 
 
 def _model_name(model: str) -> str:
