@@ -315,15 +315,19 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
     if biased and (biased[0] == "blk.0.attn_output.bias" or kind not in ("qwen2", "qwen2_moe")):
         raise CheckpointError(f"{f.path}: attention biases ({biased[0]}) are not supported for {arch} (only "
                               f"Qwen2's q/k/v biases are)")
+    value_dim = num("attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(f"{f.path}: metadata {arch}.attention.value_length {value_dim} differs from the key "
+                              f"length {head_dim}: heads whose values and keys differ in size are not supported")
     eos = [meta_number(f, f"tokenizer.ggml.{k}_token_id", int, None) for k in ("eos", "eot", "eom")]
     cfg = dict(
         vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden, num_layers=num("block_count"),
-        num_heads=heads, num_kv_heads=num("attention.head_count_kv", int, 0) or heads, head_dim=head_dim,
+        num_heads=heads, num_kv_heads=num("attention.head_count_kv", int, heads), head_dim=head_dim,
         intermediate_size=num("feed_forward_length", int, 0),
         rope_theta=num("rope.freq_base", float, 10000.0), rope_scaling=scaling,
         rms_norm_eps=num("attention.layer_norm_rms_epsilon", float, 1e-6),
         tie_word_embeddings="output.weight" not in t,
-        max_position_embeddings=num("context_length", int, 8192),
+        max_position_embeddings=num("context_length"),  # (llama.cpp requires it too: n_ctx_train)
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         attention_bias="blk.0.attn_q.bias" in t, qk_norm="blk.0.attn_q_norm.weight" in t,
     )
@@ -392,4 +396,8 @@ def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
         window = num("attention.sliding_window", int, 0)
         if window and window < cfg["max_position_embeddings"]:
             return dict(sliding_window=window, sliding_layers=tuple(range(layers)))
+        return {}
+    window = num("attention.sliding_window", int, 0)
+    if window and window < cfg["max_position_embeddings"]:  # (Mistral's: full attention is exact up to the window,
+        return dict(max_position_embeddings=window)  # so serve no further, as models.loader does for config.json)
     return {}

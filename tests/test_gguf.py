@@ -423,6 +423,21 @@ def test_metadata_of_the_wrong_kind_is_refused_naming_the_key(tmp_path):
             load_gguf(_write(tmp_path / "align.gguf", edit={"general.alignment": value}))
 
 
+def test_metadata_that_changes_the_heads_or_the_context_is_read_or_refused(tmp_path):
+    """A value length unlike the key length (ignored before), a head_count_kv of 0 (read as "absent": all heads),
+    a missing context_length (8192 assumed; llama.cpp requires it) are refused naming the key; a sliding window
+    below the context (Mistral's) bounds the context served, as models.loader does for config.json."""
+    plain = load_gguf(_write(tmp_path / "plain.gguf")).cfg
+    cases = {"llama.attention.value_length": (plain.head_dim * 2, "value_length 32 differs from the key length 16"),
+             "llama.attention.head_count_kv": (0, "num_kv_heads must be >= 1, got 0"),
+             "llama.context_length": (None, "metadata llama.context_length is missing")}
+    for key, (value, words) in cases.items():
+        with pytest.raises(CheckpointError, match=words):
+            load_gguf(_write(tmp_path / f"{key}.gguf", edit={key: value}))
+    windowed = load_gguf(_write(tmp_path / "window.gguf", edit={"llama.attention.sliding_window": 64})).cfg
+    assert windowed.max_position_embeddings == 64 and plain.max_position_embeddings > 64
+
+
 TOKENS = ["<unk>", "<s>", "</s>", "\u2581a", "\u2581b", "\u2581ab"]
 TOKEN_MD = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.scores": [0.0] * 6,
             "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1], "tokenizer.ggml.bos_token_id": 1,
