@@ -117,11 +117,14 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def _only_child(pid: int) -> int:
+def _only_child(pid: int, module: str) -> int:
+    """``pid``'s one child running ``python -m module`` (the engine also starts multiprocessing's fork server and
+    resource tracker, for its grammar compilers)."""
     with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
         kids = [int(p) for p in fh.read().split()]
-    assert len(kids) == 1, kids
-    return kids[0]
+    ours = [k for k in kids if module.encode() in open(f"/proc/{k}/cmdline", "rb").read().split(b"\0")]
+    assert len(ours) == 1, (kids, ours)
+    return ours[0]
 
 
 def _last_arg(pid: int) -> str:
@@ -167,11 +170,11 @@ class Server:
 
     def engine_pid(self) -> int:
         """The engine process (the server's one child)."""
-        return _only_child(self.proc.pid)
+        return _only_child(self.proc.pid, "dispatcher.engine.service")
 
     def worker_pid(self) -> int:
         """The worker process (the engine process's one child)."""
-        return _only_child(self.engine_pid())
+        return _only_child(self.engine_pid(), "dispatcher.runtime.process")
 
     def ipc_dir(self) -> str:
         """The server's ipc directory (the engine's command line's last argument); the worker's is inside it."""

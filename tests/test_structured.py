@@ -379,9 +379,9 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(g
     gate = threading.Event()
     real = grammars._compile
 
-    def slow(params, deadline):
+    def slow(params, submitted):
         gate.wait(5)  # (a compile waits for its process, as this wait does)
-        return real(params, deadline)
+        return real(params, submitted)
 
     monkeypatch.setattr(grammars, "_compile", slow)
     monkeypatch.setattr(grammars, "timeout_s", 0.3)
@@ -415,11 +415,11 @@ def test_a_refused_compile_that_has_not_started_is_cancelled(grammars, monkeypat
     started, release = [], threading.Event()
     real = grammars._compile
 
-    def slow(params, deadline):
+    def slow(params, submitted):
         started.append(params.regex)
         if params.regex.startswith("slow"):
             release.wait(5)
-        return real(params, deadline)
+        return real(params, submitted)
 
     monkeypatch.setattr(grammars, "_compile", slow)
     monkeypatch.setattr(grammars, "timeout_s", 0.3)
@@ -468,6 +468,7 @@ def test_a_compile_past_its_timeout_is_stopped_and_frees_its_slot(grammars, monk
     slot (and its memory) no longer than the timeout, and the next constraint compiles at once in a new process."""
     from dispatcher.engine import structured as S
 
+    grammars.compile(StructuredOutputsParams(regex="warm+"))  # (the compile processes started and ready)
     monkeypatch.setattr(grammars, "timeout_s", 0.5)
     pids = {p.pid for p in grammars._all_processes}
     t0 = time.monotonic()
@@ -514,6 +515,31 @@ def test_a_compile_that_outgrows_its_memory_or_dies_is_refused_and_the_next_comp
     finally:
         grammars.close()
     assert not any(map(_alive, busy))
+
+
+def test_a_constraint_sent_while_the_compile_processes_start_waits_for_them_not_for_its_timeout(tokenizer,
+                                                                                                  monkeypatch):
+    """The serving engine starts its compile processes once it is ready (seconds of CPU it does not spend beside its
+    worker's load): a constraint arriving meanwhile is compiled once they are up, its timeout counted from then."""
+    from dispatcher.engine import grammar_process as GP
+    from dispatcher.engine import structured as S
+
+    real = GP.CompileProcess.start
+
+    def slow_start(self, deadline):
+        time.sleep(1.0)  # (twice the timeout below)
+        real(self, deadline)
+
+    monkeypatch.setattr(GP.CompileProcess, "start", slow_start)
+    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], timeout_s=0.5, in_processes=True)
+    grammars.start()
+    try:
+        grammars.start_compilers()
+        t0 = time.monotonic()
+        assert grammars.compile(StructuredOutputsParams(json=json.dumps(PERSON))).grammar_id >= 0
+        assert time.monotonic() - t0 >= 1.0  # (it waited for them, and was not refused at 0.5 s)
+    finally:
+        grammars.close()
 
 
 def test_an_offline_script_without_a_main_guard_compiles_its_constraints(tmp_path):

@@ -115,6 +115,7 @@ class EngineService:
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
         self._tier_version = self.core.tier_version
+        self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
                                                      [list(t) for t in self.core.tiers]))
         return ready

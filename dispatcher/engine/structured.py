@@ -105,6 +105,10 @@ class StructuredOutputs:
         self._processes: queue.SimpleQueue[CompileProcess | CompileInThread] = queue.SimpleQueue()
         """The compilers not in use (``COMPILE_WORKERS``; a pool thread takes one for a compile)."""
         self._all_processes: list[CompileProcess] = []
+        self._ready = threading.Event()
+        self._compilers_started = False
+        self._ready_at: float | None = None
+        """When the compilers were ready (None: compile processes still starting)."""
         self._compiling: dict[tuple, Future] = {}
         self._waiters: dict[tuple, int] = {}
         """Requests waiting for each compile in ``_compiling`` (a compile none waits for any more is cancelled
@@ -135,8 +139,8 @@ class StructuredOutputs:
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Import xgrammar, build the tokenizer's vocabulary table and start the compile processes (a few seconds:
-        the engine calls this while its worker starts); a no-op without a tokenizer or when done."""
+        """Import xgrammar, build the tokenizer's vocabulary table and start the compile processes (seconds: the
+        engine calls this while its worker loads); a no-op without a tokenizer or when done."""
         if self.tokenizer is None:
             return
         with self._init_lock:
@@ -153,16 +157,46 @@ class StructuredOutputs:
                 self._all_processes = [CompileProcess(self.tokenizer_info_json, xgrammar_threads(),
                                                       grammar_process.COMPILE_MEMORY_BYTES)
                                        for _ in range(COMPILE_WORKERS)]
-                for process in self._all_processes:
-                    try:
-                        process.start(time.monotonic() + STARTUP_TIMEOUT_S)
-                    except (CompileTimeout, CompileFailed):  # (the first compile starts it again)
-                        log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
-            here = CompileInThread(self.tokenizer_info_json, xgrammar_threads())  # (thread-safe: one for all)
-            for compiler in self._all_processes or [here] * COMPILE_WORKERS:
-                self._processes.put(compiler)
+            else:
+                here = CompileInThread(self.tokenizer_info_json, xgrammar_threads())  # (thread-safe: one for all)
+                for _ in range(COMPILE_WORKERS):
+                    self._processes.put(here)
+                self._ready_at = time.monotonic()
             self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="twogrid-grammar")
             self._started = True
+
+    def start_compilers(self) -> None:
+        """Start the compile processes in the background (the fork server imports xgrammar, torch and transformers:
+        seconds of CPU, which the serving engine spends once it is ready rather than beside its worker's load); a
+        constraint that arrives meanwhile waits for them before its compile timeout starts (``_deadline``). A no-op
+        without them or when started."""
+        with self._init_lock:
+            if not self._all_processes or self._compilers_started:
+                return
+            self._compilers_started = True
+        threading.Thread(target=self._start_processes, name="twogrid-grammar-start", daemon=True).start()
+
+    def _start_processes(self) -> None:
+        for process in self._all_processes:
+            try:
+                process.start(time.monotonic() + STARTUP_TIMEOUT_S)
+            except (CompileTimeout, CompileFailed):  # (its first compile starts it again)
+                log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
+        self._ready_at = time.monotonic()
+        self._ready.set()
+        for process in self._all_processes:
+            self._processes.put(process)
+
+    def _deadline(self, submitted: float) -> float:
+        """When a compile submitted at ``submitted`` is refused: the compile timeout after it, or after the compile
+        processes were ready where they were not yet (waiting for them at most STARTUP_TIMEOUT_S)."""
+        if self._ready_at is None:
+            self._ready.wait(STARTUP_TIMEOUT_S)
+        return max(submitted, self._ready_at or submitted) + self.timeout_s
+
+    def _wait_s(self) -> float:
+        """How long a request waits for its compile's future (whose own deadline refuses it on time)."""
+        return self.timeout_s + (0.0 if self._ready_at is not None else STARTUP_TIMEOUT_S)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -191,8 +225,7 @@ class StructuredOutputs:
             fut = self._compiling.get(params.key)
             created = fut is None
             if created:
-                deadline = time.monotonic() + self.timeout_s
-                fut = self._compiling[params.key] = self._pool.submit(self._compile, params, deadline)
+                fut = self._compiling[params.key] = self._pool.submit(self._compile, params, time.monotonic())
             self._waiters[params.key] = self._waiters.get(params.key, 0) + 1
         if created:  # (outside the lock: a compile done already runs its callback here, and that takes the lock)
             fut.add_done_callback(lambda _, key=params.key: self._done(key))
@@ -223,11 +256,16 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
             return compiled
 
-    def _compile(self, params: StructuredOutputsParams, deadline: float) -> Compiled:
+    def _compile(self, params: StructuredOutputsParams, submitted: float) -> Compiled:
         compiled = self._from_cache(params.key)
         if compiled is not None:
             return compiled
-        process = self._processes.get()
+        self.start_compilers()  # (the serving engine's start did; the offline one, and tests, start them here)
+        deadline = self._deadline(submitted)
+        try:  # (a compile process, once one is free: all may be busy, or still starting)
+            process = self._processes.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise CompileTimeout() from None
         try:
             serialized = process.compile(params.kind, getattr(params, params.kind), not params.disable_any_whitespace,
                                          deadline)
@@ -256,7 +294,7 @@ class StructuredOutputs:
         """Compile now (the offline engine), waiting up to the timeout."""
         fut = self.compile_future(params)
         try:
-            fut.result(timeout=self.timeout_s)
+            fut.result(timeout=self._wait_s())
         except FutureTimeout:
             self._stop_waiting(params, fut)
             raise self._timeout(params) from None
@@ -269,7 +307,7 @@ class StructuredOutputs:
         fut = self.compile_future(params)
         waiting = asyncio.wrap_future(fut)
         waiting.add_done_callback(_retrieve)  # (its error is read from ``fut``; asyncio must not report it)
-        done, _ = await asyncio.wait([waiting], timeout=self.timeout_s)
+        done, _ = await asyncio.wait([waiting], timeout=self._wait_s())
         if not done:
             self._stop_waiting(params, fut)
             raise self._timeout(params)
