@@ -24,8 +24,10 @@ DETECT_LIMIT_S = 2.0
 
 
 def _children(pid: int) -> list[int]:
+    """``pid``'s worker processes (an engine with a tokenizer also has its grammar compilers' fork server)."""
     with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
-        return [int(p) for p in fh.read().split()]
+        kids = [int(p) for p in fh.read().split()]
+    return [k for k in kids if b"dispatcher.runtime.process" in open(f"/proc/{k}/cmdline", "rb").read()]
 
 
 def test_two_ranks_serve_and_a_killed_rank_ends_the_server_cleanly(tmp_path):
