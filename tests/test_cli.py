@@ -242,6 +242,21 @@ def test_serve_refuses_a_model_whose_own_chat_template_does_not_parse(tiny_llama
     assert "give a working one with --chat-template" in err
 
 
+def test_serve_refuses_a_checkpoint_whose_shards_disagree_before_anything_starts(tiny_llama, tmp_path):
+    """A tensor in two shards (which copy loads was an accident of file order): one line, exit code 2, from the
+    shards' headers before the model loads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    norm = {"model.norm.weight": load_file(str(next((tmp_path / "m").glob("*.safetensors"))))["model.norm.weight"]}
+    save_file(norm, str(tmp_path / "m" / "zz-stale.safetensors"))
+    rc, _, err = run("serve", "--model", str(tmp_path / "m"), "--device", "cpu")
+    assert rc == 2 and err.strip().startswith("twogrid serve: error: --model: ") and "'model.norm.weight' is in both" \
+        in err, err
+
+
 def test_serve_refuses_a_port_in_use_before_anything_starts():
     """Another server on the port: one line naming --host/--port, exit code 2, from the first checks (no engine
     process is started for nothing)."""

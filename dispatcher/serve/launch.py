@@ -245,7 +245,7 @@ def _setup(args: argparse.Namespace):
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
     from models.checkpoint import CheckpointError
-    from models.loader import default_dtype, model_kind, read_model_config
+    from models.loader import SafetensorsDir, default_dtype, model_kind, read_model_config
     from models.text import check_draft_tokenizer, load_tokenizer
 
     device = resolve_device(args.device)
@@ -255,8 +255,10 @@ def _setup(args: argparse.Namespace):
     cfg = config_from_args(args)
     try:
         model = args.model or default_model_path()
-        _named("--model", model_kind, model)
+        kind = _named("--model", model_kind, model)
         model_cfg = _named("--model", read_model_config, model, args.quantization)
+        if kind == "hf":  # (the shards' headers: a truncated file, a tensor in two shards, an index that disagrees)
+            _named("--model", SafetensorsDir, model)
         tokenizer = _named("--tokenizer" if args.tokenizer else "--model", load_tokenizer, args.tokenizer or model)
         if args.tokenizer and tokenizer is None:
             raise ConfigError(f"--tokenizer: {args.tokenizer!r} has no tokenizer (give a checkpoint directory or a "
