@@ -291,9 +291,8 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
                       f"{arch}.rope.scaling.factor")
     scaling_type = md.get(f"{arch}.rope.scaling.type", "linear" if factor_key in md else "none")
     if scaling_type == "linear":
-        if factor_key not in md:
-            raise CheckpointError(f"{f.path}: metadata {factor_key} is missing (needed for rope scaling type linear)")
-        scaling = RopeScaling("linear", meta_number(f, factor_key, float))
+        factor = meta_number(f, factor_key, float, 0.0)
+        scaling = RopeScaling("linear", factor) if factor not in (0.0, 1.0) else None  # (llama.cpp: 0, absent: none)
     elif scaling_type == "yarn":
         factor = num("rope.scaling.factor", float)
         scaling = RopeScaling("yarn", factor, original_max_position_embeddings=num(
@@ -397,7 +396,7 @@ def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
         if window and window < cfg["max_position_embeddings"]:
             return dict(sliding_window=window, sliding_layers=tuple(range(layers)))
         return {}
-    window = num("attention.sliding_window", int, 0)
-    if window and window < cfg["max_position_embeddings"]:  # (Mistral's: full attention is exact up to the window,
-        return dict(max_position_embeddings=window)  # so serve no further, as models.loader does for config.json)
+    window = num("attention.sliding_window", int, 0) if arch == "llama" else 0  # (Mistral converts as llama)
+    if window and window < cfg["max_position_embeddings"]:  # (full attention is exact up to the window, so serve
+        return dict(max_position_embeddings=window)  # no further, as models.loader does for Mistral's config.json)
     return {}

@@ -306,12 +306,13 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
 # ---------------------------------------------------------------------------------------------------------------
 
 INDEX_FILE = "model.safetensors.index.json"
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".input_scale", ".q_scale")
-"""Tensors a checkpoint may hold that the served model does without: rotary frequencies (computed from the config),
-an FP8 checkpoint's static activation scales (activations are quantized per token, dynamically, as vLLM does for
-dynamic schemes) and its query scales (the queries stay in the serving dtype). Any other tensor nothing reads is
-refused: a checkpoint with weights this loader would drop (biases, norms, layers past num_hidden_layers) is not
-the model it would serve."""
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached", ".input_scale",
+                    ".q_scale")
+"""Tensors a checkpoint may hold that the served model does without: rotary frequencies and cached cos / sin
+(computed from the config), an FP8 checkpoint's static activation scales (activations are quantized per token,
+dynamically, as vLLM does for dynamic schemes) and its query scales (the queries stay in the serving dtype). Any
+other tensor nothing reads is refused: a checkpoint with weights this loader would drop (biases, norms, layers past
+num_hidden_layers) is not the model it would serve."""
 
 
 def safetensors_keys(path: str) -> list[str]:
@@ -448,9 +449,9 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
         model = fill_model(build_model(cfg, device, dtype, seed=None, fp8=scheme, max_model_len=max_model_len,
                                        tp=tp), hf["model_type"], source, scheme)
         for i, layer in enumerate(model.layers):  # an FP8 KV cache's per-layer scales, where the checkpoint has them
-            names = [f"model.layers.{i}.self_attn.{x}_scale" for x in "kv"]
-            if all(n in source.file_of for n in names):
-                k_scale, v_scale = (_kv_scale(source, n) for n in names)
+            scales = [_kv_scale(source, f"model.layers.{i}.self_attn", x) for x in "kv"]
+            if scales != [None, None]:
+                k_scale, v_scale = (1.0 if x is None else x for x in scales)
                 layer.attn = layer.attn._replace(k_scale=k_scale, v_scale=v_scale)
         unread = source.unread()
         if unread:
@@ -463,12 +464,23 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
         source.close()
 
 
-def _kv_scale(source: SafetensorsDir, name: str) -> float:
-    """An FP8 KV cache's scale: one finite number > 0 (0 or NaN would zero or poison every cached key / value)."""
-    t = source.get(name).float().reshape(-1)
-    if t.numel() != 1 or not math.isfinite(float(t[0])) or float(t[0]) <= 0:
-        raise CheckpointError(f"{source.where}: {name} must be one finite number > 0, got {t.tolist()[:4]}")
-    return float(t[0])
+KV_SCALE_NAMES = ("{x}_scale", "{x}_proj.output_scale", "kv_scale")
+"""Where checkpoints keep an FP8 KV cache's scale for keys (x = k) or values (v), under a layer's self_attn, in the
+order read (vLLM's names, AutoFP8's output scales, the older shared kv_scale, as vLLM maps them)."""
+
+
+def _kv_scale(source: SafetensorsDir, attn: str, x: str) -> float | None:
+    """An FP8 KV cache's scale for keys or values (``x``: "k" or "v") under ``attn``, the first of KV_SCALE_NAMES
+    present (None: none, 1.0 then, as vLLM): one finite number > 0 (0 or NaN would zero or poison every cached key
+    or value). The other names present are read too (one value serves)."""
+    names = [f"{attn}.{n.format(x=x)}" for n in KV_SCALE_NAMES if f"{attn}.{n.format(x=x)}" in source.file_of]
+    values = []
+    for name in names:
+        t = source.get(name).float().reshape(-1)
+        if t.numel() != 1 or not math.isfinite(float(t[0])) or float(t[0]) <= 0:
+            raise CheckpointError(f"{source.where}: {name} must be one finite number > 0, got {t.tolist()[:4]}")
+        values.append(float(t[0]))
+    return values[0] if values else None
 
 
 def _check_tied_head(cfg: ModelConfig, source: SafetensorsDir) -> None:

@@ -392,9 +392,8 @@ def test_a_rope_scaling_factor_without_a_type_is_linear_as_in_llama_cpp(tmp_path
         model = load_gguf(_write(tmp_path / f"{key}.gguf", edit={key: 4.0}))
         assert (model.cfg.rope_scaling.rope_type, model.cfg.rope_scaling.factor) == ("linear", 4.0), key
     assert load_gguf(_write(tmp_path / "none.gguf")).cfg.rope_scaling is None
-    with pytest.raises(CheckpointError, match="metadata llama.rope.scaling.factor is missing .needed for rope scaling "
-                                              "type linear"):
-        load_gguf(_write(tmp_path / "nofactor.gguf", edit={"llama.rope.scaling.type": "linear"}))
+    for edit in ({"llama.rope.scaling.type": "linear"}, {"llama.rope.scaling.factor": 0.0}):  # (llama.cpp: unscaled)
+        assert load_gguf(_write(tmp_path / "unscaled.gguf", edit=edit)).cfg.rope_scaling is None, edit
 
 
 def test_metadata_of_the_wrong_kind_is_refused_naming_the_key(tmp_path):

@@ -238,3 +238,19 @@ def test_a_config_that_is_not_utf8_text_is_refused_naming_the_file(tmp_path):
     (tmp_path / "config.json").write_bytes(json.dumps(cfg).encode("utf-16"))
     with pytest.raises(CheckpointError, match=r"config.json: the model config is not UTF-8 text \(byte 0: invalid"):
         read_hf_config(str(tmp_path))
+
+
+def test_fp8_kv_scales_under_their_older_names_are_read_and_rotary_caches_ignored(tmp_path):
+    """vLLM reads a KV cache's scales as k_scale / v_scale, AutoFP8's k_proj / v_proj output_scale and the older
+    shared kv_scale (a key scale without a value scale: 1.0 for the values); ColossalAI's cached rotary cos / sin are
+    derived from the config. Each was refused as an unread tensor by the first version of that check."""
+    _, tensors = _tiny_tensors(tmp_path)
+    a = "model.layers.{}.self_attn"
+    for extra, want in [({a.format(0) + ".kv_scale": torch.tensor(0.5)}, (0.5, 0.5)),
+                        ({a.format(0) + ".k_proj.output_scale": torch.tensor(0.25),
+                          a.format(0) + ".v_proj.output_scale": torch.tensor(2.0)}, (0.25, 2.0)),
+                        ({a.format(0) + ".k_scale": torch.tensor(3.0)}, (3.0, 1.0)),
+                        ({a.format(0) + ".rotary_emb.cos_cached": torch.ones(4, 8)}, (1.0, 1.0))]:
+        _rewrite(tmp_path, {"model.safetensors": {**tensors, **extra}})
+        attn = load_checkpoint(str(tmp_path)).layers[0].attn
+        assert (attn.k_scale, attn.v_scale) == want, extra

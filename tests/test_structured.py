@@ -542,6 +542,36 @@ def test_a_constraint_sent_while_the_compile_processes_start_waits_for_them_not_
         grammars.close()
 
 
+def test_a_compile_process_that_cannot_start_is_a_400_saying_so_and_the_slot_recovers(tokenizer, monkeypatch):
+    """A fork that fails (out of memory, a fork server gone) is the request's 400 naming a server error, not a
+    request left without an answer or a slot lost for good (a review found both); the next compile starts its
+    process again. A failure of any other kind is a 400 too."""
+    from dispatcher.engine import grammar_process as GP
+    from dispatcher.engine import structured as S
+
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(GP, "start_fork_server", no_fork)
+    grammars = S.StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], timeout_s=5, in_processes=True)
+    grammars.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RequestError, match=r"structured_outputs.regex does not compile: no compile process could "
+                                               r"start \(OSError: \[Errno 12\] Cannot allocate memory\); a server "
+                                               r"error"):
+            grammars.compile(StructuredOutputsParams(regex="a+"))
+        assert time.monotonic() - t0 < 3  # (not the start-up wait)
+        monkeypatch.undo()
+        for i in range(2 * S.COMPILE_WORKERS):  # (every slot starts its process again)
+            assert grammars.compile(StructuredOutputsParams(regex=f"b{i}+")).grammar_id >= 0
+        monkeypatch.setattr(GP.CompileProcess, "compile", lambda *a: (_ for _ in ()).throw(BrokenPipeError(32, "x")))
+        with pytest.raises(RequestError, match="structured_outputs.regex could not be compiled: BrokenPipeError"):
+            grammars.compile(StructuredOutputsParams(regex="c+"))
+    finally:
+        grammars.close()
+
+
 def test_an_offline_script_without_a_main_guard_compiles_its_constraints(tmp_path):
     """The offline engine compiles in threads of its own process: a user's script need not guard its main module
     (a compile process would import it again, running the script twice, and fail)."""

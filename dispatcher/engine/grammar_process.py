@@ -14,15 +14,19 @@ vLLM and SGLang compile in threads of the engine and cannot stop a compile.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import resource
 import signal
 import threading
 import time
 
+log = logging.getLogger("twogrid.structured")
+
 COMPILE_MEMORY_BYTES = 2 << 30
-"""The address space one compile may add to its process (a grammar within the static limits compiles in tens of MB;
-the schema that once took the engine down needed 18 GB)."""
+"""The address space a compile process may add to what it had mapped at its start (a grammar within the static
+limits compiles in tens of MB; the schema that once took the engine down needed 18 GB). Its compile threads' stacks
+and malloc arenas count too: about 0.5 GiB with 8 threads, 12 MiB with one; a process starts afresh after a kill."""
 
 _PRELOAD = ["xgrammar"]
 
@@ -57,7 +61,9 @@ def _limit_address_space(memory_bytes: int) -> None:
             kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
     except (OSError, StopIteration):
         return
-    resource.setrlimit(resource.RLIMIT_AS, ((kib << 10) + memory_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft = (kib << 10) + memory_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int) -> None:
@@ -114,19 +120,26 @@ class CompileProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        process = self._process
+        return process.pid if process is not None else None
 
     def start(self, deadline: float) -> None:
-        """Start the process (CompileTimeout when it is not ready by ``deadline``)."""
+        """Start the process; CompileTimeout when it is not ready by ``deadline``, CompileFailed when it cannot start
+        (the fork server or the fork failed, or the process died starting)."""
         self.close()
-        start_fork_server()
-        ctx = multiprocessing.get_context("forkserver")
-        ours, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(theirs, *self._args), name="twogrid-grammar", daemon=True)
-        self._process.start()
+        try:
+            start_fork_server()
+            ctx = multiprocessing.get_context("forkserver")
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(theirs, *self._args), name="twogrid-grammar", daemon=True)
+            process.start()
+        except Exception as exc:  # (an OSError from the fork server's socket or the fork, above all)
+            log.error("a grammar compile process could not start: %s: %s", type(exc).__name__, exc)
+            raise CompileFailed(f"no compile process could start ({type(exc).__name__}: {exc}); a server error, "
+                                f"not the constraint's") from None
         theirs.close()
-        self._conn = ours
-        self._answer(deadline)  # ("ready")
+        self._process, self._conn = process, ours
+        self._answer(deadline, starting=True)  # ("ready")
 
     def compile(self, kind: str, value, any_whitespace: bool, deadline: float) -> str:
         """The constraint's grammar, serialized; CompileTimeout at ``deadline`` (``time.monotonic()``), CompileFailed
@@ -137,7 +150,7 @@ class CompileProcess:
             self.start(deadline)
         try:
             self._conn.send((kind, value, any_whitespace))
-        except OSError:  # (it died since)
+        except (OSError, AttributeError):  # (it died since, or was closed)
             self.start(deadline)
             self._conn.send((kind, value, any_whitespace))
         status, payload = self._answer(deadline)
@@ -145,28 +158,39 @@ class CompileProcess:
             raise CompileFailed(payload)
         return payload
 
-    def _answer(self, deadline: float):
-        if not self._conn.poll(max(0.0, deadline - time.monotonic())):
-            self.close()
-            raise CompileTimeout()
+    def _answer(self, deadline: float, starting: bool = False):
+        process, conn = self._process, self._conn
+        if process is None or conn is None:  # (closed meanwhile: the engine is stopping)
+            raise CompileFailed("the compile process was stopped")
         try:
-            return self._conn.recv()
+            ready = conn.poll(max(0.0, deadline - time.monotonic()))
+            if ready:
+                return conn.recv()
         except (EOFError, OSError):
-            self._process.join(1)
-            code = self._process.exitcode
+            process.join(1)
+            code = process.exitcode
             self.close()
+            if starting:
+                raise CompileFailed(f"the compile process died starting ({_exit_reason(code)}); a server error, not "
+                                    f"the constraint's") from None
             raise CompileFailed(f"its compile process died ({_exit_reason(code)}); the constraint may need more "
                                 f"memory than the limit for one constraint") from None
+        self.close()
+        raise CompileTimeout()
 
     def close(self) -> None:
         """Kill the process (a no-op when there is none)."""
-        if self._process is not None:
-            self._process.kill()
-            self._process.join(5)
-            self._process.close()
-        if self._conn is not None:
-            self._conn.close()
+        process, conn = self._process, self._conn
         self._process = self._conn = None
+        if process is not None:
+            try:
+                process.kill()
+                process.join(5)
+                process.close()
+            except (ValueError, OSError, AttributeError):  # (not started, still running after the kill: the
+                pass  # daemon flag ends it with this process)
+        if conn is not None:
+            conn.close()
 
 
 class CompileInThread:

@@ -552,6 +552,12 @@ async def _first_message(inbox, process: "WorkerProcess | WorkerGroup | None", i
         front_end.cancel()
 
 
+MAX_TEMP_DIR_CHARS = 70
+"""The longest ipc directory that holds the engine's temporary files: multiprocessing's fork server listens on
+DIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a Unix socket's path is at most 107 characters (past it, in the system's
+temporary directory, which a killed engine leaves behind)."""
+
+
 def main() -> int:
     ignore_stop_signals()  # the front end stops its engine (Drain), once it has drained
     logging.basicConfig(level=os.environ.get("TWOGRID_LOG_LEVEL", "INFO").upper(),
@@ -562,8 +568,9 @@ def main() -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a Linux/macOS dependency; asyncio's own loop elsewhere
         runner = asyncio.run
-    tempfile.tempdir = sys.argv[-1]  # (this process's temporary files, the grammar compilers' fork server's socket
-    # among them, in its ipc directory: the server removes it however the engine ends, a SIGKILL included)
+    if len(sys.argv[-1]) <= MAX_TEMP_DIR_CHARS:  # (this process's temporary files, the grammar compilers' fork
+        tempfile.tempdir = sys.argv[-1]  # server's socket among them, in its ipc directory: the server removes it
+        # however the engine ends, a SIGKILL included; a longer path would leave no room for that socket's name)
     return profiled("engine", runner, serve(sys.argv[-1], int(sys.argv[1]) if len(sys.argv) > 2 else 1))
 
 

@@ -107,6 +107,7 @@ class StructuredOutputs:
         self._all_processes: list[CompileProcess] = []
         self._ready = threading.Event()
         self._compilers_started = False
+        self._closed = False
         self._ready_at: float | None = None
         """When the compilers were ready (None: compile processes still starting)."""
         self._compiling: dict[tuple, Future] = {}
@@ -177,15 +178,21 @@ class StructuredOutputs:
         threading.Thread(target=self._start_processes, name="twogrid-grammar-start", daemon=True).start()
 
     def _start_processes(self) -> None:
-        for process in self._all_processes:
-            try:
-                process.start(time.monotonic() + STARTUP_TIMEOUT_S)
-            except (CompileTimeout, CompileFailed):  # (its first compile starts it again)
-                log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
-        self._ready_at = time.monotonic()
-        self._ready.set()
-        for process in self._all_processes:
-            self._processes.put(process)
+        try:
+            for process in self._all_processes:
+                if self._closed:
+                    return
+                try:
+                    process.start(time.monotonic() + STARTUP_TIMEOUT_S)
+                except CompileTimeout:  # (its first compile starts it again)
+                    log.warning("a grammar compile process did not start within %.0f s", STARTUP_TIMEOUT_S)
+                except CompileFailed as exc:  # (likewise; logged by the process's start)
+                    log.warning("a grammar compile process did not start: %s", exc)
+        finally:  # (whatever happened, the slots are there: a compile starts its process again, or says why not)
+            self._ready_at = time.monotonic()
+            self._ready.set()
+            for process in self._all_processes:
+                self._processes.put(process)
 
     def _deadline(self, submitted: float) -> float:
         """When a compile submitted at ``submitted`` is refused: the compile timeout after it, or after the compile
@@ -199,6 +206,7 @@ class StructuredOutputs:
         return self.timeout_s + (0.0 if self._ready_at is not None else STARTUP_TIMEOUT_S)
 
     def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for process in self._all_processes:
@@ -286,9 +294,15 @@ class StructuredOutputs:
             return fut.result()
         except CompileTimeout:
             raise self._timeout(params) from None
-        except CompileFailed as exc:  # xgrammar's message, or the limit the compile hit: the request's fault
-            field = params.where if params.where != "structured_outputs" else f"structured_outputs.{params.kind}"
-            raise RequestError(f"{field} does not compile: {_SOURCE_PREFIX.sub('', str(exc))}") from None
+        except CompileFailed as exc:  # xgrammar's message, or the limit the compile hit (or why no process ran)
+            raise RequestError(f"{self._field(params)} does not compile: {_SOURCE_PREFIX.sub('', str(exc))}") from None
+        except Exception as exc:  # (anything else: the request still gets its answer, a 400 saying what)
+            log.exception("a %s grammar's compile failed", params.kind)
+            raise RequestError(f"{self._field(params)} could not be compiled: {type(exc).__name__}: {exc}") from None
+
+    @staticmethod
+    def _field(params: StructuredOutputsParams) -> str:
+        return params.where if params.where != "structured_outputs" else f"structured_outputs.{params.kind}"
 
     def compile(self, params: StructuredOutputsParams):
         """Compile now (the offline engine), waiting up to the timeout."""
