@@ -43,7 +43,8 @@ case "${1:-}" in
      mkdir -p "$OUT/x"; cp /root/bg/dm.log /root/bg/dm/*.json "$OUT/x/" 2>/dev/null
      kill_servers
      TAILN=14 part gputests 240 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
-       tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32
+       tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32 \
+       tests/test_structured_gpu.py::test_every_constraint_gives_valid_output_served_on_the_gpu
      finish ;;
   *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4" >&2; exit 2 ;;
 esac
