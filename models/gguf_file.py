@@ -354,8 +354,19 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         out = ModelConfig(**cfg)
         out.validate()
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{f.path}: {exc}") from None
+        message = str(exc)
+        for ours, theirs in GGUF_KEYS.items():  # (named as the file names them)
+            message = re.sub(rf"\b{ours}\b", f"{theirs.format(arch=arch)} ({ours})", message)
+        raise CheckpointError(f"{f.path}: {message}") from None
     return kind, out
+
+
+GGUF_KEYS = {"hidden_size": "{arch}.embedding_length", "num_layers": "{arch}.block_count",
+             "num_heads": "{arch}.attention.head_count", "num_kv_heads": "{arch}.attention.head_count_kv",
+             "head_dim": "{arch}.attention.key_length", "intermediate_size": "{arch}.feed_forward_length",
+             "rope_theta": "{arch}.rope.freq_base", "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
+             "max_position_embeddings": "{arch}.context_length", "num_experts_per_token": "{arch}.expert_used_count"}
+"""ModelConfig's fields as a GGUF's metadata names them (for errors)."""
 
 
 def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:

@@ -295,7 +295,9 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
         out.validate()
     except (TypeError, ValueError) as exc:
         message = str(exc)
-        for ours, theirs in HF_KEYS.items():  # (named as config.json names them)
+        keys = {**HF_KEYS, **({"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}
+                              if kind in ("mixtral", "granitemoe") else {})}
+        for ours, theirs in keys.items():  # (named as config.json names them)
             message = re.sub(rf"\b{ours}\b", theirs, message)
         raise CheckpointError(f"{path}: {message}") from None
     return out

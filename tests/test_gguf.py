@@ -428,7 +428,8 @@ def test_metadata_that_changes_the_heads_or_the_context_is_read_or_refused(tmp_p
     below the context (Mistral's) bounds the context served, as models.loader does for config.json."""
     plain = load_gguf(_write(tmp_path / "plain.gguf")).cfg
     cases = {"llama.attention.value_length": (plain.head_dim * 2, "value_length 32 differs from the key length 16"),
-             "llama.attention.head_count_kv": (0, "num_kv_heads must be >= 1, got 0"),
+             "llama.attention.head_count_kv": (0, r"llama.attention.head_count_kv \(num_kv_heads\) must be >= 1, "
+                                                  r"got 0"),  # (the file's key named, ours beside it)
              "llama.context_length": (None, "metadata llama.context_length is missing")}
     for key, (value, words) in cases.items():
         with pytest.raises(CheckpointError, match=words):
