@@ -572,6 +572,29 @@ def test_a_compile_process_that_cannot_start_is_a_400_saying_so_and_the_slot_rec
         grammars.close()
 
 
+def test_a_compile_process_whose_memory_grew_retires_after_its_answer(grammars):
+    """Memory a compile leaves mapped would leave the next compile less room under the process's limit: past
+    ``retire_bytes`` of growth the process answers, then exits, and the next compile runs in a fresh one (the engine
+    closes it on that answer, so its exit is never taken for a constraint's failure)."""
+    from dispatcher.engine.grammar_process import CompileProcess
+
+    process = CompileProcess(grammars.tokenizer_info_json, 1, retire_bytes=0)  # (retire after every compile)
+    try:
+        pids = []
+        for i in range(3):
+            assert process.compile("regex", f"r{i}+", True, time.monotonic() + 30)
+            pids.append(process.pid)
+        assert pids == [None] * 3  # (closed after each answer)
+        keep = CompileProcess(grammars.tokenizer_info_json, 1)  # (the default: 1 GiB of growth)
+        keep.compile("regex", "a+", True, time.monotonic() + 30)
+        first = keep.pid
+        keep.compile("regex", "b+", True, time.monotonic() + 30)
+        assert first is not None and keep.pid == first
+        keep.close()
+    finally:
+        process.close()
+
+
 def test_an_offline_script_without_a_main_guard_compiles_its_constraints(tmp_path):
     """The offline engine compiles in threads of its own process: a user's script need not guard its main module
     (a compile process would import it again, running the script twice, and fail)."""

@@ -54,38 +54,56 @@ def compile_grammar(compiler, kind: str, value, any_whitespace: bool):
     return compiler.compile_structural_tag(value)
 
 
-def _limit_address_space(memory_bytes: int) -> None:
-    """This process may map ``memory_bytes`` more than it has mapped now (Linux; elsewhere no limit)."""
+def _address_space_bytes() -> int | None:
+    """This process's mapped address space (Linux's VmSize; None elsewhere)."""
     try:
         with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+            return next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) << 10
     except (OSError, StopIteration):
+        return None
+
+
+def _limit_address_space(base: int | None, memory_bytes: int) -> None:
+    """This process may map ``memory_bytes`` more than ``base`` (no limit where that is unknown), within the hard
+    limit."""
+    if base is None:
         return
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    soft = (kib << 10) + memory_bytes
+    soft = base + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int) -> None:
-    """The compile process: each job ``(kind, value, any_whitespace)`` answered ``("ok", serialized)`` or
-    ``("error", message)``, until the engine's end of the pipe closes."""
+RETIRE_FRACTION = 0.5
+"""A compile process whose address space has grown past this share of its limit (memory its compiles left mapped,
+which would leave the next one less room) answers, then exits; the next compile starts a fresh one."""
+
+
+def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int, retire_bytes: int) -> None:
+    """The compile process: each job ``(kind, value, any_whitespace)`` answered ``("ok", serialized, retiring)`` or
+    ``("error", message, retiring)``, until the engine's end of the pipe closes or its address space has grown by
+    ``retire_bytes`` or more (it answers, then exits)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the engine decides when it stops)
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=threads,
                                    cache_enabled=False)  # (the engine caches the serialized grammars)
-    _limit_address_space(memory_bytes)
-    conn.send(("ready", None))
+    base = _address_space_bytes()
+    _limit_address_space(base, memory_bytes)
+    conn.send(("ready", None, False))
     while True:
         try:
             kind, value, any_whitespace = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            answer = ("ok", compile_grammar(compiler, kind, value, any_whitespace).serialize_json())
+            status, payload = "ok", compile_grammar(compiler, kind, value, any_whitespace).serialize_json()
         except Exception as exc:  # xgrammar's errors: the constraint's fault
-            answer = ("error", _message(exc, memory_bytes))
-        conn.send(answer)
+            status, payload = "error", _message(exc, memory_bytes)
+        grown = (_address_space_bytes() or 0) - (base or 0)
+        retiring = base is not None and grown >= retire_bytes
+        conn.send((status, payload, retiring))
+        if retiring:
+            return
 
 
 def _message(exc: Exception, memory_bytes: int | None = None) -> str:
@@ -113,8 +131,11 @@ def start_fork_server() -> None:
 class CompileProcess:
     """One compile at a time in a process of its own; the thread that calls ``compile`` owns it meanwhile."""
 
-    def __init__(self, tokenizer_info_json: str, threads: int, memory_bytes: int = COMPILE_MEMORY_BYTES):
-        self._args = (tokenizer_info_json, threads, memory_bytes)
+    def __init__(self, tokenizer_info_json: str, threads: int, memory_bytes: int = COMPILE_MEMORY_BYTES,
+                 retire_bytes: int | None = None):
+        """``retire_bytes``: the growth past which it exits after a compile (default RETIRE_FRACTION of the limit)."""
+        retire = int(RETIRE_FRACTION * memory_bytes) if retire_bytes is None else retire_bytes
+        self._args = (tokenizer_info_json, threads, memory_bytes, retire)
         self._process = None
         self._conn = None
 
@@ -153,7 +174,9 @@ class CompileProcess:
         except (OSError, AttributeError):  # (it died since, or was closed)
             self.start(deadline)
             self._conn.send((kind, value, any_whitespace))
-        status, payload = self._answer(deadline)
+        status, payload, retiring = self._answer(deadline)
+        if retiring:  # (it exits: the next compile starts another)
+            self.close()
         if status != "ok":
             raise CompileFailed(payload)
         return payload
