@@ -26,7 +26,8 @@ log = logging.getLogger("twogrid.structured")
 COMPILE_MEMORY_BYTES = 2 << 30
 """The address space a compile process may add to what it had mapped at its start (a grammar within the static
 limits compiles in tens of MB; the schema that once took the engine down needed 18 GB). Its compile threads' stacks
-and malloc arenas count too: about 0.5 GiB with 8 threads, 12 MiB with one; a process starts afresh after a kill."""
+and malloc arenas count too: about 0.5 GiB with 8 threads, 12 MiB with one; a process starts afresh after a kill,
+or after it has grown by RETIRE_FRACTION of this."""
 
 _PRELOAD = ["xgrammar"]
 
@@ -119,8 +120,8 @@ _fork_server_lock = threading.Lock()
 
 
 def start_fork_server() -> None:
-    """Start multiprocessing's fork server with xgrammar imported (a few seconds, once a process: the engine calls
-    it while its worker loads), so that a compile process starts in milliseconds."""
+    """Start multiprocessing's fork server with xgrammar imported (a few seconds, once a process: the first compile
+    process's start), so that every later compile process starts in milliseconds."""
     from multiprocessing import forkserver
 
     with _fork_server_lock:
@@ -221,23 +222,17 @@ class CompileInThread:
     engine's (its user's own constraints), whose script then need not guard its main module as a process's start
     would ask (multiprocessing imports it again in the new process)."""
 
-    def __init__(self, tokenizer_info_json: str, threads: int):
+    def __init__(self, tokenizer_info, threads: int):
+        """``tokenizer_info``: xgrammar's TokenizerInfo."""
         import xgrammar as xgr
 
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json),
-                                             max_threads=threads, cache_enabled=False)
-
-    def start(self, deadline: float) -> None:
-        pass
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=threads, cache_enabled=False)
 
     def compile(self, kind: str, value, any_whitespace: bool, deadline: float) -> str:
         try:
             return compile_grammar(self._compiler, kind, value, any_whitespace).serialize_json()
         except Exception as exc:  # xgrammar's errors: the constraint's fault
             raise CompileFailed(_message(exc)) from None
-
-    def close(self) -> None:
-        pass
 
 
 def _exit_reason(code) -> str:

@@ -96,7 +96,6 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
-        self._started = False
         self.tokenizer_info_json = ""
         """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
         self._info_sent = False
@@ -140,12 +139,13 @@ class StructuredOutputs:
 
     # -- the backend ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Import xgrammar, build the tokenizer's vocabulary table and start the compile processes (seconds: the
-        engine calls this while its worker loads); a no-op without a tokenizer or when done."""
+        """Import xgrammar and build the tokenizer's vocabulary table (a second or two: the engine calls this while
+        its worker loads; the compile processes start later, ``start_compilers``); a no-op without a tokenizer or
+        when done."""
         if self.tokenizer is None:
             return
         with self._init_lock:
-            if self._started:
+            if self._pool is not None:
                 return
             import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
@@ -159,12 +159,11 @@ class StructuredOutputs:
                                                       grammar_process.COMPILE_MEMORY_BYTES)
                                        for _ in range(COMPILE_WORKERS)]
             else:
-                here = CompileInThread(self.tokenizer_info_json, xgrammar_threads())  # (thread-safe: one for all)
+                here = CompileInThread(info, xgrammar_threads())  # (thread-safe: one for all)
                 for _ in range(COMPILE_WORKERS):
                     self._processes.put(here)
                 self._ready_at = time.monotonic()
             self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="twogrid-grammar")
-            self._started = True
 
     def start_compilers(self) -> None:
         """Start the compile processes in the background (the fork server imports xgrammar, torch and transformers:
