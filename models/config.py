@@ -189,6 +189,22 @@ class ModelConfig:
                              f"indices in 0..{self.num_layers - 1}")
 
 
+def checked_config(fields: dict, where: str, names: dict[str, str]) -> ModelConfig:
+    """A validated ModelConfig of ``fields``; CheckpointError prefixed with ``where``, each field named as the
+    checkpoint names it (``names``: our field -> its key) where a ValueError from ``validate`` names it."""
+    import re
+
+    try:
+        out = ModelConfig(**fields)
+        out.validate()
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        for ours, theirs in names.items():
+            message = re.sub(rf"\b{ours}\b", theirs, message)
+        raise CheckpointError(f"{where}: {message}") from None
+    return out
+
+
 MAX_VOCAB_SIZE = 1 << 22
 """The largest vocabulary a config may declare (real ones stop near 262,144; the embedding is allocated from it)."""
 MAX_POSITIONS = 1 << 22

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from models.config import CheckpointError, ModelConfig, RopeScaling
+from models.config import CheckpointError, ModelConfig, RopeScaling, checked_config
 
 if TYPE_CHECKING:
     import torch
@@ -336,7 +336,7 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         # refuses every other tensor the model does not read)
         raise CheckpointError(f"{f.path}: tensor {past[0][1]!r} ({len(past)} in all) is in layer {past[0][0]}, past "
                               f"{arch}.block_count {cfg['num_layers']}: refusing rather than serving part of the file")
-    cfg.update(_arch_extras(f, arch, cfg))
+    cfg.update(_arch_extras(f, arch, cfg, num))
     if experts:
         moe_inter = num("expert_feed_forward_length", int, None)
         if moe_inter is None and "blk.0.ffn_up_exps.weight" in t:
@@ -350,15 +350,8 @@ def config_from_gguf(f: GGUFFile) -> tuple[str, ModelConfig]:
         cfg.update(num_experts=experts, num_experts_per_token=num("expert_used_count"),
                    moe_intermediate_size=int(moe_inter or cfg["intermediate_size"]), norm_topk_prob=bool(norm_topk),
                    shared_expert_intermediate_size=int(shared or 0) if kind == "qwen2_moe" else 0)
-    try:
-        out = ModelConfig(**cfg)
-        out.validate()
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        for ours, theirs in GGUF_KEYS.items():  # (named as the file names them)
-            message = re.sub(rf"\b{ours}\b", f"{theirs.format(arch=arch)} ({ours})", message)
-        raise CheckpointError(f"{f.path}: {message}") from None
-    return kind, out
+    return kind, checked_config(cfg, f.path, {ours: f"{theirs.format(arch=arch)} ({ours})"
+                                              for ours, theirs in GGUF_KEYS.items()})
 
 
 GGUF_KEYS = {"hidden_size": "{arch}.embedding_length", "num_layers": "{arch}.block_count",
@@ -369,14 +362,12 @@ GGUF_KEYS = {"hidden_size": "{arch}.embedding_length", "num_layers": "{arch}.blo
 """ModelConfig's fields as a GGUF's metadata names them (for errors)."""
 
 
-def _arch_extras(f: GGUFFile, arch: str, cfg: dict) -> dict:
+def _arch_extras(f: GGUFFile, arch: str, cfg: dict, num) -> dict:
     """What Granite, Gemma and Phi-3 add to the config, from their metadata and llama.cpp's own rules where the
     converter writes none (Gemma 2 and 3: the sliding-window pattern, Gemma 3's local rope base, the attention
-    scale of the 27B models, as llama.cpp's llama-model.cpp sets them)."""
+    scale of the 27B models, as llama.cpp's llama-model.cpp sets them); ``num``: ``config_from_gguf``'s reader of
+    ``arch``'s numbers (``meta_number``)."""
     layers, hidden, heads = cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"]
-
-    def num(key, cast=int, default=_REQUIRED):
-        return meta_number(f, f"{arch}.{key}", cast, default)
 
     if arch in ("granite", "granitemoe"):
         logit = num("logit_scale", float, 1.0)

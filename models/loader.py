@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 
 import torch
 
 from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
-from models.config import ModelConfig, RopeScaling, model_kind, preset, read_json
+from models.config import ModelConfig, RopeScaling, checked_config, model_kind, preset, read_json
 from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_file import config_from_gguf, open_gguf
 from models.gguf_loader import is_4bit, load_gguf
@@ -290,17 +289,9 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
                    shared_expert_intermediate_size=_number(hf, "shared_expert_intermediate_size", path, 0,
                                                            integer=True)
                    if kind == "qwen2_moe" else 0)
-    try:
-        out = ModelConfig(**cfg)
-        out.validate()
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        keys = {**HF_KEYS, **({"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}
-                              if kind in ("mixtral", "granitemoe") else {})}
-        for ours, theirs in keys.items():  # (named as config.json names them)
-            message = re.sub(rf"\b{ours}\b", theirs, message)
-        raise CheckpointError(f"{path}: {message}") from None
-    return out
+    return checked_config(cfg, path, {**HF_KEYS, **({"num_experts": "num_local_experts",
+                                                      "moe_intermediate_size": "intermediate_size"}
+                                                     if kind in ("mixtral", "granitemoe") else {})})
 
 
 # ---------------------------------------------------------------------------------------------------------------
