@@ -79,7 +79,11 @@ def _flag(d: dict, key: str, where: str, default: bool) -> bool:
 def _number(d: dict, key: str, where: str, default=_ABSENT, integer: bool = False):
     """``d[key]`` as a float (a finite number) or, ``integer``, an int (a whole number, not a bool; 64.0 passes as
     64), ``default`` where it is absent or null; CheckpointError naming ``where`` and the key otherwise."""
-    value = d.get(key)
+    return _as_number(d.get(key), key, where, default, integer)
+
+
+def _as_number(value, key: str, where: str, default=_ABSENT, integer: bool = False):
+    """``_number`` of a value already read (``key``: its name, for errors)."""
     if value is None:
         if default is _ABSENT:
             raise CheckpointError(f"{where}: missing {key!r}")
@@ -130,18 +134,14 @@ def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
     where = f"{path}: rope scaling {kind!r}"
     num = lambda key, default=_ABSENT: _number(scaling, key, where, default)  # noqa: E731
     original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-    if original is not None:
-        original = _number({"original_max_position_embeddings": original}, "original_max_position_embeddings",
-                           where, integer=True)
+    original = _as_number(original, "original_max_position_embeddings", where, None, integer=True)
     if kind == "linear":
         return theta, RopeScaling("linear", num("factor")), local
-    if kind == "llama3":
-        if original is None:
-            raise CheckpointError(f"{where} is missing 'original_max_position_embeddings'")
-        return theta, RopeScaling("llama3", num("factor"), num("low_freq_factor"), num("high_freq_factor"),
-                                  original), local
     if original is None:
         raise CheckpointError(f"{where} is missing 'original_max_position_embeddings'")
+    if kind == "llama3":
+        return theta, RopeScaling("llama3", num("factor"), num("low_freq_factor"), num("high_freq_factor"),
+                                  original), local
     max_pos = _number(hf, "max_position_embeddings", path, integer=True)
     if kind == "yarn":
         if scaling.get("mscale") or scaling.get("mscale_all_dim"):
@@ -158,12 +158,12 @@ def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None, float]:
         values = scaling.get(key)
         if not isinstance(values, list):
             raise CheckpointError(f"{where}: {key} must be a list of numbers, got {values!r}")
-        factors[key] = tuple(_number({key: v}, key, where) for v in values)
+        factors[key] = tuple(_as_number(v, key, where) for v in values)
     return theta, RopeScaling("longrope", factor, original_max_position_embeddings=original,
                               attention_factor=attention, **factors), local
 
 
-def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
+def _sliding_layers(hf: dict, kind: str, num_layers: int, path: str) -> tuple[int, ...]:
     """The sliding-window layers: ``layer_types`` where given, else Gemma 2's every other layer (from 0), Gemma 3's
     five of six (every sixth is global), Phi-3's all (with a window)."""
     types = hf.get("layer_types")
@@ -172,9 +172,9 @@ def _sliding_layers(hf: dict, kind: str, num_layers: int) -> tuple[int, ...]:
     if kind == "gemma2":
         return tuple(range(0, num_layers, 2))
     if kind == "gemma3_text":
-        pattern = _number(hf, "sliding_window_pattern", "config.json", 6, integer=True)
+        pattern = _number(hf, "sliding_window_pattern", path, 6, integer=True)
         if pattern < 1:
-            raise CheckpointError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
+            raise CheckpointError(f"{path}: sliding_window_pattern must be >= 1, got {pattern}")
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     return tuple(range(num_layers))
 
@@ -277,7 +277,7 @@ def config_from_hf(hf: dict, path: str = "config.json", generation: dict | None 
                    attn_logit_softcap=_number(hf, "attn_logit_softcapping", path, 0.0),
                    tie_word_embeddings=_flag(hf, "tie_word_embeddings", path, True), local_rope_theta=local_theta)
     if (kind in GEMMA_TYPES or kind == "phi3") and window and window < max_pos:
-        cfg.update(sliding_window=window, sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"]))
+        cfg.update(sliding_window=window, sliding_layers=_sliding_layers(hf, kind, cfg["num_layers"], path))
     if kind in ("mixtral", "granitemoe"):
         cfg.update(num_experts=need("num_local_experts"), num_experts_per_token=need("num_experts_per_tok"),
                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
@@ -466,7 +466,7 @@ def _kv_scale(source: SafetensorsDir, attn: str, x: str) -> float | None:
     """An FP8 KV cache's scale for keys or values (``x``: "k" or "v") under ``attn``, the first of KV_SCALE_NAMES
     present (None: none, 1.0 then, as vLLM): one finite number > 0 (0 or NaN would zero or poison every cached key
     or value). The other names present are read too (one value serves)."""
-    names = [f"{attn}.{n.format(x=x)}" for n in KV_SCALE_NAMES if f"{attn}.{n.format(x=x)}" in source.file_of]
+    names = [name for name in (f"{attn}.{n.format(x=x)}" for n in KV_SCALE_NAMES) if name in source.file_of]
     values = []
     for name in names:
         t = source.get(name).float().reshape(-1)
