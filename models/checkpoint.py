@@ -148,9 +148,9 @@ class Fp8Source:
         return t, scale
 
     def _check_scale(self, name: str, scale: torch.Tensor, shape: tuple[int, ...]) -> None:
-        """An FP8 weight's scale: finite and >= 0 (0: a block of zeros), one per tensor or per row, or one per block of the scheme's block
-        size ((ceil(rows / b0), ceil(cols / b1))); a grid of another size would be cropped or repeated into the
-        wrong rows."""
+        """An FP8 weight's scale: finite and >= 0 (0: a block of zeros), one per tensor or per row, or one per block
+        of the scheme's block size ((ceil(rows / b0), ceil(cols / b1))); a grid of another size would be cropped or
+        repeated into the wrong rows."""
         block, rows = self.scheme.block, shape[0] if shape else 1
         if block is not None and len(shape) == 2:
             want = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
@@ -259,7 +259,7 @@ def fold_residual_scale(model: CausalLM) -> None:
             mlp.w2.mul_(scale)
 
 
-def _part_rows(cfg: ModelConfig, num_parts: int, rows: int) -> list[int] | None:
+def part_rows(cfg: ModelConfig, num_parts: int, rows: int) -> list[int] | None:
     """The rows each of a fused parameter's checkpoint parts holds: q, k and v (``num_parts`` 3), or two equal halves
     (gate and up); None for a parameter of one part."""
     if num_parts == 3:
@@ -270,8 +270,8 @@ def _part_rows(cfg: ModelConfig, num_parts: int, rows: int) -> list[int] | None:
 def _check_shapes(source, ours: str, theirs: list[str], shapes: list[tuple], target: torch.Tensor,
                   cfg: ModelConfig | None = None) -> None:
     """CheckpointError unless the parts' shapes concatenated along dim 0 are ``target``'s, each part with its own
-    rows (``_part_rows``, where ``cfg`` is given: a sum alone would take q and k swapped, or gate and up uneven)."""
-    rows = _part_rows(cfg, len(theirs), target.shape[0]) if cfg is not None else None
+    rows (``part_rows``, where ``cfg`` is given: a sum alone would take q and k swapped, or gate and up uneven)."""
+    rows = part_rows(cfg, len(theirs), target.shape[0]) if cfg is not None else None
     if any(len(s) != target.dim() or s[1:] != tuple(target.shape[1:]) for s in shapes) or sum(
             s[0] for s in shapes) != target.shape[0] or (rows is not None and [s[0] for s in shapes] != rows):
         names = " + ".join(source.describe(k) for k in theirs)

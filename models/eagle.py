@@ -34,6 +34,7 @@ from torch import nn
 
 from models.attention import allocate_kv_cache
 from models.attention_metadata import AttentionMetadata
+from models.checkpoint import part_rows
 from models.config import ModelConfig
 from models.fused import argmax_prob
 from models.layers import RMSNorm, RotaryEmbedding
@@ -211,8 +212,8 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
                 if key in out:
                     raise DraftHeadError(f"draft head {path!r}: tensor {key!r} is in two files (which one is the "
                                          f"head's is an accident of order)")
-                if not tensor.dtype.is_floating_point and key not in ("d2t", "t2d") or tensor.itemsize == 1 and \
-                        tensor.dtype.is_floating_point:
+                floating = tensor.dtype.is_floating_point
+                if (not floating and key not in ("d2t", "t2d")) or (floating and tensor.itemsize == 1):
                     raise DraftHeadError(f"draft head {path!r}: tensor {key!r} is {tensor.dtype}; a head's weights "
                                          f"are floats of 16 or 32 bits (a quantized head is not supported)")
                 out[key] = tensor
@@ -349,9 +350,8 @@ def _fill(head: EagleHead, tensors: dict[str, torch.Tensor], path: str) -> None:
             if missing:
                 raise DraftHeadError(f"draft head {path!r}: tensor {missing[0]!r} is missing")
             param = head.get_parameter(ours)
-            rows = ([head.cfg.q_size, head.cfg.kv_size, head.cfg.kv_size] if len(theirs) == 3 else
-                    [param.shape[0] // len(theirs)] * len(theirs))
-            if len(theirs) > 1 and [tensors[t].shape[0] if tensors[t].dim() else 0 for t in theirs] != rows:
+            rows = part_rows(head.cfg, len(theirs), param.shape[0])
+            if rows is not None and [tensors[t].shape[0] if tensors[t].dim() else 0 for t in theirs] != rows:
                 raise DraftHeadError(f"draft head {path!r}: {' + '.join(theirs)} have "
                                      f"{' + '.join(str(tensors[t].shape[0]) for t in theirs)} rows, expected "
                                      f"{' + '.join(map(str, rows))}")

@@ -319,7 +319,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
     """The tokenizer a GGUF's metadata describes, built with ``tokenizers``."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
     kind = md.get("tokenizer.ggml.model")
     tokens = md.get("tokenizer.ggml.tokens")
@@ -341,7 +341,7 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
         merges = md.get("tokenizer.ggml.merges")
         if not isinstance(merges, list):
             raise CheckpointError(f"{path}: metadata tokenizer.ggml.merges is missing (needed for a gpt2 tokenizer)")
-        backend = _gguf_bpe(models.BPE, vocab, _gguf_merges(merges, vocab, path), path, fuse_unk=False)
+        backend = _gguf_bpe(vocab, _gguf_merges(merges, vocab, path), path, fuse_unk=False)
         pre = md.get("tokenizer.ggml.pre", "default")
         if pre in GGUF_PRE_SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -361,7 +361,7 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
         merges = (_gguf_merges(merges, vocab, path) if isinstance(merges, list) else
                   merges_from_scores(tokens, md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)))
         unk_id = md.get("tokenizer.ggml.unknown_token_id", 0)
-        backend = _gguf_bpe(models.BPE, vocab, merges, path, unk_token=tokens[unk_id], fuse_unk=True,
+        backend = _gguf_bpe(vocab, merges, path, unk_token=tokens[unk_id], fuse_unk=True,
                             byte_fallback=True)
         prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
@@ -441,13 +441,14 @@ def _gguf_merges(merges: list, vocab: dict, path: str) -> list[tuple[str, str]]:
     return out
 
 
-def _gguf_bpe(bpe, vocab: dict, merges: list, path: str, **kw):
+def _gguf_bpe(vocab: dict, merges: list, path: str, **kw):
     """The ``tokenizers`` BPE model of a GGUF vocabulary, in a ``tokenizers`` Tokenizer; its complaints as one
     CheckpointError."""
     from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
 
     try:
-        return Backend(bpe(vocab, merges, **kw))
+        return Backend(BPE(vocab, merges, **kw))
     except Exception as exc:  # tokenizers raises plain Exception subclasses from Rust
         raise CheckpointError(f"{path}: tokenizer.ggml.tokens / merges: the tokenizers library refused the "
                               f"vocabulary ({exc})") from None
