@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, compact_sizes,
                                   config_from_args, detect_platform, format_table, render_plan, resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS, fill_prefix_repetition_flags
-from dispatcher.plan.config import SPEC_METHODS, ConfigError, Platform, load_json_file, parse_json_arg, resolve
+from dispatcher.plan.config import (SPEC_METHODS, ConfigError, Platform, fill_mode_flags, load_json_file,
+                                     parse_json_arg, resolve)
 from dispatcher.plan.capture_plan import CapturePlan, build_plan
 
 
@@ -491,11 +492,7 @@ REPLAY_EXECUTE_DEFAULTS = {"model": "bench-moe", "context_len": 512, "repeats": 
 
 def check_execute_flags(args: argparse.Namespace) -> None:
     """replay's execution flags only with --execute; their defaults filled in."""
-    for name, value in REPLAY_EXECUTE_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-        elif not args.execute:
-            raise ConfigError(f"--{name.replace('_', '-')} is for --execute")
+    fill_mode_flags(args, REPLAY_EXECUTE_DEFAULTS, args.execute, "--execute")
     if args.device is not None and not args.execute:
         raise ConfigError("--device is for --execute")
 

@@ -7,7 +7,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from dispatcher.plan.config import ConfigError, load_json_file
+from dispatcher.plan.config import ConfigError, fill_mode_flags, load_json_file
 
 CHARS_PER_TOKEN = 4
 """Prompt tokens are estimated as characters / 4 when no tokenizer is given (typical for BPE on English)."""
@@ -20,13 +20,10 @@ PREFIX_REPETITION_DEFAULTS = {"prefix_len": 256, "suffix_len": 256, "num_prefixe
 def fill_prefix_repetition_flags(args, error=ConfigError) -> None:
     """``args``' ``--prefix-repetition-*`` flags (None: left out) filled in with their defaults, or ``error`` naming
     one given beside another dataset (nothing would read it)."""
-    for name, value in PREFIX_REPETITION_DEFAULTS.items():
-        attr = f"prefix_repetition_{name}"
-        if getattr(args, attr, value) is None:
-            setattr(args, attr, value)
-        elif hasattr(args, attr) and args.dataset_name != "prefix_repetition":
-            raise error(f"--prefix-repetition-{name.replace('_', '-')} is for --dataset-name prefix_repetition"
-                        + (f", not {args.dataset_name}" if args.dataset_name else ""))
+    fill_mode_flags(args, {f"prefix_repetition_{k}": v for k, v in PREFIX_REPETITION_DEFAULTS.items()},
+                    args.dataset_name == "prefix_repetition",
+                    "--dataset-name prefix_repetition" + (f", not {args.dataset_name}" if args.dataset_name else ""),
+                    error)
 
 
 @dataclass(frozen=True)

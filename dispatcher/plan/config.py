@@ -189,6 +189,19 @@ def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
         raise ConfigError(f"{flag}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
 
 
+def fill_mode_flags(args, defaults: dict[str, Any], active: bool, needs: str, error=ConfigError) -> None:
+    """The flags only one mode reads (``defaults``: attribute -> default; those ``args`` lacks skipped): each left out
+    (None) filled in with its default; one given where the mode is not ``active`` refused (nothing would read it),
+    ``error`` saying it is for ``needs``."""
+    for attr, value in defaults.items():
+        if not hasattr(args, attr):
+            continue
+        if getattr(args, attr) is None:
+            setattr(args, attr, value)
+        elif not active:
+            raise error(f"--{attr.replace('_', '-')} is for {needs}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Resolved configuration
 # ----------------------------------------------------------------------------------------------------------
