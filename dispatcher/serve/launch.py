@@ -357,7 +357,7 @@ def check_draft_head(path: str, target, method: str) -> None:
         read_head_config(path, target, method)
     except DraftHeadError as exc:
         raise ConfigError(str(exc)) from None
-    except (OSError, ValueError) as exc:  # (config.json unreadable or not JSON)
+    except (OSError, ValueError) as exc:  # (none known: read_head_config names unreadable or bad files itself)
         raise ConfigError(f"--speculative-config model {path!r}: {exc}") from None
 
 
