@@ -23,7 +23,7 @@ case "${1:-}" in
      bg_start moe python benchmarks/bench_spec_gpu.py --data "$D" --model bench-moe --tokenizer "$T" \
        --fixed-acceptance 3.0 --fixed-acceptance-of 7 --methods none,eagle3:1,eagle3:3,eagle3:auto7 \
        --policies separate --concurrency 64,256,1024 --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
-       --out /root/bg/moe/spec_auto_moe_h200.json
+       --out /root/bg/moe/spec_auto_moe_$GPU.json
      bg_wait moe "${LIM:-200}" ;;
   2) bash scripts/gpu_chain.sh 2
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
@@ -36,7 +36,7 @@ case "${1:-}" in
      bg_start dm python benchmarks/bench_spec_gpu.py --data "$D" \
        --methods none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 --policies separate --concurrency 16,64,256,1024 \
        --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
-       --out /root/bg/dm/spec_auto_h200.json
+       --out /root/bg/dm/spec_auto_$GPU.json
      bg_wait dm "${LIM:-540}"; ls "$OUT/x" ;;
   4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait dm "${LIM:-300}"

@@ -13,6 +13,8 @@ set -uo pipefail
 source scripts/gpu_env.sh
 export TWOGRID_COMMIT=${1:?usage: source scripts/gpu_session.sh COMMIT}
 R=$OUT/r; mkdir -p "$R"
+# GPU: the card in file names (h200 or h100: the device tool lends either)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)
 part() {
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
