@@ -14,7 +14,7 @@
 set -uo pipefail
 kill_servers() {
   pkill -f '[b]ench_spec_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
+  kill_gpu_procs
 }
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1

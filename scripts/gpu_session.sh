@@ -15,6 +15,15 @@ export TWOGRID_COMMIT=${1:?usage: source scripts/gpu_session.sh COMMIT}
 R=$OUT/r; mkdir -p "$R"
 # GPU: the card in file names (h200 or h100: the device tool lends either)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)
+# kill_gpu_procs: the GPU processes this work started (run from this tree or a background copy of it, /root/tg.*),
+# not any other process that holds the GPU
+kill_gpu_procs() {
+  local pid cwd
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    cwd=$(readlink "/proc/$pid/cwd" 2>/dev/null) || continue
+    case "$cwd" in "$PWD"*|/root/tg.*) kill -9 "$pid" 2>/dev/null ;; esac
+  done
+}
 part() {
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
@@ -22,8 +31,7 @@ part() {
   # (a worker whose server was killed with its step can hold the GPU's memory a while: the next part's server
   # would find the device full)
   # (KEEP_GPU_PROCS=1: none killed, for a trainer started with setsid that outlives this call)
-  [ -n "${KEEP_GPU_PROCS:-}" ] || nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null \
-    | xargs -r kill -9 2>/dev/null
+  [ -n "${KEEP_GPU_PROCS:-}" ] || kill_gpu_procs
   echo "== $name rc=$rc $((SECONDS - t0)) s"
   grep -E '^\{|passed|failed|error' "$R/$name.log" | tail -"${TAILN:-8}" | cut -c1-900
 }
