@@ -211,14 +211,16 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Answer a conversation (a list of {'role', 'content'} dicts) or a list of conversations, rendered with
-        the model's chat template (or ``chat_template``)."""
+        the model's chat template (or ``chat_template``); ``continue_final_message``: the model goes on with the
+        last message's text (``add_generation_prompt`` False with it), as vLLM's."""
         if self.tokenizer is None:
             raise RequestError(f"model {self.model!r} has no tokenizer or chat template (a preset)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
-            c, add_generation_prompt, chat_template=chat_template, **(chat_template_kwargs or {}))} for c in convs]
+            c, add_generation_prompt, chat_template=chat_template, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}))} for c in convs]
         outs = self._batch(prompts, sampling_params)
         for o, p in zip(outs, prompts):
             o.prompt = self.tokenizer.decode(p["prompt_token_ids"], skip_special_tokens=False)

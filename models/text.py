@@ -73,20 +73,42 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs) -> str:
-        """The conversation rendered as the prompt text (the template's BOS included, as it writes it)."""
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
+        """The conversation rendered as the prompt text (the template's BOS included, as it writes it); with
+        ``continue_final_message`` it ends with the last message's text, for the model to go on with it (what the
+        template writes after it, an end of turn, is cut: transformers' rule)."""
         template = chat_template or self.chat_template
         if template is None:
             raise TemplateError(f"{self.source}: the model has no chat template (tokenizer_config.json "
                                 f"'chat_template', chat_template.jinja, or a GGUF's tokenizer.chat_template); pass "
                                 f"chat_template= or use generate() with a plain prompt")
-        return render_chat_template(template, _plain_messages(messages), add_generation_prompt=add_generation_prompt,
+        if continue_final_message and add_generation_prompt:
+            raise TemplateError("continue_final_message continues the last message: add_generation_prompt must be "
+                                "false with it")
+        plain = _plain_messages(messages)
+        text = render_chat_template(template, plain, add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens, **kwargs})
+        return _cut_after_final_message(text, plain[-1]) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered conversation (special tokens come from the template only, as in
         transformers' ``apply_chat_template(tokenize=True)``)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """``text`` up to the end of the last place ``final``'s content appears in it (stripped of surrounding white
+    space when the template strips it)."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise TemplateError("continue_final_message: the last message has no text to continue")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise TemplateError("continue_final_message: the chat template does not write the last message's text as it is, "
+                        "so there is no place to continue it from")
 
 
 def _plain_messages(messages: list[dict]) -> list[dict]:

@@ -53,6 +53,12 @@ def test_generate_and_chat_return_text_token_ids_and_finish_reasons(llm, texts):
     assert chat.prompt.endswith("<|im_start|>assistant\n") and len(chat.outputs[0].token_ids) == 5
     assert chat.prompt_token_ids == tok.encode_chat([{"role": "user", "content": texts[2]}])
     assert llm.engine.eos_token_ids == (tok.token_id("<|im_end|>"),)  # tokenizer_config.json's eos_token
+    partial = [{"role": "user", "content": texts[2]}, {"role": "assistant", "content": "Well, the"}]
+    going_on = llm.chat(partial, SamplingParams(max_tokens=2), add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert going_on.prompt.endswith("<|im_start|>assistant\nWell, the")  # (no end of turn after it)
+    with pytest.raises(ValueError, match="add_generation_prompt must be false"):
+        llm.chat(partial, continue_final_message=True)
     assert not llm.engine.scheduler.has_unfinished()
 
 

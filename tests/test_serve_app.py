@@ -44,9 +44,13 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i != 1 or not skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
-                                                                           else "")
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **variables) -> str:
+        """(``variables``, the request's chat_template_kwargs, written after the turns as ``{name=value}``, but
+        with ``continue_final_message``: then the last message's text ends the prompt)"""
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text += "".join(f"{{{k}={v}}}" for k, v in sorted(variables.items())) if not continue_final_message else ""
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 WORDS = ["Hello", " world", ",", " how", " are", " you", "?"]

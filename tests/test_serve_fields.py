@@ -269,3 +269,67 @@ def test_cors_as_vllms_flags_set_it():
             assert r.headers["Access-Control-Allow-Origin"] in ("*", origin)
 
     run(go())
+
+
+QWEN3_THINKING = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                  "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                  "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+                  "{% endif %}{% endif %}")
+
+
+def test_chat_template_fields_as_vllm_takes_them(bpe):
+    """chat_template_kwargs reach the template (Qwen3's enable_thinking); continue_final_message ends the prompt
+    with the last message's text, without its end of turn, in chat and /tokenize; add_special_tokens adds the
+    tokenizer's own; each misuse is a 400 naming the field."""
+    from models.text import tokenizer_from_dir
+
+    tok = tokenizer_from_dir(bpe)
+    tok.chat_template = QWEN3_THINKING
+    engine = FakeEngine(max_model_len=4096)
+    engine.tokenizer = tok
+    ask = [{"role": "user", "content": "What is 2 + 2?"}]
+    partial = [*ask, {"role": "assistant", "content": "The answer is"}]
+
+    async def prompt_of(c, **body):
+        r = await c.post("/v1/chat/completions", json={"max_tokens": 1, **body})
+        out = await r.json()
+        assert r.status == 200, out
+        return engine.requests[out["id"]][0]
+
+    async def go():
+        async with served(engine) as c:
+            assert (await prompt_of(c, messages=ask)).endswith("<|im_start|>assistant\n")
+            thinking_off = await prompt_of(c, messages=ask, chat_template_kwargs={"enable_thinking": False})
+            assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            continued = await prompt_of(c, messages=partial, add_generation_prompt=False, continue_final_message=True)
+            assert continued.endswith("<|im_start|>assistant\nThe answer is")
+            r = await c.post("/tokenize", json={"messages": partial, "add_generation_prompt": False,
+                                                "continue_final_message": True})
+            assert (await r.json())["tokens"] == tok.encode(continued, False)
+            for body, param in [({"messages": partial, "continue_final_message": True}, "continue_final_message"),
+                                ({"messages": ask, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+                                 "chat_template_kwargs"),
+                                ({"messages": ask, "chat_template_kwargs": {"add_generation_prompt": False}},
+                                 "chat_template_kwargs"),
+                                ({"messages": [{"role": "user", "content": " "}], "add_generation_prompt": False,
+                                  "continue_final_message": True}, "messages"),
+                                ({"messages": ask, "chat_template_kwargs": ["enable_thinking"]},
+                                 "chat_template_kwargs")]:
+                r = await c.post("/v1/chat/completions", json={"max_tokens": 1, **body})
+                assert (await error_of(r, 400))["param"] == param, body
+            r = await c.post("/tokenize", json={"messages": partial, "continue_final_message": True})
+            assert (await error_of(r, 400))["param"] == "continue_final_message"
+
+    run(go())
+
+
+def test_chat_add_special_tokens_adds_the_tokenizers_own():
+    async def go():
+        async with served() as c:
+            for add, first in ((False, ord("<")), (True, 1)):  # (the fake tokenizer's BOS is 1)
+                r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "max_tokens": 1, "add_special_tokens": add})
+                body = await r.json()
+                assert c.engine.requests[body["id"]][1][0] == first
+
+    run(go())

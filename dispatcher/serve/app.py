@@ -311,8 +311,7 @@ class Server:
         if isinstance(req, P.TokenizeChatRequest):
             messages = P.chat_messages(P.ChatCompletionRequest(messages=req.messages))
             text = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                         tok.apply_chat_template, messages,
-                                         add_generation_prompt=req.add_generation_prompt)
+                                         tok.apply_chat_template, messages, **P.chat_template_options(req))
         else:
             text = req.prompt
         ids = await self._encode("prompt", text, req.add_special_tokens)
@@ -455,8 +454,8 @@ class Server:
                                     "use /v1/completions with token ids", param="messages")
             tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
             prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                           tok.apply_chat_template, messages, add_generation_prompt=True, **tools)
-            return prompt, await self._encode("messages", prompt, False)
+                                           tok.apply_chat_template, messages, **P.chat_template_options(req), **tools)
+            return prompt, await self._encode("messages", prompt, req.add_special_tokens)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, list):
             vocab = tok.vocab_size if tok is not None else None

@@ -251,6 +251,14 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """Default: "auto" with tools, as OpenAI's and vLLM's."""
     parallel_tool_calls: bool | None = True
     """False: at most one call (a forced call's grammar stops after one)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """The prompt ends with the last message's text, for the model to go on with it (vLLM's; needs
+    ``add_generation_prompt`` false)."""
+    add_special_tokens: bool = False
+    """Special tokens (BOS) added to the rendered prompt by the tokenizer as well as the template's (vLLM's)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
 
 
 class TokenizeCompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -268,7 +276,9 @@ class TokenizeChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 
@@ -537,6 +547,26 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+TEMPLATE_ARGUMENTS_SET_BY_REQUEST = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                                     "chat_template")
+
+
+def chat_template_options(req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """The chat template's arguments besides the messages (and tools): ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs``' variables. A variable the request sets otherwise, or
+    ``chat_template`` (a template is the server's to choose), is refused."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "'continue_final_message' continues the last message: set 'add_generation_prompt' to "
+                            "false with it", param="continue_final_message")
+    extra = req.chat_template_kwargs or {}
+    taken = sorted(set(extra) & set(TEMPLATE_ARGUMENTS_SET_BY_REQUEST))
+    if taken:
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(map(repr, taken))} (the request's own "
+                            f"fields, or the server's template)", param="chat_template_kwargs")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
 
 
 def _arguments(text: str):
