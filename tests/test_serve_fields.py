@@ -333,3 +333,42 @@ def test_chat_add_special_tokens_adds_the_tokenizers_own():
                 assert c.engine.requests[body["id"]][1][0] == first
 
     run(go())
+
+
+def test_a_named_tool_call_opens_in_the_prompt_and_the_output_is_its_arguments():
+    """tool_choice naming a function: the parser's opening of its call follows the generation prompt, the grammar
+    is the function's parameters' schema, and the output (the arguments as far as written, here cut off at
+    max_tokens) comes back as that one call, whole and streamed; with continue_final_message it is refused."""
+    import json
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [weather], "max_tokens": 3,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+    async def go():
+        async with served(FakeEngine(max_model_len=4096), tool_call_parser="hermes") as c:
+            r = await c.post("/v1/chat/completions", json=body)
+            out = await r.json()
+            assert r.status == 200, out
+            prompt, ids, params = c.engine.requests[out["id"]]
+            assert prompt.startswith("<user>Weather?{tools=")  # (the fake template writes its variables)
+            assert prompt.endswith('}<assistant><tool_call>\n{"name": "get_weather", "arguments": ')
+            assert ids == [ord(ch) for ch in prompt]
+            assert json.loads(params.structured_outputs.json) == weather["function"]["parameters"]
+            choice = out["choices"][0]
+            assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+            [call] = choice["message"]["tool_calls"]
+            assert call["function"] == {"name": "get_weather", "arguments": "".join(WORDS[:3]).strip()}
+            events = await sse(await c.post("/v1/chat/completions", json={**body, "stream": True}))
+            deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+            calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+            assert [(tc["index"], tc["function"]["name"]) for tc in calls] == [(0, "get_weather")]
+            assert calls[0]["function"]["arguments"] == call["function"]["arguments"]
+            assert not any(d.get("content") for d in deltas)
+            r = await c.post("/v1/chat/completions", json={**body, "messages": [
+                *body["messages"], {"role": "assistant", "content": "Let me"}], "add_generation_prompt": False,
+                "continue_final_message": True})
+            assert (await error_of(r, 400))["param"] == "tool_choice"
+
+    run(go())

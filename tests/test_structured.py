@@ -22,7 +22,7 @@ import pytest
 
 from dispatcher.serve import protocol as P
 from dispatcher.serve.protocol import ApiError
-from dispatcher.serve.tools import PARSERS
+from dispatcher.serve.tools import PARSERS, NamedCall, parameters_schema
 from scheduler.request import RequestError, SamplingParams
 from scheduler.structured import (MAX_GRAMMAR_RULES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES,
                                   MAX_SCHEMA_VALUES, MAX_SPEC_CHARS, StructuredOutputsParams)
@@ -698,8 +698,9 @@ def test_a_checkpoint_without_a_tokenizer_runs_on_token_ids_and_refuses_structur
 
 
 def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
-    """A forced call's structural tag accepts the parser's format for the named function (and, required, for any
-    tool, several with parallel calls) and nothing else; the parser reads back what the grammar let through."""
+    """A required call's structural tag accepts the parser's format for any tool (several with parallel calls) and
+    nothing else; the parser reads back what the grammar let through. A named call opens in the prompt with the
+    parser's text for it: the output is its arguments, under their schema."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(grammars.tokenizer_info_json)
@@ -709,18 +710,26 @@ def test_tool_call_grammars_take_each_parsers_format(grammars, tokenizer):
     for parser, text in [(PARSERS["hermes"], '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
                                              '</tool_call>'),
                          (PARSERS["llama3_json"], '{"name": "get_weather", "parameters": {"city": "Oslo"}}')]:
-        for name, parallel in [("get_weather", True), (None, False), (None, True)]:
-            so = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, parallel), where="tools")
+        for parallel in (False, True):
+            so = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, parallel), where="tools")
             so.validate()
             m = matcher(so)
-            assert m.accept_string(text), (parser.name, name)
+            assert m.accept_string(text), (parser.name, parallel)
             assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
             content, calls = parser.parse(text)
             assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
                 ("get_weather", {"city": "Oslo"})]
             assert not matcher(so).accept_string("Sure, " + text)
-        wrong = matcher(StructuredOutputsParams(structural_tag=parser.structural_tag(tools, "get_time", True)))
-        assert not wrong.accept_string(text)
+            assert not matcher(so).accept_string(text.replace("get_weather", "get_wetter"))
+        opening = parser.opening("get_weather")
+        assert text.startswith(opening) and text.endswith(parser.call_end)
+        arguments = text[len(opening):-len(parser.call_end)]
+        named = StructuredOutputsParams(json=json.dumps(parameters_schema(WEATHER)), where="tools")
+        m = matcher(named)
+        assert m.accept_string(arguments) and m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+        assert not matcher(named).accept_string(arguments + parser.call_end)  # (the arguments end the output)
+        assert not matcher(named).accept_string('{"town": "Oslo"}')
+        assert NamedCall("get_weather").parse(arguments)[1][0].arguments == arguments
 
 
 # ---------------------------------------------------------------------------------------------------------------

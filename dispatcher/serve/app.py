@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import re
 import time
@@ -38,7 +39,8 @@ from dispatcher.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dispatcher.serve.metrics import EngineMetrics, RequestTimer
 from dispatcher.serve.protocol import ApiError
 from dispatcher.serve.tokenizing import Tokenizing
-from dispatcher.serve.tools import DEFAULT_FORCED_PARSER, PARSERS, ToolParser, ToolStream
+from dispatcher.serve.tools import (DEFAULT_FORCED_PARSER, PARSERS, NamedCall, ToolParser, ToolStream,
+                                    parameters_schema)
 from models.text import bad_words_token_ids
 from scheduler.request import RequestError, SamplingParams
 from scheduler.structured import StructuredOutputError, StructuredOutputsParams
@@ -216,11 +218,13 @@ class _Request:
 @dataclasses.dataclass(frozen=True)
 class _ToolUse:
     """How a chat request uses its tools: the parser that reads the calls, the choice (auto, required, or the
-    forced function's name), and for a forced call the grammar that makes the model write one."""
+    forced function's name), for a forced call the grammar that makes the model write one, and for a named one the
+    call's opening, written after the prompt (``tools.NamedCall``)."""
 
-    parser: ToolParser
+    parser: ToolParser | NamedCall
     choice: str
     forced: StructuredOutputsParams | None
+    opening: str = ""
 
 
 class Server:
@@ -367,7 +371,7 @@ class Server:
         self._check_model(req.model)
         structured = P.structured_outputs(req)
         tools = self._tool_use(req, structured) if chat else None
-        prompt, ids = await self._tokenize(req, chat)
+        prompt, ids = await self._tokenize(req, chat, tools.opening if tools is not None else "")
         params = self._sampling_params(req, len(ids), chat, tools.forced if tools is not None and tools.forced
                                        else structured)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
@@ -435,17 +439,28 @@ class Server:
         if structured is not None:
             raise ApiError(400, "a required or named tool_choice constrains the output already: leave out "
                                 "response_format / structured_outputs", param="tool_choice")
+        if req.continue_final_message:
+            raise ApiError(400, "a required or named tool_choice writes a new message: leave out "
+                                "continue_final_message", param="tool_choice")
         parser = self.tool_parser or PARSERS[DEFAULT_FORCED_PARSER]
         tools = [msgspec.to_builtins(t) for t in req.tools]
-        forced = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, name, req.parallel_tool_calls
-                                                                              is not False), where="tools")
+        if name is None:
+            forced = StructuredOutputsParams(structural_tag=parser.structural_tag(tools, req.parallel_tool_calls
+                                                                                  is not False), where="tools")
+        else:
+            tool = next(t for t in tools if t["function"]["name"] == name)
+            forced = StructuredOutputsParams(json=json.dumps(parameters_schema(tool), ensure_ascii=False),
+                                             where="tools")
         try:
             forced.validate()
         except StructuredOutputError as exc:
             raise ApiError(400, str(exc), param="tools") from None
-        return _ToolUse(parser, choice if name is None else name, forced)
+        if name is None:
+            return _ToolUse(parser, choice, forced)
+        return _ToolUse(NamedCall(name), name, forced, parser.opening(name))
 
-    async def _tokenize(self, req, chat: bool) -> tuple[str | None, list[int]]:
+    async def _tokenize(self, req, chat: bool, opening: str = "") -> tuple[str | None, list[int]]:
+        """The prompt's text and ids; ``opening``: text after a chat's rendered prompt (a named tool call's)."""
         tok = self.engine.tokenizer
         if chat:
             messages = P.chat_messages(req)
@@ -455,6 +470,7 @@ class Server:
             tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
             prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
                                            tok.apply_chat_template, messages, **P.chat_template_options(req), **tools)
+            prompt += opening
             return prompt, await self._encode("messages", prompt, req.add_special_tokens)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, list):
