@@ -372,3 +372,58 @@ def test_a_named_tool_call_opens_in_the_prompt_and_the_output_is_its_arguments()
             assert (await error_of(r, 400))["param"] == "tool_choice"
 
     run(go())
+
+
+def test_a_batch_of_prompts_answers_each_in_order_whole_and_streamed():
+    """vLLM's batched completions: prompt i's choice j is choice i * n + j, each prompt an engine request of its
+    own (all queued before any output), the usage summed; streamed, every chunk names its choice; a prompt the
+    engine refuses fails the request before any output."""
+    prompts = ["Hi", [72, 105, 33], "Hey you"]
+
+    async def go():
+        async with served() as c:
+            r = await c.post("/v1/completions", json={"prompt": prompts, "max_tokens": 2, "n": 2, "temperature": 1,
+                                                      "logprobs": 0})
+            body = await r.json()
+            assert r.status == 200, body
+            assert [ch["index"] for ch in body["choices"]] == list(range(6))
+            assert [ch["text"] for ch in body["choices"]] == [choice_text(j, 2) for _ in prompts for j in range(2)]
+            asked = [c.engine.requests[f"{body['id']}-{i}"] for i in range(3)]
+            assert [ids for _, ids, _ in asked] == [[1, 72, 105], [72, 105, 33], [1, *map(ord, "Hey you")]]
+            assert body["usage"] == {"prompt_tokens": 3 + 3 + 8, "completion_tokens": 12, "total_tokens": 26}
+            events = await sse(await c.post("/v1/completions", json={
+                "prompt": prompts, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}))
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 9
+            texts = {}
+            for e in events[:-2]:
+                [ch] = e["choices"]
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            assert texts == {i: choice_text(0, 3) for i in range(3)}
+            r = await c.post("/v1/completions", json={"prompt": ["Hi", "x" * 200], "max_tokens": 2})
+            assert (await error_of(r, 400))["param"] == "prompt[1]"
+
+    run(go())
+
+
+def test_a_batch_fails_or_goes_away_as_a_whole():
+    """An engine failure in a batch: 500 whole, an error event then [DONE] streamed; a client gone mid-stream
+    aborts every prompt still running."""
+    from test_serve_app import wait_for
+
+    async def go():
+        async with served(FakeEngine(fail_after=2)) as c:
+            err = await error_of(await c.post("/v1/completions", json={"prompt": ["hi", "yo"], "max_tokens": 5}), 500)
+            assert "worker process died" in err["message"]
+            events = await sse(await c.post("/v1/completions", json={"prompt": ["hi", "yo"], "max_tokens": 5,
+                                                                     "stream": True}))
+            assert events[-1] == "[DONE]" and "worker process died" in events[-2]["error"]["message"]
+        engine = FakeEngine(delay_s=0.02)
+        async with served(engine) as c:
+            r = await c.post("/v1/completions", json={"prompt": ["hi", "yo", "hey"], "max_tokens": 100,
+                                                      "stream": True})
+            await r.content.readuntil(b"\n\n")
+            r.close()
+            await wait_for(lambda: sorted(engine.aborted) == sorted(engine.requests))
+            assert len(engine.aborted) == 3 and not engine.live
+
+    run(go())

@@ -370,22 +370,15 @@ class Server:
         req = P.decode_request(body, P.ChatCompletionRequest if chat else P.CompletionRequest)
         self._check_model(req.model)
         structured = P.structured_outputs(req)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
+        if not chat and P.is_prompt_batch(req.prompt):
+            return await self._generate_batch(request, req, structured, response_id, given, arrival)
         tools = self._tool_use(req, structured) if chat else None
         prompt, ids = await self._tokenize(req, chat, tools.opening if tools is not None else "")
         params = self._sampling_params(req, len(ids), chat, tools.forced if tools is not None and tools.forced
                                        else structured)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or uuid.uuid4().hex}"
-        echo = bool(getattr(req, "echo", False))
-        r = _Request(self._engine_id(response_id), response_id, given or response_id, chat,
-                     self.engine.served_model_name, int(time.time()), prompt, ids, params, _num_top_logprobs(req),
-                     bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
-                     bool(req.stream_options and req.stream_options.continuous_usage_stats),
-                     RequestTimer(self.metrics, len(ids), arrival), echo, echo and req.max_tokens == 0,
-                     choices=[_Choice(i, tool_stream=tools.parser.stream() if tools is not None else None)
-                              for i in range(params.n)], tools=tools)
-        if self.log_requests:
-            shown = prompt if prompt is not None else str(ids)
-            log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
+        r = self._request(req, chat, self._engine_id(response_id), response_id, given, prompt, ids, params, arrival,
+                          tools)
         outputs = self._run(r)
         self.in_flight += 1
         self._live.add(r.request_id)
@@ -398,6 +391,103 @@ class Server:
             self.in_flight -= 1
             self._live.discard(r.request_id)
             await self._end(r, outputs)
+
+    def _request(self, req, chat: bool, engine_id: str, response_id: str, given: str | None, prompt: str | None,
+                 ids: list[int], params: SamplingParams, arrival: float, tools: "_ToolUse | None" = None,
+                 first_choice: int = 0) -> _Request:
+        """A checked request as it runs; its choices indexed from ``first_choice`` (a batch's prompts after the
+        first)."""
+        echo = bool(getattr(req, "echo", False))
+        r = _Request(engine_id, response_id, given or response_id, chat,
+                     self.engine.served_model_name, int(time.time()), prompt, ids, params, _num_top_logprobs(req),
+                     bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                     bool(req.stream_options and req.stream_options.continuous_usage_stats),
+                     RequestTimer(self.metrics, len(ids), arrival), echo, echo and req.max_tokens == 0,
+                     choices=[_Choice(first_choice + i, tool_stream=tools.parser.stream() if tools is not None
+                                      else None) for i in range(params.n)], tools=tools)
+        if self.log_requests:
+            shown = prompt if prompt is not None else str(ids)
+            log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
+        return r
+
+    async def _generate_batch(self, request: web.Request, req: P.CompletionRequest, structured, response_id: str,
+                              given: str | None, arrival: float) -> web.StreamResponse:
+        """A completion request with several prompts (vLLM's; lm-evaluation-harness sends them): every prompt
+        checked before any runs, then one engine request each, all at once; prompt i's choice j is choice
+        ``i * n + j`` and the usage is their sum."""
+        rs = []
+        for i, one in enumerate(P.batch_prompts(req)):
+            sub = msgspec.structs.replace(req, prompt=one)
+            try:
+                prompt, ids = await self._tokenize(sub, False)
+                params = self._sampling_params(sub, len(ids), False, structured)
+            except ApiError as exc:
+                if exc.param not in ("prompt", "max_tokens"):
+                    raise
+                raise ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]",
+                               reason=exc.reason) from None
+            rs.append(self._request(sub, False, self._engine_id(f"{response_id}-{i}"), response_id, given, prompt,
+                                    ids, params, arrival, first_choice=i * params.n))
+        outputs = [self._run(r) for r in rs]
+        self.in_flight += len(rs)
+        self._live.update(r.request_id for r in rs)
+        try:
+            firsts = await _each(anext(o) for o in outputs)  # (every request queued before any output)
+            if req.stream:
+                return await self._stream_batch(request, rs, firsts, outputs)
+            await _each(self._gather(r, first, o) for r, first, o in zip(rs, firsts, outputs))
+            for r in rs:
+                self._finished(r)
+            choices = [choice for r in rs for choice in self._completion_choices(r)]
+            usage = P.sum_usage([r.usage() for r in rs])
+            return _json(P.Completion(response_id, rs[0].created, rs[0].model, choices, usage),
+                         headers={"X-Request-Id": rs[0].header_id})
+        finally:
+            self.in_flight -= len(rs)
+            self._live.difference_update(r.request_id for r in rs)
+            for r, o in zip(rs, outputs):
+                await self._end(r, o)
+
+    async def _stream_batch(self, request: web.Request, rs: list[_Request], firsts: list, outputs: list
+                            ) -> web.StreamResponse:
+        """A batch's choices streamed as their outputs come, each chunk carrying one choice (its batch index)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": rs[0].header_id})
+        await response.prepare(request)
+        waiting: dict[asyncio.Future, int] = {}
+        ready = list(enumerate(firsts))
+        try:
+            while ready or waiting:
+                for i, delta in ready:
+                    chunks = [self._chunk(rs[i], out) for out in delta.outputs]
+                    rs[i].timer.output(sum(len(out.token_ids) for out in delta.outputs), time.perf_counter())
+                    body = b"".join(c for c in chunks if c is not None)
+                    if body:
+                        await response.write(body)
+                    if delta.finished:
+                        self._finished(rs[i])
+                    else:
+                        waiting[asyncio.ensure_future(anext(outputs[i]))] = i
+                ready = []
+                if waiting:
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    ready = [(waiting.pop(task), task.result()) for task in done]
+        except ApiError as exc:  # one failed mid-stream: say so, then end the stream (the others are aborted)
+            await _cancel(waiting)
+            with contextlib.suppress(ConnectionError):
+                await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
+                await response.write_eof()
+            return response
+        except BaseException:
+            await _cancel(waiting)
+            raise
+        tail = P.SSE_DONE
+        if rs[0].include_usage:
+            tail = P.sse(P.Completion(rs[0].response_id, rs[0].created, rs[0].model, [],
+                                      P.sum_usage([r.usage() for r in rs]))) + tail
+        await response.write(tail)
+        await response.write_eof()
+        return response
 
     def _engine_id(self, response_id: str) -> str:
         """The engine's id for a request: its response id, made unique if a live request has it already (clients
@@ -650,13 +740,17 @@ class Server:
         r.completion_tokens += num_tokens
         return num_tokens
 
-    async def _collect(self, r: _Request, first, outputs) -> web.Response:
+    async def _gather(self, r: _Request, first, outputs) -> None:
+        """``r``'s outputs taken until it finishes."""
         delta = first
         while True:
             r.timer.output(self._take(r, delta), time.perf_counter())
             if delta.finished:
-                break
+                return
             delta = await anext(outputs)
+
+    async def _collect(self, r: _Request, first, outputs) -> web.Response:
+        await self._gather(r, first, outputs)
         self._finished(r)
         usage = r.usage()
         prompt_lp = self._prompt_logprobs_json(r)
@@ -675,15 +769,18 @@ class Server:
                 choices.append(P.ChatChoice(c.index, message, lp, finish_reason, c.stop_reason))
             body: Any = P.ChatCompletion(r.response_id, r.created, r.model, choices, usage, prompt_logprobs=prompt_lp)
         else:
-            choices = []
-            for c in r.choices:
-                text, ids, entries = self._completion_parts(r, c, "".join(c.text), c.token_ids, c.logprobs)
-                lp = (P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, 0)
-                      if r.num_top_logprobs is not None else None)
-                choices.append(P.CompletionResponseChoice(c.index, text, lp, c.finish_reason, c.stop_reason,
-                                                          prompt_lp))
-            body = P.Completion(r.response_id, r.created, r.model, choices, usage)
+            body = P.Completion(r.response_id, r.created, r.model, self._completion_choices(r), usage)
         return _json(body, headers={"X-Request-Id": r.header_id})
+
+    def _completion_choices(self, r: _Request) -> list[P.CompletionResponseChoice]:
+        prompt_lp = self._prompt_logprobs_json(r)
+        choices = []
+        for c in r.choices:
+            text, ids, entries = self._completion_parts(r, c, "".join(c.text), c.token_ids, c.logprobs)
+            lp = (P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, 0)
+                  if r.num_top_logprobs is not None else None)
+            choices.append(P.CompletionResponseChoice(c.index, text, lp, c.finish_reason, c.stop_reason, prompt_lp))
+        return choices
 
     def _completion_parts(self, r: _Request, c: _Choice, text: str, token_ids: list[int], entries: list):
         """A completion choice's text, token ids and logprob entries, the prompt's first with ``echo`` (alone with
@@ -789,7 +886,7 @@ class Server:
         if r.num_top_logprobs is not None and ids:
             lp = P.completion_logprobs(ids, entries, r.num_top_logprobs, self.token_text, c.text_offset)
             c.text_offset += sum(len(t) for t in lp.tokens)
-        choice = P.CompletionChoice(out.index, text, lp, out.finish_reason, out.stop_reason)
+        choice = P.CompletionChoice(c.index, text, lp, out.finish_reason, out.stop_reason)
         return P.sse(P.Completion(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
 
     @staticmethod
@@ -826,6 +923,23 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+async def _each(awaitables) -> list:
+    """The awaitables' results, run at once; the first to fail cancels the others (awaited), then raises."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await _cancel(tasks)
+        raise
+
+
+async def _cancel(tasks) -> None:
+    """Cancel ``tasks`` and wait for them to end (an engine stream's next output is not left running)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @contextlib.contextmanager

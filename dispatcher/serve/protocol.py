@@ -176,8 +176,8 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
-    prompt: str | list[int | str]
-    """Text, token ids, or a list of one text (one prompt per request)."""
+    prompt: str | list[int | str | list[int]]
+    """Text, token ids, or a list of texts or token-id lists (a batch: ``batch_prompts``)."""
     logprobs: TopLogprobs | None = None
     """Top log-probabilities per output token (0..20); None for none."""
     echo: bool | None = False
@@ -491,6 +491,35 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+MAX_BATCH_PROMPTS = 256
+"""Prompts in one completion request (vLLM sets none)."""
+
+
+def is_prompt_batch(prompt) -> bool:
+    """Several prompts: a list of two or more strings or token-id lists (a list of one string is one prompt)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+
+
+def batch_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """A batch's prompts, each a string or a list of token ids (each then checked as a prompt of its own)."""
+    prompts = req.prompt
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise ApiError(400, f"'prompt' has {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} in one request",
+                       param="prompt")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
+            raise ApiError(400, f"'prompt[{i}]' must be a string or a list of token ids, as the other prompts of a "
+                                f"batch", param=f"prompt[{i}]")
+    return list(prompts)
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    """A batch's usage: its prompts' summed."""
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details is not None]
+    return usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(cached) if cached else None)
+
+
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """The one prompt of a completion request: its text or its token ids."""
     p = req.prompt
@@ -503,12 +532,12 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         if bad is not None:
             raise ApiError(400, f"'prompt' has token id {bad}; token ids are >= 0", param="prompt")
         return p  # type: ignore[return-value]
-    if len(p) == 1 and isinstance(p[0], str):
+    if len(p) == 1 and isinstance(p[0], (str, list)):
         return completion_prompt(CompletionRequest(prompt=p[0]))
     if not p:
         raise ApiError(400, "'prompt' is an empty list", param="prompt")
-    raise ApiError(400, f"'prompt' must be a string, a list of token ids or a list of one string (one prompt per "
-                        f"request); got a list of {len(p)} items", param="prompt")
+    raise ApiError(400, f"'prompt' must be a string, a list of token ids, or a list of strings or token-id lists "
+                        f"(a batch); got a list of {len(p)} items", param="prompt")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
