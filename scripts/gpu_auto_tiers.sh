@@ -3,14 +3,16 @@
 # from the repository root with C set to the commit (the jobs run in the background: scripts/gpu_background.sh):
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_auto_tiers.sh 1
 #           bench-moe (random weights, acceptance fixed at 3.0 of K = 7: the machinery) at 64-1024 streams
-#   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it)
-#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; bench-moe's results
-#           back; the default model with its shipped head, real acceptance: no SD, K = 3 / 4 / 5, auto up to 5,
-#           16-1024 streams, three rounds)
-#   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back;
-#           the default model's drafter tests and the float32 attention test on the GPU)
+#   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it; its results back
+#           in this call: a machine taken back during a later call loses what is still on it)
+#   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; the default model's
+#           drafter tests, the float32 attention test and the served structured-outputs test first (their results
+#           back in this call), then, in the background, the default model with its shipped head, real acceptance:
+#           no SD, K = 3 / 4 / 5, auto up to 5, 16-1024 streams, three rounds)
+#   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back)
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
 # Each JSON's rows carry vs_best_fixed (auto against the best fixed K, round by round): issue 29 asks 0.97x.
+# Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
 set -uo pipefail
 kill_servers() {
   pkill -f '[b]ench_spec_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
@@ -27,24 +29,26 @@ case "${1:-}" in
      bg_wait moe "${LIM:-200}" ;;
   2) bash scripts/gpu_chain.sh 2
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
-     bg_wait moe "${LIM:-300}" ;;
+     bg_wait moe "${LIM:-300}"
+     mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null; ls "$OUT/x" ;;
   3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait moe 5
      mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null
-     kill_servers; mkdir -p /root/bg/dm
-     bg_start dm python benchmarks/bench_spec_gpu.py --data "$D" \
-       --methods none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 --policies separate --concurrency 16,64,256,1024 \
-       --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
-       --out /root/bg/dm/spec_auto_$GPU.json
-     bg_wait dm "${LIM:-540}"; ls "$OUT/x" ;;
-  4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
-     bg_wait dm "${LIM:-300}"
-     mkdir -p "$OUT/x"; cp /root/bg/dm.log /root/bg/dm/*.json "$OUT/x/" 2>/dev/null
      kill_servers
      TAILN=14 part gputests 240 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
        tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32 \
        tests/test_structured_gpu.py::test_every_constraint_gives_valid_output_served_on_the_gpu
-     finish ;;
+     cp "$R/gputests.log" "$OUT/x/"; mkdir -p /root/bg/dm
+     bg_start dm python benchmarks/bench_spec_gpu.py --data "$D" \
+       --methods none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 --policies separate --concurrency 16,64,256,1024 \
+       --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 --step-trace-dir /root/bg/dm/traces \
+       --out /root/bg/dm/spec_auto_$GPU.json
+     bg_wait dm "${LIM:-560}"; ls "$OUT/x" ;;
+  4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     bg_wait dm "${LIM:-500}"
+     mkdir -p "$OUT/x"; cp /root/bg/dm.log /root/bg/dm/*.json "$OUT/x/" 2>/dev/null
+     tar czf "$OUT/x/dm_traces.tgz" -C /root/bg/dm traces 2>/dev/null
+     kill_servers; ls -la "$OUT/x" ;;
   *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4" >&2; exit 2 ;;
 esac
