@@ -1259,6 +1259,24 @@ def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
         assert [(c.name, c.arguments) for c in streamed + more] == [(c.name, c.arguments) for c in calls]
 
 
+@pytest.mark.parametrize("name,text,content,num_calls", [
+    ("hermes", HERMES_OUT.removesuffix("{}}\n</tool_call>"), "I will check.\n", 2),
+    ("hermes", HERMES_OUT.removesuffix('get_time", "arguments": {}}\n</tool_call>'),
+     'I will check.\n<tool_call>\n{"name": "', 1),
+    ("llama3_json", LLAMA_OUT.removesuffix("{}}"), None, 2),
+    ("llama3_json", LLAMA_OUT.removesuffix('me": "get_time", "parameters": {}}'), '{"na', 1)],
+    ids=["hermes, in the arguments", "hermes, in the name", "llama3_json, in the arguments",
+         "llama3_json, in the name"])
+def test_a_call_cut_off_is_the_call_so_far_once_its_name_is_whole(name, text, content, num_calls):
+    """An output that ended inside its last call (at max_tokens): once the name is whole, that call with its
+    arguments as far as written (OpenAI's way with a cut-off call), not the parser's markup as the message's text;
+    before, the text stays content."""
+    got, calls = PARSERS[name].parse(text)
+    assert got == content
+    assert [c.name for c in calls] == ["get_weather", "get_time"][:num_calls]
+    assert calls[-1].arguments == ("" if num_calls == 2 else '{"city": "Paris"}')
+
+
 @pytest.mark.parametrize("name,text", [("hermes", "Plain answer, no call."), ("hermes", "<tool_call>\nnot json"),
                                        ("llama3_json", "Plain answer {with braces}"),
                                        ("llama3_json", '{"city": "Paris"}'),

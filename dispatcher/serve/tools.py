@@ -22,6 +22,7 @@ the default model. Without ``--tool-call-parser`` forced calls use llama3_json's
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -133,6 +134,23 @@ def _call_from_obj(obj, arguments_keys=("arguments", "parameters"), need_argumen
     return ToolCall.of(obj["name"], args)
 
 
+_CUT_OFF_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)',
+                           re.DOTALL)
+
+
+def _cut_off_call(text: str) -> ToolCall | None:
+    """A call whose text ended early (at ``max_tokens``) once its name is whole: the call with its arguments as far
+    as written, as OpenAI's API sends a call cut off; None before that (the text stays content)."""
+    m = _CUT_OFF_CALL.match(text)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    return ToolCall.of(name, m.group(2).rstrip())
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Characters at the end of ``text`` that begin ``marker`` (they may complete it)."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
@@ -215,7 +233,7 @@ class _HermesStream(ToolStream):
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
-            call = _call_from_json(self.buf)
+            call = _call_from_json(self.buf) or _cut_off_call(self.buf)
             text = "" if call is not None else HermesParser.OPEN + self.buf
             return text, [call] if call is not None else []
         return self._content(self.buf), []
@@ -283,7 +301,10 @@ class _Llama3Stream(ToolStream):
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self.buf = self.buf, ""
-        return ("" if self.mode == "calls" and not text.strip() else text), []
+        if self.mode == "calls" and not text.strip():
+            return "", []
+        call = _cut_off_call(text) if self.mode == "calls" else None
+        return ("", [call]) if call is not None else (text, [])
 
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
