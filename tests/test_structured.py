@@ -157,6 +157,29 @@ def grammars(tokenizer):
     g.close()
 
 
+def test_a_vocabulary_xgrammar_misreads_turns_structured_outputs_off(grammars, tokenizer, monkeypatch):
+    """xgrammar's table of token texts is checked against the tokenizer's decoding: the default model's agrees
+    (byte-level, read right); read as RAW (what xgrammar falls back to when it cannot tell the type) most tokens
+    differ, and a server with such a table refuses every constraint with a 400 saying why, not grammars that allow
+    the wrong tokens."""
+    import xgrammar as xgr
+
+    from dispatcher.engine.structured import StructuredOutputs, vocabulary_misread
+
+    assert grammars.misread is None
+    vocab = [t for t, _ in sorted(tokenizer.backend.get_vocab().items(), key=lambda kv: kv[1])]
+    raw = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=49152, stop_token_ids=[2])
+    why = vocabulary_misread(raw.decoded_vocab, tokenizer, raw.special_token_ids)
+    assert why is not None and "structured outputs are off" in why and re.search(r"token \d+ is '.+', xgrammar", why)
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", lambda *a, **k: raw)
+    misread = StructuredOutputs(tokenizer, 49152, [tokenizer.eos_token_id], in_processes=False)
+    try:
+        with pytest.raises(RequestError, match="response_format: xgrammar reads this tokenizer's vocabulary"):
+            misread.compile_future(StructuredOutputsParams(json_object=True, where="response_format"))
+    finally:
+        misread.close()
+
+
 def on_worker(grammars, so, slot: int = 0):
     """A worker's grammars (``WorkerGrammars`` on the CPU) holding the engine's compile of ``so``, with a matcher
     at ``slot``."""

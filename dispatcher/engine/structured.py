@@ -65,6 +65,40 @@ WORKER_IDLE_BYTES = 256 << 20
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+VOCAB_CHECK_TOKENS = 4096
+"""Tokens (spread over the vocabulary) whose text xgrammar's table must match the tokenizer's decoding of."""
+VOCAB_CHECK_MISMATCH = 0.01
+"""The share of them that may differ (none did on the default model, Gemma 3 or the tests' BPE); a misread
+vocabulary (xgrammar's RAW type for a byte-level BPE) differs in most."""
+
+
+def vocabulary_misread(decoded_vocab: list[bytes], tokenizer, special_ids) -> str | None:
+    """Where xgrammar's table of the tokens' texts (``TokenizerInfo.decoded_vocab``) disagrees with the tokenizer's
+    own decoding on more than ``VOCAB_CHECK_MISMATCH`` of ``VOCAB_CHECK_TOKENS`` tokens, why (with an example);
+    None when they agree. Grammars over a misread vocabulary allow the wrong tokens. Each token is decoded after a
+    plain one (a SentencePiece decoder drops a first token's leading space); special tokens and pieces of a
+    character (byte-fallback tokens) are not compared."""
+    anchor = tokenizer.encode("x", False)[-1]
+    prefix = tokenizer.decode([anchor], skip_special_tokens=False)
+    special = set(special_ids)
+    compared, differ, example = 0, 0, None
+    for i in range(0, min(len(decoded_vocab), tokenizer.vocab_size), max(1, len(decoded_vocab) // VOCAB_CHECK_TOKENS)):
+        text = tokenizer.decode([anchor, i], skip_special_tokens=False)
+        if i in special or not text.startswith(prefix) or not text[len(prefix):] or "\ufffd" in text:
+            continue
+        compared += 1
+        if text[len(prefix):].encode() != decoded_vocab[i]:
+            differ += 1
+            if example is None or (" " in text[len(prefix):] and " " not in example[1]):  # (a word shows it best)
+                example = (i, text[len(prefix):], decoded_vocab[i])
+    if example is None or differ <= VOCAB_CHECK_MISMATCH * compared:
+        return None
+    i, ours, theirs = example
+    return (f"xgrammar reads this tokenizer's vocabulary otherwise than the tokenizer decodes it ({differ} of "
+            f"{compared} tokens checked differ; token {i} is {ours!r}, xgrammar's table says "
+            f"{theirs.decode('utf-8', 'backslashreplace')!r}), so its "
+            f"grammars would allow the wrong tokens: structured outputs are off for this model")
+
 """xgrammar's error messages start with a time and a source line ('[04:43:24] /project/cpp/grammar_parser.cc:820: ')."""
 
 
@@ -97,6 +131,8 @@ class StructuredOutputs:
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
         self.tokenizer_info_json = ""
+        self.misread: str | None = None
+        """Why structured outputs are off for this tokenizer (``vocabulary_misread``), once started."""
         """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
         self._info_sent = False
         self._init_lock = threading.Lock()
@@ -153,6 +189,9 @@ class StructuredOutputs:
             hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
+            self.misread = vocabulary_misread(info.decoded_vocab, self.tokenizer, info.special_token_ids)
+            if self.misread is not None:
+                log.error("%s", self.misread)
             self.tokenizer_info_json = info.serialize_json()
             if self.in_processes:
                 self._all_processes = [CompileProcess(self.tokenizer_info_json, xgrammar_threads(),
@@ -223,6 +262,8 @@ class StructuredOutputs:
         except ImportError as exc:
             raise RequestError(f"{params.where}: structured outputs need xgrammar, which cannot be imported here "
                                f"({exc}): pip install xgrammar") from None
+        if self.misread is not None:
+            raise RequestError(f"{params.where}: {self.misread}")
         compiled = self._from_cache(params.key)
         if compiled is not None:  # (at once: no wait for a pool thread that others' compiles may hold)
             done: Future = Future()
