@@ -220,7 +220,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
             c, add_generation_prompt, chat_template=chat_template, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}))} for c in convs]
+            variables=chat_template_kwargs)} for c in convs]
         outs = self._batch(prompts, sampling_params)
         for o, p in zip(outs, prompts):
             o.prompt = self.tokenizer.decode(p["prompt_token_ids"], skip_special_tokens=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -74,10 +75,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
-                            **kwargs) -> str:
-        """The conversation rendered as the prompt text (the template's BOS included, as it writes it); with
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """The conversation rendered as the prompt text (the template's BOS included, as it writes it); ``tools``
+        and ``variables`` (a request's ``chat_template_kwargs``) are the template's too. With
         ``continue_final_message`` it ends with the last message's text, for the model to go on with it (what the
-        template writes after it, an end of turn, is cut: transformers' rule)."""
+        template writes after it, an end of turn, is cut)."""
         template = chat_template or self.chat_template
         if template is None:
             raise TemplateError(f"{self.source}: the model has no chat template (tokenizer_config.json "
@@ -87,9 +89,10 @@ class Tokenizer:
             raise TemplateError("continue_final_message continues the last message: add_generation_prompt must be "
                                 "false with it")
         plain = _plain_messages(messages)
-        text = render_chat_template(template, plain, add_generation_prompt=add_generation_prompt,
-                                    **{**self.special_tokens, **kwargs})
-        return _cut_after_final_message(text, plain[-1]) if continue_final_message else text
+        scope = {**self.special_tokens, **(variables or {}), **({"tools": tools} if tools else {})}
+        if not continue_final_message:
+            return render_chat_template(template, plain, add_generation_prompt, scope)
+        return _continued(template, plain, scope)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered conversation (special tokens come from the template only, as in
@@ -97,12 +100,19 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
 
 
-def _cut_after_final_message(text: str, final: dict) -> str:
-    """``text`` up to the end of the last place ``final``'s content appears in it (stripped of surrounding white
-    space when the template strips it)."""
-    content = final.get("content")
+def _continued(template: str, messages: list[dict], scope: dict) -> str:
+    """The conversation rendered to the end of its last message's text: rendered with a marker for that text, cut
+    at the marker, the text put back (a short text found by transformers' rule, its last place in the render, can
+    be a piece of the end-of-turn markup); a template that does not write the marker as it is (it transforms the
+    text) falls back to that rule."""
+    content = messages[-1].get("content")
     if not isinstance(content, str) or not content.strip():
         raise TemplateError("continue_final_message: the last message has no text to continue")
+    marker = f"\x00continue-{uuid.uuid4().hex}\x00"
+    marked = render_chat_template(template, [*messages[:-1], {**messages[-1], "content": marker}], False, scope)
+    if marked.count(marker) == 1:
+        return marked[:marked.index(marker)] + content
+    text = render_chat_template(template, messages, False, scope)
     for piece in (content, content.strip()):
         at = text.rfind(piece)
         if at >= 0:
@@ -192,8 +202,10 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-    """Render an (untrusted) chat template in the sandbox; every failure is a TemplateError."""
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         variables: dict | None = None) -> str:
+    """Render an (untrusted) chat template in the sandbox, ``variables`` beside the messages (which, with
+    ``add_generation_prompt``, they cannot replace); every failure is a TemplateError."""
     import jinja2
 
     try:
@@ -201,7 +213,8 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from None
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        return compiled.render({**(variables or {}), "messages": messages,
+                                "add_generation_prompt": add_generation_prompt})
     except jinja2.TemplateError as exc:  # raise_exception(), undefined names, sandbox violations
         raise TemplateError(f"chat template raised: {exc.message or type(exc).__name__}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:

@@ -45,11 +45,12 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids if i != 1 or not skip_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            **variables) -> str:
-        """(``variables``, the request's chat_template_kwargs, written after the turns as ``{name=value}``, but
-        with ``continue_final_message``: then the last message's text ends the prompt)"""
+                            tools=None, variables=None) -> str:
+        """(the request's chat_template_kwargs written after the turns as ``{name=value}``, and ``{tools=N}`` with
+        N tools, but with ``continue_final_message``: then the last message's text ends the prompt)"""
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        text += "".join(f"{{{k}={v}}}" for k, v in sorted(variables.items())) if not continue_final_message else ""
+        scope = {**(variables or {}), **({"tools": len(tools)} if tools else {})}
+        text += "".join(f"{{{k}={v}}}" for k, v in sorted(scope.items())) if not continue_final_message else ""
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -5,6 +5,7 @@ OpenAI fields that change nothing (accepted, logged once), X-Request-Id, the err
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from test_serve_app import KEY, WORDS, FakeEngine, error_of, run, served, sse, token_of
@@ -319,6 +320,16 @@ def test_chat_template_fields_as_vllm_takes_them(bpe):
                 assert (await error_of(r, 400))["param"] == param, body
             r = await c.post("/tokenize", json={"messages": partial, "continue_final_message": True})
             assert (await error_of(r, 400))["param"] == "continue_final_message"
+            # variables named as the code's own arguments are the template's alone (they were a 500)
+            names = {k: 1 for k in ("self", "fn", "size", "param", "template", "variables", "scope", "kwargs")}
+            assert (await prompt_of(c, messages=ask, chat_template_kwargs=names)).endswith("assistant\n")
+            r = await c.post("/tokenize", json={"messages": ask, "chat_template_kwargs": names})
+            assert r.status == 200
+            # a short text to continue ends the prompt, not a piece of the end-of-turn markup that contains it
+            for short in ("d", "e", "<", "|"):
+                got = await prompt_of(c, messages=[*ask, {"role": "assistant", "content": short}],
+                                      add_generation_prompt=False, continue_final_message=True)
+                assert got.endswith("<|im_start|>assistant\n" + short), (short, got[-30:])
 
     run(go())
 
@@ -370,6 +381,8 @@ def test_a_named_tool_call_opens_in_the_prompt_and_the_output_is_its_arguments()
                 *body["messages"], {"role": "assistant", "content": "Let me"}], "add_generation_prompt": False,
                 "continue_final_message": True})
             assert (await error_of(r, 400))["param"] == "tool_choice"
+            r = await c.post("/v1/chat/completions", json={**body, "add_generation_prompt": False})
+            assert (await error_of(r, 400))["param"] == "tool_choice"
 
     run(go())
 
@@ -401,6 +414,25 @@ def test_a_batch_of_prompts_answers_each_in_order_whole_and_streamed():
             assert texts == {i: choice_text(0, 3) for i in range(3)}
             r = await c.post("/v1/completions", json={"prompt": ["Hi", "x" * 200], "max_tokens": 2})
             assert (await error_of(r, 400))["param"] == "prompt[1]"
+            # two batches at once with one X-Request-Id: every engine request has an id of its own
+            c.engine.requests.clear()
+            same = {"X-Request-Id": "dup"}
+            answers = await asyncio.gather(*(c.post("/v1/completions", headers=same, json={
+                "prompt": ["hello", "world"], "max_tokens": 2}) for _ in range(2)))
+            assert [a.status for a in answers] == [200, 200] and len(c.engine.requests) == 4
+
+    run(go())
+
+
+def test_a_batch_prompt_the_engine_refuses_is_named():
+    """The engine's own refusal of one prompt of a batch names it (``prompt[i]``)."""
+    async def go():
+        engine = FakeEngine(max_model_len=1000)
+        engine.engine_max_model_len = 128
+        async with served(engine) as c:
+            r = await c.post("/v1/completions", json={"prompt": ["hi", "x" * 150], "max_tokens": 5})
+            err = await error_of(r, 400)
+            assert err["param"] == "prompt[1]" and err["message"].startswith("'prompt[1]': "), err
 
     run(go())
 

@@ -1291,13 +1291,16 @@ def test_parsers_read_calls_whole_and_streamed_alike(name, text, content):
     ids=["hermes, in the arguments", "hermes, in the name", "llama3_json, in the arguments",
          "llama3_json, in the name"])
 def test_a_call_cut_off_is_the_call_so_far_once_its_name_is_whole(name, text, content, num_calls):
-    """An output that ended inside its last call (at max_tokens): once the name is whole, that call with its
-    arguments as far as written (OpenAI's way with a cut-off call), not the parser's markup as the message's text;
-    before, the text stays content."""
-    got, calls = PARSERS[name].parse(text)
+    """An output cut off at max_tokens inside its last call: once the name is whole, that call with its arguments
+    as far as written (OpenAI's way with a cut-off call), not the parser's markup as the message's text; before,
+    the text stays content."""
+    got, calls = PARSERS[name].parse(text, cut_off=True)
     assert got == content
     assert [c.name for c in calls] == ["get_weather", "get_time"][:num_calls]
     assert calls[-1].arguments == ("" if num_calls == 2 else '{"city": "Paris"}')
+    # an output that ended otherwise (EOS) keeps an unclosed call that does not parse as content, as vLLM does
+    ended = PARSERS[name].parse(text)
+    assert [c.name for c in ended[1]] == ["get_weather"] and ended[0].endswith(text[-4:])
 
 
 @pytest.mark.parametrize("name,text", [("hermes", "Plain answer, no call."), ("hermes", "<tool_call>\nnot json"),

@@ -80,9 +80,9 @@ which would leave the next one less room) answers, then exits; the next compile 
 
 
 def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int, retire_bytes: int) -> None:
-    """The compile process: each job ``(kind, value, any_whitespace)`` answered ``("ok", serialized, retiring)`` or
-    ``("error", message, retiring)``, until the engine's end of the pipe closes or its address space has grown by
-    ``retire_bytes`` or more (it answers, then exits)."""
+    """The compile process: each job ``(kind, value, any_whitespace)`` acknowledged (``("taken", None, False)``),
+    then answered ``("ok", serialized, retiring)`` or ``("error", message, retiring)``, until the engine's end of
+    the pipe closes or its address space has grown by ``retire_bytes`` or more (it answers, then exits)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the engine decides when it stops)
     import xgrammar as xgr
 
@@ -94,6 +94,7 @@ def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int, reti
     while True:
         try:
             kind, value, any_whitespace = conn.recv()
+            conn.send(("taken", None, False))
         except (EOFError, OSError):
             return
         try:
@@ -127,6 +128,10 @@ def start_fork_server() -> None:
     with _fork_server_lock:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         forkserver.ensure_running()
+
+
+class _NotTaken(Exception):
+    """A compile process died before it took the job sent to it."""
 
 
 class CompileProcess:
@@ -168,13 +173,18 @@ class CompileProcess:
         when it does not compile, its process dead or out of its memory."""
         if time.monotonic() >= deadline:  # (it waited for a process past its time: nothing to kill)
             raise CompileTimeout()
-        if self._process is None or not self._process.is_alive():
-            self.start(deadline)
-        try:
-            self._conn.send((kind, value, any_whitespace))
-        except (OSError, AttributeError):  # (it died since, or was closed)
-            self.start(deadline)
-            self._conn.send((kind, value, any_whitespace))
+        for attempt in range(2):  # (a process found dead before it took the job is no verdict on the constraint)
+            if self._process is None or not self._process.is_alive():
+                self.start(deadline)
+            try:
+                self._conn.send((kind, value, any_whitespace))
+                self._answer(deadline, taking=True)
+                break
+            except (OSError, AttributeError, _NotTaken):  # (it died while idle, or was closed)
+                self.close()
+                if attempt:
+                    raise CompileFailed("two compile processes in a row died before taking it; a server error, not "
+                                        "the constraint's") from None
         status, payload, retiring = self._answer(deadline)
         if retiring:  # (it exits: the next compile starts another)
             self.close()
@@ -182,7 +192,9 @@ class CompileProcess:
             raise CompileFailed(payload)
         return payload
 
-    def _answer(self, deadline: float, starting: bool = False):
+    def _answer(self, deadline: float, starting: bool = False, taking: bool = False):
+        """The process's next message by ``deadline``: its readiness (``starting``), its taking of a job
+        (``taking``: _NotTaken if it is dead by then), or a job's answer."""
         process, conn = self._process, self._conn
         if process is None or conn is None:  # (closed meanwhile: the engine is stopping)
             raise CompileFailed("the compile process was stopped")
@@ -191,6 +203,8 @@ class CompileProcess:
             if ready:
                 return conn.recv()
         except (EOFError, OSError):
+            if taking:
+                raise _NotTaken() from None
             process.join(1)
             code = process.exitcode
             self.close()

@@ -65,6 +65,8 @@ WORKER_IDLE_BYTES = 256 << 20
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+"""xgrammar's error messages start with a time and a source line ('[04:43:24] /project/cpp/grammar_parser.cc:820: ')."""
+
 VOCAB_CHECK_TOKENS = 4096
 """Tokens (spread over the vocabulary) whose text xgrammar's table must match the tokenizer's decoding of."""
 VOCAB_CHECK_MISMATCH = 0.01
@@ -99,8 +101,6 @@ def vocabulary_misread(decoded_vocab: list[bytes], tokenizer, special_ids) -> st
             f"{theirs.decode('utf-8', 'backslashreplace')!r}), so its "
             f"grammars would allow the wrong tokens: structured outputs are off for this model")
 
-"""xgrammar's error messages start with a time and a source line ('[04:43:24] /project/cpp/grammar_parser.cc:820: ')."""
-
 
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
@@ -131,9 +131,9 @@ class StructuredOutputs:
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
         self.tokenizer_info_json = ""
+        """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
         self.misread: str | None = None
         """Why structured outputs are off for this tokenizer (``vocabulary_misread``), once started."""
-        """xgrammar's TokenizerInfo, serialized (what the worker's first ``GrammarDef`` carries)."""
         self._info_sent = False
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -189,7 +189,10 @@ class StructuredOutputs:
             hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            self.misread = vocabulary_misread(info.decoded_vocab, self.tokenizer, info.special_token_ids)
+            try:
+                self.misread = vocabulary_misread(info.decoded_vocab, self.tokenizer, info.special_token_ids)
+            except Exception:  # (a check that fails to run says nothing: serve, and say it could not check)
+                log.exception("structured outputs: the check of xgrammar's vocabulary table failed to run")
             if self.misread is not None:
                 log.error("%s", self.misread)
             self.tokenizer_info_json = info.serialize_json()

@@ -174,4 +174,5 @@ def run_matrix(methods: tuple[str, ...] = ("eagle3",)) -> dict[str, Any]:
         {"runner": r, "kind": k, **v, "graph_delta": v["graphs_after"] - v["graphs_before"]}
         for (r, k), v in sorted(summary.items())
     ]
-    return {"configs": configs, "invalid_configs": errors, "methods": list(methods), "summary": rows, "loss_examples": losses}
+    return {"configs": configs, "invalid_configs": errors, "methods": list(methods), "summary": rows,
+            "loss_examples": losses}

@@ -426,13 +426,15 @@ class Server:
                     raise
                 raise ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]",
                                reason=exc.reason) from None
-            rs.append(self._request(sub, False, self._engine_id(f"{response_id}-{i}"), response_id, given, prompt,
-                                    ids, params, arrival, first_choice=i * params.n))
+            rs.append(self._request(sub, False, f"{response_id}-{i}", response_id, given, prompt, ids, params,
+                                    arrival, first_choice=i * params.n))
+        for r in rs:  # (the engine's ids taken with no await between: another batch may have the same X-Request-Id)
+            r.request_id = self._engine_id(r.request_id)
+            self._live.add(r.request_id)
         outputs = [self._run(r) for r in rs]
         self.in_flight += len(rs)
-        self._live.update(r.request_id for r in rs)
         try:
-            firsts = await _each(anext(o) for o in outputs)  # (every request queued before any output)
+            firsts = await _each(_naming_prompt(i, anext(o)) for i, o in enumerate(outputs))  # (all queued first)
             if req.stream:
                 return await self._stream_batch(request, rs, firsts, outputs)
             await _each(self._gather(r, first, o) for r, first, o in zip(rs, firsts, outputs))
@@ -445,8 +447,11 @@ class Server:
         finally:
             self.in_flight -= len(rs)
             self._live.difference_update(r.request_id for r in rs)
-            for r, o in zip(rs, outputs):
-                await self._end(r, o)
+            ends = await asyncio.shield(asyncio.gather(*(self._end(r, o) for r, o in zip(rs, outputs)),
+                                                       return_exceptions=True))
+            for r, end in zip(rs, ends):
+                if isinstance(end, Exception):
+                    log.error("%s: ending it failed: %r", r.request_id, end)
 
     async def _stream_batch(self, request: web.Request, rs: list[_Request], firsts: list, outputs: list
                             ) -> web.StreamResponse:
@@ -529,9 +534,9 @@ class Server:
         if structured is not None:
             raise ApiError(400, "a required or named tool_choice constrains the output already: leave out "
                                 "response_format / structured_outputs", param="tool_choice")
-        if req.continue_final_message:
+        if req.continue_final_message or not req.add_generation_prompt:
             raise ApiError(400, "a required or named tool_choice writes a new message: leave out "
-                                "continue_final_message", param="tool_choice")
+                                "continue_final_message and keep add_generation_prompt", param="tool_choice")
         parser = self.tool_parser or PARSERS[DEFAULT_FORCED_PARSER]
         tools = [msgspec.to_builtins(t) for t in req.tools]
         if name is None:
@@ -557,9 +562,10 @@ class Server:
             if tok is None:
                 raise ApiError(400, "this model has no tokenizer or chat template (a preset with random weights): "
                                     "use /v1/completions with token ids", param="messages")
-            tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
+            tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
             prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                           tok.apply_chat_template, messages, **P.chat_template_options(req), **tools)
+                                           tok.apply_chat_template, messages, tools=tools,
+                                           **P.chat_template_options(req))
             prompt += opening
             return prompt, await self._encode("messages", prompt, req.add_special_tokens)
         prompt = P.completion_prompt(req)
@@ -761,7 +767,7 @@ class Server:
                       if r.num_top_logprobs is not None else None)
                 message, finish_reason = P.ChatMessageOut("assistant", "".join(c.text)), c.finish_reason
                 if r.tools is not None:
-                    content, calls = r.tools.parser.parse(message.content)
+                    content, calls = r.tools.parser.parse(message.content, c.finish_reason == "length")
                     if calls:
                         message = P.ChatMessageOut("assistant", content, [
                             P.ToolCallOut(t.id, P.FunctionCallOut(t.name, t.arguments)) for t in calls])
@@ -895,7 +901,7 @@ class Server:
         parsed (each sent whole, once: its index, id, name and arguments)."""
         content, calls = c.tool_stream.feed(out.text) if out.text else ("", [])
         if out.finish_reason is not None:
-            tail, more = c.tool_stream.finish()
+            tail, more = c.tool_stream.finish(out.finish_reason == "length")
             content, calls = content + tail, calls + more
         deltas = []
         for call in calls:
@@ -923,6 +929,16 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+async def _naming_prompt(i: int, first):
+    """A batch's prompt ``i``'s first output; the engine's refusal of it names ``prompt[i]``."""
+    try:
+        return await first
+    except ApiError as exc:
+        if exc.status >= 500:
+            raise
+        raise ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]", reason=exc.reason) from None
 
 
 async def _each(awaitables) -> list:

@@ -584,7 +584,7 @@ TEMPLATE_ARGUMENTS_SET_BY_REQUEST = ("messages", "tools", "add_generation_prompt
 
 def chat_template_options(req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     """The chat template's arguments besides the messages (and tools): ``add_generation_prompt``,
-    ``continue_final_message`` and ``chat_template_kwargs``' variables. A variable the request sets otherwise, or
+    ``continue_final_message`` and ``variables`` (``chat_template_kwargs``). A variable the request sets otherwise, or
     ``chat_template`` (a template is the server's to choose), is refused."""
     if req.continue_final_message and req.add_generation_prompt:
         raise ApiError(400, "'continue_final_message' continues the last message: set 'add_generation_prompt' to "
@@ -594,8 +594,8 @@ def chat_template_options(req: ChatCompletionRequest | TokenizeChatRequest) -> d
     if taken:
         raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(map(repr, taken))} (the request's own "
                             f"fields, or the server's template)", param="chat_template_kwargs")
-    return {**extra, "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message}
+    return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
+            "variables": extra}
 
 
 def _arguments(text: str):

@@ -71,12 +71,12 @@ class ToolParser:
         """The text that opens a call of ``name`` (the name escaped as a JSON string's content)."""
         return self.call_begin(json.dumps(name, ensure_ascii=False)[1:-1])
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut_off: bool = False) -> tuple[str | None, list[ToolCall]]:
         """A whole output: (content or None, calls). Text that does not parse as calls is all content (vLLM's
-        parsers do the same)."""
+        parsers do the same); ``cut_off``: the output ended at ``max_tokens`` (``ToolStream.finish``)."""
         stream = self.stream()
         content, calls = stream.feed(text)
-        tail, more = stream.finish()
+        tail, more = stream.finish(cut_off)
         content, calls = content + tail, calls + more
         return (None if calls and not content.strip() else content), calls
 
@@ -97,7 +97,7 @@ class NamedCall:
     def __init__(self, name: str):
         self.name = name
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut_off: bool = False) -> tuple[str | None, list[ToolCall]]:
         return None, [ToolCall.of(self.name, text.strip())]
 
     def stream(self) -> "ToolStream":
@@ -111,7 +111,9 @@ class ToolStream:
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest, once the output ended; ``cut_off``: at ``max_tokens``, so that a call it ended inside is the
+        call so far (``_cut_off_call``), not content."""
         raise NotImplementedError
 
 
@@ -139,8 +141,8 @@ _CUT_OFF_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:
 
 
 def _cut_off_call(text: str) -> ToolCall | None:
-    """A call whose text ended early (at ``max_tokens``) once its name is whole: the call with its arguments as far
-    as written, as OpenAI's API sends a call cut off; None before that (the text stays content)."""
+    """A call whose output ended at ``max_tokens`` inside it, once its name is whole: the call with its arguments as
+    far as written, as OpenAI's API sends a call cut off; None before that (the text stays content)."""
     m = _CUT_OFF_CALL.match(text)
     if m is None:
         return None
@@ -169,7 +171,7 @@ class _NamedCallStream(ToolStream):
         self.text.append(delta)
         return "", []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         return "", self.named.parse("".join(self.text))[1]
 
 
@@ -231,9 +233,9 @@ class _HermesStream(ToolStream):
         self.spaces = text
         return ""
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
-            call = _call_from_json(self.buf) or _cut_off_call(self.buf)
+            call = _call_from_json(self.buf) or (_cut_off_call(self.buf) if cut_off else None)
             text = "" if call is not None else HermesParser.OPEN + self.buf
             return text, [call] if call is not None else []
         return self._content(self.buf), []
@@ -299,11 +301,11 @@ class _Llama3Stream(ToolStream):
             self.buf = rest[end:]
         return "", calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         text, self.buf = self.buf, ""
         if self.mode == "calls" and not text.strip():
             return "", []
-        call = _cut_off_call(text) if self.mode == "calls" else None
+        call = _cut_off_call(text) if self.mode == "calls" and cut_off else None
         return ("", [call]) if call is not None else (text, [])
 
 
