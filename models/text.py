@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,6 +37,18 @@ class TemplateError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 # the tokenizer
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) character for each byte, inverted: printable Latin-1 bytes stand for themselves,
+    the other 68 bytes, in order, for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_GPT2_BYTE = _gpt2_byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -60,6 +73,22 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.token_id(self.special_tokens.get("eos_token"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also where it is part of a character (its text alone then decodes to
+        U+FFFD): a byte-fallback token ``<0xNN>`` is that byte, a byte-level BPE token (GPT-2's alphabet) its
+        characters' bytes; else its decoded text's UTF-8. Logprobs' ``bytes`` (OpenAI's: a client joins them to
+        rebuild a character split over tokens; vLLM sends the replacement character's)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.backend.id_to_token(token_id) or ""
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+        if piece and all(ch in _GPT2_BYTE for ch in piece):
+            return bytes(_GPT2_BYTE[ch] for ch in piece)
+        return text.encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS)."""

@@ -44,6 +44,9 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i != 1 or not skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode()
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
                             tools=None, variables=None) -> str:
         """(the request's chat_template_kwargs written after the turns as ``{name=value}``, and ``{tools=N}`` with
@@ -998,6 +1001,7 @@ def test_real_tokenizer_chat_and_logprobs(bpe):
             assert ids == tok.encode_chat(messages)
             entry = body["choices"][0]["logprobs"]["content"][0]
             assert entry["token"] == tok.decode([token_of(0)], skip_special_tokens=False)
+            assert entry["bytes"] == list(tok.token_bytes(token_of(0)))
             r = await c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
             assert engine.requests[(await r.json())["id"]][1] == tok.encode("Hello there")
 

@@ -234,3 +234,17 @@ def test_stop_strings_across_token_boundaries(bpe):
     detok = IncrementalDetokenizer(tok, [], stop=["dog. END!"])
     out = "".join(detok.add(t) for t in ids)
     assert detok.stopped is None and out + detok.finish() == text
+
+
+@pytest.mark.parametrize("model", ["default", "gemma3"])
+def test_token_bytes_rebuild_a_text_split_inside_its_characters(model):
+    """Logprobs' ``bytes``: a character split over tokens (byte-level BPE's pieces of an emoji, Gemma's byte-fallback
+    tokens) decodes to U+FFFD token by token, yet the tokens' bytes joined are the text's UTF-8, as a client that
+    rebuilds text from OpenAI's ``bytes`` needs."""
+    from models.default_model import default_model_path, gemma3_gguf_path
+
+    tok = load_tokenizer(default_model_path() if model == "default" else gemma3_gguf_path())
+    text = "🙂 ok ȸ é 漢字 \u0378x"
+    ids = tok.encode(text, False)
+    assert any("\ufffd" in tok.decode([i], skip_special_tokens=False) for i in ids)  # (the case it is for)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()

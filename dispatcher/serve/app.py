@@ -246,6 +246,7 @@ class Server:
         self.in_flight = 0
         """Generation requests past their checks and not yet answered."""
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
         self._live: set[str] = set()
         """Engine ids of the generation requests in flight."""
         self.tokenizing = Tokenizing(engine.tokenizer) if engine.tokenizer is not None else None
@@ -763,7 +764,8 @@ class Server:
         if r.chat:
             choices = []
             for c in r.choices:
-                lp = (P.chat_logprobs(c.token_ids, c.logprobs, r.num_top_logprobs, self.token_text)
+                lp = (P.chat_logprobs(c.token_ids, c.logprobs, r.num_top_logprobs, self.token_text,
+                                        self.token_bytes)
                       if r.num_top_logprobs is not None else None)
                 message, finish_reason = P.ChatMessageOut("assistant", "".join(c.text)), c.finish_reason
                 if r.tools is not None:
@@ -874,7 +876,8 @@ class Server:
             return None
         entries = (out.logprobs or []) if want_logprobs else []
         if r.chat:
-            lp = (P.chat_logprobs(out.token_ids, entries, r.num_top_logprobs, self.token_text)
+            lp = (P.chat_logprobs(out.token_ids, entries, r.num_top_logprobs, self.token_text,
+                                        self.token_bytes)
                   if want_logprobs else None)
             delta = self._tool_delta(c, out) if c.tool_stream is not None else (
                 P.ChatDelta(content=out.text) if out.text else P.ChatDelta())
@@ -915,6 +918,16 @@ class Server:
         if r.chat:
             return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [], usage))
         return P.sse(P.Completion(r.response_id, r.created, r.model, [], usage))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes for chat logprobs (``models.text.Tokenizer.token_bytes``; its text's UTF-8 for a model
+        without a tokenizer)."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            tok = self.engine.tokenizer
+            raw = self._token_bytes[token_id] = (self.token_text(token_id).encode() if tok is None
+                                                 else tok.token_bytes(token_id))
+        return raw
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (``token_id:<id>`` for a model without a tokenizer, as vLLM writes it)."""

@@ -857,11 +857,13 @@ def prompt_logprobs(prompt_ids: list[int], entries: list[dict[int, float] | None
     return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text) -> ChatLogprobs:
-    """OpenAI's chat ``logprobs.content`` for output tokens (``entries`` as in ``completion_logprobs``)."""
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text,
+                  token_bytes) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs.content`` for output tokens (``entries`` as in ``completion_logprobs``); ``bytes``
+    each token's own (``token_bytes``: a piece of a character too)."""
     content = []
     for tid, entry in zip(token_ids, entries):
-        text = token_text(tid)
-        top = [TopLogprob(token_text(t), _floor(v), list(token_text(t).encode())) for t, v in _top(entry, num_top)]
-        content.append(ChatTokenLogprob(text, _floor(entry.get(tid, LOGPROB_FLOOR)), list(text.encode()), top))
+        top = [TopLogprob(token_text(t), _floor(v), list(token_bytes(t))) for t, v in _top(entry, num_top)]
+        content.append(ChatTokenLogprob(token_text(tid), _floor(entry.get(tid, LOGPROB_FLOOR)), list(token_bytes(tid)),
+                                        top))
     return ChatLogprobs(content)
