@@ -414,8 +414,8 @@ def test_a_batch_of_prompts_answers_each_in_order_whole_and_streamed():
             assert texts == {i: choice_text(0, 3) for i in range(3)}
             r = await c.post("/v1/completions", json={"prompt": ["Hi", "x" * 200], "max_tokens": 2})
             assert (await error_of(r, 400))["param"] == "prompt[1]"
-            # two batches at once with one X-Request-Id: every engine request has an id of its own
-            c.engine.requests.clear()
+        # two batches at once with one X-Request-Id: each engine request live at once has an id of its own
+        async with served(FakeEngine(delay_s=0.05)) as c:
             same = {"X-Request-Id": "dup"}
             answers = await asyncio.gather(*(c.post("/v1/completions", headers=same, json={
                 "prompt": ["hello", "world"], "max_tokens": 2}) for _ in range(2)))

@@ -417,10 +417,14 @@ class Server:
         checked before any runs, then one engine request each, all at once; prompt i's choice j is choice
         ``i * n + j`` and the usage is their sum."""
         rs = []
-        for i, one in enumerate(P.batch_prompts(req)):
-            sub = msgspec.structs.replace(req, prompt=one)
+        subs = [msgspec.structs.replace(req, prompt=one) for one in P.batch_prompts(req)]
+        # (tokenized at once: the front end's tokenizing batches them into one call of the tokenizers library)
+        tokenized = await asyncio.gather(*(self._tokenize(sub, False) for sub in subs), return_exceptions=True)
+        for i, (sub, got) in enumerate(zip(subs, tokenized)):
             try:
-                prompt, ids = await self._tokenize(sub, False)
+                if isinstance(got, BaseException):
+                    raise got
+                prompt, ids = got
                 params = self._sampling_params(sub, len(ids), False, structured)
             except ApiError as exc:
                 if exc.param not in ("prompt", "max_tokens"):
