@@ -39,15 +39,6 @@ class TemplateError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gpt2_byte_alphabet() -> dict[str, int]:
-    """Byte-level BPE's (GPT-2's) character for each byte, inverted: printable Latin-1 bytes stand for themselves,
-    the other 68 bytes, in order, for the characters from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    moved = [b for b in range(256) if b not in kept]
-    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
-
-
-_GPT2_BYTE = _gpt2_byte_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -86,8 +77,9 @@ class Tokenizer:
         fallback = _BYTE_FALLBACK.fullmatch(piece)
         if fallback is not None:
             return bytes([int(fallback.group(1), 16)])
-        if piece and all(ch in _GPT2_BYTE for ch in piece):
-            return bytes(_GPT2_BYTE[ch] for ch in piece)
+        byte_of = _byte_of_character()
+        if piece and all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
         return text.encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -379,6 +371,12 @@ def _byte_alphabet() -> dict[int, str]:
     rest = [b for b in range(256) if b not in out]
     out.update({b: chr(256 + n) for n, b in enumerate(rest)})
     return out
+
+
+@lru_cache(maxsize=1)
+def _byte_of_character() -> dict[str, int]:
+    """``_byte_alphabet`` inverted: the byte each character of a byte-level vocabulary spells."""
+    return {ch: b for b, ch in _byte_alphabet().items()}
 
 
 def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
