@@ -420,6 +420,7 @@ class Server:
         subs = [msgspec.structs.replace(req, prompt=one) for one in P.batch_prompts(req)]
         # (tokenized at once: the front end's tokenizing batches them into one call of the tokenizers library)
         tokenized = await asyncio.gather(*(self._tokenize(sub, False) for sub in subs), return_exceptions=True)
+        # (no await from here until the engine ids are in ``_live``: another batch may have the same X-Request-Id)
         for i, (sub, got) in enumerate(zip(subs, tokenized)):
             try:
                 if isinstance(got, BaseException):
@@ -429,13 +430,10 @@ class Server:
             except ApiError as exc:
                 if exc.param not in ("prompt", "max_tokens"):
                     raise
-                raise ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]",
-                               reason=exc.reason) from None
-            rs.append(self._request(sub, False, f"{response_id}-{i}", response_id, given, prompt, ids, params,
-                                    arrival, first_choice=i * params.n))
-        for r in rs:  # (the engine's ids taken with no await between: another batch may have the same X-Request-Id)
-            r.request_id = self._engine_id(r.request_id)
-            self._live.add(r.request_id)
+                raise _for_prompt(i, exc) from None
+            rs.append(self._request(sub, False, self._engine_id(f"{response_id}-{i}"), response_id, given, prompt,
+                                    ids, params, arrival, first_choice=i * params.n))
+        self._live.update(r.request_id for r in rs)
         outputs = [self._run(r) for r in rs]
         self.in_flight += len(rs)
         try:
@@ -484,17 +482,13 @@ class Server:
                     ready = [(waiting.pop(task), task.result()) for task in done]
         except ApiError as exc:  # one failed mid-stream: say so, then end the stream (the others are aborted)
             await _cancel(waiting)
-            with contextlib.suppress(ConnectionError):
-                await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
-                await response.write_eof()
-            return response
+            return await _end_with_error(response, exc)
         except BaseException:
             await _cancel(waiting)
             raise
         tail = P.SSE_DONE
         if rs[0].include_usage:
-            tail = P.sse(P.Completion(rs[0].response_id, rs[0].created, rs[0].model, [],
-                                      P.sum_usage([r.usage() for r in rs]))) + tail
+            tail = self._usage_chunk(rs[0], P.sum_usage([r.usage() for r in rs])) + tail
         await response.write(tail)
         await response.write_eof()
         return response
@@ -838,10 +832,7 @@ class Server:
                     break
                 delta = await anext(outputs)
         except ApiError as exc:  # the engine failed mid-stream: say so, then end the stream
-            with contextlib.suppress(ConnectionError):  # unless the client is gone already
-                await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
-                await response.write_eof()
-            return response
+            return await _end_with_error(response, exc)
         self._finished(r)
         tail = P.SSE_DONE
         if r.include_usage:
@@ -917,8 +908,9 @@ class Server:
             c.num_tool_calls += 1
         return P.ChatDelta(content=content or None, tool_calls=deltas or None)
 
-    def _usage_chunk(self, r: _Request) -> bytes:
-        usage = r.usage()
+    def _usage_chunk(self, r: _Request, usage: P.Usage | None = None) -> bytes:
+        """The stream's usage chunk: ``r``'s usage, or ``usage`` (a batch's)."""
+        usage = usage or r.usage()
         if r.chat:
             return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [], usage))
         return P.sse(P.Completion(r.response_id, r.created, r.model, [], usage))
@@ -955,7 +947,20 @@ async def _naming_prompt(i: int, first):
     except ApiError as exc:
         if exc.status >= 500:
             raise
-        raise ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]", reason=exc.reason) from None
+        raise _for_prompt(i, exc) from None
+
+
+def _for_prompt(i: int, exc: ApiError) -> ApiError:
+    """``exc`` as the refusal of a batch's prompt ``i``."""
+    return ApiError(exc.status, f"'prompt[{i}]': {exc.message}", param=f"prompt[{i}]", reason=exc.reason)
+
+
+async def _end_with_error(response: web.StreamResponse, exc: ApiError) -> web.StreamResponse:
+    """A stream whose request failed: the error event, then its end (unless the client is gone already)."""
+    with contextlib.suppress(ConnectionError):
+        await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
+        await response.write_eof()
+    return response
 
 
 async def _each(awaitables) -> list:
