@@ -96,7 +96,8 @@ def test_engine_serves_a_checkpoint_directory(tmp_path):
     save_checkpoint(model, str(tmp_path), "mixtral")
     cfg = resolve({}, None, platform="sm100", max_num_seqs=8, max_num_batched_tokens=128)
     from_dir = EngineCore(cfg, EngineArgs(str(tmp_path), num_kv_blocks=64, block_size=8, max_model_len=64))
-    from_shape = EngineCore(cfg, EngineArgs(SHAPES["mixtral"], num_kv_blocks=64, block_size=8, max_model_len=64, seed=3))
+    from_shape = EngineCore(cfg, EngineArgs(SHAPES["mixtral"], num_kv_blocks=64, block_size=8, max_model_len=64,
+                                            seed=3))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     assert from_dir.generate(prompts, params) == from_shape.generate(prompts, params)

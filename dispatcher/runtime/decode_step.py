@@ -39,11 +39,12 @@ by op.
 
 A step that a grammar constrains (structured outputs) needs its bitmask, which the worker fills
 (``dispatcher.runtime.grammar``) once the step before has sampled, while this one's forward runs. Without a
-drafter (q = 1) it runs as two graphs (``FusedDecode.constrained``): the forward to the logits (kept in a static buffer); then, the bitmask uploaded into
-``bitmask`` (every bit set for an unconstrained row), the masked sampling and the rest of the step
-(``models.sampling.apply_packed_bitmask``, then as above). The pair of a size is captured on demand: the first
-constrained step of that size runs op by op and asks for it, the next gap between steps captures it, so a server
-that never sees a structured request captures nothing more. With a drafter constrained steps run op by op.
+drafter (q = 1) it runs as two graphs (``FusedDecode.constrained``): the forward to the logits (kept in a static
+buffer); then, the bitmask uploaded into ``bitmask`` (every bit set for an unconstrained row), the masked sampling
+and the rest of the step (``models.sampling.apply_packed_bitmask``, then as above). The pair of a size is captured
+on demand: the first constrained step of that size runs op by op and asks for it, the next gap between steps
+captures it, so a server that never sees a structured request captures nothing more. With a drafter constrained
+steps run op by op.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ the default model. Without ``--tool-call-parser`` forced calls use llama3_json's
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -45,15 +46,16 @@ class ToolCall:
         return ToolCall(name, text, f"chatcmpl-tool-{uuid.uuid4().hex}")
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """One tool-call format: its forced-call grammar, and its parsing of a whole output or a stream."""
 
     name: str
     separator: str
     """Between two forced calls."""
 
+    @abc.abstractmethod
     def call_begin(self, name: str) -> str:
-        raise NotImplementedError
+        """The text that opens a call of ``name`` (already escaped), up to its arguments."""
 
     call_end: str
 
@@ -80,8 +82,9 @@ class ToolParser:
         content, calls = content + tail, calls + more
         return (None if calls and not content.strip() else content), calls
 
+    @abc.abstractmethod
     def stream(self) -> "ToolStream":
-        raise NotImplementedError
+        """A parser of one output as it streams."""
 
 
 def parameters_schema(tool: dict) -> dict:
@@ -104,17 +107,18 @@ class NamedCall:
         return _NamedCallStream(self)
 
 
-class ToolStream:
+class ToolStream(abc.ABC):
     """A streamed output: ``feed(delta)`` and ``finish()`` return (content text that is final, calls completed).
     Content is held back while it may be the start of a call."""
 
+    @abc.abstractmethod
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """The content made final and the calls completed by ``delta``."""
 
+    @abc.abstractmethod
     def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         """The rest, once the output ended; ``cut_off``: at ``max_tokens``, so that a call it ended inside is the
         call so far (``_cut_off_call``), not content."""
-        raise NotImplementedError
 
 
 def _call_from_json(text: str, arguments_keys=("arguments", "parameters")) -> ToolCall | None:
