@@ -86,20 +86,21 @@ def vocabulary_misread(decoded_vocab: list[bytes], tokenizer, special_ids) -> st
     compared, differ, example = 0, 0, None
     for i in range(0, min(len(decoded_vocab), tokenizer.vocab_size), max(1, len(decoded_vocab) // VOCAB_CHECK_TOKENS)):
         text = tokenizer.decode([anchor, i], skip_special_tokens=False)
-        if i in special or not text.startswith(prefix) or not text[len(prefix):] or "\ufffd" in text:
+        piece = text[len(prefix):]
+        if i in special or not text.startswith(prefix) or not piece or "\ufffd" in text:
             continue
         compared += 1
-        if text[len(prefix):].encode() != decoded_vocab[i]:
+        if piece.encode() != decoded_vocab[i]:
             differ += 1
-            if example is None or (" " in text[len(prefix):] and " " not in example[1]):  # (a word shows it best)
-                example = (i, text[len(prefix):], decoded_vocab[i])
+            if example is None or (" " in piece and " " not in example[1]):  # (a word shows it best)
+                example = (i, piece, decoded_vocab[i])
     if example is None or differ <= VOCAB_CHECK_MISMATCH * compared:
         return None
     i, ours, theirs = example
     return (f"xgrammar reads this tokenizer's vocabulary otherwise than the tokenizer decodes it ({differ} of "
             f"{compared} tokens checked differ; token {i} is {ours!r}, xgrammar's table says "
-            f"{theirs.decode('utf-8', 'backslashreplace')!r}), so its "
-            f"grammars would allow the wrong tokens: structured outputs are off for this model")
+            f"{theirs.decode('utf-8', 'backslashreplace')!r}), so its grammars would allow the wrong tokens: "
+            f"structured outputs are off for this model")
 
 
 def _retrieve(fut: asyncio.Future) -> None:
