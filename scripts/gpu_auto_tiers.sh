@@ -13,6 +13,8 @@
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
 # Each JSON's rows carry vs_best_fixed (auto against the best fixed K, round by round): issue 29 asks 0.97x.
 # Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
+# NO_MOE=1 (calls 1 and 2): the GGUF pieces carried and the wheels installed, bench-moe not run (it has its results;
+# the default model's matrix is what a short device budget buys).
 set -uo pipefail
 kill_servers() {
   pkill -f '[b]ench_spec_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
@@ -21,13 +23,14 @@ kill_servers() {
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     [ -z "${NO_MOE:-}" ] || exit 0
      mkdir -p /root/bg/moe
      bg_start moe python benchmarks/bench_spec_gpu.py --data "$D" --model bench-moe --tokenizer "$T" \
        --fixed-acceptance 3.0 --fixed-acceptance-of 7 --methods none,eagle3:1,eagle3:3,eagle3:auto7 \
        --policies separate --concurrency 64,256,1024 --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 \
        --out /root/bg/moe/spec_auto_moe_$GPU.json
      bg_wait moe "${LIM:-200}" ;;
-  2) bash scripts/gpu_chain.sh 2
+  2) bash scripts/gpu_chain.sh 2; [ -z "${NO_MOE:-}" ] || exit 0
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait moe "${LIM:-300}"
      mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null; ls "$OUT/x" ;;
