@@ -240,6 +240,22 @@ def test_json_schema_output_valid_token_by_token(grammars, tokenizer):
     assert allowed(worker, [0])[0].sum() == 1  # EOS alone
 
 
+def test_json_mode_gives_an_object_with_any_keys_never_an_array(grammars, tokenizer):
+    """response_format json_object (OpenAI's JSON mode) allows any object, nested values and keys the client
+    never named included, and no other JSON value: an array, a string or a number is not an object."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(grammars.tokenizer_info_json)
+    so = StructuredOutputsParams(json_object=True, where="response_format")
+    compiled = lambda: xgr.GrammarMatcher(  # noqa: E731
+        xgr.CompiledGrammar.deserialize_json(grammars.compile(so).serialized, info))
+    m = compiled()
+    assert m.accept_string('{"city": "Oslo", "days": [1, {"t": null}], "ok": true}')
+    assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+    for text in ("[", '"text"', "42"):
+        assert not compiled().accept_string(text), text
+
+
 def test_a_token_sampled_before_a_slot_changed_hands_is_never_accepted(grammars, tokenizer):
     """A request admitted again (preempted, then back with its output so far) or a new one in a freed slot starts
     its matcher from what the engine sends: a token the worker sampled for the slot before that is dropped, even

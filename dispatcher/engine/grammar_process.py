@@ -44,8 +44,8 @@ def compile_grammar(compiler, kind: str, value, any_whitespace: bool):
     """xgrammar's CompiledGrammar for a constraint of ``kind`` (``StructuredOutputsParams.kind``) and ``value``."""
     if kind == "json":
         return compiler.compile_json_schema(value, any_whitespace=any_whitespace, strict_mode=True)
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+    if kind == "json_object":  # (OpenAI's JSON mode: an object; xgrammar's builtin JSON grammar allows an array too)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
     if kind == "regex":
         return compiler.compile_regex(value)
     if kind == "choice":
