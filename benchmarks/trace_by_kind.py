@@ -1,9 +1,13 @@
 """Where a served run's device time went, by step kind, from step traces (``twogrid serve --step-trace``): per
-(kind, q, fused) the steps, their summed and median device ms, their mean tokens and requests. Steps before the
-first with ``--min-requests`` requests are left out (the warm-up's).
+(kind, q, fused) the steps, their summed and median device ms, their mean tokens and requests, and where steps
+were queued behind one another (``period_ms``), the host's wait: the summed excess of the period over the device
+time (the GPU idle between steps, waiting for the host) and the share of steps with any. Steps before the first
+with ``--min-requests`` requests are left out (the warm-up's); ``--requests LO-HI`` keeps only the steps of that
+many requests (one concurrency's steps, from a trace of a server that served several).
 
     PYTHONPATH=. python benchmarks/trace_by_kind.py trace-none.jsonl trace-eagle3.jsonl --min-requests 12 \\
         --out by_kind.json
+    PYTHONPATH=. python benchmarks/trace_by_kind.py trace-eagle3-3.jsonl trace-eagle3-auto5.jsonl --requests 900-1024
 """
 
 from __future__ import annotations
@@ -18,11 +22,22 @@ from collections import defaultdict
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 
 
-def by_kind(path: str, min_requests: int) -> dict:
+def _host_wait(steps: list[dict]) -> dict:
+    """Of the steps queued behind another (with ``period_ms``): how many, the summed ms the GPU waited for the host
+    (a period past the step's device time), and the share of them that waited."""
+    queued = [s for s in steps if s.get("period_ms") is not None]
+    waits = [max(0.0, s["period_ms"] - s["device_ms"]) for s in queued]
+    return {"queued_steps": len(queued), "host_wait_s": round(sum(waits) / 1e3, 3),
+            "waited_share": round(sum(w > 0 for w in waits) / len(queued), 3) if queued else None}
+
+
+def by_kind(path: str, min_requests: int, requests: tuple[int, int] | None = None) -> dict:
     with open(path, encoding="utf-8") as fh:
         steps = [json.loads(line) for line in fh if line.strip()]
     start = next((i for i, s in enumerate(steps) if s["requests"] >= min_requests), 0)
     steps = steps[start:]
+    if requests is not None:
+        steps = [s for s in steps if requests[0] <= s["requests"] <= requests[1]]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in steps:
         groups[(s["kind"], s.get("q"), bool(s.get("fused")))].append(s)
@@ -32,24 +47,38 @@ def by_kind(path: str, min_requests: int) -> dict:
         rows.append({"kind": kind, "q": q, "fused": fused, "steps": len(group), "device_s": round(sum(ms) / 1e3, 3),
                      "median_ms": round(statistics.median(ms), 3),
                      "mean_tokens": round(statistics.mean(s["tokens"] for s in group), 1),
-                     "mean_requests": round(statistics.mean(s["requests"] for s in group), 1)})
+                     "mean_requests": round(statistics.mean(s["requests"] for s in group), 1),
+                     **_host_wait(group)})
     return {"trace": path, "steps": len(steps), "device_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
-            "by_kind": rows}
+            **_host_wait(steps), "by_kind": rows}
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        span = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO-HI (numbers of requests)") from None
+    if span[0] > span[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} has LO above HI")
+    return span
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--min-requests", type=int, default=1)
+    parser.add_argument("--requests", type=_span, default=None, help="LO-HI: only the steps of that many requests")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = [by_kind(t, args.min_requests) for t in args.traces]
+    results = [by_kind(t, args.min_requests, args.requests) for t in args.traces]
     for r in results:
-        print(f"{r['trace']}: {r['steps']} steps, {r['device_s']} s of device time")
+        print(f"{r['trace']}: {r['steps']} steps, {r['device_s']} s of device time, the GPU waited "
+              f"{r['host_wait_s']} s for the host ({r['waited_share']} of {r['queued_steps']} queued steps)")
         for row in r["by_kind"]:
             print(f"  {row['kind']:15s} q={row['q']!s:4s} fused={row['fused']!s:5s} {row['steps']:6d} steps "
                   f"{row['device_s']:8.3f} s  median {row['median_ms']:7.3f} ms  {row['mean_tokens']:7.1f} tokens  "
-                  f"{row['mean_requests']:6.1f} requests")
+                  f"{row['mean_requests']:6.1f} requests  host wait {row['host_wait_s']:6.3f} s")
     write_json(args.out, {"command": "PYTHONPATH=. python benchmarks/trace_by_kind.py " + shlex.join(sys.argv[1:]),
                           "commit": commit(), "traces": results})
 
