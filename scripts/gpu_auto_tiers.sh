@@ -52,6 +52,8 @@ case "${1:-}" in
      bg_wait dm "${LIM:-500}"
      mkdir -p "$OUT/x"; cp /root/bg/dm.log /root/bg/dm/*.json "$OUT/x/" 2>/dev/null
      tar czf "$OUT/x/dm_traces.tgz" -C /root/bg/dm traces 2>/dev/null
+     python benchmarks/trace_by_kind.py /root/bg/dm/traces/*.jsonl --requests 900-1024 \
+       --out "$OUT/x/by_kind_1024_$GPU.json" | grep -v '^  ' ;
      kill_servers; ls -la "$OUT/x" ;;
   *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4" >&2; exit 2 ;;
 esac
