@@ -3,9 +3,11 @@ loop (``EngineService.run``: schedule, the scheduler's update, each front end's 
 ``--requests`` decoding requests, with the worker process replaced by one that answers each step at once with
 random tokens (no model runs; with ``--speculative-config``, 1 + K of them a request, the drafts accepted at
 ``--acceptance-rate``), and the front ends by sockets that take the frames. Reported: the step period's
-median and p90 in steady state (``--steps`` steps after ``--warmup``), and the garbage collector's work meanwhile
-(collections per generation and their ms), with the collector as ``twogrid serve`` sets it (``freeze_startup_heap``)
-or as CPython leaves it (``--python-gc``).
+median and p90 in steady state (``--steps`` steps after ``--warmup``); the time from a step's result taken to the
+next step sent (``result_to_submit_ms``: with asynchronous scheduling a step runs on the device meanwhile, and once
+the host sets the pace the device waits for whatever of this exceeds that step); and the garbage collector's work
+meanwhile (collections per generation and their ms), with the collector as ``twogrid serve`` sets it
+(``freeze_startup_heap``) or as CPython leaves it (``--python-gc``).
 
     python benchmarks/bench_engine_host_cpu.py --requests 1024 --front-ends 4 --out result.json
 """
@@ -56,8 +58,11 @@ class InstantSockets:
         self.to_worker = self.to_engine = self
         self.results: deque[bytes] = deque()
         self._answer = answer
+        self.sent_at: list[float] = []
+        self.taken_at: list[float] = []
 
     def send(self, frame: bytes) -> Done:
+        self.sent_at.append(time.perf_counter())
         self.results.append(encode_step(self._answer(decode_to_worker(frame))))
         return Done(None)
 
@@ -65,7 +70,17 @@ class InstantSockets:
         return Done(bool(self.results))
 
     def recv(self) -> Done:
+        self.taken_at.append(time.perf_counter())
         return Done(self.results.popleft())
+
+    def result_to_submit_ms(self, first: int) -> np.ndarray:
+        """From each result taken (the ``first``-th on) to the next step sent: on a GPU, what a step queued behind
+        the running one must wait for once the host sets the pace (the device idles if it is longer than that
+        step)."""
+        taken, sent = np.array(self.taken_at[first:]), np.array(self.sent_at)
+        after = np.searchsorted(sent, taken)
+        ok = after < len(sent)
+        return (sent[after[ok]] - taken[ok]) * 1e3
 
     def alive(self) -> bool:
         return True
@@ -148,7 +163,8 @@ def run(args) -> dict:
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=args.requests * (16 + max_tokens // 16),
                                       block_size=16, max_model_len=args.prompt_len + max_tokens + 64))
     inbox, sinks = Inbox(), [FrontEndSink() for _ in range(args.front_ends)]
-    service = EngineService(None, InstantWorker(core.model_config.vocab_size, args.acceptance_rate), inbox, sinks)
+    worker = InstantWorker(core.model_config.vocab_size, args.acceptance_rate)
+    service = EngineService(None, worker, inbox, sinks)
     service.core = core
     watch = GcWatch()
     if not args.python_gc:
@@ -156,11 +172,12 @@ def run(args) -> dict:
     done_at: list[float] = []
     finish = service._finish
 
-    async def timed_finish(step) -> None:
-        await finish(step)
+    async def timed_finish(step):
+        outputs = await finish(step)
         done_at.append(time.perf_counter())
         if len(done_at) == args.warmup:
             watch.on = True
+        return outputs
 
     service._finish = timed_finish
 
@@ -189,7 +206,10 @@ def run(args) -> dict:
 
     asyncio.run(scenario())
     periods = np.diff(done_at[args.warmup - 1:args.warmup + args.steps]) * 1e3
+    to_submit = worker.result_to_submit_ms(args.warmup)
     return {"ms_per_step_median": round(float(np.median(periods)), 3),
+            "result_to_submit_ms_median": round(float(np.median(to_submit)), 3),
+            "result_to_submit_ms_p90": round(float(np.percentile(to_submit, 90)), 3),
             "ms_per_step_p90": round(float(np.percentile(periods, 90)), 3),
             "ms_per_step_mean": round(float(np.mean(periods)), 3),
             "ms_per_step_max": round(float(np.max(periods)), 3),
@@ -216,7 +236,9 @@ def main() -> None:
     args = p.parse_args()
     result = run(args)
     print(f"{args.requests} requests, {args.front_ends} front ends: {result['ms_per_step_median']:.3f} ms a step "
-          f"(median; p90 {result['ms_per_step_p90']:.3f}, max {result['ms_per_step_max']:.1f}); collector "
+          f"(median; p90 {result['ms_per_step_p90']:.3f}, max {result['ms_per_step_max']:.1f}); a result to the "
+          f"next step sent {result['result_to_submit_ms_median']:.3f} ms (median; p90 "
+          f"{result['result_to_submit_ms_p90']:.3f}); collector "
           f"{result['gc_ms_per_step']:.3f} ms a step ({result['gc_collections']} collections by generation)")
     write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
                           "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),

@@ -80,6 +80,45 @@ def test_a_request_arriving_mid_run_joins_the_running_ones_at_once():
     assert second[0] < first[-1], (second[0], first[-1])
 
 
+def test_a_steps_outputs_go_out_after_the_step_its_result_scheduled_is_sent():
+    """With asynchronous scheduling, step k + 1 is sent before step k's result is taken, and step k + 2 is
+    scheduled from that result: step k's deltas are built and sent after step k + 2 goes to the worker (the device,
+    running step k + 1, need not wait for them when the host sets the pace), in step order; the last steps' go out
+    though no step follows, and every token arrives."""
+    events: list[str] = []
+
+    class Worker(_InstantWorker):
+        def send(self, frame):
+            events.append("step")
+            return super().send(frame)
+
+    class Outbox(_Outbox):
+        def send(self, frame):
+            events.append("outputs")
+            return super().send(frame)
+
+    service, inbox, _ = _service(Worker)
+    outbox = Outbox()
+    service.outboxes, service.outbox = [outbox], outbox
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def script(put):
+        for i in range(3):
+            put(encode_core(AddRequest(f"r{i}", [5 + i, 6, 7], params)))
+
+    _drive(service, inbox, script)
+    assert service.core.async_scheduling
+    tokens = {f"r{i}": [t for out in outbox.sent for d in out.deltas if d.request_id == f"r{i}"
+                        for t in d.new_token_ids] for i in range(3)}
+    assert all(len(t) == 12 for t in tokens.values()), tokens
+    steps = [i for i, e in enumerate(events) if e == "step"]
+    sent = [i for i, e in enumerate(events) if e == "outputs"]
+    with_tokens = [i for i, out in zip(sent, outbox.sent) if out.deltas]
+    assert len(with_tokens) == len(steps)  # one Outputs a step
+    assert all(steps[k + 2] < with_tokens[k] for k in range(len(steps) - 2)), events
+    assert with_tokens[-2] > steps[-1] and with_tokens == sorted(with_tokens)
+
+
 # -- the engine's part of each TTFT (queue_s, prefill_s on a request's first delta) ----------------------------------
 
 def _service(worker=_InstantWorker, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64):

@@ -212,6 +212,37 @@ def test_fully_cached_prompt_computes_its_last_token():
     assert out[0].new_token_ids + rest == first[0]
 
 
+def test_a_steps_blocks_are_offered_once_it_is_sent_and_before_anything_changes():
+    """``schedule`` leaves offering the blocks a decode step fills to the prefix cache for after the step is sent
+    (``EngineCore.sent``: the device need not wait for the hashing); they are offered, into that step's own
+    ``registered``, by then, or by whatever next changes the scheduler: an abort of the request that fills them
+    included, so that its blocks are cached when they are freed and a later request finds them."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = prompt_of(30)  # 7 full blocks of 4 (offered as it is admitted) and 2 tokens
+    for offer in ("sent", "abort"):
+        engine = make_engine(None, 64, 64, True)
+        kv = engine.scheduler.kv
+        engine.add_request(prompt, params, "a")
+        req = engine.scheduler.requests["a"]
+        while True:  # decode until a step computes block 8's last token (tokens 28-31: the step that samples 33)
+            step = engine.schedule()
+            if step.out.num_computed[0] + step.out.num_scheduled[0] >= 32:
+                break
+            engine.update(step, engine.execute(step))
+        assert kv.num_registered.sum() == 7 and step.out.registered == []
+        if offer == "sent":
+            engine.submit(step)
+            assert len(step.out.registered) == 1 and kv.num_registered.sum() == 8
+            engine.update(step, engine.wait(step))
+        else:
+            engine.worker.collect(engine.worker.submit(step.message))  # (the step ran)
+            engine.abort("a")
+            assert len(step.out.registered) == 1 and kv.num_evictable == 8
+        check_pool(engine)
+        engine.add_request((req.prompt_token_ids + req.output_token_ids)[:32] + [9], params, "b")
+        assert engine.schedule().out.num_computed.tolist()[-1] == 32  # (b, after a where a still runs)
+
+
 def test_evicted_prefix_is_recomputed():
     """A prefix whose blocks were evicted (allocations took them) is computed again, and right."""
     params = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -450,7 +450,13 @@ class EngineCore:
         """Queue a step on the worker (returns before it has run)."""
         step.submitted_at = time.perf_counter()
         step.pending = self.worker.submit(step.message)
+        self.sent(step)
         self.capture_gap()
+
+    def sent(self, step: ScheduledStep) -> None:
+        """A step is on its way to the worker: what its scheduling left for after that, the blocks it fills offered
+        to the prefix cache (``Scheduler.register_blocks``), is done now."""
+        self.scheduler.register_blocks()
 
     def wait(self, step: ScheduledStep) -> ModelResult:
         """The submitted step's result (waits for it)."""

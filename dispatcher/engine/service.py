@@ -215,8 +215,9 @@ class EngineService:
         other: the worker fills its bitmask (``dispatcher.runtime.grammar``)."""
         core, in_flight = self.core, self._in_flight
         depth = 2 if core.async_scheduling else 1
-        while not self._draining or in_flight or core.has_unfinished() or self._compiling:
-            if not core.has_unfinished() and not in_flight:
+        outputs = None  # the last finished step's, sent once the next step is on its way
+        while not self._draining or in_flight or core.has_unfinished() or self._compiling or outputs:
+            if not core.has_unfinished() and not in_flight and not outputs:
                 self._wake.clear()
                 await (self._idle_while_capturing() if self.capturing else self._wake.wait())
                 continue
@@ -230,9 +231,13 @@ class EngineService:
                     self._scheduled(step.out.new_requests)
                 step.submitted_at = time.perf_counter()
                 await self.process.to_worker.send(encode_step(step.message))
+                core.sent(step)
                 in_flight.append(step)
+            if outputs:
+                await self._send_outputs(*outputs)
+                outputs = None
             if in_flight and (len(in_flight) == depth or step is None):
-                await self._finish(in_flight.popleft())
+                outputs = await self._finish(in_flight.popleft())
 
     def _scheduled(self, requests: list) -> None:
         """Requests a step admits: the first admission ends a request's queue time."""
@@ -242,8 +247,11 @@ class EngineService:
             if t is not None and t[1] is None:
                 t[1] = now
 
-    async def _finish(self, step: ScheduledStep) -> None:
-        """Take a step's result: the scheduler's update, then one Outputs to the front end."""
+    async def _finish(self, step: ScheduledStep) -> tuple[list, StepRecord] | None:
+        """Take a step's result: the scheduler's update; returns its outputs and record for ``_send_outputs`` (None
+        for a failed step, whose failures it sends). ``run`` sends them once the step scheduled from this result
+        is on its way: when the host sets the pace, building and sending every running request's delta (1,024 at
+        1,024 streams) would otherwise come between a result and the next step, and the device wait for it."""
         core = self.core
         result = await self._receive(step)
         if isinstance(result, WorkerError) and isinstance(self.process, WorkerGroup):
@@ -265,7 +273,7 @@ class EngineService:
             for rid in ids:
                 self._front_end.pop(rid, None)
                 self._times.pop(rid, None)
-            return
+            return None
         outputs = core.update(step, core.finish(step, result))
         target, spec = step.descs.target, core.scheduler.last_spec_decode
         out = step.out
@@ -274,6 +282,11 @@ class EngineService:
                             result.device_ms / 1e3, spec.num_drafts, spec.num_draft_tokens,
                             list(spec.accepted_per_pos), self._tiers_changed(), out.prefix_cache_queries,
                             out.prefix_cache_hits, result.fused)
+        return outputs, record
+
+    async def _send_outputs(self, outputs: list, record: StepRecord) -> None:
+        """A finished step's outputs, one Outputs to each front end with requests among them (the first one with
+        the step's record and the queue)."""
         await self._send_grouped(self._deltas(outputs), Outputs, Outputs(steps=[record], queue=self._queue_state()))
 
     def _deltas(self, outputs: list) -> dict[int, list[Delta]]:
