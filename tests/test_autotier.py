@@ -20,7 +20,7 @@ from dispatcher.plan import autotier
 from dispatcher.plan.autotier import (DRIFT_MEMORY_STEPS, HOST_FLOOR_MIN_STEPS, INVALID, PACE_KNOWN_STEPS, STALE_STEPS,
                                       SWITCH_IN_STEPS, AutoTiers, HostFloor, MeasuredCosts, StepCostTable, TierChooser,
                                       chooser_for_plan, decode_step_costs, staircase, trace_step_costs, valley)
-from dispatcher.plan.capture_plan import FULL_DECODE, PIECEWISE, build_plan
+from dispatcher.plan.capture_plan import FULL_DECODE, build_plan
 from dispatcher.plan.config import ConfigError, resolve
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ModelResult, Scheduler
@@ -92,27 +92,6 @@ def test_a_k_is_never_chosen_past_its_reach_and_no_reach_falls_back_to_the_small
     choice = chooser.choose([1.0, 1.0, 1.0])  # K = 3 yields 4x the tokens at the same cost
     assert choice.tiers == ((1, 3), (7, 0))  # K = 3 to its reach 6; K = 0 reaches 4 only: past both, the smallest K
     assert np.isinf(chooser.throughput([1.0] * 3)[0, 5:]).all()
-
-
-def test_past_its_full_reach_a_k_runs_piecewise_at_its_cost_per_token_while_its_tokens_fit():
-    """Past the FULL graphs' reach, K may still be chosen while n (1 + K) tokens fit the PIECEWISE graphs, weighed
-    at the reach's cost per token: chosen where the host's floor hides the longer step, not where the device sets
-    the pace. (On the H200, 1024 streams of the default model: fixed K = 4, PIECEWISE past 819 requests, ran
-    1.01-1.07x fixed K = 3, which the tiers could not choose.)"""
-    table = StepCostTable({1: [(1, 1.0), (1024, 4.0)], 4: [(1, 2.0), (1024, 6.0)], 5: [(1, 2.2), (819, 6.0)]})
-    chooser = TierChooser(table, [0, 3, 4], 1024, reach={0: 1024, 3: 1024, 4: 819}, piecewise_tokens=5120)
-    assert chooser.piecewise == {0: 1024, 3: 1024, 4: 1024}
-    i4 = chooser.index[4]
-    assert chooser.ms[i4, 819] == pytest.approx(6.0) and chooser.ms[i4, 1024] == pytest.approx(6.0 * 1024 / 819)
-    acceptance = [0.7, 0.55, 0.45, 0.3]
-    device_bound = chooser.choose(acceptance)
-    assert device_bound.k_of_batch[1024] == 3  # 7.5 ms for 2.3 / 2.0 more tokens: not worth it
-    host_bound = chooser.choose(acceptance, floor_ms=np.full(1025, 9.0))
-    assert host_bound.k_of_batch[1024] == 4  # both steps hide behind 9 ms of host: the one with more tokens
-    # fewer PIECEWISE tokens: K = 4 ends at 4096 // 5 = 819 requests, K = 3 at its FULL reach
-    short = TierChooser(table, [0, 3, 4], 1024, reach={0: 1024, 3: 1024, 4: 819}, piecewise_tokens=4096)
-    assert short.piecewise[4] == 819 and np.isinf(short.ms[short.index[4], 820:]).all()
-    assert short.choose(acceptance, floor_ms=np.full(1025, 9.0)).k_of_batch[1024] == 3
 
 
 def test_the_staircase_is_the_best_non_increasing_choice():
@@ -603,10 +582,6 @@ def test_auto_captures_every_candidate_over_its_reach():
     assert {g.q for g in plan.for_runner("eagle3_next_steps")} == {1}
     chooser = chooser_for_plan(recorded_h200("bench-moe"), plan)
     assert chooser.reach == {0: 1024, 3: 1024, 7: 512}
-    # K = 7 past its 512 requests as PIECEWISE decodes, up to the largest PIECEWISE graph's tokens
-    largest = max(g.largest for g in plan.for_runner("target") if g.kind == PIECEWISE)
-    assert chooser.piecewise == {0: 1024, 3: min(1024, largest // 4), 7: min(1024, largest // 8)}
-    assert chooser.piecewise[7] > 512
 
 
 def test_k0_tiers_in_the_plan_and_the_scheduler():

@@ -9,9 +9,8 @@ The decision is pure and deterministic (no torch, no clock): given
   per-position counters), so that a request verifying K drafts yields 1 + sum_{j<K} p_j tokens a step,
 
 it gives each batch size n the K among the candidates that maximizes the expected output tokens per second,
-n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K), K allowed at n where its q's costs (in the engine: its captured
-FULL decode graphs) reach n, and past that as PIECEWISE decodes while n (1 + K) tokens fit the PIECEWISE graphs,
-weighed at the reach's cost per token; where none reaches, the smallest candidate; K falls as n grows and may rise again
+n * (1 + sum_{j<K} p_j) / step_ms(n, 1 + K), K allowed at n only where its q's costs (in the engine: its captured
+FULL decode graphs) reach n; where none reaches, the smallest candidate; K falls as n grows and may rise again
 (``valley``). Equal neighbours merge into tiers, returned in the configuration's ``[[min_batch, K], ...]`` form
 (``TierChooser``).
 
@@ -68,7 +67,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, PIECEWISE, block_query_len,
+from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, block_query_len,
                                           next_steps_runner, one_token_steps)
 from dispatcher.plan.acceptance import PRIOR_WEIGHT, estimate_acceptance, expected_tokens
 from dispatcher.plan.errors import ConfigError
@@ -356,11 +355,9 @@ class TierChooser:
     a choice is a few array operations."""
 
     def __init__(self, costs: StepCostTable, candidates: Sequence[int], max_num_seqs: int,
-                 reach: Mapping[int, int] | None = None, piecewise_tokens: int = 0):
-        """``reach[K]``: the largest batch K's costs are measured for (in the engine: its q's largest captured FULL
-        decode graph); never past the largest request count the table measured at q or max_num_seqs.
-        ``piecewise_tokens``: the largest step the PIECEWISE graphs run (0: none); past its reach, K may still be
-        chosen while n * (1 + K) fits them, its step weighed at its cost at the reach per token (``piecewise``)."""
+                 reach: Mapping[int, int] | None = None):
+        """``reach[K]``: the largest batch K may be chosen at (in the engine: its q's largest captured FULL decode
+        graph); never past the largest request count the table measured at q (no extrapolation) or max_num_seqs."""
         self.costs, self.max_num_seqs = costs, max_num_seqs
         self.candidates = tuple(sorted(set(candidates)))
         if not self.candidates:
@@ -368,15 +365,6 @@ class TierChooser:
         limit = dict(reach) if reach is not None else {}
         self.reach = {k: max(0, min(limit.get(k, max_num_seqs), costs.reach(1 + k), max_num_seqs))
                       for k in self.candidates}
-        self.piecewise = {k: min(piecewise_tokens // (1 + k), max_num_seqs) if self.reach[k] else 0
-                          for k in self.candidates}
-        """The largest batch K may be chosen at as PIECEWISE decodes, past its reach (0 or below the reach: none).
-        A step past the FULL graphs' reach is weighed at the reach's cost per token: a uniform decode grows about
-        linearly with its tokens there (on the H200 with the default model's head at 1024 requests, K = 3 a FULL
-        step of 4,096 tokens in 5.89 ms, K = 4 and 5 PIECEWISE steps of 5,120 and 6,144 in 7.57 and 9.11 ms, 3% above
-        that rate), and its served cost corrects it (``MeasuredCosts``). Where the host sets the pace the longer
-        step hides behind it: there fixed K = 4 ran 1.01-1.07x K = 3, which the tiers could not choose when K ended
-        at its FULL graphs' reach."""
         self.fallback = self.candidates[0]
         self.index = {k: i for i, k in enumerate(self.candidates)}
         """K -> its row among the candidates."""
@@ -386,11 +374,9 @@ class TierChooser:
         n = np.arange(max_num_seqs + 1, dtype=np.float64)
         self.ms = np.full((len(self.candidates), max_num_seqs + 1), np.inf)
         for i, k in enumerate(self.candidates):
-            top, far = self.reach[k], self.piecewise[k]
+            top = self.reach[k]
             if top >= 1:
                 self.ms[i, 1 : top + 1] = costs.ms(n[1 : top + 1], 1 + k)
-            if far > top:
-                self.ms[i, top + 1 : far + 1] = self.ms[i, top] / top * n[top + 1 : far + 1]
         self.valid = np.isfinite(self.ms)
         self._n = n
         self.num_buckets = (max(max_num_seqs, 1) - 1).bit_length() + 1
@@ -791,19 +777,16 @@ class AutoTiers:
 
 
 def chooser_for_plan(costs: StepCostTable, plan) -> TierChooser:
-    """The decision for an ``"auto"`` plan: its candidates, each costed up to its q's largest captured FULL decode
-    size of the target (without FULL decode graphs: as far as the table goes), and allowed past it as far as the
-    target's PIECEWISE graphs reach."""
+    """The decision for an ``"auto"`` plan: its candidates, each allowed up to its q's largest captured FULL decode
+    size of the target (without FULL decode graphs: as far as the table goes)."""
     cfg = plan.config
     reach = {}
-    targets = plan.for_runner("target")
-    sets = {g.q: g for g in targets if g.kind == "full_decode"}
+    sets = {g.q: g for g in plan.for_runner("target") if g.kind == "full_decode"}
     for k in cfg.tier_candidates:
         g = sets.get(1 + k)
         if g is not None:
             reach[k] = g.largest
-    piecewise_tokens = max((g.largest for g in targets if g.kind == PIECEWISE), default=0)
-    return TierChooser(costs, cfg.tier_candidates, cfg.max_num_seqs, reach or None, piecewise_tokens)
+    return TierChooser(costs, cfg.tier_candidates, cfg.max_num_seqs, reach or None)
 
 
 def render_choice(chooser: TierChooser, choice: TierChoice, host_floor: str = "") -> str:
