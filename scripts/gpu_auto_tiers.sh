@@ -39,7 +39,7 @@ case "${1:-}" in
      bg_wait moe 5
      mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null
      kill_servers
-     TAILN=14 part gputests 240 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
+     TAILN=14 part gputests 360 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
        tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32 \
        tests/test_structured_gpu.py::test_every_constraint_gives_valid_output_served_on_the_gpu
      cp "$R/gputests.log" "$OUT/x/"; mkdir -p /root/bg/dm
