@@ -10,6 +10,8 @@
 #           back in this call), then, in the background, the default model with its shipped head, real acceptance:
 #           no SD, K = 3 / 4 / 5, auto up to 5, 16-1024 streams, three rounds)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back)
+#   call 5 (optional): carry [".gpu_tools"]                                ... 5   (py-spy on a K = 3 server at 1024
+#           streams: where the host's part of a step goes, scripts/spy_top.py's summary of engine and worker)
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
 # Each JSON's rows carry vs_best_fixed (auto against the best fixed K, round by round): issue 29 asks 0.97x.
 # Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
@@ -55,5 +57,15 @@ case "${1:-}" in
      python benchmarks/trace_by_kind.py /root/bg/dm/traces/*.jsonl --requests 900-1024 \
        --out "$OUT/x/by_kind_1024_$GPU.json" | grep -v '^  ' ;
      kill_servers; ls -la "$OUT/x" ;;
-  *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4" >&2; exit 2 ;;
+  5) # (optional, after 4 within the warm window: where the host's ~2 ms a step at 1024 streams goes) one eagle3 K = 3
+     # server at 1024 streams, its engine and worker sampled by py-spy; the raw stacks and their summary come back
+     source scripts/gpu_session.sh "${C:?set C to the commit}"
+     mkdir -p "$OUT/x" /root/spy; (bash scripts/gpu_spy.sh /root/spy &)
+     TAILN=4 part spy "${LIM:-300}" python benchmarks/bench_spec_gpu.py --data "$D" --methods eagle3:3 \
+       --policies separate --concurrency 1024 --waves 4 --min-prompts 16 --rounds 1 --kv-gib 8 \
+       --out /root/spy/spec_spy_$GPU.json
+     python scripts/spy_top.py /root/spy --process e --top 25 > "$OUT/x/spy_engine.txt" 2>&1
+     python scripts/spy_top.py /root/spy --process w --top 25 > "$OUT/x/spy_worker.txt" 2>&1
+     tar czf "$OUT/x/spy_raw.tgz" -C /root spy; head -40 "$OUT/x/spy_worker.txt" ;;
+  *) echo "usage: C=<commit> bash scripts/gpu_auto_tiers.sh 1|2|3|4|5" >&2; exit 2 ;;
 esac
