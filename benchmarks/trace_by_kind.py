@@ -1,7 +1,8 @@
 """Where a served run's device time went, by step kind, from step traces (``twogrid serve --step-trace``): per
 (kind, q, fused) the steps, their summed and median device ms, their mean tokens and requests, and where steps
 were queued behind one another (``period_ms``), the host's wait: the summed excess of the period over the device
-time (the GPU idle between steps, waiting for the host) and the share of steps with any. Steps before the first
+time (the GPU idle between steps, waiting for the host), the share of steps with any, and the uniform decodes'
+output tokens per ms of their periods (with the drafts accepted, in traces that have them). Steps before the first
 with ``--min-requests`` requests are left out (the warm-up's); ``--requests LO-HI`` keeps only the steps of that
 many requests (one concurrency's steps, from a trace of a server that served several).
 
@@ -24,11 +25,17 @@ from _common import commit, write_json  # (importing _common puts the repository
 
 def _host_wait(steps: list[dict]) -> dict:
     """Of the steps queued behind another (with ``period_ms``): how many, the summed ms the GPU waited for the host
-    (a period past the step's device time), and the share of them that waited."""
+    (a period past the step's device time), and the share of them that waited; for uniform decodes, the output
+    tokens per ms of their periods (each request's token plus the drafts accepted, where the trace has them: what a
+    K yields at the pace the host and device kept together)."""
     queued = [s for s in steps if s.get("period_ms") is not None]
     waits = [max(0.0, s["period_ms"] - s["device_ms"]) for s in queued]
+    decodes = [s for s in queued if s["kind"] == "uniform_decode"]
+    period_ms = sum(s["period_ms"] for s in decodes)
     return {"queued_steps": len(queued), "host_wait_s": round(sum(waits) / 1e3, 3),
-            "waited_share": round(sum(w > 0 for w in waits) / len(queued), 3) if queued else None}
+            "waited_share": round(sum(w > 0 for w in waits) / len(queued), 3) if queued else None,
+            "decode_tokens_per_ms": round(sum(s["requests"] + s.get("accepted", 0) for s in decodes) / period_ms, 2)
+            if period_ms > 0 else None}
 
 
 def by_kind(path: str, min_requests: int, requests: tuple[int, int] | None = None) -> dict:
@@ -74,7 +81,8 @@ def main() -> None:
     results = [by_kind(t, args.min_requests, args.requests) for t in args.traces]
     for r in results:
         print(f"{r['trace']}: {r['steps']} steps, {r['device_s']} s of device time, the GPU waited "
-              f"{r['host_wait_s']} s for the host ({r['waited_share']} of {r['queued_steps']} queued steps)")
+              f"{r['host_wait_s']} s for the host ({r['waited_share']} of {r['queued_steps']} queued steps); "
+              f"uniform decodes {r['decode_tokens_per_ms']} output tokens per ms of their periods")
         for row in r["by_kind"]:
             print(f"  {row['kind']:15s} q={row['q']!s:4s} fused={row['fused']!s:5s} {row['steps']:6d} steps "
                   f"{row['device_s']:8.3f} s  median {row['median_ms']:7.3f} ms  {row['mean_tokens']:7.1f} tokens  "

@@ -329,6 +329,19 @@ def test_step_trace_appends_and_engine_closes_it(tmp_path):
     assert e.trace._fh is None
 
 
+def test_step_trace_says_the_drafts_each_step_accepted(tmp_path):
+    """Under speculative decoding each step that verified drafts records how many its requests accepted (a step's
+    output tokens: its sampling requests plus these; ``trace_by_kind`` reads them): over the run they add up to the
+    scheduler's accepted drafts. A step that verified none has no such field."""
+    path = str(tmp_path / "t.jsonl")
+    with engine({"method": "eagle3", "num_speculative_tokens": 3}, step_trace=path, fixed_acceptance=2.5) as e:
+        e.generate(prompts(4, 12), SamplingParams(max_tokens=24, ignore_eos=True))
+    records = read_trace(path)
+    verified = [r for r in records if "accepted" in r]
+    assert verified and all(r["accepted"] >= 0 for r in verified)
+    assert sum(r["accepted"] for r in verified) == e.scheduler.stats.drafts_accepted > 0
+
+
 def test_worker_block_table_starts_empty_and_forgets_freed_slots():
     e = engine({"method": "eagle3", "num_speculative_tokens": 2})
     tables = [rt.bufs.block_table for rt in e.worker.runtimes]

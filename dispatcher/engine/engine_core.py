@@ -110,6 +110,9 @@ class ScheduledStep:
     """Per request, its query's first rows whose prompt log-probabilities the step returns (None: none)."""
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """Those rows' (log-probabilities (p, 1 + N), top ids (p, N), ranks (p,)), set when the result is taken."""
+    trace_record: dict | None = None
+    """With a step trace: the step's record, made when the result is taken and written once the scheduler has
+    taken it (with the drafts it accepted)."""
 
 
 def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.ndarray,
@@ -483,11 +486,12 @@ class EngineCore:
         if self.auto_tiers is not None and target.kind == UNIFORM_DECODE and target.graph is not None:
             self.auto_tiers.observe_step(target.num_reqs, target.q, result.device_ms, period_ms)  # (served costs)
         self.stats.record(step, result.device_ms, wait_s, step.eager_cause, result.fused)
-        self.trace.write(step_record(step.out.step_id, step.out, target, step.host_ms, result.device_ms,
-                                     step.descs.drafts(), reason[1] if reason else None,
-                                     result.jit_compiles, result.jit_ms,
-                                     step.out.num_new_drafts if self.auto_tiers is not None else None,
-                                     result.fused, result.not_captured, period_ms))
+        if self.trace.enabled:
+            step.trace_record = self.trace.stamped(step_record(
+                step.out.step_id, step.out, target, step.host_ms, result.device_ms, step.descs.drafts(),
+                reason[1] if reason else None, result.jit_compiles, result.jit_ms,
+                step.out.num_new_drafts if self.auto_tiers is not None else None, result.fused, result.not_captured,
+                period_ms))
         if result.prompt_logprobs:
             top = result.num_prompt_top_logprobs
             values = unpack(result.prompt_logprobs, F32, (-1, 1 + top))
@@ -546,7 +550,12 @@ class EngineCore:
             for o in outputs:
                 if o.finished:
                     self.structured.remove(o.request_id)
-        self.stats.record_drafts(self.scheduler.last_spec_decode)
+        spec = self.scheduler.last_spec_decode
+        self.stats.record_drafts(spec)
+        if step.trace_record is not None:
+            if spec.num_drafts:
+                step.trace_record["accepted"] = spec.num_accepted_tokens
+            self.trace.write(step.trace_record)
         if self.auto_tiers is not None:
             self._rechoose_tiers()
         return outputs

@@ -52,7 +52,9 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
     because they were not captured yet (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``,
     ``"draft_next"``: that forward ran eagerly); ``period_ms``, the step's result after the last one's where it was
-    queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host."""
+    queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host. (The
+    engine adds ``accepted``, on a step that verified drafts, the drafts its requests accepted, as the scheduler
+    counts them: the step's output tokens are its sampling requests plus these.)"""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -141,9 +143,20 @@ class TraceWriter:
         except OSError as exc:
             raise TraceError(f"step trace {path!r}: cannot open for appending ({exc.strerror})") from None
 
+    @property
+    def enabled(self) -> bool:
+        """A file is open: records are written (the engine builds none otherwise)."""
+        return self._fh is not None
+
+    def stamped(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` with its ``t_s`` now (for a record written later)."""
+        record["t_s"] = round(time.perf_counter() - self._t0, 6)
+        return record
+
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
-            record["t_s"] = round(time.perf_counter() - self._t0, 6)
+            if "t_s" not in record:
+                self.stamped(record)
             self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
