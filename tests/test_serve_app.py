@@ -322,6 +322,36 @@ def test_chat_stream():
     run(go())
 
 
+def test_chat_echo_puts_the_assistants_last_message_before_each_choice():
+    """vLLM's chat ``echo``: where the last message is the assistant's (the one continue_final_message goes on with),
+    each choice's content starts with its text (text parts joined by newlines), streamed in the first chunk; after
+    a user's message nothing is put before it. A completion's ``echo`` (the prompt) is not involved."""
+    partial = [{"role": "user", "content": "Tell a story"},
+               {"role": "assistant", "content": [{"type": "text", "text": "Once"}, {"type": "text", "text": "upon"}]}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3}
+
+    async def go():
+        async with served() as c:
+            r = await c.post("/v1/chat/completions", json={"messages": partial, "echo": True, "n": 2,
+                                                           "temperature": 0.5, **cont})
+            body = await r.json()
+            assert r.status == 200, body
+            contents = [ch["message"]["content"] for ch in body["choices"]]
+            assert len(contents) == 2 and all(t.startswith("Once\nupon") and len(t) > 9 for t in contents)
+            assert contents[0] == "Once\nupon" + text_of(3)
+            prompt, _, params = c.engine.requests[body["id"]]
+            assert prompt.endswith("upon") and params.prompt_logprobs is None  # (no completion-style echo)
+            r = await c.post("/v1/chat/completions", json={"messages": partial, "echo": True, "stream": True,
+                                                           **cont})
+            chunks = (await sse(r))[:-1]
+            assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Once\nupon"}
+            assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks) == "Once\nupon" + text_of(3)
+            r = await c.post("/v1/chat/completions", json={"messages": partial[:1], "echo": True, "max_tokens": 3})
+            assert (await r.json())["choices"][0]["message"]["content"] == text_of(3)
+
+    run(go())
+
+
 def test_chat_logprobs():
     async def go():
         async with served() as c:

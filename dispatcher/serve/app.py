@@ -197,6 +197,8 @@ class _Request:
     """Completions' ``echo``: the prompt before each choice's text."""
     echo_only: bool = False
     """``echo`` with ``max_tokens`` 0: the prompt alone (one token is generated and left out, as vLLM does)."""
+    echo_text: str | None = None
+    """Chat's ``echo``: the text before each choice's content (``P.chat_echo``)."""
     completion_tokens: int = 0
     choices: list[_Choice] = dataclasses.field(default_factory=list)
     prompt_logprobs: tuple[list, list] | None = None
@@ -398,14 +400,15 @@ class Server:
                  first_choice: int = 0) -> _Request:
         """A checked request as it runs; its choices indexed from ``first_choice`` (a batch's prompts after the
         first)."""
-        echo = bool(getattr(req, "echo", False))
+        echo = not chat and bool(req.echo)  # (chat's echo is another thing: ``echo_text``)
         r = _Request(engine_id, response_id, given or response_id, chat,
                      self.engine.served_model_name, int(time.time()), prompt, ids, params, _num_top_logprobs(req),
                      bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
                      bool(req.stream_options and req.stream_options.continuous_usage_stats),
                      RequestTimer(self.metrics, len(ids), arrival), echo, echo and req.max_tokens == 0,
                      choices=[_Choice(first_choice + i, tool_stream=tools.parser.stream() if tools is not None
-                                      else None) for i in range(params.n)], tools=tools)
+                                      else None) for i in range(params.n)], tools=tools,
+                     echo_text=P.chat_echo(req) if chat else None)
         if self.log_requests:
             shown = prompt if prompt is not None else str(ids)
             log.info("%s: prompt %r, %s", r.request_id, shown[:LOG_PROMPT_CHARS], params)
@@ -601,7 +604,7 @@ class Server:
         top_k = d.top_k if req.top_k is None else max(req.top_k, 0)
         num_top = _num_top_logprobs(req)
         prompt_logprobs = req.prompt_logprobs
-        if prompt_logprobs is None and getattr(req, "echo", False) and num_top is not None:
+        if prompt_logprobs is None and not chat and req.echo and num_top is not None:
             prompt_logprobs = num_top  # the echoed prompt's logprobs (vLLM's rule)
         params = dataclasses.replace(
             d, max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k,
@@ -772,6 +775,9 @@ class Server:
                         message = P.ChatMessageOut("assistant", content, [
                             P.ToolCallOut(t.id, P.FunctionCallOut(t.name, t.arguments)) for t in calls])
                         finish_reason = _tool_finish_reason(r, finish_reason)
+                if r.echo_text is not None:
+                    message = P.ChatMessageOut("assistant", r.echo_text + (message.content or ""),
+                                               message.tool_calls)
                 choices.append(P.ChatChoice(c.index, message, lp, finish_reason, c.stop_reason))
             body: Any = P.ChatCompletion(r.response_id, r.created, r.model, choices, usage, prompt_logprobs=prompt_lp)
         else:
@@ -856,7 +862,7 @@ class Server:
         return None
 
     def _role_chunk(self, r: _Request, index: int) -> bytes:
-        choice = P.ChatChunkChoice(index, P.ChatDelta(role="assistant", content=""), None, None)
+        choice = P.ChatChunkChoice(index, P.ChatDelta(role="assistant", content=r.echo_text or ""), None, None)
         return P.sse(P.ChatCompletionChunk(r.response_id, r.created, r.model, [choice], self._chunk_usage(r)))
 
     def _chunk(self, r: _Request, out) -> bytes | None:

@@ -259,6 +259,22 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """Special tokens (BOS) added to the rendered prompt by the tokenizer as well as the template's (vLLM's)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    echo: bool = False
+    """vLLM's: each choice's content starts with the last message's text where that message is the assistant's (the
+    message ``continue_final_message`` goes on with: ``chat_echo``)."""
+
+
+def chat_echo(req: ChatCompletionRequest) -> str | None:
+    """What ``echo`` puts before each choice's content: the last message's text (text parts joined by newlines, as
+    the template reads them) where it is the assistant's, else "" (vLLM's rule); None without ``echo``."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)
 
 
 class TokenizeCompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
