@@ -212,7 +212,9 @@ class EngineService:
     # -- the step task ---------------------------------------------------------------------------------------
     async def run(self) -> None:
         """Steps until drained (or the worker dies: WorkerDied). A step that a grammar constrains goes out like any
-        other: the worker fills its bitmask (``dispatcher.runtime.grammar``)."""
+        other: the worker fills its bitmask (``dispatcher.runtime.grammar``). A finished step's outputs go to the
+        front ends once the step scheduled after its result is sent (at once when none is), in step order
+        (``_finish``)."""
         core, in_flight = self.core, self._in_flight
         depth = 2 if core.async_scheduling else 1
         outputs = None  # the last finished step's, sent once the next step is on its way
