@@ -265,16 +265,12 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
 
 
 def chat_echo(req: ChatCompletionRequest) -> str | None:
-    """What ``echo`` puts before each choice's content: the last message's text (text parts joined by newlines, as
-    the template reads them) where it is the assistant's, else "" (vLLM's rule); None without ``echo``."""
+    """What ``echo`` puts before each choice's content: the last message's text (``message_text``, as the template
+    reads it) where it is the assistant's, else "" (vLLM's rule); None without ``echo``."""
     if not req.echo:
         return None
     last = req.messages[-1]
-    if last.role != "assistant" or last.content is None:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part.text or "" for part in last.content)
+    return message_text(len(req.messages) - 1, last) if last.role == "assistant" else ""
 
 
 class TokenizeCompletionRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -563,22 +559,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     rule)."""
     out = []
     for i, m in enumerate(req.messages):
-        content = m.content
-        if content is None and m.role != "assistant":
+        if m.content is None and m.role != "assistant":
             raise ApiError(400, f"'messages[{i}].content' is required for a message of role '{m.role}'",
                            param=f"messages[{i}].content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise ApiError(400, f"'messages[{i}].content[{j}]': only text parts are supported, got type "
-                                        f"{part.type!r}", param=f"messages[{i}].content[{j}]")
-                if part.text is None:
-                    raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
-                                   param=f"messages[{i}].content[{j}].text")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        msg: dict[str, Any] = {"role": m.role, "content": message_text(i, m)}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:
@@ -612,6 +596,23 @@ def chat_template_options(req: ChatCompletionRequest | TokenizeChatRequest) -> d
                             f"fields, or the server's template)", param="chat_template_kwargs")
     return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "variables": extra}
+
+
+def message_text(i: int, m: ChatMessage) -> str:
+    """Message ``i``'s text: its content, text parts joined by newlines ("" for none); ApiError naming a part that
+    is not text."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text":
+            raise ApiError(400, f"'messages[{i}].content[{j}]': only text parts are supported, got type "
+                                f"{part.type!r}", param=f"messages[{i}].content[{j}]")
+        if part.text is None:
+            raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
+                           param=f"messages[{i}].content[{j}].text")
+        texts.append(part.text)
+    return "\n".join(texts)
 
 
 def _arguments(text: str):
