@@ -56,6 +56,8 @@ case "${1:-}" in
      tar czf "$OUT/x/dm_traces.tgz" -C /root/bg/dm traces 2>/dev/null
      python benchmarks/trace_by_kind.py /root/bg/dm/traces/*.jsonl --requests 900-1024 \
        --out "$OUT/x/by_kind_1024_$GPU.json" | grep -v '^  ' ;
+     python benchmarks/trace_by_kind.py /root/bg/dm/traces/*.jsonl --requests 200-256 \
+       --out "$OUT/x/by_kind_256_$GPU.json" | grep -v '^  ' ;
      kill_servers; ls -la "$OUT/x" ;;
   5) # (optional, after 4 within the warm window: where the host's ~2 ms a step at 1024 streams goes) one eagle3 K = 3
      # server at 1024 streams, its engine and worker sampled by py-spy; the raw stacks and their summary come back
