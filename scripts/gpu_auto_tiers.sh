@@ -15,6 +15,8 @@
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
 # Each JSON's rows carry vs_best_fixed (auto against the best fixed K, round by round): issue 29 asks 0.97x.
 # Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
+# NO_TESTS=1 (call 3): the GPU tests not run; METHODS and CONCS (call 3): the matrix's methods and concurrencies
+# (defaults: none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 at 16,64,256,1024), for a short device budget.
 # NO_MOE=1 (calls 1 and 2): the GGUF pieces carried and the wheels installed, bench-moe not run (it has its results;
 # the default model's matrix is what a short device budget buys).
 set -uo pipefail
@@ -41,12 +43,13 @@ case "${1:-}" in
      bg_wait moe 5
      mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null
      kill_servers
-     TAILN=14 part gputests 360 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
+     [ -n "${NO_TESTS:-}" ] || TAILN=14 part gputests 360 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
        tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32 \
        tests/test_structured_gpu.py::test_every_constraint_gives_valid_output_served_on_the_gpu
-     cp "$R/gputests.log" "$OUT/x/"; mkdir -p /root/bg/dm
+     cp "$R/gputests.log" "$OUT/x/" 2>/dev/null; mkdir -p /root/bg/dm
      bg_start dm python benchmarks/bench_spec_gpu.py --data "$D" \
-       --methods none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5 --policies separate --concurrency 16,64,256,1024 \
+       --methods "${METHODS:-none,eagle3:3,eagle3:4,eagle3:5,eagle3:auto5}" --policies separate \
+       --concurrency "${CONCS:-16,64,256,1024}" \
        --waves 4 --min-prompts 16 --together --rounds 3 --kv-gib 8 --step-trace-dir /root/bg/dm/traces \
        --out /root/bg/dm/spec_auto_$GPU.json
      bg_wait dm "${LIM:-560}"; ls "$OUT/x" ;;
