@@ -170,11 +170,16 @@ def run(args) -> dict:
     if not args.python_gc:
         freeze_startup_heap()  # (as each process of twogrid serve does once it is ready)
     done_at: list[float] = []
+    admitting: list[int] = []
+    """Per step taken: the new requests it admitted (a mixed step: some)."""
+    schedule_ms: list[float] = []
     finish = service._finish
 
     async def timed_finish(step):
         outputs = await finish(step)
         done_at.append(time.perf_counter())
+        admitting.append(len(step.out.new_requests))
+        schedule_ms.append(step.host_ms)
         if len(done_at) == args.warmup:
             watch.on = True
         return outputs
@@ -185,12 +190,22 @@ def run(args) -> dict:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(service.receive()), loop.create_task(service.run())]
         rng = np.random.default_rng(1)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        for i in range(args.requests):
+        sent = 0
+
+        def send(max_tokens: int) -> None:
+            nonlocal sent
             ids = rng.integers(3, core.model_config.vocab_size, args.prompt_len).tolist()
-            inbox.queue.put_nowait(encode_core(AddRequest(f"r{i}", ids, params, i % args.front_ends)))
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            inbox.queue.put_nowait(encode_core(AddRequest(f"r{sent}", ids, params, sent % args.front_ends)))
+            sent += 1
+
+        for _ in range(args.requests):  # (with --churn, the first ones' lengths spread: they end one after another)
+            send(int(rng.integers(1, args.churn + 1)) if args.churn else max_tokens)
         while len(done_at) < args.warmup + args.steps:
             await asyncio.sleep(0)
+            if args.churn:  # a client keeping --requests streams: each one that ends is replaced at once
+                for _ in range(args.requests - len(core.scheduler.requests) - inbox.queue.qsize()):
+                    send(args.churn)
             for task in tasks:
                 if task.done():  # (the step loop failed: its error, not a hang)
                     task.result()
@@ -207,6 +222,17 @@ def run(args) -> dict:
     asyncio.run(scenario())
     periods = np.diff(done_at[args.warmup - 1:args.warmup + args.steps]) * 1e3
     to_submit = worker.result_to_submit_ms(args.warmup)
+    measured = slice(args.warmup, args.warmup + args.steps)
+    admitted, sched = np.array(admitting[measured]), np.array(schedule_ms[measured])
+    mixed = admitted > 0
+    churn = {} if not args.churn or not mixed.any() else {
+        "admitting_steps": int(mixed.sum()),
+        "admitted_per_admitting_step": round(float(admitted[mixed].mean()), 1),
+        "schedule_ms_admitting_median": round(float(np.median(sched[mixed])), 3),
+        "schedule_ms_admitting_p90": round(float(np.percentile(sched[mixed], 90)), 3),
+        "schedule_ms_decode_median": round(float(np.median(sched[~mixed])), 3) if (~mixed).any() else None,
+        "us_per_admitted_request": round(float((sched[mixed].sum() - np.median(sched[~mixed]) * mixed.sum())
+                                               / admitted.sum() * 1e3), 1) if (~mixed).any() else None}
     return {"ms_per_step_median": round(float(np.median(periods)), 3),
             "result_to_submit_ms_median": round(float(np.median(to_submit)), 3),
             "result_to_submit_ms_p90": round(float(np.percentile(to_submit, 90)), 3),
@@ -216,7 +242,7 @@ def run(args) -> dict:
             "gc_collections": watch.count, "gc_ms": [round(s * 1e3, 1) for s in watch.seconds],
             "gc_ms_per_step": round(sum(watch.seconds) * 1e3 / args.steps, 3),
             "frames_per_step": round(sum(s.frames for s in sinks) / len(done_at), 2),
-            "gc_threshold": list(gc.get_threshold())}
+            "gc_threshold": list(gc.get_threshold()), **churn}
 
 
 def main() -> None:
@@ -230,6 +256,9 @@ def main() -> None:
                    help="with --speculative-config: a draft is accepted with this probability after the one before")
     p.add_argument("--warmup", type=int, default=100, help="steps before the measured ones (the prompts' included)")
     p.add_argument("--steps", type=int, default=1000, help="measured steps")
+    p.add_argument("--churn", type=int, default=0, metavar="OUTPUT_LEN",
+                   help="requests of OUTPUT_LEN tokens, each replaced by a new one as it ends (a serving client's "
+                   "steady state: new prompts admitted every few steps); default: none end")
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
     p.add_argument("--out", default=None)
@@ -240,10 +269,15 @@ def main() -> None:
           f"next step sent {result['result_to_submit_ms_median']:.3f} ms (median; p90 "
           f"{result['result_to_submit_ms_p90']:.3f}); collector "
           f"{result['gc_ms_per_step']:.3f} ms a step ({result['gc_collections']} collections by generation)")
+    if "admitting_steps" in result:
+        print(f"churn: {result['admitting_steps']} of {args.steps} steps admitted new requests "
+              f"({result['admitted_per_admitting_step']} each): their schedule {result['schedule_ms_admitting_median']}"
+              f" ms (median; p90 {result['schedule_ms_admitting_p90']}), a decode's {result['schedule_ms_decode_median']}"
+              f" ms; {result['us_per_admitted_request']} us a request admitted")
     write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
                           "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
-                          "speculative_config": args.speculative_config,
+                          "speculative_config": args.speculative_config, "churn": args.churn,
                           "python_gc": args.python_gc, **result})
 
 

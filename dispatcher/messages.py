@@ -279,6 +279,8 @@ class WorkerInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
     """Ranks the model is split across (``--tensor-parallel-size``): one worker process each, every one getting this
     same init and every step; its rank and the group's rendezvous come from its environment (TP_RANK_ENV,
     TP_INIT_ENV). Rank 0 answers the steps."""
+    steps_in_flight: int = 2
+    """Steps the engine submits at once (``--steps-in-flight``): ``WorkerConfig.steps_in_flight``."""
 
 
 def resolve_init(init: WorkerInit, grid_cost: dict | None = None) -> ResolvedConfig:

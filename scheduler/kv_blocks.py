@@ -6,7 +6,7 @@ mirrors it. Allocation and release are vectorized (numpy) so that a 1024-request
 
 Prefix caching: a full block whose KV is known to be right is *registered* under its block hash (``block_hash``:
 its parent's hash chained with its tokens). A request that starts looks its block hashes up and shares the blocks
-found (``share``); every block counts the slots that hold it (``ref_count``). A block no slot holds is free; a
+found (``start``); every block counts the slots that hold it (``ref_count``). A block no slot holds is free; a
 free registered block keeps its content and stays findable, in LRU order (the blocks a request freed last are
 evicted last; of one request's blocks the tail goes first, since a chain is only found from its head), and is
 evicted only when an allocation finds no plain free block left. Blocks: plain free + evictable (free and
@@ -153,23 +153,48 @@ class KVBlockManager:
             found.append(block)
         return found
 
-    def num_free_besides(self, blocks: list[int]) -> int:
-        """Free blocks an allocation could take once ``blocks`` (found by ``lookup``) are held."""
-        return self.num_free - int(np.count_nonzero(self.ref_count[blocks] == 0)) if blocks else self.num_free
-
-    def share(self, slot: int, blocks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """An empty slot takes ``blocks`` (a cached prefix, from ``lookup``) as its leading blocks. Returns the new
-        (slot, block index, block id) entries."""
+    def start(self, slot: int, blocks: list[int], num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """An empty slot takes ``blocks`` (a cached prefix, from ``lookup``) as its leading blocks and then fresh
+        ones up to ``num_tokens`` tokens (as ``grow``), in one (slot, block index, block id) update; None
+        (and nothing changed) when the pool is short. One request's admission: a step at 1,024 streams admits a
+        few dozen, and numpy's cost a call was most of each one's (a share and a ``grow`` on one slot)."""
         n = len(blocks)
-        ids = np.asarray(blocks, dtype=np.int32)
-        if n:
-            for block in ids[self.ref_count[ids] == 0].tolist():
+        need = max(self.blocks_for(num_tokens) - n, 0)
+        cached_free = sum(1 for b in blocks if b in self._evictable)  # (free until taken: not for the allocation)
+        if need > self.num_free - cached_free:
+            return None
+        if n + need > self.max_blocks_per_seq:
+            raise ValueError("a request outgrew max_blocks_per_seq (max_model_len); validate requests first")
+        for block in blocks:
+            if block in self._evictable:
                 del self._evictable[block]
-            self.ref_count[ids] += 1
-            self.block_table[slot, :n] = ids
-            self.num_held[slot] = n
-            self.num_registered[slot] = n
-        return np.full(n, slot, dtype=np.int64), np.arange(n, dtype=np.int64), ids
+        ids = np.empty(n + need, dtype=np.int32)
+        ids[:n] = blocks
+        if n:
+            self.ref_count[ids[:n]] += 1
+        if need:
+            ids[n:] = self._take(need)
+            self.ref_count[ids[n:]] = 1
+        self.block_table[slot, : n + need] = ids
+        self.num_held[slot] = n + need
+        self.num_registered[slot] = n
+        return np.full(n + need, slot, dtype=np.int64), np.arange(n + need, dtype=np.int64), ids
+
+    def register_one(self, slot: int, hashes: list[bytes], num_blocks: int, owner, log: list) -> None:
+        """``register`` for one slot (a request's admission: no array work for one row)."""
+        first = int(self.num_registered[slot])
+        if num_blocks <= first:
+            return
+        block_of, hash_of, new = self._block_of, self._hash_of, []
+        for block, h in zip(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks]):
+            if h not in block_of:
+                block_of[h] = block
+                hash_of[block] = h
+                new.append(block)
+                log.append((owner, block, h))
+        if new:
+            self._registered[new] = True
+        self.num_registered[slot] = num_blocks
 
     def register(self, slots: np.ndarray, hashes: list[list[bytes]], num_blocks: np.ndarray, owners: list,
                  log: list) -> None:

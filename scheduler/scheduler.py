@@ -78,6 +78,9 @@ class SchedulerConfig:
     the first step with room). A mixed step runs op by op around PIECEWISE graphs where a uniform decode replays one
     graph, and speculative decoding staggers the finishes (each request accepts its own drafts), so that without a
     wait nearly every other step at 256 streams is mixed (``_hold_arrivals``)."""
+    steps_in_flight: int = 2
+    """Steps the engine keeps submitted at once (asynchronous scheduling: a step is scheduled while those before
+    it run): a request's positions past prompt + max_tokens are bounded by theirs (``extra_tokens``)."""
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -85,11 +88,11 @@ class SchedulerConfig:
 
     @property
     def extra_tokens(self) -> int:
-        """Positions a request may hold past prompt + max_tokens: with drafts, those of two steps in flight (its last
-        sampled token and K drafts each: asynchronous scheduling plans a step before the last one's result), else
-        one; and the drafter's lookahead."""
-        k = self.max_speculative_tokens
-        return (2 * (k + 1) if k else 1) + self.lookahead_tokens
+        """Positions a request may hold past prompt + max_tokens: with drafts, those of the steps in flight (its last
+        sampled token and K drafts each: asynchronous scheduling plans a step before the last ones' results; two at
+        least), else one a step past the first; and the drafter's lookahead."""
+        k, steps = self.max_speculative_tokens, max(self.steps_in_flight, 2)
+        return (steps * (k + 1) if k else steps - 1) + self.lookahead_tokens
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -143,6 +146,9 @@ class SchedulerOutput:
     """Of those, the tokens found in the prefix cache."""
     registered: list[tuple[str, int, bytes]] = field(default_factory=list)
     """Blocks this step offered to the prefix cache: (request id, block, hash)."""
+    epochs: np.ndarray | None = None
+    """Each request's slot's epoch when the step was scheduled (``Scheduler.slot_epoch``): a row whose slot's epoch
+    moved since is not live (its request left, and may have started again: a preempted one)."""
 
     @property
     def num_tokens(self) -> int:
@@ -353,10 +359,16 @@ class Scheduler:
         """The slot's request was running but left out of the last step (the budget was full): it goes first next."""
         self.pending_gain = np.zeros(n, np.int64)
         """Tokens the slot's steps still running may add at most (1 + drafts each); 0 when none is in flight."""
+        self.pending_steps = np.zeros(n, np.int64)
+        """The slot's steps still running that sample for it (each adds at least one token)."""
         self.draft_conf = np.ones((n, max(self.k_max, 1)), np.float64)
         """The drafter's confidence in each of the slot's drafts (adaptive verification's input; the drafts themselves
         stay on the worker)."""
         self.slot_request: list[Request | None] = [None] * n
+        self.slot_epoch = np.zeros(n, np.int64)
+        """Per slot, how many requests left it (finished, aborted, preempted): a step's row is live while its slot's
+        epoch is the one it was scheduled in. (A request preempted while steps of it run may start again before
+        their results are in, with three steps in flight: its own ``Request`` then, a new incarnation.)"""
         self._free_slots = list(range(n - 1, -1, -1))
         self.order: list[int] = []
         """Running slots, highest priority (earliest arrival) first."""
@@ -491,6 +503,7 @@ class Scheduler:
         self.order.remove(slot)
         self._order_dirty = True
         self.slot_request[slot] = None
+        self.slot_epoch[slot] += 1
         self.num_drafts[slot] = 0
         self.waited[slot] = False
         self._free_slots.append(slot)
@@ -513,6 +526,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.num_computed[slot] = num_computed
         self.pending_gain[slot] = 0
+        self.pending_steps[slot] = 0
         self.num_tokens[slot] = req.num_tokens
         self.prompt_len[slot] = len(req.prompt_token_ids)
         self.max_output[slot] = req.params.max_tokens
@@ -574,6 +588,13 @@ class Scheduler:
         self.kv.register(slots, [r.block_hashes for r in reqs], num_blocks, [r.request_id for r in reqs],
                          self._registered)
 
+    def _register_one(self, slot: int, req: Request, num_blocks: int) -> None:
+        """``_register`` for one slot (an admission)."""
+        c = self.config
+        if len(req.block_hashes) < num_blocks:
+            extend_block_hashes(req.block_hashes, req.token_ids, num_blocks, c.block_size, c.next_token_key)
+        self.kv.register_one(slot, req.block_hashes, num_blocks, req.request_id, self._registered)
+
     def _full_blocks(self, num_computed, num_tokens):
         """Blocks whose KV is right after a step that computes up to ``num_computed`` of ``num_tokens`` known
         tokens (numpy arrays or ints): its full blocks of known tokens (with the token after them, where a block's
@@ -630,9 +651,9 @@ class Scheduler:
         slots = self._order_array()
         if self.waited[slots].any():
             slots = slots[np.argsort(~self.waited[slots], kind="stable")]
-        if self.pending_gain[slots].any():  # a request whose running step surely ends it gets no further step
+        if self.pending_gain[slots].any():  # a request whose running steps surely end it gets no further step
             room = self.max_output[slots] - (self.num_tokens[slots] - self.prompt_len[slots])
-            slots = slots[(self.pending_gain[slots] == 0) | (room > 1)]
+            slots = slots[(self.pending_gain[slots] == 0) | (room > self.pending_steps[slots])]
         computed = self.num_computed[slots]
         known = self.num_tokens[slots] + self.pending_gain[slots]
         uncomputed = known - computed
@@ -672,15 +693,15 @@ class Scheduler:
             hit = self._cached_prefix(req)
             computed = len(hit) * c.block_size
             chunk = min(req.num_tokens - computed, budget)
-            if self.kv.blocks_for(computed + chunk + c.lookahead_tokens) - len(hit) > self.kv.num_free_besides(hit):
+            update = self.kv.start(self._free_slots[-1], hit, computed + chunk + c.lookahead_tokens)
+            if update is None:  # (the pool is short)
                 break
             self.waiting.popleft()
             self._arrived_at.pop(req.request_id, None)
-            slot = self._start(req, computed)
-            updates.append(self.kv.share(slot, hit))
-            updates.append(self.kv.grow(np.array([slot]), np.array([computed + chunk + c.lookahead_tokens])))
+            slot = self._start(req, computed)  # (the slot ``start`` filled: the last free one)
+            updates.append(update)
             if c.enable_prefix_caching:  # at once: a request admitted after it in this step may share its blocks
-                self._register(np.array([slot]), np.array([self._full_blocks(computed + chunk, req.num_tokens)]))
+                self._register_one(slot, req, self._full_blocks(computed + chunk, req.num_tokens))
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = computed
                 if c.enable_prefix_caching:
@@ -752,6 +773,7 @@ class Scheduler:
         if c.enable_prefix_caching:
             self._unregistered = pick.slots  # (``register_blocks``, once the step is sent)
         self.pending_gain[slots] += np.where(samples, 1 + drafts, 0)
+        self.pending_steps[slots] += samples
         num_new_drafts = self._new_drafts(len(slots), drafts, is_decode)
         # what the drafter proposes after this step (a structured request verifies none)
         self.num_drafts[slots] = np.where(samples & ~self.structured[slots], num_new_drafts, 0)
@@ -780,6 +802,7 @@ class Scheduler:
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
             registered=self._registered,
+            epochs=self.slot_epoch[slots],
         )
 
     # -- results -------------------------------------------------------------------------------------------
@@ -787,8 +810,7 @@ class Scheduler:
         """Apply a step's results: advance KV, roll back rejected drafts, append tokens, finish requests. Rows of
         requests that left after the step was scheduled (aborted) are skipped."""
         self.register_blocks()
-        live = np.fromiter((self.slot_request[s] is r for s, r in zip(out.slots.tolist(), out.requests)), bool,
-                           len(out.slots))
+        live = self.live_rows(out)
         rows = np.nonzero(live)[0]
         if len(rows) == 0:
             self.last_spec_decode = NO_DRAFTS
@@ -797,12 +819,21 @@ class Scheduler:
         accepted = np.where(samples, np.minimum(result.num_accepted[rows], drafts), 0)
         self.num_computed[slots] -= drafts - accepted  # the rejected drafts' KV is rolled back
         self.pending_gain[slots] -= np.where(samples, 1 + drafts, 0)
+        self.pending_steps[slots] -= samples
         self.kv.shrink(slots, self.num_computed[slots] + self.config.lookahead_tokens)  # keep the lookahead
         self.last_spec_decode = self.stats.observe_drafts(drafts, accepted)
         k_new, conf = out.num_new_drafts, result.draft_confidences
         if k_new and conf is not None:  # the drafts themselves stay on the worker
             self.draft_conf[slots[samples], :k_new] = conf[rows[samples], :k_new]
         return self._append_tokens(out, result, rows[samples], accepted[samples] + 1)
+
+    def live_rows(self, out: SchedulerOutput) -> np.ndarray:
+        """Per row of a scheduled step, whether its request is still the one running in its slot (it has not left
+        since the step was scheduled)."""
+        if out.epochs is None:  # (a step made by hand: its requests)
+            return np.fromiter((self.slot_request[s] is r for s, r in zip(out.slots.tolist(), out.requests)), bool,
+                               len(out.slots))
+        return self.slot_epoch[out.slots] == out.epochs
 
     def _append_tokens(self, out: SchedulerOutput, result: ModelResult, rows: np.ndarray,
                        counts: np.ndarray) -> list[RequestOutput]:

@@ -258,3 +258,61 @@ def test_ngram_greedy_equals_no_speculation_with_async_scheduling(workload):
         assert engine.scheduler.kv.num_free == engine.scheduler.config.num_kv_blocks, "KV blocks leaked"
     assert outputs[0] == outputs[1]
     assert all(len(o) == max_tokens for o in outputs[0])
+
+
+@st.composite
+def in_flight_workloads(draw):
+    """Greedy requests of random lengths and max_tokens (EOS kept or ignored), a speculative method or none, a
+    token budget that chunks and a KV cache that may preempt."""
+    spec = draw(st.sampled_from([None, SPECS[1], SPECS[3], SPECS[4], SPECS[7]]))
+    requests = draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=7))
+    per_request = -(-(MAX_MODEL_LEN + 3 * 4 + 4) // BLOCK)  # prompt + output + three steps' drafts + lookahead
+    return spec, draw(st.sampled_from([16, 32])), draw(st.integers(per_request, 3 * per_request)), requests
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(in_flight_workloads())
+def test_three_steps_in_flight_generate_as_one_at_a_time(workload):
+    """``steps_in_flight = 3`` (a step scheduled while the two before it run, every request's tokens and drafts of
+    both assumed): every request's greedy tokens and finish are those of synchronous steps, a request whose
+    running steps surely end it is not scheduled again, and the KV cache is whole at the end."""
+    spec, budget, num_blocks, requests = workload
+    runs = []
+    for steps, overlap in ((3, True), (1, False)):
+        cfg = resolve({}, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=budget)
+        engine = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=num_blocks, block_size=BLOCK,
+                                            max_model_len=MAX_MODEL_LEN, seed=11, async_scheduling=overlap,
+                                            steps_in_flight=steps, admission_wait_steps=0))
+        assert engine.depth == steps
+        ids = [engine.add_request([(5 * i + 11 * j) % 500 + 3 for j in range(n)],
+                                  SamplingParams(max_tokens=m, ignore_eos=ignore))
+               for i, (n, m, ignore) in enumerate(requests)]
+        tokens = {rid: [] for rid in ids}
+        ends = {}
+        for outputs in engine.run():
+            for o in outputs:
+                tokens[o.request_id] += o.new_token_ids
+                if o.finished:
+                    ends[o.request_id] = o.finish_reason
+        assert engine.scheduler.kv.num_free == num_blocks, "KV blocks leaked"
+        for rid, (_, m, _) in zip(ids, requests):
+            assert len(tokens[rid]) == m or ends[rid] is FinishReason.STOP
+        runs.append((tokens, ends))
+    assert runs[0] == runs[1]
+
+
+def test_steps_in_flight_is_checked_and_bounds_the_positions_past_max_model_len():
+    """--steps-in-flight outside 1..4 is refused naming the flag; each step in flight past two holds one more step's
+    drafts past max_model_len (the model's positions must hold them)."""
+    from dispatcher.engine.config import max_model_len_limit
+    from dispatcher.plan.config import ConfigError
+
+    cfg = resolve({}, {"method": "eagle3", "num_speculative_tokens": 3}, platform="sm100", max_num_seqs=4,
+                  max_num_batched_tokens=32)
+    for bad in (0, 5, True, 2.0):
+        with pytest.raises(ConfigError, match="--steps-in-flight must be a step count in 1..4"):
+            max_model_len_limit(cfg, 2048, 16, bad)
+    # (two steps' drafts at least, 4 positions each, and the head's lookahead of K + 1 = 4)
+    assert [max_model_len_limit(cfg, 2048, 16, n)[1] for n in (1, 2, 3, 4)] == [12, 12, 16, 20]
+    plain = resolve({}, None, platform="sm100", max_num_seqs=4, max_num_batched_tokens=32)
+    assert [max_model_len_limit(plain, 2048, 16, n)[1] for n in (2, 3)] == [1, 2]

@@ -41,6 +41,11 @@ class EngineArgs:
     """Append one JSON record per step to this file."""
     async_scheduling: bool | None = None
     """Schedule and submit step t + 1 before step t's result is back (None: wherever the method allows)."""
+    steps_in_flight: int = 2
+    """With asynchronous scheduling, steps submitted at once (``--steps-in-flight``, ``check_steps_in_flight``): 2
+    schedules each step while the one before runs; 3 keeps one more queued, so that the device does not wait where
+    the host's turn from a result to the next step sent (the scheduler's update, admissions, the next schedule)
+    sometimes outlasts a step."""
     fixed_acceptance: float | None = None
     """Benchmarks only: accept drafts so that the mean acceptance length is this (see WorkerConfig)."""
     quantization: str | None = None
@@ -139,12 +144,14 @@ def admission_wait_for(cfg: ResolvedConfig, admission_wait_steps: int | None) ->
 
 def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 16, max_model_len: int = 8192,
                      step_ms: Callable[[np.ndarray], np.ndarray] | None = None,
-                     enable_prefix_caching: bool = False, admission_wait_steps: int | None = None) -> SchedulerConfig:
+                     enable_prefix_caching: bool = False, admission_wait_steps: int | None = None,
+                     steps_in_flight: int = 2) -> SchedulerConfig:
     """The scheduler's configuration for a resolved config: its speculative tiers, adaptive-verification sizes
     and, for a model drafter, the KV lookahead (the drafter writes up to K + 1 positions past a step). Tiers with K = 0
     stay (their steps draft nothing); K_max bounds what ``Scheduler.set_tiers`` may switch to (``"auto"`` tiers).
     With prefix caching, an EAGLE-style drafter's blocks are keyed by the token after them too (its KV entry at
-    position p holds token p + 1: ``scheduler.block_hash``). ``admission_wait_steps``: ``admission_wait_for``."""
+    position p holds token p + 1: ``scheduler.block_hash``). ``admission_wait_steps``: ``admission_wait_for``;
+    ``steps_in_flight``: ``EngineArgs.steps_in_flight``."""
     tiers = tuple((t.min_batch, t.max_batch, t.num_speculative_tokens) for t in cfg.tiers) if cfg.method else ()
     av = grids.av_grid(cfg.av_cap_tokens()) if cfg.adaptive_verification else ()
     model_drafter = cfg.method in MODEL_DRAFTERS
@@ -152,11 +159,23 @@ def scheduler_config(cfg: ResolvedConfig, num_kv_blocks: int, block_size: int = 
                            tiers, cfg.adaptive_verification, tuple(av), step_ms,
                            cfg.num_speculative_tokens + 1 if model_drafter else 0, cfg.num_speculative_tokens,
                            enable_prefix_caching, enable_prefix_caching and cfg.method in EAGLE_LIKE,
-                           admission_wait_for(cfg, admission_wait_steps))
+                           admission_wait_for(cfg, admission_wait_steps), check_steps_in_flight(steps_in_flight))
 
 
-def max_model_len_limit(cfg: ResolvedConfig, max_position_embeddings: int, block_size: int = 16) -> tuple[int, int]:
+MAX_STEPS_IN_FLIGHT = 4
+"""The most steps ``--steps-in-flight`` may keep submitted at once."""
+
+
+def check_steps_in_flight(steps: int) -> int:
+    """``steps_in_flight`` as given; ConfigError naming the flag and its range otherwise."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS_IN_FLIGHT:
+        raise ConfigError(f"--steps-in-flight must be a step count in 1..{MAX_STEPS_IN_FLIGHT}, got {steps!r}")
+    return steps
+
+
+def max_model_len_limit(cfg: ResolvedConfig, max_position_embeddings: int, block_size: int = 16,
+                        steps_in_flight: int = 2) -> tuple[int, int]:
     """(the longest max_model_len the model's positions allow, the positions past it a request may hold: drafts of
-    two steps in flight and the drafter's lookahead, ``SchedulerConfig.extra_tokens``)."""
-    extra = scheduler_config(cfg, 1, block_size, 1).extra_tokens
+    the steps in flight and the drafter's lookahead, ``SchedulerConfig.extra_tokens``)."""
+    extra = scheduler_config(cfg, 1, block_size, 1, steps_in_flight=steps_in_flight).extra_tokens
     return max_position_embeddings - extra, extra

@@ -204,7 +204,8 @@ class EngineCore:
         self.dispatchers = dispatchers_for_plan(self.plan)
         sched_cfg = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
                                      enable_prefix_caching=args.enable_prefix_caching,
-                                     admission_wait_steps=args.admission_wait_steps)
+                                     admission_wait_steps=args.admission_wait_steps,
+                                     steps_in_flight=args.steps_in_flight)
         if sched_cfg.admission_wait_steps:
             log.info("arrivals wait up to %d steps while every running request decodes (--admission-wait-steps%s)",
                      sched_cfg.admission_wait_steps, "" if args.admission_wait_steps is not None else
@@ -217,7 +218,8 @@ class EngineCore:
                 WorkerConfig(args.model, args.device, dtype, args.num_kv_blocks, args.block_size, args.max_model_len,
                              cfg.max_num_seqs, cfg.max_num_batched_tokens, sched_cfg.max_blocks_per_seq, args.seed,
                              args.use_cuda_graphs, args.fixed_acceptance, args.fuse_decode_steps,
-                             args.quantization, args.kv_cache_dtype, tokenizer is not None),
+                             args.quantization, args.kv_cache_dtype, tokenizer is not None,
+                             steps_in_flight=args.steps_in_flight),
                 self.plan,
             )
             if capture:
@@ -407,6 +409,11 @@ class EngineCore:
         return self._can_overlap
 
     @property
+    def depth(self) -> int:
+        """Steps submitted at once: ``EngineArgs.steps_in_flight`` with asynchronous scheduling, else 1."""
+        return self.args.steps_in_flight if self.async_scheduling else 1
+
+    @property
     def _can_overlap(self) -> bool:
         return not self.cfg.adaptive_verification
 
@@ -587,7 +594,7 @@ class EngineCore:
         """Steps until nothing is live, each step's outputs as it completes. With asynchronous scheduling the next
         step is submitted before the last one's result is waited for, so the device runs them back to back (a step
         that a grammar constrains too: the worker fills its bitmask once the step before has sampled)."""
-        depth = 2 if self.async_scheduling else 1
+        depth = self.depth
         in_flight: deque[ScheduledStep] = deque()
         while self.has_unfinished() or in_flight:
             step = self.schedule(len(in_flight)) if len(in_flight) < depth else None

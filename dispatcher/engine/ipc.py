@@ -471,7 +471,8 @@ def tensor_parallel_worker(cfg, args, compilation_config: dict | None, speculati
     from dispatcher.engine.config import scheduler_config
     from models.loader import default_dtype
 
-    sched = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len)
+    sched = scheduler_config(cfg, args.num_kv_blocks, args.block_size, args.max_model_len,
+                             steps_in_flight=args.steps_in_flight)
     dtype = args.dtype or default_dtype(args.model, args.device)
     init = WorkerInit(args.model, args.device, str(dtype).removeprefix("torch."), cfg.platform.value,
                       cfg.max_num_seqs, cfg.max_num_batched_tokens, dict(compilation_config or {}),
@@ -479,7 +480,7 @@ def tensor_parallel_worker(cfg, args, compilation_config: dict | None, speculati
                       args.num_kv_blocks, 0.9, args.seed, args.use_cuda_graphs, args.fixed_acceptance,
                       fuse_decode_steps=args.fuse_decode_steps, quantization=args.quantization,
                       kv_cache_dtype=args.kv_cache_dtype, structured_outputs=structured_outputs,
-                      tensor_parallel_size=tensor_parallel_size)
+                      tensor_parallel_size=tensor_parallel_size, steps_in_flight=args.steps_in_flight)
     group = WorkerGroup(init)
     try:
         return RemoteWorker(group)

@@ -216,7 +216,7 @@ class EngineService:
         front ends once the step scheduled after its result is sent (at once when none is), in step order
         (``_finish``)."""
         core, in_flight = self.core, self._in_flight
-        depth = 2 if core.async_scheduling else 1
+        depth = core.depth
         outputs = None  # the last finished step's, sent once the next step is on its way
         while not self._draining or in_flight or core.has_unfinished() or self._compiling or outputs:
             if not core.has_unfinished() and not in_flight and not outputs:

@@ -149,7 +149,7 @@ def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None =
     wcfg = WorkerConfig(init.model, str(device), dtype, init.num_kv_blocks or 256, init.block_size,
                         init.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, init.max_blocks_per_seq,
                         init.seed, init.use_cuda_graphs, init.fixed_acceptance, init.fuse_decode_steps,
-                        init.quantization, init.kv_cache_dtype, init.structured_outputs)
+                        init.quantization, init.kv_cache_dtype, init.structured_outputs, init.steps_in_flight)
     grid_cost = None
     if cfg.fit_sizes and build_plan(cfg).graph_sets and init.use_cuda_graphs:
         grid_cost = measured_grid_cost(wcfg, cfg, model).to_json()

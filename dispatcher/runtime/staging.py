@@ -74,11 +74,14 @@ def as_f32(column: torch.Tensor) -> torch.Tensor:
 
 class Download:
     """The results of one step, copied back once. ``start`` queues the copy; ``wait`` synchronizes and returns the
-    host array (a view of pinned memory, valid until the buffer's next use two steps later)."""
+    host array (a view of pinned memory, valid until the buffer's next use ``buffers`` steps later). ``buffers``:
+    the steps the engine keeps submitted at once (at least 2): a buffer is taken again only for a step the engine
+    scheduled after it had the result the buffer last held, so that result has been read."""
 
-    def __init__(self, device: torch.device, capacity: int = 1 << 16):
+    def __init__(self, device: torch.device, capacity: int = 1 << 16, buffers: int = 2):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.buffers = buffers
         self._turn = 0
         self._capacity = 0
         self._grow(capacity)
@@ -88,8 +91,8 @@ class Download:
             if self._capacity:
                 for done in self._done:
                     done.synchronize()
-            self._pinned = [torch.empty(capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-            self._done = [torch.cuda.Event(), torch.cuda.Event()]
+            self._pinned = [torch.empty(capacity, dtype=torch.int32, pin_memory=True) for _ in range(self.buffers)]
+            self._done = [torch.cuda.Event() for _ in range(self.buffers)]
         self._capacity = capacity
 
     def start(self, values: torch.Tensor) -> tuple[int, int, torch.Tensor]:
@@ -99,8 +102,8 @@ class Download:
             return -1, n, values.clone()
         if n > self._capacity:
             self._grow(max(n, 2 * self._capacity))
-        self._turn ^= 1
-        self._done[self._turn].synchronize()  # the buffer's previous result has been read (two steps ago)
+        self._turn = (self._turn + 1) % self.buffers
+        self._done[self._turn].synchronize()  # the buffer's previous result has been read (``buffers`` steps ago)
         self._pinned[self._turn][:n].copy_(values, non_blocking=True)
         self._done[self._turn].record()
         return self._turn, n, self._pinned[self._turn]

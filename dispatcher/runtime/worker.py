@@ -88,6 +88,9 @@ class WorkerConfig:
     structured_outputs: bool = False
     """Steps may carry grammar bitmasks (the engine has a tokenizer): load and warm up xgrammar's kernel at
     capture, not in the first constrained step."""
+    steps_in_flight: int = 2
+    """Steps the engine submits at once (``EngineArgs.steps_in_flight``): a request's positions past max_model_len
+    (its drafts in each) and the result buffers that take turns (``Download``)."""
 
 
 class RequestState:
@@ -199,9 +202,9 @@ class ModelWorker:
             kind = (EagleDrafter if method in EAGLE_LIKE
                     else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter)
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
-        max_len = wcfg.max_model_len + 2 * (k_max + 1) + 2
+        max_len = wcfg.max_model_len + max(wcfg.steps_in_flight, 2) * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
-        self.upload, self.download = Upload(self.device), Download(self.device)
+        self.upload, self.download = Upload(self.device), Download(self.device, buffers=max(wcfg.steps_in_flight, 2))
         self.grammar_upload = Upload(self.device, capacity=1 << 12)
         """The bitmask of a constrained step run op by op (structured outputs), uploaded apart: it is filled once
         the step's forward is queued."""

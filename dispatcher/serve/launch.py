@@ -80,6 +80,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve as soon as the weights and the KV cache are on the device and capture the CUDA graphs "
                         "between steps (steps whose graph is not captured yet run eagerly); the same as "
                         "--compilation-config '{\"delayed_cudagraph_capture\": true}'")
+    k.add_argument("--steps-in-flight", type=int, default=2, metavar="N",
+                   help="steps submitted to the device at once: 2 schedules each step while the one before runs "
+                        "(asynchronous scheduling); 3 keeps one more queued, for a host whose turn from a result to "
+                        "the next step (the scheduler's update, admissions) sometimes outlasts a step: at 1,024 "
+                        "streams under speculative decoding; each request may then hold one more step's drafts "
+                        "past max_model_len (1..4, default: %(default)s)")
     k.add_argument("--no-fuse-decode-steps", dest="fuse_decode_steps", action="store_false",
                    help="run uniform-decode steps op by op around the forwards' graphs instead of as one graph a step "
                         "(the default fuses them: docs/reference.md, fused decode steps)")
@@ -240,7 +246,7 @@ def _setup(args: argparse.Namespace):
 
     from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
                                       resolve_device)
-    from dispatcher.engine.config import EngineArgs, max_model_len_limit, scheduler_config
+    from dispatcher.engine.config import EngineArgs, check_steps_in_flight, max_model_len_limit, scheduler_config
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
     from models.default_model import default_model_path
@@ -280,13 +286,14 @@ def _setup(args: argparse.Namespace):
             check_draft_head(cfg.draft_model, model_cfg, cfg.method)
     except CheckpointError as exc:  # (the default model's fetch)
         raise ConfigError(f"--model: {exc}") from None
-    limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size)
+    steps_in_flight = check_steps_in_flight(args.steps_in_flight)
+    limit, extra = max_model_len_limit(cfg, model_cfg.max_position_embeddings, args.block_size, steps_in_flight)
     max_model_len = limit if args.max_model_len is None else args.max_model_len  # (0 is refused, not "unset")
     if not 1 <= max_model_len <= limit:
         raise ConfigError(f"--max-model-len must be in 1..{limit} (the model's {model_cfg.max_position_embeddings} "
                           f"positions less {extra} for drafts and lookahead), got {max_model_len}")
     check_tensor_parallel_size(args.tensor_parallel_size, model_cfg, device, cfg=cfg)
-    sched = scheduler_config(cfg, 1, args.block_size, max_model_len)
+    sched = scheduler_config(cfg, 1, args.block_size, max_model_len, steps_in_flight=steps_in_flight)
     dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size,
@@ -295,7 +302,8 @@ def _setup(args: argparse.Namespace):
                       fixed_acceptance=args.fixed_acceptance, measure_av_curve=cfg.adaptive_verification,
                       measure_decode_costs=cfg.auto_tiers, fuse_decode_steps=args.fuse_decode_steps,
                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                      structured_outputs=tokenizer is not None, tensor_parallel_size=args.tensor_parallel_size)
+                      structured_outputs=tokenizer is not None, tensor_parallel_size=args.tensor_parallel_size,
+                      steps_in_flight=steps_in_flight)
     if args.fixed_acceptance is not None:
         if not cfg.num_speculative_tokens:
             raise ConfigError("--fixed-acceptance needs a speculative method (--speculative-config)")
@@ -312,7 +320,8 @@ def _setup(args: argparse.Namespace):
                              step_trace=args.step_trace, eos_token_ids=tuple(dict.fromkeys(eos)),
                              enable_prefix_caching=args.enable_prefix_caching,
                              admission_wait_steps=args.admission_wait_steps,
-                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                             steps_in_flight=steps_in_flight)
     log.info("%s", render_plan(build_plan(cfg)))
     name = args.served_model_name or _model_name(model)
     return cfg, engine_args, init, tokenizer, name, generation_defaults(model)
