@@ -270,10 +270,11 @@ def main() -> None:
           f"{result['result_to_submit_ms_p90']:.3f}); collector "
           f"{result['gc_ms_per_step']:.3f} ms a step ({result['gc_collections']} collections by generation)")
     if "admitting_steps" in result:
-        print(f"churn: {result['admitting_steps']} of {args.steps} steps admitted new requests "
-              f"({result['admitted_per_admitting_step']} each): their schedule {result['schedule_ms_admitting_median']}"
-              f" ms (median; p90 {result['schedule_ms_admitting_p90']}), a decode's {result['schedule_ms_decode_median']}"
-              f" ms; {result['us_per_admitted_request']} us a request admitted")
+        r = result
+        print(f"churn: {r['admitting_steps']} of {args.steps} steps admitted new requests "
+              f"({r['admitted_per_admitting_step']} each): their schedule {r['schedule_ms_admitting_median']} ms "
+              f"(median; p90 {r['schedule_ms_admitting_p90']}), a decode's {r['schedule_ms_decode_median']} ms; "
+              f"{r['us_per_admitted_request']} us a request admitted")
     write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
                           "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,

@@ -79,7 +79,14 @@ def parse_method(text: str) -> tuple[str, int, dict | None]:
     """``none`` -> (none, 0, None); ``eagle3:3`` -> (eagle3, 3, its speculative config); ``eagle3:auto7`` ->
     (eagle3, -7, K up to 7 with ``"auto"`` tiers): a negative K stands for auto tiers up to -K. ``eagle3:3@DIR``:
     the draft head in DIR (``"model"``), its method named ``eagle3@NAME`` in the rows (NAME: DIR's last two path
-    components), so that two heads are measured side by side."""
+    components), so that two heads are measured side by side. A ``+sN`` suffix (``none+s3``, ``eagle3:3+s3``): the
+    server keeps N steps in flight (``--steps-in-flight N``), its method named with the suffix (``eagle3+s3``)."""
+    text, plus, steps = text.partition("+s")
+    if plus:
+        if not steps.isdigit():
+            raise ValueError(f"{text}+s{steps}: +sN takes a step count (--steps-in-flight N)")
+        method, k, spec = parse_method(text)
+        return f"{method}+s{steps}", k, spec
     if text == "none":
         return "none", 0, None
     text, at, head_dir = text.partition("@")
@@ -163,7 +170,7 @@ def spec_row(policy: str, method: str, k: int, conc: int, bench: dict, args) -> 
     head = make_row(policy, label(method, k), acceptance, conc, [bench], args)
     del head["workload"]
     row = {"policy": policy, "method": method, "k": k, "tiers": tiers_of(k), "fused": not args.no_fuse_decode_steps,
-           **head}
+           "steps_in_flight": steps_in_flight(method) or 2, **head}
     accepted, drafts = bench.get("spec_decode_num_accepted_tokens"), bench.get("spec_decode_num_drafts")
     row["accepted_tokens"], row["drafts"] = accepted, drafts
     row["mean_acceptance_length"] = bench.get("mean_acceptance_length")
@@ -280,7 +287,7 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             continue
         stem = file_stem(policy, method, k)
         log_path = os.path.join(out_dir, f"server-{stem}.log")
-        cmd = serve_command(policy, spec, args.port, args, SERVED_NAME) + server_flags(args, spec, k, stem)
+        cmd = serve_command(policy, spec, args.port, args, SERVED_NAME) + server_flags(args, spec, k, stem, method)
         log(f"server {i}/{len(todo)} {name}: starting (concurrency {','.join(map(str, concs))})")
         t0 = time.monotonic()
         proc = launch(cmd, name, args.port, log_path, wait=False)
@@ -336,9 +343,16 @@ def measure(result: dict, methods: list[tuple[str, int, dict | None]], policies:
             save()
 
 
-def server_flags(args, spec: dict | None, k: int, stem: str) -> list[str]:
-    """A server's flags from the run's options: its fixed acceptance, fused steps off, its step trace."""
-    flags = []
+def steps_in_flight(method: str) -> int | None:
+    """The ``+sN`` of a method's name (``parse_method``), or None."""
+    _, plus, steps = method.rpartition("+s")
+    return int(steps) if plus and steps.isdigit() else None
+
+
+def server_flags(args, spec: dict | None, k: int, stem: str, method: str = "") -> list[str]:
+    """A server's flags from the run's options: its fixed acceptance, fused steps off, its step trace, its steps in
+    flight (a method's ``+sN``)."""
+    flags = [] if steps_in_flight(method) is None else ["--steps-in-flight", str(steps_in_flight(method))]
     if args.fixed_acceptance is not None and spec:
         flags += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
     if args.no_fuse_decode_steps:
@@ -360,7 +374,7 @@ def measure_together(result: dict, methods: list[tuple[str, int, dict | None]], 
         for i, (method, k, spec, policy) in enumerate(servers):
             stem = file_stem(policy, method, k)
             cmd = (serve_command(policy, spec, args.port + i, args, SERVED_NAME) + ["--num-kv-blocks", str(blocks)]
-                   + server_flags(args, spec, k, stem))
+                   + server_flags(args, spec, k, stem, method))
             logs.append(os.path.join(out_dir, f"server-{stem}.log"))
             procs.append(launch(cmd, f"{policy} {label(method, k)}", args.port + i, logs[-1], wait=False))
         t0 = time.monotonic()

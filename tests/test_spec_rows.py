@@ -314,3 +314,22 @@ def test_fixed_acceptance_at_one_rate_for_every_k(spec):
     assert spec.fixed_mean_length(args, 7) == pytest.approx(3.0, abs=1e-3)
     assert spec.fixed_mean_length(args, 3) == pytest.approx(1 + rate + rate**2 + rate**3, abs=0.01)
     assert spec.fixed_mean_length(argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=None), 3) == 3.0
+
+
+def test_a_plus_s_suffix_names_a_server_with_more_steps_in_flight():
+    """``eagle3:3+s3``: the same speculative config, the server started with ``--steps-in-flight 3`` and named apart
+    (its own row, file names and flags); a bad count is refused."""
+    import argparse
+
+    import pytest
+
+    from bench_spec_gpu import file_stem, parse_method, server_flags
+
+    method, k, spec = parse_method("eagle3:3+s3")
+    assert (method, k, spec) == ("eagle3+s3", 3, {"method": "eagle3", "num_speculative_tokens": 3})
+    assert parse_method("none+s3")[:2] == ("none+s3", 0)
+    args = argparse.Namespace(fixed_acceptance=None, no_fuse_decode_steps=False, step_trace_dir=None)
+    assert server_flags(args, spec, k, file_stem("separate", method, k), method) == ["--steps-in-flight", "3"]
+    assert server_flags(args, spec, k, "separate-eagle3-k3", "eagle3") == []
+    with pytest.raises(ValueError, match=r"\+sN takes a step count"):
+        parse_method("eagle3:3+sx")
