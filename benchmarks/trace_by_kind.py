@@ -2,7 +2,8 @@
 (kind, q, fused) the steps, their summed and median device ms, their mean tokens and requests, and where steps
 were queued behind one another (``period_ms``), the host's wait: the summed excess of the period over the device
 time (the GPU idle between steps, waiting for the host), the share of steps with any, and the uniform decodes'
-output tokens per ms of their periods (with the drafts accepted, in traces that have them). Steps before the first
+output tokens per ms of their periods (with the drafts accepted, in traces that have them); and the GPU's busy share
+in runs of steps that admit requests against runs that do not (``_busy_by_admission``). Steps before the first
 with ``--min-requests`` requests are left out (the warm-up's); ``--requests LO-HI`` keeps only the steps of that
 many requests (one concurrency's steps, from a trace of a server that served several).
 
@@ -38,6 +39,37 @@ def _host_wait(steps: list[dict]) -> dict:
             if period_ms > 0 else None}
 
 
+ADMITTING_SHARE = 0.1
+"""A run of consecutive steps admits requests where at least this share of its steps is mixed."""
+
+
+def _busy_by_admission(steps: list[dict]) -> dict | None:
+    """The kept steps in runs of consecutive steps (at least 20: a concurrency's stretch between the warm-up and the
+    tail), split by whether a run admits requests (at least ``ADMITTING_SHARE`` of its steps mixed, arrivals
+    admitted as others end) or not: per side the steps, and the GPU's busy share of their wall time (their device ms
+    over the time between their results, ``t_s``); and the mixed steps' median schedule time (``host_ms``, on the
+    path from a result to the next step). None for traces without ``t_s``."""
+    if not steps or "t_s" not in steps[0]:
+        return None
+    runs, run = [], [steps[0]]
+    for s in steps[1:]:
+        if s["step"] != run[-1]["step"] + 1:
+            runs.append(run)
+            run = []
+        run.append(s)
+    runs.append(run)
+    out = {}
+    for name, admits in (("admitting", True), ("quiet", False)):
+        chosen = [r for r in runs if len(r) >= 20
+                  and (sum(s["kind"] == "mixed" for s in r) >= ADMITTING_SHARE * len(r)) == admits]
+        wall = sum(r[-1]["t_s"] - r[0]["t_s"] for r in chosen)
+        device = sum(s["device_ms"] for r in chosen for s in r[1:]) / 1e3
+        out[name] = {"steps": sum(len(r) for r in chosen), "gpu_busy": round(device / wall, 3) if wall > 0 else None}
+    mixed = [s["host_ms"] for s in steps if s["kind"] == "mixed" and "host_ms" in s]
+    out["mixed_schedule_ms_median"] = round(statistics.median(mixed), 3) if mixed else None
+    return out
+
+
 def by_kind(path: str, min_requests: int, requests: tuple[int, int] | None = None) -> dict:
     with open(path, encoding="utf-8") as fh:
         steps = [json.loads(line) for line in fh if line.strip()]
@@ -57,7 +89,7 @@ def by_kind(path: str, min_requests: int, requests: tuple[int, int] | None = Non
                      "mean_requests": round(statistics.mean(s["requests"] for s in group), 1),
                      **_host_wait(group)})
     return {"trace": path, "steps": len(steps), "device_s": round(sum(s["device_ms"] for s in steps) / 1e3, 3),
-            **_host_wait(steps), "by_kind": rows}
+            **_host_wait(steps), "by_kind": rows, "busy_by_admission": _busy_by_admission(steps)}
 
 
 def _span(text: str) -> tuple[int, int]:
@@ -83,6 +115,11 @@ def main() -> None:
         print(f"{r['trace']}: {r['steps']} steps, {r['device_s']} s of device time, the GPU waited "
               f"{r['host_wait_s']} s for the host ({r['waited_share']} of {r['queued_steps']} queued steps); "
               f"uniform decodes {r['decode_tokens_per_ms']} output tokens per ms of their periods")
+        busy = r["busy_by_admission"]
+        if busy:
+            print(f"  GPU busy {busy['admitting']['gpu_busy']} over {busy['admitting']['steps']} steps in runs that "
+                  f"admit requests (mixed steps' schedule {busy['mixed_schedule_ms_median']} ms median), "
+                  f"{busy['quiet']['gpu_busy']} over {busy['quiet']['steps']} in runs that do not")
         for row in r["by_kind"]:
             print(f"  {row['kind']:15s} q={row['q']!s:4s} fused={row['fused']!s:5s} {row['steps']:6d} steps "
                   f"{row['device_s']:8.3f} s  median {row['median_ms']:7.3f} ms  {row['mean_tokens']:7.1f} tokens  "

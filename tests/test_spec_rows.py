@@ -333,3 +333,19 @@ def test_a_plus_s_suffix_names_a_server_with_more_steps_in_flight():
     assert server_flags(args, spec, k, "separate-eagle3-k3", "eagle3") == []
     with pytest.raises(ValueError, match=r"\+sN takes a step count"):
         parse_method("eagle3:3+sx")
+
+
+def test_trace_by_kind_tells_the_gpu_busy_share_where_requests_are_admitted():
+    """Runs of consecutive steps that admit requests (mixed steps among them) against runs that do not: each side's
+    GPU busy share is its device time over the wall time between its results."""
+    from trace_by_kind import _busy_by_admission
+
+    quiet = [{"step": i, "kind": "uniform_decode", "device_ms": 5.0, "t_s": i * 0.005, "host_ms": 0.5}
+             for i in range(30)]
+    admitting = [{"step": 100 + i, "kind": "mixed" if i % 3 == 0 else "uniform_decode", "device_ms": 5.0,
+                  "t_s": 1.0 + i * 0.010, "host_ms": 4.0 if i % 3 == 0 else 0.5} for i in range(30)]
+    out = _busy_by_admission(quiet + admitting)
+    assert out["quiet"] == {"steps": 30, "gpu_busy": 1.0}
+    assert out["admitting"] == {"steps": 30, "gpu_busy": 0.5}
+    assert out["mixed_schedule_ms_median"] == 4.0
+    assert _busy_by_admission([{"step": 0, "kind": "mixed", "device_ms": 1.0}]) is None  # (no t_s: older traces)
