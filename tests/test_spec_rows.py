@@ -316,29 +316,29 @@ def test_fixed_acceptance_at_one_rate_for_every_k(spec):
     assert spec.fixed_mean_length(argparse.Namespace(fixed_acceptance=3.0, fixed_acceptance_of=None), 3) == 3.0
 
 
-def test_a_plus_s_suffix_names_a_server_with_more_steps_in_flight():
+def test_a_plus_s_suffix_names_a_server_with_more_steps_in_flight(spec):
     """``eagle3:3+s3``: the same speculative config, the server started with ``--steps-in-flight 3`` and named apart
     (its own row, file names and flags); a bad count is refused."""
     import argparse
 
     import pytest
 
-    from bench_spec_gpu import file_stem, parse_method, server_flags
-
-    method, k, spec = parse_method("eagle3:3+s3")
-    assert (method, k, spec) == ("eagle3+s3", 3, {"method": "eagle3", "num_speculative_tokens": 3})
-    assert parse_method("none+s3")[:2] == ("none+s3", 0)
+    method, k, config = spec.parse_method("eagle3:3+s3")
+    assert (method, k, config) == ("eagle3+s3", 3, {"method": "eagle3", "num_speculative_tokens": 3})
+    assert spec.parse_method("none+s3")[:2] == ("none+s3", 0)
     args = argparse.Namespace(fixed_acceptance=None, no_fuse_decode_steps=False, step_trace_dir=None)
-    assert server_flags(args, spec, k, file_stem("separate", method, k), method) == ["--steps-in-flight", "3"]
-    assert server_flags(args, spec, k, "separate-eagle3-k3", "eagle3") == []
+    stem = spec.file_stem("separate", method, k)
+    assert spec.server_flags(args, config, k, stem, method) == ["--steps-in-flight", "3"]
+    assert spec.server_flags(args, config, k, "separate-eagle3-k3", "eagle3") == []
     with pytest.raises(ValueError, match=r"\+sN takes a step count"):
-        parse_method("eagle3:3+sx")
+        spec.parse_method("eagle3:3+sx")
 
 
-def test_trace_by_kind_tells_the_gpu_busy_share_where_requests_are_admitted():
+def test_trace_by_kind_tells_the_gpu_busy_share_where_requests_are_admitted(monkeypatch):
     """Runs of consecutive steps that admit requests (mixed steps among them) against runs that do not: each side's
     GPU busy share is its device time over the wall time between its results."""
-    from trace_by_kind import _busy_by_admission
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    _busy_by_admission = importlib.import_module("trace_by_kind")._busy_by_admission
 
     quiet = [{"step": i, "kind": "uniform_decode", "device_ms": 5.0, "t_s": i * 0.005, "host_ms": 0.5}
              for i in range(30)]
