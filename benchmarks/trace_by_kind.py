@@ -47,8 +47,9 @@ def _busy_by_admission(steps: list[dict]) -> dict | None:
     """The kept steps in runs of consecutive steps (at least 20: a concurrency's stretch between the warm-up and the
     tail), split by whether a run admits requests (at least ``ADMITTING_SHARE`` of its steps mixed, arrivals
     admitted as others end) or not: per side the steps, and the GPU's busy share of their wall time (their device ms
-    over the time between their results, ``t_s``); and the mixed steps' median schedule time (``host_ms``, on the
-    path from a result to the next step). None for traces without ``t_s``."""
+    over the time between their results, ``t_s``); the mixed steps' median schedule time (``host_ms``, on the path
+    from a result to the next step); and the requests a step that admitted some admitted, on average (traces with
+    ``admitted``). None for traces without ``t_s``."""
     if not steps or "t_s" not in steps[0]:
         return None
     runs, run = [], [steps[0]]
@@ -67,6 +68,8 @@ def _busy_by_admission(steps: list[dict]) -> dict | None:
         out[name] = {"steps": sum(len(r) for r in chosen), "gpu_busy": round(device / wall, 3) if wall > 0 else None}
     mixed = [s["host_ms"] for s in steps if s["kind"] == "mixed" and "host_ms" in s]
     out["mixed_schedule_ms_median"] = round(statistics.median(mixed), 3) if mixed else None
+    admitted = [s["admitted"] for s in steps if s.get("admitted")]  # (traces since 2026-12-05)
+    out["admitted_per_admitting_step"] = round(statistics.mean(admitted), 1) if admitted else None
     return out
 
 
@@ -118,7 +121,9 @@ def main() -> None:
         busy = r["busy_by_admission"]
         if busy:
             print(f"  GPU busy {busy['admitting']['gpu_busy']} over {busy['admitting']['steps']} steps in runs that "
-                  f"admit requests (mixed steps' schedule {busy['mixed_schedule_ms_median']} ms median), "
+                  f"admit requests (mixed steps' schedule {busy['mixed_schedule_ms_median']} ms median"
+                  + (f", {busy['admitted_per_admitting_step']} requests each" if busy["admitted_per_admitting_step"]
+                     else "") + "), "
                   f"{busy['quiet']['gpu_busy']} over {busy['quiet']['steps']} in runs that do not")
         for row in r["by_kind"]:
             print(f"  {row['kind']:15s} q={row['q']!s:4s} fused={row['fused']!s:5s} {row['steps']:6d} steps "

@@ -342,6 +342,18 @@ def test_step_trace_says_the_drafts_each_step_accepted(tmp_path):
     assert sum(r["accepted"] for r in verified) == e.scheduler.stats.drafts_accepted > 0
 
 
+def test_step_trace_says_how_many_requests_a_step_admitted(tmp_path):
+    """A step that starts requests records how many (``admitted``: their admission is on the path from a result to
+    that step); over a run they add up to the requests; a step that started none has no such field."""
+    path = str(tmp_path / "t.jsonl")
+    with engine(step_trace=path) as e:
+        e.generate(prompts(6, 10), SamplingParams(max_tokens=8, ignore_eos=True))
+    records = read_trace(path)
+    admitting = [r for r in records if "admitted" in r]
+    assert admitting and sum(r["admitted"] for r in admitting) == 6
+    assert any("admitted" not in r for r in records)
+
+
 def test_worker_block_table_starts_empty_and_forgets_freed_slots():
     e = engine({"method": "eagle3", "num_speculative_tokens": 2})
     tables = [rt.bufs.block_table for rt in e.worker.runtimes]

@@ -344,8 +344,10 @@ def test_trace_by_kind_tells_the_gpu_busy_share_where_requests_are_admitted(monk
              for i in range(30)]
     admitting = [{"step": 100 + i, "kind": "mixed" if i % 3 == 0 else "uniform_decode", "device_ms": 5.0,
                   "t_s": 1.0 + i * 0.010, "host_ms": 4.0 if i % 3 == 0 else 0.5} for i in range(30)]
+    for i, s in enumerate(admitting[::3]):
+        s["admitted"] = 10 + 2 * (i % 2)
     out = _busy_by_admission(quiet + admitting)
     assert out["quiet"] == {"steps": 30, "gpu_busy": 1.0}
     assert out["admitting"] == {"steps": 30, "gpu_busy": 0.5}
-    assert out["mixed_schedule_ms_median"] == 4.0
+    assert out["mixed_schedule_ms_median"] == 4.0 and out["admitted_per_admitting_step"] == 11.0
     assert _busy_by_admission([{"step": 0, "kind": "mixed", "device_ms": 1.0}]) is None  # (no t_s: older traces)

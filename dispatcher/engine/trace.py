@@ -46,7 +46,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
     graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
     descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
-    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it); with prefix caching, on a step that
+    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it); ``admitted``, on a step that started
+    requests, how many (their admission is on the path from a result to this step); with prefix caching, on a step that
     started requests, ``prefix_cache_queries`` and ``prefix_cache_hits`` (their tokens, and those of them found
     in the cache: the step computes the rest); ``"fused": true`` when the whole step ran as one graph
     (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
@@ -84,6 +85,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec.update(jit_compiles=jit_compiles, jit_ms=round(jit_ms, 1))
     if k is not None:
         rec["k"] = k
+    if out.new_requests:
+        rec["admitted"] = len(out.new_requests)
     if out.prefix_cache_queries:
         rec.update(prefix_cache_queries=out.prefix_cache_queries, prefix_cache_hits=out.prefix_cache_hits)
     if fused:
