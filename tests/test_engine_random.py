@@ -267,7 +267,8 @@ def in_flight_workloads(draw):
     spec = draw(st.sampled_from([None, SPECS[1], SPECS[3], SPECS[4], SPECS[7]]))
     requests = draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=7))
     per_request = -(-(MAX_MODEL_LEN + 3 * 4 + 4) // BLOCK)  # prompt + output + three steps' drafts + lookahead
-    return spec, draw(st.sampled_from([16, 32])), draw(st.integers(per_request, 3 * per_request)), requests
+    aborts = draw(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 8)), max_size=3))  # (request, after step)
+    return spec, draw(st.sampled_from([16, 32])), draw(st.integers(per_request, 3 * per_request)), requests, aborts
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -275,8 +276,10 @@ def in_flight_workloads(draw):
 def test_three_steps_in_flight_generate_as_one_at_a_time(workload):
     """``steps_in_flight = 3`` (a step scheduled while the two before it run, every request's tokens and drafts of
     both assumed): every request's greedy tokens and finish are those of synchronous steps, a request whose
-    running steps surely end it is not scheduled again, and the KV cache is whole at the end."""
-    spec, budget, num_blocks, requests = workload
+    running steps surely end it is not scheduled again, and the KV cache is whole at the end, with requests aborted
+    while steps of theirs run (their tokens then depend on when: only the others are compared)."""
+    spec, budget, num_blocks, requests, aborts = workload
+    aborted = {f"req-{i}" for i, _ in aborts if i < len(requests)}
     runs = []
     for steps, overlap in ((3, True), (1, False)):
         cfg = resolve({}, spec, platform="sm100", max_num_seqs=4, max_num_batched_tokens=budget)
@@ -289,15 +292,20 @@ def test_three_steps_in_flight_generate_as_one_at_a_time(workload):
                for i, (n, m, ignore) in enumerate(requests)]
         tokens = {rid: [] for rid in ids}
         ends = {}
-        for outputs in engine.run():
+        for step, outputs in enumerate(engine.run()):
             for o in outputs:
                 tokens[o.request_id] += o.new_token_ids
                 if o.finished:
                     ends[o.request_id] = o.finish_reason
+            for i, after in aborts:
+                if after == step and i < len(ids):
+                    engine.abort(ids[i])
         assert engine.scheduler.kv.num_free == num_blocks, "KV blocks leaked"
+        assert not engine.has_unfinished()
         for rid, (_, m, _) in zip(ids, requests):
-            assert len(tokens[rid]) == m or ends[rid] is FinishReason.STOP
-        runs.append((tokens, ends))
+            assert rid in aborted or len(tokens[rid]) == m or ends[rid] is FinishReason.STOP
+        runs.append(({r: t for r, t in tokens.items() if r not in aborted},
+                     {r: e for r, e in ends.items() if r not in aborted}))
     assert runs[0] == runs[1]
 
 
