@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
+import msgspec
 import numpy as np
 
 from scheduler.block_hash import extend_block_hashes
@@ -181,8 +182,11 @@ class ModelResult:
     """(n, 1 + K, N) int: the top N tokens' ids."""
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
+    """A request's new tokens from one step (and its end, where it ended). A msgspec struct rather than a dataclass:
+    the scheduler makes one for every request a step samples for (1,024 a step at 1,024 streams), and a struct is
+    built in a third of the time."""
+
     request_id: str
     new_token_ids: list[int]
     finished: bool
