@@ -182,14 +182,15 @@ class ModelResult:
     """(n, 1 + K, N) int: the top N tokens' ids."""
 
 
-class RequestOutput(msgspec.Struct):
+class RequestOutput(msgspec.Struct, array_like=True):
     """A request's new tokens from one step (and its end, where it ended). A msgspec struct rather than a dataclass:
     the scheduler makes one for every request a step samples for (1,024 a step at 1,024 streams), and a struct is
-    built in a third of the time."""
+    built in a third of the time; laid out as the serving engine's ``Delta`` to its front ends (the same fields in
+    the same order, the finish reason as its string), so that the engine sends it as it is, without a second object
+    a request a step."""
 
     request_id: str
     new_token_ids: list[int]
-    finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     """Per new token (requests that ask): its log-probability and the top ``SamplingParams.logprobs`` others."""
@@ -200,6 +201,14 @@ class RequestOutput(msgspec.Struct):
     others' (the first token has none: None); set by the engine."""
     prompt_logprob_ranks: list[int | None] | None = None
     """Each prompt token's rank (1: the most likely)."""
+    queue_s: float | None = None
+    """On a request's first output, set by the serving engine: seconds from the engine taking it to its first step."""
+    prefill_s: float | None = None
+    """On a request's first output, set by the serving engine: seconds from its first step to this output."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class SpecDecodeStep(NamedTuple):
@@ -881,7 +890,7 @@ class Scheduler:
                 finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
-            outputs.append(RequestOutput(req.request_id, new_tokens, reason is not None, reason, logprobs, cached))
+            outputs.append(RequestOutput(req.request_id, new_tokens, reason, logprobs, cached))
         for slot in finished_slots:
             self._remove_running(slot)
         return outputs

@@ -208,7 +208,7 @@ def test_the_engines_steps_run_no_garbage_collection_with_the_collector_as_the_s
     process's): 512 decoding requests, 200 steady-state steps of the serving engine's loop over a worker that answers
     at once. With the collector as ``twogrid serve`` sets it (``freeze_startup_heap``: start-up's objects frozen, a
     young generation of ``GC_YOUNG_THRESHOLD``) no collection runs; with CPython's threshold of 700 a step's outputs
-    and deltas set off young collections every step and, by promoting them, full ones (on the CI machine at 1,024
+    set off young collections about every step and, by promoting them, full ones (on the CI machine at 1,024
     requests: 0.77 ms a step of a 3.6 ms step, full collections of 8 ms every ~26 steps; docs/bench/
     engine_host_cpu.json)."""
     import json
@@ -226,7 +226,8 @@ def test_the_engines_steps_run_no_garbage_collection_with_the_collector_as_the_s
                        capture_output=True, timeout=300)
         runs[name] = json.loads(out.read_text())
     assert runs["server"]["gc_collections"] == [0, 0, 0] and runs["server"]["gc_threshold"][0] == 50_000
-    assert runs["python"]["gc_collections"][0] >= 200 and runs["python"]["gc_threshold"][0] == 700
+    # (about one young collection a step: 182 of 200 steps since the outputs went out as the scheduler made them)
+    assert runs["python"]["gc_collections"][0] >= 150 and runs["python"]["gc_threshold"][0] == 700
 
 
 class _Rank:
@@ -293,3 +294,19 @@ def test_a_tensor_parallel_step_that_failed_because_a_rank_died_names_that_rank(
     message, waited_s = _failing_group_run(None)
     assert "rank 1" not in message and "failed on rank 0" in message and "Connection closed by peer" in message
     assert RANK_EXIT_GRACE_S <= waited_s < RANK_EXIT_GRACE_S + 1.0
+
+
+def test_a_scheduler_output_goes_to_the_front_ends_as_a_delta():
+    """The engine sends the scheduler's outputs as they are: a ``RequestOutput`` has a ``Delta``'s fields in its
+    order, and every field (the finish reason as its string) reaches the front end as the Delta it decodes."""
+    from dispatcher.engine.protocol import Delta
+    from scheduler.request import FinishReason
+    from scheduler.scheduler import RequestOutput
+
+    assert RequestOutput.__struct_fields__ == Delta.__struct_fields__
+    out = RequestOutput("r", [5, 6], FinishReason.STOP, [{5: -0.5, 9: -1.0}, {6: -0.25}], 16,
+                        [None, {7: -2.0}], [None, 3], 0.125, 0.5)
+    assert out.finished and not RequestOutput("q", [1]).finished
+    (delta,) = decode_to_front(encode_core(Outputs([out]))).deltas
+    assert delta == Delta("r", [5, 6], "stop", [{5: -0.5, 9: -1.0}, {6: -0.25}], 16, [None, {7: -2.0}], [None, 3],
+                          0.125, 0.5)

@@ -38,7 +38,7 @@ import zmq.asyncio
 from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
 from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
                                   spawn_workers, worker_processes)
-from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Delta, Drain, EngineDead, EngineInit,
+from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Drain, EngineDead, EngineInit,
                                         EngineStarted, Failure, Outputs, QueueState, Refusal, StepRecord,
                                         decode_to_core, encode, front_end_sockets)
 from dispatcher.messages import (CaptureProgress, StepResult, WorkerError, WorkerReady, decode_or_refuse,
@@ -48,6 +48,7 @@ from scheduler.request import FinishReason, RequestError
 
 if TYPE_CHECKING:
     from dispatcher.engine.engine_core import EngineCore, ScheduledStep
+    from scheduler.scheduler import RequestOutput
 
 log = logging.getLogger("twogrid.engine")
 
@@ -291,24 +292,26 @@ class EngineService:
         the step's record and the queue)."""
         await self._send_grouped(self._deltas(outputs), Outputs, Outputs(steps=[record], queue=self._queue_state()))
 
-    def _deltas(self, outputs: list) -> dict[int, list[Delta]]:
-        """The step's outputs as deltas, grouped by the front end each request came from (a finished request's is
-        forgotten); a request's first one carries its queue and prefill times. One pass, every step, over every
-        running request (1,024 a step at 1,024 streams)."""
+    def _deltas(self, outputs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
+        """The step's outputs, grouped by the front end each request came from (a finished request's is forgotten),
+        sent as they are (a scheduler ``RequestOutput`` is laid out as a ``Delta``); a request's first one gets its
+        queue and prefill times. One pass, every step, over every running request (1,024 a step at 1,024
+        streams)."""
         now = time.perf_counter()
         times, front_end, groups = self._times, self._front_end, {}
         for o in outputs:
             rid = o.request_id
-            t = times.pop(rid, None) if times else None
-            queue_s, prefill_s = (t[1] - t[0], now - t[1]) if t is not None and t[1] is not None else (None, None)
-            delta = Delta(rid, o.new_token_ids, o.finish_reason.value if o.finish_reason else None, o.logprobs,
-                          o.num_cached_tokens, o.prompt_logprobs, o.prompt_logprob_ranks, queue_s, prefill_s)
-            index = (front_end.pop(rid, 0) if o.finished else front_end.get(rid, 0)) if front_end else 0
+            if times and o.num_cached_tokens is not None:  # (a request's first output)
+                t = times.pop(rid, None)
+                if t is not None and t[1] is not None:
+                    o.queue_s, o.prefill_s = t[1] - t[0], now - t[1]
+            index = (front_end.pop(rid, 0) if o.finish_reason is not None else front_end.get(rid, 0)) \
+                if front_end else 0
             group = groups.get(index)
             if group is None:
-                groups[index] = [delta]
+                groups[index] = [o]
             else:
-                group.append(delta)
+                group.append(o)
         return groups
 
     async def _send_by_front_end(self, request_ids: list[str], per_front_end, first: Outputs) -> None:

@@ -341,8 +341,7 @@ def _step_output(engine_id: str, deltas: list) -> StepOutput:
     reason = FinishReason(last.finish_reason) if last.finish_reason else None
     first = deltas[0]
     cached = next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None)
-    return StepOutput(engine_id, tokens, reason is not None, reason, logprobs, cached, first.prompt_logprobs,
-                      first.prompt_logprob_ranks)
+    return StepOutput(engine_id, tokens, reason, logprobs, cached, first.prompt_logprobs, first.prompt_logprob_ranks)
 
 
 async def _queued(sock, limit: int) -> list[bytes]:
