@@ -273,7 +273,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "status",
-        "finish_reason", "arrival", "num_preemptions", "block_hashes", "num_cached_tokens",
+        "finish_reason", "arrival", "num_preemptions", "block_hashes", "num_cached_tokens", "prompt_int32",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -294,6 +294,9 @@ class Request:
         self.num_cached_tokens: int | None = None
         """Prompt tokens whose KV came from the prefix cache when the request first started (None before; what
         ``usage.prompt_tokens_details.cached_tokens`` reports)."""
+        self.prompt_int32: bytes | None = None
+        """The prompt as little-endian int32, where the engine kept it when it checked the prompt: the step that
+        admits the request sends it as it is (a step at 1,024 streams admits a few dozen)."""
 
     @property
     def num_tokens(self) -> int:

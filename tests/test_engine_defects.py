@@ -411,3 +411,28 @@ def test_a_top_k_beyond_the_workers_integers_is_refused_and_the_running_requests
         for out in e.step():
             done.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert len(done[running]) == 5 and len(done[kept]) == 2
+
+
+def test_an_admitted_request_reaches_the_worker_with_its_tokens():
+    """The step that admits a request sends its tokens: the prompt as the engine packed it when it checked it, and
+    for a request preempted and started again its prompt and output so far (the worker recomputes both)."""
+    from dispatcher.messages import unpack
+
+    e = engine(max_num_seqs=2, num_blocks=7, budget=64)  # (two start, and cannot both grow: preemption)
+    ps = prompts(3, lo=8, hi=10)
+    sent: dict[str, list[list[int]]] = {}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    rids = [e.add_request(p, params) for p in ps]
+    assert all(e.scheduler.requests[r].prompt_int32 is not None for r in rids)
+    while e.has_unfinished():
+        step = e.schedule()
+        if step is None:
+            continue
+        for req, new in zip(step.out.new_requests, step.message.new_requests):
+            sent.setdefault(req.request_id, []).append(unpack(new.token_ids).tolist())
+            assert sent[req.request_id][-1] == req.all_token_ids
+        e.update(step, e.execute(step))
+    assert e.scheduler.stats.preemptions > 0
+    assert any(len(v) > 1 and len(v[-1]) > len(v[0]) for v in sent.values())  # (one started again with output)
+    for rid, p in zip(rids, ps):
+        assert sent[rid][0] == p

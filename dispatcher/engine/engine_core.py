@@ -123,7 +123,7 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.
     first = len(out.slots) - len(out.new_requests)
     new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     grammar_ids, defs, drops = grammars or ([-1] * len(new_slots), [], b"")
-    new = [NewRequest(slot, pack(req.all_token_ids), len(req.prompt_token_ids), sampling_spec(req), computed, gid)
+    new = [NewRequest(slot, _token_bytes(req), len(req.prompt_token_ids), sampling_spec(req), computed, gid)
            for req, slot, computed, gid in zip(out.new_requests, new_slots, new_computed, grammar_ids)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
@@ -132,6 +132,14 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.
                 descs.target, descs.draft, descs.draft_next,
                 prompt_logprob_rows=pack(prompt_rows) if prompt_rows is not None else b"",
                 grammar_rows=pack(grammar_rows), grammars=defs, dropped_grammars=drops)
+
+
+def _token_bytes(req: Request) -> bytes:
+    """A request's tokens as int32, for its admission: the prompt as the engine kept it when it checked it (a request
+    that has output too, a preempted one, packed now)."""
+    if req.prompt_int32 is not None and not req.output_token_ids:
+        return req.prompt_int32
+    return pack(req.all_token_ids)
 
 
 def sampling_spec(req: Request) -> SamplingSpec:
@@ -167,27 +175,28 @@ def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
                        unpack(result.num_accepted).astype(np.int64), conf, logprobs, ids)
 
 
-def checked_token_ids(prompt_token_ids, vocab: int) -> list[int]:
-    """The prompt's token ids as a list of ints; RequestError names the first one that is not an integer token id
-    of the vocabulary 0..vocab-1 (a bool is not). Checked with numpy where every id is a plain int (a front end's
-    prompts: a Python loop took about 1 ms a 2,000-token prompt, on the engine's event loop, which a burst of
-    arrivals held for hundreds of ms); anything else, or a failure, by the loop that names the token."""
+def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | None]:
+    """The prompt's token ids as a list of ints, and packed as int32 where the check made them an array (None
+    otherwise); RequestError names the first one that is not an integer token id of the vocabulary 0..vocab-1 (a
+    bool is not). Checked with numpy where every id is a plain int (a front end's prompts: a Python loop took about
+    1 ms a 2,000-token prompt, on the engine's event loop, which a burst of arrivals held for hundreds of ms);
+    anything else, or a failure, by the loop that names the token."""
     ids = prompt_token_ids.tolist() if isinstance(prompt_token_ids, np.ndarray) else list(prompt_token_ids)
     if not ids:
-        return ids
+        return ids, None
     if set(map(type, ids)) == {int}:
         try:
             a = np.fromiter(ids, np.int64, len(ids))
         except OverflowError:
             a = None
         if a is not None and a.min() >= 0 and a.max() < vocab:
-            return ids
+            return ids, a.astype(np.int32).tobytes()
     for t in ids:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
             raise RequestError(f"prompt token {t!r} is not an integer token id")
         if not 0 <= t < vocab:
             raise RequestError(f"prompt token {int(t)} is outside the vocabulary 0..{vocab - 1}")
-    return [int(t) for t in ids]
+    return [int(t) for t in ids], None
 
 
 class EngineCore:
@@ -288,10 +297,11 @@ class EngineCore:
     def make_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> Request:
         """A validated request (nothing queued yet): RequestError names the field and the limit."""
         vocab = self.model_config.vocab_size
-        ids = checked_token_ids(prompt_token_ids, vocab)
+        ids, packed = checked_token_ids(prompt_token_ids, vocab)
         params.validate(vocab, self.eos_token_ids)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         request = Request(rid, ids, params, self.eos_token_ids)
+        request.prompt_int32 = packed
         self.scheduler.check_request(request)
         return request
 
