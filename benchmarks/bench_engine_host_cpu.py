@@ -195,7 +195,7 @@ def run(args) -> dict:
         def send(max_tokens: int) -> None:
             nonlocal sent
             ids = rng.integers(3, core.model_config.vocab_size, args.prompt_len).tolist()
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=not args.eos)
             inbox.queue.put_nowait(encode_core(AddRequest(f"r{sent}", ids, params, sent % args.front_ends)))
             sent += 1
 
@@ -259,10 +259,15 @@ def main() -> None:
     p.add_argument("--churn", type=int, default=0, metavar="OUTPUT_LEN",
                    help="requests of OUTPUT_LEN tokens, each replaced by a new one as it ends (a serving client's "
                    "steady state: new prompts admitted every few steps); default: none end")
+    p.add_argument("--eos", action="store_true",
+                   help="with --churn: requests end at the model's EOS too (as a client's do: every new token is "
+                   "checked), not only at OUTPUT_LEN")
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.eos and not args.churn:
+        p.error("--eos needs --churn (requests that end are replaced)")
     result = run(args)
     print(f"{args.requests} requests, {args.front_ends} front ends: {result['ms_per_step_median']:.3f} ms a step "
           f"(median; p90 {result['ms_per_step_p90']:.3f}, max {result['ms_per_step_max']:.1f}); a result to the "
@@ -278,7 +283,7 @@ def main() -> None:
     write_json(args.out, {"benchmark": "engine_host_cpu", "commit": commit(),
                           "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
-                          "speculative_config": args.speculative_config, "churn": args.churn,
+                          "speculative_config": args.speculative_config, "churn": args.churn, "eos": args.eos,
                           "python_gc": args.python_gc, **result})
 
 

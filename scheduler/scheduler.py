@@ -365,6 +365,13 @@ class Scheduler:
         """max_tokens of the request in each slot."""
         self.checks_stop = np.zeros(n, bool)
         """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
+        self.has_stop_ids = np.zeros(n, bool)
+        """Whether the request in each slot has stop token ids of its own (``checks_stop``'s other part: EOS)."""
+        self._eos_ids = np.zeros(0, np.int64)
+        """Every EOS id of the requests started so far (their models' EOS: one set in practice): a step's tokens are
+        tested against them at once, and only a row with one among its new tokens is scanned (``_append_tokens``)."""
+        self._eos_set: set[int] = set()
+        """``_eos_ids`` as a set (a request's start checks its own against it)."""
         self.structured = np.zeros(n, bool)
         """The slot's request has structured outputs: a grammar masks its tokens, so it verifies no drafts (they stay
         on the worker, where the engine cannot check them against the grammar)."""
@@ -543,8 +550,11 @@ class Scheduler:
         self.num_tokens[slot] = req.num_tokens
         self.prompt_len[slot] = len(req.prompt_token_ids)
         self.max_output[slot] = req.params.max_tokens
-        self.checks_stop[slot] = bool(req.params.stop_token_ids) or (
-            bool(req.eos_token_ids) and not req.params.ignore_eos)
+        self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
+        self.checks_stop[slot] = self.has_stop_ids[slot] or (bool(req.eos_token_ids) and not req.params.ignore_eos)
+        if not self._eos_set.issuperset(req.eos_token_ids):
+            self._eos_set.update(req.eos_token_ids)
+            self._eos_ids = np.array(sorted(self._eos_set), np.int64)
         self.structured[slot] = req.params.structured_outputs is not None
         self.num_drafts[slot] = 0
         self.order.append(slot)
@@ -857,15 +867,19 @@ class Scheduler:
         take = np.minimum(counts, room)
         self.num_tokens[slots] += take
         length_done = counts >= room
-        check_stop = self.checks_stop[slots]
+        sampled = result.sampled[rows]
+        width = sampled.shape[1]
+        # A row is scanned for a stop where it has stop ids of its own or one of its new tokens is an EOS id (of any
+        # request: the scan checks its own), not every row that checks EOS (every request that does not ignore it)
+        eos = (sampled[:, :, None] == self._eos_ids).any(2) & (np.arange(width) < take[:, None])  # (np.isin: 4x)
+        check_stop = self.has_stop_ids[slots] | (self.checks_stop[slots] & eos.any(1))
         special = (length_done | check_stop).tolist()
-        requests, width, want_logprobs = out.requests, result.sampled.shape[1], result.logprobs is not None
+        requests, want_logprobs = out.requests, result.logprobs is not None
         outputs: list[RequestOutput] = []
         finished_slots = []
         # (one pass of plain Python over every sampling request, 1,024 a step at 1,024 streams: what only some
         # requests need, the stop checks, the end by length and the log-probabilities, is tested for first)
-        for i, (row, n, toks, odd) in enumerate(zip(rows.tolist(), take.tolist(), result.sampled[rows].tolist(),
-                                                     special)):
+        for i, (row, n, toks, odd) in enumerate(zip(rows.tolist(), take.tolist(), sampled.tolist(), special)):
             req = requests[row]
             new_tokens = toks if n == width else toks[:n]
             reason = None
