@@ -283,3 +283,37 @@ def test_a_backlog_and_a_preempted_request_are_not_held():
     long = [Request(f"q{i}", model.greedy_reference(f"q{i}p", 0, 30), SamplingParams(max_tokens=50)) for i in range(4)]
     run_to_end(tight, model, long)  # (would never end if a preempted request were held behind decoding ones)
     assert tight.stats.preemptions > 0 and all(len(r.output_token_ids) == 50 for r in long)
+
+
+def test_eos_ends_a_request_at_its_first_eos_among_a_steps_tokens():
+    """A decode step of 1 + K tokens a request: a request that checks EOS ends at the first EOS among the tokens it
+    takes (the rest dropped), one that ignores EOS keeps them all, one whose EOS comes only past its max_tokens ends
+    by length, and a stop id of its own ends one as EOS does."""
+    from scheduler.scheduler import ModelResult
+
+    eos = 2
+    sched = Scheduler(SchedulerConfig(8, 256, num_kv_blocks=200, block_size=4, max_model_len=64, tiers=((1, 8, 3),)))
+    reqs = [Request("eos", [5, 6, 7], SamplingParams(max_tokens=20), eos),
+            Request("ignores", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), eos),
+            Request("short", [5, 6, 7], SamplingParams(max_tokens=3), eos),
+            Request("stop_id", [5, 6, 7], SamplingParams(max_tokens=20, stop_token_ids=(9,)), eos),
+            Request("plain", [5, 6, 7], SamplingParams(max_tokens=20), eos)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()  # (the prompts: one token each)
+    sched.update(out, ModelResult(np.full((5, 1), 11), np.zeros(5, np.int64)))
+    out = sched.schedule()  # (decodes: 1 + 3 tokens each, every draft accepted)
+    assert out.shape.is_decode and (out.num_drafts == 3).all()
+    rows = {r.request_id: i for i, r in enumerate(out.requests)}
+    sampled = np.full((5, 4), 11)
+    sampled[rows["eos"]] = [12, eos, 13, eos]
+    sampled[rows["ignores"]] = [12, eos, 13, 14]
+    sampled[rows["short"]] = [12, 13, eos, 14]  # (two tokens left: the EOS is past max_tokens)
+    sampled[rows["stop_id"]] = [12, 9, 13, 14]
+    ends = {o.request_id: o for o in sched.update(out, ModelResult(sampled, np.full(5, 3, np.int64)))}
+    assert ends["eos"].new_token_ids == [12, eos] and ends["eos"].finish_reason is FinishReason.STOP
+    assert ends["ignores"].new_token_ids == [12, eos, 13, 14] and not ends["ignores"].finished
+    assert ends["short"].new_token_ids == [12, 13] and ends["short"].finish_reason is FinishReason.LENGTH
+    assert ends["stop_id"].new_token_ids == [12, 9] and ends["stop_id"].finish_reason is FinishReason.STOP
+    assert ends["plain"].new_token_ids == [11] * 4 and not ends["plain"].finished
+    assert reqs[0].output_token_ids == [11, 12, eos] and reqs[1].output_token_ids == [11, 12, eos, 13, 14]
