@@ -296,7 +296,7 @@ class Request:
         ``usage.prompt_tokens_details.cached_tokens`` reports)."""
         self.prompt_int32: bytes | None = None
         """The prompt as little-endian int32, where the engine kept it when it checked the prompt: the step that
-        admits the request sends it as it is (a step at 1,024 streams admits a few dozen)."""
+        admits the request sends it as it is (a step at 1,024 streams admits a few dozen), and lets it go."""
 
     @property
     def num_tokens(self) -> int:

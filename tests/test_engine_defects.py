@@ -423,7 +423,8 @@ def test_an_admitted_request_reaches_the_worker_with_its_tokens():
     sent: dict[str, list[list[int]]] = {}
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     rids = [e.add_request(p, params) for p in ps]
-    assert all(e.scheduler.requests[r].prompt_int32 is not None for r in rids)
+    reqs = [e.scheduler.requests[r] for r in rids]
+    assert all(r.prompt_int32 is not None for r in reqs)
     while e.has_unfinished():
         step = e.schedule()
         if step is None:
@@ -436,3 +437,4 @@ def test_an_admitted_request_reaches_the_worker_with_its_tokens():
     assert any(len(v) > 1 and len(v[-1]) > len(v[0]) for v in sent.values())  # (one started again with output)
     for rid, p in zip(rids, ps):
         assert sent[rid][0] == p
+    assert all(r.prompt_int32 is None for r in reqs)  # (let go of once sent)

@@ -135,10 +135,11 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.
 
 
 def _token_bytes(req: Request) -> bytes:
-    """A request's tokens as int32, for its admission: the prompt as the engine kept it when it checked it (a request
-    that has output too, a preempted one, packed now)."""
-    if req.prompt_int32 is not None and not req.output_token_ids:
-        return req.prompt_int32
+    """A request's tokens as int32, for its admission: the prompt as the engine kept it when it checked it, let go
+    of once sent (a request admitted again, preempted, is packed then with its output)."""
+    packed, req.prompt_int32 = req.prompt_int32, None
+    if packed is not None and not req.output_token_ids:
+        return packed
     return pack(req.all_token_ids)
 
 
