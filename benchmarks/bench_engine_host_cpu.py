@@ -7,9 +7,16 @@ median and p90 in steady state (``--steps`` steps after ``--warmup``); the time 
 next step sent (``result_to_submit_ms``: with asynchronous scheduling a step runs on the device meanwhile, and once
 the host sets the pace the device waits for whatever of this exceeds that step); and the garbage collector's work
 meanwhile (collections per generation and their ms), with the collector as ``twogrid serve`` sets it
-(``freeze_startup_heap``) or as CPython leaves it (``--python-gc``).
+(``freeze_startup_heap``) or as CPython leaves it (``--python-gc``). By default no request ends; ``--churn
+OUTPUT_LEN`` gives each OUTPUT_LEN tokens and replaces each one that ends at once (a serving client's steady state,
+the requests' ends staggered), and reports the steps that admitted requests: how many, their schedule time against
+a decode step's, and the cost a request admitted (on the path from a result to the next step sent: at 1,024 streams
+under speculative decoding the GPU waits mostly there, docs/headline.md); ``--eos`` has them end at EOS too, every
+new token checked as a client's request has it.
 
     python benchmarks/bench_engine_host_cpu.py --requests 1024 --front-ends 4 --out result.json
+    python benchmarks/bench_engine_host_cpu.py --requests 1024 --churn 256 --prompt-len 600 \
+        --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3}'
 """
 
 from __future__ import annotations
