@@ -160,14 +160,13 @@ class KVBlockManager:
         few dozen, and numpy's cost a call was most of each one's (a share and a ``grow`` on one slot)."""
         n = len(blocks)
         need = max(self.blocks_for(num_tokens) - n, 0)
-        cached_free = sum(1 for b in blocks if b in self._evictable)  # (free until taken: not for the allocation)
-        if need > self.num_free - cached_free:
+        cached_free = [b for b in blocks if b in self._evictable]  # (free until taken: not for the allocation)
+        if need > self.num_free - len(cached_free):
             return None
         if n + need > self.max_blocks_per_seq:
             raise ValueError("a request outgrew max_blocks_per_seq (max_model_len); validate requests first")
-        for block in blocks:
-            if block in self._evictable:
-                del self._evictable[block]
+        for block in cached_free:
+            del self._evictable[block]
         ids = np.empty(n + need, dtype=np.int32)
         ids[:n] = blocks
         if n:
@@ -185,13 +184,8 @@ class KVBlockManager:
         first = int(self.num_registered[slot])
         if num_blocks <= first:
             return
-        block_of, hash_of, new = self._block_of, self._hash_of, []
-        for block, h in zip(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks]):
-            if h not in block_of:
-                block_of[h] = block
-                hash_of[block] = h
-                new.append(block)
-                log.append((owner, block, h))
+        new: list[int] = []
+        self._offer(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks], owner, log, new)
         if new:
             self._registered[new] = True
         self.num_registered[slot] = num_blocks
@@ -209,17 +203,24 @@ class KVBlockManager:
             return
         starts = np.repeat(first, counts) + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
         blocks = self.block_table[np.repeat(slots, counts), starts].tolist()
-        block_of, hash_of, new, k = self._block_of, self._hash_of, [], 0
+        new: list[int] = []
+        k = 0
         for hs, owner, f, n in zip(hashes, owners, first.tolist(), counts.tolist()):
-            for h in hs[f:f + n]:
-                if h not in block_of:
-                    block_of[h] = blocks[k]
-                    hash_of[blocks[k]] = h
-                    new.append(blocks[k])
-                    log.append((owner, blocks[k], h))
-                k += 1
+            self._offer(blocks[k:k + n], hs[f:f + n], owner, log, new)
+            k += n
         self._registered[new] = True
         self.num_registered[slots] = first + counts
+
+    def _offer(self, blocks: list[int], hashes: list[bytes], owner, log: list, new: list[int]) -> None:
+        """One slot's blocks under their hashes, where a hash is not registered yet (``register``); each one
+        registered is appended to ``new`` and, as (``owner``, block, hash), to ``log``."""
+        block_of, hash_of = self._block_of, self._hash_of
+        for block, h in zip(blocks, hashes):
+            if h not in block_of:
+                block_of[h] = block
+                hash_of[block] = h
+                new.append(block)
+                log.append((owner, block, h))
 
     def unregister(self, entries: list[tuple[int, bytes]]) -> np.ndarray:
         """Forget (block, hash) registrations (a failed step's: their KV was never written) where they still stand;

@@ -139,6 +139,9 @@ class SchedulerOutput:
     freed_slots: list[int]
     """Slots whose requests left since the previous step (finished, aborted or preempted)."""
     shape: BatchShape
+    epochs: np.ndarray
+    """Each request's slot's epoch when the step was scheduled (``Scheduler.slot_epoch``): a row whose slot's epoch
+    moved since is not live (its request left, and may have started again: a preempted one)."""
     num_preempted: int = 0
     prefix_cache_queries: int = 0
     """Tokens of the requests started for the first time this step (vLLM's prefix-cache queries); 0 without prefix
@@ -147,9 +150,6 @@ class SchedulerOutput:
     """Of those, the tokens found in the prefix cache."""
     registered: list[tuple[str, int, bytes]] = field(default_factory=list)
     """Blocks this step offered to the prefix cache: (request id, block, hash)."""
-    epochs: np.ndarray | None = None
-    """Each request's slot's epoch when the step was scheduled (``Scheduler.slot_epoch``): a row whose slot's epoch
-    moved since is not live (its request left, and may have started again: a preempted one)."""
 
     @property
     def num_tokens(self) -> int:
@@ -363,10 +363,10 @@ class Scheduler:
         self.prompt_len = np.zeros(n, np.int64)
         self.max_output = np.zeros(n, np.int64)
         """max_tokens of the request in each slot."""
-        self.checks_stop = np.zeros(n, bool)
-        """Whether the request in each slot stops at stop tokens or EOS (else only at max_tokens)."""
+        self.checks_eos = np.zeros(n, bool)
+        """Whether the request in each slot stops at its EOS (it does not ignore it)."""
         self.has_stop_ids = np.zeros(n, bool)
-        """Whether the request in each slot has stop token ids of its own (``checks_stop``'s other part: EOS)."""
+        """Whether the request in each slot stops at stop token ids of its own."""
         self._eos_ids = np.zeros(0, np.int64)
         """Every EOS id of the requests started so far (their models' EOS: one set in practice): a step's tokens are
         tested against them at once, and only a row with one among its new tokens is scanned (``_append_tokens``)."""
@@ -551,7 +551,7 @@ class Scheduler:
         self.prompt_len[slot] = len(req.prompt_token_ids)
         self.max_output[slot] = req.params.max_tokens
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
-        self.checks_stop[slot] = self.has_stop_ids[slot] or (bool(req.eos_token_ids) and not req.params.ignore_eos)
+        self.checks_eos[slot] = bool(req.eos_token_ids) and not req.params.ignore_eos
         if not self._eos_set.issuperset(req.eos_token_ids):
             self._eos_set.update(req.eos_token_ids)
             self._eos_ids = np.array(sorted(self._eos_set), np.int64)
@@ -833,8 +833,7 @@ class Scheduler:
         """Apply a step's results: advance KV, roll back rejected drafts, append tokens, finish requests. Rows of
         requests that left after the step was scheduled (aborted) are skipped."""
         self.register_blocks()
-        live = self.live_rows(out)
-        rows = np.nonzero(live)[0]
+        rows = np.nonzero(self.slot_epoch[out.slots] == out.epochs)[0]  # (rows whose request has not left since)
         if len(rows) == 0:
             self.last_spec_decode = NO_DRAFTS
             return []
@@ -850,14 +849,6 @@ class Scheduler:
             self.draft_conf[slots[samples], :k_new] = conf[rows[samples], :k_new]
         return self._append_tokens(out, result, rows[samples], accepted[samples] + 1)
 
-    def live_rows(self, out: SchedulerOutput) -> np.ndarray:
-        """Per row of a scheduled step, whether its request is still the one running in its slot (it has not left
-        since the step was scheduled)."""
-        if out.epochs is None:  # (a step made by hand: its requests)
-            return np.fromiter((self.slot_request[s] is r for s, r in zip(out.slots.tolist(), out.requests)), bool,
-                               len(out.slots))
-        return self.slot_epoch[out.slots] == out.epochs
-
     def _append_tokens(self, out: SchedulerOutput, result: ModelResult, rows: np.ndarray,
                        counts: np.ndarray) -> list[RequestOutput]:
         """Append each sampling row's new tokens (up to max_tokens, through the first stop token) and finish the
@@ -872,7 +863,7 @@ class Scheduler:
         # A row is scanned for a stop where it has stop ids of its own or one of its new tokens is an EOS id (of any
         # request: the scan checks its own), not every row that checks EOS (every request that does not ignore it)
         eos = (sampled[:, :, None] == self._eos_ids).any(2) & (np.arange(width) < take[:, None])  # (np.isin: 4x)
-        check_stop = self.has_stop_ids[slots] | (self.checks_stop[slots] & eos.any(1))
+        check_stop = self.has_stop_ids[slots] | (self.checks_eos[slots] & eos.any(1))
         special = (length_done | check_stop).tolist()
         requests, want_logprobs = out.requests, result.logprobs is not None
         outputs: list[RequestOutput] = []
