@@ -352,7 +352,8 @@ def steps_in_flight(method: str) -> int | None:
 def server_flags(args, spec: dict | None, k: int, stem: str, method: str = "") -> list[str]:
     """A server's flags from the run's options: its fixed acceptance, fused steps off, its step trace, its steps in
     flight (a method's ``+sN``)."""
-    flags = [] if steps_in_flight(method) is None else ["--steps-in-flight", str(steps_in_flight(method))]
+    steps = steps_in_flight(method)
+    flags = [] if steps is None else ["--steps-in-flight", str(steps)]
     if args.fixed_acceptance is not None and spec:
         flags += ["--fixed-acceptance", str(fixed_mean_length(args, abs(k)))]
     if args.no_fuse_decode_steps:
