@@ -202,9 +202,10 @@ class ModelWorker:
             kind = (EagleDrafter if method in EAGLE_LIKE
                     else DraftModelDrafter if method == DRAFT_MODEL else BlockDrafter)
             self.drafter = kind(head, self.draft_runtimes, method, wcfg.block_size)
-        max_len = wcfg.max_model_len + max(wcfg.steps_in_flight, 2) * (k_max + 1) + 2
+        in_flight = max(wcfg.steps_in_flight, 2)  # (as SchedulerConfig.extra_tokens counts them: two at least)
+        max_len = wcfg.max_model_len + in_flight * (k_max + 1) + 2
         self.state = RequestState(wcfg.max_num_seqs, max_len, k_max, self.device, self.model.cfg.vocab_size)
-        self.upload, self.download = Upload(self.device), Download(self.device, buffers=max(wcfg.steps_in_flight, 2))
+        self.upload, self.download = Upload(self.device), Download(self.device, buffers=in_flight)
         self.grammar_upload = Upload(self.device, capacity=1 << 12)
         """The bitmask of a constrained step run op by op (structured outputs), uploaded apart: it is filled once
         the step's forward is queued."""
