@@ -963,3 +963,27 @@ def test_stragglers_where_the_device_sets_the_pace_make_no_host_floor(monkeypatc
     bucket = auto.chooser.bucket_of[16]
     assert auto.host.steps[bucket] >= HOST_FLOOR_MIN_STEPS and auto.host.floor_ms[bucket] > 1.36
     assert (auto.host.by_batch()[16] == 0) == (min_share is None)
+
+
+def test_stragglers_of_a_k_above_the_floor_do_not_make_the_floor_weigh():
+    """On the H100 at 256 streams of the default model (2389a42) auto tiers ran K = 5 where fixed K = 3 served 4% more
+    tokens: the few steps that straggled (9% of K = 3's, 2% of K = 5's, a few hundred us each) measured a floor of
+    2.5-2.9 ms, below K = 5's 3.3 ms step. K = 5's steps, above the floor, cannot show that it is no pace, but its
+    stragglers counted as steps the host paced, so the floor's host-bound share rose from 0.13 to 0.77 over K = 5's
+    steps (the served trace replayed) and the floor weighed, pricing K = 3 (2.56 ms on the device) at K = 5's own step.
+    A host-bound step whose device time is not below the floor tests nothing; the floor's value still follows it."""
+    chooser = TierChooser(StepCostTable({4: [(1, 2.56), (64, 2.56)], 6: [(1, 3.3), (64, 3.3)]}), [3, 5], 64)
+    floor = HostFloor(chooser)
+    bucket = chooser.bucket_of[48]
+    for step in range(400):  # K = 3 in force: one step in ten straggles
+        floor.observe(48, 2.56, 3.2 if step % 10 == 0 else 2.56)
+    assert floor.steps[bucket] >= HOST_FLOOR_MIN_STEPS and floor.share[bucket] < 0.5 and floor.by_batch()[48] == 0.0
+    measured = floor.steps[bucket]
+    for step in range(600):  # K = 5 in force, above the floor: one step in fifty straggles
+        floor.observe(48, 3.3, 3.8 if step % 50 == 0 else 3.3)
+    assert floor.steps[bucket] > measured  # (its stragglers still measured the floor's value)
+    assert floor.share[bucket] < 0.5 and floor.by_batch()[48] == 0.0
+    # K = 3 yields more tokens a ms on the device (2.70 tokens in 2.56 ms against 2.93 in 3.3), and less than K = 5
+    # where it is priced at a floor near K = 5's own step (before: the floor weighed 3.25 ms here, and K = 5 ran)
+    acceptance = list(np.cumprod([0.8, 0.7, 0.6, 0.5, 0.4]))
+    assert chooser.choose(acceptance, floor_ms=floor.by_batch()).k_of_batch[48] == 3

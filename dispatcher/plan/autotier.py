@@ -612,8 +612,11 @@ class HostFloor:
         self.steps = [0] * chooser.num_buckets
         """Host-bound steps observed per bucket."""
         self.tested = [0] * chooser.num_buckets
-        """Steps per bucket that tested its floor: host-bound ones, and those the device paced although their device
-        time was below the floor (had the floor been the host's pace, they would have waited for it)."""
+        """Steps per bucket that tested its floor: those whose device time was below it (had the floor been the host's
+        pace, they would have waited for it), host-bound or not. A host-bound step above the floor tests nothing:
+        it straggled behind the floor too. (It used to count as host-bound: where the K in force ran above the floor,
+        its stragglers alone then raised the share, from 0.13 to 0.77 at 256 streams on the H100 at 2389a42, and the
+        floor, near that K's own step, weighed and priced the K's that draft less at that K's step.)"""
         self.seen = [0] * chooser.num_buckets
         """Served steps observed per bucket (``PACE_KNOWN_STEPS``)."""
         self.share = [0.0] * chooser.num_buckets
@@ -630,7 +633,7 @@ class HostFloor:
         self.seen[b] += 1
         floor = self.floor_ms[b]
         host_bound = period_ms > device_ms * (1.0 + HOST_BOUND_SLACK)
-        if host_bound or device_ms < floor:  # (a step above the floor that the device paced says nothing)
+        if device_ms < floor:  # (a step whose device time is not below the floor says nothing of its pace)
             self.tested[b] += 1
             self.share[b] += (host_bound - self.share[b]) * max(1.0 / self.tested[b], 1.0 / DRIFT_MEMORY_STEPS)
         if not host_bound:  # (the floor is at most this period)
