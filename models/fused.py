@@ -564,6 +564,18 @@ if triton is not None:
             x = x - freq * count.to(tl.float32) - tl.where(present, pres, 0.0)
             tl.store(x_ptr + row.to(tl.int64) * stride_x + cols, x, mask=valid)
 
+    @triton.jit
+    def _bitmask_kernel(x_ptr, bits_ptr, stride_x, stride_bits, n, BLOCK: tl.constexpr):
+        """Program per (row, block of the vocabulary): -inf on the row's logits wherever its packed bitmask (bit
+        t % 32 of word t // 32, xgrammar's format) clears token t; the logits read nowhere, written only there."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < n
+        words = tl.load(bits_ptr + row * stride_bits + cols // 32, mask=valid, other=-1)
+        cleared = ((words >> (cols % 32)) & 1) == 0
+        tl.store(x_ptr + row * stride_x + cols, tl.full([BLOCK], float("-inf"), x_ptr.dtype.element_ty),
+                 mask=valid & cleared)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
@@ -801,6 +813,22 @@ def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, se
                            presence.float().contiguous(), frequency.float().contiguous(), drafts, logits.stride(0),
                            counts.stride(0), seen.stride(0), drafts.stride(0) if num_drafts else 0, n,
                            BLOCK=PENALIZE_BLOCK, NUM_DRAFTS=num_drafts, num_warps=8)
+
+
+BITMASK_BLOCK = 4096
+"""Vocabulary entries per program of ``apply_bitmask``."""
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf in ``logits`` (rows, vocab; any row stride) wherever ``bitmask`` (rows, ceil(vocab / 32)) int32,
+    xgrammar's packed format, clears a token, in one kernel that reads the bitmask and writes only the cleared
+    logits (the torch path, ``models.sampling.apply_packed_bitmask``'s: four passes over a (rows, vocab) int32
+    temporary). No host synchronization: it runs inside the constrained step's captured graph."""
+    rows, n = logits.shape
+    if rows == 0:
+        return
+    grid = (rows, triton.cdiv(n, BITMASK_BLOCK))
+    _bitmask_kernel[grid](logits, bitmask, logits.stride(0), bitmask.stride(0), n, BLOCK=BITMASK_BLOCK, num_warps=4)
 
 
 def rms_norm(x, weight, eps, residual=None, scales=None):

@@ -730,6 +730,29 @@ def test_fused_sampler_draws_the_torch_paths_tokens():
         assert torch.equal(got, want), (got != want).sum().item()
 
 
+def test_the_bitmask_kernel_masks_as_the_torch_path():
+    """The constrained step's masking (``models.sampling.apply_packed_bitmask``: one kernel) against its torch path:
+    random packed bitmasks with bit 31 (a negative int32 word) set and clear, a row of all bits set (untouched), a
+    vocabulary that is not a multiple of 32 and spans partial blocks, logits with a padded row stride (the step's
+    buffer); the padding columns untouched."""
+    from models.sampling import apply_packed_bitmask
+
+    torch.manual_seed(7)
+    rows, vocab, padded = (256, 49155, 49408) if GPU else (5, 5000, 5056)
+    words = -(-vocab // 32)
+    base = torch.randn(rows, padded, device=DEV).to(DT)
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, words), device=DEV, dtype=torch.int64).to(torch.int32)
+    bits[1] = -1
+    word, bit = torch.arange(vocab, device=DEV) // 32, (torch.arange(vocab, device=DEV) % 32).to(torch.int32)
+    got = base.clone()
+    apply_packed_bitmask(got[:, :vocab], bits, word, bit)
+    with torch_path():
+        want = base.clone()
+        apply_packed_bitmask(want[:, :vocab], bits, word, bit)
+    assert torch.equal(got, want) and torch.equal(got[1], base[1]) and torch.equal(got[:, vocab:], base[:, vocab:])
+    assert 0 < int(torch.isinf(got).sum()) < (rows - 1) * vocab
+
+
 def test_fused_sampler_penalizes_and_counts_as_the_torch_path():
     """A fused decode step's sampling with the penalties (``models.sampling.sample_by_slot``: one kernel reading the
     slots' penalty tables and drafts) against its torch path (the penalties on a float32 copy, then the torch

@@ -55,6 +55,7 @@ FUSED_KERNELS = {
                        + [dict(BLOCK=4096, HAS_MIN_P=1, HAS_SLOTS=1, PENALTIES=1)]),
     "_count_kernel": ("i64 i64 i64 u8 i32", [dict(Q_PAD=q) for q in (1, 4)]),
     "_penalize_kernel": ("fp32 i64 i32 u8 fp32 fp32 fp32 i64", [dict(BLOCK=4096, NUM_DRAFTS=k) for k in (0, 3)]),
+    "_bitmask_kernel": ("bf16 i32", [dict(BLOCK=4096)]),
     "_decode_inputs_kernel": ("i64 i64 u8 i64 i32 i64", [dict(Q_PAD=q) for q in (1, 4, 8)]),
     "_advance_inputs_kernel": ("i64 i64 i32", [dict(BLOCK=256)]),
     "_accept_kernel": ("i64 i64 i64 i64 i64 i64 i64 i64 i32", [dict(Q_PAD=q, W_PAD=8, GIVEN=g) for q in (1, 4, 8)
