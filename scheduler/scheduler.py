@@ -864,38 +864,41 @@ class Scheduler:
         # request: the scan checks its own), not every row that checks EOS (every request that does not ignore it)
         eos = (sampled[:, :, None] == self._eos_ids).any(2) & (np.arange(width) < take[:, None])  # (np.isin: 4x)
         check_stop = self.has_stop_ids[slots] | (self.checks_eos[slots] & eos.any(1))
-        special = (length_done | check_stop).tolist()
-        requests, want_logprobs = out.requests, result.logprobs is not None
-        outputs: list[RequestOutput] = []
+        reqs = [out.requests[r] for r in rows.tolist()]
+        take_list = take.tolist()
+        new_tokens = [t if n == width else t[:n] for t, n in zip(sampled.tolist(), take_list)]
+        reasons: list[FinishReason | None] = [None] * len(reqs)
         finished_slots = []
-        # (one pass of plain Python over every sampling request, 1,024 a step at 1,024 streams: what only some
-        # requests need, the stop checks, the end by length and the log-probabilities, is tested for first)
-        for i, (row, n, toks, odd) in enumerate(zip(rows.tolist(), take.tolist(), sampled.tolist(), special)):
-            req = requests[row]
-            new_tokens = toks if n == width else toks[:n]
-            reason = None
-            if odd:
-                reason = FinishReason.LENGTH if length_done[i] else None
-                if check_stop[i]:
-                    stops = req.params.stop_token_ids
-                    eos = () if req.params.ignore_eos else req.eos_token_ids
-                    for j, t in enumerate(new_tokens):
-                        if t in eos or t in stops:
-                            self.num_tokens[slots[i]] -= len(new_tokens) - j - 1
-                            new_tokens = new_tokens[: j + 1]
-                            reason = FinishReason.STOP
-                            break
-            known = req.output_token_ids
-            cached = None if known else req.num_cached_tokens
-            known.extend(new_tokens)
-            logprobs = _token_logprobs(result, row, new_tokens, req.params.logprobs) if want_logprobs else None
+        # (passes of plain Python over every sampling request, 1,024 a step at 1,024 streams, each as tight as it can
+        # be; what only some requests need, the end by length and the stop checks, goes over those rows alone)
+        for i in np.flatnonzero(length_done | check_stop).tolist():
+            reason = FinishReason.LENGTH if length_done[i] else None
+            if check_stop[i]:
+                req = reqs[i]
+                stops = req.params.stop_token_ids
+                eos_ids = () if req.params.ignore_eos else req.eos_token_ids
+                for j, t in enumerate(new_tokens[i]):
+                    if t in eos_ids or t in stops:
+                        self.num_tokens[slots[i]] -= take_list[i] - j - 1
+                        new_tokens[i] = new_tokens[i][: j + 1]
+                        reason = FinishReason.STOP
+                        break
             if reason is not None:
-                req.status = RequestStatus.FINISHED
-                req.finish_reason = reason
+                req = reqs[i]
+                reasons[i], req.status, req.finish_reason = reason, RequestStatus.FINISHED, reason
                 finished_slots.append(int(slots[i]))
                 del self.requests[req.request_id]
                 self.stats.finished += 1
-            outputs.append(RequestOutput(req.request_id, new_tokens, reason, logprobs, cached))
+        cached = [None if r.output_token_ids else r.num_cached_tokens for r in reqs]  # (set on a first output)
+        for req, toks in zip(reqs, new_tokens):
+            req.output_token_ids.extend(toks)
+        if result.logprobs is not None:
+            logprobs = [_token_logprobs(result, row, toks, req.params.logprobs)
+                        for row, req, toks in zip(rows.tolist(), reqs, new_tokens)]
+        else:
+            logprobs = [None] * len(reqs)
+        outputs = [RequestOutput(req.request_id, toks, reason, lp, c)
+                   for req, toks, reason, lp, c in zip(reqs, new_tokens, reasons, logprobs, cached)]
         for slot in finished_slots:
             self._remove_running(slot)
         return outputs
