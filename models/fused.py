@@ -567,7 +567,7 @@ if triton is not None:
     @triton.jit
     def _bitmask_kernel(x_ptr, bits_ptr, stride_x, stride_bits, n, BLOCK: tl.constexpr):
         """Program per (row, block of the vocabulary): -inf on the row's logits wherever its packed bitmask (bit
-        t % 32 of word t // 32, xgrammar's format) clears token t; the logits read nowhere, written only there."""
+        t % 32 of word t // 32, xgrammar's format) clears token t: it reads no logits and writes only those."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         valid = cols < n
