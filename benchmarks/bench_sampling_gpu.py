@@ -6,13 +6,20 @@ variants against the same server (so that a drift of the machine falls on all of
   greedy     temperature 0, nothing else
   sampled    temperature 0.8 (the baseline of the figure: min_p acts on sampled requests only, as in vLLM)
   penalized  temperature 0.8 plus a presence penalty, a repetition penalty and min_p on every request (the
-             penalties count each request's prompt and output tokens on the device, every step)
+             penalties count each request's prompt and output tokens on the device, every step), and
+             ``--extra-body``'s fields where given (issue 31's target: penalties, min_p and a JSON schema)
+  penalties  the penalized variant's flags without ``--extra-body``'s fields
+  structured temperature 0.8 with ``--extra-body``'s fields alone (a schema without the penalties)
+
+(``penalties`` and ``structured`` beside ``penalized`` split what a schema costs from what the penalties cost, in
+one run.)
 
 Per variant the output tok/s over all its rounds, TPOT and TTFT (medians), the server's step device time and GPU
 busy, and how many of its steps ran as one fused graph (``fused_steps`` of ``steps``: sampled and penalized
 decodes fuse; a structured-output schema's run op by op); then ``penalized_over_sampled`` (issue 31's target:
->= 0.9) and ``sampled_over_greedy``. ``--extra-body`` adds fields to the penalized variant's requests (a
-structured-output schema, for one). A row's ``round_tok_s`` shows the spread.
+>= 0.9), ``sampled_over_greedy`` and, where they ran, ``penalties_over_sampled`` and ``structured_over_sampled``.
+``--extra-body`` adds fields to the penalized and structured variants' requests (a structured-output schema, for
+one). A row's ``round_tok_s`` shows the spread.
 
     PYTHONPATH=. python benchmarks/bench_sampling_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/sampling_h200.json
@@ -37,6 +44,10 @@ VARIANTS = {
     "penalized": ["--temperature", "0.8", "--presence-penalty", "0.5", "--repetition-penalty", "1.1",
                   "--min-p", "0.05"],
 }
+VARIANTS["penalties"] = VARIANTS["penalized"]
+VARIANTS["structured"] = VARIANTS["sampled"]
+EXTRA_BODY_VARIANTS = ("penalized", "structured")
+"""The variants whose requests carry ``--extra-body``'s fields."""
 
 
 def main() -> None:
@@ -47,7 +58,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="256")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant, in alternating order")
     parser.add_argument("--variants", default="greedy,sampled,penalized")
-    parser.add_argument("--extra-body", default=None, metavar="JSON", help="more fields for the penalized requests")
+    parser.add_argument("--extra-body", default=None, metavar="JSON",
+                        help="more fields for the penalized and structured variants' requests")
     parser.add_argument("--workload", default="no-sd", help="a speculative config of bench_headline_gpu.WORKLOADS")
     parser.add_argument("--fixed-acceptance", type=float, default=0.0, help="with a speculative workload (0: real)")
     parser.add_argument("--waves", type=int, default=2, help="prompts per run = waves x concurrency")
@@ -64,16 +76,20 @@ def main() -> None:
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
     if args.extra_body:
         json.loads(args.extra_body)  # (a bad one fails here, not after the server started)
+    elif "structured" in variants:
+        parser.error("--variants structured: needs --extra-body (the structured-output fields its requests carry)")
     # what bench_headline_gpu's helpers read
     args.policies, args.workloads, args.step_trace_dir = "separate", args.workload, None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = os.path.dirname(args.out) if args.out else "."
     os.makedirs(out_dir or ".", exist_ok=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    with_body = " + --extra-body" if args.extra_body else ""
+    model = f"{args.model} (random weights) with SmolLM2's tokenizer" if args.model in PRESETS else args.model
     result = {"command": "PYTHONPATH=. python benchmarks/bench_sampling_gpu.py " + shlex.join(sys.argv[1:]),
-              "commit": commit(), "model": (f"{args.model} (random weights) with SmolLM2's tokenizer" if args.model in PRESETS
-                                             else args.model),
-              "output_len": OUTPUT_LEN, "variants": {v: shlex.join(VARIANTS[v]) for v in variants},
+              "commit": commit(), "model": model, "output_len": OUTPUT_LEN,
+              "variants": {v: shlex.join(VARIANTS[v]) + (with_body if v in EXTRA_BODY_VARIANTS else "")
+                           for v in variants},
               "extra_body": args.extra_body, "rows": [], "ratios": []}
     if args.prime_cache:
         prime_triton_cache(args, concurrencies, out_dir)
@@ -86,8 +102,8 @@ def main() -> None:
             for r in range(args.rounds):
                 order = variants if r % 2 == 0 else variants[::-1]
                 for v in order:
-                    extra = VARIANTS[v] + (["--extra-body", args.extra_body] if v == "penalized" and args.extra_body
-                                           else [])
+                    extra = VARIANTS[v] + (["--extra-body", args.extra_body]
+                                           if v in EXTRA_BODY_VARIANTS and args.extra_body else [])
                     benches[v].append(run_bench(base, conc, f"{v}-r{r}", os.path.join(out_dir, "bench-sampling"),
                                                 args, proc.pid, bench_args=tuple(extra)))
             acceptance = f"fixed-{fixed}" if fixed else "real"
@@ -95,7 +111,8 @@ def main() -> None:
                     for v, b in benches.items()}
             result["rows"] += rows.values()
             ratio = {"concurrency": conc}
-            for a, b in (("penalized", "sampled"), ("sampled", "greedy"), ("penalized", "greedy")):
+            for a, b in (("penalized", "sampled"), ("sampled", "greedy"), ("penalized", "greedy"),
+                         ("penalties", "sampled"), ("structured", "sampled")):
                 if a in rows and b in rows:
                     ratio[f"{a}_over_{b}"] = round(rows[a]["output_tok_s"] / rows[b]["output_tok_s"], 3)
             result["ratios"].append(ratio)
