@@ -425,9 +425,9 @@ def test_two_ks_sharing_a_bucket_keep_its_drift_moving():
     """Tiers that split a bucket (K = 4 below 801 requests, K = 2 above) and a batch that moves across the border run
     both K's there by turns. Every K's served step costs 1.5x its table times a drift that grows from 1 to 2.5 (the
     contexts). Both K's estimates follow the truth, and K = 0, never served there, stays within about the first
-    learnt factor (1.5x) of it: when each K's switch back held the drift, the two own factors took the contexts' growth and
-    K = 0's ratio stayed at 1, 3.7x below the truth at the end (on the H200 at 1024 streams eagle3's tiers then went
-    to K = 0 above 873 requests: 0.90x no SD where K = 3 gave 1.27x)."""
+    learnt factor (1.5x) of it: when each K's switch back held the drift, the two own factors took the contexts'
+    growth and K = 0's ratio stayed at 1, 3.7x below the truth at the end (on the H200 at 1024 streams eagle3's tiers
+    then went to K = 0 above 873 requests: 0.90x no SD where K = 3 gave 1.27x)."""
     table = StepCostTable({q: [(1, 1.0 + 0.15 * (q - 1)), (1024, 2.0 + 0.5 * (q - 1))] for q in (1, 3, 5)})
     costs = MeasuredCosts(TierChooser(table, [0, 2, 4], 1024))
     for step in range(600):
@@ -888,8 +888,9 @@ def test_a_served_overhead_that_does_not_grow_with_q_does_not_lock_the_tiers_sha
 
 def test_a_k_tried_at_a_bucket_is_judged_once_its_switch_in_steps_are_measured():
     """K = 3 runs at 16 requests at twice its table cost (2.6 ms); K = 1, never served there, is weighed at its table
-    cost plus half K = 3's overhead (1.65 ms: its share by query rows, the least it can cost) and wins by 6%. Served, it costs 2.3 ms (the overhead is mostly the contexts'
-    attention and the host's work, which K = 1 pays too) and K = 3 is back. Each change comes as soon as the K's
+    cost plus half K = 3's overhead (1.65 ms: its share by query rows, the least it can cost) and wins by 6%. Served,
+    it costs 2.3 ms (the overhead is mostly the contexts' attention and the host's work, which K = 1 pays too) and
+    K = 3 is back. Each change comes as soon as the K's
     switch-in steps (SWITCH_IN_STEPS) measured it, not at the next 64-step interval: on the H200 with the default
     model each such trial of a smaller K ran until the interval, and auto tiers ran 0.93-0.96x the best fixed K at
     16-256 streams (82f4592)."""
