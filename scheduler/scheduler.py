@@ -864,7 +864,8 @@ class Scheduler:
         # request: the scan checks its own), not every row that checks EOS (every request that does not ignore it)
         eos = (sampled[:, :, None] == self._eos_ids).any(2) & (np.arange(width) < take[:, None])  # (np.isin: 4x)
         check_stop = self.has_stop_ids[slots] | (self.checks_eos[slots] & eos.any(1))
-        reqs = [out.requests[r] for r in rows.tolist()]
+        row_list = rows.tolist()
+        reqs = [out.requests[r] for r in row_list]
         take_list = take.tolist()
         new_tokens = [t if n == width else t[:n] for t, n in zip(sampled.tolist(), take_list)]
         reasons: list[FinishReason | None] = [None] * len(reqs)
@@ -894,7 +895,7 @@ class Scheduler:
             req.output_token_ids.extend(toks)
         if result.logprobs is not None:
             logprobs = [_token_logprobs(result, row, toks, req.params.logprobs)
-                        for row, req, toks in zip(rows.tolist(), reqs, new_tokens)]
+                        for row, req, toks in zip(row_list, reqs, new_tokens)]
         else:
             logprobs = [None] * len(reqs)
         outputs = [RequestOutput(req.request_id, toks, reason, lp, c)
