@@ -846,7 +846,7 @@ def use_stand_in(core) -> None:
     worker.grammars.backend(Successor)
 
 
-def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=True):
+def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=True, step_trace=None):
     """tiny-dense with the ``Successor`` stand-in for xgrammar; its worker set up as a server with a tokenizer
     sets it up (structured outputs on: the fused decode steps have their constrained pairs)."""
 
@@ -860,7 +860,7 @@ def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device=device, num_kv_blocks=400, block_size=8,
                                       max_model_len=128, async_scheduling=overlap,
-                                      fuse_decode_steps=fuse_decode_steps))
+                                      fuse_decode_steps=fuse_decode_steps, step_trace=step_trace))
     use_stand_in(core)
     worker = core.worker
     worker.wcfg = dataclasses.replace(worker.wcfg, structured_outputs=True)
@@ -908,6 +908,30 @@ def test_constrained_requests_produce_only_what_their_grammar_allows(spec):
     plain = constrained_engine(spec)
     free = run_mixed(plain, p, constrained_every=10**6)
     assert [o for i, o in enumerate(results[0]) if i % 2] == [o for i, o in enumerate(free) if i % 2]
+
+
+def test_the_step_trace_counts_each_steps_constrained_rows(tmp_path):
+    """A reader of ``--step-trace`` sees which steps waited for a grammar's bitmask: ``constrained``, the rows
+    masked, on exactly the steps that sample a constrained request (two of four requests here), absent elsewhere."""
+    import json
+
+    from test_pipeline import prompts
+
+    trace = tmp_path / "trace.jsonl"
+    core = constrained_engine(overlap=False, step_trace=str(trace))
+    run_mixed(core, [q[:10] for q in prompts(4, 3)])
+    core.trace.close()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) >= 12
+    assert all(r.get("constrained") == 2 for r in records), [(r["kind"], r.get("constrained")) for r in records]
+    core = constrained_engine(overlap=False, step_trace=str(tmp_path / "free.jsonl"))
+    for q in prompts(4, 3):
+        core.add_request(q[:10], SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in core.run():
+        pass
+    core.trace.close()
+    records = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
+    assert len(records) >= 12 and not any("constrained" in r for r in records)
 
 
 def test_constrained_requests_verify_no_drafts():

@@ -510,6 +510,8 @@ class EngineCore:
                 reason[1] if reason else None, result.jit_compiles, result.jit_ms,
                 step.out.num_new_drafts if self.auto_tiers is not None else None, result.fused, result.not_captured,
                 period_ms))
+            if step.message.constrained:
+                step.trace_record["constrained"] = len(unpack(step.message.grammar_rows))
         if result.prompt_logprobs:
             top = result.num_prompt_top_logprobs
             values = unpack(result.prompt_logprobs, F32, (-1, 1 + top))

@@ -125,8 +125,14 @@ class FusedDecode:
         """Per request: the grammar's packed bitmask of the step running (every bit set: unconstrained)."""
         self._host_bitmask = torch.full((max(cap, 1), words), -1, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
-        self._bitmask_copied = torch.cuda.Event() if self.device.type == "cuda" and words else None
-        """After the last copy of ``_host_bitmask`` to the device (the next fill waits for it)."""
+        cuda = self.device.type == "cuda" and words
+        self._bitmask_copied = torch.cuda.Event() if cuda else None
+        """After the last copy of ``_host_bitmask`` to the device (the next fill waits for it; so does the sampling
+        graph that reads it)."""
+        self._bitmask_read = torch.cuda.Event() if cuda else None
+        """After the last constrained sampling graph (the next upload into ``bitmask`` waits for it)."""
+        self._upload_stream = torch.cuda.Stream(self.device) if cuda else None
+        """The bitmask's upload, off the step's stream: it overlaps the forward where the fill ends first."""
         self._vocab_word = torch.arange(vocab if words else 0, device=self.device) // 32
         self._vocab_bit = (torch.arange(vocab if words else 0, device=self.device) % 32).to(torch.int32)
         self._logits = self._logits_buffer(max(cap, 1) * self.width) if self.constrained else None
@@ -205,20 +211,33 @@ class FusedDecode:
         if grammar is not None:
             forward, sample = self.constrained[key]
             forward.replay()
-            if self._bitmask_copied is not None:
-                self._bitmask_copied.synchronize()  # (the last constrained step's copy from the host buffer)
-            host = self._host_bitmask[:n]
-            grammar(host)
-            self.bitmask[:n].copy_(host, non_blocking=True)
-            if self._bitmask_copied is not None:
-                self._bitmask_copied.record()
+            self._upload_bitmask(n, grammar)
             sample.replay()
+            if self._bitmask_read is not None:
+                self._bitmask_read.record()
             return
         self.graphs[key].replay()
         if self.method == "ngram" and key.num_new_drafts:
             bucket = int(np.searchsorted(self.ngram_lengths, max_seq_len + 1))
             length = int(self.ngram_lengths[min(bucket, len(self.ngram_lengths) - 1)])
             self.ngram[(n, length, key.num_new_drafts)].replay()
+
+    def _upload_bitmask(self, n: int, grammar) -> None:
+        """The step's bitmask filled on the host (``grammar``) while its forward runs, then copied to ``bitmask`` on
+        a side stream, which the sampling graph's stream waits for: the copy overlaps the forward instead of
+        queuing behind it."""
+        if self._upload_stream is None:
+            grammar(self._host_bitmask[:n])
+            self.bitmask[:n].copy_(self._host_bitmask[:n])
+            return
+        self._bitmask_copied.synchronize()  # (the last constrained step's copy out of the host buffer)
+        host = self._host_bitmask[:n]
+        grammar(host)
+        with torch.cuda.stream(self._upload_stream):
+            self._upload_stream.wait_event(self._bitmask_read)  # (the last sampling graph has read ``bitmask``)
+            self.bitmask[:n].copy_(host, non_blocking=True)
+            self._bitmask_copied.record()
+        torch.cuda.current_stream(self.device).wait_event(self._bitmask_copied)
 
     def _step(self, key: FusedKey):
         """The closure a fused graph captures (see the module's docstring)."""
