@@ -34,6 +34,8 @@ import shlex
 import signal
 import sys
 
+import numpy as np
+
 from _common import commit, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, make_row, prime_triton_cache, run_bench, start_server
 from models.config import PRESETS
@@ -48,6 +50,25 @@ VARIANTS["penalties"] = VARIANTS["penalized"]
 VARIANTS["structured"] = VARIANTS["sampled"]
 EXTRA_BODY_VARIANTS = ("penalized", "structured")
 """The variants whose requests carry ``--extra-body``'s fields."""
+
+
+def decodes_by_constraint(trace_path: str) -> dict:
+    """The server's fused uniform decodes of 200 requests or more, with constrained rows and without: their count
+    and median device ms and period ms (a period above the device time is the GPU waiting for the host)."""
+    groups: dict[str, list[dict]] = {"constrained": [], "unconstrained": []}
+    with open(trace_path, encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if rec.get("fused") and rec["kind"] == "uniform_decode" and rec["requests"] >= 200:
+                groups["constrained" if rec.get("constrained") else "unconstrained"].append(rec)
+    out = {}
+    for name, recs in groups.items():
+        periods = [r["period_ms"] for r in recs if "period_ms" in r]
+        out[name] = {"steps": len(recs),
+                     "device_ms_p50": round(float(np.median([r["device_ms"] for r in recs])), 3) if recs else None,
+                     "period_ms_p50": round(float(np.median(periods)), 3) if periods else None,
+                     "host_ms_p50": round(float(np.median([r["host_ms"] for r in recs])), 3) if recs else None}
+    return out
 
 
 def main() -> None:
@@ -70,6 +91,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--no-prime-cache", dest="prime_cache", action="store_false")
+    parser.add_argument("--step-trace-dir", default=None,
+                        help="keep the server's step trace there; the result then compares the fused decodes with "
+                             "constrained rows and without (device and period ms: where a schema's cost lies)")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
@@ -79,7 +103,7 @@ def main() -> None:
     elif "structured" in variants:
         parser.error("--variants structured: needs --extra-body (the structured-output fields its requests carry)")
     # what bench_headline_gpu's helpers read
-    args.policies, args.workloads, args.step_trace_dir = "separate", args.workload, None
+    args.policies, args.workloads = "separate", args.workload
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = os.path.dirname(args.out) if args.out else "."
     os.makedirs(out_dir or ".", exist_ok=True)
@@ -121,6 +145,11 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+    if args.step_trace_dir:
+        result["decodes_by_constraint"] = decodes_by_constraint(
+            os.path.join(args.step_trace_dir, f"trace-separate-{args.workload}.jsonl"))
+        print(json.dumps(result["decodes_by_constraint"]), flush=True)
+        write_json(args.out, result)
     for row in result["rows"]:
         print(f"{row['variant']:>10} c={row['concurrency']:<4} {row['output_tok_s']:>9.1f} tok/s  TPOT "
               f"{row['tpot_ms_mean']:.2f} ms  TTFT {row['ttft_ms_mean']:.1f} ms  GPU busy {row['gpu_busy']:.2f}  "
