@@ -442,15 +442,20 @@ if triton is not None:
 
     @triton.jit
     def _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr, seen_ptr,
-                   drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES: tl.constexpr):
+                   drafts_ptr, stride_counts, stride_seen, stride_drafts, bits_row, PENALTIES: tl.constexpr,
+                   HAS_BITMASK: tl.constexpr):
         """A row's logits start..start + BLOCK as float32 (-inf past n), penalized (``_penalized_row``) when its
-        slot is; and which of them are in the row."""
+        slot is, -inf where its packed bitmask row (``bits_row``, HAS_BITMASK) clears a token; and which of them
+        are in the row."""
         valid = start + cols < n
         x = tl.load(base + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
         if PENALTIES:
             if penalized:
                 x = _penalized_row(x, start + cols, valid, param, num_drafts, rep, pres, freq, counts_ptr, seen_ptr,
                                    drafts_ptr, stride_counts, stride_seen, stride_drafts)
+        if HAS_BITMASK:
+            words = tl.load(bits_row + (start + cols) // 32, mask=valid, other=-1)
+            x = tl.where(((words >> ((start + cols) % 32)) & 1) != 0, x, float("-inf"))
         return x, valid
 
     # (rows_per_slot: 1 or q, one compiled kernel; the per-row parameters are views at a step's row offsets, whose
@@ -458,9 +463,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["rows_per_slot"],
                 do_not_specialize_on_alignment=["temp_ptr", "seed_ptr", "min_p_ptr", "pos_ptr", "slot_ptr"])
     def _sample_kernel(x_ptr, temp_ptr, seed_ptr, min_p_ptr, pos_ptr, slot_ptr, ids_ptr, penalized_ptr, pen_ptr,
-                       counts_ptr, seen_ptr, drafts_ptr, stride_x, stride_counts, stride_seen, stride_drafts, n,
-                       rows_per_slot, BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                       PENALTIES: tl.constexpr):
+                       counts_ptr, seen_ptr, drafts_ptr, bits_ptr, stride_x, stride_counts, stride_seen, stride_drafts,
+                       stride_bits, n, rows_per_slot, BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                       HAS_SLOTS: tl.constexpr, PENALTIES: tl.constexpr, HAS_BITMASK: tl.constexpr):
         """Program per row: its token, as ``models.sampling.sample_tokens`` draws it without top-k and top-p. A
         greedy row (temperature 0) takes the first index of its largest logit; a sampled one the first argmax of
         logits / T + Gumbel noise, the noise from ``models.sampling.uniform(seed, position, SAMPLE)`` (its bits
@@ -470,9 +475,12 @@ if triton is not None:
         CUDA's logf, the same operations in the same order. A greedy row hashes nothing. PENALTIES (with
         HAS_SLOTS): a row whose slot is penalized (``penalized_ptr``) gets its slot's repetition, presence and
         frequency penalties (``pen_ptr``, 3 a slot) first, as ``_penalize_kernel`` applies them, counting the
-        slot's drafts before the row (column j of a slot's rows: its first j drafts); other rows read one flag."""
+        slot's drafts before the row (column j of a slot's rows: its first j drafts); other rows read one flag.
+        HAS_BITMASK: row r's tokens that its packed bitmask (``bits_ptr`` row r, xgrammar's format) clears are -inf
+        (after the penalties, which leave -inf as it is: ``models.sampling.apply_packed_bitmask`` then the rest)."""
         row = tl.program_id(0)
         base = x_ptr + row.to(tl.int64) * stride_x
+        bits_row = bits_ptr + row.to(tl.int64) * stride_bits
         param = row.to(tl.int64)
         if HAS_SLOTS:
             param = tl.load(slot_ptr + row // rows_per_slot).to(tl.int64)
@@ -497,7 +505,8 @@ if triton is not None:
         if (temp == 0.0) | (min_p > 0.0):  # the row's largest logit (and its first index)
             for start in range(0, n, BLOCK):
                 x, _ = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
-                                  seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES)
+                                  seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, bits_row, PENALTIES,
+                                  HAS_BITMASK)
                 m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
                 best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first stays)
                 best = tl.maximum(best, m)
@@ -513,7 +522,8 @@ if triton is not None:
             top_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
             for start in range(0, n, BLOCK):
                 x, mask = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
-                                     seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, PENALTIES)
+                                     seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, bits_row,
+                                     PENALTIES, HAS_BITMASK)
                 scaled = tl.math.div_rn(x, t)
                 bits = _splitmix64(key + (start + cols).to(tl.uint64) * 0x9E3779B97F4A7C15) >> 40  # 24 random bits
                 u = tl.minimum((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 1.0 / 16777216.0)
@@ -563,18 +573,6 @@ if triton is not None:
             x = tl.where(x > 0, x / scale, x * scale)
             x = x - freq * count.to(tl.float32) - tl.where(present, pres, 0.0)
             tl.store(x_ptr + row.to(tl.int64) * stride_x + cols, x, mask=valid)
-
-    @triton.jit
-    def _bitmask_kernel(x_ptr, bits_ptr, stride_x, stride_bits, n, BLOCK: tl.constexpr):
-        """Program per (row, block of the vocabulary): -inf on the row's logits wherever its packed bitmask (bit
-        t % 32 of word t // 32, xgrammar's format) clears token t: it reads no logits and writes only those."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        valid = cols < n
-        words = tl.load(bits_ptr + row * stride_bits + cols // 32, mask=valid, other=-1)
-        cleared = ((words >> (cols % 32)) & 1) == 0
-        tl.store(x_ptr + row * stride_x + cols, tl.full([BLOCK], float("-inf"), x_ptr.dtype.element_ty),
-                 mask=valid & cleared)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -750,7 +748,8 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True,
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
            min_p: torch.Tensor | None = None, slots: torch.Tensor | None = None, rows_per_slot: int = 1,
-           penalties: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           penalties: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
+           bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of (rows, vocab) logits (int64, into ``out`` if given), in one kernel: the argmax for
     temperature 0, else the seeded Gumbel-max sample at ``positions`` (rows,), min_p (0: off; None: no row uses
     it) applied first; the tokens of ``models.sampling.sample_tokens``'s torch path without top-k and top-p, which
@@ -759,7 +758,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
     request, read the request state where it lies). ``penalties`` (with ``slots``): per-slot tables (penalized
     (bool), the repetition, presence and frequency penalties (slots, 3), the output counts and prompt tokens (slots,
     vocab + 1), the drafts (slots, K)): a penalized slot's rows are penalized first, as ``penalize`` does it, row
-    j of a slot counting its first j drafts."""
+    j of a slot counting its first j drafts. ``bitmask`` (rows, ceil(vocab / 32)) int32, xgrammar's packed format:
+    each row draws among the tokens its row allows (structured outputs: the mask and the draw in one pass over
+    the logits, which are only read)."""
     rows, n = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -773,10 +774,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
         strides = (counts.stride(0), seen.stride(0), drafts.stride(0))
     else:
         tables, strides = (out,) * 5, (0, 0, 0)  # (any tensors: the kernel reads none of them without PENALTIES)
+    if bitmask is not None and bitmask.shape[0] < rows:
+        raise ValueError(f"sample: a bitmask of {bitmask.shape[0]} rows for {rows} rows of logits")
+    bits = bitmask if bitmask is not None else out  # (any tensor: read only with HAS_BITMASK)
     _sample_kernel[(rows,)](logits, temperature, seeds, min_p if min_p is not None else temperature, positions,
-                            slots if slots is not None else positions, out, *tables, logits.stride(0), *strides, n,
-                            rows_per_slot, BLOCK=min(4096, triton.next_power_of_2(n)), HAS_MIN_P=min_p is not None,
-                            HAS_SLOTS=slots is not None, PENALTIES=penalties is not None, num_warps=8)
+                            slots if slots is not None else positions, out, *tables, bits, logits.stride(0), *strides,
+                            bits.stride(0), n, rows_per_slot, BLOCK=min(4096, triton.next_power_of_2(n)),
+                            HAS_MIN_P=min_p is not None, HAS_SLOTS=slots is not None,
+                            PENALTIES=penalties is not None, HAS_BITMASK=bitmask is not None, num_warps=8)
     return out
 
 
@@ -813,22 +818,6 @@ def penalize(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, se
                            presence.float().contiguous(), frequency.float().contiguous(), drafts, logits.stride(0),
                            counts.stride(0), seen.stride(0), drafts.stride(0) if num_drafts else 0, n,
                            BLOCK=PENALIZE_BLOCK, NUM_DRAFTS=num_drafts, num_warps=8)
-
-
-BITMASK_BLOCK = 4096
-"""Vocabulary entries per program of ``apply_bitmask``."""
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf in ``logits`` (rows, vocab; any row stride) wherever ``bitmask`` (rows, ceil(vocab / 32)) int32,
-    xgrammar's packed format, clears a token, in one kernel that reads the bitmask and writes only the cleared
-    logits (the torch path, ``models.sampling.apply_packed_bitmask``'s: four passes over a (rows, vocab) int32
-    temporary). No host synchronization: it runs inside the constrained step's captured graph."""
-    rows, n = logits.shape
-    if rows == 0:
-        return
-    grid = (rows, triton.cdiv(n, BITMASK_BLOCK))
-    _bitmask_kernel[grid](logits, bitmask, logits.stride(0), bitmask.stride(0), n, BLOCK=BITMASK_BLOCK, num_warps=4)
 
 
 def rms_norm(x, weight, eps, residual=None, scales=None):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fused import apply_bitmask, argmax_prob, penalize, sample, use_triton
+from models.fused import argmax_prob, penalize, sample, use_triton
 
 # Purposes of a random draw at one position (salts of the hash).
 SAMPLE = 1
@@ -199,37 +199,36 @@ class SlotPenalties:
     """(slots, K) the drafts each slot's step verifies: row j of a slot counts its first j."""
 
 
-def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: torch.Tensor, bit: torch.Tensor) -> None:
-    """Structured outputs inside a captured graph: -inf in ``logits`` (rows, vocab) wherever ``bitmask`` (rows,
-    ceil(vocab / 32)) int32, xgrammar's packed format (bit t % 32 of word t // 32 set allows token t), clears the
-    token; ``word`` and ``bit``: arange(vocab) // 32 (int64) and % 32 (int32), on the device. Four kernels over
-    (rows, vocab), no host synchronization (xgrammar's own kernel, which the op-by-op path uses, takes row indices
-    and checks shapes on the host); a row of all bits set is left as it is. With Triton one kernel
-    (``models.fused.apply_bitmask``): the four passes move ~400 MB at 256 rows of a 49,152-token vocabulary, where
-    a constrained bench-moe step at 256 streams took ~0.5 ms more on the device than a plain one (H100, e78dd00)."""
-    if use_triton(logits):
-        apply_bitmask(logits, bitmask)
-        return
-    allowed = bitmask[:, word]  # (one (rows, vocab) int32 temporary, shifted and masked in place)
-    allowed.bitwise_right_shift_(bit).bitwise_and_(1)
+def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured outputs: -inf in ``logits`` (rows, vocab) wherever ``bitmask`` (rows, ceil(vocab / 32)) int32,
+    xgrammar's packed format (bit t % 32 of word t // 32 set allows token t), clears the token; a row of all bits set
+    is left as it is: the torch path of a fused constrained step's sampling (``sample_by_slot``'s ``bitmask``;
+    with Triton its kernel masks as it reads the logits) and its reference. No host synchronization (xgrammar's own
+    kernel, which the op-by-op path uses, takes row indices and checks shapes on the host)."""
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    allowed = bitmask[:, vocab // 32]
+    allowed.bitwise_right_shift_((vocab % 32).to(torch.int32)).bitwise_and_(1)
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def sample_by_slot(logits: torch.Tensor, slots: torch.Tensor, rows_per_slot: int, positions: torch.Tensor,
                    temperature: torch.Tensor, seeds: torch.Tensor, min_p: torch.Tensor,
                    penalties: SlotPenalties | None = None, greedy_only: bool = False,
-                   penalized: bool = True) -> torch.Tensor:
+                   penalized: bool = True, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """``sample_tokens`` with temperature, seed, min_p and the penalties alone (no top-k, top-p or other logits
     processing), the parameters read from per-slot tables (a fused decode step's sampler,
     ``dispatcher.runtime.decode_step``): row r draws with slot slots[r // rows_per_slot]'s parameters at
     positions[r], its slot's penalties (if ``penalties``) counting the slot's first r % rows_per_slot drafts. With
     Triton one kernel whatever the rows are (a captured graph serves greedy and sampled, penalized or plain batches
     alike); without, the host's knowledge skips work: ``greedy_only`` (every row greedy, none penalized) takes the
-    argmax alone, ``penalized`` False (no row penalized) leaves the penalties out."""
+    argmax alone, ``penalized`` False (no row penalized) leaves the penalties out. ``bitmask``: a packed grammar
+    bitmask row per logits row (structured outputs; ``apply_packed_bitmask``'s, on the torch path in place)."""
     if use_triton(logits):
         tables = None if penalties is None else (penalties.penalized, penalties.values, penalties.output_counts,
                                                  penalties.prompt_seen, penalties.drafts)
-        return sample(logits, temperature, seeds, positions, min_p, slots, rows_per_slot, tables)
+        return sample(logits, temperature, seeds, positions, min_p, slots, rows_per_slot, tables, bitmask=bitmask)
+    if bitmask is not None:
+        apply_packed_bitmask(logits, bitmask)
     if greedy_only:
         return argmax_prob(logits, with_prob=False)[0]
     rows = slots[:, None].expand(-1, rows_per_slot).reshape(-1)  # (repeat_interleave would sync)

@@ -231,11 +231,22 @@ class CausalLM(nn.Module):
         self.keep_aux(aux_out, self.num_layers, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(rows, vocab_size) logits in the model's dtype on the GPU (bf16; the sampler converts the rows it does
-        math on), float32 on the CPU with its most likely tokens exact (``_exact_top``): one GEMM over the padded LM head, its padding columns sliced off (a view, rows padded_vocab
-        apart), so no padded column is ever sampled."""
+        math on), float32 on the CPU with its most likely tokens exact (``_exact_top``): one GEMM over the padded
+        LM head, its padding columns sliced off (a view, rows padded_vocab apart), so no padded column is ever
+        sampled. ``out`` (rows, padded_vocab) in that dtype: the logits go there (the GEMM writes into it where
+        nothing follows it; else they are copied) and the view of it is returned."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        c = self.cfg
+        if out is not None and self.tp is None and weight.device.type != "cpu" and c.logit_scale == 1.0 \
+                and not c.final_logit_softcap:
+            return torch.mm(hidden, weight.t(), out=out)[:, :c.vocab_size]
+        if out is not None:
+            logits = self.compute_logits(hidden)
+            view = out[:, :logits.shape[1]]
+            view.copy_(logits)
+            return view
         logits = hidden @ weight.t()
         if self.tp is None:
             logits = logits[:, :self.cfg.vocab_size]
@@ -243,7 +254,6 @@ class CausalLM(nn.Module):
             logits = _exact_top(logits, hidden, weight)
         if self.tp is not None:  # every rank's vocabulary rows, then the padding columns sliced off
             logits = self.tp.all_gather_columns(logits)[:, :self.cfg.vocab_size]
-        c = self.cfg
         if c.logit_scale != 1.0:  # Granite's logits_scaling
             logits = logits * c.logit_scale
         if c.final_logit_softcap:  # Gemma 2

@@ -730,27 +730,46 @@ def test_fused_sampler_draws_the_torch_paths_tokens():
         assert torch.equal(got, want), (got != want).sum().item()
 
 
-def test_the_bitmask_kernel_masks_as_the_torch_path():
-    """The constrained step's masking (``models.sampling.apply_packed_bitmask``: one kernel) against its torch path:
-    random packed bitmasks with bit 31 (a negative int32 word) set and clear, a row of all bits set (untouched), a
-    vocabulary that is not a multiple of 32 and spans partial blocks, logits with a padded row stride (the step's
-    buffer); the padding columns untouched."""
-    from models.sampling import apply_packed_bitmask
+def test_the_sampler_draws_among_the_tokens_a_bitmask_allows_as_the_torch_path():
+    """A constrained fused step's sampling (``models.sampling.sample_by_slot`` with ``bitmask``: the sampler's
+    kernel reads each row's packed bitmask beside its logits) against its torch path (``apply_packed_bitmask``,
+    then the sampler): random packed bitmasks with bit 31 (a negative int32 word) set and clear, a row of all bits
+    set (drawn as if unconstrained), rows allowing a single token (drawn whatever the logits), a vocabulary that is
+    not a multiple of 32, logits with a padded row stride (the step's buffer), greedy, sampled and min_p rows, with
+    the penalties on; every token drawn is one its row allows, and the logits are left as they were."""
+    from dispatcher.runtime.grammar import unpack_bitmask
+    from models.sampling import SlotPenalties, sample_by_slot
 
     torch.manual_seed(7)
-    rows, vocab, padded = (256, 49155, 49408) if GPU else (5, 5000, 5056)
+    rows, vocab, padded = (256, 49155, 49408) if GPU else (6, 5000, 5056)
     words = -(-vocab // 32)
-    base = torch.randn(rows, padded, device=DEV).to(DT)
+    base = (torch.randn(rows, padded, device=DEV) * 3).to(DT)
     bits = torch.randint(-2**31, 2**31 - 1, (rows, words), device=DEV, dtype=torch.int64).to(torch.int32)
     bits[1] = -1
-    word, bit = torch.arange(vocab, device=DEV) // 32, (torch.arange(vocab, device=DEV) % 32).to(torch.int32)
-    got = base.clone()
-    apply_packed_bitmask(got[:, :vocab], bits, word, bit)
-    with torch_path():
-        want = base.clone()
-        apply_packed_bitmask(want[:, :vocab], bits, word, bit)
-    assert torch.equal(got, want) and torch.equal(got[1], base[1]) and torch.equal(got[:, vocab:], base[:, vocab:])
-    assert 0 < int(torch.isinf(got).sum()) < (rows - 1) * vocab
+    bits[2] = 0
+    bits[2, 4999 // 32] = 1 << (4999 % 32)  # (token 4999 alone)
+    bits[3] = 0
+    bits[3, 0] = -2**31  # (bit 31 alone: token 31)
+    slots = torch.arange(rows, device=DEV)
+    temp = torch.where(torch.arange(rows, device=DEV) % 2 == 0, 0.0, 0.8)
+    seeds = torch.randint(0, 2**40, (rows,), device=DEV)
+    min_p = torch.where(torch.arange(rows, device=DEV) % 4 == 1, 0.1, 0.0)
+    positions = torch.randint(0, 10_000, (rows,), device=DEV)
+    pen = SlotPenalties(torch.arange(rows, device=DEV) % 3 == 0,
+                        torch.tensor([[1.3, 0.5, 0.1]], device=DEV).expand(rows, 3).contiguous(),
+                        torch.randint(0, 2, (rows, vocab + 1), device=DEV, dtype=torch.int32),
+                        torch.rand(rows, vocab + 1, device=DEV) < 0.05, torch.zeros(rows, 0, dtype=torch.int64,
+                                                                                    device=DEV))
+    logits = base[:, :vocab]
+    got = sample_by_slot(logits, slots, 1, positions, temp, seeds, min_p, pen, bitmask=bits)
+    assert torch.equal(base[:, :vocab], logits) and got[2] == 4999 and got[3] == 31
+    with torch_sampler():
+        want = sample_by_slot(base.clone()[:, :vocab], slots, 1, positions, temp, seeds, min_p, pen, bitmask=bits)
+        free = sample_by_slot(base.clone()[:, :vocab], slots, 1, positions, temp, seeds, min_p, pen)
+    assert torch.equal(got, want), (got != want).sum().item()
+    assert got[1] == free[1] and not torch.equal(got, free)
+    allowed = torch.as_tensor(unpack_bitmask(bits.cpu().numpy(), vocab))
+    assert allowed[torch.arange(rows), got.cpu()].all()
 
 
 def test_fused_sampler_penalizes_and_counts_as_the_torch_path():

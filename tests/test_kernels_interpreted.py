@@ -50,12 +50,12 @@ FUSED_KERNELS = {
     "_moe_route_kernel": ("bf16 i32 fp32 i32 i32", [dict(TOP_K=8, E_PAD=32, NORM_TOPK=n, PDL=0) for n in (0, 1)]),
     "_moe_scatter_kernel": ("bf16 i32 i32 i32 bf16 i32 i32", [dict(TOP_K=8, E_PAD=32, H_PAD=1024, PDL=1)]),
     "_argmax_prob_kernel": ("bf16 i64 fp32", [dict(BLOCK=4096, WITH_PROB=w) for w in (0, 1)]),
-    "_sample_kernel": ("bf16 fp32 i64 fp32 i64 i64 i64 u8 fp32 i32 u8 i64",
-                       [dict(BLOCK=4096, HAS_MIN_P=m, HAS_SLOTS=s, PENALTIES=0) for m in (0, 1) for s in (0, 1)]
-                       + [dict(BLOCK=4096, HAS_MIN_P=1, HAS_SLOTS=1, PENALTIES=1)]),
+    "_sample_kernel": ("bf16 fp32 i64 fp32 i64 i64 i64 u8 fp32 i32 u8 i64 i32",
+                       [dict(BLOCK=4096, HAS_MIN_P=m, HAS_SLOTS=s, PENALTIES=0, HAS_BITMASK=0) for m in (0, 1)
+                        for s in (0, 1)]
+                       + [dict(BLOCK=4096, HAS_MIN_P=1, HAS_SLOTS=1, PENALTIES=1, HAS_BITMASK=b) for b in (0, 1)]),
     "_count_kernel": ("i64 i64 i64 u8 i32", [dict(Q_PAD=q) for q in (1, 4)]),
     "_penalize_kernel": ("fp32 i64 i32 u8 fp32 fp32 fp32 i64", [dict(BLOCK=4096, NUM_DRAFTS=k) for k in (0, 3)]),
-    "_bitmask_kernel": ("bf16 i32", [dict(BLOCK=4096)]),
     "_decode_inputs_kernel": ("i64 i64 u8 i64 i32 i64", [dict(Q_PAD=q) for q in (1, 4, 8)]),
     "_advance_inputs_kernel": ("i64 i64 i32", [dict(BLOCK=256)]),
     "_accept_kernel": ("i64 i64 i64 i64 i64 i64 i64 i64 i32", [dict(Q_PAD=q, W_PAD=8, GIVEN=g) for q in (1, 4, 8)

@@ -1493,7 +1493,8 @@ def test_each_choice_of_n_has_its_own_tool_calls():
 
 
 def test_the_graphs_bitmask_masks_as_xgrammars_kernel():
-    """``apply_packed_bitmask`` (the constrained fused step's masking, capturable) against xgrammar's kernel (the op
+    """``apply_packed_bitmask`` (the constrained fused step's masking on the torch path, and the reference of its
+    sampler's kernel, which masks as it reads) against xgrammar's kernel (the op
     by op path's): the same -inf cells for random packed bitmasks, bit 31 (a negative int32 word) and a vocabulary
     that is not a multiple of 32 included; a row of all bits set is untouched."""
     import xgrammar
@@ -1508,7 +1509,7 @@ def test_the_graphs_bitmask_masks_as_xgrammars_kernel():
     bits = torch.randint(-2**31, 2**31 - 1, (5, words), generator=gen, dtype=torch.int64).to(torch.int32)
     bits[3] = -1
     ours, theirs = logits.clone(), logits.clone()
-    apply_packed_bitmask(ours, bits, torch.arange(vocab) // 32, (torch.arange(vocab) % 32).to(torch.int32))
+    apply_packed_bitmask(ours, bits)
     xgrammar.apply_token_bitmask_inplace(theirs, bits, vocab_size=vocab)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs)) and torch.equal(ours[3], logits[3])
     assert 0 < int(torch.isinf(ours).sum()) < 4 * vocab

@@ -39,9 +39,10 @@ by op.
 
 A step that a grammar constrains (structured outputs) needs its bitmask, which the worker fills
 (``dispatcher.runtime.grammar``) once the step before has sampled, while this one's forward runs. Without a
-drafter (q = 1) it runs as two graphs (``FusedDecode.constrained``): the forward to the logits (kept in a static
-buffer); then, the bitmask uploaded into ``bitmask`` (every bit set for an unconstrained row), the masked sampling
-and the rest of the step (``models.sampling.apply_packed_bitmask``, then as above). The pair of a size is captured
+drafter (q = 1) it runs as two graphs (``FusedDecode.constrained``): the forward, its LM head writing the logits
+into a static buffer; then, the bitmask uploaded into ``bitmask`` on a side stream (every bit set for an
+unconstrained row), the sampling among the tokens it allows (the sampler's kernel reads the bitmask beside the
+logits: ``sample_by_slot``'s ``bitmask``) and the rest of the step as above. The pair of a size is captured
 on demand: the first constrained step of that size runs op by op and asks for it, the next gap between steps
 captures it, so a server that never sees a structured request captures nothing more. With a drafter constrained
 steps run op by op.
@@ -64,7 +65,7 @@ from dispatcher.runtime.graphs import (CaptureOOMError, KindReport, Replayable, 
                                        progress_bar, replay_ms, shared_pool)
 from models.drafters import propose_ngram
 from models.fused import accept_drafts, count_accepted, decode_inputs, use_triton
-from models.sampling import SlotPenalties, accepted_drafts, apply_packed_bitmask, fixed_accepted, sample_by_slot
+from models.sampling import SlotPenalties, accepted_drafts, fixed_accepted, sample_by_slot
 
 log = logging.getLogger("twogrid.runtime")
 
@@ -133,11 +134,9 @@ class FusedDecode:
         """After the last constrained sampling graph (the next upload into ``bitmask`` waits for it)."""
         self._upload_stream = torch.cuda.Stream(self.device) if cuda else None
         """The bitmask's upload, off the step's stream: it overlaps the forward where the fill ends first."""
-        self._vocab_word = torch.arange(vocab if words else 0, device=self.device) // 32
-        self._vocab_bit = (torch.arange(vocab if words else 0, device=self.device) % 32).to(torch.int32)
         self._logits = self._logits_buffer(max(cap, 1) * self.width) if self.constrained else None
-        """The constrained step's logits between its two graphs, allocated here (the KV sizing's probe counts it)
-        with ``compute_logits``' row stride (the padded vocabulary: the sampler's kernel is compiled for it)."""
+        """The constrained step's logits between its two graphs, (rows, the LM head's padded vocabulary) in its
+        dtype, allocated here (the KV sizing's probe counts it): the forward's LM head writes into it."""
         self.constrained_captured: set[FusedKey] = set()
         self.constrained_demand: dict[FusedKey, None] = {}
         """Constrained steps' graph pairs asked for (a constrained step found its pair uncaptured and ran op by op):
@@ -254,22 +253,26 @@ class FusedDecode:
         bitmask (``bitmask``, uploaded between them) applied and the rest of the step as ``_step``'s."""
         n, q = key.target.size, key.target.q
 
-        def forward() -> None:
-            self._logits[: n * q].copy_(self._forward(key, self._inputs(n, q)))
+        vocab = self.worker.model.cfg.vocab_size
 
-        def sample() -> None:
-            logits = self._logits[: n * q]
-            apply_packed_bitmask(logits, self.bitmask[:n], self._vocab_word, self._vocab_bit)  # (q = 1: a row each)
-            self._finish(key, self._inputs(n, q), logits)
+        def forward() -> None:
+            self._forward(key, self._inputs(n, q), self._logits[: n * q])
+
+        def sample() -> None:  # (q = 1: a bitmask row a logits row)
+            self._finish(key, self._inputs(n, q), self.logits_rows(n * q), self.bitmask[:n])
 
         return forward, sample
 
+    def logits_rows(self, rows: int) -> torch.Tensor:
+        """The constrained steps' logits buffer's first ``rows`` rows, (rows, vocab) as the sampler reads them."""
+        return self._logits[:rows, : self.worker.model.cfg.vocab_size]
+
     def _logits_buffer(self, rows: int) -> torch.Tensor:
-        """(rows, vocab) in ``compute_logits``' dtype and row stride: float32 on the CPU, else the LM head's."""
+        """(rows, padded vocab) in ``compute_logits``' dtype: float32 on the CPU, else the LM head's."""
         model = self.worker.model
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         dtype = torch.float32 if self.device.type == "cpu" else head.dtype
-        return torch.empty(rows, head.shape[0], dtype=dtype, device=self.device)[:, : model.cfg.vocab_size]
+        return torch.empty(rows, head.shape[0], dtype=dtype, device=self.device)
 
     def _inputs(self, n: int, q: int) -> tuple[torch.Tensor, ...]:
         """The step's requests as the state holds them before it runs: slots, which are real, their computed
@@ -280,8 +283,9 @@ class FusedDecode:
         computed = torch.where(valid, st.num_computed[slots], 0)
         return slots, valid, computed, st.drafts[slots, : q - 1], torch.where(valid, slots, 0)
 
-    def _forward(self, key: FusedKey, inputs) -> torch.Tensor:
-        """The target's forward over the step's tokens (each request's last token and its drafts) -> logits."""
+    def _forward(self, key: FusedKey, inputs, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's forward over the step's tokens (each request's last token and its drafts) -> logits (into
+        ``out``'s rows, padded vocabulary wide, if given: ``CausalLM.compute_logits``)."""
         st, tgt = self.state, self.target
         q = key.target.q
         slots, valid, computed, drafts, block_rows = inputs
@@ -291,10 +295,11 @@ class FusedDecode:
             ids = torch.cat([ids, drafts], dim=1)
         self._load(tgt, block_rows, valid, ids, positions)
         tgt.graphs[key.target][0].fn()
-        return self.worker.model.compute_logits(tgt.bufs.hidden_out[: key.target.size * q])
+        return self.worker.model.compute_logits(tgt.bufs.hidden_out[: key.target.size * q], out=out)
 
-    def _finish(self, key: FusedKey, inputs, logits: torch.Tensor) -> None:
-        """From the logits: the tokens drawn and verified, the state advanced, the drafter, the result rows."""
+    def _finish(self, key: FusedKey, inputs, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> None:
+        """From the logits: the tokens drawn (among those ``bitmask`` allows, if given) and verified, the state
+        advanced, the drafter, the result rows."""
         st, worker = self.state, self.worker
         n, q, k = key.target.size, key.target.q, key.num_new_drafts
         slots, valid, computed, drafts, block_rows = inputs
@@ -303,7 +308,7 @@ class FusedDecode:
         penalties = SlotPenalties(ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts) \
             if ex.output_counts is not None else None  # (on the CPU: none before the first penalized request)
         tokens = sample_by_slot(logits, slots, q, cols.flatten(), st.temperature, st.seed, ex.min_p, penalties,
-                                self.greedy_only, self.penalized)
+                                self.greedy_only, self.penalized, bitmask)
         tokens = tokens.view(n, q)
         out = self.out[:n]
         given = None

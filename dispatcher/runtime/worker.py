@@ -398,7 +398,8 @@ class ModelWorker:
     def _warm_up_grammar(self) -> int:
         """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
         rows (Triton specializes a row count on == 1 and on divisibility by 16) and both alignments of the bitmask,
-        here rather than in a served step.
+        here rather than in a served step; and the fused constrained steps' sampler (it reads the bitmask: their
+        graphs are captured between steps, which a compile would hold up).
         Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
         try:
             import xgrammar
@@ -414,7 +415,14 @@ class ModelWorker:
                 # rows leaves it 8 bytes off a 16-byte boundary, which Triton specializes on)
                 bits = full[start: start + rows * words].view(rows, words)
                 xgrammar.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1])
-        return 6
+        if self.device.type != "cuda" or self.fused is None or not self.fused.constrained:
+            return 6
+        st, ex = self.state, self.state.extras
+        slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+        tables = (ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts)
+        logits = self.fused.logits_rows(1)  # (the step's buffer: its row stride is what the kernel specializes on)
+        sample(logits, st.temperature, st.seed, slot, ex.min_p, slot, 1, tables, bitmask=self.fused.bitmask[:1])
+        return 7
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
