@@ -10,12 +10,14 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_path):
-    """tiny-dense with CUDA graphs and ngram drafts, every other request under the successor stand-in grammar
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3}, None], ids=["ngram", "no-sd"])
+def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_path, spec):
+    """tiny-dense with CUDA graphs, with ngram drafts (constrained steps op by op) and without (constrained decodes
+    fused: two graphs captured between steps on demand), every other request under the successor stand-in grammar
     (tests/test_structured.py): the constrained outputs are their chains exactly, overlapped and not, and no step
-    waited for a Triton compile (the bitmask kernel was compiled at warm-up for 1, 2 and 16 rows). The engine gets a
-    tokenizer (a BPE within tiny-dense's 512 tokens), as a server that takes structured requests has: only then
-    does its worker warm the bitmask kernel up."""
+    waited for a Triton compile (xgrammar's bitmask kernel was compiled at warm-up for 1, 2 and 16 rows, the fused
+    steps' masking sampler on their logits buffer). The engine gets a tokenizer (a BPE within tiny-dense's 512
+    tokens), as a server that takes structured requests has: only then does its worker warm those kernels up."""
     from test_pipeline import prompts
     from test_structured import FIRST, run_mixed, use_stand_in
     from textdata import train_bpe
@@ -27,8 +29,7 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
     tokenizer = train_bpe(texts[:300], str(tmp_path), vocab_size=500)
     p = [q + q[-4:] * 3 for q in prompts(20, 5)]
     for overlap in (True, False):
-        cfg = resolve({}, {"method": "ngram", "num_speculative_tokens": 3}, platform="sm100", max_num_seqs=32,
-                      max_num_batched_tokens=512)
+        cfg = resolve({}, spec, platform="sm100", max_num_seqs=32, max_num_batched_tokens=512)
         core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cuda", num_kv_blocks=800, block_size=16,
                                           max_model_len=256, async_scheduling=overlap, tokenizer=tokenizer))
         assert core.worker.wcfg.structured_outputs
@@ -48,6 +49,8 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
                 if i % constrained_every == 0:
                     assert out == [(FIRST + k) % 512 for k in range(12)], (i, out)
         assert sum(compiles) == 0, compiles
+        if spec is None:
+            assert core.stats.fused_steps and core.worker.fused.constrained_captured
 
 
 def test_constrained_decode_steps_fuse_on_cuda_graphs():
