@@ -420,6 +420,13 @@ if triton is not None:
             return libdevice.log(x)
 
     @triton.jit
+    def _first_max(values, index, n):
+        """The largest of per-lane maxima and the first index it is at (``index``: each lane's, int32; n where
+        none), as int64: torch's argmax, ties to the first."""
+        m = tl.max(values, axis=0)
+        return m, tl.min(tl.where(values == m, index, n), axis=0).to(tl.int64)
+
+    @triton.jit
     def _splitmix64(x):
         """splitmix64's finalizer on uint64 (logical shifts, wrapping products): ``models.sampling._mix``."""
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
@@ -502,14 +509,19 @@ if triton is not None:
                 freq = tl.load(pen_ptr + param * 3 + 2)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         best_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+        # (the maxima are kept per lane and reduced once, after the loop: a reduction a block made each block wait
+        # for all of the row's warps, which left the kernel latency-bound)
+        lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_i = tl.zeros([BLOCK], tl.int32)
         if (temp == 0.0) | (min_p > 0.0):  # the row's largest logit (and its first index)
             for start in range(0, n, BLOCK):
                 x, _ = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
                                   seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, bits_row, PENALTIES,
                                   HAS_BITMASK)
-                m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                best_i = tl.where(m > best, i.to(tl.int64) + start, best_i)  # (strictly greater: the first stays)
-                best = tl.maximum(best, m)
+                ahead = x > lane_best  # (strictly greater: each lane keeps its first maximum)
+                lane_i = tl.where(ahead, start + cols, lane_i)
+                lane_best = tl.where(ahead, x, lane_best)
+            best, best_i = _first_max(lane_best, lane_i, n)
         if temp > 0.0:
             t = tl.maximum(temp, 1e-6)
             # (dividing by t > 0 keeps the order: the largest scaled logit is the largest logit scaled)
@@ -518,8 +530,8 @@ if triton is not None:
             seed = tl.load(seed_ptr + param).to(tl.uint64, bitcast=True)
             pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
             key = _splitmix64(seed * 0x9E3779B97F4A7C15 + pos * 0x632BE59BD9B4E019 + 0x2545F4914F6CDD1D)  # salt 1
-            top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-            top_i = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+            lane_top = tl.full([BLOCK], float("-inf"), tl.float32)
+            lane_i = tl.zeros([BLOCK], tl.int32)
             for start in range(0, n, BLOCK):
                 x, mask = _row_block(base, start, cols, n, penalized, param, num_drafts, rep, pres, freq, counts_ptr,
                                      seen_ptr, drafts_ptr, stride_counts, stride_seen, stride_drafts, bits_row,
@@ -529,10 +541,10 @@ if triton is not None:
                 u = tl.minimum((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 1.0 / 16777216.0)
                 g = tl.where(scaled < threshold, float("-inf"), scaled - _logf(-_logf(u)))
                 g = tl.where(mask, g, float("-inf"))
-                m, i = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                top_i = tl.where(m > top, i.to(tl.int64) + start, top_i)
-                top = tl.maximum(top, m)
-            best_i = top_i
+                ahead = g > lane_top
+                lane_i = tl.where(ahead, start + cols, lane_i)
+                lane_top = tl.where(ahead, g, lane_top)
+            _, best_i = _first_max(lane_top, lane_i, n)
         tl.store(ids_ptr + row, best_i)
 
     @triton.jit
