@@ -54,7 +54,9 @@ EXTRA_BODY_VARIANTS = ("penalized", "structured")
 
 def decodes_by_constraint(trace_path: str) -> dict:
     """The server's fused uniform decodes of 200 requests or more, with constrained rows and without: their count
-    and median device ms and period ms (a period above the device time is the GPU waiting for the host)."""
+    and median device ms and period ms (a period above the device time is the GPU waiting for the host), and how
+    many waited inside the step for their bitmask (``bitmask_wait_ms``: the host's fill outlasted the forward) and
+    for how long on average."""
     groups: dict[str, list[dict]] = {"constrained": [], "unconstrained": []}
     with open(trace_path, encoding="utf-8") as fh:
         for line in fh:
@@ -67,7 +69,10 @@ def decodes_by_constraint(trace_path: str) -> dict:
         out[name] = {"steps": len(recs),
                      "device_ms_p50": round(float(np.median([r["device_ms"] for r in recs])), 3) if recs else None,
                      "period_ms_p50": round(float(np.median(periods)), 3) if periods else None,
-                     "host_ms_p50": round(float(np.median([r["host_ms"] for r in recs])), 3) if recs else None}
+                     "host_ms_p50": round(float(np.median([r["host_ms"] for r in recs])), 3) if recs else None,
+                     "bitmask_waits": sum(1 for r in recs if r.get("bitmask_wait_ms", 0) > 0.005),
+                     "bitmask_wait_ms_mean": round(sum(r.get("bitmask_wait_ms", 0) for r in recs) / len(recs), 4)
+                     if recs else None}
     return out
 
 

@@ -175,7 +175,8 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     """float32 (n, num_new_drafts): the drafter's probability of each draft (adaptive verification's input); empty
     without a drafter."""
     device_ms: float = 0.0
-    """The step's time on the device, from its first to its last operation (CUDA events; wall time on the CPU)."""
+    """The step's time on the device, from its first to its last operation (CUDA events; wall time on the CPU),
+    less ``bitmask_wait_ms``."""
     logprobs: bytes = b""
     """float32 (n, 1 + K, 1 + N): per verified position, the log-probability of the token produced there, then
     of the N most likely tokens (N = the step's largest num_logprobs); empty unless a request asked."""
@@ -203,6 +204,9 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     grammars_ready: bytes = b""
     """int32 ids of the grammars sent ahead (``Step.grammars`` with no request of their step) that the worker has
     read since its last result: the engine admits the requests waiting for them."""
+    bitmask_wait_ms: float = 0.0
+    """A constrained step's wait inside it for its bitmask (the device idle from its forward's end to the end of
+    the host's fill: the fill ended later); 0 where the forward outlasted the fill."""
 
 
 class GraphCount(msgspec.Struct, array_like=True, frozen=True):

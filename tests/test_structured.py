@@ -912,7 +912,8 @@ def test_constrained_requests_produce_only_what_their_grammar_allows(spec):
 
 def test_the_step_trace_counts_each_steps_constrained_rows(tmp_path):
     """A reader of ``--step-trace`` sees which steps waited for a grammar's bitmask: ``constrained``, the rows
-    masked, on exactly the steps that sample a constrained request (two of four requests here), absent elsewhere."""
+    masked, and ``bitmask_wait_ms``, on exactly the steps that sample a constrained request (two of four requests
+    here), absent elsewhere."""
     import json
 
     from test_pipeline import prompts
@@ -924,6 +925,7 @@ def test_the_step_trace_counts_each_steps_constrained_rows(tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(records) >= 12
     assert all(r.get("constrained") == 2 for r in records), [(r["kind"], r.get("constrained")) for r in records]
+    assert all(r["bitmask_wait_ms"] > 0 for r in records)  # (on the CPU the device is the host: it waits for the fill)
     core = constrained_engine(overlap=False, step_trace=str(tmp_path / "free.jsonl"))
     for q in prompts(4, 3):
         core.add_request(q[:10], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -931,7 +933,7 @@ def test_the_step_trace_counts_each_steps_constrained_rows(tmp_path):
         pass
     core.trace.close()
     records = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
-    assert len(records) >= 12 and not any("constrained" in r for r in records)
+    assert len(records) >= 12 and not any("constrained" in r or "bitmask_wait_ms" in r for r in records)
 
 
 def test_constrained_requests_verify_no_drafts():

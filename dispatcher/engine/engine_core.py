@@ -512,6 +512,8 @@ class EngineCore:
                 period_ms))
             if step.message.constrained:
                 step.trace_record["constrained"] = len(unpack(step.message.grammar_rows))
+                if result.bitmask_wait_ms:
+                    step.trace_record["bitmask_wait_ms"] = round(result.bitmask_wait_ms, 4)
         if result.prompt_logprobs:
             top = result.num_prompt_top_logprobs
             values = unpack(result.prompt_logprobs, F32, (-1, 1 + top))

@@ -56,7 +56,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
     queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host. (The
     engine adds ``accepted``, on a step that verified drafts, the drafts its requests accepted, as the scheduler
     counts them: the step's output tokens are its sampling requests plus these; and ``constrained``, on a step
-    with structured-output requests, how many of its rows a grammar's bitmask masks.)"""
+    with structured-output requests, how many of its rows a grammar's bitmask masks, and ``bitmask_wait_ms``
+    where the device waited inside the step for that bitmask, not counted in ``device_ms``.)"""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,

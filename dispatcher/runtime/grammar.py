@@ -101,7 +101,8 @@ class WorkerGrammars:
         """While no count is chosen: each timed fill's seconds a row, by thread count."""
         self.fill_threads: int | None = None
         """The thread count chosen (None while the counts are timed)."""
-        self._timing = [0, 0.0, 0.0, 0]
+        self._timing = np.zeros(5)
+        """Since the last log line: steps, rows, seconds waiting for the step before, advancing, filling."""
         """Since the last log line: constrained steps, seconds advancing, seconds filling, rows."""
         self.before_fill = None
         """The worker process's wait for the results of the steps before to be sent (``_InFlight.wait_sent``):
@@ -210,12 +211,16 @@ class WorkerGrammars:
             event.record()
         self._sampled.append(_Sampled(np.asarray(slots, np.int64), gens, host, event))
 
-    def _catch_up(self) -> None:
-        """Every noted step's tokens accepted, oldest first (each waits for its copy, long done by now)."""
+    def _catch_up(self) -> float:
+        """Every noted step's tokens accepted, oldest first (each waits for its copy: the step that sampled them
+        done); the seconds spent waiting for those copies."""
+        waited = 0.0
         while self._sampled:
             s = self._sampled.popleft()
             if s.event is not None:
+                t0 = time.perf_counter()
                 s.event.synchronize()
+                waited += time.perf_counter() - t0
             taking = np.nonzero((s.generations >= 0) & (self.generation[s.slots] == s.generations)
                                 & ~self.terminated[s.slots])[0]
             if not len(taking):
@@ -228,21 +233,23 @@ class WorkerGrammars:
                     self.forget(slot)
                 elif t in self._stops:
                     self.terminated[slot] = True
+        return waited
 
     def fill(self, slots: np.ndarray, out: torch.Tensor) -> None:
         """``out`` (at least len(slots) rows, words) int32 on the host: row i the allowed next tokens of
         ``slots[i]``, after the tokens sampled so far; every bit set in the rows of slots without a live matcher
         and in the rows past them (a fused step's padding)."""
+        t0 = time.perf_counter()
         if self.before_fill is not None:
             self.before_fill()
-        t0 = time.perf_counter()
-        self._catch_up()
+        waited = time.perf_counter() - t0
+        waited += self._catch_up()
         t1 = time.perf_counter()
         out.numpy().fill(-1)  # (numpy's: torch's would wake its OpenMP threads, whose spinning slows xgrammar's)
         rows = np.nonzero((self.generation[slots] >= 0) & ~self.terminated[slots])[0]
         if len(rows):
             self._fill([self.matchers[i] for i in slots[rows].tolist()], out, rows.tolist())
-        self._note(len(slots), t1 - t0, time.perf_counter() - t1)
+        self._note(len(slots), waited, t1 - t0 - waited, time.perf_counter() - t1)
 
     def _fill(self, live: list, out: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's batch fill with the chosen thread count; until one is chosen, fills of TRIAL_MIN_ROWS rows or
@@ -267,15 +274,15 @@ class WorkerGrammars:
         log.info("structured outputs: the bitmask fills with %d thread(s) (measured, microseconds a row: %s)",
                  self.fill_threads, ", ".join(f"{c} thread(s) {1e6 * t:.2f}" for c, t in sorted(per_row.items())))
 
-    def _note(self, rows: int, advance_s: float, fill_s: float) -> None:
-        steps, advanced, filled, total = self._timing
-        self._timing = [steps + 1, advanced + advance_s, filled + fill_s, total + rows]
-        if steps + 1 >= LOG_EVERY_STEPS:
-            steps, advanced, filled, total = self._timing
-            log.info("structured outputs: %d constrained steps, %.0f rows a step, matchers advanced %.2f ms and "
-                     "bitmask filled %.2f ms a step (host time while the forward runs)", steps, total / steps,
-                     1e3 * advanced / steps, 1e3 * filled / steps)
-            self._timing = [0, 0.0, 0.0, 0]
+    def _note(self, rows: int, wait_s: float, advance_s: float, fill_s: float) -> None:
+        self._timing += (1, rows, wait_s, advance_s, fill_s)
+        steps, total, waited, advanced, filled = self._timing
+        if steps >= LOG_EVERY_STEPS:
+            log.info("structured outputs: %d constrained steps, %.0f rows a step, a step's host time while its "
+                     "forward runs: waiting for the step before %.2f ms (its result sent, its tokens copied), "
+                     "matchers advanced %.2f ms, bitmask filled %.2f ms", steps, total / steps,
+                     1e3 * waited / steps, 1e3 * advanced / steps, 1e3 * filled / steps)
+            self._timing[:] = 0
 
     def backend(self, xgr=None):
         """xgrammar, imported at the first grammar (``xgr``: a stand-in with its API, for tests)."""

@@ -547,7 +547,7 @@ class ModelWorker:
             else b""
         return StepResult(step.step_id, pack(rows[:, 1 : 1 + width]), pack(rows[:, 0]), width, conf,
                           pending.clock.ms(), jit_compiles=pending.jit_compiles, jit_ms=pending.jit_ms, fused=True,
-                          grammars_ready=pending.grammars_ready)
+                          grammars_ready=pending.grammars_ready, bitmask_wait_ms=pending.clock.idle_ms())
 
     def _jit_compiles(self, step_id: int) -> tuple[int, float]:
         """Triton compiles during this step's launches (count, ms), logged with the kernels that needed them."""
@@ -585,7 +585,8 @@ class ModelWorker:
                           prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
                           width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
-                          not_captured=pending.not_captured or [], grammars_ready=pending.grammars_ready, **prompt)
+                          not_captured=pending.not_captured or [], grammars_ready=pending.grammars_ready,
+                          bitmask_wait_ms=pending.clock.idle_ms(), **prompt)
 
     def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
         """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
@@ -911,7 +912,13 @@ class _Clock:
     def ms(self) -> float:
         if not self.cuda:
             return self.elapsed
-        return self.start.elapsed_time(self.end) - (self.wait[0].elapsed_time(self.wait[1]) if self.wait else 0.0)
+        return self.start.elapsed_time(self.end) - self.idle_ms()
+
+    def idle_ms(self) -> float:
+        """The device's time idle in ``idle``'s wait (the wall time of it on the CPU)."""
+        if not self.cuda:
+            return self.waited_s * 1e3
+        return self.wait[0].elapsed_time(self.wait[1]) if self.wait else 0.0
 
 
 @dataclass
