@@ -4,8 +4,10 @@ their parent is gone, their stop signals, a profiling switch, the garbage collec
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
+import time
 
 
 PARENT_PID_ENV = "TWOGRID_PARENT_PID"
@@ -56,6 +58,28 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    if _log_long_collection not in gc.callbacks:
+        gc.callbacks.append(_log_long_collection)
+
+
+LONG_COLLECTION_MS = 5.0
+"""A garbage collection longer than this, while serving, is logged (a warning naming its generation): it paused the
+process (a step, a front end's responses) as long."""
+
+_collection_started = [0.0]
+
+
+def _log_long_collection(phase: str, info: dict) -> None:
+    """``gc.callbacks``' hook: a collection of LONG_COLLECTION_MS or more logged with its generation and the objects
+    it collected."""
+    if phase == "start":
+        _collection_started[0] = time.perf_counter()
+        return
+    ms = (time.perf_counter() - _collection_started[0]) * 1e3
+    if ms >= LONG_COLLECTION_MS:
+        logging.getLogger("twogrid").warning(
+            "a garbage collection of generation %d paused this process %.1f ms (%d objects collected)",
+            info.get("generation", -1), ms, info.get("collected", 0))
 
 
 def profiled(role: str, fn, *args):
