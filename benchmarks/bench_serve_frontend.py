@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
+import gc
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -82,13 +85,14 @@ class SimulatedEngine(EngineClient):
         return Outputs(deltas, [record], QueueState(len(self.running), 0, 1000, 1000))
 
 
-def client(port: int, requests: list, cap: int, ready, go, results) -> None:
+def client(port: int, requests: list, cap: int, ready, go, results, extra_body: dict) -> None:
     """One client process: ``twogrid bench``'s client (its session, pool priming and closed loop) on its requests,
     ``cap`` at a time."""
     from dispatcher.bench.client import Endpoint
     from dispatcher.bench.runner import open_session, prime_connections, run_requests
 
-    endpoint = Endpoint("completions", f"http://127.0.0.1:{port}", "bench-moe", {}, ignore_eos=True)
+    endpoint = Endpoint("completions", f"http://127.0.0.1:{port}", "bench-moe", {}, ignore_eos=True,
+                        extra_body=extra_body)
 
     async def main():
         async with open_session(cap) as session:
@@ -120,18 +124,23 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [requests[i::args.clients] for i in range(args.clients)]
-    procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, ready, go, results))
+    procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, ready, go, results,
+                                              json.loads(args.extra_body or "{}")))
              for share in shares]
     for proc in procs:
         proc.start()
     for _ in procs:
         await _next(ready, procs)
     n0, cpu0 = len(engine.step_times), time.process_time()
+    if args.garbage:  # (the run's reference cycles kept for the count below: none is collected during it)
+        gc.collect()
+        gc.disable()
     go.set()
     spans = []
     while len(spans) < len(procs):
         spans.append(await _next(results, procs))
     cpu_s = time.process_time() - cpu0
+    garbage = cyclic_garbage(len(requests)) if args.garbage else {}
     for proc in procs:
         proc.join()
     start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
@@ -146,7 +155,25 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
             "cpu_us_per_token": round(cpu_s / tokens * 1e6, 1), "step_period_ms": round(period_ms, 2),
             "step_efficiency": round(args.step_ms / period_ms, 3),
             "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2),
-            "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2)}
+            "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2), **garbage}
+
+
+def cyclic_garbage(num_requests: int) -> dict:
+    """What the run left for the cycle collector (``--garbage``): objects in unreachable reference cycles per
+    request, and the most common types among them. Every one is work for a collection that pauses the front end
+    (with ``GC_YOUNG_THRESHOLD`` a young collection walks ~50,000 objects: 20-46 ms on the H100 machine's host)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = list(gc.garbage)
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+        gc.enable()
+    types_ = collections.Counter(type(o).__qualname__ for o in found)
+    del found
+    return {"cyclic_objects_per_request": round(sum(types_.values()) / num_requests, 1),
+            "cyclic_types": types_.most_common(8)}
 
 
 async def main_async(args) -> dict:
@@ -204,6 +231,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="fields every request carries (sampling parameters, a response_format, ...)")
+    p.add_argument("--garbage", action="store_true",
+                   help="count the reference cycles each run leaves (the collector off during it: a diagnostic)")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args()
     import uvloop

@@ -201,3 +201,40 @@ def test_a_stream_interval_holds_tokens_back_after_the_first_until_enough_wait()
     # a request that ends early (a stop) sends what waited at once
     stopped = asyncio.run(_outputs_one_step_at_a_time(10, 4, stop_at=2))
     assert stopped == [[100], [101, 102]]
+
+
+def test_reading_the_engines_steps_leaves_no_reference_cycles():
+    """The front end's read of each engine step (``_queued``: one message waited for, the rest taken while any is
+    waiting) frees everything it allocates by reference counting. Taking the rest with zmq.asyncio's non-blocking
+    receive raised ``zmq.Again`` through a future when none was left: ~27 objects in a cycle a step, so every
+    front end ran a young collection of ~50,000 objects (20-46 ms, the front end paused) every few seconds while
+    serving (H100, 256 streams). Three messages waiting are all taken, in order, and nothing more."""
+    import gc
+
+    async def scenario() -> tuple[list, int]:
+        ctx = zmq.asyncio.Context()
+        engine = _Engine(ctx, "cycles")
+        got = []
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(100):
+                for j in range(3):
+                    await engine.engine_side.send(b"%d.%d" % (i, j))
+                await engine.from_child.poll(1000)
+                got.append(await C._queued(engine.from_child, 8))
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            cycles = len(gc.garbage)
+            gc.garbage.clear()
+        finally:
+            gc.set_debug(0)
+            gc.enable()
+            engine.from_child.close(0)
+            engine.engine_side.close(0)
+            ctx.term()
+        return got, cycles
+
+    got, cycles = asyncio.run(scenario())
+    assert got == [[b"%d.%d" % (i, j) for j in range(3)] for i in range(100)]
+    assert cycles == 0

@@ -103,7 +103,6 @@ class WorkerGrammars:
         """The thread count chosen (None while the counts are timed)."""
         self._timing = np.zeros(5)
         """Since the last log line: steps, rows, seconds waiting for the step before, advancing, filling."""
-        """Since the last log line: constrained steps, seconds advancing, seconds filling, rows."""
         self.before_fill = None
         """The worker process's wait for the results of the steps before to be sent (``_InFlight.wait_sent``):
         the fill holds the GIL, which the result thread needs; None in-process."""

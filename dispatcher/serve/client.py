@@ -346,13 +346,13 @@ def _step_output(engine_id: str, deltas: list) -> StepOutput:
 
 async def _queued(sock, limit: int) -> list[bytes]:
     """The messages waiting on ``sock``: at least one (waited for), at most ``limit``, the rest taken without
-    yielding to the event loop, so that every delta they hold is in its stream before the streams run."""
+    yielding to the event loop, so that every delta they hold is in its stream before the streams run. The rest
+    are taken only where ``zmq.EVENTS`` says one is there, by the plain socket's ``recv``: zmq.asyncio's
+    non-blocking receive of nothing raised ``zmq.Again`` through a future, a reference cycle (~27 objects) every
+    step, which made the front ends' young collections (~50,000 objects, 20-46 ms) pause them every few seconds."""
     messages = [await sock.recv()]
-    while len(messages) < limit:
-        try:
-            messages.append(await sock.recv(zmq.NOBLOCK))  # (a done future: no yield)
-        except zmq.Again:
-            break
+    while len(messages) < limit and sock.get(zmq.EVENTS) & zmq.POLLIN:
+        messages.append(zmq.Socket.recv(sock, zmq.NOBLOCK))
     return messages
 
 
