@@ -85,13 +85,13 @@ class SimulatedEngine(EngineClient):
         return Outputs(deltas, [record], QueueState(len(self.running), 0, 1000, 1000))
 
 
-def client(port: int, requests: list, cap: int, ready, go, results, extra_body: dict) -> None:
+def client(port: int, requests: list, cap: int, ready, go, results, extra_body: dict, kind: str) -> None:
     """One client process: ``twogrid bench``'s client (its session, pool priming and closed loop) on its requests,
     ``cap`` at a time."""
     from dispatcher.bench.client import Endpoint
     from dispatcher.bench.runner import open_session, prime_connections, run_requests
 
-    endpoint = Endpoint("completions", f"http://127.0.0.1:{port}", "bench-moe", {}, ignore_eos=True,
+    endpoint = Endpoint(kind, f"http://127.0.0.1:{port}", "bench-moe", {}, ignore_eos=True,
                         extra_body=extra_body)
 
     async def main():
@@ -125,7 +125,7 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [requests[i::args.clients] for i in range(args.clients)]
     procs = [ctx.Process(target=client, args=(port, share, args.concurrency // args.clients, ready, go, results,
-                                              json.loads(args.extra_body or "{}")))
+                                              json.loads(args.extra_body or "{}"), args.endpoint))
              for share in shares]
     for proc in procs:
         proc.start()
@@ -231,6 +231,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
+    p.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     p.add_argument("--extra-body", default=None, metavar="JSON",
                    help="fields every request carries (sampling parameters, a response_format, ...)")
     p.add_argument("--garbage", action="store_true",
