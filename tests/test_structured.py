@@ -870,12 +870,13 @@ def constrained_engine(spec=None, overlap=True, device="cpu", fuse_decode_steps=
     return core
 
 
-def run_mixed(core, prompts, constrained_every=2, temperature=0.0):
+def run_mixed(core, prompts, constrained_every=2, temperature=0.0, **more):
+    """Every ``constrained_every``-th request under the stand-in grammar; ``more``: SamplingParams fields for all."""
     so = StructuredOutputsParams(choice=("stand-in",))
     ids = []
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=i,
-                                structured_outputs=so if i % constrained_every == 0 else None)
+                                structured_outputs=so if i % constrained_every == 0 else None, **more)
         ids.append(core.add_request(p, params))
     out = {rid: [] for rid in ids}
     for step in core.run():

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_path, spec):
     """tiny-dense with CUDA graphs, with ngram drafts (constrained steps op by op) and without (constrained decodes
     fused: two graphs captured between steps on demand), every other request under the successor stand-in grammar
-    (tests/test_structured.py): the constrained outputs are their chains exactly, overlapped and not, and no step
-    waited for a Triton compile (xgrammar's bitmask kernel was compiled at warm-up for 1, 2 and 16 rows, the fused
+    (tests/test_structured.py), every request with penalties and min_p: the constrained outputs are their chains
+    exactly, overlapped and not, and no step waited for a Triton compile (the penalties' kernel of op-by-op steps,
+    whose slots are views at varying offsets, included) (xgrammar's bitmask kernel was compiled at warm-up for 1, 2 and 16 rows, the fused
     steps' masking sampler on their logits buffer). The engine gets a tokenizer (a BPE within tiny-dense's 512
     tokens), as a server that takes structured requests has: only then does its worker warm those kernels up."""
     from test_pipeline import prompts
@@ -44,7 +45,8 @@ def test_constrained_steps_on_the_gpu_compile_nothing_while_serving(texts, tmp_p
 
         core.worker.collect = counted
         for constrained_every in (2, 1):
-            outs = run_mixed(core, p, constrained_every=constrained_every, temperature=0.7)
+            outs = run_mixed(core, p, constrained_every=constrained_every, temperature=0.7, presence_penalty=0.5,
+                             repetition_penalty=1.1, min_p=0.05)
             for i, (prompt, out) in enumerate(zip(p, outs)):
                 if i % constrained_every == 0:
                     assert out == [(FIRST + k) % 512 for k in range(12)], (i, out)
