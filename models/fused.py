@@ -560,9 +560,10 @@ if triton is not None:
             tokens = tl.load(tokens_ptr + i * q + cols, mask=keep & (cols < q), other=0)
             tl.atomic_add(counts_ptr + slot * stride_counts + tokens, 1, mask=keep & (cols < q))
 
-    # (the slots and drafts of an op-by-op step are views at its rows' offsets in the step's upload, whose alignment
-    # varies: specialized on it, a served step met a variant the warm-up had not, 0.1-0.2 s, H100 at 8031899)
-    @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "drafts_ptr"])
+    # (an op-by-op step's slots and drafts are views at its rows' offsets in the step's upload, and one row's
+    # penalties are columns of its (1, 3) values, which ``.contiguous()`` leaves as views 4 and 8 bytes in: their
+    # alignment varies; specialized on it, served steps met variants the warm-up had not, 0.1-0.2 s, H100 at 8031899)
+    @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "drafts_ptr", "rep_ptr", "pres_ptr", "freq_ptr"])
     def _penalize_kernel(x_ptr, slot_ptr, counts_ptr, seen_ptr, rep_ptr, pres_ptr, freq_ptr, drafts_ptr, stride_x,
                          stride_counts, stride_seen, stride_drafts, n, BLOCK: tl.constexpr, NUM_DRAFTS: tl.constexpr):
         """Program per (row, block of the vocabulary): the row's repetition, presence and frequency penalties in
