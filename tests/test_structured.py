@@ -103,6 +103,29 @@ def nested(depth: int) -> dict:
     return schema
 
 
+def test_a_schema_sent_again_is_walked_once_and_a_refused_one_every_time(monkeypatch):
+    """An application sends the same schema with every request, and each is validated by its front end and three
+    times in the engine's loop: the walk (``check_schema``) runs once per text that passes; a text that failed is
+    checked, and refused, every time it comes (errors are not kept)."""
+    from scheduler import structured
+    from scheduler.structured import StructuredOutputError
+
+    walked = []
+    real = structured.check_schema
+    monkeypatch.setattr(structured, "check_schema", lambda field, doc: (walked.append(field), real(field, doc)))
+    schema = json.dumps({"type": "object", "properties": {"walked-once": {"type": "integer"}}})
+    for _ in range(4):
+        StructuredOutputsParams(json=schema).validate()
+    assert walked == ["structured_outputs.json"]
+    bad = json.dumps({"type": "object", "not": {"type": "integer"}, "title": "walked-every-time"})
+    for _ in range(3):
+        with pytest.raises(StructuredOutputError, match="'not' is not supported"):
+            StructuredOutputsParams(json=bad).validate()
+    assert len(walked) == 4
+    StructuredOutputsParams(json=schema, where="response_format").validate()  # (another field: its own errors)
+    assert len(walked) == 5
+
+
 def test_schema_limits_are_counted_without_recursion():
     """Nesting (iteratively: 100 000 levels raise no RecursionError), enumerated values and properties over the
     whole schema; what is under the limits passes."""
