@@ -436,9 +436,10 @@ class Scheduler:
         self.config = replace(self.config, admission_wait_steps=int(steps))
 
     # -- requests ------------------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raises RequestError (naming the field and the limit) for one it can never serve."""
-        self.check_request(request)
+    def add_request(self, request: Request, params_checked: bool = False) -> None:
+        """Queue a request; raises RequestError (naming the field and the limit) for one it can never serve.
+        ``params_checked``: its sampling parameters were validated already (``check_request``)."""
+        self.check_request(request, params_checked)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -456,14 +457,17 @@ class Scheduler:
         n = (req.num_tokens - 1) // c.block_size
         return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)[:n]
 
-    def check_request(self, request: Request) -> None:
-        """RequestError (naming the field and the limit) for a request this scheduler can never serve."""
+    def check_request(self, request: Request, params_checked: bool = False) -> None:
+        """RequestError (naming the field and the limit) for a request this scheduler can never serve;
+        ``params_checked``: its sampling parameters were validated by the caller (the engine validates them against
+        the model's vocabulary first: a second and third pass cost ~10 us an arrival in the engine's loop)."""
         c = self.config
         if request.request_id in self.requests:
             raise RequestError(f"request_id {request.request_id!r} is already live")
         if not request.prompt_token_ids:
             raise RequestError("prompt must hold at least 1 token")
-        request.params.validate()
+        if not params_checked:
+            request.params.validate()
         if request.max_total_tokens > c.max_model_len:
             raise RequestError(
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.params.max_tokens}) = "

@@ -303,7 +303,7 @@ class EngineCore:
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         request = Request(rid, ids, params, self.eos_token_ids)
         request.prompt_int32 = packed
-        self.scheduler.check_request(request)
+        self.scheduler.check_request(request, params_checked=True)
         return request
 
     def make_requests(self, prompt_token_ids, params: SamplingParams, request_id: str) -> list[Request]:
@@ -345,7 +345,7 @@ class EngineCore:
         self._next_id += 1
         if so is not None and self._park(request):
             return
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, params_checked=True)  # (``make_request`` validated them)
 
     def _park(self, request: Request) -> bool:
         """Whether ``request`` waits for the worker to read its grammar: not while no request holds a slot (a step
@@ -363,7 +363,7 @@ class EngineCore:
         for gid in grammar_ids:
             self.structured.ready(gid)
             for request in self._parked.pop(gid, ()):
-                self.scheduler.add_request(request)
+                self.scheduler.add_request(request, params_checked=True)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request at any point of the step cycle; False when it is not live."""
