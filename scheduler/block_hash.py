@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 
 ROOT = b"twogrid prefix cache"
 """The parent hash of a sequence's first block."""
@@ -21,23 +22,29 @@ _PACKERS_UP_TO = 128
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids, num_blocks: int, block_size: int,
-                        next_token_key: bool) -> list[bytes]:
+                        next_token_key: bool, packed: bytes | None = None) -> list[bytes]:
     """Append to ``hashes`` (the hashes of a sequence's first blocks) those of its blocks up to ``num_blocks``;
     ``token_ids(start, end)`` gives the sequence's tokens in [start, end), which must reach ``num_blocks`` blocks
     (and one token past them with ``next_token_key``). Returns ``hashes``. (Called for every block a step fills, ~160
-    a step at 1,024 requests under speculative decoding: the packer is cached, the loop kept to the hash.)"""
+    a step at 1,024 requests under speculative decoding: the packer is cached, the loop kept to the hash.)
+    ``packed``: the sequence's first tokens as native int32 bytes where the caller has them (a prompt's, from the
+    engine's check), read in place of packing the tokens where they reach far enough."""
     start = len(hashes)
     if num_blocks <= start:
         return hashes
     extra = 1 if next_token_key else 0
-    tokens = token_ids(start * block_size, num_blocks * block_size + extra)
-    n = len(tokens)
-    packer = _PACKERS.get(n)
-    if packer is None:
-        packer = struct.Struct(f"<{n}i")
-        if n <= _PACKERS_UP_TO:
-            _PACKERS[n] = packer
-    data = packer.pack(*tokens)
+    end = num_blocks * block_size + extra
+    if packed is not None and len(packed) >= 4 * end and sys.byteorder == "little":
+        data = memoryview(packed)[4 * start * block_size: 4 * end]
+    else:
+        tokens = token_ids(start * block_size, end)
+        n = len(tokens)
+        packer = _PACKERS.get(n)
+        if packer is None:
+            packer = struct.Struct(f"<{n}i")
+            if n <= _PACKERS_UP_TO:
+                _PACKERS[n] = packer
+        data = packer.pack(*tokens)
     width, span = 4 * block_size, 4 * (block_size + extra)
     parent = hashes[-1] if hashes else ROOT
     sha, append = hashlib.sha256, hashes.append

@@ -455,7 +455,8 @@ class Scheduler:
         if not c.enable_prefix_caching:
             return []
         n = (req.num_tokens - 1) // c.block_size
-        return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key)[:n]
+        return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key,
+                                   req.prompt_int32)[:n]
 
     def check_request(self, request: Request, params_checked: bool = False) -> None:
         """RequestError (naming the field and the limit) for a request this scheduler can never serve;

@@ -399,3 +399,33 @@ def test_cached_equals_uncached_through_graphs_on_gpu(spec):
             top5 = set(torch.topk(_next_logits(cached_engine, prompt + c[:i]), 5).indices.tolist())
             assert c[i] in top5 and u[i] in top5
     assert exact >= 24, f"only {exact} of 48 outputs identical with and without prefix caching"
+
+
+@pytest.mark.parametrize("next_token_key", [False, True])
+def test_a_prompts_hashes_from_its_packed_bytes_equal_those_from_its_tokens(next_token_key):
+    """The engine keeps a checked prompt as int32 bytes; hashing its blocks reads them in place of packing its
+    tokens again. The hashes are the same, from the first block or from some already hashed, and where the blocks
+    reach past the packed prompt (into the output) the tokens are packed as before."""
+    import numpy as np
+
+    from scheduler.block_hash import extend_block_hashes
+
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 2**31 - 1, 100).tolist()
+    output = rng.integers(0, 50_000, 40).tolist()
+    seq = prompt + output
+    packed = np.asarray(prompt, np.int32).tobytes()
+
+    def tokens(start, end):
+        return seq[start:end]
+
+    for first in (0, 2):
+        want = extend_block_hashes(extend_block_hashes([], tokens, first, 16, next_token_key), tokens, 6, 16,
+                                   next_token_key)
+        got = extend_block_hashes(extend_block_hashes([], tokens, first, 16, next_token_key, packed), tokens, 6,
+                                  16, next_token_key, packed)
+        assert got == want and len(got) == 6
+    longer = extend_block_hashes([], tokens, 8, 16, next_token_key, packed)  # (past the prompt: packed tokens)
+    assert longer == extend_block_hashes([], tokens, 8, 16, next_token_key)
+    assert extend_block_hashes([], tokens, 6, 16, next_token_key, packed)[:6] != \
+        extend_block_hashes([], lambda s, e: (seq[:5] + [seq[5] + 1] + seq[6:])[s:e], 6, 16, next_token_key)
