@@ -39,9 +39,9 @@ def profile_mode(args, schema: str | None, lengths: list[int]) -> dict:
     blocks = sum(-(-(n + OUTPUT_LEN + 4) // BLOCK) for n in lengths) + 64
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.jsonl")
-        engine = EngineCore(cfg, EngineArgs(preset(args.model), device=args.device, num_kv_blocks=blocks, block_size=BLOCK,
-                                            max_model_len=max(lengths) + OUTPUT_LEN, tokenizer=args.tokenizer,
-                                            step_trace=trace), progress=False)
+        engine = EngineCore(cfg, EngineArgs(preset(args.model), device=args.device, num_kv_blocks=blocks,
+                                            block_size=BLOCK, max_model_len=max(lengths) + OUTPUT_LEN,
+                                            tokenizer=args.tokenizer, step_trace=trace), progress=False)
         vocab = engine.model_config.vocab_size
         rng = random.Random(0)
         so = StructuredOutputsParams(json=schema) if schema else None
@@ -109,7 +109,8 @@ def main() -> None:
     runs = [profile_mode(args, s, lengths) for s in (None, json.dumps(schema))]
     result = {"command": "PYTHONPATH=. python benchmarks/profile_structured_gpu.py " + shlex.join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-              "commit": commit(), "model": f"{args.model} (random weights) with SmolLM2's tokenizer", "concurrency": args.concurrency,
+              "commit": commit(), "model": f"{args.model} (random weights) with SmolLM2's tokenizer",
+              "concurrency": args.concurrency,
               "runs": runs,
               "constrained_over_plain_device_ms": round(runs[1]["device_ms_p50"] / runs[0]["device_ms_p50"], 4)
               if runs[0]["device_ms_p50"] and runs[1]["device_ms_p50"] else None}

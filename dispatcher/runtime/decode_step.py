@@ -249,11 +249,10 @@ class FusedDecode:
         return run
 
     def _constrained_step(self, key: FusedKey):
-        """The two closures of a constrained step: the forward, its logits kept in ``_logits``; then the grammar's
-        bitmask (``bitmask``, uploaded between them) applied and the rest of the step as ``_step``'s."""
+        """The two closures of a constrained step: the forward, its LM head writing the logits into ``_logits``;
+        then (the grammar's bitmask uploaded into ``bitmask`` between them) the sampling among the tokens it allows
+        and the rest of the step as ``_step``'s."""
         n, q = key.target.size, key.target.q
-
-        vocab = self.worker.model.cfg.vocab_size
 
         def forward() -> None:
             self._forward(key, self._inputs(n, q), self._logits[: n * q])
