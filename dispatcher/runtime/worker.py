@@ -367,7 +367,9 @@ class ModelWorker:
         probability) on each model's logits, outside the graphs too, the greedy sampler on processed (float32)
         logits, the penalties' kernel with and without drafts, the sampler (``sample``, with and without min_p, per
         row on raw and processed logits; over the slots' tables with the penalties on raw ones, as fused steps run
-        it) and the fused steps' token counting. The number of launches (0 on the CPU)."""
+        it, and reading a grammar's bitmask where fused constrained steps run: their graphs are captured between
+        steps, which a compile would hold up) and the fused steps' token counting. The number of launches (0 on the
+        CPU)."""
         if self.device.type != "cuda":
             return 0
         heads = [self.model] + ([self.drafter.head] if self.drafter is not None and self.drafter.head is not None
@@ -391,15 +393,18 @@ class ModelWorker:
                 sample(logits, st.temperature[:1], st.seed[:1], slot, None if min_p is None else min_p[:1])
         tables = (ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts)
         sample(raw, st.temperature, st.seed, slot, ex.min_p, slot, 1 + self.k_max, tables)
+        masking = self.fused is not None and bool(self.fused.constrained)
+        if masking:  # (fused constrained steps: their buffer's row stride is what the kernel specializes on)
+            sample(self.fused.logits_rows(1), st.temperature, st.seed, slot, ex.min_p, slot, 1, tables,
+                   bitmask=self.fused.bitmask[:1])
         count_accepted(slot, slot[:, None], slot, ex.penalized, ex.output_counts)  # (slot 0 is not penalized)
-        return 2 * len(heads) + 1 + len({0, self.k_max}) + 6
+        return 2 * len(heads) + 1 + len({0, self.k_max}) + 6 + masking
 
     @torch.inference_mode()
     def _warm_up_grammar(self) -> int:
         """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
         rows (Triton specializes a row count on == 1 and on divisibility by 16) and both alignments of the bitmask,
-        here rather than in a served step; and the fused constrained steps' sampler (it reads the bitmask: their
-        graphs are captured between steps, which a compile would hold up).
+        here rather than in a served step (the fused constrained steps' sampler: ``_warm_up_sampling``).
         Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
         try:
             import xgrammar
@@ -415,14 +420,7 @@ class ModelWorker:
                 # rows leaves it 8 bytes off a 16-byte boundary, which Triton specializes on)
                 bits = full[start: start + rows * words].view(rows, words)
                 xgrammar.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1])
-        if self.device.type != "cuda" or self.fused is None or not self.fused.constrained:
-            return 6
-        st, ex = self.state, self.state.extras
-        slot = torch.zeros(1, dtype=torch.int64, device=self.device)
-        tables = (ex.penalized, ex.penalties, ex.output_counts, ex.prompt_seen, st.drafts)
-        logits = self.fused.logits_rows(1)  # (the step's buffer: its row stride is what the kernel specializes on)
-        sample(logits, st.temperature, st.seed, slot, ex.min_p, slot, 1, tables, bitmask=self.fused.bitmask[:1])
-        return 7
+        return 6
 
     @property
     def runtimes(self) -> list[GraphRuntime]:
