@@ -196,7 +196,13 @@ def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.P
         cmd += ["--num-kv-blocks", str(kv_blocks(args.model, args.kv_gib))]
         if not caching:
             cmd.append("--no-enable-prefix-caching")
-        log_path = os.path.join(work_dir, f"server-{model}-{'on' if caching else 'off'}.log")
+        if args.max_num_batched_tokens:  # (argparse keeps the last: this one over serve_command's 16384)
+            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        side = "on" if caching else "off"
+        if args.step_trace_dir:
+            os.makedirs(args.step_trace_dir, exist_ok=True)
+            cmd += ["--step-trace", os.path.join(args.step_trace_dir, f"trace-{model}-{side}.jsonl")]
+        log_path = os.path.join(work_dir, f"server-{model}-{side}.log")
         procs[caching] = (launch(cmd, f"{model} caching {caching}", port, log_path, wait=False), port)
     try:
         for caching, (proc, port) in procs.items():
@@ -279,6 +285,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the servers' token budget a step (default: the headline's 16384)")
+    parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here "
+                        "(trace-MODEL-on.jsonl, trace-MODEL-off.jsonl: every round of the cells run on it)")
     args = parser.parse_args()
     models, workloads = args.models.split(","), args.workloads.split(",")
     if bad := (set(models) - set(MODELS)) | (set(workloads) - set(WORKLOADS)):
@@ -298,6 +308,7 @@ def main() -> None:
                          + shlex.join(sys.argv[1:]),
               "commit": commit(), "device": args.device, "output_len": args.output_len, "turns": args.turns,
               "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "random_len": args.random_len,
+              "max_num_batched_tokens": args.max_num_batched_tokens or 16384,
               "models": models, "workloads": workloads, "concurrency": concs, "rows": [], "servers": [],
               "errors": []}
     if args.resume and args.out and os.path.exists(args.out):
