@@ -1,13 +1,18 @@
 """What the child processes of ``twogrid serve`` (the engine process, its worker) share: how they notice that
-their parent is gone, their stop signals, a profiling switch, the garbage collector kept off start-up's objects."""
+their parent is gone, their stop signals, a profiling switch, the garbage collector kept off start-up's objects, the
+event loop's long holds logged."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
 import signal
+import sys
+import threading
 import time
+from collections import Counter
 
 
 PARENT_PID_ENV = "TWOGRID_PARENT_PID"
@@ -80,6 +85,88 @@ def _log_long_collection(phase: str, info: dict) -> None:
         logging.getLogger("twogrid").warning(
             "a garbage collection of generation %d paused this process %.1f ms (%d objects collected)",
             info.get("generation", -1), ms, info.get("collected", 0))
+
+
+LOOP_HELD_MS_ENV = "TWOGRID_LOOP_HELD_MS"
+LOOP_HELD_MS = 20.0
+"""A serving process's event loop that went this long without a turn (default; ``$TWOGRID_LOOP_HELD_MS``, 0: not
+watched) is logged, with where its thread was meanwhile: every step the engine did not schedule, and every stream a
+front end did not write, waited as long."""
+LOOP_HELD_LOG_S = 1.0
+"""At most one such line a second (the holds between two lines are counted in the next)."""
+
+
+class LoopWatch:
+    """Notices the running event loop's long holds: a callback every ``period_s`` stamps the loop's last turn; a
+    thread samples where the loop's thread is (its innermost frames) while that stamp is older than the threshold;
+    the first turn after a hold logs it with the places sampled (none where the holding call kept the GIL)."""
+
+    def __init__(self, held_ms: float, period_s: float = 0.005, log=None):
+        self.loop = asyncio.get_running_loop()
+        self.held_s, self.period_s = held_ms / 1e3, period_s
+        self.log = log or logging.getLogger("twogrid")
+        self.thread_id = threading.get_ident()
+        self.turn = time.perf_counter()
+        self.samples: list[str] = []
+        """Where the loop's thread was, sampled while it was held (the watch thread appends)."""
+        self.holds: list[tuple[float, Counter]] = []
+        """Holds not yet logged: (ms, places)."""
+        self.logged_at = 0.0
+        self.stopped = threading.Event()
+        self.loop.call_soon(self._tick)
+        threading.Thread(target=self._watch, daemon=True, name="loop-watch").start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        held = now - self.turn - self.period_s
+        self.turn = now
+        if held >= self.held_s:
+            self.holds.append((held * 1e3, Counter(self.samples)))
+        self.samples = []
+        if self.holds and now - self.logged_at >= LOOP_HELD_LOG_S:
+            self._log_holds(now)
+        if not self.stopped.is_set():
+            self.loop.call_later(self.period_s, self._tick)
+
+    def _log_holds(self, now: float) -> None:
+        ms, places = max(self.holds, key=lambda h: h[0])
+        where = "; ".join(f"{place} ({n})" for place, n in places.most_common(2)) or "not sampled"
+        more = f" (and {len(self.holds) - 1} more holds since the last line)" if len(self.holds) > 1 else ""
+        self.log.warning("the event loop was held %.0f ms%s, in: %s", ms, more, where)
+        self.holds, self.logged_at = [], now
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            if time.perf_counter() - self.turn >= self.held_s:
+                frame = sys._current_frames().get(self.thread_id)
+                if frame is not None:
+                    self.samples.append(frame_place(frame))
+
+
+def frame_place(frame, depth: int = 4) -> str:
+    """A stack's innermost ``depth`` frames, innermost first: ``func file:line < caller file:line ...``."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        code = frame.f_code
+        parts.append(f"{code.co_name} {os.path.basename(code.co_filename)}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " < ".join(parts)
+
+
+def watch_event_loop() -> LoopWatch | None:
+    """Start a ``LoopWatch`` on the running loop at ``$TWOGRID_LOOP_HELD_MS`` (``LOOP_HELD_MS`` unset; None at 0).
+    Called by each asyncio process of ``twogrid serve`` (the engine, the front ends) once it serves."""
+    value = os.environ.get(LOOP_HELD_MS_ENV, "")
+    try:
+        held_ms = float(value) if value else LOOP_HELD_MS
+    except ValueError:
+        logging.getLogger("twogrid").warning("%s=%r is not a number of ms: the default %g used", LOOP_HELD_MS_ENV,
+                                             value, LOOP_HELD_MS)
+        held_ms = LOOP_HELD_MS
+    return LoopWatch(held_ms) if held_ms > 0 else None
 
 
 def profiled(role: str, fn, *args):

@@ -255,6 +255,55 @@ def test_a_long_garbage_collection_while_serving_is_logged_with_its_generation(c
         gc.set_threshold(*saved)
 
 
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # (a call that holds the event loop's thread, as a burst of arrivals would)
+
+
+def test_a_held_event_loop_is_logged_with_where_it_was_held(caplog):
+    """A serving process's event loop held past the threshold logs one line: how long, and the innermost frames its
+    thread was in meanwhile (here the holding function); turns that come on time log nothing."""
+    import logging
+
+    from dispatcher import child
+
+    async def main(hold_s: float) -> None:
+        watch = child.LoopWatch(held_ms=30.0)
+        await asyncio.sleep(0.05)  # (an idle loop: its ticks come on time)
+        _hold_the_loop(hold_s)
+        await asyncio.sleep(0.02)  # (the first turn after the hold logs it)
+        watch.stop()
+
+    with caplog.at_level(logging.WARNING, logger="twogrid"):
+        asyncio.run(main(0.0))
+        assert not caplog.records
+        asyncio.run(main(0.12))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("the event loop was held "), lines
+    held_ms = float(lines[0].split("held ")[1].split(" ms")[0])
+    assert 100 <= held_ms < 1000, lines
+    assert "_hold_the_loop test_engine_service.py" in lines[0], lines
+
+
+def test_the_loop_watch_is_off_at_zero_and_a_bad_value_keeps_the_default(monkeypatch, caplog):
+    import logging
+
+    from dispatcher import child
+
+    async def started():
+        watch = child.watch_event_loop()
+        if watch is not None:
+            watch.stop()
+        return watch
+
+    monkeypatch.setenv(child.LOOP_HELD_MS_ENV, "0")
+    assert asyncio.run(started()) is None
+    monkeypatch.setenv(child.LOOP_HELD_MS_ENV, "lots")
+    with caplog.at_level(logging.WARNING, logger="twogrid"):
+        watch = asyncio.run(started())
+    assert watch is not None and watch.held_s == child.LOOP_HELD_MS / 1e3
+    assert any("TWOGRID_LOOP_HELD_MS='lots' is not a number of ms" in r.getMessage() for r in caplog.records)
+
+
 class _Rank:
     """A tensor-parallel rank's process as WorkerGroup sees it; ``kill`` makes it one SIGKILLed."""
 

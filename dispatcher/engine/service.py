@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
-from dispatcher.child import freeze_startup_heap, ignore_stop_signals, parent_gone, profiled
+from dispatcher.child import (freeze_startup_heap, ignore_stop_signals, parent_gone, profiled,
+                              watch_event_loop)
 from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
                                   spawn_workers, worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Drain, EngineDead, EngineInit,
@@ -115,6 +116,7 @@ class EngineService:
                                structured=await structured)
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
+        watch_event_loop()
         self._tier_version = self.core.tier_version
         self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,

@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 
-from dispatcher.child import freeze_startup_heap
+from dispatcher.child import freeze_startup_heap, watch_event_loop
 from dispatcher.plan.config import ConfigError, parse_json_arg
 
 log = logging.getLogger("twogrid.serve")
@@ -512,6 +512,7 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
                 else:
                     gate.result()
             freeze_startup_heap()
+            watch_event_loop()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
             gone = front_ends.exited() if front_ends is not None and engine.dead is None else None
