@@ -3,7 +3,13 @@ prompt's checks) and ``queue_all`` (the scheduler's queue, the prefix cache's bl
 prompts of ``--prompt-len`` token ids, as the engine service runs them for each ``AddRequest`` before its step loop
 goes on. Reported: ms an arrival and ms the burst, the median of ``--repeat`` bursts (each into a fresh engine).
 
+``--served``: the burst sent to the serving engine's step loop (``EngineService`` with an instant worker, no model)
+while ``--running`` requests decode, taken in turns of ``ARRIVAL_TURN_S`` and, alternated with it, in one turn (the
+loop before turns): the longest time between two steps sent to the worker while the burst is taken (what the device
+idles on a GPU once its queued step is done) and the burst's duration, medians of ``--repeat`` each.
+
     python benchmarks/bench_engine_arrivals_cpu.py --burst 256 --prompt-len 2000 --out result.json
+    python benchmarks/bench_engine_arrivals_cpu.py --served --burst 256 --prompt-len 760 --out result.json
 """
 
 from __future__ import annotations
@@ -38,13 +44,102 @@ def burst_ms(args, rng: np.random.Generator) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, float, int]:
+    """(longest ms between two steps sent while the burst was taken, the burst's ms, steps sent meanwhile) with the
+    engine service's arrival turn at ``turn_s``."""
+    import asyncio
+
+    from bench_engine_host_cpu import FrontEndSink, Inbox, InstantWorker
+
+    from dispatcher.engine import service as service_module
+    from dispatcher.engine.protocol import AddRequest, encode
+    from dispatcher.engine.service import EngineService
+
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=args.running + args.burst, max_num_batched_tokens=2048)
+    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32,
+                                      num_kv_blocks=(args.running + args.burst) * (args.prompt_len // 16 + 8),
+                                      block_size=16, max_model_len=args.prompt_len + 1024, seed=0,
+                                      enable_prefix_caching=True))
+    vocab = core.model_config.vocab_size
+    worker = InstantWorker(vocab, 0.0)
+    inbox = Inbox()
+    service = EngineService(None, worker, inbox, [FrontEndSink()])
+    service.core = core
+    taken: list[float] = []
+    add = service._add
+
+    async def timed_add(msg):
+        taken.append(time.perf_counter())
+        await add(msg)
+
+    service._add = timed_add
+    frames = [encode(AddRequest(f"b{i}", rng.integers(0, vocab, args.prompt_len).tolist(),
+                                SamplingParams(max_tokens=16))) for i in range(args.burst)]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        receiver, runner = loop.create_task(service.receive()), loop.create_task(service.run())
+        for i in range(args.running):
+            inbox.queue.put_nowait(encode(AddRequest(f"run{i}", [5 + i % 100, 6, 7],
+                                                     SamplingParams(max_tokens=1000, ignore_eos=True))))
+        while len(worker.sent_at) < 8:
+            await asyncio.sleep(0)
+        for frame in frames:
+            inbox.queue.put_nowait(frame)
+        while len(taken) < args.running + args.burst:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        runner.cancel()
+        receiver.cancel()
+        await asyncio.gather(runner, receiver, return_exceptions=True)
+
+    saved = service_module.ARRIVAL_TURN_S
+    service_module.ARRIVAL_TURN_S = turn_s
+    try:
+        asyncio.run(scenario())
+    finally:
+        service_module.ARRIVAL_TURN_S = saved
+    first, last = taken[args.running], taken[-1]
+    sent = np.array(worker.sent_at)
+    inside = sent[(sent > first) & (sent < last)]
+    marks = np.concatenate([sent[sent <= first][-1:], inside, sent[sent >= last][:1]])
+    return float(np.diff(marks).max() * 1e3), (last - first) * 1e3, len(inside)
+
+
+def main_served(args) -> None:
+    from dispatcher.engine.service import ARRIVAL_TURN_S
+
+    rng = np.random.default_rng(0)
+    served_burst(args, rng, ARRIVAL_TURN_S)  # (warm-up)
+    runs: dict[str, list] = {"turns": [], "one_turn": []}
+    for _ in range(args.repeat):
+        for name, turn_s in (("turns", ARRIVAL_TURN_S), ("one_turn", float("inf"))):
+            runs[name].append([round(v, 2) for v in served_burst(args, rng, turn_s)])
+    result = {"benchmark": "engine_arrivals_served_cpu", "commit": commit(), "burst": args.burst,
+              "prompt_len": args.prompt_len, "running": args.running, "arrival_turn_ms": ARRIVAL_TURN_S * 1e3,
+              "repeat": args.repeat,
+              "command": "python benchmarks/bench_engine_arrivals_cpu.py --served --burst "
+                         f"{args.burst} --prompt-len {args.prompt_len} --running {args.running} --repeat {args.repeat}"}
+    for name, rows in runs.items():
+        result[name] = {"longest_step_gap_ms": statistics.median(r[0] for r in rows),
+                        "burst_ms": statistics.median(r[1] for r in rows),
+                        "steps_during_burst": statistics.median(r[2] for r in rows), "runs": rows}
+    print(result)
+    if args.out:
+        write_json(args.out, result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--burst", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--served", action="store_true", help="the burst through the engine's step loop")
+    parser.add_argument("--running", type=int, default=256, help="--served: requests decoding meanwhile")
     args = parser.parse_args()
+    if args.served:
+        return main_served(args)
     rng = np.random.default_rng(0)
     burst_ms(args, rng)  # (warm-up)
     runs = [round(burst_ms(args, rng), 2) for _ in range(args.repeat)]
