@@ -147,13 +147,18 @@ class LoopWatch:
 
 
 def frame_place(frame, depth: int = 4) -> str:
-    """A stack's innermost ``depth`` frames, innermost first: ``func file:line < caller file:line ...``."""
-    parts = []
+    """A stack's innermost ``depth`` frames, innermost first: ``func file:line < caller file:line ...``; the import
+    system's own frames are left out, an import among them said first (``importing: <module> x.py:3 < ...``: the
+    module being imported and the code that imported it)."""
+    parts, importing = [], False
     while frame is not None and len(parts) < depth:
         code = frame.f_code
-        parts.append(f"{code.co_name} {os.path.basename(code.co_filename)}:{frame.f_lineno}")
+        if code.co_filename.startswith("<frozen importlib"):
+            importing = True
+        else:
+            parts.append(f"{code.co_name} {os.path.basename(code.co_filename)}:{frame.f_lineno}")
         frame = frame.f_back
-    return " < ".join(parts)
+    return ("importing: " if importing else "") + " < ".join(parts)
 
 
 def watch_event_loop() -> LoopWatch | None:

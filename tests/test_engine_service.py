@@ -337,6 +337,25 @@ def test_a_held_event_loop_is_logged_with_where_it_was_held(caplog):
     assert "_hold_the_loop test_engine_service.py" in lines[0], lines
 
 
+def test_a_place_sampled_inside_an_import_names_the_module_and_its_importer(tmp_path, monkeypatch):
+    """A front end's first chat turns held its loop 100-140 ms importing jinja2: the logged place names the module
+    imported and the code that imported it, not the import system's frames."""
+    import importlib
+    import sys as sys_module
+
+    from dispatcher import child
+
+    (tmp_path / "slow_module_xyz.py").write_text("import sys\nCAPTURED = sys._getframe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        frame = importlib.import_module("slow_module_xyz").CAPTURED
+        place = child.frame_place(frame, depth=3)
+    finally:
+        sys_module.modules.pop("slow_module_xyz", None)
+    assert place.startswith("importing: <module> slow_module_xyz.py:2 < "), place
+    assert "test_a_place_sampled_inside_an_import" in place and "<frozen" not in place, place
+
+
 def test_the_loop_watch_is_off_at_zero_and_a_bad_value_keeps_the_default(monkeypatch, caplog):
     import logging
 

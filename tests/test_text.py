@@ -175,6 +175,23 @@ def test_bad_templates_and_tokenizers_give_one_clear_error(bpe, tmp_path):
         tokenizer_from_dir(str(tmp_path))
 
 
+def test_a_warmed_chat_template_is_compiled_before_the_first_request():
+    """A front end warms its chat template at start-up (``warm_chat_template``): the first request's render finds it
+    compiled (jinja2 imported and the template parsed then, not on the event loop under the first chat turns); a
+    template that fails is left for the requests to report."""
+    from models.text import _compile, warm_chat_template
+
+    template = CHATML + "{# warmed #}"
+    _compile.cache_clear()
+    warm_chat_template(template)
+    info = _compile.cache_info()
+    assert info.currsize == 1 and info.misses == 1
+    render_chat_template(template, [{"role": "user", "content": "a first request"}])
+    assert _compile.cache_info().hits == info.hits + 1
+    warm_chat_template("{% for m in messages %}{{ m }")  # (does not parse: no error here)
+    warm_chat_template("{{ raise_exception('no') }}")
+
+
 @pytest.mark.parametrize("edit, words", [
     ({"chat_template": 5}, "chat_template must be a string or a list of {name, template} objects, got '5'"),
     ({"chat_template": ["x", 3]}, "chat_template must be a string or a list"),  # (read as no template)

@@ -222,7 +222,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     from dispatcher.serve.app import build_app, drain, start_http
     from dispatcher.serve.client import EngineClient
     from dispatcher.serve.metrics import EngineMetrics
-    from models.text import load_tokenizer
+    from models.text import load_tokenizer, warm_chat_template
 
     with open(os.path.join(ipc_dir, INIT_FILE), "rb") as fh:
         init = msgspec.msgpack.decode(fh.read(), type=FrontEndInit)
@@ -230,6 +230,8 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     tokenizer = load_tokenizer(init.tokenizer) if init.tokenizer else None
     if tokenizer is not None and init.chat_template is not None:
         tokenizer.chat_template = init.chat_template
+    if tokenizer is not None and tokenizer.chat_template:
+        warm_chat_template(tokenizer.chat_template)  # (front end 0 did it when it checked the template)
     name = init.served_model_name
     engine = EngineClient(init.engine, tokenizer, name, init.defaults, EngineMetrics(name, multiprocess=True),
                           init.log_level, index, init.stream_interval)
