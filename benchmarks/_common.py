@@ -35,6 +35,28 @@ def front_end_setup(log_text: str) -> dict:
             "engine_spawned_s": float(found.group(2)) if found else None}
 
 
+LOOP_HELD = re.compile(r"^\S+ \S+ (.+?) WARNING the event loop was held ([0-9]+) ms"
+                       r"(?: \(and ([0-9]+) more holds since the last line\))?, in: (.*)$", re.M)
+"""A serving process's log line for a long hold of its event loop (``dispatcher.child.LoopWatch``)."""
+
+
+def loop_holds(log_text: str, top: int = 3) -> dict:
+    """From a server's log: its processes' event-loop holds of 20 ms or more (``LoopWatch``): how many, the longest,
+    how many per process (its logger: the engine's ``twogrid.engine``, ``front end N``) and the places most often the
+    longest of a line's holds (a line reports the longest of the holds since the one before)."""
+    lines = LOOP_HELD.findall(log_text)
+    per_process: dict[str, int] = {}
+    places: dict[str, int] = {}
+    for who, _, more, where in lines:
+        per_process[who] = per_process.get(who, 0) + 1 + int(more or 0)
+        place = where.split(" (")[0]
+        places[place] = places.get(place, 0) + 1
+    return {"loop_holds": sum(per_process.values()),
+            "loop_held_ms_max": max((int(ms) for _, ms, _, _ in lines), default=0),
+            "loop_holds_by_process": per_process,
+            "loop_hold_places": sorted(places.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def stop_server(proc) -> None:
     """SIGTERM a server process (a ``subprocess.Popen``) and wait for it to drain and exit; SIGKILL after 60 s."""
     import signal

@@ -51,7 +51,7 @@ import sys
 import time
 
 # (importing _common puts the repository on sys.path)
-from _common import commit, kv_blocks, markdown_grid, stop_server as stop, write_json
+from _common import commit, kv_blocks, loop_holds, markdown_grid, stop_server as stop, write_json
 from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
 from bench_spec_gpu import log, log_tail
 
@@ -255,8 +255,11 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                         f"{row['ttft_ms_p99']:.1f} ms, hit rate {row['prefix_cache_hit_rate']}, "
                         f"{row['eager_steps']} eager")
         finally:
-            for proc, _ in procs.values():
+            for caching, (proc, _) in procs.items():
                 stop(proc)
+                with open(proc.log_path, encoding="utf-8", errors="replace") as fh:
+                    result["servers"].append({"model": model, "prefix_caching": caching, **loop_holds(fh.read())})
+            save()
 
 
 def main() -> None:

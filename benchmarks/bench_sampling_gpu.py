@@ -36,7 +36,7 @@ import sys
 
 import numpy as np
 
-from _common import commit, write_json  # (importing _common puts the repository on sys.path)
+from _common import commit, loop_holds, write_json  # (importing _common puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, make_row, prime_triton_cache, run_bench, start_server
 from models.config import PRESETS
 
@@ -150,6 +150,10 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+    with open(os.path.join(out_dir, "server-sampling.log"), encoding="utf-8", errors="replace") as fh:
+        result["server"] = loop_holds(fh.read())
+    print(json.dumps(result["server"]), flush=True)
+    write_json(args.out, result)
     if args.step_trace_dir:
         result["decodes_by_constraint"] = decodes_by_constraint(
             os.path.join(args.step_trace_dir, f"trace-separate-{args.workload}.jsonl"))

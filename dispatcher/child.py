@@ -161,9 +161,10 @@ def frame_place(frame, depth: int = 4) -> str:
     return ("importing: " if importing else "") + " < ".join(parts)
 
 
-def watch_event_loop() -> LoopWatch | None:
-    """Start a ``LoopWatch`` on the running loop at ``$TWOGRID_LOOP_HELD_MS`` (``LOOP_HELD_MS`` unset; None at 0).
-    Called by each asyncio process of ``twogrid serve`` (the engine, the front ends) once it serves."""
+def watch_event_loop(log=None) -> LoopWatch | None:
+    """Start a ``LoopWatch`` on the running loop at ``$TWOGRID_LOOP_HELD_MS`` (``LOOP_HELD_MS`` unset; None at 0),
+    logging to ``log`` (default: the ``twogrid`` logger). Called by each asyncio process of ``twogrid serve`` (the
+    engine, the front ends) once it serves."""
     value = os.environ.get(LOOP_HELD_MS_ENV, "")
     try:
         held_ms = float(value) if value else LOOP_HELD_MS
@@ -171,7 +172,7 @@ def watch_event_loop() -> LoopWatch | None:
         logging.getLogger("twogrid").warning("%s=%r is not a number of ms: the default %g used", LOOP_HELD_MS_ENV,
                                              value, LOOP_HELD_MS)
         held_ms = LOOP_HELD_MS
-    return LoopWatch(held_ms) if held_ms > 0 else None
+    return LoopWatch(held_ms, log=log) if held_ms > 0 else None
 
 
 def profiled(role: str, fn, *args):

@@ -119,7 +119,7 @@ class EngineService:
                                structured=await structured)
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
-        watch_event_loop()
+        watch_event_loop(log)
         self._tier_version = self.core.tier_version
         self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
