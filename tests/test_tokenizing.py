@@ -25,6 +25,34 @@ def test_prompts_arriving_together_are_tokenized_in_one_batch_as_one_by_one(bpe,
     assert got == [tok.encode(p, i % 2 == 0) for i, p in enumerate(prompts)]
 
 
+def test_a_prompt_alone_in_its_turn_is_tokenized_with_the_gil_released(bpe, texts):
+    """A long prompt that arrives alone (a chat turn rendered in a thread) goes through the batch call too, which
+    releases the GIL: the event loop keeps turning while it tokenizes (the one-text call held the GIL, and the loop
+    ran at about half speed)."""
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(bpe)
+    calls = []
+
+    class Counting:
+        def encode(self, text, add_special_tokens=True):
+            calls.append("encode")
+            return tok.encode(text, add_special_tokens)
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            calls.append("encode_batch")
+            return tok.encode_batch(texts, add_special_tokens)
+
+    prompt = " ".join(texts) * 3
+
+    async def go():
+        tokenizing = Tokenizing(Counting())
+        return await tokenizing.encode(prompt)
+
+    assert asyncio.run(go()) == tok.encode(prompt)
+    assert calls == ["encode_batch"]
+
+
 class Picky:
     """encode refuses texts with 'x'; its batch call fails if any text does."""
 

@@ -2,7 +2,9 @@
 in a worker thread, by the tokenizer's batch call (``tokenizers``' ``encode_batch``: parallel over the cores, the
 GIL released). A burst of arrivals then costs about one call's wall time instead of one call per prompt, and the
 event loop keeps streaming the running requests' tokens meanwhile: the one-text call holds the GIL, so tokenizing a
-long prompt in a thread used to stall the loop all the same."""
+long prompt in a thread used to stall the loop all the same. A prompt alone in its turn goes through the batch call
+too (a chat turn whose long conversation was rendered in a thread comes alone): the same ids at the same cost, the
+GIL released (with the one-text call the loop ran at about half speed while a 60,000-character prompt tokenized)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class Tokenizing:
     def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list:
         """Each text's ids (or the exception it alone raised), in the worker thread."""
         batch = getattr(self.tokenizer, "encode_batch", None)
-        if batch is not None and len(texts) > 1:
+        if batch is not None:
             try:
                 return batch(texts, add_special_tokens)
             except BaseException as exc:  # one bad text fails the call: find it, prompt by prompt
