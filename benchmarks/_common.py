@@ -42,8 +42,9 @@ LOOP_HELD = re.compile(r"^\S+ \S+ (.+?) WARNING the event loop was held ([0-9]+)
 
 def loop_holds(log_text: str, top: int = 3) -> dict:
     """From a server's log: its processes' event-loop holds of 20 ms or more (``LoopWatch``): how many, the longest,
-    how many per process (its logger: the engine's ``twogrid.engine``, ``front end N``) and the places most often the
-    longest of a line's holds (a line reports the longest of the holds since the one before)."""
+    how many per process (its logger: the engine's ``twogrid.engine``, front end 0's ``twogrid``, the others'
+    ``front end N``) and the places most often the longest of a line's holds (a line reports the longest of the
+    holds since the one before)."""
     lines = LOOP_HELD.findall(log_text)
     per_process: dict[str, int] = {}
     places: dict[str, int] = {}

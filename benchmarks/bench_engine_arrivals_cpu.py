@@ -103,7 +103,8 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
     sent = np.array(worker.sent_at)
     inside = sent[(sent > first) & (sent < last)]
     marks = np.concatenate([sent[sent <= first][-1:], inside, sent[sent >= last][:1]])
-    return float(np.diff(marks).max() * 1e3), (last - first) * 1e3, len(inside)
+    longest = np.diff(marks).max() if len(marks) > 1 else float("nan")  # (nan: no step after the burst)
+    return float(longest * 1e3), (last - first) * 1e3, len(inside)
 
 
 def main_served(args) -> None:
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=256, help="--served: requests decoding meanwhile")
     args = parser.parse_args()
     if args.served:
+        if args.running < 1:
+            parser.error("--running: at least 1 (the steps the burst must leave room for)")
         return main_served(args)
     rng = np.random.default_rng(0)
     burst_ms(args, rng)  # (warm-up)

@@ -255,10 +255,15 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                         f"{row['ttft_ms_p99']:.1f} ms, hit rate {row['prefix_cache_hit_rate']}, "
                         f"{row['eager_steps']} eager")
         finally:
-            for caching, (proc, _) in procs.items():
+            for proc, _ in procs.values():
                 stop(proc)
-                with open(proc.log_path, encoding="utf-8", errors="replace") as fh:
-                    result["servers"].append({"model": model, "prefix_caching": caching, **loop_holds(fh.read())})
+            for caching, (proc, _) in procs.items():
+                try:
+                    with open(proc.log_path, encoding="utf-8", errors="replace") as fh:
+                        result["servers"].append({"model": model, "prefix_caching": caching,
+                                                  **loop_holds(fh.read())})
+                except OSError as exc:
+                    result["errors"].append({"model": model, "error": f"server log: {exc}"})
             save()
 
 

@@ -99,7 +99,13 @@ LOOP_HELD_LOG_S = 1.0
 class LoopWatch:
     """Notices the running event loop's long holds: a callback every ``period_s`` stamps the loop's last turn; a
     thread samples where the loop's thread is (its innermost frames) while that stamp is older than the threshold;
-    the first turn after a hold logs it with the places sampled (none where the holding call kept the GIL)."""
+    the first turn after a hold logs it with the places sampled (none where the holding call kept the GIL), at most
+    a line every LOOP_HELD_LOG_S (the holds meanwhile counted in the next). A hold is measured from when the tick
+    was due (so up to ``period_s`` short). ``stop``, or the loop's closing, logs the holds not yet logged and ends
+    the thread."""
+
+    MAX_SAMPLES = 200
+    """Places kept per hold (a hold of seconds is sampled every few ms)."""
 
     def __init__(self, held_ms: float, period_s: float = 0.005, log=None):
         self.loop = asyncio.get_running_loop()
@@ -107,43 +113,56 @@ class LoopWatch:
         self.log = log or logging.getLogger("twogrid")
         self.thread_id = threading.get_ident()
         self.turn = time.perf_counter()
-        self.samples: list[str] = []
-        """Where the loop's thread was, sampled while it was held (the watch thread appends)."""
+        self.samples: list[tuple[float, str]] = []
+        """(the turn the loop was held after, where its thread was): the watch thread appends, the tick takes those
+        of the hold it ends (a sample taken as the lists are swapped is dropped, never given to another hold)."""
         self.holds: list[tuple[float, Counter]] = []
         """Holds not yet logged: (ms, places)."""
-        self.logged_at = 0.0
+        self.logged_at = float("-inf")
         self.stopped = threading.Event()
+        self._lock = threading.Lock()
         self.loop.call_soon(self._tick)
         threading.Thread(target=self._watch, daemon=True, name="loop-watch").start()
 
     def stop(self) -> None:
+        """End the watch; the holds not yet logged are logged now."""
         self.stopped.set()
+        self._flush()
 
     def _tick(self) -> None:
         now = time.perf_counter()
-        held = now - self.turn - self.period_s
-        self.turn = now
+        turn, self.turn = self.turn, now
+        held = now - turn - self.period_s
+        samples, self.samples = self.samples, []
         if held >= self.held_s:
-            self.holds.append((held * 1e3, Counter(self.samples)))
-        self.samples = []
+            with self._lock:
+                self.holds.append((held * 1e3, Counter(place for t, place in samples if t == turn)))
         if self.holds and now - self.logged_at >= LOOP_HELD_LOG_S:
-            self._log_holds(now)
+            self._flush(now)
         if not self.stopped.is_set():
             self.loop.call_later(self.period_s, self._tick)
 
-    def _log_holds(self, now: float) -> None:
-        ms, places = max(self.holds, key=lambda h: h[0])
+    def _flush(self, now: float | None = None) -> None:
+        with self._lock:
+            holds, self.holds = self.holds, []
+        if not holds:
+            return
+        ms, places = max(holds, key=lambda h: h[0])
         where = "; ".join(f"{place} ({n})" for place, n in places.most_common(2)) or "not sampled"
-        more = f" (and {len(self.holds) - 1} more holds since the last line)" if len(self.holds) > 1 else ""
+        more = f" (and {len(holds) - 1} more holds since the last line)" if len(holds) > 1 else ""
         self.log.warning("the event loop was held %.0f ms%s, in: %s", ms, more, where)
-        self.holds, self.logged_at = [], now
+        self.logged_at = time.perf_counter() if now is None else now
 
     def _watch(self) -> None:
-        while not self.stopped.wait(self.period_s):
-            if time.perf_counter() - self.turn >= self.held_s:
+        while not self.stopped.wait(max(self.period_s, self.turn + self.held_s - time.perf_counter())):
+            if self.loop.is_closed():
+                self._flush()
+                return
+            turn = self.turn
+            if time.perf_counter() - turn >= self.held_s and len(self.samples) < self.MAX_SAMPLES:
                 frame = sys._current_frames().get(self.thread_id)
                 if frame is not None:
-                    self.samples.append(frame_place(frame))
+                    self.samples.append((turn, frame_place(frame)))
 
 
 def frame_place(frame, depth: int = 4) -> str:
