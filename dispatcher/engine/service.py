@@ -82,6 +82,8 @@ class EngineService:
         """The worker replays CUDA graphs (else the static-buffer backend)."""
         self.capturing = False
         """Delayed capture under way in the worker: its progress may come while no step runs."""
+        self.loop_watch = None
+        """The event loop's watch (``dispatcher.child.LoopWatch``) once serving; stopped when serving ends."""
         self._compiling: dict[str, asyncio.Task] = {}
         """Structured requests whose grammar compiles, by each of their engine request ids (they join the scheduler
         when it is ready)."""
@@ -119,7 +121,7 @@ class EngineService:
                                structured=await structured)
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
         freeze_startup_heap()
-        watch_event_loop(log)
+        self.loop_watch = watch_event_loop(log)
         self._tier_version = self.core.tier_version
         self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
@@ -518,6 +520,8 @@ async def serve(ipc_dir: str, num_ranks: int = 1) -> int:
         await _tell_all(outboxes, EngineDead(f"{type(exc).__name__}: {exc}"))
         code = 1
     finally:
+        if service.loop_watch is not None:  # (what shutting down holds the loop for is not a stall)
+            service.loop_watch.stop()
         for task in watchers:
             task.cancel()
         if service.core is not None:

@@ -243,11 +243,11 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
                               socks=[own_socket(socket.socket(fileno=fd)) for fd in fds])
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    said_ready = False
+    said_ready, loop_watch = False, None
     while not stop.is_set() and engine.dead is None:  # (dead: the engine died, or front end 0 is gone)
         if not said_ready and engine.capture is not None:  # serving, and the engine has started
             freeze_startup_heap()
-            watch_event_loop()
+            loop_watch = watch_event_loop()
             open(_ready_file(ipc_dir, index), "w").close()
             said_ready = True
         try:
@@ -258,6 +258,8 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     left = await drain(app, init.shutdown_timeout if code == 0 else 0.0)
     if left:
         log.warning("front end %d: %d requests did not finish within --shutdown-timeout: failing them", index, left)
+    if loop_watch is not None:  # (served and drained: what shutting down holds the loop for is not a stall)
+        loop_watch.stop()
     await engine.shutdown(0.0)
     await runner.cleanup()
     return code

@@ -484,7 +484,7 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    code = 0
+    code, loop_watch = 0, None
     try:
         started = loop.create_task(engine.start(process))
         stopped = loop.create_task(stop.wait())
@@ -512,7 +512,7 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
                 else:
                     gate.result()
             freeze_startup_heap()
-            watch_event_loop()
+            loop_watch = watch_event_loop()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
             gone = front_ends.exited() if front_ends is not None and engine.dead is None else None
@@ -537,6 +537,8 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
         if left:
             log.warning("%d requests did not finish within --shutdown-timeout %g s: failing them", left,
                         args.shutdown_timeout)
+        if loop_watch is not None:  # (served and drained: what shutting down holds the loop for is not a stall)
+            loop_watch.stop()
         await engine.shutdown(0.0)  # the drain had the time: what is left fails now
         await runner.cleanup()
         log.info("stopped")
