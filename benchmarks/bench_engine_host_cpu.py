@@ -168,7 +168,8 @@ def run(args) -> dict:
     drafts = cfg.num_speculative_tokens or 0
     max_tokens = (args.warmup + args.steps + 64) * (1 + drafts)  # (room for every accepted draft: none ends)
     core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), num_kv_blocks=args.requests * (16 + max_tokens // 16),
-                                      block_size=16, max_model_len=args.prompt_len + max_tokens + 64))
+                                      block_size=16, max_model_len=args.prompt_len + max_tokens + 64,
+                                      enable_prefix_caching=getattr(args, "prefix_caching", True)))
     inbox, sinks = Inbox(), [FrontEndSink() for _ in range(args.front_ends)]
     worker = InstantWorker(core.model_config.vocab_size, args.acceptance_rate)
     service = EngineService(None, worker, inbox, sinks)
@@ -271,6 +272,8 @@ def main() -> None:
                    "checked), not only at OUTPUT_LEN")
     p.add_argument("--python-gc", action="store_true", help="leave the collector as CPython sets it (the "
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="the engine without prefix caching (its block hashes and cached blocks' bookkeeping)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.eos and not args.churn:
@@ -291,7 +294,7 @@ def main() -> None:
                           "command": " ".join(["python", "benchmarks/bench_engine_host_cpu.py", *sys.argv[1:]]),
                           "requests": args.requests, "front_ends": args.front_ends, "steps": args.steps,
                           "speculative_config": args.speculative_config, "churn": args.churn, "eos": args.eos,
-                          "python_gc": args.python_gc, **result})
+                          "python_gc": args.python_gc, "prefix_caching": args.prefix_caching, **result})
 
 
 if __name__ == "__main__":
