@@ -24,6 +24,7 @@ from _common import commit, write_json
 import torch
 
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
+from dispatcher.engine.protocol import pack_prompt
 from dispatcher.plan.config import resolve
 from models.config import preset
 from scheduler.request import SamplingParams
@@ -37,6 +38,8 @@ def burst_ms(args, rng: np.random.Generator) -> float:
                                       enable_prefix_caching=True))
     vocab = core.model_config.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.burst)]  # (plain ints, as decoded)
+    if getattr(args, "packed", False):  # (as a front end sends them: int32 bytes)
+        prompts = [pack_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=16)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -73,8 +76,8 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
         await add(msg)
 
     service._add = timed_add
-    frames = [encode(AddRequest(f"b{i}", rng.integers(0, vocab, args.prompt_len).tolist(),
-                                SamplingParams(max_tokens=16))) for i in range(args.burst)]
+    frames = [encode(AddRequest(f"b{i}", pack_prompt(rng.integers(0, vocab, args.prompt_len).tolist()),
+                                SamplingParams(max_tokens=16))) for i in range(args.burst)]  # (as a front end packs)
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -137,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--served", action="store_true", help="the burst through the engine's step loop")
+    parser.add_argument("--packed", action="store_true", help="prompts as a front end sends them (int32 bytes) "
+                        "rather than lists of ints")
     parser.add_argument("--running", type=int, default=256, help="--served: requests decoding meanwhile")
     args = parser.parse_args()
     if args.served:
@@ -147,7 +152,7 @@ def main() -> None:
     burst_ms(args, rng)  # (warm-up)
     runs = [round(burst_ms(args, rng), 2) for _ in range(args.repeat)]
     median = statistics.median(runs)
-    result = {"benchmark": "engine_arrivals_cpu", "commit": commit(), "burst": args.burst,
+    result = {"benchmark": "engine_arrivals_cpu", "commit": commit(), "burst": args.burst, "packed": args.packed,
               "prompt_len": args.prompt_len, "burst_ms": median, "ms_per_arrival": round(median / args.burst, 4),
               "runs_ms": runs}
     print(result)

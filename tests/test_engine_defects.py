@@ -281,6 +281,33 @@ def test_token_ids_numpy_integers_pass_and_booleans_do_not():
     assert all(type(t) is int for t in e.scheduler.requests[rid].prompt_token_ids)
 
 
+def test_a_front_ends_packed_prompt_gives_the_request_its_list_gives_and_bad_bytes_are_refused():
+    """A front end sends a prompt as little-endian int32 bytes (``protocol.pack_prompt``), through the engine's
+    socket: the request is the one its list makes (ids as plain ints, the same packed bytes for the block hashes);
+    bytes that are not whole int32s, or an id outside the vocabulary, are refused naming it; an id past int32 stays
+    a list, which the engine's check names."""
+    from dispatcher.engine.protocol import AddRequest, decode_to_core, encode, pack_prompt
+
+    e = engine()
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, 512, 100)]
+    sent = decode_to_core(encode(AddRequest("r", pack_prompt(ids), GREEDY)))
+    assert isinstance(sent.prompt_token_ids, bytes) and len(sent.prompt_token_ids) == 4 * len(ids)
+    packed, plain = e.make_request(sent.prompt_token_ids, GREEDY, "p"), e.make_request(ids, GREEDY, "l")
+    assert packed.prompt_token_ids == plain.prompt_token_ids == ids
+    assert all(type(t) is int for t in packed.prompt_token_ids)
+    assert packed.prompt_int32 == plain.prompt_int32 == np.asarray(ids, np.int32).tobytes()
+    for bad, message in [(b"\x05\x00\x00", "prompt token ids: 3 bytes is not a whole number of int32 ids"),
+                         (pack_prompt([5, -1]), "prompt token -1 is outside the vocabulary 0..511"),
+                         (pack_prompt([5, 512]), "prompt token 512 is outside the vocabulary 0..511")]:
+        with pytest.raises(RequestError) as info:
+            e.make_request(bad, GREEDY, "bad")
+        assert str(info.value) == message
+    assert pack_prompt([5, 2**40]) == [5, 2**40]
+    with pytest.raises(RequestError, match=f"prompt token {2**40} is outside the vocabulary"):
+        e.make_request(decode_to_core(encode(AddRequest("big", pack_prompt([5, 2**40]), GREEDY))).prompt_token_ids,
+                       GREEDY, "big")
+
+
 # 11 ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [{"method": "eagle3", "num_speculative_tokens": 3},
                                   {"method": "dflash", "num_speculative_tokens": 2},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -182,6 +183,8 @@ def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | 
     bool is not). Checked with numpy where every id is a plain int (a front end's prompts: a Python loop took about
     1 ms a 2,000-token prompt, on the engine's event loop, which a burst of arrivals held for hundreds of ms);
     anything else, or a failure, by the loop that names the token."""
+    if isinstance(prompt_token_ids, (bytes, bytearray, memoryview)):  # a front end's (``protocol.pack_prompt``)
+        return _checked_packed(bytes(prompt_token_ids), vocab)
     ids = prompt_token_ids.tolist() if isinstance(prompt_token_ids, np.ndarray) else list(prompt_token_ids)
     if not ids:
         return ids, None
@@ -198,6 +201,24 @@ def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | 
         if not 0 <= t < vocab:
             raise RequestError(f"prompt token {int(t)} is outside the vocabulary 0..{vocab - 1}")
     return [int(t) for t in ids], None
+
+
+def _checked_packed(packed: bytes, vocab: int) -> tuple[list[int], bytes | None]:
+    """``checked_token_ids`` for little-endian int32 bytes: the ids and the native int32 bytes (the same bytes on a
+    little-endian host); RequestError for a length that is not whole int32s or an id outside the vocabulary."""
+    if len(packed) % 4:
+        raise RequestError(f"prompt token ids: {len(packed)} bytes is not a whole number of int32 ids")
+    a = np.frombuffer(packed, dtype="<i4")
+    if not len(a):
+        return [], None
+    low, high = int(a.min()), int(a.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise RequestError(f"prompt token {bad} is outside the vocabulary 0..{vocab - 1}")
+    if sys.byteorder != "little":
+        a = a.astype(np.int32)
+        packed = a.tobytes()
+    return a.tolist(), packed
 
 
 class EngineCore:

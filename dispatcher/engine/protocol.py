@@ -10,6 +10,9 @@ message. ``EngineDead`` is its last word when its worker dies. msgspec Structs a
 
 from __future__ import annotations
 
+import array
+import sys
+
 import msgspec
 
 from dispatcher.messages import CaptureProgress, WorkerInit, WorkerReady
@@ -46,10 +49,26 @@ class EngineInit(msgspec.Struct, array_like=True, frozen=True, tag="init"):
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: bytes | list[int]
+    """The prompt's token ids: as little-endian int32 bytes (``pack_prompt``: a front end's, which the engine reads
+    without decoding a list of ints and checking each), or a list of ints."""
     params: SamplingParams
     front_end: int = 0
     """The front-end process that sent it: its outputs go back there."""
+
+
+def pack_prompt(token_ids) -> bytes | list[int]:
+    """``AddRequest.prompt_token_ids`` for ``token_ids``: little-endian int32 bytes (the engine unpacks and range-checks
+    them in a few numpy calls: ~30 us less of the engine's single thread a 760-token arrival on the CI machine than
+    a list's decode and per-token check, for ~11 us more here), or the list as it is where an id does not fit an int32
+    (the engine's check then names it)."""
+    try:
+        packed = array.array("i", token_ids)  # (OverflowError past int32, TypeError for a non-integer: not wrapped)
+    except (OverflowError, TypeError):
+        return list(token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

@@ -24,7 +24,7 @@ from dispatcher.engine.ipc import ChildProcess, bind_pair, spawn_engine
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Drain, EngineDead,
                                         EngineInit, EngineStarted, Outputs, decode_to_front, encode,
-                                        front_end_sockets)
+                                        front_end_sockets, pack_prompt)
 from dispatcher.messages import CaptureProgress, WorkerReady, decode_or_refuse
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
@@ -152,7 +152,7 @@ class EngineClient:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = self._streams[request_id] = _Stream(self.stream_interval)
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, self.front_end))
+        self._send(AddRequest(request_id, pack_prompt(prompt_token_ids), params, self.front_end))
         return self._stream(request_id, stream)
 
     async def _stream(self, request_id: str, stream: "_Stream") -> AsyncIterator[RequestOutput]:
