@@ -30,12 +30,17 @@ from models.config import preset
 from scheduler.request import SamplingParams
 
 
+def _core(max_num_seqs: int, blocks_per_seq: int, max_model_len: int) -> EngineCore:
+    """A tiny-dense engine on the CPU with prefix caching, ``max_num_seqs`` requests of up to ``blocks_per_seq``
+    blocks of 16 tokens each."""
+    cfg = resolve({}, None, platform="sm100", max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    return EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32,
+                                      num_kv_blocks=max_num_seqs * blocks_per_seq, block_size=16,
+                                      max_model_len=max_model_len, seed=0, enable_prefix_caching=True))
+
+
 def burst_ms(args, rng: np.random.Generator) -> float:
-    cfg = resolve({}, None, platform="sm100", max_num_seqs=args.burst, max_num_batched_tokens=2048)
-    blocks = args.burst * (args.prompt_len // 16 + 2)
-    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32, num_kv_blocks=blocks,
-                                      block_size=16, max_model_len=args.prompt_len + 64, seed=0,
-                                      enable_prefix_caching=True))
+    core = _core(args.burst, args.prompt_len // 16 + 2, args.prompt_len + 64)
     vocab = core.model_config.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.burst)]  # (plain ints, as decoded)
     if getattr(args, "packed", False):  # (as a front end sends them: int32 bytes)
@@ -58,11 +63,7 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
     from dispatcher.engine.protocol import AddRequest, encode
     from dispatcher.engine.service import EngineService
 
-    cfg = resolve({}, None, platform="sm100", max_num_seqs=args.running + args.burst, max_num_batched_tokens=2048)
-    core = EngineCore(cfg, EngineArgs(preset("tiny-dense"), device="cpu", dtype=torch.float32,
-                                      num_kv_blocks=(args.running + args.burst) * (args.prompt_len // 16 + 8),
-                                      block_size=16, max_model_len=args.prompt_len + 1024, seed=0,
-                                      enable_prefix_caching=True))
+    core = _core(args.running + args.burst, args.prompt_len // 16 + 8, args.prompt_len + 1024)
     vocab = core.model_config.vocab_size
     worker = InstantWorker(vocab, 0.0)
     inbox = Inbox()

@@ -205,20 +205,14 @@ def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | 
 
 def _checked_packed(packed: bytes, vocab: int) -> tuple[list[int], bytes | None]:
     """``checked_token_ids`` for little-endian int32 bytes: the ids and the native int32 bytes (the same bytes on a
-    little-endian host); RequestError for a length that is not whole int32s or an id outside the vocabulary."""
+    little-endian host); RequestError for a length that is not whole int32s, and, from the ids' own check, for an
+    id outside the vocabulary."""
     if len(packed) % 4:
         raise RequestError(f"prompt token ids: {len(packed)} bytes is not a whole number of int32 ids")
     a = np.frombuffer(packed, dtype="<i4")
-    if not len(a):
-        return [], None
-    low, high = int(a.min()), int(a.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise RequestError(f"prompt token {bad} is outside the vocabulary 0..{vocab - 1}")
-    if sys.byteorder != "little":
-        a = a.astype(np.int32)
-        packed = a.tobytes()
-    return a.tolist(), packed
+    if not len(a) or a.min() < 0 or a.max() >= vocab:  # (the list's check names the first id outside)
+        return checked_token_ids(a.tolist(), vocab)
+    return a.tolist(), packed if sys.byteorder == "little" else a.astype(np.int32).tobytes()
 
 
 class EngineCore:
