@@ -11,6 +11,28 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def conversations_file(data: str, count: int, turns: int, tag: str, path: str) -> str:
+    """``count`` conversations of ``turns`` user turns each, chained from the ShareGPT file's first turns (in file
+    order, cycled), every turn led by a tag of its own (``tag``, the conversation's index and the turn's), written
+    to ``path`` as ShareGPT JSON: no two conversations of any run share more than the chat template's head, and no
+    turn's text is another's (the file's 500 prompts cycle; a front end that keeps the tokens of messages it saw,
+    dispatcher/serve/tokenizing.py, would otherwise find a later conversation's turns among an earlier one's)."""
+    with open(data, encoding="utf-8") as fh:
+        entries = json.load(fh)
+    prompts = [t["value"] for e in entries for t in e.get("conversations", ())
+               if t.get("from") in ("human", "user") and isinstance(t.get("value"), str) and t["value"].strip()]
+    convs = []
+    for i in range(count):
+        turns_json = []
+        for j in range(turns):
+            text = f"[{tag} conversation {i} turn {j}] {prompts[(i * turns + j) % len(prompts)]}"
+            turns_json += [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]
+        convs.append({"id": f"{tag}-{i}", "conversations": turns_json})
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(convs, fh)
+    return path
+
+
 def write_json(path: str | None, result: dict) -> None:
     """Write ``result`` whole or not at all (a temporary file renamed over ``path``): scripts rewrite their JSON
     after every row and may be stopped by a time limit at any moment."""

@@ -13,8 +13,9 @@ requests and 16384 tokens a step), and each cell runs on one, then the other. Wo
   multi-turn         ShareGPT conversations through /v1/chat/completions (``twogrid bench --multi-turn``): each
                      turn sent with the conversation so far, the model's own answers in it. The ShareGPT file at
                      hand holds first turns only, so the script chains ``--turns`` of its prompts into each
-                     conversation (a file per run, every conversation told apart by a tag at its start, so that no
-                     run finds another's in the cache); N conversations at N streams.
+                     conversation (a file per run, every turn led by a tag of its own, so that no run finds
+                     another's in the cache, nor a front end a turn's text among those it tokenized); N
+                     conversations at N streams.
   prefix-repetition  vLLM's prefix_repetition dataset through /v1/completions: ``--prefix-len`` words (about a token
                      each) shared by each of N / 16 prefixes (at least 2), ``--suffix-len`` of each prompt's own; 2N
                      prompts at N streams (a seed per concurrency: fresh prefixes per run).
@@ -51,7 +52,7 @@ import sys
 import time
 
 # (importing _common puts the repository on sys.path)
-from _common import commit, kv_blocks, loop_holds, markdown_grid, stop_server as stop, write_json
+from _common import conversations_file, commit, kv_blocks, loop_holds, markdown_grid, stop_server as stop, write_json
 from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
 from bench_spec_gpu import log, log_tail
 
@@ -62,27 +63,6 @@ SERVED_NAME = "served"
 
 def cell(row: dict) -> tuple:
     return row["model"], row["workload"], row["concurrency"], row["prefix_caching"], row.get("round", 0)
-
-
-def conversations_file(data: str, count: int, turns: int, tag: str, path: str) -> str:
-    """``count`` conversations of ``turns`` user turns each, chained from the ShareGPT file's first turns (in file
-    order, cycled), each conversation's first turn led by a tag of its own (``tag`` and its index): no two
-    conversations of any run share more than the chat template's head."""
-    with open(data, encoding="utf-8") as fh:
-        entries = json.load(fh)
-    prompts = [t["value"] for e in entries for t in e.get("conversations", ())
-               if t.get("from") in ("human", "user") and isinstance(t.get("value"), str) and t["value"].strip()]
-    convs = []
-    for i in range(count):
-        texts = [prompts[(i * turns + j) % len(prompts)] for j in range(turns)]
-        texts[0] = f"[{tag} conversation {i}] {texts[0]}"
-        turns_json = []
-        for text in texts:
-            turns_json += [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]
-        convs.append({"id": f"{tag}-{i}", "conversations": turns_json})
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(convs, fh)
-    return path
 
 
 def bench_command(workload: str, conc: int, base: str, args, work_dir: str, rnd: int = 0) -> list[str]:

@@ -27,11 +27,13 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import tempfile
 import time
 import types
+import zlib
 
 import numpy as np
-from _common import commit, write_json
+from _common import commit, conversations_file, write_json
 
 from dispatcher.child import freeze_startup_heap
 from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Outputs, QueueState, StepRecord, decode_to_front,
@@ -53,10 +55,17 @@ class SimulatedEngine(EngineClient):
         self.step_s, self.tokens_per_step, self.token_ids = step_s, tokens_per_step, token_ids
         self.running: dict[str, list[int]] = {}
         self.step_times: list[tuple[float, int]] = []
+        self.added_at: dict[str, float] = {}
+        """When each request reached the engine (its ``AddRequest`` sent)."""
+        self.first_at: dict[str, float] = {}
+        """When the step that made each request's first token ran."""
 
     def _send(self, message) -> None:
         if isinstance(message, AddRequest):
-            self.running[message.request_id] = [message.params.max_tokens, 0]
+            # (each request's answer read from its own place in the text: no two answers alike)
+            offset = zlib.crc32(message.request_id.encode()) % len(self.token_ids)
+            self.running[message.request_id] = [message.params.max_tokens, 0, offset]
+            self.added_at[message.request_id] = time.perf_counter()
         elif isinstance(message, Abort):
             for rid in message.request_ids:
                 self.running.pop(rid, None)
@@ -72,11 +81,14 @@ class SimulatedEngine(EngineClient):
 
     def _step(self) -> Outputs:
         deltas = []
+        now = time.perf_counter()
         for rid, state in list(self.running.items()):
-            n = min(self.tokens_per_step, state[0])
-            start = state[1] % (len(self.token_ids) - n)
-            state[0] -= n
-            state[1] += n
+            left, produced, offset = state
+            if produced == 0:
+                self.first_at[rid] = now
+            n = min(self.tokens_per_step, left)
+            start = (offset + produced) % (len(self.token_ids) - n)
+            state[0], state[1] = left - n, produced + n
             done = state[0] == 0
             deltas.append(Delta(rid, self.token_ids[start:start + n], "length" if done else None))
             if done:
@@ -102,9 +114,9 @@ def client(port: int, requests: list, cap: int, ready, go, results, extra_body: 
             turns, duration = await run_requests(session, endpoint, requests, cap, np.zeros(len(requests)), "",
                                                  True)
             end = time.perf_counter()
-            outputs = [o for request_turns in turns for o in request_turns]  # (one turn a request here)
+            outputs = [o for request_turns in turns for o in request_turns]  # (a conversation's turns, in order)
             assert all(o.success for o in outputs), next(o.error for o in outputs if not o.success)
-            results.put((end - duration, end, [o.ttft for o in outputs]))
+            results.put((end - duration, end, [(o.start_time, o.ttft) for o in outputs]))
 
     asyncio.run(main())
 
@@ -132,6 +144,8 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     for _ in procs:
         await _next(ready, procs)
     n0, cpu0 = len(engine.step_times), time.process_time()
+    engine.added_at.clear()
+    engine.first_at.clear()
     if args.garbage:  # (the run's reference cycles kept for the count below: none is collected during it)
         gc.collect()
         gc.disable()
@@ -144,8 +158,13 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     for proc in procs:
         proc.join()
     start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
-    ttfts = sorted(t for _, _, ts in spans for t in ts)
-    tokens = len(requests) * args.output_len
+    ttfts = sorted(t for _, _, ts in spans for _, t in ts)
+    # (TTFT's three parts as means over the run's requests: the clients' and the engine's clocks are one monotonic
+    # clock, and the same requests are in each set, so no request needs matching across processes)
+    sent = statistics.mean(s for _, _, ts in spans for s, _ in ts)
+    first_out = statistics.mean(s + t for _, _, ts in spans for s, t in ts)
+    added, first = statistics.mean(engine.added_at.values()), statistics.mean(engine.first_at.values())
+    tokens = sum(len(getattr(r, "turns", (r,))) for r in requests) * args.output_len
     events = tokens / args.tokens_per_step
     steps = [t for t in engine.step_times[n0:] if start <= t[0] <= end]
     full = sorted(b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[1] >= 0.9 * args.concurrency)
@@ -155,7 +174,9 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
             "cpu_us_per_token": round(cpu_s / tokens * 1e6, 1), "step_period_ms": round(period_ms, 2),
             "step_efficiency": round(args.step_ms / period_ms, 3),
             "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2),
-            "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2), **garbage}
+            "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2),
+            "ttft_in_ms": round((added - sent) * 1e3, 2), "ttft_engine_ms": round((first - added) * 1e3, 2),
+            "ttft_out_ms": round((first_out - first) * 1e3, 2), **garbage}
 
 
 def cyclic_garbage(num_requests: int) -> dict:
@@ -177,16 +198,26 @@ def cyclic_garbage(num_requests: int) -> dict:
 
 
 async def main_async(args) -> dict:
-    from dispatcher.bench.datasets import sharegpt_requests
+    from dispatcher.bench.datasets import sharegpt_conversations, sharegpt_requests
     from dispatcher.serve.app import build_app, start_http
     from models.text import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    requests = sharegpt_requests(args.data, args.waves * args.concurrency, args.output_len, 0)
-    if args.prompt_repeat > 1:  # (long prompts: what tokenizing a burst of arrivals costs)
+    if args.whole_prompts:  # (the comparison: every prompt tokenized whole, nothing kept)
+        tokenizer.added_token_split = None
+    # (each run its own prompts, as long as the file has enough: the front end keeps the pieces of prompts it
+    # tokenized, so a prompt sent again costs less than a new one)
+    num_runs, per_run = args.warmup + args.repeat, args.waves * args.concurrency
+    if args.multi_turn:  # (the prefix-caching benchmark's conversations: every turn's text its own)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = conversations_file(args.data, num_runs * per_run, args.multi_turn, "fe", f"{tmp}/c.json")
+            requests = sharegpt_conversations(path, num_runs * per_run, args.output_len, 0, None)
+    else:
+        requests = sharegpt_requests(args.data, num_runs * per_run, args.output_len, 0)
+    if args.prompt_repeat > 1 and not args.multi_turn:  # (long prompts: what tokenizing a burst of arrivals costs)
         requests = [dataclasses.replace(r, prompt=" ".join([r.prompt] * args.prompt_repeat),
                                         prompt_len=r.prompt_len * args.prompt_repeat) for r in requests]
-    token_ids = tokenizer.encode(" ".join(r.prompt for r in requests[:50]), False)
+    token_ids = tokenizer.encode(" ".join(getattr(r, "prompt", None) or r.turns[0] for r in requests[:50]), False)
     engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
@@ -197,7 +228,7 @@ async def main_async(args) -> dict:
     runs = []
     try:
         for i in range(args.warmup + args.repeat):
-            r = await one_run(args, engine, port, requests)
+            r = await one_run(args, engine, port, requests[i * per_run:(i + 1) * per_run])
             print(f"{'warm-up' if i < args.warmup else 'run'} {i}: {r}", file=sys.stderr)
             if i >= args.warmup:
                 runs.append(r)
@@ -209,7 +240,8 @@ async def main_async(args) -> dict:
     return {"benchmark": "serve_frontend", "commit": commit(), "command": " ".join(["python", *sys.argv]),
             "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
             "tokens_per_step": args.tokens_per_step, "stream_interval": args.stream_interval,
-            "prompt_repeat": args.prompt_repeat, "python_gc": args.python_gc,
+            "prompt_repeat": args.prompt_repeat, "multi_turn": args.multi_turn, "whole_prompts": args.whole_prompts,
+            "python_gc": args.python_gc,
             "output_len": args.output_len, "clients": args.clients,
             "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
@@ -225,7 +257,13 @@ def main() -> None:
                    help="serve's --stream-interval (an event is then a step's tokens for a request, not a chunk)")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--prompt-repeat", type=int, default=1, help="each prompt this many times over (longer prompts)")
-    p.add_argument("--waves", type=int, default=2, help="prompts = waves x concurrency")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
+                   help="send ShareGPT conversations of up to TURNS user turns, each turn with the conversation so far "
+                   "(twogrid bench --multi-turn; needs --endpoint chat)")
+    p.add_argument("--whole-prompts", action="store_true",
+                   help="tokenize every prompt whole, keeping no pieces (the comparison for the kept pieces of "
+                   "dispatcher/serve/tokenizing.py)")
+    p.add_argument("--waves", type=int, default=2, help="prompts (conversations) = waves x concurrency")
     p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
@@ -238,6 +276,8 @@ def main() -> None:
                    help="count the reference cycles each run leaves (the collector off during it: a diagnostic)")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args()
+    if args.multi_turn and args.endpoint != "chat":
+        p.error("--multi-turn sends chat messages: give --endpoint chat")
     import uvloop
 
     result = uvloop.run(main_async(args))
@@ -245,7 +285,8 @@ def main() -> None:
     print(f"median: {m['cpu_us_per_event']:.0f} us of front-end CPU per streamed event ({m['cpu_us_per_token']:.0f} "
           f"per token): one process streams ~{result['events_per_s_at_one_core']} events/s at one core; "
           f"{m['front_end_cpu_cores']:.2f} cores used here, step efficiency {m['step_efficiency']:.2f}, TTFT mean "
-          f"{m['ttft_ms_mean']:.1f} ms")
+          f"{m['ttft_ms_mean']:.1f} ms = in {m['ttft_in_ms']:.1f} (client to engine) + engine "
+          f"{m['ttft_engine_ms']:.1f} + out {m['ttft_out_ms']:.1f} (its first step to the client)")
     write_json(args.out, result)
 
 

@@ -22,7 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 from models.config import CheckpointError, model_kind, read_json
@@ -91,6 +91,12 @@ class Tokenizer:
         while it runs)."""
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    @cached_property
+    def added_token_split(self) -> "AddedTokenSplit | None":
+        """How this tokenizer cuts a text at its added tokens, where the pieces' ids joined are provably the
+        text's ids (``AddedTokenSplit``); None where that does not hold for it."""
+        return added_token_split(self.backend)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -119,6 +125,90 @@ class Tokenizer:
         """Token ids of the rendered conversation (special tokens come from the template only, as in
         transformers' ``apply_chat_template(tokenize=True)``)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
+
+
+MAX_SPLIT_ADDED_TOKENS = 1024
+"""A tokenizer with more added tokens than this is not cut here (one regular expression of them all would be slow to
+scan; Gemma 3's has 6,414, most of them unused slots): its prompts are tokenized whole."""
+
+
+@dataclass(frozen=True)
+class AddedTokenSplit:
+    """A text cut as the tokenizers library cuts it before its model runs: at the tokenizer's added tokens (the
+    leftmost match first, the longest of those starting there), each piece in between normalized, pre-tokenized and
+    tokenized on its own, the post-processor's tokens (a BOS) around the whole. A text's ids are then its pieces'
+    ids joined, so a piece tokenized before (a chat's earlier messages, a shared system prompt) needs no tokenizing
+    again (the front end's ``Tokenizing`` keeps them). Built by ``added_token_split`` only for a tokenizer where that
+    provably holds."""
+
+    pattern: re.Pattern | None
+    """The added tokens, longest first (None: the tokenizer has none)."""
+    token_ids: dict[str, int]
+    head: tuple[int, ...]
+    """What ``add_special_tokens`` puts before a text's ids (BOS), and after them (``tail``)."""
+    tail: tuple[int, ...]
+
+    def pieces(self, text: str) -> list[str | int]:
+        """``text`` as the pieces to tokenize (str, never empty) and the added tokens' ids between them (int)."""
+        if self.pattern is None:
+            return [text] if text else []
+        out: list[str | int] = []
+        at = 0
+        for match in self.pattern.finditer(text):
+            if match.start() > at:
+                out.append(text[at:match.start()])
+            out.append(self.token_ids[match.group()])
+            at = match.end()
+        if at < len(text):
+            out.append(text[at:])
+        return out
+
+    def join(self, pieces: list[str | int], ids_of: dict, add_special_tokens: bool) -> list[int]:
+        """The text's ids from its ``pieces`` and each text piece's ids in ``ids_of``."""
+        ids = list(self.head) if add_special_tokens else []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend(ids_of[piece])
+        if add_special_tokens:
+            ids.extend(self.tail)
+        return ids
+
+
+def added_token_split(backend) -> AddedTokenSplit | None:
+    """The split of ``backend`` (a ``tokenizers.Tokenizer``) at its added tokens, or None where joining the pieces'
+    ids could differ from tokenizing the whole: an added token that strips the spaces beside it or must stand as a
+    word, one matched after normalization (with a normalizer), more than MAX_SPLIT_ADDED_TOKENS of them, a
+    post-processor that does more than put tokens around a text, or any probe text (each added token beside letters,
+    spaces, newlines, accents, an emoji, and itself) whose ids differ: a pre-tokenizer that treats a text's start
+    apart (SentencePiece's prepend "first") fails there."""
+    added = backend.get_added_tokens_decoder()
+    if len(added) > MAX_SPLIT_ADDED_TOKENS:
+        return None
+    for token in added.values():
+        if token.lstrip or token.rstrip or token.single_word or (token.normalized and backend.normalizer is not None):
+            return None
+    token_ids = {token.content: token_id for token_id, token in added.items() if token.content}
+    pattern = (re.compile("|".join(re.escape(c) for c in sorted(token_ids, key=len, reverse=True)))
+               if token_ids else None)
+    bare, full = backend.encode("a", add_special_tokens=False).ids, backend.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+    if len(starts) != 1:
+        return None
+    split = AddedTokenSplit(pattern, token_ids, tuple(full[:starts[0]]), tuple(full[starts[0] + len(bare):]))
+    probes = ["a", " hello  world\n", "x\u00e9 \U0001F600\n\n  y"]
+    for c in token_ids:
+        probes += [f"a{c}b", f" {c} ", f"{c}{c}", f"\n{c}\n hi", f"x {c}h\u00e9llo w\u00f6rld \U0001F600 {c}",
+                   f"{c}  \n"]
+    pieces = [split.pieces(p) for p in probes]
+    texts = list({piece for ps in pieces for piece in ps if isinstance(piece, str)})
+    ids_of = dict(zip(texts, (e.ids for e in backend.encode_batch(texts, add_special_tokens=False))))
+    for with_special in (False, True):
+        whole = backend.encode_batch(probes, add_special_tokens=with_special)
+        if any(split.join(ps, ids_of, with_special) != e.ids for ps, e in zip(pieces, whole)):
+            return None
+    return split
 
 
 def _continued(template: str, messages: list[dict], scope: dict) -> str:

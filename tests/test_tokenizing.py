@@ -65,9 +65,16 @@ class Picky:
         return [self.encode(t, add_special_tokens) for t in texts]
 
 
-def test_a_prompt_the_tokenizer_refuses_fails_alone_and_a_request_gone_takes_nothing_with_it():
+@pytest.mark.parametrize("by_pieces", [False, True])
+def test_a_prompt_the_tokenizer_refuses_fails_alone_and_a_request_gone_takes_nothing_with_it(by_pieces):
+    from models.text import AddedTokenSplit
+
+    picky = Picky()
+    if by_pieces:  # (no added tokens: a prompt is one piece, kept once tokenized)
+        picky.added_token_split = AddedTokenSplit(None, {}, (), ())
+
     async def go():
-        tokenizing = Tokenizing(Picky())
+        tokenizing = Tokenizing(picky)
         good = asyncio.ensure_future(tokenizing.encode("abc"))
         bad = asyncio.ensure_future(tokenizing.encode("xyz"))
         gone = asyncio.ensure_future(tokenizing.encode("abcdef"))
@@ -110,3 +117,126 @@ def test_a_checkpoint_s_padding_or_truncation_setting_changes_no_prompt(bpe, tmp
 
     assert asyncio.run(go()) == [plain.encode(p) for p in prompts] == [tok.encode(p) for p in prompts]
     assert len(tok.encode(prompts[1])) > 8
+
+
+# -- a prompt tokenized by its pieces (models.text.AddedTokenSplit), the pieces kept -------------------------------
+
+def _sentencepiece_like(texts, prepend_scheme: str, bos: bool = False):
+    """A small BPE with SentencePiece's pre-tokenizer (``prepend_scheme``), optionally a BOS/EOS post-processor."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, processors, trainers
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    backend.train_from_iterator(texts[:200], trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                               special_tokens=[("<s>", 1), ("</s>", 2)])
+    return backend
+
+
+def test_a_split_exists_only_where_joined_pieces_are_the_whole_text_s_ids(texts):
+    """SentencePiece's "first" prepends a space only at the text's start, so a piece after an added token would get
+    one alone and not in the whole: no split there (found by the probes, not by name); an added token that strips
+    the spaces beside it: none either; a post-processor's BOS and EOS go around the joined pieces."""
+    from tokenizers import AddedToken
+
+    from models.text import added_token_split
+
+    assert added_token_split(_sentencepiece_like(texts, "first")) is None
+    assert added_token_split(_sentencepiece_like(texts, "always")) is not None
+    with_bos = _sentencepiece_like(texts, "always", bos=True)
+    split = added_token_split(with_bos)
+    assert (split.head, split.tail) == ((1,), (2,))
+    with_bos.add_tokens([AddedToken("<tool>", lstrip=True)])
+    assert added_token_split(with_bos) is None
+
+
+def _mixed_texts(draw_texts, specials):
+    from hypothesis import strategies as st
+
+    part = st.one_of(st.sampled_from(specials), st.sampled_from(["", " ", "\n", "  \n\n", "\U0001f642", "e\u0301"]),
+                     st.builds(lambda t, a, n: t[a:a + n], st.sampled_from(draw_texts), st.integers(0, 400),
+                               st.integers(0, 80)))
+    return st.lists(part, max_size=12).map("".join)
+
+
+@pytest.mark.parametrize("which", ["bpe", "sentencepiece+bos"])
+def test_joined_pieces_equal_the_whole_text_s_ids_on_mixed_texts(which, bpe, texts):
+    """Any text of prompt fragments, special tokens, spaces, newlines and multi-byte characters: the pieces' ids
+    joined are the ids of the whole, with and without the post-processor's tokens (hypothesis, derandomized in CI)."""
+    from hypothesis import given, settings
+
+    from models.text import Tokenizer, added_token_split, load_tokenizer
+
+    backend = (load_tokenizer(bpe).backend if which == "bpe" else _sentencepiece_like(texts, "always", bos=True))
+    split = added_token_split(backend)
+    specials = list(split.token_ids)
+    tok = Tokenizer(backend)
+
+    @settings(max_examples=150, deadline=None)
+    @given(_mixed_texts(texts[:100] + texts[-2:], specials))
+    def check(text):
+        pieces = split.pieces(text)
+        words = [p for p in pieces if isinstance(p, str)]
+        ids_of = dict(zip(words, tok.encode_batch(words, False)))
+        assert split.join(pieces, ids_of, False) == tok.encode(text, False)
+        assert split.join(pieces, ids_of, True) == tok.encode(text, True)
+
+    check()
+
+
+def test_a_conversation_s_next_turn_tokenizes_only_its_new_messages(bpe, texts):
+    """Turn 2 of a chat re-sends turn 1's messages: only the answer and the new question are tokenized (the rest
+    comes from the kept pieces), and every turn gets the ids of the whole text; a turn sent again is answered
+    without a batch call."""
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(bpe)
+    asked: list[list[str]] = []
+
+    class Counting:
+        added_token_split = tok.added_token_split
+
+        def encode(self, text, add_special_tokens=True):
+            return tok.encode(text, add_special_tokens)
+
+        def encode_batch(self, batch, add_special_tokens=True):
+            asked.append(list(batch))
+            return tok.encode_batch(batch, add_special_tokens)
+
+    turn1 = [{"role": "user", "content": texts[0]}]
+    turn2 = turn1 + [{"role": "assistant", "content": texts[1]}, {"role": "user", "content": texts[2]}]
+    prompts = [tok.apply_chat_template(t) for t in (turn1, turn2, turn2)]
+
+    async def go():
+        tokenizing = Tokenizing(Counting())
+        got = [await tokenizing.encode(p, False) for p in prompts]
+        return got, tokenizing.batches
+
+    got, batches = asyncio.run(go())
+    assert got == [tok.encode(p, False) for p in prompts]
+    assert batches == 2  # (the third prompt's pieces were all kept)
+    new_in_turn2 = "".join(asked[1])
+    assert texts[1] in new_in_turn2 and texts[2] in new_in_turn2 and texts[0] not in new_in_turn2
+
+
+def test_kept_pieces_are_bounded_and_a_dropped_piece_is_tokenized_again(bpe, texts, monkeypatch):
+    import dispatcher.serve.tokenizing as tokenizing_module
+    from models.text import load_tokenizer
+
+    tok = load_tokenizer(bpe)
+    monkeypatch.setattr(tokenizing_module, "MAX_KEPT_TOKENS", 400)
+    prompts = [f"<|im_start|>user\n{t}<|im_end|>\n" for t in texts[:30]]
+
+    async def go():
+        tokenizing = Tokenizing(tok)
+        first = await asyncio.gather(*(tokenizing.encode(p) for p in prompts))
+        assert tokenizing._kept_tokens <= 400
+        again = [await tokenizing.encode(p) for p in prompts]
+        return first, again, tokenizing._kept_tokens
+
+    first, again, kept = asyncio.run(go())
+    assert first == again == [tok.encode(p) for p in prompts]
+    assert kept <= 400

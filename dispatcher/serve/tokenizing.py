@@ -4,16 +4,34 @@ GIL released). A burst of arrivals then costs about one call's wall time instead
 event loop keeps streaming the running requests' tokens meanwhile: the one-text call holds the GIL, so tokenizing a
 long prompt in a thread used to stall the loop all the same. A prompt alone in its turn goes through the batch call
 too (a chat turn whose long conversation was rendered in a thread comes alone): the same ids at the same cost, the
-GIL released (with the one-text call the loop ran at about half speed while a 60,000-character prompt tokenized)."""
+GIL released (with the one-text call the loop ran at about half speed while a 60,000-character prompt tokenized).
+
+Where the tokenizer cuts a text at its added tokens and tokenizes the pieces between them each on its own
+(``models.text.AddedTokenSplit``, checked for each tokenizer), a prompt is tokenized piece by piece and the pieces'
+ids are kept (least recently used dropped first, ``MAX_KEPT_TOKENS`` in all): a chat's earlier messages, a shared
+system prompt or a prompt sent again cost a dictionary lookup, not a tokenization. A multi-turn conversation's turn
+then tokenizes only its new messages, and a prompt whose pieces are all kept is answered without the batch call.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from array import array
+from collections import ChainMap, OrderedDict
+
+MAX_KEPT_TOKENS = 1 << 22
+"""The pieces' ids kept in all (4 bytes a token, with each piece's text: about 32 MiB a front end at most)."""
+MAX_KEPT_PIECE_TOKENS = 1 << 18
+"""A longer piece is tokenized each time (one piece would otherwise push out the many that repeat)."""
 
 
 class Tokenizing:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.split = getattr(tokenizer, "added_token_split", None)
+        """How the tokenizer cuts a text into pieces tokenized on their own (None: prompts are tokenized whole)."""
+        self._kept: OrderedDict[str, array] = OrderedDict()
+        self._kept_tokens = 0
         self._waiting: dict[bool, list[tuple[str, asyncio.Future]]] = {}
         self._running: set[asyncio.Task] = set()
         """The batches' tasks, held until done (the loop keeps only weak references to tasks)."""
@@ -21,14 +39,33 @@ class Tokenizing:
         """Batch calls made (tests, metrics)."""
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text``'s token ids, from the batch of everything asked for in this turn of the loop. What the
-        tokenizer raises for ``text`` (alone: a batch that fails is retried prompt by prompt) is raised here."""
+        """``text``'s token ids, from the batch of everything asked for in this turn of the loop (or at once, from
+        the pieces kept). What the tokenizer raises for ``text`` (alone: a batch that fails is retried piece by
+        piece) is raised here."""
+        if self.split is not None:
+            pieces = self.split.pieces(text)
+            if all(isinstance(p, int) or p in self._kept for p in pieces):
+                return self._join(pieces, add_special_tokens)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._waiting:
             loop.call_soon(self._flush)
         self._waiting.setdefault(add_special_tokens, []).append((text, future))
         return await future
+
+    def _join(self, pieces: list, add_special_tokens: bool) -> list[int]:
+        for piece in pieces:
+            if not isinstance(piece, int):
+                self._kept.move_to_end(piece)
+        return self.split.join(pieces, self._kept, add_special_tokens)
+
+    def _keep(self, piece: str, ids: list[int]) -> None:
+        if len(ids) > MAX_KEPT_PIECE_TOKENS or piece in self._kept:
+            return
+        self._kept[piece] = array("i", ids)
+        self._kept_tokens += len(ids)
+        while self._kept_tokens > MAX_KEPT_TOKENS:
+            self._kept_tokens -= len(self._kept.popitem(last=False)[1])
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -39,9 +76,11 @@ class Tokenizing:
             task.add_done_callback(self._running.discard)
 
     async def _run(self, add_special_tokens: bool, items: list[tuple[str, asyncio.Future]]) -> None:
-        texts = [text for text, _ in items]
         try:
-            results = await asyncio.to_thread(self._encode_all, texts, add_special_tokens)
+            if self.split is None:
+                results = await asyncio.to_thread(self._encode_all, [text for text, _ in items], add_special_tokens)
+            else:
+                results = await self._by_pieces([text for text, _ in items], add_special_tokens)
         except BaseException as exc:  # (the worker thread's error, or this task cancelled at shutdown)
             results = [exc] * len(items)
         for (_, future), result in zip(items, results):
@@ -51,6 +90,29 @@ class Tokenizing:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    async def _by_pieces(self, texts: list[str], add_special_tokens: bool) -> list:
+        """Each text's ids (or the exception one of its pieces raised), the pieces not kept tokenized in one batch
+        call in the worker thread (those kept are read before it: another batch may drop them meanwhile)."""
+        pieces = [self.split.pieces(text) for text in texts]
+        have: dict[str, array] = {}
+        new: dict[str, None] = {}
+        for piece in (p for ps in pieces for p in ps if not isinstance(p, int)):
+            if piece in have or piece in new:
+                continue
+            ids = self._kept.get(piece)
+            if ids is None:
+                new[piece] = None
+            else:
+                have[piece] = ids
+                self._kept.move_to_end(piece)
+        got = dict(zip(new, await asyncio.to_thread(self._encode_all, list(new), False)))
+        for piece, ids in got.items():
+            if not isinstance(ids, BaseException):
+                self._keep(piece, ids)
+        ids_of = ChainMap(got, have)
+        return [next((got[p] for p in ps if isinstance(got.get(p), BaseException)), None)
+                or self.split.join(ps, ids_of, add_special_tokens) for ps in pieces]
 
     def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list:
         """Each text's ids (or the exception it alone raised), in the worker thread."""
