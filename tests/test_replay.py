@@ -313,3 +313,21 @@ def test_replay_under_auto_tiers_reshapes_decodes_to_the_chosen_k(tmp_path, caps
     # --acceptance needs auto tiers
     assert main(["replay", trace, "--platform", "sm100", "--speculative-config", K7, "--acceptance", "0.5"]) == 2
     assert "--acceptance is for" in capsys.readouterr().err
+
+
+def test_the_recorded_column_is_the_trace_whatever_the_replay_changes(tmp_path, capsys):
+    """A prefix-cache hit rate cuts prefills and auto tiers reshape decodes in the replayed column only: the recorded
+    column (eager steps, padded tokens, device time) stays the trace's own (it took the new shapes' tokens with the
+    recorded padded sizes: padding negative or many times too large, found in review)."""
+    trace = make_trace(tmp_path, "{}")
+    plain = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7)
+    cut = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", K7, "--prefix-cache-hit-rate", "0.5")
+    auto = json.dumps({**json.loads(K7), "num_speculative_tokens_per_batch_size": "auto",
+                       "auto_tier_candidates": [0, 3, 7]})
+    tiers = run_replay(capsys, trace, "--platform", "sm100", "--speculative-config", auto, "--acceptance", "0.6")
+    records = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    padding = sum(int(r["padded_tokens"]) - int(r["tokens"]) for r in records)
+    for r in (plain, cut, tiers):
+        assert r["recorded"] == plain["recorded"]
+        assert r["recorded"]["padded_tokens"] == padding >= 0
+    assert cut["replayed"] != plain["replayed"] and tiers["replayed"] != plain["replayed"]

@@ -78,7 +78,7 @@ def replay(records: list[dict[str, Any]], plan: CapturePlan, dispatcher: Dispatc
             continue
         desc = dispatcher.dispatch(tokens, reqs, max_q, is_decode)
         old_mode, old_padded = rec["mode"], int(rec["padded_tokens"])
-        before.add(desc.kind, old_mode, tokens, old_padded)
+        before.add(rec["kind"], old_mode, int(rec["tokens"]), old_padded)  # (as recorded, whatever the new shape)
         after.add(desc.kind, desc.mode, tokens, desc.num_tokens)
         totals["ms_before"] += costs.step_ms(old_mode, old_padded)
         totals["ms_after"] += costs.step_ms(desc.mode, desc.num_tokens)
