@@ -125,7 +125,9 @@ def test_resolve_fits_the_grids_within_the_caps_and_refuses_size_lists():
 
 @pytest.mark.parametrize("data, message", [
     ({"prefill_ms": [[1, 2.0], [1, 3.0]]}, "size 1 appears more than once"),
-    ({"prefill_ms": [[0, 2.0]]}, r"prefill_ms\[0\]: \[0, 2.0\] is not \[size >= 1, ms > 0\]"),
+    ({"prefill_ms": [[0, 2.0]]}, r"prefill_ms\[0\]: \[0, 2.0\] is not \[size >= 1, finite ms > 0\]"),
+    ({"prefill_ms": [[1, float("inf")], [2, 1.0]]}, r"prefill_ms\[0\]: \[1, inf\] is not \[size >= 1, finite"),
+    ({"prefill_ms": [[1, 2.0]], "bogus": 1}, r"unknown field\(s\) 'bogus'"),
     ({"decode_ms": {"x": [[1, 2.0]]}}, "key 'x' is not a query length"),
     ({"decode_ms": [[1, 2.0]]}, "decode_ms: must be an object"),
     ([1, 2], "not a step-cost table"),

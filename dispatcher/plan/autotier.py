@@ -170,6 +170,10 @@ class StepCostTable:
         if not isinstance(data, dict) or "decode_step_ms" not in data:
             raise ConfigError(f"{where}: not a step-cost table {{\"decode_step_ms\": {{\"q\": [[requests, ms], ...]}}}}"
                               f" (nor step traces: .jsonl)")
+        unknown = sorted(set(data) - {"decode_step_ms", "key", "source"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (a step-cost table has "
+                              f"'decode_step_ms', and as the server caches it 'key' and 'source')")
         table = data["decode_step_ms"]
         if not isinstance(table, dict) or not table:
             raise ConfigError(f"{where}: \"decode_step_ms\" must map q to [[requests, ms], ...] lists")

@@ -91,6 +91,10 @@ class StepCost:
         if not isinstance(data, dict) or "prefill_ms" not in data and "decode_ms" not in data:
             raise ConfigError(f"{where}: not a step-cost table {{\"prefill_ms\": [[tokens, ms], ...], \"decode_ms\": "
                               f"{{\"q\": [[requests, ms], ...]}}}} nor a runtime benchmark's JSON {{\"models\": ...}}")
+        unknown = sorted(set(data) - {"prefill_ms", "decode_ms", "source"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (a step-cost table has "
+                              f"'prefill_ms', 'decode_ms' and 'source')")
         prefill = _points(data.get("prefill_ms", []), f"{where} prefill_ms")
         decode_raw = data.get("decode_ms", {})
         if not isinstance(decode_raw, dict):
@@ -133,9 +137,10 @@ def _points(raw: Any, where: str) -> Points:
     out: dict[int, float] = {}
     for i, p in enumerate(raw):
         ok = (isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
-              and p[0] >= 1 and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) and p[1] > 0)
+              and p[0] >= 1 and isinstance(p[1], (int, float)) and not isinstance(p[1], bool)
+              and math.isfinite(p[1]) and p[1] > 0)
         if not ok:
-            raise ConfigError(f"{where}[{i}]: {p!r} is not [size >= 1, ms > 0]")
+            raise ConfigError(f"{where}[{i}]: {p!r} is not [size >= 1, finite ms > 0]")
         if p[0] in out:
             raise ConfigError(f"{where}: size {p[0]} appears more than once")
         out[p[0]] = float(p[1])
@@ -159,7 +164,8 @@ def _from_runtime_bench(data: dict[str, Any], where: str, model: str | None) -> 
     dec: dict[int, dict[int, list[float]]] = {}
     for i, s in enumerate(steps):
         ok = (isinstance(s, dict) and s.get("kind") in (PREFILL_KIND, DECODE_KIND) and isinstance(s.get("tokens"), int)
-              and s["tokens"] >= 1 and isinstance(s.get("replay_ms"), (int, float)) and s["replay_ms"] > 0)
+              and s["tokens"] >= 1 and isinstance(s.get("replay_ms"), (int, float)) and math.isfinite(s["replay_ms"])
+              and s["replay_ms"] > 0)
         if not ok:
             continue  # (other kinds, and rows without a replay time)
         if s["kind"] == PREFILL_KIND:
