@@ -41,9 +41,11 @@ def server(tmp_path_factory):
     except DefaultModelError as exc:
         pytest.skip(f"the default model is not available: {exc}")
     tmp = _private_tmp()
+    logs = tmp_path_factory.mktemp("e2e")
     srv = Server(["--device", "cpu", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len",
-                  "512", "--served-model-name", "smol", "--shutdown-timeout", "5"],
-                 str(tmp_path_factory.mktemp("e2e") / "server.log"), key=KEY, env={"TMPDIR": tmp})
+                  "512", "--served-model-name", "smol", "--shutdown-timeout", "5", "--step-trace",
+                  str(logs / "trace.jsonl")], str(logs / "server.log"), key=KEY, env={"TMPDIR": tmp})
+    srv.trace_path = str(logs / "trace.jsonl")
     try:
         srv.wait_healthy(180)
     except RuntimeError as exc:
@@ -61,6 +63,26 @@ def _client(base: str) -> openai.AsyncOpenAI:
 
 def _metric(base: str, name: str) -> float:
     return metrics(base, KEY)[name]
+
+
+def test_the_step_trace_is_on_disk_while_the_server_runs(server):
+    """Once the engine is idle every step it ran is in the trace file, while the server keeps running (the records
+    sat in the file's buffer until the server stopped: ``tail -f`` showed nothing, a killed server lost them). The
+    module's first test: no earlier test's steps fill the buffer."""
+    srv, base = server
+
+    def on_disk() -> list[dict]:
+        with open(srv.trace_path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh]
+
+    before = len(on_disk())
+    status, _ = _post(base + "/v1/completions", json.dumps({"model": "smol", "prompt": "The trace test",
+                                                            "max_tokens": 5, "ignore_eos": True}).encode())
+    assert status == 200
+    deadline = time.monotonic() + 5
+    while len(records := on_disk()) < before + 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(records) >= before + 5 and all("t_s" in r for r in records)
 
 
 def test_answers_streams_and_chat(server):

@@ -236,6 +236,7 @@ class EngineService:
         outputs = None  # the last finished step's, sent once the next step is on its way
         while not self._draining or in_flight or core.has_unfinished() or self._compiling or outputs:
             if not core.has_unfinished() and not in_flight and not outputs:
+                core.trace.flush()  # (the trace whole on disk while nothing runs)
                 self._wake.clear()
                 await (self._idle_while_capturing() if self.capturing else self._wake.wait())
                 continue

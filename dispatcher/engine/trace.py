@@ -137,12 +137,18 @@ def _count(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+FLUSH_EVERY_S = 0.5
+"""A step trace reaches its file at least this often while the engine runs (``tail -f`` follows it; a killed
+server loses at most this much of it), not at every step (a write call a step at thousands of steps a second)."""
+
+
 class TraceWriter:
     """Appends step records to a file (SPEC section 7: every step appends one record), each stamped with ``t_s``:
     seconds since the writer opened when the step's result came back (gaps between steps show as gaps in t_s)."""
 
     def __init__(self, path: str | None):
         self._t0 = time.perf_counter()
+        self._flushed_s = 0.0
         try:
             self._fh: IO[str] | None = open(path, "a", encoding="utf-8") if path else None
         except OSError as exc:
@@ -163,6 +169,13 @@ class TraceWriter:
             if "t_s" not in record:
                 self.stamped(record)
             self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+            if record["t_s"] - self._flushed_s >= FLUSH_EVERY_S:
+                self._fh.flush()
+                self._flushed_s = record["t_s"]
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:
