@@ -135,6 +135,9 @@ class BackgroundCapture:
         self.seconds = 0.0
         self.error = ""
         self._next_log = PROGRESS_EVERY
+        self.noun = ("graphs" if any(rt.cuda_graphs for rt in worker.runtimes) else
+                     f"static-buffer sizes (no CUDA graphs on {worker.runtimes[0].device.type})")
+        """What it captures, for its log lines: CUDA graphs, or on the static-buffer backend its padded sizes."""
         self.unit_seconds: dict[tuple[str, str], list[float]] = {}
         """Each graph unit's capture time by (runner, kind), in seconds (the start-up log's summary)."""
 
@@ -201,8 +204,8 @@ class BackgroundCapture:
             while self._next_log <= done / total:
                 self._next_log += PROGRESS_EVERY
             what = ", ".join(f"{r} {k} {self.captured[(r, k)]}/{n}" for (r, k), n in self.totals.items())
-            log.info("delayed capture: %d of %d graphs captured (%s) in %.1f s of gaps between steps%s", done, total,
-                     what, self.seconds, "; done" if not self.pending else "")
+            log.info("delayed capture: %d of %d %s captured (%s) in %.1f s of gaps between steps%s", done, total,
+                     self.noun, what, self.seconds, "; done" if not self.pending else "")
             if not self.pending:
                 log.info("delayed capture's units, ms a graph (median / max): %s", ", ".join(
                     f"{r} {k} {statistics.median(s) * 1e3:.1f} / {max(s) * 1e3:.1f}"

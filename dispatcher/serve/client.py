@@ -43,13 +43,14 @@ BEHIND_SHARE = 0.25
 before them, over a window of BEHIND_WINDOW_S, says so in a warning: it, not the engine, sets the streams' pace."""
 
 
-def log_capture_done(progress: CaptureProgress) -> None:
-    """The log line that ends delayed capture."""
+def log_capture_done(progress: CaptureProgress, cuda_graphs: bool = True) -> None:
+    """The log line that ends delayed capture (of CUDA graphs, else of the static-buffer backend's sizes)."""
+    noun = "graphs" if cuda_graphs else "static-buffer sizes"
     if progress.error:
-        log.error("delayed capture stopped after %d of %d graphs (%.1f s): %s; the others' steps run eagerly",
-                  progress.num_captured, progress.num_total, progress.seconds, progress.error)
+        log.error("delayed capture stopped after %d of %d %s (%.1f s): %s; the others' steps run eagerly",
+                  progress.num_captured, progress.num_total, noun, progress.seconds, progress.error)
     else:
-        log.info("delayed capture done: %d graphs captured between steps in %.1f s (%s)", progress.num_total,
+        log.info("delayed capture done: %d %s captured between steps in %.1f s (%s)", progress.num_total, noun,
                  progress.seconds, ", ".join(f"{g.runner} {g.kind} {g.total}" for g in progress.graphs))
 
 
@@ -294,7 +295,7 @@ class EngineClient:
         if msg.capture is not None:
             self._graph_counts(msg.capture)
             if msg.capture.done:
-                log_capture_done(msg.capture)
+                log_capture_done(msg.capture, self.capture is None or self.capture.cuda_graphs)
 
     def _graph_counts(self, progress: CaptureProgress | None) -> None:
         """The graphs-captured gauges: from delayed capture's ``progress``, or (None) from the capture at start-up."""

@@ -646,7 +646,11 @@ def _log_capture(ready, serving_after_s: float) -> None:
         log.info("captured %d %s %s graphs%s in %.1f s: %.3f GiB%s", k["graphs"], k["runner"], k["kind"], q,
                  k["seconds"], k["measured_gib"], est)
     progress = ready.capture_progress
-    if progress is not None:
+    if progress is not None and not ready.cuda_graphs:
+        log.info("--delayed-cudagraph-capture: no CUDA graphs on %s, so nothing to serve before; the static-buffer "
+                 "backend sets its %d padded sizes up between steps instead of before serving", ready.device_name,
+                 progress.num_total)
+    elif progress is not None:
         log.info("delayed capture: serving with %d of %d graphs captured; the rest are captured between steps, "
                  "demand first (%s)", progress.num_captured, progress.num_total,
                  ", ".join(f"{g.runner} {g.kind} {g.total}" for g in progress.graphs))
