@@ -255,10 +255,18 @@ def _plan_autotune(args: argparse.Namespace) -> int:
         shapes = [record_shape(r) for r in records]
         padding = {name: expected_padding(shapes, plan, cost) for name, plan in plans.items()}
     graphs = {name: plan.num_graphs for name, plan in plans.items()}
+    notes = []
+    platform = getattr(default_cfg.platform, "value", default_cfg.platform)
+    if platform != "sm100" and not ({"max_decode_cudagraph_capture_requests",
+                                     "decode_cudagraph_capture_request_sizes"} & set(compilation)):
+        notes.append(f"the FULL decode grids keep their default sizes: off sm100 (platform {platform}) the decode grid "
+                     f"is the legacy token list, with no request cap to fit to; set "
+                     f"\"max_decode_cudagraph_capture_requests\" in --compilation-config, or --platform sm100, to fit "
+                     f"it")
     if args.json:
         print(json.dumps({"source": cost.source, "eps": {"prefill": grids.PREFILL_EPS, "decode": grids.DECODE_EPS},
                           "decode_fitted_at_q": q, "elasticity": elasticity, "graphs": graphs,
-                          "target_capture_gib": memory, "padding": padding,
+                          "target_capture_gib": memory, "padding": padding, "notes": notes,
                           "plans": {name: plan.to_dict() for name, plan in plans.items()}},
                          indent=2 if args.pretty else None))
         return 0
@@ -275,6 +283,8 @@ def _plan_autotune(args: argparse.Namespace) -> int:
     print(format_table(["runner", "kind", "q", "default", "fitted", "fitted sizes"], rows,
                        [False, False, True, True, True, False]))
     change = (graphs["fitted"] - graphs["default"]) / graphs["default"] if graphs["default"] else 0.0
+    for note in notes:
+        print(f"note: {note}")
     print(f"\ntotal: {graphs['default']} graphs by default, {graphs['fitted']} fitted ({change:+.1%})")
     if all(v is not None for v in memory.values()):
         print(f"target graph memory (estimated from the measured capture's samples): {memory['default']:.3f} GiB by "

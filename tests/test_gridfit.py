@@ -182,6 +182,13 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding(tmp_path):
                         cwd=REPO, timeout=60)
     data = json.loads(js.stdout)
     assert data["graphs"] == {"default": 103, "fitted": 92} and data["decode_fitted_at_q"] == 1
+    assert data["notes"] == []
+    # off sm100 the decode grid is the legacy token list, kept: the output says so and how to fit it
+    js = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--autotune", RUNTIME_H200, "--cost-model",
+                         "bench-moe", "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    notes = json.loads(js.stdout)["notes"]
+    assert len(notes) == 1 and "off sm100 (platform default)" in notes[0]
+    assert "max_decode_cudagraph_capture_requests" in notes[0]
     bad = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--cost-model", "x"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
     assert bad.returncode != 0 and "--cost-model is for --autotune" in bad.stderr
