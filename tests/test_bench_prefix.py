@@ -51,6 +51,22 @@ def test_multi_turn_sends_each_turn_with_the_conversation_so_far(serve, tmp_path
     assert result["multi_turn"] is True and result["completed"] == 3 and result["failed"] == 0
 
 
+def test_multi_turn_on_a_file_of_single_turns_says_so(tmp_path, capsys):
+    from dispatcher.bench.datasets import sharegpt_conversations
+
+    data = tmp_path / "single.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"},
+                                                                 {"from": "gpt", "value": "a"}]} for i in range(3)]))
+    convs = sharegpt_conversations(str(data), 3, 4, 0, None)
+    assert all(len(c.turns) == 1 for c in convs)
+    assert "none of the 3 conversations" in capsys.readouterr().err
+    data.write_text(json.dumps([{"id": "x", "conversations": [{"from": "human", "value": "q"},
+                                                              {"from": "gpt", "value": "a"},
+                                                              {"from": "human", "value": "q2"}]}]))
+    sharegpt_conversations(str(data), 1, 4, 0, None)
+    assert "none of the" not in capsys.readouterr().err
+
+
 def test_multi_turn_needs_chat_and_sharegpt(tmp_path, capsys):
     assert bench("--base-url", "http://127.0.0.1:9", "--multi-turn") == 2
     assert "--multi-turn sends ShareGPT conversations as chat messages" in capsys.readouterr().err
@@ -77,3 +93,13 @@ def test_prefix_cache_fields_from_the_counters():
     hits.inc(300)
     run = counter_deltas(before, scrape())
     assert (run["prefix_cache_queries"], run["prefix_cache_hits"], run["prefix_cache_hit_rate"]) == (400, 300, 0.75)
+    # and the printed summary says them (the saved JSON only, before)
+    from dispatcher.bench.results import summary_lines
+
+    base = {"completed": 1, "failed": 0, "input_tokens_source": "usage", "output_tokens_source": "usage",
+            "duration": 1.0, "total_input_tokens": 500, "total_output_tokens": 10, "request_throughput": 1.0,
+            "output_throughput": 10.0, "max_concurrent_requests": 1, "total_token_throughput": 510.0}
+    text = "\n".join(summary_lines({**base, **run}, [], []))
+    assert "Prefix Cache" in text and "Hit tokens:                              300" in text
+    assert "Hit rate (%):                            75.00" in text
+    assert "Prefix Cache" not in "\n".join(summary_lines({**base, **idle}, [], []))

@@ -193,7 +193,7 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding(tmp_path):
                          text=True, cwd=REPO, timeout=60)
     assert bad.returncode != 0 and "--cost-model is for --autotune" in bad.stderr
     for content, words in [("", "holds no step records"),  # (0 steps, exit 0 before)
-                           ('{"step": 1, "kind": "mixed", "tokens": 5}\n', "mode must be one of")]:  # (KeyError)
+                           ('{"step": 1, "kind": "mixed", "tokens": 5}\n', "mode is missing (one of")]:  # (KeyError)
         trace = tmp_path / "t.jsonl"
         trace.write_text(content)
         bad = subprocess.run([sys.executable, "-m", "dispatcher", "plan", "--platform", "sm100", "--autotune",

@@ -91,6 +91,9 @@ def test_replay_rejects_a_file_that_is_not_a_trace(tmp_path, capsys):
         bad.write_text(first_record + json.dumps({**rec, **change}) + "\n")  # (tracebacks or nonsense before)
         assert main(["replay", str(bad)]) == 2
         assert f"record 2 of {str(bad)!r} is not a step record: {words}" in capsys.readouterr().err
+    bad.write_text(first_record + json.dumps({k: v for k, v in rec.items() if k != "kind"}) + "\n")
+    assert main(["replay", str(bad)]) == 2
+    assert "is not a step record: kind is missing (one of uniform_decode" in capsys.readouterr().err
     bad.write_bytes(first_record.encode() + b"\x94\xff binary\n")  # (a traceback before)
     assert main(["replay", str(bad)]) == 2
     assert "line 2: not UTF-8 text" in capsys.readouterr().err

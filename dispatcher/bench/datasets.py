@@ -110,6 +110,9 @@ def sharegpt_conversations(path: str, num_conversations: int, output_len: int, s
     if not convs:
         raise BenchError(f"--dataset-path: {path!r}: none of its {len(data)} entries has a conversation with a "
                          f"non-empty human turn")
+    if all(len(c) == 1 for c in convs) and user_turns != 1:
+        print(f"note: none of the {len(convs)} conversations in {path} has more than one human turn: --multi-turn "
+              f"sends each as a single turn (no conversation history to reuse)", file=sys.stderr)
     random.Random(seed).shuffle(convs)
     return [Conversation(convs[i % len(convs)], output_len) for i in range(num_conversations)]
 

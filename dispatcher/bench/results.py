@@ -142,6 +142,11 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
             lines.append(_row("Padded tokens:", result["padded_tokens"]))
         if result.get("front_end_backlog_steps"):
             lines.append(_row("Front-end backlog steps:", result["front_end_backlog_steps"]))
+    if result.get("prefix_cache_hit_rate") is not None:  # (the server's prefix cache, in tokens)
+        lines += ["{:-^50}".format("Prefix Cache"),
+                  _row("Queried tokens:", result["prefix_cache_queries"]),
+                  _row("Hit tokens:", result["prefix_cache_hits"]),
+                  _row("Hit rate (%):", 100 * result["prefix_cache_hit_rate"], ".2f")]
     if result.get("spec_decode_num_drafts"):  # from the server's speculative-decoding counters
         drafts = result["spec_decode_num_drafts"]
         lines += ["{:-^50}".format("Speculative Decoding"),

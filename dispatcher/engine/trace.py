@@ -123,7 +123,7 @@ def _step_record_problem(rec: Any) -> str | None:
                             ("tokens", "an integer >= requests", lambda v: _count(v, rec["requests"])),
                             ("padded_tokens", "an integer >= 0", lambda v: _count(v, 0))):
         if not ok(rec.get(field)):  # (in order: tokens is compared with requests once requests passed)
-            return f"{field} must be {want}, got {rec.get(field, 'nothing')!r}"
+            return f"{field} must be {want}, got {rec[field]!r}" if field in rec else f"{field} is missing ({want})"
     if "q" in rec:
         return None if _count(rec["q"], 1) else f"q must be an integer >= 1, got {rec['q']!r}"
     hist = rec.get("query_len_hist")
