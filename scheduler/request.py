@@ -68,8 +68,9 @@ class SamplingParams:
     """Generation stops after any of these (kept in the output)."""
     ignore_eos: bool = False
     """Do not stop at the model's EOS token (benchmarks use fixed output lengths)."""
-    temperature: float = 0.0
-    """0 is greedy."""
+    temperature: float | None = None
+    """0 is greedy. Not given (None): greedy, or vLLM's 1.0 where ``n`` > 1 (a greedy request cannot have n
+    choices), so that ``SamplingParams(n=2)`` samples two as in vLLM."""
     top_k: int = 0
     """0 disables top-k."""
     top_p: float = 1.0
@@ -87,7 +88,7 @@ class SamplingParams:
     (0..MAX_LOGPROBS); None returns none."""
     n: int = 1
     """Choices: the engine runs n child requests on the one prompt (each with its own seed), vLLM's parallel
-    sampling. Needs temperature > 0, as vLLM's."""
+    sampling. Needs temperature > 0, as vLLM's (the default where n > 1)."""
     min_p: float = 0.0
     """Tokens less likely than min_p times the most likely one are left out (0: off)."""
     repetition_penalty: float = 1.0
@@ -115,6 +116,8 @@ class SamplingParams:
     it forbids before sampling (``dispatcher.engine.structured``)."""
 
     def __post_init__(self):
+        if self.temperature is None:
+            object.__setattr__(self, "temperature", 1.0 if _is_int(self.n) and self.n > 1 else 0.0)
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):

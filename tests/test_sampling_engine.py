@@ -150,9 +150,14 @@ def test_n_children_wait_for_the_whole_prompt_over_chunked_prefill():
     assert child_request_id("long", 1) in admitted[3]
 
 
-def test_n_above_one_needs_sampling(plain):
+def test_n_above_one_needs_sampling_which_it_gets_by_default(plain):
+    """``SamplingParams(n=2)`` samples two choices at vLLM's default temperature 1.0 (it refused, greedy by
+    default here); greedy asked for with n > 1 is refused, as vLLM does."""
+    assert SamplingParams(n=2).temperature == 1.0 and SamplingParams().temperature == 0.0
+    (out,) = plain.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=4, seed=1))
+    assert len(out.outputs) == 2
     with pytest.raises(RequestError, match="n must be 1 when using greedy sampling"):
-        plain.generate([PROMPTS[0]], SamplingParams(n=2))
+        plain.generate([PROMPTS[0]], SamplingParams(n=2, temperature=0.0))
 
 
 @pytest.mark.parametrize("chunk", [64, 4])

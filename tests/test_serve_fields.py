@@ -35,6 +35,13 @@ def test_n_choices():
             body = await r.json()
             assert [(ch["index"], ch["message"]["content"]) for ch in body["choices"]] == [
                 (0, choice_text(0, 2)), (1, choice_text(1, 2))]
+            # no temperature anywhere (the request's, the checkpoint's): vLLM's 1.0 for n > 1, greedy for n = 1
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2})
+            body = await r.json()
+            assert r.status == 200 and len(body["choices"]) == 2, body
+            assert c.engine.requests[body["id"]][2].temperature == 1.0
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert c.engine.requests[(await r.json())["id"]][2].temperature == 0.0
 
     run(go())
 

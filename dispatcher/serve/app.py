@@ -606,8 +606,11 @@ class Server:
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and not chat and req.echo and num_top is not None:
             prompt_logprobs = num_top  # the echoed prompt's logprobs (vLLM's rule)
+        # (no temperature from the request nor the checkpoint: None, which SamplingParams makes greedy, or vLLM's 1.0
+        # for n > 1)
+        temperature = req.temperature if req.temperature is not None else (d.temperature or None)
         params = dataclasses.replace(
-            d, max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k,
+            d, max_tokens=max_tokens, temperature=temperature, top_p=pick("top_p"), top_k=top_k,
             seed=req.seed if req.seed is not None else d.seed, stop=P.stop_strings(req.stop),
             stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *d.stop_token_ids))),
             ignore_eos=req.ignore_eos,
