@@ -639,6 +639,7 @@ def test_a_compile_process_whose_memory_grew_retires_after_its_answer(grammars):
     """Memory a compile leaves mapped would leave the next compile less room under the process's limit: past
     ``retire_bytes`` of growth the process answers, then exits, and the next compile runs in a fresh one (the engine
     closes it on that answer, so its exit is never taken for a constraint's failure)."""
+    from dispatcher.engine import grammar_process as GP
     from dispatcher.engine.grammar_process import CompileProcess
 
     process = CompileProcess(grammars.tokenizer_info_json, 1, retire_bytes=0)  # (retire after every compile)
@@ -653,6 +654,10 @@ def test_a_compile_process_whose_memory_grew_retires_after_its_answer(grammars):
         first = keep.pid
         keep.compile("regex", "b+", True, time.monotonic() + 30)
         assert first is not None and keep.pid == first
+        # (a compile yields the cores to serving: its process is niced, this one is not)
+        assert os.getpriority(os.PRIO_PROCESS, first) == os.getpriority(os.PRIO_PROCESS, 0) + GP.COMPILE_NICENESS
+        if hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(first) == os.SCHED_IDLE
         keep.close()
     finally:
         process.close()
