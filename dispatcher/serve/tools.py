@@ -240,8 +240,12 @@ class _HermesStream(ToolStream):
     def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
             call = _call_from_json(self.buf) or (_cut_off_call(self.buf) if cut_off else None)
+            if call is None and cut_off and self.seen_call:  # (markup of a call cut off before its name: not content)
+                return "", []
             text = "" if call is not None else HermesParser.OPEN + self.buf
             return text, [call] if call is not None else []
+        if cut_off and self.buf.strip() and HermesParser.OPEN.startswith(self.buf.strip()):
+            return "", []  # (a call's opening tag cut off: markup, not content)
         return self._content(self.buf), []
 
 
@@ -267,6 +271,7 @@ class _Llama3Stream(ToolStream):
         self.mode: str | None = None
         """None until the first non-space character decides: "calls" or "content"."""
         self.decoder = json.JSONDecoder()
+        self.num_calls = 0
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buf += delta
@@ -302,6 +307,7 @@ class _Llama3Stream(ToolStream):
                 text, self.buf = rest, ""
                 return text, calls
             calls.append(call)
+            self.num_calls += 1
             self.buf = rest[end:]
         return "", calls
 
@@ -310,6 +316,8 @@ class _Llama3Stream(ToolStream):
         if self.mode == "calls" and not text.strip():
             return "", []
         call = _cut_off_call(text) if self.mode == "calls" and cut_off else None
+        if call is None and self.mode == "calls" and cut_off and self.num_calls:
+            return "", []  # (a further call cut off before its name is whole: not content beside the calls)
         return ("", [call]) if call is not None else (text, [])
 
 
