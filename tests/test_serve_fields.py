@@ -219,6 +219,11 @@ def test_tokenize_detokenize_version_ping():
             r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=auth)
             body = await r.json()
             assert body["tokens"] == [ord(x) for x in "<user>Hi<assistant>"]  # (add_special_tokens false)
+            # tools go to the chat template, as a chat request's (refused as an unknown field before)
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]},
+                             headers=auth)
+            assert (await r.json())["tokens"] == [ord(x) for x in "<user>Hi{tools=1}<assistant>"]
             r = await c.post("/detokenize", json={"tokens": [72, 105]}, headers=auth)
             assert await r.json() == {"prompt": "Hi"}
             r = await c.post("/detokenize", json={"tokens": [72, 99999]}, headers=auth)

@@ -317,8 +317,10 @@ class Server:
         tok = self._tokenizer("/tokenize")
         if isinstance(req, P.TokenizeChatRequest):
             messages = P.chat_messages(P.ChatCompletionRequest(messages=req.messages))
+            tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
             text = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                         tok.apply_chat_template, messages, **P.chat_template_options(req))
+                                         tok.apply_chat_template, messages, tools=tools,
+                                         **P.chat_template_options(req))
         else:
             text = req.prompt
         ids = await self._encode("prompt", text, req.add_special_tokens)

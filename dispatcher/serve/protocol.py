@@ -291,6 +291,8 @@ class TokenizeChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    """Passed to the chat template, as a chat request's are (vLLM's chat tokenize request takes them)."""
     return_token_strs: bool | None = False
 
 
