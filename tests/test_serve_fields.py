@@ -137,8 +137,22 @@ def test_ignored_openai_fields_are_accepted_and_logged_once(caplog):
             for _ in range(2):
                 r = await c.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "metadata": {"k": "v"},
-                    "store": False, "service_tier": "auto", "user": "u1", "safety_identifier": "s"})
+                    "store": False, "service_tier": "auto", "user": "u1", "safety_identifier": "s",
+                    "prediction": {"type": "content", "content": "Hello"}, "modalities": ["text"]})
                 assert r.status == 200, await r.text()
+            # audio output is not text: refused naming the field; OpenAI's deprecated function calling: refused,
+            # saying what to send instead; reasoning_effort goes to the chat template, as vLLM passes it
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "modalities": ["text", "audio"]})
+            assert (await error_of(r, 400))["param"].startswith("modalities")
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "functions": [{"name": "f"}]})
+            assert "send 'tools'" in (await error_of(r, 400))["message"]
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 1, "reasoning_effort": "low"})
+            body = await r.json()
+            assert r.status == 200, body
+            assert c.engine.requests[body["id"]][0] == "<user>Hi{reasoning_effort=low}<assistant>"
 
     with caplog.at_level(logging.WARNING, logger="twogrid.serve"):
         from dispatcher.serve import protocol
@@ -146,7 +160,7 @@ def test_ignored_openai_fields_are_accepted_and_logged_once(caplog):
         protocol._warned.clear()
         run(go())
     warned = [rec.getMessage() for rec in caplog.records if "accepted and ignored" in rec.getMessage()]
-    for field in ("metadata", "store", "service_tier", "user", "safety_identifier"):
+    for field in ("metadata", "store", "service_tier", "user", "safety_identifier", "prediction", "modalities"):
         assert sum(f"'{field}'" in m for m in warned) == 1, (field, warned)
 
 

@@ -43,7 +43,7 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TokenId = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention")
+                  "prompt_cache_retention", "prediction", "modalities")
 """OpenAI fields that do not change the output: accepted and ignored, each logged once (vLLM ignores them too)."""
 _warned: set[str] = set()
 
@@ -162,6 +162,10 @@ class _SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prediction: dict[str, Any] | None = None
+    """OpenAI's predicted output: a latency hint, no change to the output."""
+    modalities: list[Literal["text"]] | None = None
+    """OpenAI's output modalities: text only here (audio is refused, naming the field)."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | bool | str | None = None
@@ -259,6 +263,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """Special tokens (BOS) added to the rendered prompt by the tokenizer as well as the template's (vLLM's)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    """OpenAI's; given to the chat template as the variable ``reasoning_effort``, as vLLM does (a template that
+    reads it, gpt-oss's, says how long to think; others ignore it)."""
     echo: bool = False
     """vLLM's: each choice's content starts with the last message's text where that message is the assistant's (the
     message ``continue_final_message`` goes on with: ``chat_echo``)."""
@@ -316,6 +323,8 @@ _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (CompletionRequest, ChatC
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 _MISSING = re.compile(r"Object missing required field `([^`]*)`")
+_UNKNOWN_HINTS = {"functions": " (OpenAI's deprecated function calling: send 'tools')",
+                  "function_call": " (OpenAI's deprecated function calling: send 'tool_choice')"}
 
 
 def decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -369,7 +378,8 @@ def _schema_error(text: str) -> ApiError:
     message = text[:at.start()] if at else text
     if (m := _UNKNOWN.match(message)) is not None:
         field = f"{path}.{m.group(1)}" if path else m.group(1)
-        return ApiError(400, f"unknown field '{field}'; this server does not support it", param=field,
+        hint = _UNKNOWN_HINTS.get(field, "")
+        return ApiError(400, f"unknown field '{field}'; this server does not support it{hint}", param=field,
                         reason="unknown_field")
     if (m := _MISSING.match(message)) is not None:
         field = f"{path}.{m.group(1)}" if path else m.group(1)
@@ -596,6 +606,9 @@ def chat_template_options(req: ChatCompletionRequest | TokenizeChatRequest) -> d
     if taken:
         raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(map(repr, taken))} (the request's own "
                             f"fields, or the server's template)", param="chat_template_kwargs")
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and "reasoning_effort" not in extra:
+        extra = {**extra, "reasoning_effort": effort}
     return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "variables": extra}
 
