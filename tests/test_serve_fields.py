@@ -210,16 +210,26 @@ def test_error_code_is_the_http_status():
     run(go())
 
 
-def test_chat_message_without_content_is_400():
+def test_chat_messages_missing_what_openai_requires_are_400():
     async def go():
         async with served() as c:
             for role in ("user", "system"):
                 r = await c.post("/v1/chat/completions", json={"messages": [{"role": role}]})
                 err = await error_of(r, 400)
                 assert err["param"] == "messages[0].content" and role in err["message"]
-            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"},
-                                                                        {"role": "assistant"}], "max_tokens": 1})
-            assert r.status == 200  # (an assistant message may have none)
+            # OpenAI's rules: an assistant message has content or tool calls, a part list is not empty, a tool
+            # message names the call it answers (all three answered 200 before)
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            for messages, param in (([{"role": "user", "content": "Hi"}, {"role": "assistant"}], "messages[1].content"),
+                                    ([{"role": "user", "content": []}], "messages[0].content"),
+                                    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+                                      {"role": "tool", "content": "42"}], "messages[2].tool_call_id")):
+                r = await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+                assert (await error_of(r, 400))["param"] == param
+            r = await c.post("/v1/chat/completions", json={"messages": [
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}], "max_tokens": 1})
+            assert r.status == 200  # (an assistant message with tool calls needs no content)
 
     run(go())
 

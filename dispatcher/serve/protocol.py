@@ -567,13 +567,22 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template reads them: text parts joined by newlines; an assistant's tool calls with
     their arguments as objects (as vLLM and transformers hand them to templates, which write ``arguments |
-    tojson``), a tool message's ``tool_call_id``. Every message but an assistant's needs its content (OpenAI's
-    rule)."""
+    tojson``), a tool message's ``tool_call_id``. Every message but an assistant's needs its content, an
+    assistant's its content or tool calls, a tool message its ``tool_call_id`` (OpenAI's rules)."""
     out = []
     for i, m in enumerate(req.messages):
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"'messages[{i}].content' is required for a message of role '{m.role}'",
                            param=f"messages[{i}].content")
+        if isinstance(m.content, list) and not m.content:
+            raise ApiError(400, f"'messages[{i}].content' is an empty list of parts: give at least one",
+                           param=f"messages[{i}].content")
+        if m.role == "assistant" and m.content is None and not m.tool_calls:
+            raise ApiError(400, f"'messages[{i}]': an assistant message needs 'content' or 'tool_calls'",
+                           param=f"messages[{i}].content")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise ApiError(400, f"'messages[{i}].tool_call_id' is required for a message of role 'tool' (the call "
+                                f"it answers)", param=f"messages[{i}].tool_call_id")
         msg: dict[str, Any] = {"role": m.role, "content": message_text(i, m)}
         if m.name is not None:
             msg["name"] = m.name
