@@ -168,7 +168,9 @@ def check_schema(field: str, doc) -> None:
     while stack:
         node, depth, kind = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
-            raise StructuredOutputError(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            raise StructuredOutputError(f"{field} nests JSON objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels "
+                                        f"(a nested object schema takes two: its own and its 'properties'; about "
+                                        f"{MAX_SCHEMA_DEPTH // 2} nested objects at most)")
         if isinstance(node, dict) and kind == SCHEMA:
             _check_keywords(field, node)
             enum = node.get("enum")

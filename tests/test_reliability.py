@@ -664,7 +664,7 @@ def test_hostile_structured_requests_are_refused_or_bounded(text_server):
         ({"response_format": json_schema({"type": "object", "properties": {
             f"p{i}": {"type": "string", "description": "x" * 40} for i in range(3000)}})}, "response_format",
          "characters; at most"),
-        ({"response_format": json_schema(_nested_schema(100))}, "response_format", "nests deeper than 64"),
+        ({"response_format": json_schema(_nested_schema(100))}, "response_format", "nests JSON objects and arrays deeper than 64"),
         ({"response_format": json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in
                                                                            range(3000)},
                                           "required": [f"p{i}" for i in range(3000)]})},  # (the engine's OOM, once)
@@ -678,7 +678,7 @@ def test_hostile_structured_requests_are_refused_or_bounded(text_server):
         ({"response_format": json_schema({"type": "nonsense"})}, "response_format", "does not compile"),
         ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {"type": "bogus"}}'}},
          "structured_outputs", "does not compile"),
-        ({"tools": [tool], "tool_choice": "required"}, "tools", "nests deeper"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools", "nests JSON objects"),
     ]
     before = wait_idle(server)
     answers = []

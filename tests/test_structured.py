@@ -131,7 +131,7 @@ def test_schema_limits_are_counted_without_recursion():
     whole schema; what is under the limits passes."""
     ok = StructuredOutputsParams(json=json.dumps(nested(MAX_SCHEMA_DEPTH // 2 - 1)))
     ok.validate()
-    for schema, words in [(nested(MAX_SCHEMA_DEPTH), "nests deeper"),
+    for schema, words in [(nested(MAX_SCHEMA_DEPTH), "about 32 nested objects at most"),
                           ({"anyOf": [{"enum": list(range(MAX_SCHEMA_VALUES // 2 + 1))}] * 2}, "enumerates"),
                           ({"type": "object", "properties": {str(i): {} for i in range(MAX_SCHEMA_PROPERTIES + 1)}},
                            "more than 256 object properties"),
