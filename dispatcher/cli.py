@@ -787,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("serve", help="the serving backend: an OpenAI-compatible HTTP API over the engine and a worker "
                                      "process", description="Serve a model over an OpenAI-compatible API "
-                                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+                                     "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+                                     "/version, /ping, /health, /metrics).")
     add_engine_args(p)
     from dispatcher.serve.launch import add_serve_args, cmd_serve
 
