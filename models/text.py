@@ -134,15 +134,17 @@ scan; Gemma 3's has 6,414, most of them unused slots): its prompts are tokenized
 
 @dataclass(frozen=True)
 class AddedTokenSplit:
-    """A text cut as the tokenizers library cuts it before its model runs: at the tokenizer's added tokens (the
-    leftmost match first, the longest of those starting there), each piece in between normalized, pre-tokenized and
-    tokenized on its own, the post-processor's tokens (a BOS) around the whole. A text's ids are then its pieces'
-    ids joined, so a piece tokenized before (a chat's earlier messages, a shared system prompt) needs no tokenizing
-    again (the front end's ``Tokenizing`` keeps them). Built by ``added_token_split`` only for a tokenizer where that
-    provably holds."""
+    """A text cut as the tokenizers library cuts it before its model runs: at the tokenizer's added tokens matched on
+    the raw text (``normalized`` false: the leftmost match first, the longest of those starting there), then, in
+    each piece left, at those matched on the normalized text (``normalized`` true; with no normalizer that text is
+    the piece itself), each piece in between normalized, pre-tokenized and tokenized on its own, the
+    post-processor's tokens (a BOS) around the whole. A text's ids are then its pieces' ids joined, so a piece
+    tokenized before (a chat's earlier messages, a shared system prompt) needs no tokenizing again (the front end's
+    ``Tokenizing`` keeps them). Built by ``added_token_split`` only for a tokenizer where that provably holds."""
 
-    pattern: re.Pattern | None
-    """The added tokens, longest first (None: the tokenizer has none)."""
+    passes: tuple[re.Pattern, ...]
+    """The added tokens matched on the raw text, then those matched on the normalized text, each longest first
+    (a pass with no tokens left out)."""
     token_ids: dict[str, int]
     head: tuple[int, ...]
     """What ``add_special_tokens`` puts before a text's ids (BOS), and after them (``tail``)."""
@@ -150,11 +152,16 @@ class AddedTokenSplit:
 
     def pieces(self, text: str) -> list[str | int]:
         """``text`` as the pieces to tokenize (str, never empty) and the added tokens' ids between them (int)."""
-        if self.pattern is None:
-            return [text] if text else []
+        out: list[str | int] = [text] if text else []
+        for pattern in self.passes:
+            out = [part for piece in out
+                   for part in ((piece,) if isinstance(piece, int) else self._cut(pattern, piece))]
+        return out
+
+    def _cut(self, pattern: re.Pattern, text: str) -> list[str | int]:
         out: list[str | int] = []
         at = 0
-        for match in self.pattern.finditer(text):
+        for match in pattern.finditer(text):
             if match.start() > at:
                 out.append(text[at:match.start()])
             out.append(self.token_ids[match.group()])
@@ -190,17 +197,23 @@ def added_token_split(backend) -> AddedTokenSplit | None:
         if token.lstrip or token.rstrip or token.single_word or (token.normalized and backend.normalizer is not None):
             return None
     token_ids = {token.content: token_id for token_id, token in added.items() if token.content}
-    pattern = (re.compile("|".join(re.escape(c) for c in sorted(token_ids, key=len, reverse=True)))
-               if token_ids else None)
+    passes = []
+    for normalized in (False, True):  # (the library's two passes: raw-text matches, then normalized-text ones)
+        contents = sorted((t.content for t in added.values() if t.content and t.normalized == normalized),
+                          key=len, reverse=True)
+        if contents:
+            passes.append(re.compile("|".join(map(re.escape, contents))))
     bare, full = backend.encode("a", add_special_tokens=False).ids, backend.encode("a", add_special_tokens=True).ids
     starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
     if len(starts) != 1:
         return None
-    split = AddedTokenSplit(pattern, token_ids, tuple(full[:starts[0]]), tuple(full[starts[0] + len(bare):]))
+    split = AddedTokenSplit(tuple(passes), token_ids, tuple(full[:starts[0]]), tuple(full[starts[0] + len(bare):]))
     probes = ["a", " hello  world\n", "x\u00e9 \U0001F600\n\n  y"]
-    for c in token_ids:
+    contents = list(token_ids)
+    for i, c in enumerate(contents):
+        after = contents[(i + 1) % len(contents)]  # (each beside another too: where two tokens overlap)
         probes += [f"a{c}b", f" {c} ", f"{c}{c}", f"\n{c}\n hi", f"x {c}h\u00e9llo w\u00f6rld \U0001F600 {c}",
-                   f"{c}  \n"]
+                   f"{c}  \n", f"{c}{after}", f"{after[:1]}{c}{after[1:]}", f"{c[:-1]}{after}"]
     pieces = [split.pieces(p) for p in probes]
     texts = list({piece for ps in pieces for piece in ps if isinstance(piece, str)})
     ids_of = dict(zip(texts, (e.ids for e in backend.encode_batch(texts, add_special_tokens=False))))

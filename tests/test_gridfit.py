@@ -142,6 +142,9 @@ def test_a_cost_table_reads_back_and_traces_give_curves():
     cost = h200_cost()
     again = gridfit.StepCost.from_json(json.loads(json.dumps(cost.to_json())), "x")
     assert (again.prefill, again.decode, again.source) == (cost.prefill, cost.decode, cost.source)
+    # the server's cache file (runtime.cache.cached_json adds its key), which plan --autotune reads as it is
+    cached = gridfit.StepCost.from_json({**cost.to_json(), "key": ["cpu", "model", "float32"]}, "x")
+    assert cached.prefill == cost.prefill
     records = [json.loads(line) for line in open(TRACE, encoding="utf-8")]
     traced = gridfit.StepCost.from_trace(records, TRACE)
     assert len(traced.prefill) >= 2 and traced.decode and all(ms > 0 for _, ms in traced.prefill)

@@ -41,7 +41,8 @@ def test_rounds_draw_fresh_prompts_for_both_servers_alike(pc, texts, tmp_path):
     assert path(m0) != path(m1)
     with open(path(m0), encoding="utf-8") as f0, open(path(m1), encoding="utf-8") as f1:
         first0, first1 = f0.read(), f1.read()
-    assert "[c16 conversation 0]" in first0 and "[c16r1 conversation 0]" in first1  # (no prefix shared across rounds)
+    # (no prefix shared across rounds; every turn tagged, so that no turn's text is another's)
+    assert "[c16 conversation 0 turn 0]" in first0 and "[c16r1 conversation 0 turn 0]" in first1
 
 
 def test_the_summary_takes_the_median_of_the_rounds_ratios(pc):

@@ -29,7 +29,9 @@ COMPILE_NICENESS = 10
 compile (up to its timeout) takes only the CPU time the engine, its worker and the front ends leave. On the CI
 machine's 2 cores, the default model serving one stream, a 10 s compile at equal priority held the stream's chunks
 to a median gap of 0.21-0.30 s (16 ms alone); niced alone, still 0.30 s (the CPU worker's two threads wait on each
-other at every barrier while either shares its core); SCHED_IDLE as well: 0.028 s."""
+other at every barrier while either shares its core); SCHED_IDLE as well: 0.028 s. The price: where serving keeps
+every core busy (the CPU backend under load), a compile gets little of them and may reach its timeout (a 400
+naming ``compile_timeout_s``) where at equal priority it would have finished, slowing every stream meanwhile."""
 COMPILE_MEMORY_BYTES = 2 << 30
 """The address space a compile process may add to what it had mapped at its start (a grammar within the static
 limits compiles in tens of MB; the schema that once took the engine down needed 18 GB). Its compile threads' stacks
@@ -91,9 +93,11 @@ def _serve(conn, tokenizer_info_json: str, threads: int, memory_bytes: int, reti
     then answered ``("ok", serialized, retiring)`` or ``("error", message, retiring)``, until the engine's end of
     the pipe closes or its address space has grown by ``retire_bytes`` or more (it answers, then exits)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the engine decides when it stops)
-    os.nice(COMPILE_NICENESS)  # (before xgrammar starts its threads: they inherit both)
-    if hasattr(os, "SCHED_IDLE"):
+    try:  # (before xgrammar starts its threads: they inherit both; a sandbox that forbids either changes nothing)
+        os.nice(COMPILE_NICENESS)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=threads,

@@ -8,7 +8,7 @@ GIL released (with the one-text call the loop ran at about half speed while a 60
 
 Where the tokenizer cuts a text at its added tokens and tokenizes the pieces between them each on its own
 (``models.text.AddedTokenSplit``, checked for each tokenizer), a prompt is tokenized piece by piece and the pieces'
-ids are kept (least recently used dropped first, ``MAX_KEPT_TOKENS`` in all): a chat's earlier messages, a shared
+ids are kept (least recently used dropped first, ``MAX_KEPT_BYTES`` in all): a chat's earlier messages, a shared
 system prompt or a prompt sent again cost a dictionary lookup, not a tokenization. A multi-turn conversation's turn
 then tokenizes only its new messages, and a prompt whose pieces are all kept is answered without the batch call.
 """
@@ -19,10 +19,16 @@ import asyncio
 from array import array
 from collections import ChainMap, OrderedDict
 
-MAX_KEPT_TOKENS = 1 << 22
-"""The pieces' ids kept in all (4 bytes a token, with each piece's text: about 32 MiB a front end at most)."""
+MAX_KEPT_BYTES = 64 << 20
+"""The pieces kept in all, counted as their ids (4 bytes a token), their text (a byte a character, most prompts'
+text being ASCII) and ``KEPT_ENTRY_BYTES`` each."""
+KEPT_ENTRY_BYTES = 256
+"""What one kept piece costs besides its ids and text (the dictionary's entry, the string and array objects)."""
 MAX_KEPT_PIECE_TOKENS = 1 << 18
 """A longer piece is tokenized each time (one piece would otherwise push out the many that repeat)."""
+SPLIT_ON_LOOP_CHARS = 8192
+"""A longer prompt is cut into pieces in the worker thread: the cut scans the text for every added token, which
+for a crafted prompt of megabytes and a tokenizer of hundreds of them takes seconds."""
 
 
 class Tokenizing:
@@ -31,8 +37,8 @@ class Tokenizing:
         self.split = getattr(tokenizer, "added_token_split", None)
         """How the tokenizer cuts a text into pieces tokenized on their own (None: prompts are tokenized whole)."""
         self._kept: OrderedDict[str, array] = OrderedDict()
-        self._kept_tokens = 0
-        self._waiting: dict[bool, list[tuple[str, asyncio.Future]]] = {}
+        self.kept_bytes = 0
+        self._waiting: dict[bool, list[tuple[str, list | None, asyncio.Future]]] = {}
         self._running: set[asyncio.Task] = set()
         """The batches' tasks, held until done (the loop keeps only weak references to tasks)."""
         self.batches = 0
@@ -42,7 +48,8 @@ class Tokenizing:
         """``text``'s token ids, from the batch of everything asked for in this turn of the loop (or at once, from
         the pieces kept). What the tokenizer raises for ``text`` (alone: a batch that fails is retried piece by
         piece) is raised here."""
-        if self.split is not None:
+        pieces = None
+        if self.split is not None and len(text) <= SPLIT_ON_LOOP_CHARS:
             pieces = self.split.pieces(text)
             if all(isinstance(p, int) or p in self._kept for p in pieces):
                 return self._join(pieces, add_special_tokens)
@@ -50,7 +57,7 @@ class Tokenizing:
         future = loop.create_future()
         if not self._waiting:
             loop.call_soon(self._flush)
-        self._waiting.setdefault(add_special_tokens, []).append((text, future))
+        self._waiting.setdefault(add_special_tokens, []).append((text, pieces, future))
         return await future
 
     def _join(self, pieces: list, add_special_tokens: bool) -> list[int]:
@@ -63,9 +70,9 @@ class Tokenizing:
         if len(ids) > MAX_KEPT_PIECE_TOKENS or piece in self._kept:
             return
         self._kept[piece] = array("i", ids)
-        self._kept_tokens += len(ids)
-        while self._kept_tokens > MAX_KEPT_TOKENS:
-            self._kept_tokens -= len(self._kept.popitem(last=False)[1])
+        self.kept_bytes += _cost(piece, self._kept[piece])
+        while self.kept_bytes > MAX_KEPT_BYTES:
+            self.kept_bytes -= _cost(*self._kept.popitem(last=False))
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -75,15 +82,16 @@ class Tokenizing:
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _run(self, add_special_tokens: bool, items: list[tuple[str, asyncio.Future]]) -> None:
+    async def _run(self, add_special_tokens: bool, items: list[tuple[str, list | None, asyncio.Future]]) -> None:
         try:
             if self.split is None:
-                results = await asyncio.to_thread(self._encode_all, [text for text, _ in items], add_special_tokens)
+                results = await asyncio.to_thread(self._encode_all, [text for text, _, _ in items],
+                                                  add_special_tokens)
             else:
-                results = await self._by_pieces([text for text, _ in items], add_special_tokens)
+                results = await self._by_pieces([(text, pieces) for text, pieces, _ in items], add_special_tokens)
         except BaseException as exc:  # (the worker thread's error, or this task cancelled at shutdown)
             results = [exc] * len(items)
-        for (_, future), result in zip(items, results):
+        for (_, _, future), result in zip(items, results):
             if future.done():  # (its request went away meanwhile)
                 continue
             if isinstance(result, BaseException):
@@ -91,10 +99,14 @@ class Tokenizing:
             else:
                 future.set_result(result)
 
-    async def _by_pieces(self, texts: list[str], add_special_tokens: bool) -> list:
+    async def _by_pieces(self, texts: list[tuple[str, list | None]], add_special_tokens: bool) -> list:
         """Each text's ids (or the exception one of its pieces raised), the pieces not kept tokenized in one batch
-        call in the worker thread (those kept are read before it: another batch may drop them meanwhile)."""
-        pieces = [self.split.pieces(text) for text in texts]
+        call in the worker thread (those kept are read before it: another batch may drop them meanwhile); a long
+        text cut into pieces in the worker thread first."""
+        if any(pieces is None for _, pieces in texts):
+            texts = await asyncio.to_thread(lambda: [(t, p if p is not None else self.split.pieces(t))
+                                                     for t, p in texts])
+        pieces = [p for _, p in texts]
         have: dict[str, array] = {}
         new: dict[str, None] = {}
         for piece in (p for ps in pieces for p in ps if not isinstance(p, int)):
@@ -130,6 +142,10 @@ class Tokenizing:
                 _reraise_interrupts(exc)
                 out.append(exc)
         return out
+
+
+def _cost(piece: str, ids: array) -> int:
+    return 4 * len(ids) + len(piece) + KEPT_ENTRY_BYTES
 
 
 def _reraise_interrupts(exc: BaseException) -> None:

@@ -197,6 +197,7 @@ class _HermesStream(ToolStream):
         self.buf = ""
         self.in_call = False
         self.seen_call = False
+        self.num_calls = 0
         self.spaces = ""
         """Whitespace after a call, held until content follows it (dropped if a call or the end does)."""
 
@@ -213,6 +214,7 @@ class _HermesStream(ToolStream):
                     content.append(HermesParser.OPEN + self.buf[:end + len(HermesParser.CLOSE)])
                 else:
                     calls.append(call)
+                    self.num_calls += 1
                 self.buf, self.in_call = self.buf[end + len(HermesParser.CLOSE):], False
                 continue
             start = self.buf.find(HermesParser.OPEN)
@@ -240,12 +242,12 @@ class _HermesStream(ToolStream):
     def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
         if self.in_call:  # an unclosed last call (the output ended, e.g. at max_tokens, or EOS before the tag)
             call = _call_from_json(self.buf) or (_cut_off_call(self.buf) if cut_off else None)
-            if call is None and cut_off and self.seen_call:  # (markup of a call cut off before its name: not content)
+            if call is None and cut_off and self.num_calls:  # (a further call cut off before its name: not content)
                 return "", []
             text = "" if call is not None else HermesParser.OPEN + self.buf
             return text, [call] if call is not None else []
-        if cut_off and self.buf.strip() and HermesParser.OPEN.startswith(self.buf.strip()):
-            return "", []  # (a call's opening tag cut off: markup, not content)
+        if cut_off and self.num_calls and self.buf.strip() and HermesParser.OPEN.startswith(self.buf.strip()):
+            return "", []  # (a further call's opening tag cut off: markup, not content)
         return self._content(self.buf), []
 
 
