@@ -51,8 +51,9 @@ class WorkerDied(RuntimeError):
 
 class ChildProcess:
     """A child process (``python -m MODULE DIR``) and two sockets bound in a private ipc directory (mode 0700,
-    removed on close): ``to_child`` (PUSH) and ``from_child`` (PULL). The child dies with this process (its
-    parent-death signal, ``set_parent_death_signal``). ``asyncio=True`` makes the sockets awaitable."""
+    removed on close): ``to_child`` (PUSH) and ``from_child`` (PULL). The child leads a session of its own and
+    exits once it finds this process gone (``dispatcher.child.parent_gone``, checked while it waits for a message).
+    ``asyncio=True`` makes the sockets awaitable."""
 
     def __init__(self, module: str, to_child: str, from_child: str, asyncio: bool = False, env: dict | None = None,
                  parent_dir: str | None = None, argv: tuple[str, ...] = ()):
