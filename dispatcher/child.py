@@ -194,6 +194,14 @@ def watch_event_loop(log=None) -> LoopWatch | None:
     return LoopWatch(held_ms, log=log) if held_ms > 0 else None
 
 
+def start_serving(log=None) -> LoopWatch | None:
+    """An asyncio process of ``twogrid serve`` (the engine, a front end) starts serving: its start-up heap frozen out
+    of the collector (``freeze_startup_heap``; the worker, which has no event loop, calls that alone) and its event
+    loop watched (``watch_event_loop``, whose watch it returns)."""
+    freeze_startup_heap()
+    return watch_event_loop(log)
+
+
 def profiled(role: str, fn, *args):
     """``fn(*args)``, under cProfile when ``TWOGRID_PROFILE_DIR`` is set (a diagnostic: each process of the server
     writes ``<dir>/<role>.txt``, its functions by own time, when it exits normally)."""

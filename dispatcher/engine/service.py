@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
-from dispatcher.child import (freeze_startup_heap, ignore_stop_signals, parent_gone, profiled,
-                              watch_event_loop)
+from dispatcher.child import ignore_stop_signals, parent_gone, profiled, start_serving
 from dispatcher.engine.ipc import (WorkerDied, WorkerGroup, WorkerInfo, WorkerProcess, check_ranks_ready,
                                   spawn_workers, worker_processes)
 from dispatcher.engine.protocol import (TO_CORE, Abort, AddRequest, Drain, EngineDead, EngineInit,
@@ -120,8 +119,7 @@ class EngineService:
         self.core = EngineCore(resolve_init(w, ready.grid_cost), args, worker=WorkerInfo(ready),
                                structured=await structured)
         self.capturing = ready.capture_progress is not None and not ready.capture_progress.done
-        freeze_startup_heap()
-        self.loop_watch = watch_event_loop(log)
+        self.loop_watch = start_serving(log)
         self._tier_version = self.core.tier_version
         self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,

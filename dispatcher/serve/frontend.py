@@ -29,7 +29,7 @@ import time
 
 import msgspec
 
-from dispatcher.child import PARENT_PID_ENV, freeze_startup_heap, watch_event_loop
+from dispatcher.child import PARENT_PID_ENV, start_serving
 from dispatcher.engine.protocol import EngineInit
 from dispatcher.serve.protocol import Cors
 from scheduler.request import SamplingParams
@@ -246,8 +246,7 @@ async def serve(ipc_dir: str, index: int, fds: list[int]) -> int:
     said_ready, loop_watch = False, None
     while not stop.is_set() and engine.dead is None:  # (dead: the engine died, or front end 0 is gone)
         if not said_ready and engine.capture is not None:  # serving, and the engine has started
-            freeze_startup_heap()
-            loop_watch = watch_event_loop()
+            loop_watch = start_serving()
             open(_ready_file(ipc_dir, index), "w").close()
             said_ready = True
         try:

@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 
-from dispatcher.child import freeze_startup_heap, watch_event_loop
+from dispatcher.child import start_serving
 from dispatcher.plan.config import ConfigError, parse_json_arg
 
 log = logging.getLogger("twogrid.serve")
@@ -511,8 +511,7 @@ async def _serve(args, process, cfg, engine_args, init, tokenizer, name, default
                     gate.cancel()
                 else:
                     gate.result()
-            freeze_startup_heap()
-            loop_watch = watch_event_loop()
+            loop_watch = start_serving()
             watch = loop.create_task(_watch(engine, args.cudagraph_metrics, front_ends))
             await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
             gone = front_ends.exited() if front_ends is not None and engine.dead is None else None
