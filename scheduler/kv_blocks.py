@@ -41,7 +41,8 @@ class KVBlockManager:
         self.num_registered = np.zeros(max_num_seqs, dtype=np.int64)
         """Per slot, its leading blocks already offered to the cache (``register``): registered, or found there."""
         self._registered = np.zeros(num_blocks, dtype=bool)
-        self._hash_of: dict[int, bytes] = {}
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        """Each registered block's hash (a list, not a dict: nothing to resize as blocks come and go)."""
         self._block_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         """Free registered blocks, least recently freed first. An OrderedDict: taking from the front of a plain dict
@@ -100,7 +101,8 @@ class KVBlockManager:
         for i in range(n - plain):
             block = self._evictable.popitem(last=False)[0]
             victims[i] = block
-            del self._block_of[self._hash_of.pop(block)]
+            del self._block_of[self._hash_of[block]]
+            self._hash_of[block] = None
         self._registered[victims] = False
         return np.concatenate([ids, victims])
 
@@ -230,8 +232,9 @@ class KVBlockManager:
         a free one becomes a plain free block. Returns the blocks forgotten."""
         gone = []
         for block, h in entries:
-            if self._hash_of.get(block) == h:
-                del self._hash_of[block], self._block_of[h]
+            if self._hash_of[block] == h:
+                self._hash_of[block] = None
+                del self._block_of[h]
                 self._registered[block] = False
                 gone.append(block)
                 if block in self._evictable:
