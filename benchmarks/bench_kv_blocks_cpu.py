@@ -4,7 +4,8 @@ machine's CPU: every slot's blocks registered and freed until cached prefixes fi
 from the cached ones (evicted: the steady state of a server whose cache is full), each request's last one released
 first, its new blocks registered under fresh hashes (SHA-256, as ``scheduler.block_hash``). Reported: microseconds
 a step, the median of ``--repeat`` runs, per ``--num-blocks`` (an H100's default 48 GiB of KV holds about 137,000
-blocks of the default model).
+blocks of the default model), and the slowest step of each run with the count over 5 ms (a dictionary that
+resizes as it churns stops the step for milliseconds).
 
     python benchmarks/bench_kv_blocks_cpu.py --num-blocks 20000,200000 --out result.json
 """
@@ -22,7 +23,7 @@ from _common import commit, write_json
 from scheduler.kv_blocks import KVBlockManager
 
 
-def one_run(num_blocks: int, blocks: int, admissions: int, slots: int, steps: int) -> float:
+def one_run(num_blocks: int, blocks: int, admissions: int, slots: int, steps: int) -> tuple[float, list[float]]:
     kv = KVBlockManager(num_blocks, 16, slots, blocks + 1)
     counter = iter(range(1 << 62))
     log: list = []
@@ -38,11 +39,13 @@ def one_run(num_blocks: int, blocks: int, admissions: int, slots: int, steps: in
     for _ in range(num_blocks // (blocks * slots) + 2):  # (the pool full of cached prefixes)
         for slot in range(slots):
             admit(slot)
-    start = time.perf_counter()
+    times = []
     for step in range(steps):
+        start = time.perf_counter()
         for k in range(admissions):
             admit((step * admissions + k) % slots)
-    return (time.perf_counter() - start) / steps * 1e6
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times) * 1e6, times
 
 
 def main() -> None:
@@ -57,10 +60,16 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for num_blocks in (int(x) for x in args.num_blocks.split(",")):
-        runs = [round(one_run(num_blocks, args.blocks, args.admissions, args.slots, args.steps), 1)
-                for _ in range(args.repeat)]
-        rows.append({"num_blocks": num_blocks, "us_per_step_median": statistics.median(runs), "runs": runs})
-        print(f"{num_blocks} blocks: {statistics.median(runs):.1f} us a step (runs {runs})", file=sys.stderr)
+        runs, slowest, over_5ms = [], [], 0
+        for _ in range(args.repeat):
+            mean_us, times = one_run(num_blocks, args.blocks, args.admissions, args.slots, args.steps)
+            runs.append(round(mean_us, 1))
+            slowest.append(round(max(times) * 1e3, 2))
+            over_5ms += sum(t > 5e-3 for t in times)
+        rows.append({"num_blocks": num_blocks, "us_per_step_median": statistics.median(runs), "runs": runs,
+                     "slowest_step_ms": slowest, "steps_over_5ms": over_5ms})
+        print(f"{num_blocks} blocks: {statistics.median(runs):.1f} us a step (runs {runs}); slowest steps {slowest} "
+              f"ms, {over_5ms} of {args.repeat * args.steps} over 5 ms", file=sys.stderr)
     write_json(args.out, {"benchmark": "kv_blocks_cpu", "commit": commit(), "command": " ".join(["python", *sys.argv]),
                           "blocks": args.blocks, "admissions": args.admissions, "slots": args.slots, "rows": rows})
 

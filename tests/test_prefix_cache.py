@@ -57,7 +57,10 @@ def check_pool(engine: EngineCore) -> None:
     assert (ids >= 0).all()
     assert (np.bincount(ids, minlength=kv.num_blocks) == kv.ref_count).all(), "reference counts != block tables"
     plain = set(kv._free_stack[: kv.num_plain_free].tolist())
-    evictable = set(kv._evictable)
+    order = list(kv._evictable)
+    evictable = set(order)
+    assert len(order) == len(evictable) == kv.num_evictable, "the eviction order lost or repeated a block"
+    assert all(b in kv._evictable for b in order)
     in_use = set(np.nonzero(kv.ref_count)[0].tolist())
     assert len(plain) == kv.num_plain_free and not (plain & evictable) and not (in_use & (plain | evictable))
     assert kv.num_plain_free + kv.num_evictable + len(in_use) == kv.num_blocks, "blocks leaked"
