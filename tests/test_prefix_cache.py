@@ -432,3 +432,27 @@ def test_a_prompts_hashes_from_its_packed_bytes_equal_those_from_its_tokens(next
     assert longer == extend_block_hashes([], tokens, 8, 16, next_token_key)
     assert extend_block_hashes([], tokens, 6, 16, next_token_key, packed)[:6] != \
         extend_block_hashes([], lambda s, e: (seq[:5] + [seq[5] + 1] + seq[6:])[s:e], 6, 16, next_token_key)
+
+
+def test_eviction_takes_the_least_recently_freed_blocks_a_runs_tail_first():
+    """The cached blocks are evicted least recently freed first, of one request's run its tail first (a chain is only
+    found from its head); a block found again by a request leaves the order; nothing is lost or taken twice."""
+    from scheduler.kv_blocks import KVBlockManager
+
+    kv = KVBlockManager(num_blocks=8, block_size=4, max_num_seqs=2, max_blocks_per_seq=8)
+    log: list = []
+    for slot, tag in ((0, b"a"), (1, b"b")):
+        kv.start(slot, [], 3 * 4)
+        kv.register_one(slot, [tag + bytes([i]) for i in range(3)], 3, slot, log)
+    a, b = kv.block_table[0, :3].tolist(), kv.block_table[1, :3].tolist()
+    kv.release(0)
+    kv.release(1)
+    assert list(kv._evictable) == a[::-1] + b[::-1] and kv.num_evictable == 6 and kv.num_plain_free == 2
+    found = kv.lookup([b"b\x00", b"b\x01"])
+    assert found == b[:2]
+    kv.start(0, found, 2 * 4)  # (b's first two blocks in use again: out of the order)
+    assert list(kv._evictable) == a[::-1] + b[2:] and kv.num_evictable == 4
+    grown = kv.grow(np.array([0]), np.array([8 * 4]))  # 6 more blocks: the 2 plain ones, then a's tail first
+    taken = grown[2].tolist()
+    assert taken[2:] == [a[2], a[1], a[0], b[2]] and list(kv._evictable) == [] and kv.num_free == 0
+    assert kv.lookup([b"a\x00"]) == [] and kv.lookup([b"b\x00", b"b\x01"]) == b[:2]
