@@ -666,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the capture plan (graphs per runner and kind) for a configuration",
                        description="Print the capture plan: per runner and kind, the exact sizes captured.")
     add_engine_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (SPEC section 4 schema)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (docs/SPEC.md section 4 schema)")
     p.add_argument("--pretty", action="store_true", help="indent the JSON")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"),
                    help="compare two plans per runner and kind; each file is a saved plan or a config")
@@ -727,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache capacity in blocks (default: room for every slot's longest request)")
     k.add_argument("--cost-model", default=None, choices=["bench-moe", "bench-moe-large"],
-                   help="H200 step-time curves from SPEC section 1 (default: bench-moe)")
+                   help="H200 step-time curves from docs/SPEC.md section 1 (default: bench-moe)")
     k.add_argument("--cost-table", default=None, metavar="FILE",
                    help="price the steps with times measured on a GPU instead: step traces of a real run of the same "
                         "configuration (.jsonl, several joined with commas; their times hold the drafter's forwards), "
@@ -753,9 +753,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="a step trace written with --step-trace")
     add_engine_args(p)
     p.add_argument("--cost-model", default=None,
-                   help="a preset of SPEC section 1's curves (bench-moe, bench-moe-large; default bench-moe), or with "
-                        "a runtime benchmark's --cost-table the model read from it (default: its only model, else "
-                        "bench-moe)")
+                   help="a preset of docs/SPEC.md section 1's curves (bench-moe, bench-moe-large; default "
+                        "bench-moe), or with a runtime benchmark's --cost-table the model read from it (default: its "
+                        "only model, else bench-moe)")
     p.add_argument("--cost-table", default=None, metavar="FILE",
                    help="per-size step times measured on a GPU instead of the presets: a runtime benchmark's JSON "
                         "(docs/bench/runtime_h200.json), {\"FULL\": [[tokens, ms], ...], \"PIECEWISE\": [...], "

@@ -95,7 +95,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    h.add_argument("--api-key", default=None, help="bearer token required on every route but /health")
+    h.add_argument("--api-key", default=None, help="bearer token required on every route but /health and /ping")
     h.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="front-end processes (HTTP, tokenization, detokenization) sharing the port, as vLLM's flag: "
                         "one Python process streams ~15-20K events a second, so more keep the GPU fed at hundreds "
