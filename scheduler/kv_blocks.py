@@ -45,8 +45,9 @@ class KVBlockManager:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         """Each registered block's hash (a list, not a dict: nothing to resize as blocks come and go)."""
         self._block_of = [{} for _ in range(HASH_SHARDS)]
-        """Registered blocks by hash, in HASH_SHARDS dictionaries by the hash's first byte (``_shard``): one dict of
-        100,000 blocks paused the engine 5-14 ms whenever churn made it resize; a shard resizes in a sixteenth."""
+        """Registered blocks by hash, in HASH_SHARDS dictionaries by the hash's first byte (``h[0] & SHARD_MASK``):
+        one dict of 100,000 blocks paused the engine 5-14 ms whenever churn made it resize; a shard resizes in a
+        sixteenth."""
         self._evictable = _EvictionOrder(num_blocks)
         """Free registered blocks, least recently freed first."""
 

@@ -263,9 +263,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """Special tokens (BOS) added to the rendered prompt by the tokenizer as well as the template's (vLLM's)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     """OpenAI's; given to the chat template as the variable ``reasoning_effort``, as vLLM does (a template that
-    reads it, gpt-oss's, says how long to think; others ignore it)."""
+    reads it, gpt-oss's, says how long to think; others ignore it); one set in ``chat_template_kwargs`` wins."""
     echo: bool = False
     """vLLM's: each choice's content starts with the last message's text where that message is the assistant's (the
     message ``continue_final_message`` goes on with: ``chat_echo``)."""
