@@ -145,7 +145,8 @@ class EngineMetrics:
         self._graph_bytes = gauge("cudagraph_memory_bytes", "Device memory held by captured graphs (measured after "
                                   "capture at start-up; 0 under delayed capture).").labels(model_name)
         self._graphs_captured = gauge("cudagraphs_captured", "CUDA graphs captured so far, by runner and kind "
-                                      "(delayed capture: rising to cudagraphs_planned while serving).",
+                                      "(delayed capture: rising to cudagraphs_planned while serving; on a CPU, the "
+                                      "static-buffer backend's padded sizes set up, no CUDA graph).",
                                       ("runner", "kind"))
         self._graphs_planned = gauge("cudagraphs_planned", "CUDA graphs the capture plan holds, by runner and kind.",
                                      ("runner", "kind"))
