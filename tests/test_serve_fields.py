@@ -248,6 +248,9 @@ def test_tokenize_detokenize_version_ping():
             r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]},
                              headers=auth)
             assert (await r.json())["tokens"] == [ord(x) for x in "<user>Hi{tools=1}<assistant>"]
+            r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                "reasoning_effort": "high"}, headers=auth)
+            assert (await r.json())["tokens"] == [ord(x) for x in "<user>Hi{reasoning_effort=high}<assistant>"]
             r = await c.post("/detokenize", json={"tokens": [72, 105]}, headers=auth)
             assert await r.json() == {"prompt": "Hi"}
             r = await c.post("/detokenize", json={"tokens": [72, 99999]}, headers=auth)

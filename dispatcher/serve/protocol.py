@@ -300,6 +300,9 @@ class TokenizeChatRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     """Passed to the chat template, as a chat request's are (vLLM's chat tokenize request takes them)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """As a chat request's: the template's variable ``reasoning_effort`` (so /tokenize renders what a chat request
+    with it would)."""
     return_token_strs: bool | None = False
 
 
