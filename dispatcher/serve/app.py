@@ -1026,6 +1026,9 @@ def _http_error(exc: web.HTTPException, request: web.Request, max_body_bytes: in
         return ApiError(404, f"no route {request.path}", reason="not_found")
     if exc.status == 405:
         return ApiError(405, f"{request.method} is not allowed on {request.path}", reason="method_not_allowed")
+    if exc.status == 403 and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        # (aiohttp-cors refuses a preflight with 403; vLLM's server, Starlette's CORS, with 400)
+        return ApiError(400, exc.text or "CORS preflight refused", reason="cors_preflight_refused")
     return ApiError(exc.status, exc.reason or f"HTTP {exc.status}")
 
 
