@@ -549,7 +549,8 @@ def test_cost_tables_read_and_refuse(tmp_path):
                          ({"decode_step_ms": {"0": [[1, 1.0]]}}, "key '0' is not a query length"),
                          ({"decode_step_ms": {"1": [[1, -1.0]]}}, "[1, -1.0] is not [requests >= 1, ms > 0]"),
                          ({"decode_step_ms": {"1": [[1, 1.0], [1, 2.0]]}}, "lists a request count more than once"),
-                         ({"decode_step_ms": {"1": [[1, 1.0]]}, "extra": 3}, "unknown field(s) 'extra'")):
+                         ({"decode_step_ms": {"1": [[1, 1.0]]}, "extra": 3},
+                          "unknown field 'extra'; known fields: decode_step_ms, key, source")):
         path.write_text(json.dumps(data))
         with pytest.raises(ConfigError) as info:
             load_step_costs(str(path))

@@ -70,7 +70,7 @@ import numpy as np
 from dispatcher.plan.capture_plan import (BLOCK_DRAFTERS, FUSED_STEP, ONE_TOKEN_DRAFTERS, block_query_len,
                                           next_steps_runner, one_token_steps)
 from dispatcher.plan.acceptance import PRIOR_WEIGHT, estimate_acceptance, expected_tokens
-from dispatcher.plan.errors import ConfigError
+from dispatcher.plan.errors import ConfigError, check_known_fields
 
 RECHOOSE_INTERVAL_STEPS = 64
 """Engine steps between two re-choices."""
@@ -170,10 +170,7 @@ class StepCostTable:
         if not isinstance(data, dict) or "decode_step_ms" not in data:
             raise ConfigError(f"{where}: not a step-cost table {{\"decode_step_ms\": {{\"q\": [[requests, ms], ...]}}}}"
                               f" (nor step traces: .jsonl)")
-        unknown = sorted(set(data) - {"decode_step_ms", "key", "source"})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (a step-cost table has "
-                              f"'decode_step_ms', and as the server caches it 'key' and 'source')")
+        check_known_fields(data, ("decode_step_ms", "key", "source"), where)  # (the last two: the server's cache's)
         table = data["decode_step_ms"]
         if not isinstance(table, dict) or not table:
             raise ConfigError(f"{where}: \"decode_step_ms\" must map q to [[requests, ms], ...] lists")

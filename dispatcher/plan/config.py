@@ -8,7 +8,6 @@ with the new ones. Every error names the field, the value and the limit; unknown
 
 from __future__ import annotations
 
-import difflib
 import enum
 import json
 from dataclasses import dataclass, field, fields
@@ -16,7 +15,7 @@ from typing import Any
 
 from dispatcher.plan import gridfit, grids
 from dispatcher.plan.acceptance import DEFAULT_ACCEPTANCE_RATE, acceptance_profile
-from dispatcher.plan.errors import ConfigError
+from dispatcher.plan.errors import ConfigError, check_known_fields
 
 MAX_SPECULATIVE_TOKENS = 63
 """Largest K accepted (q = 1 + K <= 64 tokens a request)."""
@@ -155,12 +154,7 @@ class SpeculativeConfig:
 def _known_fields(cls: type, data: Any, flag: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {type(data).__name__}: {data!r}")
-    known = [f.name for f in fields(cls)]
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{flag}: unknown field {key!r}{hint}; known fields: {', '.join(known)}")
+    check_known_fields(data, [f.name for f in fields(cls)], flag)
     return dict(data)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from dispatcher.plan import grids
-from dispatcher.plan.errors import ConfigError
+from dispatcher.plan.errors import ConfigError, check_known_fields
 
 Points = tuple[tuple[int, float], ...]
 """(size, ms) pairs, sizes strictly increasing."""
@@ -91,10 +91,7 @@ class StepCost:
         if not isinstance(data, dict) or "prefill_ms" not in data and "decode_ms" not in data:
             raise ConfigError(f"{where}: not a step-cost table {{\"prefill_ms\": [[tokens, ms], ...], \"decode_ms\": "
                               f"{{\"q\": [[requests, ms], ...]}}}} nor a runtime benchmark's JSON {{\"models\": ...}}")
-        unknown = sorted(set(data) - {"prefill_ms", "decode_ms", "source", "key"})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (a step-cost table has "
-                              f"'prefill_ms', 'decode_ms', and as the server caches it 'source' and 'key')")
+        check_known_fields(data, ("prefill_ms", "decode_ms", "source", "key"), where)  # (the last two: the cache's)
         prefill = _points(data.get("prefill_ms", []), f"{where} prefill_ms")
         decode_raw = data.get("decode_ms", {})
         if not isinstance(decode_raw, dict):
