@@ -315,14 +315,7 @@ class Server:
         req = P.decode_tokenize(await self._read_body(request))
         self._check_model(req.model)
         tok = self._tokenizer("/tokenize")
-        if isinstance(req, P.TokenizeChatRequest):
-            messages = P.chat_messages(P.ChatCompletionRequest(messages=req.messages))
-            tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
-            text = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                         tok.apply_chat_template, messages, tools=tools,
-                                         **P.chat_template_options(req))
-        else:
-            text = req.prompt
+        text = await self._render_chat(req) if isinstance(req, P.TokenizeChatRequest) else req.prompt
         ids = await self._encode("prompt", text, req.add_special_tokens)
         strs = [tok.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
         return _json(P.TokenizeResponse(len(ids), self.engine.max_model_len, ids, strs))
@@ -562,15 +555,11 @@ class Server:
         """The prompt's text and ids; ``opening``: text after a chat's rendered prompt (a named tool call's)."""
         tok = self.engine.tokenizer
         if chat:
-            messages = P.chat_messages(req)
             if tok is None:
+                P.chat_messages(req)  # (a malformed message is named first, as before)
                 raise ApiError(400, "this model has no tokenizer or chat template (a preset with random weights): "
                                     "use /v1/completions with token ids", param="messages")
-            tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
-            prompt = await self._in_thread("messages", sum(len(m["content"]) for m in messages),
-                                           tok.apply_chat_template, messages, tools=tools,
-                                           **P.chat_template_options(req))
-            prompt += opening
+            prompt = await self._render_chat(req) + opening
             return prompt, await self._encode("messages", prompt, req.add_special_tokens)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, list):
@@ -583,6 +572,14 @@ class Server:
             raise ApiError(400, "this model has no tokenizer (a preset with random weights): send 'prompt' as token "
                                 "ids", param="prompt")
         return prompt, await self._encode("prompt", prompt, True)
+
+    async def _render_chat(self, req) -> str:
+        """A chat request's (or a chat /tokenize request's) messages and tools through the chat template."""
+        messages = P.chat_messages(req)
+        tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+        return await self._in_thread("messages", sum(len(m["content"]) for m in messages),
+                                     self.engine.tokenizer.apply_chat_template, messages, tools=tools,
+                                     **P.chat_template_options(req))
 
     async def _encode(self, param: str, text: str, add_special_tokens: bool) -> list[int]:
         """``text``'s token ids, batched with the other prompts of this turn of the loop (``Tokenizing``); a

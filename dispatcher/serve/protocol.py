@@ -567,7 +567,7 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
                         f"(a batch); got a list of {len(p)} items", param="prompt")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict]:
     """The messages as the chat template reads them: text parts joined by newlines; an assistant's tool calls with
     their arguments as objects (as vLLM and transformers hand them to templates, which write ``arguments |
     tojson``), a tool message's ``tool_call_id``. Every message but an assistant's needs its content, an
