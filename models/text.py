@@ -188,8 +188,8 @@ def added_token_split(backend) -> AddedTokenSplit | None:
     ids could differ from tokenizing the whole: an added token that strips the spaces beside it or must stand as a
     word, one matched after normalization (with a normalizer), more than MAX_SPLIT_ADDED_TOKENS of them, a
     post-processor that does more than put tokens around a text, or any probe text (each added token beside letters,
-    spaces, newlines, accents, an emoji, and itself) whose ids differ: a pre-tokenizer that treats a text's start
-    apart (SentencePiece's prepend "first") fails there."""
+    spaces, newlines, accents, an emoji, itself, and another added token overlapping it) whose ids differ: a
+    pre-tokenizer that treats a text's start apart (SentencePiece's prepend "first") fails there."""
     added = backend.get_added_tokens_decoder()
     if len(added) > MAX_SPLIT_ADDED_TOKENS:
         return None
