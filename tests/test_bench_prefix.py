@@ -49,6 +49,27 @@ def test_multi_turn_sends_each_turn_with_the_conversation_so_far(serve, tmp_path
             {"role": "user", "content": "second question"}] in sent  # the model's answer, not the dataset's
     (result,) = saved(out_dir)
     assert result["multi_turn"] is True and result["completed"] == 3 and result["failed"] == 0
+    first, second = result["median_ttft_ms_by_turn"]  # (conversation a's second turn alone in the second)
+    assert first > 0 and second > 0 and len(result["mean_ttft_ms_by_turn"]) == 2
+
+
+def test_ttft_by_turn_counts_each_turn_over_the_conversations_that_completed_it():
+    from dispatcher.bench.client import RequestOutput
+    from dispatcher.bench.results import summary_lines, ttft_by_turn
+
+    def out(ttft_s, ok=True):
+        return RequestOutput(success=ok, ttft=ttft_s)
+
+    per_item = [[out(0.010), out(0.002), out(0.004)], [out(0.030), out(0.9, ok=False)], [out(0.020)]]
+    got = ttft_by_turn(per_item)
+    assert got == {"median_ttft_ms_by_turn": [20.0, 2.0, 4.0], "mean_ttft_ms_by_turn": [20.0, 2.0, 4.0]}
+    assert ttft_by_turn([[out(0.01)], [out(0.02, ok=False)]])["median_ttft_ms_by_turn"] == [10.0]
+    assert ttft_by_turn([[out(0.01), out(0.02, ok=False)]])["median_ttft_ms_by_turn"] == [10.0, None]
+    base = {"completed": 1, "failed": 0, "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+            "request_throughput": 1.0, "output_throughput": 1.0, "max_concurrent_requests": 1,
+            "total_token_throughput": 1.0, "input_tokens_source": "usage", "output_tokens_source": "usage"}
+    lines = summary_lines({**base, "median_ttft_ms_by_turn": [20.0, None]}, (), ())
+    assert any("Median TTFT by turn (ms):" in line and "20.0 / -" in line for line in lines)
 
 
 def test_multi_turn_on_a_file_of_single_turns_says_so(tmp_path, capsys):

@@ -93,6 +93,20 @@ def compute_result(outputs: Sequence[RequestOutput], duration_s: float, percenti
     return result
 
 
+def ttft_by_turn(per_item: Sequence[Sequence[RequestOutput]]) -> dict[str, list[float | None]]:
+    """Multi-turn runs (``per_item``: each conversation's turns in order): the median and mean TTFT of each turn
+    over the conversations that completed it, ms (None where none did). A first turn has no earlier turn to find in
+    a prefix cache; the later ones show what caching the history gave."""
+    turns = max((len(item) for item in per_item), default=0)
+    medians: list[float | None] = []
+    means: list[float | None] = []
+    for t in range(turns):
+        ms = [item[t].ttft * 1e3 for item in per_item if len(item) > t and item[t].success]
+        medians.append(round(float(np.median(ms)), 2) if ms else None)
+        means.append(round(float(np.mean(ms)), 2) if ms else None)
+    return {"median_ttft_ms_by_turn": medians, "mean_ttft_ms_by_turn": means}
+
+
 def _row(name: str, value: Any, fmt: str = "") -> str:
     return f"{name:<40} {value:{fmt}}"
 
@@ -127,6 +141,9 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
                   _row(f"Median {short} (ms):", result[f"median_{metric}_ms"], ".2f")]
         lines += [_row(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{metric}_ms"], ".2f")
                   for p in percentiles]
+    if result.get("median_ttft_ms_by_turn"):
+        lines.append(_row("Median TTFT by turn (ms):", " / ".join("-" if v is None else f"{v:.1f}"
+                                                                  for v in result["median_ttft_ms_by_turn"])))
     if "eager_steps" in result or "cudagraph_steps" in result or "padded_tokens" in result:
         lines.append("{:-^50}".format("Server counters (this run)"))
         if "cudagraph_steps" in result:
