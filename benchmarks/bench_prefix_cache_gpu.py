@@ -105,6 +105,7 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: 
             "tpot_ms_mean": round(b["mean_tpot_ms"], 3), "prefix_cache_hit_rate": b.get("prefix_cache_hit_rate"),
             "server_ttft_ms_mean": b.get("server_ttft_ms_mean"), "server_queue_ms_mean": b.get("server_queue_ms_mean"),
             "server_prefill_ms_mean": b.get("server_prefill_ms_mean"),
+            "server_preprocess_ms_mean": b.get("server_preprocess_ms_mean"),
             "ttft_ms_p50_by_turn": b.get("median_ttft_ms_by_turn"),
             "prefix_cache_queries": b.get("prefix_cache_queries"), "prefix_cache_hits": b.get("prefix_cache_hits"),
             "eager_steps": b.get("eager_steps"), "eager_steps_by_reason": b.get("eager_steps_by_reason"),

@@ -564,6 +564,11 @@ def test_bench_reports_the_servers_own_time_to_first_token():
     deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
     assert deltas["server_queue_ms_mean"] == pytest.approx(4.0)
     assert deltas["server_prefill_ms_mean"] == pytest.approx(6.0)
+    assert deltas["server_preprocess_ms_mean"] is None  # (no request sent to the engine in the run)
+    for preprocess_s in (0.001, 0.003):
+        metrics.on_sent_to_engine(preprocess_s)
+    deltas = counter_deltas(before, parse_counters(metrics.render().decode()))
+    assert deltas["server_sent_requests"] == 2 and deltas["server_preprocess_ms_mean"] == pytest.approx(2.0)
 
 
 def test_spec_decode_fields_from_the_counters():

@@ -147,7 +147,8 @@ def test_the_engines_part_of_each_ttft_is_counted_once_a_request(tmp_path):
     """``request_queue_time_seconds`` and ``request_prefill_time_seconds`` (vLLM's names): once per request, n = 2
     included (its first choice's), on its first token; their sum, the engine's part, lies within the server's TTFT
     (arrival at the front end to the first token's send), so that a benchmark can tell how much of a TTFT the
-    front end took."""
+    front end took; ``request_preprocess_time_seconds``, the front end's part before the engine, once an engine
+    request."""
     from dispatcher.bench.server_metrics import counter_deltas, parse_counters
 
     srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "8",
@@ -165,3 +166,7 @@ def test_the_engines_part_of_each_ttft_is_counted_once_a_request(tmp_path):
     assert run["server_engine_first_tokens"] == run["server_first_tokens"] == 3
     assert run["server_queue_ms_mean"] >= 0 and run["server_prefill_ms_mean"] > 0
     assert run["server_queue_ms_mean"] + run["server_prefill_ms_mean"] <= run["server_ttft_ms_mean"]
+    # the front end's part before the engine: once a request sent (n = 2 goes as one; the engine fans it out)
+    assert run["server_sent_requests"] == 3 and run["server_preprocess_ms_mean"] > 0
+    assert (run["server_preprocess_ms_mean"] + run["server_queue_ms_mean"] + run["server_prefill_ms_mean"]
+            <= run["server_ttft_ms_mean"])

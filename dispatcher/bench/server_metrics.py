@@ -36,6 +36,8 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
     "prefix_cache_hits": ("twogrid:prefix_cache_hits_total", ()),
     "server_ttft_seconds": ("twogrid:time_to_first_token_seconds_sum", ()),
     "server_first_tokens": ("twogrid:time_to_first_token_seconds_count", ()),
+    "server_preprocess_seconds": ("twogrid:request_preprocess_time_seconds_sum", ()),
+    "server_sent_requests": ("twogrid:request_preprocess_time_seconds_count", ()),
     "server_queue_seconds": ("twogrid:request_queue_time_seconds_sum", ()),
     "server_prefill_seconds": ("twogrid:request_prefill_time_seconds_sum", ()),
     "server_engine_first_tokens": ("twogrid:request_prefill_time_seconds_count", ()),
@@ -127,6 +129,9 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     first_tokens = out.get("server_first_tokens")
     if first_tokens is not None:
         out["server_ttft_ms_mean"] = round(1e3 * out["server_ttft_seconds"] / first_tokens, 3) if first_tokens else None
+    sent = out.get("server_sent_requests")
+    if sent is not None:
+        out["server_preprocess_ms_mean"] = round(1e3 * out["server_preprocess_seconds"] / sent, 3) if sent else None
     engine_first = out.get("server_engine_first_tokens")
     if engine_first is not None:
         for part in ("queue", "prefill"):

@@ -667,6 +667,7 @@ class Server:
         as 500."""
         try:
             deltas = self.engine.generate(r.request_id, r.prompt, r.prompt_token_ids, r.params)
+            self.metrics.on_sent_to_engine(time.perf_counter() - r.timer.arrival)
         except RequestError as exc:  # refused before it was queued: not a request that ran
             r.finished = True
             r.timer.discard()

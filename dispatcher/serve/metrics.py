@@ -93,6 +93,10 @@ class EngineMetrics:
         self._generation_tokens = counter("generation_tokens", "Output tokens sent to clients.").labels(model_name)
         self._ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
                                TTFT_BUCKETS_S).labels(model_name)
+        self._preprocess_time = histogram("request_preprocess_time_seconds", "Time from a request's arrival at a "
+                                          "front end to its send to the engine (parsing, checks, the chat template, "
+                                          "tokenizing): of the TTFT, the front end's part before the engine.",
+                                          TTFT_BUCKETS_S).labels(model_name)
         self._queue_time = histogram("request_queue_time_seconds", "Time a request waited in the engine before its "
                                      "first step (its grammar's compile included): of the TTFT, the engine's "
                                      "queue.", TTFT_BUCKETS_S).labels(model_name)
@@ -241,9 +245,13 @@ class EngineMetrics:
         self._ttft.observe(ttft_s)
         self._prompt_tokens.inc(prompt_tokens)
 
+    def on_sent_to_engine(self, preprocess_s: float) -> None:
+        """A request went to the engine ``preprocess_s`` after its arrival at the front end."""
+        self._preprocess_time.observe(preprocess_s)
+
     def on_engine_times(self, queue_s: float, prefill_s: float) -> None:
         """The engine's part of a request's TTFT (its first delta): queued, then its prompt's steps (the rest of
-        the TTFT is the front end's: parsing, the chat template, tokenizing, and streaming the token out)."""
+        the TTFT is the front end's: ``on_sent_to_engine``'s part before, and streaming the token out)."""
         self._queue_time.observe(queue_s)
         self._prefill_time.observe(prefill_s)
 
