@@ -204,3 +204,29 @@ def test_plan_autotune_prints_both_grids_counts_memory_and_padding(tmp_path):
                               RUNTIME_H200, "--cost-model", "bench-moe", "--padding-trace", str(trace)],
                              capture_output=True, text=True, cwd=REPO, timeout=60)
         assert bad.returncode == 2 and words in bad.stderr and "--padding-trace" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("platform, cc, spec, measured", [
+    ("default", {}, None, []),  # off sm100, no cap: the legacy decode list stands, no decode measured
+    ("default", {"max_decode_cudagraph_capture_requests": 64}, None, [1]),  # a cap: its grid is fitted
+    ("sm100", {}, None, [1]),
+    ("sm100", {}, {"method": "eagle3", "num_speculative_tokens": 7}, [1, 8]),  # q = 8's grid, the drafter's q = 1
+    ("sm100", {}, {"method": "eagle3", "num_speculative_tokens": 5,
+                   "num_speculative_tokens_per_batch_size": "auto"}, [1, 6]),  # not every candidate K's q
+    ("sm100", {}, {"method": "ngram", "num_speculative_tokens": 3}, [4]),  # a host drafter: no one-token steps
+    ("default", {}, {"method": "eagle3", "num_speculative_tokens": 3}, [1]),  # only the one-token steps' grid
+])
+def test_fit_start_up_measures_only_the_decode_steps_the_fit_uses(platform, cc, spec, measured):
+    """``fit_cudagraph_capture_sizes`` measures the decode step cost at the q its grids are fitted at: 1 + K for
+    the decode grid where it is fitted (sm100's, or one with a cap) and 1 for the one-token draft steps' grid; a
+    decode list fitting leaves alone is not measured (it cost ~6 s of a CPU server's start), nor is every candidate
+    K's q under auto tiers."""
+    from dispatcher.runtime.process import fitted_query_lens
+
+    cfg = resolve({"fit_cudagraph_capture_sizes": True, **cc}, spec, platform=platform)
+    assert fitted_query_lens(cfg) == measured
+    fitted = resolve({"fit_cudagraph_capture_sizes": True, **cc}, spec, platform=platform, step_cost=h200_cost())
+    assert fitted.fits_decode_grid == cfg.fits_decode_grid == (1 + cfg.num_speculative_tokens in measured)
+    if not cfg.fits_decode_grid:  # (the list stands: the fit changed nothing of it)
+        assert (fitted.decode_request_sizes, fitted.decode_token_sizes) == (cfg.decode_request_sizes,
+                                                                            cfg.decode_token_sizes)

@@ -261,6 +261,9 @@ class ResolvedConfig:
     """``delayed_cudagraph_capture``: serve at once, capture the graphs between steps."""
     fit_sizes: bool = False
     """``fit_cudagraph_capture_sizes``: the prefill and decode grids come from a measured step cost."""
+    fits_decode_grid: bool = False
+    """``fit_sizes`` refits the decode grid (at q = 1 + K): it has a request cap (sm100's default, or one given);
+    off sm100 without a cap the legacy list stands, and its step cost is not measured."""
     grid_cost_source: str | None = field(default=None, compare=False)
     """Where the fitted grids' step cost came from; None while ``fit_sizes`` waits for its measurement (the default
     grids stand in) or without ``fit_sizes``."""
@@ -465,6 +468,7 @@ def resolve(
                 one_token = tuple(sorted(set(gridfit.fit_decode(max_num_seqs, step_cost, 1))
                                          | set(sizing.decode.request_sizes or ())))
     dec = sizing.decode
+    fits_decode = fit and _decode_fits(dec)  # (fit refuses the deprecated fields: the new sizing)
     q_max = 1 + k_max
     if dec.request_cap is not None:
         max_decode = dec.request_cap
@@ -513,6 +517,7 @@ def resolve(
         **auto,
         delayed_capture=delayed,
         fit_sizes=fit,
+        fits_decode_grid=fits_decode,
         grid_cost_source=step_cost.source if fit and step_cost is not None else None,
         one_token_request_sizes=one_token,
     )
@@ -764,10 +769,15 @@ def _fitted(sizing: "_Sizing", step_cost, query_len: int, interactivity: bool) -
     if prefill and len(step_cost.prefill) >= 2:
         prefill = _with_interactivity(gridfit.fit_prefill(sizing.max_prefill_tokens, step_cost), interactivity)
     dec = sizing.decode
-    if dec.request_cap and dec.request_sizes != () and len(step_cost.decode_points(query_len)) >= 2:
+    if _decode_fits(dec) and len(step_cost.decode_points(query_len)) >= 2:
         dec = _DecodeSizing(dec.request_cap, gridfit.fit_decode(dec.request_cap, step_cost, query_len), None)
     return _Sizing(sizing.max_prefill_tokens, prefill, dec)
 
+
+
+def _decode_fits(dec: "_DecodeSizing") -> bool:
+    """A decode grid that fitted grids replace: one with a request cap, not disabled (``[]``)."""
+    return bool(dec.request_cap) and dec.request_sizes != ()
 
 
 @dataclass(frozen=True)

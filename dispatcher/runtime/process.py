@@ -32,7 +32,7 @@ from dispatcher.configure import tensor_parallel_capture_conflict
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, Shutdown, WorkerError,
                                  WorkerInit, WorkerReady, decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
-                                          build_plan)
+                                          build_plan, one_token_steps)
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
@@ -187,15 +187,16 @@ def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None =
 
 def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
     """``fit_cudagraph_capture_sizes``: the target's step cost at a few sizes (``gridfit.measurement_sizes``) of each
-    kind it captures, PIECEWISE by tokens up to the prefill cap, FULL decode by requests at each q in use (and
-    q = 1, for the one-token draft steps' grid) up to the decode cap within the token budget: graphs captured into
-    a throwaway pool and replayed over padded rows (``GraphRuntime.measure_sizes_ms``: no context). Measured once
-    per device, model, dtype and these sizes, then read from $TWOGRID_CACHE/grid_cost."""
+    kind it fits, PIECEWISE by tokens up to the prefill cap, FULL decode by requests at the q its decode grid is
+    fitted at (1 + K, where that grid is fitted: ``fits_decode_grid``) and at q = 1 (the one-token draft steps'
+    grid, and the decode grid without speculation) up to the decode cap within the token budget: graphs captured
+    into a throwaway pool and replayed over padded rows (``GraphRuntime.measure_sizes_ms``: no context). Measured
+    once per device, model, dtype and these sizes, then read from $TWOGRID_CACHE/grid_cost."""
     sets = []
     if cfg.cudagraph_mode.has_piecewise and cfg.prefill_token_sizes:
         sets.append(GraphSet("target", PIECEWISE, None, measurement_sizes(cfg.max_prefill_tokens)))
     if cfg.cudagraph_mode.has_full_decode:
-        for q in sorted({1} | set(cfg.query_lens) | {1 + t.num_speculative_tokens for t in cfg.capture_tiers}):
+        for q in fitted_query_lens(cfg):
             cap = min(cfg.max_num_seqs if q == 1 else cfg.max_decode_requests, cfg.decode_token_limit() // q)
             if cap >= 2:
                 sets.append(GraphSet("target", FULL_DECODE, q, measurement_sizes(cap)))
@@ -228,6 +229,15 @@ def measured_grid_cost(wcfg: WorkerConfig, cfg, model) -> StepCost:
     cost = StepCost.from_json({k: v for k, v in data.items() if k != "key"}, data["source"])
     log.info("fitted grids (fit_cudagraph_capture_sizes) from the step cost %s", cost.source)
     return cost
+
+
+def fitted_query_lens(cfg) -> list[int]:
+    """The q whose decode step cost fitted grids use (``plan.config.resolve``): 1 + K (K the largest) for the decode
+    grid where it is fitted, and 1 for the one-token draft steps' own grid where a tier runs them."""
+    qs = {1 + cfg.num_speculative_tokens} if cfg.fits_decode_grid else set()
+    if any(one_token_steps(cfg.method, t.num_speculative_tokens) for t in cfg.capture_tiers):
+        qs.add(1)
+    return sorted(qs)
 
 
 def graph_memory_plan_key(plan) -> dict:
