@@ -116,10 +116,19 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: 
             "num_clients": b.get("num_clients")}
 
 
+def _by_turn_ratio(off: dict, on: dict) -> list | None:
+    """Multi-turn rows: each turn's TTFT p50 off / on (None where a side has no such turn)."""
+    a, b = off.get("ttft_ms_p50_by_turn"), on.get("ttft_ms_p50_by_turn")
+    if not a or not b:
+        return None
+    return [x / y if x is not None and y else None for x, y in zip(a, b)]
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per model, workload and concurrency with both servers measured: TTFT p50 off / on, tok/s on / off (with
-    ``--rounds``: the medians of the rounds' ratios, each round's in ``*_rounds``); the targets where their cells
-    were measured (None where not)."""
+    ``--rounds``: the medians of the rounds' ratios, each round's in ``*_rounds``), and for multi-turn each turn's
+    TTFT p50 off / on (``ttft_p50_off_over_on_by_turn``, the median of the rounds' turn by turn: a first turn has
+    nothing to find in the cache); the targets where their cells were measured (None where not)."""
     by = {cell(r): r for r in rows}
     ratios: dict[tuple, list[tuple]] = {}
     for (model, workload, conc, caching, rnd), on in sorted(by.items(), key=lambda kv: kv[0][4]):
@@ -128,7 +137,7 @@ def summarize(rows: list[dict]) -> dict:
             ratios.setdefault((model, workload, conc), []).append((
                 off["ttft_ms_p50"] / on["ttft_ms_p50"] if on["ttft_ms_p50"] else None,
                 on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None,
-                on["prefix_cache_hit_rate"]))
+                on["prefix_cache_hit_rate"], _by_turn_ratio(off, on)))
 
     def median(values: list) -> float | None:
         values = [v for v in values if v is not None]
@@ -136,11 +145,15 @@ def summarize(rows: list[dict]) -> dict:
 
     pairs = []
     for (model, workload, conc), runs in ratios.items():
-        ttft, tok_s, hits = zip(*runs)
+        ttft, tok_s, hits, turns = zip(*runs)
         pair = {"model": model, "workload": workload, "concurrency": conc,
                 "ttft_p50_off_over_on": None if median(ttft) is None else round(median(ttft), 3),
                 "tok_s_on_over_off": None if median(tok_s) is None else round(median(tok_s), 4),
                 "hit_rate": median(hits)}
+        turns = [t for t in turns if t is not None]
+        if turns:
+            by_turn = [median([t[i] for t in turns if i < len(t)]) for i in range(max(map(len, turns)))]
+            pair["ttft_p50_off_over_on_by_turn"] = [None if x is None else round(x, 3) for x in by_turn]
         if len(runs) > 1:
             pair["rounds"] = len(runs)
             pair["ttft_p50_off_over_on_rounds"] = [None if x is None else round(x, 3) for x in ttft]

@@ -58,5 +58,18 @@ def test_the_summary_takes_the_median_of_the_rounds_ratios(pc):
     assert summary["multi_turn_256_ttft_p50_at_least_2x"] is True  # (one round: 110 / 50)
     mt = next(p for p in summary["pairs"] if p["workload"] == "multi-turn")
     assert "rounds" not in mt and mt["ttft_p50_off_over_on"] == 2.2
+    assert "ttft_p50_off_over_on_by_turn" not in mt  # (rows without turns)
     table = pc.markdown(rows)
     assert "caching on, round 1" in table and "caching off, round 2" in table
+
+
+def test_the_summary_gives_each_turns_ttft_ratio(pc):
+    """Multi-turn: each turn's TTFT p50 off / on, the median over rounds turn by turn (a turn a side lacks: None)."""
+    def mt(caching, rnd, by_turn):
+        return {**row("multi-turn", caching, rnd, 100.0, 50.0), "ttft_ms_p50_by_turn": by_turn}
+
+    rows = [mt(True, 0, [40.0, 20.0, 10.0]), mt(False, 0, [40.0, 60.0, 50.0]),
+            mt(True, 1, [50.0, 10.0, None]), mt(False, 1, [40.0, 50.0, 70.0]),
+            mt(True, 2, [40.0, 25.0, 20.0]), mt(False, 2, [44.0, 50.0, 40.0])]
+    (pair,) = pc.summarize(rows)["pairs"]
+    assert pair["ttft_p50_off_over_on_by_turn"] == [1.0, 3.0, 3.5]  # medians of [1, .8, 1.1], [3, 5, 2], [5, 2]
