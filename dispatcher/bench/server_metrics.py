@@ -126,17 +126,13 @@ def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, A
     queries = out.get("prefix_cache_queries")
     if queries is not None:
         out["prefix_cache_hit_rate"] = round(out["prefix_cache_hits"] / queries, 4) if queries else None
-    first_tokens = out.get("server_first_tokens")
-    if first_tokens is not None:
-        out["server_ttft_ms_mean"] = round(1e3 * out["server_ttft_seconds"] / first_tokens, 3) if first_tokens else None
-    sent = out.get("server_sent_requests")
-    if sent is not None:
-        out["server_preprocess_ms_mean"] = round(1e3 * out["server_preprocess_seconds"] / sent, 3) if sent else None
-    engine_first = out.get("server_engine_first_tokens")
-    if engine_first is not None:
-        for part in ("queue", "prefill"):
-            seconds = out[f"server_{part}_seconds"]
-            out[f"server_{part}_ms_mean"] = round(1e3 * seconds / engine_first, 3) if engine_first else None
+    for field, seconds, count in (("server_ttft_ms_mean", "server_ttft_seconds", "server_first_tokens"),
+                                  ("server_preprocess_ms_mean", "server_preprocess_seconds", "server_sent_requests"),
+                                  ("server_queue_ms_mean", "server_queue_seconds", "server_engine_first_tokens"),
+                                  ("server_prefill_ms_mean", "server_prefill_seconds", "server_engine_first_tokens")):
+        n = out.get(count)
+        if n is not None:  # (a histogram's mean over the run: None where it observed nothing)
+            out[field] = round(1e3 * out[seconds] / n, 3) if n else None
     return out
 
 

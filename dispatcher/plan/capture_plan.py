@@ -129,7 +129,7 @@ def one_token_steps(method: str | None, num_speculative_tokens: int) -> int:
     return 0
 
 
-def _one_token_tiers(cfg: ResolvedConfig) -> list[Tier]:
+def one_token_tiers(cfg: ResolvedConfig) -> list[Tier]:
     """The tiers whose steps run one-token draft forwards."""
     return [t for t in cfg.capture_tiers if one_token_steps(cfg.method, t.num_speculative_tokens) >= 1]
 
@@ -151,7 +151,7 @@ def model_runners(cfg: ResolvedConfig) -> tuple[str, ...]:
     model's when some tier drafts any)."""
     method = cfg.method
     if method in ONE_TOKEN_DRAFTERS:
-        return ("target", method) + ((next_steps_runner(method),) if _one_token_tiers(cfg) else ())
+        return ("target", method) + ((next_steps_runner(method),) if one_token_tiers(cfg) else ())
     if method in BLOCK_DRAFTERS:
         return ("target", method)
     return ("target",)
@@ -233,7 +233,7 @@ def build_plan(cfg: ResolvedConfig) -> CapturePlan:
         sets += _token_sets(cfg, method, _step0_token_sizes(cfg)) + _full_mixed_sets(cfg, method)
         if mode.has_full_decode:
             sets += _decode_sets(cfg, method, target_q)
-        one_token = _one_token_tiers(cfg)
+        one_token = one_token_tiers(cfg)
         if one_token:
             sets += _one_token_draft_sets(cfg, next_steps_runner(method), one_token)
     elif method in BLOCK_DRAFTERS:
@@ -276,7 +276,7 @@ def _one_token_draft_sets(cfg: ResolvedConfig, runner: str, one_token: list[Tier
 
 
 def _next_steps_serves(cfg: ResolvedConfig, one_token: list[Tier]) -> tuple[tuple[int, int], ...]:
-    """One-token draft steps run for the tiers in ``one_token`` (``_one_token_tiers``)."""
+    """One-token draft steps run for the tiers in ``one_token`` (``one_token_tiers``)."""
     top = cfg.max_num_batched_tokens
     return tuple((t.min_batch, min(t.max_batch, top)) for t in one_token)
 
@@ -332,7 +332,7 @@ def baseline_plan(cfg: ResolvedConfig) -> CapturePlan:
         sets += token_sets(method)
         if mode.has_full_decode:
             sets += decode_sets(method, target_q)
-        one_token = _one_token_tiers(cfg)
+        one_token = one_token_tiers(cfg)
         if one_token:
             runner = next_steps_runner(method)
             if mode.has_full_decode:

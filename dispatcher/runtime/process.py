@@ -32,7 +32,7 @@ from dispatcher.configure import tensor_parallel_capture_conflict
 from dispatcher.messages import (TO_ENGINE, TO_WORKER, TP_INIT_ENV, TP_RANK_ENV, Shutdown, WorkerError,
                                  WorkerInit, WorkerReady, decode_init, decode_to_worker, encode, resolve_init)
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN, MODEL_DRAFTERS, PIECEWISE, GraphSet,
-                                          build_plan, one_token_steps)
+                                          build_plan, one_token_tiers)
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
@@ -235,7 +235,7 @@ def fitted_query_lens(cfg) -> list[int]:
     """The q whose decode step cost fitted grids use (``plan.config.resolve``): 1 + K (K the largest) for the decode
     grid where it is fitted, and 1 for the one-token draft steps' own grid where a tier runs them."""
     qs = {1 + cfg.num_speculative_tokens} if cfg.fits_decode_grid else set()
-    if any(one_token_steps(cfg.method, t.num_speculative_tokens) for t in cfg.capture_tiers):
+    if one_token_tiers(cfg):
         qs.add(1)
     return sorted(qs)
 
