@@ -2,6 +2,8 @@
 prompt's checks) and ``queue_all`` (the scheduler's queue, the prefix cache's block hashes) for ``--burst``
 prompts of ``--prompt-len`` token ids, as the engine service runs them for each ``AddRequest`` before its step loop
 goes on. Reported: ms an arrival and ms the burst, the median of ``--repeat`` bursts (each into a fresh engine).
+``--packed`` (and ``--served``) sends the prompts as a front end does: int32 bytes with their block hashes, which
+``--engine-hashes`` leaves out (the engine then hashes each prompt, as it did before the front ends sent them).
 
 ``--served``: the burst sent to the serving engine's step loop (``EngineService`` with an instant worker, no model)
 while ``--running`` requests decode, taken in turns of ``ARRIVAL_TURN_S`` and, alternated with it, in one turn (the
@@ -27,6 +29,7 @@ from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.protocol import pack_prompt
 from dispatcher.plan.config import resolve
 from models.config import preset
+from scheduler.block_hash import prompt_block_hashes
 from scheduler.request import SamplingParams
 
 
@@ -43,13 +46,22 @@ def burst_ms(args, rng: np.random.Generator) -> float:
     core = _core(args.burst, args.prompt_len // 16 + 2, args.prompt_len + 64)
     vocab = core.model_config.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.burst)]  # (plain ints, as decoded)
-    if getattr(args, "packed", False):  # (as a front end sends them: int32 bytes)
+    hashes = [b""] * len(prompts)
+    if args.packed:  # (as a front end sends them: int32 bytes, with their block hashes)
         prompts = [pack_prompt(p) for p in prompts]
+        hashes = front_end_hashes(args, prompts)
     params = SamplingParams(max_tokens=16)
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        core.queue_all(core.make_requests(ids, params, f"r{i}"))
+    for i, (ids, joined) in enumerate(zip(prompts, hashes)):
+        core.queue_all(core.make_requests(ids, params, f"r{i}", joined))
     return (time.perf_counter() - start) * 1e3
+
+
+def front_end_hashes(args, packed: list[bytes]) -> list[bytes]:
+    """The prompts' block hashes as a front end sends them (none with ``--engine-hashes``: the engine hashes)."""
+    if args.engine_hashes:
+        return [b""] * len(packed)
+    return [prompt_block_hashes(p, 16, False) for p in packed]
 
 
 def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, float, int]:
@@ -77,8 +89,9 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
         await add(msg)
 
     service._add = timed_add
-    frames = [encode(AddRequest(f"b{i}", pack_prompt(rng.integers(0, vocab, args.prompt_len).tolist()),
-                                SamplingParams(max_tokens=16))) for i in range(args.burst)]  # (as a front end packs)
+    packed = [pack_prompt(rng.integers(0, vocab, args.prompt_len).tolist()) for _ in range(args.burst)]
+    frames = [encode(AddRequest(f"b{i}", p, SamplingParams(max_tokens=16), 0, joined))  # (as a front end sends)
+              for i, (p, joined) in enumerate(zip(packed, front_end_hashes(args, packed)))]
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -122,9 +135,11 @@ def main_served(args) -> None:
             runs[name].append([round(v, 2) for v in served_burst(args, rng, turn_s)])
     result = {"benchmark": "engine_arrivals_served_cpu", "commit": commit(), "burst": args.burst,
               "prompt_len": args.prompt_len, "running": args.running, "arrival_turn_ms": ARRIVAL_TURN_S * 1e3,
+              "engine_hashes": args.engine_hashes,
               "repeat": args.repeat,
               "command": "python benchmarks/bench_engine_arrivals_cpu.py --served --burst "
-                         f"{args.burst} --prompt-len {args.prompt_len} --running {args.running} --repeat {args.repeat}"}
+                         f"{args.burst} --prompt-len {args.prompt_len} --running {args.running} --repeat {args.repeat}"
+                         + (" --engine-hashes" if args.engine_hashes else "")}
     for name, rows in runs.items():
         result[name] = {"longest_step_gap_ms": statistics.median(r[0] for r in rows),
                         "burst_ms": statistics.median(r[1] for r in rows),
@@ -144,6 +159,8 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true", help="prompts as a front end sends them (int32 bytes) "
                         "rather than lists of ints")
     parser.add_argument("--running", type=int, default=256, help="--served: requests decoding meanwhile")
+    parser.add_argument("--engine-hashes", action="store_true", help="--packed, --served: the prompts without "
+                        "their block hashes, which the engine then computes (as before the front ends sent them)")
     args = parser.parse_args()
     if args.served:
         if args.running < 1:
@@ -154,6 +171,7 @@ def main() -> None:
     runs = [round(burst_ms(args, rng), 2) for _ in range(args.repeat)]
     median = statistics.median(runs)
     result = {"benchmark": "engine_arrivals_cpu", "commit": commit(), "burst": args.burst, "packed": args.packed,
+              "engine_hashes": args.engine_hashes,
               "prompt_len": args.prompt_len, "burst_ms": median, "ms_per_arrival": round(median / args.burst, 4),
               "runs_ms": runs}
     print(result)

@@ -7,12 +7,15 @@ whole prefix up to the end of its block (and that token), so equal hashes mean e
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 import sys
 
 ROOT = b"twogrid prefix cache"
 """The parent hash of a sequence's first block."""
+HASH_BYTES = 32
+"""A block hash's length (SHA-256)."""
 
 
 _PACKERS: dict[int, struct.Struct] = {}
@@ -52,3 +55,34 @@ def extend_block_hashes(hashes: list[bytes], token_ids, num_blocks: int, block_s
         parent = sha(parent + data[offset:offset + span]).digest()
         append(parent)
     return hashes
+
+
+def num_lookup_blocks(num_tokens: int, block_size: int) -> int:
+    """The blocks of a sequence of ``num_tokens`` tokens that a cache lookup may find: the full blocks before its
+    last token (which a step always computes, for its logits)."""
+    return (num_tokens - 1) // block_size
+
+
+def prompt_block_hashes(packed: bytes, block_size: int, next_token_key: bool) -> bytes:
+    """A prompt's lookup blocks' hashes (``num_lookup_blocks``), joined, for a prompt as little-endian int32 bytes
+    (``dispatcher.engine.protocol.pack_prompt``): what a front end computes and sends with the request, so that the
+    engine's single thread does not (``split_hashes`` takes them apart there)."""
+    num_blocks = num_lookup_blocks(len(packed) // 4, block_size)
+    if num_blocks <= 0:
+        return b""
+    return b"".join(extend_block_hashes([], lambda start, end: _int32s(packed)[start:end], num_blocks, block_size,
+                                        next_token_key, packed))
+
+
+def split_hashes(joined: bytes) -> list[bytes]:
+    """``prompt_block_hashes``' bytes as the list of hashes a request keeps."""
+    return [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+
+
+def _int32s(packed: bytes) -> list[int]:
+    """Little-endian int32 bytes as ints (where ``extend_block_hashes`` cannot read the bytes in place: a
+    big-endian host)."""
+    ids = array.array("i", packed)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import msgspec
 import numpy as np
 
-from scheduler.block_hash import extend_block_hashes
+from scheduler.block_hash import extend_block_hashes, num_lookup_blocks
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import FinishReason, Request, RequestError, RequestStatus
 from scheduler.spec_policy import choose_verify_lengths, tier_table
@@ -449,12 +449,13 @@ class Scheduler:
 
     def _hash_prompt(self, req: Request) -> list[bytes]:
         """The hashes of the request's blocks that a cache lookup may find (those before its last known token),
-        computed when it is queued: the serving engine queues requests while a step runs, so the hashing stays
-        off the step's critical path. [] without prefix caching."""
+        computed when it is queued (where its front end did not send them: ``Request.block_hashes``): the serving
+        engine queues requests while a step runs, so the hashing stays off the step's critical path. [] without
+        prefix caching."""
         c = self.config
         if not c.enable_prefix_caching:
             return []
-        n = (req.num_tokens - 1) // c.block_size
+        n = num_lookup_blocks(req.num_tokens, c.block_size)
         return extend_block_hashes(req.block_hashes, req.token_ids, n, c.block_size, c.next_token_key,
                                    req.prompt_int32)[:n]
 

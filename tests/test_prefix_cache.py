@@ -434,6 +434,92 @@ def test_a_prompts_hashes_from_its_packed_bytes_equal_those_from_its_tokens(next
         extend_block_hashes([], lambda s, e: (seq[:5] + [seq[5] + 1] + seq[6:])[s:e], 6, 16, next_token_key)
 
 
+@pytest.mark.parametrize("next_token_key", [False, True])
+def test_a_front_ends_prompt_hashes_are_those_the_engine_computes(next_token_key):
+    """A front end hashes each prompt's lookup blocks (all full blocks before its last token) from the int32 bytes
+    it sends; they are the hashes the scheduler computes from the prompt's tokens, for every length around the
+    block borders, and none for a prompt of one block or less."""
+    from dispatcher.engine.protocol import pack_prompt
+    from scheduler.block_hash import extend_block_hashes, num_lookup_blocks, prompt_block_hashes, split_hashes
+
+    rng = np.random.default_rng(7)
+    for block_size in (4, 16):
+        for length in range(1, 5 * block_size + 2):
+            prompt = rng.integers(0, 2**31 - 1, length).tolist()
+            joined = prompt_block_hashes(pack_prompt(prompt), block_size, next_token_key)
+            n = num_lookup_blocks(length, block_size)
+            want = extend_block_hashes([], lambda s, e: prompt[s:e], n, block_size, next_token_key) if n > 0 else []
+            assert split_hashes(joined) == want and len(joined) == 32 * max(n, 0)
+
+
+def test_a_request_with_its_front_ends_hashes_is_served_as_one_without(caplog):
+    """The engine takes the prompt hashes a front end sent (``AddRequest.block_hashes``) in place of hashing the
+    prompt: the same cache hits and tokens as a request without them; n = 2's children each get their own copy (each
+    grows its list with its own output's blocks). Hashes of the wrong length (a front end that disagrees with the
+    engine's block size: a defect) are set aside with one warning, and the engine hashes the prompt itself."""
+    from dispatcher.engine.protocol import pack_prompt
+    from scheduler.block_hash import prompt_block_hashes
+
+    shared = prompt_of(30)
+    prompts = [shared + [7, 8], shared + [9], prompt_of(21, 5)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def serve(hashes_of) -> tuple[list, tuple[int, int], list]:
+        engine = make_engine(None, 64, 64, True)
+        outs, made = [], []
+        for i, prompt in enumerate(prompts):
+            packed = pack_prompt(prompt)
+            requests = engine.make_requests(packed, greedy, f"r{i}", hashes_of(packed))
+            made.append([list(r.block_hashes) for r in requests])
+            engine.queue_all(requests)
+            outs.append([t for step_outs in engine.run() for o in step_outs for t in o.new_token_ids])
+        stats = engine.scheduler.stats
+        return outs, (stats.prefix_cache_queries, stats.prefix_cache_hits), made
+
+    plain = serve(lambda packed: b"")
+    sent = serve(lambda packed: prompt_block_hashes(packed, BLOCK, False))
+    assert sent[0] == plain[0] and sent[1] == plain[1] and plain[1][1] > 0
+    assert all(hashes for hashes, in sent[2]) and all(hashes == [] for hashes, in plain[2])
+    with caplog.at_level("WARNING", logger="twogrid.engine"):
+        wrong = serve(lambda packed: prompt_block_hashes(packed, 2 * BLOCK, False))
+    assert wrong[0] == plain[0] and wrong[1] == plain[1]
+    assert sum("hashes such prompts itself" in r.getMessage() for r in caplog.records) == 1
+
+    engine = make_engine(None, 64, 64, True)
+    packed = pack_prompt(shared)
+    children = engine.make_requests(packed, SamplingParams(max_tokens=3, n=2), "n2",
+                                    prompt_block_hashes(packed, BLOCK, False))
+    assert children[0].block_hashes == children[1].block_hashes != []
+    assert children[0].block_hashes is not children[1].block_hashes
+
+
+def test_a_front_end_sends_each_prompts_hashes_once_the_engine_says_its_blocks():
+    """``EngineStarted`` carries the prefix cache's block size (0 with caching off) and whether blocks are keyed by
+    the next token; from then on a front end sends each prompt's block hashes with it (and none with caching off, or
+    for a prompt whose ids the engine will refuse)."""
+    import types
+
+    from dispatcher.engine.protocol import EngineStarted, pack_prompt
+    from dispatcher.messages import WorkerReady
+    from dispatcher.serve.client import EngineClient
+    from scheduler.block_hash import prompt_block_hashes
+
+    init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=512), num_front_ends=1)
+    ready = WorkerReady({}, 64, [], 0.0, "cpu")
+    prompt = prompt_of(50)
+    for block_size, next_token_key in ((16, False), (4, True), (0, False)):
+        client = EngineClient(init, None, "m", SamplingParams())
+        sent = []
+        client._send = sent.append
+        client._started(EngineStarted(ready, True, [], block_size, next_token_key))
+        client.ready = True
+        client.generate("a", None, prompt, SamplingParams(max_tokens=2))
+        client.generate("b", None, [1, 2**40], SamplingParams(max_tokens=2))
+        want = prompt_block_hashes(pack_prompt(prompt), block_size, next_token_key) if block_size else b""
+        assert sent[0].block_hashes == want and (want != b"") == (block_size > 0)
+        assert sent[1].block_hashes == b""
+
+
 def test_eviction_takes_the_least_recently_freed_blocks_a_runs_tail_first():
     """The cached blocks are evicted least recently freed first, of one request's run its tail first (a chain is only
     found from its head); a block found again by a request leaves the order; nothing is lost or taken twice."""

@@ -86,7 +86,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.live: set[str] = set()
 
-    def generate(self, request_id, prompt, prompt_token_ids, params: SamplingParams):
+    def generate(self, request_id, prompt, prompt_token_ids, params: SamplingParams, arrival=None):
         params.validate(self.tokenizer.vocab_size)
         if len(prompt_token_ids) + params.max_tokens > self.engine_max_model_len:
             raise RequestError(f"max_tokens {params.max_tokens} with the prompt exceeds max_model_len")

@@ -35,6 +35,7 @@ from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
+from scheduler.block_hash import HASH_BYTES, num_lookup_blocks, split_hashes
 from scheduler.request import FinishReason, Request, RequestError, SamplingParams, child_params, child_request_id
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
                                  SpecDecodeSummary, add_per_pos)
@@ -297,6 +298,7 @@ class EngineCore:
         """Structured outputs' grammars (xgrammar, loaded at the first structured request or by
         ``structured.start()``; the worker keeps the matchers)."""
         self._said_no_drafts = False
+        self._said_hash_mismatch = False
 
     def capture_gap(self) -> None:
         """Delayed capture's share of the gap after a submitted step (``ModelWorker.capture_between_steps``, at
@@ -310,25 +312,49 @@ class EngineCore:
         return self.worker.model_config
 
     # -- requests --------------------------------------------------------------------------------------------
-    def make_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> Request:
-        """A validated request (nothing queued yet): RequestError names the field and the limit."""
+    def make_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
+                     block_hashes: bytes = b"") -> Request:
+        """A validated request (nothing queued yet): RequestError names the field and the limit. ``block_hashes``:
+        its prompt's block hashes as its front end computed them (``AddRequest.block_hashes``)."""
         vocab = self.model_config.vocab_size
         ids, packed = checked_token_ids(prompt_token_ids, vocab)
         params.validate(vocab, self.eos_token_ids)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
         request = Request(rid, ids, params, self.eos_token_ids)
         request.prompt_int32 = packed
+        if block_hashes:
+            request.block_hashes = self._sent_hashes(block_hashes, len(ids), rid)
         self.scheduler.check_request(request, params_checked=True)
         return request
 
-    def make_requests(self, prompt_token_ids, params: SamplingParams, request_id: str) -> list[Request]:
+    def _sent_hashes(self, joined: bytes, num_tokens: int, request_id: str) -> list[bytes]:
+        """A front end's prompt block hashes, where they are as many as this engine's prefix cache looks up; else
+        none (the scheduler hashes the prompt itself when it queues the request) and a warning: a front end and an
+        engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
+        c = self.scheduler.config
+        expected = num_lookup_blocks(num_tokens, c.block_size) * HASH_BYTES if c.enable_prefix_caching else 0
+        if len(joined) == expected:
+            return split_hashes(joined)
+        if not self._said_hash_mismatch:
+            self._said_hash_mismatch = True
+            log.warning("request %s came with %d bytes of prompt block hashes where this engine's prefix cache "
+                        "(%s) looks up %d: the engine hashes such prompts itself", request_id, len(joined),
+                        f"blocks of {c.block_size} tokens" if c.enable_prefix_caching else "off", expected)
+        return []
+
+    def make_requests(self, prompt_token_ids, params: SamplingParams, request_id: str,
+                      block_hashes: bytes = b"") -> list[Request]:
         """``make_request``, fanned out for n > 1 into n child requests (vLLM's parallel sampling: ids
-        ``child_request_id(request_id, i)``, seeds seed + i, the prompt's log-probabilities on the first only)."""
-        first = self.make_request(prompt_token_ids, params, request_id)
+        ``child_request_id(request_id, i)``, seeds seed + i, the prompt's log-probabilities on the first only; the
+        prompt's block hashes, where sent, each its copy)."""
+        first = self.make_request(prompt_token_ids, params, request_id, block_hashes)
         if params.n == 1:
             return [first]
-        return [Request(child_request_id(request_id, i), first.prompt_token_ids, child_params(params, i),
-                        self.eos_token_ids) for i in range(params.n)]
+        children = [Request(child_request_id(request_id, i), first.prompt_token_ids, child_params(params, i),
+                            self.eos_token_ids) for i in range(params.n)]
+        for child in children:
+            child.block_hashes = list(first.block_hashes)
+        return children
 
     def add_request(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None) -> str:
         rid = request_id if request_id is not None else f"req-{self._next_id}"

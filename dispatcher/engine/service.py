@@ -122,8 +122,11 @@ class EngineService:
         self.loop_watch = start_serving(log)
         self._tier_version = self.core.tier_version
         self.core.structured.start_compilers()  # (seconds of CPU in the background, once the worker is ready)
+        sched = self.core.scheduler.config
         await _tell_all(self.outboxes, EngineStarted(ready, self.core.async_scheduling,
-                                                     [list(t) for t in self.core.tiers]))
+                                                     [list(t) for t in self.core.tiers],
+                                                     sched.block_size if sched.enable_prefix_caching else 0,
+                                                     sched.next_token_key))
         return ready
 
     def _structured_outputs(self, args):
@@ -169,7 +172,7 @@ class EngineService:
         try:
             if self._draining:
                 raise RequestError("the server is shutting down")
-            requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id)
+            requests = self.core.make_requests(msg.prompt_token_ids, msg.params, msg.request_id, msg.block_hashes)
             if msg.params.structured_outputs is not None:  # its grammar compiles first, off the step loop
                 task = asyncio.get_running_loop().create_task(self._add_compiled(msg, requests, arrival))
                 for r in requests:

@@ -666,11 +666,7 @@ class Server:
         """The engine's outputs (RequestOutput: the choices with news) for ``r``; engine refusals as 400, failures
         as 500."""
         try:
-            # stamped before the send: the engine's queue time starts at its receipt, which can come before this
-            # coroutine runs again on a loaded host, and the two parts must not overlap
-            sending = time.perf_counter()
-            deltas = self.engine.generate(r.request_id, r.prompt, r.prompt_token_ids, r.params)
-            self.metrics.on_sent_to_engine(sending - r.timer.arrival)
+            deltas = self.engine.generate(r.request_id, r.prompt, r.prompt_token_ids, r.params, r.timer.arrival)
         except RequestError as exc:  # refused before it was queued: not a request that ran
             r.finished = True
             r.timer.discard()

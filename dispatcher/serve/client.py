@@ -26,6 +26,7 @@ from dispatcher.engine.protocol import (Abort, AddRequest, Delta, Drain, EngineD
                                         EngineInit, EngineStarted, Outputs, decode_to_front, encode,
                                         front_end_sockets, pack_prompt)
 from dispatcher.messages import CaptureProgress, WorkerReady, decode_or_refuse
+from scheduler.block_hash import prompt_block_hashes
 from scheduler.request import FinishReason, RequestError, SamplingParams
 from scheduler.scheduler import RequestOutput as StepOutput
 
@@ -87,6 +88,9 @@ class EngineClient:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._behind = _Behind(front_end, init.num_front_ends, time.monotonic())
+        self.prefix_block_size = 0
+        self.next_token_key = False
+        """The prefix cache's blocks (``EngineStarted``): this front end hashes each prompt's for the engine."""
 
     async def start(self, process: ChildProcess | None = None) -> WorkerReady:
         """Send the engine process (``process``, from ``spawn_engine``; by default started now) its init and wait
@@ -104,7 +108,7 @@ class EngineClient:
             elif not self.process.alive():
                 self.dead = f"the engine process {self.process.exit_description()} while starting"
                 raise EngineError(self.dead)
-        self.capture = msg.worker
+        self._started(msg)
         if self.metrics is not None:
             self.metrics.set_capture(sum(k["seconds"] for k in self.capture.capture),
                                      int(sum(k["measured_gib"] for k in self.capture.capture) * 2**30))
@@ -128,6 +132,10 @@ class EngineClient:
     def ready(self, value: bool) -> None:
         self._ready = value
 
+    def _started(self, msg: EngineStarted) -> None:
+        self.capture = msg.worker
+        self.prefix_block_size, self.next_token_key = msg.prefix_block_size, msg.next_token_key
+
     def attach(self, ipc_dir: str, engine_pid: int) -> None:
         """Serve through the engine that front end 0 starts (its ipc directory): bind this front end's sockets, to
         which the engine connects; ready when the engine says it started (``EngineStarted`` goes to every front
@@ -142,9 +150,12 @@ class EngineClient:
 
     # -- requests --------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Send a request and stream its outputs. The engine checks it before it costs device time: a refusal
-        (RequestError, naming the field and the limit) is raised by the stream."""
+        (RequestError, naming the field and the limit) is raised by the stream. ``arrival``: when it reached the
+        front end (``time.perf_counter``), for the metrics' front-end part of its TTFT, which ends at the send
+        (stamped before it: the engine's queue time starts at its receipt, which can come before the caller runs
+        again on a loaded host, and the two parts must not overlap)."""
         if self.dead is not None:
             raise EngineError(f"the engine cannot serve: {self.dead}")
         if self._stopping:
@@ -153,7 +164,13 @@ class EngineClient:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = self._streams[request_id] = _Stream(self.stream_interval)
-        self._send(AddRequest(request_id, pack_prompt(prompt_token_ids), params, self.front_end))
+        packed = pack_prompt(prompt_token_ids)
+        hashes = b""
+        if self.prefix_block_size and isinstance(packed, bytes):  # (a list: ids the engine refuses)
+            hashes = prompt_block_hashes(packed, self.prefix_block_size, self.next_token_key)
+        if arrival is not None and self.metrics is not None:
+            self.metrics.on_sent_to_engine(time.perf_counter() - arrival)
+        self._send(AddRequest(request_id, packed, params, self.front_end, hashes))
         return self._stream(request_id, stream)
 
     async def _stream(self, request_id: str, stream: "_Stream") -> AsyncIterator[RequestOutput]:
@@ -254,7 +271,8 @@ class EngineClient:
                         self._take(msg)
                         with_deltas += bool(msg.deltas)
                     elif isinstance(msg, EngineStarted):  # (front ends 1..: front end 0 waits for it in start)
-                        self.capture, self.ready = msg.worker, True
+                        self._started(msg)
+                        self.ready = True
                 if with_deltas > 1 and self.metrics is not None:  # (steps whose deltas go out merged)
                     self.metrics.on_backlog(with_deltas - 1)
                 warning = self._behind.add(with_deltas, time.monotonic())
