@@ -47,12 +47,18 @@ class SimulatedEngine(EngineClient):
     """``EngineClient`` with its engine process replaced by a step loop here: requests are taken where they would
     be sent, and every step feeds ``_take`` the message the engine would send."""
 
-    def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int], stream_interval: int = 1):
+    def __init__(self, tokenizer, step_s: float, tokens_per_step: int, token_ids: list[int], stream_interval: int = 1,
+                 prefix_block_size: int = 16):
         init = types.SimpleNamespace(worker=types.SimpleNamespace(max_model_len=1 << 20), num_front_ends=1)
         super().__init__(init, tokenizer, "bench-moe", SamplingParams(), EngineMetrics("bench-moe"),
                          stream_interval=stream_interval)
         self.ready = True
+        self.prefix_block_size = prefix_block_size  # (as EngineStarted sets it: the front end hashes each prompt)
         self.step_s, self.tokens_per_step, self.token_ids = step_s, tokens_per_step, token_ids
+        self.preprocess_s: list[float] = []
+        """Each request's front-end part before the engine (its arrival here to its send: what the metric
+        ``request_preprocess_time_seconds`` observes)."""
+        self.metrics.on_sent_to_engine = self.preprocess_s.append
         self.running: dict[str, list[int]] = {}
         self.step_times: list[tuple[float, int]] = []
         self.added_at: dict[str, float] = {}
@@ -146,6 +152,7 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
     n0, cpu0 = len(engine.step_times), time.process_time()
     engine.added_at.clear()
     engine.first_at.clear()
+    engine.preprocess_s.clear()
     if args.garbage:  # (the run's reference cycles kept for the count below: none is collected during it)
         gc.collect()
         gc.disable()
@@ -175,7 +182,9 @@ async def one_run(args, engine: SimulatedEngine, port: int, requests: list) -> d
             "step_efficiency": round(args.step_ms / period_ms, 3),
             "ttft_ms_mean": round(statistics.mean(ttfts) * 1e3, 2),
             "ttft_ms_p50": round(ttfts[len(ttfts) // 2] * 1e3, 2),
-            "ttft_in_ms": round((added - sent) * 1e3, 2), "ttft_engine_ms": round((first - added) * 1e3, 2),
+            "ttft_in_ms": round((added - sent) * 1e3, 2),
+            "ttft_in_front_end_ms": round(statistics.mean(engine.preprocess_s) * 1e3, 2),
+            "ttft_engine_ms": round((first - added) * 1e3, 2),
             "ttft_out_ms": round((first_out - first) * 1e3, 2), **garbage}
 
 
@@ -218,7 +227,8 @@ async def main_async(args) -> dict:
         requests = [dataclasses.replace(r, prompt=" ".join([r.prompt] * args.prompt_repeat),
                                         prompt_len=r.prompt_len * args.prompt_repeat) for r in requests]
     token_ids = tokenizer.encode(" ".join(getattr(r, "prompt", None) or r.turns[0] for r in requests[:50]), False)
-    engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval)
+    engine = SimulatedEngine(tokenizer, args.step_ms / 1e3, args.tokens_per_step, token_ids, args.stream_interval,
+                             0 if args.no_prefix_caching else 16)
     runner = await start_http(build_app(engine), "127.0.0.1", 0, shutdown_timeout=1)
     port = runner.addresses[0][1]
     if not args.python_gc:
@@ -241,7 +251,7 @@ async def main_async(args) -> dict:
             "cpus": os.cpu_count(), "concurrency": args.concurrency, "step_ms": args.step_ms,
             "tokens_per_step": args.tokens_per_step, "stream_interval": args.stream_interval,
             "prompt_repeat": args.prompt_repeat, "multi_turn": args.multi_turn, "whole_prompts": args.whole_prompts,
-            "python_gc": args.python_gc,
+            "python_gc": args.python_gc, "prefix_caching": not args.no_prefix_caching,
             "output_len": args.output_len, "clients": args.clients,
             "median": median, "events_per_s_at_one_core": round(1e6 / median["cpu_us_per_event"]), "runs": runs}
 
@@ -274,6 +284,8 @@ def main() -> None:
                    help="fields every request carries (sampling parameters, a response_format, ...)")
     p.add_argument("--garbage", action="store_true",
                    help="count the reference cycles each run leaves (the collector off during it: a diagnostic)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="the front end hashes no prompt blocks (a "
+                   "server with --no-enable-prefix-caching; by default it hashes them for blocks of 16 tokens)")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args()
     if args.multi_turn and args.endpoint != "chat":
@@ -285,7 +297,8 @@ def main() -> None:
     print(f"median: {m['cpu_us_per_event']:.0f} us of front-end CPU per streamed event ({m['cpu_us_per_token']:.0f} "
           f"per token): one process streams ~{result['events_per_s_at_one_core']} events/s at one core; "
           f"{m['front_end_cpu_cores']:.2f} cores used here, step efficiency {m['step_efficiency']:.2f}, TTFT mean "
-          f"{m['ttft_ms_mean']:.1f} ms = in {m['ttft_in_ms']:.1f} (client to engine) + engine "
+          f"{m['ttft_ms_mean']:.1f} ms = in {m['ttft_in_ms']:.1f} (client to engine; the front end's own part from "
+          f"the request's arrival {m['ttft_in_front_end_ms']:.1f}) + engine "
           f"{m['ttft_engine_ms']:.1f} + out {m['ttft_out_ms']:.1f} (its first step to the client)")
     write_json(args.out, result)
 

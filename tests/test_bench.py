@@ -625,6 +625,8 @@ def test_the_front_end_benchmark_streams_through_the_real_front_end(bpe, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     median = json.loads(out.read_text())["median"]
     assert median["output_tok_s"] > 0 and median["cpu_us_per_event"] > 0
+    # (the front end's part of TTFT, its arrival to its send, within the clients' view of it, client to engine)
+    assert 0 < median["ttft_in_front_end_ms"] <= median["ttft_in_ms"]
 
 
 def test_the_training_step_benchmark_times_both_ways_of_getting_the_targets_features(tmp_path):
