@@ -455,8 +455,9 @@ def test_a_front_ends_prompt_hashes_are_those_the_engine_computes(next_token_key
 def test_a_request_with_its_front_ends_hashes_is_served_as_one_without(caplog):
     """The engine takes the prompt hashes a front end sent (``AddRequest.block_hashes``) in place of hashing the
     prompt: the same cache hits and tokens as a request without them; n = 2's children each get their own copy (each
-    grows its list with its own output's blocks). Hashes of the wrong length (a front end that disagrees with the
-    engine's block size: a defect) are set aside with one warning, and the engine hashes the prompt itself."""
+    grows its list with its own output's blocks). Hashes of the wrong count, or whose first is not the engine's own (a
+    front end that disagrees with the engine's block size or key: a defect), are set aside with one warning, and the
+    engine hashes the prompt itself."""
     from dispatcher.engine.protocol import pack_prompt
     from scheduler.block_hash import prompt_block_hashes
 
@@ -480,10 +481,12 @@ def test_a_request_with_its_front_ends_hashes_is_served_as_one_without(caplog):
     sent = serve(lambda packed: prompt_block_hashes(packed, BLOCK, False))
     assert sent[0] == plain[0] and sent[1] == plain[1] and plain[1][1] > 0
     assert all(hashes for hashes, in sent[2]) and all(hashes == [] for hashes, in plain[2])
-    with caplog.at_level("WARNING", logger="twogrid.engine"):
-        wrong = serve(lambda packed: prompt_block_hashes(packed, 2 * BLOCK, False))
-    assert wrong[0] == plain[0] and wrong[1] == plain[1]
-    assert sum("hashes such prompts itself" in r.getMessage() for r in caplog.records) == 1
+    for block_size, next_token_key in ((2 * BLOCK, False), (BLOCK, True)):  # (the second: the same count)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="twogrid.engine"):
+            wrong = serve(lambda packed: prompt_block_hashes(packed, block_size, next_token_key))
+        assert wrong[0] == plain[0] and wrong[1] == plain[1] and wrong[2] == plain[2]
+        assert sum("hashes such prompts itself" in r.getMessage() for r in caplog.records) == 1
 
     engine = make_engine(None, 64, 64, True)
     packed = pack_prompt(shared)

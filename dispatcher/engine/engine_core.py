@@ -35,7 +35,7 @@ from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.config import ModelConfig
 from models.loader import default_dtype
-from scheduler.block_hash import HASH_BYTES, num_lookup_blocks, split_hashes
+from scheduler.block_hash import HASH_BYTES, extend_block_hashes, num_lookup_blocks, split_hashes
 from scheduler.request import FinishReason, Request, RequestError, SamplingParams, child_params, child_request_id
 from scheduler.scheduler import (ModelResult, RequestOutput, Scheduler, SchedulerOutput, SpecDecodeStep,
                                  SpecDecodeSummary, add_per_pos)
@@ -323,22 +323,26 @@ class EngineCore:
         request = Request(rid, ids, params, self.eos_token_ids)
         request.prompt_int32 = packed
         if block_hashes:
-            request.block_hashes = self._sent_hashes(block_hashes, len(ids), rid)
+            request.block_hashes = self._sent_hashes(block_hashes, request, rid)
         self.scheduler.check_request(request, params_checked=True)
         return request
 
-    def _sent_hashes(self, joined: bytes, num_tokens: int, request_id: str) -> list[bytes]:
-        """A front end's prompt block hashes, where they are as many as this engine's prefix cache looks up; else
-        none (the scheduler hashes the prompt itself when it queues the request) and a warning: a front end and an
-        engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
+    def _sent_hashes(self, joined: bytes, request: Request, request_id: str) -> list[bytes]:
+        """A front end's prompt block hashes, where they are as many as this engine's prefix cache looks up and the
+        first is this engine's own (one SHA-256: a front end hashing with another block size or key would fail it);
+        else none (the scheduler hashes the prompt itself when it queues the request) and a warning: a front end and
+        an engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
         c = self.scheduler.config
+        num_tokens = len(request.prompt_token_ids)
         expected = num_lookup_blocks(num_tokens, c.block_size) * HASH_BYTES if c.enable_prefix_caching else 0
-        if len(joined) == expected:
+        if len(joined) == expected and joined[:HASH_BYTES] == extend_block_hashes(
+                [], request.token_ids, 1, c.block_size, c.next_token_key, request.prompt_int32)[0]:
             return split_hashes(joined)
         if not self._said_hash_mismatch:
             self._said_hash_mismatch = True
             log.warning("request %s came with %d bytes of prompt block hashes where this engine's prefix cache "
-                        "(%s) looks up %d: the engine hashes such prompts itself", request_id, len(joined),
+                        "(%s) looks up %d, or with a first hash not its own: the engine hashes such prompts itself",
+                        request_id, len(joined),
                         f"blocks of {c.block_size} tokens" if c.enable_prefix_caching else "off", expected)
         return []
 
