@@ -7,6 +7,7 @@ import os
 # inherited by every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gpu_skips  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings
 
@@ -26,6 +27,13 @@ except ImportError:  # the planning and scheduling tests need no torch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels on the CPU (tests/test_kernels_interpreted.py sets it for a subprocess)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if gpu_skips.enabled(HAS_CUDA):
+        gpu_skips.skip_as_failure(outcome.get_result(), item.keywords)
 
 
 def pytest_collection_modifyitems(config, items):

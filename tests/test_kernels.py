@@ -477,6 +477,7 @@ def test_model_forward_through_the_kernels_matches_the_torch_path(model_name):
         torch.testing.assert_close(got, want, rtol=5 * TOL, atol=5 * TOL * max(1.0, float(want.abs().max())))
 
 
+@pytest.mark.gpu_skip_ok
 @pytest.mark.skipif(GPU, reason="on a GPU, tests/test_runtime.py compares graph replay with this static path")
 @pytest.mark.parametrize("model_name", ["tiny-dense", "tiny-moe"])
 def test_static_padded_path_through_the_kernels_matches_eager(model_name):

@@ -15,7 +15,7 @@ from serverutil import greedy_logprobs, start_gpu_server
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_skip_ok,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs 2 CUDA devices")]
 
