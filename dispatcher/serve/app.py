@@ -487,8 +487,7 @@ class Server:
         tail = P.SSE_DONE
         if rs[0].include_usage:
             tail = self._usage_chunk(rs[0], P.sum_usage([r.usage() for r in rs])) + tail
-        await response.write(tail)
-        await response.write_eof()
+        await response.write_eof(tail)  # (one write with the stream's end)
         return response
 
     def _engine_id(self, response_id: str) -> str:
@@ -845,8 +844,7 @@ class Server:
         tail = P.SSE_DONE
         if r.include_usage:
             tail = self._usage_chunk(r) + tail
-        await response.write(tail)
-        await response.write_eof()
+        await response.write_eof(tail)  # (one write with the stream's end)
         return response
 
     def _finished(self, r: _Request) -> None:
@@ -966,8 +964,7 @@ def _for_prompt(i: int, exc: ApiError) -> ApiError:
 async def _end_with_error(response: web.StreamResponse, exc: ApiError) -> web.StreamResponse:
     """A stream whose request failed: the error event, then its end (unless the client is gone already)."""
     with contextlib.suppress(ConnectionError):
-        await response.write(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
-        await response.write_eof()
+        await response.write_eof(P.sse(P.ErrorResponse(exc.info())) + P.SSE_DONE)
     return response
 
 
