@@ -58,7 +58,7 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True, tag="add"):
     block_hashes: bytes = b""
     """The prompt's block hashes for the prefix cache's lookup, joined (``scheduler.block_hash.prompt_block_hashes``
     with ``EngineStarted.prefix_block_size``), computed by the front end, several of which share the work that the
-    engine's single thread did for every arrival (55 us a 1,500-token prompt on the CI machine); empty: the engine
+    engine's single thread did for every arrival (~50 us a 1,500-token prompt on the CI machine); empty: the engine
     hashes the prompt."""
 
 
