@@ -95,7 +95,8 @@ class EngineMetrics:
                                TTFT_BUCKETS_S).labels(model_name)
         self._preprocess_time = histogram("request_preprocess_time_seconds", "Time from a request's arrival at a "
                                           "front end to its send to the engine (parsing, checks, the chat template, "
-                                          "tokenizing): of the TTFT, the front end's part before the engine.",
+                                          "tokenizing, the prefix cache's block hashes): of the TTFT, the front "
+                                          "end's part before the engine.",
                                           TTFT_BUCKETS_S).labels(model_name)
         self._queue_time = histogram("request_queue_time_seconds", "Time a request waited in the engine before its "
                                      "first step (its grammar's compile included): of the TTFT, the engine's "
