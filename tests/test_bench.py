@@ -21,6 +21,7 @@ from dispatcher.bench.client import sse_events
 from dispatcher.bench.plot import plot_results
 from dispatcher.bench.runner import arrival_offsets
 from dispatcher.cli import main
+from textdata import SHAREGPT
 
 TTFT_S = 0.04
 GAP_S = 0.01
@@ -33,9 +34,6 @@ VLLM_FIELDS = {
                                                                                             "e2el")),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHAREGPT = next((p for p in (os.path.join(HERE, "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json"),
-                             os.path.join(HERE, "..", "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json"))
-                 if os.path.exists(p)), None)
 
 
 class FakeServer:
@@ -488,7 +486,6 @@ def test_sse_parsing():
     assert asyncio.run(collect([b"data: {\"x\": 1}\n\ndata: {\"y\": 2}"])) == [{"x": 1}, {"y": 2}]
 
 
-@pytest.mark.skipif(SHAREGPT is None, reason="shared ShareGPT data not present")
 def test_real_sharegpt_file_loads():
     from dispatcher.bench.datasets import sharegpt_requests
 
@@ -614,8 +611,6 @@ def test_the_front_end_benchmark_streams_through_the_real_front_end(bpe, tmp_pat
     """``benchmarks/bench_serve_frontend.py`` (the front end's CPU per streamed event, behind docs/bench's
     serve_frontend_cpu.json) runs end to end on a small load: its clients' requests all complete (it broke once when
     ``run_requests`` began returning each request's turns) and it reports a cost per event."""
-    from textdata import SHAREGPT
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "frontend.json"
     proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_serve_frontend.py"), "--tokenizer",

@@ -2,7 +2,6 @@
 dispatcher, the JSON summary and the step trace."""
 
 import json
-import os
 
 import pytest
 
@@ -11,8 +10,8 @@ from dispatcher.plan.config import ConfigError, resolve
 from dispatcher.engine.simulate import ClosedLoop, drafter_ms, simulate
 from dispatcher.engine.trace import read_trace
 from dispatcher.engine.workload import load_sharegpt, make_prompts
+from textdata import SHAREGPT
 
-SHAREGPT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sharegpt_v3_filtered_500.json")
 K7 = {"method": "eagle3", "num_speculative_tokens": 7}
 
 
@@ -91,7 +90,6 @@ def test_preemption_in_simulate_loses_no_request():
     assert all(len(tokens) == 64 for tokens in result.outputs.values())
 
 
-@pytest.mark.skipif(not os.path.exists(SHAREGPT), reason="shared ShareGPT data not present")
 def test_sharegpt_workload():
     prompts = load_sharegpt(SHAREGPT)
     assert len(prompts) == 500
