@@ -187,12 +187,11 @@ def test_other_quantization_methods_are_refused_by_name(original, tmp_path, conf
         assert "fp8" in str(err.value).split("supported:")[1]
 
 
+@pytest.mark.parametrize("fp8_checkpoint", ["per-tensor"], indirect=True)  # (one scheme is enough)
 def test_fp8_tensors_without_a_scheme_or_a_scale_are_refused(fp8_checkpoint, tmp_path):
     import shutil
 
     name, path = fp8_checkpoint
-    if name != "per-tensor":
-        pytest.skip("one scheme is enough")
     shutil.copytree(path, tmp_path / "noconfig")
     cfg_path = tmp_path / "noconfig" / "config.json"
     config = json.loads(cfg_path.read_text())
