@@ -466,13 +466,13 @@ class Scheduler:
         c = self.config
         if request.request_id in self.requests:
             raise RequestError(f"request_id {request.request_id!r} is already live")
-        if not request.prompt_token_ids:
+        if not request.num_prompt_tokens:
             raise RequestError("prompt must hold at least 1 token")
         if not params_checked:
             request.params.validate()
         if request.max_total_tokens > c.max_model_len:
             raise RequestError(
-                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.params.max_tokens}) = "
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.params.max_tokens}) = "
                 f"{request.max_total_tokens} exceeds max_model_len = {c.max_model_len}"
             )
         need = self.kv.blocks_for(request.max_total_tokens + c.extra_tokens)
@@ -554,7 +554,7 @@ class Scheduler:
         self.pending_gain[slot] = 0
         self.pending_steps[slot] = 0
         self.num_tokens[slot] = req.num_tokens
-        self.prompt_len[slot] = len(req.prompt_token_ids)
+        self.prompt_len[slot] = req.num_prompt_tokens
         self.max_output[slot] = req.params.max_tokens
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
         self.checks_eos[slot] = bool(req.eos_token_ids) and not req.params.ignore_eos

@@ -125,7 +125,7 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.
     first = len(out.slots) - len(out.new_requests)
     new_slots, new_computed = out.slots[first:].tolist(), out.num_computed[first:].tolist()
     grammar_ids, defs, drops = grammars or ([-1] * len(new_slots), [], b"")
-    new = [NewRequest(slot, _token_bytes(req), len(req.prompt_token_ids), sampling_spec(req), computed, gid)
+    new = [NewRequest(slot, _token_bytes(req), req.num_prompt_tokens, sampling_spec(req), computed, gid)
            for req, slot, computed, gid in zip(out.new_requests, new_slots, new_computed, grammar_ids)]
     return Step(out.step_id, new, pack(out.freed_slots), pack(out.slots), pack(out.num_scheduled),
                 pack(out.num_drafts), pack(out.samples, np.uint8), out.num_new_drafts,
@@ -137,11 +137,10 @@ def step_message(out: SchedulerOutput, descs: StepDescriptors, grammar_rows: np.
 
 
 def _token_bytes(req: Request) -> bytes:
-    """A request's tokens as int32, for its admission: the prompt as the engine kept it when it checked it, let go
-    of once sent (a request admitted again, preempted, is packed then with its output)."""
-    packed, req.prompt_int32 = req.prompt_int32, None
-    if packed is not None and not req.output_token_ids:
-        return packed
+    """A request's tokens as int32, for its admission: the prompt as the engine kept it when it checked it (a
+    request admitted again, preempted, is packed then with its output)."""
+    if req.prompt_int32 is not None and not req.output_token_ids:
+        return req.prompt_int32
     return pack(req.all_token_ids)
 
 
@@ -178,10 +177,11 @@ def model_result(result: StepResult, out: SchedulerOutput) -> ModelResult:
                        unpack(result.num_accepted).astype(np.int64), conf, logprobs, ids)
 
 
-def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | None]:
-    """The prompt's token ids as a list of ints, and packed as int32 where the check made them an array (None
-    otherwise); RequestError names the first one that is not an integer token id of the vocabulary 0..vocab-1 (a
-    bool is not). Checked with numpy where every id is a plain int (a front end's prompts: a Python loop took about
+def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int] | None, bytes | None]:
+    """The prompt's token ids as a list of ints (None for a front end's int32 bytes: the request makes the list
+    where a use asks for it), and packed as native int32 where the check made them an array (None otherwise);
+    RequestError names the first one that is not an integer token id of the vocabulary 0..vocab-1 (a bool is
+    not). Checked with numpy where every id is a plain int (a front end's prompts: a Python loop took about
     1 ms a 2,000-token prompt, on the engine's event loop, which a burst of arrivals held for hundreds of ms);
     anything else, or a failure, by the loop that names the token."""
     if isinstance(prompt_token_ids, (bytes, bytearray, memoryview)):  # a front end's (``protocol.pack_prompt``)
@@ -204,16 +204,16 @@ def checked_token_ids(prompt_token_ids, vocab: int) -> tuple[list[int], bytes | 
     return [int(t) for t in ids], None
 
 
-def _checked_packed(packed: bytes, vocab: int) -> tuple[list[int], bytes | None]:
-    """``checked_token_ids`` for little-endian int32 bytes: the ids and the native int32 bytes (the same bytes on a
-    little-endian host); RequestError for a length that is not whole int32s, and, from the ids' own check, for an
+def _checked_packed(packed: bytes, vocab: int) -> tuple[None, bytes]:
+    """``checked_token_ids`` for little-endian int32 bytes: no list, and the native int32 bytes (the same bytes on
+    a little-endian host); RequestError for a length that is not whole int32s, and, from the ids' own check, for an
     id outside the vocabulary."""
     if len(packed) % 4:
         raise RequestError(f"prompt token ids: {len(packed)} bytes is not a whole number of int32 ids")
     a = np.frombuffer(packed, dtype="<i4")
     if not len(a) or a.min() < 0 or a.max() >= vocab:  # (the list's check names the first id outside)
         return checked_token_ids(a.tolist(), vocab)
-    return a.tolist(), packed if sys.byteorder == "little" else a.astype(np.int32).tobytes()
+    return None, packed if sys.byteorder == "little" else a.astype(np.int32).tobytes()
 
 
 class EngineCore:
@@ -320,8 +320,7 @@ class EngineCore:
         ids, packed = checked_token_ids(prompt_token_ids, vocab)
         params.validate(vocab, self.eos_token_ids)
         rid = request_id if request_id is not None else f"req-{self._next_id}"
-        request = Request(rid, ids, params, self.eos_token_ids)
-        request.prompt_int32 = packed
+        request = Request(rid, ids, params, self.eos_token_ids, prompt_int32=packed)
         if block_hashes:
             request.block_hashes = self._sent_hashes(block_hashes, request, rid)
         self.scheduler.check_request(request, params_checked=True)
@@ -333,7 +332,7 @@ class EngineCore:
         else none (the scheduler hashes the prompt itself when it queues the request) and a warning: a front end and
         an engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
         c = self.scheduler.config
-        num_tokens = len(request.prompt_token_ids)
+        num_tokens = request.num_prompt_tokens
         expected = num_lookup_blocks(num_tokens, c.block_size) * HASH_BYTES if c.enable_prefix_caching else 0
         if len(joined) == expected and joined[:HASH_BYTES] == extend_block_hashes(
                 [], request.token_ids, 1, c.block_size, c.next_token_key, request.prompt_int32)[0]:
@@ -354,8 +353,9 @@ class EngineCore:
         first = self.make_request(prompt_token_ids, params, request_id, block_hashes)
         if params.n == 1:
             return [first]
-        children = [Request(child_request_id(request_id, i), first.prompt_token_ids, child_params(params, i),
-                            self.eos_token_ids) for i in range(params.n)]
+        ids = None if first.prompt_int32 is not None else first.prompt_token_ids  # (the bytes, shared: immutable)
+        children = [Request(child_request_id(request_id, i), ids, child_params(params, i), self.eos_token_ids,
+                            prompt_int32=first.prompt_int32) for i in range(params.n)]
         for child in children:
             child.block_hashes = list(first.block_hashes)
         return children
@@ -386,7 +386,7 @@ class EngineCore:
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
             request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         if request.params.prompt_logprobs is not None:
-            self._prompt_logprobs[request.request_id] = PromptLogprobs(len(request.prompt_token_ids))
+            self._prompt_logprobs[request.request_id] = PromptLogprobs(request.num_prompt_tokens)
         self._next_id += 1
         if so is not None and self._park(request):
             return
@@ -498,7 +498,7 @@ class EngineCore:
         """Queue the children held for a first child whose prompt this step computes to its end."""
         known = out.num_computed + out.num_scheduled - out.num_drafts
         for row, req in enumerate(out.requests):  # (only while children are held)
-            if req.request_id in self._held and known[row] >= len(req.prompt_token_ids):
+            if req.request_id in self._held and known[row] >= req.num_prompt_tokens:
                 self._release(req.request_id)
 
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> np.ndarray | None:
@@ -509,7 +509,7 @@ class EngineCore:
         for row, req in enumerate(out.requests):  # (only while some request waits for its prompt logprobs)
             if req.request_id in self._prompt_logprobs:
                 start = int(out.num_computed[row])
-                counts[row] = max(0, min(start + int(known[row]), len(req.prompt_token_ids) - 1) - start)
+                counts[row] = max(0, min(start + int(known[row]), req.num_prompt_tokens - 1) - start)
         return counts if counts.any() else None
 
     def submit(self, step: ScheduledStep) -> None:
