@@ -6,7 +6,8 @@ goes on. Reported: ms an arrival and ms the burst, the median of ``--repeat`` bu
 ``--engine-hashes`` leaves out (the engine then hashes each prompt, as it did before the front ends sent them).
 
 ``--served``: the burst sent to the serving engine's step loop (``EngineService`` with an instant worker, no model)
-while ``--running`` requests decode, taken in turns of ``ARRIVAL_TURN_S`` and, alternated with it, in one turn (the
+while ``--running`` requests decode (the collector set as the serving engine sets it, ``--python-gc`` leaves it
+as CPython does), taken in turns of ``ARRIVAL_TURN_S`` and, alternated with it, in one turn (the
 loop before turns): the longest time between two steps sent to the worker while the burst is taken (what the device
 idles on a GPU once its queued step is done) and the burst's duration, medians of ``--repeat`` each.
 
@@ -25,6 +26,7 @@ from _common import commit, write_json
 
 import torch
 
+from dispatcher.child import freeze_startup_heap
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
 from dispatcher.engine.protocol import pack_prompt
 from dispatcher.plan.config import resolve
@@ -89,6 +91,8 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
         await add(msg)
 
     service._add = timed_add
+    if not args.python_gc:
+        freeze_startup_heap()  # (as the serving engine sets its collector once it is ready)
     packed = [pack_prompt(rng.integers(0, vocab, args.prompt_len).tolist()) for _ in range(args.burst)]
     frames = [encode(AddRequest(f"b{i}", p, SamplingParams(max_tokens=16), 0, joined))  # (as a front end sends)
               for i, (p, joined) in enumerate(zip(packed, front_end_hashes(args, packed)))]
@@ -139,7 +143,8 @@ def main_served(args) -> None:
               "repeat": args.repeat,
               "command": "python benchmarks/bench_engine_arrivals_cpu.py --served --burst "
                          f"{args.burst} --prompt-len {args.prompt_len} --running {args.running} --repeat {args.repeat}"
-                         + (" --engine-hashes" if args.engine_hashes else "")}
+                         + (" --engine-hashes" if args.engine_hashes else "")
+                         + (" --python-gc" if args.python_gc else "")}
     for name, rows in runs.items():
         result[name] = {"longest_step_gap_ms": statistics.median(r[0] for r in rows),
                         "burst_ms": statistics.median(r[1] for r in rows),
@@ -159,6 +164,8 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true", help="prompts as a front end sends them (int32 bytes) "
                         "rather than lists of ints")
     parser.add_argument("--running", type=int, default=256, help="--served: requests decoding meanwhile")
+    parser.add_argument("--python-gc", action="store_true", help="--served: leave the collector as CPython sets it "
+                        "(by default as twogrid serve's engine sets it: freeze_startup_heap)")
     parser.add_argument("--engine-hashes", action="store_true", help="--packed, --served: the prompts without "
                         "their block hashes, which the engine then computes (as before the front ends sent them)")
     args = parser.parse_args()

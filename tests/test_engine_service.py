@@ -133,7 +133,8 @@ def test_a_burst_of_arrivals_is_taken_in_turns_while_the_steps_go_on():
 
     from dispatcher.engine.service import ARRIVAL_TURN_S
 
-    args = types.SimpleNamespace(burst=400, prompt_len=1500, running=8, engine_hashes=False)
+    args = types.SimpleNamespace(burst=400, prompt_len=1500, running=8, engine_hashes=False,
+                                 python_gc=True)
     rng = np.random.default_rng(0)
     _, burst_ms, steps = served_burst(args, rng, ARRIVAL_TURN_S)
     turns = burst_ms / 1e3 / ARRIVAL_TURN_S
