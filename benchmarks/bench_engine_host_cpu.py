@@ -35,13 +35,14 @@ from _common import commit, write_json
 
 from dispatcher.child import freeze_startup_heap
 from dispatcher.engine.engine_core import EngineArgs, EngineCore
-from dispatcher.engine.protocol import AddRequest, decode_to_front
+from dispatcher.engine.protocol import AddRequest, decode_to_front, pack_prompt
 from dispatcher.engine.protocol import encode as encode_core
 from dispatcher.engine.service import EngineService
 from dispatcher.messages import StepResult, decode_to_worker
 from dispatcher.messages import encode as encode_step
 from dispatcher.plan.config import resolve
 from models.config import preset
+from scheduler.block_hash import prompt_block_hashes
 from scheduler.request import SamplingParams
 
 
@@ -162,6 +163,30 @@ class GcWatch:
             self.seconds[g] += time.perf_counter() - self._t0
 
 
+def front_end_prompts(args, core: EngineCore, rng: np.random.Generator, drafts: int):
+    """The prompts to send, each (token ids, block hashes) as a front end sends them: int32 bytes with their prefix
+    cache block hashes (``--list-prompts``: lists of ints, no hashes, which the engine then lists and hashes
+    itself). Made before the clock starts, as many as the run can take (every request replaced as it ends), since
+    in a server the front ends do that work; then made as they are asked for."""
+    sched = core.scheduler.config
+    vocab = core.model_config.vocab_size
+
+    def one():
+        ids = rng.integers(3, vocab, args.prompt_len).tolist()
+        if args.list_prompts:
+            return ids, b""
+        packed = pack_prompt(ids)
+        hashes = prompt_block_hashes(packed, sched.block_size, sched.next_token_key) if sched.enable_prefix_caching \
+            else b""
+        return packed, hashes
+
+    ends = (args.warmup + args.steps + 64) * args.requests * (1 + drafts) // args.churn if args.churn else 0
+    made = [one() for _ in range(args.requests + ends)]
+    yield from made
+    while True:
+        yield one()
+
+
 def run(args) -> dict:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     cfg = resolve({}, spec, platform="sm100", max_num_seqs=args.requests, max_num_batched_tokens=16384)
@@ -174,6 +199,9 @@ def run(args) -> dict:
     worker = InstantWorker(core.model_config.vocab_size, args.acceptance_rate)
     service = EngineService(None, worker, inbox, sinks)
     service.core = core
+    rng = np.random.default_rng(1)
+    prompts = front_end_prompts(args, core, rng, drafts)
+    next(prompts)  # (the pool made now, before the collector freezes the heap)
     watch = GcWatch()
     if not args.python_gc:
         freeze_startup_heap()  # (as each process of twogrid serve does once it is ready)
@@ -197,14 +225,14 @@ def run(args) -> dict:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(service.receive()), loop.create_task(service.run())]
-        rng = np.random.default_rng(1)
         sent = 0
 
         def send(max_tokens: int) -> None:
             nonlocal sent
-            ids = rng.integers(3, core.model_config.vocab_size, args.prompt_len).tolist()
+            prompt, hashes = next(prompts)
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=not args.eos)
-            inbox.queue.put_nowait(encode_core(AddRequest(f"r{sent}", ids, params, sent % args.front_ends)))
+            inbox.queue.put_nowait(encode_core(AddRequest(f"r{sent}", prompt, params, sent % args.front_ends,
+                                                          hashes)))
             sent += 1
 
         for _ in range(args.requests):  # (with --churn, the first ones' lengths spread: they end one after another)
@@ -274,6 +302,9 @@ def main() -> None:
                    "comparison): no start-up heap frozen, no raised young-generation threshold")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="the engine without prefix caching (its block hashes and cached blocks' bookkeeping)")
+    p.add_argument("--list-prompts", action="store_true", help="send prompts as lists of ints without their block "
+                   "hashes (by default as front ends send them: int32 bytes with their block hashes, made before the "
+                   "clock starts)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.eos and not args.churn:
