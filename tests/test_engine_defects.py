@@ -331,6 +331,21 @@ def test_a_packed_prompt_is_listed_only_where_a_use_asks():
     with pytest.raises(ValueError, match="needs its prompt"):
         Request("none", None)
 
+
+def test_an_unseeded_request_gets_its_own_seed_and_the_callers_parameters_stay_as_given():
+    """A request without a seed draws one from the engine's (identical runs draw alike) into its own copy of the
+    parameters: two requests sharing one ``SamplingParams`` get different seeds, the caller's object keeps None, and
+    another engine of the same seed draws the same ones."""
+    shared = SamplingParams(max_tokens=4, temperature=0.7)
+
+    def seeds() -> list[int]:
+        e = engine()
+        rids = [e.add_request([5, 6, 7], shared), e.add_request([5, 6, 8], shared)]
+        return [e.scheduler.requests[r].params.seed for r in rids]
+
+    first = seeds()
+    assert shared.seed is None and None not in first and first[0] != first[1] and seeds() == first
+
 # 11 ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [{"method": "eagle3", "num_speculative_tokens": 3},
                                   {"method": "dflash", "num_speculative_tokens": 2},

@@ -8,6 +8,7 @@ the GPU tests use it directly. A step is three calls, so that a caller can inter
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import numbers
@@ -142,6 +143,14 @@ def _token_bytes(req: Request) -> bytes:
     if req.prompt_int32 is not None and not req.output_token_ids:
         return req.prompt_int32
     return pack(req.all_token_ids)
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    """``params`` with ``seed``, a copy (the caller's object may serve other requests): ``dataclasses.replace``
+    without its second pass over the fields, which the copy's were through already (timed alone: 6 -> 2 us)."""
+    params = copy.copy(params)
+    object.__setattr__(params, "seed", seed)
+    return params
 
 
 def sampling_spec(req: Request) -> SamplingSpec:
@@ -384,7 +393,7 @@ class EngineCore:
                 log.info("structured outputs: requests with a grammar verify no drafts (speculative decoding is off "
                          "for them; the others keep it)")
         if request.params.seed is None:  # from the engine's seed: identical runs draw alike
-            request.params = replace(request.params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+            request.params = _with_seed(request.params, int(self._seeds.integers(0, 2**63 - 1)))
         if request.params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = PromptLogprobs(request.num_prompt_tokens)
         self._next_id += 1
