@@ -51,7 +51,7 @@ def burst_ms(args, rng: np.random.Generator) -> float:
     hashes = [b""] * len(prompts)
     if args.packed:  # (as a front end sends them: int32 bytes, with their block hashes)
         prompts = [pack_prompt(p) for p in prompts]
-        hashes = front_end_hashes(args, prompts)
+        hashes = front_end_hashes(args, core, prompts)
     params = SamplingParams(max_tokens=16)
     start = time.perf_counter()
     for i, (ids, joined) in enumerate(zip(prompts, hashes)):
@@ -59,11 +59,13 @@ def burst_ms(args, rng: np.random.Generator) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def front_end_hashes(args, packed: list[bytes]) -> list[bytes]:
-    """The prompts' block hashes as a front end sends them (none with ``--engine-hashes``: the engine hashes)."""
+def front_end_hashes(args, core: EngineCore, packed: list[bytes]) -> list[bytes]:
+    """The prompts' block hashes as a front end sends them, for ``core``'s prefix cache (none with
+    ``--engine-hashes``: the engine hashes)."""
     if args.engine_hashes:
         return [b""] * len(packed)
-    return [prompt_block_hashes(p, 16, False) for p in packed]
+    sched = core.scheduler.config
+    return [prompt_block_hashes(p, sched.block_size, sched.next_token_key) for p in packed]
 
 
 def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, float, int]:
@@ -95,7 +97,7 @@ def served_burst(args, rng: np.random.Generator, turn_s: float) -> tuple[float, 
         freeze_startup_heap()  # (as the serving engine sets its collector once it is ready)
     packed = [pack_prompt(rng.integers(0, vocab, args.prompt_len).tolist()) for _ in range(args.burst)]
     frames = [encode(AddRequest(f"b{i}", p, SamplingParams(max_tokens=16), 0, joined))  # (as a front end sends)
-              for i, (p, joined) in enumerate(zip(packed, front_end_hashes(args, packed)))]
+              for i, (p, joined) in enumerate(zip(packed, front_end_hashes(args, core, packed)))]
 
     async def scenario():
         loop = asyncio.get_running_loop()

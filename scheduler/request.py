@@ -312,7 +312,7 @@ class Request:
     def prompt_token_ids(self) -> list[int]:
         """The prompt's token ids (made from ``prompt_int32`` at the first use that asks for the list)."""
         if self._prompt_ids is None:
-            self._prompt_ids = array.array("i", self.prompt_int32).tolist()
+            self._prompt_ids = self._prompt_slice(0, self.num_prompt_tokens)
         return self._prompt_ids
 
     @property
@@ -333,6 +333,7 @@ class Request:
         return head if end <= n else head + self.output_token_ids[: end - n]
 
     def _prompt_slice(self, start: int, end: int) -> list[int]:
+        """The prompt's tokens in [start, end): from its list where made, else from its int32 bytes."""
         if self._prompt_ids is not None:
             return self._prompt_ids[start:end]
         part = array.array("i")
