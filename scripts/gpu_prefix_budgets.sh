@@ -3,7 +3,8 @@
 # warm window, each from the repository root with C set to the commit; jobs run in the background:
 # scripts/gpu_background.sh):
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_prefix_budgets.sh 1
-#           bench-moe: the sampling split at 256 streams (issue 31's 0.9x; .gpu_tools/schema.json is the schema)
+#           bench-moe: the sampling split at 256 streams (issue 31's 0.9x; .gpu_tools/schema.json is the schema), on
+#           an H200 only (SPLIT=1: on an H100 too)
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it; its results back)
 #   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; in the background: the
 #           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and no-prefix workloads at 256 streams, caching on and off, three rounds, at
@@ -21,6 +22,8 @@ kill_servers() {
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     # (the split was measured on the H100 (docs/bench/sampling_split_h100.json); issue 31 asks it of the H200)
+     [ "$GPU" = h200 ] || [ -n "${SPLIT:-}" ] || { echo "no split on $GPU"; exit 0; }
      mkdir -p /root/bg/split
      bg_start split python benchmarks/bench_sampling_gpu.py --data "$D" --tokenizer "$T" --rounds 3 \
        --variants sampled,penalties,structured,penalized --no-prime-cache --extra-body "$(cat .gpu_tools/schema.json)" \
