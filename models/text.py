@@ -88,8 +88,10 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """``encode`` of each text in one call of the tokenizers library (parallel over the cores, the GIL released
-        while it runs)."""
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        while it runs), through its variant that leaves out the character offsets nothing here reads (the same ids;
+        a third less time for 64 ShareGPT prompts on the CI machine)."""
+        batch = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
+        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
 
     @cached_property
     def added_token_split(self) -> "AddedTokenSplit | None":
