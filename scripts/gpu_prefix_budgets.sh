@@ -10,7 +10,7 @@
 #           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and no-prefix workloads at 256 streams, caching on and off, three rounds, at
 #           each of BUDGETS tokens a step (default 4096,8192) with step traces; the no-prefix cells with
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
-#           where evicting cached blocks is what a full pool costs)
+#           where evicting cached blocks is what a full pool costs; 0: not run)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; results and traces back)
 # Call 4 may be repeated while the job runs (each brings back what is done so far).
 # Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
@@ -46,9 +46,11 @@ case "${1:-}" in
        runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens $b"
        runs+=" --step-trace-dir /root/bg/pc/traces$b --out /root/bg/pc/prefix_mt_budget${b}_$GPU.json; "
      done
-     runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
-     runs+=" --workloads no-prefix --concurrency 256,1024 --rounds 3 --kv-gib ${NO_PREFIX_KV_GIB:-30}"
-     runs+=" --out /root/bg/pc/prefix_noprefix_kv${NO_PREFIX_KV_GIB:-30}_$GPU.json"
+     if [ "${NO_PREFIX_KV_GIB:-30}" != 0 ]; then  # (0: not run)
+       runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
+       runs+=" --workloads no-prefix --concurrency 256,1024 --rounds 3 --kv-gib ${NO_PREFIX_KV_GIB:-30}"
+       runs+=" --out /root/bg/pc/prefix_noprefix_kv${NO_PREFIX_KV_GIB:-30}_$GPU.json"
+     fi
      bg_start pc bash -c "$runs"
      bg_wait pc "${LIM:-560}"; ls "$OUT/x" ;;
   4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
