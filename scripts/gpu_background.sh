@@ -21,7 +21,9 @@ bg_start() {
     mkdir -p "$tree" && tar cf - --exclude=./.gpu_gguf --exclude=./.whl --exclude=./.git . | tar xf - -C "$tree"
   fi
   export KEEP_GPU_PROCS=1
-  (cd "$tree" && PYTHONPATH=.:benchmarks:/tmp/site PYTHONUNBUFFERED=1 setsid nohup bash -c \
+  # (the subshell's own output closed first: otherwise a caller that pipes this call's output (`... | tail`) waits
+  # for the job, and the device call runs into its limit with nothing printed)
+  (exec > /dev/null 2>&1; cd "$tree" && PYTHONPATH=.:benchmarks:/tmp/site PYTHONUNBUFFERED=1 setsid nohup bash -c \
     '"$@"; echo "BG_DONE rc=$?"' _ "$@" > "$BG/$name.log" 2>&1 < /dev/null &)
   echo "== started $name in the background: $*"
 }
