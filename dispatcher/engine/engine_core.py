@@ -342,16 +342,18 @@ class EngineCore:
         an engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
         c = self.scheduler.config
         num_tokens = request.num_prompt_tokens
-        expected = num_lookup_blocks(num_tokens, c.block_size) * HASH_BYTES if c.enable_prefix_caching else 0
+        num_blocks = max(num_lookup_blocks(num_tokens, c.block_size), 0) if c.enable_prefix_caching else 0
+        expected = num_blocks * HASH_BYTES
         if len(joined) == expected and joined[:HASH_BYTES] == extend_block_hashes(
                 [], request.token_ids, 1, c.block_size, c.next_token_key, request.prompt_int32)[0]:
             return split_hashes(joined)
         if not self._said_hash_mismatch:
             self._said_hash_mismatch = True
             log.warning("request %s came with %d bytes of prompt block hashes where this engine's prefix cache "
-                        "(%s) looks up %d, or with a first hash not its own: the engine hashes such prompts itself",
-                        request_id, len(joined),
-                        f"blocks of {c.block_size} tokens" if c.enable_prefix_caching else "off", expected)
+                        "(%s) looks up %d blocks (%d bytes), or with a first hash not its own: the engine hashes "
+                        "such prompts itself (said once)", request_id, len(joined),
+                        f"blocks of {c.block_size} tokens" if c.enable_prefix_caching else "off", num_blocks,
+                        expected)
         return []
 
     def make_requests(self, prompt_token_ids, params: SamplingParams, request_id: str,
