@@ -21,13 +21,15 @@ bg_start() {
     mkdir -p "$tree" && tar cf - --exclude=./.gpu_gguf --exclude=./.whl --exclude=./.git . | tar xf - -C "$tree"
   fi
   export KEEP_GPU_PROCS=1
+  : > "$BG/$name.log"  # (there before bg_start returns: bg_wait takes a job without a log for one never started)
   # (the subshell's own output closed first: otherwise a caller that pipes this call's output (`... | tail`) waits
   # for the job, and the device call runs into its limit with nothing printed)
   (exec > /dev/null 2>&1; cd "$tree" && PYTHONPATH=.:benchmarks:/tmp/site PYTHONUNBUFFERED=1 setsid nohup bash -c \
     '"$@"; echo "BG_DONE rc=$?"' _ "$@" > "$BG/$name.log" 2>&1 < /dev/null &)
   echo "== started $name in the background: $*"
 }
-bg_done() { grep -q "^BG_DONE" "$BG/$1.log" 2>/dev/null; }
+# (a job never started in this lease, no log of it, counts as done: waiting for it would only spend the call)
+bg_done() { [ ! -e "$BG/$1.log" ] || grep -q "^BG_DONE" "$BG/$1.log" 2>/dev/null; }
 bg_wait() {
   local limit=${*: -1} names=("${@:1:$#-1}") name pending
   while [ "$SECONDS" -lt "$limit" ]; do
@@ -37,6 +39,7 @@ bg_wait() {
     sleep 3
   done
   for name in "${names[@]}"; do
+    if [ ! -e "$BG/$name.log" ]; then echo "== $name: never started"; continue; fi
     echo "== $name: $(grep '^BG_DONE' "$BG/$name.log" 2>/dev/null || echo "still running after $SECONDS s")"
     grep -E '^\{|passed|failed|error|FAILED|SKIPPED' "$BG/$name.log" 2>/dev/null | tail -"${TAILN:-8}" | cut -c1-400
   done
