@@ -15,6 +15,8 @@ registered) + in use (``ref_count`` > 0) = ``num_blocks``.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 
 HASH_SHARDS = 16
@@ -191,8 +193,8 @@ class KVBlockManager:
         first = int(self.num_registered[slot])
         if num_blocks <= first:
             return
-        new: list[int] = []
-        self._offer(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks], owner, log, new)
+        new = self._offer(self.block_table[slot, first:num_blocks].tolist(), hashes[first:num_blocks],
+                          repeat(owner), log)
         if new:
             self._registered[new] = True
         self.num_registered[slot] = num_blocks
@@ -208,27 +210,31 @@ class KVBlockManager:
         total = int(counts.sum())
         if not total:
             return
-        starts = np.repeat(first, counts) + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-        blocks = self.block_table[np.repeat(slots, counts), starts].tolist()
-        new: list[int] = []
-        k = 0
-        for hs, owner, f, n in zip(hashes, owners, first.tolist(), counts.tolist()):
-            self._offer(blocks[k:k + n], hs[f:f + n], owner, log, new)
-            k += n
-        self._registered[new] = True
+        starts = first.tolist()
+        if total == len(slots) and int(counts.min()) == 1:  # (a decode step: one block a slot, no runs to lay out)
+            blocks = self.block_table[slots, first].tolist()
+            block_hashes = [hs[f] for hs, f in zip(hashes, starts)]
+        else:
+            cols = np.repeat(first, counts) + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            blocks = self.block_table[np.repeat(slots, counts), cols].tolist()
+            runs = counts.tolist()
+            block_hashes = [h for hs, f, n in zip(hashes, starts, runs) for h in hs[f:f + n]]
+            owners = [owner for owner, n in zip(owners, runs) for _ in range(n)]
+        self._registered[self._offer(blocks, block_hashes, owners, log)] = True
         self.num_registered[slots] = first + counts
 
-    def _offer(self, blocks: list[int], hashes: list[bytes], owner, log: list, new: list[int]) -> None:
-        """One slot's blocks under their hashes, where a hash is not registered yet (``register``); each one
-        registered is appended to ``new`` and, as (``owner``, block, hash), to ``log``."""
-        shards, hash_of = self._block_of, self._hash_of
-        for block, h in zip(blocks, hashes):
+    def _offer(self, blocks: list[int], hashes: list[bytes], owners, log: list) -> list[int]:
+        """Each block under its hash (``owners``: each one's request), where the hash is not registered yet
+        (``register``); returns the blocks registered, each also appended to ``log`` as (owner, block, hash)."""
+        shards, hash_of, new = self._block_of, self._hash_of, []
+        for block, h, owner in zip(blocks, hashes, owners):
             block_of = shards[h[0] & SHARD_MASK]
             if h not in block_of:
                 block_of[h] = block
                 hash_of[block] = h
                 new.append(block)
                 log.append((owner, block, h))
+        return new
 
     def unregister(self, entries: list[tuple[int, bytes]]) -> np.ndarray:
         """Forget (block, hash) registrations (a failed step's: their KV was never written) where they still stand;
