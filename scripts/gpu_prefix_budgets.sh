@@ -7,8 +7,9 @@
 #           an H200 only (SPLIT=1: on an H100 too)
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it; its results back)
 #   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; in the background: the
-#           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and no-prefix workloads at 256 streams, caching on and off, three rounds, at
-#           each of BUDGETS tokens a step (default 4096,8192) with step traces; the no-prefix cells with
+#           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and
+#           no-prefix workloads at 256 streams, caching on and off, three rounds, at each of BUDGETS tokens a step
+#           (default 4096,8192) with step traces; the no-prefix cells with
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
 #           where evicting cached blocks is what a full pool costs; 0: not run)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; results and traces back)
