@@ -59,8 +59,8 @@ def extend_block_hashes(hashes: list[bytes], token_ids, num_blocks: int, block_s
 
 def num_lookup_blocks(num_tokens: int, block_size: int) -> int:
     """The blocks of a sequence of ``num_tokens`` tokens that a cache lookup may find: the full blocks before its
-    last token (which a step always computes, for its logits)."""
-    return (num_tokens - 1) // block_size
+    last token (which a step always computes, for its logits); none for an empty one."""
+    return max(num_tokens - 1, 0) // block_size
 
 
 def prompt_block_hashes(packed: bytes, block_size: int, next_token_key: bool) -> bytes:
@@ -68,7 +68,7 @@ def prompt_block_hashes(packed: bytes, block_size: int, next_token_key: bool) ->
     (``dispatcher.engine.protocol.pack_prompt``): what a front end computes and sends with the request, so that the
     engine's single thread does not (``split_hashes`` takes them apart there)."""
     num_blocks = num_lookup_blocks(len(packed) // 4, block_size)
-    if num_blocks <= 0:
+    if not num_blocks:
         return b""
     return b"".join(extend_block_hashes([], lambda start, end: _int32s(packed)[start:end], num_blocks, block_size,
                                         next_token_key, packed))

@@ -342,7 +342,7 @@ class EngineCore:
         an engine that disagree on the cache's blocks are a defect, not a reason to lose the request."""
         c = self.scheduler.config
         num_tokens = request.num_prompt_tokens
-        num_blocks = max(num_lookup_blocks(num_tokens, c.block_size), 0) if c.enable_prefix_caching else 0
+        num_blocks = num_lookup_blocks(num_tokens, c.block_size) if c.enable_prefix_caching else 0
         expected = num_blocks * HASH_BYTES
         if len(joined) == expected and joined[:HASH_BYTES] == extend_block_hashes(
                 [], request.token_ids, 1, c.block_size, c.next_token_key, request.prompt_int32)[0]:
