@@ -13,7 +13,8 @@
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
 #           where evicting cached blocks is what a full pool costs; 0: not run)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; results and traces back)
-# Call 4 may be repeated while the job runs (each brings back what is done so far).
+# Call 4 may be repeated while the job runs (each brings back what is done so far; the last, once it is done, stops
+# the servers).
 # Result files are named by the card (GPU: h200 or h100, scripts/gpu_session.sh).
 set -uo pipefail
 kill_servers() {
@@ -58,6 +59,8 @@ case "${1:-}" in
      bg_wait pc "${LIM:-560}"
      mkdir -p "$OUT/x"; cp /root/bg/pc.log /root/bg/pc/*.json /root/bg/pc/gputests.log "$OUT/x/" 2>/dev/null
      tar czf "$OUT/x/pc_traces.tgz" -C /root/bg/pc $(cd /root/bg/pc && ls -d traces* 2>/dev/null) 2>/dev/null
-     kill_servers; ls -la "$OUT/x" ;;
+     # (the servers only once the job is done: a call that returns while it runs leaves them to it; killing them
+     # here stopped a benchmark mid-round, and its pkill patterns match the job's own command line too)
+     if bg_done pc; then kill_servers; fi; ls -la "$OUT/x" ;;
   *) echo "usage: C=<commit> bash scripts/gpu_prefix_budgets.sh 1|2|3|4" >&2; exit 2 ;;
 esac
