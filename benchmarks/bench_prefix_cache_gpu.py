@@ -59,6 +59,8 @@ from bench_spec_gpu import log, log_tail
 WORKLOADS = ("multi-turn", "prefix-repetition", "no-prefix")
 MODELS = ("bench-moe", "default")
 SERVED_NAME = "served"
+BLOCK_SIZE = 16
+"""The servers' KV block size (twogrid serve's default, which ``kv_blocks`` assumes)."""
 
 
 def cell(row: dict) -> tuple:
@@ -98,8 +100,17 @@ def run_bench(workload: str, conc: int, base: str, args, work_dir: str, name: st
         return json.load(fh)
 
 
-def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: int = 0) -> dict:
+def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: int = 0,
+             kv_pool_tokens: int | None = None, output_len: int = 0) -> dict:
+    """One run's row. Multi-turn rows also hold each turn's prompt tokens and hit rate, and the KV that the last
+    turn's requests hold together (their prompts plus ``output_len`` each: every conversation is live at once in a
+    closed loop of one stream each) beside the server's pool (``kv_pool_tokens``): a pool short of it evicts, in LRU
+    order, the histories the next turns come back for."""
+    turn_tokens = b.get("prompt_tokens_by_turn")
+    last_turn_kv = turn_tokens[-1] + conc * output_len if turn_tokens else None
     return {"model": model, "workload": workload, "concurrency": conc, "prefix_caching": caching, "round": rnd,
+            "prefix_cache_hit_rate_by_turn": b.get("prefix_cache_hit_rate_by_turn"),
+            "prompt_tokens_by_turn": turn_tokens, "last_turn_kv_tokens": last_turn_kv, "kv_pool_tokens": kv_pool_tokens,
             "output_tok_s": round(b["output_throughput"], 1), "ttft_ms_p50": round(b["p50_ttft_ms"], 2),
             "ttft_ms_p99": round(b["p99_ttft_ms"], 2), "ttft_ms_mean": round(b["mean_ttft_ms"], 2),
             "tpot_ms_mean": round(b["mean_tpot_ms"], 3), "prefix_cache_hit_rate": b.get("prefix_cache_hit_rate"),
@@ -114,6 +125,15 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: 
             "completed": b["completed"], "failed": b["failed"], "total_input_tokens": b["total_input_tokens"],
             "total_output_tokens": b["total_output_tokens"], "duration_s": round(b["duration"], 3),
             "num_clients": b.get("num_clients")}
+
+
+def pool_note(row: dict) -> str:
+    """Where a multi-turn run's last turn held more KV than the server's pool: what that does to its hit rate."""
+    need, pool = row.get("last_turn_kv_tokens"), row.get("kv_pool_tokens")
+    if need is None or pool is None or need <= pool:
+        return ""
+    return (f"the last turn's KV ({need} tokens) exceeds the pool ({pool}): a history can be evicted before its "
+            "next turn comes back for it (a larger --kv-gib keeps them)")
 
 
 def _by_turn_ratio(off: dict, on: dict) -> list | None:
@@ -137,7 +157,7 @@ def summarize(rows: list[dict]) -> dict:
             ratios.setdefault((model, workload, conc), []).append((
                 off["ttft_ms_p50"] / on["ttft_ms_p50"] if on["ttft_ms_p50"] else None,
                 on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None,
-                on["prefix_cache_hit_rate"], _by_turn_ratio(off, on)))
+                on["prefix_cache_hit_rate"], _by_turn_ratio(off, on), bool(pool_note(on))))
 
     def median(values: list) -> float | None:
         values = [v for v in values if v is not None]
@@ -145,11 +165,13 @@ def summarize(rows: list[dict]) -> dict:
 
     pairs = []
     for (model, workload, conc), runs in ratios.items():
-        ttft, tok_s, hits, turns = zip(*runs)
+        ttft, tok_s, hits, turns, short = zip(*runs)
         pair = {"model": model, "workload": workload, "concurrency": conc,
                 "ttft_p50_off_over_on": None if median(ttft) is None else round(median(ttft), 3),
                 "tok_s_on_over_off": None if median(tok_s) is None else round(median(tok_s), 4),
                 "hit_rate": median(hits)}
+        if any(short):
+            pair["kv_pool_short_rounds"] = sum(short)  # (see pool_note: the hit rate is the pool's, not the cache's)
         turns = [t for t in turns if t is not None]
         if turns:
             by_turn = [median([t[i] for t in turns if i < len(t)]) for i in range(max(map(len, turns)))]
@@ -225,7 +247,9 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
             result["errors"].append({"model": model, "error": str(exc)})
             save()
             continue
-        result["servers"].append({"model": model, "start_s": round(time.monotonic() - t0, 1)})
+        pool_tokens = kv_blocks(args.model, args.kv_gib) * BLOCK_SIZE
+        result["servers"].append({"model": model, "start_s": round(time.monotonic() - t0, 1),
+                                  "kv_pool_tokens": pool_tokens})
         try:
             for i, (workload, conc, rnd) in enumerate(todo):
                 order = (True, False) if i % 2 == 0 else (False, True)  # (neither side always runs first)
@@ -243,13 +267,16 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                                                  "log_tail": log_tail(proc.log_path)})
                         save()
                         continue
-                    row = make_row(model, workload, conc, caching, b, rnd)
+                    row = make_row(model, workload, conc, caching, b, rnd, pool_tokens, args.output_len)
                     result["rows"].append(row)
                     save()
                     log(f"{name}: {row['output_tok_s']:.0f} tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms p99 "
                         f"{row['ttft_ms_p99']:.1f} ms, hit rate {row['prefix_cache_hit_rate']}, "
                         f"{row['eager_steps']} eager"
-                        + (f", TTFT p50 by turn {row['ttft_ms_p50_by_turn']}" if row["ttft_ms_p50_by_turn"] else ""))
+                        + (f", TTFT p50 by turn {row['ttft_ms_p50_by_turn']}" if row["ttft_ms_p50_by_turn"] else "")
+                        + (f", hit rate by turn {row['prefix_cache_hit_rate_by_turn']}" if caching
+                           and row["prefix_cache_hit_rate_by_turn"] else "")
+                        + (f"; {pool_note(row)}" if pool_note(row) else ""))
         finally:
             for proc, _ in procs.values():
                 stop(proc)

@@ -51,6 +51,7 @@ def test_multi_turn_sends_each_turn_with_the_conversation_so_far(serve, tmp_path
     assert result["multi_turn"] is True and result["completed"] == 3 and result["failed"] == 0
     first, second = result["median_ttft_ms_by_turn"]  # (conversation a's second turn alone in the second)
     assert first > 0 and second > 0 and len(result["mean_ttft_ms_by_turn"]) == 2
+    assert len(result["prompt_tokens_by_turn"]) == 2 and all(n > 0 for n in result["prompt_tokens_by_turn"])
 
 
 def test_ttft_by_turn_counts_each_turn_over_the_conversations_that_completed_it():
@@ -70,6 +71,28 @@ def test_ttft_by_turn_counts_each_turn_over_the_conversations_that_completed_it(
             "total_token_throughput": 1.0, "input_tokens_source": "usage", "output_tokens_source": "usage"}
     lines = summary_lines({**base, "median_ttft_ms_by_turn": [20.0, None]}, (), ())
     assert any("Median TTFT by turn (ms):" in line and "20.0 / -" in line for line in lines)
+
+
+def test_cache_by_turn_gives_each_turns_prompt_tokens_and_the_share_the_server_found_cached():
+    from dispatcher.bench.client import RequestOutput
+    from dispatcher.bench.results import cache_by_turn, summary_lines
+
+    def out(prompt_len, cached, ok=True):
+        return RequestOutput(success=ok, prompt_len=prompt_len, cached_tokens=cached)
+
+    per_item = [[out(100, 0), out(300, 240), out(500, 0)], [out(100, 0), out(200, 160, ok=False)],
+                [out(50, None), out(250, None)]]
+    got = cache_by_turn(per_item)
+    # (turn 2: the failed request left out; the server that reported nothing counted in the tokens, not the rate)
+    assert got == {"prompt_tokens_by_turn": [250, 550, 500], "prefix_cache_hit_rate_by_turn": [0.0, 0.8, 0.0]}
+    assert cache_by_turn([[out(10, None)]])["prefix_cache_hit_rate_by_turn"] == [None]
+    base = {"completed": 1, "failed": 0, "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+            "request_throughput": 1.0, "output_throughput": 1.0, "max_concurrent_requests": 1,
+            "total_token_throughput": 1.0, "input_tokens_source": "usage", "output_tokens_source": "usage"}
+    lines = summary_lines({**base, **got}, (), ())
+    assert any("Prefix cache hit rate by turn:" in line and "0% / 80% / 0%" in line for line in lines)
+    assert not any("hit rate by turn" in line for line in summary_lines({**base, "prefix_cache_hit_rate_by_turn":
+                                                                          [None]}, (), ()))
 
 
 def test_multi_turn_on_a_file_of_single_turns_says_so(tmp_path, capsys):

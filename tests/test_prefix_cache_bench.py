@@ -73,3 +73,25 @@ def test_the_summary_gives_each_turns_ttft_ratio(pc):
             mt(True, 2, [40.0, 25.0, 20.0]), mt(False, 2, [44.0, 50.0, 40.0])]
     (pair,) = pc.summarize(rows)["pairs"]
     assert pair["ttft_p50_off_over_on_by_turn"] == [1.0, 3.0, 3.5]  # medians of [1, .8, 1.1], [3, 5, 2], [5, 2]
+
+
+def test_a_multi_turn_row_says_when_the_last_turn_outgrew_the_kv_pool(pc):
+    """A pool smaller than what the last turn's requests hold together evicts the histories the next turns come back
+    for (LRU over a cycle longer than the cache): the row, its log line and the summary say so, so that a low hit
+    rate is read as the pool's, not the cache's."""
+    run = {"output_throughput": 100.0, "p50_ttft_ms": 50.0, "p99_ttft_ms": 90.0, "mean_ttft_ms": 55.0,
+           "mean_tpot_ms": 3.0, "completed": 8, "failed": 0, "total_input_tokens": 1000, "total_output_tokens": 64,
+           "duration": 1.0, "prompt_tokens_by_turn": [100, 300], "prefix_cache_hit_rate_by_turn": [0.1, 0.05]}
+    short = pc.make_row("bench-moe", "multi-turn", 4, True, run, 0, kv_pool_tokens=320, output_len=8)
+    assert short["last_turn_kv_tokens"] == 300 + 4 * 8 and short["prefix_cache_hit_rate_by_turn"] == [0.1, 0.05]
+    assert "exceeds the pool (320)" in pc.pool_note(short)
+    roomy = pc.make_row("bench-moe", "multi-turn", 4, True, run, 1, kv_pool_tokens=332, output_len=8)
+    assert pc.pool_note(roomy) == ""  # (exactly the pool: everything fits)
+    single = pc.make_row("bench-moe", "no-prefix", 4, True, {k: v for k, v in run.items() if "by_turn" not in k}, 0,
+                         kv_pool_tokens=10, output_len=8)
+    assert single["last_turn_kv_tokens"] is None and pc.pool_note(single) == ""
+    off = {**short, "prefix_caching": False, "prefix_cache_hit_rate": None}
+    (pair,) = pc.summarize([{**short, "prefix_cache_hit_rate": 0.07}, off])["pairs"]
+    assert pair["kv_pool_short_rounds"] == 1
+    (pair,) = pc.summarize([{**roomy, "round": 0, "prefix_cache_hit_rate": 0.07}, off])["pairs"]
+    assert "kv_pool_short_rounds" not in pair

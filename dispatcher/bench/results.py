@@ -107,6 +107,23 @@ def ttft_by_turn(per_item: Sequence[Sequence[RequestOutput]]) -> dict[str, list[
     return {"median_ttft_ms_by_turn": medians, "mean_ttft_ms_by_turn": means}
 
 
+def cache_by_turn(per_item: Sequence[Sequence[RequestOutput]]) -> dict[str, list]:
+    """Multi-turn runs: each turn's prompt tokens over the conversations that completed it, and the share of them
+    the server found in its prefix cache (its ``usage.prompt_tokens_details.cached_tokens``, over the requests that
+    report it; None where none did). A later turn that finds little of its history was evicted before it came back:
+    the conversations' KV did not fit the cache together."""
+    turns = max((len(item) for item in per_item), default=0)
+    prompt_tokens: list[int] = []
+    hit_rates: list[float | None] = []
+    for t in range(turns):
+        done = [item[t] for item in per_item if len(item) > t and item[t].success]
+        prompt_tokens.append(sum(o.prompt_len for o in done))
+        reported = [o for o in done if o.cached_tokens is not None]
+        asked = sum(o.prompt_len for o in reported)
+        hit_rates.append(round(sum(o.cached_tokens for o in reported) / asked, 4) if asked else None)
+    return {"prompt_tokens_by_turn": prompt_tokens, "prefix_cache_hit_rate_by_turn": hit_rates}
+
+
 def _row(name: str, value: Any, fmt: str = "") -> str:
     return f"{name:<40} {value:{fmt}}"
 
@@ -144,6 +161,9 @@ def summary_lines(result: dict[str, Any], percentile_metrics: Sequence[str],
     if result.get("median_ttft_ms_by_turn"):
         lines.append(_row("Median TTFT by turn (ms):", " / ".join("-" if v is None else f"{v:.1f}"
                                                                   for v in result["median_ttft_ms_by_turn"])))
+    if any(v is not None for v in result.get("prefix_cache_hit_rate_by_turn") or ()):
+        lines.append(_row("Prefix cache hit rate by turn:", " / ".join(
+            "-" if v is None else f"{v:.0%}" for v in result["prefix_cache_hit_rate_by_turn"])))
     if "eager_steps" in result or "cudagraph_steps" in result or "padded_tokens" in result:
         lines.append("{:-^50}".format("Server counters (this run)"))
         if "cudagraph_steps" in result:

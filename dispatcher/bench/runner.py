@@ -34,7 +34,8 @@ from dispatcher.bench.client import (BACKEND_NAMES, ENDPOINT_PATHS, Endpoint, Re
                                      list_models, send, send_request)
 from dispatcher.bench.datasets import (Conversation, SampleRequest, prefix_repetition_requests, random_requests,
                                        sharegpt_conversations, sharegpt_requests)
-from dispatcher.bench.results import PERCENTILE_METRICS, compute_result, summary_lines, ttft_by_turn
+from dispatcher.bench.results import (PERCENTILE_METRICS, cache_by_turn, compute_result, summary_lines,
+                                      ttft_by_turn)
 from dispatcher.bench.server_metrics import counter_deltas, scrape
 from dispatcher.engine.workload import fill_prefix_repetition_flags
 
@@ -464,6 +465,7 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                                          args.save_detailed))
             if args.multi_turn:
                 result.update(ttft_by_turn(per_item))
+                result.update(cache_by_turn(per_item))
             result["client_cpu_fraction"] = client_busy  # (the busiest client process's)
             result["num_clients"] = clients
             result.update(counter_deltas(before, after))
