@@ -3,8 +3,11 @@
 # warm window, each from the repository root with C set to the commit; jobs run in the background:
 # scripts/gpu_background.sh):
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_prefix_budgets.sh 1
-#           bench-moe: the sampling split at 256 streams (issue 31's 0.9x; .gpu_tools/schema.json is the schema), on
-#           an H200 only (SPLIT=1: on an H100 too)
+#           bench-moe, in the background: the sampling split at 256 streams (issue 31's 0.9x; .gpu_tools/schema.json
+#           is the schema), on an H200 only (SPLIT=1: on an H100 too); then multi-turn and no-prefix at 256 streams,
+#           caching on and off, three rounds, 4,096 tokens a step, with a pool that holds every conversation's
+#           history (MOE_KV_GIB, default 16 a server: ~350,000 tokens against the fourth turn's ~210,000; 8 GiB
+#           evicted them, docs/reference.md; 0: not run)
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits for it; its results back)
 #   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; in the background: the
 #           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and
@@ -24,22 +27,33 @@ kill_servers() {
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
+     mkdir -p /root/bg/split /root/bg/pc
+     runs=""
      # (the split was measured on the H100 (docs/bench/sampling_split_h100.json); issue 31 asks it of the H200)
-     [ "$GPU" = h200 ] || [ -n "${SPLIT:-}" ] || { echo "no split on $GPU"; exit 0; }
-     mkdir -p /root/bg/split
-     bg_start split python benchmarks/bench_sampling_gpu.py --data "$D" --tokenizer "$T" --rounds 3 \
-       --variants sampled,penalties,structured,penalized --no-prime-cache --extra-body "$(cat .gpu_tools/schema.json)" \
-       --out /root/bg/split/sampling_split_$GPU.json
+     if [ "$GPU" = h200 ] || [ -n "${SPLIT:-}" ]; then
+       runs+="python benchmarks/bench_sampling_gpu.py --data $D --tokenizer $T --rounds 3 --no-prime-cache"
+       runs+=" --variants sampled,penalties,structured,penalized --extra-body '$(cat .gpu_tools/schema.json)'"
+       runs+=" --out /root/bg/split/sampling_split_$GPU.json; "
+     fi
+     kv=${MOE_KV_GIB:-16}
+     if [ "$kv" != 0 ]; then
+       runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models bench-moe"
+       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib $kv --max-num-batched-tokens 4096"
+       runs+=" --step-trace-dir /root/bg/pc/traces_moe --out /root/bg/pc/prefix_mt_moe_kv${kv}_$GPU.json; "
+     fi
+     [ -n "$runs" ] || { echo "nothing for call 1 on $GPU"; exit 0; }
+     bg_start split bash -c "$runs"
      bg_wait split "${LIM:-200}" ;;
   2) bash scripts/gpu_chain.sh 2
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait split "${LIM:-300}"
-     mkdir -p "$OUT/x"; cp /root/bg/split.log /root/bg/split/*.json "$OUT/x/" 2>/dev/null; ls "$OUT/x" ;;
+     mkdir -p "$OUT/x"; cp /root/bg/split.log /root/bg/split/*.json /root/bg/pc/*.json "$OUT/x/" 2>/dev/null; ls "$OUT/x" ;;
   3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
-     kill_servers
+     if bg_done split; then kill_servers; fi  # (call 1's job may still run: its servers stay)
      mkdir -p "$OUT/x" /root/bg/pc
-     runs=""
+     # (call 1's job first: two benchmarks on one GPU would measure each other)
+     runs="while [ -e /root/bg/split.log ] && ! grep -q '^BG_DONE' /root/bg/split.log; do sleep 2; done; "
      # the whole GPU suite first, in the job (a call runs 600 s at most; it outlives this one)
      [ -n "${NO_TESTS:-}" ] || runs+="python -m pytest -m 'gpu or kernels' -o addopts= -q -rs -p no:cacheprovider tests \
 > /root/bg/pc/gputests.log 2>&1; tail -25 /root/bg/pc/gputests.log; pkill -f '[d]ispatcher serve'; sleep 2; "
