@@ -1,9 +1,15 @@
-"""Tensor-parallel tests' harness: run a function on N gloo ranks, each in its own (forked) process."""
+"""Tensor-parallel tests' harness: run a function on N gloo ranks, each in its own process, forked from a server
+process that imported torch and ran nothing (multiprocessing's forkserver): a rank forked from the test process
+itself inherits whatever its threads held at the fork (the test has run torch's intra-op thread pool just before:
+CI's run once hung a rank in its rendezvous until the 120 s timeout). ``fn`` and its arguments go by pickle: a
+module-level function."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import queue as queue_module
+import time
 import traceback
 import uuid
 
@@ -47,10 +53,18 @@ def _restored(value):
     return value
 
 
+def _context(module: str):
+    """The forkserver context, its server importing torch and the calling test module once (``module``: what each
+    rank would import to find its function; the server starts at the first call, with the first caller's)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "models.parallel", module])
+    return ctx
+
+
 def run_ranks(fn, size: int, tmp_dir: str, *args, timeout_s: float = 120.0) -> list:
     """``fn(tp, *args)`` on ranks 0..size-1 (gloo, CPU); each rank's return value, by rank. A rank's exception
     is re-raised here as a RuntimeError carrying its traceback."""
-    ctx = multiprocessing.get_context("fork")
+    ctx = _context(fn.__module__)
     queue = ctx.Queue()
     # (a rendezvous file of its own each call: two runs of one function in one test shared one, and the second
     # group's rank 0 could read the first group's rank 1 address from it, gone by then: refused, then a timeout)
@@ -60,9 +74,20 @@ def run_ranks(fn, size: int, tmp_dir: str, *args, timeout_s: float = 120.0) -> l
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(size):
-            rank, status, value = queue.get(timeout=timeout_s)
+        while len(results) < size:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # (a rank that died without a word (a signal, a crash in native code) fails the test now, by name;
+                # one that reported exits 0, its result perhaps still in the pipe)
+                dead = [f"rank {r} exited with {p.exitcode} without a result" for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError("; ".join(dead) or f"no result from ranks "
+                                       f"{sorted(set(range(size)) - set(results))} in {timeout_s:.0f} s") from None
+                continue
             if status == "error":
                 errors.append(f"rank {rank}: {value}")
             results[rank] = _restored(value)
