@@ -28,6 +28,10 @@ Every run: ``--output-len`` tokens a request, EOS ignored, a warm-up of min(N, 2
 measured; they share nothing with the measured ones), ``--num-clients`` as the headline's. ``summary`` holds, per
 model, workload and concurrency, the TTFT p50 ratio (off / on), the tok/s ratio (on / off) and the targets: on
 multi-turn at 256 streams TTFT p50 at least 2x lower with caching on; on no-prefix no concurrency more than 2% slower.
+Multi-turn rows hold each turn's prompt tokens and cached share (``twogrid bench``'s, from the responses' usage) and
+the KV the last turn's requests hold together against the pool's tokens: a run whose last turn outgrew the pool (its
+histories evicted before the next turn came back) is flagged in its log line and counted in the summary's
+``kv_pool_short_rounds``; its hit rate is the pool's, not the cache's (bench-moe's fourth turn at 8 GiB a server).
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_prefix_cache_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/prefix_cache_h200.json
