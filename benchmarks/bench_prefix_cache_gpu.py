@@ -219,6 +219,8 @@ def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.P
             cmd.append("--no-enable-prefix-caching")
         if args.max_num_batched_tokens:  # (argparse keeps the last: this one over serve_command's 16384)
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.compilation_config:  # (likewise over the separate policy's)
+            cmd += ["--compilation-config", args.compilation_config]
         side = "on" if caching else "off"
         if args.step_trace_dir:
             os.makedirs(args.step_trace_dir, exist_ok=True)
@@ -322,6 +324,9 @@ def main() -> None:
     parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the servers' token budget a step (default: the headline's 16384)")
+    parser.add_argument("--compilation-config", default=None, metavar="JSON",
+                        help="both servers' compilation config (default: separate grids' defaults), e.g. "
+                        "'{\"max_full_mixed_cudagraph_capture_tokens\": 4096}': a burst's mixed steps on FULL graphs")
     parser.add_argument("--step-trace-dir", default=None, help="each server writes its step trace here "
                         "(trace-MODEL-on.jsonl, trace-MODEL-off.jsonl: every round of the cells run on it)")
     args = parser.parse_args()

@@ -14,7 +14,8 @@
 #           no-prefix workloads at 256 streams, caching on and off, three rounds, at each of BUDGETS tokens a step
 #           (default 4096,8192) with step traces; the no-prefix cells with
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
-#           where evicting cached blocks is what a full pool costs; 0: not run)
+#           where evicting cached blocks is what a full pool costs; 0: not run); and at 4,096 tokens a step with
+#           mixed steps of up to FULL_MIXED tokens (default 4096; 0: not run) on FULL graphs
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; results and traces back)
 # Call 4 may be repeated while the job runs (each brings back what is done so far; the last, once it is done, stops
 # the servers).
@@ -62,6 +63,14 @@ case "${1:-}" in
        runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens $b"
        runs+=" --step-trace-dir /root/bg/pc/traces$b --out /root/bg/pc/prefix_mt_budget${b}_$GPU.json; "
      done
+     # the bursts' mixed steps on FULL graphs (>= 5 ms a PIECEWISE mixed step on this 30-layer model, whatever its
+     # size; FULL_MIXED=0: not run)
+     if [ "${FULL_MIXED:-4096}" != 0 ]; then
+       runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
+       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096"
+       runs+=" --compilation-config '{\"max_full_mixed_cudagraph_capture_tokens\": ${FULL_MIXED:-4096}}'"
+       runs+=" --step-trace-dir /root/bg/pc/traces_fullmixed --out /root/bg/pc/prefix_mt_fullmixed_$GPU.json; "
+     fi
      if [ "${NO_PREFIX_KV_GIB:-30}" != 0 ]; then  # (0: not run)
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
        runs+=" --workloads no-prefix --concurrency 256,1024 --rounds 3 --kv-gib ${NO_PREFIX_KV_GIB:-30}"
