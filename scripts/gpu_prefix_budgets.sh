@@ -12,7 +12,7 @@
 #   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; in the background: the
 #           whole GPU suite (`-m 'gpu or kernels'`; NO_TESTS=1 skips it), then the default model's multi-turn and
 #           no-prefix workloads at 256 streams, caching on and off, three rounds, at each of BUDGETS tokens a step
-#           (default 4096,8192) with step traces; the no-prefix cells with
+#           (default "4096 8192"; BUDGETS="": none) with step traces; the no-prefix cells with
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
 #           where evicting cached blocks is what a full pool costs; 0: not run); and at 4,096 tokens a step with
 #           mixed steps of up to FULL_MIXED tokens (default 4096; 0: not run) on FULL graphs
@@ -58,7 +58,7 @@ case "${1:-}" in
      # the whole GPU suite first, in the job (a call runs 600 s at most; it outlives this one)
      [ -n "${NO_TESTS:-}" ] || runs+="python -m pytest -m 'gpu or kernels' -o addopts= -q -rs -p no:cacheprovider tests \
 > /root/bg/pc/gputests.log 2>&1; tail -25 /root/bg/pc/gputests.log; pkill -f '[d]ispatcher serve'; sleep 2; "
-     for b in ${BUDGETS:-4096 8192}; do
+     for b in ${BUDGETS-4096 8192}; do  # (BUDGETS="": none)
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
        runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens $b"
        runs+=" --step-trace-dir /root/bg/pc/traces$b --out /root/bg/pc/prefix_mt_budget${b}_$GPU.json; "
