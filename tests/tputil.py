@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import sys
 import time
 import traceback
 import uuid
@@ -55,9 +56,23 @@ def _restored(value):
 
 def _context(module: str):
     """The forkserver context, its server importing torch and the calling test module once (``module``: what each
-    rank would import to find its function; the server starts at the first call, with the first caller's)."""
+    rank would import to find its function; the server starts at the first call, with the first caller's). The
+    server is started here with this process's import path in PYTHONPATH: Python 3.11-3.13's forkserver ignores the
+    path it is sent, so pytest's additions (the tests folder, the repository) would be missing there and the
+    preload would fail silently, leaving every rank to import the module again."""
+    from multiprocessing import forkserver
+
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "models.parallel", module])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + ([old] if old else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
     return ctx
 
 
@@ -77,13 +92,15 @@ def run_ranks(fn, size: int, tmp_dir: str, *args, timeout_s: float = 120.0) -> l
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < size:
+            # (ranks gone before this wait: what they sent is in the pipe by then (a process flushes its queue
+            # before it exits), so one without a result after the wait never sent one: a signal, a crash in native
+            # code, a result that did not pickle; it fails the test now, by name)
+            exited = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
             try:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
-                # (a rank that died without a word (a signal, a crash in native code) fails the test now, by name;
-                # one that reported exits 0, its result perhaps still in the pipe)
-                dead = [f"rank {r} exited with {p.exitcode} without a result" for r, p in enumerate(procs)
-                        if r not in results and p.exitcode not in (None, 0)]
+                dead = [f"rank {r} exited with {code} without a result" for r, code in exited.items()
+                        if r not in results]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError("; ".join(dead) or f"no result from ranks "
                                        f"{sorted(set(range(size)) - set(results))} in {timeout_s:.0f} s") from None
