@@ -105,13 +105,14 @@ def run_bench(workload: str, conc: int, base: str, args, work_dir: str, name: st
 
 
 def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: int = 0,
-             kv_pool_tokens: int | None = None, output_len: int = 0) -> dict:
+             kv_pool_tokens: int | None = None, output_len: int = 0, conversations: int | None = None) -> dict:
     """One run's row. Multi-turn rows also hold each turn's prompt tokens and hit rate, and the KV that the last
-    turn's requests hold together (their prompts plus ``output_len`` each: every conversation is live at once in a
-    closed loop of one stream each) beside the server's pool (``kv_pool_tokens``): a pool short of it evicts, in LRU
-    order, the histories the next turns come back for."""
+    turn's requests hold at once beside the server's pool (``kv_pool_tokens``): ``conc`` of the ``conversations``
+    (one a stream, each holding its stream through its turns), their prompts plus ``output_len`` each and a block's
+    rounding: a pool short of it evicts, in LRU order, the histories the next turns come back for."""
     turn_tokens = b.get("prompt_tokens_by_turn")
-    last_turn_kv = turn_tokens[-1] + conc * output_len if turn_tokens else None
+    live = min(1.0, conc / conversations) if conversations else 1.0
+    last_turn_kv = (round(turn_tokens[-1] * live) + conc * (output_len + BLOCK_SIZE - 1)) if turn_tokens else None
     return {"model": model, "workload": workload, "concurrency": conc, "prefix_caching": caching, "round": rnd,
             "prefix_cache_hit_rate_by_turn": b.get("prefix_cache_hit_rate_by_turn"),
             "prompt_tokens_by_turn": turn_tokens, "last_turn_kv_tokens": last_turn_kv, "kv_pool_tokens": kv_pool_tokens,
@@ -273,7 +274,8 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                                                  "log_tail": log_tail(proc.log_path)})
                         save()
                         continue
-                    row = make_row(model, workload, conc, caching, b, rnd, pool_tokens, args.output_len)
+                    row = make_row(model, workload, conc, caching, b, rnd, pool_tokens, args.output_len,
+                                   max(conc, args.min_prompts))
                     result["rows"].append(row)
                     save()
                     log(f"{name}: {row['output_tok_s']:.0f} tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms p99 "

@@ -33,7 +33,7 @@ case "${1:-}" in
      # (the split was measured on the H100 (docs/bench/sampling_split_h100.json); issue 31 asks it of the H200)
      if [ "$GPU" = h200 ] || [ -n "${SPLIT:-}" ]; then
        runs+="python benchmarks/bench_sampling_gpu.py --data $D --tokenizer $T --rounds 3 --no-prime-cache"
-       runs+=" --variants sampled,penalties,structured,penalized --extra-body '$(cat .gpu_tools/schema.json)'"
+       runs+=" --variants sampled,penalties,structured,penalized --extra-body $(printf %q "$(cat .gpu_tools/schema.json)")"
        runs+=" --out /root/bg/split/sampling_split_$GPU.json; "
      fi
      kv=${MOE_KV_GIB:-16}
@@ -54,7 +54,8 @@ case "${1:-}" in
      if bg_done split; then kill_servers; fi  # (call 1's job may still run: its servers stay)
      mkdir -p "$OUT/x" /root/bg/pc
      # (call 1's job first: two benchmarks on one GPU would measure each other)
-     runs="while [ -e /root/bg/split.log ] && ! grep -q '^BG_DONE' /root/bg/split.log; do sleep 2; done; "
+     # (at most 20 minutes: a job killed before its end writes no BG_DONE)
+     runs="for i in \$(seq 600); do [ -e /root/bg/split.log ] && ! grep -q '^BG_DONE' /root/bg/split.log || break; sleep 2; done; "
      # the whole GPU suite first, in the job (a call runs 600 s at most; it outlives this one)
      [ -n "${NO_TESTS:-}" ] || runs+="python -m pytest -m 'gpu or kernels' -o addopts= -q -rs -p no:cacheprovider tests \
 > /root/bg/pc/gputests.log 2>&1; tail -25 /root/bg/pc/gputests.log; pkill -f '[d]ispatcher serve'; sleep 2; "

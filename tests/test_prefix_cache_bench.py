@@ -82,11 +82,17 @@ def test_a_multi_turn_row_says_when_the_last_turn_outgrew_the_kv_pool(pc):
     run = {"output_throughput": 100.0, "p50_ttft_ms": 50.0, "p99_ttft_ms": 90.0, "mean_ttft_ms": 55.0,
            "mean_tpot_ms": 3.0, "completed": 8, "failed": 0, "total_input_tokens": 1000, "total_output_tokens": 64,
            "duration": 1.0, "prompt_tokens_by_turn": [100, 300], "prefix_cache_hit_rate_by_turn": [0.1, 0.05]}
-    short = pc.make_row("bench-moe", "multi-turn", 4, True, run, 0, kv_pool_tokens=320, output_len=8)
-    assert short["last_turn_kv_tokens"] == 300 + 4 * 8 and short["prefix_cache_hit_rate_by_turn"] == [0.1, 0.05]
+    short = pc.make_row("bench-moe", "multi-turn", 4, True, run, 0, kv_pool_tokens=320, output_len=8,
+                        conversations=4)
+    assert short["last_turn_kv_tokens"] == 300 + 4 * (8 + 15) and short["prefix_cache_hit_rate_by_turn"] == [0.1, 0.05]
     assert "exceeds the pool (320)" in pc.pool_note(short)
-    roomy = pc.make_row("bench-moe", "multi-turn", 4, True, run, 1, kv_pool_tokens=332, output_len=8)
+    roomy = pc.make_row("bench-moe", "multi-turn", 4, True, run, 1, kv_pool_tokens=392, output_len=8,
+                        conversations=4)
     assert pc.pool_note(roomy) == ""  # (exactly the pool: everything fits)
+    # (8 conversations on 4 streams: half of them live at once, so half the last turn's prompts)
+    half = pc.make_row("bench-moe", "multi-turn", 4, True, run, 0, kv_pool_tokens=320, output_len=8,
+                       conversations=8)
+    assert half["last_turn_kv_tokens"] == 150 + 4 * (8 + 15) and pc.pool_note(half) == ""
     single = pc.make_row("bench-moe", "no-prefix", 4, True, {k: v for k, v in run.items() if "by_turn" not in k}, 0,
                          kv_pool_tokens=10, output_len=8)
     assert single["last_turn_kv_tokens"] is None and pc.pool_note(single) == ""
