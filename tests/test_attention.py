@@ -218,6 +218,39 @@ def test_full_mixed_graphs_generate_as_piecewise_with_an_eagle3_head(device, tmp
     assert any(r["kind"] == "mixed" and r["mode"] == "FULL" and r["draft"][0]["graph"][0] == "full" for r in steps)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_full_mixed_graphs_over_cached_prefixes_generate_as_piecewise(device, tmp_path):
+    """A multi-turn burst on FULL mixed graphs: requests whose prompts continue a cached prefix (their query a few
+    tokens, their context the cached blocks, several in one step beside decodes) give the greedy tokens the
+    PIECEWISE engine gives, and the trace shows FULL mixed steps that found cached tokens."""
+    import dataclasses
+    import json
+
+    from dispatcher.engine.engine_core import EngineArgs, EngineCore
+    from dispatcher.plan.config import resolve
+    from models.config import preset
+    from scheduler.request import SamplingParams
+    from test_runtime import random_prompts
+
+    args = EngineArgs(preset("tiny-dense"), num_kv_blocks=400, block_size=8, max_model_len=256, device=device)
+    cc = dict(platform="sm100", max_num_seqs=8, max_num_batched_tokens=256)
+    history = random_prompts(6, 11, vocab=300)  # (each conversation's first turn)
+    turns = [h + list(range(7, 7 + 3 + i)) for i, h in enumerate(history)]  # (the next turn: its history and more)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    trace = tmp_path / "trace.jsonl"
+    got = {}
+    for name, config, engine_args in (("full", {"max_full_mixed_cudagraph_capture_tokens": 128},
+                                        dataclasses.replace(args, step_trace=str(trace))),
+                                       ("piecewise", {}, args)):
+        engine = EngineCore(resolve(config, None, **cc), engine_args)
+        got[name] = engine.generate(history, params), engine.generate(turns, params)
+        engine.close()
+    assert got["full"] == got["piecewise"]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    cached = [r for r in steps if r["kind"] == "mixed" and r["mode"] == "FULL" and r.get("prefix_cache_hits")]
+    assert cached and max(r["admitted"] for r in cached) >= 2  # (several continuations in one FULL mixed step)
+
+
 @pytest.mark.parametrize("contexts, rows", [((37, 37, 37), [0, 1, 2]), ((37, 37), [1, 0]), ((12, 30), [0, 1]),
                                             ((20, 20, -1), [0, 1, 0])])
 def test_cpu_attention_matches_the_reference(contexts, rows):
