@@ -67,6 +67,9 @@ case "${1:-}" in
      # the bursts' mixed steps on FULL graphs (>= 5 ms a PIECEWISE mixed step on this 30-layer model, whatever its
      # size; FULL_MIXED=0: not run)
      if [ "${FULL_MIXED:-4096}" != 0 ]; then
+       # (its test first, the suite or not: FULL mixed graphs over cached prefixes give PIECEWISE's tokens)
+       runs+="python -m pytest -m gpu -o addopts= -q -p no:cacheprovider tests/test_attention.py -k cached_prefixes"
+       runs+=" > /root/bg/pc/fullmixed_test.log 2>&1; tail -3 /root/bg/pc/fullmixed_test.log; "
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
        runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096"
        runs+=" --compilation-config '{\"max_full_mixed_cudagraph_capture_tokens\": ${FULL_MIXED:-4096}}'"
@@ -81,7 +84,7 @@ case "${1:-}" in
      bg_wait pc "${LIM:-560}"; ls "$OUT/x" ;;
   4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait pc "${LIM:-560}"
-     mkdir -p "$OUT/x"; cp /root/bg/pc.log /root/bg/pc/*.json /root/bg/pc/gputests.log "$OUT/x/" 2>/dev/null
+     mkdir -p "$OUT/x"; cp /root/bg/pc.log /root/bg/pc/*.json /root/bg/pc/*.log "$OUT/x/" 2>/dev/null
      tar czf "$OUT/x/pc_traces.tgz" -C /root/bg/pc $(cd /root/bg/pc && ls -d traces* 2>/dev/null) 2>/dev/null
      # (the servers only once the job is done: a call that returns while it runs leaves them to it; killing them
      # here stopped a benchmark mid-round, and its pkill patterns match the job's own command line too)
