@@ -25,6 +25,12 @@ kill_servers() {
   pkill -f '[b]ench_sampling_gpu'; pkill -f '[b]ench_prefix_cache_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
   kill_gpu_procs
 }
+# results: the benchmarks' result JSONs one by one, everything else of /root/bg/pc (logs, step traces, the per-run
+# JSONs) in one pc_rest.tgz (a call brings back 8 files; the conversation files are left: each run rewrites them)
+results() {
+  (cd /root/bg/pc 2>/dev/null && for f in prefix_*.json; do [ -e "$f" ] && cp "$f" "$OUT/x/"; done
+   tar czf "$OUT/x/pc_rest.tgz" --exclude='conversations-*.json' --exclude='prefix_*.json' . 2>/dev/null)
+}
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
@@ -48,7 +54,7 @@ case "${1:-}" in
   2) bash scripts/gpu_chain.sh 2
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait split "${LIM:-300}"
-     mkdir -p "$OUT/x"; cp /root/bg/split.log /root/bg/split/*.json /root/bg/pc/*.json "$OUT/x/" 2>/dev/null; ls "$OUT/x" ;;
+     mkdir -p "$OUT/x"; cp /root/bg/split.log /root/bg/split/*.json "$OUT/x/" 2>/dev/null; results; ls "$OUT/x" ;;
   3) mkdir -p .gpu_data && cp .gpu_tools/sharegpt.json .gpu_data/ && bash scripts/gpu_chain.sh 3 || exit 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      if bg_done split; then kill_servers; fi  # (call 1's job may still run: its servers stay)
@@ -84,8 +90,7 @@ case "${1:-}" in
      bg_wait pc "${LIM:-560}"; ls "$OUT/x" ;;
   4) source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait pc "${LIM:-560}"
-     mkdir -p "$OUT/x"; cp /root/bg/pc.log /root/bg/pc/*.json /root/bg/pc/*.log "$OUT/x/" 2>/dev/null
-     tar czf "$OUT/x/pc_traces.tgz" -C /root/bg/pc $(cd /root/bg/pc && ls -d traces* 2>/dev/null) 2>/dev/null
+     mkdir -p "$OUT/x"; cp /root/bg/pc.log "$OUT/x/" 2>/dev/null; results
      # (the servers only once the job is done: a call that returns while it runs leaves them to it; killing them
      # here stopped a benchmark mid-round, and its pkill patterns match the job's own command line too)
      if bg_done pc; then kill_servers; fi; ls -la "$OUT/x" ;;
