@@ -385,6 +385,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if s["prefix_cache_queries"]:
         print(f"prefix cache: {s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens found "
               f"({s['prefix_cache_hit_rate']:.1%})")
+    if "p50_ttft_ms_by_turn" in s:
+        print("by turn: TTFT p50 " + " / ".join("-" if v is None else f"{v:.1f}" for v in s["p50_ttft_ms_by_turn"])
+              + " ms; prefix cache hits " + " / ".join("-" if v is None else f"{v:.0%}"
+                                                     for v in s["prefix_cache_hit_rate_by_turn"]))
     print(f"host: {s['host_ms_per_step']:.3f} ms to schedule and dispatch a step; wall {s['wall_seconds']:.2f} s")
     if s["admission_wait_steps"] or s["admission_wait_changes"]:
         from dispatcher.engine.config import SD_ADMISSION_WAIT_STEPS

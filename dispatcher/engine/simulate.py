@@ -206,6 +206,11 @@ class ClosedLoop:
         self.turn_of: dict[str, tuple[int, int, list[int]]] = {}
         """Each live request's (conversation, turn, prompt) while a later turn follows it."""
         self.answers: dict[str, list[int]] = defaultdict(list)
+        self.live: dict[str, Request] = {}
+        self.turn_index: dict[str, int] = {}
+        """Every request's turn (0: a conversation's first)."""
+        self.prompt_and_cached: dict[str, tuple[int, int]] = {}
+        """Each finished request's prompt tokens and those its admission found in the prefix cache."""
 
     def longest(self) -> int:
         """The most tokens a request can hold: a conversation's every turn and answer."""
@@ -225,8 +230,10 @@ class ClosedLoop:
             rid = f"req-{self.submitted}"
             self.submitted += 1
             prompt = history + prompt_tokens(self.conversations[conv][turn], rid, self.vocab_size)
-            scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=self.output_len,
-                                                                      ignore_eos=self.ignore_eos), eos_token_id=0))
+            req = Request(rid, prompt, SamplingParams(max_tokens=self.output_len, ignore_eos=self.ignore_eos),
+                          eos_token_id=0)
+            scheduler.add_request(req)
+            self.live[rid], self.turn_index[rid] = req, turn
             if turn + 1 < len(self.conversations[conv]):
                 self.turn_of[rid] = (conv, turn, prompt)
             sent.append(rid)
@@ -240,11 +247,29 @@ class ClosedLoop:
             self.answers[request_id].extend(new_token_ids)
         if not finished:
             return
+        req = self.live.pop(request_id)
+        self.prompt_and_cached[request_id] = (req.num_prompt_tokens, req.num_cached_tokens or 0)
         if later is None:
             self.in_flight -= 1
             return
         conv, turn, prompt = self.turn_of.pop(request_id)
         self.ready.append((conv, turn + 1, prompt + self.answers.pop(request_id, [])))
+
+
+    def by_turn(self, ttft_ms: dict[str, float]) -> dict[str, list]:
+        """Per turn, over its finished requests: the TTFT p50 (ms) and the share of prompt tokens found in the prefix
+        cache (a later turn that finds little of its history had it evicted: the KV pool too small for the
+        conversations in flight, ``--num-kv-blocks``)."""
+        turns = max(self.turn_index.values(), default=-1) + 1
+        p50: list[float | None] = []
+        hit_rate: list[float | None] = []
+        for t in range(turns):
+            done = [r for r, turn in self.turn_index.items() if turn == t and r in self.prompt_and_cached]
+            ms = [ttft_ms[r] for r in done if r in ttft_ms]
+            p50.append(round(float(np.percentile(ms, 50)), 3) if ms else None)
+            prompt = sum(self.prompt_and_cached[r][0] for r in done)
+            hit_rate.append(round(sum(self.prompt_and_cached[r][1] for r in done) / prompt, 4) if prompt else None)
+        return {"p50_ttft_ms_by_turn": p50, "prefix_cache_hit_rate_by_turn": hit_rate}
 
 
 @dataclass
@@ -412,6 +437,8 @@ def simulate(cfg, prompts: list[PromptSpec], *, concurrency: int, output_len: in
         "admission_wait_steps": scheduler.config.admission_wait_steps,
         "admission_wait_changes": wait_changes,
     }
+    if turns > 1:
+        summary.update(clients.by_turn({r: first_token[r] - submitted[r] for r in done if r in first_token}))
     if auto is not None:
         summary["auto_tiers"] = {"initial": initial_tiers, "final": auto.choice.as_config(), "changes": tier_changes,
                                  "steps_by_k": {str(k): v for k, v in sorted(steps_by_k.items())},
