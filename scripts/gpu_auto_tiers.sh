@@ -9,7 +9,8 @@
 #           drafter tests, the float32 attention test and the served structured-outputs test first (their results
 #           back in this call), then, in the background, the default model with its shipped head, real acceptance:
 #           no SD, K = 3 / 4 / 5, auto up to 5, 16-1024 streams, three rounds)
-#   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back)
+#   call 4: carry [".gpu_tools"]                                           ... 4   (waits for it; its results back;
+#           repeat it while the job runs: the last, once it is done, stops the servers)
 #   call 5 (optional): carry [".gpu_tools"]                                ... 5   (py-spy on a K = 3 server at 1024
 #           streams: where the host's part of a step goes, scripts/spy_top.py's summary of engine and worker)
 # .gpu_tools holds sharegpt.json (scripts/gpu_carry.sh puts it in .gpu_data, which calls 2-4 do not carry).
@@ -42,7 +43,7 @@ case "${1:-}" in
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      bg_wait moe 5
      mkdir -p "$OUT/x"; cp /root/bg/moe.log /root/bg/moe/*.json "$OUT/x/" 2>/dev/null
-     kill_servers
+     kill_servers  # (bench-moe's job too if it still runs: the GPU tests and the matrix need the GPU to themselves)
      [ -n "${NO_TESTS:-}" ] || TAILN=14 part gputests 360 python -m pytest -o addopts= -q -rs -p no:cacheprovider \
        tests/test_default_model_drafters.py tests/test_kernels.py::test_float32_attention_on_the_gpu_computes_in_float32 \
        tests/test_structured_gpu.py::test_every_constraint_gives_valid_output_served_on_the_gpu
@@ -61,7 +62,9 @@ case "${1:-}" in
        --out "$OUT/x/by_kind_1024_$GPU.json" | grep -v '^  ' ;
      python benchmarks/trace_by_kind.py /root/bg/dm/traces/*.jsonl --requests 200-256 \
        --out "$OUT/x/by_kind_256_$GPU.json" | grep -v '^  ' ;
-     kill_servers; ls -la "$OUT/x" ;;
+     # (the servers only once the job is done: kill_servers' patterns match the job's own command line, and a call
+     # 4 that returns while it runs is repeated: gpu_prefix_budgets.sh lost a benchmark that way)
+     if bg_done dm; then kill_servers; fi; ls -la "$OUT/x" ;;
   5) # (optional, after 4 within the warm window: where the host's ~2 ms a step at 1024 streams goes) one eagle3 K = 3
      # server at 1024 streams, its engine and worker sampled by py-spy; the raw stacks and their summary come back
      source scripts/gpu_session.sh "${C:?set C to the commit}"
