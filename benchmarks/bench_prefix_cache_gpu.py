@@ -132,6 +132,20 @@ def make_row(model: str, workload: str, conc: int, caching: bool, b: dict, rnd: 
             "num_clients": b.get("num_clients")}
 
 
+def default_kv_gib(device: str, total_bytes: int | None = None) -> float:
+    """Each server's KV cache when ``--kv-gib`` is not given: a third of the GPU's memory (two servers, their weights
+    and graphs beside them), at most 48 GiB (the H200 runs'); 48 without a GPU to ask (a CPU dry run sets its own)."""
+    if total_bytes is None:
+        if not device.startswith("cuda"):
+            return 48.0
+        import torch
+
+        if not torch.cuda.is_available():
+            return 48.0
+        total_bytes = torch.cuda.get_device_properties(0).total_memory
+    return min(48.0, round(total_bytes / 3 / 2**30, 1))
+
+
 def pool_note(row: dict) -> str:
     """Where a multi-turn run's last turn held more KV than the server's pool: what that does to its hit rate."""
     need, pool = row.get("last_turn_kv_tokens"), row.get("kv_pool_tokens")
@@ -323,7 +337,8 @@ def main() -> None:
                         "chunk after the first)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-gib", type=float, default=48.0, help="each server's KV cache, GiB (two run at once)")
+    parser.add_argument("--kv-gib", type=float, default=None, help="each server's KV cache, GiB (two run at once; "
+                        "default: a third of the GPU's memory, at most 48: 48 on an H200, ~26 on an H100)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the servers' token budget a step (default: the headline's 16384)")
     parser.add_argument("--compilation-config", default=None, metavar="JSON",
@@ -336,6 +351,8 @@ def main() -> None:
     if bad := (set(models) - set(MODELS)) | (set(workloads) - set(WORKLOADS)):
         parser.error(f"unknown {', '.join(sorted(bad))} (models {', '.join(MODELS)}; workloads {', '.join(WORKLOADS)})")
     concs = [int(c) for c in args.concurrency.split(",")]
+    if args.kv_gib is None:
+        args.kv_gib = default_kv_gib(args.device)
     if "default" in models and args.default_model is None:
         from models.default_model import DefaultModelError, default_model_path
 
@@ -350,7 +367,7 @@ def main() -> None:
                          + shlex.join(sys.argv[1:]),
               "commit": commit(), "device": args.device, "output_len": args.output_len, "turns": args.turns,
               "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "random_len": args.random_len,
-              "max_num_batched_tokens": args.max_num_batched_tokens or 16384,
+              "max_num_batched_tokens": args.max_num_batched_tokens or 16384, "kv_gib": args.kv_gib,
               "models": models, "workloads": workloads, "concurrency": concs, "rows": [], "servers": [],
               "errors": []}
     if args.resume and args.out and os.path.exists(args.out):

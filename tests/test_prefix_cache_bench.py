@@ -101,3 +101,12 @@ def test_a_multi_turn_row_says_when_the_last_turn_outgrew_the_kv_pool(pc):
     assert pair["kv_pool_short_rounds"] == 1
     (pair,) = pc.summarize([{**roomy, "round": 0, "prefix_cache_hit_rate": 0.07}, off])["pairs"]
     assert "kv_pool_short_rounds" not in pair
+
+
+def test_each_servers_kv_cache_defaults_to_a_third_of_the_gpu_at_most_48_gib(pc):
+    """Two servers share the GPU: without --kv-gib each gets a third of its memory, so that the default fits an H100
+    (80 GiB: ~26 each) as it fits an H200 (48, the runs' size); without a GPU, 48 (a CPU dry run gives its own)."""
+    assert pc.default_kv_gib("cuda", total_bytes=80 * 2**30) == 26.7
+    assert pc.default_kv_gib("cuda", total_bytes=141 * 2**30) == 47.0
+    assert pc.default_kv_gib("cuda", total_bytes=192 * 2**30) == 48.0
+    assert pc.default_kv_gib("cpu") == 48.0
