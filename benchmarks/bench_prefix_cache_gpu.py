@@ -292,13 +292,14 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
                                    max(conc, args.min_prompts))
                     result["rows"].append(row)
                     save()
+                    note = pool_note(row)
                     log(f"{name}: {row['output_tok_s']:.0f} tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms p99 "
                         f"{row['ttft_ms_p99']:.1f} ms, hit rate {row['prefix_cache_hit_rate']}, "
                         f"{row['eager_steps']} eager"
                         + (f", TTFT p50 by turn {row['ttft_ms_p50_by_turn']}" if row["ttft_ms_p50_by_turn"] else "")
                         + (f", hit rate by turn {row['prefix_cache_hit_rate_by_turn']}" if caching
                            and row["prefix_cache_hit_rate_by_turn"] else "")
-                        + (f"; {pool_note(row)}" if pool_note(row) else ""))
+                        + (f"; {note}" if note else ""))
         finally:
             for proc, _ in procs.values():
                 stop(proc)

@@ -206,11 +206,10 @@ class ClosedLoop:
         self.turn_of: dict[str, tuple[int, int, list[int]]] = {}
         """Each live request's (conversation, turn, prompt) while a later turn follows it."""
         self.answers: dict[str, list[int]] = defaultdict(list)
-        self.live: dict[str, Request] = {}
-        self.turn_index: dict[str, int] = {}
-        """Every request's turn (0: a conversation's first)."""
-        self.prompt_and_cached: dict[str, tuple[int, int]] = {}
-        """Each finished request's prompt tokens and those its admission found in the prefix cache."""
+        self.live: dict[str, tuple[Request, int]] = {}
+        """Each unfinished request and its turn (0: a conversation's first)."""
+        self.finished: dict[str, tuple[int, int, int]] = {}
+        """Each finished request's turn, prompt tokens and those its admission found in the prefix cache."""
 
     def longest(self) -> int:
         """The most tokens a request can hold: a conversation's every turn and answer."""
@@ -233,7 +232,7 @@ class ClosedLoop:
             req = Request(rid, prompt, SamplingParams(max_tokens=self.output_len, ignore_eos=self.ignore_eos),
                           eos_token_id=0)
             scheduler.add_request(req)
-            self.live[rid], self.turn_index[rid] = req, turn
+            self.live[rid] = req, turn
             if turn + 1 < len(self.conversations[conv]):
                 self.turn_of[rid] = (conv, turn, prompt)
             sent.append(rid)
@@ -247,28 +246,29 @@ class ClosedLoop:
             self.answers[request_id].extend(new_token_ids)
         if not finished:
             return
-        req = self.live.pop(request_id)
-        self.prompt_and_cached[request_id] = (req.num_prompt_tokens, req.num_cached_tokens or 0)
+        req, turn = self.live.pop(request_id)
+        self.finished[request_id] = (turn, req.num_prompt_tokens, req.num_cached_tokens or 0)
         if later is None:
             self.in_flight -= 1
             return
         conv, turn, prompt = self.turn_of.pop(request_id)
         self.ready.append((conv, turn + 1, prompt + self.answers.pop(request_id, [])))
 
-
     def by_turn(self, ttft_ms: dict[str, float]) -> dict[str, list]:
         """Per turn, over its finished requests: the TTFT p50 (ms) and the share of prompt tokens found in the prefix
         cache (a later turn that finds little of its history had it evicted: the KV pool too small for the
         conversations in flight, ``--num-kv-blocks``)."""
-        turns = max(self.turn_index.values(), default=-1) + 1
+        by_turn: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
+        for rid, (turn, prompt, cached) in self.finished.items():
+            by_turn[turn].append((rid, prompt, cached))
         p50: list[float | None] = []
         hit_rate: list[float | None] = []
-        for t in range(turns):
-            done = [r for r, turn in self.turn_index.items() if turn == t and r in self.prompt_and_cached]
-            ms = [ttft_ms[r] for r in done if r in ttft_ms]
+        for t in range(max(by_turn, default=-1) + 1):
+            done = by_turn[t]
+            ms = [ttft_ms[rid] for rid, _, _ in done if rid in ttft_ms]
             p50.append(round(float(np.percentile(ms, 50)), 3) if ms else None)
-            prompt = sum(self.prompt_and_cached[r][0] for r in done)
-            hit_rate.append(round(sum(self.prompt_and_cached[r][1] for r in done) / prompt, 4) if prompt else None)
+            prompt = sum(n for _, n, _ in done)
+            hit_rate.append(round(sum(c for _, _, c in done) / prompt, 4) if prompt else None)
         return {"p50_ttft_ms_by_turn": p50, "prefix_cache_hit_rate_by_turn": hit_rate}
 
 
