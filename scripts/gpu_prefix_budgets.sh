@@ -16,6 +16,9 @@
 #           a large KV pool too (NO_PREFIX_KV_GIB, default 30: two servers share an H100; ~87,000 blocks each),
 #           where evicting cached blocks is what a full pool costs; 0: not run); and at 4,096 tokens a step with
 #           mixed steps of up to FULL_MIXED tokens (default 4096; 0: not run) on FULL graphs
+#           (API_SERVERS=N: every default-model server of call 3 with N front ends, the benchmark's default 4, and
+#           its results named _api<N>: a burst of 256 turns queues ~64 arrivals in each of 4 front ends, ~10 ms of
+#           a turn's TTFT with caching on, docs/reference.md)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; results and traces back)
 # Call 4 may be repeated while the job runs (each brings back what is done so far; the last, once it is done, stops
 # the servers).
@@ -59,6 +62,7 @@ case "${1:-}" in
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      if bg_done split; then kill_servers; fi  # (call 1's job may still run: its servers stay)
      mkdir -p "$OUT/x" /root/bg/pc
+     api="" tag=""; [ -z "${API_SERVERS:-}" ] || { api=" --api-server-count $API_SERVERS"; tag="_api$API_SERVERS"; }
      # (call 1's job first: two benchmarks on one GPU would measure each other)
      # (at most 20 minutes: a job killed before its end writes no BG_DONE)
      runs="for i in \$(seq 600); do [ -e /root/bg/split.log ] && ! grep -q '^BG_DONE' /root/bg/split.log || break; sleep 2; done; "
@@ -67,8 +71,8 @@ case "${1:-}" in
 > /root/bg/pc/gputests.log 2>&1; tail -25 /root/bg/pc/gputests.log; pkill -f '[d]ispatcher serve'; sleep 2; "
      for b in ${BUDGETS-4096 8192}; do  # (BUDGETS="": none)
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
-       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens $b"
-       runs+=" --step-trace-dir /root/bg/pc/traces$b --out /root/bg/pc/prefix_mt_budget${b}_$GPU.json; "
+       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens $b$api"
+       runs+=" --step-trace-dir /root/bg/pc/traces$b$tag --out /root/bg/pc/prefix_mt_budget${b}${tag}_$GPU.json; "
      done
      # the bursts' mixed steps on FULL graphs (>= 5 ms a PIECEWISE mixed step on this 30-layer model, whatever its
      # size; FULL_MIXED=0: not run)
@@ -77,14 +81,14 @@ case "${1:-}" in
        runs+="python -m pytest -m gpu -o addopts= -q -p no:cacheprovider tests/test_attention.py -k cached_prefixes"
        runs+=" > /root/bg/pc/fullmixed_test.log 2>&1; tail -3 /root/bg/pc/fullmixed_test.log; "
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
-       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096"
+       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096$api"
        runs+=" --compilation-config '{\"max_full_mixed_cudagraph_capture_tokens\": ${FULL_MIXED:-4096}}'"
-       runs+=" --step-trace-dir /root/bg/pc/traces_fullmixed --out /root/bg/pc/prefix_mt_fullmixed_$GPU.json; "
+       runs+=" --step-trace-dir /root/bg/pc/traces_fullmixed$tag --out /root/bg/pc/prefix_mt_fullmixed${tag}_$GPU.json; "
      fi
      if [ "${NO_PREFIX_KV_GIB:-30}" != 0 ]; then  # (0: not run)
        runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
-       runs+=" --workloads no-prefix --concurrency 256,1024 --rounds 3 --kv-gib ${NO_PREFIX_KV_GIB:-30}"
-       runs+=" --out /root/bg/pc/prefix_noprefix_kv${NO_PREFIX_KV_GIB:-30}_$GPU.json"
+       runs+=" --workloads no-prefix --concurrency 256,1024 --rounds 3 --kv-gib ${NO_PREFIX_KV_GIB:-30}$api"
+       runs+=" --out /root/bg/pc/prefix_noprefix_kv${NO_PREFIX_KV_GIB:-30}${tag}_$GPU.json"
      fi
      bg_start pc bash -c "$runs"
      bg_wait pc "${LIM:-560}"; ls "$OUT/x" ;;
