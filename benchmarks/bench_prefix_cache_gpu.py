@@ -60,11 +60,13 @@ from _common import conversations_file, commit, kv_blocks, loop_holds, markdown_
 from bench_headline_gpu import launch, num_clients, serve_command, wait_healthy
 from bench_spec_gpu import log, log_tail
 
+from scheduler.scheduler import SchedulerConfig
+
 WORKLOADS = ("multi-turn", "prefix-repetition", "no-prefix")
 MODELS = ("bench-moe", "default")
 SERVED_NAME = "served"
-BLOCK_SIZE = 16
-"""The servers' KV block size (twogrid serve's default, which ``kv_blocks`` assumes)."""
+BLOCK_SIZE = SchedulerConfig.block_size
+"""The servers' KV block size (twogrid serve's default)."""
 
 
 def cell(row: dict) -> tuple:
@@ -222,14 +224,13 @@ def markdown(rows: list[dict]) -> str:
                          + (f", round {r['round']}" if r.get("round") else ""), fmt)
 
 
-def serve_pair(model: str, args, work_dir: str) -> dict[bool, tuple[subprocess.Popen, int]]:
-    """Both servers of a model (caching on at ``--port``, off at ``--port`` + 1), started together, ready."""
-    args.model, args.tokenizer = (("bench-moe", args.moe_tokenizer) if model == "bench-moe"
-                                  else (args.default_model, None))
+def serve_pair(model: str, args, work_dir: str, num_kv_blocks: int) -> dict[bool, tuple[subprocess.Popen, int]]:
+    """Both servers of a model (caching on at ``--port``, off at ``--port`` + 1), started together, ready;
+    ``args.model`` and ``args.tokenizer`` set to the model's."""
     procs = {}
     for caching, port in ((True, args.port), (False, args.port + 1)):
         cmd = serve_command("separate", None, port, args, SERVED_NAME)
-        cmd += ["--num-kv-blocks", str(kv_blocks(args.model, args.kv_gib))]
+        cmd += ["--num-kv-blocks", str(num_kv_blocks)]
         if not caching:
             cmd.append("--no-enable-prefix-caching")
         if args.max_num_batched_tokens:  # (argparse keeps the last: this one over serve_command's 16384)
@@ -262,13 +263,16 @@ def measure(result: dict, models: list[str], workloads: list[str], concs: list[i
             continue
         t0 = time.monotonic()
         log(f"{model}: starting both servers")
+        args.model, args.tokenizer = (("bench-moe", args.moe_tokenizer) if model == "bench-moe"
+                                      else (args.default_model, None))
+        num_kv_blocks = kv_blocks(args.model, args.kv_gib, BLOCK_SIZE)
         try:
-            procs = serve_pair(model, args, work_dir)
+            procs = serve_pair(model, args, work_dir, num_kv_blocks)
         except RuntimeError as exc:
             result["errors"].append({"model": model, "error": str(exc)})
             save()
             continue
-        pool_tokens = kv_blocks(args.model, args.kv_gib) * BLOCK_SIZE
+        pool_tokens = num_kv_blocks * BLOCK_SIZE
         result["servers"].append({"model": model, "start_s": round(time.monotonic() - t0, 1),
                                   "kv_pool_tokens": pool_tokens})
         try:
