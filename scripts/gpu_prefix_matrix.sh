@@ -8,14 +8,16 @@
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits; what is done comes back)
 #   call 3: carry [".gpu_gguf/p02", ".gpu_tools"]                          ... 3   (GGUF joined; in the background,
 #           once call 1's job is done: the default model's matrix, then its multi-turn and no-prefix cells at 256
-#           streams with mixed steps on FULL graphs and API_SERVERS front ends (default 8; 0: not run), the question
-#           being whether the ~10 ms a turn waits in 4 front ends during a burst keeps it from 2x)
+#           streams with API_SERVERS front ends (default 8; 0: not run), mixed steps PIECEWISE (the default) and on
+#           FULL graphs, the question being whether the ~10 ms a turn waits in 4 front ends during a burst keeps it
+#           from 2x)
 #   call 4: carry [".gpu_tools"]                                           ... 4   (waits; repeat while it runs; the
 #           last, once the job is done, stops the servers)
 # Every matrix runs at 4,096 tokens a step (every mixed step within the PIECEWISE graphs: 16,384 ran a burst's steps
 # eagerly, docs/reference.md), ROUNDS rounds a cell (default 1; the 256-stream cells have three-round runs of their
 # own in docs/bench). Results: prefix_cache_$GPU.json (both models' rows, --resume), sampling_split_$GPU.json,
-# prefix_mt_fullmixed_api<N>_$GPU.json, and pm_rest.tgz (logs; step traces are not kept: 24 cells a model).
+# prefix_mt_budget4096_api<N>_$GPU.json, prefix_mt_fullmixed_api<N>_$GPU.json, and pm_rest.tgz (logs; step traces
+# are not kept: 24 cells a model).
 set -uo pipefail
 kill_servers() {
   pkill -f '[b]ench_sampling_gpu'; pkill -f '[b]ench_prefix_cache_gpu'; pkill -f '[d]ispatcher serve'; sleep 1
@@ -58,11 +60,17 @@ case "${1:-}" in
      runs="for i in \$(seq 600); do [ -e /root/bg/pm1.log ] && ! grep -q '^BG_DONE' /root/bg/pm1.log || break; sleep 2; done; "
      runs+=$(matrix default)
      api=${API_SERVERS:-8}
-     if [ "$api" != 0 ]; then
-       runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
-       runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096"
-       runs+=" --api-server-count $api --compilation-config '{\"max_full_mixed_cudagraph_capture_tokens\": 4096}'"
-       runs+=" --out /root/bg/pm/prefix_mt_fullmixed_api${api}_$GPU.json; "
+     if [ "$api" != 0 ]; then  # (the default PIECEWISE mixed steps, then FULL mixed)
+       for cc in "" "{\"max_full_mixed_cudagraph_capture_tokens\": 4096}"; do
+         runs+="python benchmarks/bench_prefix_cache_gpu.py --data $D --tokenizer $T --models default"
+         runs+=" --workloads multi-turn,no-prefix --concurrency 256 --rounds 3 --kv-gib 8 --max-num-batched-tokens 4096"
+         runs+=" --api-server-count $api"
+         if [ -n "$cc" ]; then
+           runs+=" --compilation-config '$cc' --out /root/bg/pm/prefix_mt_fullmixed_api${api}_$GPU.json; "
+         else
+           runs+=" --out /root/bg/pm/prefix_mt_budget4096_api${api}_$GPU.json; "
+         fi
+       done
      fi
      bg_start pm bash -c "$runs"
      bg_wait pm "${LIM:-560}"; results ;;
