@@ -628,6 +628,15 @@ BAD_CHAT = [
     ("tool calls on a user message", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[0].tool_calls", "assistant"),
+    ("a forced call with an empty list of tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [],
+                                                   "tool_choice": "required"}, "tool_choice", "empty list"),
+    ("a named call with an empty list of tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [],
+                                                  "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "the function 'f'"),
+    ("a text part carrying an image", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].image_url", "text"),
+    ("a part with a key no part has", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "foo": 1}]}]}, "messages[0].content[0].foo", "unknown"),
 ]
 
 
@@ -640,6 +649,43 @@ def test_bad_chat_requests_get_400(what, body, param, word):
             assert word.lower() in err["message"].lower(), err
 
     run(go())
+
+
+def test_an_empty_list_of_tools_with_no_call_forced_is_served_as_none():
+    """Clients that always send ``tools`` send ``[]`` when they have none: with tool_choice left out, "none" or "auto"
+    the request is served as if ``tools`` were left out (a forced call is refused: BAD_CHAT)."""
+    async def go():
+        async with served() as c:
+            for extra in ({}, {"tool_choice": "none"}, {"tool_choice": "auto"}):
+                body = {"messages": [{"role": "user", "content": "hi"}], "tools": [], "max_tokens": 2, **extra}
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status == 200, (extra, await r.text())
+                assert (await r.json())["choices"][0]["message"].get("tool_calls") in (None, [])
+
+    run(go())
+
+
+def test_a_body_its_content_encoding_does_not_decode_is_400(caplog):
+    """A body sent with ``Content-Encoding: gzip`` (or deflate) that is not compressed: 400 in the API's error shape
+    (it was a 500 with a traceback in the log), on every route that reads a body; the server goes on."""
+    caplog.set_level(logging.INFO, logger="twogrid")
+
+    async def go():
+        async with served() as c:
+            for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                               ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+                for encoding in ("gzip", "deflate"):
+                    r = await c.post(path, data=json.dumps(body).encode(), headers={
+                        "Content-Type": "application/json", "Content-Encoding": encoding,
+                        "Connection": "close"})  # (the server closes a connection whose body it could not read)
+                    err = await error_of(r, 400)
+                    assert "body could not be read" in err["message"] and err["code"] == 400, (path, err)
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status == 200
+
+    run(go())
+    assert not [r for r in caplog.records if r.name.startswith("twogrid") and r.levelno >= logging.ERROR]
 
 
 def test_engine_refusal_is_400():

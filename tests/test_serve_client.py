@@ -238,3 +238,25 @@ def test_reading_the_engines_steps_leaves_no_reference_cycles():
     got, cycles = asyncio.run(scenario())
     assert got == [[b"%d.%d" % (i, j) for j in range(3)] for i in range(100)]
     assert cycles == 0
+
+
+def test_a_request_whose_message_cannot_be_encoded_leaves_nothing_behind():
+    """A request id with a lone surrogate (a header byte that is not UTF-8, decoded with surrogate escapes) cannot be
+    sent to the engine: generate raises, and the request is not left registered, so that shutdown's Abort of the
+    running requests (which encodes their ids) still goes out and the next request is served."""
+    async def go():
+        ctx = zmq.asyncio.Context()
+        engine = _Engine(ctx, "unencodable")
+        client = _client(engine)
+        with pytest.raises(UnicodeEncodeError):
+            client.generate("cmpl-caf\udce9", None, [1, 2, 3], SamplingParams(max_tokens=2))
+        assert not client._streams and not client.processor.requests and engine.sent == []
+        stream = client.generate("ok", None, [1, 2, 3], SamplingParams(max_tokens=1))
+        await engine.engine_side.send(encode(Outputs([Delta("ok", [100], "length")])))
+        task = asyncio.get_running_loop().create_task(client._receive())
+        try:
+            assert [list(out.outputs[0].token_ids) async for out in stream] == [[100]]
+        finally:
+            _close(ctx, engine, task)
+
+    asyncio.run(go())

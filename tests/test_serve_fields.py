@@ -196,6 +196,41 @@ def test_x_request_id_is_the_request_id():
     run(go())
 
 
+def test_an_x_request_id_that_is_not_printable_utf8_is_refused_naming_it():
+    """The id is sent to the engine as UTF-8 and written in every log line: a header byte that is not UTF-8 (the
+    server decodes headers with surrogate escapes) or a control character is refused with a 400 naming the header,
+    for completions and chat alike, nothing reaches the engine, and the server goes on."""
+    import json
+
+    async def raw_post(c, path: str, body: dict, request_id: bytes) -> tuple[int, dict]:
+        """The request written as bytes (an HTTP client would re-encode the header's value)."""
+        data = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection(c.server.host, c.server.port)
+        writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: " + request_id + b"\r\nContent-Length: " + str(len(data)).encode()
+                     + b"\r\nConnection: close\r\n\r\n" + data)
+        response = await reader.read()
+        writer.close()
+        head, _, payload = response.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(payload)
+
+    async def go():
+        engine = FakeEngine()
+        async with served(engine) as c:
+            for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 1})):
+                for given, word in ((b"caf\xe9", "UTF-8"), (b"a\tb", "control character")):
+                    status, payload = await raw_post(c, path, body, given)
+                    err = payload["error"]
+                    assert status == 400 and err["param"] == "X-Request-Id" and word in err["message"], payload
+            assert not engine.requests
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "ok"})
+            assert r.status == 200
+
+    run(go())
+
+
 def test_error_code_is_the_http_status():
     async def go():
         async with served(api_key=KEY) as c:

@@ -360,10 +360,7 @@ class Server:
         reason = self._unavailable()
         if reason is not None:
             raise ApiError(503, reason, reason="unavailable")
-        given = request.headers.get("X-Request-Id")
-        if given is not None and len(given) > MAX_REQUEST_ID_CHARS:
-            raise ApiError(400, f"'X-Request-Id' has {len(given)} characters; at most {MAX_REQUEST_ID_CHARS}",
-                           param="X-Request-Id")
+        given = _client_request_id(request)
         body = await self._read_body(request)
         req = P.decode_request(body, P.ChatCompletionRequest if chat else P.CompletionRequest)
         self._check_model(req.model)
@@ -502,15 +499,20 @@ class Server:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(None, self.max_body_bytes) from None
+        except web.RequestPayloadError as exc:  # (a body its Content-Encoding does not decode, or one cut short)
+            raise ApiError(400, f"the request body could not be read: {exc}") from None
 
     def _tool_use(self, req: P.ChatCompletionRequest, structured) -> _ToolUse | None:
         """Check ``tools`` and ``tool_choice`` as vLLM does; None when no call is to be parsed (no tools, or
         tool_choice "none")."""
         choice = req.tool_choice
         if not req.tools:
-            if choice in (None, "none") or (choice == "required" and req.tools is not None):
-                return None  # ("required" with an empty list: none, as OpenAI)
-            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+            if choice in (None, "none") or (choice == "auto" and req.tools is not None):
+                return None  # (an empty list with no call forced: as if left out, which clients that always send
+                # the field rely on)
+            raise ApiError(400, "'tool_choice' needs 'tools'" + (
+                f" (an empty list has no tool to call, so {_choice_name(choice)} cannot be met)"
+                if req.tools is not None else ""), param="tool_choice")
         choice = "auto" if choice is None else choice
         if choice == "none":
             return None
@@ -993,6 +995,31 @@ def _client_error(param: str):
         yield
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from None
+
+
+def _choice_name(choice) -> str:
+    """A tool_choice as an error message names it."""
+    return f"'{choice}'" if isinstance(choice, str) else f"the function '{choice.function.name}'"
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id, checked: it becomes the response's id, the engine's (sent as UTF-8) and every log
+    line's, so at most MAX_REQUEST_ID_CHARS printable characters of valid UTF-8 (the header's bytes are decoded with
+    surrogate escapes: a byte that is not UTF-8 would fail only where the id is sent on)."""
+    given = request.headers.get("X-Request-Id")
+    if given is None:
+        return None
+    if len(given) > MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"'X-Request-Id' has {len(given)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                       param="X-Request-Id")
+    try:
+        given.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "'X-Request-Id' is not valid UTF-8", param="X-Request-Id") from None
+    if not given.isprintable():
+        raise ApiError(400, "'X-Request-Id' has a control character; only printable characters are accepted",
+                       param="X-Request-Id")
+    return given
 
 
 def _json(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

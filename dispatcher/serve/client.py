@@ -162,15 +162,20 @@ class EngineClient:
             raise EngineError("the server is shutting down")
         if not self.ready:
             raise EngineError("the engine is still starting (loading the model, capturing graphs)")
-        self.processor.add_request(request_id, prompt, prompt_token_ids, params)
-        stream = self._streams[request_id] = _Stream(self.stream_interval)
         packed = pack_prompt(prompt_token_ids)
         hashes = b""
         if self.prefix_block_size and isinstance(packed, bytes):  # (a list: ids the engine refuses)
             hashes = prompt_block_hashes(packed, self.prefix_block_size, self.next_token_key)
+        self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        stream = self._streams[request_id] = _Stream(self.stream_interval)
         if arrival is not None and self.metrics is not None:
             self.metrics.on_sent_to_engine(time.perf_counter() - arrival)
-        self._send(AddRequest(request_id, packed, params, self.front_end, hashes))
+        try:
+            self._send(AddRequest(request_id, packed, params, self.front_end, hashes))
+        except BaseException:  # (a message that cannot be encoded: nothing left registered for a later Abort)
+            self._streams.pop(request_id, None)
+            self.processor.abort(request_id)
+            raise
         return self._stream(request_id, stream)
 
     async def _stream(self, request_id: str, stream: "_Stream") -> AsyncIterator[RequestOutput]:

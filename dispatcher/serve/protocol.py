@@ -190,12 +190,23 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     suffix: str | None = None
 
 
-class ContentPart(Struct):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served (other kinds are refused
-    by ``chat_messages`` with a message naming the part)."""
+class ContentPart(Struct, forbid_unknown_fields=True):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served. The other kinds' payloads
+    (OpenAI's and vLLM's) are decoded so that ``message_text`` refuses the part by its kind; a key no kind has is
+    refused as an unknown field, and a text part carrying another kind's payload is refused naming it (an image
+    must not be dropped without a word)."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    video_url: Any = None
+    audio_url: Any = None
+    refusal: Any = None
+
+
+OTHER_PART_PAYLOADS = ("image_url", "input_audio", "file", "video_url", "audio_url", "refusal")
 
 
 class FunctionCallIn(Struct, forbid_unknown_fields=True):
@@ -638,6 +649,10 @@ def message_text(i: int, m: ChatMessage) -> str:
         if part.text is None:
             raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
                            param=f"messages[{i}].content[{j}].text")
+        other = next((name for name in OTHER_PART_PAYLOADS if getattr(part, name) is not None), None)
+        if other is not None:
+            raise ApiError(400, f"'messages[{i}].content[{j}].{other}': a text part carries only its 'text' (only "
+                                f"text parts are supported)", param=f"messages[{i}].content[{j}].{other}")
         texts.append(part.text)
     return "\n".join(texts)
 
