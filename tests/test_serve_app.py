@@ -628,6 +628,8 @@ BAD_CHAT = [
     ("tool calls on a user message", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[0].tool_calls", "assistant"),
+    ("a call id on a user message", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "1"}]},
+     "messages[0].tool_call_id", "tool messages"),
     ("a forced call with an empty list of tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [],
                                                    "tool_choice": "required"}, "tool_choice", "empty list"),
     ("a named call with an empty list of tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [],

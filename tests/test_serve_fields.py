@@ -294,6 +294,11 @@ def test_tokenize_detokenize_version_ping():
             await error_of(r, 404)
             r = await c.post("/tokenize", json={"promt": "Hi"}, headers=auth)
             assert (await error_of(r, 400))["param"] == "promt"
+            # both forms at once: said so (it was "unknown field 'prompt'", a field the route takes)
+            r = await c.post("/tokenize", json={"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]},
+                             headers=auth)
+            err = await error_of(r, 400)
+            assert err["param"] == "prompt" and "not both" in err["message"], err
             version = await (await c.get("/version", headers=auth)).json()
             assert set(version) == {"version"} and version["version"]
             for method in (c.get, c.post):  # /ping as /health, with no key

@@ -346,6 +346,8 @@ def decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequ
     data = _decode(body, None)
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", reason="invalid_type")
+    if "messages" in data and "prompt" in data:
+        raise ApiError(400, "a /tokenize request has 'prompt' or 'messages', not both", param="prompt")
     cls = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     return _decode(body, cls, lambda _: msgspec.convert(data, cls))
 
@@ -608,6 +610,9 @@ def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                  for c in m.tool_calls]
         if m.tool_call_id is not None:
+            if m.role != "tool":
+                raise ApiError(400, f"'messages[{i}].tool_call_id': only tool messages answer a call",
+                               param=f"messages[{i}].tool_call_id")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
