@@ -72,7 +72,13 @@ class GGUFFile:
                                   f"8 (the GGUF specification)")
         data_start = -(-end // align) * align
         self.tensors: dict[str, TensorInfo] = {}
+        expected, previous = 0, None
+        """Where the next tensor's data must start, relative to the data section: ggml's rule (each tensor right
+        after the one before it in the table, padded to the alignment), which also catches a tensor that points at
+        another's data, a type or a shape that does not match the bytes, and a misaligned offset."""
         for name, dims, ggml_type, offset in tensors:
+            if name in self.tensors:
+                raise CheckpointError(f"{path}: tensor {name!r} appears twice in the tensor table")
             try:
                 qtype = GGMLQuantizationType(ggml_type)
             except ValueError:
@@ -82,7 +88,13 @@ class GGUFFile:
             if dims and dims[0] % block:
                 raise CheckpointError(f"{path}: tensor {name!r} has rows of {dims[0]} values, not a multiple of "
                                       f"{qtype.name}'s block of {block}")
+            if offset != expected:
+                before = f"right after {previous!r}" if previous else "the data section's start"
+                raise CheckpointError(f"{path}: tensor {name!r} has its data at offset {offset} of the data section, "
+                                      f"expected {expected} ({before}, padded to {align} bytes): a corrupt tensor "
+                                      f"table, or a type or shape of one of the two that does not match its data")
             info = TensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + offset, count // block * type_size)
+            expected, previous = offset + -(-info.nbytes // align) * align, name
             if info.start + info.nbytes > size:
                 raise CheckpointError(f"{path}: truncated GGUF file: tensor {name!r} ends at byte "
                                       f"{info.start + info.nbytes}, the file has {size} bytes")

@@ -337,6 +337,41 @@ def test_bad_gguf_files_get_one_clear_error_each(tmp_path):
     assert not os.path.exists(tmp_path / "absent.gguf")
 
 
+def _raw_gguf(path, table: list[tuple[str, int, int, int]], data_bytes: int) -> str:
+    """A GGUF of F32/F16 vectors written byte by byte from its tensor table, (name, values, ggml type, offset) each,
+    no metadata (the default alignment, 32), ``data_bytes`` of zeros after the header: a table gguf.GGUFWriter would
+    never write."""
+    import struct
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(table), 0))
+    for name, values, ggml_type, offset in table:
+        out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<IQIQ", 1, values, ggml_type, offset)
+    out += bytes(-len(out) % 32) + bytes(data_bytes)
+    path.write_bytes(bytes(out))
+    return str(path)
+
+
+F32, F16 = 0, 1
+
+
+@pytest.mark.parametrize("table,message", [
+    ([("a", 16, F32, 0), ("b", 16, F32, 0), ("c", 8, F32, 128)], r"'b' has its data at offset 0 .*expected 64 "
+     r"\(right after 'a'"),  # (b points at a's data)
+    ([("a", 16, F32, 0), ("b", 16, F32, 72), ("c", 8, F32, 136)], "'b' has its data at offset 72"),  # (misaligned)
+    ([("a", 16, F32, 0), ("b", 16, F32, 96), ("c", 8, F32, 160)], "'b' has its data at offset 96"),  # (a gap)
+    ([("a", 16, F16, 0), ("b", 16, F32, 64), ("c", 8, F32, 128)], r"'b' .*expected 32 \(right after 'a'"),
+    ([("a", 16, F32, 0), ("a", 16, F32, 64), ("c", 8, F32, 128)], "'a' appears twice"),
+], ids=["overlap", "misaligned", "gap", "type-of-the-one-before", "duplicate"])
+def test_a_tensor_table_that_does_not_lay_out_its_data_in_order_is_refused(tmp_path, table, message):
+    """ggml's rule: each tensor's data right after the one before it in the table, padded to the alignment. A table
+    that breaks it (a tensor pointing at another's data, a misaligned offset, a type whose size does not match the
+    bytes, a name twice) loaded before and gave garbage; it is refused, naming the tensors."""
+    good = [("a", 16, F32, 0), ("b", 16, F32, 64), ("c", 8, F32, 128)]
+    assert set(GGUFFile(_raw_gguf(tmp_path / "good.gguf", good, 160)).tensors) == {"a", "b", "c"}
+    with pytest.raises(CheckpointError, match=message):
+        GGUFFile(_raw_gguf(tmp_path / "bad.gguf", table, 192))
+
+
 def test_attention_biases_a_gguf_architecture_has_not_are_refused(tmp_path):
     """llama.cpp writes a Llama with attention biases (q/k permuted like their weights, an output bias): the loader
     would read them wrong, so it refuses them, naming the tensor."""
