@@ -9,8 +9,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, compact_sizes,
-                                  config_from_args, detect_platform, format_table, render_plan, resolve_device)
+from dispatcher.configure import (add_admission_wait_arg, add_prefix_caching_arg, check_admission_wait, check_seed,
+                                  compact_sizes, config_from_args, detect_platform, format_table, render_plan,
+                                  resolve_device)
 from dispatcher.engine.workload import PREFIX_REPETITION_DEFAULTS, fill_prefix_repetition_flags
 from dispatcher.plan.config import (SPEC_METHODS, ConfigError, Platform, fill_mode_flags, load_json_file,
                                      parse_json_arg, resolve)
@@ -833,6 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_seed(args)
         return args.func(args)
     except ConfigError as exc:
         print(f"twogrid {args.command}: error: {exc}", file=sys.stderr)

@@ -82,6 +82,19 @@ def platform_for_compute_capability(capability: str) -> Platform:
     return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT
 
 
+MAX_SEED = 2**63 - 1
+"""The largest seed: a request's own seed is a signed 64-bit integer (vLLM's range), and the engine's seed stands in
+for it where a request has none."""
+
+
+def check_seed(args: argparse.Namespace) -> None:
+    """A subcommand's ``--seed``, if it has one, within 0..MAX_SEED; ConfigError naming the flag (it failed in the
+    engine after the model loaded, or as msgpack's overflow)."""
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
+
+
 def add_prefix_caching_arg(group) -> None:
     """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flag, on by default as vLLM's)."""
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -197,12 +197,27 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
      "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
+    (["--seed", "-1"], "--seed must be in 0..9223372036854775807, got -1"),  # (a traceback in the engine, after
+    # the model loaded)
+    (["--seed", str(2**70)], f"--seed must be in 0..9223372036854775807, got {2**70}"),  # (a traceback: msgpack)
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(args, line):
     """One line naming the flag, exit code 2, before any model is read (a preset here: nothing would be slow)."""
     rc, out, err = run("serve", "--model", "tiny-dense", "--device", "cpu", *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.strip().startswith(f"twogrid serve: error: {line}"), err
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "tiny-dense", "--device", "cpu"],
+                                     ["simulate", "--platform", "default"]], ids=["generate", "simulate"])
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_a_seed_out_of_range_is_one_line_naming_the_flag(command, seed):
+    """generate said "error: expected non-negative integer" (no flag) for -1 and "Overflow when unpacking long long"
+    for a seed past 64 bits; every subcommand's --seed is 0..2^63 - 1 (a request's own seed is vLLM's signed 64-bit
+    one), checked as the flags are read."""
+    rc, out, err = run(*command, "--seed", seed, *(["1", "2"] if command[0] == "generate" else []))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.strip() == f"twogrid {command[0]}: error: --seed must be in 0..{2**63 - 1}, got {seed}", err
 
 
 def test_a_draft_head_is_checked_before_anything_starts_and_its_weights_by_the_worker(tmp_path):
