@@ -34,11 +34,13 @@ def detect_platform() -> Platform:
 
 def resolve_device(device: str | None, name: str = "--device") -> str:
     """``device``, or cuda when a GPU is visible (else cpu); ConfigError naming ``name`` (the flag or argument)
-    for a CUDA device without a GPU."""
+    for a device that is not cpu, cuda or cuda:N, or a CUDA device without a GPU."""
     import torch
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ConfigError(f"{name} must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{name} {device}: no CUDA GPU is visible to torch here; use {name} cpu (or leave it out: "
                           f"cuda when a GPU is visible)")

@@ -220,6 +220,14 @@ def test_a_seed_out_of_range_is_one_line_naming_the_flag(command, seed):
     assert err.strip() == f"twogrid {command[0]}: error: --seed must be in 0..{2**63 - 1}, got {seed}", err
 
 
+@pytest.mark.parametrize("device", ["bogus", "CPU", "meta"])
+def test_generate_refuses_a_device_it_cannot_run_on_in_one_line(device):
+    """It was torch's RuntimeError under a traceback ("Expected one of cpu, cuda, ... device string")."""
+    rc, out, err = run("generate", "--model", "tiny-dense", "--device", device, "1", "2")
+    assert rc == 2 and out == ""
+    assert err.strip() == f"twogrid generate: error: --device must be cpu, cuda or cuda:N, got {device!r}", err
+
+
 def test_a_draft_head_is_checked_before_anything_starts_and_its_weights_by_the_worker(tmp_path):
     """A head's config.json is read against the target's before anything starts: a head that is not there, or one
     made for another model, is one line with exit code 2 (the worker found them after the model loaded). Its
