@@ -84,6 +84,9 @@ def platform_for_compute_capability(capability: str) -> Platform:
     return Platform.SM100 if capability.split(".")[0] in ("9", "10") else Platform.DEFAULT
 
 
+MAX_BLOCK_SIZE = 1024
+"""Tokens per KV block at most (vLLM's largest choice is 256): a larger block only wastes the cache, and one of
+billions of tokens failed as an allocation in the worker, not naming the flag."""
 MAX_SEED = 2**63 - 1
 """The largest seed: a request's own seed is a signed 64-bit integer (vLLM's range), and the engine's seed stands in
 for it where a request has none."""

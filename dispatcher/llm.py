@@ -24,7 +24,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dispatcher.configure import check_tensor_parallel_size, detect_platform, generation_defaults, resolve_device
+from dispatcher.configure import (MAX_BLOCK_SIZE, check_tensor_parallel_size, detect_platform, generation_defaults,
+                                  resolve_device)
 from dispatcher.engine.config import max_model_len_limit
 from dispatcher.engine.engine_core import EngineArgs, EngineCore, EngineStats
 from dispatcher.engine.output import CompletionOutput, OutputProcessor, RequestOutput, merge_outputs
@@ -290,8 +291,8 @@ def _check_options(dtype, block_size, enable_prefix_caching, seed) -> torch.dtyp
         dtype = DTYPES.get(dtype)  # ("auto": None, the model's default)
     if dtype is not None and dtype not in DTYPES.values():
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"block_size must be an integer in 1..{MAX_BLOCK_SIZE}, got {block_size!r}")
     if not isinstance(enable_prefix_caching, bool):
         raise ConfigError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):

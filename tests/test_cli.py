@@ -197,6 +197,8 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
      "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
+    (["--block-size", "100000000000"], "--block-size must be in 1..1024, got 100000000000"),  # (an allocation
+    # error in the worker)
     (["--seed", "-1"], "--seed must be in 0..9223372036854775807, got -1"),  # (a traceback in the engine, after
     # the model loaded)
     (["--seed", str(2**70)], f"--seed must be in 0..9223372036854775807, got {2**70}"),  # (a traceback: msgpack)

@@ -238,7 +238,8 @@ def test_twogrid_generate_command(model_dir, capsys):
 @pytest.mark.parametrize("kwargs, words", [
     (dict(max_model_len=0), "max_model_len must be an integer >= 1"),  # (0 was taken, -1 named num_kv_blocks)
     (dict(max_model_len=-1), "max_model_len must be an integer >= 1"),
-    (dict(block_size=0), "block_size must be an integer >= 1"),  # (a ZeroDivisionError)
+    (dict(block_size=0), "block_size must be an integer in 1..1024"),  # (a ZeroDivisionError)
+    (dict(block_size=1 << 40), "block_size must be an integer in 1..1024"),  # (an allocation error)
     (dict(dtype="float16"), "dtype must be one of bfloat16, float32"),  # (torch's TypeError)
     (dict(dtype=torch.int8), "dtype must be one of bfloat16, float32"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),  # (truthy: caching on)

@@ -207,14 +207,15 @@ def _check_flags(args: argparse.Namespace) -> None:
     did when every check came first). ConfigError names the flag."""
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    from dispatcher.configure import MAX_BLOCK_SIZE
     from dispatcher.serve.frontend import probe_listen
 
     try:  # (a port in use fails here, before the engine starts; _listen still handles one taken since)
         probe_listen(args.host, args.port)
     except OSError as exc:
         raise _cannot_listen(exc, args) from None
-    if args.block_size < 1:
-        raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
     if not 0 <= args.shutdown_timeout < float("inf"):  # (NaN fails this too)
         raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout:g}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
