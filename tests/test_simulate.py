@@ -97,6 +97,23 @@ def test_sharegpt_workload():
     assert len(specs) == 600 and all(s.num_tokens >= 1 for s in specs)
 
 
+def test_a_sharegpt_prompt_is_the_first_human_turn_as_twogrid_bench_reads_it(tmp_path):
+    """simulate took each conversation's first turn whatever its role (an assistant's text as the prompt); it reads
+    the first human (or user) turn, as twogrid bench does, and refuses a file with none, naming it."""
+    import json
+
+    from dispatcher.plan.config import ConfigError
+
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "gpt", "value": "I am the assistant"},
+                                                   {"from": "human", "value": "the question"}]},
+                                {"conversations": [{"from": "user", "value": "another"}]}]))
+    assert load_sharegpt(str(data)) == ["the question", "another"]
+    data.write_text(json.dumps([{"conversations": [{"from": "gpt", "value": "hi"}]}]))
+    with pytest.raises(ConfigError, match="no conversation with a non-empty human turn"):
+        load_sharegpt(str(data))
+
+
 def test_model_drafters_are_charged_and_traced(tmp_path):
     trace = tmp_path / "t.jsonl"
     prompts = make_prompts(64, seed=4)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from dispatcher.bench import BenchError
-from dispatcher.engine.workload import approx_num_tokens, prefix_groups
+from dispatcher.engine.workload import HUMAN_ROLES, approx_num_tokens, first_human_turn, prefix_groups
 from dispatcher.plan.config import load_json_file
 
 # Common English words that are one token each (with their leading space) in GPT-2, Llama and Qwen BPE
@@ -28,9 +28,6 @@ WORDS = (
     "get here between both life being under never day same another know while last might us great old year off "
     "come since against go came right used take three"
 ).split()
-
-HUMAN_ROLES = ("human", "user")
-
 
 @dataclass(frozen=True)
 class SampleRequest:
@@ -55,18 +52,6 @@ class Conversation:
     def prompt_len(self) -> int:
         """The first turn's estimated tokens (warm-ups take this shape)."""
         return approx_num_tokens(self.turns[0])
-
-
-def first_human_turn(entry) -> str | None:
-    """The first human (or user) turn of a ShareGPT entry {id, conversations: [{from, value}, ...]}, else None."""
-    turns = entry.get("conversations") if isinstance(entry, dict) else None
-    if not isinstance(turns, list):
-        return None
-    for turn in turns:
-        if isinstance(turn, dict) and turn.get("from") in HUMAN_ROLES:
-            value = turn.get("value")
-            return value if isinstance(value, str) and value.strip() else None
-    return None
 
 
 def sharegpt_requests(path: str, num_prompts: int, output_len: int, seed: int) -> list[SampleRequest]:

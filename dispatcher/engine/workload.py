@@ -40,6 +40,21 @@ def approx_num_tokens(text: str) -> int:
     return max(1, round(len(text) / CHARS_PER_TOKEN))
 
 
+HUMAN_ROLES = ("human", "user")
+
+
+def first_human_turn(entry) -> str | None:
+    """The first human (or user) turn of a ShareGPT entry {id, conversations: [{from, value}, ...]}, else None."""
+    turns = entry.get("conversations") if isinstance(entry, dict) else None
+    if not isinstance(turns, list):
+        return None
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") in HUMAN_ROLES:
+            value = turn.get("value")
+            return value if isinstance(value, str) and value.strip() else None
+    return None
+
+
 def load_sharegpt(path: str) -> list[str]:
     """First human turn of each conversation in a ShareGPT JSON file (a list of {"conversations": [...]})."""
     data = load_json_file(path, "--dataset")
@@ -54,10 +69,12 @@ def load_sharegpt(path: str) -> list[str]:
         if not isinstance(turns, list):
             raise ConfigError(f"--dataset: {path!r} item {i}: 'conversations' must be a list of turns, got "
                               f"{type(turns).__name__}")
-        if turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str) and turns[0]["value"]:
-            prompts.append(turns[0]["value"])
+        text = first_human_turn(item)  # (the first human turn, not the first turn: that may be the assistant's)
+        if text is not None:
+            prompts.append(text)
     if not prompts:
-        raise ConfigError(f"--dataset: {path!r} holds no conversation with a first human turn")
+        raise ConfigError(f"--dataset: {path!r} holds no conversation with a non-empty human turn ({{conversations: "
+                          f"[{{from: human, value: text}}]}})")
     return prompts
 
 
