@@ -67,6 +67,9 @@ BAD = [
      "decode_cudagraph_capture_request_sizes cannot be set with it: give caps (max_prefill_cudagraph_capture_tokens, "
      "max_decode_cudagraph_capture_requests) or leave fit_cudagraph_capture_sizes out"),
     ([1, 2], None, {}, "--compilation-config must be a JSON object, got list: [1, 2]"),
+    ([], None, {}, "--compilation-config must be a JSON object, got list: []"),  # (falsy: taken as no config once)
+    (0, None, {}, "--compilation-config must be a JSON object, got int: 0"),
+    ({}, False, {}, "--speculative-config must be a JSON object, got bool: False"),
     # speculative decoding
     ({}, {"method": "eagle3", "num_speculative_tokens": -1}, {}, "num_speculative_tokens must be in 1..63, got -1"),
     ({}, {"method": "eagle3", "num_speculative_tokens": 100}, {}, "num_speculative_tokens must be in 1..63, got 100"),

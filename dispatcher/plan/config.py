@@ -404,8 +404,11 @@ def resolve(
     """Resolve user settings into exact size lists (SPEC section 2). Raises ConfigError on bad input.
     ``step_cost`` (a ``gridfit.StepCost``): with ``fit_cudagraph_capture_sizes``, the measured curves the prefill
     and decode grids are fitted to (without one the default grids stand in, until it is measured)."""
-    cc = compilation if isinstance(compilation, CompilationConfig) else CompilationConfig.from_dict(compilation or {})
-    sc = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig.from_dict(speculative or {})
+    # (None only is "not given": a falsy value of another kind, [] or 0 or false, is refused as any non-object)
+    cc = compilation if isinstance(compilation, CompilationConfig) else CompilationConfig.from_dict(
+        {} if compilation is None else compilation)
+    sc = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig.from_dict(
+        {} if speculative is None else speculative)
     try:
         platform = Platform(platform)
     except ValueError:
