@@ -87,7 +87,12 @@ def test_replay_rejects_a_file_that_is_not_a_trace(tmp_path, capsys):
     for change, words in [({"mode": "TURBO"}, "mode must be one of FULL, PIECEWISE, NONE, got 'TURBO'"),
                           ({"tokens": -50}, "tokens must be an integer >= requests, got -50"),
                           ({"kind": "banana"}, "kind must be one of"),
-                          ({"requests": None}, "requests must be an integer >= 1, got None")]:
+                          ({"requests": None}, "requests must be an integer >= 1, got None"),
+                          # (numbers that contradict each other: accepted before, "padded tokens -3 -> 0")
+                          ({"padded_tokens": rec["tokens"] - 1}, "padded_tokens must be an integer >= tokens"),
+                          ({"k": -3}, "k must be an integer >= 0"),
+                          ({"kind": "uniform_decode", "q": 1, "requests": 4, "tokens": 9, "padded_tokens": 16},
+                           "a uniform decode's tokens must be requests x q = 4 x 1, got 9")]:
         bad.write_text(first_record + json.dumps({**rec, **change}) + "\n")  # (tracebacks or nonsense before)
         assert main(["replay", str(bad)]) == 2
         assert f"record 2 of {str(bad)!r} is not a step record: {words}" in capsys.readouterr().err

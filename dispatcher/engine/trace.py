@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from typing import IO, Any
 
-from dispatcher.plan.dispatch import BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE
+from dispatcher.plan.dispatch import BATCH_KINDS, MODE_EAGER, MODE_FULL, MODE_PIECEWISE, UNIFORM_DECODE
 
 _MODE_COLUMN = {MODE_FULL: "full", MODE_PIECEWISE: "piecewise", MODE_EAGER: "eager"}
 
@@ -121,11 +121,19 @@ def _step_record_problem(rec: Any) -> str | None:
                             ("mode", f"one of {', '.join(modes)}", lambda v: v in modes),
                             ("requests", "an integer >= 1", lambda v: _count(v, 1)),
                             ("tokens", "an integer >= requests", lambda v: _count(v, rec["requests"])),
-                            ("padded_tokens", "an integer >= 0", lambda v: _count(v, 0))):
-        if not ok(rec.get(field)):  # (in order: tokens is compared with requests once requests passed)
+                            ("padded_tokens", "an integer >= tokens (the graph's size, or tokens when eager)",
+                             lambda v: _count(v, rec["tokens"]))):
+        if not ok(rec.get(field)):  # (in order: each compared with the one before once that passed)
             return f"{field} must be {want}, got {rec[field]!r}" if field in rec else f"{field} is missing ({want})"
+    if "k" in rec and not _count(rec["k"], 0):
+        return f"k must be an integer >= 0 (the speculative tokens a request drafted), got {rec['k']!r}"
     if "q" in rec:
-        return None if _count(rec["q"], 1) else f"q must be an integer >= 1, got {rec['q']!r}"
+        if not _count(rec["q"], 1):
+            return f"q must be an integer >= 1, got {rec['q']!r}"
+        if rec["kind"] == UNIFORM_DECODE and rec["tokens"] != rec["requests"] * rec["q"]:
+            return (f"a uniform decode's tokens must be requests x q = {rec['requests']} x {rec['q']}, got "
+                    f"{rec['tokens']}")
+        return None
     hist = rec.get("query_len_hist")
     if not (isinstance(hist, dict) and hist
             and all(k.isdigit() and int(k) >= 1 and _count(n, 1) for k, n in hist.items())):
