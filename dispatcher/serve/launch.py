@@ -294,6 +294,10 @@ def _setup(args: argparse.Namespace):
                           f"positions less {extra} for drafts and lookahead), got {max_model_len}")
     check_tensor_parallel_size(args.tensor_parallel_size, model_cfg, device, cfg=cfg)
     sched = scheduler_config(cfg, 1, args.block_size, max_model_len, steps_in_flight=steps_in_flight)
+    if args.num_kv_blocks is not None and args.num_kv_blocks < sched.max_blocks_per_seq:  # (vLLM refuses to start)
+        log.warning("--num-kv-blocks %d holds %d tokens, fewer than a request of --max-model-len %d needs (%d blocks): "
+                    "a longer request is refused (400, naming the cache); give more blocks or a lower --max-model-len",
+                    args.num_kv_blocks, args.num_kv_blocks * args.block_size, max_model_len, sched.max_blocks_per_seq)
     dtype = str(default_dtype(model, device)).removeprefix("torch.")
     init = WorkerInit(model, device, dtype, cfg.platform.value, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                       compilation, parse_json_arg(args.speculative_config, "--speculative-config"), args.block_size,
