@@ -640,6 +640,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop=tuple(args.stop or ()), seed=args.seed)
         chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template is not None
+        if not args.no_chat and llm.tokenizer is not None and not chat:  # (the help promises the template)
+            print("twogrid generate: warning: the model has no chat template: the prompts go as plain text (as with "
+                  "--no-chat)", file=sys.stderr)
         if chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

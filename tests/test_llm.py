@@ -235,6 +235,29 @@ def test_twogrid_generate_command(model_dir, capsys):
     assert "no such directory or file, and not a preset" in capsys.readouterr().err
 
 
+def test_twogrid_generate_says_when_the_model_has_no_chat_template(model_dir, tmp_path, capsys):
+    """The help promises each prompt goes through the model's chat template; without one the prompts went as plain
+    text without a word. They still do (as --no-chat), and stderr says so."""
+    import json
+    import shutil
+
+    from dispatcher.cli import main
+
+    bare = tmp_path / "no_template"
+    shutil.copytree(model_dir, bare)
+    for name in ("tokenizer_config.json",):
+        config = json.loads((bare / name).read_text())
+        config.pop("chat_template", None)
+        (bare / name).write_text(json.dumps(config))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (bare / extra).unlink(missing_ok=True)
+    assert main(["generate", "--model", str(bare), "--max-tokens", "2", "--device", "cpu", "Hello"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "the model has no chat template: the prompts go as plain text" in err
+    assert main(["generate", "--model", model_dir, "--max-tokens", "2", "--device", "cpu", "Hello"]) == 0
+    assert "no chat template" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(max_model_len=0), "max_model_len must be an integer >= 1"),  # (0 was taken, -1 named num_kv_blocks)
     (dict(max_model_len=-1), "max_model_len must be an integer >= 1"),
