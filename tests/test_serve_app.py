@@ -667,6 +667,22 @@ def test_an_empty_list_of_tools_with_no_call_forced_is_served_as_none():
     run(go())
 
 
+def test_a_cache_control_hint_on_a_content_part_is_accepted_and_ignored():
+    """Clients written for prompt caching put ``cache_control`` on parts (vLLM ignores it); the prefix cache here is
+    automatic, so the part is served as plain text (any other unknown key on a part is refused: BAD_CHAT)."""
+    async def go():
+        async with served() as c:
+            part = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}],
+                                                           "max_tokens": 2})
+            assert r.status == 200, await r.text()
+            plain = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 2})
+            assert (await r.json())["choices"][0]["message"] == (await plain.json())["choices"][0]["message"]
+
+    run(go())
+
+
 def test_a_body_its_content_encoding_does_not_decode_is_400(caplog):
     """A body sent with ``Content-Encoding: gzip`` (or deflate) that is not compressed: 400 in the API's error shape
     (it was a 500 with a traceback in the log), on every route that reads a body; the server goes on."""

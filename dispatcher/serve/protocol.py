@@ -204,6 +204,9 @@ class ContentPart(Struct, forbid_unknown_fields=True):
     video_url: Any = None
     audio_url: Any = None
     refusal: Any = None
+    cache_control: Any = None
+    """A prompt-caching hint some clients put on parts (Anthropic's form): accepted and ignored, logged once (the
+    prefix cache here is automatic; it does not change the output)."""
 
 
 OTHER_PART_PAYLOADS = ("image_url", "input_audio", "file", "video_url", "audio_url", "refusal")
@@ -654,6 +657,10 @@ def message_text(i: int, m: ChatMessage) -> str:
         if part.text is None:
             raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
                            param=f"messages[{i}].content[{j}].text")
+        if part.cache_control is not None and "cache_control" not in _warned:
+            _warned.add("cache_control")
+            log.warning("requests send 'cache_control' on content parts: accepted and ignored (prefix caching is "
+                        "automatic); logged once")
         other = next((name for name in OTHER_PART_PAYLOADS if getattr(part, name) is not None), None)
         if other is not None:
             raise ApiError(400, f"'messages[{i}].content[{j}].{other}': a text part carries only its 'text' (only "
