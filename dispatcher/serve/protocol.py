@@ -385,10 +385,16 @@ def _decode(body: bytes, cls, decode=None):
 def _note_ignored(req: _SamplingRequest) -> None:
     """Log each ignored OpenAI field once per process (the first request that sends it)."""
     for name in IGNORED_FIELDS:
-        if name not in _warned and getattr(req, name) is not None:
-            _warned.add(name)
-            log.warning("requests send the OpenAI field '%s': accepted and ignored (it does not change the output; "
-                        "vLLM ignores it too); logged once", name)
+        if getattr(req, name) is not None:
+            _warn_once(name, f"requests send the OpenAI field '{name}': accepted and ignored (it does not change the "
+                             f"output; vLLM ignores it too); logged once")
+
+
+def _warn_once(key: str, message: str) -> None:
+    """``message`` logged the first time ``key`` is met in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
 
 
 def _schema_error(text: str) -> ApiError:
@@ -657,10 +663,9 @@ def message_text(i: int, m: ChatMessage) -> str:
         if part.text is None:
             raise ApiError(400, f"'messages[{i}].content[{j}].text' is required for a text part",
                            param=f"messages[{i}].content[{j}].text")
-        if part.cache_control is not None and "cache_control" not in _warned:
-            _warned.add("cache_control")
-            log.warning("requests send 'cache_control' on content parts: accepted and ignored (prefix caching is "
-                        "automatic); logged once")
+        if part.cache_control is not None:
+            _warn_once("cache_control", "requests send 'cache_control' on content parts: accepted and ignored "
+                                        "(prefix caching is automatic); logged once")
         other = next((name for name in OTHER_PART_PAYLOADS if getattr(part, name) is not None), None)
         if other is not None:
             raise ApiError(400, f"'messages[{i}].content[{j}].{other}': a text part carries only its 'text' (only "
