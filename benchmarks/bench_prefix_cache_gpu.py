@@ -34,9 +34,10 @@ histories evicted before the next turn came back) is flagged in its log line and
 ``kv_pool_short_rounds``; its hit rate is the pool's, not the cache's (bench-moe's fourth turn at 8 GiB a server).
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_prefix_cache_gpu.py --data .gpu_data/sharegpt.json \\
-        --tokenizer .gpu_data/smollm2-tokenizer --out $OUT/prefix_cache_h200.json
+        --tokenizer .gpu_data/smollm2-tokenizer --max-num-batched-tokens 4096 --out $OUT/prefix_cache_h100.json
 
-(about 8 minutes on an H200: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call, run
+(about 8 minutes on an H200; the default model's half 2.7 minutes on an H100 at 2fabc49,
+``docs/bench/prefix_cache_h100.json``: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call, run
 ``--models bench-moe`` then ``--models default --resume``, about 4 minutes each: ``--resume`` keeps the rows of an
 existing ``--out`` and measures only the missing cells). A CPU dry run:
 ``--device cpu --models default --concurrency 2 --turns 2 --output-len 4 --prefix-len 64 --suffix-len 8
