@@ -37,11 +37,11 @@ histories evicted before the next turn came back) is flagged in its log line and
         --tokenizer .gpu_data/smollm2-tokenizer --max-num-batched-tokens 4096 --out $OUT/prefix_cache_h100.json
 
 (about 8 minutes on an H200; the default model's half 2.7 minutes on an H100 at 2fabc49,
-``docs/bench/prefix_cache_h100.json``: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call, run
-``--models bench-moe`` then ``--models default --resume``, about 4 minutes each: ``--resume`` keeps the rows of an
-existing ``--out`` and measures only the missing cells). A CPU dry run:
-``--device cpu --models default --concurrency 2 --turns 2 --output-len 4 --prefix-len 64 --suffix-len 8
---random-len 32 --api-server-count 1 --min-prompts 4 --max-model-len 1024 --kv-gib 0.25``.
+``docs/bench/prefix_cache_h100.json``: two pairs of servers, 24 cells, 48 bench runs; under a 10-minute limit per call,
+run ``--models bench-moe`` then ``--models default --resume``, about 4 minutes each: ``--resume`` keeps the rows of an
+existing ``--out`` and measures only the missing cells). A CPU dry run: ``--device cpu --models default --concurrency 2
+--turns 2 --output-len 4 --prefix-len 64 --suffix-len 8 --random-len 32 --api-server-count 1 --min-prompts 4
+--max-model-len 1024 --kv-gib 0.25``.
 """
 
 from __future__ import annotations

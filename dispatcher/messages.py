@@ -207,6 +207,9 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, tag="result"):
     bitmask_wait_ms: float = 0.0
     """A constrained step's wait inside it for its bitmask (the device idle from its forward's end to the end of
     the host's fill: the fill ended later); 0 where the forward outlasted the fill."""
+    stand_in: int = 0
+    """Delayed capture: the target's graph was not captured yet and the step replayed, padded up, its kind's captured
+    graph of this size (requests for a FULL decode graph, else tokens) instead (``dispatch.padded_up``); 0: none."""
 
 
 class GraphCount(msgspec.Struct, array_like=True, frozen=True):

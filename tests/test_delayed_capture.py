@@ -194,6 +194,80 @@ def test_each_graph_unit_is_timed_and_the_last_log_line_gives_each_kinds_unit_ti
         assert f"{runner} {kind} " in line
 
 
+def test_stand_ins_pad_up_only_where_a_larger_graph_is_captured_and_measured_cheaper_than_eager():
+    """``StandIns.pick``: no stand-in until a larger graph of the same kind and q is captured and both times are
+    known; then the smallest captured one that holds the step, where its replay time (its own latest, else the
+    least of a larger graph of the kind) is below the eager forward's lower bound (the least eager time of the same
+    planned kind, as many tokens to a power of two or fewer); a measured slow replay withdraws it."""
+    from dispatcher.plan.dispatch import GraphKey
+
+    engine = engine_for(None, True)
+    rt = engine.worker.runtime
+    stand_ins = engine.worker.delayed.stand_ins
+    sizes = stand_ins.sizes[("piecewise", None)]
+    small, mid, large = sizes[1], sizes[len(sizes) // 2], sizes[-1]
+    key = GraphKey("piecewise", None, small)
+    assert stand_ins.pick(key, small) == 0  # (nothing captured)
+    rt.captured.add(GraphKey("piecewise", None, large))
+    assert stand_ins.pick(key, small) == 0  # (no times yet)
+    stand_ins.observe(key, None, small, 20.0)  # an eager step of `small` tokens: 20 ms
+    assert stand_ins.pick(key, small) == 0  # (the larger graph's replay not measured)
+    stand_ins.observe(GraphKey("piecewise", None, large), GraphKey("piecewise", None, large), large, 5.0)
+    assert stand_ins.pick(key, small) == large
+    assert stand_ins.pick(key, 1) == 0  # (no eager time at or below 1 token's band)
+    rt.captured.add(GraphKey("piecewise", None, mid))  # a smaller captured graph that holds it: padded less
+    assert stand_ins.pick(key, small) == mid  # (its replay bounded by the larger one's 5 ms)
+    stand_ins.observe(key, GraphKey("piecewise", None, mid), small, 30.0)  # it ran slower than eager
+    assert stand_ins.pick(key, small) == 0
+    assert stand_ins.pick(GraphKey("full_decode", 1, 1), 1) == 0  # (another kind: its own times)
+
+
+def test_a_step_on_a_stand_in_gives_the_same_tokens_and_its_trace_names_the_graph_it_stood_in_for(tmp_path):
+    """Once each kind's largest graph is captured and a stand-in is measured cheaper than eager, steps whose own
+    graph is not captured yet replay the larger one, padded up: the same greedy tokens as an engine that captured
+    first, counted in ``stand_in_steps``, and the trace's ``graph`` and padded counts are the larger graph's with
+    ``stand_in_for`` naming the step's own; no step replays a graph not captured whole."""
+    trace = str(tmp_path / "trace.jsonl")
+    engine = engine_for(None, True, trace)
+    delayed = engine.worker.delayed
+    while any(key in delayed.pending for key in delayed.anchors):
+        delayed.run(0.0)
+    for runner, key in delayed.anchors:
+        if runner == "target":
+            delayed.stand_ins.replay_ms[tuple(key)] = 0.0  # (the largest graphs cost nothing: every stand-in wins)
+    engine.worker.capture_between_steps = lambda *a, **k: None  # (the rest stays uncaptured for this run)
+    p = SamplingParams(max_tokens=12, temperature=0.0)
+    assert engine.generate(prompts(), p) == engine_for(None, False).generate(prompts(), p)
+    assert engine.stats.stand_in_steps >= 1
+    engine.close()
+    records = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    stood = [r for r in records if "stand_in_for" in r]
+    assert len(stood) == engine.stats.stand_in_steps
+    captured = engine.worker.runtime.captured
+    for r in stood:
+        own, graph = r["stand_in_for"], r["graph"]
+        assert graph[:2] == own[:2] and graph[2] > own[2] and tuple(graph) in captured
+        assert r["mode"] != MODE_EAGER and "eager_reason" not in r and "target" not in r.get("not_captured", [])
+        assert r["padded_tokens"] >= r["tokens"]
+
+
+def test_a_loaded_worker_rests_after_a_unit_and_an_idle_one_does_not(slow_units):
+    """With a step in flight (a budget), a gap that captured a graph other than an anchor for u seconds keeps the
+    next REST_PER_UNIT * u seconds' gaps from capturing (most steps then wait for no unit); an idle gap (no
+    budget) captures at once."""
+    engine = engine_for(None, True)
+    delayed = engine.worker.delayed
+    while any(key in delayed.pending for key in delayed.anchors):
+        delayed.run(0.0)
+    assert delayed.rest_until == 0.0  # (anchors set no rest)
+    assert delayed.run(0.0) == 1
+    assert delayed.rest_until > time.perf_counter()
+    assert delayed.run(0.0) == 0  # (resting)
+    assert delayed.run(None, stop=lambda: len(slow_units) > 10) >= 1  # (idle: no rest)
+    delayed.rest_until = time.perf_counter() - 1
+    assert delayed.run(0.0) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", SPECS, ids=["no-sd", "eagle3", "ngram"])
 def test_delayed_capture_on_cuda_graphs(spec):

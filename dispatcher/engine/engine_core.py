@@ -30,7 +30,7 @@ from dispatcher.plan import autotier
 from dispatcher.plan.capture_plan import FULL_DECODE, FULL_VARLEN, build_plan
 from dispatcher.plan.config import ConfigError, ResolvedConfig
 from dispatcher.plan.dispatch import (UNIFORM_DECODE, StepDescriptors, dispatch_step, dispatchers_for_plan,
-                                      eager_reason, not_captured_reason, without_graphs)
+                                      eager_reason, not_captured_reason, padded_up, without_graphs)
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
@@ -61,6 +61,8 @@ class EngineStats(SpecDecodeSummary):
     """Steps that ran as one fused decode-step graph."""
     eager_by_reason: dict[str, int] = field(default_factory=dict)
     """Eager steps by cause (dispatcher.plan.dispatch.EAGER_CAUSES)."""
+    stand_in_steps: int = 0
+    """Delayed capture: steps whose target replayed a larger captured graph than its own (``StandIns``)."""
     padded_tokens: int = 0
     num_drafts: int = 0
     """Speculative decoding, as vLLM counts it: verify events (a request in a step that verified >= 1 draft)."""
@@ -546,6 +548,9 @@ class EngineCore:
         if result.grammars_ready:
             self._unpark(unpack(result.grammars_ready).tolist())
         planned = step.descs.target
+        if result.stand_in:  # delayed capture: the target on a larger captured graph
+            step.descs = replace(step.descs, target=padded_up(planned, result.stand_in, self.plan.config.max_num_seqs))
+            self.stats.stand_in_steps += 1
         if result.not_captured:  # delayed capture: what ran without its graph
             step.descs = without_graphs(step.descs, result.not_captured, step.out.shape.num_tokens,
                                         step.out.shape.num_reqs)
@@ -565,7 +570,7 @@ class EngineCore:
                 step.out.step_id, step.out, target, step.host_ms, result.device_ms, step.descs.drafts(),
                 reason[1] if reason else None, result.jit_compiles, result.jit_ms,
                 step.out.num_new_drafts if self.auto_tiers is not None else None, result.fused, result.not_captured,
-                period_ms))
+                period_ms, planned.graph if result.stand_in else None))
             if step.message.constrained:
                 step.trace_record["constrained"] = len(unpack(step.message.grammar_rows))
                 if result.bitmask_wait_ms:

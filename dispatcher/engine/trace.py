@@ -42,22 +42,23 @@ def _brief(desc) -> dict[str, Any]:
 def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, drafts=(),
                 eager_reason: str | None = None, jit_compiles: int = 0, jit_ms: float = 0.0,
                 k: int | None = None, fused: bool = False, not_captured=(),
-                period_ms: float | None = None) -> dict[str, Any]:
-    """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests,
-    graph, host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards'
-    descriptors under "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under
-    ``"auto"`` tiers ``k``, the K of the step's tier (drafts proposed after it); ``admitted``, on a step that started
-    requests, how many (their admission is on the path from a result to this step); with prefix caching, on a step that
-    started requests, ``prefix_cache_queries`` and ``prefix_cache_hits`` (their tokens, and those of them found
-    in the cache: the step computes the rest); ``"fused": true`` when the whole step ran as one graph
-    (``dispatcher.runtime.decode_step``); under delayed capture ``"not_captured"``, the graphs the step ran without
-    because they were not captured yet (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``,
-    ``"draft_next"``: that forward ran eagerly); ``period_ms``, the step's result after the last one's where it was
-    queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host. (The
-    engine adds ``accepted``, on a step that verified drafts, the drafts its requests accepted, as the scheduler
-    counts them: the step's output tokens are its sampling requests plus these; and ``constrained``, on a step
-    with structured-output requests, how many of its rows a grammar's bitmask masks, and ``bitmask_wait_ms``
-    where the device waited inside the step for that bitmask, not counted in ``device_ms``.)"""
+                period_ms: float | None = None, stand_in_for=None) -> dict[str, Any]:
+    """kind, requests, tokens, q (uniform decode) or query-length histogram, mode, padded tokens and requests, graph,
+    host and device milliseconds; why it ran eagerly, when it did; with a model drafter, its forwards' descriptors under
+    "draft"; Triton compiles the step waited for (``jit_compiles``, ``jit_ms``), when any; under ``"auto"`` tiers ``k``,
+    the K of the step's tier (drafts proposed after it); ``admitted``, on a step that started requests, how many (their
+    admission is on the path from a result to this step); with prefix caching, on a step that started requests,
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` (their tokens, and those of them found in the cache: the step
+    computes the rest); ``"fused": true`` when the whole step ran as one graph (``dispatcher.runtime.decode_step``);
+    under delayed capture ``"not_captured"``, the graphs the step ran without because they were not captured yet
+    (``"step"``: its fused graph, so it ran op by op; ``"target"``, ``"draft"``, ``"draft_next"``: that forward ran
+    eagerly) and ``"stand_in_for"``, the target's own graph where, not captured yet, a larger captured one stood in for
+    it (``graph`` and the padded counts are the larger one's); ``period_ms``, the step's result after the last one's
+    where it was queued behind that one (``EngineCore._period_ms``): above ``device_ms``, the GPU waited for the host.
+    (The engine adds ``accepted``, on a step that verified drafts, the drafts its requests accepted, as the scheduler
+    counts them: the step's output tokens are its sampling requests plus these; and ``constrained``, on a step with
+    structured-output requests, how many of its rows a grammar's bitmask masks, and ``bitmask_wait_ms`` where the device
+    waited inside the step for that bitmask, not counted in ``device_ms``.)"""
     rec: dict[str, Any] = {
         "step": step_id,
         "kind": desc.kind,
@@ -95,6 +96,8 @@ def step_record(step_id: int, out, desc, host_ms: float, device_ms: float, draft
         rec["fused"] = True
     if not_captured:
         rec["not_captured"] = list(not_captured)
+    if stand_in_for is not None:
+        rec["stand_in_for"] = list(stand_in_for)
     return rec
 
 

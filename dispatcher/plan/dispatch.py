@@ -221,6 +221,19 @@ def not_captured_reason(desc: BatchDescriptor) -> tuple[str, str]:
                               f"(delayed_cudagraph_capture captures it between steps)")
 
 
+def padded_up(desc: BatchDescriptor, size: int, max_num_seqs: int) -> BatchDescriptor:
+    """The same step on a larger graph of its graph's kind (and q): ``size`` requests (FULL decode) or tokens.
+    Delayed capture's stand-in, where the step's own graph is not captured yet and the larger one is
+    (``runtime.capture.StandIns``); worker and engine both build it here."""
+    g = desc.graph
+    key = GraphKey(g.kind, g.q, size)
+    if g.kind == FULL_DECODE:
+        return desc._replace(num_tokens=size * g.q, num_reqs=size, graph=key)
+    if g.kind == PIECEWISE:
+        return desc._replace(num_tokens=size, graph=key)
+    return desc._replace(num_tokens=size, num_reqs=min(size, max_num_seqs), graph=key)
+
+
 def without_graphs(descs: "StepDescriptors", roles, num_tokens: int, num_reqs: int) -> "StepDescriptors":
     """The step's descriptors as it ran under delayed capture: each forward named in ``roles`` (``"target"``,
     ``"draft"``, ``"draft_next"``; others are ignored) eager, the target's over its ``num_tokens`` real tokens and

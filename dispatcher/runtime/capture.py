@@ -10,12 +10,15 @@ shared memory pool), then the units the steps met uncaptured (``note``: demand, 
 (the warm-ups, then per runner its kinds widest first and each kind's sizes largest first, the fused steps last).
 
 ``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
-step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), while idle
-until a step arrives (``stop``) or nothing is left. A unit taken with a step in flight delays the next step by up to
-its whole length: on a host-bound model that is several eager steps (the default model on the H200: 40-75 ms a
-unit, median, against 18-24 ms eager steps), on a device-bound one it overlaps the step in flight (bench-moe). A
-step that finds its graph uncaptured runs without it (``ModelWorker.submit``: op by op instead of fused, or that
-forward eagerly) and says so in its result.
+step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), then rests
+(``REST_PER_UNIT``: no unit for three times as long, except the anchors), while idle until a step arrives
+(``stop``) or nothing is left. A unit taken with a step in flight delays the next step by up to its whole length:
+on a host-bound model that is several eager steps (the default model on the H200: 40-75 ms a unit, median, against
+18-24 ms eager steps), on a device-bound one it overlaps the step in flight (bench-moe). A step that finds its
+graph uncaptured runs without it (``ModelWorker.submit``: op by op instead of fused, or that forward eagerly) and
+says so in its result; or, for the target's forward, replays a larger captured graph of its kind padded up, where
+that was measured to cost less than eager (``StandIns``: on a host-bound model a graph of thousands of tokens
+replays in less time than an eager step of a few launches takes).
 
 On the CPU (no CUDA graphs) a unit's capture is only the mark, so the mechanism is the same for the static backend;
 ``hook`` (tests) runs inside each unit's capture, before the mark.
@@ -43,6 +46,11 @@ WARM_UP = "eager_warm_up"
 GAP_BUDGET_S = 0.002
 """Capture time a gap between two steps may take while a step is in flight (the unit that crosses it finishes):
 a later step waits for at most this plus one unit."""
+REST_PER_UNIT = 3.0
+"""With a step in flight, after a gap that captured a graph other than an anchor for u seconds, the gaps of the
+next REST_PER_UNIT * u seconds capture nothing: at most a quarter of a loaded worker's time goes to capture, so
+that most steps wait for no unit (a unit costs a host-bound model several eager steps). Idle gaps capture back to
+back as before."""
 REQUEST_KINDS = (FULL_DECODE, FUSED_KIND)
 """Unit kinds sized in requests (the others in tokens)."""
 PROGRESS_EVERY = 0.1
@@ -107,6 +115,82 @@ def _units(worker, warm_ups: dict[int, DeferredWarmUp]) -> list[Unit]:
     return units
 
 
+class StandIns:
+    """Delayed capture's stand-ins (``BackgroundCapture.stand_ins``): a target forward whose graph is not captured
+    yet replays, padded up (``dispatch.padded_up``), the smallest captured graph of its kind and q that holds it,
+    where the step times measured so far say that this costs less than running it eagerly, and runs eagerly
+    otherwise: the larger graph's latest replay time, or where it has none the least of the larger graphs' of its
+    kind (a graph costs at most what a larger one costs; each kind's largest graph is timed once, over padding,
+    right after its capture, the others as steps replay them), against a lower bound of the eager forward, the
+    least time of the eager steps planned on the same kind and q with as many tokens, to a power of two, or
+    fewer. Times are the steps' device times (``StepResult.device_ms``), each credited to the step's target
+    graph or eager forward. On a host-bound model (the default model: eager steps 17-24 ms, a graph of 8,192
+    tokens a few ms) every step soon has a stand-in; on a device-bound one only where padding costs less than
+    eager launches. Until both times are known a forward runs eagerly, as without stand-ins."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        """The target's GraphRuntime (its ``captured`` set, its graphs)."""
+        self.sizes = {(g.kind, g.q): sorted(g.sizes) for g in rt.graph_sets}
+        self.replay_ms: dict[tuple, float] = {}
+        """GraphKey -> the device time of its latest replay (a step's, or the anchor's timing)."""
+        self.eager_ms: dict[tuple, float] = {}
+        """(kind, q, tokens rounded down to a power of two) of the planned graph -> the least device time of an
+        eager step there."""
+        self.timing: list[tuple] = []
+        """Anchors' replays queued with CUDA events, read once done (``_read_timings``)."""
+
+    def pick(self, key, num_tokens: int) -> int:
+        """The size of the captured graph that stands in for ``key`` (not captured) over ``num_tokens`` real
+        tokens, or 0: run it eagerly."""
+        self._read_timings()
+        captured = self.rt.captured
+        larger = next((s for s in self.sizes.get((key.kind, key.q), ()) if s > key.size
+                       and (key.kind, key.q, s) in captured), 0)
+        if not larger:
+            return 0
+        replay = self.replay_ms.get((key.kind, key.q, larger))
+        if replay is None:
+            replay = min((ms for k, ms in self.replay_ms.items() if k[:2] == key[:2] and k[2] > larger), default=None)
+        band = _band(num_tokens)
+        eager = max((ms for (kind, q, b), ms in self.eager_ms.items() if (kind, q) == key[:2] and b <= band),
+                    default=None)
+        return larger if replay is not None and eager is not None and replay < eager else 0
+
+    def observe(self, planned, ran, num_tokens: int, device_ms: float) -> None:
+        """A step planned on ``planned`` (a GraphKey) ran ``ran`` (its own graph or a stand-in; None: eagerly) over
+        ``num_tokens`` real tokens in ``device_ms``."""
+        if ran is not None:
+            self.replay_ms[tuple(ran)] = device_ms
+            return
+        band = (planned.kind, planned.q, _band(num_tokens))
+        self.eager_ms[band] = min(self.eager_ms.get(band, device_ms), device_ms)
+
+    def time_anchor(self, key) -> None:
+        """Queue one replay of a just-captured largest graph over padding between CUDA events (read later: nothing
+        waits for it). On the CPU nothing (steps' times only)."""
+        if not self.rt.cuda_graphs:
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replay = self.rt.padded_replay(key)
+        start.record()
+        replay.replay()
+        end.record()
+        self.timing.append((tuple(key), start, end))
+
+    def _read_timings(self) -> None:
+        if self.timing and self.timing[0][2].query():
+            done = [t for t in self.timing if t[2].query()]
+            self.timing = [t for t in self.timing if t not in done]
+            for key, start, end in done:
+                self.replay_ms.setdefault(key, start.elapsed_time(end))
+
+
+def _band(num_tokens: int) -> int:
+    """``num_tokens`` rounded down to a power of two (eager times are compared within and below a band)."""
+    return 1 << (max(num_tokens, 1).bit_length() - 1)
+
+
 class BackgroundCapture:
     """The worker's graphs still to capture (``ModelWorker.delayed``)."""
 
@@ -140,6 +224,9 @@ class BackgroundCapture:
         """What it captures, for its log lines: CUDA graphs, or on the static-buffer backend its padded sizes."""
         self.unit_seconds: dict[tuple[str, str], list[float]] = {}
         """Each graph unit's capture time by (runner, kind), in seconds (the start-up log's summary)."""
+        self.stand_ins = StandIns(worker.runtime)
+        self.rest_until = 0.0
+        """With a step in flight no unit starts before this time (``REST_PER_UNIT``)."""
 
     @property
     def done(self) -> bool:
@@ -165,11 +252,15 @@ class BackgroundCapture:
     @torch.inference_mode()
     def run(self, budget_s: float | None, stop: Callable[[], bool] = lambda: False) -> int:
         """Capture units until ``stop()`` (a step is waiting) or, with ``budget_s``, that many seconds are spent (at
-        least one unit: the unit is never cut), or nothing is left. Returns the graphs captured. A capture that fails
+        least one unit: the unit is never cut), or nothing is left; with ``budget_s``, nothing while resting after
+        the last such gap (``REST_PER_UNIT``). Returns the graphs captured. A capture that fails
         (out of memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their
         steps run without them."""
         start = time.perf_counter()
+        if budget_s is not None and start < self.rest_until:
+            return 0
         count = attempted = 0
+        paced = False
         while not self.done and not stop():
             if budget_s is not None and attempted and time.perf_counter() - start >= budget_s:
                 break
@@ -188,13 +279,19 @@ class BackgroundCapture:
                           else "tokens", self.error, len(self.pending), exc_info=not isinstance(exc, CaptureOOMError))
                 break
             del self.pending[key]
+            if key in self.anchors and unit.runner == "target":
+                self.stand_ins.time_anchor(unit.key)
+            paced = paced or key not in self.anchors
             if unit.kind != WARM_UP:
                 self.unit_seconds.setdefault((unit.runner, unit.kind), []).append(time.perf_counter() - unit_start)
                 self.captured[(unit.runner, unit.kind)] += 1
                 self.captured_keys.append(key)
                 count += 1
         if attempted:
-            self.seconds += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.seconds += spent
+            if budget_s is not None and paced:
+                self.rest_until = start + spent * (1 + REST_PER_UNIT)
             self._log()
         return count
 

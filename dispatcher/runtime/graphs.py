@@ -633,12 +633,17 @@ class GraphRuntime:
         return out
 
     def _replay_ms(self, key: GraphKey, repeats: int) -> float:
-        """The median of ``repeats`` timed replays of one graph over padded inputs (after one to warm); a PIECEWISE
-        size's pieces with eager attention between them, over one padded request (every row padding, so attention
-        costs its launches only: the step's cost without context)."""
+        """The median of ``repeats`` timed replays of one graph over padded inputs (after one to warm;
+        ``padded_replay``)."""
+        return replay_ms(self.padded_replay(key), self.device, repeats)
+
+    def padded_replay(self, key: GraphKey) -> Replayable:
+        """One graph's replay over padded inputs, its metadata reset now: a PIECEWISE size's pieces with eager
+        attention between them, over one padded request (every row padding, so attention costs its launches only:
+        the step's cost without context). Safe between steps: it writes no KV of a request."""
         layout = self._reset_metadata(key)
         if key.kind != PIECEWISE:
-            return replay_ms(self.graphs[key][0], self.device, repeats)
+            return self.graphs[key][0]
         pieces, attention = self.graphs[key], self._attention_runner(key.size, None, layout)
 
         def step() -> None:
@@ -647,7 +652,7 @@ class GraphRuntime:
                 if i < len(pieces) - 1:
                     attention(i)
 
-        return replay_ms(Replayable(step), self.device, repeats)
+        return Replayable(step)
 
     @torch.inference_mode()
     def measure_sizes_ms(self, repeats: int = 5) -> dict[tuple[str, int | None], list[tuple[int, float]]]:

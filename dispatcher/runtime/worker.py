@@ -25,7 +25,7 @@ from dispatcher.plan.acceptance import fixed_acceptance_rate
 from dispatcher.plan.config import HEAD_METHODS
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
-from dispatcher.plan.dispatch import MODE_EAGER
+from dispatcher.plan.dispatch import MODE_EAGER, padded_up
 from dispatcher.runtime.capture import BackgroundCapture, DeferredWarmUp, capture_first_reason
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
@@ -465,8 +465,9 @@ class ModelWorker:
                     return self._submit_fused(step, key, slots, ready)
                 self.delayed.note(FUSED_STEP, key)
                 not_captured = [FUSED_STEP]
+        stand_in, timed = 0, None
         if self.delayed is not None:
-            step, not_captured = self._without_uncaptured(step, not_captured or [])
+            step, not_captured, stand_in, timed = self._without_uncaptured(step, not_captured or [])
         plan = _StepPlan.of(step, self.k_max)
         self._note_requests(step)
         if plan.num_sampling:
@@ -502,19 +503,35 @@ class ModelWorker:
         clock.stop()
         jit = self._jit_compiles(step.step_id)
         return _Pending(step, plan, self.download.start(torch.cat(out)), clock, drafts, *jit,
-                        not_captured=not_captured, grammars_ready=ready)
+                        not_captured=not_captured, grammars_ready=ready, stand_in=stand_in, timed=timed)
 
-    def _without_uncaptured(self, step: Step, not_captured: list[str]) -> tuple[Step, list[str] | None]:
-        """Delayed capture: the step with each forward whose graph is not captured yet set to run eagerly (and that
-        graph demanded first), and the forwards so changed, after ``not_captured`` (None: none of either)."""
-        changes = {}
+    def _without_uncaptured(self, step: Step, not_captured: list[str]):
+        """Delayed capture: the step with each forward whose graph is not captured yet (that graph demanded first)
+        set to run eagerly, or the target on a larger captured graph where a stand-in costs less
+        (``StandIns.pick``); the forwards run eagerly, after ``not_captured`` (None: none); the stand-in's size (0:
+        none); and what the step's time measures for the stand-ins (None: no target graph planned)."""
+        changes, stand_in, timed = {}, 0, None
         for role, rt in zip(("target",) + DRAFT_ROLES, self.runtimes):
             desc = getattr(step, role)
-            if desc is not None and desc.graph is not None and desc.graph not in rt.captured:
-                self.delayed.note(rt.runner, desc.graph)
+            if desc is None or desc.graph is None:
+                continue
+            if role == "target":
+                num_tokens = int(unpack(step.num_scheduled).sum())
+                timed = (desc.graph, desc.graph, num_tokens)
+            if desc.graph in rt.captured:
+                continue
+            self.delayed.note(rt.runner, desc.graph)
+            stand_in = self.delayed.stand_ins.pick(desc.graph, num_tokens) if role == "target" else 0
+            if stand_in:
+                changes[role] = padded_up(desc, stand_in, self.config.max_num_seqs)
+                timed = (desc.graph, changes[role].graph, num_tokens)
+            else:
                 changes[role] = desc._replace(mode=MODE_EAGER, graph=None)
                 not_captured.append(role)
-        return (msgspec.structs.replace(step, **changes) if changes else step), not_captured or None
+                if role == "target":
+                    timed = (desc.graph, None, num_tokens)
+        step = msgspec.structs.replace(step, **changes) if changes else step
+        return step, not_captured or None, stand_in, timed
 
     def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray, ready: bytes = b"") -> "_Pending":
         """A uniform decode as one graph replay: its slots padded to the graph's requests with the dummy slot, in
@@ -581,10 +598,13 @@ class ModelWorker:
             prompt = dict(prompt_logprobs=sections.take(rows * (1 + ptop)).tobytes(),
                           prompt_logprob_ids=sections.take(rows * ptop).tobytes(),
                           prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
+        device_ms = pending.clock.ms()
+        if pending.timed is not None and self.delayed is not None:
+            self.delayed.stand_ins.observe(*pending.timed, device_ms)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
-                          width, conf, pending.clock.ms(), lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
+                          width, conf, device_ms, lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
                           not_captured=pending.not_captured or [], grammars_ready=pending.grammars_ready,
-                          bitmask_wait_ms=pending.clock.idle_ms(), **prompt)
+                          bitmask_wait_ms=pending.clock.idle_ms(), stand_in=pending.stand_in, **prompt)
 
     def _prompt_logprobs(self, plan: "_StepPlan", dev: "_DeviceStep", inputs: StepInputs, hidden: torch.Tensor):
         """Per prompt row the step asks for (``Step.prompt_logprob_rows``): the log-probability of the prompt token
@@ -824,6 +844,10 @@ class _Pending:
     """A fused decode step (``_submit_fused``): its download is the result rows."""
     not_captured: list[str] | None = None
     """Delayed capture: the step's graphs it ran without (``StepResult.not_captured``)."""
+    stand_in: int = 0
+    """Delayed capture: ``StepResult.stand_in``."""
+    timed: tuple | None = None
+    """Delayed capture: (planned target graph, the graph it ran or None, real tokens) for ``StandIns.observe``."""
     grammars_ready: bytes = b""
     """``StepResult.grammars_ready``."""
 
