@@ -2,13 +2,14 @@
 capturing costs.
 
 ``--part startup``: per model and workload, ``twogrid serve`` started fresh four times: capturing first with empty
-caches (Triton's kernels, the graph memory estimate: a first start on a machine) and again with them warm, then
-with ``--delayed-cudagraph-capture`` warm and cold (``--starts`` picks others, e.g. ``delayed:cold,delayed:warm``). Per start, from the moment the process is spawned: /health's
-first 200 (``health_s``), the first token of a streamed request sent then (``first_token_s``), the worker's phases
-(``twogrid:startup_phase_seconds{phase}``: imports, settings, weights, grid_fit, kv_sizing, kv_allocation, kernels,
-capture, measure), the front end's own view (its log's "serving N s after the server process started"; its own setup and
-when it started the engine process, from "front end set up N s ... (the engine process started at M s)"), the
-graphs captured when /health turned 200 and, delayed, when the last one was (``capture_done_s``).
+caches (Triton's kernels, the graph memory estimate: a first start on a machine) and again with them warm, then with
+``--delayed-cudagraph-capture`` warm and cold (``--starts`` picks others, e.g. ``delayed:cold,delayed:warm``). Per
+start, from the moment the process is spawned: /health's first 200 (``health_s``), the first token of a streamed request
+sent then (``first_token_s``), the worker's phases (``twogrid:startup_phase_seconds{phase}``: imports, settings,
+weights, grid_fit, kv_sizing, kv_allocation, kernels, capture, measure), the front end's own view (its log's "serving N
+s after the server process started"; its own setup and when it started the engine process, from "front end set up N s
+... (the engine process started at M s)"), the graphs captured when /health turned 200 and, delayed, when the last one
+was (``capture_done_s``).
 
 ``--part capture``: (a) during delayed capture: a server with ``--enforce-eager`` and a delayed one, each started
 fresh and sent one wave of ``--concurrency-during`` streams at once, their step traces compared: per step kind and
@@ -16,6 +17,10 @@ token count (rounded up to a power of two), the median wall time between two ste
 still captured (its steps up to the last one that ran without a graph) over the eager server's; (b) after capture:
 a capture-first and a delayed server up side by side (the delayed one once it has captured everything), ``--rounds``
 bench runs each at 256 and 1024 streams in alternating order, output tok/s per run and the median ratio.
+``--no-after`` / ``--no-during`` run one of them; (a)'s row also counts the delayed server's target forwards that
+ran eagerly for want of their graph and those that replayed a larger captured graph instead (``stand_in_steps``).
+``--server-tree DIR`` runs the servers from another checkout (an earlier commit's ``git archive``: an A/B in one
+lease; give it its own ``--out``).
 
 The model is bench-moe (random weights) with SmolLM2's tokenizer, or the default model's GGUF (``--models default``);
 ``--workloads`` no-sd and eagle3-k7 (bench-moe: fixed acceptance 3.0, its random head accepts nothing). Each part
@@ -214,83 +219,107 @@ def step_intervals(trace_path: str, during_only: bool) -> dict[str, list[float]]
     return out
 
 
+def during_counts(trace_path: str) -> dict[str, int]:
+    """Of a delayed server's steps while it captured (up to the last one that ran without a graph): those whose
+    target ran eagerly for want of its graph, and those whose target replayed a larger captured graph instead (a
+    stand-in)."""
+    recs = [json.loads(line) for line in open(trace_path, encoding="utf-8") if line.strip()]
+    last = max((i for i, r in enumerate(recs) if r.get("not_captured") or r.get("stand_in_for")), default=-1)
+    recs = recs[:last + 1]
+    return {"target_eager_steps": sum("target" in r.get("not_captured", ()) for r in recs),
+            "stand_in_steps": sum("stand_in_for" in r for r in recs)}
+
+
 def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
 def part_capture(args, result: dict, out_dir: str, save) -> None:
-    base_port = args.port
     for name in args.models.split(","):
         model = model_path(name)
         for workload in args.workloads.split(","):
             stem = f"{os.path.basename(model)}-{workload}"
-            # (a) during capture: an eager server and a delayed one, each a fresh start sent one wave at once
-            traces = {}
-            for mode, extra in (("eager", ["--enforce-eager"]), ("delayed", ["--delayed-cudagraph-capture"])):
-                trace = os.path.join(out_dir, f"trace-during-{stem}-{mode}.jsonl")
-                if os.path.exists(trace):
-                    os.remove(trace)
-                proc = launch(serve_command(model, workload, base_port, args, extra + ["--step-trace", trace]),
-                              os.path.join(out_dir, f"server-during-{stem}-{mode}.log"))
-                try:
-                    wait_healthy(proc, mode, base_port)
-                    bench = run_bench(f"http://127.0.0.1:{base_port}", args.concurrency_during, f"during-{mode}",
+            if not args.no_during:
+                during(args, result, out_dir, save, name, model, workload, stem)
+            if not args.no_after:
+                after(args, result, out_dir, save, name, model, workload, stem)
+
+
+def during(args, result: dict, out_dir: str, save, name: str, model: str, workload: str, stem: str) -> None:
+    """(a) during capture: an eager server and a delayed one, each a fresh start sent one wave at once."""
+    base_port = args.port
+    traces, tok_s = {}, {}
+    for mode, extra in (("eager", ["--enforce-eager"]), ("delayed", ["--delayed-cudagraph-capture"])):
+        trace = os.path.join(out_dir, f"trace-during-{stem}-{mode}.jsonl")
+        if os.path.exists(trace):
+            os.remove(trace)
+        proc = launch(serve_command(model, workload, base_port, args, extra + ["--step-trace", trace]),
+                      os.path.join(out_dir, f"server-during-{stem}-{mode}.log"))
+        try:
+            wait_healthy(proc, mode, base_port)
+            bench = run_bench(f"http://127.0.0.1:{base_port}", args.concurrency_during, f"during-{mode}",
+                              os.path.join(out_dir, "bench"), bench_args(args), None, "m")
+            tok_s[mode] = round(bench["output_throughput"], 1)
+            log(f"{name} {workload} during capture, {mode}: {bench['output_throughput']:.0f} tok/s")
+        finally:
+            stop_server(proc)
+        traces[mode] = trace
+    delayed = step_intervals(traces["delayed"], during_only=True)
+    eager = step_intervals(traces["eager"], during_only=False)
+    groups = []
+    for key, ms in sorted(delayed.items()):
+        if len(ms) >= 5 and len(eager.get(key, [])) >= 5:
+            groups.append({"step": key, "steps": len(ms), "delayed_median_ms": round(statistics.median(ms), 3),
+                           "eager_median_ms": round(statistics.median(eager[key]), 3),
+                           "ratio": round(statistics.median(ms) / statistics.median(eager[key]), 3),
+                           "p90_ratio": round(p90(ms) / p90(eager[key]), 3)})
+    row = {"part": "during_capture", "model": os.path.basename(model), "workload": workload,
+           "concurrency": args.concurrency_during, "groups": groups,
+           "worst_ratio": max((g["ratio"] for g in groups), default=None),
+           "worst_p90_ratio": max((g["p90_ratio"] for g in groups), default=None),
+           "steps_during_capture": sum(len(v) for v in delayed.values()) + 1, "tok_s": tok_s,
+           **during_counts(traces["delayed"])}
+    replace_row(result, row, ("part", "model", "workload"))
+    save()
+
+
+def after(args, result: dict, out_dir: str, save, name: str, model: str, workload: str, stem: str) -> None:
+    """(b) after capture: capture-first and delayed servers, alternated runs."""
+    base_port = args.port
+    # (started one after the other: a server sizes its KV cache from the memory it took since it started, so
+    # another's load meanwhile would count as its own: kv_cache_bytes)
+    procs = {}
+    try:
+        for i, (mode, extra) in enumerate((("capture-first", []),
+                                           ("delayed", ["--delayed-cudagraph-capture"]))):
+            procs[mode] = launch(serve_command(model, workload, base_port + i, args, extra),
+                                 os.path.join(out_dir, f"server-after-{stem}-{mode}.log"))
+            wait_healthy(procs[mode], mode, base_port + i)
+        while True:  # the delayed server first captures everything
+            counts = graph_counts(scrape(base_port + 1))
+            if counts["captured"] >= counts["planned"]:
+                break
+            time.sleep(0.2)
+        for conc in args.concurrency_after:
+            runs: dict[str, list[float]] = {m: [] for m in procs}
+            for rnd in range(args.rounds):
+                order = list(procs) if rnd % 2 == 0 else list(reversed(procs))
+                for mode in order:
+                    port = base_port + list(procs).index(mode)
+                    bench = run_bench(f"http://127.0.0.1:{port}", conc, f"after-{mode}",
                                       os.path.join(out_dir, "bench"), bench_args(args), None, "m")
-                    log(f"{name} {workload} during capture, {mode}: {bench['output_throughput']:.0f} tok/s")
-                finally:
-                    stop_server(proc)
-                traces[mode] = trace
-            delayed = step_intervals(traces["delayed"], during_only=True)
-            eager = step_intervals(traces["eager"], during_only=False)
-            groups = []
-            for key, ms in sorted(delayed.items()):
-                if len(ms) >= 5 and len(eager.get(key, [])) >= 5:
-                    groups.append({"step": key, "steps": len(ms), "delayed_median_ms": round(statistics.median(ms), 3),
-                                   "eager_median_ms": round(statistics.median(eager[key]), 3),
-                                   "ratio": round(statistics.median(ms) / statistics.median(eager[key]), 3),
-                                   "p90_ratio": round(p90(ms) / p90(eager[key]), 3)})
-            row = {"part": "during_capture", "model": os.path.basename(model), "workload": workload,
-                   "concurrency": args.concurrency_during, "groups": groups,
-                   "worst_ratio": max((g["ratio"] for g in groups), default=None),
-                   "worst_p90_ratio": max((g["p90_ratio"] for g in groups), default=None),
-                   "steps_during_capture": sum(len(v) for v in delayed.values()) + 1}
-            replace_row(result, row, ("part", "model", "workload"))
+                    runs[mode].append(round(bench["output_throughput"], 1))
+            ratios = [d / c for d, c in zip(runs["delayed"], runs["capture-first"])]
+            row = {"part": "after_capture", "model": os.path.basename(model), "workload": workload,
+                   "concurrency": conc, "tok_s": runs, "ratio_median": round(statistics.median(ratios), 4),
+                   "ratios": [round(r, 4) for r in ratios]}
+            replace_row(result, row, ("part", "model", "workload", "concurrency"))
+            log(f"{name} {workload} after capture, {conc} streams: delayed / capture-first "
+                f"{row['ratio_median']:.4f} (runs {row['ratios']})")
             save()
-            # (b) after capture: capture-first and delayed side by side, alternating runs. Started one after the
-            # other: a server sizes its KV cache from the memory it took since it started, so another's load
-            # meanwhile would count as its own (kv_cache_bytes)
-            procs = {}
-            try:
-                for i, (mode, extra) in enumerate((("capture-first", []),
-                                                   ("delayed", ["--delayed-cudagraph-capture"]))):
-                    procs[mode] = launch(serve_command(model, workload, base_port + i, args, extra),
-                                         os.path.join(out_dir, f"server-after-{stem}-{mode}.log"))
-                    wait_healthy(procs[mode], mode, base_port + i)
-                while True:  # the delayed server first captures everything
-                    counts = graph_counts(scrape(base_port + 1))
-                    if counts["captured"] >= counts["planned"]:
-                        break
-                    time.sleep(0.2)
-                for conc in args.concurrency_after:
-                    runs: dict[str, list[float]] = {m: [] for m in procs}
-                    for rnd in range(args.rounds):
-                        order = list(procs) if rnd % 2 == 0 else list(reversed(procs))
-                        for mode in order:
-                            port = base_port + list(procs).index(mode)
-                            bench = run_bench(f"http://127.0.0.1:{port}", conc, f"after-{mode}",
-                                              os.path.join(out_dir, "bench"), bench_args(args), None, "m")
-                            runs[mode].append(round(bench["output_throughput"], 1))
-                    ratios = [d / c for d, c in zip(runs["delayed"], runs["capture-first"])]
-                    row = {"part": "after_capture", "model": os.path.basename(model), "workload": workload,
-                           "concurrency": conc, "tok_s": runs, "ratio_median": round(statistics.median(ratios), 4),
-                           "ratios": [round(r, 4) for r in ratios]}
-                    replace_row(result, row, ("part", "model", "workload", "concurrency"))
-                    log(f"{name} {workload} after capture, {conc} streams: delayed / capture-first "
-                        f"{row['ratio_median']:.4f} (runs {row['ratios']})")
-                    save()
-            finally:
-                for proc in procs.values():
-                    stop_server(proc)
+    finally:
+        for proc in procs.values():
+            stop_server(proc)
 
 
 def bench_args(args) -> argparse.Namespace:
@@ -298,8 +327,15 @@ def bench_args(args) -> argparse.Namespace:
     return argparse.Namespace(data=args.data, waves=1, min_prompts=16)
 
 
+SERVER_TREE: str | None = None
+"""``--server-tree``: the checkout the servers run from (None: this one)."""
+
+
 def launch(cmd: list[str], log_path: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    env = None
+    if SERVER_TREE:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([SERVER_TREE, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=SERVER_TREE, env=env)
     proc.log_path = log_path
     return proc
 
@@ -327,7 +363,16 @@ def main() -> None:
     parser.add_argument("--concurrency-during", type=int, default=256)
     parser.add_argument("--concurrency-after", default="256,1024")
     parser.add_argument("--rounds", type=int, default=3, help="alternated bench runs per server and concurrency")
+    parser.add_argument("--no-after", action="store_true", help="--part capture: (a) only")
+    parser.add_argument("--no-during", action="store_true", help="--part capture: (b) only")
+    parser.add_argument("--server-tree", default=None, metavar="DIR",
+                        help="run the servers from this checkout (an earlier commit's, for an A/B in one lease: use "
+                             "another --out); the benchmark's own code stays this one's")
     args = parser.parse_args()
+    global SERVER_TREE
+    SERVER_TREE = os.path.abspath(args.server_tree) if args.server_tree else None
+    args.data = os.path.abspath(args.data)
+    args.tokenizer = os.path.abspath(args.tokenizer) if args.tokenizer else None
     args.concurrency_after = [int(c) for c in args.concurrency_after.split(",")]
     from models.config import PRESETS
 
