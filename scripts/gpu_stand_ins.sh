@@ -3,7 +3,8 @@
 # REST_PER_UNIT), against an earlier commit's servers in the same lease (BASE, default 2fabc49: every target forward
 # without its graph eager, a unit in every gap), in four calls made within the machine's 30 s warm window, each from
 # the repository root with C set to the commit. Before call 1, here:
-#   git archive ${BASE:-2fabc49} dispatcher models scheduler | gzip > .gpu_tools/base.tgz
+#   git archive ${BASE:-2fabc49} dispatcher models scheduler ':(exclude)models/heads' | gzip > .gpu_tools/base.tgz
+# (the shipped heads are copied from this tree: call 1 carries 63 of its 64 MiB)
 #   call 1: carry [".whl", ".gpu_data", ".gpu_gguf/p00", ".gpu_tools"]   C=<commit> bash scripts/gpu_stand_ins.sh 1
 #           in the background: the delayed-capture GPU tests, then bench-moe during capture (both workloads)
 #   call 2: carry [".gpu_gguf/p01", ".gpu_tools"]                          ... 2   (waits)
@@ -27,7 +28,7 @@ capture() {  # OUT_NAME, then bench_startup_gpu.py's flags
 case "${1:-}" in
   1) bash scripts/gpu_chain.sh 1
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
-     mkdir -p /root/bg/si /root/base && tar xzf .gpu_tools/base.tgz -C /root/base
+     mkdir -p /root/bg/si /root/base && tar xzf .gpu_tools/base.tgz -C /root/base && cp -r models/heads /root/base/models/
      runs="python -m pytest -o addopts= -q -m gpu tests/test_delayed_capture.py -k 'cuda_graphs or serve_on_cuda or stand_in' "
      runs+="> /root/bg/si/gpu_tests.log 2>&1; tail -3 /root/bg/si/gpu_tests.log; "
      runs+=$(capture "startup_capture_moe_$GPU.json" --models bench-moe --no-after)
