@@ -17,7 +17,7 @@
 set -uo pipefail
 results() {
   mkdir -p "$OUT/x"
-  cp /root/bg/si/*.json "$OUT/x/" 2>/dev/null
+  cp /root/bg/si/*.json /root/bg/si/base/*.json "$OUT/x/" 2>/dev/null
   (cd /root/bg && tar czf "$OUT/x/si_rest.tgz" --exclude='*.json' si.log si1.log si 2>/dev/null)
   ls -la "$OUT/x"
 }
@@ -41,7 +41,8 @@ case "${1:-}" in
      source scripts/gpu_session.sh "${C:?set C to the commit}"; source scripts/gpu_background.sh
      runs="for i in \$(seq 600); do [ -e /root/bg/si1.log ] && ! grep -q '^BG_DONE' /root/bg/si1.log || break; sleep 2; done; "
      runs+=$(capture "startup_capture_default_$GPU.json" --models default --no-after)
-     runs+=$(capture "startup_capture_default_base_$GPU.json" --models default --no-after --server-tree /root/base)
+     runs+="mkdir -p /root/bg/si/base; "  # (its own folder: the step traces are named by model and workload)
+     runs+=$(capture "base/startup_capture_default_base_$GPU.json" --models default --no-after --server-tree /root/base)
      runs+=$(capture "startup_capture_default_$GPU.json" --models default --workloads eagle3-k7 --rounds 2 --no-during)
      bg_start si bash -c "$runs"
      bg_wait si "${LIM:-560}"; results ;;
