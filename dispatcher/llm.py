@@ -50,9 +50,11 @@ class LLM:
                  compilation_config: dict | None = None, speculative_config: dict | None = None,
                  platform: str = "auto", seed: int = 0, enforce_eager: bool = False, step_trace: str | None = None,
                  enable_prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int | None = None):
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, admission_wait_steps: int | None = None,
+                 tokenizer: str | None = None):
         """``tensor_parallel_size`` (vLLM's): the model split across this many ranks, one worker process each
-        (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them."""
+        (``models.parallel``; GPUs 0..N-1 on CUDA, gloo ranks on the CPU); ``close()`` stops them. ``tokenizer``
+        (vLLM's): a checkpoint directory or GGUF whose tokenizer to use instead of the model's."""
         dtype = _check_options(dtype, block_size, enable_prefix_caching, seed)
         if num_kv_blocks is not None and kv_cache_memory_gib is not None:
             raise ConfigError("num_kv_blocks and kv_cache_memory_gib both size the KV cache: give one")
@@ -68,7 +70,9 @@ class LLM:
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
         model_cfg = read_model_config(model, quantization)
-        self.tokenizer: Tokenizer | None = load_tokenizer(model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(tokenizer or model)
+        if tokenizer is not None and self.tokenizer is None:
+            raise ConfigError(f"tokenizer {tokenizer!r} has no tokenizer (give a checkpoint directory or a .gguf)")
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {model_cfg.vocab_size}")
@@ -97,7 +101,8 @@ class LLM:
             model, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size,
             max_model_len=max_model_len, seed=seed, use_cuda_graphs=not enforce_eager, step_trace=step_trace,
             eos_token_ids=tuple(dict.fromkeys(eos)), enable_prefix_caching=enable_prefix_caching,
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype, admission_wait_steps=admission_wait_steps)
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype, admission_wait_steps=admission_wait_steps,
+            tokenizer=tokenizer)
         self._worker = None
         if tensor_parallel_size != 1:
             from dispatcher.engine.ipc import tensor_parallel_worker

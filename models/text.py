@@ -465,7 +465,7 @@ def tokenizer_from_dir(path: str) -> Tokenizer:
 
 
 # GGUF byte-level pre-tokenizers, by tokenizer.ggml.pre (llama.cpp's names): the split each vocabulary's merges
-# were learned with. Unknown names fall back to GPT-2's split.
+# were learned with. Other names are refused (as llama.cpp refuses them).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -526,7 +526,11 @@ def tokenizer_from_gguf_metadata(md: dict, path: str) -> Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         else:
             if pre not in GGUF_GPT2_PRE:
-                log.warning("%s: tokenizer.ggml.pre %r is not known here; splitting text as GPT-2 does", path, pre)
+                known = ", ".join(sorted({*GGUF_PRE_SPLITS, *GGUF_GPT2_PRE}))
+                raise CheckpointError(
+                    f"{path}: metadata tokenizer.ggml.pre {pre!r} names a pre-tokenizer twogrid does not know "
+                    f"(known: {known}): its text would be split unlike the model's training; give the model's "
+                    f"Hugging Face tokenizer instead (--tokenizer DIR, or LLM(tokenizer=DIR))")
             byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
             backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                               byte_level]) if pre == "smollm" else byte_level)

@@ -283,3 +283,22 @@ def test_dtype_by_name_and_a_non_boolean_ignore_eos():
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos="no"))
     with pytest.raises(RequestError, match="prompts must be a string, .* got NoneType"):  # (a TypeError before)
         llm.generate(None)
+
+
+def test_a_tokenizer_given_apart_is_the_one_used(model_dir, bpe, tmp_path):
+    """``LLM(tokenizer=...)`` (vLLM's argument; the way around a GGUF whose tokenizer twogrid refuses) takes the
+    tokenizer, its chat template and its special tokens from there, not from the model."""
+    import json
+    import shutil
+
+    other = str(tmp_path / "other")
+    shutil.copytree(bpe, other)
+    config_path = os.path.join(other, "tokenizer_config.json")
+    config = json.load(open(config_path, encoding="utf-8"))
+    config["chat_template"] = "{% for m in messages %}OTHER:{{ m['content'] }}{% endfor %}"
+    json.dump(config, open(config_path, "w", encoding="utf-8"))
+    llm = LLM(model_dir, tokenizer=other, **OPTIONS)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
+    assert out.prompt == "OTHER:hi"
+    with pytest.raises(CheckpointError, match="no such directory"):
+        LLM(model_dir, tokenizer=str(tmp_path / "missing"), **OPTIONS)

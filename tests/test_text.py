@@ -37,19 +37,31 @@ def write_tokenizer_gguf(path: str, metadata: dict) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def bpe_gguf(bpe, tmp_path_factory):
-    """The same vocabulary as a GGUF's metadata, the way llama.cpp's converter writes it (pre-tokenizer 'qwen2')."""
+def bpe_gguf_metadata(bpe: str, pre: str = "qwen2") -> dict:
+    """The byte-level BPE vocabulary's GGUF metadata, the way llama.cpp's converter writes it."""
     spec = json.loads(open(os.path.join(bpe, "tokenizer.json"), encoding="utf-8").read())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
-    path = str(tmp_path_factory.mktemp("bpe_gguf") / "tok.gguf")
-    return write_tokenizer_gguf(path, {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+    return {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens], "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"], "tokenizer.ggml.padding_token_id": vocab["<|endoftext|>"],
-        "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML})
+        "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML}
+
+
+@pytest.fixture(scope="session")
+def bpe_gguf(bpe, tmp_path_factory):
+    """The same vocabulary as a GGUF's metadata (pre-tokenizer 'qwen2')."""
+    return write_tokenizer_gguf(str(tmp_path_factory.mktemp("bpe_gguf") / "tok.gguf"), bpe_gguf_metadata(bpe))
+
+
+def test_a_gguf_naming_a_pre_tokenizer_not_known_here_is_refused_naming_the_field(bpe, tmp_path):
+    """An unknown ``tokenizer.ggml.pre`` would split text unlike the model's training (wrong tokens, no error), so it
+    is refused, as llama.cpp refuses it, with the way out: the model's Hugging Face tokenizer."""
+    path = write_tokenizer_gguf(str(tmp_path / "tok.gguf"), bpe_gguf_metadata(bpe, pre="made-up-bpe"))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.ggml\.pre 'made-up-bpe'.*qwen2.*--tokenizer DIR"):
+        load_tokenizer(path)
 
 
 @pytest.fixture(scope="session")
