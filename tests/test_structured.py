@@ -571,7 +571,9 @@ def test_a_compile_that_outgrows_its_memory_or_dies_is_refused_and_the_next_comp
         busy = [p.pid for p in grammars._all_processes if p.pid is not None]
         for pid in busy:  # (the idle one too: its next compile starts another)
             os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RequestError, match=r"does not compile: its compile process died \(signal SIGKILL\)"):
+        # (under load the victim's process may still be starting when it is killed: "died starting")
+        with pytest.raises(RequestError, match=r"does not compile: (its|the) compile process died( starting)? "
+                                               r"\(signal SIGKILL\)"):
             grammars.result(StructuredOutputsParams(json=_slow_schema()), victim)
         for i in range(2 * S.COMPILE_WORKERS):
             assert grammars.compile(StructuredOutputsParams(regex=f"alive{i}+")).grammar_id >= 0
