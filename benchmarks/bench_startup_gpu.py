@@ -288,33 +288,33 @@ def after(args, result: dict, out_dir: str, save, name: str, model: str, workloa
     base_port = args.port
     # (started one after the other: a server sizes its KV cache from the memory it took since it started, so
     # another's load meanwhile would count as its own: kv_cache_bytes)
+    first, second = args.after_modes
+    names = (first, second if second != first else f"{second}-2")  # (an A/A control: the second named apart)
     procs = {}
     try:
-        for i, (mode, extra) in enumerate((("capture-first", []),
-                                           ("delayed", ["--delayed-cudagraph-capture"]))):
-            procs[mode] = launch(serve_command(model, workload, base_port + i, args, extra),
-                                 os.path.join(out_dir, f"server-after-{stem}-{mode}.log"))
-            wait_healthy(procs[mode], mode, base_port + i)
-        while True:  # the delayed server first captures everything
-            counts = graph_counts(scrape(base_port + 1))
-            if counts["captured"] >= counts["planned"]:
-                break
-            time.sleep(0.2)
+        for i, (label, mode) in enumerate(zip(names, args.after_modes)):
+            extra = ["--delayed-cudagraph-capture"] if mode == "delayed" else []
+            procs[label] = launch(serve_command(model, workload, base_port + i, args, extra),
+                                  os.path.join(out_dir, f"server-after-{stem}-{label}.log"))
+            wait_healthy(procs[label], label, base_port + i)
+        for i in range(2):  # a delayed server first captures everything
+            while (counts := graph_counts(scrape(base_port + i)))["captured"] < counts["planned"]:
+                time.sleep(0.2)
         for conc in args.concurrency_after:
             runs: dict[str, list[float]] = {m: [] for m in procs}
             for rnd in range(args.rounds):
                 order = list(procs) if rnd % 2 == 0 else list(reversed(procs))
-                for mode in order:
-                    port = base_port + list(procs).index(mode)
-                    bench = run_bench(f"http://127.0.0.1:{port}", conc, f"after-{mode}",
+                for label in order:
+                    port = base_port + list(procs).index(label)
+                    bench = run_bench(f"http://127.0.0.1:{port}", conc, f"after-{label}",
                                       os.path.join(out_dir, "bench"), bench_args(args), None, "m")
-                    runs[mode].append(round(bench["output_throughput"], 1))
-            ratios = [d / c for d, c in zip(runs["delayed"], runs["capture-first"])]
+                    runs[label].append(round(bench["output_throughput"], 1))
+            ratios = [b / a for b, a in zip(runs[names[1]], runs[names[0]])]
             row = {"part": "after_capture", "model": os.path.basename(model), "workload": workload,
-                   "concurrency": conc, "tok_s": runs, "ratio_median": round(statistics.median(ratios), 4),
-                   "ratios": [round(r, 4) for r in ratios]}
-            replace_row(result, row, ("part", "model", "workload", "concurrency"))
-            log(f"{name} {workload} after capture, {conc} streams: delayed / capture-first "
+                   "concurrency": conc, "modes": list(names), "tok_s": runs,
+                   "ratio_median": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios]}
+            replace_row(result, row, ("part", "model", "workload", "concurrency", "modes"))
+            log(f"{name} {workload} after capture, {conc} streams: {names[1]} / {names[0]} "
                 f"{row['ratio_median']:.4f} (runs {row['ratios']})")
             save()
     finally:
@@ -365,6 +365,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternated bench runs per server and concurrency")
     parser.add_argument("--no-after", action="store_true", help="--part capture: (a) only")
     parser.add_argument("--no-during", action="store_true", help="--part capture: (b) only")
+    parser.add_argument("--after-modes", default="capture-first,delayed", metavar="A,B",
+                        help="--part capture (b): the two servers compared, B / A, each capture-first or delayed, "
+                             "started in that order (capture-first,capture-first: the A/A control of the pair's "
+                             "order and ports)")
     parser.add_argument("--server-tree", default=None, metavar="DIR",
                         help="run the servers from this checkout (an earlier commit's, for an A/B in one lease: use "
                              "another --out); the benchmark's own code stays this one's")
@@ -374,6 +378,9 @@ def main() -> None:
     args.data = os.path.abspath(args.data)
     args.tokenizer = os.path.abspath(args.tokenizer) if args.tokenizer else None
     args.concurrency_after = [int(c) for c in args.concurrency_after.split(",")]
+    args.after_modes = tuple(args.after_modes.split(","))
+    if len(args.after_modes) != 2 or not set(args.after_modes) <= set(MODES):
+        parser.error(f"--after-modes: two of {', '.join(MODES)}, comma-separated")
     from models.config import PRESETS
 
     if any(m in PRESETS for m in args.models.split(",")) and not args.tokenizer:
