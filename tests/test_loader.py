@@ -255,3 +255,21 @@ def test_fp8_kv_scales_under_their_older_names_are_read_and_rotary_caches_ignore
         _rewrite(tmp_path, {"model.safetensors": {**tensors, **extra}})
         attn = load_checkpoint(str(tmp_path)).layers[0].attn
         assert (attn.k_scale, attn.v_scale) == want, extra
+
+
+def test_a_weight_holding_a_nan_or_an_infinity_is_refused_naming_it(tmp_path):
+    """A corrupt checkpoint (a NaN in one weight, an infinity in another) would load and generate garbage: the load
+    refuses it, naming the first such weight as the model holds it."""
+    from models.loader import load_model
+
+    _, tensors = _tiny_tensors(tmp_path)
+    load_model(str(tmp_path), "cpu", torch.float32)  # (the checkpoint as written loads)
+    bad = dict(tensors)
+    bad["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].clone()
+    bad["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    bad["model.norm.weight"] = tensors["model.norm.weight"].clone()
+    bad["model.norm.weight"][0] = float("inf")
+    _rewrite(tmp_path, {"model.safetensors": bad})
+    with pytest.raises(CheckpointError, match=r"weight layers\.1\.mlp\.down_proj\.weight \(and 1 more\) holds a NaN "
+                                              r"or an infinity"):
+        load_model(str(tmp_path), "cpu", torch.float32)
