@@ -329,3 +329,25 @@ def fill_model(model: CausalLM, kind: str, source: TensorSource, scheme: Fp8Sche
         raise CheckpointError(f"{source.where}: the loader set no value for {unset[0]} ({kind})")
     model.fuse_fp8_quantization()  # (the projections are final: some may have been left unquantized)
     return model
+
+
+FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_finite_weights(model: torch.nn.Module, source: str, error: type[Exception] = CheckpointError) -> None:
+    """``error`` naming the first weight (as loaded: decoded, dequantized or scaled) that holds a NaN or an
+    infinity: a corrupt checkpoint would otherwise load and generate garbage. One pass over the floating-point
+    parameters and buffers, one synchronization (an FP8 weight's scales are checked, its 8-bit values not)."""
+    names, flags = [], []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.dtype in FINITE_CHECKED and t.numel():
+            names.append(name)
+            flags.append(torch.isfinite(t).all())
+    if not flags:
+        return
+    finite = torch.stack(flags).cpu()
+    if not bool(finite.all()):
+        bad = [names[i] for i in (~finite).nonzero().flatten().tolist()]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise error(f"{source}: weight {bad[0]}{more} holds a NaN or an infinity: the checkpoint is corrupt (or was "
+                    f"saved after training diverged); refusing to serve it")

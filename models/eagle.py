@@ -34,7 +34,7 @@ from torch import nn
 
 from models.attention import allocate_kv_cache
 from models.attention_metadata import AttentionMetadata
-from models.checkpoint import part_rows
+from models.checkpoint import check_finite_weights, part_rows
 from models.config import ModelConfig
 from models.fused import argmax_prob
 from models.layers import RMSNorm, RotaryEmbedding
@@ -319,6 +319,7 @@ def load_draft_head(path: str, target: CausalLM, method: str) -> EagleHead:
                       own_embedding="embed_tokens.weight" in tensors)
     head = _place(target, cfg, shape)
     _fill(head, tensors, path)
+    check_finite_weights(head, f"draft head {path!r}", DraftHeadError)
     return head.eval().requires_grad_(False)
 
 

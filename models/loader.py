@@ -17,7 +17,7 @@ import struct
 
 import torch
 
-from models.checkpoint import CheckpointError, fill_model, hf_names, param_target, serving_dtype
+from models.checkpoint import CheckpointError, check_finite_weights, fill_model, hf_names, param_target, serving_dtype
 from models.config import ModelConfig, RopeScaling, checked_config, model_kind, preset, read_json
 from models.fp8 import Fp8Scheme, QuantizationError, checkpoint_scheme
 from models.gguf_file import config_from_gguf, open_gguf
@@ -572,25 +572,3 @@ def load_model(name_or_path: str, device: str | torch.device, dtype: torch.dtype
     if torch.device(device).type == "cuda":  # the load's transients (a GGUF decoded on the device, FP8 quantized
         torch.cuda.empty_cache()  # at load) released: the KV cache's sizing counts what the allocator reserves
     return model
-
-
-FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_finite_weights(model: torch.nn.Module, source: str) -> None:
-    """CheckpointError naming the first weight (as loaded: decoded, dequantized or scaled) that holds a NaN or an
-    infinity: a corrupt checkpoint would otherwise load and generate garbage. One pass over the floating-point
-    parameters and buffers, one synchronization (an FP8 weight's scales are checked, its 8-bit values not)."""
-    names, flags = [], []
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.dtype in FINITE_CHECKED and t.numel():
-            names.append(name)
-            flags.append(torch.isfinite(t).all())
-    if not flags:
-        return
-    finite = torch.stack(flags).cpu()
-    if not bool(finite.all()):
-        bad = [names[i] for i in (~finite).nonzero().flatten().tolist()]
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CheckpointError(f"{source}: weight {bad[0]}{more} holds a NaN or an infinity: the checkpoint is "
-                              f"corrupt (or was saved after training diverged); refusing to serve it")

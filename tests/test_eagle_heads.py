@@ -317,6 +317,8 @@ def rewrite(path, *, config: dict | None = None, drop: str | None = None, add: s
     ({"edit": lambda t: {**t, "d2t": t["d2t"].float() + 0.5}}, "d2t is torch.float32, expected integer offsets"),
     ({"extra_file": {"fc.weight": torch.zeros(3)}}, "tensor 'fc.weight' is in two files"),  # (the last one won)
     ({"config": {"draft_vocab_size": "x"}}, "draft_vocab_size must be an integer, got 'x'"),
+    ({"edit": lambda t: {**t, "fc.weight": t["fc.weight"].index_fill(0, torch.tensor([2]), float("nan"))}},
+     "weight fc.weight holds a NaN or an infinity"),
     ({"config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", "b"]}}},
      "eagle_aux_hidden_state_layer_ids must be a list of layer indices"),
 ])
