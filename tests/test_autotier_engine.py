@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 
 import pytest
@@ -185,9 +186,9 @@ def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
     from serverutil import Server, http_get, http_post
 
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": "auto"})
-    srv = Server(["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "4",
-                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--speculative-config", spec],
-                 str(tmp_path / "server.log"), env={"TWOGRID_CACHE": str(tmp_path / "cache")})
+    args = ["--model", "tiny-dense", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--speculative-config", spec]
+    srv = Server(args, str(tmp_path / "server.log"), env={"TWOGRID_CACHE": str(tmp_path / "cache")})
     try:
         srv.wait_healthy()
         status, body = http_post(srv.base + "/v1/completions", json.dumps(
@@ -205,7 +206,19 @@ def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
     assert ranges[0][0] == 1 and ranges[-1][1] == 4 and all(0 <= k <= 2 for *_, k in ranges)
     assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous tiers over 1..max_num_seqs
     assert "speculative tiers (auto, from measured" in (tmp_path / "server.log").read_text()
-    assert len(list((tmp_path / "cache" / "spec_cost").iterdir())) == 1
+    (kept,) = (tmp_path / "cache" / "spec_cost").iterdir()
+    # a kept measurement that cannot be read stops the next start with one line naming it (it was under a trace)
+    kept.write_text("{not json")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "dispatcher", "serve", *args, "--port", str(srv.port)],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TWOGRID_CACHE": str(tmp_path / "cache")})
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert (f"the engine failed to start: the cached speculative tiers' measured step costs in {kept} are "
+            f"unreadable") in out
 
 
 def test_served_decode_steps_feed_the_tiers_cost_ratios_unless_a_table_was_given(tmp_path):

@@ -518,7 +518,10 @@ async def serve(ipc_dir: str, num_ranks: int = 1) -> int:
         await _tell_all(outboxes, EngineDead(str(exc)))
         code = 1
     except Exception as exc:  # a defect: say so, rather than leave every client hanging
-        log.exception("the engine failed")
+        if isinstance(exc, ValueError) and service.core is None:  # (refused on purpose at start-up, a setting or a
+            log.error("the engine failed to start: %s", exc)  # file its message names: no trace, as the worker's)
+        else:
+            log.exception("the engine failed")
         await _tell_all(outboxes, EngineDead(f"{type(exc).__name__}: {exc}"))
         code = 1
     finally:
