@@ -222,14 +222,17 @@ def test_stand_ins_pad_up_only_where_a_larger_graph_is_captured_and_measured_che
     assert stand_ins.pick(GraphKey("full_decode", 1, 1), 1) == 0  # (another kind: its own times)
 
 
+@pytest.mark.parametrize("spec", [None, SPECS[1]], ids=["no-sd", "eagle3"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_step_on_a_stand_in_gives_the_same_tokens_and_its_trace_names_the_graph_it_stood_in_for(device, tmp_path):
+def test_a_step_on_a_stand_in_gives_the_same_tokens_and_its_trace_names_the_graph_it_stood_in_for(device, spec,
+                                                                                                   tmp_path):
     """Once each kind's largest graph is captured and a stand-in is measured cheaper than eager, steps whose own
     graph is not captured yet replay the larger one, padded up: the same greedy tokens as an engine that captured
     first, counted in ``stand_in_steps``, and the trace's ``graph`` and padded counts are the larger graph's with
-    ``stand_in_for`` naming the step's own; no step replays a graph not captured whole."""
+    ``stand_in_for`` naming the step's own; no step replays a graph not captured whole. With a drafter whose own
+    forwards run eagerly in the same step (found in review: they reset the step's stand-in to none)."""
     trace = str(tmp_path / "trace.jsonl")
-    engine = engine_for(None, True, trace, device)
+    engine = engine_for(spec, True, trace, device)
     delayed = engine.worker.delayed
     while any(key in delayed.pending for key in delayed.anchors):
         delayed.run(0.0)
@@ -238,8 +241,9 @@ def test_a_step_on_a_stand_in_gives_the_same_tokens_and_its_trace_names_the_grap
             delayed.stand_ins.replay_ms[tuple(key)] = 0.0  # (the largest graphs cost nothing: every stand-in wins)
     engine.worker.capture_between_steps = lambda *a, **k: None  # (the rest stays uncaptured for this run)
     p = SamplingParams(max_tokens=12, temperature=0.0)
-    assert engine.generate(prompts(), p) == engine_for(None, False, device=device).generate(prompts(), p)
+    assert engine.generate(prompts(), p) == engine_for(spec, False, device=device).generate(prompts(), p)
     assert engine.stats.stand_in_steps >= 1
+    assert engine.stats.stand_in_steps == delayed.stand_ins.picked  # (what the worker ran is what the engine counts)
     engine.close()
     records = [json.loads(line) for line in open(trace, encoding="utf-8")]
     stood = [r for r in records if "stand_in_for" in r]

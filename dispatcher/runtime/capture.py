@@ -139,6 +139,8 @@ class StandIns:
         eager step there."""
         self.timing: list[tuple] = []
         """Anchors' replays queued with CUDA events, read once done (``_read_timings``)."""
+        self.picked = 0
+        """Stand-ins chosen so far (the log's last line says how many steps ran on one)."""
 
     def pick(self, key, num_tokens: int) -> int:
         """The size of the captured graph that stands in for ``key`` (not captured) over ``num_tokens`` real
@@ -155,7 +157,10 @@ class StandIns:
         band = _band(num_tokens)
         eager = max((ms for (kind, q, b), ms in self.eager_ms.items() if (kind, q) == key[:2] and b <= band),
                     default=None)
-        return larger if replay is not None and eager is not None and replay < eager else 0
+        if replay is None or eager is None or replay >= eager:
+            return 0
+        self.picked += 1
+        return larger
 
     def observe(self, planned, ran, num_tokens: int, device_ms: float) -> None:
         """A step planned on ``planned`` (a GraphKey) ran ``ran`` (its own graph or a stand-in; None: eagerly) over
@@ -304,9 +309,10 @@ class BackgroundCapture:
             log.info("delayed capture: %d of %d %s captured (%s) in %.1f s of gaps between steps%s", done, total,
                      self.noun, what, self.seconds, "; done" if not self.pending else "")
             if not self.pending:
-                log.info("delayed capture's units, ms a graph (median / max): %s", ", ".join(
-                    f"{r} {k} {statistics.median(s) * 1e3:.1f} / {max(s) * 1e3:.1f}"
-                    for (r, k), s in self.unit_seconds.items()))
+                log.info("delayed capture's units, ms a graph (median / max): %s; %d steps meanwhile ran on a larger "
+                         "captured graph than their own (stand-ins)", ", ".join(
+                             f"{r} {k} {statistics.median(s) * 1e3:.1f} / {max(s) * 1e3:.1f}"
+                             for (r, k), s in self.unit_seconds.items()), self.stand_ins.picked)
 
     def progress(self) -> CaptureProgress:
         return CaptureProgress([GraphCount(r, k, self.captured[(r, k)], n) for (r, k), n in self.totals.items()],

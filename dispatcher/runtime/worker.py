@@ -521,9 +521,10 @@ class ModelWorker:
             if desc.graph in rt.captured:
                 continue
             self.delayed.note(rt.runner, desc.graph)
-            stand_in = self.delayed.stand_ins.pick(desc.graph, num_tokens) if role == "target" else 0
-            if stand_in:
-                changes[role] = padded_up(desc, stand_in, self.config.max_num_seqs)
+            larger = self.delayed.stand_ins.pick(desc.graph, num_tokens) if role == "target" else 0
+            if larger:
+                stand_in = larger
+                changes[role] = padded_up(desc, larger, self.config.max_num_seqs)
                 timed = (desc.graph, changes[role].graph, num_tokens)
             else:
                 changes[role] = desc._replace(mode=MODE_EAGER, graph=None)
