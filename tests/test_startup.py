@@ -159,9 +159,10 @@ def test_a_load_on_cuda_leaves_nothing_reserved_for_the_kv_sizing(monkeypatch, t
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(12))
     events = []
-    monkeypatch.setattr(loader, "load_gguf", lambda *args: events.append(("load", str(args[1]))) or "model")
+    model = torch.nn.Linear(2, 2)  # (a module: the load checks its weights are finite)
+    monkeypatch.setattr(loader, "load_gguf", lambda *args: events.append(("load", str(args[1]))) or model)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    assert loader.load_model(str(path), "cuda", torch.bfloat16) == "model"
-    assert loader.load_model(str(path), torch.device("cuda", 1), torch.bfloat16) == "model"
-    assert loader.load_model(str(path), "cpu", torch.float32) == "model"
+    assert loader.load_model(str(path), "cuda", torch.bfloat16) is model
+    assert loader.load_model(str(path), torch.device("cuda", 1), torch.bfloat16) is model
+    assert loader.load_model(str(path), "cpu", torch.float32) is model
     assert events == [("load", "cuda"), "empty_cache", ("load", "cuda:1"), "empty_cache", ("load", "cpu")]
