@@ -300,5 +300,8 @@ def test_a_tokenizer_given_apart_is_the_one_used(model_dir, bpe, tmp_path):
     llm = LLM(model_dir, tokenizer=other, **OPTIONS)
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
     assert out.prompt == "OTHER:hi"
-    with pytest.raises(CheckpointError, match="no such directory"):
-        LLM(model_dir, tokenizer=str(tmp_path / "missing"), **OPTIONS)
+    for bad, words in ((str(tmp_path / "missing"), "is no such directory or file"), ("tiny-dense", "is a preset"),
+                       (123, "got 123"), ("", "got ''")):
+        with pytest.raises(ConfigError, match=f"tokenizer must be a Hugging Face checkpoint directory or a .gguf "
+                                              f"file.*{words}"):
+            LLM(model_dir, tokenizer=bad, **OPTIONS)
