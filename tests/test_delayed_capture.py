@@ -219,7 +219,10 @@ def test_stand_ins_pad_up_only_where_a_larger_graph_is_captured_and_measured_che
     assert stand_ins.pick(key, small) == mid  # (its replay bounded by the larger one's 5 ms)
     stand_ins.observe(key, GraphKey("piecewise", None, mid), small, 30.0)  # it ran slower than eager
     assert stand_ins.pick(key, small) == 0
-    assert stand_ins.pick(GraphKey("full_decode", 1, 1), 1) == 0  # (another kind: its own times)
+    decode = stand_ins.sizes[("full_decode", 1)]
+    rt.captured.add(GraphKey("full_decode", 1, decode[-1]))  # (captured, but its kind has no times of its own:
+    stand_ins.observe(GraphKey("piecewise", None, 1), None, 1, 50.0)  # the piecewise ones do not count for it)
+    assert stand_ins.pick(GraphKey("full_decode", 1, decode[0]), decode[0]) == 0
 
 
 @pytest.mark.parametrize("spec", [None, SPECS[1]], ids=["no-sd", "eagle3"])
@@ -265,8 +268,12 @@ def test_a_loaded_worker_rests_after_a_unit_and_an_idle_one_does_not(slow_units)
     while any(key in delayed.pending for key in delayed.anchors):
         delayed.run(0.0)
     assert delayed.rest_until == 0.0  # (anchors set no rest)
+    hook = delayed.hook
+    delayed.hook = lambda unit: (hook(unit), time.sleep(0.05))  # (a 50 ms unit: a rest of 150 ms)
+    start = time.perf_counter()
     assert delayed.run(0.0) == 1
-    assert delayed.rest_until > time.perf_counter()
+    assert delayed.rest_until >= start + 0.05 * (1 + capture_mod.REST_PER_UNIT)
+    delayed.hook = hook
     assert delayed.run(0.0) == 0  # (resting)
     assert delayed.run(None, stop=lambda: len(slow_units) > 10) >= 1  # (idle: no rest)
     delayed.rest_until = time.perf_counter() - 1

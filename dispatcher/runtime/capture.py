@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,10 +142,14 @@ class StandIns:
         """Anchors' replays queued with CUDA events, read once done (``_read_timings``)."""
         self.picked = 0
         """Stand-ins chosen so far (the log's last line says how many steps ran on one)."""
+        self.observed: deque = deque()
+        """Steps' times not yet taken in (``observe``; a deque's append and popleft are thread-safe)."""
 
     def pick(self, key, num_tokens: int) -> int:
         """The size of the captured graph that stands in for ``key`` (not captured) over ``num_tokens`` real
-        tokens, or 0: run it eagerly."""
+        tokens, or 0: run it eagerly. (The thread that submits steps: it takes in the observations first.)"""
+        while self.observed:
+            self._take(*self.observed.popleft())
         self._read_timings()
         captured = self.rt.captured
         larger = next((s for s in self.sizes.get((key.kind, key.q), ()) if s > key.size
@@ -164,7 +169,12 @@ class StandIns:
 
     def observe(self, planned, ran, num_tokens: int, device_ms: float) -> None:
         """A step planned on ``planned`` (a GraphKey) ran ``ran`` (its own graph or a stand-in; None: eagerly) over
-        ``num_tokens`` real tokens in ``device_ms``."""
+        ``num_tokens`` real tokens in ``device_ms``. Called by the thread that collects results (the worker
+        process's result thread), so only queued here: ``pick`` takes it in on the thread that reads the times
+        (found in review: a dict growing under ``pick``'s loop raised mid-step)."""
+        self.observed.append((planned, ran, num_tokens, device_ms))
+
+    def _take(self, planned, ran, num_tokens: int, device_ms: float) -> None:
         if ran is not None:
             self.replay_ms[tuple(ran)] = device_ms
             return
@@ -285,7 +295,11 @@ class BackgroundCapture:
                 break
             del self.pending[key]
             if key in self.anchors and unit.runner == "target":
-                self.stand_ins.time_anchor(unit.key)
+                try:
+                    self.stand_ins.time_anchor(unit.key)
+                except Exception as exc:  # (a measurement only: steps' own times take its place)
+                    log.warning("could not time the %s %s graph for %d after its capture (%s: %s); stand-ins wait "
+                                "for the steps' times", unit.runner, unit.kind, unit.size, type(exc).__name__, exc)
             paced = paced or key not in self.anchors
             if unit.kind != WARM_UP:
                 self.unit_seconds.setdefault((unit.runner, unit.kind), []).append(time.perf_counter() - unit_start)

@@ -600,8 +600,9 @@ class ModelWorker:
                           prompt_logprob_ids=sections.take(rows * ptop).tobytes(),
                           prompt_logprob_ranks=sections.take(rows).tobytes(), num_prompt_top_logprobs=ptop)
         device_ms = pending.clock.ms()
-        if pending.timed is not None and self.delayed is not None:
-            self.delayed.stand_ins.observe(*pending.timed, device_ms)
+        delayed = self.delayed  # (read once: the submitting thread sets it to None when capture ends)
+        if pending.timed is not None and delayed is not None:
+            delayed.stand_ins.observe(*pending.timed, device_ms)
         return StepResult(step.step_id, pack(_per_request(tokens_s, plan, n)), pack(_per_request(accepted_s, plan, n)),
                           width, conf, device_ms, lp, lp_ids, top, pending.jit_compiles, pending.jit_ms,
                           not_captured=pending.not_captured or [], grammars_ready=pending.grammars_ready,
