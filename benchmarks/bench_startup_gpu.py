@@ -205,13 +205,18 @@ def replace_row(result: dict, row: dict, key: tuple[str, ...]) -> None:
 
 # -- during and after delayed capture ---------------------------------------------------------------------------------
 
-def step_intervals(trace_path: str, during_only: bool) -> dict[str, list[float]]:
-    """ms between consecutive steps' results, by (kind, tokens rounded up to a power of two); ``during_only``: the
-    steps up to the last one that ran without a graph (delayed capture still under way)."""
+def trace_records(trace_path: str, during_only: bool) -> list[dict]:
+    """A server's step records; ``during_only``: those up to the last one that ran without its own graph, eagerly or
+    on a larger one (delayed capture still under way)."""
     recs = [json.loads(line) for line in open(trace_path, encoding="utf-8") if line.strip()]
     if during_only:
-        last = max((i for i, r in enumerate(recs) if r.get("not_captured")), default=-1)
+        last = max((i for i, r in enumerate(recs) if r.get("not_captured") or r.get("stand_in_for")), default=-1)
         recs = recs[:last + 1]
+    return recs
+
+
+def step_intervals(recs: list[dict]) -> dict[str, list[float]]:
+    """ms between consecutive steps' results, by (kind, tokens rounded up to a power of two)."""
     out: dict[str, list[float]] = {}
     for prev, rec in zip(recs, recs[1:]):
         key = f"{rec['kind']}:{1 << (max(rec['tokens'], 1) - 1).bit_length()}"
@@ -219,13 +224,9 @@ def step_intervals(trace_path: str, during_only: bool) -> dict[str, list[float]]
     return out
 
 
-def during_counts(trace_path: str) -> dict[str, int]:
-    """Of a delayed server's steps while it captured (up to the last one that ran without a graph): those whose
-    target ran eagerly for want of its graph, and those whose target replayed a larger captured graph instead (a
-    stand-in)."""
-    recs = [json.loads(line) for line in open(trace_path, encoding="utf-8") if line.strip()]
-    last = max((i for i, r in enumerate(recs) if r.get("not_captured") or r.get("stand_in_for")), default=-1)
-    recs = recs[:last + 1]
+def during_counts(recs: list[dict]) -> dict[str, int]:
+    """Of a delayed server's steps while it captured: those whose target ran eagerly for want of its graph, and those
+    whose target replayed a larger captured graph instead (a stand-in)."""
     return {"target_eager_steps": sum("target" in r.get("not_captured", ()) for r in recs),
             "stand_in_steps": sum("stand_in_for" in r for r in recs)}
 
@@ -264,8 +265,9 @@ def during(args, result: dict, out_dir: str, save, name: str, model: str, worklo
         finally:
             stop_server(proc)
         traces[mode] = trace
-    delayed = step_intervals(traces["delayed"], during_only=True)
-    eager = step_intervals(traces["eager"], during_only=False)
+    during_recs = trace_records(traces["delayed"], during_only=True)
+    delayed = step_intervals(during_recs)
+    eager = step_intervals(trace_records(traces["eager"], during_only=False))
     groups = []
     for key, ms in sorted(delayed.items()):
         if len(ms) >= 5 and len(eager.get(key, [])) >= 5:
@@ -278,7 +280,7 @@ def during(args, result: dict, out_dir: str, save, name: str, model: str, worklo
            "worst_ratio": max((g["ratio"] for g in groups), default=None),
            "worst_p90_ratio": max((g["p90_ratio"] for g in groups), default=None),
            "steps_during_capture": sum(len(v) for v in delayed.values()) + 1, "tok_s": tok_s,
-           **during_counts(traces["delayed"])}
+           **during_counts(during_recs)}
     replace_row(result, row, ("part", "model", "workload"))
     save()
 
