@@ -194,11 +194,13 @@ class StandIns:
         self.timing.append((tuple(key), start, end))
 
     def _read_timings(self) -> None:
-        if self.timing and self.timing[0][2].query():
-            done = [t for t in self.timing if t[2].query()]
-            self.timing = [t for t in self.timing if t not in done]
-            for key, start, end in done:
+        waiting = []
+        for key, start, end in self.timing:
+            if end.query():
                 self.replay_ms.setdefault(key, start.elapsed_time(end))
+            else:
+                waiting.append((key, start, end))
+        self.timing = waiting
 
 
 def _band(num_tokens: int) -> int:

@@ -510,28 +510,24 @@ class ModelWorker:
         set to run eagerly, or the target on a larger captured graph where a stand-in costs less
         (``StandIns.pick``); the forwards run eagerly, after ``not_captured`` (None: none); the stand-in's size (0:
         none); and what the step's time measures for the stand-ins (None: no target graph planned)."""
-        changes, stand_in, timed = {}, 0, None
+        planned = step.target.graph
+        num_tokens = int(unpack(step.num_scheduled).sum()) if planned is not None else 0
+        changes = {}
         for role, rt in zip(("target",) + DRAFT_ROLES, self.runtimes):
             desc = getattr(step, role)
-            if desc is None or desc.graph is None:
-                continue
-            if role == "target":
-                num_tokens = int(unpack(step.num_scheduled).sum())
-                timed = (desc.graph, desc.graph, num_tokens)
-            if desc.graph in rt.captured:
+            if desc is None or desc.graph is None or desc.graph in rt.captured:
                 continue
             self.delayed.note(rt.runner, desc.graph)
             larger = self.delayed.stand_ins.pick(desc.graph, num_tokens) if role == "target" else 0
             if larger:
-                stand_in = larger
                 changes[role] = padded_up(desc, larger, self.config.max_num_seqs)
-                timed = (desc.graph, changes[role].graph, num_tokens)
             else:
                 changes[role] = desc._replace(mode=MODE_EAGER, graph=None)
                 not_captured.append(role)
-                if role == "target":
-                    timed = (desc.graph, None, num_tokens)
         step = msgspec.structs.replace(step, **changes) if changes else step
+        ran = step.target.graph
+        stand_in = ran.size if ran is not None and ran != planned else 0
+        timed = (planned, ran, num_tokens) if planned is not None else None
         return step, not_captured or None, stand_in, timed
 
     def _submit_fused(self, step: Step, key: FusedKey, slots: np.ndarray, ready: bytes = b"") -> "_Pending":
