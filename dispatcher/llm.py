@@ -33,26 +33,14 @@ from dispatcher.plan.config import ConfigError, Platform, resolve
 from models.attention import kv_cache_dtype as kv_cache_dtype_of
 from models.checkpoint import CheckpointError
 from models.loader import default_dtype, model_kind, read_model_config
-from models.text import Tokenizer, bad_words_token_ids, check_draft_tokenizer, load_tokenizer
+from models.text import (Tokenizer, bad_words_token_ids, check_draft_tokenizer, load_tokenizer,
+                         load_tokenizer_override)
 from scheduler.request import RequestError, SamplingParams
 
 DEFAULT_KV_CACHE_GIB_CPU = 1.0
 """KV cache size on the CPU when neither num_kv_blocks nor kv_cache_memory_gib is given."""
 DEFAULT_KV_CACHE_FRACTION_CUDA = 0.5
 """On a GPU: this fraction of the free memory at start-up (before the model loads)."""
-
-
-def _check_tokenizer_path(tokenizer) -> None:
-    """``LLM(tokenizer=...)``: a checkpoint directory or a .gguf file, else a ConfigError naming the argument."""
-    what = "tokenizer must be a Hugging Face checkpoint directory or a .gguf file"
-    if not isinstance(tokenizer, str) or not tokenizer:
-        raise ConfigError(f"{what}, got {tokenizer!r}")
-    try:
-        kind = model_kind(tokenizer)
-    except CheckpointError:
-        raise ConfigError(f"{what}: {tokenizer!r} is no such directory or file") from None
-    if kind == "preset":
-        raise ConfigError(f"{what}: {tokenizer!r} is a preset (random weights, no tokenizer)")
 
 
 class LLM:
@@ -84,9 +72,13 @@ class LLM:
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
         model_cfg = read_model_config(model, quantization)
-        if tokenizer is not None:
-            _check_tokenizer_path(tokenizer)
-        self.tokenizer: Tokenizer | None = load_tokenizer(tokenizer or model)
+        try:
+            self.tokenizer: Tokenizer | None = (load_tokenizer(model) if tokenizer is None
+                                                else load_tokenizer_override(tokenizer, "tokenizer"))
+        except CheckpointError as exc:
+            if tokenizer is None:
+                raise
+            raise ConfigError(str(exc)) from None
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {model_cfg.vocab_size}")

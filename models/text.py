@@ -405,6 +405,25 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     return None
 
 
+def load_tokenizer_override(path, arg: str) -> Tokenizer:
+    """The tokenizer a user gave apart from the model (``arg``: ``--tokenizer``, ``tokenizer``): a checkpoint
+    directory or a .gguf file; CheckpointError naming ``arg`` for anything else (a missing path, a preset, a
+    non-string) or for a checkpoint whose tokenizer is unreadable."""
+    what = f"{arg} must be a Hugging Face checkpoint directory or a .gguf file"
+    if not isinstance(path, str) or not path:
+        raise CheckpointError(f"{what}, got {path!r}")
+    try:
+        kind = model_kind(path)
+    except CheckpointError:
+        raise CheckpointError(f"{what}: {path!r} is no such directory or file") from None
+    if kind == "preset":
+        raise CheckpointError(f"{what}: {path!r} is a preset (random weights, no tokenizer)")
+    try:
+        return load_tokenizer(path)
+    except ValueError as exc:
+        raise CheckpointError(f"{arg}: {exc}") from None
+
+
 def _token_text(value) -> str | None:
     """A special token in tokenizer_config.json: a string or an AddedToken dict."""
     if isinstance(value, dict):

@@ -193,7 +193,11 @@ def test_serve_refuses_an_api_server_count_out_of_range(count):
     (["--step-trace", "/tmp"], "--step-trace: '/tmp' is a directory"),
     (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent/d"}'],
      "--speculative-config model: model '/nonexistent/d': no such directory"),  # (it said --model)
-    (["--tokenizer", "/nonexistent/tok.gguf"], "--tokenizer: "),  # (likewise)  # (a traceback once the model loaded)
+    (["--tokenizer", "/nonexistent/tok.gguf"], "--tokenizer must be a Hugging Face checkpoint directory or a .gguf "
+     "file: '/nonexistent/tok.gguf' is no such directory or file"),  # (a traceback once the model loaded; then
+    # "--tokenizer: model '/nonexistent/tok.gguf': ... --model takes ...")
+    (["--tokenizer", "tiny-dense"], "--tokenizer must be a Hugging Face checkpoint directory or a .gguf file: "
+     "'tiny-dense' is a preset (random weights, no tokenizer)"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--fixed-acceptance", "10"],
      "--fixed-acceptance must be a mean acceptance length in [1, 1 + K] = [1, 4], got 10"),  # (likewise)
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),

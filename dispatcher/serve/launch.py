@@ -252,7 +252,7 @@ def _setup(args: argparse.Namespace):
     from models.default_model import default_model_path
     from models.checkpoint import CheckpointError
     from models.loader import SafetensorsDir, default_dtype, model_kind, read_model_config
-    from models.text import check_draft_tokenizer, load_tokenizer
+    from models.text import check_draft_tokenizer, load_tokenizer, load_tokenizer_override
 
     device = resolve_device(args.device)
     if device == "cpu" and args.platform == "auto":
@@ -265,10 +265,13 @@ def _setup(args: argparse.Namespace):
         model_cfg = _named("--model", read_model_config, model, args.quantization)
         if kind == "hf":  # (the shards' headers: a truncated file, a tensor in two shards, an index that disagrees)
             _named("--model", SafetensorsDir, model)
-        tokenizer = _named("--tokenizer" if args.tokenizer else "--model", load_tokenizer, args.tokenizer or model)
-        if args.tokenizer and tokenizer is None:
-            raise ConfigError(f"--tokenizer: {args.tokenizer!r} has no tokenizer (give a checkpoint directory or a "
-                              f".gguf file)")
+        if args.tokenizer is None:
+            tokenizer = _named("--model", load_tokenizer, model)
+        else:
+            try:
+                tokenizer = load_tokenizer_override(args.tokenizer, "--tokenizer")
+            except ValueError as exc:  # (its message names the flag)
+                raise ConfigError(str(exc)) from None
         if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                               f"({model_cfg.vocab_size})")
