@@ -46,7 +46,7 @@ def serve_command(policy: str, workload: str, port: int, args) -> list[str]:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len",
            str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--served-model-name", "m", "--device", args.device, "--api-server-count", str(args.api_server_count),
-           "--compilation-config", json.dumps(GRID_POLICIES[policy])]
+           "--compilation-config", json.dumps(GRID_POLICIES[policy]), "--no-delayed-cudagraph-capture"]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     if spec:

@@ -98,12 +98,13 @@ def serve_command(policy: str, spec: dict | None, port: int, args, served_name: 
     """``twogrid serve``'s command line for a policy (its ``--compilation-config``) and a speculative config (None:
     none), every other flag the same for every server: ``args.model`` (``args.tokenizer`` when set), sm100, 1024
     requests and 16384 tokens a step, ``--max-model-len``, the KV cache sized by ``--gpu-memory-utilization`` 0.8,
-    ``--api-server-count`` front ends."""
+    ``--api-server-count`` front ends, every graph captured before serving (``--no-delayed-cudagraph-capture``:
+    the rounds measure a server in its steady state, as they did before serve's default changed)."""
     cmd = [sys.executable, "-m", "dispatcher", "serve", "--model", args.model,
            "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.8", "--served-model-name",
            served_name, "--device", args.device, "--compilation-config", json.dumps(POLICIES[policy]),
-           "--api-server-count", str(args.api_server_count)]
+           "--api-server-count", str(args.api_server_count), "--no-delayed-cudagraph-capture"]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     if getattr(args, "stream_interval", 1) != 1:  # (the benchmarks that offer --stream-interval)

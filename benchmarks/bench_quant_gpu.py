@@ -47,7 +47,7 @@ def serve_command(model: str, setting: str, port: int, args) -> list[str]:
            "--served-model-name", model, "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024",
            "--max-num-batched-tokens", "16384", "--max-model-len", str(args.max_model_len),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--block-size", "16",
-           "--api-server-count", "4", "--stream-interval", str(args.stream_interval)]
+           "--api-server-count", "4", "--stream-interval", str(args.stream_interval), "--no-delayed-cudagraph-capture"]
     return cmd + SETTINGS[setting]
 
 

@@ -54,6 +54,9 @@ from bench_headline_gpu import OUTPUT_LEN, run_bench, wait_healthy
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7}}
 FIXED_ACCEPTANCE = 3.0
 MODES = ("capture-first", "delayed")
+MODE_FLAGS = {"capture-first": "--no-delayed-cudagraph-capture", "delayed": "--delayed-cudagraph-capture"}
+"""Each mode's flag, given either way (a server captures in the background by default since serve's default
+changed; a ``--server-tree`` from before it takes no ``--no-delayed-cudagraph-capture``)."""
 PHASE = re.compile(r'twogrid:startup_phase_seconds\{[^}]*phase="(\w+)"[^}]*\} ([0-9.e+-]+)')
 GRAPHS = re.compile(r'twogrid:cudagraphs_(captured|planned)\{[^}]*\} ([0-9.e+-]+)')
 SERVING_AFTER = re.compile(r"serving ([0-9.]+) s after the server process started")
@@ -122,7 +125,7 @@ def one_start(model: str, workload: str, mode: str, temperature: str, cache: str
     """Start a server, time /health and the first token from the spawn, read its start-up from /metrics and its
     log; delayed: wait until every graph is captured. ``cache``: the $TWOGRID_CACHE it runs with, ``temperature``
     (cold or warm) what it holds."""
-    extra = ["--delayed-cudagraph-capture"] if mode == "delayed" else []
+    extra = [MODE_FLAGS[mode]]
     log_path = os.path.join(out_dir, f"server-startup-{os.path.basename(model)}-{workload}-{mode}-{temperature}.log")
     env = {**os.environ, "TWOGRID_CACHE": cache}
     env.pop("TRITON_CACHE_DIR", None)  # (under $TWOGRID_CACHE: cold means no kernel either)
@@ -295,7 +298,7 @@ def after(args, result: dict, out_dir: str, save, name: str, model: str, workloa
     procs = {}
     try:
         for i, (label, mode) in enumerate(zip(names, args.after_modes)):
-            extra = ["--delayed-cudagraph-capture"] if mode == "delayed" else []
+            extra = [MODE_FLAGS[mode]]
             procs[label] = launch(serve_command(model, workload, base_port + i, args, extra),
                                   os.path.join(out_dir, f"server-after-{stem}-{label}.log"))
             wait_healthy(procs[label], label, base_port + i)

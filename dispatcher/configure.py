@@ -6,12 +6,14 @@ torch at import time (``twogrid plan`` stays fast)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 from typing import Any, Sequence
 
 from dispatcher.plan.capture_plan import CapturePlan
-from dispatcher.plan.config import ConfigError, Platform, parse_json_arg, resolve
+from dispatcher.plan.config import (CUDAGraphMode, ConfigError, Platform, capture_first_reason, parse_json_arg,
+                                    resolve)
 from scheduler.request import RequestError, SamplingParams
 
 
@@ -77,6 +79,16 @@ def tensor_parallel_capture_conflict(cfg) -> str | None:
     differs between ranks) and fitted grids (a measured grid would)."""
     return ("delayed_cudagraph_capture" if cfg.delayed_capture else
             "fit_cudagraph_capture_sizes" if cfg.fit_sizes else None)
+
+
+def delayed_capture_by_default(cfg, device: str, tensor_parallel_size: int) -> bool:
+    """``twogrid serve``'s default for ``delayed_cudagraph_capture`` where neither the flag nor the compilation
+    config gives it: serve while the CUDA graphs are captured, unless there are none (the CPU, ``--enforce-eager``),
+    start-up times them (``capture_first_reason``: adaptive verification, "auto" tiers) or tensor parallelism
+    captures them on every rank alike. (Measured: docs/reference.md, delayed capture.)"""
+    if not device.startswith("cuda") or cfg.cudagraph_mode is CUDAGraphMode.NONE or tensor_parallel_size > 1:
+        return False
+    return capture_first_reason(dataclasses.replace(cfg, delayed_capture=True)) is None
 
 
 def platform_for_compute_capability(capability: str) -> Platform:

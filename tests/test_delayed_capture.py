@@ -400,6 +400,36 @@ def test_capture_first_where_the_start_up_times_graphs(caplog):
     assert "delayed_cudagraph_capture is off: adaptive verification" in caplog.text
 
 
+def test_serve_captures_in_the_background_by_default_where_it_can():
+    """``twogrid serve`` serves while its CUDA graphs are captured unless told otherwise, except where there are no
+    CUDA graphs, start-up times them, or tensor parallelism captures them on every rank at start-up; either flag
+    reaches the worker's compilation config as given, and the CPU's default adds nothing to it."""
+    from dispatcher.cli import build_parser
+    from dispatcher.configure import delayed_capture_by_default
+    from dispatcher.serve.launch import _check_flags, _setup
+    from serverutil import free_port
+
+    common = dict(platform="sm100", max_num_seqs=8, max_num_batched_tokens=64)
+    plain = resolve({}, None, **common)
+    assert plain.delayed_capture is False  # (the field's own default, the offline LLM's: capture first)
+    assert delayed_capture_by_default(plain, "cuda:0", 1)
+    assert not delayed_capture_by_default(plain, "cpu", 1)
+    assert not delayed_capture_by_default(plain, "cuda:0", 2)
+    assert not delayed_capture_by_default(resolve({"cudagraph_mode": "NONE"}, None, **common), "cuda:0", 1)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_verification": True},
+                 {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"}):
+        assert not delayed_capture_by_default(resolve({}, spec, **common), "cuda:0", 1), spec
+    assert delayed_capture_by_default(resolve({}, {"method": "ngram", "num_speculative_tokens": 2}, **common),
+                                      "cuda:0", 1)
+    for flag, given in (([], None), (["--delayed-cudagraph-capture"], True), (["--no-delayed-cudagraph-capture"],
+                                                                             False)):
+        args = build_parser().parse_args(["serve", "--model", "tiny-dense", "--device", "cpu", "--port",
+                                          str(free_port()), *flag])
+        _check_flags(args)
+        cfg, _, init, *_ = _setup(args)
+        assert init.compilation_config.get("delayed_cudagraph_capture") is given and cfg.delayed_capture is bool(given)
+
+
 # -- through twogrid serve -------------------------------------------------------------------------------------------
 
 SERVE_ARGS = ["--model", "tiny-dense", "--device", "cpu", "--platform", "sm100", "--max-model-len", "128",

@@ -336,6 +336,18 @@ class ResolvedConfig:
         }
 
 
+def capture_first_reason(cfg) -> str | None:
+    """Why a configuration (a ResolvedConfig) captures every graph before serving although it asks for delayed
+    capture, or None: what times its graphs at start-up needs them captured."""
+    if not cfg.delayed_capture:
+        return None
+    if cfg.adaptive_verification:
+        return "adaptive verification times its graphs at start-up"
+    if cfg.auto_tiers:
+        return "\"auto\" speculative tiers time the decode graphs at start-up"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Validation helpers: each error names the field, the value and the limit.
 # ----------------------------------------------------------------------------------------------------------

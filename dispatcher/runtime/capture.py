@@ -58,18 +58,6 @@ PROGRESS_EVERY = 0.1
 """Share of the graphs between two progress log lines."""
 
 
-def capture_first_reason(cfg) -> str | None:
-    """Why a configuration (a ResolvedConfig) captures every graph before serving although it asks for delayed
-    capture, or None: what times its graphs at start-up needs them captured."""
-    if not cfg.delayed_capture:
-        return None
-    if cfg.adaptive_verification:
-        return "adaptive verification times its graphs at start-up"
-    if cfg.auto_tiers:
-        return "\"auto\" speculative tiers time the decode graphs at start-up"
-    return None
-
-
 @dataclass
 class Unit:
     runner: str

@@ -22,11 +22,11 @@ import torch
 
 from dispatcher.messages import F32, CaptureProgress, Step, StepResult, bitmask_words, pack, unpack
 from dispatcher.plan.acceptance import fixed_acceptance_rate
-from dispatcher.plan.config import HEAD_METHODS
+from dispatcher.plan.config import HEAD_METHODS, capture_first_reason
 from dispatcher.plan.capture_plan import (DRAFT_MODEL, EAGLE_LIKE, FULL_VARLEN, FUSED_STEP, MODEL_DRAFTERS,
                                           is_next_steps, model_runners)
 from dispatcher.plan.dispatch import MODE_EAGER, padded_up
-from dispatcher.runtime.capture import BackgroundCapture, DeferredWarmUp, capture_first_reason
+from dispatcher.runtime.capture import BackgroundCapture, DeferredWarmUp
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
 from dispatcher.runtime.grammar import WorkerGrammars

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -76,10 +77,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "CPU); N must divide the attention heads and intermediate sizes (docs/scale-out.md; "
                         "default: 1)")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every step eager)")
-    k.add_argument("--delayed-cudagraph-capture", action="store_true",
+    k.add_argument("--delayed-cudagraph-capture", action=argparse.BooleanOptionalAction, default=None,
                    help="serve as soon as the weights and the KV cache are on the device and capture the CUDA graphs "
-                        "between steps (steps whose graph is not captured yet run eagerly); the same as "
-                        "--compilation-config '{\"delayed_cudagraph_capture\": true}'")
+                        "between steps (steps whose graph is not captured yet run eagerly or on a larger captured "
+                        "graph); the same as --compilation-config '{\"delayed_cudagraph_capture\": true}'. Default: "
+                        "on with CUDA graphs, except where start-up times the graphs (adaptive verification, \"auto\" "
+                        "tiers) or with tensor parallelism; --no-delayed-cudagraph-capture captures every graph first")
     k.add_argument("--steps-in-flight", type=int, default=2, metavar="N",
                    help="steps submitted to the device at once: 2 schedules each step while the one before runs "
                         "(asynchronous scheduling); 3 keeps one more queued (each request may then hold one more "
@@ -231,9 +234,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     if args.enforce_eager:
         compilation["cudagraph_mode"] = "NONE"
-    if args.delayed_cudagraph_capture:
-        compilation["delayed_cudagraph_capture"] = True
-    if args.enforce_eager or args.delayed_cudagraph_capture:
+    if args.delayed_cudagraph_capture is not None:  # (not given: serve's default, _setup)
+        compilation["delayed_cudagraph_capture"] = args.delayed_cudagraph_capture
+    if args.enforce_eager or args.delayed_cudagraph_capture is not None:
         args.compilation_config = json.dumps(compilation)
     parse_json_arg(args.speculative_config, "--speculative-config")
 
@@ -244,8 +247,8 @@ def _setup(args: argparse.Namespace):
     flag."""
     import torch
 
-    from dispatcher.configure import (check_tensor_parallel_size, config_from_args, generation_defaults, render_plan,
-                                      resolve_device)
+    from dispatcher.configure import (check_tensor_parallel_size, config_from_args, delayed_capture_by_default,
+                                      generation_defaults, render_plan, resolve_device)
     from dispatcher.engine.config import EngineArgs, check_steps_in_flight, max_model_len_limit, scheduler_config
     from dispatcher.messages import WorkerInit
     from dispatcher.plan.capture_plan import build_plan
@@ -259,6 +262,10 @@ def _setup(args: argparse.Namespace):
         args.platform = "default"
     compilation = parse_json_arg(args.compilation_config, "--compilation-config")
     cfg = config_from_args(args)
+    if "delayed_cudagraph_capture" not in compilation and delayed_capture_by_default(cfg, device,
+                                                                                       args.tensor_parallel_size):
+        compilation["delayed_cudagraph_capture"] = True
+        cfg = dataclasses.replace(cfg, delayed_capture=True)
     try:
         model = args.model or default_model_path()
         kind = _named("--model", model_kind, model)
