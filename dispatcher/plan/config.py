@@ -99,8 +99,9 @@ class CompilationConfig:
     """Deprecated. The legacy list up to this many tokens, for both kinds."""
     delayed_cudagraph_capture: Any = UNSET
     """Bool. Serve as soon as the weights and the KV cache are on the device, and capture the graphs between steps
-    (steps whose graph is not captured yet run eagerly). Default false: every graph is captured before serving.
-    (vLLM's delayed-capture proposal named it ``use_cudagraph_delayed_capture``, RFC #20098.)"""
+    (steps whose graph is not captured yet run eagerly). Default false: every graph is captured before serving;
+    ``twogrid serve`` on CUDA sets it where it is not given (``configure.delayed_capture_by_default``). (vLLM's
+    delayed-capture proposal named it ``use_cudagraph_delayed_capture``, RFC #20098.)"""
     fit_cudagraph_capture_sizes: Any = UNSET
     """Bool. Measure the step cost e(n) at start-up on a few sizes of each kind (and q), keep it under
     $TWOGRID_CACHE/grid_cost (per device, model, dtype and configuration), and capture the prefill and decode grids
