@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from dispatcher.bench.client import sse_events
 from dispatcher.bench.plot import plot_results
@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class FakeServer:
     """An OpenAI-compatible streaming server with twogrid's counters; runs its own event loop in a thread."""
 
-    def __init__(self, usage=True, metrics=True, api_key=None, fail_after=None, silent=False):
+    def __init__(self, usage=True, metrics=True, api_key=None, fail_after=None, silent=False, graphs=None):
         self.usage, self.metrics, self.api_key, self.fail_after = usage, metrics, api_key, fail_after
         self.silent = silent
         """Tokens without text (a server holds such events back): the finish event alone, then the usage."""
@@ -61,6 +61,12 @@ class FakeServer:
                                ["position"], registry=self.registry)
         for position in "012":  # K = 3: every position from the start
             self.per_pos.labels(position=position)
+        if graphs is not None:  # (captured, planned) of each of two kinds: a server that serves while it captures
+            captured = Gauge("twogrid:cudagraphs_captured", "captured", ["runner", "kind"], registry=self.registry)
+            planned = Gauge("twogrid:cudagraphs_planned", "planned", ["runner", "kind"], registry=self.registry)
+            for kind in ("piecewise", "full_decode"):
+                captured.labels(runner="target", kind=kind).set(graphs[0])
+                planned.labels(runner="target", kind=kind).set(graphs[1])
 
     def authorized(self, request):
         return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
@@ -504,6 +510,26 @@ def test_plan_does_not_import_the_bench_client():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(HERE)).stdout
     assert out.strip() == "[]"
+
+
+def test_bench_says_when_the_server_was_still_capturing_its_graphs(serve, tmp_path, capsys):
+    """A server that serves while it captures its CUDA graphs (twogrid serve's default on CUDA): a run that starts
+    before they are all captured says so (its numbers are not the steady state) and records how many were; a server
+    done capturing, or one without the gauges, gets neither."""
+    for graphs, warned in (((3, 10), True), ((10, 10), False), (None, False)):
+        fake = serve(graphs=graphs)
+        out_dir = tmp_path / f"results-{graphs}"
+        assert bench("--base-url", fake.url, "--dataset-name", "random", "--random-input-len", "8",
+                     "--random-output-len", "2", "--num-prompts", "2", "--ignore-eos", "--save-result",
+                     "--result-dir", str(out_dir)) == 0
+        (result,) = saved(out_dir)
+        err = capsys.readouterr().err
+        if warned:
+            assert "the server had captured 6 of its 20 CUDA graphs when this run started" in err
+            assert "--no-delayed-cudagraph-capture" in err
+            assert (result["cudagraphs_captured_at_start"], result["cudagraphs_planned"]) == (6, 20)
+        else:
+            assert "CUDA graphs when this run started" not in err and "cudagraphs_planned" not in result
 
 
 def test_a_twogrid_server_without_eager_steps_reports_zero():

@@ -36,7 +36,7 @@ from dispatcher.bench.datasets import (Conversation, SampleRequest, prefix_repet
                                        sharegpt_conversations, sharegpt_requests)
 from dispatcher.bench.results import (PERCENTILE_METRICS, cache_by_turn, compute_result, summary_lines,
                                       ttft_by_turn)
-from dispatcher.bench.server_metrics import counter_deltas, scrape
+from dispatcher.bench.server_metrics import capture_unfinished, counter_deltas, scrape
 from dispatcher.engine.workload import fill_prefix_repetition_flags
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
@@ -469,6 +469,13 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
             result["client_cpu_fraction"] = client_busy  # (the busiest client process's)
             result["num_clients"] = clients
             result.update(counter_deltas(before, after))
+            if (capturing := capture_unfinished(before)) is not None:
+                result["cudagraphs_captured_at_start"], result["cudagraphs_planned"] = capturing
+                print(f"warning: the server had captured {capturing[0]} of its {capturing[1]} CUDA graphs when this "
+                      f"run started (it serves while it captures them): steps whose graph was not captured yet ran "
+                      f"eagerly or on a larger graph; for its steady state wait until /metrics "
+                      f"twogrid:cudagraphs_captured reaches twogrid:cudagraphs_planned, or start it with "
+                      f"--no-delayed-cudagraph-capture", file=sys.stderr)
             print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
             if result["client_cpu_fraction"] > CLIENT_BUSY:
                 print(f"warning: a client process was busy {result['client_cpu_fraction']:.0%} of the run, so its "

@@ -45,6 +45,8 @@ TRACKED: dict[str, tuple[str, tuple[str, ...]]] = {
 """Result field -> (Prometheus sample name, labels it is broken down by)."""
 PER_POSITION = "spec_decode_accepted_per_pos"
 """The field that is a list by draft position (0..K-1), not a total and a breakdown."""
+CAPTURED, PLANNED = "twogrid:cudagraphs_captured", "twogrid:cudagraphs_planned"
+"""The gauges of the graphs captured so far and planned (a server that serves while it captures them)."""
 
 Samples = dict[str, dict[tuple[str, ...], float]]
 """Sample name -> values summed by the tracked labels' values."""
@@ -52,7 +54,7 @@ Samples = dict[str, dict[tuple[str, ...], float]]
 
 def parse_counters(text: str) -> Samples:
     """The tracked counters of a Prometheus text exposition, summed over every label but the tracked ones."""
-    wanted = dict(TRACKED.values())
+    wanted = {**dict(TRACKED.values()), CAPTURED: (), PLANNED: ()}
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -84,6 +86,16 @@ async def scrape(session: aiohttp.ClientSession, base_url: str, headers: dict[st
 
 def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
+
+
+def capture_unfinished(samples: Samples | None) -> tuple[int, int] | None:
+    """(graphs captured, graphs planned) of a server still capturing its graphs between steps (twogrid serve's
+    default on CUDA), else None (every graph captured, or a server that exports no such gauges)."""
+    if not samples or PLANNED not in samples:
+        return None
+    captured = int(sum(samples.get(CAPTURED, {}).values()))
+    planned = int(sum(samples[PLANNED].values()))
+    return (captured, planned) if captured < planned else None
 
 
 def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, Any]:
