@@ -55,8 +55,8 @@ WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_t
 FIXED_ACCEPTANCE = 3.0
 MODES = ("capture-first", "delayed")
 MODE_FLAGS = {"capture-first": "--no-delayed-cudagraph-capture", "delayed": "--delayed-cudagraph-capture"}
-"""Each mode's flag, given either way (a server captures in the background by default since serve's default
-changed; a ``--server-tree`` from before it takes no ``--no-delayed-cudagraph-capture``)."""
+"""Each mode's flag, given either way (a server on CUDA captures in the background by default since cdf42a4;
+``mode_flags`` leaves the first out for a ``--server-tree`` from before, whose parser has no such flag)."""
 PHASE = re.compile(r'twogrid:startup_phase_seconds\{[^}]*phase="(\w+)"[^}]*\} ([0-9.e+-]+)')
 GRAPHS = re.compile(r'twogrid:cudagraphs_(captured|planned)\{[^}]*\} ([0-9.e+-]+)')
 SERVING_AFTER = re.compile(r"serving ([0-9.]+) s after the server process started")
@@ -74,6 +74,16 @@ def model_path(name: str) -> str:
     from models.default_model import default_model_path
 
     return default_model_path()
+
+
+def mode_flags(mode: str) -> list[str]:
+    """``MODE_FLAGS[mode]``, but none for capture-first on a ``--server-tree`` from before serve's default changed
+    (its parser refuses --no-delayed-cudagraph-capture, and it captures first anyway)."""
+    if mode == "capture-first" and SERVER_TREE:
+        with open(os.path.join(SERVER_TREE, "dispatcher", "serve", "launch.py"), encoding="utf-8") as fh:
+            if "BooleanOptionalAction, default=None" not in fh.read():
+                return []
+    return [MODE_FLAGS[mode]]
 
 
 def serve_command(model: str, workload: str, port: int, args, extra: list[str] = ()) -> list[str]:
@@ -125,7 +135,7 @@ def one_start(model: str, workload: str, mode: str, temperature: str, cache: str
     """Start a server, time /health and the first token from the spawn, read its start-up from /metrics and its
     log; delayed: wait until every graph is captured. ``cache``: the $TWOGRID_CACHE it runs with, ``temperature``
     (cold or warm) what it holds."""
-    extra = [MODE_FLAGS[mode]]
+    extra = mode_flags(mode)
     log_path = os.path.join(out_dir, f"server-startup-{os.path.basename(model)}-{workload}-{mode}-{temperature}.log")
     env = {**os.environ, "TWOGRID_CACHE": cache}
     env.pop("TRITON_CACHE_DIR", None)  # (under $TWOGRID_CACHE: cold means no kernel either)
@@ -298,7 +308,7 @@ def after(args, result: dict, out_dir: str, save, name: str, model: str, workloa
     procs = {}
     try:
         for i, (label, mode) in enumerate(zip(names, args.after_modes)):
-            extra = [MODE_FLAGS[mode]]
+            extra = mode_flags(mode)
             procs[label] = launch(serve_command(model, workload, base_port + i, args, extra),
                                   os.path.join(out_dir, f"server-after-{stem}-{label}.log"))
             wait_healthy(procs[label], label, base_port + i)

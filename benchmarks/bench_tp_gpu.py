@@ -32,7 +32,7 @@ def serve_command(model: str, tp: int, port: int, args) -> list[str]:
             "--served-model-name", model, "--platform", "sm100", "--port", str(port), "--max-num-seqs", "1024",
             "--max-num-batched-tokens", "16384", "--max-model-len", str(args.max_model_len),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--block-size", "16",
-            "--tensor-parallel-size", str(tp)]
+            "--tensor-parallel-size", str(tp), "--no-delayed-cudagraph-capture"]
 
 
 def eager_steps(port: int) -> float:

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from typing import Any, Sequence
 
-from dispatcher.plan.capture_plan import CapturePlan
+from dispatcher.plan.capture_plan import CapturePlan, build_plan
 from dispatcher.plan.config import (CUDAGraphMode, ConfigError, Platform, capture_first_reason, parse_json_arg,
                                     resolve)
 from scheduler.request import RequestError, SamplingParams
@@ -83,10 +83,13 @@ def tensor_parallel_capture_conflict(cfg) -> str | None:
 
 def delayed_capture_by_default(cfg, device: str, tensor_parallel_size: int) -> bool:
     """``twogrid serve``'s default for ``delayed_cudagraph_capture`` where neither the flag nor the compilation
-    config gives it: serve while the CUDA graphs are captured, unless there are none (the CPU, ``--enforce-eager``),
+    config gives it: serve while the CUDA graphs are captured, unless there are none (the CPU, ``--enforce-eager``, a
+    plan whose size lists are empty),
     start-up times them (``capture_first_reason``: adaptive verification, "auto" tiers) or tensor parallelism
     captures them on every rank alike. (Measured: docs/reference.md, delayed capture.)"""
     if not device.startswith("cuda") or cfg.cudagraph_mode is CUDAGraphMode.NONE or tensor_parallel_size > 1:
+        return False
+    if not any(g.sizes for g in build_plan(cfg).graph_sets):  # (a mode with every size list empty)
         return False
     return capture_first_reason(dataclasses.replace(cfg, delayed_capture=True)) is None
 

@@ -34,6 +34,8 @@ SPECS = [None, {"method": "eagle3", "num_speculative_tokens": 3}, {"method": "ng
 K0_TIER = {"method": "eagle3", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 2], [4, 0]]}
 """A tier of K = 0 under EAGLE-3: its steps still run the head's step 0 (its KV), on FULL decode graphs of their
 own and fused (``drafting.py``), which delayed capture captures like the others."""
+DRAFT_MODEL = {"method": "draft_model", "model": "tiny-dense", "num_speculative_tokens": 3}
+"""A draft LM: its own runner's graphs, no fused decode steps."""
 
 
 def engine_for(spec, delayed: bool, trace=None, device: str = "cpu") -> EngineCore:
@@ -66,7 +68,8 @@ def slow_units(monkeypatch):
     return order
 
 
-@pytest.mark.parametrize("spec", SPECS + [K0_TIER], ids=["no-sd", "eagle3", "ngram", "eagle3-k0-tier"])
+@pytest.mark.parametrize("spec", SPECS + [K0_TIER, DRAFT_MODEL],
+                         ids=["no-sd", "eagle3", "ngram", "eagle3-k0-tier", "draft-model"])
 def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp_path):
     """Greedy and seeded-sampled requests: the same tokens and acceptance as an engine that captured first. The
     first steps run without graphs, counted under eager cause not_captured_yet and named in the trace; once idle
@@ -88,7 +91,8 @@ def test_delayed_capture_gives_the_tokens_of_capture_first(spec, slow_units, tmp
     assert delayed.worker.fused.captured == set(delayed.worker.fused.graphs)
     fused, not_captured = s.fused_steps, s.eager_by_reason[NOT_CAPTURED_YET]
     assert delayed.generate(prompts(), params[0]) == first.generate(prompts(), params[0])
-    assert s.fused_steps > fused and s.eager_by_reason[NOT_CAPTURED_YET] == not_captured
+    assert (s.fused_steps > fused) == (spec is not DRAFT_MODEL)  # (a draft model's steps are not fused)
+    assert s.eager_by_reason[NOT_CAPTURED_YET] == not_captured
     delayed.close()
     records = [json.loads(line) for line in open(trace, encoding="utf-8")]
     missing = [r for r in records if "not_captured" in r]
@@ -415,7 +419,10 @@ def test_serve_captures_in_the_background_by_default_where_it_can():
     assert delayed_capture_by_default(plain, "cuda:0", 1)
     assert not delayed_capture_by_default(plain, "cpu", 1)
     assert not delayed_capture_by_default(plain, "cuda:0", 2)
-    assert not delayed_capture_by_default(resolve({"cudagraph_mode": "NONE"}, None, **common), "cuda:0", 1)
+    for no_graphs in ({"cudagraph_mode": "NONE"},
+                      {"cudagraph_mode": "PIECEWISE", "prefill_cudagraph_capture_token_sizes": []},
+                      {"cudagraph_mode": "FULL_DECODE_ONLY", "decode_cudagraph_capture_request_sizes": []}):
+        assert not delayed_capture_by_default(resolve(no_graphs, None, **common), "cuda:0", 1), no_graphs
     for spec in ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_verification": True},
                  {"method": "eagle3", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": "auto"}):
         assert not delayed_capture_by_default(resolve({}, spec, **common), "cuda:0", 1), spec

@@ -474,8 +474,9 @@ async def bench_all(args: argparse.Namespace, requests: list[SampleRequest],
                 print(f"warning: the server had captured {capturing[0]} of its {capturing[1]} CUDA graphs when this "
                       f"run started (it serves while it captures them): steps whose graph was not captured yet ran "
                       f"eagerly or on a larger graph; for its steady state wait until /metrics "
-                      f"twogrid:cudagraphs_captured reaches twogrid:cudagraphs_planned, or start it with "
-                      f"--no-delayed-cudagraph-capture", file=sys.stderr)
+                      f"twogrid:cudagraphs_captured reaches twogrid:cudagraphs_planned (where it stays below, the "
+                      f"server's log says why capture stopped), or start it with --no-delayed-cudagraph-capture",
+                      file=sys.stderr)
             print("\n".join(summary_lines(result, args.percentile_metrics, args.metric_percentiles)))
             if result["client_cpu_fraction"] > CLIENT_BUSY:
                 print(f"warning: a client process was busy {result['client_cpu_fraction']:.0%} of the run, so its "
