@@ -458,7 +458,7 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(g
                 await asyncio.sleep(0.01)
 
         task = asyncio.get_running_loop().create_task(ticker())
-        with pytest.raises(RequestError, match=r"did not compile within 0 s \(the server.s limit for one "
+        with pytest.raises(RequestError, match=r"did not compile within 0\.3 s \(the server.s limit for one "
                                                r"constraint, compile_timeout_s of ") as err:
             await grammars.compile_async(StructuredOutputsParams(regex="slow+", where="response_format"))
         task.cancel()
@@ -532,10 +532,11 @@ def test_a_compile_past_its_timeout_is_stopped_and_frees_its_slot(grammars, monk
     from dispatcher.engine import structured as S
 
     grammars.compile(StructuredOutputsParams(regex="warm+"))  # (the compile processes started and ready)
+    limit = grammars.timeout_s
     monkeypatch.setattr(grammars, "timeout_s", 0.5)
     pids = {p.pid for p in grammars._all_processes}
     t0 = time.monotonic()
-    with pytest.raises(RequestError, match="did not compile within"):
+    with pytest.raises(RequestError, match=r"did not compile within 0\.5 s"):
         grammars.compile(StructuredOutputsParams(json=_slow_schema(), where="response_format"))
     deadline = time.monotonic() + 5
     while grammars._compiling and time.monotonic() < deadline:
@@ -543,6 +544,7 @@ def test_a_compile_past_its_timeout_is_stopped_and_frees_its_slot(grammars, monk
     assert not grammars._compiling and time.monotonic() - t0 < 2  # (not the 2.7 s the compile takes)
     killed = pids - {p.pid for p in grammars._all_processes}
     assert len(killed) == 1 and not any(map(_alive, killed))
+    monkeypatch.setattr(grammars, "timeout_s", limit)  # (a new process's start under CI's load took more than 0.5 s)
     for _ in range(2 * S.COMPILE_WORKERS):  # (every slot: the killed one's too)
         assert grammars.compile(StructuredOutputsParams(regex=f"after{_}+")).grammar_id >= 0
 

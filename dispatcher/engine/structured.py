@@ -372,8 +372,8 @@ class StructuredOutputs:
         return self.result(params, fut)
 
     def _timeout(self, params: StructuredOutputsParams) -> RequestError:
-        log.warning("a %s grammar did not compile within %.0f s: refused", params.kind, self.timeout_s)
-        return RequestError(f"{params.where}: the grammar did not compile within {self.timeout_s:.0f} s (the server's "
+        log.warning("a %s grammar did not compile within %g s: refused", params.kind, self.timeout_s)
+        return RequestError(f"{params.where}: the grammar did not compile within {self.timeout_s:g} s (the server's "
                             f"limit for one constraint, compile_timeout_s of --structured-outputs-config); simplify it")
 
     # -- requests, and what the worker holds ---------------------------------------------------------------------
