@@ -438,6 +438,7 @@ def test_a_compile_done_before_its_callback_is_registered_does_not_deadlock(gram
 def test_a_slow_compile_is_refused_after_the_timeout_and_never_blocks_the_loop(grammars, monkeypatch):
     """A compile runs in the pool: the event loop keeps turning (the engine keeps stepping) while it runs, and a
     request whose grammar takes longer than the timeout is refused with a message naming the limit."""
+    grammars.compile(StructuredOutputsParams(regex="warm+"))  # (ready: before it, a request also waits for the start)
     gate = threading.Event()
     real = grammars._compile
 
