@@ -84,9 +84,8 @@ def tensor_parallel_capture_conflict(cfg) -> str | None:
 def delayed_capture_by_default(cfg, device: str, tensor_parallel_size: int) -> bool:
     """``twogrid serve``'s default for ``delayed_cudagraph_capture`` where neither the flag nor the compilation
     config gives it: serve while the CUDA graphs are captured, unless there are none (the CPU, ``--enforce-eager``, a
-    plan whose size lists are empty),
-    start-up times them (``capture_first_reason``: adaptive verification, "auto" tiers) or tensor parallelism
-    captures them on every rank alike. (Measured: docs/reference.md, delayed capture.)"""
+    plan whose size lists are empty), start-up times them (``capture_first_reason``: adaptive verification, "auto"
+    tiers) or tensor parallelism captures them on every rank alike. (Measured: docs/reference.md, delayed capture.)"""
     if not device.startswith("cuda") or cfg.cudagraph_mode is CUDAGraphMode.NONE or tensor_parallel_size > 1:
         return False
     if not any(g.sizes for g in build_plan(cfg).graph_sets):  # (a mode with every size list empty)
