@@ -50,6 +50,7 @@ import urllib.request
 
 from _common import commit, front_end_setup, stop_server, write_json  # (puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, run_bench, wait_healthy
+from dispatcher.bench.server_metrics import graph_totals, parse_counters
 
 WORKLOADS = {"no-sd": None, "eagle3-k7": {"method": "eagle3", "num_speculative_tokens": 7}}
 FIXED_ACCEPTANCE = 3.0
@@ -58,7 +59,6 @@ MODE_FLAGS = {"capture-first": "--no-delayed-cudagraph-capture", "delayed": "--d
 """Each mode's flag, given either way (a server on CUDA captures in the background by default since cdf42a4;
 ``mode_flags`` leaves the first out for a ``--server-tree`` from before, whose parser has no such flag)."""
 PHASE = re.compile(r'twogrid:startup_phase_seconds\{[^}]*phase="(\w+)"[^}]*\} ([0-9.e+-]+)')
-GRAPHS = re.compile(r'twogrid:cudagraphs_(captured|planned)\{[^}]*\} ([0-9.e+-]+)')
 SERVING_AFTER = re.compile(r"serving ([0-9.]+) s after the server process started")
 
 
@@ -110,11 +110,10 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def graph_counts(metrics: str) -> dict[str, float]:
-    out = {"captured": 0.0, "planned": 0.0}
-    for which, value in GRAPHS.findall(metrics):
-        out[which] += float(value)
-    return out
+def graph_counts(metrics: str) -> dict[str, int]:
+    """The graphs captured and planned (``/metrics`` text), every runner and kind summed."""
+    captured, planned = graph_totals(parse_counters(metrics)) or (0, 0)
+    return {"captured": captured, "planned": planned}
 
 
 async def first_token_at(port: int, prompt: str) -> float:

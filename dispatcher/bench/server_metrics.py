@@ -88,14 +88,18 @@ def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-def capture_unfinished(samples: Samples | None) -> tuple[int, int] | None:
-    """(graphs captured, graphs planned) of a server still capturing its graphs between steps (twogrid serve's
-    default on CUDA), else None (every graph captured, or a server that exports no such gauges)."""
+def graph_totals(samples: Samples | None) -> tuple[int, int] | None:
+    """(graphs captured, graphs planned) over every runner and kind; None from a server without the gauges."""
     if not samples or PLANNED not in samples:
         return None
-    captured = int(sum(samples.get(CAPTURED, {}).values()))
-    planned = int(sum(samples[PLANNED].values()))
-    return (captured, planned) if captured < planned else None
+    return int(sum(samples.get(CAPTURED, {}).values())), int(sum(samples[PLANNED].values()))
+
+
+def capture_unfinished(samples: Samples | None) -> tuple[int, int] | None:
+    """``graph_totals`` of a server still capturing its graphs between steps (twogrid serve's default on CUDA), else
+    None (every graph captured, or a server that exports no such gauges)."""
+    totals = graph_totals(samples)
+    return totals if totals is not None and totals[0] < totals[1] else None
 
 
 def counter_deltas(before: Samples | None, after: Samples | None) -> dict[str, Any]:
