@@ -72,13 +72,14 @@ class LLM:
         self.config = resolve(compilation_config, speculative_config, platform=platform, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
         model_cfg = read_model_config(model, quantization)
-        try:
-            self.tokenizer: Tokenizer | None = (load_tokenizer(model) if tokenizer is None
-                                                else load_tokenizer_override(tokenizer, "tokenizer"))
-        except CheckpointError as exc:
-            if tokenizer is None:
-                raise
-            raise ConfigError(str(exc)) from None
+        self.tokenizer: Tokenizer | None
+        if tokenizer is None:
+            self.tokenizer = load_tokenizer(model)
+        else:
+            try:
+                self.tokenizer = load_tokenizer_override(tokenizer, "tokenizer")
+            except CheckpointError as exc:  # (its message names the argument)
+                raise ConfigError(str(exc)) from None
         if self.tokenizer is not None and self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"model {model!r}: the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size {model_cfg.vocab_size}")
