@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -209,9 +211,6 @@ def test_a_served_engine_exports_the_tiers_in_force(tmp_path):
     (kept,) = (tmp_path / "cache" / "spec_cost").iterdir()
     # a kept measurement that cannot be read stops the next start with one line naming it (it was under a trace)
     kept.write_text("{not json")
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-m", "dispatcher", "serve", *args, "--port", str(srv.port)],
                          capture_output=True, text=True, timeout=240,
                          env={**os.environ, "TWOGRID_CACHE": str(tmp_path / "cache")})
