@@ -204,7 +204,8 @@ def start_serving(log=None) -> LoopWatch | None:
 
 def profiled(role: str, fn, *args):
     """``fn(*args)``, under cProfile when ``TWOGRID_PROFILE_DIR`` is set (a diagnostic: each process of the server
-    writes ``<dir>/<role>.txt``, its functions by own time, when it exits normally)."""
+    writes ``<dir>/<role>.txt``, its functions by own time and by cumulative time, and ``<dir>/<role>.prof``, the
+    whole profile for ``pstats``, when it exits normally)."""
     out_dir = os.environ.get("TWOGRID_PROFILE_DIR")
     if not out_dir:
         return fn(*args)
@@ -223,3 +224,4 @@ def profiled(role: str, fn, *args):
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"{role}.txt"), "w", encoding="utf-8") as fh:
             fh.write(text.getvalue())
+        prof.dump_stats(os.path.join(out_dir, f"{role}.prof"))  # (the whole profile, for pstats elsewhere)

@@ -4,7 +4,8 @@
 # to /health 200 and to a first token, the graphs captured then and 10 s later, and the start-up's log lines. From
 # the repository root on the device, after scripts/gpu_chain.sh 3 (the GGUF in place) and scripts/gpu_session.sh
 # (R, the wheels):  bash scripts/gpu_default_serve.sh [N [TAG]]   (TAG: the logs' names, default-serve[-TAG]-i; e.g.
-# a start under TWOGRID_PROFILE_DIR, whose timings are the profiler's, kept apart from the timed ones)
+# a start under TWOGRID_PROFILE_DIR, whose timings are the profiler's, kept apart from the timed ones); SERVE_ARGS:
+# flags added to serve's (e.g. another model: --model bench-moe --tokenizer .gpu_data/smollm2-tokenizer)
 set -uo pipefail
 port=8200
 now() { python3 -c 'import time; print(time.time())'; }
@@ -13,7 +14,7 @@ graphs() { curl -s "localhost:$port/metrics" | grep -E '^twogrid:cudagraphs_(pla
 name=default-serve${2:+-$2}
 for i in $(seq "${1:-2}"); do
   t0=$(now)
-  python -m dispatcher serve --port "$port" > "$R/$name-$i.log" 2>&1 &
+  python -m dispatcher serve --port "$port" ${SERVE_ARGS:-} > "$R/$name-$i.log" 2>&1 &
   pid=$!
   until curl -sf -o /dev/null "localhost:$port/health"; do
     kill -0 "$pid" 2>/dev/null || { echo "start $i: the server exited"; tail -5 "$R/$name-$i.log"; exit 1; }
