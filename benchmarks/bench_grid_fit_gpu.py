@@ -6,10 +6,10 @@ decode and prefill lists, bench_headline_gpu.POLICIES).
 Per workload the three servers are up at once (each a third of the memory, ``--gpu-memory-utilization``), and at
 each concurrency ``--rounds`` bench runs a server in rotating order (A B C, B C A, C A B, ...), one warm-up wave per
 server and concurrency first: per cell the median output tok/s of its runs and, run by run, the fitted server's over
-each other's (the median of those paired ratios decides). Per server its graphs by runner and kind
-(``twogrid:cudagraphs_planned``) and the fitted grids' sizes (its log). Workloads: eagle3 at K = 7 with fixed
-acceptance 3.0 (bench-moe's head is random), and no speculative decoding. One workload at a time fits ~8 minutes of
-an H200 at 16-1024 streams and three rounds.
+each other's (the median of those paired ratios decides); a run is ``--waves`` x concurrency prompts. Per server
+its graphs by runner and kind (``twogrid:cudagraphs_planned``) and the fitted grids' sizes (its log). Workloads:
+eagle3 at K = 7 with fixed acceptance 3.0 (bench-moe's head is random), and no speculative decoding. One workload
+at a time fits ~8 minutes of an H200 at 16-1024 streams and three rounds.
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_grid_fit_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --workloads eagle3-k7 --out $OUT/grid_fit_h200.json
@@ -29,7 +29,7 @@ import urllib.request
 
 from _common import commit, markdown_grid, stop_server, write_json  # (puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, run_bench, wait_healthy
-from bench_startup_gpu import bench_args, launch, log
+from bench_startup_gpu import launch, log
 
 FITTED = "fitted"
 GRID_POLICIES = {"separate": POLICIES["separate"], "sglang": POLICIES["sglang"],
@@ -93,6 +93,7 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
         result["servers"][workload] = servers
         log(f"{workload}: graphs " + ", ".join(f"{p} {s['total_graphs']}" for p, s in servers.items()))
         save()
+        run_args = argparse.Namespace(data=args.data, waves=args.waves, min_prompts=16)
         for conc in args.concurrency:
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for rnd in range(args.rounds):
@@ -100,7 +101,7 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
                 for policy in order:
                     port = args.port + policies.index(policy)
                     bench = run_bench(f"http://127.0.0.1:{port}", conc, f"gridfit-{workload}-{policy}",
-                                      os.path.join(out_dir, "bench"), bench_args(args), None, "m",
+                                      os.path.join(out_dir, "bench"), run_args, None, "m",
                                       warmups=conc if rnd == 0 else 0)
                     runs[policy].append(bench)
             for policy in policies:
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--policies", default="separate,sglang,fitted")
     parser.add_argument("--concurrency", default="16,64,256,1024")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--waves", type=int, default=1,
+                        help="prompts per run = waves x concurrency (one wave of 64 streams lasts about a second: "
+                             "more waves, steadier runs)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--port", type=int, default=8170, help="the first server's; the others count up")
     parser.add_argument("--device", default="cuda")
@@ -167,7 +171,7 @@ def main() -> None:
     if args.out and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as fh:
             result = json.load(fh)
-    result.update(commit=commit(), model=args.model, output_len=OUTPUT_LEN, policies=GRID_POLICIES)
+    result.update(commit=commit(), model=args.model, output_len=OUTPUT_LEN, policies=GRID_POLICIES, waves=args.waves)
     result.setdefault("commands", []).append("PYTHONPATH=.:benchmarks python benchmarks/bench_grid_fit_gpu.py "
                                              + shlex.join(sys.argv[1:]))
 
