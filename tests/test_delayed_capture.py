@@ -284,6 +284,74 @@ def test_a_loaded_worker_rests_after_a_unit_and_an_idle_one_does_not(slow_units)
     assert delayed.run(0.0) == 1
 
 
+def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_imported(monkeypatch):
+    """Structured outputs: xgrammar's import (transformers' with it, 1-3 s) runs in a thread; under delayed capture
+    the worker serves without waiting for it, the graphs' units go first while it runs (a gap with a budget does
+    not wait for it; an idle gap waits without capturing it), and its bitmask kernel is warmed up in the first gap
+    after it, exactly once."""
+    import threading
+
+    from dispatcher.plan.capture_plan import build_plan
+    from dispatcher.runtime import grammar as grammar_mod
+    from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+
+    release = threading.Event()
+    importing = threading.Thread(target=release.wait, daemon=True)  # (an import still running)
+    importing.start()
+    monkeypatch.setattr(grammar_mod, "_xgrammar_import", importing)
+    warmed = []
+    monkeypatch.setattr(ModelWorker, "warm_up_grammar", lambda self: warmed.append(1) or 6)
+    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    worker = ModelWorker(WorkerConfig(preset("tiny-dense"), "cpu", torch.float32, num_kv_blocks=64, block_size=4,
+                                      max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_blocks_per_seq=24, structured_outputs=True), build_plan(cfg))
+    try:
+        assert worker.capture_or_delay() is None and not warmed  # (serving: the import still runs)
+        delayed = worker.delayed
+        grammar_key = (capture_mod.GRAMMAR, (capture_mod.WARM_UP, capture_mod.GRAMMAR))
+        assert grammar_key in delayed.pending
+        while len(delayed.pending) > 1:
+            delayed.run(0.0)
+            delayed.rest_until = 0.0
+        assert list(delayed.pending) == [grammar_key] and not warmed  # every graph first
+        assert sum(delayed.captured.values()) == sum(delayed.totals.values())
+        assert delayed.run(0.0) == 0 and not warmed  # (a gap with a budget: nothing ready, it ends)
+        start = time.perf_counter()
+        assert delayed.run(None, stop=lambda: time.perf_counter() - start > 0.05) == 0 and not warmed  # (idle)
+        assert worker.capture_pending
+        release.set()
+        importing.join()
+        worker.capture_between_steps(capture_mod.GAP_BUDGET_S)
+        assert warmed == [1] and worker.delayed is None and not worker.capture_pending
+    finally:
+        release.set()
+
+
+def test_the_worker_imports_xgrammar_in_a_thread_of_its_own():
+    """``import_xgrammar_in_background``: the import runs beside the caller (which goes on at once), once a
+    process, and xgrammar is imported when it ends."""
+    pytest.importorskip("xgrammar")
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, threading
+        from dispatcher.runtime import grammar
+        assert "xgrammar" not in sys.modules
+        grammar.import_xgrammar_in_background()
+        first = grammar._xgrammar_import
+        grammar.import_xgrammar_in_background()
+        assert grammar._xgrammar_import is first and first.daemon and first is not threading.current_thread()
+        first.join(120)
+        assert grammar.xgrammar_imported() and "xgrammar" in sys.modules
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", SPECS, ids=["no-sd", "eagle3", "ngram"])
 def test_delayed_capture_on_cuda_graphs(spec):

@@ -7,7 +7,8 @@ token counts, attention's wider split merges: start-up warms the first sizes onl
 a step may replay it (its key joins the runtime's ``captured`` set last), so that no step ever replays a graph that
 is half captured; each is captured once. Order: the largest graph of each kind first (``anchors``: it sizes the
 shared memory pool), then the units the steps met uncaptured (``note``: demand, oldest first), then the plan's order
-(the warm-ups, then per runner its kinds widest first and each kind's sizes largest first, the fused steps last).
+(the warm-ups, then per runner its kinds widest first and each kind's sizes largest first, the fused steps last;
+a unit not ready yet, the structured outputs' warm-up before xgrammar's import ends, lets the later ones go first).
 
 ``run`` is called by the worker's main thread, the one that submits steps, so a capture never overlaps one: with a
 step still in flight it captures for at most ``budget_s`` (the unit that crosses the budget finishes), then rests
@@ -39,11 +40,16 @@ from dispatcher.messages import CaptureProgress, GraphCount
 from dispatcher.plan.capture_plan import FULL_DECODE, FUSED_STEP
 from dispatcher.runtime.decode_step import KIND as FUSED_KIND
 from dispatcher.runtime.graphs import CaptureOOMError, gc_off
+from dispatcher.runtime.grammar import xgrammar_imported
 
 log = logging.getLogger("twogrid.worker")
 
 WARM_UP = "eager_warm_up"
 """The kind of the deferred eager warm-up units (not graphs: left out of the counts)."""
+GRAMMAR = "grammar"
+"""The runner of the structured outputs' warm-up unit (``ModelWorker.warm_up_grammar``)."""
+NOT_READY_WAIT_S = 0.002
+"""An idle gap whose units left are not ready yet (``Unit.ready``) checks again after this long."""
 GAP_BUDGET_S = 0.002
 """Capture time a gap between two steps may take while a step is in flight (the unit that crosses it finishes):
 a later step waits for at most this plus one unit."""
@@ -69,6 +75,9 @@ class Unit:
     """The GraphKey or FusedKey captured ((WARM_UP, tokens) for a warm-up)."""
     capture: Callable[[], None]
     """Captures it and marks it captured."""
+    ready: Callable[[], bool] = lambda: True
+    """Whether it can run now: the structured outputs' warm-up waits for xgrammar's import (``GRAMMAR``), and
+    meanwhile the units after it go first."""
 
 
 @dataclass
@@ -82,9 +91,13 @@ class DeferredWarmUp:
 
 
 def _units(worker, warm_ups: dict[int, DeferredWarmUp]) -> list[Unit]:
-    """Every unit in the plan's order: the deferred eager warm-ups (forwards, then attention launches), each
-    runtime's graphs (``capture_order``), the fused steps (``FusedDecode.capture_order``)."""
+    """Every unit in the plan's order: the structured outputs' warm-up (where the worker has them), the deferred
+    eager warm-ups (forwards, then attention launches), each runtime's graphs (``capture_order``), the fused steps
+    (``FusedDecode.capture_order``)."""
     units: list[Unit] = []
+    if worker.wcfg.structured_outputs:
+        units.append(Unit(GRAMMAR, WARM_UP, None, 0, (WARM_UP, GRAMMAR), worker.warm_up_grammar,
+                          xgrammar_imported))
     for i, rt in enumerate(worker.runtimes):
         later = warm_ups.get(i, DeferredWarmUp([], []))
         for tokens in later.forwards:
@@ -242,7 +255,8 @@ class BackgroundCapture:
         if (runner, key) in self.pending:
             self.demand[(runner, key)] = None
 
-    def _next(self) -> tuple[tuple, Unit]:
+    def _next(self) -> tuple[tuple, Unit] | None:
+        """The next unit to capture, or None where every unit left is not ready (``Unit.ready``)."""
         for key in self.anchors:
             if key in self.pending:
                 return key, self.pending[key]
@@ -251,16 +265,16 @@ class BackgroundCapture:
             del self.demand[key]
             if key in self.pending:
                 return key, self.pending[key]
-        key = next(iter(self.pending))
-        return key, self.pending[key]
+        return next(((key, unit) for key, unit in self.pending.items() if unit.ready()), None)
 
     @torch.inference_mode()
     def run(self, budget_s: float | None, stop: Callable[[], bool] = lambda: False) -> int:
         """Capture units until ``stop()`` (a step is waiting) or, with ``budget_s``, that many seconds are spent (at
         least one unit: the unit is never cut), or nothing is left; with ``budget_s``, nothing while resting after
-        the last such gap (``REST_PER_UNIT``). Returns the graphs captured. A capture that fails
-        (out of memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their
-        steps run without them."""
+        the last such gap (``REST_PER_UNIT``); where only units not ready yet (``Unit.ready``) are left, a gap with
+        ``budget_s`` ends and an idle one waits for them. Returns the graphs captured. A capture that fails (out of
+        memory, or refused by the device) ends delayed capture (``error``): the rest stay uncaptured and their steps
+        run without them."""
         start = time.perf_counter()
         if budget_s is not None and start < self.rest_until:
             return 0
@@ -269,7 +283,13 @@ class BackgroundCapture:
         while not self.done and not stop():
             if budget_s is not None and attempted and time.perf_counter() - start >= budget_s:
                 break
-            key, unit = self._next()
+            picked = self._next()
+            if picked is None:  # (only units not ready are left: a gap with a budget ends; an idle one waits)
+                if budget_s is not None:
+                    break
+                time.sleep(NOT_READY_WAIT_S)
+                continue
+            key, unit = picked
             attempted += 1
             unit_start = time.perf_counter()
             try:

@@ -21,8 +21,10 @@ the step results say which have been read (``StepResult.grammars_ready``), so th
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +47,34 @@ TRIAL_FILLS = 32
 """Fills timed with each thread count before the faster one is kept."""
 TRIAL_MIN_ROWS = 32
 """Fills of fewer live rows are not timed (nor are they where the choice matters)."""
+
+
+_xgrammar_import: threading.Thread | None = None
+
+
+def import_xgrammar_in_background() -> None:
+    """Start importing xgrammar in a daemon thread, once a process. Its import (transformers' with it: 1-3 s on a
+    GPU machine's host) then overlaps the worker's loading, and under delayed capture its first steps, instead of
+    delaying its start-up: the warm-up of its bitmask kernel waits for it (``xgrammar_imported``), and a constrained
+    step's ``import xgrammar`` before then waits for the thread's (Python's import lock). An import that fails is
+    left to the one where xgrammar is used, which reports it."""
+    global _xgrammar_import
+    if _xgrammar_import is None:
+        _xgrammar_import = threading.Thread(target=_import_quietly, args=("xgrammar",), name="import xgrammar",
+                                            daemon=True)
+        _xgrammar_import.start()
+
+
+def _import_quietly(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # (raised again where the module is used, and reported there: ModelWorker.warm_up_grammar)
+        pass
+
+
+def xgrammar_imported() -> bool:
+    """Whether xgrammar's background import has ended (or none was started)."""
+    return _xgrammar_import is None or not _xgrammar_import.is_alive()
 
 
 def fill_thread_counts() -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from dispatcher.plan.dispatch import MODE_EAGER, padded_up
 from dispatcher.runtime.capture import BackgroundCapture, DeferredWarmUp
 from dispatcher.runtime.decode_step import FusedDecode, FusedKey
 from dispatcher.runtime.drafting import BlockDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
-from dispatcher.runtime.grammar import WorkerGrammars
+from dispatcher.runtime.grammar import WorkerGrammars, import_xgrammar_in_background
 from dispatcher.runtime.graphs import CaptureReport, GraphRuntime, StepInputs
 from dispatcher.runtime.jit import JitWatch
 from dispatcher.runtime.sampling_state import SamplingExtras
@@ -163,6 +163,8 @@ class ModelWorker:
         self.config = plan.config
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
+        if wcfg.structured_outputs:  # (started by build_worker already, before the weights: a no-op then)
+            import_xgrammar_in_background()
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
@@ -292,7 +294,7 @@ class ModelWorker:
         t0 = time.perf_counter()
         launches = sum(rt.warm_up_eager() for rt in self.runtimes) + self._warm_up_sampling()
         if self.wcfg.structured_outputs:
-            launches += self._warm_up_grammar()
+            launches += self.warm_up_grammar()
         if launches and self.jit is not None:
             count, _, _ = self.jit.take()
             log.info("warmed up eager steps: %d launches, %d Triton kernel variants compiled or loaded from the disk "
@@ -319,8 +321,6 @@ class ModelWorker:
         t0 = time.perf_counter()
         later: dict[int, DeferredWarmUp] = {}
         launches = self._warm_up_sampling()
-        if self.wcfg.structured_outputs:  # (as ``capture`` does: the first constrained step compiles nothing)
-            launches += self._warm_up_grammar()
         for i, rt in enumerate(self.runtimes):
             tokens, first = rt.eager_warm_up_tokens(), rt.eager_attention_shapes(DELAYED_WARM_UP_MAX_TOKENS)
             launches += rt.warm_up_eager([n for n in tokens if n <= DELAYED_WARM_UP_MAX_TOKENS], first)
@@ -401,10 +401,12 @@ class ModelWorker:
         return 2 * len(heads) + 1 + len({0, self.k_max}) + 6 + masking
 
     @torch.inference_mode()
-    def _warm_up_grammar(self) -> int:
+    def warm_up_grammar(self) -> int:
         """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
         rows (Triton specializes a row count on == 1 and on divisibility by 16) and both alignments of the bitmask,
-        here rather than in a served step (the fused constrained steps' sampler: ``_warm_up_sampling``).
+        here rather than in a served step (the fused constrained steps' sampler: ``_warm_up_sampling``): by
+        ``capture``, or under delayed capture in a gap between steps once xgrammar's background import is done
+        (``capture._units``), so that start-up does not wait for that import.
         Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
         try:
             import xgrammar
