@@ -166,3 +166,23 @@ def test_a_load_on_cuda_leaves_nothing_reserved_for_the_kv_sizing(monkeypatch, t
     assert loader.load_model(str(path), torch.device("cuda", 1), torch.bfloat16) is model
     assert loader.load_model(str(path), "cpu", torch.float32) is model
     assert events == [("load", "cuda"), "empty_cache", ("load", "cuda:1"), "empty_cache", ("load", "cpu")]
+
+
+def test_a_profiled_process_writes_its_summary_and_its_whole_profile(tmp_path, monkeypatch):
+    """``TWOGRID_PROFILE_DIR`` (the start-up diagnostic): each role writes ``<role>.txt``, its functions by own and
+    cumulative time, and ``<role>.prof``, which pstats reads whole (where the worker's start-up time went was found
+    in it)."""
+    import pstats
+
+    from dispatcher.child import profiled
+
+    monkeypatch.setenv("TWOGRID_PROFILE_DIR", str(tmp_path))
+
+    def busy(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    assert profiled("worker", busy, 1000) == busy(1000)
+    text = (tmp_path / "worker.txt").read_text()
+    assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
+    stats = pstats.Stats(str(tmp_path / "worker.prof"))
+    assert any(func[2] == "busy" for func in stats.stats)
