@@ -12,6 +12,8 @@
 set -uo pipefail
 source scripts/gpu_env.sh
 export TWOGRID_COMMIT=${1:?usage: source scripts/gpu_session.sh COMMIT}
+# (a commit id, this machine's `git log -1 --format=%h`: not HEAD nor `git log` there, whose .git lags the tree)
+[[ $TWOGRID_COMMIT =~ ^[0-9a-f]{7,40}$ ]] || echo "warning: TWOGRID_COMMIT=$TWOGRID_COMMIT is not a commit id; the results will record it as given"
 R=$OUT/r; mkdir -p "$R"
 # GPU: the card in file names (h200 or h100: the device tool lends either)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)
