@@ -328,6 +328,33 @@ def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_
         release.set()
 
 
+def test_a_failed_grammar_warm_up_is_logged_and_the_graphs_are_still_captured(monkeypatch, caplog):
+    """The structured outputs' warm-up unit comes before the graphs; one that fails (a broken kernel) is an error in
+    the log, not the end of delayed capture: every graph is still captured."""
+    from dispatcher.plan.capture_plan import build_plan
+    from dispatcher.runtime import grammar as grammar_mod
+    from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+
+    monkeypatch.setattr(grammar_mod, "_xgrammar_import", None)  # (none in flight: the unit is ready)
+
+    def broken(self):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(ModelWorker, "warm_up_grammar", broken)
+    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    worker = ModelWorker(WorkerConfig(preset("tiny-dense"), "cpu", torch.float32, num_kv_blocks=64, block_size=4,
+                                      max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_blocks_per_seq=24, structured_outputs=True), build_plan(cfg))
+    assert worker.capture_or_delay() is None
+    delayed = worker.delayed
+    with caplog.at_level("ERROR", logger="twogrid.worker"):
+        worker.capture_between_steps(None)
+    assert not delayed.error and not delayed.pending and worker.delayed is None
+    assert sum(delayed.captured.values()) == sum(delayed.totals.values())
+    assert "bitmask warm-up failed (RuntimeError: no kernel)" in caplog.text
+
+
 def test_the_worker_imports_xgrammar_in_a_thread_of_its_own():
     """``import_xgrammar_in_background``: the import runs beside the caller (which goes on at once), once a
     process, and xgrammar is imported when it ends."""

@@ -80,6 +80,16 @@ class Unit:
     meanwhile the units after it go first."""
 
 
+def _warm_up_grammar(worker) -> None:
+    """The structured outputs' warm-up unit: one that fails is logged and does not end delayed capture (no graph
+    depends on it; a constrained step then loads the kernel itself, or fails as it would have)."""
+    try:
+        worker.warm_up_grammar()
+    except Exception as exc:
+        log.error("structured outputs' bitmask warm-up failed (%s: %s): delayed capture goes on; a constrained step "
+                  "loads the kernel itself", type(exc).__name__, exc)
+
+
 @dataclass
 class DeferredWarmUp:
     """A runtime's eager warm-ups that start-up left to the gaps between steps (``GraphRuntime.warm_up_eager``)."""
@@ -96,7 +106,7 @@ def _units(worker, warm_ups: dict[int, DeferredWarmUp]) -> list[Unit]:
     (``FusedDecode.capture_order``)."""
     units: list[Unit] = []
     if worker.wcfg.structured_outputs:
-        units.append(Unit(GRAMMAR, WARM_UP, None, 0, (WARM_UP, GRAMMAR), worker.warm_up_grammar,
+        units.append(Unit(GRAMMAR, WARM_UP, None, 0, (WARM_UP, GRAMMAR), lambda: _warm_up_grammar(worker),
                           xgrammar_imported))
     for i, rt in enumerate(worker.runtimes):
         later = warm_ups.get(i, DeferredWarmUp([], []))
