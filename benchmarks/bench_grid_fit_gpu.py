@@ -8,8 +8,9 @@ each concurrency ``--rounds`` bench runs a server in rotating order (A B C, B C 
 server and concurrency first: per cell the median output tok/s of its runs and, run by run, the fitted server's over
 each other's (the median of those paired ratios decides); a run is ``--waves`` x concurrency prompts. Per server
 its graphs by runner and kind (``twogrid:cudagraphs_planned``) and the fitted grids' sizes (its log). Workloads:
-eagle3 at K = 7 with fixed acceptance 3.0 (bench-moe's head is random), and no speculative decoding. One workload
-at a time fits ~8 minutes of an H200 at 16-1024 streams and three rounds.
+eagle3 at K = 7 with fixed acceptance 3.0 (bench-moe's head is random), and no speculative decoding. With four waves
+a run (the default since the runs of dc20fbe), one workload at 16-1024 streams and four rounds takes about 6 minutes
+of an H100 after its servers' start (1-3 minutes).
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_grid_fit_gpu.py --data .gpu_data/sharegpt.json \\
         --tokenizer .gpu_data/smollm2-tokenizer --workloads eagle3-k7 --out $OUT/grid_fit_h200.json
@@ -143,9 +144,9 @@ def main() -> None:
     parser.add_argument("--policies", default="separate,sglang,fitted")
     parser.add_argument("--concurrency", default="16,64,256,1024")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--waves", type=int, default=1,
-                        help="prompts per run = waves x concurrency (one wave of 64 streams lasts about a second: "
-                             "more waves, steadier runs)")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="prompts per run = waves x concurrency (one wave of 64 streams lasts about a second, and "
+                             "one-wave runs spread 3-15%% a cell; four-wave runs paired round by round are within 2%%)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--port", type=int, default=8170, help="the first server's; the others count up")
     parser.add_argument("--device", default="cuda")
