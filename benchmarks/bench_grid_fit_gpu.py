@@ -30,7 +30,7 @@ import urllib.request
 
 from _common import commit, markdown_grid, stop_server, write_json  # (puts the repository on sys.path)
 from bench_headline_gpu import OUTPUT_LEN, POLICIES, run_bench, wait_healthy
-from bench_startup_gpu import launch, log
+from bench_startup_gpu import bench_args, launch, log
 
 FITTED = "fitted"
 GRID_POLICIES = {"separate": POLICIES["separate"], "sglang": POLICIES["sglang"],
@@ -94,7 +94,7 @@ def measure(workload: str, args, result: dict, out_dir: str, save) -> None:
         result["servers"][workload] = servers
         log(f"{workload}: graphs " + ", ".join(f"{p} {s['total_graphs']}" for p, s in servers.items()))
         save()
-        run_args = argparse.Namespace(data=args.data, waves=args.waves, min_prompts=16)
+        run_args = bench_args(args, args.waves)
         for conc in args.concurrency:
             runs: dict[str, list[dict]] = {p: [] for p in policies}
             for rnd in range(args.rounds):

@@ -336,9 +336,9 @@ def after(args, result: dict, out_dir: str, save, name: str, model: str, workloa
             stop_server(proc)
 
 
-def bench_args(args) -> argparse.Namespace:
-    """``run_bench``'s settings: one wave of prompts per run (after a warm-up wave of as many)."""
-    return argparse.Namespace(data=args.data, waves=1, min_prompts=16)
+def bench_args(args, waves: int = 1) -> argparse.Namespace:
+    """``run_bench``'s settings: ``waves`` waves of prompts per run (after a warm-up wave)."""
+    return argparse.Namespace(data=args.data, waves=waves, min_prompts=16)
 
 
 SERVER_TREE: str | None = None
