@@ -277,7 +277,7 @@ def _setup(args: argparse.Namespace):
         else:
             try:
                 tokenizer = load_tokenizer_override(args.tokenizer, "--tokenizer")
-            except ValueError as exc:  # (its message names the flag)
+            except CheckpointError as exc:  # (its message names the flag)
                 raise ConfigError(str(exc)) from None
         if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
