@@ -284,6 +284,18 @@ def test_a_loaded_worker_rests_after_a_unit_and_an_idle_one_does_not(slow_units)
     assert delayed.run(0.0) == 1
 
 
+def structured_worker():
+    """A CPU worker with structured outputs, its capture delayed (tiny-dense, 8 requests, 64 tokens a step)."""
+    from dispatcher.plan.capture_plan import build_plan
+    from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+
+    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    return ModelWorker(WorkerConfig(preset("tiny-dense"), "cpu", torch.float32, num_kv_blocks=64, block_size=4,
+                                    max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64,
+                                    max_blocks_per_seq=24, structured_outputs=True), build_plan(cfg))
+
+
 def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_imported(monkeypatch):
     """Structured outputs: xgrammar's import (transformers' with it, 1-3 s) runs in a thread; under delayed capture
     the worker serves without waiting for it, the graphs' units go first while it runs (a gap with a budget does
@@ -291,9 +303,8 @@ def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_
     after it, exactly once."""
     import threading
 
-    from dispatcher.plan.capture_plan import build_plan
     from dispatcher.runtime import grammar as grammar_mod
-    from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+    from dispatcher.runtime.worker import ModelWorker
 
     release = threading.Event()
     importing = threading.Thread(target=release.wait, daemon=True)  # (an import still running)
@@ -301,11 +312,7 @@ def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_
     monkeypatch.setattr(grammar_mod, "_xgrammar_import", importing)
     warmed = []
     monkeypatch.setattr(ModelWorker, "warm_up_grammar", lambda self: warmed.append(1) or 6)
-    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
-                  max_num_batched_tokens=64)
-    worker = ModelWorker(WorkerConfig(preset("tiny-dense"), "cpu", torch.float32, num_kv_blocks=64, block_size=4,
-                                      max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64,
-                                      max_blocks_per_seq=24, structured_outputs=True), build_plan(cfg))
+    worker = structured_worker()
     try:
         assert worker.capture_or_delay() is None and not warmed  # (serving: the import still runs)
         delayed = worker.delayed
@@ -331,9 +338,8 @@ def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_
 def test_a_failed_grammar_warm_up_is_logged_and_the_graphs_are_still_captured(monkeypatch, caplog):
     """The structured outputs' warm-up unit comes before the graphs; one that fails (a broken kernel) is an error in
     the log, not the end of delayed capture: every graph is still captured."""
-    from dispatcher.plan.capture_plan import build_plan
     from dispatcher.runtime import grammar as grammar_mod
-    from dispatcher.runtime.worker import ModelWorker, WorkerConfig
+    from dispatcher.runtime.worker import ModelWorker
 
     monkeypatch.setattr(grammar_mod, "_xgrammar_import", None)  # (none in flight: the unit is ready)
 
@@ -341,11 +347,7 @@ def test_a_failed_grammar_warm_up_is_logged_and_the_graphs_are_still_captured(mo
         raise RuntimeError("no kernel")
 
     monkeypatch.setattr(ModelWorker, "warm_up_grammar", broken)
-    cfg = resolve({"delayed_cudagraph_capture": True}, None, platform="sm100", max_num_seqs=8,
-                  max_num_batched_tokens=64)
-    worker = ModelWorker(WorkerConfig(preset("tiny-dense"), "cpu", torch.float32, num_kv_blocks=64, block_size=4,
-                                      max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64,
-                                      max_blocks_per_seq=24, structured_outputs=True), build_plan(cfg))
+    worker = structured_worker()
     assert worker.capture_or_delay() is None
     delayed = worker.delayed
     with caplog.at_level("ERROR", logger="twogrid.worker"):
