@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
@@ -302,6 +301,8 @@ def test_start_up_does_not_wait_for_xgrammar_and_its_warm_up_runs_in_a_gap_once_
     the worker serves without waiting for it, the graphs' units go first while it runs (a gap with a budget does
     not wait for it; an idle gap waits without capturing it), and its bitmask kernel is warmed up in the first gap
     after it, exactly once."""
+    import threading
+
     from dispatcher.runtime import grammar as grammar_mod
     from dispatcher.runtime.worker import ModelWorker
 
@@ -340,10 +341,7 @@ def test_a_failed_grammar_warm_up_is_logged_and_the_graphs_are_still_captured(mo
     from dispatcher.runtime import grammar as grammar_mod
     from dispatcher.runtime.worker import ModelWorker
 
-    imported = threading.Thread(target=lambda: None)
-    imported.start()
-    imported.join()
-    monkeypatch.setattr(grammar_mod, "_xgrammar_import", imported)  # (an import that ended: the unit is ready)
+    monkeypatch.setattr(grammar_mod, "_xgrammar_import", None)  # (none in flight: the unit is ready)
 
     def broken(self):
         raise RuntimeError("no kernel")
@@ -357,26 +355,6 @@ def test_a_failed_grammar_warm_up_is_logged_and_the_graphs_are_still_captured(mo
     assert not delayed.error and not delayed.pending and worker.delayed is None
     assert sum(delayed.captured.values()) == sum(delayed.totals.values())
     assert "bitmask warm-up failed (RuntimeError: no kernel)" in caplog.text
-
-
-def test_xgrammar_is_imported_once_the_worker_serves_not_while_it_loads(monkeypatch):
-    """Under delayed capture xgrammar's import starts when the worker starts serving (its import shares the GIL: beside
-    the loading it made the weights' phase slower by most of its own time), not while the worker is built."""
-    from dispatcher.runtime import grammar as grammar_mod
-
-    monkeypatch.setattr(grammar_mod, "_xgrammar_import", None)
-    started, start = [], grammar_mod.threading.Thread.start
-
-    def record(thread):  # (the import's thread recorded, not run: its own test is the next one)
-        if thread.name == "import xgrammar":
-            return started.append(thread.name)
-        return start(thread)
-
-    monkeypatch.setattr(grammar_mod.threading.Thread, "start", record)
-    worker = structured_worker()
-    assert started == []
-    assert worker.capture_or_delay() is None and worker.delayed is not None
-    assert started == ["import xgrammar"]
 
 
 def test_the_worker_imports_xgrammar_in_a_thread_of_its_own():

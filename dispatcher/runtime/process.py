@@ -36,6 +36,7 @@ from dispatcher.plan.capture_plan import (DRAFT_MODEL, FULL_DECODE, FULL_VARLEN,
 from dispatcher.plan.gridfit import StepCost, measurement_sizes
 from dispatcher.runtime.cache import cached_json
 from dispatcher.runtime.capture import GAP_BUDGET_S
+from dispatcher.runtime.grammar import import_xgrammar_in_background
 from dispatcher.runtime.graphs import GraphRuntime, free_device_bytes
 from dispatcher.runtime.worker import ModelWorker, WorkerConfig
 from models.attention import allocate_kv_cache, kv_cache_dtype
@@ -140,6 +141,8 @@ def build_worker(init: WorkerInit, capture_hook=None, imported_s: float | None =
     KV cache any rank fits, before capturing (in step with the others). ``imported_s``: the process's age when its
     imports were done (the rest, to now, went to waiting for ``init``)."""
     phases = _Phases(imported_s)
+    if init.structured_outputs:  # (its import, seconds, overlaps the loading: ModelWorker.warm_up_grammar waits)
+        import_xgrammar_in_background()
     device, tp, at_start = join_tensor_parallel(init)
     cfg = resolve_init(init)
     dtype = getattr(torch, init.dtype)

@@ -163,6 +163,8 @@ class ModelWorker:
         self.config = plan.config
         self.wcfg = wcfg
         self.device = torch.device(wcfg.device)
+        if wcfg.structured_outputs:  # (started by build_worker already, before the weights: a no-op then)
+            import_xgrammar_in_background()
         if model is not None:
             self.model = model
         elif isinstance(wcfg.model, str):
@@ -331,8 +333,6 @@ class ModelWorker:
             log.info("warmed up eager steps of up to %d tokens: %d launches, %d Triton kernel variants compiled or "
                      "loaded from the disk cache, %.1f s", DELAYED_WARM_UP_MAX_TOKENS, launches, count,
                      time.perf_counter() - t0)
-        if self.wcfg.structured_outputs:  # (from here on, beside the served steps: its warm-up unit waits for it)
-            import_xgrammar_in_background()
         self.delayed = BackgroundCapture(self, later if self.device.type == "cuda" else None, hook)
         if self.delayed.done:
             self.delayed = None
@@ -405,8 +405,8 @@ class ModelWorker:
         """Structured outputs' bitmask kernel (xgrammar's; Triton on the GPU) loaded, and compiled for 1, 2 and 16
         rows (Triton specializes a row count on == 1 and on divisibility by 16) and both alignments of the bitmask,
         here rather than in a served step (the fused constrained steps' sampler: ``_warm_up_sampling``): by
-        ``capture``, or under delayed capture in a gap between steps once xgrammar's background import, started when
-        the worker serves, is done (``capture._units``), so that start-up does not wait for that import.
+        ``capture``, or under delayed capture in a gap between steps once xgrammar's background import is done
+        (``capture._units``), so that start-up does not wait for that import.
         Without xgrammar: a warning, and constrained steps fail (the engine refuses structured requests then)."""
         try:
             import xgrammar
