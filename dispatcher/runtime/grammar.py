@@ -53,11 +53,12 @@ _xgrammar_import: threading.Thread | None = None
 
 
 def import_xgrammar_in_background() -> None:
-    """Start importing xgrammar in a daemon thread, once a process. Its import (transformers' with it: 1-3 s on a
-    GPU machine's host) then overlaps the worker's loading, and under delayed capture its first steps, instead of
-    delaying its start-up: the warm-up of its bitmask kernel waits for it (``xgrammar_imported``), and a constrained
-    step's ``import xgrammar`` before then waits for the thread's (Python's import lock). An import that fails is
-    left to the one where xgrammar is used, which reports it.
+    """Start importing xgrammar in a daemon thread, once a process, so that start-up does not wait for it in the
+    kernels' warm-up: its import (transformers' with it: 1-3 s on a GPU machine's host) runs beside the worker's
+    loading, and where it outlasts it, under delayed capture, beside the first steps. The warm-up of its bitmask
+    kernel waits for it (``xgrammar_imported``), and a constrained step's ``import xgrammar`` before then waits for
+    the thread's (Python's import lock). An import that fails is left to the one where xgrammar is used, which
+    reports it.
     Both threads need the GIL, so beside the loading the import mostly takes turns with it (the weights' phase grew
     from 0.5 s to 1.6 s on an H100's host). Started once the worker serves instead (27d373e, reverted), it overlapped
     GPU work and gave the first token 0.3-0.5 s sooner, but the first steps shared the GIL with it: an eager decode
